@@ -1,0 +1,175 @@
+"""The command line: argument parsing, refusals with their exit codes, reports from files, the demo."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ttt2la
+from ttt2la.cli import (EXIT_REFUSED, EXIT_UNSUPPORTED, ZOO, build_parser, build_zoo_model, main,
+                        measure_throughput)
+from ttt2la.report import ConversionReport, LayerReport, PassRecord, StateRecord
+
+needs_convert = pytest.mark.skipif(not hasattr(ttt2la, "convert"),
+                                   reason="ttt2la.convert is not part of this build")
+
+
+def saved_report(tmp_path, **changes) -> str:
+    layer = LayerReport("blocks.0.ttt", "block_causal_lact_swiglu", "lact_folded.py:83", 64,
+                        "exclusive", "apply_only",
+                        [StateRecord("w1", "final", "W1' = W1 + phi(k)^T v", "additive")],
+                        ["q", "k", "v"],
+                        [PassRecord(1, "freeze_theta", "already_satisfied", True, "only w1 updated")],
+                        "parallel", "torch", True, True)
+    d = ConversionReport(level=2, layers=[layer], backend="torch", strict=True).to_dict()
+    d.update(changes)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+# -- parsing -----------------------------------------------------------------------------------
+def test_every_command_parses():
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--quick"]).quick
+    args = parser.parse_args(["convert", "--zoo", "lact-layer", "--level", "1", "--no-strict"])
+    assert (args.zoo, args.level, args.strict, args.backend) == ("lact-layer", 1, False, "auto")
+    assert parser.parse_args(["convert", "--zoo", "lact-layer"]).strict
+    assert parser.parse_args(["inspect", "--zoo", "per-token", "--batch", "2"]).batch == 2
+    assert parser.parse_args(["report", "r.json", "--markdown"]).markdown
+    args = parser.parse_args(["bench", "--zoo", "lact-lm", "--levels", "0", "2"])
+    assert (args.levels, args.strict, args.repeats) == ([0, 2], False, 5)
+    assert parser.parse_args(["bench", "--zoo", "lact-lm", "--strict"]).strict
+
+
+@pytest.mark.parametrize("argv", [
+    [],                                               # no command
+    ["transmogrify"],                                 # unknown command
+    ["convert", "--zoo", "lact-layer", "--level", "7"],
+    ["convert", "--zoo", "lact-layer", "--level", "two"],
+    ["inspect", "--zoo", "no-such-model"],
+    ["demo", "--length", "0"],
+    ["report"],                                       # no file
+])
+def test_bad_command_lines_exit_with_status_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: ttt2la" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["convert", "model.pt"], "converting a checkpoint file"),
+    (["convert", "--zoo", "lact-layer", "--output", "out.pt"], "saving a converted model"),
+    (["inspect", "model.pt"], "inspecting a checkpoint file"),
+    (["bench", "model.pt"], "benchmarking a checkpoint file"),
+    (["report", "model.safetensors"], "reading the report stored in a checkpoint"),
+])
+def test_checkpoint_work_is_refused_with_status_2(argv, what, capsys):
+    assert main(argv) == EXIT_UNSUPPORTED
+    err = capsys.readouterr().err
+    assert what in err and "not implemented yet" in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "bench"])
+def test_a_model_must_be_named(command, capsys):
+    assert main([command]) == EXIT_UNSUPPORTED
+    assert "--zoo NAME" in capsys.readouterr().err
+
+
+def test_module_entry_point_runs():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(ttt2la.__file__)))]
+        + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    done = subprocess.run([sys.executable, "-m", "ttt2la", "--version"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"ttt2la {ttt2la.__version__}"
+
+
+# -- report files --------------------------------------------------------------------------------
+def test_report_renders_a_saved_report(tmp_path, capsys):
+    path = saved_report(tmp_path)
+    assert main(["report", path]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 TTT layer converted exactly at level 2" in out
+    assert "freeze_theta" in out
+
+    assert main(["report", path, "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# ttt2la conversion report")
+    assert "| 1 | `freeze_theta` | already_satisfied | yes | only w1 updated |  |" in out
+
+
+def test_report_refuses_unreadable_files(tmp_path, capsys):
+    assert main(["report", saved_report(tmp_path, version=99)]) == EXIT_REFUSED
+    assert "schema version 99" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert main(["report", str(broken)]) == EXIT_REFUSED
+    assert "is not JSON" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing.json")]) == EXIT_REFUSED
+    assert "cannot read" in capsys.readouterr().err
+
+
+# -- zoo and timing ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_models_build_with_matching_inputs(name):
+    model = build_zoo_model(name, seed=3)
+    assert not model.training
+    again = build_zoo_model(name, seed=3)
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
+    (x,) = ZOO[name].example_inputs(batch=2, length=5, seed=1)
+    assert x.shape[:2] == (2, 5)
+    assert torch.equal(x, ZOO[name].example_inputs(batch=2, length=5, seed=1)[0])
+
+
+@pytest.mark.parametrize("name", ["lact-lm", "lact-layer", "lact-variant2"])
+def test_zoo_lact_models_run_on_their_inputs(name):
+    model = build_zoo_model(name)
+    inputs = ZOO[name].example_inputs(batch=1, length=2 * ZOO[name].chunk_size + 3)
+    with torch.no_grad():
+        y = model(*inputs)
+    assert y.shape[:2] == inputs[0].shape[:2] and torch.isfinite(y).all()
+
+
+def test_measure_throughput_times_every_model():
+    calls = {"a": 0, "b": 0}
+
+    def counting(name):
+        def forward(x):
+            calls[name] += 1
+            return x
+        return forward
+
+    models = {"a": counting("a"), "b": counting("b")}
+    rates = measure_throughput(models, (torch.zeros(1),), units=10, repeats=3, warmup=2)
+    assert set(rates) == {"a", "b"} and all(r > 0 for r in rates.values())
+    assert calls == {"a": 5, "b": 5}
+
+
+# -- end to end ----------------------------------------------------------------------------------
+@needs_convert
+def test_demo_quick_runs_end_to_end(capsys):
+    assert main(["demo", "--quick", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ttt2la conversion report") == 3
+    for level in (0, 1, 2):
+        assert f"at level {level}" in out
+        assert f"level {level}" in out.split("throughput")[-1]
+    assert "tokens/s" in out
+
+
+@needs_convert
+def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):
+    path = tmp_path / "variant2.json"
+    assert main(["convert", "--zoo", "lact-variant2", "--level", "2", "--json", str(path),
+                 "--length", "256"]) == 0
+    printed = capsys.readouterr().out
+    assert main(["report", str(path)]) == 0
+    assert capsys.readouterr().out == printed

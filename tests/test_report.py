@@ -1,0 +1,200 @@
+"""The conversion report: JSON round trips, Markdown and rich renderings, schema checks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ttt2la.errors import ConversionError
+from ttt2la.report import (SCHEMA_VERSION, ConversionReport, InspectionReport, LayerReport,
+                           PassRecord, ReportFormatError, StateRecord, load_report, render_text)
+
+
+def lact_layer_report(module_path: str = "blocks.0.ttt", exact: bool = True) -> LayerReport:
+    return LayerReport(
+        module_path=module_path,
+        function="block_causal_lact_swiglu",
+        loop_src="zoo/lact_folded.py:83",
+        chunk_size=64,
+        order="exclusive",
+        last_chunk="apply_only",
+        states=[
+            StateRecord("w1", "final", "W1' = W1 + Muon(a*M + phi(k)^T (lr1*v))", "additive"),
+            StateRecord("dw1_momentum", "momentum", "M' = a*M + phi(k)^T (lr1*v)",
+                        "scalar affine"),
+        ],
+        streams=["q", "k", "v", "lr1", "momentum"],
+        passes=[
+            PassRecord(1, "freeze_theta", "applied", False, "w0 and w2 were updated in the loop",
+                       drift={"rel_rms_error": 0.0213, "calibration_batches": 2}),
+            PassRecord(2, "drop_norm", "already_satisfied", True, "no normalisation of w1"),
+        ],
+        schedule="parallel",
+        runtime="torch",
+        reducible=True,
+        exact=exact,
+        notes=["the last chunk is applied without an update | as in LaCT"],
+        levels={0: "recurrent: w0 updated at lact_folded.py:120", 1: "semi-parallel",
+                2: "parallel", 3: "not implemented"},
+        check={"rel_rms_error": 3.1e-7, "tolerance": 1e-5, "dtype": "float32"},
+    )
+
+
+def conversion_report() -> ConversionReport:
+    return ConversionReport(level=2, backend="torch", strict=True, notes=["calibrated on 2 batches"],
+                            layers=[lact_layer_report("blocks.0.ttt"),
+                                    lact_layer_report("blocks.1.ttt", exact=False)])
+
+
+def json_round_trip(report):
+    return load_report(json.loads(json.dumps(report.to_dict())))
+
+
+# -- round trips ---------------------------------------------------------------------------------
+def test_conversion_report_round_trips_through_json():
+    report = conversion_report()
+    back = json_round_trip(report)
+    assert isinstance(back, ConversionReport)
+    assert back == report
+    assert back.layers[0].levels == {0: "recurrent: w0 updated at lact_folded.py:120",
+                                     1: "semi-parallel", 2: "parallel", 3: "not implemented"}
+
+
+def test_inspection_report_round_trips_through_json():
+    report = InspectionReport(layers=[lact_layer_report()], notes=["one model"])
+    back = json_round_trip(report)
+    assert isinstance(back, InspectionReport)
+    assert back == report
+
+
+def test_dict_is_versioned_and_says_its_kind():
+    d = conversion_report().to_dict()
+    assert d["version"] == SCHEMA_VERSION == 1
+    assert d["kind"] == "conversion"
+    assert d["exact"] is False
+    assert InspectionReport(layers=[]).to_dict()["kind"] == "inspection"
+
+
+text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=24)
+drift = st.none() | st.dictionaries(st.sampled_from(["rel_rms_error", "max_abs", "batches"]),
+                                    st.floats(allow_nan=False, allow_infinity=False) | st.integers(),
+                                    max_size=3)
+passes = st.builds(PassRecord, step=st.integers(1, 6), name=text, status=st.sampled_from(
+    ["applied", "already_satisfied", "not_applicable"]), exact=st.booleans(), reason=text,
+    drift=drift)
+states = st.builds(StateRecord, name=text, role=st.sampled_from(["final", "theta", "momentum"]),
+                   update_rule=text, dependence=text)
+layers = st.builds(
+    LayerReport, module_path=text, function=text, loop_src=text, chunk_size=st.integers(1, 4096),
+    order=st.sampled_from(["exclusive", "inclusive"]),
+    last_chunk=st.sampled_from(["apply_only", "update"]), states=st.lists(states, max_size=3),
+    streams=st.lists(text, max_size=4), passes=st.lists(passes, max_size=6),
+    schedule=st.sampled_from(["parallel", "semi-parallel", "recurrent"]), runtime=text,
+    reducible=st.booleans(), exact=st.booleans(), notes=st.lists(text, max_size=2),
+    levels=st.none() | st.dictionaries(st.integers(0, 6), text, max_size=7),
+    check=st.none() | st.dictionaries(text, st.floats(allow_nan=False) | text, max_size=3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(level=st.integers(0, 6), layers=st.lists(layers, max_size=3), strict=st.booleans(),
+       notes=st.lists(text, max_size=2))
+def test_any_report_round_trips(level, layers, strict, notes):
+    report = ConversionReport(level=level, layers=layers, backend="torch", strict=strict,
+                              notes=notes)
+    assert json_round_trip(report) == report
+    assert report.exact == all(layer.exact for layer in layers)
+
+
+# -- refusing what it cannot read ----------------------------------------------------------------
+def test_unknown_schema_version_is_refused():
+    d = conversion_report().to_dict()
+    d["version"] = SCHEMA_VERSION + 1
+    with pytest.raises(ReportFormatError, match="schema version 2"):
+        ConversionReport.from_dict(d)
+    assert issubclass(ReportFormatError, ConversionError)
+
+
+def test_wrong_kind_is_refused():
+    d = InspectionReport(layers=[]).to_dict()
+    with pytest.raises(ReportFormatError, match="expected a conversion report"):
+        ConversionReport.from_dict(d)
+    with pytest.raises(ReportFormatError, match="not a ttt2la report"):
+        load_report({"version": 1, "kind": "weights"})
+
+
+def test_missing_field_is_refused_with_the_layer_named():
+    d = conversion_report().to_dict()
+    del d["layers"][1]["states"]
+    with pytest.raises(ReportFormatError, match="blocks.1.ttt"):
+        ConversionReport.from_dict(d)
+    del d["level"]
+    with pytest.raises(ReportFormatError, match="level"):
+        ConversionReport.from_dict(d)
+
+
+# -- renderings ------------------------------------------------------------------------------------
+def test_summary_counts_exact_layers_and_schedules():
+    report = conversion_report()
+    assert report.summary.startswith("1 of 2 TTT layers converted exactly at level 2")
+    assert "parallel \u00d72" in report.summary
+    assert not report.exact
+    assert ConversionReport(2, [lact_layer_report()], "torch", True).exact
+
+
+def test_inspection_summary_names_the_first_parallel_level():
+    report = InspectionReport(layers=[lact_layer_report()])
+    assert report.summary == "1 TTT layer found; parallel from: level 1 (semi-parallel) \u00d71"
+    recurrent = lact_layer_report()
+    recurrent.levels = {0: "recurrent: state normalised", 1: "recurrent: state normalised"}
+    assert "recurrent only" in InspectionReport(layers=[recurrent]).summary
+
+
+def test_markdown_lists_every_pass_state_and_level():
+    report = conversion_report()
+    md = report.to_markdown()
+    assert md.startswith("# ttt2la conversion report\n\n" + report.summary)
+    for layer in report.layers:
+        assert f"## `{layer.module_path}`" in md
+        for p in layer.passes:
+            assert f"| {p.step} | `{p.name}` | {p.status} |" in md
+        for s in layer.states:
+            assert f"| `{s.name}` | {s.role} | `{s.update_rule}` | {s.dependence} |" in md
+        for level, verdict in layer.levels.items():
+            assert f"| {level} | {verdict} |" in md
+    assert "rel_rms_error=0.0213, calibration_batches=2" in md
+    assert "Check: rel_rms_error=3.100e-07, tolerance=1.000e-05, dtype=float32" in md
+
+
+def test_markdown_escapes_table_separators():
+    layer = lact_layer_report()
+    layer.states[0].update_rule = "W' = W + |k|"
+    md = layer.to_markdown()
+    assert "`W' = W + \\|k\\|`" in md
+    assert "> the last chunk is applied without an update | as in LaCT" in md
+
+
+def test_rich_rendering_works_without_a_terminal():
+    report = conversion_report()
+    rendered = render_text(report, width=160)
+    assert str(report) == render_text(report)
+    assert rendered.startswith("ttt2la conversion report\n" + report.summary)
+    for layer in report.layers:
+        assert layer.title in rendered
+        for p in layer.passes:
+            assert p.name in rendered and p.reason in rendered
+        for s in layer.states:
+            assert s.name in rendered and s.update_rule in rendered
+    assert "schedule parallel  runtime torch" in rendered
+    assert "\x1b[" not in rendered
+
+
+def test_rich_console_renders_the_report_objects():
+    from rich.console import Console
+
+    console = Console(record=True, width=100, force_terminal=True)
+    console.print(conversion_report())
+    console.print(InspectionReport(layers=[lact_layer_report()]))
+    exported = console.export_text()
+    assert "freeze_theta" in exported and "1 TTT layer found" in exported

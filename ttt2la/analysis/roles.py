@@ -1,0 +1,303 @@
+"""Lift a loop body into the paper's roles: the final layer W, the kernel parameters Θ, momentum.
+
+The final state ``W`` is the one that multiplies the kernel features ``φ(q)`` in a chunk output
+(``o = φ(q)·W``); the states that ``φ`` is computed from, or that enter the increment through a
+product with stream data the way ``W0`` does in ``silu(k·W0ᵀ)``, are the kernel parameters Θ; a
+state that decays by a scalar-affine recursion and feeds another state's update is a momentum
+buffer. Stream roles (``q``, ``k``, ``v``, ``lr``, ``momentum``) are a best-effort guess for reports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..ir import TTTProgram
+from .dependence import _MATMUL, Dep, Dependence, analyze_dependence, node_shape, op_name
+
+#: Ops that only move or copy data: a matmul operand is "the state" through any chain of them.
+VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "expand_as", "clone", "_to_copy", "to",
+            "detach", "alias", "contiguous", "lift_fresh_copy", "t", "transpose", "permute",
+            "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "type_as", "movedim",
+            "_reshape_alias", "view_copy", "transpose_copy", "permute_copy", "t_copy",
+            "expand_copy", "alias_copy", "detach_copy", "unsqueeze_copy", "squeeze_copy"}
+# Linear ops an output path may pass through between the final product and the chunk output.
+_PASS_THROUGH = VIEW_OPS | {"add", "sub", "neg", "mul", "where", "cat", "stack", "slice", "select",
+                            "narrow", "slice_scatter", "select_scatter", "sum", "mean", "copy",
+                            "masked_fill", "constant_pad_nd", "pad", "squeeze", "rsub"}
+
+
+@dataclass
+class FinalProduct:
+    """A product ``φ · W`` on an output path: the matmul, the state ``W`` and the operand ``φ``."""
+
+    state: int
+    matmul: torch.fx.Node
+    phi: torch.fx.Node
+
+
+def peel_views(node):
+    """Follow view/copy ops back to the value they relay out."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" \
+            and op_name(node) in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def matmul_operands(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The two multiplied operands of a matmul-family node, or ``None`` for other nodes."""
+    if node.op != "call_function" or op_name(node) not in _MATMUL:
+        return None
+    positions = _MATMUL[op_name(node)][0]
+    ops = [node.args[i] for i in positions if i < len(node.args)]
+    return ops if len(ops) == 2 and all(isinstance(o, torch.fx.Node) for o in ops) else None
+
+
+def state_valued(program: TTTProgram, dep: Dependence, operand) -> int | None:
+    """The state an operand *is* — a relayout of its state-in or state-out, or a stream-free
+    state-local map of it such as ``Norm(W)`` — else ``None``."""
+    base = peel_views(operand)
+    if not isinstance(base, torch.fx.Node):
+        return None
+    ins = program.state_inputs()
+    if base in ins:
+        return ins.index(base)
+    outs = program.state_outputs()
+    for i, o in enumerate(outs):
+        if peel_views(o) is base:
+            return i
+    states = dep.states_of(operand)
+    if len(states) == 1 and not dep.reads_streams(operand):
+        (i,) = states
+        if dep.of(operand, i).kind <= Dep.LOCAL:
+            return i
+    return None
+
+
+def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[FinalProduct]:
+    """Products ``φ · W`` reached from the chunk outputs through linear ops only.
+
+    The walk goes back from every chunk output through views, sums and elementwise products and
+    stops at nonlinear ops; a matmul with a state operand and a stream-dependent other operand
+    is a final product, and its other operand is the kernel feature ``φ`` (not walked into).
+    """
+    dep = dep or analyze_dependence(program)
+    found: dict[tuple[int, torch.fx.Node], FinalProduct] = {}
+    stack = [o for o in program.chunk_outputs() if isinstance(o, torch.fx.Node)]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        ops = matmul_operands(node)
+        if ops is not None:
+            hit = False
+            for mine, other in (ops, ops[::-1]):
+                s = state_valued(program, dep, mine)
+                if s is not None and dep.reads_streams(other) and s not in dep.states_of(other):
+                    found.setdefault((s, node), FinalProduct(s, node, other))
+                    hit = True
+            if not hit:
+                stack.extend(ops)
+            continue
+        name = op_name(node)
+        if name == "div":
+            stack.append(node.args[0])
+        elif name in _PASS_THROUGH:
+            stack.extend(node.all_input_nodes)
+    return list(found.values())
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _state_of_node(program: TTTProgram, node) -> int | None:
+    ins = program.state_inputs()
+    return ins.index(node) if node in ins else None
+
+
+def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduct]) -> set[int]:
+    """States that parameterise the kernel φ: read on a φ path of the output, or multiplied with
+    stream data anywhere in the body (``k·W0ᵀ`` inside the increment), other than the final ones."""
+    final = {f.state for f in finals}
+    theta: set[int] = set()
+    for f in finals:
+        for n in _ancestors(f.phi):
+            s = _state_of_node(program, n)
+            if s is not None and s not in final:
+                theta.add(s)
+    for node in program.body.graph.nodes:
+        ops = matmul_operands(node)
+        if ops is None:
+            continue
+        for mine, other in (ops, ops[::-1]):
+            s = state_valued(program, dep, mine)
+            if s is None or s in final:
+                continue
+            if dep.reads_streams(other) and s not in dep.states_of(other):
+                theta.add(s)
+    return theta
+
+
+def kernel_parameters(program: TTTProgram, dep: Dependence | None = None) -> list[torch.fx.Node]:
+    """Placeholders other than streams (and their source sequences) that the kernel φ reads."""
+    dep = dep or analyze_dependence(program)
+    finals = final_products(program, dep)
+    sources = {s.source for s in program.streams}
+    invariants = program.invariant_inputs()
+    params = []
+    for f in finals:
+        for n in _ancestors(f.phi):
+            if n.op != "placeholder" or n in params:
+                continue
+            if n in invariants and invariants.index(n) in sources:
+                continue
+            if n in program.stream_inputs():
+                continue
+            params.append(n)
+    return params
+
+
+def assign_roles(program: TTTProgram, dep: Dependence | None = None) -> dict[str, str]:
+    """Set ``StateSpec.role`` for every state (and a best-effort ``StreamSpec.role``).
+
+    Returns ``{state name: role}``. Precedence: ``final``, then ``theta``, then ``momentum``,
+    else ``other``.
+    """
+    dep = dep or analyze_dependence(program)
+    finals = final_products(program, dep)
+    final = {f.state for f in finals}
+    theta = kernel_states(program, dep, finals) - final
+    n = len(program.states)
+    roles = {}
+    for i in range(n):
+        if i in final:
+            role = "final"
+        elif i in theta:
+            role = "theta"
+        elif _is_momentum(program, dep, i):
+            role = "momentum"
+        else:
+            role = "other"
+        program.states[i].role = role
+        roles[program.states[i].name] = role
+    _assign_stream_roles(program, dep, finals)
+    return roles
+
+
+def _is_momentum(program: TTTProgram, dep: Dependence, i: int) -> bool:
+    if dep.update(i, i).cls not in (Dep.IDENTITY, Dep.SCALAR_AFFINE):
+        return False
+    return any(dep.update(t, i).kind > Dep.INDEPENDENT for t in range(len(program.states))
+               if t != i)
+
+
+def _stream_index(program: TTTProgram, node) -> int | None:
+    streams = program.stream_inputs()
+    return streams.index(node) if node in streams else None
+
+
+def _streams_in(program: TTTProgram, node) -> set[int]:
+    return {i for n in _ancestors(node) if (i := _stream_index(program, n)) is not None}
+
+
+def _contracted_state_dim(dep: Dependence, matmul: torch.fx.Node, operand, state: int):
+    """Which dimension of ``state`` a matmul contracts, when the operand is a plain relayout."""
+    ops = matmul_operands(matmul)
+    if ops is None or op_name(matmul) not in ("mm", "bmm", "matmul") or operand not in ops:
+        return None
+    layout = dep.of(operand, state).layout
+    if layout is None or layout.shape != layout.permuted_shape(dep.of(operand, state).state_shape):
+        return None
+    return layout.perm[-1] if operand is ops[0] else layout.perm[-2]
+
+
+def _assign_stream_roles(program: TTTProgram, dep: Dependence, finals) -> None:
+    """Best effort, for reports: ``q`` feeds φ on the output path only; ``momentum`` feeds the
+    decay of a momentum state; ``lr`` is a per-token scalar in an update; ``k`` contracts the
+    same dimension of W as ``q`` (or meets Θ in a product); ``v`` the other one."""
+    if not program.streams:
+        return
+    outs = program.state_outputs()
+    update_streams = set().union(*(_streams_in(program, o) for o in outs)) if outs else set()
+    roles: dict[int, str] = {}
+    q_dim: dict[int, int] = {}
+    for f in finals:
+        for i in _streams_in(program, f.phi) - update_streams:
+            roles[i] = "q"
+        ops = matmul_operands(f.matmul)
+        mine = ops[1] if ops[0] is f.phi else ops[0]
+        d = _contracted_state_dim(dep, f.matmul, mine, f.state)
+        if d is not None:
+            q_dim[f.state] = d
+    ins = program.state_inputs()
+    momentum_states = [i for i, s in enumerate(program.states) if s.role == "momentum"]
+    nodes = list(program.body.graph.nodes)
+    for node in nodes:
+        if node.op != "call_function" or op_name(node) != "mul":
+            continue
+        args = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        for m in momentum_states:
+            if len(args) == 2 and any(peel_views(a) is ins[m] for a in args):
+                other = next(a for a in args if peel_views(a) is not ins[m])
+                for i in _streams_in(program, other):
+                    roles.setdefault(i, "momentum")
+    for i in update_streams:
+        shape = node_shape(program.stream_inputs()[i])
+        if shape and shape[-1] == 1:
+            roles.setdefault(i, "lr")
+    for node in nodes:
+        ops = matmul_operands(node)
+        if ops is None:
+            continue
+        for mine, other in (ops, ops[::-1]):
+            s = state_valued(program, dep, mine)
+            if s is None or s in dep.states_of(other):
+                continue
+            streams = _streams_in(program, other) & update_streams
+            if program.states[s].role == "theta":
+                role = "k"
+            elif s in q_dim:
+                d = _contracted_state_dim(dep, node, mine, s)
+                role = None if d is None else ("k" if d == q_dim[s] else "v")
+            else:
+                role = None
+            for i in streams if role else ():
+                roles.setdefault(i, role)
+    for f in finals:
+        if f.state not in q_dim:
+            continue
+        ndim = len(program.states[f.state].shape)
+        for node in sorted(_ancestors(outs[f.state]), key=dep.position.__getitem__):
+            ops = matmul_operands(node)
+            if ops is None or node_shape(node) != tuple(program.states[f.state].shape) \
+                    or any(f.state in dep.states_of(o) for o in ops):
+                continue
+            left, right = (_streams_in(program, o) - set(roles) for o in ops)
+            if left and right and not (left & right):
+                row_side = "k" if q_dim[f.state] == ndim - 2 else "v"
+                col_side = "v" if row_side == "k" else "k"
+                for i in left:
+                    roles.setdefault(i, row_side)
+                for i in right:
+                    roles.setdefault(i, col_side)
+                break
+    if "k" in roles.values():
+        for i in update_streams - set(roles):
+            roles[i] = "v"
+    for i, role in roles.items():
+        program.streams[i].role = role
+
+
+__all__ = ["FinalProduct", "VIEW_OPS", "assign_roles", "final_products", "kernel_states",
+           "kernel_parameters", "matmul_operands", "peel_views", "state_valued"]

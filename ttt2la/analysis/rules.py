@@ -1,0 +1,491 @@
+"""Recover each state's update rule from the body graph and render it with sympy for the report.
+
+``W1' = W1 + NS5(α·m1 + (η⊙v)ᵀ·φ(k))`` is read off the graph: normalisations become ``Norm``,
+Newton–Schulz iterations ``NS5``, single-stream feature maps ``φ(k)``, chunk-level gates of a
+learning-rate or momentum stream ``η`` / ``α``; ops it does not know become ``f(...)`` of the
+symbols they read. The same pattern matchers serve the passes (``drop_norm`` uses ``match_norm``).
+"""
+from __future__ import annotations
+
+import operator
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx
+
+from ..ir import KIND, TTTProgram
+from .dependence import _MATMUL, _SHAPE_ONLY, op_name
+from .roles import VIEW_OPS, peel_views
+
+_SCALE_CHAIN = {"add", "sub", "clamp", "clamp_min", "clamp_max", "maximum", "expand", "expand_as",
+                "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "sqrt", "pow", "mul",
+                "div", "reciprocal", "rsqrt", "_to_copy", "clone", "detach", "alias", "max",
+                "squeeze", "view_as", "contiguous"}
+_NORM_PRIMITIVES = {"linalg_vector_norm", "norm", "frobenius_norm", "linalg_norm", "var", "std"}
+_SQUARE_REDUCTIONS = {"sum", "mean"}
+
+
+@dataclass(frozen=True)
+class NormMatch:
+    """``output`` computes ``Norm(input)``: ``input`` rescaled by (a function of) its own norm."""
+
+    output: torch.fx.Node
+    input: torch.fx.Node
+    kind: str               # "l2" (x/‖x‖), "rms" (x·rsqrt(mean x²)), "layer" (layer norm)
+
+
+@dataclass(frozen=True)
+class NewtonSchulzMatch:
+    """``output`` is ``steps`` Newton–Schulz iterations ``X ← aX + (bA + cA²)X`` (A = XXᵀ)
+    started from ``input`` (normalised first when the body does so)."""
+
+    output: torch.fx.Node
+    input: torch.fx.Node
+    steps: int
+
+
+def _same_value(a, b) -> bool:
+    return isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) \
+        and peel_views(a) is peel_views(b)
+
+
+def _squared(node) -> torch.fx.Node | None:
+    """``y`` when ``node`` is ``y*y``, ``y**2`` or ``square(y)``."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    name = op_name(node)
+    if name == "mul" and _same_value(node.args[0], node.args[1]):
+        return node.args[0]
+    if name == "pow" and len(node.args) > 1 and node.args[1] == 2:
+        return node.args[0]
+    if name == "square":
+        return node.args[0]
+    return None
+
+
+def _norm_sources(node, depth: int = 12) -> list[torch.fx.Node]:
+    """The values whose norm ``node`` is computed from (through eps, clamps, sqrt, broadcast)."""
+    found, stack, seen = [], [(node, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or d > depth or n.op != "call_function":
+            continue
+        seen.add(n)
+        name = op_name(n)
+        if n.target is operator.getitem:
+            stack.append((n.args[0], d + 1))
+        elif name in _NORM_PRIMITIVES or name in ("var_mean", "std_mean"):
+            found.append(n.args[0])
+        elif name in _SQUARE_REDUCTIONS and (y := _squared(n.args[0])) is not None:
+            found.append(y)
+        elif name in _SCALE_CHAIN:
+            stack.extend((a, d + 1) for a in n.all_input_nodes)
+    return found
+
+
+def _centered_base(node) -> torch.fx.Node | None:
+    """``x`` when ``node`` is ``x - mean(x)``."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and op_name(node) == "sub":
+        x, m = node.args[0], node.args[1]
+        if isinstance(m, torch.fx.Node) and op_name(m) == "mean" and _same_value(m.args[0], x):
+            return x
+    return None
+
+
+def _depends_on(node, target: torch.fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        if n is target:
+            return True
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def match_norm(node) -> NormMatch | None:
+    """Recognise a normalisation ending at ``node``: ``x/‖x‖`` (optionally times a target norm),
+    ``x·rsqrt(mean(x²)+ε)``, ``(x-μ)/σ`` or an aten layer norm."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    name = op_name(node)
+    if node.target is operator.getitem and node.args[1] == 0:
+        parent = node.args[0]
+        if isinstance(parent, torch.fx.Node) and op_name(parent) == "native_layer_norm":
+            return NormMatch(node, parent.args[0], "layer")
+        return None
+    if name == "div":
+        x, d = node.args[0], node.args[1]
+        if not isinstance(x, torch.fx.Node):
+            return None
+        inner = match_norm(peel_views(x))
+        if inner is not None and not _depends_on(d, inner.input):
+            return NormMatch(node, inner.input, inner.kind)
+        base = _centered_base(peel_views(x))
+        for src in _norm_sources(d):
+            if _same_value(src, x):
+                return NormMatch(node, x, "l2")
+            if base is not None and (_same_value(src, base) or _centered_base(peel_views(src))):
+                return NormMatch(node, base, "layer")
+        return None
+    if name == "mul":
+        a, b = node.args[0], node.args[1]
+        for m, t in ((a, b), (b, a)):
+            if not isinstance(m, torch.fx.Node):
+                continue
+            inner = match_norm(peel_views(m))
+            if inner is not None and not _depends_on(t, inner.input):
+                return NormMatch(node, inner.input, inner.kind)
+        for x, r in ((a, b), (b, a)):
+            if not isinstance(x, torch.fx.Node) or not isinstance(r, torch.fx.Node):
+                continue
+            if not _has_reciprocal_root(r):
+                continue
+            for src in _norm_sources(r):
+                if _same_value(src, x):
+                    return NormMatch(node, x, "rms")
+                base = _centered_base(peel_views(x))
+                if base is not None and _same_value(src, base):
+                    return NormMatch(node, base, "layer")
+    return None
+
+
+def _has_reciprocal_root(node, depth: int = 6) -> bool:
+    stack = [(node, 0)]
+    while stack:
+        n, d = stack.pop()
+        if not isinstance(n, torch.fx.Node) or d > depth or n.op != "call_function":
+            continue
+        name = op_name(n)
+        if name in ("rsqrt", "reciprocal"):
+            return True
+        if name == "pow" and isinstance(n.args[1], (int, float)) and n.args[1] < 0:
+            return True
+        if name in ("expand", "view", "_unsafe_view", "unsqueeze", "_to_copy", "clone", "mul"):
+            stack.extend((a, d + 1) for a in n.all_input_nodes)
+    return False
+
+
+def _scaled_by_constant(node) -> torch.fx.Node | None:
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and op_name(node) == "mul":
+        a, b = node.args[0], node.args[1]
+        if isinstance(b, (int, float)) and isinstance(a, torch.fx.Node):
+            return a
+        if isinstance(a, (int, float)) and isinstance(b, torch.fx.Node):
+            return b
+    return None
+
+
+def _only_through(node, source: torch.fx.Node) -> bool:
+    """Every path from ``node`` back to a graph input passes through ``source``."""
+    stack, seen, reached = [node], set(), False
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n is source:
+            reached = True
+            continue
+        if n.op == "placeholder":
+            return False
+        stack.extend(n.all_input_nodes)
+    return reached
+
+
+def _newton_schulz_step(node) -> torch.fx.Node | None:
+    """``X`` when ``node`` is ``a·X + B·X`` (or ``X·B``) with ``B`` a polynomial of ``X`` alone."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or op_name(node) != "add":
+        return None
+    u, w = node.args[0], node.args[1]
+    for lin, poly in ((u, w), (w, u)):
+        x = _scaled_by_constant(lin)
+        if x is None or not isinstance(poly, torch.fx.Node):
+            continue
+        x = peel_views(x)
+        mm = peel_views(poly)
+        if not isinstance(mm, torch.fx.Node) or op_name(mm) not in _MATMUL:
+            continue
+        positions = _MATMUL[op_name(mm)][0]
+        ops = [mm.args[i] for i in positions]
+        for mine, other in (ops, ops[::-1]):
+            if peel_views(mine) is x and _only_through(other, x):
+                return x
+    return None
+
+
+def match_newton_schulz(node) -> NewtonSchulzMatch | None:
+    """Recognise a chain of Newton–Schulz iterations (Muon's orthogonalisation) ending at ``node``."""
+    x = peel_views(node)
+    steps = 0
+    while (prev := _newton_schulz_step(x)) is not None:
+        steps += 1
+        x = prev
+    if steps == 0:
+        return None
+    start = peel_views(x)
+    norm = match_norm(start)
+    return NewtonSchulzMatch(node, norm.input if norm is not None else start, steps)
+
+
+# --------------------------------------------------------------------------------------------
+# sympy rendering
+
+
+class Transpose(sympy.Function):
+    """``xᵀ`` for a noncommutative (matrix) symbol expression."""
+
+    nargs = 1
+    is_commutative = False
+
+    @classmethod
+    def eval(cls, x):
+        if isinstance(x, Transpose):
+            return x.args[0]
+        if x.is_commutative:
+            return x
+        return None
+
+    def _sympystr(self, printer):
+        arg = self.args[0]
+        inner = printer._print(arg)
+        bare = arg.is_Atom or (isinstance(arg, sympy.Function) and not isinstance(arg, Hadamard))
+        return (inner if bare else f"({inner})") + "ᵀ"
+
+
+class Hadamard(sympy.Function):
+    """The elementwise product ``a⊙b`` of two matrix expressions."""
+
+    is_commutative = False
+
+    def _sympystr(self, printer):
+        parts = []
+        for a in self.args:
+            s = printer._print(a)
+            parts.append(f"({s})" if isinstance(a, (sympy.Add, sympy.Mul)) else s)
+        return "⊙".join(parts)
+
+
+class _Printer(sympy.printing.str.StrPrinter):
+    def _print_Mul(self, expr):
+        c, nc = expr.args_cnc()
+        sign = ""
+        if c and c[0].is_Number and c[0] < 0:
+            c[0] = -c[0]
+            sign = "-"
+        factors = [f for f in c if f != 1] + nc
+        parts = []
+        for f in factors:
+            s = self._print(f)
+            parts.append(f"({s})" if isinstance(f, (sympy.Add, sympy.Mul, Hadamard)) else s)
+        return sign + ("·".join(parts) if parts else "1")
+
+    def _print_Pow(self, expr):
+        return super()._print_Pow(expr).replace("**", "^")
+
+    def _print_Float(self, expr):
+        return f"{float(expr):.4g}"
+
+
+def render(expr) -> str:
+    """A sympy expression as a report string (``·`` for products, ``ᵀ``, ``⊙``)."""
+    return _Printer().doprint(expr)
+
+
+_UNARY_NAMES = {"silu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "relu", "gelu", "elu",
+                "softplus", "abs", "sign", "reciprocal", "sin", "cos", "erf", "softmax",
+                "_softmax", "log_softmax", "_log_softmax"}
+_MAX_OPS = 40
+
+
+class _Renderer:
+    """Turn body nodes into sympy expressions, memoised, with the pattern collapses above."""
+
+    def __init__(self, program: TTTProgram):
+        self.program = program
+        self.memo: dict[torch.fx.Node, sympy.Expr] = {}
+        self.streams_of: dict[torch.fx.Node, frozenset] = {}
+        self.foreign_states: dict[torch.fx.Node, bool] = {}
+        self.nonlinear_in: dict[torch.fx.Node, bool] = {}
+        self.symbols: dict[torch.fx.Node, sympy.Expr] = {}
+        streams = program.stream_inputs()
+        for i, n in enumerate(program.state_inputs()):
+            self.symbols[n] = sympy.Symbol(program.states[i].name, commutative=False)
+        for i, n in enumerate(streams):
+            role = program.streams[i].role if i < len(program.streams) else ""
+            if role == "lr":
+                self.symbols[n] = sympy.Symbol("η", commutative=False)
+            elif role == "momentum":
+                self.symbols[n] = sympy.Symbol("α")
+            else:
+                self.symbols[n] = sympy.Symbol(program.streams[i].name if i < len(program.streams)
+                                               else n.name, commutative=False)
+        for i, n in enumerate(program.invariant_inputs()):
+            name = program.invariants[i].name if i < len(program.invariants) else n.name
+            self.symbols[n] = sympy.Symbol(name, commutative=False)
+        self.stream_role = {n: (program.streams[i].role if i < len(program.streams) else "")
+                            for i, n in enumerate(streams)}
+        self.non_kernel_states = {n for i, n in enumerate(program.state_inputs())
+                                  if program.states[i].role != "theta"}
+        self._index_graph()
+
+    def _index_graph(self):
+        for node in self.program.body.graph.nodes:
+            if node.op == "placeholder":
+                is_stream = node.meta.get(KIND) == "stream"
+                self.streams_of[node] = frozenset([node]) if is_stream else frozenset()
+                self.nonlinear_in[node] = False
+                self.foreign_states[node] = node in self.non_kernel_states
+                continue
+            inputs = node.all_input_nodes
+            self.foreign_states[node] = any(self.foreign_states[n] for n in inputs)
+            self.streams_of[node] = frozenset().union(*(self.streams_of[n] for n in inputs)) \
+                if inputs else frozenset()
+            name = op_name(node) if node.op == "call_function" else ""
+            own = name in _MATMUL or name in _UNARY_NAMES or name in (
+                "linalg_vector_norm", "mean", "sum", "pow", "silu_backward", "sigmoid_backward")
+            self.nonlinear_in[node] = own or any(self.nonlinear_in[n] for n in inputs)
+
+    def arg(self, a):
+        if isinstance(a, torch.fx.Node):
+            return self.expr(a)
+        if isinstance(a, bool):
+            return sympy.Integer(int(a))
+        if isinstance(a, (int, float)):
+            return sympy.nsimplify(a) if float(a).is_integer() else sympy.Float(a)
+        return sympy.Symbol(str(a))
+
+    def expr(self, node: torch.fx.Node) -> sympy.Expr:
+        if node not in self.memo:
+            e = self._expr(node)
+            if sympy.count_ops(e) > _MAX_OPS:
+                e = self.generic("f", [e])
+            self.memo[node] = e
+        return self.memo[node]
+
+    def generic(self, name: str, exprs) -> sympy.Expr:
+        free = set().union(*(sympy.sympify(e).free_symbols for e in exprs)) if exprs else set()
+        syms = sorted(free, key=lambda s: s.name)
+        fn = sympy.Function(name, commutative=all(s.is_commutative for s in syms))
+        return fn(*syms) if syms else sympy.Symbol(name)
+
+    def _stream_feature(self, node) -> sympy.Expr | None:
+        streams = self.streams_of.get(node, frozenset())
+        if len(streams) != 1 or not self.nonlinear_in.get(node, False) \
+                or self.foreign_states.get(node, True):
+            return None
+        (s,) = streams
+        role = self.stream_role.get(s, "")
+        if role == "lr":
+            return sympy.Symbol("η", commutative=False)
+        if role == "momentum":
+            return sympy.Symbol("α")
+        phi = sympy.Function("φ", commutative=False)
+        return phi(self.symbols[s])
+
+    def _constant(self, node: torch.fx.Node, name: str) -> sympy.Expr:
+        if name in ("ones_like", "new_ones", "ones"):
+            return sympy.Integer(1)
+        if name in ("zeros_like", "new_zeros", "zeros"):
+            return sympy.Integer(0)
+        if name in ("full_like", "new_full", "full", "scalar_tensor"):
+            value = node.args[1] if name != "scalar_tensor" else node.args[0]
+            if isinstance(value, (int, float)):
+                return self.arg(value)
+        return sympy.Symbol("c")
+
+    def _expr(self, node: torch.fx.Node) -> sympy.Expr:
+        if node in self.symbols:
+            return self.symbols[node]
+        if node.op == "get_attr":
+            return sympy.Symbol(str(node.target), commutative=False)
+        if node.op != "call_function":
+            return self.generic("f", [self.expr(n) for n in node.all_input_nodes])
+        name = op_name(node)
+        args = node.args
+        if node.target is operator.getitem:
+            return self.expr(args[0])
+        if name in ("transpose", "t", "permute", "transpose_copy", "permute_copy", "movedim"):
+            return Transpose(self.expr(args[0]))
+        if name in VIEW_OPS or name in ("slice", "select", "narrow"):
+            return self.expr(args[0])
+        if name in _SHAPE_ONLY:
+            return self._constant(node, name)
+        feature = self._stream_feature(node)
+        if feature is not None:
+            return feature
+        ns = match_newton_schulz(node)
+        if ns is not None and peel_views(node) is peel_views(ns.output):
+            fn = sympy.Function(f"NS{ns.steps}", commutative=False)
+            return fn(self.expr(ns.input))
+        norm = match_norm(node)
+        if norm is not None:
+            return sympy.Function("Norm", commutative=False)(self.expr(norm.input))
+        if name == "add":
+            alpha = node.kwargs.get("alpha", 1)
+            return self.arg(args[0]) + self.arg(alpha) * self.arg(args[1])
+        if name == "sub":
+            alpha = node.kwargs.get("alpha", 1)
+            return self.arg(args[0]) - self.arg(alpha) * self.arg(args[1])
+        if name == "rsub":
+            return self.arg(args[1]) - self.arg(args[0])
+        if name == "neg":
+            return -self.arg(args[0])
+        if name == "mul":
+            a, b = self.arg(args[0]), self.arg(args[1])
+            if a.is_commutative or b.is_commutative:
+                return a * b
+            return Hadamard(a, b)
+        if name == "div":
+            a, b = self.arg(args[0]), self.arg(args[1])
+            if b.is_commutative:
+                return a / b
+            return self.generic("f", [a, b])
+        if name in _MATMUL:
+            operands, additive = _MATMUL[name]
+            ops = [self.arg(args[i]) for i in operands if i < len(args)]
+            if name == "linear":
+                ops = [ops[0], Transpose(ops[1])]
+            product = ops[0] * ops[1]
+            for i in additive:
+                if i < len(args) and args[i] is not None:
+                    product = self.arg(args[i]) + product
+            return product
+        if name in _UNARY_NAMES and args and isinstance(args[0], torch.fx.Node):
+            fn = sympy.Function(name.lstrip("_"), commutative=False)
+            return fn(self.expr(args[0]))
+        if name in ("mean", "sum") and isinstance(args[0], torch.fx.Node):
+            fn = sympy.Function(name, commutative=self.expr(args[0]).is_commutative)
+            return fn(self.expr(args[0]))
+        return self.generic("f", [self.expr(n) for n in node.all_input_nodes])
+
+
+def update_rules(program: TTTProgram) -> dict[str, str]:
+    """``{state name: "W' = W + φ(k)ᵀ·v"}`` for every carried state of ``program``."""
+    renderer = _Renderer(program)
+    rules = {}
+    ins = program.state_inputs()
+    for i, out in enumerate(program.state_outputs()):
+        name = program.states[i].name
+        try:
+            rhs = renderer.expr(out) if isinstance(out, torch.fx.Node) else renderer.arg(out)
+            text = render(rhs)
+        except Exception as exc:  # a report must never fail on an exotic graph
+            text = f"f(...)  [not rendered: {type(exc).__name__}]"
+        if out is ins[i]:
+            text = name
+        rules[name] = f"{name}' = {text}"
+    return rules
+
+
+def update_rule(program: TTTProgram, state: int) -> str:
+    """The rendered update rule of one state (see ``update_rules``)."""
+    return update_rules(program)[program.states[state].name]
+
+
+__all__ = ["NormMatch", "NewtonSchulzMatch", "match_norm", "match_newton_schulz",
+           "update_rules", "update_rule", "render", "Transpose", "Hadamard"]

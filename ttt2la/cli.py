@@ -1,0 +1,423 @@
+"""The ``ttt2la`` command line: ``demo``, ``inspect``, ``convert``, ``report`` and ``bench``.
+
+Models come from the bundled zoo (``--zoo NAME``) for now; loading and saving user checkpoints is
+not implemented yet, and the commands that would need it say so and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .errors import ConversionError
+from .report import ConversionReport, InspectionReport, load_report
+
+#: Exit status of a command whose machinery does not exist yet, or of a command line misuse.
+EXIT_UNSUPPORTED = 2
+#: Exit status when a conversion, an inspection or a report file is refused.
+EXIT_REFUSED = 1
+
+VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A bundled model the command line can build: a seeded constructor and its example inputs."""
+
+    description: str
+    build: Callable[[], torch.nn.Module]
+    inputs: Callable[[int, int, torch.Generator], tuple]   # (batch, length, generator) -> inputs
+    length: int            # default sequence length of the example inputs
+    chunk_size: int
+
+    def example_inputs(self, batch: int, length: int | None = None, seed: int = 0) -> tuple:
+        """Seeded example inputs of ``batch`` sequences of ``length`` tokens (default: ``self.length``)."""
+        generator = torch.Generator().manual_seed(seed)
+        return self.inputs(batch, length or self.length, generator)
+
+
+def _token_ids(batch: int, length: int, generator: torch.Generator) -> tuple:
+    return (torch.randint(0, VOCAB_SIZE, (batch, length), generator=generator),)
+
+
+def _features(d_model: int) -> Callable[[int, int, torch.Generator], tuple]:
+    def inputs(batch: int, length: int, generator: torch.Generator) -> tuple:
+        return (torch.randn(batch, length, d_model, generator=generator),)
+    return inputs
+
+
+def _lact_lm(style: str = "folded", d_model: int = 64, n_layers: int = 2, num_heads: int = 2,
+             chunk_size: int = 64) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        from .zoo import TinyLaCTLM
+        return TinyLaCTLM(VOCAB_SIZE, d_model, n_layers, num_heads, chunk_size, style=style)
+    return build
+
+
+def _lact_layer(**kw) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        from .zoo import LaCTFoldedLayer
+        return LaCTFoldedLayer(64, 2, 64, **kw)
+    return build
+
+
+def _per_token_layer() -> torch.nn.Module:
+    from .zoo import PerTokenTTTLayer
+    return PerTokenTTTLayer(64, 4)
+
+
+ZOO: dict[str, ZooModel] = {
+    "lact-lm": ZooModel("2-block LaCT language model (SwiGLU fast weights, momentum, Muon, "
+                        "weight norm), heads folded into the batch",
+                        _lact_lm(), _token_ids, length=512, chunk_size=64),
+    "lact-lm-heads": ZooModel("the same language model with head-major LaCT layers written "
+                              "with torch.func.grad",
+                              _lact_lm(style="heads"), _token_ids, length=512, chunk_size=64),
+    "lact-layer": ZooModel("one LaCT layer as published (d_model 64, 2 heads, chunk 64)",
+                           _lact_layer(), _features(64), length=512, chunk_size=64),
+    "lact-variant2": ZooModel("one LaCT layer trained as the paper's variant 2 (Θ frozen, "
+                              "no weight norm)",
+                              _lact_layer(update_theta=False, weight_norm=False), _features(64),
+                              length=512, chunk_size=64),
+    "per-token": ZooModel("per-token linear TTT layer (update, then read; 4 heads)",
+                          _per_token_layer, _features(64), length=64, chunk_size=1),
+}
+
+
+def build_zoo_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """Build the bundled model ``name`` with weights drawn from ``seed``, in eval mode."""
+    torch.manual_seed(seed)
+    return ZOO[name].build().eval()
+
+
+# -- throughput ---------------------------------------------------------------------------------
+def measure_throughput(models: dict[str, Callable], inputs: tuple, units: float, *,
+                       repeats: int = 5, warmup: int = 1,
+                       progress: Progress | None = None) -> dict[str, float]:
+    """Rate of each model on the same inputs, in ``units`` (tokens, FLOPs ...) per call per second.
+
+    The median of ``repeats`` timed calls after ``warmup`` untimed ones. The models run side by
+    side (one call of each per round), so background load on the machine affects them alike;
+    CUDA work is synchronised before a clock is read.
+    """
+    cuda = [t.device for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda]
+
+    def call(model) -> float:
+        start = time.perf_counter()
+        model(*inputs)
+        for device in cuda[:1]:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    seconds: dict[str, list[float]] = {name: [] for name in models}
+    task = progress.add_task("measuring throughput", total=(warmup + repeats) * len(models)) \
+        if progress is not None else None
+    with torch.no_grad():
+        for round_ in range(warmup + repeats):
+            for name, model in models.items():
+                elapsed = call(model)
+                if round_ >= warmup:
+                    seconds[name].append(elapsed)
+                if progress is not None:
+                    progress.advance(task)
+    return {name: units / statistics.median(s) for name, s in seconds.items()}
+
+
+def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Module],
+                     inputs: tuple, *, repeats: int, progress: Progress | None = None) -> Table:
+    """Compare the original model with its converted forms: tokens/s, speed-up and output drift."""
+    from .testing import rel_rms_error
+
+    models = {"original": original, **converted}
+    tokens = inputs[0].shape[0] * inputs[0].shape[1]
+    rates = measure_throughput(models, inputs, tokens, repeats=repeats, progress=progress)
+    with torch.no_grad():
+        reference = original(*inputs)
+        drift = {name: rel_rms_error(model(*inputs), reference)
+                 for name, model in converted.items()}
+    shape = "x".join(str(s) for s in inputs[0].shape)
+    table = Table(title=f"throughput on {shape} inputs (median of {repeats} runs, "
+                        f"{torch.get_num_threads()} threads)")
+    table.add_column("model")
+    table.add_column("schedules")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("speed-up", justify="right")
+    table.add_column("rel. RMS vs original", justify="right")
+    table.add_row("original", "as written", f"{rates['original']:,.0f}", "1.00x", "")
+    for name, model in converted.items():
+        report = getattr(model, "ttt2la_report", None)
+        schedules = ", ".join(sorted({layer.schedule for layer in report.layers})) \
+            if report is not None else "?"
+        table.add_row(name, schedules, f"{rates[name]:,.0f}",
+                      f"{rates[name] / rates['original']:.2f}x", f"{drift[name]:.2e}")
+    return table
+
+
+# -- commands -----------------------------------------------------------------------------------
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True)
+
+
+def _say(console: Console, text: str) -> None:
+    """Print plain text: no markup, no highlighting, no wrapping (Markdown tables stay intact)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_report(console: Console, report, markdown: bool) -> None:
+    if markdown:
+        _say(console, report.to_markdown())
+    else:
+        console.print(report)
+
+
+def _save_json(report, path: str | None, console: Console) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        _say(console, f"report written to {path}")
+
+
+def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Convert a small seeded LaCT language model at levels 0, 1 and 2 and compare their speed."""
+    import ttt2la
+
+    if args.quick:
+        build = _lact_lm(d_model=32, n_layers=1, num_heads=2, chunk_size=16)
+        batch, length, repeats = 1, args.length or 64, args.repeats or 3
+    else:
+        build = _lact_lm(chunk_size=64)
+        batch, length, repeats = 2, args.length or 1024, args.repeats or 5
+    torch.manual_seed(args.seed)
+    model = build().eval()
+    inputs = _token_ids(batch, length, torch.Generator().manual_seed(args.seed))
+    _say(out, f"LaCT language model, seed {args.seed}: "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters, inputs {batch}x{length}")
+
+    converted: dict[str, torch.nn.Module] = {}
+    with _progress(err) as progress:
+        task = progress.add_task("converting", total=3)
+        for level, strict in ((0, False), (1, True), (2, True)):
+            progress.update(task, description=f"converting at level {level}")
+            result = ttt2la.convert(model, level=level, example_inputs=inputs, strict=strict)
+            converted[f"level {level}"] = result
+            progress.advance(task)
+    for result in converted.values():
+        _print_report(out, result.ttt2la_report, args.markdown)
+        out.print()
+    with _progress(err) as progress:
+        table = throughput_table(model, converted, inputs, repeats=repeats, progress=progress)
+    out.print(table)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Print what ``ttt2la.inspect`` finds in a bundled model: loops, states and the verdict per level."""
+    refused = _refuse_without_zoo(args, err, "inspecting a checkpoint file")
+    if refused:
+        return refused
+    import ttt2la
+
+    model = build_zoo_model(args.zoo, args.seed)
+    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
+    with err.status(f"inspecting {args.zoo}"):
+        report: InspectionReport = ttt2la.inspect(model, example_inputs=inputs)
+    _print_report(out, report, args.markdown)
+    _save_json(report, args.json, err)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Convert a bundled model at a level and print (and optionally save) the conversion report."""
+    refused = _refuse_without_zoo(args, err, "converting a checkpoint file")
+    if refused:
+        return refused
+    if args.output:
+        return _unsupported(err, "saving a converted model (--output)")
+    import ttt2la
+
+    model = build_zoo_model(args.zoo, args.seed)
+    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
+    with err.status(f"converting {args.zoo} at level {args.level}"):
+        converted = ttt2la.convert(model, level=args.level, example_inputs=inputs,
+                                   backend=args.backend, strict=args.strict)
+    report: ConversionReport = converted.ttt2la_report
+    _print_report(out, report, args.markdown)
+    _save_json(report, args.json, err)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Render a report saved as JSON by ``convert --json`` or ``inspect --json``."""
+    path = Path(args.path)
+    if path.suffix != ".json":
+        return _unsupported(err, f"reading the report stored in a checkpoint ({path.name})")
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        _say(err, f"ttt2la report: cannot read {path}: {e.strerror}")
+        return EXIT_REFUSED
+    except json.JSONDecodeError as e:
+        _say(err, f"ttt2la report: {path} is not JSON ({e})")
+        return EXIT_REFUSED
+    _print_report(out, load_report(data), args.markdown)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Measure tokens/s of a bundled model and of its conversions at the given levels."""
+    refused = _refuse_without_zoo(args, err, "benchmarking a checkpoint file")
+    if refused:
+        return refused
+    import ttt2la
+
+    model = build_zoo_model(args.zoo, args.seed)
+    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
+    converted: dict[str, torch.nn.Module] = {}
+    with _progress(err) as progress:
+        task = progress.add_task("converting", total=len(args.levels))
+        for level in args.levels:
+            progress.update(task, description=f"converting at level {level}")
+            converted[f"level {level}"] = ttt2la.convert(
+                model, level=level, example_inputs=inputs, backend=args.backend,
+                strict=args.strict)
+            progress.advance(task)
+        table = throughput_table(model, converted, inputs, repeats=args.repeats,
+                                 progress=progress)
+    out.print(table)
+    return 0
+
+
+def _refuse_without_zoo(args: argparse.Namespace, err: Console, checkpoint_use: str) -> int:
+    """The exit status when the command was not given a bundled model to work on, else 0."""
+    if args.checkpoint:
+        return _unsupported(err, checkpoint_use)
+    if args.zoo is None:
+        _say(err, f"ttt2la {args.command}: name a bundled model with --zoo NAME, one of: "
+                  f"{', '.join(sorted(ZOO))}")
+        return EXIT_UNSUPPORTED
+    return 0
+
+
+def _unsupported(err: Console, what: str) -> int:
+    _say(err, f"ttt2la: {what} is not implemented yet: checkpoint loading and saving do not exist "
+              "in this version. Use --zoo NAME to work on a bundled model.")
+    return EXIT_UNSUPPORTED
+
+
+# -- argument parsing ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ttt2la`` command (one sub-parser per command)."""
+    parser = argparse.ArgumentParser(
+        prog="ttt2la",
+        description="Rewrite test-time-training layers as chunk-parallel linear attention.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help_: str) -> argparse.ArgumentParser:
+        p = commands.add_parser(name, help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    def model_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("checkpoint", nargs="?", help="a model checkpoint (not supported yet)")
+        p.add_argument("--zoo", choices=sorted(ZOO),
+                       help="a bundled model: " + "; ".join(f"{k}: {v.description}"
+                                                           for k, v in ZOO.items()))
+        p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
+        p.add_argument("--batch", type=_positive, default=1, help="example batch size (1)")
+        p.add_argument("--length", type=_positive, default=None,
+                       help="example sequence length (the zoo model's default)")
+
+    def conversion_options(p: argparse.ArgumentParser, strict: bool) -> None:
+        p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
+                       help="runtime backend (auto)")
+        if strict:
+            p.add_argument("--no-strict", dest="strict", action="store_false",
+                           help="run a layer that is not reducible at the level recurrently "
+                                "instead of refusing it")
+        else:
+            p.add_argument("--strict", action="store_true",
+                           help="refuse a layer that is not reducible at the level instead of "
+                                "running it recurrently")
+
+    p = add("demo", cmd_demo, "convert a small seeded LaCT language model at levels 0, 1 and 2 "
+                              "and compare throughput")
+    p.add_argument("--quick", action="store_true", help="a very small model and run")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
+    p.add_argument("--length", type=_positive, default=None, help="sequence length")
+    p.add_argument("--repeats", type=_positive, default=None, help="timed runs per model")
+    p.add_argument("--markdown", action="store_true", help="print the reports as Markdown")
+
+    p = add("inspect", cmd_inspect, "analyse a model: its TTT loops, states and what each "
+                                    "level gives")
+    model_options(p)
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+
+    p = add("convert", cmd_convert, "convert a model at a level and print the conversion report")
+    model_options(p)
+    p.add_argument("--level", type=_level, default=2, help="simplification level 0-6 (2)")
+    conversion_options(p, strict=True)
+    p.add_argument("--output", metavar="PATH", help="save the converted model (not supported yet)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+
+    p = add("report", cmd_report, "render a report saved with --json")
+    p.add_argument("path", help="a JSON report written by `ttt2la convert --json` or "
+                                "`ttt2la inspect --json`")
+    p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+
+    p = add("bench", cmd_bench, "measure tokens/s of a model and of its conversions")
+    model_options(p)
+    p.add_argument("--levels", type=_level, nargs="+", default=[0, 1, 2],
+                   help="levels to convert at (0 1 2)")
+    p.add_argument("--repeats", type=_positive, default=5, help="timed runs per model (5)")
+    conversion_options(p, strict=False)
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _level(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 6:
+        raise argparse.ArgumentTypeError(f"levels run from 0 to 6 (the paper's steps), got {text}")
+    return value
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ttt2la`` command; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    # piped output gets wide lines rather than tables squeezed to 80 columns
+    out, err = Console(width=None if sys.stdout.isatty() else 160), Console(stderr=True)
+    try:
+        return args.func(args, out, err)
+    except ConversionError as e:
+        _say(err, f"ttt2la {args.command}: {type(e).__name__}: {e}")
+        return EXIT_REFUSED
+
+
+__all__ = ["ZOO", "ZooModel", "build_zoo_model", "measure_throughput", "throughput_table",
+           "build_parser", "main"]
+

@@ -1,0 +1,295 @@
+"""``ttt2la.convert`` and ``ttt2la.inspect``: the whole path from a user's model to a converted one.
+
+    discover (eager pass) ─▶ recognize (trace small, roll up) ─▶ roles ─▶ passes (level)
+        ─▶ associativity ─▶ lower ─▶ install on a copy of the model ─▶ check ─▶ report
+
+Every exact conversion is checked numerically against the original layer on the example inputs
+before it is returned; a failed check raises instead of returning a wrong model. Lossy levels
+report the drift each applied pass causes.
+"""
+from __future__ import annotations
+
+import copy
+
+
+import torch
+import torch.utils._pytree as pytree
+
+from .analysis import analyze, assign_roles
+from .converted import ConvertedState, install
+from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
+from .frontend.discover import discover
+from .frontend.recognize import B0, B1, RecognizedLayer, recognize_layer
+from .frontend.shapes import fit_template
+from .ir import TTTProgram
+from .lowering import lower
+from .passes import run_level
+from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
+from .testing import rel_rms_error, tolerance
+
+MAX_LEVEL = 6
+IMPLEMENTED_LEVEL = 2
+_PROBE_LENGTHS = (64, 512, 4096)
+
+
+# -- example inputs -------------------------------------------------------------------------
+
+def _first_embedding(model: torch.nn.Module) -> torch.nn.Embedding | None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            return m
+        if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, torch.nn.Embedding):
+            return None
+    return None
+
+
+def _infer_example_inputs(model: torch.nn.Module, length: int) -> tuple:
+    emb = _first_embedding(model)
+    if emb is None:
+        raise ConversionError(
+            f"{type(model).__name__} does not start with an embedding, so ttt2la cannot guess "
+            "its inputs: pass example_inputs=(x,) with a batch-first tensor whose second axis "
+            "is the sequence, e.g. torch.randn(2, 256, d_model)")
+    gen = torch.Generator().manual_seed(0)
+    device = emb.weight.device
+    return (torch.randint(0, emb.num_embeddings, (2, length), generator=gen).to(device),)
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    return tuple(example_inputs)
+
+
+def _seq_len(example_inputs: tuple) -> int | None:
+    x = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return None if x is None else x.shape[1]
+
+
+# -- recognition ----------------------------------------------------------------------------
+
+def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=None):
+    """Find and recognize every TTT loop of ``model``: ``(layers, example_inputs, notes)``."""
+    if example_inputs is None:
+        lengths, inferred = _PROBE_LENGTHS, True
+    else:
+        lengths, inferred = (None,), False
+    notes: list[str] = []
+    for length in lengths:
+        inputs = _infer_example_inputs(model, length) if inferred else _as_tuple(example_inputs)
+        candidates = discover(model, inputs, example_kwargs)
+        layers, failures = [], []
+        for cand in candidates:
+            try:
+                layers.append(recognize_layer(cand, _seq_len(inputs)))
+            except UnsupportedTTTError as e:
+                failures.append(f"{cand.path or '<model>'}: {e}")
+        if layers:
+            notes += [f"not converted: {f}" for f in failures]
+            if inferred:
+                notes.append(f"example inputs inferred: token ids of shape {tuple(inputs[0].shape)}")
+            return layers, inputs, notes
+        if not inferred:
+            break
+    where = "; ".join(failures) if candidates else "no module runs a Python loop"
+    raise UnsupportedTTTError(
+        f"no test-time-training loop found in {type(model).__name__} ({where}). ttt2la converts "
+        "layers whose forward (or a function it calls) loops over chunks or tokens, carrying "
+        "fast weights updated from the sequence.")
+
+
+# -- one layer ------------------------------------------------------------------------------
+
+def _prepare(rl: RecognizedLayer, level: int, calibration):
+    """Roles, passes and analysis on the three traced programs; the body template."""
+    programs = []
+    results = None
+    for rolled in (rl.rolled, rl.rolled_L, rl.rolled_B):
+        prog = rolled.program.clone()
+        assign_roles(prog)
+        prog, res = run_level(prog, level, calibration)
+        programs.append(prog)
+        results = results or res
+    body = fit_template(programs[0].body, programs[1].body, programs[2].body,
+                        B0=B0, L0=rl.L0, L1=rl.L1, B1=B1,
+                        what=f"loop body of {rl.path or '<model>'}")
+    return programs[0], results, body
+
+
+def _state_records(program: TTTProgram, analysis) -> list[StateRecord]:
+    records = []
+    rules = getattr(analysis, "rules", {}) or {}
+    deps = getattr(analysis, "dependence", {}) or {}
+    for s in program.states:
+        records.append(StateRecord(s.name, s.role, str(rules.get(s.name, "")),
+                                   str(deps.get(s.name, ""))))
+    return records
+
+
+def _layer_report(rl, program, analysis, results, schedule, runtime, exact, notes,
+                  levels=None, check=None) -> LayerReport:
+    return LayerReport(
+        module_path=rl.path, function=program.function, loop_src=str(program.loop_src),
+        chunk_size=program.chunk_size, order=program.order, last_chunk=program.last_chunk,
+        states=_state_records(program, analysis),
+        streams=[f"{s.name}{' (per token)' if s.per_token else ''}" for s in program.streams],
+        passes=[PassRecord(r.step, r.name, r.status, r.exact, r.reason) for r in results],
+        schedule=schedule, runtime=runtime, reducible=bool(analysis.reducible), exact=exact,
+        notes=notes, levels=levels, check=check)
+
+
+def _build_state(rl: RecognizedLayer, level: int, calibration, backend: str, strict: bool):
+    program, results, body = _prepare(rl, level, calibration)
+    analysis = analyze(program)
+    notes = []
+    schedule = analysis.schedule
+    if not analysis.reducible:
+        if strict:
+            analysis.require_reducible(level)
+        schedule = "recurrent"
+        notes.append(f"not reducible at level {level}: kept the recurrent executor "
+                     "(strict=False)")
+
+    def build_plan(prog, _schedule=schedule):
+        return lower(prog, analyze(prog), backend=backend, schedule=_schedule)
+
+    plan0 = build_plan(program)
+    state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
+                           build_plan=build_plan, schedule=plan0.schedule,
+                           implementation=plan0.implementation)
+    exact = all(r.exact for r in results)
+    return state, analysis, results, notes, exact
+
+
+def _layer_inputs(rl: RecognizedLayer):
+    return tuple(rl.candidate.args), dict(rl.candidate.kwargs)
+
+
+def _run_layer(module, args, kwargs):
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    return out if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)[0]
+
+
+def _check(original: torch.nn.Module, converted: torch.nn.Module, rl: RecognizedLayer,
+           exact: bool) -> dict:
+    """Compare the converted layer with the original on the captured example inputs."""
+    args, kwargs = _layer_inputs(rl)
+    ref = _run_layer(original, args, kwargs)
+    got = _run_layer(converted, args, kwargs)
+    err = rel_rms_error(got, ref)
+    tol = tolerance(ref.dtype)
+    result = {"inputs": f"example, shape {tuple(args[0].shape) if args else ()}",
+              "rel_rms_error": err}
+    if exact:
+        result["tolerance"] = tol
+        result["ok"] = bool(err <= tol)
+    return result
+
+
+def _pass_drifts(rl, original, level, calibration, backend, results) -> None:
+    """Fill ``drift`` on every applied lossy pass: the layer's error after steps 1..k."""
+    args, kwargs = _layer_inputs(rl)
+    ref = _run_layer(original, args, kwargs)
+    for k, r in enumerate(results, start=1):
+        if r.exact or r.status != "applied":
+            continue
+        probe = copy.deepcopy(original)
+        state, *_ = _build_state(rl, k, calibration, backend, strict=False)
+        install(probe, state)
+        got = _run_layer(probe, args, kwargs)
+        r.drift = {"rel_rms_error": rel_rms_error(got, ref), "after_step": k,
+                   "inputs": "calibration" if calibration is not None else "example"}
+
+
+# -- public API -----------------------------------------------------------------------------
+
+def _check_level(level) -> None:
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+        raise ValueError(f"level must be an integer from 0 to {MAX_LEVEL} (the paper's steps "
+                         f"applied), got {level!r}")
+    if level > IMPLEMENTED_LEVEL:
+        raise LevelNotImplementedError(
+            f"level {level} needs the passes of steps {IMPLEMENTED_LEVEL + 1}..{level} "
+            "(collapse_mlp, absorb_lr, remove_momentum, remove_muon), which this version of "
+            f"ttt2la does not have yet; use level <= {IMPLEMENTED_LEVEL}")
+
+
+def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibration=None,
+            backend: str = "auto", strict: bool = True, inplace: bool = False,
+            example_kwargs: dict | None = None) -> torch.nn.Module:
+    """Rewrite every TTT loop of ``model`` by the paper's steps 1..``level`` and lower it.
+
+    Returns a new module holding its own copy of the parameters under the original names (or
+    ``model`` itself with ``inplace=True``); ``result.ttt2la_report`` says what was done.
+    ``strict=True`` raises ``NonReducibleError`` when a loop is not reducible at ``level``;
+    ``strict=False`` keeps such loops on the recurrent executor and says so in the report.
+    """
+    _check_level(level)
+    if backend not in ("auto", "torch", "triton", "naive"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
+    target = model if inplace else copy.deepcopy(model)
+    layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
+    cal = calibration
+    reports, installs = [], []
+    for rl in layers:
+        module = rl.candidate.module
+        original = copy.deepcopy(module)
+        state, analysis, results, layer_notes, exact = _build_state(rl, level, cal, backend,
+                                                                    strict)
+        installs.append((module, state))
+        reports.append((rl, original, state, analysis, results, layer_notes, exact))
+    layer_reports = []
+    for module, state in installs:
+        install(module, state)
+    for rl, original, state, analysis, results, layer_notes, exact in reports:
+        check = _check(original, rl.candidate.module, rl, exact)
+        if exact and not check["ok"]:
+            raise ConversionError(
+                f"the converted {rl.path or 'model'} differs from the original by a relative "
+                f"RMS error of {check['rel_rms_error']:.2e} on the example inputs although every "
+                "applied pass is exact; this is a bug in ttt2la — please report it with the "
+                "model. Use strict=False at a lower level meanwhile.")
+        if not exact:
+            _pass_drifts(rl, original, level, cal, backend, results)
+        layer_reports.append(_layer_report(rl, state.program, analysis, results, state.schedule,
+                                           state.implementation, exact, layer_notes,
+                                           check=check))
+    target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
+                                            strict=strict, notes=notes)
+    return target
+
+
+def _level_verdict(rl: RecognizedLayer, level: int) -> str:
+    if level > IMPLEMENTED_LEVEL:
+        return "not implemented"
+    try:
+        program, _results, _body = _prepare(rl, level, None)
+    except ConversionError as e:
+        return f"unsupported: {e}"
+    analysis = analyze(program)
+    if analysis.reducible:
+        return analysis.schedule
+    try:
+        analysis.require_reducible(level)
+    except NonReducibleError as e:
+        return f"recurrent: {e.op or ''} at {e.where or '?'}".strip()
+    return "recurrent"
+
+
+def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None) -> InspectionReport:
+    """Find the TTT loops of ``model`` and say what each level 0–6 would make of them."""
+    layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
+    reports = []
+    for rl in layers:
+        program = rl.program.clone()
+        assign_roles(program)
+        analysis = analyze(program)
+        levels = {k: _level_verdict(rl, k) for k in range(MAX_LEVEL + 1)}
+        reports.append(_layer_report(rl, program, analysis, [], analysis.schedule
+                                     if analysis.reducible else "recurrent", "-",
+                                     analysis.reducible, [], levels=levels))
+    return InspectionReport(layers=reports, notes=notes)
+
+
+__all__ = ["convert", "inspect", "recognize"]

@@ -1,0 +1,109 @@
+"""The module a converted TTT layer becomes.
+
+A converted layer keeps its class (a subclass of it, so ``isinstance`` and parameter names are
+unchanged) and its parameters; only ``forward`` changes. It runs the layer's *outer graph* — the
+user's code around the loop, traced once and made shape-generic — with the loop replaced by
+``LoopModule``, which runs the rewritten program on the chosen schedule. Graphs are
+specialized per (batch, length) from templates on first use and cached, like a recompile; the
+user's Python loop is never run or re-traced again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .frontend.recognize import InputLayout, params_and_buffers
+from .frontend.rollup import LOOP_MODULE
+from .frontend.shapes import GraphTemplate
+from .ir import TTTProgram
+
+
+class LoopModule(torch.nn.Module):
+    """Runs a lowered plan in the place of the loop: ``(*states0, *invariants) -> (out, *finals)``."""
+
+    def __init__(self, program: TTTProgram, plan):
+        super().__init__()
+        self.program = program
+        self.plan = plan
+
+    def forward(self, *args):
+        n = len(self.program.states)
+        # the body was traced reading states a previous iteration produced (contiguous); an
+        # initial state may be an expanded or transposed view of a parameter
+        states0 = [s.contiguous() for s in args[:n]]
+        outputs, finals = self.plan(states0, list(args[n:]))
+        return (outputs[0], *finals)
+
+
+@dataclass
+class ConvertedState:
+    """Everything a converted layer needs at run time (kept out of ``state_dict``)."""
+
+    program: TTTProgram                 # rewritten program at the canonical batch size
+    body: GraphTemplate                 # its body, generic in the batch size
+    outer: GraphTemplate                # the code around the loop, generic in (B, L)
+    layout: InputLayout
+    build_plan: Any                     # (program) -> plan callable with .schedule/.implementation
+    schedule: str
+    implementation: str
+    _outer_cache: dict = field(default_factory=dict)
+    _loop_cache: dict = field(default_factory=dict)
+
+    def loop_for(self, B: int) -> LoopModule:
+        loop = self._loop_cache.get(B)
+        if loop is None:
+            program = dataclasses.replace(self.program.clone(), body=self.body.instantiate(B, 0))
+            loop = self._loop_cache[B] = LoopModule(program, self.build_plan(program))
+        return loop
+
+    def outer_for(self, B: int, L: int) -> torch.fx.GraphModule:
+        gm = self._outer_cache.get((B, L))
+        if gm is None:
+            gm = self.outer.instantiate(B, L)
+            if gm is self.outer.gm:
+                gm = torch.fx.GraphModule(self.outer.gm, self.outer.gm.graph)
+            setattr(gm, LOOP_MODULE, self.loop_for(B))
+            self._outer_cache[(B, L)] = gm
+        return gm
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        B, L = self.layout.sizes(flat)
+        return self.outer_for(B, L)(params_and_buffers(module), *flat)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _converted_forward(self, *args, **kwargs):
+    return self._ttt2la(self, args, kwargs)
+
+
+def converted_class(cls: type) -> type:
+    """``Converted<cls>``: the user's class with ``forward`` running the converted program."""
+    new = _CLASSES.get(cls)
+    if new is None:
+        new = type(f"Converted{cls.__name__}", (cls,),
+                   {"forward": _converted_forward, "__module__": cls.__module__,
+                    "__doc__": f"{cls.__name__} whose TTT loop runs as linear attention "
+                               "(converted by ttt2la)."})
+        _CLASSES[cls] = new
+    return new
+
+
+def install(module: torch.nn.Module, state: ConvertedState) -> None:
+    """Turn ``module`` into its converted class in place, keeping its parameters and names."""
+    module.__class__ = converted_class(type(module))
+    module._ttt2la = state
+
+
+def is_converted(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "_ttt2la", None), ConvertedState)
+
+
+__all__ = ["LoopModule", "ConvertedState", "install", "converted_class", "is_converted"]

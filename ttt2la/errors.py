@@ -1,0 +1,30 @@
+"""The errors ttt2la raises: each says what was found, where, and what to do."""
+from __future__ import annotations
+
+
+class ConversionError(Exception):
+    """Base class: a model could not be analysed or converted as asked."""
+
+
+class UnsupportedTTTError(ConversionError):
+    """The model has no test-time-training loop ttt2la understands, or one it cannot lower."""
+
+
+class NonReducibleError(ConversionError):
+    """A state update is not associative at the requested level, so it cannot run in parallel.
+
+    ``op`` is the aten op that breaks associativity, ``where`` its user source location
+    (``file:line``), ``state`` the carried state it updates and ``remedy`` the pass that removes it.
+    """
+
+    def __init__(self, message: str, *, state: str | None = None, op: str | None = None,
+                 where: str | None = None, remedy: str | None = None):
+        super().__init__(message)
+        self.state = state
+        self.op = op
+        self.where = where
+        self.remedy = remedy
+
+
+class LevelNotImplementedError(ConversionError, NotImplementedError):
+    """A simplification level whose passes do not exist yet was requested."""

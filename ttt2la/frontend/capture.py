@@ -1,0 +1,107 @@
+"""Tracing user code to aten graphs with the Python frames of every op.
+
+``trace(fn, *args)`` runs ``make_fx`` with compilation disabled (so functions decorated with
+``torch.compile`` trace like plain Python) and records, on every node, the user frames that
+produced it: ``node.meta[FRAMES]`` is a tuple of ``SourceLoc`` from outermost to innermost,
+``node.meta[SRC]`` the innermost one. Frames from torch itself and from ttt2la are dropped.
+The frames are what the loop recognizer uses to tell loop iterations apart.
+"""
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..ir import SRC, SourceLoc
+
+FRAMES = "ttt2la_frames"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def _is_user_file(path: str) -> bool:
+    if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR + os.sep + "frontend"):
+        return False
+    if path.startswith("<") and "ttt2la" not in path:
+        return path.startswith("<stdin>") or path.startswith("<string>")
+    return "site-packages/torch" not in path and "/contextlib.py" not in path \
+        and "/functools.py" not in path and "/typing.py" not in path
+
+
+@contextlib.contextmanager
+def _all_user_frames():
+    """Make fx keep every user frame in ``node.stack_trace`` (it keeps only ``forward`` ones)."""
+    from torch.fx.proxy import TracerBase
+
+    original = TracerBase._filter_traceback_frames
+
+    def keep_user(self, summary):
+        frames = [f for f in summary if _is_user_file(f.filename)]
+        return type(summary).from_list(frames)
+
+    TracerBase._filter_traceback_frames = keep_user
+    try:
+        yield
+    finally:
+        TracerBase._filter_traceback_frames = original
+
+
+@contextlib.contextmanager
+def _no_compile():
+    """Run ``torch.compile``-decorated code eagerly so that it traces like plain Python."""
+    import torch._dynamo
+
+    with torch.compiler.set_stance("force_eager"), \
+            torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        yield
+
+
+def parse_frames(stack_trace: str | None) -> tuple[SourceLoc, ...]:
+    if not stack_trace:
+        return ()
+    frames = []
+    for m in _FRAME_RE.finditer(stack_trace):
+        file, line, func = m.group("file"), int(m.group("line")), m.group("func")
+        code = linecache.getline(file, line).strip()
+        frames.append(SourceLoc(file, line, func, code))
+    return tuple(frames)
+
+
+def annotate_frames(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    cache: dict[str, tuple[SourceLoc, ...]] = {}
+    for node in gm.graph.nodes:
+        st = node.meta.get("stack_trace") or node.stack_trace
+        if st not in cache:
+            cache[st] = parse_frames(st)
+        frames = cache[st]
+        node.meta[FRAMES] = frames
+        if frames:
+            node.meta[SRC] = frames[-1]
+    return gm
+
+
+def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx.GraphModule:
+    """``make_fx(fn)(*args)`` with user frames on every node and compilation disabled.
+
+    The trace is functionalized (in-place writes such as ``out[:, i:i+C] = y`` become
+    ``slice_scatter``) and dead code is removed, so that every node is a pure function of its
+    inputs — what loop recognition, the passes and the executors all rely on.
+    """
+    pure = torch.func.functionalize(fn, remove="mutations")
+    with _no_compile(), _all_user_frames():
+        gm = make_fx(pure, tracing_mode=tracing_mode, record_stack_traces=True,
+                     _allow_non_fake_inputs=True)(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return annotate_frames(gm)
+
+
+__all__ = ["trace", "FRAMES", "parse_frames", "annotate_frames"]

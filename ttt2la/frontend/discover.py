@@ -1,0 +1,164 @@
+"""Find which submodules of a model run a Python loop, in one eager forward pass.
+
+Every submodule's first inputs are captured with forward hooks, and a ``TorchFunctionMode``
+notes, for every torch call, the innermost module running and the user frames of the call. A
+module *holds a loop* when some call ran inside a ``for``/``while`` body of a function called
+from that module's own ``forward`` (a parent looping over its children does not count). Chunk
+slices seen inside the loop (``x[:, i:i+C]`` or ``x[:, t]``) give the chunk size, so that the
+layer can then be traced at the smallest shape that shows a few iterations.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..ir import SourceLoc
+from .capture import _is_user_file, _no_compile
+from .loops import LoopSite, _loops_in_file
+
+
+@dataclass
+class LoopCandidate:
+    """A submodule whose forward (or a helper it calls) runs a loop."""
+
+    path: str
+    module: torch.nn.Module
+    loop: LoopSite
+    args: tuple
+    kwargs: dict
+    chunk_sizes: set[int] = field(default_factory=set)
+    slice_lengths: set[int] = field(default_factory=set)   # sequence length seen by the slices
+    ops: int = 0
+
+
+def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
+    f = sys._getframe(2)
+    out = []
+    while f is not None and len(out) < limit:
+        code = f.f_code
+        if _is_user_file(code.co_filename):
+            out.append((code.co_filename, f.f_lineno, code.co_name))
+        f = f.f_back
+    out.reverse()
+    return out
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, stack, sink):
+        super().__init__()
+        self.stack, self.sink = stack, sink
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.stack:
+            self.sink(self.stack[-1], func, args, _user_frames())
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_site(module: torch.nn.Module) -> tuple[str, str, int, int] | None:
+    fwd = type(module).forward
+    code = getattr(fwd, "__code__", None)
+    if code is None:
+        return None
+    try:
+        import inspect
+
+        lines, start = inspect.getsourcelines(fwd)
+    except (OSError, TypeError):
+        return None
+    return os.path.abspath(code.co_filename), code.co_name, start, start + len(lines)
+
+
+def _slice_info(func, args):
+    """Chunk size and sequence length of ``x[..., a:b]`` / ``x[..., t]`` on a tensor."""
+    if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
+        return None
+    x, idx = args[0], args[1]
+    if not isinstance(x, torch.Tensor):
+        return None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    dim = 0
+    for item in idx:
+        if item is Ellipsis:
+            dim = x.dim() - (len(idx) - 1 - idx.index(Ellipsis)) - 1
+        elif isinstance(item, slice):
+            if isinstance(item.start, int) and isinstance(item.stop, int) and item.step in (None, 1):
+                return item.stop - item.start, x.shape[dim]
+        elif isinstance(item, int):
+            return 1, x.shape[dim]
+        dim += 1
+    return None
+
+
+def discover(model: torch.nn.Module, example_inputs: tuple,
+             example_kwargs: dict | None = None) -> list[LoopCandidate]:
+    """Run ``model`` once and return the submodules that hold a loop, outermost first."""
+    paths = {m: p for p, m in model.named_modules()}
+    captured: dict[str, tuple] = {}
+    stack: list[str] = []
+    hooks = []
+
+    def pre(mod, args, kwargs):
+        path = paths[mod]
+        captured.setdefault(path, (args, kwargs))
+        stack.append(path)
+
+    def post(mod, args, kwargs, out):
+        stack.pop()
+
+    for m in paths:
+        hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(m.register_forward_hook(post, with_kwargs=True))
+
+    forward_sites = {p: _forward_site(m) for m, p in paths.items()}
+    found: dict[tuple[str, LoopSite], LoopCandidate] = {}
+    by_path = {p: m for m, p in paths.items()}
+
+    def sink(path, func, args, frames):
+        site = forward_sites.get(path)
+        if site is None:
+            return
+        file, name, lo, hi = site
+        start = None
+        for i, (f, line, fn) in enumerate(frames):
+            if os.path.abspath(f) == file and fn == name and lo <= line <= hi:
+                start = i
+        if start is None:
+            return
+        for f, line, fn in frames[start:]:
+            for loop in _loops_in_file(f):
+                if loop.contains(SourceLoc(f, line, fn)):
+                    key = (path, loop)
+                    cand = found.get(key)
+                    if cand is None:
+                        a, k = captured[path]
+                        cand = found[key] = LoopCandidate(path, by_path[path], loop, a, k)
+                    cand.ops += 1
+                    info = _slice_info(func, args)
+                    if info is not None:
+                        cand.chunk_sizes.add(info[0])
+                        cand.slice_lengths.add(info[1])
+
+    try:
+        with torch.no_grad(), _no_compile(), _Recorder(stack, sink):
+            model(*example_inputs, **(example_kwargs or {}))
+    finally:
+        for h in hooks:
+            h.remove()
+    # keep, per module, the outermost loop (nested loops such as Newton–Schulz live inside it)
+    per_module: dict[str, list[LoopCandidate]] = defaultdict(list)
+    for cand in found.values():
+        per_module[cand.path].append(cand)
+    out = []
+    for path, cands in per_module.items():
+        cands.sort(key=lambda c: -c.ops)
+        out.append(cands[0])
+    out.sort(key=lambda c: c.path.count("."))
+    return out
+
+
+__all__ = ["discover", "LoopCandidate"]

@@ -1,0 +1,138 @@
+"""Find the Python loops of a traced graph and split their unrolled copies into iterations.
+
+``make_fx`` unrolls a Python loop into one copy of its body per iteration. The frames recorded
+on every node (``capture.FRAMES``) say which user line produced it; the ``for``/``while``
+statements of the user's functions (read with ``ast``) say which lines are a loop body. A node
+belongs to a loop when one of its frames is a line of that loop's body in that function.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+from collections import Counter
+from dataclasses import dataclass
+
+import torch.fx
+
+from ..ir import SourceLoc
+from .capture import FRAMES
+
+
+@dataclass(frozen=True)
+class LoopSite:
+    """A ``for``/``while`` statement in user code."""
+
+    file: str
+    function: str
+    line: int          # the loop statement
+    body_start: int
+    body_end: int
+
+    def contains(self, frame: SourceLoc) -> bool:
+        return (frame.file == self.file and frame.function == self.function
+                and self.body_start <= frame.line <= self.body_end)
+
+    @property
+    def src(self) -> SourceLoc:
+        return SourceLoc(self.file, self.line, self.function,
+                         linecache.getline(self.file, self.line).strip())
+
+
+@functools.lru_cache(maxsize=256)
+def _loops_in_file(file: str) -> tuple[LoopSite, ...]:
+    lines = linecache.getlines(file)
+    if not lines:
+        return ()
+    try:
+        tree = ast.parse("".join(lines))
+    except SyntaxError:
+        return ()
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            fn = function
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                fn = getattr(child, "name", "<lambda>")
+            if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) and function is not None:
+                body = child.body
+                found.append(LoopSite(file, function, child.lineno, body[0].lineno,
+                                      max(getattr(b, "end_lineno", b.lineno) for b in body)))
+            visit(child, fn)
+
+    visit(tree, None)
+    return tuple(found)
+
+
+def node_frames(node: torch.fx.Node) -> tuple[SourceLoc, ...]:
+    return node.meta.get(FRAMES, ())
+
+
+def loop_depth(node: torch.fx.Node, loop: LoopSite) -> int | None:
+    """Index of the frame through which ``node`` is inside ``loop`` (None when it is not)."""
+    for depth, frame in enumerate(node_frames(node)):
+        if loop.contains(frame):
+            return depth
+    return None
+
+
+def find_loops(gm: torch.fx.GraphModule) -> list[tuple[LoopSite, int]]:
+    """Every loop some node of ``gm`` ran inside, with its frame depth, outermost first."""
+    seen: dict[LoopSite, int] = {}
+    for node in gm.graph.nodes:
+        for depth, frame in enumerate(node_frames(node)):
+            for loop in _loops_in_file(frame.file):
+                if loop.contains(frame):
+                    seen[loop] = min(seen.get(loop, depth), depth)
+    return sorted(seen.items(), key=lambda kv: (kv[1], kv[0].line))
+
+
+def iteration_key(node: torch.fx.Node, depth: int) -> tuple:
+    """What identifies the 'same' op in two iterations: target and frames from the loop inward."""
+    frames = node_frames(node)[depth:]
+    return (node.target, tuple((f.file, f.line) for f in frames))
+
+
+def count_iterations(nodes: list[torch.fx.Node]) -> int | None:
+    """How many iterations read the sequence: distinct offsets of the slices the loop takes.
+
+    Every iteration slices its chunk (or selects its token) of loop-invariant tensors at its
+    own offset, so the number of distinct offsets on one tensor is the number of iterations.
+    """
+    inside = set(nodes)
+    offsets: dict[tuple, set] = {}
+    for n in nodes:
+        if n.target in (torch.ops.aten.slice.Tensor, torch.ops.aten.select.int) \
+                and isinstance(n.args[0], torch.fx.Node) and n.args[0] not in inside \
+                and len(n.args) >= 3:
+            offsets.setdefault((n.args[0], n.args[1]), set()).add(n.args[2])
+    return max((len(v) for v in offsets.values()), default=None)
+
+
+def split_iterations(nodes: list[torch.fx.Node], depth: int,
+                     n_iter: int | None = None) -> list[list[torch.fx.Node]]:
+    """Split the nodes of an unrolled loop (in graph order) into ``n_iter`` iterations.
+
+    The first op key that occurs exactly ``n_iter`` times marks where each iteration begins (at
+    the same offset inside every iteration). Without ``n_iter``, the most common occurrence
+    count of the keys is taken for it.
+    """
+    if not nodes:
+        return []
+    keys = [iteration_key(n, depth) for n in nodes]
+    counts = Counter(keys)
+    if n_iter is None or n_iter not in counts.values():
+        n_iter = Counter(counts.values()).most_common(1)[0][0]
+    # Prefer a key that occurs exactly n_iter times and appears first.
+    marker_pos = next(i for i, k in enumerate(keys) if counts[k] == n_iter)
+    marker = keys[marker_pos]
+    starts = [i - marker_pos for i, k in enumerate(keys) if k == marker]
+    starts[0] = 0
+    starts = [max(s, 0) for s in starts] + [len(nodes)]
+    return [nodes[a:b] for a, b in zip(starts, starts[1:])]
+
+
+__all__ = ["LoopSite", "find_loops", "loop_depth", "split_iterations", "count_iterations",
+           "iteration_key",
+           "node_frames"]

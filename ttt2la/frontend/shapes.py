@@ -1,0 +1,160 @@
+"""Make traced graphs valid at every batch size and sequence length.
+
+A trace bakes sizes into op arguments (``view(x, [B*L, d])``, ``expand(w, [B, -1, -1])``). The
+recognizer traces each layer at three small shapes — ``(B0, L0)``, ``(B0, L1)``, ``(B1, L0)`` —
+and every integer argument that differs between them is fitted exactly by
+``a + b·B + c·L + e·B·L`` (two differences determine it; a cross term ``B·L`` is preferred when
+both sizes move it, as in a flattened ``[B*L, d]``). ``GraphTemplate.instantiate(B, L)`` then
+writes the sizes of any shape into a copy of the graph — a recompile, not a re-trace, so a
+converted model never unrolls the user's loop again.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..errors import UnsupportedTTTError
+
+
+@dataclass(frozen=True)
+class SizeExpr:
+    """``a + b·B + c·L + e·B·L``."""
+
+    a: int
+    b: int = 0
+    c: int = 0
+    e: int = 0
+
+    def __call__(self, B: int, L: int) -> int:
+        return self.a + self.b * B + self.c * L + self.e * B * L
+
+    def __str__(self) -> str:
+        terms = [f"{k}{'' if v == 1 else f'*{v}'}" if k else str(v)
+                 for k, v in (("", self.a), ("B", self.b), ("L", self.c), ("B*L", self.e)) if v]
+        return " + ".join(terms) or "0"
+
+
+def _int_slots(args, path=()):
+    """Yield (path, value) for every int inside nested args (bools excluded)."""
+    if isinstance(args, bool):
+        return
+    if isinstance(args, int):
+        yield path, args
+    elif isinstance(args, (list, tuple)):
+        for i, a in enumerate(args):
+            yield from _int_slots(a, path + (i,))
+    elif isinstance(args, dict):
+        for k, a in args.items():
+            yield from _int_slots(a, path + (k,))
+
+
+def _structure(args):
+    if isinstance(args, bool) or not isinstance(args, int):
+        if isinstance(args, (list, tuple)):
+            return type(args).__name__, tuple(_structure(a) for a in args)
+        if isinstance(args, dict):
+            return "dict", tuple((k, _structure(v)) for k, v in args.items())
+        if isinstance(args, torch.fx.Node):
+            return "node", args.name
+        return "const", repr(args)
+    return "int"
+
+
+def _set(args, path, value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(args, dict):
+        out = dict(args)
+        out[head] = _set(args[head], rest, value)
+        return out
+    seq = list(args)
+    seq[head] = _set(seq[head], rest, value)
+    return type(args)(seq) if isinstance(args, tuple) else seq
+
+
+def _fit(v0, vL, vB, B0, L0, L1, B1) -> SizeExpr | None:
+    dL, dB = vL - v0, vB - v0
+    if dL == 0 and dB == 0:
+        return SizeExpr(v0)
+    if dL and dB:
+        e, rem = divmod(dL, B0 * (L1 - L0))
+        if rem == 0 and e * L0 * (B1 - B0) == dB:
+            return SizeExpr(v0 - e * B0 * L0, 0, 0, e)
+    b, rb = divmod(dB, B1 - B0)
+    c, rc = divmod(dL, L1 - L0)
+    if rb or rc:
+        return None
+    return SizeExpr(v0 - b * B0 - c * L0, b, c, 0)
+
+
+class GraphTemplate:
+    """A graph whose integer size arguments are functions of the batch size and length."""
+
+    def __init__(self, gm: torch.fx.GraphModule, slots: dict[tuple[int, str, tuple], SizeExpr]):
+        self.gm = gm
+        self.slots = slots
+
+    @property
+    def generic(self) -> bool:
+        return any(e.b or e.c or e.e for e in self.slots.values())
+
+    def instantiate(self, B: int, L: int) -> torch.fx.GraphModule:
+        if not self.slots:
+            return self.gm
+        graph = copy.deepcopy(self.gm.graph)
+        nodes = list(graph.nodes)
+        for (i, where, path), expr in self.slots.items():
+            node = nodes[i]
+            if where == "args":
+                node.args = _set(node.args, path, expr(B, L))
+            else:
+                node.kwargs = _set(node.kwargs, path, expr(B, L))
+        for old, new in zip(self.gm.graph.nodes, graph.nodes):
+            new.meta = old.meta
+        gm = torch.fx.GraphModule(self.gm, graph)
+        return gm
+
+
+def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.fx.GraphModule,
+                 *, B0: int, L0: int, L1: int, B1: int, what: str) -> GraphTemplate:
+    """Fit a ``GraphTemplate`` from the same graph traced at (B0,L0), (B0,L1) and (B1,L0)."""
+    n0, nL, nB = (list(g.graph.nodes) for g in (g0, gL, gB))
+    if not (len(n0) == len(nL) == len(nB)):
+        raise UnsupportedTTTError(
+            f"the {what} has a different number of ops at different lengths or batch sizes "
+            f"({len(n0)}, {len(nL)}, {len(nB)}): its code branches on the input shape")
+    slots: dict = {}
+    for i, (a, b, c) in enumerate(zip(n0, nL, nB)):
+        if (a.op, a.target) != (b.op, b.target) or (a.op, a.target) != (c.op, c.target):
+            raise UnsupportedTTTError(
+                f"the {what} runs different ops at different shapes ({a.format_node()} vs "
+                f"{b.format_node()}): its code branches on the input shape")
+        for where in ("args", "kwargs"):
+            xa, xb, xc = getattr(a, where), getattr(b, where), getattr(c, where)
+            sa = list(_int_slots(xa))
+            sb, sc = dict(_int_slots(xb)), dict(_int_slots(xc))
+            if len(sa) != len(sb) or len(sa) != len(sc):
+                raise UnsupportedTTTError(f"the {what} changes structure with the input shape "
+                                          f"at {a.format_node()}")
+            for path, v0 in sa:
+                vL, vB = sb.get(path), sc.get(path)
+                if vL is None or vB is None:
+                    raise UnsupportedTTTError(f"the {what} changes structure with the input "
+                                              f"shape at {a.format_node()}")
+                if v0 == vL == vB:
+                    continue
+                expr = _fit(v0, vL, vB, B0, L0, L1, B1)
+                if expr is None:
+                    raise UnsupportedTTTError(
+                        f"the size argument {path} of {a.format_node()} in the {what} is not "
+                        f"an affine function of batch size and length ({v0}, {vL}, {vB} at "
+                        f"B,L = ({B0},{L0}), ({B0},{L1}), ({B1},{L0}))")
+                slots[(i, where, path)] = expr
+    return GraphTemplate(g0, slots)
+
+
+__all__ = ["GraphTemplate", "SizeExpr", "fit_template"]

@@ -1,0 +1,213 @@
+"""The intermediate representation of one recognized TTT inner loop: ``TTTProgram``.
+
+A program is the loop *body* as an aten-level ``torch.fx.GraphModule`` plus what the frontend
+learned about it: which body inputs are carried states, chunk streams or loop invariants, the
+chunk size, the update/apply order and where every node came from in the user's source.
+
+Body calling convention (every pass and every executor relies on it)::
+
+    body(*states_in, *streams, *invariants) -> (*states_out, *chunk_outputs)
+
+* ``states_in[i]`` / ``states_out[i]`` — the carried value before / after one chunk
+  (fast weights, momentum buffers), described by ``program.states[i]``.
+* ``streams[i]`` — the slice of a loop-invariant tensor that belongs to the current chunk,
+  described by ``program.streams[i]``: ``source`` (index into the invariants the slice is
+  taken from), ``axis`` (token axis of that source) and ``per_token`` (``select`` — the token
+  axis is removed — rather than a ``slice`` of ``chunk_size`` tokens).
+* ``invariants[i]`` — tensors the loop reads unchanged in every iteration (projections, lrs,
+  initial norms, Θ when frozen ...), described by ``program.invariants[i]``. The whole
+  sequences that streams are sliced from are invariants too (the body may not use them
+  directly: their placeholders are then simply unused), so ``invariants`` is everything an
+  executor needs besides the initial states.
+* ``chunk_outputs[i]`` — what one chunk contributes to the layer output, concatenated over
+  chunks along ``program.outputs[i].axis`` (or stacked there when ``per_token``).
+
+Placeholders carry ``node.meta[KIND]`` (``"state" | "stream" | "invariant"``) and
+``node.meta[NAME]``; every node that came from user code carries ``node.meta[SRC]``, a
+``SourceLoc`` of the innermost user frame that produced it.
+
+Iteration semantics over ``N = ceil(L / chunk_size)`` chunks (``N = L`` for per-token loops)::
+
+    S = initial_states
+    for j in range(N):
+        S_next, Y_j = body(S, X_j, P)
+        if order == "exclusive":   # chunk j is read through the state left by chunks < j
+            ...Y_j only reads S (the states before the update)
+        if j < N - 1 or last_chunk == "update":
+            S = S_next
+    final_states = S
+
+``order`` is ``"exclusive"`` when the chunk outputs depend only on ``states_in`` (LaCT's
+apply-then-update) and ``"inclusive"`` when they read ``states_out`` (update-then-apply, the
+per-token TTT form). ``last_chunk`` is ``"apply_only"`` when the last chunk is applied without
+updating (LaCT), ``"update"`` otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.fx
+
+KIND = "ttt2la_kind"
+NAME = "ttt2la_name"
+SRC = "ttt2la_src"
+
+StateRole = Literal["final", "theta", "momentum", "other"]
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    """One user source line: where an op, a loop or a state update was written."""
+
+    file: str
+    line: int
+    function: str
+    code: str = ""
+
+    @property
+    def short_file(self) -> str:
+        parts = self.file.replace("\\", "/").split("/")
+        return "/".join(parts[-2:]) if len(parts) > 1 else self.file
+
+    def __str__(self) -> str:
+        return f"{self.short_file}:{self.line} in {self.function}"
+
+    def full(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}: {self.code}".rstrip(": ")
+
+
+@dataclass
+class StateSpec:
+    """A loop-carried tensor. ``role`` is filled by ``ttt2la.analysis.roles``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: StateRole = "other"
+    src: SourceLoc | None = None          # where the loop writes it
+
+
+@dataclass
+class StreamSpec:
+    """A per-chunk slice of an invariant tensor (q, k, v, lr, momentum gates ...)."""
+
+    name: str
+    source: int                            # index into ``TTTProgram.invariants``
+    axis: int                              # token axis of the source tensor
+    per_token: bool = False                # ``select`` of one token instead of a slice
+    role: str = ""                         # "q", "k", "v", "lr", "momentum" ... (for reports)
+
+
+@dataclass
+class InvariantSpec:
+    """A tensor every iteration reads unchanged."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class OutputSpec:
+    """A per-chunk output, joined over chunks along ``axis`` of the assembled tensor."""
+
+    name: str
+    axis: int
+    per_token: bool = False
+
+
+@dataclass
+class TTTProgram:
+    """One recognized TTT inner loop, ready for passes, analysis and lowering."""
+
+    body: torch.fx.GraphModule
+    states: list[StateSpec]
+    streams: list[StreamSpec]
+    invariants: list[InvariantSpec]
+    outputs: list[OutputSpec]
+    chunk_size: int
+    order: Literal["exclusive", "inclusive"] = "exclusive"
+    last_chunk: Literal["apply_only", "update"] = "update"
+    module_path: str = ""
+    loop_src: SourceLoc | None = None      # the ``for`` statement
+    function: str = ""                     # function that holds the loop
+    notes: list[str] = field(default_factory=list)
+
+    # -- body plumbing shared by passes, analysis and executors --------------------------
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.body.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> torch.fx.Node:
+        return next(n for n in reversed(self.body.graph.nodes) if n.op == "output")
+
+    def state_inputs(self) -> list[torch.fx.Node]:
+        return [n for n in self.placeholders() if n.meta.get(KIND) == "state"]
+
+    def stream_inputs(self) -> list[torch.fx.Node]:
+        return [n for n in self.placeholders() if n.meta.get(KIND) == "stream"]
+
+    def invariant_inputs(self) -> list[torch.fx.Node]:
+        return [n for n in self.placeholders() if n.meta.get(KIND) == "invariant"]
+
+    def state_outputs(self) -> list[torch.fx.Node]:
+        return list(self.output_node().args[0][: len(self.states)])
+
+    def chunk_outputs(self) -> list[torch.fx.Node]:
+        return list(self.output_node().args[0][len(self.states):])
+
+    def set_outputs(self, states_out, chunk_outputs) -> None:
+        """Replace the body's returned values (used by passes), then clean up the graph."""
+        out = self.output_node()
+        out.args = (tuple(states_out) + tuple(chunk_outputs),)
+        self.recompile()
+
+    def recompile(self) -> None:
+        self.body.graph.eliminate_dead_code()
+        self.body.graph.lint()
+        self.body.recompile()
+
+    def state_index(self, name: str) -> int:
+        return next(i for i, s in enumerate(self.states) if s.name == name)
+
+    def states_with_role(self, role: str) -> list[int]:
+        return [i for i, s in enumerate(self.states) if s.role == role]
+
+    def clone(self) -> "TTTProgram":
+        """A deep copy whose body graph can be rewritten without touching this one."""
+        import copy
+
+        body = torch.fx.GraphModule(self.body, copy.deepcopy(self.body.graph))
+        for old, new in zip(self.body.graph.nodes, body.graph.nodes):
+            new.meta = dict(old.meta)
+        return dataclasses.replace(
+            self,
+            body=body,
+            states=[dataclasses.replace(s) for s in self.states],
+            streams=[dataclasses.replace(s) for s in self.streams],
+            invariants=[dataclasses.replace(s) for s in self.invariants],
+            outputs=[dataclasses.replace(s) for s in self.outputs],
+            notes=list(self.notes),
+        )
+
+
+def node_src(node: torch.fx.Node) -> SourceLoc | None:
+    return node.meta.get(SRC)
+
+
+def describe_node(node: torch.fx.Node) -> str:
+    """``aten.mul.Tensor at lact.py:88 in fn`` — how reports and errors name an op."""
+    target = getattr(node.target, "__name__", None) or str(node.target)
+    if hasattr(node.target, "_schema"):
+        target = str(node.target).replace("aten::", "aten.")
+    src = node_src(node)
+    return f"{target} at {src}" if src is not None else target
+
+
+__all__ = [
+    "KIND", "NAME", "SRC", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
+    "OutputSpec", "TTTProgram", "node_src", "describe_node",
+]

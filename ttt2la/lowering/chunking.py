@@ -1,0 +1,109 @@
+"""Cut a program's stream sources into per-chunk tensors and join chunk outputs back together.
+
+A chunked stream of length ``L`` along its token axis is zero-padded to ``N·C`` (``N =
+ceil(L/C)``) and given a leading chunk axis, so chunk ``j`` is ``X[j]`` with ``C`` tokens at the
+original axis; a per-token stream is the source with its token axis moved to the front
+(``N = L``). Outputs go the other way: concatenated (stacked, per token) along
+``OutputSpec.axis`` and cut back to ``L``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedTTTError
+from ..ir import OutputSpec, StreamSpec, TTTProgram
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a sequence of length ``length`` splits: ``n_chunks`` chunks, ``tail`` real tokens in
+    the last one (``chunk_size`` when it is full; always 1 for per-token loops)."""
+
+    length: int
+    chunk_size: int
+    n_chunks: int
+    per_token: bool
+
+    @property
+    def tail(self) -> int:
+        if self.per_token:
+            return 1
+        return self.length - (self.n_chunks - 1) * self.chunk_size
+
+    @property
+    def partial(self) -> bool:
+        return not self.per_token and self.tail != self.chunk_size
+
+
+def stream_length(program: TTTProgram, invariants: list[torch.Tensor]) -> int:
+    """``L``: the common length of every stream source along its token axis."""
+    if not program.streams:
+        raise UnsupportedTTTError(
+            "This loop reads no chunk streams, so the number of chunks cannot be derived from "
+            "the inputs; the recognizer must describe at least one stream.")
+    lengths = {}
+    for spec in program.streams:
+        src = invariants[spec.source]
+        lengths[spec.name] = src.shape[spec.axis % src.dim()]
+    if len(set(lengths.values())) != 1:
+        raise UnsupportedTTTError(
+            f"The chunk streams of this loop have different lengths {lengths}; every stream "
+            f"must be sliced from a sequence of the same length.")
+    length = next(iter(lengths.values()))
+    if length < 1:
+        raise UnsupportedTTTError("The sequence is empty (length 0); there is nothing to run.")
+    return length
+
+
+def chunk_layout(program: TTTProgram, invariants: list[torch.Tensor]) -> ChunkLayout:
+    """The chunk count and tail for the given invariants (the stream sources among them)."""
+    length = stream_length(program, invariants)
+    per_token = any(s.per_token for s in program.streams)
+    if per_token and not all(s.per_token for s in program.streams):
+        raise UnsupportedTTTError("A loop mixes per-token and per-chunk streams; ttt2la expects one kind.")
+    c = program.chunk_size
+    n = length if per_token else -(-length // c)
+    return ChunkLayout(length, c, n, per_token)
+
+
+def chunk_stream(source: torch.Tensor, spec: StreamSpec, layout: ChunkLayout) -> torch.Tensor:
+    """``[N, *chunk shape]``: the stream's chunks stacked on a new leading axis."""
+    axis = spec.axis % source.dim()
+    if spec.per_token:
+        return source.movedim(axis, 0)
+    padded_len = layout.n_chunks * layout.chunk_size
+    extra = padded_len - source.shape[axis]
+    if extra:
+        pad = [0, 0] * (source.dim() - 1 - axis) + [0, extra]
+        source = F.pad(source, pad)
+    return source.unflatten(axis, (layout.n_chunks, layout.chunk_size)).movedim(axis, 0)
+
+
+def chunk_streams(program: TTTProgram, invariants: list[torch.Tensor]
+                  ) -> tuple[list[torch.Tensor], ChunkLayout]:
+    """Every stream of ``program`` as ``[N, *chunk shape]``, with the layout it was cut by."""
+    layout = chunk_layout(program, invariants)
+    return [chunk_stream(invariants[s.source], s, layout) for s in program.streams], layout
+
+
+def assemble_output(chunks: torch.Tensor, spec: OutputSpec, layout: ChunkLayout) -> torch.Tensor:
+    """Join ``[N, *chunk output]`` along ``spec.axis`` and cut the padding back to ``L``."""
+    if spec.per_token or layout.per_token:
+        axis = spec.axis % chunks.dim()
+        return chunks.movedim(0, axis)
+    axis = spec.axis % (chunks.dim() - 1)
+    joined = chunks.movedim(0, axis).flatten(axis, axis + 1)
+    return joined.narrow(axis, 0, layout.length)
+
+
+def assemble_outputs(program: TTTProgram, chunk_outputs: list[torch.Tensor],
+                     layout: ChunkLayout) -> list[torch.Tensor]:
+    """Every chunk output of ``program`` joined over chunks (see ``assemble_output``)."""
+    return [assemble_output(y, spec, layout) for y, spec in zip(chunk_outputs, program.outputs)]
+
+
+__all__ = ["ChunkLayout", "stream_length", "chunk_layout", "chunk_stream", "chunk_streams",
+           "assemble_output", "assemble_outputs"]

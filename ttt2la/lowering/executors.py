@@ -1,0 +1,421 @@
+"""Generic executors of a ``TTTProgram``: the recurrent reference and the chunk-parallel schedules.
+
+``recurrent`` runs the body in a Python loop over chunks, exactly as ``ttt2la.ir`` defines the
+iteration. ``parallel`` and ``semi-parallel`` split the body along the checker's state order:
+
+* each state, in topological order, gets its whole sequence ``S_0 … S_N`` at once — a constant,
+  a batched recomputation, a prefix sum of batched increments (``S + f``), an affine scan of
+  batched coefficient/increment pairs (``a⊙S + f``; the increment is the update at ``S = 0``, the
+  coefficient its derivative there), or, for matrix-affine and state-local updates, a sequential
+  pass over chunks of only the small state-dependent subgraph with everything it reads
+  precomputed in one batch;
+* then every chunk output at once, given the state sequences.
+
+Batches are ``torch.func.vmap`` over the chunk axis (invariants unbatched); everything stays on
+autograd, so the converted model trains and its gradients match the recurrent executor's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.func import jvp, vmap
+
+from ..analysis.associativity import Analysis, analyze
+from ..errors import UnsupportedTTTError
+from ..ir import TTTProgram
+from ..testing import tolerance
+from .chunking import ChunkLayout, assemble_outputs, chunk_streams
+
+SCHEDULES = ("parallel", "semi-parallel", "recurrent")
+_Value = tuple[torch.Tensor, bool]          # a tensor and whether it has a leading chunk axis
+
+
+# --------------------------------------------------------------------------------------------
+# graph surgery
+
+
+def extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
+            outputs: Sequence[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """A graph computing ``outputs`` from the ``inputs`` it actually needs (in ``inputs`` order).
+
+    Returns the module and the list of inputs it takes. Every path back from an output must end
+    in one of ``inputs`` or a constant; a graph placeholder outside ``inputs`` is a bug.
+    """
+    boundary = set(inputs)
+    needed, used, stack = set(), set(), [o for o in outputs if isinstance(o, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in boundary:
+            used.add(n)
+            continue
+        if n in needed:
+            continue
+        if n.op == "placeholder":
+            raise RuntimeError(f"extract: {n.name} is needed but not provided")
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    taken = [n for n in dict.fromkeys(inputs) if n in used]
+    for n in taken:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in body.graph.nodes:
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
+    return torch.fx.GraphModule(body, graph), taken
+
+
+def _call_batched(fn, values: list[_Value], n_chunks: int) -> tuple[list[torch.Tensor], bool]:
+    """``fn`` over the chunk axis of the batched values: one ``vmap``, or a loop if vmap fails.
+
+    Returns the outputs (each with a leading chunk axis) and whether the loop fallback ran.
+    """
+    args = [v for v, _ in values]
+    dims = tuple(0 if b else None for _, b in values)
+    if all(d is None for d in dims):
+        out = fn(*args)
+        return [o.unsqueeze(0).expand(n_chunks, *o.shape) for o in out], False
+    try:
+        return list(vmap(fn, in_dims=dims)(*args)), False
+    except (RuntimeError, NotImplementedError, ValueError):
+        per_chunk = [fn(*[a[j] if d == 0 else a for a, d in zip(args, dims)])
+                     for j in range(n_chunks)]
+        return [torch.stack(o) for o in zip(*per_chunk)], True
+
+
+# --------------------------------------------------------------------------------------------
+# padding of a partial last chunk
+
+
+def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
+                    invariants: Sequence[torch.Tensor], layout: ChunkLayout) -> str | None:
+    """What the zero padding of a partial last chunk would change, or ``None`` when it is inert.
+
+    Probes the body once at random states and tokens: the padded tokens must not move, to first
+    order, the real tokens' outputs nor (when the last chunk updates) any state-out. This finds
+    chunk means (a momentum gate averaged over the chunk), attention across the chunk's tokens
+    and value terms of an MSE loss with a biased kernel; a padded token that enters linearly
+    through a single stream (a running key sum) is reported too, conservatively.
+    """
+    tail, c = layout.tail, layout.chunk_size
+    gen_device = states0[0].device if states0 else invariants[0].device
+    gen = torch.Generator(device=gen_device).manual_seed(0)
+
+    def randn(shape, like):
+        return torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32).to(like.dtype)
+
+    with torch.inference_mode(False), torch.enable_grad():
+        invs = [x.detach().clone() for x in invariants]
+        states = [randn(s.shape, s) if s.is_floating_point() else s.detach().clone() for s in states0]
+        reals, pads, chunks = [], [], []
+        for spec in program.streams:
+            src = invs[spec.source]
+            axis = spec.axis % src.dim()
+            shape = list(src.shape)
+            shape[axis] = tail
+            real = randn(shape, src)
+            shape[axis] = c - tail
+            pad = torch.zeros(shape, dtype=src.dtype, device=src.device)
+            if src.is_floating_point():
+                real.requires_grad_(True)
+                pad.requires_grad_(True)
+                reals.append(real)
+                pads.append(pad)
+            chunks.append(torch.cat([real, pad], dim=axis))
+        if not pads:
+            return None
+        res = program.body(*states, *chunks, *invs)
+        n_s = len(program.states)
+        targets = []
+        if program.last_chunk == "update":
+            targets += [(f"the update of state {program.states[i].name}", res[i])
+                        for i in range(n_s)]
+        for spec, y in zip(program.outputs, res[n_s:]):
+            if isinstance(y, torch.Tensor) and y.dim() > 0:
+                targets.append((f"the chunk output {spec.name}",
+                                y.narrow(spec.axis % y.dim(), 0, tail)))
+        for what, y in targets:
+            if not isinstance(y, torch.Tensor) or not y.requires_grad:
+                continue
+            u = randn(y.shape, y)
+            grads = torch.autograd.grad((y * u).sum(), pads + reals, allow_unused=True,
+                                        retain_graph=True)
+            norms = [0.0 if g is None else float(g.double().norm()) for g in grads]
+            pad_norm = sum(v * v for v in norms[:len(pads)]) ** 0.5
+            ref = sum(v * v for v in norms[len(pads):]) ** 0.5
+            if pad_norm > tolerance(y.dtype) * ref or (ref == 0 and pad_norm > 0):
+                return what
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+
+
+@dataclass
+class _StateStep:
+    """How one strongly connected group of states gets its sequence."""
+
+    states: list[int]
+    mode: str
+    graph: torch.fx.GraphModule | None = None
+    inputs: list[torch.fx.Node] = field(default_factory=list)
+    frontier_graph: torch.fx.GraphModule | None = None
+    frontier_inputs: list[torch.fx.Node] = field(default_factory=list)
+    frontier: list[torch.fx.Node] = field(default_factory=list)
+    computed: list[torch.fx.Node] = field(default_factory=list)
+
+
+class Plan:
+    """A lowered program: ``plan(states0, invariants) -> (outputs, final_states)``.
+
+    ``schedule`` is the schedule it runs, ``implementation`` a short description for reports.
+    """
+
+    def __init__(self, program: TTTProgram, analysis: Analysis, schedule: str):
+        self.program = program
+        self.analysis = analysis
+        self.schedule = schedule
+        self.fallbacks: set[str] = set()
+        self._padding_checked: dict[int, str | None] = {}
+        self._steps: list[_StateStep] = []
+        self._outputs_graph = None
+        self._outputs_inputs: list[torch.fx.Node] = []
+        if schedule != "recurrent":
+            self._build()
+
+    # -- construction ------------------------------------------------------------------------
+    def _build(self) -> None:
+        prog, dep = self.program, self.analysis.dependence
+        ins, outs = prog.state_inputs(), prog.state_outputs()
+        available = [*prog.stream_inputs(), *prog.invariant_inputs()]
+        for group, mode in zip(self.analysis.groups, self.analysis.group_modes):
+            step = _StateStep(list(group), mode)
+            if mode == "recurrent":
+                raise AssertionError("a recurrent group in a chunk-parallel plan")
+            if mode in ("prefix", "affine", "independent"):
+                (t,) = group
+                step.graph, step.inputs = extract(prog.body, available + [ins[t]], [outs[t]])
+            elif mode == "sequential":
+                members = set(group)
+                own_ins = [ins[t] for t in group]
+                boundary = set(available) | set(own_ins)
+                local, stack = set(), [outs[t] for t in group]
+                while stack:
+                    n = stack.pop()
+                    if n in local or n in boundary or not (dep.states_of(n) & members):
+                        continue
+                    local.add(n)
+                    stack.extend(n.all_input_nodes)
+                frontier = []
+                for n in prog.body.graph.nodes:
+                    if n in local:
+                        frontier += [a for a in n.all_input_nodes
+                                     if a not in local and a not in own_ins and a not in frontier]
+                for t in group:
+                    if outs[t] not in local and outs[t] not in own_ins and outs[t] not in frontier:
+                        frontier.append(outs[t])
+                computed = [n for n in frontier if n not in available]
+                step.frontier, step.computed = frontier, computed
+                if computed:
+                    step.frontier_graph, step.frontier_inputs = extract(prog.body, available,
+                                                                        computed)
+                step.graph, step.inputs = extract(prog.body, own_ins + frontier,
+                                                  [outs[t] for t in group])
+            self._steps.append(step)
+            for t in group:
+                available.append(ins[t])
+                if outs[t].op != "placeholder" and outs[t] not in available:
+                    available.append(outs[t])
+        self._outputs_graph, self._outputs_inputs = extract(prog.body, available,
+                                                            prog.chunk_outputs())
+
+    @property
+    def implementation(self) -> str:
+        if self.schedule == "recurrent":
+            return "torch(recurrent loop)"
+        seq = [self.program.states[t].name for s in self._steps if s.mode == "sequential"
+               for t in s.states]
+        detail = f"; sequential: {', '.join(seq)}" if seq else ""
+        loop = "; loop fallback" if self.fallbacks else ""
+        return f"torch.vmap({self.schedule}{detail}{loop})"
+
+    # -- running -----------------------------------------------------------------------------
+    def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        prog = self.program
+        if len(states0) != len(prog.states):
+            raise ValueError(f"expected {len(prog.states)} initial states "
+                             f"({', '.join(s.name for s in prog.states)}), got {len(states0)}")
+        if len(invariants) != len(prog.invariants):
+            raise ValueError(f"expected {len(prog.invariants)} invariants, got {len(invariants)}")
+        streams, layout = chunk_streams(prog, list(invariants))
+        if layout.partial:
+            self._check_padding(states0, invariants, layout)
+        if self.schedule == "recurrent":
+            chunk_outs, finals = self._run_recurrent(list(states0), streams, list(invariants),
+                                                     layout)
+        else:
+            chunk_outs, finals = self._run_parallel(list(states0), streams, list(invariants),
+                                                    layout)
+        return assemble_outputs(prog, chunk_outs, layout), finals
+
+    def _check_padding(self, states0, invariants, layout: ChunkLayout) -> None:
+        if layout.tail not in self._padding_checked:
+            self._padding_checked[layout.tail] = padding_problem(self.program, states0,
+                                                                 invariants, layout)
+        what = self._padding_checked[layout.tail]
+        if what is not None:
+            c = layout.chunk_size
+            hint = " or an apply-only last chunk" if self.program.last_chunk == "update" else ""
+            raise UnsupportedTTTError(
+                f"The last chunk is partial (L = {layout.length} with chunk size {c}: "
+                f"{layout.tail} real token(s) padded with {c - layout.tail} zero(s)), and the "
+                f"zero padding changes {what} — the padded tokens are not inert (a mean over the "
+                f"chunk, attention across its tokens, or a bias on an empty token). Use a length "
+                f"that is a multiple of {c}{hint}.")
+
+    def _run_recurrent(self, states, streams, invariants, layout):
+        prog = self.program
+        n_s = len(prog.states)
+        per_output: list[list[torch.Tensor]] = [[] for _ in prog.outputs]
+        for j in range(layout.n_chunks):
+            res = prog.body(*states, *[x[j] for x in streams], *invariants)
+            for k, y in enumerate(res[n_s:]):
+                per_output[k].append(y)
+            if j < layout.n_chunks - 1 or prog.last_chunk == "update":
+                states = list(res[:n_s])
+        return [torch.stack(ys) for ys in per_output], states
+
+    def _run_parallel(self, states0, streams, invariants, layout):
+        prog = self.program
+        n = layout.n_chunks
+        n_upd = n if prog.last_chunk == "update" else n - 1
+        ins, outs = prog.state_inputs(), prog.state_outputs()
+        env: dict[torch.fx.Node, _Value] = {}
+        for ph, x in zip(prog.stream_inputs(), streams):
+            env[ph] = (x, True)
+        for ph, p in zip(prog.invariant_inputs(), invariants):
+            env[ph] = (p, False)
+        finals: list[torch.Tensor | None] = [None] * len(prog.states)
+        for step in self._steps:
+            afters = self._sequence(step, env, states0, n)
+            for t, after in zip(step.states, afters):
+                s0 = states0[t]
+                before = torch.cat([s0.unsqueeze(0), after[:-1]]) if n > 1 else s0.unsqueeze(0)
+                finals[t] = after[n_upd - 1] if n_upd > 0 else s0
+                env[ins[t]] = (before, True)
+                if outs[t].op != "placeholder" and outs[t] not in env:
+                    env[outs[t]] = (after, True)
+        values = [env[i] for i in self._outputs_inputs]
+        chunk_outs, fell_back = _call_batched(self._outputs_graph, values, n)
+        if fell_back:
+            self.fallbacks.add("outputs")
+        return chunk_outs, finals
+
+    def _sequence(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
+        """``[S_1 … S_N]`` (the state after each chunk) for every state of the group."""
+        ins = self.program.state_inputs()
+        if step.mode == "constant":
+            (t,) = step.states
+            return [states0[t].unsqueeze(0).expand(n, *states0[t].shape)]
+        if step.mode in ("prefix", "independent", "affine"):
+            (t,) = step.states
+            s0 = states0[t]
+            zero = torch.zeros_like(s0)
+            values = [(zero, False) if i is ins[t] else env[i] for i in step.inputs]
+            if step.mode == "affine":
+                f, a = self._affine_terms(step, values, t, s0, n)
+                from ..runtime import affine_scan
+                return [affine_scan(a, f, s0, dim=0)]
+            (f,), fell_back = _call_batched(step.graph, values, n)
+            if fell_back:
+                self.fallbacks.add(self.program.states[t].name)
+            if step.mode == "independent":
+                return [f]
+            from ..runtime import prefix_sum
+            return [prefix_sum(f, dim=0, initial=s0)]
+        return self._sequential(step, env, states0, n)
+
+    def _affine_terms(self, step: _StateStep, values, t: int, s0: torch.Tensor, n: int):
+        """Per chunk ``f = F(0)`` and ``a = ∂F/∂S·1`` of a scalar-affine update ``F(S) = a⊙S + f``."""
+        ins = self.program.state_inputs()
+        k = step.inputs.index(ins[t]) if ins[t] in step.inputs else None
+        graph = step.graph
+        zero, one = torch.zeros_like(s0), torch.ones_like(s0)
+
+        def terms(*args):
+            if k is None:
+                (f,) = graph(*args)
+                return f, torch.zeros_like(f)
+
+            def update(state):
+                full = list(args)
+                full[k] = state
+                return graph(*full)[0]
+
+            return jvp(update, (zero,), (one,))
+
+        (f, a), fell_back = _call_batched(terms, values, n)
+        if fell_back:
+            self.fallbacks.add(self.program.states[t].name)
+        return f, a
+
+    def _sequential(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
+        frontier_values: dict[torch.fx.Node, _Value] = {}
+        if step.frontier_graph is not None:
+            vals, fell_back = _call_batched(step.frontier_graph,
+                                            [env[i] for i in step.frontier_inputs], n)
+            if fell_back:
+                self.fallbacks.add("frontier")
+            frontier_values = {node: (v, True) for node, v in zip(step.computed, vals)}
+        ins = self.program.state_inputs()
+        state = {ins[t]: states0[t] for t in step.states}
+        afters: list[list[torch.Tensor]] = [[] for _ in step.states]
+        for j in range(n):
+            args = []
+            for i in step.inputs:
+                if i in state:
+                    args.append(state[i])
+                else:
+                    v, batched = frontier_values.get(i) or env[i]
+                    args.append(v[j] if batched else v)
+            res = step.graph(*args)
+            for k, t in enumerate(step.states):
+                state[ins[t]] = res[k]
+                afters[k].append(res[k])
+        return [torch.stack(a) for a in afters]
+
+
+def lower(program: TTTProgram, analysis: Analysis | None = None, backend: str = "auto",
+          schedule: str | None = None) -> Plan:
+    """Plan ``program`` for execution: the analysis' schedule unless ``schedule`` asks for a less
+    parallel one (asking for a more parallel one raises ``NonReducibleError``)."""
+    if backend not in ("auto", "torch"):
+        raise UnsupportedTTTError(
+            f"Backend {backend!r} has no generic lowering: generic loop bodies run with torch "
+            f"(vmap over chunks); use backend='torch' or 'auto'.")
+    if analysis is None:
+        analysis = analyze(program)
+    elif analysis.program.body.graph is not program.body.graph:
+        raise ValueError("the analysis belongs to a different program; call analyze(program)")
+    schedule = schedule or analysis.schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    analysis.require_schedule(schedule)
+    return Plan(program, analysis, schedule)
+
+
+def execute(program: TTTProgram, analysis: Analysis | None, states0: Sequence[torch.Tensor],
+            invariants: Sequence[torch.Tensor], schedule: str | None = None
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run ``program`` over the whole sequence: ``(outputs, final_states)`` (see ``lower``)."""
+    return lower(program, analysis, schedule=schedule)(states0, invariants)
+
+
+__all__ = ["Plan", "lower", "execute", "extract", "padding_problem", "SCHEDULES"]

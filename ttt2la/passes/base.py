@@ -1,0 +1,183 @@
+"""What every simplification pass shares: the ``Pass`` interface, its result, the step registry.
+
+A pass rewrites a ``TTTProgram`` in place and reports one of three outcomes: ``applied``,
+``already_satisfied`` (nothing to change, so still exact) or ``not_applicable`` (the program has
+nothing the pass is about). ``exact`` is declared per pass (does it preserve the function?) and a
+result is exact unless the pass changed something it cannot preserve. ``run_level`` applies
+steps 1..level of the paper in order on a clone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.fx
+
+from ..errors import LevelNotImplementedError
+from ..ir import TTTProgram
+
+PassStatus = Literal["applied", "already_satisfied", "not_applicable"]
+MAX_LEVEL = 6
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """The outcome of one pass on one program, as the report shows it."""
+
+    name: str
+    step: int
+    status: PassStatus
+    exact: bool
+    reason: str
+
+
+class Pass:
+    """One of the paper's simplification steps, rewriting a program's body in place.
+
+    Subclasses set ``name``, ``step`` and ``exact`` and implement ``run``; ``requires`` and
+    ``ensures`` check the pre- and postconditions around it (as torch.fx's ``PassBase`` does).
+    """
+
+    name: str = ""
+    step: int = 0
+    exact: bool = True
+    implemented: bool = True
+
+    def requires(self, program: TTTProgram) -> None:
+        """Raise when ``program`` is not something this pass can run on."""
+
+    def ensures(self, program: TTTProgram) -> None:
+        """Raise when the pass left ``program`` without the property it promises."""
+
+    def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        raise NotImplementedError
+
+    def __call__(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        self.requires(program)
+        result = self.run(program, calibration)
+        self.ensures(program)
+        return result
+
+    def result(self, status: PassStatus, reason: str) -> PassResult:
+        """A ``PassResult`` whose ``exact`` follows from the status and the declared ``exact``."""
+        exact = self.exact if status == "applied" else True
+        return PassResult(self.name, self.step, status, exact, reason)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(step={self.step}, name={self.name!r}, exact={self.exact})"
+
+
+class PendingPass(Pass):
+    """A step of the paper whose pass is not written yet: running it raises."""
+
+    implemented = False
+
+    def __init__(self, step: int, name: str, exact: bool = False):
+        self.step, self.name, self.exact = step, name, exact
+
+    def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        raise LevelNotImplementedError(
+            f"Step {self.step} ({self.name}) is not implemented yet, so levels >= {self.step} "
+            f"cannot be applied; use level <= {self.step - 1}.")
+
+
+_REGISTRY: dict[int, Pass] = {
+    3: PendingPass(3, "collapse_mlp"),
+    4: PendingPass(4, "absorb_lr"),
+    5: PendingPass(5, "remove_momentum"),
+    6: PendingPass(6, "remove_muon"),
+}
+
+
+def register(pass_: Pass) -> Pass:
+    """Make ``pass_`` the pass of its step (replacing a pending placeholder)."""
+    if not 1 <= pass_.step <= MAX_LEVEL:
+        raise ValueError(f"a pass step must be in 1..{MAX_LEVEL}, got {pass_.step}")
+    _REGISTRY[pass_.step] = pass_
+    return pass_
+
+
+def get_pass(step: int) -> Pass:
+    """The pass registered for ``step`` (1..6)."""
+    if step not in _REGISTRY:
+        raise KeyError(f"no pass registered for step {step}")
+    return _REGISTRY[step]
+
+
+def passes_for_level(level: int) -> list[Pass]:
+    """Steps 1..level in paper order; ``ValueError`` outside 0..6, ``LevelNotImplementedError``
+    when one of them is not written yet."""
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+        raise ValueError(f"level must be an integer in 0..{MAX_LEVEL}, got {level!r}")
+    passes = [get_pass(step) for step in range(1, level + 1)]
+    missing = [p for p in passes if not p.implemented]
+    if missing:
+        p = missing[0]
+        raise LevelNotImplementedError(
+            f"Level {level} needs step {p.step} ({p.name}), which is not implemented yet; "
+            f"use level <= {p.step - 1}.")
+    return passes
+
+
+def run_level(program: TTTProgram, level: int, calibration: Any = None
+              ) -> tuple[TTTProgram, list[PassResult]]:
+    """Apply steps 1..level to a clone of ``program``; returns the clone and one result per step.
+
+    Roles are inferred first when none were assigned (every state ``other``).
+    """
+    passes = passes_for_level(level)
+    program = program.clone()
+    if program.states and all(s.role == "other" for s in program.states):
+        from ..analysis.roles import assign_roles
+        assign_roles(program)
+    results = [p(program, calibration) for p in passes]
+    return program, results
+
+
+def _state_reach(program: TTTProgram) -> dict[torch.fx.Node, frozenset[int]]:
+    """For every node, the state-ins it is computed from."""
+    index = {n: i for i, n in enumerate(program.state_inputs())}
+    reach: dict[torch.fx.Node, frozenset[int]] = {}
+    for node in program.body.graph.nodes:
+        own = frozenset([index[node]]) if node in index else frozenset()
+        reach[node] = own.union(*(reach[n] for n in node.all_input_nodes))
+    return reach
+
+
+def remove_dead_states(program: TTTProgram) -> list[str]:
+    """Drop carried states that influence no chunk output and no live state; returns their names.
+
+    The calling convention stays intact: the state's placeholder, its state-out slot and its
+    ``StateSpec`` go together, and the now-dead update computation is eliminated.
+    """
+    outs, chunk_outs = program.state_outputs(), program.chunk_outputs()
+    reach = _state_reach(program)
+
+    def reads(value) -> frozenset[int]:
+        return reach.get(value, frozenset()) if isinstance(value, torch.fx.Node) else frozenset()
+
+    live = set().union(*(reads(o) for o in chunk_outs)) if chunk_outs else set()
+    changed = True
+    while changed:
+        changed = False
+        for i in list(live):
+            for j in reads(outs[i]) - live:
+                live.add(j)
+                changed = True
+    dead = [i for i in range(len(program.states)) if i not in live]
+    if not dead:
+        return []
+    ins = program.state_inputs()
+    names = [program.states[i].name for i in dead]
+    program.set_outputs([o for i, o in enumerate(outs) if i in live], chunk_outs)
+    for i in dead:
+        if ins[i].users:
+            raise RuntimeError(f"state {program.states[i].name} is still read after removal")
+        program.body.graph.erase_node(ins[i])
+    program.states = [s for i, s in enumerate(program.states) if i in live]
+    program.recompile()
+    return names
+
+
+__all__ = ["Pass", "PassResult", "PassStatus", "PendingPass", "register", "get_pass",
+           "passes_for_level", "run_level", "remove_dead_states", "MAX_LEVEL"]

@@ -1,0 +1,363 @@
+"""What a conversion or an inspection found, per layer and per pass: the user's proof the rewrite is right.
+
+``ConversionReport`` is attached to every converted model as ``converted.ttt2la_report``;
+``InspectionReport`` is what ``ttt2la.inspect`` returns. Both render three ways: a rich table per
+layer (``print(report)`` or ``rich.print(report)``), Markdown (``to_markdown()``) and a versioned,
+JSON-serialisable dict (``to_dict()`` / ``from_dict()``) for tools and CI logs.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from .errors import ConversionError
+
+#: Version of the dict / JSON schema written by ``to_dict``; bump it when a field changes meaning.
+SCHEMA_VERSION = 1
+
+#: Levels a report can speak about: 0 (as written) to 6 (standard linear attention), paper Table 2.
+LEVELS = range(7)
+
+
+class ReportFormatError(ConversionError, ValueError):
+    """A serialised report could not be read: wrong schema version, wrong kind or a missing field."""
+
+
+@dataclass
+class PassRecord:
+    """One pass of the level's pipeline on one layer: what it did and whether the function is unchanged.
+
+    ``status`` is ``applied``, ``already_satisfied`` (nothing to change, still exact) or
+    ``not_applicable``; ``drift`` holds what a lossy pass measured (e.g. ``rel_rms_error``).
+    """
+
+    step: int
+    name: str
+    status: str
+    exact: bool
+    reason: str
+    drift: dict | None = None
+
+
+@dataclass
+class StateRecord:
+    """One loop-carried state and the update rule the associativity checker recovered for it."""
+
+    name: str
+    role: str
+    update_rule: str
+    dependence: str
+
+
+@dataclass
+class LayerReport:
+    """Everything found about one recognized TTT loop and what was done to it."""
+
+    module_path: str
+    function: str
+    loop_src: str
+    chunk_size: int
+    order: str
+    last_chunk: str
+    states: list[StateRecord]
+    streams: list[str]
+    passes: list[PassRecord]
+    schedule: str
+    runtime: str
+    reducible: bool
+    exact: bool
+    notes: list[str] = field(default_factory=list)
+    levels: dict[int, str] | None = None
+    check: dict | None = None
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict (level keys become strings, as JSON requires)."""
+        d = asdict(self)
+        if self.levels is not None:
+            d["levels"] = {str(k): v for k, v in self.levels.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerReport":
+        """Rebuild a layer report from ``to_dict``'s output (or the same dict after a JSON round trip)."""
+        try:
+            fields = dict(d)
+            fields["states"] = [StateRecord(**s) for s in d["states"]]
+            fields["passes"] = [PassRecord(**p) for p in d["passes"]]
+            fields["streams"] = list(d["streams"])
+            fields["notes"] = list(d.get("notes", []))
+            if d.get("levels") is not None:
+                fields["levels"] = {int(k): v for k, v in d["levels"].items()}
+            return cls(**fields)
+        except (KeyError, TypeError, ValueError) as e:
+            where = d.get("module_path", "?") if isinstance(d, dict) else "?"
+            raise ReportFormatError(
+                f"the report entry for layer {where!r} is malformed ({e}); "
+                "re-create the report with this version of ttt2la") from e
+
+    # -- renderings -----------------------------------------------------------------------
+    @property
+    def title(self) -> str:
+        return f"{self.module_path or '<model>'}: loop in {self.function} ({self.loop_src})"
+
+    def to_markdown(self, heading: str = "##") -> str:
+        """This layer as a Markdown section: facts, passes, states, levels, check and notes."""
+        lines = [f"{heading} `{self.module_path or '<model>'}`", ""]
+        lines += [
+            f"- loop: `{self.function}` at `{self.loop_src}`",
+            f"- chunk size {self.chunk_size}, order {self.order}, last chunk {self.last_chunk}",
+            f"- streams: {', '.join(f'`{s}`' for s in self.streams) or 'none'}",
+            f"- schedule: **{self.schedule}** on runtime `{self.runtime}`",
+            f"- reducible: {_yes_no(self.reducible)}; exact: {_yes_no(self.exact)}",
+        ]
+        if self.passes:
+            lines += ["", "| step | pass | status | exact | reason | drift |",
+                      "|---:|---|---|---|---|---|"]
+            lines += [f"| {p.step} | `{p.name}` | {p.status} | {_yes_no(p.exact)} | "
+                      f"{_md_cell(p.reason)} | {_md_cell(_format_mapping(p.drift))} |"
+                      for p in self.passes]
+        if self.states:
+            lines += ["", "| state | role | update rule | dependence |", "|---|---|---|---|"]
+            lines += [f"| `{s.name}` | {s.role} | `{_md_cell(s.update_rule)}` | "
+                      f"{_md_cell(s.dependence)} |" for s in self.states]
+        if self.levels:
+            lines += ["", "| level | verdict |", "|---:|---|"]
+            lines += [f"| {k} | {_md_cell(v)} |" for k, v in sorted(self.levels.items())]
+        if self.check:
+            lines += ["", f"Check: {_format_mapping(self.check)}"]
+        if self.notes:
+            lines += [""] + [f"> {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __rich__(self) -> Group:
+        facts = Text.assemble(
+            ("loop ", "dim"), f"{self.function} at {self.loop_src}",
+            ("  chunk ", "dim"), str(self.chunk_size),
+            ("  order ", "dim"), self.order,
+            ("  last chunk ", "dim"), self.last_chunk,
+            ("\nstreams ", "dim"), ", ".join(self.streams) or "none",
+            ("\nschedule ", "dim"), (self.schedule, "bold"),
+            ("  runtime ", "dim"), self.runtime,
+            ("  reducible ", "dim"), _yes_no(self.reducible),
+            ("  exact ", "dim"), (_yes_no(self.exact), "green" if self.exact else "yellow"),
+        )
+        parts: list[Any] = [Text(self.title, style="bold"), facts]
+        if self.passes:
+            passes = Table("step", "pass", "status", "exact", "reason", "drift",
+                           box=box.SIMPLE_HEAD, title="passes", title_justify="left")
+            for p in self.passes:
+                passes.add_row(str(p.step), p.name, p.status,
+                               Text(_yes_no(p.exact), style="green" if p.exact else "yellow"),
+                               p.reason, _format_mapping(p.drift))
+            parts.append(passes)
+        if self.states:
+            states = Table("state", "role", "update rule", "dependence",
+                           box=box.SIMPLE_HEAD, title="states", title_justify="left")
+            for s in self.states:
+                states.add_row(s.name, s.role, s.update_rule, s.dependence)
+            parts.append(states)
+        if self.levels:
+            levels = Table("level", "verdict", box=box.SIMPLE_HEAD, title="levels",
+                           title_justify="left")
+            for k, v in sorted(self.levels.items()):
+                levels.add_row(str(k), v)
+            parts.append(levels)
+        if self.check:
+            parts.append(Text.assemble(("check ", "dim"), _format_mapping(self.check)))
+        parts += [Text(f"note: {n}", style="italic") for n in self.notes]
+        return Group(*parts)
+
+
+@dataclass
+class ConversionReport:
+    """The report of one ``ttt2la.convert`` call: the level asked for and one ``LayerReport`` per loop."""
+
+    level: int
+    layers: list[LayerReport]
+    backend: str
+    strict: bool
+    notes: list[str] = field(default_factory=list)
+
+    kind = "conversion"
+
+    @property
+    def exact(self) -> bool:
+        """True when every converted layer computes the same function as the original."""
+        return all(layer.exact for layer in self.layers)
+
+    @property
+    def summary(self) -> str:
+        """One line in the tone of a dry-run report: how many layers converted exactly, and how."""
+        n, n_exact = len(self.layers), sum(layer.exact for layer in self.layers)
+        line = (f"{n_exact} of {n} TTT layer{'s' if n != 1 else ''} converted exactly "
+                f"at level {self.level} (backend {self.backend}, strict={self.strict})")
+        schedules = _count(layer.schedule for layer in self.layers)
+        return line + (f"; schedules: {schedules}" if schedules else "")
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict with a ``version`` field (see ``SCHEMA_VERSION``)."""
+        return {"version": SCHEMA_VERSION, "kind": self.kind, "level": self.level,
+                "backend": self.backend, "strict": self.strict, "exact": self.exact,
+                "notes": list(self.notes), "layers": [layer.to_dict() for layer in self.layers]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ConversionReport":
+        """Rebuild a report from ``to_dict``'s output; refuses other schema versions and kinds."""
+        _check_header(d, cls.kind)
+        try:
+            return cls(level=int(d["level"]), backend=d["backend"], strict=bool(d["strict"]),
+                       notes=list(d.get("notes", [])),
+                       layers=[LayerReport.from_dict(layer) for layer in d["layers"]])
+        except KeyError as e:
+            raise ReportFormatError(f"the conversion report has no {e} field; re-create it "
+                                    "with this version of ttt2la") from e
+
+    def to_markdown(self) -> str:
+        """The whole report as a Markdown document (a summary line, then one section per layer)."""
+        return _markdown("ttt2la conversion report", self.summary, self.notes, self.layers)
+
+    def __rich__(self) -> Group:
+        return _rich("ttt2la conversion report", self.summary, self.notes, self.layers)
+
+    def __str__(self) -> str:
+        return render_text(self)
+
+
+@dataclass
+class InspectionReport:
+    """What ``ttt2la.inspect`` found: every recognized TTT loop and what each level would give it."""
+
+    layers: list[LayerReport]
+    notes: list[str] = field(default_factory=list)
+
+    kind = "inspection"
+
+    @property
+    def summary(self) -> str:
+        """One line: how many TTT loops were found and the lowest level at which each runs in parallel."""
+        n = len(self.layers)
+        line = f"{n} TTT layer{'s' if n != 1 else ''} found"
+        first = _count(_first_parallel_level(layer) for layer in self.layers)
+        return line + (f"; parallel from: {first}" if first else "")
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict with a ``version`` field (see ``SCHEMA_VERSION``)."""
+        return {"version": SCHEMA_VERSION, "kind": self.kind, "notes": list(self.notes),
+                "layers": [layer.to_dict() for layer in self.layers]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "InspectionReport":
+        """Rebuild a report from ``to_dict``'s output; refuses other schema versions and kinds."""
+        _check_header(d, cls.kind)
+        try:
+            return cls(layers=[LayerReport.from_dict(layer) for layer in d["layers"]],
+                       notes=list(d.get("notes", [])))
+        except KeyError as e:
+            raise ReportFormatError(f"the inspection report has no {e} field; re-create it "
+                                    "with this version of ttt2la") from e
+
+    def to_markdown(self) -> str:
+        """The whole report as a Markdown document (a summary line, then one section per layer)."""
+        return _markdown("ttt2la inspection report", self.summary, self.notes, self.layers)
+
+    def __rich__(self) -> Group:
+        return _rich("ttt2la inspection report", self.summary, self.notes, self.layers)
+
+    def __str__(self) -> str:
+        return render_text(self)
+
+
+def load_report(d: dict) -> ConversionReport | InspectionReport:
+    """Rebuild whichever report ``d`` holds (its ``kind`` field says which)."""
+    kinds = {cls.kind: cls for cls in (ConversionReport, InspectionReport)}
+    kind = d.get("kind") if isinstance(d, dict) else None
+    if kind not in kinds:
+        raise ReportFormatError(f"not a ttt2la report: its kind is {kind!r}, expected one of "
+                                f"{sorted(kinds)}")
+    return kinds[kind].from_dict(d)
+
+
+def render_text(renderable: Any, width: int = 120) -> str:
+    """Render a rich renderable to plain text (no colours, no terminal needed)."""
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None, force_terminal=False,
+            legacy_windows=False, soft_wrap=False).print(renderable)
+    return buffer.getvalue()
+
+
+# -- shared rendering helpers ---------------------------------------------------------------
+def _check_header(d: Any, kind: str) -> None:
+    if not isinstance(d, dict):
+        raise ReportFormatError(f"a {kind} report must be a dict, got {type(d).__name__}")
+    version = d.get("version")
+    if version != SCHEMA_VERSION:
+        raise ReportFormatError(f"this {kind} report has schema version {version!r}; this "
+                                f"version of ttt2la reads version {SCHEMA_VERSION} only")
+    if d.get("kind", kind) != kind:
+        raise ReportFormatError(f"expected a {kind} report, got a {d.get('kind')} report; "
+                                "use ttt2la.report.load_report to read either")
+
+
+def _markdown(title: str, summary: str, notes: list[str], layers: list[LayerReport]) -> str:
+    parts = [f"# {title}", "", summary]
+    if notes:
+        parts += [""] + [f"> {n}" for n in notes]
+    for layer in layers:
+        parts += ["", layer.to_markdown()]
+    return "\n".join(parts) + "\n"
+
+
+def _rich(title: str, summary: str, notes: list[str], layers: list[LayerReport]) -> Group:
+    parts: list[Any] = [Text(title, style="bold underline"), Text(summary)]
+    parts += [Text(f"note: {n}", style="italic") for n in notes]
+    for layer in layers:
+        parts += [Text(""), layer]
+    return Group(*parts)
+
+
+def _first_parallel_level(layer: LayerReport) -> str:
+    for level, verdict in sorted((layer.levels or {}).items()):
+        if verdict.startswith(("parallel", "semi-parallel")):
+            return f"level {level} ({verdict.split(':')[0]})"
+    return "recurrent only"
+
+
+def _count(items: Iterable[str]) -> str:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return ", ".join(f"{k} \u00d7{v}" for k, v in counts.items())
+
+
+def _format_mapping(m: dict | None) -> str:
+    if not m:
+        return ""
+    return ", ".join(f"{k}={_format_value(v)}" for k, v in m.items())
+
+
+def _format_value(v: Any) -> str:
+    if isinstance(v, float) and math.isfinite(v) and v != 0 and not 1e-3 <= abs(v) < 1e4:
+        return f"{v:.3e}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _md_cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+__all__ = ["SCHEMA_VERSION", "ReportFormatError", "PassRecord", "StateRecord", "LayerReport",
+           "ConversionReport", "InspectionReport", "load_report", "render_text"]

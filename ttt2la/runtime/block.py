@@ -1,0 +1,127 @@
+"""Block (chunk-level) TTT-as-linear-attention in plain torch: LaCT's update rule, chunk-parallel.
+
+Every chunk's increment ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)`` is state-independent, so the op runs as
+
+1. all increments in one batched matmul;
+2. momentum as an affine scan over the increments (``scan.affine_scan``), never a cumulative
+   product of momentum factors that is divided out later;
+3. Newton–Schulz on every chunk's ``M_j`` in one batched call;
+4. the state pass: one ``cumsum`` over chunks (*parallel*), or, with ``weight_norm``, a loop
+   over chunks doing only ``W ← norm(W + Δ_j)`` (*semi-parallel*; the norm is not associative,
+   but this is exact and O(N·Dk·Dv));
+5. all outputs in one batched matmul against the stacked per-chunk states.
+
+Precision: bf16/fp16 inputs accumulate in fp32. fp32 inputs with Muon accumulate in float64:
+Newton–Schulz's Jacobian amplifies perturbations of ``M`` (and of the gradient flowing back into
+it) by up to ``3.4445^steps`` ≈ 480, so fp32 rounding of the increments or of the output
+gradients alone leaves results ~3e-5 from exact, above the fp32 tolerance. Without Muon, fp32
+stays fp32.
+
+Measured on CPU (``benchmarks/runtime_cpu.py``): ``cumsum`` beats a sequential state loop at
+every chunk count, and the Appendix-H masked form ``((ΦQ ΦKᵀ) ⊙ mask) U`` only wins when the
+whole sequence is shorter than about the feature size, where both take microseconds — so only
+the state form is kept.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttt2la.runtime.naive import (check_block_inputs, compute_dtype, effective_value,
+                                  final_state_dtype, WEIGHT_NORM_EPS)
+from ttt2la.runtime.newton_schulz import newton_schulz
+from ttt2la.runtime.scan import affine_scan, prefix_sum
+
+
+def block_compute_dtype(dtype: torch.dtype, muon_steps: int) -> torch.dtype:
+    """The dtype the block op accumulates in (float64 for fp32 with Muon: see the module note)."""
+    if muon_steps > 0 and dtype == torch.float32:
+        return torch.float64
+    return compute_dtype(dtype)
+
+
+def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
+    """``[B, T, ...] → [B, n, chunk_size, ...]``, zero-padding the tokens after ``T``."""
+    pad = n * chunk_size - x.shape[1]
+    if pad > 0:
+        x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
+    elif pad < 0:
+        x = x[:, :n * chunk_size]
+    return x.reshape(x.shape[0], n, chunk_size, *x.shape[2:])
+
+
+def normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Rescale every column ``W[..., :, c]`` of ``[B, H, Dk, Dv]`` states to norm ``target[..., c]``."""
+    norms = torch.linalg.vector_norm(W, dim=-2, keepdim=True)
+    return W / (norms + WEIGHT_NORM_EPS) * target.unsqueeze(-2)
+
+
+def chunk_increments(phi_k: torch.Tensor, u: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
+    """``G_j = φ(K_j)ᵀ U_j`` for the first ``n`` chunks, ``[B, n, H, Dk, Dv]``, in one matmul."""
+    kc = split_chunks(phi_k, n, chunk_size).permute(0, 1, 3, 4, 2)  # [B, n, H, Dk, C]
+    uc = split_chunks(u, n, chunk_size).transpose(2, 3)  # [B, n, H, C, Dv]
+    return kc @ uc
+
+
+def _semi_parallel_states(delta: torch.Tensor, W0: torch.Tensor | None,
+                          weight_norm: torch.Tensor) -> torch.Tensor:
+    W = W0
+    states = []
+    for d in delta.unbind(1):
+        W = normalise_columns(d if W is None else W + d, weight_norm)
+        states.append(W)
+    return torch.stack(states, dim=1)
+
+
+def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
+                                 momentum=None, muon_steps=0, weight_norm=None,
+                                 initial_state=None, output_final_state=False):
+    """Chunk-parallel block linear attention; same contract as ``naive_block_linear_attention``.
+
+    Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``; exact (up to rounding)
+    for every option combination, differentiable through autograd.
+    """
+    n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
+                           momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
+                           initial_state=initial_state)
+    dt = block_compute_dtype(v.dtype, muon_steps)
+    B, T, H, Dk = phi_k.shape
+    Dv = v.shape[-1]
+    C = T if order == "full" else chunk_size
+    n_update = n - 1 if order == "exclusive" else n
+    W0 = None if initial_state is None else initial_state.to(dt)
+
+    if n_update > 0:
+        u = effective_value(v.to(dt), None if lr is None else lr.to(dt))
+        M = chunk_increments(phi_k.to(dt), u, n_update, C)
+        if momentum is not None and n_update > 1:
+            M = affine_scan(momentum[:, :n_update].to(dt)[..., None, None], M, dim=1)
+        delta = newton_schulz(M, muon_steps) if muon_steps > 0 else M
+        if weight_norm is None:
+            states = prefix_sum(delta, dim=1, initial=W0)
+        else:
+            states = _semi_parallel_states(delta, W0, weight_norm.to(dt))
+    else:
+        states = torch.zeros(B, 0, H, Dk, Dv, dtype=dt, device=v.device)
+
+    if order == "exclusive":
+        first = (torch.zeros(B, 1, H, Dk, Dv, dtype=dt, device=v.device) if W0 is None
+                 else W0.unsqueeze(1))
+        read = torch.cat([first, states], dim=1)
+    else:
+        read = states
+    qc = split_chunks(phi_q.to(dt), n, C).transpose(2, 3)  # [B, n, H, C, Dk]
+    o = (qc @ read).transpose(2, 3).reshape(B, n * C, H, Dv)[:, :T]
+
+    final = None
+    if output_final_state:
+        if n_update > 0:
+            final = states[:, -1]
+        else:
+            final = W0 if W0 is not None else torch.zeros(B, H, Dk, Dv, dtype=dt, device=v.device)
+        final = final.to(final_state_dtype(v, initial_state))
+    return o.to(v.dtype), final
+
+
+__all__ = ["torch_block_linear_attention", "chunk_increments", "normalise_columns",
+           "split_chunks"]

@@ -1,0 +1,126 @@
+"""The public runtime ops and the choice of the implementation that runs them.
+
+``backend``: ``"naive"`` (the references in ``naive.py``), ``"torch"`` (``block.py``,
+``chunk.py``), ``"triton"`` (``ttt2la.runtime.triton``) or ``"auto"``: Triton when every tensor
+is on CUDA, triton imports and the Triton package says it supports the call, else torch.
+
+The Triton package is imported lazily and may be absent or incomplete. It takes part when it
+exposes ``block_linear_attention`` / ``chunk_linear_attention`` with the same contracts as the
+torch ops, and ``supports(op, *tensors, **options) -> bool`` with ``op`` in
+``("block", "chunk")``, the positional tensors of the op and its keyword options.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ttt2la.errors import UnsupportedTTTError
+from ttt2la.runtime.block import torch_block_linear_attention
+from ttt2la.runtime.chunk import torch_chunk_linear_attention
+from ttt2la.runtime.naive import (RuntimeInputError, naive_block_linear_attention,
+                                  naive_chunk_linear_attention)
+
+BACKENDS = ("auto", "torch", "triton", "naive")
+OPS = ("block", "chunk")
+
+_TORCH = {"block": torch_block_linear_attention, "chunk": torch_chunk_linear_attention}
+_NAIVE = {"block": naive_block_linear_attention, "chunk": naive_chunk_linear_attention}
+
+
+def _triton_module():
+    try:
+        import triton  # noqa: F401
+        return importlib.import_module("ttt2la.runtime.triton")
+    except Exception:  # absent, or broken on this machine: fall back to torch
+        return None
+
+
+def _triton_op(op: str):
+    module = _triton_module()
+    if module is None:
+        return None, None
+    return getattr(module, f"{op}_linear_attention", None), getattr(module, "supports", None)
+
+
+def _triton_supports(op: str, tensors, options) -> bool:
+    fn, supports = _triton_op(op)
+    if fn is None or supports is None:
+        return False
+    try:
+        return bool(supports(op, *tensors, **options))
+    except Exception:
+        return False
+
+
+def _all_cuda(tensors, options) -> bool:
+    found = [t for t in (*tensors, *options.values()) if isinstance(t, torch.Tensor)]
+    return bool(found) and all(t.is_cuda for t in found)
+
+
+def select_backend(op: str, *tensors, backend: str = "auto", **options) -> str:
+    """Resolve ``backend`` to the one that will run ``op`` on these tensors and options."""
+    if op not in OPS:
+        raise RuntimeInputError(f"unknown runtime op {op!r}; expected one of {OPS}")
+    if backend not in BACKENDS:
+        raise RuntimeInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if _all_cuda(tensors, options) and _triton_supports(op, tensors, options) \
+            else "torch"
+    if backend == "triton" and not _triton_supports(op, tensors, options):
+        raise UnsupportedTTTError(
+            f"backend='triton' was requested for the {op} op, but triton or "
+            f"ttt2la.runtime.triton is unavailable or does not support these shapes/options; "
+            f"use backend='auto' or 'torch'")
+    return backend
+
+
+def _run(op: str, tensors, options, backend: str):
+    chosen = select_backend(op, *tensors, backend=backend, **options)
+    if chosen == "triton":
+        fn = _triton_op(op)[0]
+    else:
+        fn = (_TORCH if chosen == "torch" else _NAIVE)[op]
+    return fn(*tensors, **options)
+
+
+def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
+                           momentum=None, muon_steps=0, weight_norm=None, initial_state=None,
+                           output_final_state=False, backend="auto"):
+    """LaCT-style block TTT as linear attention (see ``naive_block_linear_attention``).
+
+    Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
+    """
+    options = dict(chunk_size=chunk_size, order=order, lr=lr, momentum=momentum,
+                   muon_steps=muon_steps, weight_norm=weight_norm, initial_state=initial_state,
+                   output_final_state=output_final_state)
+    return _run("block", (phi_q, phi_k, v), options, backend)
+
+
+def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
+                           initial_state=None, output_final_state=False, backend="auto"):
+    """Token-causal gated linear attention ``o_t = scale · q_t S_t`` (scale None means 1.0).
+
+    Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
+    """
+    options = dict(chunk_size=chunk_size, log_decay=log_decay, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state)
+    return _run("chunk", (q, k, v), options, backend)
+
+
+def implementation_name(op: str, *tensors, backend: str = "auto", **options) -> str:
+    """What runs ``op`` on these inputs, for the conversion report: e.g.
+    ``"torch.block(semi-parallel)"``, ``"torch.block(parallel)"``, ``"triton.chunk"``.
+    """
+    chosen = select_backend(op, *tensors, backend=backend, **options)
+    if op == "chunk":
+        return "naive.chunk(recurrent)" if chosen == "naive" else f"{chosen}.chunk"
+    if chosen == "naive":
+        schedule = "recurrent"
+    else:
+        schedule = "semi-parallel" if options.get("weight_norm") is not None else "parallel"
+    return f"{chosen}.block({schedule})"
+
+
+__all__ = ["block_linear_attention", "chunk_linear_attention", "implementation_name",
+           "select_backend", "BACKENDS"]

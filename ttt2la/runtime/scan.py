@@ -1,0 +1,115 @@
+"""Scans over the chunk axis: prefix sums and the affine recurrence ``S_j = a_j ⊙ S_{j-1} + f_j``.
+
+The affine scan carries momentum over chunk increments and decayed states over chunk
+boundaries. It never forms a cumulative product that is divided out later (that underflows to
+0/0 over long sequences): the doubling form composes ``(a, f)`` pairs, so decay products are only
+ever multiplied and an underflow to 0 is the correct limit.
+
+Strategy (``benchmarks/runtime_cpu.py``, CPU, 2 threads): the sequential loop wins for short
+scans and for small per-step states; the log-depth doubling scan wins once there are many steps
+of a small state, where Python overhead dominates the loop. ``method="auto"`` picks by
+``SEQUENTIAL_MAX_STEPS`` and the state size; on CUDA the doubling scan is used from fewer steps
+on, since kernel launches cost more than the extra arithmetic.
+"""
+from __future__ import annotations
+
+import torch
+
+#: Scans with at most this many steps run the sequential loop on CPU.
+SEQUENTIAL_MAX_STEPS = 16
+#: On CPU, states with more elements than this per step keep the sequential loop at any length.
+DOUBLING_MAX_STEP_NUMEL = 1 << 16
+
+
+def prefix_sum(f: torch.Tensor, *, dim: int = 1, initial: torch.Tensor | None = None,
+               exclusive: bool = False) -> torch.Tensor:
+    """``S_j = initial + Σ_{i≤j} f_i`` along ``dim`` (``exclusive``: ``Σ_{i<j}``), as one cumsum."""
+    dim = dim % f.dim()
+    S = torch.cumsum(f, dim=dim)
+    if exclusive:
+        S = torch.cat([torch.zeros_like(S.narrow(dim, 0, 1)), S.narrow(dim, 0, S.shape[dim] - 1)],
+                      dim=dim)
+    if initial is not None:
+        S = S + initial.unsqueeze(dim)
+    return S
+
+
+def _align(a: torch.Tensor, f: torch.Tensor, dim: int) -> torch.Tensor:
+    """Left-pad ``a`` to ``f``'s rank and give it ``f``'s length along the scan axis."""
+    while a.dim() < f.dim():
+        a = a.unsqueeze(0)
+    if a.shape[dim] != f.shape[dim]:
+        a = a.expand(*[f.shape[dim] if d == dim else s for d, s in enumerate(a.shape)])
+    return a
+
+
+def _fold_initial(a, f, initial, dim):
+    if initial is None:
+        return f
+    first = f.narrow(dim, 0, 1) + a.narrow(dim, 0, 1) * initial.unsqueeze(dim)
+    return torch.cat([first, f.narrow(dim, 1, f.shape[dim] - 1)], dim=dim)
+
+
+def affine_scan_sequential(a: torch.Tensor, f: torch.Tensor, *, dim: int = 1,
+                           initial: torch.Tensor | None = None) -> torch.Tensor:
+    """``S_j = a_j ⊙ S_{j-1} + f_j`` by a loop over ``dim`` (O(N) steps, O(N) work)."""
+    dim = dim % f.dim()
+    a = _align(a, f, dim)
+    S = initial
+    out = []
+    for a_j, f_j in zip(a.unbind(dim), f.unbind(dim)):
+        S = f_j if S is None else a_j * S + f_j
+        out.append(S)
+    return torch.stack(out, dim=dim)
+
+
+def affine_scan_doubling(a: torch.Tensor, f: torch.Tensor, *, dim: int = 1,
+                         initial: torch.Tensor | None = None) -> torch.Tensor:
+    """``S_j = a_j ⊙ S_{j-1} + f_j`` by recursive doubling (⌈log₂ N⌉ steps, O(N log N) work).
+
+    Step ``d`` composes every pair with the one ``d`` places before it:
+    ``(A, F)_j ← (A_j A_{j-d}, A_j F_{j-d} + F_j)``.
+    """
+    dim = dim % f.dim()
+    A = _align(a, f, dim)
+    F = _fold_initial(A, f, initial, dim)
+    n = F.shape[dim]
+    d = 1
+    while d < n:
+        F = torch.cat([F.narrow(dim, 0, d),
+                       F.narrow(dim, d, n - d) + A.narrow(dim, d, n - d) * F.narrow(dim, 0, n - d)],
+                      dim=dim)
+        if 2 * d < n:
+            A = torch.cat([A.narrow(dim, 0, d),
+                           A.narrow(dim, d, n - d) * A.narrow(dim, 0, n - d)], dim=dim)
+        d *= 2
+    return F
+
+
+def affine_scan(a: torch.Tensor, f: torch.Tensor, initial: torch.Tensor | None = None, *,
+                dim: int = 1, method: str = "auto") -> torch.Tensor:
+    """Inclusive scan ``S_j = a_j ⊙ S_{j-1} + f_j`` along ``dim`` with ``S_{-1} = initial`` (0).
+
+    ``a`` broadcasts to ``f`` (one factor per batch/head with trailing size-1 dims, or
+    elementwise); ``initial`` has ``f``'s shape without ``dim``. ``method``: ``"auto"``,
+    ``"sequential"`` or ``"doubling"``.
+    """
+    dim = dim % f.dim()
+    if method == "auto":
+        method = "doubling" if _prefer_doubling(f, dim) else "sequential"
+    if method == "sequential":
+        return affine_scan_sequential(a, f, dim=dim, initial=initial)
+    if method == "doubling":
+        return affine_scan_doubling(a, f, dim=dim, initial=initial)
+    raise ValueError(f"affine_scan: method must be 'auto', 'sequential' or 'doubling', got {method!r}")
+
+
+def _prefer_doubling(f: torch.Tensor, dim: int) -> bool:
+    steps = f.shape[dim]
+    if f.is_cuda:
+        return steps > 4
+    step_numel = f.numel() // max(steps, 1)
+    return steps > SEQUENTIAL_MAX_STEPS and step_numel <= DOUBLING_MAX_STEP_NUMEL
+
+
+__all__ = ["affine_scan", "affine_scan_sequential", "affine_scan_doubling", "prefix_sum"]

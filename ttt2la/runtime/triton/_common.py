@@ -1,0 +1,98 @@
+"""Shared pieces of the Triton kernels: the matmul helper, tile sizes and launch checks.
+
+Importing this module imports Triton; the package ``__init__`` only imports it when a kernel is asked for.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: Whether the kernels of this process were built for Triton's CPU interpreter. It is read once, when the
+#: kernels are decorated, because that is when Triton decides between compiling and interpreting.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@triton.jit
+def mm(a, b, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` with both operands rounded to ``DT`` first, accumulated in fp32 (float64 for float64).
+
+    With ``UPCAST`` the rounded operands are multiplied in fp32 ("ieee": no tf32 for fp32 inputs). The
+    interpreter needs it for bf16 too, where it would otherwise multiply the raw 16-bit patterns.
+    """
+    if UPCAST:
+        return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _split(x, DT: tl.constexpr):
+    """``x`` (fp32) as ``hi + lo`` with both parts in ``DT``: about twice ``DT``'s mantissa."""
+    hi = x.to(DT)
+    return hi, (x.to(tl.float32) - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def mm_split(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` like ``mm``, but the operands flagged ``SPLIT_*`` keep about 16 mantissa bits.
+
+    For fp32 operands computed in the kernel (a scaled value, a feature map) that feed a map which amplifies
+    rounding, such as Newton–Schulz; each split costs one more low-precision matmul (the ``lo·lo`` term is
+    dropped).
+    """
+    if SPLIT_A:
+        a_hi, a_lo = _split(a, DT)
+        if SPLIT_B:
+            b_hi, b_lo = _split(b, DT)
+            return mm(a_hi, b_hi, DT, UPCAST) + mm(a_hi, b_lo, DT, UPCAST) + mm(a_lo, b_hi, DT, UPCAST)
+        else:
+            return mm(a_hi, b, DT, UPCAST) + mm(a_lo, b, DT, UPCAST)
+    else:
+        if SPLIT_B:
+            b_hi, b_lo = _split(b, DT)
+            return mm(a, b_hi, DT, UPCAST) + mm(a, b_lo, DT, UPCAST)
+        else:
+            return mm(a, b, DT, UPCAST)
+
+
+_TL_DTYPE = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+             torch.float16: tl.float16}
+
+#: Matmul operand dtypes that run on tensor cores and can be split (``mm_split``).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton element type of a torch dtype the kernels accept."""
+    return _TL_DTYPE[dtype]
+
+
+def upcast(dtype: torch.dtype) -> bool:
+    """Whether matmuls on ``dtype`` operands run as fp32 "ieee" dots (fp32 inputs, or the interpreter)."""
+    return dtype != torch.float64 and (dtype == torch.float32 or INTERPRET)
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of matmuls on ``dtype`` operands: fp32, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tile(dim: int, cap: int) -> int:
+    """Power-of-two tile covering ``dim`` (at least 16, the smallest ``tl.dot`` side), at most ``cap``."""
+    return max(16, min(cap, triton.next_power_of_2(dim)))
+
+
+def launch_options(*tiles: int) -> dict:
+    """``num_warps``/``num_stages`` for a program whose largest 2-D tile is ``max(tiles)²``-ish."""
+    if INTERPRET:
+        return {}
+    big = max(tiles)
+    return {"num_warps": 8 if big >= 128 else 4, "num_stages": 2}
+
+
+def contiguous(*tensors):
+    """The tensors made contiguous (``None`` passes through)."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)

@@ -1,0 +1,322 @@
+"""LaCT's block (chunk-level) update as linear attention: Triton kernels for the token-level matmuls.
+
+The op splits into token-level work, which dominates at LaCT's shapes and runs in two kernels, and chunk-level
+work on ``[B, N, H, Dk, Dv]`` states, which stays in torch (batched over chunks):
+
+* ``chunk_increments``: ``G_j = Xᵀ_j (s ⊙ Y_j)`` for every chunk ``j`` (the increment ``φ(K_j)ᵀ(lr ⊙ V_j)``,
+  and in the backward the state gradient ``φ(Q_j)ᵀ dO_j``), the per-token scale fused into the load;
+* ``chunk_read``: ``O_t = (s ⊙ X_t) S_{chunk(t)}`` (the output ``φ(Q) W``, and in the backward ``dO Wᵀ``,
+  ``(lr ⊙ V) dGᵀ`` and ``φ(K) dG``), states given by strides so a transpose costs nothing;
+* momentum (``scan.affine_scan``), Newton–Schulz (``newton_schulz``, recomputed in the backward rather than
+  stored) and the state prefix sum, in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttt2la.errors import UnsupportedTTTError
+from ttt2la.runtime.naive import check_block_inputs, compute_dtype, final_state_dtype
+from ttt2la.runtime.newton_schulz import newton_schulz
+from ttt2la.runtime.scan import affine_scan, prefix_sum
+
+from ._common import HALF_DTYPES, accumulator, contiguous, launch_options, mm_split, tile, tl_dtype, upcast
+
+#: ``SCALE`` modes of the kernels: no scale, one per token, one per token and feature.
+NO_SCALE, TOKEN_SCALE, FEATURE_SCALE = 0, 1, 2
+
+
+@triton.jit
+def _scaled(b_x, s, rows, o_f, m_t, m_tf, D: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr):
+    """``b_x`` times its per-token (``[BT]``) or per-feature (``[BT, BD]``) scale, in ``ACC``."""
+    if SCALE == 1:
+        return b_x.to(ACC) * tl.load(s + rows, mask=m_t, other=0.).to(ACC)[:, None]
+    elif SCALE == 2:
+        return b_x.to(ACC) * tl.load(s + rows[:, None] * D + o_f[None, :], mask=m_tf, other=0.).to(ACC)
+    else:
+        return b_x
+
+
+@triton.jit
+def _increments_kernel(x, y, s, out, T, C,
+                       H: tl.constexpr, DX: tl.constexpr, DY: tl.constexpr,
+                       BT: tl.constexpr, BX: tl.constexpr, BY: tl.constexpr, SCALE: tl.constexpr,
+                       SPLIT_X: tl.constexpr, SPLIT_Y: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+                       ACC: tl.constexpr):
+    """One chunk × output tile: ``out[b, j, h] = Σ_{t ∈ chunk j} x_tᵀ (s_t ⊙ y_t)``, accumulated in ``ACC``."""
+    i_j, i_xy, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NY = tl.cdiv(DY, BY)
+    i_x, i_y = i_xy // NY, i_xy % NY
+    o_x = i_x * BX + tl.arange(0, BX)
+    o_y = i_y * BY + tl.arange(0, BY)
+    start = i_j * C
+    end = tl.minimum(start + C, T)
+    acc = tl.zeros([BX, BY], dtype=ACC)
+    for i in range(0, tl.cdiv(end - start, BT)):
+        t = start + i * BT + tl.arange(0, BT)
+        m_t = t < end
+        rows = (i_b * T + t).to(tl.int64) * H + i_h
+        m_ty = m_t[:, None] & (o_y[None, :] < DY)
+        b_x = tl.load(x + rows[:, None] * DX + o_x[None, :], mask=m_t[:, None] & (o_x[None, :] < DX), other=0.)
+        b_y = tl.load(y + rows[:, None] * DY + o_y[None, :], mask=m_ty, other=0.)
+        b_y = _scaled(b_y, s, rows, o_y, m_t, m_ty, DY, SCALE, ACC)
+        acc += mm_split(tl.trans(b_x), b_y, SPLIT_X, SPLIT_Y, DT, UPCAST)
+    N = tl.num_programs(0)
+    base = ((i_b * N + i_j) * H + i_h).to(tl.int64) * DX * DY
+    tl.store(out + base + o_x[:, None] * DY + o_y[None, :], acc, mask=(o_x[:, None] < DX) & (o_y[None, :] < DY))
+
+
+@triton.jit
+def _read_kernel(x, s, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
+                 H: tl.constexpr, DX: tl.constexpr, DO: tl.constexpr,
+                 BT: tl.constexpr, BX: tl.constexpr, BO: tl.constexpr, SCALE: tl.constexpr,
+                 SPLIT_X: tl.constexpr, SPLIT_S: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+                 ACC: tl.constexpr):
+    """One token tile × output tile: ``out_t = (s_t ⊙ x_t) S[b, chunk(t), h]`` (``S`` given by strides)."""
+    i_tile, i_o, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    per_chunk = tl.cdiv(C, BT)
+    i_j, i_i = i_tile // per_chunk, i_tile % per_chunk
+    t = i_j * C + i_i * BT + tl.arange(0, BT)
+    m_t = (t < T) & (t < i_j * C + C)
+    rows = (i_b * T + t).to(tl.int64) * H + i_h
+    o_o = i_o * BO + tl.arange(0, BO)
+    state = S + i_b.to(tl.int64) * s_b + i_j.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
+    acc = tl.zeros([BT, BO], dtype=ACC)
+    for i_x in range(0, tl.cdiv(DX, BX)):
+        o_x = i_x * BX + tl.arange(0, BX)
+        m_tx = m_t[:, None] & (o_x[None, :] < DX)
+        b_x = tl.load(x + rows[:, None] * DX + o_x[None, :], mask=m_tx, other=0.)
+        b_x = _scaled(b_x, s, rows, o_x, m_t, m_tx, DX, SCALE, ACC)
+        b_s = tl.load(state + o_x[:, None] * s_k + o_o[None, :] * s_v,
+                      mask=(o_x[:, None] < DX) & (o_o[None, :] < DO), other=0.)
+        acc += mm_split(b_x, b_s, SPLIT_X, SPLIT_S, DT, UPCAST)
+    tl.store(out + rows[:, None] * DO + o_o[None, :], acc.to(out.dtype.element_ty),
+             mask=m_t[:, None] & (o_o[None, :] < DO))
+
+
+def _scale_mode(scale: torch.Tensor | None) -> int:
+    if scale is None:
+        return NO_SCALE
+    return TOKEN_SCALE if scale.dim() == 3 else FEATURE_SCALE
+
+
+def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, split_y=False):
+    """``G[b, j, h] = X_jᵀ (scale ⊙ Y_j)`` for the first ``n`` chunks of ``C`` tokens, ``[B, n, H, DX, DY]``.
+
+    ``x`` ``[B, T, H, DX]``, ``y`` ``[B, T, H, DY]``, ``scale`` ``[B, T, H]`` or ``[B, T, H, DY]``. The matmul
+    operands are rounded to ``dot_dtype`` (default ``x.dtype``); ``split_x``/``split_y`` keep that operand at
+    about 16 mantissa bits instead (one more matmul each), for half-precision ``dot_dtype``. The result is
+    fp32 (float64 for a float64 ``dot_dtype``).
+    """
+    x, y, scale = contiguous(x, y, scale)
+    B, T, H, DX = x.shape
+    DY = y.shape[-1]
+    dot_dtype = dot_dtype or x.dtype
+    out = x.new_empty(B, n, H, DX, DY, dtype=accumulator(dot_dtype))
+    if n == 0:
+        return out
+    half = dot_dtype in HALF_DTYPES
+    BX, BY = tile(DX, 64), tile(DY, 64)
+    BT = tile(C, 64)
+    grid = (n, triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)
+    _increments_kernel[grid](x, y, scale, out, T, C, H, DX, DY, BT, BX, BY, _scale_mode(scale),
+                             split_x and half, split_y and half, tl_dtype(dot_dtype), upcast(dot_dtype),
+                             tl_dtype(accumulator(dot_dtype)), **launch_options(BX, BY, BT))
+    return out
+
+
+def chunk_read(x, states, C, *, scale=None, transpose=False, out_dtype=None, dot_dtype=None, split_x=False,
+               split_s=False):
+    """``O_t = (scale ⊙ X_t) S_j`` with ``j = t // C`` (``S_jᵀ`` with ``transpose``): ``[B, T, H, DO]``.
+
+    ``states`` ``[B, n, H, Dk, Dv]`` in any strides; tokens of chunks ``≥ n`` get zeros. Operand rounding as
+    in ``chunk_increments`` (``split_s`` for the states).
+    """
+    x, scale = contiguous(x, scale)
+    B, T, H, DX = x.shape
+    n = states.shape[1]
+    s_b, s_n, s_h, s_k, s_v = states.stride()
+    DO = states.shape[-1]
+    if transpose:
+        s_k, s_v, DO = s_v, s_k, states.shape[-2]
+    alloc = torch.zeros if n * C < T else torch.empty
+    out = alloc(B, T, H, DO, dtype=out_dtype or x.dtype, device=x.device)
+    if n == 0:
+        return out
+    dot_dtype = dot_dtype or x.dtype
+    half = dot_dtype in HALF_DTYPES
+    BT, BX, BO = tile(C, 64), tile(DX, 64), tile(DO, 64)
+    grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
+    _read_kernel[grid](x, scale, states, out, T, C, s_b, s_n, s_h, s_k, s_v, H, DX, DO, BT, BX, BO,
+                       _scale_mode(scale), split_x and half, split_s and half, tl_dtype(dot_dtype),
+                       upcast(dot_dtype), tl_dtype(accumulator(dot_dtype)), **launch_options(BX, BO, BT))
+    return out
+
+
+def value_grads(du, v, lr, needs_v, needs_lr):
+    """Gradients of ``u = lr ⊙ v`` from ``du``: ``(dv, dlr)``, each ``None`` when not needed."""
+    if lr is None:
+        return (du.to(v.dtype) if needs_v else None), None
+    lr_b = lr.to(du.dtype).unsqueeze(-1) if lr.dim() == 3 else lr.to(du.dtype)
+    dv = (du * lr_b).to(v.dtype) if needs_v else None
+    dlr = None
+    if needs_lr:
+        dlr = du * v.to(du.dtype)
+        dlr = (dlr.sum(-1) if lr.dim() == 3 else dlr).to(lr.dtype)
+    return dv, dlr
+
+
+def increments_backward(dG, phi_k, v, lr, C, needs, *, dot_dtype, precise):
+    """``(dφK, dv, dlr)`` of ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)`` from ``dG`` (``needs``: which of the three).
+
+    With ``precise`` the matmul operands that are not exact in ``dot_dtype`` (``dG``, ``lr ⊙ V``, a computed
+    ``φ(K)``) are split: Newton–Schulz's backward makes ``dG`` large along directions that cancel in these
+    products, so its rounding error would not.
+    """
+    dG = dG.contiguous()
+    dphi_k = dv = dlr = None
+    if needs[0]:
+        dphi_k = chunk_read(v, dG, C, scale=lr, transpose=True, out_dtype=phi_k.dtype, dot_dtype=dot_dtype,
+                            split_x=precise and lr is not None, split_s=precise)
+    if needs[1] or needs[2]:
+        du = chunk_read(phi_k, dG, C, out_dtype=accumulator(dot_dtype), dot_dtype=dot_dtype,
+                        split_x=precise and phi_k.dtype != dot_dtype, split_s=precise)
+        dv, dlr = value_grads(du, v, lr, needs[1], needs[2])
+    return dphi_k, dv, dlr
+
+
+class ChunkIncrements(torch.autograd.Function):
+    """``G_j = φ(K_j)ᵀ (lr ⊙ V_j)`` for the first ``n`` chunks, fp32; backward by the read kernel.
+
+    ``precise`` (wanted when Newton–Schulz follows: it amplifies rounding in ``G`` and in ``dG`` by up to
+    ``3.4445`` per step along small singular directions) keeps ``lr ⊙ V`` and ``dG`` unrounded.
+    """
+
+    @staticmethod
+    def forward(ctx, phi_k, v, lr, n, C, precise):
+        ctx.save_for_backward(phi_k, v, lr)
+        ctx.C, ctx.precise = C, precise
+        return chunk_increments(phi_k, v, n, C, scale=lr, split_y=precise and lr is not None)
+
+    @staticmethod
+    def backward(ctx, dG):
+        phi_k, v, lr = ctx.saved_tensors
+        grads = increments_backward(dG, phi_k, v, lr, ctx.C, ctx.needs_input_grad[:3], dot_dtype=phi_k.dtype,
+                                    precise=ctx.precise)
+        return (*grads, None, None, None)
+
+
+def read_backward(do, phi_q, states, C, needs, *, dot_dtype, precise):
+    """``(dφQ, dstates)`` of ``o_t = φ(q_t) W_{chunk(t)}`` from ``do`` (``needs``: which of the two).
+
+    ``dstates`` feeds Newton–Schulz's backward, so with ``precise`` a ``φ(Q)`` that is not exact in
+    ``dot_dtype`` is split rather than rounded.
+    """
+    do = do.contiguous().to(dot_dtype)
+    dphi_q = dstates = None
+    if needs[0]:
+        dphi_q = chunk_read(do, states, C, transpose=True, out_dtype=phi_q.dtype)
+    if needs[1]:
+        dstates = chunk_increments(phi_q, do, states.shape[1], C, dot_dtype=dot_dtype,
+                                   split_x=precise and phi_q.dtype != dot_dtype)
+    return dphi_q, dstates
+
+
+class ChunkRead(torch.autograd.Function):
+    """``o_t = φ(q_t) W_{chunk(t)}`` from fp32 states ``[B, n, H, Dk, Dv]``; backward by both kernels."""
+
+    @staticmethod
+    def forward(ctx, phi_q, states, C, out_dtype):
+        ctx.save_for_backward(phi_q, states)
+        ctx.C = C
+        return chunk_read(phi_q, states, C, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        phi_q, states = ctx.saved_tensors
+        grads = read_backward(do, phi_q, states, ctx.C, ctx.needs_input_grad[:2], dot_dtype=phi_q.dtype,
+                              precise=False)
+        return (*grads, None, None)
+
+
+class Orthogonalise(torch.autograd.Function):
+    """Newton–Schulz on every chunk's momentum; the backward recomputes the iteration instead of storing it."""
+
+    @staticmethod
+    def forward(ctx, M, steps):
+        ctx.save_for_backward(M)
+        ctx.steps = steps
+        return newton_schulz(M, steps)
+
+    @staticmethod
+    def backward(ctx, dDelta):
+        (M,) = ctx.saved_tensors
+        with torch.enable_grad():
+            M = M.detach().requires_grad_()
+            (dM,) = torch.autograd.grad(newton_schulz(M, ctx.steps), M, dDelta)
+        return dM, None
+
+
+def block_dtype(dtype: torch.dtype, muon_steps: int) -> torch.dtype:
+    """The states' dtype: fp32, or float64 for fp32 inputs with Muon, whose Jacobian amplifies fp32 rounding
+    of the increments (and of the gradients flowing back into them) past the fp32 tolerance."""
+    return torch.float64 if muon_steps > 0 and dtype == torch.float32 else compute_dtype(dtype)
+
+
+def read_states(M, *, order, n, momentum, muon_steps, initial_state, dtype):
+    """From the increments ``M`` ``[B, n_update, H, Dk, Dv]``: the state every chunk reads and the final state.
+
+    Runs momentum, Newton–Schulz and the prefix sum in torch (chunk-level, differentiable).
+    """
+    B, n_update, H, Dk, Dv = M.shape
+    W0 = None if initial_state is None else initial_state.to(dtype)
+    if n_update > 0:
+        if momentum is not None and n_update > 1:
+            M = affine_scan(momentum[:, :n_update].to(dtype)[..., None, None], M, dim=1)
+        delta = Orthogonalise.apply(M, muon_steps) if muon_steps > 0 else M
+        states = prefix_sum(delta, dim=1, initial=W0)
+        final = states[:, -1]
+    else:
+        states = M
+        final = W0 if W0 is not None else M.new_zeros(B, H, Dk, Dv)
+    if order == "exclusive":
+        first = W0.unsqueeze(1) if W0 is not None else M.new_zeros(B, 1, H, Dk, Dv)
+        states = torch.cat([first, states], dim=1)
+    return states, final
+
+
+def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
+                           muon_steps=0, weight_norm=None, initial_state=None, output_final_state=False):
+    """LaCT's block TTT update as linear attention, token-level matmuls in Triton; contract of the torch op.
+
+    ``G_j = φ(K_j)ᵀ(lr ⊙ V_j)``, ``M_j = α_j M_{j-1} + G_j``, ``W_j = W_{j-1} + NS(M_j)``; ``order`` says which
+    state chunk ``j`` reads. ``weight_norm`` is not implemented here (``supports`` says so). Half-precision
+    inputs use tensor-core matmuls, keeping the operands Newton–Schulz is sensitive to at about 16 bits; fp32
+    inputs with Muon run the kernels in float64, like the torch op (``block_dtype``).
+    Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
+    """
+    n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr, momentum=momentum,
+                           muon_steps=muon_steps, weight_norm=weight_norm, initial_state=initial_state)
+    if weight_norm is not None:
+        raise UnsupportedTTTError(
+            "block_linear_attention: the Triton kernels do not implement weight_norm (a sequential column-norm "
+            "recursion); call the runtime op with backend='auto' or 'torch' for it")
+    T = phi_k.shape[1]
+    C = T if order == "full" else chunk_size
+    n_update = n - 1 if order == "exclusive" else n
+    dtype = block_dtype(v.dtype, muon_steps)
+    kernel_dtype = dtype if dtype == torch.float64 else v.dtype
+    phi_q, phi_k, v_in = (x.to(kernel_dtype) for x in (phi_q, phi_k, v))
+    M = ChunkIncrements.apply(phi_k, v_in, lr, n_update, C, muon_steps > 0)
+    states, final = read_states(M, order=order, n=n, momentum=momentum, muon_steps=muon_steps,
+                                initial_state=initial_state, dtype=dtype)
+    o = ChunkRead.apply(phi_q, states, C, v.dtype)
+    final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
+    return o, final
+
+
+__all__ = ["block_linear_attention", "chunk_increments", "chunk_read", "read_states", "increments_backward",
+           "read_backward", "ChunkIncrements", "ChunkRead", "Orthogonalise"]

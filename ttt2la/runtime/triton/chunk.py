@@ -1,0 +1,346 @@
+"""Token-causal chunked linear attention with a per-head scalar decay, as Triton kernels.
+
+``o_t = scale · q_t S_t`` with ``S_t = exp(log_decay_t) S_{t-1} + k_tᵀ v_t``. The forward pass walks the chunks
+once to produce the state at every chunk boundary, then every chunk computes its output in parallel from that
+state plus a masked intra-chunk attention. The backward pass recomputes the boundary states (cheaper than storing
+them), walks the chunks in reverse for the state gradients, and gets the decay gradient from
+``dG_t = q_t·dq_t − k_t·dk_t`` (plus the final-state term) by a reverse cumulative sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import contiguous, launch_options, mm, tile, tl_dtype, upcast
+
+
+@triton.jit
+def _rows(i_b, i_h, t, T, H: tl.constexpr):
+    """Flat row index of tokens ``t`` of batch ``i_b``, head ``i_h`` in a ``[B, T, H, ·]`` tensor."""
+    return (i_b * T + t).to(tl.int64) * H + i_h
+
+
+@triton.jit
+def _chunk_decay(g, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
+    """The chunk's cumulative log decays (padding rows repeat the last one) and the last one."""
+    t = i_t * BT + tl.arange(0, BT)
+    m_t = t < T
+    t_last = tl.minimum(i_t * BT + BT, T) - 1
+    g_last = tl.load(g + _rows(i_b, i_h, t_last, T, H)).to(tl.float32)
+    b_g = tl.load(g + _rows(i_b, i_h, t, T, H), mask=m_t, other=0.).to(tl.float32)
+    return tl.where(m_t, b_g, g_last), g_last
+
+
+@triton.jit
+def _states_fwd_kernel(k, v, g, h0, h, ht, T,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                       DT: tl.constexpr, UPCAST: tl.constexpr):
+    """Sequential over chunks: writes ``h[b, h, j]``, the state before chunk ``j``, and the final state."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    for i_t in range(0, NT):
+        tl.store(h + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        t = i_t * BT + tl.arange(0, BT)
+        rows = _rows(i_b, i_h, t, T, H)
+        m_t = t < T
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < K), other=0.)
+        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & (o_v[None, :] < V), other=0.)
+        if USE_G:
+            b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+            b_h *= tl.exp(g_last)
+            b_k = b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]
+        b_h += mm(tl.trans(b_k), b_v, DT, UPCAST)
+    if STORE_FINAL:
+        tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@triton.jit
+def _output_fwd_kernel(q, k, v, g, h, o, scale, T,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """One chunk × value tile: ``o = scale·(q h_j ⊙ decay + (q kᵀ ⊙ causal decay) v)``."""
+    i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    o_i = tl.arange(0, BT)
+    t = i_t * BT + o_i
+    m_t = t < T
+    rows = _rows(i_b, i_h, t, T, H)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < K)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_h = tl.load(h + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=(o_k[:, None] < K) & (o_v[None, :] < V), other=0.)
+        b_o += mm(b_q, b_h, DT, UPCAST)
+        b_a += mm(b_q, tl.trans(b_k), DT, UPCAST)
+    causal = o_i[:, None] >= o_i[None, :]
+    if USE_G:
+        b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+        b_o *= tl.exp(b_g)[:, None]
+        b_a *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
+    b_a = tl.where(causal, b_a, 0.)
+    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+    b_o = (b_o + mm(b_a, b_v, DT, UPCAST)) * scale
+    tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                       DT: tl.constexpr, UPCAST: tl.constexpr):
+    """Reverse over chunks: writes ``dh[b, h, j]``, the gradient of the state after chunk ``j``, and ``dh0``."""
+    i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    for i_r in range(0, NT):
+        i_t = NT - 1 - i_r
+        tl.store(dh + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        t = i_t * BT + tl.arange(0, BT)
+        rows = _rows(i_b, i_h, t, T, H)
+        m_t = t < T
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < K), other=0.)
+        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & (o_v[None, :] < V), other=0.)
+        if USE_G:
+            b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+            b_dh *= tl.exp(g_last)
+            b_q = b_q.to(tl.float32) * tl.exp(b_g)[:, None]
+        b_dh += scale * mm(tl.trans(b_q), b_do, DT, UPCAST)
+    if STORE_DH0:
+        tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """One chunk × key tile: ``dq``, ``dk`` and, with a decay, this key tile's share of ``d log_decay``.
+
+    The decay gradient is assembled chunk-locally in a form without cancellation: for token ``s`` of chunk
+    ``j`` it is ``Σ_{r≥s} q_r·dq_r^inter + Σ_{r≥s>c} P_rc + Σ_{c<s} k_c·dk_c^inter + e^{g_last}⟨h_j, dh_j⟩``
+    with ``P_rc`` the intra-chunk score times its gradient (each term is linear in the key features, so the
+    key tiles' shares add up).
+    """
+    i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    o_i = tl.arange(0, BT)
+    t = i_t * BT + o_i
+    m_t = t < T
+    rows = _rows(i_b, i_h, t, T, H)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    state = (i_bh.to(tl.int64) * NT + i_t) * K * V
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v[None, :] < V)
+        m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dq += mm(b_do, tl.trans(b_h), DT, UPCAST)
+        b_dk += mm(b_v, tl.trans(b_dh), DT, UPCAST)
+        b_ds += mm(b_do, tl.trans(b_v), DT, UPCAST)
+        if USE_G:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    causal = o_i[:, None] >= o_i[None, :]
+    b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    b_dq *= scale
+    if USE_G:
+        b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+        b_dq *= tl.exp(b_g)[:, None]
+        b_dk *= tl.exp(g_last - b_g)[:, None]
+        b_ds *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
+    b_ds = tl.where(causal, b_ds, 0.) * scale
+    if USE_G:
+        inter_q = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+        inter_k = tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+        b_p = b_ds * mm(b_q, tl.trans(b_k), DT, UPCAST)
+        crossing = tl.sum(tl.where(o_i[None, :] < o_i[:, None], tl.cumsum(b_p, axis=0, reverse=True), 0.), axis=1)
+        b_dg = (tl.cumsum(inter_q, axis=0, reverse=True) + crossing + tl.cumsum(inter_k, axis=0) - inter_k
+                + tl.exp(g_last) * tl.sum(b_hdh, axis=0))
+        tl.store(dg + i_k.to(tl.int64) * tl.num_programs(2) * T + rows, b_dg, mask=m_t)
+    b_dq += mm(b_ds, b_k, DT, UPCAST)
+    b_dk += mm(tl.trans(b_ds), b_q, DT, UPCAST)
+    tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _dv_bwd_kernel(q, k, g, do, dh, dv, scale, T,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """One chunk × value tile: ``dv = k dh ⊙ decay + (k qᵀ ⊙ anti-causal decay) do``."""
+    i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    o_i = tl.arange(0, BT)
+    t = i_t * BT + o_i
+    m_t = t < T
+    rows = _rows(i_b, i_h, t, T, H)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k[None, :] < K)
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+        b_dh = tl.load(dh + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
+                       mask=(o_k[:, None] < K) & (o_v[None, :] < V), other=0.)
+        b_dv += mm(b_k, b_dh, DT, UPCAST)
+        b_a += mm(b_k, tl.trans(b_q), DT, UPCAST)
+    anticausal = o_i[:, None] <= o_i[None, :]
+    if USE_G:
+        b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+        b_dv *= tl.exp(g_last - b_g)[:, None]
+        b_a *= tl.exp(tl.where(anticausal, b_g[None, :] - b_g[:, None], 0.))
+    b_a = tl.where(anticausal, b_a, 0.) * scale
+    b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+    b_dv += mm(b_a, b_do, DT, UPCAST)
+    tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+
+def _chunk_tile(chunk_size: int) -> int:
+    """The kernels' chunk length: ``chunk_size`` rounded down to a power of two in [16, 64].
+
+    Chunking does not change the result of this op, only its cost; 64 keeps the ``[BT, BT]`` intra-chunk tile
+    and the per-chunk states within what one program holds comfortably.
+    """
+    return max(16, min(64, 1 << (max(int(chunk_size), 1).bit_length() - 1)))
+
+
+def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Cumulative sum of ``log_decay`` ``[B, T, H]`` within each chunk of ``chunk`` tokens, in fp32."""
+    B, T, H = log_decay.shape
+    n = triton.cdiv(T, chunk)
+    g = torch.zeros(B, n * chunk, H, dtype=torch.float32, device=log_decay.device)
+    g[:, :T] = log_decay
+    return g.view(B, n, chunk, H).cumsum(2).view(B, n * chunk, H)[:, :T].contiguous()
+
+
+def _states(k, v, g, h0, chunk, want_final, states_dtype):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = tile(K, 64), tile(V, 64)
+    NT = triton.cdiv(T, chunk)
+    h = k.new_empty(B, H, NT, K, V, dtype=states_dtype)
+    ht = k.new_empty(B, H, K, V, dtype=torch.float32) if want_final else None
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
+    _states_fwd_kernel[grid](k, v, g, h0, h, ht, T, H, K, V, chunk, BK, BV,
+                             g is not None, h0 is not None, want_final,
+                             tl_dtype(k.dtype), upcast(k.dtype), **launch_options(BK, BV))
+    return h, ht
+
+
+def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
+    """Forward pass on contiguous inputs: returns ``o`` and the fp32 final state (or ``None``)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    h, ht = _states(k, v, g, h0, chunk, want_final, k.dtype)
+    o = torch.empty_like(v)
+    BK, BV = tile(K, 64), tile(V, 64)
+    grid = (triton.cdiv(T, chunk), triton.cdiv(V, BV), B * H)
+    _output_fwd_kernel[grid](q, k, v, g, h, o, scale, T, H, K, V, chunk, BK, BV,
+                             g is not None, tl_dtype(q.dtype), upcast(q.dtype), **launch_options(BK, BV, chunk))
+    return o, ht
+
+
+def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0):
+    """Backward pass: ``dq, dk, dv``, ``d log_decay`` (fp32, or None) and ``dh0`` (fp32, or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = tile(K, 64), tile(V, 64)
+    NT = triton.cdiv(T, chunk)
+    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
+    DT, UP = tl_dtype(q.dtype), upcast(q.dtype)
+    opts = launch_options(BK, BV, chunk)
+    # fp32 states here: the decay gradient reads them outside the matmuls.
+    states_dtype = torch.float32 if g is not None else q.dtype
+    h, _ = _states(k, v, g, h0, chunk, False, states_dtype)
+    dh = q.new_empty(B, H, NT, K, V, dtype=states_dtype)
+    dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if want_dh0 else None
+    _states_bwd_kernel[(NK, NV, B * H)](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, BK, BV,
+                                       g is not None, dht is not None, want_dh0, DT, UP, **opts)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = q.new_empty(NK, B, T, H, dtype=torch.float32) if g is not None else None
+    _dqk_bwd_kernel[(NT, NK, B * H)](q, k, v, g, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk, BK, BV,
+                                     g is not None, DT, UP, **opts)
+    _dv_bwd_kernel[(NT, NV, B * H)](q, k, g, do, dh, dv, scale, T, H, K, V, chunk, BK, BV,
+                                    g is not None, DT, UP, **opts)
+    return dq, dk, dv, (dg.sum(0) if dg is not None else None), dh0
+
+
+class ChunkLinearAttention(torch.autograd.Function):
+    """Autograd wrapper: forward and backward kernels above, boundary states recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_decay, initial_state, scale, chunk, output_final_state):
+        q, k, v, initial_state = contiguous(q, k, v, initial_state)
+        g = local_cumsum(log_decay, chunk) if log_decay is not None else None
+        o, ht = chunk_forward(q, k, v, g, initial_state, scale, chunk, output_final_state)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.chunk = scale, chunk
+        ctx.decay_dtype = None if log_decay is None else log_decay.dtype
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, h0 = ctx.saved_tensors
+        do = do.contiguous()
+        dht = None if dht is None else dht.contiguous()
+        need_h0 = h0 is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dlog_decay, dh0 = chunk_backward(q, k, v, g, h0, do, dht, ctx.scale, ctx.chunk, need_h0)
+        if dlog_decay is not None:
+            dlog_decay = dlog_decay.to(ctx.decay_dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(h0.dtype)
+        return dq, dk, dv, dlog_decay, dh0, None, None, None
+
+
+def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None, initial_state=None,
+                           output_final_state=False):
+    """Causal linear attention with optional per-head decay, computed chunk-parallel by Triton kernels.
+
+    Same contract as the torch runtime: tensors ``[B, T, H, D]``, ``log_decay`` ``[B, T, H]``, states
+    ``[B, H, Dk, Dv]``; ``scale`` defaults to 1; returns ``(o, final_state or None)``.
+    """
+    scale = 1.0 if scale is None else float(scale)
+    o, ht = ChunkLinearAttention.apply(q, k, v, log_decay, initial_state, scale, _chunk_tile(chunk_size),
+                                       bool(output_final_state))
+    return o, ht

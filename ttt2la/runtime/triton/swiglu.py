@@ -1,0 +1,246 @@
+"""The block op with LaCT's kernel ``φ(x) = silu(x W0) ⊙ (x W2)`` fused into the kernels that consume it.
+
+The forward pass never writes the ``[B, T, H, Dh]`` feature matrices: the increment kernel computes ``φ(K)``
+tiles on the fly and multiplies them into ``G_j = φ(K_j)ᵀ(lr ⊙ V_j)``, the read kernel computes ``φ(Q)``
+tiles and multiplies them by the chunk's state. Each feature tile is recomputed once per value tile
+(``ceil(Dv / 128)`` times), so fusion pays where ``Dv`` is small or memory bandwidth is the limit; the benchmark
+measures it against the materialised form. The backward pass recomputes ``φ`` in torch (materialised) and
+reuses the plain block kernels, then backpropagates through the SwiGLU with autograd.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ttt2la.errors import UnsupportedTTTError
+from ttt2la.runtime.naive import RuntimeInputError, check_block_inputs, final_state_dtype
+
+from ._common import HALF_DTYPES, accumulator, contiguous, launch_options, mm, mm_split, tile, tl_dtype, upcast
+from .block import _scale_mode, _scaled, block_dtype, increments_backward, read_backward, read_states
+
+
+@triton.jit
+def _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
+              BD: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """``φ`` of the tokens ``rows`` for the features ``o_k``: ``silu(x W0) ⊙ (x W2)`` in ``ACC``, ``[BT, BK]``."""
+    a = tl.zeros([BT, BK], dtype=ACC)
+    b = tl.zeros([BT, BK], dtype=ACC)
+    w_head = i_h.to(tl.int64) * D * DH
+    for i_d in range(0, tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        b_x = tl.load(x + rows[:, None] * D + o_d[None, :], mask=m_t[:, None] & (o_d[None, :] < D), other=0.)
+        m_dk = (o_d[:, None] < D) & (o_k[None, :] < DH)
+        b_w0 = tl.load(w0 + w_head + o_d[:, None] * DH + o_k[None, :], mask=m_dk, other=0.)
+        b_w2 = tl.load(w2 + w_head + o_d[:, None] * DH + o_k[None, :], mask=m_dk, other=0.)
+        a += mm(b_x, b_w0, DT, UPCAST)
+        b += mm(b_x, b_w2, DT, UPCAST)
+    return a / (1. + tl.exp(-a)) * b
+
+
+@triton.jit
+def _swiglu_increments_kernel(x, w0, w2, y, s, out, T, C,
+                              H: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DY: tl.constexpr,
+                              BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BY: tl.constexpr,
+                              SCALE: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_Y: tl.constexpr,
+                              DT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """One chunk × output tile: ``out[b, j, h] = Σ_{t ∈ chunk j} φ(x_t)ᵀ (s_t ⊙ y_t)``, ``φ`` never stored."""
+    i_j, i_ky, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NY = tl.cdiv(DY, BY)
+    i_k, i_y = i_ky // NY, i_ky % NY
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_y = i_y * BY + tl.arange(0, BY)
+    start = i_j * C
+    end = tl.minimum(start + C, T)
+    acc = tl.zeros([BK, BY], dtype=ACC)
+    for i in range(0, tl.cdiv(end - start, BT)):
+        t = start + i * BT + tl.arange(0, BT)
+        m_t = t < end
+        rows = (i_b * T + t).to(tl.int64) * H + i_h
+        phi = _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D, DH, BT, BD, BK, DT, UPCAST, ACC)
+        m_ty = m_t[:, None] & (o_y[None, :] < DY)
+        b_y = tl.load(y + rows[:, None] * DY + o_y[None, :], mask=m_ty, other=0.)
+        b_y = _scaled(b_y, s, rows, o_y, m_t, m_ty, DY, SCALE, ACC)
+        acc += mm_split(tl.trans(phi), b_y, SPLIT_X, SPLIT_Y, DT, UPCAST)
+    N = tl.num_programs(0)
+    base = ((i_b * N + i_j) * H + i_h).to(tl.int64) * DH * DY
+    tl.store(out + base + o_k[:, None] * DY + o_y[None, :], acc, mask=(o_k[:, None] < DH) & (o_y[None, :] < DY))
+
+
+@triton.jit
+def _swiglu_read_kernel(x, w0, w2, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
+                        H: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DO: tl.constexpr,
+                        BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BO: tl.constexpr,
+                        DT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    """One token tile × output tile: ``out_t = φ(x_t) S[b, chunk(t), h]``, ``φ`` never stored."""
+    i_tile, i_o, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    per_chunk = tl.cdiv(C, BT)
+    i_j, i_i = i_tile // per_chunk, i_tile % per_chunk
+    t = i_j * C + i_i * BT + tl.arange(0, BT)
+    m_t = (t < T) & (t < i_j * C + C)
+    rows = (i_b * T + t).to(tl.int64) * H + i_h
+    o_o = i_o * BO + tl.arange(0, BO)
+    state = S + i_b.to(tl.int64) * s_b + i_j.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
+    acc = tl.zeros([BT, BO], dtype=ACC)
+    for i_k in range(0, tl.cdiv(DH, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        phi = _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D, DH, BT, BD, BK, DT, UPCAST, ACC)
+        b_s = tl.load(state + o_k[:, None] * s_k + o_o[None, :] * s_v,
+                      mask=(o_k[:, None] < DH) & (o_o[None, :] < DO), other=0.)
+        acc += mm(phi, b_s, DT, UPCAST)
+    tl.store(out + rows[:, None] * DO + o_o[None, :], acc.to(out.dtype.element_ty),
+             mask=m_t[:, None] & (o_o[None, :] < DO))
+
+
+def swiglu_features(x, w0, w2, *, dtype=None):
+    """``φ(x) = silu(x W0) ⊙ (x W2)`` in torch (``x`` ``[B, T, H, D]``, ``W`` ``[H, D, Dh]``), as ``dtype``.
+
+    The products run in ``dtype`` (default ``x.dtype``), the gate in at least fp32.
+    """
+    dtype = dtype or x.dtype
+    x, w0, w2 = x.to(dtype), w0.to(dtype), w2.to(dtype)
+    a = torch.einsum("bthd,hde->bthe", x, w0)
+    b = torch.einsum("bthd,hde->bthe", x, w2)
+    gate_dtype = accumulator(dtype)
+    return (F.silu(a.to(gate_dtype)) * b.to(gate_dtype)).to(dtype)
+
+
+def swiglu_increments(x, w0, w2, y, n, C, scale=None, *, split_x=False, split_y=False):
+    """``G[b, j, h] = φ(X_j)ᵀ (scale ⊙ Y_j)`` for the first ``n`` chunks, ``[B, n, H, Dh, DY]``, fp32/float64."""
+    x, w0, w2, y, scale = contiguous(x, w0, w2, y, scale)
+    B, T, H, D = x.shape
+    DH, DY = w0.shape[-1], y.shape[-1]
+    out = x.new_empty(B, n, H, DH, DY, dtype=accumulator(x.dtype))
+    if n == 0:
+        return out
+    half = x.dtype in HALF_DTYPES
+    BT, BD, BK, BY = tile(C, 64), tile(D, 64), tile(DH, 64), tile(DY, 128)
+    grid = (n, triton.cdiv(DH, BK) * triton.cdiv(DY, BY), B * H)
+    _swiglu_increments_kernel[grid](x, w0, w2, y, scale, out, T, C, H, D, DH, DY, BT, BD, BK, BY,
+                                    _scale_mode(scale), split_x and half, split_y and half, tl_dtype(x.dtype),
+                                    upcast(x.dtype), tl_dtype(accumulator(x.dtype)),
+                                    **launch_options(BK, BY, BT))
+    return out
+
+
+def swiglu_read(x, w0, w2, states, C, *, out_dtype=None):
+    """``O_t = φ(X_t) S_j`` with ``j = t // C``: ``[B, T, H, Dv]``; tokens of chunks ``≥ n`` get zeros."""
+    x, w0, w2 = contiguous(x, w0, w2)
+    B, T, H, D = x.shape
+    n, DH, DO = states.shape[1], states.shape[-2], states.shape[-1]
+    alloc = torch.zeros if n * C < T else torch.empty
+    out = alloc(B, T, H, DO, dtype=out_dtype or x.dtype, device=x.device)
+    if n == 0:
+        return out
+    BT, BD, BK, BO = tile(C, 64), tile(D, 64), tile(DH, 64), tile(DO, 128)
+    grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
+    _swiglu_read_kernel[grid](x, w0, w2, states, out, T, C, *states.stride(), H, D, DH, DO, BT, BD, BK, BO,
+                              tl_dtype(x.dtype), upcast(x.dtype), tl_dtype(accumulator(x.dtype)),
+                              **launch_options(BK, BO, BT))
+    return out
+
+
+def _recomputed_features(x, w0, w2, precise):
+    """``φ(x)`` for the backward, with autograd: fp32 when ``precise`` and ``x`` is half precision."""
+    dtype = accumulator(x.dtype) if precise else x.dtype
+    x, w0, w2 = (t.detach().requires_grad_() for t in (x, w0, w2))
+    return (x, w0, w2), swiglu_features(x, w0, w2, dtype=dtype)
+
+
+def _swiglu_input_grads(leaves, phi, dphi, needs):
+    if dphi is None or not any(needs):
+        return (None, None, None)
+    wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+    grads = iter(torch.autograd.grad(phi, wanted, dphi.to(phi.dtype)))
+    return tuple(next(grads) if need else None for need in needs)
+
+
+class SwigluIncrements(torch.autograd.Function):
+    """``G_j = φ(K_j)ᵀ (lr ⊙ V_j)`` with ``φ`` fused into the kernel; the backward recomputes ``φ(K)``."""
+
+    @staticmethod
+    def forward(ctx, k, w0, w2, v, lr, n, C, precise):
+        ctx.save_for_backward(k, w0, w2, v, lr)
+        ctx.C, ctx.precise = C, precise
+        return swiglu_increments(k, w0, w2, v, n, C, scale=lr, split_x=precise, split_y=precise and lr is not None)
+
+    @staticmethod
+    def backward(ctx, dG):
+        k, w0, w2, v, lr = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with torch.enable_grad():
+            leaves, phi_k = _recomputed_features(k, w0, w2, ctx.precise)
+            dphi_k, dv, dlr = increments_backward(dG, phi_k.detach(), v, lr, ctx.C, (any(needs[:3]), *needs[3:5]),
+                                                  dot_dtype=k.dtype, precise=ctx.precise)
+            dk, dw0, dw2 = _swiglu_input_grads(leaves, phi_k, dphi_k, needs[:3])
+        return dk, dw0, dw2, dv, dlr, None, None, None
+
+
+class SwigluRead(torch.autograd.Function):
+    """``o_t = φ(q_t) W_{chunk(t)}`` with ``φ`` fused into the kernel; the backward recomputes ``φ(Q)``."""
+
+    @staticmethod
+    def forward(ctx, q, w0, w2, states, C, out_dtype, precise):
+        ctx.save_for_backward(q, w0, w2, states)
+        ctx.C, ctx.precise = C, precise
+        return swiglu_read(q, w0, w2, states, C, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, w0, w2, states = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with torch.enable_grad():
+            leaves, phi_q = _recomputed_features(q, w0, w2, ctx.precise)
+            dphi_q, dstates = read_backward(do, phi_q.detach(), states, ctx.C, (any(needs[:3]), needs[3]),
+                                            dot_dtype=q.dtype, precise=ctx.precise)
+            dq, dw0, dw2 = _swiglu_input_grads(leaves, phi_q, dphi_q, needs[:3])
+        return dq, dw0, dw2, dstates, None, None, None
+
+
+def _check_swiglu_inputs(q, k, w0, w2):
+    op = "fused_swiglu_block_linear_attention"
+    if q.dim() != 4 or q.shape != k.shape:
+        raise RuntimeInputError(f"{op}: q and k must both be [B, T, H, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    H, D = q.shape[2], q.shape[3]
+    if w0.dim() != 3 or w0.shape != w2.shape or tuple(w0.shape[:2]) != (H, D):
+        raise RuntimeInputError(f"{op}: w0 and w2 must both be [H, D, Dh] = [{H}, {D}, Dh] (x @ W form); got "
+                                f"{tuple(w0.shape)} and {tuple(w2.shape)}")
+
+
+def fused_swiglu_block_linear_attention(q, k, v, w0, w2, *, chunk_size, order="exclusive", lr=None, momentum=None,
+                                        muon_steps=0, weight_norm=None, initial_state=None,
+                                        output_final_state=False):
+    """``block_linear_attention(φ(q), φ(k), v, ...)`` with ``φ(x) = silu(x W0) ⊙ (x W2)`` fused into the kernels.
+
+    ``q, k`` ``[B, T, H, D]``, ``v`` ``[B, T, H, Dv]``, ``w0, w2`` ``[H, D, Dh]``; states are ``[B, H, Dh, Dv]``.
+    The other arguments and the result are those of ``block_linear_attention``.
+    """
+    _check_swiglu_inputs(q, k, w0, w2)
+    B, T, H, _ = k.shape
+    shape_of_phi = k.new_empty(()).expand(B, T, H, w0.shape[-1])
+    n = check_block_inputs(shape_of_phi, shape_of_phi, v, chunk_size=chunk_size, order=order, lr=lr,
+                           momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
+                           initial_state=initial_state)
+    if weight_norm is not None:
+        raise UnsupportedTTTError(
+            "fused_swiglu_block_linear_attention: the Triton kernels do not implement weight_norm; compute "
+            "φ in torch and call the runtime block op with backend='torch' for it")
+    C = T if order == "full" else chunk_size
+    n_update = n - 1 if order == "exclusive" else n
+    dtype = block_dtype(v.dtype, muon_steps)
+    kernel_dtype = dtype if dtype == torch.float64 else v.dtype
+    q, k, v_in, w0, w2 = (x.to(kernel_dtype) for x in (q, k, v, w0, w2))
+    precise = muon_steps > 0
+    M = SwigluIncrements.apply(k, w0, w2, v_in, lr, n_update, C, precise)
+    states, final = read_states(M, order=order, n=n, momentum=momentum, muon_steps=muon_steps,
+                                initial_state=initial_state, dtype=dtype)
+    o = SwigluRead.apply(q, w0, w2, states, C, v.dtype, precise)
+    final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
+    return o, final
+
+
+__all__ = ["fused_swiglu_block_linear_attention", "swiglu_features", "swiglu_increments", "swiglu_read",
+           "SwigluIncrements", "SwigluRead"]
