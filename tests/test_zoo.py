@@ -65,17 +65,20 @@ def assert_styles_agree(folded, heads, x, tol):
         assert err <= tol, f"d/d{name} differs: {err:.3g}"
 
 
+# Heads of width 1 are left out: L2-normalising a 1-vector gives its sign, whose gradient is rounding noise.
+HEAD_DIMS = [2, 3, 4, 5, 6, 8]
+
+
 @st.composite
 def lact_cases(draw, switch_choices=SWITCHES):
     switches = draw(st.sampled_from(switch_choices))
-    # Muon divides out the scale of a rank-one update (one token per chunk, or 1-wide heads), so the
-    # gradients of whatever only scales it vanish up to the 1e-7 epsilon and their relative error is noise.
-    smallest = 2 if switches["muon"] else 1
-    C = draw(st.integers(smallest, 6))
+    # Muon divides out the scale of a rank-one update (one token per chunk), so the gradients of whatever
+    # only scales it vanish up to the 1e-7 epsilon and their relative error is noise.
+    C = draw(st.integers(2 if switches["muon"] else 1, 6))
     return dict(
         B=draw(st.integers(1, 3)),
         H=draw(st.integers(1, 3)),
-        D=draw(st.sampled_from([1, 2, 3, 4, 5, 6, 8][smallest - 1:])),
+        D=draw(st.sampled_from(HEAD_DIMS)),
         inter=draw(st.sampled_from([None, 3, 7])),
         C=C,
         L=draw(st.integers(1, 5 * C + 7)),
@@ -98,7 +101,7 @@ def gradient_noise(layer, x, rel=1e-15):
 # ~1e-4 once Muon is on.  The all-switch cross-check therefore runs in fp64 (the fp32 one without Muon),
 # and drops the few Muon cases (tiny, nearly singular updates) whose gradients are so ill-conditioned
 # that rounding-sized input noise alone moves them by more than a tenth of the fp64 tolerance.
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(case=lact_cases())
 def test_styles_agree_fp64(case):
     folded, heads = make_pair(case["H"], case["D"], case["C"], case["switches"], inter=case["inter"],
@@ -165,11 +168,13 @@ def reference_lact(layer, x, switches, muon_steps=5):
         outs.append(ref_swiglu(W, q[:, :, s:e]))
         if e == L:
             break
+        increments = {}
         for m in trained:
             with torch.enable_grad():
                 Wg = [w.clone().requires_grad_(i == m) for i, w in enumerate(W)]
                 loss = -(eta[m, :, :, s:e, None] * ref_swiglu(Wg, k[:, :, s:e]) * v[:, :, s:e]).sum()
-                dW = -torch.autograd.grad(loss, Wg[m])[0]
+                increments[m] = -torch.autograd.grad(loss, Wg[m])[0]
+        for m, dW in increments.items():
             if alpha is not None:
                 dW = dW + alpha[:, :, s:e].mean(-1)[..., None, None] * M[m]
                 M[m] = dW
@@ -334,7 +339,7 @@ def per_token_closed_form(layer, x):
 
 
 @settings(max_examples=25, deadline=None)
-@given(B=st.integers(1, 3), H=st.integers(1, 3), D=st.sampled_from([1, 2, 3, 5, 8]), L=st.integers(1, 12),
+@given(B=st.integers(1, 3), H=st.integers(1, 3), D=st.sampled_from(HEAD_DIMS), L=st.integers(1, 12),
        lr=st.booleans(), base_lr=st.sampled_from([1.0, 0.3]), seed=st.integers(0, 2**16))
 def test_per_token_matches_closed_form(B, H, D, L, lr, base_lr, seed):
     torch.manual_seed(seed)
@@ -401,9 +406,11 @@ def test_tiny_lm_is_deterministic_and_styles_agree():
     torch.manual_seed(7)
     folded = TinyLaCTLM(**kw, style="folded").double()
     torch.manual_seed(7)
+    again = TinyLaCTLM(**kw, style="folded").double()
+    sd = folded.state_dict()
+    assert all(torch.equal(t, again.state_dict()[n]) for n, t in sd.items())
     heads = TinyLaCTLM(**kw, style="heads").double()
-    sd_a, sd_b = folded.state_dict(), heads.state_dict()
-    assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[n], sd_b[n]) for n in sd_a)
+    heads.load_state_dict(sd)  # the two styles share parameter names and shapes
     assert folded.lm_head.weight is folded.embed.weight
     assert isinstance(heads.blocks[1].ttt, LaCTHeadsLayer)
 

@@ -1,2 +1,15 @@
-"""ttt2la: turn test-time-training layers into chunk-parallel linear attention."""
+"""ttt2la: turn test-time-training layers into chunk-parallel linear attention.
+
+    converted = ttt2la.convert(model, level=2, example_inputs=(x,))
+    print(converted.ttt2la_report)
+    ttt2la.inspect(model, example_inputs=(x,))
+"""
+from .convert import convert, inspect
+from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
+                     UnsupportedTTTError)
+from .report import ConversionReport, InspectionReport
+
 __version__ = "0.1.0"
+
+__all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
+           "LevelNotImplementedError", "ConversionReport", "InspectionReport", "__version__"]

@@ -58,10 +58,11 @@ def _features(d_model: int) -> Callable[[int, int, torch.Generator], tuple]:
 
 
 def _lact_lm(style: str = "folded", d_model: int = 64, n_layers: int = 2, num_heads: int = 2,
-             chunk_size: int = 64) -> Callable[[], torch.nn.Module]:
+             chunk_size: int = 64, **layer_kwargs) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         from .zoo import TinyLaCTLM
-        return TinyLaCTLM(VOCAB_SIZE, d_model, n_layers, num_heads, chunk_size, style=style)
+        return TinyLaCTLM(VOCAB_SIZE, d_model, n_layers, num_heads, chunk_size, style=style,
+                          **layer_kwargs)
     return build
 
 
@@ -99,6 +100,25 @@ def build_zoo_model(name: str, seed: int = 0) -> torch.nn.Module:
     """Build the bundled model ``name`` with weights drawn from ``seed``, in eval mode."""
     torch.manual_seed(seed)
     return ZOO[name].build().eval()
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """Model and run sizes of ``ttt2la demo``."""
+
+    d_model: int
+    n_layers: int
+    num_heads: int
+    chunk_size: int
+    batch: int
+    length: int
+    repeats: int
+
+
+# Converting traces the layer's loop a few times per level, and tracing Newton-Schulz dominates
+# that: one block without Muon keeps the default demo well under a minute on 2 cores.
+DEMO_SIZES = {"default": DemoSize(64, 1, 2, 64, batch=2, length=2048, repeats=5),
+              "quick": DemoSize(32, 1, 2, 16, batch=1, length=256, repeats=3)}
 
 
 # -- throughput ---------------------------------------------------------------------------------
@@ -192,24 +212,25 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Convert a small seeded LaCT language model at levels 0, 1 and 2 and compare their speed."""
     import ttt2la
 
-    if args.quick:
-        build = _lact_lm(d_model=32, n_layers=1, num_heads=2, chunk_size=16)
-        batch, length, repeats = 1, args.length or 64, args.repeats or 3
-    else:
-        build = _lact_lm(chunk_size=64)
-        batch, length, repeats = 2, args.length or 1024, args.repeats or 5
+    size = DEMO_SIZES["quick" if args.quick else "default"]
+    length, repeats = args.length or size.length, args.repeats or size.repeats
     torch.manual_seed(args.seed)
-    model = build().eval()
-    inputs = _token_ids(batch, length, torch.Generator().manual_seed(args.seed))
+    model = _lact_lm(d_model=size.d_model, n_layers=size.n_layers, num_heads=size.num_heads,
+                     chunk_size=size.chunk_size, muon=args.muon)().eval()
+    inputs = _token_ids(size.batch, length, torch.Generator().manual_seed(args.seed))
+    # conversion needs only a few chunks; the converted models then run at any length
+    example = (inputs[0][:, : 4 * size.chunk_size],)
     _say(out, f"LaCT language model, seed {args.seed}: "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters, inputs {batch}x{length}")
+              f"{sum(p.numel() for p in model.parameters()):,} parameters, "
+              f"chunk {size.chunk_size}, {'with' if args.muon else 'without'} Muon, "
+              f"inputs {size.batch}x{length}")
 
     converted: dict[str, torch.nn.Module] = {}
     with _progress(err) as progress:
         task = progress.add_task("converting", total=3)
         for level, strict in ((0, False), (1, True), (2, True)):
             progress.update(task, description=f"converting at level {level}")
-            result = ttt2la.convert(model, level=level, example_inputs=inputs, strict=strict)
+            result = ttt2la.convert(model, level=level, example_inputs=example, strict=strict)
             converted[f"level {level}"] = result
             progress.advance(task)
     for result in converted.values():
@@ -354,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", cmd_demo, "convert a small seeded LaCT language model at levels 0, 1 and 2 "
                               "and compare throughput")
     p.add_argument("--quick", action="store_true", help="a very small model and run")
+    p.add_argument("--muon", action="store_true",
+                   help="give the LaCT layer Muon, as published (converting then takes minutes)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
     p.add_argument("--length", type=_positive, default=None, help="sequence length")
     p.add_argument("--repeats", type=_positive, default=None, help="timed runs per model")

@@ -23,6 +23,7 @@ from .frontend.recognize import B0, B1, RecognizedLayer, recognize_layer
 from .frontend.shapes import fit_template
 from .ir import TTTProgram
 from .lowering import lower
+from .lowering.lift import LiftedPlan, lift
 from .passes import run_level
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .testing import rel_rms_error, tolerance
@@ -118,22 +119,22 @@ def _prepare(rl: RecognizedLayer, level: int, calibration):
 
 def _state_records(program: TTTProgram, analysis) -> list[StateRecord]:
     records = []
-    rules = getattr(analysis, "rules", {}) or {}
-    deps = getattr(analysis, "dependence", {}) or {}
-    for s in program.states:
-        records.append(StateRecord(s.name, s.role, str(rules.get(s.name, "")),
-                                   str(deps.get(s.name, ""))))
+    for s, sa in zip(program.states, analysis.states):
+        deps = ", ".join(f"{k}: {v.name.lower()}" for k, v in sa.depends_on.items())
+        dependence = f"self: {sa.self_dependence.name.lower()}" + (f"; {deps}" if deps else "")
+        records.append(StateRecord(s.name, s.role, sa.rule, f"{dependence} ({sa.mode})"))
     return records
 
 
 def _layer_report(rl, program, analysis, results, schedule, runtime, exact, notes,
-                  levels=None, check=None) -> LayerReport:
+                  levels=None, check=None, drifts=None) -> LayerReport:
     return LayerReport(
         module_path=rl.path, function=program.function, loop_src=str(program.loop_src),
         chunk_size=program.chunk_size, order=program.order, last_chunk=program.last_chunk,
         states=_state_records(program, analysis),
         streams=[f"{s.name}{' (per token)' if s.per_token else ''}" for s in program.streams],
-        passes=[PassRecord(r.step, r.name, r.status, r.exact, r.reason) for r in results],
+        passes=[PassRecord(r.step, r.name, r.status, r.exact, r.reason,
+                           (drifts or {}).get(r.step)) for r in results],
         schedule=schedule, runtime=runtime, reducible=bool(analysis.reducible), exact=exact,
         notes=notes, levels=levels, check=check)
 
@@ -150,15 +151,45 @@ def _build_state(rl: RecognizedLayer, level: int, calibration, backend: str, str
         notes.append(f"not reducible at level {level}: kept the recurrent executor "
                      "(strict=False)")
 
+    used, zero_init = _loop_interface(rl)
+
     def build_plan(prog, _schedule=schedule):
-        return lower(prog, analyze(prog), backend=backend, schedule=_schedule)
+        if _schedule == "parallel":
+            lifted = lift(prog)
+            if lifted is not None and _liftable(lifted, used, zero_init):
+                return LiftedPlan(lifted, backend=backend)
+        return lower(prog, analyze(prog), backend="auto", schedule=_schedule)
 
     plan0 = build_plan(program)
+    interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
-                           build_plan=build_plan, schedule=plan0.schedule,
+                           build_plan=build_plan, interface=interface, schedule=plan0.schedule,
                            implementation=plan0.implementation)
     exact = all(r.exact for r in results)
     return state, analysis, results, notes, exact
+
+
+_ZEROS = {torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+          torch.ops.aten.new_zeros.default}
+
+
+def _loop_interface(rl: RecognizedLayer) -> tuple[set[int], set[int]]:
+    """Which final states the code after the loop reads, and which states start at zero."""
+    from .frontend.rollup import LOOP_MODULE
+
+    call = next(n for n in rl.outer.gm.graph.nodes
+                if n.op == "call_module" and n.target == LOOP_MODULE)
+    used = {u.args[1] - 1 for u in call.users if u.args[1] >= 1 and u.users}
+    zero = {i for i, a in enumerate(call.args[: len(rl.program.states)])
+            if isinstance(a, torch.fx.Node) and a.target in _ZEROS}
+    return used, zero
+
+
+def _liftable(lifted, used: set[int], zero_init: set[int]) -> bool:
+    """The runtime ops start momentum at zero and return only the final linear state."""
+    if lifted.m is not None and (lifted.m not in zero_init or lifted.m in used):
+        return False
+    return True
 
 
 def _layer_inputs(rl: RecognizedLayer):
@@ -187,10 +218,11 @@ def _check(original: torch.nn.Module, converted: torch.nn.Module, rl: Recognized
     return result
 
 
-def _pass_drifts(rl, original, level, calibration, backend, results) -> None:
-    """Fill ``drift`` on every applied lossy pass: the layer's error after steps 1..k."""
+def _pass_drifts(rl, original, level, calibration, backend, results) -> dict[int, dict]:
+    """The drift of every applied lossy pass: the layer's error after steps 1..k."""
     args, kwargs = _layer_inputs(rl)
     ref = _run_layer(original, args, kwargs)
+    drifts = {}
     for k, r in enumerate(results, start=1):
         if r.exact or r.status != "applied":
             continue
@@ -198,8 +230,9 @@ def _pass_drifts(rl, original, level, calibration, backend, results) -> None:
         state, *_ = _build_state(rl, k, calibration, backend, strict=False)
         install(probe, state)
         got = _run_layer(probe, args, kwargs)
-        r.drift = {"rel_rms_error": rel_rms_error(got, ref), "after_step": k,
-                   "inputs": "calibration" if calibration is not None else "example"}
+        drifts[r.step] = {"rel_rms_error": rel_rms_error(got, ref), "after_step": k,
+                          "inputs": "calibration" if calibration is not None else "example"}
+    return drifts
 
 
 # -- public API -----------------------------------------------------------------------------
@@ -250,11 +283,10 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
                 f"RMS error of {check['rel_rms_error']:.2e} on the example inputs although every "
                 "applied pass is exact; this is a bug in ttt2la — please report it with the "
                 "model. Use strict=False at a lower level meanwhile.")
-        if not exact:
-            _pass_drifts(rl, original, level, cal, backend, results)
+        drifts = None if exact else _pass_drifts(rl, original, level, cal, backend, results)
         layer_reports.append(_layer_report(rl, state.program, analysis, results, state.schedule,
                                            state.implementation, exact, layer_notes,
-                                           check=check))
+                                           check=check, drifts=drifts))
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
                                             strict=strict, notes=notes)
     return target

@@ -24,20 +24,33 @@ from .ir import TTTProgram
 
 
 class LoopModule(torch.nn.Module):
-    """Runs a lowered plan in the place of the loop: ``(*states0, *invariants) -> (out, *finals)``."""
+    """Runs a lowered plan in the place of the loop: ``(*states0, *invariants) -> (out, *finals)``.
 
-    def __init__(self, program: TTTProgram, plan):
+    The arguments follow the recognized loop (``interface``: its state names, then its
+    invariant names); passes may have dropped states (dead momentum of a frozen Θ) or
+    invariants, so values are matched to the rewritten program by name. A state the program
+    no longer carries keeps its initial value as its final value.
+    """
+
+    def __init__(self, program: TTTProgram, plan, interface: tuple[list[str], list[str]]):
         super().__init__()
         self.program = program
         self.plan = plan
+        self.state_names, self.invariant_names = interface
 
     def forward(self, *args):
-        n = len(self.program.states)
+        n = len(self.state_names)
+        given = dict(zip(self.state_names, args[:n]))
+        given.update(zip(self.invariant_names, args[n:]))
         # the body was traced reading states a previous iteration produced (contiguous); an
         # initial state may be an expanded or transposed view of a parameter
-        states0 = [s.contiguous() for s in args[:n]]
-        outputs, finals = self.plan(states0, list(args[n:]))
-        return (outputs[0], *finals)
+        states0 = [given[s.name].contiguous() for s in self.program.states]
+        invariants = [given[i.name] for i in self.program.invariants]
+        outputs, finals = self.plan(states0, invariants)
+        final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
+        # the code after the loop was traced reading a fresh cat/stack: contiguous
+        return (outputs[0].contiguous(),
+                *(final_by_name.get(name, given[name]) for name in self.state_names))
 
 
 @dataclass
@@ -49,6 +62,7 @@ class ConvertedState:
     outer: GraphTemplate                # the code around the loop, generic in (B, L)
     layout: InputLayout
     build_plan: Any                     # (program) -> plan callable with .schedule/.implementation
+    interface: tuple                    # names of the recognized loop's states and invariants
     schedule: str
     implementation: str
     _outer_cache: dict = field(default_factory=dict)
@@ -58,7 +72,8 @@ class ConvertedState:
         loop = self._loop_cache.get(B)
         if loop is None:
             program = dataclasses.replace(self.program.clone(), body=self.body.instantiate(B, 0))
-            loop = self._loop_cache[B] = LoopModule(program, self.build_plan(program))
+            loop = self._loop_cache[B] = LoopModule(program, self.build_plan(program),
+                                                    self.interface)
         return loop
 
     def outer_for(self, B: int, L: int) -> torch.fx.GraphModule:

@@ -40,7 +40,12 @@ def role_phrase(program: TTTProgram, state: int) -> str:
 
 @dataclass
 class StateAnalysis:
-    """One state's update: its class in itself, what it reads, and the recovered rule."""
+    """One state's update: its class in itself, what it reads, and the recovered rule.
+
+    ``mode`` says how an executor obtains its sequence over chunks: ``constant``,
+    ``independent`` (recomputed each chunk), ``prefix`` (a sum), ``affine`` (a scan),
+    ``sequential`` (a loop over the small state-dependent graph) or ``recurrent``.
+    """
 
     index: int
     name: str
@@ -48,19 +53,19 @@ class StateAnalysis:
     self_dependence: Dep
     depends_on: dict[str, Dep]
     rule: str
-    mode: str                       # "constant" | "independent" | "prefix" | "affine" | "sequential" | "recurrent"
+    mode: str
     culprit: torch.fx.Node | None = None
 
 
 @dataclass
 class Blocker:
-    """Why a state cannot run in the requested schedule: the op, where, and the pass that helps."""
+    """Why a state cannot run in a more parallel schedule: the op, where, and what helps."""
 
     state: int
     op: torch.fx.Node | None
     message: str
     remedy: str
-    schedule: str                   # the best schedule this blocker allows
+    schedule: str                   # the most parallel schedule this blocker allows
 
 
 @dataclass
@@ -70,7 +75,7 @@ class Analysis:
     program: TTTProgram
     dependence: Dependence
     states: list[StateAnalysis]
-    graph: nx.DiGraph
+    graph: nx.DiGraph               # state indices; edge u → t when t's update reads u
     groups: list[list[int]]         # strongly connected components in topological order
     group_modes: list[str]
     schedule: str
@@ -78,15 +83,17 @@ class Analysis:
 
     @property
     def reducible(self) -> bool:
-        """True when the chunks can run (semi-)parallel: no nonlinear recurrence in any component."""
+        """True when the chunks can run (semi-)parallel: no nonlinear recurrence in a component."""
         return self.schedule != "recurrent"
 
     @property
     def topological_order(self) -> list[str]:
+        """State names in an order where every state comes after the states its update reads."""
         return [self.program.states[i].name for g in self.groups for i in g]
 
     @property
     def rules(self) -> dict[str, str]:
+        """``{state name: rendered update rule}`` for the report."""
         return {s.name: s.rule for s in self.states}
 
     def require_reducible(self, level: int | None = None) -> None:
@@ -95,20 +102,24 @@ class Analysis:
         self.require_schedule("semi-parallel", level)
 
     def require_schedule(self, schedule: str, level: int | None = None) -> None:
-        """Raise ``NonReducibleError`` when ``schedule`` is more parallel than the program allows."""
+        """Raise ``NonReducibleError`` when ``schedule`` is more parallel than the program
+        allows."""
         if schedule not in _SCHEDULE_RANK:
-            raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(_SCHEDULE_RANK)}")
+            raise ValueError(f"unknown schedule {schedule!r}; "
+                             f"expected one of {list(_SCHEDULE_RANK)}")
         wanted = _SCHEDULE_RANK[schedule]
         blocking = [b for b in self.blockers if _SCHEDULE_RANK[b.schedule] > wanted]
         if not blocking:
             return
         b = blocking[0]
+        prog = self.program
+        loop = f"the loop at {prog.loop_src}" if prog.loop_src is not None else "this loop"
+        where = f"{prog.module_path}: " if prog.module_path else ""
         at = f" at level {level}" if level is not None else ""
-        prefix = (f"{self.program.module_path}: " if self.program.module_path else "")
-        how = {"semi-parallel": "chunk-parallel", "parallel": "fully parallel"}.get(schedule, schedule)
+        how = {"semi-parallel": "chunk-parallel", "parallel": "fully parallel"}[schedule]
         raise NonReducibleError(
-            f"{prefix}this loop cannot run {how}{at}: {b.message} {b.remedy}",
-            state=self.program.states[b.state].name,
+            f"{where}{loop} cannot run {how}{at}: {b.message} {b.remedy}",
+            state=prog.states[b.state].name,
             op=describe_node(b.op) if b.op is not None else None,
             where=str(node_src(b.op)) if b.op is not None and node_src(b.op) else None,
             remedy=b.remedy)
@@ -117,28 +128,13 @@ class Analysis:
 def _mode(dep: StateDep, out_is_in: bool) -> str:
     if out_is_in:
         return "constant"
-    cls = dep.cls
-    if cls == Dep.INDEPENDENT:
-        return "independent"
-    if cls == Dep.IDENTITY:
-        return "prefix"
-    if cls == Dep.SCALAR_AFFINE:
-        return "affine"
-    if cls in (Dep.MATRIX_AFFINE, Dep.LOCAL):
-        return "sequential"
-    return "recurrent"
+    return {Dep.INDEPENDENT: "independent", Dep.IDENTITY: "prefix", Dep.SCALAR_AFFINE: "affine",
+            Dep.MATRIX_AFFINE: "sequential", Dep.LOCAL: "sequential"}.get(dep.cls, "recurrent")
 
 
-def _remedy(program: TTTProgram, state: int, culprit: torch.fx.Node | None, reads: set[int]) -> str:
-    roles = {program.states[i].role for i in reads | {state}}
-    if "theta" in roles:
-        return ("Apply freeze_theta (level >= 1) so the kernel weights Θ stop being updated, or "
-                "keep the recurrent schedule (strict=False).")
-    if culprit is not None and match_norm(culprit) is not None or \
-            (culprit is not None and op_name(culprit) in ("linalg_vector_norm", "norm",
-                                                          "native_layer_norm", "rsqrt")):
-        return "Apply drop_norm (level >= 2) to remove the state normalisation."
-    return "Keep the recurrent schedule (strict=False); ttt2la cannot parallelise this update."
+def _is_norm(node: torch.fx.Node | None) -> bool:
+    return node is not None and (match_norm(node) is not None or op_name(node) in (
+        "linalg_vector_norm", "norm", "native_layer_norm", "rsqrt"))
 
 
 def _where(node: torch.fx.Node | None) -> str:
@@ -149,6 +145,43 @@ def _where(node: torch.fx.Node | None) -> str:
     return f"{describe_node(node)}{code}"
 
 
+def _recurrent_blocker(program: TTTProgram, dep: Dependence, t: int,
+                       members: set[int]) -> Blocker | None:
+    bad = [(u, dep.update(t, u)) for u in sorted(members) if dep.update(t, u).cls == Dep.NONLINEAR]
+    if not bad:
+        return None
+    u, d = bad[0]
+    through = "itself" if u == t else role_phrase(program, u)
+    out = program.state_outputs()[t]
+    updated = node_src(out) if isinstance(out, torch.fx.Node) else None
+    message = (f"{role_phrase(program, t)}{f' (updated at {updated})' if updated else ''} "
+               f"depends nonlinearly on {through} through {_where(d.culprit)}, so its chunk "
+               f"updates do not compose associatively.")
+    roles = {program.states[i].role for i in members}
+    if "theta" in roles:
+        remedy = ("Apply freeze_theta (level >= 1) so the kernel weights Θ stop being updated, "
+                  "or keep the recurrent schedule (strict=False).")
+    elif _is_norm(d.culprit):
+        remedy = "Apply drop_norm (level >= 2) to remove the state normalisation."
+    else:
+        remedy = ("Keep the recurrent schedule (strict=False); ttt2la cannot parallelise this "
+                  "update.")
+    return Blocker(t, d.culprit, message, remedy, "recurrent")
+
+
+def _sequential_blocker(program: TTTProgram, dep: Dependence, t: int,
+                        members: set[int]) -> Blocker:
+    d = max((dep.update(t, u) for u in sorted(members)), key=lambda x: x.cls)
+    local = d.cls == Dep.LOCAL
+    kind = "is normalised" if local else "is matrix-affine in itself (a delta rule)"
+    through = f" through {_where(d.culprit)}" if d.culprit is not None else ""
+    message = (f"{role_phrase(program, t)} {kind}{through}; only a sequential pass over its "
+               f"chunks is exact.")
+    remedy = ("Apply drop_norm (level >= 2) to make it fully parallel." if local else
+              "Use the semi-parallel schedule; no pass removes this dependence.")
+    return Blocker(t, d.culprit, message, remedy, "semi-parallel")
+
+
 def analyze(program: TTTProgram, dependence: Dependence | None = None) -> Analysis:
     """Classify every state update of ``program`` and choose the most parallel exact schedule."""
     dep = dependence or analyze_dependence(program)
@@ -156,11 +189,10 @@ def analyze(program: TTTProgram, dependence: Dependence | None = None) -> Analys
     ins, outs = program.state_inputs(), program.state_outputs()
     rules = update_rules(program)
     graph = nx.DiGraph()
-    graph.add_nodes_from(range(n))
-    for t in range(n):
-        for u in range(n):
-            if t != u and dep.update(t, u).kind > Dep.INDEPENDENT:
-                graph.add_edge(u, t)
+    graph.add_nodes_from((i, {"name": s.name, "role": s.role})
+                         for i, s in enumerate(program.states))
+    graph.add_edges_from((u, t) for t in range(n) for u in range(n)
+                         if t != u and dep.update(t, u).kind > Dep.INDEPENDENT)
     condensed = nx.condensation(graph)
     groups = [sorted(condensed.nodes[c]["members"]) for c in nx.topological_sort(condensed)]
 
@@ -168,58 +200,33 @@ def analyze(program: TTTProgram, dependence: Dependence | None = None) -> Analys
     for group in groups:
         members = set(group)
         if len(group) == 1:
-            (t,) = group
-            d = dep.update(t, t)
-            mode = _mode(d, outs[t] is ins[t])
+            mode = _mode(dep.update(group[0], group[0]), outs[group[0]] is ins[group[0]])
         else:
-            coupled = [dep.update(t, u) for t in group for u in group]
-            worst = max((d.cls for d in coupled), default=Dep.INDEPENDENT)
+            worst = max(dep.update(t, u).cls for t in group for u in group)
             mode = "recurrent" if worst == Dep.NONLINEAR else "sequential"
         group_modes.append(mode)
         for t in group:
-            self_dep = dep.update(t, t)
-            reads = {u for u in range(n) if dep.update(t, u).kind > Dep.INDEPENDENT}
-            culprit = None
-            if mode in ("sequential", "recurrent"):
-                inner = [dep.update(t, u) for u in sorted(members)]
-                worst = max(inner, key=lambda d: d.cls)
-                culprit = worst.culprit
             spec = program.states[t]
+            inner = max((dep.update(t, u) for u in group), key=lambda d: d.cls)
             states.append(StateAnalysis(
-                index=t, name=spec.name, role=spec.role, self_dependence=self_dep.cls,
-                depends_on={program.states[u].name: dep.update(t, u).cls for u in sorted(reads)
-                            if u != t},
-                rule=rules[spec.name], mode=mode, culprit=culprit))
+                index=t, name=spec.name, role=spec.role, self_dependence=dep.update(t, t).cls,
+                depends_on={program.states[u].name: dep.update(t, u).cls for u in range(n)
+                            if u != t and dep.update(t, u).kind > Dep.INDEPENDENT},
+                rule=rules[spec.name], mode=mode,
+                culprit=inner.culprit if mode in ("sequential", "recurrent") else None))
             if mode == "recurrent":
-                bad = [(u, dep.update(t, u)) for u in sorted(members)
-                       if dep.update(t, u).cls == Dep.NONLINEAR]
-                if not bad:
-                    continue
-                u, d = bad[0]
-                through = "itself" if u == t else role_phrase(program, u)
-                update_at = node_src(outs[t]) if isinstance(outs[t], torch.fx.Node) else None
-                msg = (f"{role_phrase(program, t)[0].upper()}{role_phrase(program, t)[1:]}"
-                       f"{f' (updated at {update_at})' if update_at else ''} depends nonlinearly "
-                       f"on {through} through {_where(d.culprit)}, so its chunk updates do not "
-                       f"compose associatively.")
-                blockers.append(Blocker(t, d.culprit, msg, _remedy(program, t, d.culprit,
-                                                                    members - {t}), "recurrent"))
+                blocker = _recurrent_blocker(program, dep, t, members)
             elif mode == "sequential":
-                d = max((dep.update(t, u) for u in sorted(members)), key=lambda x: x.cls)
-                kind = ("is normalised" if d.cls == Dep.LOCAL else
-                        "is matrix-affine in itself (a delta rule)")
-                msg = (f"{role_phrase(program, t)[0].upper()}{role_phrase(program, t)[1:]} {kind}"
-                       f"{' through ' + _where(d.culprit) if d.culprit is not None else ''}; "
-                       f"only a sequential pass over its chunks is exact.")
-                remedy = ("Apply drop_norm (level >= 2) to make it fully parallel."
-                          if d.cls == Dep.LOCAL else
-                          "Use the semi-parallel schedule; no pass removes this dependence.")
-                blockers.append(Blocker(t, d.culprit, msg, remedy, "semi-parallel"))
+                blocker = _sequential_blocker(program, dep, t, members)
+            else:
+                blocker = None
+            if blocker is not None:
+                blockers.append(blocker)
     states.sort(key=lambda s: s.index)
     schedule = "parallel"
-    if any(m == "sequential" for m in group_modes):
+    if "sequential" in group_modes:
         schedule = "semi-parallel"
-    if any(m == "recurrent" for m in group_modes):
+    if "recurrent" in group_modes:
         schedule = "recurrent"
     blockers.sort(key=lambda b: -_SCHEDULE_RANK[b.schedule])
     return Analysis(program, dep, states, graph, groups, group_modes, schedule, blockers)

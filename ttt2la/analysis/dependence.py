@@ -31,6 +31,7 @@ class Dep(IntEnum):
     NONLINEAR = 5        # anything else, e.g. silu(k·S): S through per-token nonlinear compute
 
     def describe(self) -> str:
+        """A short phrase for reports: ``"scalar affine (a⊙S + f)"``."""
         return _DESCRIPTIONS[self]
 
 
@@ -53,10 +54,12 @@ class Layout:
 
     @staticmethod
     def canonical(shape: Iterable[int]) -> "Layout":
+        """The state itself: no permutation, its own shape."""
         shape = tuple(shape)
         return Layout(tuple(range(len(shape))), shape)
 
     def permuted_shape(self, base: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape ``base`` takes after this layout's permutation (before any reshape)."""
         return tuple(base[p] for p in self.perm)
 
 
@@ -97,6 +100,7 @@ class NodeInfo:
 
     @property
     def states(self) -> frozenset[int]:
+        """Indices of the states this node reads."""
         return frozenset(self.deps)
 
 
@@ -113,12 +117,15 @@ class Dependence:
         return self.nodes[node].deps.get(state, INDEPENDENT)
 
     def cls(self, node: torch.fx.Node, state: int) -> Dep:
+        """The lattice class of ``node`` in state ``state``."""
         return self.of(node, state).cls
 
     def states_of(self, node: torch.fx.Node) -> frozenset[int]:
+        """Indices of the states ``node`` depends on."""
         return self.nodes[node].states
 
     def reads_streams(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` is computed from chunk streams."""
         return self.nodes[node].streams
 
     def update(self, target: int, source: int) -> StateDep:
@@ -177,7 +184,7 @@ _KNOWN_NONLINEAR = {
 
 
 def op_name(node: torch.fx.Node) -> str:
-    """The aten overload-packet name of a ``call_function`` node (``add`` for ``aten.add.Tensor``)."""
+    """The aten overload-packet name of a node: ``add`` for ``aten.add.Tensor``."""
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     if packet is not None:
@@ -269,6 +276,10 @@ class _Interpreter:
         if name in _RELAYOUT or name in _COPY or name in _PERMUTE or name in _EXPAND \
                 or name in _SLICE:
             return self.relayout(node, name)
+        if name == "pow" and len(node.args) > 1 and isinstance(node.args[1], (int, float)) \
+                and node.args[1] in (0, 1):
+            # x**1 (a gradient of x**2 writes it) is x; x**0 is a constant
+            return self.relayout(node, "clone") if node.args[1] == 1 else INDEPENDENT
         if name in ("add", "sub", "rsub", "neg"):
             return self.additive(node, name)
         if name == "mul":

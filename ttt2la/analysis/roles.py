@@ -4,7 +4,8 @@ The final state ``W`` is the one that multiplies the kernel features ``φ(q)`` i
 (``o = φ(q)·W``); the states that ``φ`` is computed from, or that enter the increment through a
 product with stream data the way ``W0`` does in ``silu(k·W0ᵀ)``, are the kernel parameters Θ; a
 state that decays by a scalar-affine recursion and feeds another state's update is a momentum
-buffer. Stream roles (``q``, ``k``, ``v``, ``lr``, ``momentum``) are a best-effort guess for reports.
+buffer. Stream roles (``q``, ``k``, ``v``, ``lr``, ``momentum``) are a best-effort guess for
+reports.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ _PASS_THROUGH = VIEW_OPS | {"add", "sub", "neg", "mul", "where", "cat", "stack",
 
 @dataclass
 class FinalProduct:
-    """A product ``φ · W`` on an output path: the matmul, the state ``W`` and the operand ``φ``."""
+    """A product ``φ · W`` on an output path: the matmul, the state ``W`` and operand ``φ``."""
 
     state: int
     matmul: torch.fx.Node
@@ -128,7 +129,8 @@ def _state_of_node(program: TTTProgram, node) -> int | None:
 
 def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduct]) -> set[int]:
     """States that parameterise the kernel φ: read on a φ path of the output, or multiplied with
-    stream data anywhere in the body (``k·W0ᵀ`` inside the increment), other than the final ones."""
+    stream data anywhere in the body (``k·W0ᵀ`` inside the increment), other than the final
+    ones."""
     final = {f.state for f in finals}
     theta: set[int] = set()
     for f in finals:

@@ -1,9 +1,10 @@
 """Recover each state's update rule from the body graph and render it with sympy for the report.
 
-``W1' = W1 + NS5(α·m1 + (η⊙v)ᵀ·φ(k))`` is read off the graph: normalisations become ``Norm``,
-Newton–Schulz iterations ``NS5``, single-stream feature maps ``φ(k)``, chunk-level gates of a
-learning-rate or momentum stream ``η`` / ``α``; ops it does not know become ``f(...)`` of the
-symbols they read. The same pattern matchers serve the passes (``drop_norm`` uses ``match_norm``).
+``W1' = W1 + NS5(α·m1 + (η⊙v)ᵀ·φ(k))`` is read off the graph: normalisations become
+``Norm``, Newton–Schulz iterations ``NS5``, single-stream feature maps ``φ(k)``, chunk-level
+gates of a learning-rate or momentum stream ``η`` / ``α``; ops it does not know become
+``f(...)`` of the symbols they read. The same pattern matchers serve the passes
+(``drop_norm`` uses ``match_norm``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.fx
 
 from ..ir import KIND, TTTProgram
-from .dependence import _MATMUL, _SHAPE_ONLY, op_name
+from .dependence import _MATMUL, _SHAPE_ONLY, node_shape, op_name
 from .roles import VIEW_OPS, peel_views
 
 _SCALE_CHAIN = {"add", "sub", "clamp", "clamp_min", "clamp_max", "maximum", "expand", "expand_as",
@@ -198,7 +199,7 @@ def _only_through(node, source: torch.fx.Node) -> bool:
 
 
 def _newton_schulz_step(node) -> torch.fx.Node | None:
-    """``X`` when ``node`` is ``a·X + B·X`` (or ``X·B``) with ``B`` a polynomial of ``X`` alone."""
+    """``X`` when ``node`` is ``a·X + B·X`` (or ``X·B``), ``B`` a polynomial of ``X`` alone."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or op_name(node) != "add":
         return None
     u, w = node.args[0], node.args[1]
@@ -219,7 +220,7 @@ def _newton_schulz_step(node) -> torch.fx.Node | None:
 
 
 def match_newton_schulz(node) -> NewtonSchulzMatch | None:
-    """Recognise a chain of Newton–Schulz iterations (Muon's orthogonalisation) ending at ``node``."""
+    """Recognise Newton–Schulz iterations (Muon's orthogonalisation) ending at ``node``."""
     x = peel_views(node)
     steps = 0
     while (prev := _newton_schulz_step(x)) is not None:
@@ -244,6 +245,7 @@ class Transpose(sympy.Function):
 
     @classmethod
     def eval(cls, x):
+        """``(xᵀ)ᵀ = x``; a commutative (scalar) expression is its own transpose."""
         if isinstance(x, Transpose):
             return x.args[0]
         if x.is_commutative:
@@ -326,7 +328,9 @@ class _Renderer:
                                                else n.name, commutative=False)
         for i, n in enumerate(program.invariant_inputs()):
             name = program.invariants[i].name if i < len(program.invariants) else n.name
-            self.symbols[n] = sympy.Symbol(name, commutative=False)
+            shape = node_shape(n)
+            scalar = shape is not None and all(s == 1 for s in shape[1:])
+            self.symbols[n] = sympy.Symbol(name, commutative=scalar)
         self.stream_role = {n: (program.streams[i].role if i < len(program.streams) else "")
                             for i, n in enumerate(streams)}
         self.non_kernel_states = {n for i, n in enumerate(program.state_inputs())
@@ -415,6 +419,9 @@ class _Renderer:
             return self.expr(args[0])
         if name in _SHAPE_ONLY:
             return self._constant(node, name)
+        if name == "pow" and len(args) > 1 and isinstance(args[1], (int, float)) \
+                and args[1] in (0, 1):
+            return self.expr(args[0]) if args[1] == 1 else sympy.Integer(1)
         feature = self._stream_feature(node)
         if feature is not None:
             return feature

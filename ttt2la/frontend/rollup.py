@@ -102,6 +102,25 @@ def _assigned_name(src: SourceLoc | None) -> str | None:
     return None
 
 
+def _sliced_names(src: SourceLoc | None) -> list[str]:
+    """The variables a line indexes, in order: ``qi = q[:, i:i+C]; ki = k[...]`` -> [q, k]."""
+    if src is None or not src.code:
+        return []
+    try:
+        tree = ast.parse(src.code.strip().rstrip(":"))
+    except SyntaxError:
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            value = node.value
+            if isinstance(value, ast.Name):
+                names.append(value.id)
+            elif isinstance(value, ast.Attribute):
+                names.append(value.attr)
+    return names
+
+
 def _unique(name: str, taken: set[str]) -> str:
     base, i = name, 1
     while name in taken:
@@ -370,8 +389,14 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
         val = p.meta["val"]
         state_specs.append(StateSpec(name, tuple(val.shape), val.dtype, src=out.meta.get(SRC)))
     stream_items = list(streams.items())
+    per_line: dict = {}
     for s, (src, axis, _c, pt) in stream_items:
-        name = _unique(_assigned_name(s.meta.get(SRC)) or "x", taken)
+        loc = s.meta.get(SRC)
+        sliced = _sliced_names(loc)
+        k = per_line.get(loc, 0)
+        per_line[loc] = k + 1
+        guess = sliced[k] if k < len(sliced) else _assigned_name(loc)
+        name = _unique(guess or "x", taken)
         ph = body.placeholder(name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
         env[s] = ph
@@ -389,6 +414,7 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
         new.meta = dict(n.meta)
         env[n] = new
     body.output(tuple(env[carried[p]] for p in producers) + (env[out_node],))
+    _materialize_shape_only(body)
     body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
 
     out_axis = cat_dim if cat_dim >= 0 else cat_dim + out_node.meta["val"].dim() + int(stacked)
@@ -457,6 +483,33 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     program.notes.extend(notes)
     return RolledLoop(program=program, outer=gm, n_iterations=n_iter, tail=bool(extra),
                       notes=notes)
+
+
+_FILL = {aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0,
+         aten.empty_like.default: 0.0}
+
+
+def _materialize_shape_only(graph: torch.fx.Graph) -> None:
+    """Replace ``zeros_like(x)``/``ones_like(x)`` by ``full(shape, value)``.
+
+    They read only ``x``'s shape, but as graph edges they make a value look like it depends on
+    ``x`` — ``torch.func.grad`` seeds its backward with ``ones_like(loss)``, which would tie a
+    gradient to the fast weights the loss was computed with.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _FILL or node.target is aten.full_like.default:
+            val = node.meta.get("val")
+            if val is None:
+                continue
+            fill = node.args[1] if node.target is aten.full_like.default else _FILL[node.target]
+            with graph.inserting_before(node):
+                full = graph.call_function(aten.full.default, (list(val.shape), fill),
+                                           {"dtype": val.dtype, "device": val.device})
+            full.meta = dict(node.meta)
+            node.replace_all_uses_with(full)
+            graph.erase_node(node)
 
 
 def _reaches(a: torch.fx.Node, b: torch.fx.Node) -> bool:

@@ -29,12 +29,14 @@ class ChunkLayout:
 
     @property
     def tail(self) -> int:
+        """Real tokens in the last chunk."""
         if self.per_token:
             return 1
         return self.length - (self.n_chunks - 1) * self.chunk_size
 
     @property
     def partial(self) -> bool:
+        """Whether the last chunk is padded."""
         return not self.per_token and self.tail != self.chunk_size
 
 
@@ -63,7 +65,8 @@ def chunk_layout(program: TTTProgram, invariants: list[torch.Tensor]) -> ChunkLa
     length = stream_length(program, invariants)
     per_token = any(s.per_token for s in program.streams)
     if per_token and not all(s.per_token for s in program.streams):
-        raise UnsupportedTTTError("A loop mixes per-token and per-chunk streams; ttt2la expects one kind.")
+        raise UnsupportedTTTError("This loop mixes per-token and per-chunk streams; ttt2la "
+                                  "expects one kind per loop.")
     c = program.chunk_size
     n = length if per_token else -(-length // c)
     return ChunkLayout(length, c, n, per_token)

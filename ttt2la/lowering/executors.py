@@ -16,16 +16,20 @@ autograd, so the converted model trains and its gradients match the recurrent ex
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.fx
 from torch.func import jvp, vmap
 
 from ..analysis.associativity import Analysis, analyze
+from ..analysis.dependence import op_name
 from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram
+from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
 
@@ -37,12 +41,34 @@ _Value = tuple[torch.Tensor, bool]          # a tensor and whether it has a lead
 # graph surgery
 
 
+_FILL_VALUE = {"ones_like": 1, "new_ones": 1, "zeros_like": 0, "new_zeros": 0, "empty_like": 0,
+               "new_empty": 0, "full_like": None, "new_full": None}
+
+
+def shape_only(node: torch.fx.Node) -> bool:
+    """``ones_like(x)`` and friends: the value depends on ``x``'s shape only, which is static."""
+    return node.op == "call_function" and op_name(node) in _FILL_VALUE \
+        and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _copy_as_constant(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    name, val = op_name(node), node.meta["val"]
+    value = _FILL_VALUE[name]
+    if value is None:
+        value = node.args[1] if name == "full_like" else node.args[2]
+    new = graph.call_function(torch.ops.aten.full.default, (list(val.shape), value),
+                              {"dtype": val.dtype, "device": val.device})
+    new.meta = dict(node.meta)
+    return new
+
+
 def extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
             outputs: Sequence[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
     """A graph computing ``outputs`` from the ``inputs`` it actually needs (in ``inputs`` order).
 
     Returns the module and the list of inputs it takes. Every path back from an output must end
-    in one of ``inputs`` or a constant; a graph placeholder outside ``inputs`` is a bug.
+    in one of ``inputs`` or a constant; a graph placeholder outside ``inputs`` is a bug. Shape-only
+    ops become constants, so a value that merely has a state's shape does not need the state.
     """
     boundary = set(inputs)
     needed, used, stack = set(), set(), [o for o in outputs if isinstance(o, torch.fx.Node)]
@@ -56,7 +82,8 @@ def extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
         if n.op == "placeholder":
             raise RuntimeError(f"extract: {n.name} is needed but not provided")
         needed.add(n)
-        stack.extend(n.all_input_nodes)
+        if not shape_only(n):
+            stack.extend(n.all_input_nodes)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     taken = [n for n in dict.fromkeys(inputs) if n in used]
@@ -65,7 +92,8 @@ def extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
         env[n].meta = dict(n.meta)
     for n in body.graph.nodes:
         if n in needed:
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n] = _copy_as_constant(graph, n) if shape_only(n) else \
+                graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
     return torch.fx.GraphModule(body, graph), taken
 
@@ -96,22 +124,34 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
                     invariants: Sequence[torch.Tensor], layout: ChunkLayout) -> str | None:
     """What the zero padding of a partial last chunk would change, or ``None`` when it is inert.
 
-    Probes the body once at random states and tokens: the padded tokens must not move, to first
+    Probes the body at random states and tokens: the padded tokens must not move, to first
     order, the real tokens' outputs nor (when the last chunk updates) any state-out. This finds
     chunk means (a momentum gate averaged over the chunk), attention across the chunk's tokens
     and value terms of an MSE loss with a biased kernel; a padded token that enters linearly
-    through a single stream (a running key sum) is reported too, conservatively.
+    through a single stream (a running key sum) is reported too, conservatively. Random tokens
+    that make the body non-finite are retried as positive values; a probe that stays
+    non-finite reports a problem rather than guess.
     """
+    for positive in (False, True):
+        verdict = _probe_padding(program, states0, invariants, layout, positive)
+        if verdict != "non-finite":
+            return verdict
+    return "a probe of the padded chunk, which was not finite"
+
+
+def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: bool):
     tail, c = layout.tail, layout.chunk_size
     gen_device = states0[0].device if states0 else invariants[0].device
     gen = torch.Generator(device=gen_device).manual_seed(0)
 
     def randn(shape, like):
-        return torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32).to(like.dtype)
+        x = torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32)
+        return (x.abs() + 0.1 if positive else x).to(like.dtype)
 
     with torch.inference_mode(False), torch.enable_grad():
         invs = [x.detach().clone() for x in invariants]
-        states = [randn(s.shape, s) if s.is_floating_point() else s.detach().clone() for s in states0]
+        states = [randn(s.shape, s) if s.is_floating_point() else s.detach().clone()
+                  for s in states0]
         reals, pads, chunks = [], [], []
         for spec in program.streams:
             src = invs[spec.source]
@@ -148,6 +188,8 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
             norms = [0.0 if g is None else float(g.double().norm()) for g in grads]
             pad_norm = sum(v * v for v in norms[:len(pads)]) ** 0.5
             ref = sum(v * v for v in norms[len(pads):]) ** 0.5
+            if not (math.isfinite(pad_norm) and math.isfinite(ref)):
+                return "non-finite"
             if pad_norm > tolerance(y.dtype) * ref or (ref == 0 and pad_norm > 0):
                 return what
     return None
@@ -186,14 +228,48 @@ class Plan:
         self._steps: list[_StateStep] = []
         self._outputs_graph = None
         self._outputs_inputs: list[torch.fx.Node] = []
+        self._independent: list[torch.fx.Node] = []      # state-free values read by the rest
+        self._constant: list[torch.fx.Node] = []         # ... of those, the stream-free ones
+        self._independent_graph = self._constant_graph = None
+        self._independent_inputs: list[torch.fx.Node] = []
+        self._constant_inputs: list[torch.fx.Node] = []
         if schedule != "recurrent":
             self._build()
 
     # -- construction ------------------------------------------------------------------------
+    def _build_independent(self, leaves: list[torch.fx.Node]) -> None:
+        """The state-independent values the state updates and outputs read: computed once per
+        call, batched over chunks when they read streams and unbatched otherwise."""
+        prog = self.program
+        nodes = list(prog.body.graph.nodes)
+        reads_state: set[torch.fx.Node] = set(prog.state_inputs())
+        reads_stream: set[torch.fx.Node] = set(prog.stream_inputs())
+        for n in nodes:
+            if n.op == "placeholder" or shape_only(n):
+                continue
+            if any(a in reads_state for a in n.all_input_nodes):
+                reads_state.add(n)
+            if any(a in reads_stream for a in n.all_input_nodes):
+                reads_stream.add(n)
+        results = set(prog.state_outputs()) | set(prog.chunk_outputs())
+        for n in nodes:
+            if n.op in ("placeholder", "get_attr", "output") or n in reads_state:
+                continue
+            if n in results or any(u in reads_state for u in n.users):
+                (self._independent if n in reads_stream else self._constant).append(n)
+        if self._independent:
+            self._independent_graph, self._independent_inputs = extract(
+                prog.body, leaves, self._independent)
+        if self._constant:
+            self._constant_graph, self._constant_inputs = extract(prog.body, leaves,
+                                                                  self._constant)
+
     def _build(self) -> None:
-        prog, dep = self.program, self.analysis.dependence
+        prog = self.program
         ins, outs = prog.state_inputs(), prog.state_outputs()
         available = [*prog.stream_inputs(), *prog.invariant_inputs()]
+        self._build_independent(available)
+        available += self._independent + self._constant
         for group, mode in zip(self.analysis.groups, self.analysis.group_modes):
             step = _StateStep(list(group), mode)
             if mode == "recurrent":
@@ -202,31 +278,7 @@ class Plan:
                 (t,) = group
                 step.graph, step.inputs = extract(prog.body, available + [ins[t]], [outs[t]])
             elif mode == "sequential":
-                members = set(group)
-                own_ins = [ins[t] for t in group]
-                boundary = set(available) | set(own_ins)
-                local, stack = set(), [outs[t] for t in group]
-                while stack:
-                    n = stack.pop()
-                    if n in local or n in boundary or not (dep.states_of(n) & members):
-                        continue
-                    local.add(n)
-                    stack.extend(n.all_input_nodes)
-                frontier = []
-                for n in prog.body.graph.nodes:
-                    if n in local:
-                        frontier += [a for a in n.all_input_nodes
-                                     if a not in local and a not in own_ins and a not in frontier]
-                for t in group:
-                    if outs[t] not in local and outs[t] not in own_ins and outs[t] not in frontier:
-                        frontier.append(outs[t])
-                computed = [n for n in frontier if n not in available]
-                step.frontier, step.computed = frontier, computed
-                if computed:
-                    step.frontier_graph, step.frontier_inputs = extract(prog.body, available,
-                                                                        computed)
-                step.graph, step.inputs = extract(prog.body, own_ins + frontier,
-                                                  [outs[t] for t in group])
+                self._build_sequential(step, available)
             self._steps.append(step)
             for t in group:
                 available.append(ins[t])
@@ -235,8 +287,45 @@ class Plan:
         self._outputs_graph, self._outputs_inputs = extract(prog.body, available,
                                                             prog.chunk_outputs())
 
+    def _build_sequential(self, step: _StateStep, available: list[torch.fx.Node]) -> None:
+        """Split a group's update into the small graph the chunk loop runs (every node that
+        reads the group's states) and the frontier it reads, computed beforehand in a batch."""
+        prog = self.program
+        ins, outs = prog.state_inputs(), prog.state_outputs()
+        own_ins = [ins[t] for t in step.states]
+        own_outs = [outs[t] for t in step.states]
+        # structural, not value, dependence: ones_like(f(S)) has a constant value but its node
+        # cannot be evaluated without S
+        reads_group: set[torch.fx.Node] = set(own_ins)
+        for n in prog.body.graph.nodes:
+            if n not in available and not shape_only(n) \
+                    and any(a in reads_group for a in n.all_input_nodes):
+                reads_group.add(n)
+        boundary = set(available) | set(own_ins)
+        local, stack = set(), list(own_outs)
+        while stack:
+            n = stack.pop()
+            if n in local or n in boundary or n not in reads_group:
+                continue
+            local.add(n)
+            stack.extend(n.all_input_nodes)
+        frontier: list[torch.fx.Node] = []
+        for n in prog.body.graph.nodes:
+            if n in local:
+                frontier += [a for a in n.all_input_nodes
+                             if a not in local and a not in own_ins and a not in frontier]
+        frontier += [o for o in own_outs if o not in local and o not in own_ins
+                     and o not in frontier]
+        step.frontier = frontier
+        step.computed = [n for n in frontier if n not in available]
+        if step.computed:
+            step.frontier_graph, step.frontier_inputs = extract(prog.body, available,
+                                                                step.computed)
+        step.graph, step.inputs = extract(prog.body, own_ins + frontier, own_outs)
+
     @property
     def implementation(self) -> str:
+        """``"torch.vmap(semi-parallel; sequential: w1)"`` — what runs, for the report."""
         if self.schedule == "recurrent":
             return "torch(recurrent loop)"
         seq = [self.program.states[t].name for s in self._steps if s.mode == "sequential"
@@ -302,6 +391,15 @@ class Plan:
             env[ph] = (x, True)
         for ph, p in zip(prog.invariant_inputs(), invariants):
             env[ph] = (p, False)
+        if self._constant_graph is not None:
+            values = self._constant_graph(*[env[i][0] for i in self._constant_inputs])
+            env.update((node, (v, False)) for node, v in zip(self._constant, values))
+        if self._independent_graph is not None:
+            values, fell_back = _call_batched(self._independent_graph,
+                                              [env[i] for i in self._independent_inputs], n)
+            if fell_back:
+                self.fallbacks.add("state-independent values")
+            env.update((node, (v, True)) for node, v in zip(self._independent, values))
         finals: list[torch.Tensor | None] = [None] * len(prog.states)
         for step in self._steps:
             afters = self._sequence(step, env, states0, n)
@@ -331,19 +429,18 @@ class Plan:
             values = [(zero, False) if i is ins[t] else env[i] for i in step.inputs]
             if step.mode == "affine":
                 f, a = self._affine_terms(step, values, t, s0, n)
-                from ..runtime import affine_scan
                 return [affine_scan(a, f, s0, dim=0)]
             (f,), fell_back = _call_batched(step.graph, values, n)
             if fell_back:
                 self.fallbacks.add(self.program.states[t].name)
             if step.mode == "independent":
                 return [f]
-            from ..runtime import prefix_sum
             return [prefix_sum(f, dim=0, initial=s0)]
         return self._sequential(step, env, states0, n)
 
     def _affine_terms(self, step: _StateStep, values, t: int, s0: torch.Tensor, n: int):
-        """Per chunk ``f = F(0)`` and ``a = ∂F/∂S·1`` of a scalar-affine update ``F(S) = a⊙S + f``."""
+        """Per chunk ``f = F(0)`` and ``a = ∂F/∂S·1`` of a scalar-affine update
+        ``F(S) = a⊙S + f``."""
         ins = self.program.state_inputs()
         k = step.inputs.index(ins[t]) if ins[t] in step.inputs else None
         graph = step.graph

@@ -50,6 +50,7 @@ class Pass:
         """Raise when the pass left ``program`` without the property it promises."""
 
     def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        """Rewrite ``program`` in place (``calibration``: data a lossy pass may fold or measure)."""
         raise NotImplementedError
 
     def __call__(self, program: TTTProgram, calibration: Any = None) -> PassResult:
@@ -76,6 +77,7 @@ class PendingPass(Pass):
         self.step, self.name, self.exact = step, name, exact
 
     def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        """Always raises ``LevelNotImplementedError``."""
         raise LevelNotImplementedError(
             f"Step {self.step} ({self.name}) is not implemented yet, so levels >= {self.step} "
             f"cannot be applied; use level <= {self.step - 1}.")

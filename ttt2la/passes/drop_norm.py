@@ -36,6 +36,7 @@ class DropNorm(Pass):
     exact = False
 
     def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        """Replace every normalisation that ends a state update by its input."""
         norms = state_norms(program)
         if not norms:
             ins, outs = program.state_inputs(), program.state_outputs()
@@ -53,6 +54,7 @@ class DropNorm(Pass):
         return self.result("applied", reason)
 
     def ensures(self, program: TTTProgram) -> None:
+        """No state update ends in a normalisation any more."""
         if state_norms(program):
             raise AssertionError("drop_norm left a normalised state update")
 

@@ -28,6 +28,7 @@ class FreezeTheta(Pass):
     exact = False
 
     def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+        """Make every updated Θ state's state-out its state-in and drop the states that die."""
         thetas = updated_theta(program)
         if not thetas:
             frozen = program.states_with_role("theta")
@@ -58,6 +59,7 @@ class FreezeTheta(Pass):
         return self.result("applied", reason)
 
     def ensures(self, program: TTTProgram) -> None:
+        """No ``theta`` state is updated any more."""
         left = updated_theta(program)
         if left:
             raise AssertionError(f"freeze_theta left Θ states updated: {left}")

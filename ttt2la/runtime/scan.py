@@ -5,33 +5,39 @@ boundaries. It never forms a cumulative product that is divided out later (that 
 0/0 over long sequences): the doubling form composes ``(a, f)`` pairs, so decay products are only
 ever multiplied and an underflow to 0 is the correct limit.
 
-Strategy (``benchmarks/runtime_cpu.py``, CPU, 2 threads): the sequential loop wins for short
-scans and for small per-step states; the log-depth doubling scan wins once there are many steps
-of a small state, where Python overhead dominates the loop. ``method="auto"`` picks by
-``SEQUENTIAL_MAX_STEPS`` and the state size; on CUDA the doubling scan is used from fewer steps
-on, since kernel launches cost more than the extra arithmetic.
+Strategy (``benchmarks/runtime_cpu.py``, CPU, 1-2 threads): the sequential loop costs ~5-10 µs
+of dispatch per step, the doubling scan ``⌈log₂ N⌉`` full passes over the data. Doubling wins
+from ~32 steps while the whole scanned tensor stays small (≤ 2^17 elements: e.g. 512 chunks of a
+4×4 state per head); beyond that its large temporaries make it up to 10× slower than the loop,
+which then wins at every length measured. ``method="auto"`` applies that rule (not measured on
+CUDA, where the same rule is used).
 """
 from __future__ import annotations
 
 import torch
 
-#: Scans with at most this many steps run the sequential loop on CPU.
+from ttt2la.runtime.naive import compute_dtype
+
+#: Scans with at most this many steps always run the sequential loop.
 SEQUENTIAL_MAX_STEPS = 16
-#: On CPU, states with more elements than this per step keep the sequential loop at any length.
-DOUBLING_MAX_STEP_NUMEL = 1 << 16
+#: Longer scans run the doubling form while the scanned tensor has at most this many elements.
+DOUBLING_MAX_NUMEL = 1 << 17
 
 
 def prefix_sum(f: torch.Tensor, *, dim: int = 1, initial: torch.Tensor | None = None,
                exclusive: bool = False) -> torch.Tensor:
-    """``S_j = initial + Σ_{i≤j} f_i`` along ``dim`` (``exclusive``: ``Σ_{i<j}``), as one cumsum."""
+    """``S_j = initial + Σ_{i≤j} f_i`` along ``dim`` (``exclusive``: ``Σ_{i<j}``), as one cumsum.
+
+    Half-precision inputs are summed in fp32; the result has ``f``'s dtype.
+    """
     dim = dim % f.dim()
-    S = torch.cumsum(f, dim=dim)
+    S = torch.cumsum(f, dim=dim, dtype=compute_dtype(f.dtype))
     if exclusive:
         S = torch.cat([torch.zeros_like(S.narrow(dim, 0, 1)), S.narrow(dim, 0, S.shape[dim] - 1)],
                       dim=dim)
     if initial is not None:
         S = S + initial.unsqueeze(dim)
-    return S
+    return S.to(f.dtype)
 
 
 def _align(a: torch.Tensor, f: torch.Tensor, dim: int) -> torch.Tensor:
@@ -92,24 +98,22 @@ def affine_scan(a: torch.Tensor, f: torch.Tensor, initial: torch.Tensor | None =
 
     ``a`` broadcasts to ``f`` (one factor per batch/head with trailing size-1 dims, or
     elementwise); ``initial`` has ``f``'s shape without ``dim``. ``method``: ``"auto"``,
-    ``"sequential"`` or ``"doubling"``.
+    ``"sequential"`` or ``"doubling"``. Half-precision inputs are scanned in fp32; the result
+    has ``f``'s dtype.
     """
     dim = dim % f.dim()
     if method == "auto":
         method = "doubling" if _prefer_doubling(f, dim) else "sequential"
-    if method == "sequential":
-        return affine_scan_sequential(a, f, dim=dim, initial=initial)
-    if method == "doubling":
-        return affine_scan_doubling(a, f, dim=dim, initial=initial)
+    scans = {"sequential": affine_scan_sequential, "doubling": affine_scan_doubling}
+    if method in scans:
+        dt = compute_dtype(f.dtype)
+        S = scans[method](a.to(dt), f.to(dt), dim=dim,
+                          initial=None if initial is None else initial.to(dt))
+        return S.to(f.dtype)
     raise ValueError(f"affine_scan: method must be 'auto', 'sequential' or 'doubling', got {method!r}")
 
 
 def _prefer_doubling(f: torch.Tensor, dim: int) -> bool:
-    steps = f.shape[dim]
-    if f.is_cuda:
-        return steps > 4
-    step_numel = f.numel() // max(steps, 1)
-    return steps > SEQUENTIAL_MAX_STEPS and step_numel <= DOUBLING_MAX_STEP_NUMEL
-
+    return f.shape[dim] > SEQUENTIAL_MAX_STEPS and f.numel() <= DOUBLING_MAX_NUMEL
 
 __all__ = ["affine_scan", "affine_scan_sequential", "affine_scan_doubling", "prefix_sum"]

@@ -239,8 +239,7 @@ class LaCTFoldedLayer(nn.Module):
         )  # [B*H, L, d]
 
         # per-head RMSNorm
-        o_f = o.float()
-        o = (o_f * torch.rsqrt(o_f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(o.dtype) * self.o_norm_weight
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight
 
         o = o.reshape(B, H, L, self.head_dim).transpose(1, 2).reshape(B, L, self.d_model)
         return self.o_proj(o)

@@ -152,5 +152,5 @@ class LaCTHeadsLayer(nn.Module):
                         W2 = W2 / (W2.norm(dim=-2, keepdim=True) + 1e-5) * W2_norm
 
         o = torch.cat(outputs, dim=2)  # [B, H, L, D]
-        o = F.rms_norm(o.float(), (self.head_dim,), eps=1e-6).to(o.dtype) * self.o_norm_weight
+        o = F.rms_norm(o, (self.head_dim,), self.o_norm_weight, eps=1e-6)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.d_model))

@@ -80,17 +80,26 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def tile(dim: int, cap: int) -> int:
-    """Power-of-two tile covering ``dim`` (at least 16, the smallest ``tl.dot`` side), at most ``cap``."""
+def tile(dim: int, cap: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Power-of-two tile covering ``dim`` (at least 16, the smallest ``tl.dot`` side), at most ``cap``.
+
+    fp32/float64 operands get half the cap: their matmuls run on CUDA cores, which hold whole operand tiles
+    in registers (64-wide fp32 tiles spill heavily on Hopper, as ``ahead_of_time`` shows).
+    """
+    if dtype not in HALF_DTYPES:
+        cap = max(16, cap // 2)
     return max(16, min(cap, triton.next_power_of_2(dim)))
 
 
 def launch_options(*tiles: int) -> dict:
-    """``num_warps``/``num_stages`` for a program whose largest 2-D tile is ``max(tiles)²``-ish."""
+    """``num_warps``/``num_stages`` for a program whose tiles have these sides.
+
+    Eight warps once a side reaches 64: with four, the 64×64 tiles of these kernels need more than 255
+    registers per thread and spill (``ahead_of_time`` on sm_90).
+    """
     if INTERPRET:
         return {}
-    big = max(tiles)
-    return {"num_warps": 8 if big >= 128 else 4, "num_stages": 2}
+    return {"num_warps": 8 if max(tiles) >= 64 else 4, "num_stages": 2}
 
 
 def contiguous(*tensors):

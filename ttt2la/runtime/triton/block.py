@@ -21,6 +21,7 @@ from ttt2la.runtime.naive import check_block_inputs, compute_dtype, final_state_
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
 
+from .chunk import load_tile, store_tile, token_base
 from ._common import HALF_DTYPES, accumulator, contiguous, launch_options, mm_split, tile, tl_dtype, upcast
 
 #: ``SCALE`` modes of the kernels: no scale, one per token, one per token and feature.
@@ -28,19 +29,22 @@ NO_SCALE, TOKEN_SCALE, FEATURE_SCALE = 0, 1, 2
 
 
 @triton.jit
-def _scaled(b_x, s, rows, o_f, m_t, m_tf, D: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr):
-    """``b_x`` times its per-token (``[BT]``) or per-feature (``[BT, BD]``) scale, in ``ACC``."""
+def scaled(b_x, s_base, o_t, m_t, o_f, H, D, SCALE: tl.constexpr, ACC: tl.constexpr):
+    """``b_x`` times its per-token (``[BT]``) or per-feature (``[BT, BD]``) scale, in ``ACC``.
+
+    ``s_base`` points at the tile's first token in the scale tensor, ``[B, T, H]`` or ``[B, T, H, D]``.
+    """
     if SCALE == 1:
-        return b_x.to(ACC) * tl.load(s + rows, mask=m_t, other=0.).to(ACC)[:, None]
+        return b_x.to(ACC) * tl.load(s_base + o_t * H, mask=m_t, other=0.).to(ACC)[:, None]
     elif SCALE == 2:
-        return b_x.to(ACC) * tl.load(s + rows[:, None] * D + o_f[None, :], mask=m_tf, other=0.).to(ACC)
+        return b_x.to(ACC) * load_tile(s_base, o_t, m_t, o_f, H, D).to(ACC)
     else:
         return b_x
 
 
 @triton.jit
 def _increments_kernel(x, y, s, out, T, C,
-                       H: tl.constexpr, DX: tl.constexpr, DY: tl.constexpr,
+                       H, DX, DY,
                        BT: tl.constexpr, BX: tl.constexpr, BY: tl.constexpr, SCALE: tl.constexpr,
                        SPLIT_X: tl.constexpr, SPLIT_Y: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
                        ACC: tl.constexpr):
@@ -49,19 +53,21 @@ def _increments_kernel(x, y, s, out, T, C,
     i_b, i_h = i_bh // H, i_bh % H
     NY = tl.cdiv(DY, BY)
     i_x, i_y = i_xy // NY, i_xy % NY
+    o_t = tl.arange(0, BT)
     o_x = i_x * BX + tl.arange(0, BX)
     o_y = i_y * BY + tl.arange(0, BY)
     start = i_j * C
-    end = tl.minimum(start + C, T)
+    length = tl.minimum(C, T - start)
     acc = tl.zeros([BX, BY], dtype=ACC)
-    for i in range(0, tl.cdiv(end - start, BT)):
-        t = start + i * BT + tl.arange(0, BT)
-        m_t = t < end
-        rows = (i_b * T + t).to(tl.int64) * H + i_h
-        m_ty = m_t[:, None] & (o_y[None, :] < DY)
-        b_x = tl.load(x + rows[:, None] * DX + o_x[None, :], mask=m_t[:, None] & (o_x[None, :] < DX), other=0.)
-        b_y = tl.load(y + rows[:, None] * DY + o_y[None, :], mask=m_ty, other=0.)
-        b_y = _scaled(b_y, s, rows, o_y, m_t, m_ty, DY, SCALE, ACC)
+    for i in range(0, tl.cdiv(length, BT)):
+        m_t = i * BT + o_t < length
+        t0 = start + i * BT
+        b_x = load_tile(token_base(x, i_b, i_h, t0, T, H, DX), o_t, m_t, o_x, H, DX)
+        b_y = load_tile(token_base(y, i_b, i_h, t0, T, H, DY), o_t, m_t, o_y, H, DY)
+        if SCALE == 1:
+            b_y = scaled(b_y, token_base(s, i_b, i_h, t0, T, H, 1), o_t, m_t, o_y, H, DY, SCALE, ACC)
+        elif SCALE == 2:
+            b_y = scaled(b_y, token_base(s, i_b, i_h, t0, T, H, DY), o_t, m_t, o_y, H, DY, SCALE, ACC)
         acc += mm_split(tl.trans(b_x), b_y, SPLIT_X, SPLIT_Y, DT, UPCAST)
     N = tl.num_programs(0)
     base = ((i_b * N + i_j) * H + i_h).to(tl.int64) * DX * DY
@@ -70,7 +76,7 @@ def _increments_kernel(x, y, s, out, T, C,
 
 @triton.jit
 def _read_kernel(x, s, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
-                 H: tl.constexpr, DX: tl.constexpr, DO: tl.constexpr,
+                 H, DX, DO,
                  BT: tl.constexpr, BX: tl.constexpr, BO: tl.constexpr, SCALE: tl.constexpr,
                  SPLIT_X: tl.constexpr, SPLIT_S: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
                  ACC: tl.constexpr):
@@ -79,22 +85,24 @@ def _read_kernel(x, s, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
     i_b, i_h = i_bh // H, i_bh % H
     per_chunk = tl.cdiv(C, BT)
     i_j, i_i = i_tile // per_chunk, i_tile % per_chunk
-    t = i_j * C + i_i * BT + tl.arange(0, BT)
-    m_t = (t < T) & (t < i_j * C + C)
-    rows = (i_b * T + t).to(tl.int64) * H + i_h
+    t0 = i_j * C + i_i * BT
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t < T) & (i_i * BT + o_t < C)
     o_o = i_o * BO + tl.arange(0, BO)
+    x_base = token_base(x, i_b, i_h, t0, T, H, DX)
     state = S + i_b.to(tl.int64) * s_b + i_j.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
     acc = tl.zeros([BT, BO], dtype=ACC)
     for i_x in range(0, tl.cdiv(DX, BX)):
         o_x = i_x * BX + tl.arange(0, BX)
-        m_tx = m_t[:, None] & (o_x[None, :] < DX)
-        b_x = tl.load(x + rows[:, None] * DX + o_x[None, :], mask=m_tx, other=0.)
-        b_x = _scaled(b_x, s, rows, o_x, m_t, m_tx, DX, SCALE, ACC)
+        b_x = load_tile(x_base, o_t, m_t, o_x, H, DX)
+        if SCALE == 1:
+            b_x = scaled(b_x, token_base(s, i_b, i_h, t0, T, H, 1), o_t, m_t, o_x, H, DX, SCALE, ACC)
+        elif SCALE == 2:
+            b_x = scaled(b_x, token_base(s, i_b, i_h, t0, T, H, DX), o_t, m_t, o_x, H, DX, SCALE, ACC)
         b_s = tl.load(state + o_x[:, None] * s_k + o_o[None, :] * s_v,
                       mask=(o_x[:, None] < DX) & (o_o[None, :] < DO), other=0.)
         acc += mm_split(b_x, b_s, SPLIT_X, SPLIT_S, DT, UPCAST)
-    tl.store(out + rows[:, None] * DO + o_o[None, :], acc.to(out.dtype.element_ty),
-             mask=m_t[:, None] & (o_o[None, :] < DO))
+    store_tile(token_base(out, i_b, i_h, t0, T, H, DO), acc, o_t, m_t, o_o, H, DO)
 
 
 def _scale_mode(scale: torch.Tensor | None) -> int:
@@ -119,8 +127,7 @@ def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, s
     if n == 0:
         return out
     half = dot_dtype in HALF_DTYPES
-    BX, BY = tile(DX, 64), tile(DY, 64)
-    BT = tile(C, 64)
+    BX, BY, BT = tile(DX, 64, dot_dtype), tile(DY, 64, dot_dtype), tile(C, 64, dot_dtype)
     grid = (n, triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)
     _increments_kernel[grid](x, y, scale, out, T, C, H, DX, DY, BT, BX, BY, _scale_mode(scale),
                              split_x and half, split_y and half, tl_dtype(dot_dtype), upcast(dot_dtype),
@@ -148,7 +155,7 @@ def chunk_read(x, states, C, *, scale=None, transpose=False, out_dtype=None, dot
         return out
     dot_dtype = dot_dtype or x.dtype
     half = dot_dtype in HALF_DTYPES
-    BT, BX, BO = tile(C, 64), tile(DX, 64), tile(DO, 64)
+    BT, BX, BO = tile(C, 64, dot_dtype), tile(DX, 64, dot_dtype), tile(DO, 64, dot_dtype)
     grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
     _read_kernel[grid](x, scale, states, out, T, C, s_b, s_n, s_h, s_k, s_v, H, DX, DO, BT, BX, BO,
                        _scale_mode(scale), split_x and half, split_s and half, tl_dtype(dot_dtype),
@@ -246,18 +253,19 @@ class Orthogonalise(torch.autograd.Function):
     """Newton–Schulz on every chunk's momentum; the backward recomputes the iteration instead of storing it."""
 
     @staticmethod
-    def forward(ctx, M, steps):
+    def forward(ctx, M, steps, iteration_dtype):
         ctx.save_for_backward(M)
-        ctx.steps = steps
-        return newton_schulz(M, steps)
+        ctx.steps, ctx.iteration_dtype = steps, iteration_dtype
+        return newton_schulz(M, steps, iteration_dtype=iteration_dtype)
 
     @staticmethod
     def backward(ctx, dDelta):
         (M,) = ctx.saved_tensors
         with torch.enable_grad():
             M = M.detach().requires_grad_()
-            (dM,) = torch.autograd.grad(newton_schulz(M, ctx.steps), M, dDelta)
-        return dM, None
+            delta = newton_schulz(M, ctx.steps, iteration_dtype=ctx.iteration_dtype)
+            (dM,) = torch.autograd.grad(delta, M, dDelta)
+        return dM, None, None
 
 
 def block_dtype(dtype: torch.dtype, muon_steps: int) -> torch.dtype:
@@ -269,14 +277,15 @@ def block_dtype(dtype: torch.dtype, muon_steps: int) -> torch.dtype:
 def read_states(M, *, order, n, momentum, muon_steps, initial_state, dtype):
     """From the increments ``M`` ``[B, n_update, H, Dk, Dv]``: the state every chunk reads and the final state.
 
-    Runs momentum, Newton–Schulz and the prefix sum in torch (chunk-level, differentiable).
+    Runs momentum, Newton–Schulz and the prefix sum in torch (chunk-level, differentiable). Newton–Schulz
+    iterates in ``dtype`` (fp32 for half-precision inputs, whose tolerance it meets with room to spare).
     """
     B, n_update, H, Dk, Dv = M.shape
     W0 = None if initial_state is None else initial_state.to(dtype)
     if n_update > 0:
         if momentum is not None and n_update > 1:
             M = affine_scan(momentum[:, :n_update].to(dtype)[..., None, None], M, dim=1)
-        delta = Orthogonalise.apply(M, muon_steps) if muon_steps > 0 else M
+        delta = Orthogonalise.apply(M, muon_steps, dtype) if muon_steps > 0 else M
         states = prefix_sum(delta, dim=1, initial=W0)
         final = states[:, -1]
     else:

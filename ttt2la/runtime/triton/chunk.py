@@ -3,8 +3,10 @@
 ``o_t = scale · q_t S_t`` with ``S_t = exp(log_decay_t) S_{t-1} + k_tᵀ v_t``. The forward pass walks the chunks
 once to produce the state at every chunk boundary, then every chunk computes its output in parallel from that
 state plus a masked intra-chunk attention. The backward pass recomputes the boundary states (cheaper than storing
-them), walks the chunks in reverse for the state gradients, and gets the decay gradient from
-``dG_t = q_t·dq_t − k_t·dk_t`` (plus the final-state term) by a reverse cumulative sum.
+them), walks the chunks in reverse for the state gradients, and assembles the decay gradient chunk by chunk.
+
+Addressing: each program forms scalar int64 base pointers (token ``t0`` of its batch and head, its chunk's state)
+and int32 offsets within the tile; int64 offsets per element cost about 1.5× the registers.
 """
 from __future__ import annotations
 
@@ -16,25 +18,38 @@ from ._common import contiguous, launch_options, mm, tile, tl_dtype, upcast
 
 
 @triton.jit
-def _rows(i_b, i_h, t, T, H: tl.constexpr):
-    """Flat row index of tokens ``t`` of batch ``i_b``, head ``i_h`` in a ``[B, T, H, ·]`` tensor."""
-    return (i_b * T + t).to(tl.int64) * H + i_h
+def token_base(ptr, i_b, i_h, t0, T, H, D):
+    """Pointer to feature 0 of token ``t0`` (batch ``i_b``, head ``i_h``) of a ``[B, T, H, D]`` tensor."""
+    return ptr + ((i_b * T + t0).to(tl.int64) * H + i_h) * D
 
 
 @triton.jit
-def _chunk_decay(g, i_b, i_h, i_t, T, H: tl.constexpr, BT: tl.constexpr):
+def load_tile(base, o_t, m_t, o_d, H, D):
+    """The ``[BT, BD]`` tile of tokens ``o_t`` (relative to ``base``) and features ``o_d``, zero outside."""
+    return tl.load(base + o_t[:, None] * (H * D) + o_d[None, :], mask=m_t[:, None] & (o_d[None, :] < D), other=0.)
+
+
+@triton.jit
+def store_tile(base, value, o_t, m_t, o_d, H, D):
+    """Store a ``[BT, BD]`` tile where ``load_tile`` reads it."""
+    tl.store(base + o_t[:, None] * (H * D) + o_d[None, :], value.to(base.dtype.element_ty),
+             mask=m_t[:, None] & (o_d[None, :] < D))
+
+
+@triton.jit
+def _chunk_decay(g, i_b, i_h, i_t, T, H, BT: tl.constexpr):
     """The chunk's cumulative log decays (padding rows repeat the last one) and the last one."""
-    t = i_t * BT + tl.arange(0, BT)
-    m_t = t < T
-    t_last = tl.minimum(i_t * BT + BT, T) - 1
-    g_last = tl.load(g + _rows(i_b, i_h, t_last, T, H)).to(tl.float32)
-    b_g = tl.load(g + _rows(i_b, i_h, t, T, H), mask=m_t, other=0.).to(tl.float32)
+    o_t = tl.arange(0, BT)
+    m_t = i_t * BT + o_t < T
+    base = token_base(g, i_b, i_h, i_t * BT, T, H, 1)
+    g_last = tl.load(base + (tl.minimum(BT, T - i_t * BT) - 1) * H).to(tl.float32)
+    b_g = tl.load(base + o_t * H, mask=m_t, other=0.).to(tl.float32)
     return tl.where(m_t, b_g, g_last), g_last
 
 
 @triton.jit
 def _states_fwd_kernel(k, v, g, h0, h, ht, T,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       H, K, V,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                        DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -42,6 +57,7 @@ def _states_fwd_kernel(k, v, g, h0, h, ht, T,
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
+    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
@@ -51,11 +67,9 @@ def _states_fwd_kernel(k, v, g, h0, h, ht, T,
         b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
     for i_t in range(0, NT):
         tl.store(h + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        t = i_t * BT + tl.arange(0, BT)
-        rows = _rows(i_b, i_h, t, T, H)
-        m_t = t < T
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < K), other=0.)
-        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & (o_v[None, :] < V), other=0.)
+        m_t = i_t * BT + o_t < T
+        b_k = load_tile(token_base(k, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
+        b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
             b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
             b_h *= tl.exp(g_last)
@@ -67,44 +81,43 @@ def _states_fwd_kernel(k, v, g, h0, h, ht, T,
 
 @triton.jit
 def _output_fwd_kernel(q, k, v, g, h, o, scale, T,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       H, K, V,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
     """One chunk × value tile: ``o = scale·(q h_j ⊙ decay + (q kᵀ ⊙ causal decay) v)``."""
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    o_i = tl.arange(0, BT)
-    t = i_t * BT + o_i
-    m_t = t < T
-    rows = _rows(i_b, i_h, t, T, H)
+    o_t = tl.arange(0, BT)
+    m_t = i_t * BT + o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
-    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    q_base = token_base(q, i_b, i_h, i_t * BT, T, H, K)
+    k_base = token_base(k, i_b, i_h, i_t * BT, T, H, K)
+    h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_a = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k[None, :] < K)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_h = tl.load(h + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=(o_k[:, None] < K) & (o_v[None, :] < V), other=0.)
+        b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
+        b_k = load_tile(k_base, o_t, m_t, o_k, H, K)
+        b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
+                      other=0.)
         b_o += mm(b_q, b_h, DT, UPCAST)
         b_a += mm(b_q, tl.trans(b_k), DT, UPCAST)
-    causal = o_i[:, None] >= o_i[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
     if USE_G:
         b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
         b_o *= tl.exp(b_g)[:, None]
         b_a *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
     b_a = tl.where(causal, b_a, 0.)
-    b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+    b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
     b_o = (b_o + mm(b_a, b_v, DT, UPCAST)) * scale
-    tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    store_tile(token_base(o, i_b, i_h, i_t * BT, T, H, V), b_o, o_t, m_t, o_v, H, V)
 
 
 @triton.jit
 def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       H, K, V,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                        DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -112,6 +125,7 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
+    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
@@ -122,11 +136,9 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
         tl.store(dh + (i_bh.to(tl.int64) * NT + i_t) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        t = i_t * BT + tl.arange(0, BT)
-        rows = _rows(i_b, i_h, t, T, H)
-        m_t = t < T
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k[None, :] < K), other=0.)
-        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & (o_v[None, :] < V), other=0.)
+        m_t = i_t * BT + o_t < T
+        b_q = load_tile(token_base(q, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
+        b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
             b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
             b_dh *= tl.exp(g_last)
@@ -138,7 +150,7 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
 
 @triton.jit
 def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    H, K, V,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
     """One chunk × key tile: ``dq``, ``dk`` and, with a decay, this key tile's share of ``d log_decay``.
@@ -151,12 +163,11 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
     i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    o_i = tl.arange(0, BT)
-    t = i_t * BT + o_i
-    m_t = t < T
-    rows = _rows(i_b, i_h, t, T, H)
+    o_t = tl.arange(0, BT)
+    m_t = i_t * BT + o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    v_base = token_base(v, i_b, i_h, i_t * BT, T, H, V)
+    do_base = token_base(do, i_b, i_h, i_t * BT, T, H, V)
     state = (i_bh.to(tl.int64) * NT + i_t) * K * V
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -164,10 +175,9 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v[None, :] < V)
         m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
-        b_v = tl.load(v + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
-        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+        b_v = load_tile(v_base, o_t, m_t, o_v, H, V)
+        b_do = load_tile(do_base, o_t, m_t, o_v, H, V)
         b_h = tl.load(h + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dh = tl.load(dh + state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dq += mm(b_do, tl.trans(b_h), DT, UPCAST)
@@ -175,9 +185,9 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
         b_ds += mm(b_do, tl.trans(b_v), DT, UPCAST)
         if USE_G:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    causal = o_i[:, None] >= o_i[None, :]
-    b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-    b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+    causal = o_t[:, None] >= o_t[None, :]
+    b_q = load_tile(token_base(q, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
+    b_k = load_tile(token_base(k, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
     b_dq *= scale
     if USE_G:
         b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
@@ -189,60 +199,60 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
         inter_q = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
         inter_k = tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
         b_p = b_ds * mm(b_q, tl.trans(b_k), DT, UPCAST)
-        crossing = tl.sum(tl.where(o_i[None, :] < o_i[:, None], tl.cumsum(b_p, axis=0, reverse=True), 0.), axis=1)
+        crossing = tl.sum(tl.where(o_t[None, :] < o_t[:, None], tl.cumsum(b_p, axis=0, reverse=True), 0.), axis=1)
         b_dg = (tl.cumsum(inter_q, axis=0, reverse=True) + crossing + tl.cumsum(inter_k, axis=0) - inter_k
                 + tl.exp(g_last) * tl.sum(b_hdh, axis=0))
-        tl.store(dg + i_k.to(tl.int64) * tl.num_programs(2) * T + rows, b_dg, mask=m_t)
+        dg_base = token_base(dg + i_k.to(tl.int64) * tl.num_programs(2) * T, i_b, i_h, i_t * BT, T, H, 1)
+        tl.store(dg_base + o_t * H, b_dg, mask=m_t)
     b_dq += mm(b_ds, b_k, DT, UPCAST)
     b_dk += mm(tl.trans(b_ds), b_q, DT, UPCAST)
-    tl.store(dq + rows[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + rows[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    store_tile(token_base(dq, i_b, i_h, i_t * BT, T, H, K), b_dq, o_t, m_t, o_k, H, K)
+    store_tile(token_base(dk, i_b, i_h, i_t * BT, T, H, K), b_dk, o_t, m_t, o_k, H, K)
 
 
 @triton.jit
 def _dv_bwd_kernel(q, k, g, do, dh, dv, scale, T,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   H, K, V,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
     """One chunk × value tile: ``dv = k dh ⊙ decay + (k qᵀ ⊙ anti-causal decay) do``."""
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    o_i = tl.arange(0, BT)
-    t = i_t * BT + o_i
-    m_t = t < T
-    rows = _rows(i_b, i_h, t, T, H)
+    o_t = tl.arange(0, BT)
+    m_t = i_t * BT + o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
-    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    q_base = token_base(q, i_b, i_h, i_t * BT, T, H, K)
+    k_base = token_base(k, i_b, i_h, i_t * BT, T, H, K)
+    dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     b_a = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k[None, :] < K)
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_k = tl.load(k + rows[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-        b_dh = tl.load(dh + (i_bh.to(tl.int64) * NT + i_t) * K * V + o_k[:, None] * V + o_v[None, :],
-                       mask=(o_k[:, None] < K) & (o_v[None, :] < V), other=0.)
+        b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
+        b_k = load_tile(k_base, o_t, m_t, o_k, H, K)
+        b_dh = tl.load(dh_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
+                       other=0.)
         b_dv += mm(b_k, b_dh, DT, UPCAST)
         b_a += mm(b_k, tl.trans(b_q), DT, UPCAST)
-    anticausal = o_i[:, None] <= o_i[None, :]
+    anticausal = o_t[:, None] <= o_t[None, :]
     if USE_G:
         b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
         b_dv *= tl.exp(g_last - b_g)[:, None]
         b_a *= tl.exp(tl.where(anticausal, b_g[None, :] - b_g[:, None], 0.))
     b_a = tl.where(anticausal, b_a, 0.) * scale
-    b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
+    b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
     b_dv += mm(b_a, b_do, DT, UPCAST)
-    tl.store(dv + rows[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+    store_tile(token_base(dv, i_b, i_h, i_t * BT, T, H, V), b_dv, o_t, m_t, o_v, H, V)
 
 
-def _chunk_tile(chunk_size: int) -> int:
-    """The kernels' chunk length: ``chunk_size`` rounded down to a power of two in [16, 64].
+def chunk_tile(chunk_size: int, dtype: torch.dtype) -> int:
+    """The kernels' chunk length: ``chunk_size`` rounded down to a power of two in [16, 64] (32 for fp32).
 
-    Chunking does not change the result of this op, only its cost; 64 keeps the ``[BT, BT]`` intra-chunk tile
-    and the per-chunk states within what one program holds comfortably.
+    Chunking does not change the result of this op, only its cost; the cap keeps the ``[BT, BT]`` intra-chunk
+    tile and the per-chunk states within what one program holds in registers.
     """
-    return max(16, min(64, 1 << (max(int(chunk_size), 1).bit_length() - 1)))
+    return tile(1 << (max(int(chunk_size), 1).bit_length() - 1), 64, dtype)
 
 
 def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -257,7 +267,7 @@ def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
 def _states(k, v, g, h0, chunk, want_final, states_dtype):
     B, T, H, K = k.shape
     V = v.shape[-1]
-    BK, BV = tile(K, 64), tile(V, 64)
+    BK, BV = tile(K, 64, k.dtype), tile(V, 64, k.dtype)
     NT = triton.cdiv(T, chunk)
     h = k.new_empty(B, H, NT, K, V, dtype=states_dtype)
     ht = k.new_empty(B, H, K, V, dtype=torch.float32) if want_final else None
@@ -274,7 +284,7 @@ def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
     V = v.shape[-1]
     h, ht = _states(k, v, g, h0, chunk, want_final, k.dtype)
     o = torch.empty_like(v)
-    BK, BV = tile(K, 64), tile(V, 64)
+    BK, BV = tile(K, 64, k.dtype), tile(V, 64, k.dtype)
     grid = (triton.cdiv(T, chunk), triton.cdiv(V, BV), B * H)
     _output_fwd_kernel[grid](q, k, v, g, h, o, scale, T, H, K, V, chunk, BK, BV,
                              g is not None, tl_dtype(q.dtype), upcast(q.dtype), **launch_options(BK, BV, chunk))
@@ -285,7 +295,7 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0):
     """Backward pass: ``dq, dk, dv``, ``d log_decay`` (fp32, or None) and ``dh0`` (fp32, or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BK, BV = tile(K, 64), tile(V, 64)
+    BK, BV = tile(K, 64, k.dtype), tile(V, 64, k.dtype)
     NT = triton.cdiv(T, chunk)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     DT, UP = tl_dtype(q.dtype), upcast(q.dtype)
@@ -341,6 +351,6 @@ def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None
     ``[B, H, Dk, Dv]``; ``scale`` defaults to 1; returns ``(o, final_state or None)``.
     """
     scale = 1.0 if scale is None else float(scale)
-    o, ht = ChunkLinearAttention.apply(q, k, v, log_decay, initial_state, scale, _chunk_tile(chunk_size),
+    o, ht = ChunkLinearAttention.apply(q, k, v, log_decay, initial_state, scale, chunk_tile(chunk_size, q.dtype),
                                        bool(output_final_state))
     return o, ht

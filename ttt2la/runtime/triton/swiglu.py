@@ -18,19 +18,21 @@ from ttt2la.errors import UnsupportedTTTError
 from ttt2la.runtime.naive import RuntimeInputError, check_block_inputs, final_state_dtype
 
 from ._common import HALF_DTYPES, accumulator, contiguous, launch_options, mm, mm_split, tile, tl_dtype, upcast
-from .block import _scale_mode, _scaled, block_dtype, increments_backward, read_backward, read_states
+from .chunk import load_tile, store_tile, token_base
+from .block import _scale_mode, block_dtype, scaled, increments_backward, read_backward, read_states
 
 
 @triton.jit
-def _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D: tl.constexpr, DH: tl.constexpr, BT: tl.constexpr,
-              BD: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
-    """``φ`` of the tokens ``rows`` for the features ``o_k``: ``silu(x W0) ⊙ (x W2)`` in ``ACC``, ``[BT, BK]``."""
+def _phi_tile(x_base, w0, w2, o_t, m_t, i_h, o_k, H, D, DH,
+              BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
+              ACC: tl.constexpr):
+    """``φ`` of the tile's tokens for the features ``o_k``: ``silu(x W0) ⊙ (x W2)`` in ``ACC``, ``[BT, BK]``."""
     a = tl.zeros([BT, BK], dtype=ACC)
     b = tl.zeros([BT, BK], dtype=ACC)
     w_head = i_h.to(tl.int64) * D * DH
     for i_d in range(0, tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
-        b_x = tl.load(x + rows[:, None] * D + o_d[None, :], mask=m_t[:, None] & (o_d[None, :] < D), other=0.)
+        b_x = load_tile(x_base, o_t, m_t, o_d, H, D)
         m_dk = (o_d[:, None] < D) & (o_k[None, :] < DH)
         b_w0 = tl.load(w0 + w_head + o_d[:, None] * DH + o_k[None, :], mask=m_dk, other=0.)
         b_w2 = tl.load(w2 + w_head + o_d[:, None] * DH + o_k[None, :], mask=m_dk, other=0.)
@@ -41,7 +43,7 @@ def _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D: tl.constexpr, DH: tl.constexpr,
 
 @triton.jit
 def _swiglu_increments_kernel(x, w0, w2, y, s, out, T, C,
-                              H: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DY: tl.constexpr,
+                              H, D, DH, DY,
                               BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BY: tl.constexpr,
                               SCALE: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_Y: tl.constexpr,
                               DT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
@@ -50,19 +52,22 @@ def _swiglu_increments_kernel(x, w0, w2, y, s, out, T, C,
     i_b, i_h = i_bh // H, i_bh % H
     NY = tl.cdiv(DY, BY)
     i_k, i_y = i_ky // NY, i_ky % NY
+    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_y = i_y * BY + tl.arange(0, BY)
     start = i_j * C
-    end = tl.minimum(start + C, T)
+    length = tl.minimum(C, T - start)
     acc = tl.zeros([BK, BY], dtype=ACC)
-    for i in range(0, tl.cdiv(end - start, BT)):
-        t = start + i * BT + tl.arange(0, BT)
-        m_t = t < end
-        rows = (i_b * T + t).to(tl.int64) * H + i_h
-        phi = _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D, DH, BT, BD, BK, DT, UPCAST, ACC)
-        m_ty = m_t[:, None] & (o_y[None, :] < DY)
-        b_y = tl.load(y + rows[:, None] * DY + o_y[None, :], mask=m_ty, other=0.)
-        b_y = _scaled(b_y, s, rows, o_y, m_t, m_ty, DY, SCALE, ACC)
+    for i in range(0, tl.cdiv(length, BT)):
+        m_t = i * BT + o_t < length
+        t0 = start + i * BT
+        phi = _phi_tile(token_base(x, i_b, i_h, t0, T, H, D), w0, w2, o_t, m_t, i_h, o_k, H, D, DH, BT, BD, BK,
+                        DT, UPCAST, ACC)
+        b_y = load_tile(token_base(y, i_b, i_h, t0, T, H, DY), o_t, m_t, o_y, H, DY)
+        if SCALE == 1:
+            b_y = scaled(b_y, token_base(s, i_b, i_h, t0, T, H, 1), o_t, m_t, o_y, H, DY, SCALE, ACC)
+        elif SCALE == 2:
+            b_y = scaled(b_y, token_base(s, i_b, i_h, t0, T, H, DY), o_t, m_t, o_y, H, DY, SCALE, ACC)
         acc += mm_split(tl.trans(phi), b_y, SPLIT_X, SPLIT_Y, DT, UPCAST)
     N = tl.num_programs(0)
     base = ((i_b * N + i_j) * H + i_h).to(tl.int64) * DH * DY
@@ -71,7 +76,7 @@ def _swiglu_increments_kernel(x, w0, w2, y, s, out, T, C,
 
 @triton.jit
 def _swiglu_read_kernel(x, w0, w2, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
-                        H: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DO: tl.constexpr,
+                        H, D, DH, DO,
                         BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BO: tl.constexpr,
                         DT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
     """One token tile × output tile: ``out_t = φ(x_t) S[b, chunk(t), h]``, ``φ`` never stored."""
@@ -79,20 +84,20 @@ def _swiglu_read_kernel(x, w0, w2, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
     i_b, i_h = i_bh // H, i_bh % H
     per_chunk = tl.cdiv(C, BT)
     i_j, i_i = i_tile // per_chunk, i_tile % per_chunk
-    t = i_j * C + i_i * BT + tl.arange(0, BT)
-    m_t = (t < T) & (t < i_j * C + C)
-    rows = (i_b * T + t).to(tl.int64) * H + i_h
+    t0 = i_j * C + i_i * BT
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t < T) & (i_i * BT + o_t < C)
     o_o = i_o * BO + tl.arange(0, BO)
+    x_base = token_base(x, i_b, i_h, t0, T, H, D)
     state = S + i_b.to(tl.int64) * s_b + i_j.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
     acc = tl.zeros([BT, BO], dtype=ACC)
     for i_k in range(0, tl.cdiv(DH, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        phi = _phi_tile(x, w0, w2, rows, m_t, i_h, o_k, D, DH, BT, BD, BK, DT, UPCAST, ACC)
+        phi = _phi_tile(x_base, w0, w2, o_t, m_t, i_h, o_k, H, D, DH, BT, BD, BK, DT, UPCAST, ACC)
         b_s = tl.load(state + o_k[:, None] * s_k + o_o[None, :] * s_v,
                       mask=(o_k[:, None] < DH) & (o_o[None, :] < DO), other=0.)
         acc += mm(phi, b_s, DT, UPCAST)
-    tl.store(out + rows[:, None] * DO + o_o[None, :], acc.to(out.dtype.element_ty),
-             mask=m_t[:, None] & (o_o[None, :] < DO))
+    store_tile(token_base(out, i_b, i_h, t0, T, H, DO), acc, o_t, m_t, o_o, H, DO)
 
 
 def swiglu_features(x, w0, w2, *, dtype=None):
@@ -117,7 +122,8 @@ def swiglu_increments(x, w0, w2, y, n, C, scale=None, *, split_x=False, split_y=
     if n == 0:
         return out
     half = x.dtype in HALF_DTYPES
-    BT, BD, BK, BY = tile(C, 64), tile(D, 64), tile(DH, 64), tile(DY, 128)
+    dt = x.dtype
+    BT, BD, BK, BY = tile(C, 64, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DY, 128, dt)
     grid = (n, triton.cdiv(DH, BK) * triton.cdiv(DY, BY), B * H)
     _swiglu_increments_kernel[grid](x, w0, w2, y, scale, out, T, C, H, D, DH, DY, BT, BD, BK, BY,
                                     _scale_mode(scale), split_x and half, split_y and half, tl_dtype(x.dtype),
@@ -135,7 +141,8 @@ def swiglu_read(x, w0, w2, states, C, *, out_dtype=None):
     out = alloc(B, T, H, DO, dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
-    BT, BD, BK, BO = tile(C, 64), tile(D, 64), tile(DH, 64), tile(DO, 128)
+    dt = x.dtype
+    BT, BD, BK, BO = tile(C, 64, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DO, 128, dt)
     grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
     _swiglu_read_kernel[grid](x, w0, w2, states, out, T, C, *states.stride(), H, D, DH, DO, BT, BD, BK, BO,
                               tl_dtype(x.dtype), upcast(x.dtype), tl_dtype(accumulator(x.dtype)),

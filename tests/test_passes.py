@@ -1,0 +1,258 @@
+"""Steps 1 and 2 (freeze_theta, drop_norm), their statuses, and the level driver ``run_level``."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttt2la.analysis import analyze
+from ttt2la.errors import ConversionError, LevelNotImplementedError
+from ttt2la.frontend.build import program_from_body
+from ttt2la.lowering import execute
+from ttt2la.passes import (Pass, PassResult, drop_norm, freeze_theta, get_pass, register,
+                           remove_dead_states, run_level)
+from ttt2la.testing import TOLERANCE, rel_rms_error
+
+B, D, DH, C = 2, 3, 4, 4
+
+
+def seq(L, *shape):
+    return torch.randn(B, L, *shape)
+
+
+def newton_schulz(G, steps=3):
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.transpose(-1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def swiglu(x, w0, w1, w2):
+    return (F.silu(x @ w0) * (x @ w2)) @ w1
+
+
+def lact_grad_body(w0, w1, w2, m0, m1, k, v, q, lr, beta, n1):
+    """LaCT-like fast weights stored x@W, gradients from torch.func.grad, momentum on w0 and w1."""
+    def loss(a, b, c):
+        return -(lr * swiglu(k, a, b, c) * v).sum()
+    g0, g1, g2 = torch.func.grad(loss, argnums=(0, 1, 2))(w0, w1, w2)
+    m0n = beta * m0 - g0
+    w0n = w0 + m0n                                                   # update of w0
+    w2n = w2 - g2                                                    # update of w2
+    m1n = beta * m1 - g1
+    u = w1 + newton_schulz(m1n)
+    w1n = u / u.norm(dim=-2, keepdim=True) * n1                      # weight norm of w1
+    return (w0n, w1n, w2n, m0n, m1n), (swiglu(q, w0, w1, w2),)
+
+
+def lact_program(last_chunk="apply_only"):
+    w1 = torch.randn(B, DH, D) * 0.3
+    return program_from_body(
+        lact_grad_body,
+        states=dict(w0=torch.randn(B, D, DH) * 0.3, w1=w1, w2=torch.randn(B, D, DH) * 0.3,
+                    m0=torch.zeros(B, D, DH), m1=torch.zeros(B, DH, D)),
+        streams=dict(k=seq(8, D), v=seq(8, D), q=seq(8, D), lr=seq(8, 1).abs()),
+        invariants=dict(beta=torch.full((B, 1, 1), 0.9), n1=w1.norm(dim=-2, keepdim=True)),
+        chunk_size=C, last_chunk=last_chunk)
+
+
+def line_of(marker: str) -> int:
+    lines, start = inspect.getsourcelines(lact_grad_body)
+    return start + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def linear_attention(W, k, v, q):
+    return (W + k.transpose(-1, -2) @ v,), (q @ W,)
+
+
+def simple_program(body, invariants=None, **kw):
+    return program_from_body(body, states=dict(W=torch.randn(B, D, D)),
+                             streams=dict(k=seq(8, D), v=seq(8, D), q=seq(8, D)),
+                             invariants=invariants, chunk_size=C, **kw)
+
+
+def random_inputs(program, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    states0 = [(torch.randn(s.shape, generator=g) * 0.3).requires_grad_() for s in program.states]
+    sources = {s.source: s for s in program.streams}
+    invariants = []
+    for i, spec in enumerate(program.invariants):
+        shape = list(spec.shape)
+        if i in sources:
+            shape[sources[i].axis] = L
+        x = torch.randn(shape, generator=g)
+        if spec.name in ("lr_seq", "beta", "n1"):
+            x = x.abs() * 0.5 + 0.1
+        invariants.append(x.requires_grad_())
+    return states0, invariants
+
+
+def assert_schedules_agree(program, L):
+    analysis = analyze(program)
+    states0, invariants = random_inputs(program, L)
+    results = []
+    for schedule in ("recurrent", analysis.schedule):
+        outs, finals = execute(program, analysis, states0, invariants, schedule=schedule)
+        loss = sum((t * torch.cos(torch.arange(t.numel()).reshape(t.shape))).sum()
+                   for t in outs + finals)
+        grads = torch.autograd.grad(loss, states0 + invariants, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g
+                 for g, x in zip(grads, states0 + invariants)]
+        results.append(outs + finals + grads)
+    for a, b in zip(*results):
+        assert rel_rms_error(b, a) <= TOLERANCE[torch.float32]
+
+
+# -- the paper's steps on a LaCT-like body -------------------------------------------------------
+
+def test_freeze_theta_then_drop_norm_gives_a_parallel_program():
+    program = lact_program()
+    assert analyze(program).schedule == "recurrent"
+
+    level1, (r1,) = run_level(program, 1)
+    assert (r1.name, r1.step, r1.status, r1.exact) == ("freeze_theta", 1, "applied", False)
+    assert [s.name for s in level1.states] == ["w0", "w1", "w2", "m1"]   # m0 only fed w0
+    assert f"test_passes.py:{line_of('# update of w0')}" in r1.reason
+    assert f"test_passes.py:{line_of('# update of w2')}" in r1.reason
+    assert "m0" in r1.reason
+    assert analyze(level1).schedule == "semi-parallel"
+
+    level2, (r1b, r2) = run_level(program, 2)
+    assert r1b == r1
+    assert (r2.name, r2.step, r2.status, r2.exact) == ("drop_norm", 2, "applied", False)
+    assert "w1" in r2.reason and f"test_passes.py:{line_of('# weight norm of w1')}" in r2.reason
+    analysis = analyze(level2)
+    assert analysis.schedule == "parallel"
+    assert analysis.rules["w1"] == "w1' = w1 + NS3(beta·m1 - φ(k)ᵀ·((-v)⊙η))"
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("L", [8, 6, 3])
+def test_reduced_lact_runs_chunk_parallel_exactly(level, L):
+    reduced, _ = run_level(lact_program(), level)
+    assert_schedules_agree(reduced, L)
+
+
+def test_calling_convention_survives_state_removal():
+    reduced, _ = run_level(lact_program(), 1)
+    placeholders = reduced.placeholders()
+    assert len(placeholders) == len(reduced.states) + len(reduced.streams) + len(reduced.invariants)
+    assert len(reduced.state_outputs()) == len(reduced.states)
+    assert [p.meta["ttt2la_name"] for p in reduced.state_inputs()] == ["w0", "w1", "w2", "m1"]
+    outs, ins = reduced.state_outputs(), reduced.state_inputs()
+    assert outs[0] is ins[0] and outs[2] is ins[2]
+
+
+def test_run_level_leaves_the_input_untouched():
+    program = lact_program()
+    code = program.body.code
+    run_level(program, 2)
+    assert program.body.code == code and len(program.states) == 5
+    same, results = run_level(program, 0)
+    assert results == [] and same is not program and same.body.code == code
+
+
+def test_run_level_infers_roles_when_none_are_set():
+    reduced, (result,) = run_level(lact_program(), 1)
+    assert result.status == "applied"
+    assert {s.name: s.role for s in reduced.states} == {
+        "w0": "theta", "w1": "final", "w2": "theta", "m1": "momentum"}
+
+
+# -- statuses --------------------------------------------------------------------------------------
+
+def test_freeze_theta_statuses():
+    frozen, _ = run_level(lact_program(), 1)
+    again = freeze_theta(frozen)
+    assert (again.status, again.exact) == ("already_satisfied", True)
+
+    def frozen_kernel(W, k, v, q, w0):
+        return (W + F.silu(k @ w0).transpose(-1, -2) @ v,), (F.silu(q @ w0) @ W,)
+    program = simple_program(frozen_kernel, invariants=dict(w0=torch.randn(B, D, D)))
+    result = freeze_theta(program)
+    assert (result.status, result.exact) == ("already_satisfied", True)
+    assert "parameter" in result.reason
+
+    program = simple_program(linear_attention)
+    result = freeze_theta(program)
+    assert (result.status, result.exact) == ("not_applicable", True)
+
+
+def test_drop_norm_statuses():
+    def layer_normed(W, k, v, q):
+        U = W + k.transpose(-1, -2) @ v
+        return (F.layer_norm(U, (D,)),), (q @ W,)
+    program = simple_program(layer_normed)
+    result = drop_norm(program)
+    assert (result.status, result.exact) == ("applied", False) and "layer" in result.reason
+    assert analyze(program).schedule == "parallel"
+
+    result = drop_norm(simple_program(linear_attention))
+    assert (result.status, result.exact) == ("already_satisfied", True)
+
+    def never_updated(W, k, v, q):
+        return (W,), (q @ W,)
+    result = drop_norm(simple_program(never_updated))
+    assert (result.status, result.exact) == ("not_applicable", True)
+
+
+def test_rms_norm_of_state_is_dropped():
+    def rms_normed(W, k, v, q, g):
+        U = W + k.transpose(-1, -2) @ v
+        return (U * torch.rsqrt(U.pow(2).mean(-1, keepdim=True) + 1e-6) * g,), (q @ W,)
+    program = simple_program(rms_normed, invariants=dict(g=torch.ones(D)))
+    assert drop_norm(program).status == "applied"
+    assert analyze(program).rules["W"] == "W' = W + kᵀ·v"
+
+
+def test_remove_dead_states():
+    def body(W, Z, k, v, q):
+        return (W + k.transpose(-1, -2) @ v, Z * 0.5 + v.mean()), (q @ W,)
+    program = program_from_body(body, states=dict(W=torch.randn(B, D, D), Z=torch.randn(B)),
+                                streams=dict(k=seq(8, D), v=seq(8, D), q=seq(8, D)),
+                                chunk_size=C)
+    assert remove_dead_states(program) == ["Z"]
+    assert [s.name for s in program.states] == ["W"] and len(program.state_inputs()) == 1
+    assert remove_dead_states(program) == []
+
+
+# -- levels and the registry -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", [3, 4, 5, 6])
+def test_levels_beyond_two_are_not_implemented(level):
+    with pytest.raises(LevelNotImplementedError, match="collapse_mlp") as info:
+        run_level(lact_program(), level)
+    assert isinstance(info.value, ConversionError)
+    assert "level <= 2" in str(info.value)
+
+
+@pytest.mark.parametrize("level", [7, -1, 2.0, True, "1"])
+def test_invalid_levels(level):
+    with pytest.raises(ValueError):
+        run_level(lact_program(), level)
+
+
+def test_registry_order_and_registration():
+    assert [get_pass(s).name for s in range(1, 7)] == [
+        "freeze_theta", "drop_norm", "collapse_mlp", "absorb_lr", "remove_momentum", "remove_muon"]
+    assert get_pass(1).implemented and not get_pass(3).implemented
+
+    class Identity(Pass):
+        name, step, exact = "collapse_mlp", 3, False
+
+        def run(self, program, calibration=None) -> PassResult:
+            return self.result("already_satisfied", "nothing to collapse")
+    pending = get_pass(3)
+    try:
+        register(Identity())
+        _, results = run_level(lact_program(), 3)
+        assert [r.status for r in results] == ["applied", "applied", "already_satisfied"]
+        assert results[2].exact
+    finally:
+        register(pending)
+    with pytest.raises(ValueError):
+        register(type("Bad", (Pass,), {"step": 9})())

@@ -1,0 +1,165 @@
+"""The token-causal chunked op against the token-by-token recurrence: outputs and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ttt2la.errors import ConversionError
+from ttt2la.runtime import (chunk_linear_attention, implementation_name,
+                            naive_chunk_linear_attention)
+from ttt2la.testing import TOLERANCE, rel_rms_error
+
+TENSOR_OPTIONS = ("log_decay", "initial_state")
+
+
+def make_case(seed, *, B, T, H, Dk, Dv, C, decay, scale, initial_state, dtype):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    tensors = tuple(x.to(dtype) for x in (rand(B, T, H, Dk), rand(B, T, H, Dk), rand(B, T, H, Dv)))
+    options = dict(
+        chunk_size=C, scale=scale,
+        # log-sigmoid of a normal: decays between ~0.05 and ~1, as gated linear attention uses
+        log_decay=torch.nn.functional.logsigmoid(rand(B, T, H) + 2).to(dtype) if decay else None,
+        initial_state=rand(B, H, Dk, Dv).to(dtype) if initial_state else None,
+    )
+    return tensors, options
+
+
+def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dtype):
+    """Outputs, final state and gradients of every tensor input w.r.t. a random projection."""
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    options = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v)
+               for k, v in options.items()}
+    o, final = fn(*tensors, output_final_state=output_final_state, **options)
+    assert (final is None) == (not output_final_state)
+    # The projection is representable in the tested dtype, so both sides get the same gradients.
+    g = torch.Generator().manual_seed(seed + 1)
+    project = lambda x: (x.double() * torch.randn(  # noqa: E731
+        x.shape, generator=g, dtype=torch.float64).to(cotangent_dtype).double()).sum()
+    loss = project(o) + (project(final) if final is not None else 0.0)
+    leaves = tensors + [options[k] for k in TENSOR_OPTIONS if options[k] is not None]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return o, final, [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)]
+
+
+def assert_matches_reference(tensors, options, output_final_state, seed):
+    dtype = tensors[0].dtype
+    tol = TOLERANCE[dtype]
+    as64 = lambda x: x.to(torch.float64) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    o, final, grads = run_with_grads(
+        lambda *a, **k: chunk_linear_attention(*a, backend="torch", **k),
+        tensors, options, output_final_state, seed, dtype)
+    o_ref, final_ref, grads_ref = run_with_grads(
+        naive_chunk_linear_attention, [as64(t) for t in tensors],
+        {k: as64(v) for k, v in options.items()}, output_final_state, seed, dtype)
+    assert o.dtype == dtype and o.shape == o_ref.shape and torch.isfinite(o).all()
+    assert rel_rms_error(o, o_ref) < tol, ("output", rel_rms_error(o, o_ref))
+    if output_final_state:
+        assert final.dtype == dtype
+        assert rel_rms_error(final, final_ref) < tol, ("final_state", rel_rms_error(final, final_ref))
+    names = ["q", "k", "v"] + [k for k in TENSOR_OPTIONS if options[k] is not None]
+    for name, gr, gr_ref in zip(names, grads, grads_ref):
+        assert gr.dtype == dtype
+        assert rel_rms_error(gr, gr_ref) < tol, (f"grad {name}", rel_rms_error(gr, gr_ref))
+
+
+case = st.fixed_dictionaries(dict(
+    B=st.integers(1, 2), H=st.integers(1, 3), Dk=st.integers(1, 9), Dv=st.integers(1, 9),
+    C=st.integers(1, 8), decay=st.booleans(), scale=st.sampled_from([None, 0.37]),
+    initial_state=st.booleans(), final=st.booleans(), seed=st.integers(0, 2**31 - 1),
+    t_frac=st.floats(0.0, 1.0)))
+
+
+def _draw(c, dtype):
+    T = 1 + round(c["t_frac"] * (5 * c["C"] + 6))  # 1 .. 5·C + 7
+    return make_case(c["seed"], B=c["B"], T=T, H=c["H"], Dk=c["Dk"], Dv=c["Dv"], C=c["C"],
+                     decay=c["decay"], scale=c["scale"], initial_state=c["initial_state"],
+                     dtype=dtype)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(c=case)
+def test_random_shapes_and_options_fp32(c):
+    tensors, options = _draw(c, torch.float32)
+    assert_matches_reference(tensors, options, c["final"], c["seed"])
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(c=case)
+def test_random_shapes_and_options_bf16(c):
+    tensors, options = _draw(c, torch.bfloat16)
+    assert_matches_reference(tensors, options, c["final"], c["seed"])
+
+
+@pytest.mark.parametrize("T,C", [(1, 4), (4, 4), (5, 4), (8, 4), (3, 64), (37, 8)])
+@pytest.mark.parametrize("decay", [False, True])
+def test_edge_lengths_against_reference(T, C, decay):
+    """T < C, T = C, T = C + 1, T = 2C, ragged, with a non-power-of-two feature size."""
+    tensors, options = make_case(T * C, B=2, T=T, H=2, Dk=6, Dv=5, C=C, decay=decay, scale=0.5,
+                                 initial_state=True, dtype=torch.float32)
+    assert_matches_reference(tensors, options, True, T * C)
+
+
+def test_strong_decay_over_a_long_sequence():
+    """Decay products far below float64's range, within and across chunks, stay exact and finite.
+
+    Over 8192 tokens with log-decays around -1.5, the product over the sequence is ~e^-12000
+    and within one 64-token chunk ~e^-96 (below fp32's smallest number): a form that divides
+    cumulative products, or exponentiates positive cumulative log-decays, breaks here.
+    """
+    B, T, H, D, C = 1, 8192, 2, 4, 64
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    log_decay = -1.0 - torch.rand(B, T, H, generator=g)
+    s0 = torch.randn(B, H, D, D, generator=g)
+    o, final = chunk_linear_attention(q, k, v, chunk_size=C, log_decay=log_decay,
+                                      initial_state=s0, output_final_state=True)
+    o_ref, final_ref = naive_chunk_linear_attention(
+        q.double(), k.double(), v.double(), log_decay=log_decay.double(), initial_state=s0.double(),
+        output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    assert rel_rms_error(o, o_ref) < TOLERANCE[torch.float32]
+    assert rel_rms_error(final, final_ref) < TOLERANCE[torch.float32]
+
+
+def test_chunk_size_does_not_change_the_result():
+    tensors, options = make_case(5, B=1, T=50, H=2, Dk=3, Dv=7, C=1, decay=True, scale=None,
+                                 initial_state=True, dtype=torch.float64)
+    outs = [chunk_linear_attention(*tensors, **(options | dict(chunk_size=C)),
+                                   output_final_state=True) for C in (1, 7, 16, 50, 64)]
+    for o, final in outs[1:]:
+        assert rel_rms_error(o, outs[0][0]) < TOLERANCE[torch.float64]
+        assert rel_rms_error(final, outs[0][1]) < TOLERANCE[torch.float64]
+
+
+def test_scale_defaults_to_one():
+    tensors, options = make_case(2, B=1, T=9, H=1, Dk=4, Dv=4, C=4, decay=False, scale=None,
+                                 initial_state=False, dtype=torch.float64)
+    o_default, _ = chunk_linear_attention(*tensors, **options)
+    o_one, _ = chunk_linear_attention(*tensors, **(options | dict(scale=1.0)))
+    q, k, v = tensors
+    expected = torch.stack([torch.einsum("bhk,bshk,bshv->bhv", q[:, t], k[:, :t + 1], v[:, :t + 1])
+                            for t in range(q.shape[1])], dim=1)
+    torch.testing.assert_close(o_default, o_one)
+    torch.testing.assert_close(o_default, expected)
+
+
+def test_named_for_the_report():
+    tensors, options = make_case(3, B=1, T=4, H=1, Dk=2, Dv=2, C=2, decay=True, scale=None,
+                                 initial_state=False, dtype=torch.float32)
+    assert implementation_name("chunk", *tensors, **options) == "torch.chunk"
+    assert implementation_name("chunk", *tensors, backend="naive",
+                               **options) == "naive.chunk(recurrent)"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(chunk_size=0),
+    dict(log_decay=torch.zeros(1, 6, 2)),
+    dict(initial_state=torch.zeros(1, 1, 3, 2)),
+])
+def test_malformed_arguments_raise_conversion_errors(bad):
+    x = torch.randn(1, 6, 1, 2)
+    with pytest.raises(ConversionError):
+        chunk_linear_attention(x, x, x, **bad)
+

@@ -1,0 +1,406 @@
+"""The Triton kernels against the plain references: outputs and every gradient, fp32 and bf16, odd shapes.
+
+On a machine with a GPU the kernels run there; elsewhere they run in Triton's CPU interpreter, which this
+module switches on while it imports Triton and the kernels (``TRITON_INTERPRET=1`` while they are decorated). A
+cheap subset runs by default; ``TTT2LA_FULL_KERNEL_TESTS=1`` runs the rest (``benchmarks/gpu_check.sh`` sets it).
+
+References run in float64 on the same (rounded) inputs, and the random projection that turns outputs into a
+loss is representable in the tested dtype, so both sides see the same upstream gradients: Newton–Schulz's
+backward amplifies any difference there by up to ``3.4445^steps``.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+ON_GPU = torch.cuda.is_available()
+#: Triton decides between compiling and interpreting when it and the kernels are imported, so without a GPU
+#: the interpreter can only be switched on if nothing imported Triton before this module.
+CAN_INTERPRET = ON_GPU or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _import_triton_and_kernels():
+    """Import Triton and the kernel modules, in the CPU interpreter when there is no GPU (restoring the
+    environment afterwards, so nothing else in the process is affected)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    if not ON_GPU:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton", reason="triton is not installed")
+        for name in ("chunk", "block", "swiglu"):
+            importlib.import_module(f"ttt2la.runtime.triton.{name}")
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+if not CAN_INTERPRET:
+    pytest.skip("Triton was imported (to compile) before this module could switch on its CPU interpreter; run "
+                "this file on its own or with TRITON_INTERPRET=1", allow_module_level=True)
+_import_triton_and_kernels()
+
+import ttt2la.runtime.triton as kernels  # noqa: E402
+from ttt2la.errors import ConversionError, UnsupportedTTTError  # noqa: E402
+from ttt2la.runtime import block_linear_attention as dispatched_block  # noqa: E402
+from ttt2la.runtime.naive import naive_block_linear_attention, naive_chunk_linear_attention  # noqa: E402
+from ttt2la.runtime.triton.swiglu import swiglu_features  # noqa: E402
+from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
+
+if not ON_GPU and not kernels.interpreting():
+    pytest.skip("the Triton kernels were imported (to compile) before this module could switch on the CPU "
+                "interpreter; run this file on its own or with TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+FULL = os.environ.get("TTT2LA_FULL_KERNEL_TESTS") == "1"
+full_only = pytest.mark.skipif(not FULL, reason="slow in the CPU interpreter; TTT2LA_FULL_KERNEL_TESTS=1 runs it")
+ORDERS = ("exclusive", "inclusive", "full")
+LR_KINDS = ("none", "token", "feature")
+
+
+# ----------------------------------------------------------------------------- harness
+
+def _rand(g, *shape, low=None, high=None):
+    if low is None:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+    return low + (high - low) * torch.rand(*shape, generator=g, dtype=torch.float64)
+
+
+def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dtype):
+    """Outputs, final state and ``{name: (input, gradient)}`` for every tensor argument, w.r.t. a random
+    projection of the outputs (representable in ``cotangent_dtype``)."""
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    options = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v)
+               for k, v in options.items()}
+    o, final = fn(*tensors, output_final_state=output_final_state, **options)
+    assert (final is None) == (not output_final_state)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def project(x):
+        weights = torch.randn(x.shape, generator=g, dtype=torch.float64).to(cotangent_dtype)
+        return (x.double() * weights.to(device=x.device, dtype=torch.float64)).sum()
+
+    loss = project(o) + (project(final) if final is not None else 0.0)
+    leaves = {f"input {i}": t for i, t in enumerate(tensors)}
+    leaves.update({k: v for k, v in options.items() if isinstance(v, torch.Tensor)})
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return o, final, {name: (x, torch.zeros_like(x) if gr is None else gr)
+                      for (name, x), gr in zip(leaves.items(), grads)}
+
+
+def assert_matches(fn, reference, tensors, options, output_final_state, seed):
+    """``fn`` on ``DEVICE`` against ``reference`` in float64 on CPU: output, final state, every gradient."""
+    dtype = tensors[0].dtype
+    tol = TOLERANCE[dtype]
+    on = lambda x, **kw: x.to(**kw) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    o, final, grads = run_with_grads(fn, [on(t, device=DEVICE) for t in tensors],
+                                     {k: on(v, device=DEVICE) for k, v in options.items()},
+                                     output_final_state, seed, dtype)
+    o_ref, final_ref, grads_ref = run_with_grads(reference, [on(t, dtype=torch.float64) for t in tensors],
+                                                 {k: on(v, dtype=torch.float64) for k, v in options.items()},
+                                                 output_final_state, seed, dtype)
+    assert o.dtype == dtype and o.shape == o_ref.shape and torch.isfinite(o).all()
+    errors = {"output": rel_rms_error(o.cpu(), o_ref)}
+    if output_final_state:
+        assert final.dtype == (options["initial_state"].dtype if options.get("initial_state") is not None
+                               else tensors[2].dtype)
+        errors["final_state"] = rel_rms_error(final.cpu(), final_ref)
+    for name, (x, gr) in grads.items():
+        assert gr.dtype == x.dtype and gr.shape == x.shape, name
+        errors[f"grad {name}"] = rel_rms_error(gr.cpu(), grads_ref[name][1])
+    bad = {k: e for k, e in errors.items() if not e < tol}
+    assert not bad, f"relative RMS errors above {tol}: {bad}"
+
+
+# ----------------------------------------------------------------------------- token-causal op
+
+def chunk_case(seed, *, B, T, H, Dk, Dv, decay, scale, initial_state, dtype):
+    g = torch.Generator().manual_seed(seed)
+    tensors = tuple(_rand(g, B, T, H, D).to(dtype) for D in (Dk, Dk, Dv))
+    options = dict(
+        scale=scale,
+        log_decay=torch.nn.functional.logsigmoid(_rand(g, B, T, H) + 2).to(dtype) if decay else None,
+        initial_state=_rand(g, B, H, Dk, Dv).to(dtype) if initial_state else None)
+    return tensors, options
+
+
+def check_chunk(seed, chunk_size, final, **case):
+    tensors, options = chunk_case(seed, **case)
+    fn = lambda *a, **k: kernels.chunk_linear_attention(*a, chunk_size=chunk_size, **k)  # noqa: E731
+    assert_matches(fn, naive_chunk_linear_attention, tensors, options, final, seed)
+
+
+@pytest.mark.parametrize("T,Dk,Dv,chunk_size,decay,initial_state,final,dtype", [
+    (37, 20, 24, 16, True, True, True, torch.float32),      # ragged last chunk, D not a power of two
+    (1, 16, 8, 64, True, True, True, torch.float32),        # a single token
+    (5, 7, 3, 64, False, False, True, torch.float32),       # T < chunk, tiny features, no decay
+    (70, 33, 17, 64, True, True, True, torch.bfloat16),     # two kernel tiles of keys
+    (21, 12, 12, 16, False, True, False, torch.bfloat16),
+])
+def test_chunk_op_matches_reference(T, Dk, Dv, chunk_size, decay, initial_state, final, dtype):
+    seed = zlib.crc32(repr((T, Dk, Dv, dtype)).encode())
+    check_chunk(seed, chunk_size, final, B=2, T=T, H=2, Dk=Dk, Dv=Dv, decay=decay, scale=0.3,
+                initial_state=initial_state, dtype=dtype)
+
+
+chunk_shapes = st.fixed_dictionaries(dict(
+    B=st.integers(1, 2), T=st.integers(1, 80), H=st.integers(1, 2), Dk=st.integers(1, 40), Dv=st.integers(1, 40),
+    chunk_size=st.sampled_from([16, 32, 64]), decay=st.booleans(), initial_state=st.booleans(),
+    final=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=4, deadline=None)
+@given(c=chunk_shapes, bf16=st.booleans())
+def test_chunk_op_random_shapes(c, bf16):
+    c = dict(c)
+    seed, chunk_size, final = c.pop("seed"), c.pop("chunk_size"), c.pop("final")
+    check_chunk(seed, chunk_size, final, dtype=torch.bfloat16 if bf16 else torch.float32, **c)
+
+
+@full_only
+@settings(max_examples=40, deadline=None)
+@given(c=chunk_shapes, bf16=st.booleans())
+def test_chunk_op_random_shapes_full(c, bf16):
+    c = dict(c)
+    seed, chunk_size, final = c.pop("seed"), c.pop("chunk_size"), c.pop("final")
+    check_chunk(seed, chunk_size, final, dtype=torch.bfloat16 if bf16 else torch.float32, **c)
+
+
+def test_chunk_decay_gradient_has_no_long_range_cancellation():
+    """Strong decay over a long sequence: ``d log_decay`` must not come from differences of large sums."""
+    check_chunk(11, 16, True, B=1, T=160, H=1, Dk=16, Dv=16, decay=True, scale=1.0, initial_state=True,
+                dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- block op
+
+def block_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps, initial_state, dtype):
+    g = torch.Generator().manual_seed(seed)
+    n = 1 if order == "full" else math.ceil(T / C)
+    tensors = tuple(_rand(g, B, T, H, D).to(dtype) for D in (Dk, Dk, Dv))
+    options = dict(
+        chunk_size=C, order=order, muon_steps=muon_steps,
+        lr={"none": None, "token": _rand(g, B, T, H, low=0.1, high=1.0).to(dtype),
+            "feature": _rand(g, B, T, H, Dv, low=0.1, high=1.0).to(dtype)}[lr_kind],
+        momentum=_rand(g, B, n, H, low=0.3, high=0.9).to(dtype) if momentum else None,
+        initial_state=_rand(g, B, H, Dk, Dv).to(dtype) if initial_state else None)
+    return tensors, options
+
+
+def check_block(seed, final, **case):
+    tensors, options = block_case(seed, **case)
+    assert_matches(kernels.block_linear_attention, naive_block_linear_attention, tensors, options, final, seed)
+
+
+# Every order, lr kind and dtype; momentum, Muon and the initial state in most; chunks shorter than the
+# features (rank-deficient increments, Newton–Schulz at its most sensitive) and ragged sequences.
+BLOCK_CASES = [
+    # order, lr, momentum, muon, h0, final, T, C, Dk, Dv, dtype
+    ("exclusive", "token", True, 5, True, True, 37, 8, 20, 17, torch.float32),
+    ("inclusive", "feature", True, 0, False, True, 37, 8, 20, 17, torch.float32),
+    ("full", "none", False, 3, True, True, 23, 8, 9, 12, torch.float32),
+    ("exclusive", "none", False, 0, False, True, 1, 4, 5, 3, torch.float32),
+    ("exclusive", "feature", True, 5, True, True, 37, 8, 20, 17, torch.bfloat16),
+    ("inclusive", "token", True, 5, False, False, 75, 32, 20, 17, torch.bfloat16),
+    ("full", "token", True, 5, True, True, 30, 8, 16, 16, torch.bfloat16),
+    ("inclusive", "none", False, 0, True, True, 3, 8, 6, 7, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("order,lr_kind,momentum,muon_steps,initial_state,final,T,C,Dk,Dv,dtype", BLOCK_CASES)
+def test_block_op_matches_reference(order, lr_kind, momentum, muon_steps, initial_state, final, T, C, Dk, Dv,
+                                    dtype):
+    seed = zlib.crc32(repr((order, lr_kind, momentum, muon_steps, T, dtype)).encode())
+    check_block(seed, final, B=2, T=T, H=2, Dk=Dk, Dv=Dv, C=C, order=order, lr_kind=lr_kind, momentum=momentum,
+                muon_steps=muon_steps, initial_state=initial_state, dtype=dtype)
+
+
+block_shapes = st.fixed_dictionaries(dict(
+    B=st.integers(1, 2), H=st.integers(1, 2), Dk=st.integers(1, 24), Dv=st.integers(1, 24), C=st.integers(1, 20),
+    order=st.sampled_from(ORDERS), lr_kind=st.sampled_from(LR_KINDS), momentum=st.booleans(),
+    muon_steps=st.sampled_from([0, 1, 5]), initial_state=st.booleans(), final=st.booleans(),
+    t_frac=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1)))
+
+
+def _draw_block(c, dtype):
+    c = dict(c)
+    T = 1 + round(c.pop("t_frac") * (3 * c["C"] + 5))
+    seed, final = c.pop("seed"), c.pop("final")
+    return seed, final, dict(c, T=T, dtype=dtype)
+
+
+@settings(max_examples=3, deadline=None)
+@given(c=block_shapes, bf16=st.booleans())
+def test_block_op_random_shapes(c, bf16):
+    seed, final, case = _draw_block(c, torch.bfloat16 if bf16 else torch.float32)
+    check_block(seed, final, **case)
+
+
+@full_only
+@pytest.mark.parametrize("order,lr_kind,momentum,muon_steps,initial_state,dtype", list(itertools.product(
+    ORDERS, LR_KINDS, (False, True), (0, 5), (False, True), (torch.float32, torch.bfloat16))))
+def test_block_op_every_option_combination(order, lr_kind, momentum, muon_steps, initial_state, dtype):
+    seed = zlib.crc32(repr((order, lr_kind, momentum, muon_steps, initial_state, dtype)).encode())
+    check_block(seed, True, B=2, T=29, H=2, Dk=13, Dv=9, C=8, order=order, lr_kind=lr_kind, momentum=momentum,
+                muon_steps=muon_steps, initial_state=initial_state, dtype=dtype)
+
+
+@full_only
+@settings(max_examples=40, deadline=None)
+@given(c=block_shapes, bf16=st.booleans())
+def test_block_op_random_shapes_full(c, bf16):
+    seed, final, case = _draw_block(c, torch.bfloat16 if bf16 else torch.float32)
+    check_block(seed, final, **case)
+
+
+@full_only
+def test_block_op_at_kernel_tile_sizes():
+    """Features and chunks spanning several 64-wide tiles, as on a GPU (two chunks plus a ragged one)."""
+    check_block(5, True, B=1, T=300, H=2, Dk=130, Dv=96, C=128, order="exclusive", lr_kind="token", momentum=True,
+                muon_steps=5, initial_state=True, dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- fused SwiGLU features
+
+def swiglu_reference(q, k, v, w0, w2, **options):
+    return naive_block_linear_attention(swiglu_features(q, w0, w2), swiglu_features(k, w0, w2), v, **options)
+
+
+def check_swiglu(seed, final, *, D, Dh, **case):
+    (_, _, v), options = block_case(seed, Dk=Dh, **case)
+    g = torch.Generator().manual_seed(seed + 7)
+    B, T, H, dtype = case["B"], case["T"], case["H"], case["dtype"]
+    q, k = (_rand(g, B, T, H, D).to(dtype) for _ in range(2))
+    w0, w2 = ((_rand(g, H, D, Dh) / math.sqrt(D)).to(dtype) for _ in range(2))
+    assert_matches(kernels.fused_swiglu_block_linear_attention, swiglu_reference, (q, k, v, w0, w2), options,
+                   final, seed)
+
+
+@pytest.mark.parametrize("order,lr_kind,momentum,muon_steps,T,C,dtype", [
+    ("exclusive", "token", True, 5, 37, 8, torch.float32),
+    ("full", "feature", False, 0, 21, 8, torch.bfloat16),
+    ("inclusive", "feature", True, 5, 37, 8, torch.bfloat16),
+])
+def test_fused_swiglu_matches_reference(order, lr_kind, momentum, muon_steps, T, C, dtype):
+    seed = zlib.crc32(repr((order, lr_kind, T, dtype)).encode())
+    check_swiglu(seed, True, B=1, T=T, H=2, D=12, Dh=20, Dv=17, C=C, order=order, lr_kind=lr_kind,
+                 momentum=momentum, muon_steps=muon_steps, initial_state=True, dtype=dtype)
+
+
+@full_only
+@pytest.mark.parametrize("order,lr_kind,momentum,muon_steps,dtype", list(itertools.product(
+    ORDERS, LR_KINDS, (False, True), (0, 5), (torch.float32, torch.bfloat16))))
+def test_fused_swiglu_every_option_combination(order, lr_kind, momentum, muon_steps, dtype):
+    seed = zlib.crc32(repr((order, lr_kind, momentum, muon_steps, dtype)).encode())
+    check_swiglu(seed, True, B=2, T=29, H=2, D=10, Dh=13, Dv=9, C=8, order=order, lr_kind=lr_kind,
+                 momentum=momentum, muon_steps=muon_steps, initial_state=True, dtype=dtype)
+
+
+def test_fused_swiglu_rejects_weights_of_the_wrong_shape():
+    x = torch.randn(1, 4, 2, 6, device=DEVICE)
+    with pytest.raises(ConversionError, match=r"\[H, D, Dh\]"):
+        kernels.fused_swiglu_block_linear_attention(x, x, x, torch.randn(2, 5, 8, device=DEVICE),
+                                                    torch.randn(2, 5, 8, device=DEVICE), chunk_size=2)
+
+
+# ----------------------------------------------------------------------------- supports() and dispatch
+
+def _block_args(dtype=torch.float32, device=DEVICE):
+    x = torch.randn(1, 6, 2, 4, dtype=dtype, device=device)
+    return (x, x, x), dict(chunk_size=4, order="inclusive")
+
+
+def test_supports_accepts_what_the_kernels_implement():
+    tensors, options = _block_args()
+    assert kernels.supports("block", *tensors, **options)
+    assert kernels.supports("block_linear_attention", *tensors, lr=torch.rand(1, 6, 2, device=DEVICE), **options)
+    assert kernels.supports("chunk", *tensors, log_decay=-torch.rand(1, 6, 2, device=DEVICE))
+    w = torch.randn(2, 4, 5, device=DEVICE)
+    assert kernels.supports("fused_swiglu", *tensors, w, w, **options)
+
+
+@pytest.mark.parametrize("why,op,change", [
+    ("weight norm is torch-only", "block", dict(weight_norm=torch.ones(1, 2, 4))),
+    ("unknown option", "block", dict(not_an_option=1)),
+    ("float64 inputs", "block", dict(dtype=torch.float64)),
+    ("malformed chunk size", "block", dict(chunk_size=0)),
+    ("malformed order", "block", dict(order="sideways")),
+    ("unknown op", "attention", {}),
+    ("block option on the token op", "chunk", dict(order="inclusive")),
+])
+def test_supports_refuses_what_the_kernels_do_not_implement(why, op, change):
+    change = dict(change)
+    tensors, options = _block_args(dtype=change.pop("dtype", torch.float32))
+    options.update({k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in change.items()})
+    if op == "chunk":
+        options.pop("chunk_size")
+    assert not kernels.supports(op, *tensors, **options), why
+
+
+def test_weight_norm_called_directly_is_refused_with_a_reason():
+    tensors, options = _block_args()
+    with pytest.raises(UnsupportedTTTError, match="weight_norm"):
+        kernels.block_linear_attention(*tensors, weight_norm=torch.ones(1, 2, 4, device=DEVICE), **options)
+
+
+def test_dispatcher_runs_the_kernels_when_asked(monkeypatch):
+    from ttt2la.runtime.triton import block as block_module
+    launches = []
+    increments = block_module.chunk_increments
+    monkeypatch.setattr(block_module, "chunk_increments", lambda *a, **k: launches.append(1) or increments(*a, **k))
+    tensors, options = _block_args()
+    lr = torch.rand(1, 6, 2, device=DEVICE)
+    o_triton, _ = dispatched_block(*tensors, backend="triton", lr=lr, **options)
+    o_torch, _ = dispatched_block(*tensors, backend="torch", lr=lr, **options)
+    assert launches, "backend='triton' did not reach the Triton kernels"
+    assert rel_rms_error(o_triton.cpu(), o_torch.cpu()) < TOLERANCE[torch.float32]
+
+
+def _python(code: str, env_update: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_update)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU answer")
+def test_supports_is_false_on_cpu_without_the_interpreter():
+    code = ("import torch, ttt2la.runtime.triton as k; x = torch.randn(1, 6, 2, 4); "
+            "print(k.supports('block', x, x, x, chunk_size=4), k.supports('chunk', x, x, x))")
+    assert _python(code, {}) == "False False"
+
+
+def test_package_imports_and_declines_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, ttt2la.runtime.triton as k\n"
+            "x = torch.randn(1, 6, 2, 4)\n"
+            "print(k.triton_available(), k.supports('block', x, x, x, chunk_size=4))")
+    assert _python(code, {"TRITON_INTERPRET": "1"}) == "False False"
+
+
+# ----------------------------------------------------------------------------- the compiled path
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above run the compiled kernels themselves")
+def test_kernels_compile_for_hopper():
+    """The interpreter does not compile: build representative kernels for sm_90 and check they do not spill."""
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend")
+    code = ("from ttt2la.runtime.triton.ahead_of_time import check\n"
+            "import torch\n"
+            "names = None if {full} else {{'_output_fwd_kernel', '_read_kernel', '_swiglu_increments_kernel'}}\n"
+            "rows = check(dtypes=(torch.bfloat16,), kernels=names)\n"
+            "print(len(rows), max(r.spill_bytes or 0 for r in rows))").format(full=FULL)
+    count, spills = map(int, _python(code, {}).split())
+    assert count >= 3
+    assert spills <= 64, f"{spills} bytes of register spills in a bf16 kernel on sm_90"

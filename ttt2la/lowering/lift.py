@@ -1,0 +1,368 @@
+"""Lift a parallel program onto the runtime's linear-attention ops.
+
+The generic executors run any reducible body by batching its subgraphs over chunks. When the
+body has the shape the paper proves every reduced TTT layer has — a final state read by one
+matmul with kernel features and updated by a sum over tokens of key-feature ⊗ effective-value,
+optionally through momentum and Newton–Schulz — it is lifted onto the runtime ops instead:
+
+* ``block_linear_attention`` (LaCT's chunk form, with ``momentum`` and ``muon_steps``) for
+  chunked loops;
+* ``chunk_linear_attention`` (token-causal) for per-token loops.
+
+Lifting extracts from the body the per-chunk subgraphs that compute φ(Q), φ(K), the effective
+value, the momentum coefficient and the output post-processing, batches them over chunks, and
+normalises their layout to the runtime's ``[B, T, H, D]`` with heads folded into the batch. It
+never guesses: any mismatch returns ``None`` and the generic executor runs the program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx
+from torch.func import vmap
+
+from ..ir import TTTProgram
+from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
+from .chunking import assemble_outputs, chunk_streams
+from .executors import extract
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default,
+          aten.clone.default, aten.alias.default, aten.reshape.default,
+          aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default}
+_MAX_NS_STEPS = 8
+
+
+def _strip(n):
+    while isinstance(n, torch.fx.Node) and n.target in _VIEWS:
+        n = n.args[0]
+    return n
+
+
+def _ancestors(n: torch.fx.Node) -> set:
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+    return seen
+
+
+def _shape(n: torch.fx.Node) -> tuple:
+    return tuple(n.meta["val"].shape)
+
+
+@dataclass
+class _Contraction:
+    left: torch.fx.Node        # [b, r, T]
+    right: torch.fx.Node       # [b, T, c]
+    scales: list               # state-independent multipliers broadcast over (r, c)
+    outer: bool                # an elementwise outer product (one token) rather than a bmm
+
+
+def _contraction(n, state_dep: set) -> _Contraction | None:
+    """``n`` as a sum over tokens of outer products (a bmm, or a broadcast product of a column
+    and a row), possibly times scalars per matrix."""
+    n = _strip(n)
+    if not isinstance(n, torch.fx.Node) or n in state_dep:
+        return None
+    if n.target is aten.bmm.default:
+        return _Contraction(n.args[0], n.args[1], [], False)
+    if n.target is aten.neg.default:
+        inner = _contraction(n.args[0], state_dep)
+        if inner is not None:
+            inner.scales.append(-1.0)
+        return inner
+    if n.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(n.args[1], (int, float)):
+        inner = _contraction(n.args[0], state_dep)
+        if inner is not None:
+            inner.scales.append(float(n.args[1]) if n.target is aten.mul.Tensor
+                                else 1.0 / float(n.args[1]))
+        return inner
+    if n.target is aten.mul.Tensor and all(isinstance(a, torch.fx.Node) for a in n.args):
+        a, b = n.args
+        sa, sb = _shape(a), _shape(b)
+        if len(sa) >= 2 and len(sb) >= 2:
+            if sa[-1] == 1 and sb[-2] == 1 and sa[-2] > 1 and sb[-1] > 1:
+                return _Contraction(a, b, [], True)
+            if sb[-1] == 1 and sa[-2] == 1 and sb[-2] > 1 and sa[-1] > 1:
+                return _Contraction(b, a, [], True)
+        for x, s in ((a, b), (b, a)):
+            ss = _shape(s)
+            if len(ss) < 2 or ss[-2:] == (1, 1):
+                inner = _contraction(x, state_dep)
+                if inner is not None:
+                    inner.scales.append(s)
+                    return inner
+    return None
+
+
+@dataclass
+class LiftedProgram:
+    """A program recognised as block or token-causal linear attention."""
+
+    program: TTTProgram
+    kind: str                          # "block" | "chunk"
+    w: int                             # index of the final state
+    m: int | None                      # index of the momentum state
+    transposed: bool                   # the runtime state is Wᵀ
+    muon_steps: int
+    features: torch.fx.GraphModule     # (streams, invariants) -> (q_side, left, right, *scales, alpha?)
+    feature_inputs: list
+    post: torch.fx.GraphModule         # (read, streams, invariants) -> chunk output
+    post_inputs: list
+    read: torch.fx.Node
+    batch: int
+    dk: int
+    dv: int
+    scale: float = 1.0                 # constant factor of the increment (signs, fixed lrs)
+
+
+def _find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
+    for n in program.body.graph.nodes:
+        if n.target is aten.bmm.default:
+            a, b = _strip(n.args[0]), _strip(n.args[1])
+            if b in w_ref and n.args[0] not in state_dep_other:
+                return n, False
+            if a in w_ref and n.args[1] not in state_dep_other:
+                return n, True
+    return None, None
+
+
+def lift(program: TTTProgram) -> LiftedProgram | None:
+    """Recognise ``program`` as block/token-causal linear attention, or return ``None``."""
+    roles = [s.role for s in program.states]
+    if roles.count("final") != 1 or len(program.outputs) != 1:
+        return None
+    ins = program.state_inputs()
+    outs = program.state_outputs()
+    # states the loop no longer changes (a frozen Θ) are read like invariants
+    frozen = [i for i in range(len(roles)) if outs[i] is ins[i]]
+    w = roles.index("final")
+    others = [i for i in range(len(roles)) if i != w and i not in frozen]
+    if len(others) > 1 or (others and roles[others[0]] != "momentum"):
+        return None
+    m = others[0] if others else None
+    per_token = any(s.per_token for s in program.streams)
+    if (program.order, program.last_chunk) not in (("exclusive", "apply_only"),
+                                                    ("inclusive", "update")):
+        return None
+    if per_token and (program.order != "inclusive" or m is not None):
+        return None
+    w_in, w_out = ins[w], outs[w]
+    live = [ins[i] for i in range(len(ins)) if i not in frozen]
+    constants = [ins[i] for i in frozen]
+    state_dep = set()
+    for n in program.body.graph.nodes:
+        if n in live or any(a in state_dep for a in n.all_input_nodes):
+            state_dep.add(n)
+    # W' = W + Δ
+    if w_out.target is not aten.add.Tensor:
+        return None
+    a, b = w_out.args
+    if _strip(a) is w_in:
+        delta = b
+    elif _strip(b) is w_in:
+        delta = a
+    else:
+        return None
+    if not isinstance(delta, torch.fx.Node) or w_in in _ancestors(delta):
+        return None
+    # momentum: M' = α·M + G
+    alpha = None
+    if m is not None:
+        m_in, m_out = ins[m], outs[m]
+        if m_out.target is not aten.add.Tensor or m_out not in _ancestors(delta):
+            return None
+        g = None
+        for x, y in (m_out.args, m_out.args[::-1]):
+            if isinstance(x, torch.fx.Node) and x.target is aten.mul.Tensor:
+                p, q = x.args
+                if _strip(p) is m_in and isinstance(q, torch.fx.Node) and q not in state_dep:
+                    alpha, g = q, y
+                elif _strip(q) is m_in and isinstance(p, torch.fx.Node) and p not in state_dep:
+                    alpha, g = p, y
+        if alpha is None:
+            return None
+        root = m_out
+    else:
+        g = None
+        root = None
+    # Δ = T(root): find the contraction feeding it
+    candidates = [n for n in _ancestors(delta if g is None else g)
+                  if n.target is aten.bmm.default or n.target is aten.mul.Tensor]
+    contraction, transform_root = None, None
+    if g is not None:
+        contraction = _contraction(g, state_dep)
+        transform_root = root
+    else:
+        for c in sorted(candidates, key=lambda n: -len(_ancestors(n))):
+            con = _contraction(c, state_dep)
+            if con is None:
+                continue
+            try:
+                extract(program.body, [c], [delta])
+            except RuntimeError:
+                continue
+            contraction, transform_root = con, c
+            break
+    if contraction is None:
+        return None
+    try:
+        transform, _ = extract(program.body, [transform_root], [delta])
+    except RuntimeError:
+        return None
+    # the read: o = φ(Q) W (W right) or W φ(Q)ᵀ (W left)
+    w_ref = {w_in} if program.order == "exclusive" else {w_out}
+    read, transposed = _find_read(program, w_ref, state_dep - w_ref)
+    if read is None:
+        return None
+    left, right = contraction.left, contraction.right
+    sl, sr = _shape(left), _shape(right)
+    if len(sl) < 2 or len(sr) < 2 or sl[:-2] != sr[:-2] or sl[-1] != sr[-2]:
+        return None
+    batch = 1
+    for d in sl[:-2]:
+        batch *= d
+    if _shape(read)[0] != batch:
+        return None
+    rows, cols = sl[-2], sr[-1]
+    dk, dv = (cols, rows) if transposed else (rows, cols)
+    if _shape(_strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
+        return None
+    # Newton–Schulz steps, recognised by evaluating the transform
+    muon_steps = _identify_transform(transform, _shape(transform_root), (batch, rows, cols))
+    if muon_steps is None:
+        return None
+    if per_token and muon_steps:
+        return None
+    streams = program.stream_inputs()
+    invariants = [*program.invariant_inputs(), *constants]
+    constant_scale = 1.0
+    for c in contraction.scales:
+        if isinstance(c, float):
+            constant_scale *= c
+    node_scales = [c for c in contraction.scales if not isinstance(c, float)]
+    feat_outputs = [read.args[0] if not transposed else read.args[1], left, right,
+                    *node_scales] + ([alpha] if alpha is not None else [])
+    try:
+        features, feature_inputs = extract(program.body, [*streams, *invariants], feat_outputs)
+        y = program.chunk_outputs()[0]
+        post, post_inputs = extract(program.body, [read, *streams, *invariants], [y])
+    except RuntimeError:
+        return None
+    return LiftedProgram(program, "chunk" if per_token else "block", w, m, transposed,
+                         muon_steps, features, feature_inputs, post, post_inputs, read,
+                         batch, dk, dv, constant_scale)
+
+
+def _identify_transform(transform: torch.fx.GraphModule, in_shape: tuple,
+                        mat_shape: tuple) -> int | None:
+    """0 when ``transform`` is the identity, k when it is k Newton–Schulz steps, else None."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(mat_shape, generator=gen, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = transform(x.reshape(in_shape).float())[0].double().reshape(mat_shape)
+    except Exception:
+        return None
+    for k in range(_MAX_NS_STEPS + 1):
+        ref = x if k == 0 else newton_schulz(x, steps=k)
+        err = (got - ref).norm() / ref.norm()
+        if err < 1e-4:
+            return k
+    return None
+
+
+class LiftedPlan:
+    """Runs a ``LiftedProgram`` with the runtime ops: ``plan(states0, invariants)``."""
+
+    schedule = "parallel"
+
+    def __init__(self, lifted: LiftedProgram, backend: str = "auto"):
+        self.lifted = lifted
+        self.backend = backend
+
+    @property
+    def implementation(self) -> str:
+        op = "block" if self.lifted.kind == "block" else "chunk"
+        return f"{op}_linear_attention[{self.backend}]"
+
+    def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]):
+        lp = self.lifted
+        prog = lp.program
+        streams, layout = chunk_streams(prog, list(invariants))
+        # vmap's view rule needs each chunk laid out like the traced one: contiguous
+        streams = [x.contiguous() for x in streams]
+        values = {n: v for n, v in zip(prog.stream_inputs(), streams)}
+        dims = {n: 0 for n in prog.stream_inputs()}
+        for n, v in zip(prog.invariant_inputs(), invariants):
+            values[n], dims[n] = v, None
+        for n, v in zip(prog.state_inputs(), states0):     # frozen states read as constants
+            values.setdefault(n, v)
+            dims.setdefault(n, None)
+        args = [values[n] for n in lp.feature_inputs]
+        in_dims = tuple(dims[n] for n in lp.feature_inputs)
+        feats = vmap(lp.features, in_dims=in_dims)(*args)
+        # sizes come from the tensors: the body's node metadata holds the traced batch size
+        N = feats[0].shape[0]
+        b = feats[1][0, ..., 0, 0].numel()
+        # fold every batch-like dim (batch, heads) into one: [N, b, rows, cols]
+        q_side, left, right = (f.reshape(N, b, *f.shape[-2:]) for f in feats[:3])
+        n_scales = len(feats) - 3 - (1 if lp.m is not None else 0)
+        scales = feats[3:3 + n_scales]
+        if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
+            phi_q = q_side.transpose(-1, -2)
+            phi_k, value = right, left.transpose(-1, -2)
+        else:
+            phi_q = q_side
+            phi_k, value = left.transpose(-1, -2), right
+        T = phi_k.shape[-2]
+        for s in scales:                         # a scalar per matrix and chunk
+            value = value * s.reshape(N, b, 1, 1)
+        if lp.scale != 1.0:
+            value = value * lp.scale
+
+        def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
+            return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
+
+        w0 = states0[lp.w].reshape(b, *states0[lp.w].shape[-2:])
+        s0 = (w0.transpose(-1, -2) if lp.transposed else w0).unsqueeze(1)
+        if lp.kind == "block":
+            momentum = None
+            if lp.m is not None:
+                momentum = feats[-1].reshape(N, b).transpose(0, 1).unsqueeze(-1)
+            o, s_final = block_linear_attention(
+                flat(phi_q), flat(phi_k), flat(value), chunk_size=prog.chunk_size,
+                order=prog.order, momentum=momentum, muon_steps=lp.muon_steps,
+                initial_state=s0, output_final_state=True, backend=self.backend)
+        else:
+            o, s_final = chunk_linear_attention(
+                flat(phi_q), flat(phi_k), flat(value), initial_state=s0,
+                output_final_state=True, backend=self.backend)
+        o = o.reshape(b, N, T, lp.dv).permute(1, 0, 2, 3)
+        read = o.transpose(-1, -2) if lp.transposed else o
+        post_args, post_dims = [], []
+        for n in lp.post_inputs:
+            if n is lp.read:
+                post_args.append(read)
+                post_dims.append(0)
+            else:
+                post_args.append(values[n])
+                post_dims.append(dims[n])
+        (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
+        outputs = assemble_outputs(prog, [y], layout)
+        s_final = s_final.squeeze(1)
+        w_final = (s_final.transpose(-1, -2) if lp.transposed else s_final)
+        finals = [None] * len(prog.states)
+        finals[lp.w] = w_final.reshape(states0[lp.w].shape)
+        return outputs, finals
+
+
+
+
+__all__ = ["lift", "LiftedProgram", "LiftedPlan"]
