@@ -150,7 +150,8 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    header = f"## runtime CPU benchmark (torch {torch.__version__}, {torch.get_num_threads()} threads)"
+    header = (f"## runtime CPU benchmark (torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads)")
     report = "\n".join([header, bench_scans(args.quick, args.repeats),
                         bench_block_forms(args.quick, args.repeats),
                         bench_ops(args.quick, args.repeats)])

@@ -57,7 +57,8 @@ def assert_matches_reference(tensors, options, output_final_state, seed):
     assert rel_rms_error(o, o_ref) < tol, ("output", rel_rms_error(o, o_ref))
     if output_final_state:
         assert final.dtype == dtype
-        assert rel_rms_error(final, final_ref) < tol, ("final_state", rel_rms_error(final, final_ref))
+        err = rel_rms_error(final, final_ref)
+        assert err < tol, ("final_state", err)
     names = ["q", "k", "v"] + [k for k in TENSOR_OPTIONS if options[k] is not None]
     for name, gr, gr_ref in zip(names, grads, grads_ref):
         assert gr.dtype == dtype

@@ -1,7 +1,7 @@
 """The Triton kernels against the plain references: outputs and every gradient, fp32 and bf16, odd shapes.
 
 On a machine with a GPU the kernels run there; elsewhere they run in Triton's CPU interpreter, which this
-module switches on while it imports Triton and the kernels (``TRITON_INTERPRET=1`` while they are decorated). A
+module switches on while it imports the kernels (``TRITON_INTERPRET=1`` while they are decorated). A
 cheap subset runs by default; ``TTT2LA_FULL_KERNEL_TESTS=1`` runs the rest (``benchmarks/gpu_check.sh`` sets it).
 
 References run in float64 on the same (rounded) inputs, and the random projection that turns outputs into a
@@ -23,19 +23,19 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 ON_GPU = torch.cuda.is_available()
-#: Triton decides between compiling and interpreting when it and the kernels are imported, so without a GPU
-#: the interpreter can only be switched on if nothing imported Triton before this module.
-CAN_INTERPRET = ON_GPU or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton", reason="triton is not installed")
 
 
-def _import_triton_and_kernels():
-    """Import Triton and the kernel modules, in the CPU interpreter when there is no GPU (restoring the
-    environment afterwards, so nothing else in the process is affected)."""
+def _import_kernels():
+    """Import the kernel modules, for Triton's CPU interpreter when there is no GPU.
+
+    Triton decides between compiling and interpreting a kernel when it is decorated, from ``TRITON_INTERPRET``;
+    the variable is restored afterwards so nothing else in the process is affected.
+    """
     previous = os.environ.get("TRITON_INTERPRET")
     if not ON_GPU:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        pytest.importorskip("triton", reason="triton is not installed")
         for name in ("chunk", "block", "swiglu"):
             importlib.import_module(f"ttt2la.runtime.triton.{name}")
     finally:
@@ -45,10 +45,7 @@ def _import_triton_and_kernels():
             os.environ["TRITON_INTERPRET"] = previous
 
 
-if not CAN_INTERPRET:
-    pytest.skip("Triton was imported (to compile) before this module could switch on its CPU interpreter; run "
-                "this file on its own or with TRITON_INTERPRET=1", allow_module_level=True)
-_import_triton_and_kernels()
+_import_kernels()
 
 import ttt2la.runtime.triton as kernels  # noqa: E402
 from ttt2la.errors import ConversionError, UnsupportedTTTError  # noqa: E402

@@ -167,7 +167,8 @@ def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Mo
         drift = {name: rel_rms_error(model(*inputs), reference)
                  for name, model in converted.items()}
     shape = "x".join(str(s) for s in inputs[0].shape)
-    table = Table(title=f"throughput on {shape} inputs (median of {repeats} runs, "
+    runs = f"{repeats} run{'s' * (repeats != 1)}"
+    table = Table(title=f"throughput on {shape} inputs (median of {runs}, "
                         f"{torch.get_num_threads()} threads)")
     table.add_column("model")
     table.add_column("schedules")
@@ -176,9 +177,7 @@ def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Mo
     table.add_column("rel. RMS vs original", justify="right")
     table.add_row("original", "as written", f"{rates['original']:,.0f}", "1.00x", "")
     for name, model in converted.items():
-        report = getattr(model, "ttt2la_report", None)
-        schedules = ", ".join(sorted({layer.schedule for layer in report.layers})) \
-            if report is not None else "?"
+        schedules = ", ".join(sorted({layer.schedule for layer in model.ttt2la_report.layers}))
         table.add_row(name, schedules, f"{rates[name]:,.0f}",
                       f"{rates[name] / rates['original']:.2f}x", f"{drift[name]:.2e}")
     return table

@@ -107,6 +107,7 @@ def _prepare(rl: RecognizedLayer, level: int, calibration):
     results = None
     for rolled in (rl.rolled, rl.rolled_L, rl.rolled_B):
         prog = rolled.program.clone()
+        prog.module_path = rl.path
         assign_roles(prog)
         prog, res = run_level(prog, level, calibration)
         programs.append(prog)
@@ -202,11 +203,10 @@ def _run_layer(module, args, kwargs):
     return out if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)[0]
 
 
-def _check(original: torch.nn.Module, converted: torch.nn.Module, rl: RecognizedLayer,
+def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer,
            exact: bool) -> dict:
-    """Compare the converted layer with the original on the captured example inputs."""
+    """Compare the converted layer with the original's output ``ref`` on the example inputs."""
     args, kwargs = _layer_inputs(rl)
-    ref = _run_layer(original, args, kwargs)
     got = _run_layer(converted, args, kwargs)
     err = rel_rms_error(got, ref)
     tol = tolerance(ref.dtype)
@@ -218,20 +218,25 @@ def _check(original: torch.nn.Module, converted: torch.nn.Module, rl: Recognized
     return result
 
 
-def _pass_drifts(rl, original, level, calibration, backend, results) -> dict[int, dict]:
+def _pass_drifts(rl, original, ref, level, calibration, backend, results,
+                 final_error: float) -> dict[int, dict]:
     """The drift of every applied lossy pass: the layer's error after steps 1..k."""
     args, kwargs = _layer_inputs(rl)
-    ref = _run_layer(original, args, kwargs)
+    inputs = "calibration" if calibration is not None else "example"
     drifts = {}
+    last = max((r.step for r in results if r.status == "applied" and not r.exact), default=0)
     for k, r in enumerate(results, start=1):
         if r.exact or r.status != "applied":
+            continue
+        if r.step == last:      # the converted layer itself: measured by the check
+            drifts[r.step] = {"rel_rms_error": final_error, "after_step": k, "inputs": inputs}
             continue
         probe = copy.deepcopy(original)
         state, *_ = _build_state(rl, k, calibration, backend, strict=False)
         install(probe, state)
         got = _run_layer(probe, args, kwargs)
         drifts[r.step] = {"rel_rms_error": rel_rms_error(got, ref), "after_step": k,
-                          "inputs": "calibration" if calibration is not None else "example"}
+                          "inputs": inputs}
     return drifts
 
 
@@ -276,14 +281,16 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     for module, state in installs:
         install(module, state)
     for rl, original, state, analysis, results, layer_notes, exact in reports:
-        check = _check(original, rl.candidate.module, rl, exact)
+        ref = _run_layer(original, *_layer_inputs(rl))
+        check = _check(ref, rl.candidate.module, rl, exact)
         if exact and not check["ok"]:
             raise ConversionError(
                 f"the converted {rl.path or 'model'} differs from the original by a relative "
                 f"RMS error of {check['rel_rms_error']:.2e} on the example inputs although every "
                 "applied pass is exact; this is a bug in ttt2la — please report it with the "
                 "model. Use strict=False at a lower level meanwhile.")
-        drifts = None if exact else _pass_drifts(rl, original, level, cal, backend, results)
+        drifts = None if exact else _pass_drifts(rl, original, ref, level, cal, backend,
+                                                 results, check["rel_rms_error"])
         layer_reports.append(_layer_report(rl, state.program, analysis, results, state.schedule,
                                            state.implementation, exact, layer_notes,
                                            check=check, drifts=drifts))
@@ -315,6 +322,7 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None) ->
     reports = []
     for rl in layers:
         program = rl.program.clone()
+        program.module_path = rl.path
         assign_roles(program)
         analysis = analyze(program)
         levels = {k: _level_verdict(rl, k) for k in range(MAX_LEVEL + 1)}

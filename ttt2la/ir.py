@@ -44,6 +44,7 @@ updating (LaCT), ``"update"`` otherwise.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from dataclasses import dataclass, field
@@ -178,11 +179,7 @@ class TTTProgram:
 
     def clone(self) -> "TTTProgram":
         """A deep copy whose body graph can be rewritten without touching this one."""
-        import copy
-
-        body = torch.fx.GraphModule(self.body, copy.deepcopy(self.body.graph))
-        for old, new in zip(self.body.graph.nodes, body.graph.nodes):
-            new.meta = dict(old.meta)
+        body = torch.fx.GraphModule(self.body, copy_graph(self.body.graph))
         return dataclasses.replace(
             self,
             body=body,
@@ -192,6 +189,15 @@ class TTTProgram:
             outputs=[dataclasses.replace(s) for s in self.outputs],
             notes=list(self.notes),
         )
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` whose nodes can be rewritten; metadata is shared, not deep-copied
+    (it holds fake tensors, which are costly to copy and never mutated)."""
+    new = copy.deepcopy(graph)       # fx copies node by node; meta dicts are copied shallowly
+    for old_node, new_node in zip(graph.nodes, new.nodes):
+        new_node.meta = dict(old_node.meta)
+    return new
 
 
 def node_src(node: torch.fx.Node) -> SourceLoc | None:
@@ -209,5 +215,5 @@ def describe_node(node: torch.fx.Node) -> str:
 
 __all__ = [
     "KIND", "NAME", "SRC", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
-    "OutputSpec", "TTTProgram", "node_src", "describe_node",
+    "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph",
 ]

@@ -7,6 +7,8 @@ of the body as functions of batch size and length (``shapes.fit_template``).
 """
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -123,8 +125,53 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     return roll_up(gm, *loops[0], module_path=cand.path)
 
 
+_CACHE: "OrderedDict[tuple, RecognizedLayer]" = OrderedDict()
+_CACHE_SIZE = 32
+
+
+def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
+    """What determines the traces of a layer: its code, configuration and tensor shapes.
+
+    Parameters and buffers are graph inputs, so their values do not matter; plain Python
+    attributes (chunk size, switches) steer the code and are part of the key. A layer holding
+    a tensor that is neither a parameter nor a buffer is not cached (its value is baked in).
+    """
+    attrs = []
+    for name, m in cand.module.named_modules():
+        for k, v in sorted(vars(m).items()):
+            if isinstance(v, torch.Tensor):
+                return None
+            if isinstance(v, (bool, int, float, str, type(None))):
+                attrs.append((name, k, v))
+        attrs.append((name, type(m)))
+    tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device))
+                    for n, t in params_and_buffers(cand.module).items())
+    inputs = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor)
+                   else ("value", repr(x)) for x in flat)
+    return (type(cand.module), tuple(attrs), tensors, inputs, seq_len, cand.loop)
+
+
 def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:
-    """Trace ``cand.module`` at three small shapes and return its program and outer template."""
+    """Trace ``cand.module`` at three small shapes and return its program and outer template.
+
+    Layers with the same code, configuration and shapes (the blocks of one model, the same
+    layer converted at several levels) are traced once: the result is cached like a compile.
+    """
+    flat, _ = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    key = _signature(cand, flat, seq_len)
+    hit = _CACHE.get(key) if key is not None else None
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return dataclasses.replace(hit, path=cand.path, candidate=cand)
+    result = _recognize_layer(cand, seq_len)
+    if key is not None:
+        _CACHE[key] = result
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return result
+
+
+def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors:

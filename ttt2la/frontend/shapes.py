@@ -10,13 +10,13 @@ converted model never unrolls the user's loop again.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
+from ..ir import copy_graph
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class GraphTemplate:
     def instantiate(self, B: int, L: int) -> torch.fx.GraphModule:
         if not self.slots:
             return self.gm
-        graph = copy.deepcopy(self.gm.graph)
+        graph = copy_graph(self.gm.graph)
         nodes = list(graph.nodes)
         for (i, where, path), expr in self.slots.items():
             node = nodes[i]
@@ -113,8 +113,6 @@ class GraphTemplate:
                 node.args = _set(node.args, path, expr(B, L))
             else:
                 node.kwargs = _set(node.kwargs, path, expr(B, L))
-        for old, new in zip(self.gm.graph.nodes, graph.nodes):
-            new.meta = old.meta
         gm = torch.fx.GraphModule(self.gm, graph)
         return gm
 

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch.func import vmap
 
+from ..analysis.rules import match_newton_schulz
 from ..ir import TTTProgram
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from .chunking import assemble_outputs, chunk_streams
@@ -32,7 +33,6 @@ aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default,
           aten.clone.default, aten.alias.default, aten.reshape.default,
           aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default}
-_MAX_NS_STEPS = 8
 
 
 def _strip(n):
@@ -235,7 +235,8 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if _shape(_strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
         return None
     # Newton–Schulz steps, recognised by evaluating the transform
-    muon_steps = _identify_transform(transform, _shape(transform_root), (batch, rows, cols))
+    muon_steps = _identify_transform(transform, _shape(transform_root), (batch, rows, cols),
+                                     delta)
     if muon_steps is None:
         return None
     if per_token and muon_steps:
@@ -261,8 +262,15 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
 
 
 def _identify_transform(transform: torch.fx.GraphModule, in_shape: tuple,
-                        mat_shape: tuple) -> int | None:
-    """0 when ``transform`` is the identity, k when it is k Newton–Schulz steps, else None."""
+                        mat_shape: tuple, delta: torch.fx.Node) -> int | None:
+    """0 when ``transform`` is the identity, k when it is k Newton–Schulz steps, else None.
+
+    The step count comes from the graph (``match_newton_schulz``); one evaluation of the
+    transform against the runtime's ``newton_schulz`` confirms it, so that a look-alike
+    (other coefficients, another normalisation) is never lifted.
+    """
+    match = match_newton_schulz(delta)
+    steps = match.steps if match is not None else 0
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(mat_shape, generator=gen, dtype=torch.float64)
     try:
@@ -270,12 +278,8 @@ def _identify_transform(transform: torch.fx.GraphModule, in_shape: tuple,
             got = transform(x.reshape(in_shape).float())[0].double().reshape(mat_shape)
     except Exception:
         return None
-    for k in range(_MAX_NS_STEPS + 1):
-        ref = x if k == 0 else newton_schulz(x, steps=k)
-        err = (got - ref).norm() / ref.norm()
-        if err < 1e-4:
-            return k
-    return None
+    ref = x if steps == 0 else newton_schulz(x, steps=steps)
+    return steps if float((got - ref).norm() / ref.norm()) < 1e-4 else None
 
 
 class LiftedPlan:

@@ -1,5 +1,6 @@
 """Chunk-parallel linear-attention runtime that recognized TTT loops lower to."""
-from ttt2la.runtime.dispatch import block_linear_attention, chunk_linear_attention, implementation_name
+from ttt2la.runtime.dispatch import (block_linear_attention, chunk_linear_attention,
+                                     implementation_name)
 from ttt2la.runtime.naive import naive_block_linear_attention, naive_chunk_linear_attention
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum

@@ -51,7 +51,7 @@ def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
 
 
 def normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Rescale every column ``W[..., :, c]`` of ``[B, H, Dk, Dv]`` states to norm ``target[..., c]``."""
+    """Rescale every column ``W[..., :, c]`` of ``[B, H, Dk, Dv]`` states to ``target[..., c]``."""
     norms = torch.linalg.vector_norm(W, dim=-2, keepdim=True)
     return W / (norms + WEIGHT_NORM_EPS) * target.unsqueeze(-2)
 
@@ -118,10 +118,11 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         if n_update > 0:
             final = states[:, -1]
         else:
-            final = W0 if W0 is not None else torch.zeros(B, H, Dk, Dv, dtype=dt, device=v.device)
+            final = (W0.clone() if W0 is not None
+                     else torch.zeros(B, H, Dk, Dv, dtype=dt, device=v.device))
         final = final.to(final_state_dtype(v, initial_state))
     return o.to(v.dtype), final
 
 
-__all__ = ["torch_block_linear_attention", "chunk_increments", "normalise_columns",
-           "split_chunks"]
+__all__ = ["torch_block_linear_attention", "block_compute_dtype", "chunk_increments",
+           "normalise_columns", "split_chunks"]

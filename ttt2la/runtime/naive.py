@@ -123,7 +123,7 @@ def final_state_dtype(v: torch.Tensor, initial_state: torch.Tensor | None) -> to
 
 def naive_newton_schulz(G: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS,
                         eps: float = NS_EPS) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz orthogonalisation of ``[..., Dk, Dv]`` matrices, step by step."""
+    """Muon's quintic Newton–Schulz orthogonalisation of ``[..., Dk, Dv]`` matrices, plainly."""
     a, b, c = coefficients
     X = G.mT if G.shape[-2] > G.shape[-1] else G
     X = X / (torch.linalg.matrix_norm(X)[..., None, None] + eps)

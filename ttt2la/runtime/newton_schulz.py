@@ -21,7 +21,8 @@ def default_iteration_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS,
-                  eps: float = NS_EPS, *, iteration_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  eps: float = NS_EPS, *,
+                  iteration_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximately orthogonalise every ``[..., m, n]`` matrix of ``G`` (towards its ``U Vᵀ``).
 
     Matrices taller than wide are transposed for the iteration and back afterwards. The

@@ -110,7 +110,8 @@ def affine_scan(a: torch.Tensor, f: torch.Tensor, initial: torch.Tensor | None =
         S = scans[method](a.to(dt), f.to(dt), dim=dim,
                           initial=None if initial is None else initial.to(dt))
         return S.to(f.dtype)
-    raise ValueError(f"affine_scan: method must be 'auto', 'sequential' or 'doubling', got {method!r}")
+    raise ValueError(
+        f"affine_scan: method must be 'auto', 'sequential' or 'doubling', got {method!r}")
 
 
 def _prefer_doubling(f: torch.Tensor, dim: int) -> bool:

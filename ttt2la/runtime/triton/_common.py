@@ -15,6 +15,34 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+# The kernels use these (and ``tl.full`` for ``tl.zeros``) instead of ``tl.cdiv``/``tl.sum``/``tl.cumsum``: those
+# are ``@jit`` functions of
+# Triton's own library, built when Triton is imported, so they cannot run in the CPU interpreter unless
+# Triton itself was imported with ``TRITON_INTERPRET=1`` (torch imports it early, e.g. for ``torch._dynamo``).
+
+@triton.jit
+def cdiv(a, b):
+    """``ceil(a / b)`` for positive integers."""
+    return (a + b - 1) // b
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def total(x, axis: tl.constexpr):
+    """Sum of ``x`` along ``axis``."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def cumulative(x, axis: tl.constexpr, REVERSE: tl.constexpr):
+    """Inclusive cumulative sum of ``x`` along ``axis`` (from the end with ``REVERSE``)."""
+    return tl.associative_scan(x, axis, _add, reverse=REVERSE)
+
+
 @triton.jit
 def mm(a, b, DT: tl.constexpr, UPCAST: tl.constexpr):
     """``a @ b`` with both operands rounded to ``DT`` first, accumulated in fp32 (float64 for float64).

@@ -21,8 +21,8 @@ from ttt2la.runtime.naive import check_block_inputs, compute_dtype, final_state_
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
 
+from ._common import HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm_split, tile, tl_dtype, upcast
 from .chunk import load_tile, store_tile, token_base
-from ._common import HALF_DTYPES, accumulator, contiguous, launch_options, mm_split, tile, tl_dtype, upcast
 
 #: ``SCALE`` modes of the kernels: no scale, one per token, one per token and feature.
 NO_SCALE, TOKEN_SCALE, FEATURE_SCALE = 0, 1, 2
@@ -51,15 +51,15 @@ def _increments_kernel(x, y, s, out, T, C,
     """One chunk × output tile: ``out[b, j, h] = Σ_{t ∈ chunk j} x_tᵀ (s_t ⊙ y_t)``, accumulated in ``ACC``."""
     i_j, i_xy, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NY = tl.cdiv(DY, BY)
+    NY = cdiv(DY, BY)
     i_x, i_y = i_xy // NY, i_xy % NY
     o_t = tl.arange(0, BT)
     o_x = i_x * BX + tl.arange(0, BX)
     o_y = i_y * BY + tl.arange(0, BY)
     start = i_j * C
     length = tl.minimum(C, T - start)
-    acc = tl.zeros([BX, BY], dtype=ACC)
-    for i in range(0, tl.cdiv(length, BT)):
+    acc = tl.full([BX, BY], 0., ACC)
+    for i in range(0, cdiv(length, BT)):
         m_t = i * BT + o_t < length
         t0 = start + i * BT
         b_x = load_tile(token_base(x, i_b, i_h, t0, T, H, DX), o_t, m_t, o_x, H, DX)
@@ -83,7 +83,7 @@ def _read_kernel(x, s, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
     """One token tile × output tile: ``out_t = (s_t ⊙ x_t) S[b, chunk(t), h]`` (``S`` given by strides)."""
     i_tile, i_o, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    per_chunk = tl.cdiv(C, BT)
+    per_chunk = cdiv(C, BT)
     i_j, i_i = i_tile // per_chunk, i_tile % per_chunk
     t0 = i_j * C + i_i * BT
     o_t = tl.arange(0, BT)
@@ -91,8 +91,8 @@ def _read_kernel(x, s, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
     o_o = i_o * BO + tl.arange(0, BO)
     x_base = token_base(x, i_b, i_h, t0, T, H, DX)
     state = S + i_b.to(tl.int64) * s_b + i_j.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
-    acc = tl.zeros([BT, BO], dtype=ACC)
-    for i_x in range(0, tl.cdiv(DX, BX)):
+    acc = tl.full([BT, BO], 0., ACC)
+    for i_x in range(0, cdiv(DX, BX)):
         o_x = i_x * BX + tl.arange(0, BX)
         b_x = load_tile(x_base, o_t, m_t, o_x, H, DX)
         if SCALE == 1:

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import contiguous, launch_options, mm, tile, tl_dtype, upcast
+from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
+
+from ._common import cdiv, contiguous, cumulative, launch_options, mm, tile, tl_dtype, total, upcast
 
 
 @triton.jit
@@ -56,13 +58,13 @@ def _states_fwd_kernel(k, v, g, h0, h, ht, T,
     """Sequential over chunks: writes ``h[b, h, j]``, the state before chunk ``j``, and the final state."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    NT = cdiv(T, BT)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
     p_kv = o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h = tl.full([BK, BV], 0., tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
     for i_t in range(0, NT):
@@ -87,16 +89,16 @@ def _output_fwd_kernel(q, k, v, g, h, o, scale, T,
     """One chunk × value tile: ``o = scale·(q h_j ⊙ decay + (q kᵀ ⊙ causal decay) v)``."""
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    NT = cdiv(T, BT)
     o_t = tl.arange(0, BT)
     m_t = i_t * BT + o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     q_base = token_base(q, i_b, i_h, i_t * BT, T, H, K)
     k_base = token_base(k, i_b, i_h, i_t * BT, T, H, K)
     h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    b_o = tl.zeros([BT, BV], dtype=tl.float32)
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
+    b_o = tl.full([BT, BV], 0., tl.float32)
+    b_a = tl.full([BT, BT], 0., tl.float32)
+    for i_k in range(0, cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
         b_k = load_tile(k_base, o_t, m_t, o_k, H, K)
@@ -124,13 +126,13 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
     """Reverse over chunks: writes ``dh[b, h, j]``, the gradient of the state after chunk ``j``, and ``dh0``."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    NT = cdiv(T, BT)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
     p_kv = o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    b_dh = tl.full([BK, BV], 0., tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + i_bh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
     for i_r in range(0, NT):
@@ -162,18 +164,18 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
     """
     i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    NT = cdiv(T, BT)
     o_t = tl.arange(0, BT)
     m_t = i_t * BT + o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
     v_base = token_base(v, i_b, i_h, i_t * BT, T, H, V)
     do_base = token_base(do, i_b, i_h, i_t * BT, T, H, V)
     state = (i_bh.to(tl.int64) * NT + i_t) * K * V
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
+    b_dq = tl.full([BT, BK], 0., tl.float32)
+    b_dk = tl.full([BT, BK], 0., tl.float32)
+    b_ds = tl.full([BT, BT], 0., tl.float32)
+    b_hdh = tl.full([BK], 0., tl.float32)
+    for i_v in range(0, cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
         b_v = load_tile(v_base, o_t, m_t, o_v, H, V)
@@ -184,7 +186,7 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
         b_dk += mm(b_v, tl.trans(b_dh), DT, UPCAST)
         b_ds += mm(b_do, tl.trans(b_v), DT, UPCAST)
         if USE_G:
-            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+            b_hdh += total(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     causal = o_t[:, None] >= o_t[None, :]
     b_q = load_tile(token_base(q, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
     b_k = load_tile(token_base(k, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
@@ -196,12 +198,12 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
         b_ds *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
     b_ds = tl.where(causal, b_ds, 0.) * scale
     if USE_G:
-        inter_q = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
-        inter_k = tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+        inter_q = total(b_q.to(tl.float32) * b_dq, 1)
+        inter_k = total(b_k.to(tl.float32) * b_dk, 1)
         b_p = b_ds * mm(b_q, tl.trans(b_k), DT, UPCAST)
-        crossing = tl.sum(tl.where(o_t[None, :] < o_t[:, None], tl.cumsum(b_p, axis=0, reverse=True), 0.), axis=1)
-        b_dg = (tl.cumsum(inter_q, axis=0, reverse=True) + crossing + tl.cumsum(inter_k, axis=0) - inter_k
-                + tl.exp(g_last) * tl.sum(b_hdh, axis=0))
+        crossing = total(tl.where(o_t[None, :] < o_t[:, None], cumulative(b_p, 0, True), 0.), 1)
+        b_dg = (cumulative(inter_q, 0, True) + crossing + cumulative(inter_k, 0, False) - inter_k
+                + tl.exp(g_last) * total(b_hdh, 0))
         dg_base = token_base(dg + i_k.to(tl.int64) * tl.num_programs(2) * T, i_b, i_h, i_t * BT, T, H, 1)
         tl.store(dg_base + o_t * H, b_dg, mask=m_t)
     b_dq += mm(b_ds, b_k, DT, UPCAST)
@@ -218,16 +220,16 @@ def _dv_bwd_kernel(q, k, g, do, dh, dv, scale, T,
     """One chunk × value tile: ``dv = k dh ⊙ decay + (k qᵀ ⊙ anti-causal decay) do``."""
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    NT = cdiv(T, BT)
     o_t = tl.arange(0, BT)
     m_t = i_t * BT + o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     q_base = token_base(q, i_b, i_h, i_t * BT, T, H, K)
     k_base = token_base(k, i_b, i_h, i_t * BT, T, H, K)
     dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
+    b_dv = tl.full([BT, BV], 0., tl.float32)
+    b_a = tl.full([BT, BT], 0., tl.float32)
+    for i_k in range(0, cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
         b_k = load_tile(k_base, o_t, m_t, o_k, H, K)
@@ -350,7 +352,8 @@ def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None
     Same contract as the torch runtime: tensors ``[B, T, H, D]``, ``log_decay`` ``[B, T, H]``, states
     ``[B, H, Dk, Dv]``; ``scale`` defaults to 1; returns ``(o, final_state or None)``.
     """
+    check_chunk_inputs(q, k, v, chunk_size=chunk_size, log_decay=log_decay, initial_state=initial_state)
     scale = 1.0 if scale is None else float(scale)
     o, ht = ChunkLinearAttention.apply(q, k, v, log_decay, initial_state, scale, chunk_tile(chunk_size, q.dtype),
                                        bool(output_final_state))
-    return o, ht
+    return o, (ht.to(final_state_dtype(v, initial_state)) if ht is not None else None)

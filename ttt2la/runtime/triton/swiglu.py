@@ -17,9 +17,10 @@ import triton.language as tl
 from ttt2la.errors import UnsupportedTTTError
 from ttt2la.runtime.naive import RuntimeInputError, check_block_inputs, final_state_dtype
 
-from ._common import HALF_DTYPES, accumulator, contiguous, launch_options, mm, mm_split, tile, tl_dtype, upcast
+from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm, mm_split, tile, tl_dtype,
+                      upcast)
+from .block import _scale_mode, block_dtype, increments_backward, read_backward, read_states, scaled
 from .chunk import load_tile, store_tile, token_base
-from .block import _scale_mode, block_dtype, scaled, increments_backward, read_backward, read_states
 
 
 @triton.jit
@@ -27,10 +28,10 @@ def _phi_tile(x_base, w0, w2, o_t, m_t, i_h, o_k, H, D, DH,
               BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr,
               ACC: tl.constexpr):
     """``φ`` of the tile's tokens for the features ``o_k``: ``silu(x W0) ⊙ (x W2)`` in ``ACC``, ``[BT, BK]``."""
-    a = tl.zeros([BT, BK], dtype=ACC)
-    b = tl.zeros([BT, BK], dtype=ACC)
+    a = tl.full([BT, BK], 0., ACC)
+    b = tl.full([BT, BK], 0., ACC)
     w_head = i_h.to(tl.int64) * D * DH
-    for i_d in range(0, tl.cdiv(D, BD)):
+    for i_d in range(0, cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
         b_x = load_tile(x_base, o_t, m_t, o_d, H, D)
         m_dk = (o_d[:, None] < D) & (o_k[None, :] < DH)
@@ -50,15 +51,15 @@ def _swiglu_increments_kernel(x, w0, w2, y, s, out, T, C,
     """One chunk × output tile: ``out[b, j, h] = Σ_{t ∈ chunk j} φ(x_t)ᵀ (s_t ⊙ y_t)``, ``φ`` never stored."""
     i_j, i_ky, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NY = tl.cdiv(DY, BY)
+    NY = cdiv(DY, BY)
     i_k, i_y = i_ky // NY, i_ky % NY
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_y = i_y * BY + tl.arange(0, BY)
     start = i_j * C
     length = tl.minimum(C, T - start)
-    acc = tl.zeros([BK, BY], dtype=ACC)
-    for i in range(0, tl.cdiv(length, BT)):
+    acc = tl.full([BK, BY], 0., ACC)
+    for i in range(0, cdiv(length, BT)):
         m_t = i * BT + o_t < length
         t0 = start + i * BT
         phi = _phi_tile(token_base(x, i_b, i_h, t0, T, H, D), w0, w2, o_t, m_t, i_h, o_k, H, D, DH, BT, BD, BK,
@@ -82,7 +83,7 @@ def _swiglu_read_kernel(x, w0, w2, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
     """One token tile × output tile: ``out_t = φ(x_t) S[b, chunk(t), h]``, ``φ`` never stored."""
     i_tile, i_o, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    per_chunk = tl.cdiv(C, BT)
+    per_chunk = cdiv(C, BT)
     i_j, i_i = i_tile // per_chunk, i_tile % per_chunk
     t0 = i_j * C + i_i * BT
     o_t = tl.arange(0, BT)
@@ -90,8 +91,8 @@ def _swiglu_read_kernel(x, w0, w2, S, out, T, C, s_b, s_n, s_h, s_k, s_v,
     o_o = i_o * BO + tl.arange(0, BO)
     x_base = token_base(x, i_b, i_h, t0, T, H, D)
     state = S + i_b.to(tl.int64) * s_b + i_j.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
-    acc = tl.zeros([BT, BO], dtype=ACC)
-    for i_k in range(0, tl.cdiv(DH, BK)):
+    acc = tl.full([BT, BO], 0., ACC)
+    for i_k in range(0, cdiv(DH, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         phi = _phi_tile(x_base, w0, w2, o_t, m_t, i_h, o_k, H, D, DH, BT, BD, BK, DT, UPCAST, ACC)
         b_s = tl.load(state + o_k[:, None] * s_k + o_o[None, :] * s_v,
@@ -123,7 +124,7 @@ def swiglu_increments(x, w0, w2, y, n, C, scale=None, *, split_x=False, split_y=
         return out
     half = x.dtype in HALF_DTYPES
     dt = x.dtype
-    BT, BD, BK, BY = tile(C, 64, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DY, 128, dt)
+    BT, BD, BK, BY = tile(C, 64, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DY, 64, dt)
     grid = (n, triton.cdiv(DH, BK) * triton.cdiv(DY, BY), B * H)
     _swiglu_increments_kernel[grid](x, w0, w2, y, scale, out, T, C, H, D, DH, DY, BT, BD, BK, BY,
                                     _scale_mode(scale), split_x and half, split_y and half, tl_dtype(x.dtype),
