@@ -173,3 +173,9 @@ def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert main(["report", str(path)]) == 0
     assert capsys.readouterr().out == printed
+
+
+@needs_convert
+def test_refused_conversion_exits_with_status_1(capsys):
+    assert main(["convert", "--zoo", "lact-layer", "--level", "3"]) == EXIT_REFUSED
+    assert "LevelNotImplementedError" in capsys.readouterr().err

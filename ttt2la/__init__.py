@@ -4,7 +4,7 @@
     print(converted.ttt2la_report)
     ttt2la.inspect(model, example_inputs=(x,))
 """
-from .convert import convert, inspect
+from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
                      UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport

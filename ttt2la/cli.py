@@ -87,7 +87,7 @@ ZOO: dict[str, ZooModel] = {
                               _lact_lm(style="heads"), _token_ids, length=512, chunk_size=64),
     "lact-layer": ZooModel("one LaCT layer as published (d_model 64, 2 heads, chunk 64)",
                            _lact_layer(), _features(64), length=512, chunk_size=64),
-    "lact-variant2": ZooModel("one LaCT layer trained as the paper's variant 2 (Θ frozen, "
+    "lact-variant2": ZooModel("one LaCT layer built as the paper's variant 2 (Θ not updated, "
                               "no weight norm)",
                               _lact_layer(update_theta=False, weight_norm=False), _features(64),
                               length=512, chunk_size=64),
@@ -207,10 +207,25 @@ def _save_json(report, path: str | None, console: Console) -> None:
         _say(console, f"report written to {path}")
 
 
-def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Convert a small seeded LaCT language model at levels 0, 1 and 2 and compare their speed."""
+def _convert_at_levels(model: torch.nn.Module, levels: Sequence[tuple[int, bool]],
+                       example_inputs: tuple, backend: str,
+                       err: Console) -> dict[str, torch.nn.Module]:
+    """Convert ``model`` once per ``(level, strict)`` with a progress bar; keys are ``"level k"``."""
     import ttt2la
 
+    converted = {}
+    with _progress(err) as progress:
+        task = progress.add_task("converting", total=len(levels))
+        for level, strict in levels:
+            progress.update(task, description=f"converting at level {level}")
+            converted[f"level {level}"] = ttt2la.convert(
+                model, level=level, example_inputs=example_inputs, backend=backend, strict=strict)
+            progress.advance(task)
+    return converted
+
+
+def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Convert a small seeded LaCT language model at levels 0, 1 and 2 and compare their speed."""
     size = DEMO_SIZES["quick" if args.quick else "default"]
     length, repeats = args.length or size.length, args.repeats or size.repeats
     torch.manual_seed(args.seed)
@@ -224,14 +239,8 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
               f"chunk {size.chunk_size}, {'with' if args.muon else 'without'} Muon, "
               f"inputs {size.batch}x{length}")
 
-    converted: dict[str, torch.nn.Module] = {}
-    with _progress(err) as progress:
-        task = progress.add_task("converting", total=3)
-        for level, strict in ((0, False), (1, True), (2, True)):
-            progress.update(task, description=f"converting at level {level}")
-            result = ttt2la.convert(model, level=level, example_inputs=example, strict=strict)
-            converted[f"level {level}"] = result
-            progress.advance(task)
+    converted = _convert_at_levels(model, ((0, False), (1, True), (2, True)), example, "auto",
+                                   err)
     for result in converted.values():
         _print_report(out, result.ttt2la_report, args.markdown)
         out.print()
@@ -299,19 +308,11 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
     refused = _refuse_without_zoo(args, err, "benchmarking a checkpoint file")
     if refused:
         return refused
-    import ttt2la
-
     model = build_zoo_model(args.zoo, args.seed)
     inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
-    converted: dict[str, torch.nn.Module] = {}
+    converted = _convert_at_levels(model, [(level, args.strict) for level in args.levels],
+                                   inputs, args.backend, err)
     with _progress(err) as progress:
-        task = progress.add_task("converting", total=len(args.levels))
-        for level in args.levels:
-            progress.update(task, description=f"converting at level {level}")
-            converted[f"level {level}"] = ttt2la.convert(
-                model, level=level, example_inputs=inputs, backend=args.backend,
-                strict=args.strict)
-            progress.advance(task)
         table = throughput_table(model, converted, inputs, repeats=args.repeats,
                                  progress=progress)
     out.print(table)

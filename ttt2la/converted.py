@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from .frontend.recognize import InputLayout, params_and_buffers
 from .frontend.rollup import LOOP_MODULE
 from .frontend.shapes import GraphTemplate
-from .ir import TTTProgram
+from .ir import TTTProgram, with_memory_order
 
 
 class LoopModule(torch.nn.Module):
@@ -48,8 +48,8 @@ class LoopModule(torch.nn.Module):
         invariants = [given[i.name] for i in self.program.invariants]
         outputs, finals = self.plan(states0, invariants)
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
-        # the code after the loop was traced reading a fresh cat/stack: contiguous
-        return (outputs[0].contiguous(),
+        # the code after the loop was traced on the layout the user's code gave the output
+        return (with_memory_order(outputs[0], self.program.outputs[0].memory_order),
                 *(final_by_name.get(name, given[name]) for name in self.state_names))
 
 

@@ -114,11 +114,17 @@ class InvariantSpec:
 
 @dataclass
 class OutputSpec:
-    """A per-chunk output, joined over chunks along ``axis`` of the assembled tensor."""
+    """A per-chunk output, joined over chunks along ``axis`` of the assembled tensor.
+
+    ``memory_order`` lists the assembled tensor's dims from outermost to innermost in memory,
+    as the user's code laid it out (``zeros_like`` of a transposed tensor keeps the
+    transposition): the code after the loop was traced on that layout.
+    """
 
     name: str
     axis: int
     per_token: bool = False
+    memory_order: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -191,6 +197,21 @@ class TTTProgram:
         )
 
 
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """Dims of ``t`` from outermost to innermost in memory (size-1 dims keep their place)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
+
+
+def with_memory_order(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """``t``'s values laid out in memory in ``order`` (see ``memory_order``)."""
+    if order is None or len(order) != t.dim():
+        return t.contiguous()
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return t.permute(order).contiguous().permute(inverse)
+
+
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of ``graph`` whose nodes can be rewritten; metadata is shared, not deep-copied
     (it holds fake tensors, which are costly to copy and never mutated)."""
@@ -215,5 +236,6 @@ def describe_node(node: torch.fx.Node) -> str:
 
 __all__ = [
     "KIND", "NAME", "SRC", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
-    "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph",
+    "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
+    "with_memory_order",
 ]

@@ -29,7 +29,7 @@ import torch.fx
 
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec, StreamSpec,
-                  TTTProgram)
+                  TTTProgram, memory_order)
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 
 aten = torch.ops.aten
@@ -420,7 +420,8 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     out_axis = cat_dim if cat_dim >= 0 else cat_dim + out_node.meta["val"].dim() + int(stacked)
     program = TTTProgram(
         body=body_gm, states=state_specs, streams=stream_specs, invariants=inv_specs,
-        outputs=[OutputSpec("o", axis=out_axis, per_token=stacked)],
+        outputs=[OutputSpec("o", axis=out_axis, per_token=stacked,
+                            memory_order=memory_order(collector.meta["val"]))],
         chunk_size=C, order=order_kind, last_chunk=last_chunk, module_path=module_path,
         loop_src=loop.src, function=loop.function,
     )

@@ -7,9 +7,9 @@ ever multiplied and an underflow to 0 is the correct limit.
 
 Strategy (``benchmarks/runtime_cpu.py``, CPU, 1-2 threads): the sequential loop costs ~5-10 µs
 of dispatch per step, the doubling scan ``⌈log₂ N⌉`` full passes over the data. Doubling wins
-from ~32 steps while the whole scanned tensor stays small (≤ 2^17 elements: e.g. 512 chunks of a
-4×4 state per head); beyond that its large temporaries make it up to 10× slower than the loop,
-which then wins at every length measured. ``method="auto"`` applies that rule (not measured on
+from ~32 steps while the whole scanned tensor stays small (≤ 2^16 elements, e.g. 512 chunks of a
+4×4 state per head for 8 heads); beyond that its large temporaries make it up to 10× slower than
+the loop, which then wins at every length measured. ``method="auto"`` applies that rule (not measured on
 CUDA, where the same rule is used).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ttt2la.runtime.naive import compute_dtype
 #: Scans with at most this many steps always run the sequential loop.
 SEQUENTIAL_MAX_STEPS = 16
 #: Longer scans run the doubling form while the scanned tensor has at most this many elements.
-DOUBLING_MAX_NUMEL = 1 << 17
+DOUBLING_MAX_NUMEL = 1 << 16
 
 
 def prefix_sum(f: torch.Tensor, *, dim: int = 1, initial: torch.Tensor | None = None,

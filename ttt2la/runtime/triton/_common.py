@@ -1,4 +1,4 @@
-"""Shared pieces of the Triton kernels: the matmul helper, tile sizes and launch checks.
+"""Shared pieces of the Triton kernels: matmul and reduction helpers, dtypes, tile sizes and launch options.
 
 Importing this module imports Triton; the package ``__init__`` only imports it when a kernel is asked for.
 """
@@ -15,10 +15,10 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-# The kernels use these (and ``tl.full`` for ``tl.zeros``) instead of ``tl.cdiv``/``tl.sum``/``tl.cumsum``: those
-# are ``@jit`` functions of
-# Triton's own library, built when Triton is imported, so they cannot run in the CPU interpreter unless
-# Triton itself was imported with ``TRITON_INTERPRET=1`` (torch imports it early, e.g. for ``torch._dynamo``).
+# The kernels use these (and ``tl.full`` for ``tl.zeros``) instead of ``tl.cdiv``/``tl.sum``/``tl.cumsum``:
+# those are ``@jit`` functions of Triton's own library, built when Triton is imported, so they cannot run in
+# the CPU interpreter unless Triton itself was imported with ``TRITON_INTERPRET=1`` (and torch imports Triton
+# early, e.g. for ``torch._dynamo``).
 
 @triton.jit
 def cdiv(a, b):
@@ -52,6 +52,8 @@ def mm(a, b, DT: tl.constexpr, UPCAST: tl.constexpr):
     """
     if UPCAST:
         return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
+    elif DT == tl.float64:
+        return tl.dot(a.to(DT), b.to(DT), input_precision="ieee")
     else:
         return tl.dot(a.to(DT), b.to(DT))
 
@@ -109,14 +111,25 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
 
 
 def tile(dim: int, cap: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Power-of-two tile covering ``dim`` (at least 16, the smallest ``tl.dot`` side), at most ``cap``.
+    """Power-of-two tile side for a dimension of ``dim``: ``cap`` (halved for fp32/float64 operands).
 
-    fp32/float64 operands get half the cap: their matmuls run on CUDA cores, which hold whole operand tiles
-    in registers (64-wide fp32 tiles spill heavily on Hopper, as ``ahead_of_time`` shows).
+    fp32/float64 matmuls run on CUDA cores, which hold whole operand tiles in registers (64-wide fp32 tiles
+    spill heavily on Hopper, as ``ahead_of_time`` shows). Compiled kernels always use the full tile, so
+    shapes share compilations (the dimensions are runtime arguments); the interpreter shrinks it to the
+    dimension (at least 16, the smallest ``tl.dot`` side), which is faster there.
     """
     if dtype not in HALF_DTYPES:
         cap = max(16, cap // 2)
+    if not INTERPRET:
+        return cap
     return max(16, min(cap, triton.next_power_of_2(dim)))
+
+
+def token_tile(chunk_size: int, dtype: torch.dtype) -> int:
+    """Tokens per program tile for chunks of ``chunk_size``: the tile cap, or less for shorter chunks (a tile
+    never spans two chunks, so a wider one would only be masked)."""
+    cap = 64 if dtype in HALF_DTYPES else 32
+    return max(16, min(cap, triton.next_power_of_2(chunk_size)))
 
 
 def launch_options(*tiles: int) -> dict:

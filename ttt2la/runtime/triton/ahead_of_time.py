@@ -45,6 +45,7 @@ class Launch:
 class Compiled:
     """Resource use of one compiled launch (``None`` where ``cuobjdump`` could not tell)."""
     name: str
+    dtype: str
     constants: str
     registers: int | None
     spill_bytes: int | None
@@ -113,8 +114,8 @@ def compile_launch(launch: Launch, target: GPUTarget) -> Compiled:
                               options=options)
     registers, spills = _resource_use(compiled.asm["cubin"], launch.name)
     shown = {k: v for k, v in constants.items() if isinstance(v, (int, bool)) and v is not None}
-    return Compiled(launch.name, " ".join(f"{k}={v}" for k, v in shown.items()), registers, spills,
-                    compiled.metadata.shared)
+    return Compiled(launch.name, str(constants.get("DT", "")), " ".join(f"{k}={v}" for k, v in shown.items()),
+                    registers, spills, compiled.metadata.shared)
 
 
 def _meta(*shape, dtype):
@@ -137,8 +138,9 @@ def record_all(dtype: torch.dtype, *, B=1, T=300, H=2, D=128, Dv=128, C=64, Dh=N
             bt = chunk.chunk_tile(64, dtype)
             chunk.chunk_forward(x, x, y, g, h0, 1.0, bt, True)
             chunk.chunk_forward(x, x, y, None, None, 1.0, bt, False)
-            chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True)
-            chunk.chunk_backward(x, x, y, None, None, y, None, 1.0, bt, False)
+            chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, True)
+            chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, False)
+            chunk.chunk_backward(x, x, y, None, None, y, None, 1.0, bt, False, False)
         for scale in (None, lr_t, lr_f):
             block.chunk_increments(x, y, n, C, scale=scale)
             block.chunk_increments(x, y, n, C, scale=scale, split_y=True)
@@ -179,10 +181,10 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for Hopper")
     args = parser.parse_args(argv)
     rows = check(GPUTarget("cuda", args.arch, 32))
-    print("| kernel | registers | spill bytes | shared bytes | constants |")
-    print("|---|---|---|---|---|")
+    print("| kernel | operands | registers | spill bytes | shared bytes | constants |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.name} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | {r.constants} |")
+        print(f"| {r.name} | {r.dtype} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | {r.constants} |")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from ttt2la.runtime.naive import check_block_inputs, compute_dtype, final_state_
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
 
-from ._common import HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm_split, tile, tl_dtype, upcast
+from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm_split, tile, tl_dtype,
+                      token_tile, upcast)
 from .chunk import load_tile, store_tile, token_base
 
 #: ``SCALE`` modes of the kernels: no scale, one per token, one per token and feature.
@@ -127,7 +128,7 @@ def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, s
     if n == 0:
         return out
     half = dot_dtype in HALF_DTYPES
-    BX, BY, BT = tile(DX, 64, dot_dtype), tile(DY, 64, dot_dtype), tile(C, 64, dot_dtype)
+    BX, BY, BT = tile(DX, 64, dot_dtype), tile(DY, 64, dot_dtype), token_tile(C, dot_dtype)
     grid = (n, triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)
     _increments_kernel[grid](x, y, scale, out, T, C, H, DX, DY, BT, BX, BY, _scale_mode(scale),
                              split_x and half, split_y and half, tl_dtype(dot_dtype), upcast(dot_dtype),
@@ -155,7 +156,7 @@ def chunk_read(x, states, C, *, scale=None, transpose=False, out_dtype=None, dot
         return out
     dot_dtype = dot_dtype or x.dtype
     half = dot_dtype in HALF_DTYPES
-    BT, BX, BO = tile(C, 64, dot_dtype), tile(DX, 64, dot_dtype), tile(DO, 64, dot_dtype)
+    BT, BX, BO = token_tile(C, dot_dtype), tile(DX, 64, dot_dtype), tile(DO, 64, dot_dtype)
     grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
     _read_kernel[grid](x, scale, states, out, T, C, s_b, s_n, s_h, s_k, s_v, H, DX, DO, BT, BX, BO,
                        _scale_mode(scale), split_x and half, split_s and half, tl_dtype(dot_dtype),

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
-from ._common import cdiv, contiguous, cumulative, launch_options, mm, tile, tl_dtype, total, upcast
+from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, launch_options, mm, tile, tl_dtype, total, upcast
 
 
 @triton.jit
@@ -154,13 +154,14 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
 def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
                     H, K, V,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
-    """One chunk × key tile: ``dq``, ``dk`` and, with a decay, this key tile's share of ``d log_decay``.
+                    USE_G: tl.constexpr, STORE_DG: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """One chunk × key tile: ``dq``, ``dk`` and (``STORE_DG``) this key tile's share of ``d log_decay``.
 
     The decay gradient is assembled chunk-locally in a form without cancellation: for token ``s`` of chunk
-    ``j`` it is ``Σ_{r≥s} q_r·dq_r^inter + Σ_{r≥s>c} P_rc + Σ_{c<s} k_c·dk_c^inter + e^{g_last}⟨h_j, dh_j⟩``
-    with ``P_rc`` the intra-chunk score times its gradient (each term is linear in the key features, so the
-    key tiles' shares add up).
+    ``j`` it is ``Σ_{r≥s} q_r·dq_r^inter + Σ_{r≥s>c} P_rc + Σ_{c<s} k_c·dk_c^inter``
+    ``+ e^{g_last}⟨h_j, dh_j⟩``, where ``P_rc`` is the intra-chunk score times its gradient, ``h_j`` the
+    state before the chunk and ``dh_j`` the gradient of the state after it. Each term is linear in the key
+    features, so the key tiles' shares add up.
     """
     i_t, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -185,7 +186,7 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
         b_dq += mm(b_do, tl.trans(b_h), DT, UPCAST)
         b_dk += mm(b_v, tl.trans(b_dh), DT, UPCAST)
         b_ds += mm(b_do, tl.trans(b_v), DT, UPCAST)
-        if USE_G:
+        if STORE_DG:
             b_hdh += total(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     causal = o_t[:, None] >= o_t[None, :]
     b_q = load_tile(token_base(q, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
@@ -197,7 +198,7 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
         b_dk *= tl.exp(g_last - b_g)[:, None]
         b_ds *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
     b_ds = tl.where(causal, b_ds, 0.) * scale
-    if USE_G:
+    if STORE_DG:
         inter_q = total(b_q.to(tl.float32) * b_dq, 1)
         inter_k = total(b_k.to(tl.float32) * b_dk, 1)
         b_p = b_ds * mm(b_q, tl.trans(b_k), DT, UPCAST)
@@ -254,7 +255,8 @@ def chunk_tile(chunk_size: int, dtype: torch.dtype) -> int:
     Chunking does not change the result of this op, only its cost; the cap keeps the ``[BT, BT]`` intra-chunk
     tile and the per-chunk states within what one program holds in registers.
     """
-    return tile(1 << (max(int(chunk_size), 1).bit_length() - 1), 64, dtype)
+    cap = 64 if dtype in HALF_DTYPES else 32
+    return max(16, min(cap, 1 << (max(int(chunk_size), 1).bit_length() - 1)))
 
 
 def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -293,7 +295,7 @@ def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
     return o, ht
 
 
-def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0):
+def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
     """Backward pass: ``dq, dk, dv``, ``d log_decay`` (fp32, or None) and ``dh0`` (fp32, or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -302,17 +304,22 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0):
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     DT, UP = tl_dtype(q.dtype), upcast(q.dtype)
     opts = launch_options(BK, BV, chunk)
+    want_dg = want_dg and g is not None
     # fp32 states here: the decay gradient reads them outside the matmuls.
-    states_dtype = torch.float32 if g is not None else q.dtype
+    states_dtype = torch.float32 if want_dg else q.dtype
     h, _ = _states(k, v, g, h0, chunk, False, states_dtype)
     dh = q.new_empty(B, H, NT, K, V, dtype=states_dtype)
     dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if want_dh0 else None
     _states_bwd_kernel[(NK, NV, B * H)](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, BK, BV,
                                        g is not None, dht is not None, want_dh0, DT, UP, **opts)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = q.new_empty(NK, B, T, H, dtype=torch.float32) if g is not None else None
-    _dqk_bwd_kernel[(NT, NK, B * H)](q, k, v, g, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk, BK, BV,
-                                     g is not None, DT, UP, **opts)
+    # With a decay this kernel also holds the [BT, BT] score-gradient products: narrower key tiles keep it
+    # from spilling (ahead_of_time, sm_90).
+    BKq = tile(K, 32 if want_dg else 64, k.dtype)
+    NKq = triton.cdiv(K, BKq)
+    dg = q.new_empty(NKq, B, T, H, dtype=torch.float32) if want_dg else None
+    _dqk_bwd_kernel[(NT, NKq, B * H)](q, k, v, g, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk, BKq, BV,
+                                      g is not None, want_dg, DT, UP, **opts)
     _dv_bwd_kernel[(NT, NV, B * H)](q, k, g, do, dh, dv, scale, T, H, K, V, chunk, BK, BV,
                                     g is not None, DT, UP, **opts)
     return dq, dk, dv, (dg.sum(0) if dg is not None else None), dh0
@@ -337,7 +344,8 @@ class ChunkLinearAttention(torch.autograd.Function):
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         need_h0 = h0 is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dlog_decay, dh0 = chunk_backward(q, k, v, g, h0, do, dht, ctx.scale, ctx.chunk, need_h0)
+        dq, dk, dv, dlog_decay, dh0 = chunk_backward(q, k, v, g, h0, do, dht, ctx.scale, ctx.chunk, need_h0,
+                                                     ctx.needs_input_grad[3])
         if dlog_decay is not None:
             dlog_decay = dlog_decay.to(ctx.decay_dtype)
         if dh0 is not None:

@@ -18,7 +18,7 @@ from ttt2la.errors import UnsupportedTTTError
 from ttt2la.runtime.naive import RuntimeInputError, check_block_inputs, final_state_dtype
 
 from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm, mm_split, tile, tl_dtype,
-                      upcast)
+                      token_tile, upcast)
 from .block import _scale_mode, block_dtype, increments_backward, read_backward, read_states, scaled
 from .chunk import load_tile, store_tile, token_base
 
@@ -124,7 +124,7 @@ def swiglu_increments(x, w0, w2, y, n, C, scale=None, *, split_x=False, split_y=
         return out
     half = x.dtype in HALF_DTYPES
     dt = x.dtype
-    BT, BD, BK, BY = tile(C, 64, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DY, 64, dt)
+    BT, BD, BK, BY = token_tile(C, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DY, 64, dt)
     grid = (n, triton.cdiv(DH, BK) * triton.cdiv(DY, BY), B * H)
     _swiglu_increments_kernel[grid](x, w0, w2, y, scale, out, T, C, H, D, DH, DY, BT, BD, BK, BY,
                                     _scale_mode(scale), split_x and half, split_y and half, tl_dtype(x.dtype),
@@ -143,7 +143,7 @@ def swiglu_read(x, w0, w2, states, C, *, out_dtype=None):
     if n == 0:
         return out
     dt = x.dtype
-    BT, BD, BK, BO = tile(C, 64, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DO, 128, dt)
+    BT, BD, BK, BO = token_tile(C, dt), tile(D, 64, dt), tile(DH, 64, dt), tile(DO, 128, dt)
     grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
     _swiglu_read_kernel[grid](x, w0, w2, states, out, T, C, *states.stride(), H, D, DH, DO, BT, BD, BK, BO,
                               tl_dtype(x.dtype), upcast(x.dtype), tl_dtype(accumulator(x.dtype)),
