@@ -18,7 +18,7 @@ import torch
 
 from ttt2la.runtime import (block_linear_attention, chunk_linear_attention,
                             naive_block_linear_attention, naive_chunk_linear_attention)
-from ttt2la.runtime.block import chunk_increments, split_chunks
+from ttt2la.runtime.block import chunk_increments, read_states
 from ttt2la.runtime.scan import affine_scan_doubling, affine_scan_sequential, prefix_sum
 
 
@@ -77,8 +77,7 @@ def state_form(phi_q, phi_k, u, C, W0, sequential):
         states = torch.stack(states, 1)
     else:
         states = prefix_sum(G, dim=1, initial=W0)
-    qc = split_chunks(phi_q, n, C).transpose(2, 3)
-    return (qc @ states).transpose(2, 3).reshape(B, n * C, H, -1)[:, :T]
+    return read_states(phi_q, states, n, C)
 
 
 def bench_block_forms(quick, repeats):
@@ -98,6 +97,37 @@ def bench_block_forms(quick, repeats):
     return table("block op forms (inclusive, no momentum/Muon/norm), 4 heads, ms",
                  ["T", "C", "D", "chunks", "state, cumsum", "state, loop", "masked (App. H)"],
                  rows)
+
+
+def heads_batched(phi_q, phi_k, u, C):
+    """Increments, cumsum and outputs with heads batched into the matmuls (transposed copies)."""
+    B, T, H, D = phi_k.shape
+    n = T // C
+    kc = phi_k.view(B, n, C, H, D).permute(0, 1, 3, 4, 2)
+    uc = u.view(B, n, C, H, D).transpose(2, 3)
+    states = (kc @ uc).cumsum(1)
+    qc = phi_q.view(B, n, C, H, D).transpose(2, 3)
+    return (qc @ states).transpose(2, 3).reshape(B, T, H, D)
+
+
+def heads_looped(phi_q, phi_k, u, C):
+    """The same with one matmul per head over strided views (what ``block.py`` does)."""
+    B, T, H, D = phi_k.shape
+    n = T // C
+    states = chunk_increments(phi_k, u, n, C).cumsum(1)
+    return read_states(phi_q, states, n, C)
+
+
+def bench_layouts(quick, repeats):
+    rows = []
+    cases = [(1, 16384, 4, 128, 2048), (2, 4096, 8, 64, 512), (1, 8192, 16, 64, 64)]
+    for B, T, H, D, C in cases[:2] if quick else cases:
+        x = [torch.randn(B, T, H, D) for _ in range(3)]
+        batched = timeit(lambda: heads_batched(*x, C), repeats)
+        looped = timeit(lambda: heads_looped(*x, C), repeats)
+        rows.append((B, T, H, D, C, f"{batched:.1f}", f"{looped:.1f}"))
+    return table("block matmuls: heads batched vs one call per head, ms",
+                 ["B", "T", "H", "D", "C", "heads batched", "per head"], rows)
 
 
 def fwd_bwd(fn, args, kwargs):
@@ -154,6 +184,7 @@ def main():
               f"{torch.get_num_threads()} threads)")
     report = "\n".join([header, bench_scans(args.quick, args.repeats),
                         bench_block_forms(args.quick, args.repeats),
+                        bench_layouts(args.quick, args.repeats),
                         bench_ops(args.quick, args.repeats)])
     print(report)
     if args.out:

@@ -49,6 +49,7 @@ import platform
 import sys
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -349,6 +350,11 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
     return setup, args
 
 
+def _write(path: str, text: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+
+
 def main(argv=None) -> int:
     setup, args = parse_setup(argv)
     console, err = Console(width=None if sys.stdout.isatty() else 200), Console(stderr=True)
@@ -371,12 +377,10 @@ def main(argv=None) -> int:
             progress.advance(cases)
     console.print(to_table(rows, setup))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(to_markdown(rows, setup))
+        _write(args.markdown, to_markdown(rows, setup))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"setup": asdict(setup),
-                       "rows": [asdict(r) for r in rows]}, f, indent=2)
+        _write(args.json, json.dumps({"setup": asdict(setup), "rows": [asdict(r) for r in rows]},
+                                     indent=2))
     return 0
 
 

@@ -215,6 +215,9 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
         for pos, a in enumerate(_flat_args(n)):
             if not isinstance(a, torch.fx.Node):
                 continue
+            if a in hoisted:
+                note_invariant(a)
+                continue
             if a in set1:
                 continue
             if a in set0:

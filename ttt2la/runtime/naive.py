@@ -148,7 +148,8 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     ``weight_norm`` rescales every state column to its target norm after each update.
     ``order="exclusive"`` reads chunk ``j`` through the state before its update and never updates
     with the last chunk, ``"inclusive"`` updates then reads, ``"full"`` updates once on all tokens
-    then reads every token. Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
+    then reads every token (``chunk_size`` and ``momentum`` then play no part).
+    Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
     """
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,

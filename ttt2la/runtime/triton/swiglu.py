@@ -3,8 +3,9 @@
 The forward pass never writes the ``[B, T, H, Dh]`` feature matrices: the increment kernel computes ``φ(K)``
 tiles on the fly and multiplies them into ``G_j = φ(K_j)ᵀ(lr ⊙ V_j)``, the read kernel computes ``φ(Q)``
 tiles and multiplies them by the chunk's state. Each feature tile is recomputed once per value tile
-(``ceil(Dv / 128)`` times), so fusion pays where ``Dv`` is small or memory bandwidth is the limit; the benchmark
-measures it against the materialised form. The backward pass recomputes ``φ`` in torch (materialised) and
+(``ceil(Dv / 64)`` times for the increments, ``ceil(Dv / 128)`` for the read; wider accumulators spill on
+sm_90), so fusion pays where ``Dv`` is small or memory bandwidth is the limit; the benchmark measures it
+against the materialised form. The backward pass recomputes ``φ`` in torch (materialised) and
 reuses the plain block kernels, then backpropagates through the SwiGLU with autograd.
 """
 from __future__ import annotations
