@@ -3,10 +3,11 @@
     PYTHONPATH=. python benchmarks/runtime_cpu.py [--quick] [--threads N] [--out FILE.md]
 
 1. ``affine_scan``: sequential loop vs log-depth doubling, by number of steps and state size
-   (sets ``scan.SEQUENTIAL_MAX_STEPS`` / ``DOUBLING_MAX_STEP_NUMEL``).
-2. Block op state pass: one ``cumsum`` over chunks vs a sequential loop, and the Appendix-H masked
-   form ``Φ(Q)W₀ + ((Φ(Q)Φ(K)ᵀ) ⊙ mask) U`` vs the state form, for few chunks.
-3. The block and token-causal ops against their recurrent references, forward and backward.
+   (sets ``scan.SEQUENTIAL_MAX_STEPS`` / ``scan.DOUBLING_MAX_NUMEL``).
+2. Block op state pass: ``torch.cumsum`` over chunks vs a loop of adds, and the Appendix-H masked
+   form ``Φ(Q)W₀ + ((Φ(Q)Φ(K)ᵀ) ⊙ mask) U`` vs the state form.
+3. The block op's matmuls with heads batched in vs one call per head.
+4. The block and token-causal ops against their recurrent references, forward and backward.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from ttt2la.runtime import (block_linear_attention, chunk_linear_attention,
                             naive_block_linear_attention, naive_chunk_linear_attention)
 from ttt2la.runtime.block import chunk_increments, read_states
-from ttt2la.runtime.scan import affine_scan_doubling, affine_scan_sequential, prefix_sum
+from ttt2la.runtime.scan import affine_scan_doubling, affine_scan_sequential
 
 
 def timeit(fn, repeats: int) -> float:
@@ -76,7 +77,7 @@ def state_form(phi_q, phi_k, u, C, W0, sequential):
             states.append(W)
         states = torch.stack(states, 1)
     else:
-        states = prefix_sum(G, dim=1, initial=W0)
+        states = torch.cumsum(G, dim=1) + W0.unsqueeze(1)
     return read_states(phi_q, states, n, C)
 
 
@@ -142,20 +143,22 @@ def fwd_bwd(fn, args, kwargs):
 
 def bench_ops(quick, repeats):
     rows = []
+    H = 4
+    shapes = [(4096, 512, 64), (4096, 64, 32)] if quick else [(16384, 2048, 128), (16384, 128, 64)]
     block_cases = [("exclusive", 0, False), ("exclusive", 5, False), ("inclusive", 5, True)]
-    T, C, D, H = (4096, 512, 64, 4) if quick else (16384, 2048, 128, 4)
-    x = [torch.randn(1, T, H, D) for _ in range(3)]
-    lr = torch.rand(1, T, H)
-    momentum = torch.rand(1, math.ceil(T / C), H)
-    for order, muon, wn in block_cases:
-        kw = dict(chunk_size=C, order=order, lr=lr, momentum=momentum, muon_steps=muon,
-                  weight_norm=torch.ones(1, H, D) if wn else None, output_final_state=True)
-        fast = timeit(lambda: block_linear_attention(*x, backend="torch", **kw), repeats)
-        ref = timeit(lambda: naive_block_linear_attention(*x, **kw), repeats)
-        fb = timeit(fwd_bwd(lambda *a, **k: block_linear_attention(*a, backend="torch", **k),
-                            x, kw), repeats)
-        rows.append((f"block {order} muon={muon} wn={wn}", f"T={T} C={C} D={D}",
-                     f"{fast:.1f}", f"{ref:.1f}", f"{fb:.1f}"))
+    for T, C, D in shapes:
+        x = [torch.randn(1, T, H, D) for _ in range(3)]
+        lr = torch.rand(1, T, H)
+        momentum = torch.rand(1, math.ceil(T / C), H)
+        for order, muon, wn in block_cases:
+            kw = dict(chunk_size=C, order=order, lr=lr, momentum=momentum, muon_steps=muon,
+                      weight_norm=torch.ones(1, H, D) if wn else None, output_final_state=True)
+            fast = timeit(lambda: block_linear_attention(*x, backend="torch", **kw), repeats)
+            ref = timeit(lambda: naive_block_linear_attention(*x, **kw), repeats)
+            fb = timeit(fwd_bwd(lambda *a, **k: block_linear_attention(*a, backend="torch", **k),
+                                x, kw), repeats)
+            rows.append((f"block {order} muon={muon} wn={wn}", f"T={T} C={C} D={D}",
+                         f"{fast:.1f}", f"{ref:.1f}", f"{fb:.1f}"))
     Tc = 1024 if quick else 4096
     xc = [torch.randn(1, Tc, H, 64) for _ in range(3)]
     decay = torch.nn.functional.logsigmoid(torch.randn(1, Tc, H) + 3)

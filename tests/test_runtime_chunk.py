@@ -79,14 +79,14 @@ def _draw(c, dtype):
                      dtype=dtype)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_fp32(c):
     tensors, options = _draw(c, torch.float32)
     assert_matches_reference(tensors, options, c["final"], c["seed"])
 
 
-@settings(max_examples=80, deadline=None, derandomize=True)
+@settings(max_examples=80, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_bf16(c):
     tensors, options = _draw(c, torch.bfloat16)

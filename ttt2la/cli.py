@@ -260,7 +260,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     model = build_zoo_model(args.zoo, args.seed)
     inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
     with err.status(f"inspecting {args.zoo}"):
-        report: InspectionReport = ttt2la.inspect(model, example_inputs=inputs)
+        report: InspectionReport = ttt2la.inspect(model, example_inputs=inputs, show=False)
     _print_report(out, report, args.markdown)
     _save_json(report, args.json, err)
     return 0

@@ -127,13 +127,18 @@ def _state_records(program: TTTProgram, analysis) -> list[StateRecord]:
     return records
 
 
+def _stream_label(s) -> str:
+    role = f" ({s.role})" if s.role and s.role != s.name else ""
+    return f"{s.name}{role}{', per token' if s.per_token else ''}"
+
+
 def _layer_report(rl, program, analysis, results, schedule, runtime, exact, notes,
                   levels=None, check=None, drifts=None) -> LayerReport:
     return LayerReport(
         module_path=rl.path, function=program.function, loop_src=str(program.loop_src),
         chunk_size=program.chunk_size, order=program.order, last_chunk=program.last_chunk,
         states=_state_records(program, analysis),
-        streams=[f"{s.name}{' (per token)' if s.per_token else ''}" for s in program.streams],
+        streams=[_stream_label(s) for s in program.streams],
         passes=[PassRecord(r.step, r.name, r.status, r.exact, r.reason,
                            (drifts or {}).get(r.step)) for r in results],
         schedule=schedule, runtime=runtime, reducible=bool(analysis.reducible), exact=exact,
@@ -316,8 +321,12 @@ def _level_verdict(rl: RecognizedLayer, level: int) -> str:
     return "recurrent"
 
 
-def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None) -> InspectionReport:
-    """Find the TTT loops of ``model`` and say what each level 0–6 would make of them."""
+def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
+            show: bool = True) -> InspectionReport:
+    """Find the TTT loops of ``model`` and say what each level 0–6 would make of them.
+
+    Prints the report (``show=False`` to only return it); ``model`` is not modified.
+    """
     layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     reports = []
     for rl in layers:
@@ -329,7 +338,12 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None) ->
         reports.append(_layer_report(rl, program, analysis, [], analysis.schedule
                                      if analysis.reducible else "recurrent", "-",
                                      analysis.reducible, [], levels=levels))
-    return InspectionReport(layers=reports, notes=notes)
+    report = InspectionReport(layers=reports, notes=notes)
+    if show:
+        from rich.console import Console
+
+        Console().print(report)
+    return report
 
 
 __all__ = ["convert", "inspect", "recognize"]

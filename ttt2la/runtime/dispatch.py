@@ -12,6 +12,7 @@ torch ops, and ``supports(op, *tensors, **options) -> bool`` with ``op`` in
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -30,7 +31,8 @@ _NAIVE = {"block": naive_block_linear_attention, "chunk": naive_chunk_linear_att
 
 def _triton_module():
     try:
-        import triton  # noqa: F401
+        if importlib.util.find_spec("triton") is None:
+            return None
         return importlib.import_module("ttt2la.runtime.triton")
     except Exception:  # absent, or broken on this machine: fall back to torch
         return None
