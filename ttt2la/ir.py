@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 from dataclasses import dataclass, field
 from typing import Literal
@@ -215,10 +216,25 @@ def with_memory_order(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.T
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of ``graph`` whose nodes can be rewritten; metadata is shared, not deep-copied
     (it holds fake tensors, which are costly to copy and never mutated)."""
-    new = copy.deepcopy(graph)       # fx copies node by node; meta dicts are copied shallowly
+    with warnings.catch_warnings():
+        # copying the pytree spec of a make_fx graph trips a deprecation inside torch itself
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        new = copy.deepcopy(graph)   # fx copies node by node; meta dicts are copied shallowly
     for old_node, new_node in zip(graph.nodes, new.nodes):
         new_node.meta = dict(old_node.meta)
     return new
+
+
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
 
 
 def node_src(node: torch.fx.Node) -> SourceLoc | None:
@@ -237,5 +253,5 @@ def describe_node(node: torch.fx.Node) -> str:
 __all__ = [
     "KIND", "NAME", "SRC", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
-    "with_memory_order",
+    "with_memory_order", "ancestors",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..ir import TTTProgram
+from ..ir import TTTProgram, ancestors
 from .dependence import _MATMUL, Dep, Dependence, analyze_dependence, node_shape, op_name
 
 #: Ops that only move or copy data: a matmul operand is "the state" through any chain of them.
@@ -111,15 +111,6 @@ def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[F
     return list(found.values())
 
 
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _state_of_node(program: TTTProgram, node) -> int | None:
@@ -134,7 +125,7 @@ def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduc
     final = {f.state for f in finals}
     theta: set[int] = set()
     for f in finals:
-        for n in _ancestors(f.phi):
+        for n in ancestors(f.phi):
             s = _state_of_node(program, n)
             if s is not None and s not in final:
                 theta.add(s)
@@ -159,7 +150,7 @@ def kernel_parameters(program: TTTProgram, dep: Dependence | None = None) -> lis
     invariants = program.invariant_inputs()
     params = []
     for f in finals:
-        for n in _ancestors(f.phi):
+        for n in ancestors(f.phi):
             if n.op != "placeholder" or n in params:
                 continue
             if n in invariants and invariants.index(n) in sources:
@@ -210,7 +201,7 @@ def _stream_index(program: TTTProgram, node) -> int | None:
 
 
 def _streams_in(program: TTTProgram, node) -> set[int]:
-    return {i for n in _ancestors(node) if (i := _stream_index(program, n)) is not None}
+    return {i for n in ancestors(node) if (i := _stream_index(program, n)) is not None}
 
 
 def _contracted_state_dim(dep: Dependence, matmul: torch.fx.Node, operand, state: int):
@@ -280,7 +271,7 @@ def _assign_stream_roles(program: TTTProgram, dep: Dependence, finals) -> None:
         if f.state not in q_dim:
             continue
         ndim = len(program.states[f.state].shape)
-        for node in sorted(_ancestors(outs[f.state]), key=dep.position.__getitem__):
+        for node in sorted(ancestors(outs[f.state]), key=dep.position.__getitem__):
             ops = matmul_operands(node)
             if ops is None or node_shape(node) != tuple(program.states[f.state].shape) \
                     or any(f.state in dep.states_of(o) for o in ops):

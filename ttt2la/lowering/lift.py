@@ -24,7 +24,7 @@ import torch.fx
 from torch.func import vmap
 
 from ..analysis.rules import match_newton_schulz
-from ..ir import TTTProgram
+from ..ir import TTTProgram, ancestors
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from .chunking import assemble_outputs, chunk_streams
 from .executors import extract
@@ -39,17 +39,6 @@ def _strip(n):
     while isinstance(n, torch.fx.Node) and n.target in _VIEWS:
         n = n.args[0]
     return n
-
-
-def _ancestors(n: torch.fx.Node) -> set:
-    seen, stack = set(), [n]
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-    return seen
 
 
 def _shape(n: torch.fx.Node) -> tuple:
@@ -170,13 +159,13 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         delta = a
     else:
         return None
-    if not isinstance(delta, torch.fx.Node) or w_in in _ancestors(delta):
+    if not isinstance(delta, torch.fx.Node) or w_in in ancestors(delta):
         return None
     # momentum: M' = α·M + G
     alpha = None
     if m is not None:
         m_in, m_out = ins[m], outs[m]
-        if m_out.target is not aten.add.Tensor or m_out not in _ancestors(delta):
+        if m_out.target is not aten.add.Tensor or m_out not in ancestors(delta):
             return None
         g = None
         for x, y in (m_out.args, m_out.args[::-1]):
@@ -193,14 +182,14 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         g = None
         root = None
     # Δ = T(root): find the contraction feeding it
-    candidates = [n for n in _ancestors(delta if g is None else g)
+    candidates = [n for n in ancestors(delta if g is None else g)
                   if n.target is aten.bmm.default or n.target is aten.mul.Tensor]
     contraction, transform_root = None, None
     if g is not None:
         contraction = _contraction(g, state_dep)
         transform_root = root
     else:
-        for c in sorted(candidates, key=lambda n: -len(_ancestors(n))):
+        for c in sorted(candidates, key=lambda n: -len(ancestors(n))):
             con = _contraction(c, state_dep)
             if con is None:
                 continue
