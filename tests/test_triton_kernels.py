@@ -157,17 +157,26 @@ chunk_shapes = st.fixed_dictionaries(dict(
 
 
 def with_enough_elements(dtype, case):
-    """``case`` with at least 4 key and value features, and 4 tokens × heads × batch, in bf16.
+    """``case`` adjusted so a bf16 relative RMS error measures the kernels rather than one coincidence.
 
     The bf16 kernels round intermediate products (score gradients, states, ``dG``) to bf16 before their
-    tensor-core matmuls. A gradient element that is a near-cancelling sum of such terms keeps their rounding
-    error, so a tensor of one element can show it undiluted (T = Dk = Dv = 1 did, at 3.7 %; a per-token ``lr``
-    with B = T = H = 1, at 3.1 %). With a few elements per tensor the relative RMS error measures the kernels
-    rather than one coincidence; T = 1 itself stays in the draws.
+    tensor-core matmuls, and a gradient element that is a near-cancelling sum of such terms keeps their
+    rounding error. Two kinds of bf16 draws are therefore widened:
+
+    * tensors of a single element show it undiluted (T = Dk = Dv = 1 did, at 3.7 %; a per-token ``lr`` with
+      B = T = H = 1, at 3.1 %): at least 4 key and value features, and 4 tokens × heads × batch;
+    * with Muon, a chunk's increment is normalised, so when every updating chunk holds one token a per-token
+      ``lr`` only rescales what is normalised away: its exact gradient is zero (up to the 1e-7 of the
+      normalisation), and any rounding is an infinite relative error: such draws get two tokens per chunk.
+
+    T = 1, T < C and ragged chunks stay in the draws.
     """
-    if dtype == torch.bfloat16:
-        case = dict(case, Dk=max(case["Dk"], 4), Dv=max(case["Dv"], 4),
-                    H=max(case["H"], math.ceil(4 / (case["B"] * case["T"]))))
+    if dtype != torch.bfloat16:
+        return case
+    case = dict(case, Dk=max(case["Dk"], 4), Dv=max(case["Dv"], 4))
+    if case.get("muon_steps", 0) > 0 and case.get("lr_kind") == "token":
+        case.update(C=max(case["C"], 2), T=max(case["T"], 2))
+    case["H"] = max(case["H"], math.ceil(4 / (case["B"] * case["T"])))
     return case
 
 
