@@ -14,7 +14,7 @@ from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
                             naive_block_linear_attention, newton_schulz)
 from ttt2la.runtime.naive import naive_newton_schulz
-from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error
 
 ORDERS = ("exclusive", "inclusive", "full")
 LR_KINDS = ("none", "token", "feature")
@@ -46,21 +46,9 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps,
 
 def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dtype):
     """Outputs, final state and gradients of every tensor input w.r.t. a random projection."""
-    tensors = [t.detach().clone().requires_grad_() for t in tensors]
-    options = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v)
-               for k, v in options.items()}
-    o, final = fn(*tensors, output_final_state=output_final_state, **options)
-    assert (final is None) == (not output_final_state)
-    # The projection is representable in the tested dtype, so the fast op and the float64
-    # reference receive the same output gradients.
-    g = torch.Generator().manual_seed(seed + 1)
-    project = lambda x: (x.double() * torch.randn(  # noqa: E731
-        x.shape, generator=g, dtype=torch.float64).to(cotangent_dtype).double()).sum()
-    loss = project(o) + (project(final) if final is not None else 0.0)
-    leaves = tensors + [options[k] for k in TENSOR_OPTIONS if options[k] is not None]
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)]
-    return o, final, grads
+    o, final, grads = outputs_and_grads(fn, tensors, options, output_final_state=output_final_state,
+                                        seed=seed, cotangent_dtype=cotangent_dtype)
+    return o, final, [gr for _, gr in grads.values()]
 
 
 def assert_matches_reference(tensors, options, output_final_state, seed, backend="torch"):

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from ttt2la.errors import ConversionError
 from ttt2la.runtime import (chunk_linear_attention, implementation_name,
                             naive_chunk_linear_attention)
-from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error
 
 TENSOR_OPTIONS = ("log_decay", "initial_state")
 
@@ -28,19 +28,9 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, decay, scale, initial_state, dtype):
 
 def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dtype):
     """Outputs, final state and gradients of every tensor input w.r.t. a random projection."""
-    tensors = [t.detach().clone().requires_grad_() for t in tensors]
-    options = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v)
-               for k, v in options.items()}
-    o, final = fn(*tensors, output_final_state=output_final_state, **options)
-    assert (final is None) == (not output_final_state)
-    # The projection is representable in the tested dtype, so both sides get the same gradients.
-    g = torch.Generator().manual_seed(seed + 1)
-    project = lambda x: (x.double() * torch.randn(  # noqa: E731
-        x.shape, generator=g, dtype=torch.float64).to(cotangent_dtype).double()).sum()
-    loss = project(o) + (project(final) if final is not None else 0.0)
-    leaves = tensors + [options[k] for k in TENSOR_OPTIONS if options[k] is not None]
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return o, final, [torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)]
+    o, final, grads = outputs_and_grads(fn, tensors, options, output_final_state=output_final_state,
+                                        seed=seed, cotangent_dtype=cotangent_dtype)
+    return o, final, [gr for _, gr in grads.values()]
 
 
 def assert_matches_reference(tensors, options, output_final_state, seed):

@@ -52,7 +52,7 @@ from ttt2la.errors import ConversionError, UnsupportedTTTError  # noqa: E402
 from ttt2la.runtime import block_linear_attention as dispatched_block  # noqa: E402
 from ttt2la.runtime.naive import naive_block_linear_attention, naive_chunk_linear_attention  # noqa: E402
 from ttt2la.runtime.triton.swiglu import swiglu_features  # noqa: E402
-from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
+from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error  # noqa: E402
 
 if not ON_GPU and not kernels.interpreting():
     pytest.skip("the Triton kernels were imported (to compile) before this module could switch on the CPU "
@@ -76,23 +76,8 @@ def _rand(g, *shape, low=None, high=None):
 def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dtype):
     """Outputs, final state and ``{name: (input, gradient)}`` for every tensor argument, w.r.t. a random
     projection of the outputs (representable in ``cotangent_dtype``)."""
-    tensors = [t.detach().clone().requires_grad_() for t in tensors]
-    options = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v)
-               for k, v in options.items()}
-    o, final = fn(*tensors, output_final_state=output_final_state, **options)
-    assert (final is None) == (not output_final_state)
-    g = torch.Generator().manual_seed(seed + 1)
-
-    def project(x):
-        weights = torch.randn(x.shape, generator=g, dtype=torch.float64).to(cotangent_dtype)
-        return (x.double() * weights.to(device=x.device, dtype=torch.float64)).sum()
-
-    loss = project(o) + (project(final) if final is not None else 0.0)
-    leaves = {f"input {i}": t for i, t in enumerate(tensors)}
-    leaves.update({k: v for k, v in options.items() if isinstance(v, torch.Tensor)})
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    return o, final, {name: (x, torch.zeros_like(x) if gr is None else gr)
-                      for (name, x), gr in zip(leaves.items(), grads)}
+    return outputs_and_grads(fn, tensors, options, output_final_state=output_final_state, seed=seed,
+                             cotangent_dtype=cotangent_dtype)
 
 
 def assert_matches(fn, reference, tensors, options, output_final_state, seed):

@@ -20,8 +20,36 @@ def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(num / den)
 
 
+def outputs_and_grads(fn, tensors, options, *, output_final_state: bool, seed: int,
+                      cotangent_dtype: torch.dtype):
+    """Run a runtime op and differentiate a random projection of its outputs.
+
+    Returns ``(o, final_state, {name: (input, gradient)})`` for every tensor argument
+    (positional ones named ``"input i"``, then tensor options by name; an unused input gets a
+    zero gradient). The projection weights are representable in ``cotangent_dtype``, so a fast
+    op and its float64 reference receive the same output gradients.
+    """
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    options = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v)
+               for k, v in options.items()}
+    o, final = fn(*tensors, output_final_state=output_final_state, **options)
+    assert (final is None) == (not output_final_state)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def project(x):
+        weights = torch.randn(x.shape, generator=g, dtype=torch.float64).to(cotangent_dtype)
+        return (x.double() * weights.to(device=x.device, dtype=torch.float64)).sum()
+
+    loss = project(o) + (project(final) if final is not None else 0.0)
+    leaves = {f"input {i}": t for i, t in enumerate(tensors)}
+    leaves.update({k: v for k, v in options.items() if isinstance(v, torch.Tensor)})
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return o, final, {name: (x, torch.zeros_like(x) if gr is None else gr)
+                      for (name, x), gr in zip(leaves.items(), grads)}
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE[dtype]
 
 
-__all__ = ["rel_rms_error", "tolerance", "TOLERANCE"]
+__all__ = ["rel_rms_error", "tolerance", "TOLERANCE", "outputs_and_grads"]
