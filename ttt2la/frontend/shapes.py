@@ -51,18 +51,6 @@ def _int_slots(args, path=()):
             yield from _int_slots(a, path + (k,))
 
 
-def _structure(args):
-    if isinstance(args, bool) or not isinstance(args, int):
-        if isinstance(args, (list, tuple)):
-            return type(args).__name__, tuple(_structure(a) for a in args)
-        if isinstance(args, dict):
-            return "dict", tuple((k, _structure(v)) for k, v in args.items())
-        if isinstance(args, torch.fx.Node):
-            return "node", args.name
-        return "const", repr(args)
-    return "int"
-
-
 def _set(args, path, value):
     if not path:
         return value
