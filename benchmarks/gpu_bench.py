@@ -327,7 +327,7 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
     def orthogonalise(dtype):
         def measure(row):
             M = torch.randn(B, n, H, D, D, device=DEVICE, dtype=torch.float32)
-            row.ms = cuda_ms(lambda: newton_schulz(M, steps, iteration_dtype=dtype))
+            row.ms = cuda_ms(lambda: newton_schulz(M, steps, dtype=dtype))
             row.flops = B * n * H * newton_schulz_flops(D, D, steps)
             row.note = f"torch matmuls in {str(dtype).replace('torch.', '')}, all {n} chunks at once"
         return measure

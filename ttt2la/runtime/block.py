@@ -16,12 +16,9 @@ are strided views of the ``[B, T, H, D]`` input that BLAS reads in place, while 
 too forces transposed copies of every input (measured 2.3× slower for 4 heads of 128 features
 in 2048-token chunks, on par for 8-16 heads of 64).
 
-Precision: bf16/fp16 inputs accumulate in fp32. fp32 inputs with Muon accumulate in float64:
-Newton–Schulz's Jacobian amplifies perturbations of ``M`` (and of the gradient flowing back into
-it) by up to ``3.4445^steps`` ≈ 480, so fp32 rounding of the increments or of the output
-gradients alone leaves results ~3e-5 from exact, above the fp32 tolerance (on small or
-rank-deficient chunks; any fp32 implementation, the reference included, shows it). This costs
-2-4× the fp32 time on CPU. Without Muon, fp32 stays fp32.
+Precision follows the source: the op accumulates in the inputs' dtype (fp32 for bf16/fp16,
+float64 only for float64 inputs), and Newton–Schulz iterates in ``ns_dtype`` — the dtype the
+user's code iterates in (LaCT casts to bf16), the accumulation dtype by default.
 
 Measured on CPU (``benchmarks/runtime_cpu.py``): the Appendix-H masked form
 ``((ΦQ ΦKᵀ) ⊙ mask) U`` is 10-100× slower than the state form except on sequences of a few
@@ -34,17 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ttt2la.runtime.naive import (check_block_inputs, compute_dtype, effective_value,
-                                  final_state_dtype, WEIGHT_NORM_EPS)
+from ttt2la.runtime.naive import (NS_EPS, check_block_inputs, compute_dtype, effective_value,
+                                  final_state_dtype, ns_schedule, WEIGHT_NORM_EPS)
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
-
-
-def block_compute_dtype(dtype: torch.dtype, muon_steps: int) -> torch.dtype:
-    """The dtype the block op accumulates in (float64 for fp32 with Muon: see the module note)."""
-    if muon_steps > 0 and dtype == torch.float32:
-        return torch.float64
-    return compute_dtype(dtype)
 
 
 def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
@@ -90,7 +80,8 @@ def _semi_parallel_states(delta: torch.Tensor, W0: torch.Tensor | None,
 
 
 def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
-                                 momentum=None, muon_steps=0, weight_norm=None,
+                                 momentum=None, muon_steps=0, ns_coefficients=None,
+                                 ns_eps=NS_EPS, ns_dtype=None, weight_norm=None,
                                  initial_state=None, output_final_state=False):
     """Chunk-parallel block linear attention; same contract as ``naive_block_linear_attention``.
 
@@ -99,8 +90,9 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     """
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
-                           initial_state=initial_state)
-    dt = block_compute_dtype(v.dtype, muon_steps)
+                           initial_state=initial_state, ns_coefficients=ns_coefficients)
+    schedule = ns_schedule(muon_steps, ns_coefficients)
+    dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
     Dv = v.shape[-1]
     C = T if order == "full" else chunk_size
@@ -112,7 +104,7 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         M = chunk_increments(phi_k.to(dt), u, n_update, C)
         if momentum is not None and n_update > 1:
             M = affine_scan(momentum[:, :n_update].to(dt)[..., None, None], M, dim=1)
-        delta = newton_schulz(M, muon_steps) if muon_steps > 0 else M
+        delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
         if weight_norm is None:
             states = prefix_sum(delta, dim=1, initial=W0)
         else:
@@ -139,5 +131,5 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     return o.to(v.dtype), final
 
 
-__all__ = ["torch_block_linear_attention", "block_compute_dtype", "chunk_increments",
+__all__ = ["torch_block_linear_attention", "chunk_increments",
            "read_states", "normalise_columns", "split_chunks"]

@@ -19,7 +19,7 @@ import torch
 from ttt2la.errors import UnsupportedTTTError
 from ttt2la.runtime.block import torch_block_linear_attention
 from ttt2la.runtime.chunk import torch_chunk_linear_attention
-from ttt2la.runtime.naive import (RuntimeInputError, naive_block_linear_attention,
+from ttt2la.runtime.naive import (NS_EPS, RuntimeInputError, naive_block_linear_attention,
                                   naive_chunk_linear_attention)
 
 BACKENDS = ("auto", "torch", "triton", "naive")
@@ -87,14 +87,19 @@ def _run(op: str, tensors, options, backend: str):
 
 
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
-                           momentum=None, muon_steps=0, weight_norm=None, initial_state=None,
+                           momentum=None, muon_steps=0, ns_coefficients=None, ns_eps=NS_EPS,
+                           ns_dtype=None, weight_norm=None, initial_state=None,
                            output_final_state=False, backend="auto"):
     """LaCT-style block TTT as linear attention (see ``naive_block_linear_attention``).
+
+    Newton–Schulz is data: ``ns_coefficients`` (one ``(a, b, c)`` for all ``muon_steps`` steps,
+    or one per step), ``ns_eps`` and the iteration dtype ``ns_dtype``.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
     """
     options = dict(chunk_size=chunk_size, order=order, lr=lr, momentum=momentum,
-                   muon_steps=muon_steps, weight_norm=weight_norm, initial_state=initial_state,
+                   muon_steps=muon_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
+                   ns_dtype=ns_dtype, weight_norm=weight_norm, initial_state=initial_state,
                    output_final_state=output_final_state)
     return _run("block", (phi_q, phi_k, v), options, backend)
 

@@ -16,6 +16,7 @@ import torch
 from ttt2la.errors import ConversionError
 
 ORDERS = ("exclusive", "inclusive", "full")
+#: Muon's classic quintic Newton–Schulz triple, the default when no schedule is given.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 WEIGHT_NORM_EPS = 1e-5
@@ -46,8 +47,33 @@ def num_chunks(seq_len: int, chunk_size: int, order: str) -> int:
     return 1 if order == "full" else math.ceil(seq_len / chunk_size)
 
 
+def ns_schedule(muon_steps: int = 0, ns_coefficients=None) -> tuple[tuple[float, float, float], ...]:
+    """The Newton–Schulz ``(a, b, c)`` triple of every step: ``()`` means no Muon.
+
+    ``ns_coefficients`` is ``None`` (Muon's classic triple), one triple used at each of the
+    ``muon_steps`` steps, or one triple per step; with a per-step schedule ``muon_steps`` is 0
+    (taken from the schedule) or its length.
+    """
+    op = "block_linear_attention"
+    _require(isinstance(muon_steps, int) and not isinstance(muon_steps, bool) and muon_steps >= 0,
+             op, f"muon_steps must be a non-negative int, got {muon_steps!r}")
+    if ns_coefficients is None:
+        return (NS_COEFFICIENTS,) * muon_steps
+    coeffs = tuple(ns_coefficients)
+    if len(coeffs) == 3 and all(isinstance(c, (int, float)) for c in coeffs):
+        return (tuple(float(c) for c in coeffs),) * muon_steps
+    _require(all(isinstance(t, (tuple, list)) and len(t) == 3
+                 and all(isinstance(c, (int, float)) for c in t) for t in coeffs), op,
+             f"ns_coefficients must be one (a, b, c) triple or a sequence of them, "
+             f"got {ns_coefficients!r}")
+    _require(muon_steps in (0, len(coeffs)), op,
+             f"muon_steps={muon_steps} disagrees with the {len(coeffs)} per-step triples of "
+             "ns_coefficients; pass muon_steps=0 or its length")
+    return tuple(tuple(float(c) for c in t) for t in coeffs)
+
+
 def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon_steps,
-                       weight_norm, initial_state) -> int:
+                       weight_norm, initial_state, ns_coefficients=None) -> int:
     """Validate the block op's arguments and return the number of chunks ``N``."""
     op = "block_linear_attention"
     _require(order in ORDERS, op, f"order must be one of {ORDERS}, got {order!r}")
@@ -64,8 +90,7 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
     if order != "full":
         _require(isinstance(chunk_size, int) and chunk_size >= 1, op,
                  f"chunk_size must be a positive int, got {chunk_size!r}")
-    _require(isinstance(muon_steps, int) and muon_steps >= 0, op,
-             f"muon_steps must be a non-negative int, got {muon_steps!r}")
+    ns_schedule(muon_steps, ns_coefficients)
     n = num_chunks(T, chunk_size, order)
     if lr is not None:
         _require(_shape(lr) in ((B, T, H), (B, T, H, Dv)), op,
@@ -121,16 +146,17 @@ def final_state_dtype(v: torch.Tensor, initial_state: torch.Tensor | None) -> to
 
 # ----------------------------------------------------------------------------- references
 
-def naive_newton_schulz(G: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS,
-                        eps: float = NS_EPS) -> torch.Tensor:
-    """Muon's quintic Newton–Schulz orthogonalisation of ``[..., Dk, Dv]`` matrices, plainly."""
-    a, b, c = coefficients
-    X = G.mT if G.shape[-2] > G.shape[-1] else G
+def naive_newton_schulz(G: torch.Tensor, schedule, eps: float = NS_EPS,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quintic Newton–Schulz orthogonalisation of ``[..., Dk, Dv]`` matrices, one ``(a, b, c)``
+    of ``schedule`` per step, iterated in ``dtype`` (default ``G``'s) and returned in ``G``'s."""
+    X = G.to(dtype or G.dtype)
+    X = X.mT if G.shape[-2] > G.shape[-1] else X
     X = X / (torch.linalg.matrix_norm(X)[..., None, None] + eps)
-    for _ in range(steps):
+    for a, b, c in schedule:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
-    return X.mT if G.shape[-2] > G.shape[-1] else X
+    return (X.mT if G.shape[-2] > G.shape[-1] else X).to(G.dtype)
 
 
 def _normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -139,13 +165,17 @@ def _normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
-                                 momentum=None, muon_steps=0, weight_norm=None,
+                                 momentum=None, muon_steps=0, ns_coefficients=None,
+                                 ns_eps=NS_EPS, ns_dtype=None, weight_norm=None,
                                  initial_state=None, output_final_state=False):
     """LaCT's chunked TTT-as-linear-attention, one chunk at a time (the reference).
 
     Chunk ``j`` of ``C`` tokens adds ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)``, through momentum
     (``M_j = α_j M_{j-1} + G_j``) and Muon (``muon_steps`` Newton–Schulz steps), to the state;
     ``weight_norm`` rescales every state column to its target norm after each update.
+    Newton–Schulz follows ``ns_schedule(muon_steps, ns_coefficients)``, normalises by
+    ``‖M‖_F + ns_eps`` and iterates in ``ns_dtype`` (default: the accumulation dtype; a
+    user's code that casts to bf16 before Newton–Schulz lowers to ``ns_dtype=torch.bfloat16``).
     ``order="exclusive"`` reads chunk ``j`` through the state before its update and never updates
     with the last chunk, ``"inclusive"`` updates then reads, ``"full"`` updates once on all tokens
     then reads every token (``chunk_size`` and ``momentum`` then play no part).
@@ -153,7 +183,8 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     """
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
-                           initial_state=initial_state)
+                           initial_state=initial_state, ns_coefficients=ns_coefficients)
+    schedule = ns_schedule(muon_steps, ns_coefficients)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
     Dv = v.shape[-1]
@@ -175,7 +206,7 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
                 M = momentum[:, j].to(dt)[..., None, None] * M + G
             else:
                 M = G
-            delta = naive_newton_schulz(M, muon_steps) if muon_steps > 0 else M
+            delta = naive_newton_schulz(M, schedule, ns_eps, ns_dtype) if schedule else M
             W = W + delta
             if weight_norm is not None:
                 W = _normalise_columns(W, weight_norm.to(dt))
@@ -216,4 +247,5 @@ def naive_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
 
 
 __all__ = ["naive_block_linear_attention", "naive_chunk_linear_attention", "naive_newton_schulz",
-           "check_block_inputs", "check_chunk_inputs", "effective_value", "RuntimeInputError"]
+           "check_block_inputs", "check_chunk_inputs", "effective_value", "ns_schedule",
+           "RuntimeInputError"]

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ttt2la.errors import UnsupportedTTTError
-from ttt2la.runtime.naive import check_block_inputs, compute_dtype, final_state_dtype
+from ttt2la.runtime.naive import NS_EPS, check_block_inputs, compute_dtype, final_state_dtype, ns_schedule
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
 
@@ -254,39 +254,33 @@ class Orthogonalise(torch.autograd.Function):
     """Newton–Schulz on every chunk's momentum; the backward recomputes the iteration instead of storing it."""
 
     @staticmethod
-    def forward(ctx, M, steps, iteration_dtype):
+    def forward(ctx, M, schedule, eps, iteration_dtype):
         ctx.save_for_backward(M)
-        ctx.steps, ctx.iteration_dtype = steps, iteration_dtype
-        return newton_schulz(M, steps, iteration_dtype=iteration_dtype)
+        ctx.schedule, ctx.eps, ctx.iteration_dtype = schedule, eps, iteration_dtype
+        return newton_schulz(M, 0, schedule, eps, dtype=iteration_dtype)
 
     @staticmethod
     def backward(ctx, dDelta):
         (M,) = ctx.saved_tensors
         with torch.enable_grad():
             M = M.detach().requires_grad_()
-            delta = newton_schulz(M, ctx.steps, iteration_dtype=ctx.iteration_dtype)
+            delta = newton_schulz(M, 0, ctx.schedule, ctx.eps, dtype=ctx.iteration_dtype)
             (dM,) = torch.autograd.grad(delta, M, dDelta)
-        return dM, None, None
+        return dM, None, None, None
 
 
-def block_dtype(dtype: torch.dtype, muon_steps: int) -> torch.dtype:
-    """The states' dtype: fp32, or float64 for fp32 inputs with Muon, whose Jacobian amplifies fp32 rounding
-    of the increments (and of the gradients flowing back into them) past the fp32 tolerance."""
-    return torch.float64 if muon_steps > 0 and dtype == torch.float32 else compute_dtype(dtype)
-
-
-def read_states(M, *, order, n, momentum, muon_steps, initial_state, dtype):
+def read_states(M, *, order, n, momentum, schedule, ns_eps, ns_dtype, initial_state, dtype):
     """From the increments ``M`` ``[B, n_update, H, Dk, Dv]``: the state every chunk reads and the final state.
 
-    Runs momentum, Newton–Schulz and the prefix sum in torch (chunk-level, differentiable). Newton–Schulz
-    iterates in ``dtype`` (fp32 for half-precision inputs, whose tolerance it meets with room to spare).
+    Runs momentum, Newton–Schulz (``schedule``, iterated in ``ns_dtype``, default ``dtype``) and the prefix
+    sum in torch (chunk-level, differentiable).
     """
     B, n_update, H, Dk, Dv = M.shape
     W0 = None if initial_state is None else initial_state.to(dtype)
     if n_update > 0:
         if momentum is not None and n_update > 1:
             M = affine_scan(momentum[:, :n_update].to(dtype)[..., None, None], M, dim=1)
-        delta = Orthogonalise.apply(M, muon_steps, dtype) if muon_steps > 0 else M
+        delta = Orthogonalise.apply(M, schedule, ns_eps, ns_dtype) if schedule else M
         states = prefix_sum(delta, dim=1, initial=W0)
         final = states[:, -1]
     else:
@@ -299,17 +293,20 @@ def read_states(M, *, order, n, momentum, muon_steps, initial_state, dtype):
 
 
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
-                           muon_steps=0, weight_norm=None, initial_state=None, output_final_state=False):
+                           muon_steps=0, ns_coefficients=None, ns_eps=NS_EPS, ns_dtype=None, weight_norm=None,
+                           initial_state=None, output_final_state=False):
     """LaCT's block TTT update as linear attention, token-level matmuls in Triton; contract of the torch op.
 
     ``G_j = φ(K_j)ᵀ(lr ⊙ V_j)``, ``M_j = α_j M_{j-1} + G_j``, ``W_j = W_{j-1} + NS(M_j)``; ``order`` says which
     state chunk ``j`` reads. ``weight_norm`` is not implemented here (``supports`` says so). Half-precision
-    inputs use tensor-core matmuls, keeping the operands Newton–Schulz is sensitive to at about 16 bits; fp32
-    inputs with Muon run the kernels in float64, like the torch op (``block_dtype``).
+    inputs use tensor-core matmuls, keeping the operands Newton–Schulz is sensitive to at about 16 bits.
+    Precision follows the inputs: fp32 stays fp32, Newton–Schulz iterates in ``ns_dtype``.
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
     """
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr, momentum=momentum,
-                           muon_steps=muon_steps, weight_norm=weight_norm, initial_state=initial_state)
+                           muon_steps=muon_steps, weight_norm=weight_norm, initial_state=initial_state,
+                           ns_coefficients=ns_coefficients)
+    schedule = ns_schedule(muon_steps, ns_coefficients)
     if weight_norm is not None:
         raise UnsupportedTTTError(
             "block_linear_attention: the Triton kernels do not implement weight_norm (a sequential column-norm "
@@ -317,12 +314,10 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
     T = phi_k.shape[1]
     C = T if order == "full" else chunk_size
     n_update = n - 1 if order == "exclusive" else n
-    dtype = block_dtype(v.dtype, muon_steps)
-    kernel_dtype = dtype if dtype == torch.float64 else v.dtype
-    phi_q, phi_k, v_in = (x.to(kernel_dtype) for x in (phi_q, phi_k, v))
-    M = ChunkIncrements.apply(phi_k, v_in, lr, n_update, C, muon_steps > 0)
-    states, final = read_states(M, order=order, n=n, momentum=momentum, muon_steps=muon_steps,
-                                initial_state=initial_state, dtype=dtype)
+    dtype = compute_dtype(v.dtype)
+    M = ChunkIncrements.apply(phi_k, v, lr, n_update, C, bool(schedule))
+    states, final = read_states(M, order=order, n=n, momentum=momentum, schedule=schedule, ns_eps=ns_eps,
+                                ns_dtype=ns_dtype, initial_state=initial_state, dtype=dtype)
     o = ChunkRead.apply(phi_q, states, C, v.dtype)
     final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
     return o, final

@@ -27,8 +27,8 @@ _MODULES = {"chunk_linear_attention": "chunk", "block_linear_attention": "block"
 
 _OPTIONS = {
     "chunk_linear_attention": {"chunk_size", "log_decay", "scale", "initial_state", "output_final_state"},
-    "block_linear_attention": {"chunk_size", "order", "lr", "momentum", "muon_steps", "weight_norm",
-                               "initial_state", "output_final_state"},
+    "block_linear_attention": {"chunk_size", "order", "lr", "momentum", "muon_steps", "ns_coefficients",
+                               "ns_eps", "ns_dtype", "weight_norm", "initial_state", "output_final_state"},
 }
 _OPTIONS["fused_swiglu_block_linear_attention"] = _OPTIONS["block_linear_attention"]
 
@@ -88,7 +88,8 @@ def _check_arguments(op, main, options) -> bool:
         phi = k.new_empty(()).expand(*k.shape[:3], w0.shape[-1])
         main = (phi, phi, v)
     check_block_inputs(*main, chunk_size=options.get("chunk_size"), order=options.get("order", "exclusive"),
-                       muon_steps=options.get("muon_steps", 0), **block_options)
+                       muon_steps=options.get("muon_steps", 0),
+                       ns_coefficients=options.get("ns_coefficients"), **block_options)
     return True
 
 

@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 
 from ttt2la.errors import UnsupportedTTTError
-from ttt2la.runtime.naive import RuntimeInputError, check_block_inputs, final_state_dtype
+from ttt2la.runtime.naive import (NS_EPS, RuntimeInputError, check_block_inputs, compute_dtype,
+                                  final_state_dtype, ns_schedule)
 
 from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm, mm_split, tile, tl_dtype,
                       token_tile, upcast)
-from .block import _scale_mode, block_dtype, increments_backward, read_backward, read_states, scaled
+from .block import _scale_mode, increments_backward, read_backward, read_states, scaled
 from .chunk import load_tile, store_tile, token_base
 
 
@@ -220,8 +221,8 @@ def _check_swiglu_inputs(q, k, w0, w2):
 
 
 def fused_swiglu_block_linear_attention(q, k, v, w0, w2, *, chunk_size, order="exclusive", lr=None, momentum=None,
-                                        muon_steps=0, weight_norm=None, initial_state=None,
-                                        output_final_state=False):
+                                        muon_steps=0, ns_coefficients=None, ns_eps=NS_EPS, ns_dtype=None,
+                                        weight_norm=None, initial_state=None, output_final_state=False):
     """``block_linear_attention(φ(q), φ(k), v, ...)`` with ``φ(x) = silu(x W0) ⊙ (x W2)`` fused into the kernels.
 
     ``q, k`` ``[B, T, H, D]``, ``v`` ``[B, T, H, Dv]``, ``w0, w2`` ``[H, D, Dh]``; states are ``[B, H, Dh, Dv]``.
@@ -232,20 +233,20 @@ def fused_swiglu_block_linear_attention(q, k, v, w0, w2, *, chunk_size, order="e
     shape_of_phi = k.new_empty(()).expand(B, T, H, w0.shape[-1])
     n = check_block_inputs(shape_of_phi, shape_of_phi, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
-                           initial_state=initial_state)
+                           initial_state=initial_state, ns_coefficients=ns_coefficients)
+    schedule = ns_schedule(muon_steps, ns_coefficients)
     if weight_norm is not None:
         raise UnsupportedTTTError(
             "fused_swiglu_block_linear_attention: the Triton kernels do not implement weight_norm; compute "
             "φ in torch and call the runtime block op with backend='torch' for it")
     C = T if order == "full" else chunk_size
     n_update = n - 1 if order == "exclusive" else n
-    dtype = block_dtype(v.dtype, muon_steps)
-    kernel_dtype = dtype if dtype == torch.float64 else v.dtype
-    q, k, v_in, w0, w2 = (x.to(kernel_dtype) for x in (q, k, v, w0, w2))
-    precise = muon_steps > 0
-    M = SwigluIncrements.apply(k, w0, w2, v_in, lr, n_update, C, precise)
-    states, final = read_states(M, order=order, n=n, momentum=momentum, muon_steps=muon_steps,
-                                initial_state=initial_state, dtype=dtype)
+    dtype = compute_dtype(v.dtype)
+    w0, w2 = (x.to(v.dtype) for x in (w0, w2))
+    precise = bool(schedule)
+    M = SwigluIncrements.apply(k, w0, w2, v, lr, n_update, C, precise)
+    states, final = read_states(M, order=order, n=n, momentum=momentum, schedule=schedule, ns_eps=ns_eps,
+                                ns_dtype=ns_dtype, initial_state=initial_state, dtype=dtype)
     o = SwigluRead.apply(q, w0, w2, states, C, v.dtype, precise)
     final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
     return o, final
