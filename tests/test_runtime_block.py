@@ -1,4 +1,22 @@
-"""The block (LaCT-style) runtime op against its recurrent reference: outputs and gradients."""
+"""The block (LaCT-style) runtime op against hand-written loops: outputs, final state, gradients.
+
+The references below share no code with the package: their own Newton–Schulz (with literal
+coefficients), their own learning-rate application, momentum and weight-norm loops. Both the
+fast op and ``naive.py``'s reference are checked against them.
+
+Precision, as the project states it: without Newton–Schulz, fp32 within 1e-5 of a float64
+evaluation (bf16 within 2e-2). With Newton–Schulz, which amplifies rounding for any
+implementation, the op's error against the float64 evaluation may be at most twice the error
+of the hand-written loop run in the same low precision, plus 1e-6 — for the output, the final
+state and every input gradient. The original code's own error is taken as the larger of the
+hand-written loop's errors with its Newton–Schulz polynomial rounded three ways (as Muon
+publishes it, ``(bA + cA²)X``, term by term, and multiplied from the right): one sample of a
+rounding error is itself noisy — against the published form alone, a faithful implementation
+(median error ratio 1.0) still exceeds twice that one sample for a few quantities in a thousand
+on the option grid below. The weight norm also
+amplifies rounding where a column's norm nearly cancels; such draws are judged by the same rule
+when the low-precision loop itself misses the fixed bound.
+"""
 from __future__ import annotations
 
 import itertools
@@ -9,20 +27,107 @@ import zlib
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
                             naive_block_linear_attention, newton_schulz)
-from ttt2la.runtime.naive import naive_newton_schulz, ns_schedule
+from ttt2la.runtime.naive import naive_newton_schulz
 from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error
 
 ORDERS = ("exclusive", "inclusive", "full")
 LR_KINDS = ("none", "token", "feature")
 TENSOR_OPTIONS = ("lr", "momentum", "weight_norm", "initial_state")
 
+# Newton–Schulz schedules, written out here on purpose (not imported from the package).
+MUON_TRIPLE = (3.4445, -4.7750, 2.0315)
+LACT_FIVE = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+             (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
+CUSTOM_THREE = ((2.9, -3.4, 1.3), (2.2, -2.1, 0.8), (1.6, -0.9, 0.3))
+SCHEDULES = {  # name: (muon_steps, ns_coefficients) as the op takes them
+    "none": (0, None), "muon1": (1, None), "muon5": (5, None),
+    "triple3": (3, (3.1, -4.0, 1.7)), "lact5": (0, LACT_FIVE), "custom3": (3, CUSTOM_THREE)}
 
-def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps, weight_norm,
-              initial_state, dtype):
+
+def steps_of(muon_steps, ns_coefficients):
+    """The per-step triples a (muon_steps, ns_coefficients) pair means, spelled out by hand."""
+    if ns_coefficients is None:
+        return [MUON_TRIPLE] * muon_steps
+    if isinstance(ns_coefficients[0], (int, float)):
+        return [tuple(ns_coefficients)] * muon_steps
+    return [tuple(t) for t in ns_coefficients]
+
+
+NS_FORMS = ("published", "expanded", "right")
+
+
+def hand_newton_schulz(M, triples, eps, dtype, form="published"):
+    """Frobenius-normalise, then ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ`` per step, on the wide
+    side, as Muon's published iteration is written. The other ``form``s round the same polynomial
+    differently: ``"expanded"`` ``aX + b(AX) + c(A(AX))``, ``"right"`` ``aX + X(bA' + cA'²)``
+    with ``A' = XᵀX``."""
+    X = M.to(dtype)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-2, -1)
+    X = X / ((X * X).sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
+    for a, b, c in triples:
+        if form == "right":
+            A = X.transpose(-2, -1) @ X
+            X = a * X + X @ (b * A + c * (A @ A))
+            continue
+        A = X @ X.transpose(-2, -1)
+        if form == "expanded":
+            AX = A @ X
+            X = a * X + b * AX + c * (A @ AX)
+        else:
+            X = a * X + (b * A + c * (A @ A)) @ X
+    if tall:
+        X = X.transpose(-2, -1)
+    return X.to(M.dtype)
+
+
+def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
+               muon_steps=0, ns_coefficients=None, ns_eps=1e-7, ns_dtype=None,
+               weight_norm=None, initial_state=None, output_final_state=False, dtype=None,
+               form="published"):
+    """LaCT's rule as a plain loop over chunks, in ``dtype`` throughout (default: the inputs');
+    Newton–Schulz iterates in ``ns_dtype`` when given (``form`` as ``hand_newton_schulz``)."""
+    dtype = dtype or v.dtype
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    q, k, val, lr, momentum, weight_norm = map(cast, (phi_q, phi_k, v, lr, momentum, weight_norm))
+    B, T, H, Dk = k.shape
+    Dv = val.shape[-1]
+    C = T if order == "full" else chunk_size
+    n = -(-T // C)
+    triples = steps_of(muon_steps, ns_coefficients)
+    W = torch.zeros(B, H, Dk, Dv, dtype=dtype) if initial_state is None else cast(initial_state)
+    M = None
+    outs = []
+    for j in range(n):
+        lo, hi = j * C, min(T, (j + 1) * C)
+        if order == "exclusive":
+            outs.append(torch.einsum("bthk,bhkv->bthv", q[:, lo:hi], W))
+            if j == n - 1:
+                break
+        u = val[:, lo:hi]
+        if lr is not None:
+            u = u * (lr[:, lo:hi, :, None] if lr.dim() == 3 else lr[:, lo:hi])
+        G = torch.einsum("bthk,bthv->bhkv", k[:, lo:hi], u)
+        M = G if M is None or momentum is None else momentum[:, j, :, None, None] * M + G
+        step = M
+        if triples:
+            step = hand_newton_schulz(M, triples, ns_eps, ns_dtype or dtype, form)
+        W = W + step
+        if weight_norm is not None:
+            W = W / (W.square().sum(dim=-2, keepdim=True).sqrt() + 1e-5) * weight_norm[:, :, None, :]
+        if order != "exclusive":
+            outs.append(torch.einsum("bthk,bhkv->bthv", q[:, lo:hi], W))
+    return torch.cat(outs, dim=1), (W if output_final_state else None)
+
+
+def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, weight_norm,
+              initial_state, dtype, ns_dtype=None):
     """Random inputs for one call: the positional tensors and the keyword options."""
     g = torch.Generator().manual_seed(seed)
 
@@ -32,9 +137,11 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps,
         return x.to(dtype)
 
     n = 1 if order == "full" else math.ceil(T / C)
+    muon_steps, ns_coefficients = SCHEDULES[schedule]
     tensors = (rand(B, T, H, Dk), rand(B, T, H, Dk), rand(B, T, H, Dv))
     options = dict(
-        chunk_size=C, order=order, muon_steps=muon_steps,
+        chunk_size=C, order=order, muon_steps=muon_steps, ns_coefficients=ns_coefficients,
+        ns_dtype=ns_dtype,
         lr={"none": None, "token": rand(B, T, H, low=0.1, high=1.0),
             "feature": rand(B, T, H, Dv, low=0.1, high=1.0)}[lr_kind],
         momentum=rand(B, n, H, low=0.3, high=0.9) if momentum else None,
@@ -48,54 +155,62 @@ def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dty
     """Outputs, final state and gradients of every tensor input w.r.t. a random projection."""
     o, final, grads = outputs_and_grads(fn, tensors, options, output_final_state=output_final_state,
                                         seed=seed, cotangent_dtype=cotangent_dtype)
-    return o, final, [gr for _, gr in grads.values()]
+    return [o] + ([final] if final is not None else []) + [gr for _, gr in grads.values()]
 
 
-def assert_matches_reference(tensors, options, output_final_state, seed, backend="torch"):
+def assert_precise(fn, tensors, options, output_final_state, seed):
+    """``fn`` against ``hand_block`` in float64, by the precision rule in the module docstring."""
     dtype = tensors[0].dtype
-    tol = TOLERANCE[dtype]
     as64 = lambda x: x.to(torch.float64) if isinstance(x, torch.Tensor) else x  # noqa: E731
-    o, final, grads = run_with_grads(
-        lambda *a, **k: block_linear_attention(*a, backend=backend, **k),
-        tensors, options, output_final_state, seed, dtype)
-    o_ref, final_ref, grads_ref = run_with_grads(
-        naive_block_linear_attention, [as64(t) for t in tensors],
-        {k: as64(v) for k, v in options.items()}, output_final_state, seed, dtype)
-    assert o.dtype == dtype and o.shape == o_ref.shape
-    assert torch.isfinite(o).all()
-    assert rel_rms_error(o, o_ref) < tol, ("output", rel_rms_error(o, o_ref))
-    if output_final_state:
-        assert final.dtype == dtype
-        err = rel_rms_error(final, final_ref)
-        assert err < tol, ("final_state", err)
-    names = ["phi_q", "phi_k", "v"] + [k for k in TENSOR_OPTIONS if options[k] is not None]
-    for name, gr, gr_ref in zip(names, grads, grads_ref):
-        assert gr.dtype == dtype
-        err = rel_rms_error(gr, gr_ref)
-        assert err < tol, (f"grad {name}", err)
+    got = run_with_grads(fn, tensors, options, output_final_state, seed, dtype)
+    exact = run_with_grads(hand_block, [as64(t) for t in tensors],
+                           {k: as64(v) for k, v in options.items()} | dict(ns_dtype=None),
+                           output_final_state, seed, dtype)
+    names = (["output"] + (["final_state"] if output_final_state else [])
+             + ["grad phi_q", "grad phi_k", "grad v"]
+             + [f"grad {k}" for k in TENSOR_OPTIONS if options[k] is not None])
+    assert got[0].dtype == dtype and got[0].shape == exact[0].shape
+    muon = options["muon_steps"] > 0 or options["ns_coefficients"] is not None
+    lows = []
+    if muon or options["weight_norm"] is not None:
+        lows = [run_with_grads(lambda *a, **k: hand_block(*a, form=form, **k), tensors, options,
+                               output_final_state, seed, dtype) for form in NS_FORMS]
+    for name, x, x64, i in zip(names, got, exact, itertools.count()):
+        assert x.dtype == dtype and torch.isfinite(x).all(), name
+        err = rel_rms_error(x, x64)
+        bound = TOLERANCE[dtype]
+        if lows:
+            own = 2 * max(rel_rms_error(low[i], x64) for low in lows) + 1e-6
+            bound = own if muon else max(bound, own)
+        assert err <= bound, (name, err, bound)
+
+
+def torch_op(*args, **kwargs):
+    return block_linear_attention(*args, backend="torch", **kwargs)
 
 
 # Every option combination once, on a ragged sequence (two full chunks and a partial one).
-@pytest.mark.parametrize("order,lr_kind,momentum,muon_steps,weight_norm,initial_state,final",
-                         list(itertools.product(ORDERS, LR_KINDS, (False, True), (0, 5),
-                                                (False, True), (False, True), (False, True))))
-def test_every_option_combination_fp32(order, lr_kind, momentum, muon_steps, weight_norm,
+@pytest.mark.parametrize("order,lr_kind,momentum,schedule,weight_norm,initial_state,final",
+                         list(itertools.product(ORDERS, LR_KINDS, (False, True),
+                                                ("none", "muon5"), (False, True), (False, True),
+                                                (False, True))))
+def test_every_option_combination_fp32(order, lr_kind, momentum, schedule, weight_norm,
                                        initial_state, final):
-    options = (order, lr_kind, momentum, muon_steps, weight_norm, initial_state)
+    options = (order, lr_kind, momentum, schedule, weight_norm, initial_state)
     seed = zlib.crc32(repr(options).encode())
     tensors, options = make_case(seed, B=2, T=11, H=2, Dk=5, Dv=3, C=4, order=order,
-                                 lr_kind=lr_kind, momentum=momentum, muon_steps=muon_steps,
+                                 lr_kind=lr_kind, momentum=momentum, schedule=schedule,
                                  weight_norm=weight_norm, initial_state=initial_state,
                                  dtype=torch.float32)
-    assert_matches_reference(tensors, options, final, seed)
+    assert_precise(torch_op, tensors, options, final, seed)
 
 
 case = st.fixed_dictionaries(dict(
     B=st.integers(1, 2), H=st.integers(1, 2), Dk=st.integers(1, 9), Dv=st.integers(1, 9),
     C=st.integers(1, 6), order=st.sampled_from(ORDERS), lr_kind=st.sampled_from(LR_KINDS),
-    momentum=st.booleans(), muon_steps=st.sampled_from([0, 1, 5]), weight_norm=st.booleans(),
-    initial_state=st.booleans(), final=st.booleans(), seed=st.integers(0, 2**31 - 1),
-    t_frac=st.floats(0.0, 1.0)))
+    momentum=st.booleans(), schedule=st.sampled_from(sorted(SCHEDULES)),
+    ns_bf16=st.booleans(), weight_norm=st.booleans(), initial_state=st.booleans(),
+    final=st.booleans(), seed=st.integers(0, 2**31 - 1), t_frac=st.floats(0.0, 1.0)))
 
 
 def _draw(c, dtype):
@@ -105,47 +220,57 @@ def _draw(c, dtype):
     # epsilon; its relative error is rounding noise over ~0 in any implementation. Such cases are
     # drawn with at least two features, two tokens per chunk and (weight norm) an initial state,
     # as LaCT runs them; the exhaustive test above covers the options on a fixed shape.
-    normalised = c["muon_steps"] > 0 or c["weight_norm"]
+    normalised = c["schedule"] != "none" or c["weight_norm"]
     least = 2 if normalised else 1
     C = max(c["C"], least)
     T = max(1 + round(c["t_frac"] * (5 * C + 6)), least)  # 1 .. 5·C + 7
     return make_case(c["seed"], B=c["B"], T=T, H=c["H"], Dk=max(c["Dk"], least),
                      Dv=max(c["Dv"], least), C=C, order=c["order"], lr_kind=c["lr_kind"],
-                     momentum=c["momentum"], muon_steps=c["muon_steps"],
-                     weight_norm=c["weight_norm"],
-                     initial_state=c["initial_state"] or c["weight_norm"], dtype=dtype)
+                     momentum=c["momentum"], schedule=c["schedule"],
+                     weight_norm=c["weight_norm"], initial_state=c["initial_state"] or c["weight_norm"],
+                     dtype=dtype, ns_dtype=torch.bfloat16 if c["ns_bf16"] else None)
 
 
-# Derandomized: about one fp32 draw in 3500 has a weight-norm gradient that is a near-cancelling
-# sum (measured: the fp32 reference itself is then 2e-5..6e-5 off); a fixed example set keeps
-# the suite deterministic without loosening the tolerance.
-@settings(max_examples=120, deadline=None, derandomize=True)
+@settings(max_examples=50, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_fp32(c):
     tensors, options = _draw(c, torch.float32)
-    assert_matches_reference(tensors, options, c["final"], c["seed"])
+    assert_precise(torch_op, tensors, options, c["final"], c["seed"])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_bf16(c):
     tensors, options = _draw(c, torch.bfloat16)
-    assert_matches_reference(tensors, options, c["final"], c["seed"])
+    assert_precise(torch_op, tensors, options, c["final"], c["seed"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(c=case)
+def test_naive_reference_matches_the_hand_written_loop(c):
+    """``naive.py`` is the specification other backends cite: it too must match, in float64."""
+    tensors, options = _draw(c, torch.float64)
+    options["ns_dtype"] = None  # a float64 evaluation iterates in float64
+    got = run_with_grads(naive_block_linear_attention, tensors, options, c["final"], c["seed"],
+                         torch.float64)
+    exact = run_with_grads(hand_block, tensors, options, c["final"], c["seed"], torch.float64)
+    for i, (x, x64) in enumerate(zip(got, exact)):
+        assert rel_rms_error(x, x64) <= TOLERANCE[torch.float64], i
 
 
 @pytest.mark.parametrize("T", [1, 4, 5, 8, 13])
 def test_edge_lengths_against_reference(T):
     """T < C, T = C, T = C + 1, T = 2C, ragged — with everything switched on."""
     tensors, options = make_case(T, B=1, T=T, H=3, Dk=6, Dv=7, C=4, order="exclusive",
-                                 lr_kind="feature", momentum=True, muon_steps=5,
+                                 lr_kind="feature", momentum=True, schedule="muon5",
                                  weight_norm=True, initial_state=True, dtype=torch.float32)
-    assert_matches_reference(tensors, options, True, T)
+    assert_precise(torch_op, tensors, options, True, T)
 
 
 def test_exclusive_single_chunk_returns_initial_state():
     """With one chunk, exclusive order only applies: the state is left untouched."""
     tensors, options = make_case(0, B=1, T=3, H=1, Dk=4, Dv=4, C=8, order="exclusive",
-                                 lr_kind="none", momentum=False, muon_steps=0,
+                                 lr_kind="none", momentum=False, schedule="none",
                                  weight_norm=False, initial_state=True, dtype=torch.float32)
     o, final = block_linear_attention(*tensors, output_final_state=True, **options)
     torch.testing.assert_close(final, options["initial_state"], rtol=0, atol=0)
@@ -154,39 +279,93 @@ def test_exclusive_single_chunk_returns_initial_state():
 
 
 def test_long_sequence_momentum_does_not_underflow():
-    """2^20 tokens, 512 chunks, momentum ≈ 0.5: Π α underflows fp32, the scan must not care."""
-    B, T, H, D, C = 1, 1 << 20, 1, 4, 2048
+    """192 chunks, momentum ≈ 0.5: Π α underflows fp32 (~1e-58), the scan must not care."""
+    B, T, H, D, C = 1, 192 * 64, 1, 4, 64
     g = torch.Generator().manual_seed(7)
     phi_q, phi_k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
     lr = torch.rand(B, T, H, generator=g)
     momentum = 0.45 + 0.1 * torch.rand(B, T // C, H, generator=g)
-    assert torch.prod(momentum.double()).item() < 1e-100  # a cumulative product would underflow
+    assert torch.prod(momentum.double()).item() < 1e-45  # a cumulative product would underflow
     for order, muon_steps, weight_norm in [("exclusive", 0, None), ("inclusive", 5, None),
                                            ("exclusive", 5, torch.full((B, H, D), 2.0))]:
         options = dict(chunk_size=C, order=order, lr=lr, momentum=momentum,
                        muon_steps=muon_steps, weight_norm=weight_norm, output_final_state=True)
         o, final = block_linear_attention(phi_q, phi_k, v, backend="torch", **options)
-        as64 = {k: (x.double() if isinstance(x, torch.Tensor) else x) for k, x in options.items()}
-        o_ref, final_ref = naive_block_linear_attention(phi_q.double(), phi_k.double(),
-                                                        v.double(), **as64)
+        o_low, final_low = hand_block(phi_q, phi_k, v, **options)  # the fp32 loop's own error
+        o_ref, final_ref = hand_block(phi_q, phi_k, v, dtype=torch.float64, **options)
         assert torch.isfinite(o).all() and torch.isfinite(final).all()
-        assert rel_rms_error(o, o_ref) < TOLERANCE[torch.float32], (order, muon_steps)
-        assert rel_rms_error(final, final_ref) < TOLERANCE[torch.float32], (order, muon_steps)
+        for x, low, ref in ((o, o_low, o_ref), (final, final_low, final_ref)):
+            bound = (2 * rel_rms_error(low, ref) + 1e-6 if muon_steps
+                     else TOLERANCE[torch.float32])
+            assert rel_rms_error(x, ref) <= bound, (order, muon_steps)
+
+
+# ----------------------------------------------------------------------------- dispatched ops
+
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched while it is active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_for(chunks, *, order, momentum, schedule):
+    """aten ops of one forward and backward of the op on ``chunks`` chunks of two tokens."""
+    B, H, D, C = 1, 2, 3, 2
+    T = chunks * C
+    x = [torch.randn(B, T, H, D, requires_grad=True) for _ in range(3)]
+    muon_steps, ns_coefficients = SCHEDULES[schedule]
+    m = torch.rand(B, chunks, H, requires_grad=True) if momentum else None
+    with CountOps() as counter:
+        o, final = block_linear_attention(*x, chunk_size=C, order=order, momentum=m,
+                                          muon_steps=muon_steps, ns_coefficients=ns_coefficients,
+                                          output_final_state=True, backend="torch")
+        (o.sum() + final.sum()).backward()
+    return counter.count
+
+
+@pytest.mark.parametrize("order", ["exclusive", "inclusive"])
+@pytest.mark.parametrize("momentum,schedule", [(False, "none"), (True, "none"), (False, "muon5"),
+                                               (True, "lact5")])
+def test_dispatched_ops_grow_at_most_logarithmically_with_chunks(order, momentum, schedule):
+    """16 → 256 → 4096 chunks: a loop over chunks would add ≥ 240 then ≥ 3840 ops; the op adds
+    one level of its log-depth scans per 16× (a fixed number of ops), and no more after that."""
+    c16, c256, c4096 = (ops_for(n, order=order, momentum=momentum, schedule=schedule)
+                        for n in (16, 256, 4096))
+    assert c256 - c16 < 240, (c16, c256)
+    assert c4096 - c256 <= c256 - c16 + 8, (c16, c256, c4096)
 
 
 # ----------------------------------------------------------------------------- Newton–Schulz
 
-@settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 9), n=st.integers(1, 9), steps=st.integers(0, 6),
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 9), schedule=st.sampled_from(sorted(SCHEDULES)),
+       ns_bf16=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2**31 - 1))
-def test_newton_schulz_matches_reference(m, n, steps, seed):
-    G = torch.randn(3, 2, m, n, generator=torch.Generator().manual_seed(seed))
-    expected = naive_newton_schulz(G.double(), ns_schedule(steps))
-    assert rel_rms_error(newton_schulz(G, steps), expected) < TOLERANCE[torch.float32]
-    assert rel_rms_error(newton_schulz(G.mT, steps).mT, expected) < TOLERANCE[torch.float32]
-    G16 = G.bfloat16()
-    assert rel_rms_error(newton_schulz(G16, steps),
-                         naive_newton_schulz(G16.double(), ns_schedule(steps))) < TOLERANCE[torch.bfloat16]
+def test_newton_schulz_matches_the_hand_written_iteration(m, n, schedule, ns_bf16, dtype, seed):
+    """``newton_schulz`` (and naive's) against ``hand_newton_schulz``: float64 to 1e-10; low
+    precision within twice the hand-written iteration's own error (plus 1e-6), both orientations."""
+    # own error: the larger of the two roundings of the same polynomial (see the module docstring)
+    steps, coefficients = SCHEDULES[schedule]
+    triples = steps_of(steps, coefficients)
+    it = torch.bfloat16 if ns_bf16 else None
+    G = torch.randn(3, 2, m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    exact = hand_newton_schulz(G, triples, 1e-7, torch.float64)
+    for fn in (lambda x, d: newton_schulz(x, steps, coefficients, dtype=d),
+               lambda x, d: naive_newton_schulz(x, triples, 1e-7, d)):
+        assert rel_rms_error(fn(G, None), exact) <= TOLERANCE[torch.float64]
+        assert rel_rms_error(fn(G.mT, None).mT, exact) <= TOLERANCE[torch.float64]
+        low = G.to(dtype)
+        own = max(rel_rms_error(hand_newton_schulz(low, triples, 1e-7, it or dtype, form), exact)
+                  for form in NS_FORMS)
+        got = fn(low, it)
+        assert got.dtype == dtype
+        assert rel_rms_error(got, exact) <= 2 * own + 1e-6 + (TOLERANCE[dtype] if not triples else 0)
 
 
 def test_newton_schulz_orthogonalises():
@@ -200,11 +379,13 @@ def test_newton_schulz_orthogonalises():
 
 def test_backends_agree_and_are_named():
     tensors, options = make_case(1, B=1, T=9, H=2, Dk=3, Dv=5, C=4, order="inclusive",
-                                 lr_kind="token", momentum=True, muon_steps=2, weight_norm=True,
+                                 lr_kind="token", momentum=True, schedule="muon5", weight_norm=True,
                                  initial_state=True, dtype=torch.float32)
     o_auto, _ = block_linear_attention(*tensors, **options)
+    o_torch, _ = block_linear_attention(*tensors, backend="torch", **options)
     o_naive, _ = block_linear_attention(*tensors, backend="naive", **options)
-    assert rel_rms_error(o_auto, o_naive) < TOLERANCE[torch.float32]
+    assert torch.equal(o_auto, o_torch)
+    assert rel_rms_error(o_auto, o_naive) < 1e-4
     assert implementation_name("block", *tensors, **options) == "torch.block(semi-parallel)"
     options["weight_norm"] = None
     assert implementation_name("block", *tensors, **options) == "torch.block(parallel)"
@@ -214,7 +395,7 @@ def test_backends_agree_and_are_named():
 
 def _small_case():
     return make_case(1, B=1, T=4, H=1, Dk=2, Dv=2, C=2, order="inclusive", lr_kind="none",
-                     momentum=False, muon_steps=0, weight_norm=False, initial_state=False,
+                     momentum=False, schedule="none", weight_norm=False, initial_state=False,
                      dtype=torch.float32)
 
 

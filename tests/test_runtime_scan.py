@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from ttt2la.runtime import affine_scan, prefix_sum
 from ttt2la.testing import TOLERANCE, rel_rms_error
 
-METHODS = ("auto", "sequential", "doubling")
+METHODS = ("auto", "blocked", "sequential", "doubling")
 
 
 def loop_reference(a, f, initial, dim):

@@ -2,81 +2,205 @@
 
 Every chunk's increment ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)`` is state-independent, so the op runs as
 
-1. all increments in one batched matmul;
-2. momentum as an affine scan over the increments (``scan.affine_scan``), never a cumulative
-   product of momentum factors that is divided out later;
+1. all increments by batched matmuls (``ChunkIncrements``);
+2. momentum as a blocked affine scan over the increments (``scan.blocked_scan``: log-depth,
+   factors only ever multiplied);
 3. Newton–Schulz on every chunk's ``M_j`` in one batched call;
-4. the state pass, O(N·Dk·Dv): a prefix sum over chunks (*parallel*), or, with ``weight_norm``,
+4. the state pass: a blocked prefix sum over chunks (*parallel*), or, with ``weight_norm``,
    ``W ← norm(W + Δ_j)`` chunk after chunk (*semi-parallel*: the norm is not associative, but
    only this cheap map is sequential, and it is exact);
-5. all outputs in one batched matmul against the stacked per-chunk states.
+5. all outputs by batched matmuls against the per-chunk states (``ReadStates``).
 
-The matmuls of steps 1 and 5 batch over batch and chunks, one call per head: a head's chunks
-are strided views of the ``[B, T, H, D]`` input that BLAS reads in place, while batching heads
-too forces transposed copies of every input (measured 2.3× slower for 4 heads of 128 features
-in 2048-token chunks, on par for 8-16 heads of 64).
+Steps 1 and 5 move all the ``[B, T, H, D]`` data. They are autograd Functions with explicit
+backwards, one ``bmm`` per (batch, head) over all its chunks, reading each head's chunks as
+strided views of the input and writing results straight into strided views of the output with
+``out=``: no padding, no per-head stacking, no transposed copies, forward or backward. The
+per-chunk states live head-major, ``[B, H, N, Dk, Dv]``, so every state-sized step (scans,
+Newton–Schulz, the norm) works on contiguous views. Steps 2-4 act on those small tensors under
+ordinary autograd.
 
 Precision follows the source: the op accumulates in the inputs' dtype (fp32 for bf16/fp16,
 float64 only for float64 inputs), and Newton–Schulz iterates in ``ns_dtype`` — the dtype the
 user's code iterates in (LaCT casts to bf16), the accumulation dtype by default.
 
-Measured on CPU (``benchmarks/runtime_cpu.py``): the Appendix-H masked form
-``((ΦQ ΦKᵀ) ⊙ mask) U`` is 10-100× slower than the state form except on sequences of a few
-dozen tokens, where every form takes well under a millisecond, so only the state form is kept.
-Without Muon the op runs at about the recurrent reference's speed on CPU (the same matmuls;
-the momentum and state passes are loops of small adds as well): chunk parallelism pays on GPUs.
+Measured on CPU (``benchmarks/runtime_cpu.py``, ``docs/runtime.md``): against a plain loop over
+chunks doing the same math, and the Appendix-H masked form ``((ΦQ ΦKᵀ) ⊙ mask) U`` is 10-100×
+slower than the state form except on sequences of a few dozen tokens, so only the state form is
+kept.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ttt2la.runtime.naive import (NS_EPS, check_block_inputs, compute_dtype, effective_value,
-                                  final_state_dtype, ns_schedule, WEIGHT_NORM_EPS)
+from ttt2la.runtime.naive import (NS_EPS, WEIGHT_NORM_EPS, check_block_inputs, compute_dtype,
+                                  final_state_dtype, ns_schedule)
 from ttt2la.runtime.newton_schulz import newton_schulz
-from ttt2la.runtime.scan import affine_scan, prefix_sum
+from ttt2la.runtime.scan import blocked_scan
 
 
-def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
-    """``[B, T, ...] → [B, n, chunk_size, ...]``, zero-padding the tokens after ``T``."""
-    pad = n * chunk_size - x.shape[1]
-    if pad > 0:
-        x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
-    elif pad < 0:
-        x = x[:, :n * chunk_size]
-    return x.reshape(x.shape[0], n, chunk_size, *x.shape[2:])
+def chunk_pieces(T: int, C: int, first: int, stop: int):
+    """Token ranges of chunks ``first .. stop-1`` of a ``T``-token sequence cut every ``C``:
+    ``(chunk, count, length)`` — ``count`` whole chunks from ``chunk`` on, or the ragged last one."""
+    whole = min(stop, T // C)
+    pieces = [(first, whole - first, C)] if whole > first else []
+    if stop > max(whole, first):
+        pieces.append((stop - 1, 1, T - (stop - 1) * C))
+    return pieces
+
+
+def _tokens(x: torch.Tensor, b: int, h: int, chunk: int, count: int, length: int, C: int):
+    """Chunks ``chunk .. chunk+count-1`` of ``x[b, :, h]`` as a ``[count, length, D]`` view."""
+    t0 = chunk * C
+    return x[b, t0:t0 + count * length, h].view(count, length, x.shape[-1])
+
+
+class ChunkIncrements(torch.autograd.Function):
+    """``G[b, h, j] = φ(K_j)ᵀ U_j`` for the first ``n`` chunks: ``[B, H, n, Dk, Dv]``."""
+
+    @staticmethod
+    def forward(ctx, phi_k, u, n: int, C: int):
+        B, T, H, Dk = phi_k.shape
+        G = phi_k.new_empty(B, H, n, Dk, u.shape[-1])
+        for chunk, count, length in chunk_pieces(T, C, 0, n):
+            for b in range(B):
+                for h in range(H):
+                    torch.bmm(_tokens(phi_k, b, h, chunk, count, length, C).mT,
+                              _tokens(u, b, h, chunk, count, length, C),
+                              out=G[b, h, chunk:chunk + count])
+        ctx.save_for_backward(phi_k, u)
+        ctx.n, ctx.C = n, C
+        return G
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dG):
+        phi_k, u = ctx.saved_tensors
+        B, T, H, _ = phi_k.shape
+        dG = dG.contiguous()
+        covered = min(ctx.n * ctx.C, T) == T
+        new = torch.empty_like if covered else torch.zeros_like
+        dk = new(phi_k) if ctx.needs_input_grad[0] else None
+        du = new(u) if ctx.needs_input_grad[1] else None
+        for chunk, count, length in chunk_pieces(T, ctx.C, 0, ctx.n):
+            for b in range(B):
+                for h in range(H):
+                    g = dG[b, h, chunk:chunk + count]
+                    if dk is not None:
+                        torch.bmm(_tokens(u, b, h, chunk, count, length, ctx.C), g.mT,
+                                  out=_tokens(dk, b, h, chunk, count, length, ctx.C))
+                    if du is not None:
+                        torch.bmm(_tokens(phi_k, b, h, chunk, count, length, ctx.C), g,
+                                  out=_tokens(du, b, h, chunk, count, length, ctx.C))
+        return dk, du, None, None
+
+
+def _read_sources(T, C, n, shift):
+    """``(chunk, count, length, state index)`` pieces: chunk ``j`` reads state ``j - shift``."""
+    return [(chunk, count, length, chunk - shift)
+            for chunk, count, length in chunk_pieces(T, C, shift, n)]
+
+
+class ReadStates(torch.autograd.Function):
+    """``o_j = φ(Q_j) W_j`` with ``W_j = states[:, :, j - shift]``, and (``shift=1``) chunk 0 read
+    through ``first`` (zeros when None). Returns ``o [B, T, H, Dv]``."""
+
+    @staticmethod
+    def forward(ctx, phi_q, states, first, C: int, shift: int):
+        B, T, H, _ = phi_q.shape
+        n = states.shape[2] + shift
+        o = phi_q.new_empty(B, T, H, states.shape[-1])
+        if shift:
+            head = min(C, T)
+            if first is None:
+                o[:, :head].zero_()
+            else:
+                for b in range(B):
+                    for h in range(H):
+                        torch.mm(phi_q[b, :head, h], first[b, h], out=o[b, :head, h])
+        for chunk, count, length, s in _read_sources(T, C, n, shift):
+            for b in range(B):
+                for h in range(H):
+                    torch.bmm(_tokens(phi_q, b, h, chunk, count, length, C),
+                              states[b, h, s:s + count],
+                              out=_tokens(o, b, h, chunk, count, length, C))
+        ctx.save_for_backward(phi_q, states, first)
+        ctx.C, ctx.shift = C, shift
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        phi_q, states, first = ctx.saved_tensors
+        C, shift = ctx.C, ctx.shift
+        B, T, H, _ = phi_q.shape
+        do = do.contiguous()
+        dq = torch.empty_like(phi_q) if ctx.needs_input_grad[0] else None
+        dstates = torch.empty_like(states) if ctx.needs_input_grad[1] else None
+        dfirst = None
+        if shift:
+            head = min(C, T)
+            if first is None:
+                if dq is not None:
+                    dq[:, :head].zero_()
+            else:
+                if ctx.needs_input_grad[2]:
+                    dfirst = torch.empty_like(first)
+                for b in range(B):
+                    for h in range(H):
+                        if dq is not None:
+                            torch.mm(do[b, :head, h], first[b, h].mT, out=dq[b, :head, h])
+                        if dfirst is not None:
+                            torch.mm(phi_q[b, :head, h].mT, do[b, :head, h], out=dfirst[b, h])
+        for chunk, count, length, s in _read_sources(T, C, states.shape[2] + shift, shift):
+            for b in range(B):
+                for h in range(H):
+                    d = _tokens(do, b, h, chunk, count, length, C)
+                    if dq is not None:
+                        torch.bmm(d, states[b, h, s:s + count].mT,
+                                  out=_tokens(dq, b, h, chunk, count, length, C))
+                    if dstates is not None:
+                        torch.bmm(_tokens(phi_q, b, h, chunk, count, length, C).mT, d,
+                                  out=dstates[b, h, s:s + count])
+        return dq, dstates, dfirst, None, None
 
 
 def normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Rescale every column ``W[..., :, c]`` of ``[B, H, Dk, Dv]`` states to ``target[..., c]``."""
+    """Rescale every column ``W[..., :, c]`` of ``[..., Dk, Dv]`` states to ``target[..., c]``."""
     norms = torch.linalg.vector_norm(W, dim=-2, keepdim=True)
     return W / (norms + WEIGHT_NORM_EPS) * target.unsqueeze(-2)
 
 
-def chunk_increments(phi_k: torch.Tensor, u: torch.Tensor, n: int,
-                     chunk_size: int) -> torch.Tensor:
-    """``G_j = φ(K_j)ᵀ U_j`` of the first ``n`` chunks, ``[B, n, H, Dk, Dv]``; a matmul per head."""
-    kc = split_chunks(phi_k, n, chunk_size).unbind(3)
-    uc = split_chunks(u, n, chunk_size).unbind(3)
-    return torch.stack([k.mT @ v for k, v in zip(kc, uc)], dim=2)
-
-
-def read_states(phi_q: torch.Tensor, states: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
-    """``o_j = φ(Q_j) W_j`` for chunk ``j`` and state ``states[:, j]``, as ``[B, T, H, Dv]``."""
-    B, T, H, _ = phi_q.shape
-    qc = split_chunks(phi_q, n, chunk_size).unbind(3)
-    o = torch.stack([q @ W for q, W in zip(qc, states.unbind(2))], dim=3)  # [B, n, C, H, Dv]
-    return o.reshape(B, n * chunk_size, H, -1)[:, :T]
-
-
-def _semi_parallel_states(delta: torch.Tensor, W0: torch.Tensor | None,
-                          weight_norm: torch.Tensor) -> torch.Tensor:
+def _semi_parallel_states(delta, W0, weight_norm):
+    """``W_j = norm(W_{j-1} + Δ_j)`` chunk after chunk over axis 2 of ``[B, H, n, Dk, Dv]``."""
     W = W0
     states = []
-    for d in delta.unbind(1):
+    for d in delta.unbind(2):
         W = normalise_columns(d if W is None else W + d, weight_norm)
         states.append(W)
-    return torch.stack(states, dim=1)
+    return torch.stack(states, dim=2)
+
+
+def _scan_rows(factors, f, initial):
+    """``blocked_scan`` over axis 2 of ``f [B, H, n, Dk, Dv]`` (``factors [B, H, n]`` or None)."""
+    B, H, n, Dk, Dv = f.shape
+    S = blocked_scan(None if factors is None else factors.reshape(B * H, n),
+                     f.reshape(B * H, n, Dk * Dv),
+                     None if initial is None else initial.reshape(B * H, Dk * Dv))
+    return S.view(B, H, n, Dk, Dv)
+
+
+def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0):
+    """States after every update, ``[B, H, n, Dk, Dv]``, from the increments ``G``."""
+    n = G.shape[2]
+    M = G
+    if momentum is not None and n > 1:
+        M = _scan_rows(momentum[:, :n].transpose(1, 2), G, None)
+    delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
+    if weight_norm is not None:
+        return _semi_parallel_states(delta, W0, weight_norm)
+    if n == 1:
+        return delta if W0 is None else delta + W0.unsqueeze(2)
+    return _scan_rows(None, delta, W0)
 
 
 def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
@@ -96,40 +220,29 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     B, T, H, Dk = phi_k.shape
     Dv = v.shape[-1]
     C = T if order == "full" else chunk_size
-    n_update = n - 1 if order == "exclusive" else n
+    shift = 1 if order == "exclusive" else 0
     W0 = None if initial_state is None else initial_state.to(dt)
 
-    if n_update > 0:
-        u = effective_value(v.to(dt), None if lr is None else lr.to(dt))
-        M = chunk_increments(phi_k.to(dt), u, n_update, C)
-        if momentum is not None and n_update > 1:
-            M = affine_scan(momentum[:, :n_update].to(dt)[..., None, None], M, dim=1)
-        delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
-        if weight_norm is None:
-            states = prefix_sum(delta, dim=1, initial=W0)
-        else:
-            states = _semi_parallel_states(delta, W0, weight_norm.to(dt))
+    if n - shift > 0:
+        u = v.to(dt)
+        if lr is not None:
+            u = u * (lr.to(dt).unsqueeze(-1) if lr.dim() == 3 else lr.to(dt))
+        G = ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
+        states = chunk_states(G, momentum=None if momentum is None else momentum.to(dt),
+                              schedule=schedule, ns_eps=ns_eps, ns_dtype=ns_dtype,
+                              weight_norm=None if weight_norm is None else weight_norm.to(dt),
+                              W0=W0)
+        final = states[:, :, -1]
     else:
-        states = torch.zeros(B, 0, H, Dk, Dv, dtype=dt, device=v.device)
-
-    if order == "exclusive":
-        first = (torch.zeros(B, 1, H, Dk, Dv, dtype=dt, device=v.device) if W0 is None
-                 else W0.unsqueeze(1))
-        read = torch.cat([first, states], dim=1)
-    else:
-        read = states
-    o = read_states(phi_q.to(dt), read, n, C)
-
-    final = None
+        states = phi_k.new_empty(B, H, 0, Dk, Dv, dtype=dt)
+        final = W0 if W0 is not None else phi_k.new_zeros(B, H, Dk, Dv, dtype=dt)
+    o = ReadStates.apply(phi_q.to(dt), states, W0, C, shift)
     if output_final_state:
-        if n_update > 0:
-            final = states[:, -1]
-        else:
-            final = (W0.clone() if W0 is not None
-                     else torch.zeros(B, H, Dk, Dv, dtype=dt, device=v.device))
-        final = final.to(final_state_dtype(v, initial_state))
+        final = (final.clone() if final is W0 else final).to(final_state_dtype(v, initial_state))
+    else:
+        final = None
     return o.to(v.dtype), final
 
 
-__all__ = ["torch_block_linear_attention", "chunk_increments",
-           "read_states", "normalise_columns", "split_chunks"]
+__all__ = ["torch_block_linear_attention", "ChunkIncrements", "ReadStates", "chunk_states",
+           "chunk_pieces", "normalise_columns"]

@@ -152,7 +152,7 @@ def naive_newton_schulz(G: torch.Tensor, schedule, eps: float = NS_EPS,
     of ``schedule`` per step, iterated in ``dtype`` (default ``G``'s) and returned in ``G``'s."""
     X = G.to(dtype or G.dtype)
     X = X.mT if G.shape[-2] > G.shape[-1] else X
-    X = X / (torch.linalg.matrix_norm(X)[..., None, None] + eps)
+    X = X / (X.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
     for a, b, c in schedule:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X

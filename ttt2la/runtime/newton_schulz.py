@@ -29,7 +29,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=None, eps: float
     X = G.to(dtype or G.dtype)
     if tall:
         X = X.mT
-    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    X = X / (X.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
     for a, b, c in schedule:
         A = X @ X.mT
         X = a * X + (b * A + c * (A @ A)) @ X

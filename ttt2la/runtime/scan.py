@@ -1,16 +1,22 @@
 """Scans over the chunk axis: prefix sums and the affine recurrence ``S_j = a_j ⊙ S_{j-1} + f_j``.
 
 The affine scan carries momentum over chunk increments and decayed states over chunk
-boundaries. It never forms a cumulative product that is divided out later (that underflows to
-0/0 over long sequences): the doubling form composes ``(a, f)`` pairs, so decay products are only
-ever multiplied and an underflow to 0 is the correct limit.
+boundaries. No form here divides out a cumulative product (that underflows to 0/0 over long
+sequences): factors are only ever multiplied, and an underflow to 0 is the correct limit.
 
-Strategy (``benchmarks/runtime_cpu.py``, CPU, 1-2 threads): the sequential loop costs ~5-10 µs
-of dispatch per step, the doubling scan ``⌈log₂ N⌉`` full passes over the data. Doubling wins
-from ~32 steps while the whole scanned tensor stays small (≤ 2^17 elements, e.g. 512 chunks of
-8×8 states for 4 heads); beyond that its large temporaries make it up to 10× slower than the
-loop, which then wins at every length measured. ``method="auto"`` applies that rule (on CUDA
-too, where it has not been measured).
+Three forms, all differentiable through autograd:
+
+* *blocked* (the default wherever one factor covers a whole row of features: a prefix sum,
+  momentum, a per-head decay): blocks of ``SCAN_BLOCK`` steps; inside a block the scan is one
+  batched matmul with the block's transfer matrix ``L[j, i] = a_{i+1} ⋯ a_j`` (a cumulative
+  product, never a quotient), and the blocks' end states are scanned the same way one level up.
+  ``⌈log_SCAN_BLOCK N⌉`` levels of a fixed handful of ops, O(N·SCAN_BLOCK) multiply-adds on the
+  (small) factors and one matmul pass over the features per level.
+* *doubling* (elementwise factors): ``⌈log₂ N⌉`` passes composing ``(a, f)`` pairs.
+* *sequential*: a loop over the steps, kept for scans of at most ``SEQUENTIAL_MAX_STEPS``
+  elementwise steps.
+
+``benchmarks/runtime_cpu.py`` measures them against the loop.
 """
 from __future__ import annotations
 
@@ -18,31 +24,88 @@ import torch
 
 from ttt2la.runtime.naive import compute_dtype
 
-#: Scans with at most this many steps always run the sequential loop.
+#: Elementwise scans with at most this many steps run the sequential loop.
 SEQUENTIAL_MAX_STEPS = 16
-#: Longer scans run the doubling form while the scanned tensor has at most this many elements.
-DOUBLING_MAX_NUMEL = 1 << 17
+#: Steps per block of the blocked scan (the side of its transfer matrices).
+SCAN_BLOCK = 16
+
+
+def _transfer(a: torch.Tensor | None, s: int, like: torch.Tensor) -> torch.Tensor:
+    """``L[..., j, i] = a_{i+1} ⋯ a_j`` for ``i ≤ j`` (0 above the diagonal), from ``a [..., s]``.
+
+    ``a=None`` means every factor is 1 (a prefix sum): ``L`` is the lower-triangular ones.
+    """
+    lower = torch.ones(s, s, dtype=torch.bool, device=like.device).tril()
+    if a is None:
+        return lower.to(like.dtype)
+    after = torch.ones(s, s, dtype=torch.bool, device=like.device).tril(-1)  # [l, i]: l > i
+    factors = torch.where(after, a.unsqueeze(-1), torch.ones((), dtype=a.dtype, device=a.device))
+    return torch.cumprod(factors, dim=-2).masked_fill(~lower, 0.0)
+
+
+def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
+                 initial: torch.Tensor | None = None, block: int = SCAN_BLOCK) -> torch.Tensor:
+    """``S_j = a_j S_{j-1} + f_j`` over axis 1 of ``f [N, n, X]`` with one factor per row, ``a [N, n]``.
+
+    ``a=None`` is a prefix sum; ``initial [N, X]`` is ``S_{-1}`` (0 when None). Log-depth: one
+    level per factor of ``block`` steps, each a fixed number of ops.
+    """
+    N, n, X = f.shape
+    m = -(-n // block)
+    s = block if m > 1 else n
+    pad = m * s - n
+    if pad:
+        f = torch.nn.functional.pad(f, (0, 0, 0, pad))
+        a = None if a is None else torch.nn.functional.pad(a, (0, pad), value=1.0)
+    L = _transfer(None if a is None else a.reshape(N, m, s), s, f)  # [N, m, s, s] or [s, s]
+    inside = L @ f.reshape(N, m, s, X)  # the scan of each block from a zero state
+    if m == 1 and initial is None:
+        return inside.reshape(N, s, X)[:, :n]
+    # state entering every block: the scan, one level up, of the blocks' end states
+    if a is None:
+        ends = None
+    else:
+        through = a.reshape(N, m, s)[..., :1] * L[..., :, 0]  # a_0 ⋯ a_j inside each block
+        ends = through[..., -1]
+    if m == 1:
+        entering = initial.unsqueeze(1)
+    else:
+        after = blocked_scan(ends, inside[:, :, -1], initial, block)  # [N, m, X]
+        first = (torch.zeros_like(after[:, :1]) if initial is None else initial.unsqueeze(1))
+        entering = torch.cat([first, after[:, :-1]], dim=1)
+    carried = entering.unsqueeze(2) if a is None else through.unsqueeze(-1) * entering.unsqueeze(2)
+    return (inside + carried).reshape(N, m * s, X)[:, :n]
+
+
+def _as_rows(f: torch.Tensor, dim: int, last: int):
+    """``f`` with the scan axis ``dim`` moved to ``last`` and flattened to ``[N, n, X]``."""
+    moved = f.movedim(dim, last)
+    features = 1
+    for s in moved.shape[last + 1:]:
+        features *= s
+    return moved.reshape(-1, moved.shape[last], features), moved.shape
+
+
+def _factor_axis(A: torch.Tensor, dim: int) -> int:
+    """The last axis at or after ``dim`` along which the aligned factors vary."""
+    varying = [d for d in range(dim + 1, A.dim()) if A.shape[d] > 1]
+    return varying[-1] if varying else dim
 
 
 def prefix_sum(f: torch.Tensor, *, dim: int = 1,
                initial: torch.Tensor | None = None) -> torch.Tensor:
     """``S_j = initial + Σ_{i≤j} f_i`` along ``dim``; ``initial`` has ``f``'s shape without ``dim``.
 
-    On CPU a loop of adds, measured 2-4× faster (forward and backward) than ``torch.cumsum`` over
-    a chunk axis that is not the innermost; on CUDA one ``cumsum`` kernel. Half-precision inputs
-    are summed in fp32; the result has ``f``'s dtype.
+    The blocked scan (a few batched matmuls, log-depth): on CPU, ``torch.cumsum`` over an axis
+    that is not the innermost runs an unvectorised strided loop and was measured slower than
+    even a Python loop of adds. Half-precision inputs are summed in fp32; the result has ``f``'s
+    dtype.
     """
     dim = dim % f.dim()
     dt = compute_dtype(f.dtype)
-    if f.is_cuda:
-        S = torch.cumsum(f, dim=dim, dtype=dt)
-        return (S if initial is None else S + initial.to(dt).unsqueeze(dim)).to(f.dtype)
-    S = None if initial is None else initial.to(dt)
-    out = []
-    for f_j in f.to(dt).unbind(dim):
-        S = f_j if S is None else S + f_j
-        out.append(S)
-    return torch.stack(out, dim=dim).to(f.dtype)
+    rows, shape = _as_rows(f.to(dt), dim, dim)
+    init = None if initial is None else initial.to(dt).reshape(rows.shape[0], rows.shape[2])
+    return blocked_scan(None, rows, init).reshape(shape).to(f.dtype)
 
 
 def _align(a: torch.Tensor, f: torch.Tensor, dim: int) -> torch.Tensor:
@@ -97,30 +160,58 @@ def affine_scan_doubling(a: torch.Tensor, f: torch.Tensor, *, dim: int = 1,
     return F
 
 
+def affine_scan_blocked(a: torch.Tensor, f: torch.Tensor, *, dim: int = 1,
+                        initial: torch.Tensor | None = None) -> torch.Tensor:
+    """``S_j = a_j ⊙ S_{j-1} + f_j`` by ``blocked_scan``, one factor per row of ``f``'s trailing
+    features (the scan axis is moved past the last axis the factors vary along; a copy unless
+    that is ``dim`` itself)."""
+    dim = dim % f.dim()
+    A = _align(a, f, dim)
+    last = _factor_axis(A, dim)
+    rows, shape = _as_rows(f, dim, last)
+    factors = A.expand(*f.shape[:last + 1], *A.shape[last + 1:]).movedim(dim, last)
+    factors = factors[(...,) + (0,) * (f.dim() - last - 1)].reshape(rows.shape[:2])
+    init = None
+    if initial is not None:
+        init = initial.unsqueeze(dim).movedim(dim, last).reshape(rows.shape[0], rows.shape[2])
+    return blocked_scan(factors, rows, init).reshape(shape).movedim(last, dim)
+
+
+_SCANS = {"sequential": affine_scan_sequential, "doubling": affine_scan_doubling,
+          "blocked": affine_scan_blocked}
+
+
 def affine_scan(a: torch.Tensor, f: torch.Tensor, initial: torch.Tensor | None = None, *,
                 dim: int = 1, method: str = "auto") -> torch.Tensor:
     """Inclusive scan ``S_j = a_j ⊙ S_{j-1} + f_j`` along ``dim`` with ``S_{-1} = initial`` (0).
 
     ``a`` broadcasts to ``f`` (one factor per batch/head with trailing size-1 dims, or
-    elementwise); ``initial`` has ``f``'s shape without ``dim``. ``method``: ``"auto"``,
-    ``"sequential"`` or ``"doubling"``. Half-precision inputs are scanned in fp32; the result
-    has ``f``'s dtype.
+    elementwise); ``initial`` has ``f``'s shape without ``dim``. ``method``: ``"auto"``
+    (blocked when each factor covers at least ``SCAN_BLOCK`` features, else sequential up to
+    ``SEQUENTIAL_MAX_STEPS`` steps and doubling beyond), ``"blocked"``, ``"sequential"`` or
+    ``"doubling"``. Half-precision inputs are scanned in fp32; the result has ``f``'s dtype.
     """
     dim = dim % f.dim()
     if method == "auto":
-        method = "doubling" if _prefer_doubling(f, dim) else "sequential"
-    scans = {"sequential": affine_scan_sequential, "doubling": affine_scan_doubling}
-    if method in scans:
-        dt = compute_dtype(f.dtype)
-        S = scans[method](a.to(dt), f.to(dt), dim=dim,
-                          initial=None if initial is None else initial.to(dt))
-        return S.to(f.dtype)
-    raise ValueError(
-        f"affine_scan: method must be 'auto', 'sequential' or 'doubling', got {method!r}")
+        method = _auto_method(a, f, dim)
+    if method not in _SCANS:
+        raise ValueError(f"affine_scan: method must be 'auto', 'blocked', 'sequential' or "
+                         f"'doubling', got {method!r}")
+    dt = compute_dtype(f.dtype)
+    S = _SCANS[method](a.to(dt), f.to(dt), dim=dim,
+                       initial=None if initial is None else initial.to(dt))
+    return S.to(f.dtype)
 
 
-def _prefer_doubling(f: torch.Tensor, dim: int) -> bool:
-    return f.shape[dim] > SEQUENTIAL_MAX_STEPS and f.numel() <= DOUBLING_MAX_NUMEL
+def _auto_method(a: torch.Tensor, f: torch.Tensor, dim: int) -> str:
+    last = _factor_axis(_align(a, f, dim), dim)
+    features = 1
+    for s in f.shape[last + 1:]:
+        features *= s
+    if features >= SCAN_BLOCK:
+        return "blocked"
+    return "sequential" if f.shape[dim] <= SEQUENTIAL_MAX_STEPS else "doubling"
 
 
-__all__ = ["affine_scan", "affine_scan_sequential", "affine_scan_doubling", "prefix_sum"]
+__all__ = ["affine_scan", "affine_scan_blocked", "affine_scan_sequential", "affine_scan_doubling",
+           "blocked_scan", "prefix_sum", "SCAN_BLOCK"]
