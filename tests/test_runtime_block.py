@@ -107,13 +107,13 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
     for j in range(n):
         lo, hi = j * C, min(T, (j + 1) * C)
         if order == "exclusive":
-            outs.append(torch.einsum("bthk,bhkv->bthv", q[:, lo:hi], W))
+            outs.append((q[:, lo:hi].transpose(1, 2) @ W).transpose(1, 2))
             if j == n - 1:
                 break
         u = val[:, lo:hi]
         if lr is not None:
             u = u * (lr[:, lo:hi, :, None] if lr.dim() == 3 else lr[:, lo:hi])
-        G = torch.einsum("bthk,bthv->bhkv", k[:, lo:hi], u)
+        G = k[:, lo:hi].permute(0, 2, 3, 1) @ u.transpose(1, 2)  # [B, H, Dk, Dv]
         M = G if M is None or momentum is None else momentum[:, j, :, None, None] * M + G
         step = M
         if triples:
@@ -122,7 +122,7 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
         if weight_norm is not None:
             W = W / (W.square().sum(dim=-2, keepdim=True).sqrt() + 1e-5) * weight_norm[:, :, None, :]
         if order != "exclusive":
-            outs.append(torch.einsum("bthk,bhkv->bthv", q[:, lo:hi], W))
+            outs.append((q[:, lo:hi].transpose(1, 2) @ W).transpose(1, 2))
     return torch.cat(outs, dim=1), (W if output_final_state else None)
 
 

@@ -1,4 +1,6 @@
-"""The token-causal chunked op against the token-by-token recurrence: outputs and gradients."""
+"""The token-causal chunked op against a hand-written token-by-token recurrence: outputs, final
+state and gradients (the reference shares no code with the package), fp32 within 1e-5 of the
+float64 recurrence, bf16 within 2e-2."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +8,27 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ttt2la.errors import ConversionError
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ttt2la.runtime import (chunk_linear_attention, implementation_name,
                             naive_chunk_linear_attention)
 from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error
+
+
+def hand_recurrence(q, k, v, *, chunk_size=None, log_decay=None, scale=None, initial_state=None,
+                    output_final_state=False):
+    """``S_t = exp(g_t) S_{t-1} + k_tᵀ v_t``, ``o_t = scale · q_t S_t``, token by token."""
+    B, T, H, Dk = k.shape
+    S = (torch.zeros(B, H, Dk, v.shape[-1], dtype=v.dtype) if initial_state is None
+         else initial_state)
+    outs = []
+    for t in range(T):
+        if log_decay is not None:
+            S = S * log_decay[:, t].exp()[:, :, None, None]
+        S = S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
+        outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
+    o = torch.stack(outs, dim=1)
+    return (o if scale is None else scale * o), (S if output_final_state else None)
 
 TENSOR_OPTIONS = ("log_decay", "initial_state")
 
@@ -41,7 +61,7 @@ def assert_matches_reference(tensors, options, output_final_state, seed):
         lambda *a, **k: chunk_linear_attention(*a, backend="torch", **k),
         tensors, options, output_final_state, seed, dtype)
     o_ref, final_ref, grads_ref = run_with_grads(
-        naive_chunk_linear_attention, [as64(t) for t in tensors],
+        hand_recurrence, [as64(t) for t in tensors],
         {k: as64(v) for k, v in options.items()}, output_final_state, seed, dtype)
     assert o.dtype == dtype and o.shape == o_ref.shape and torch.isfinite(o).all()
     assert rel_rms_error(o, o_ref) < tol, ("output", rel_rms_error(o, o_ref))
@@ -69,18 +89,32 @@ def _draw(c, dtype):
                      dtype=dtype)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_fp32(c):
     tensors, options = _draw(c, torch.float32)
     assert_matches_reference(tensors, options, c["final"], c["seed"])
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_bf16(c):
     tensors, options = _draw(c, torch.bfloat16)
     assert_matches_reference(tensors, options, c["final"], c["seed"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=case)
+def test_naive_reference_matches_the_hand_written_recurrence(c):
+    tensors, options = _draw(c, torch.float64)
+    got = outputs_and_grads(naive_chunk_linear_attention, tensors, options,
+                            output_final_state=True, seed=c["seed"], cotangent_dtype=torch.float64)
+    exact = outputs_and_grads(hand_recurrence, tensors, options, output_final_state=True,
+                              seed=c["seed"], cotangent_dtype=torch.float64)
+    assert rel_rms_error(got[0], exact[0]) <= TOLERANCE[torch.float64]
+    assert rel_rms_error(got[1], exact[1]) <= TOLERANCE[torch.float64]
+    for name, (_, gr) in got[2].items():
+        assert rel_rms_error(gr, exact[2][name][1]) <= TOLERANCE[torch.float64], name
 
 
 @pytest.mark.parametrize("T,C", [(1, 4), (4, 4), (5, 4), (8, 4), (3, 64), (37, 8)])
@@ -95,18 +129,18 @@ def test_edge_lengths_against_reference(T, C, decay):
 def test_strong_decay_over_a_long_sequence():
     """Decay products far below float64's range, within and across chunks, stay exact and finite.
 
-    Over 8192 tokens with log-decays around -1.5, the product over the sequence is ~e^-12000
+    Over 4096 tokens with log-decays around -1.5, the product over the sequence is ~e^-6000
     and within one 64-token chunk ~e^-96 (below fp32's smallest number): a form that divides
     cumulative products, or exponentiates positive cumulative log-decays, breaks here.
     """
-    B, T, H, D, C = 1, 8192, 2, 4, 64
+    B, T, H, D, C = 1, 4096, 2, 4, 64
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
     log_decay = -1.0 - torch.rand(B, T, H, generator=g)
     s0 = torch.randn(B, H, D, D, generator=g)
     o, final = chunk_linear_attention(q, k, v, chunk_size=C, log_decay=log_decay,
                                       initial_state=s0, output_final_state=True)
-    o_ref, final_ref = naive_chunk_linear_attention(
+    o_ref, final_ref = hand_recurrence(
         q.double(), k.double(), v.double(), log_decay=log_decay.double(), initial_state=s0.double(),
         output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
@@ -154,3 +188,37 @@ def test_malformed_arguments_raise_conversion_errors(bad):
     with pytest.raises(ConversionError):
         chunk_linear_attention(x, x, x, **bad)
 
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched while it is active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_for(chunks, decay):
+    B, H, D, C = 1, 2, 3, 2
+    T = chunks * C
+    x = [torch.randn(B, T, H, D, requires_grad=True) for _ in range(3)]
+    g = (torch.nn.functional.logsigmoid(torch.randn(B, T, H)).requires_grad_() if decay
+         else None)
+    with CountOps() as counter:
+        o, final = chunk_linear_attention(x[0], x[1], x[2], chunk_size=C, log_decay=g,
+                                          output_final_state=True, backend="torch")
+        (o.sum() + final.sum()).backward()
+    return counter.count
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_dispatched_ops_grow_at_most_logarithmically_with_chunks(decay):
+    """16 → 256 → 4096 chunks: one more level of the log-depth state scan per 16×, nothing more
+    (a loop over chunks would add at least 240, then 3840 ops)."""
+    c16, c256, c4096 = (ops_for(n, decay) for n in (16, 256, 4096))
+    assert c256 - c16 < 240, (c16, c256)
+    assert c4096 - c256 <= c256 - c16 + 8, (c16, c256, c4096)
