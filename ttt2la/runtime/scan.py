@@ -11,7 +11,8 @@ Three forms, all differentiable through autograd:
   batched matmul with the block's transfer matrix ``L[j, i] = a_{i+1} ⋯ a_j`` (a cumulative
   product, never a quotient), and the blocks' end states are scanned the same way one level up.
   ``⌈log_SCAN_BLOCK N⌉`` levels of a fixed handful of ops, O(N·SCAN_BLOCK) multiply-adds on the
-  (small) factors and one matmul pass over the features per level.
+  (small) factors and one matmul pass over the features per level (the carry into each block
+  rides on the same matmul, ``baddbmm``).
 * *doubling* (elementwise factors): ``⌈log₂ N⌉`` passes composing ``(a, f)`` pairs.
 * *sequential*: a loop over the steps, kept for scans of at most ``SEQUENTIAL_MAX_STEPS``
   elementwise steps.
@@ -26,8 +27,9 @@ from ttt2la.runtime.naive import compute_dtype
 
 #: Elementwise scans with at most this many steps run the sequential loop.
 SEQUENTIAL_MAX_STEPS = 16
-#: Steps per block of the blocked scan (the side of its transfer matrices).
-SCAN_BLOCK = 16
+#: Steps per block of the blocked scan (the side of its transfer matrices): up to 64 chunks scan
+#: in one matmul, with no padding and no carry pass over the (often large) states.
+SCAN_BLOCK = 64
 
 
 def _transfer(a: torch.Tensor | None, s: int, like: torch.Tensor) -> torch.Tensor:
@@ -58,23 +60,26 @@ def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
         f = torch.nn.functional.pad(f, (0, 0, 0, pad))
         a = None if a is None else torch.nn.functional.pad(a, (0, pad), value=1.0)
     L = _transfer(None if a is None else a.reshape(N, m, s), s, f)  # [N, m, s, s] or [s, s]
-    inside = L @ f.reshape(N, m, s, X)  # the scan of each block from a zero state
+    blocks = f.reshape(N, m, s, X)
     if m == 1 and initial is None:
-        return inside.reshape(N, s, X)[:, :n]
-    # state entering every block: the scan, one level up, of the blocks' end states
+        return (L @ blocks).reshape(N, s, X)[:, :n]
+    # the state entering every block, from the scan one level up of the blocks' end states,
+    # is carried in by the same matmul: inside + through ⊗ entering, one pass over the features
     if a is None:
-        ends = None
+        through = torch.ones(N, m, s, dtype=f.dtype, device=f.device)
     else:
         through = a.reshape(N, m, s)[..., :1] * L[..., :, 0]  # a_0 ⋯ a_j inside each block
-        ends = through[..., -1]
     if m == 1:
         entering = initial.unsqueeze(1)
     else:
-        after = blocked_scan(ends, inside[:, :, -1], initial, block)  # [N, m, X]
-        first = (torch.zeros_like(after[:, :1]) if initial is None else initial.unsqueeze(1))
-        entering = torch.cat([first, after[:, :-1]], dim=1)
-    carried = entering.unsqueeze(2) if a is None else through.unsqueeze(-1) * entering.unsqueeze(2)
-    return (inside + carried).reshape(N, m * s, X)[:, :n]
+        ends = blocks.sum(dim=2) if a is None else (L[..., -1:, :] @ blocks).squeeze(-2)
+        after = blocked_scan(None if a is None else through[..., -1], ends, initial, block)
+        first = torch.zeros_like(after[:, :1]) if initial is None else initial.unsqueeze(1)
+        entering = torch.cat([first, after[:, :-1]], dim=1)  # [N, m, X]
+    L = L.expand(N, m, s, s)
+    S = torch.baddbmm(L.reshape(N * m, s, s) @ blocks.reshape(N * m, s, X),
+                      through.reshape(N * m, s, 1), entering.reshape(N * m, 1, X))
+    return S.reshape(N, m * s, X)[:, :n]
 
 
 def _as_rows(f: torch.Tensor, dim: int, last: int):

@@ -45,15 +45,13 @@ def cumulative(x, axis: tl.constexpr, REVERSE: tl.constexpr):
 
 @triton.jit
 def mm(a, b, DT: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` with both operands rounded to ``DT`` first, accumulated in fp32 (float64 for float64).
+    """``a @ b`` with both operands rounded to ``DT`` first, accumulated in fp32.
 
     With ``UPCAST`` the rounded operands are multiplied in fp32 ("ieee": no tf32 for fp32 inputs). The
     interpreter needs it for bf16 too, where it would otherwise multiply the raw 16-bit patterns.
     """
     if UPCAST:
         return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
-    elif DT == tl.float64:
-        return tl.dot(a.to(DT), b.to(DT), input_precision="ieee")
     else:
         return tl.dot(a.to(DT), b.to(DT))
 
@@ -88,8 +86,7 @@ def mm_split(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, DT: tl.constexp
             return mm(a, b, DT, UPCAST)
 
 
-_TL_DTYPE = {torch.float64: tl.float64, torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-             torch.float16: tl.float16}
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 #: Matmul operand dtypes that run on tensor cores and can be split (``mm_split``).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -102,12 +99,12 @@ def tl_dtype(dtype: torch.dtype):
 
 def upcast(dtype: torch.dtype) -> bool:
     """Whether matmuls on ``dtype`` operands run as fp32 "ieee" dots (fp32 inputs, or the interpreter)."""
-    return dtype != torch.float64 and (dtype == torch.float32 or INTERPRET)
+    return dtype == torch.float32 or INTERPRET
 
 
 def accumulator(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype of matmuls on ``dtype`` operands: fp32, float64 for float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The accumulation dtype of matmuls on ``dtype`` operands: fp32 (the kernels take no float64)."""
+    return torch.float32
 
 
 def tile(dim: int, cap: int, dtype: torch.dtype = torch.bfloat16) -> int:

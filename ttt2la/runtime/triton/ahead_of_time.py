@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from . import _common, block, chunk, swiglu
 
-_POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64",
+_POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
             torch.int32: "*i32", torch.int64: "*i64"}
 
 
@@ -132,15 +132,14 @@ def record_all(dtype: torch.dtype, *, B=1, T=300, H=2, D=128, Dv=128, C=64, Dh=N
     n = triton.cdiv(T, C)
     states = _meta(B, n, H, D, Dv, dtype=_common.accumulator(dtype))
     with recording() as launches:
-        if dtype != torch.float64:  # the token-causal op takes fp32 and bf16 only
-            g = _meta(B, T, H, dtype=f32)
-            h0 = _meta(B, H, D, Dv, dtype=f32)
-            bt = chunk.chunk_tile(64, dtype)
-            chunk.chunk_forward(x, x, y, g, h0, 1.0, bt, True)
-            chunk.chunk_forward(x, x, y, None, None, 1.0, bt, False)
-            chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, True)
-            chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, False)
-            chunk.chunk_backward(x, x, y, None, None, y, None, 1.0, bt, False, False)
+        g = _meta(B, T, H, dtype=f32)
+        h0 = _meta(B, H, D, Dv, dtype=f32)
+        bt = chunk.chunk_tile(64, dtype)
+        chunk.chunk_forward(x, x, y, g, h0, 1.0, bt, True)
+        chunk.chunk_forward(x, x, y, None, None, 1.0, bt, False)
+        chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, True)
+        chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, False)
+        chunk.chunk_backward(x, x, y, None, None, y, None, 1.0, bt, False, False)
         for scale in (None, lr_t, lr_f):
             block.chunk_increments(x, y, n, C, scale=scale)
             block.chunk_increments(x, y, n, C, scale=scale, split_y=True)
@@ -155,7 +154,7 @@ def record_all(dtype: torch.dtype, *, B=1, T=300, H=2, D=128, Dv=128, C=64, Dh=N
     return launches
 
 
-def check(target: GPUTarget | None = None, dtypes=(torch.bfloat16, torch.float32, torch.float64),
+def check(target: GPUTarget | None = None, dtypes=(torch.bfloat16, torch.float32),
           kernels=None, **shape) -> list[Compiled]:
     """Compile every distinct launch of ``record_all`` for ``target`` (default: Hopper, sm_90).
 

@@ -118,7 +118,7 @@ def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, s
     ``x`` ``[B, T, H, DX]``, ``y`` ``[B, T, H, DY]``, ``scale`` ``[B, T, H]`` or ``[B, T, H, DY]``. The matmul
     operands are rounded to ``dot_dtype`` (default ``x.dtype``); ``split_x``/``split_y`` keep that operand at
     about 16 mantissa bits instead (one more matmul each), for half-precision ``dot_dtype``. The result is
-    fp32 (float64 for a float64 ``dot_dtype``).
+    fp32.
     """
     x, y, scale = contiguous(x, y, scale)
     B, T, H, DX = x.shape

@@ -117,7 +117,7 @@ def swiglu_features(x, w0, w2, *, dtype=None):
 
 
 def swiglu_increments(x, w0, w2, y, n, C, scale=None, *, split_x=False, split_y=False):
-    """``G[b, j, h] = φ(X_j)ᵀ (scale ⊙ Y_j)`` for the first ``n`` chunks, ``[B, n, H, Dh, DY]``, fp32/float64."""
+    """``G[b, j, h] = φ(X_j)ᵀ (scale ⊙ Y_j)`` for the first ``n`` chunks, ``[B, n, H, Dh, DY]``, fp32."""
     x, w0, w2, y, scale = contiguous(x, w0, w2, y, scale)
     B, T, H, D = x.shape
     DH, DY = w0.shape[-1], y.shape[-1]
