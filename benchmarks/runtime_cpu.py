@@ -87,12 +87,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="smaller shapes")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--chunk", type=int, default=None, help="only the shapes with this chunk size")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = [(4, 8192, 1, 128, 2048), (1, 4096, 4, 128, 64), (1, 16384, 4, 128, 2048)]
     if args.quick:
         shapes = [(2, 2048, 1, 64, 512), (1, 1024, 4, 64, 64)]
+    shapes = [sh for sh in shapes if args.chunk in (None, sh[-1])]
     print(f"## block op vs plain loop, fp32, momentum, exclusive (torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds)\n")
     print("| shape | NS steps | pass | op M tok/s | loop M tok/s | op/loop | spread |")
