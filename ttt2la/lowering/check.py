@@ -32,6 +32,29 @@ def has_newton_schulz(program: TTTProgram) -> bool:
                is not None for n in program.body.graph.nodes)
 
 
+def _names_low_precision(program: TTTProgram) -> bool:
+    """Whether the body names a floating dtype narrower than float64 (a cast, a created tensor)."""
+    low = (torch.float16, torch.bfloat16, torch.float32)
+
+    def found(value) -> bool:
+        if isinstance(value, torch.dtype):
+            return value in low
+        if isinstance(value, (list, tuple)):
+            return any(found(v) for v in value)
+        if isinstance(value, dict):
+            return any(found(v) for v in value.values())
+        return False
+
+    return any(found(n.args) or found(n.kwargs) for n in program.body.graph.nodes)
+
+
+def needs_float64_reference(program: TTTProgram, dtype: torch.dtype) -> bool:
+    """Newton–Schulz computed below float64 (inputs in fp32/bf16, or a cast in the body):
+    rounding is amplified, and only the precision criterion judges honestly."""
+    return has_newton_schulz(program) and (dtype != torch.float64
+                                           or _names_low_precision(program))
+
+
 def judge(got: torch.Tensor, ref: torch.Tensor, exact64: torch.Tensor | None) -> dict:
     """One comparison: with ``exact64`` (a float64 evaluation) the precision criterion, else the
     dtype's tolerance on ``rel_rms_error(got, ref)``."""
@@ -63,7 +86,7 @@ def check_plan(plan, program: TTTProgram, states0: Sequence[torch.Tensor],
         ref_out, ref_finals = recurrent_reference(program)(list(states0), list(invariants))
         dtype = ref_out[0].dtype
         exact_out = exact_finals = None
-        use64 = dtype != torch.float64 and has_newton_schulz(program)
+        use64 = needs_float64_reference(program, dtype)
         if use64:
             program64 = dataclasses.replace(program.clone(), body=promoted(program.body))
             exact_out, exact_finals = recurrent_reference(program64)(
@@ -79,4 +102,4 @@ def check_plan(plan, program: TTTProgram, states0: Sequence[torch.Tensor],
     return result
 
 
-__all__ = ["check_plan", "judge", "has_newton_schulz", "recurrent_reference", "FACTOR", "SLACK"]
+__all__ = ["check_plan", "judge", "has_newton_schulz", "needs_float64_reference", "recurrent_reference", "FACTOR", "SLACK"]

@@ -43,7 +43,7 @@ from ..runtime import block_linear_attention, chunk_linear_attention, newton_sch
 from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS
 from .chunking import assemble_outputs, chunk_streams
-from .executors import extract
+from .executors import extract, require_inert_padding
 from .precision import promoted
 
 aten = torch.ops.aten
@@ -357,6 +357,7 @@ class LiftedPlan:
         self.lifted = lifted
         self.backend = backend
         self.ran: list[str] = []            # backends that ran, in the order first used
+        self._padding_checked: dict[int, str | None] = {}
 
     @property
     def op(self) -> str:
@@ -376,6 +377,8 @@ class LiftedPlan:
         lp = self.lifted
         prog = lp.program
         streams, layout = chunk_streams(prog, list(invariants))
+        if layout.partial:
+            require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
         # vmap's view rule needs each chunk laid out like the traced one: contiguous
         streams = [x.contiguous() for x in streams]
         values = {n: v for n, v in zip(prog.stream_inputs(), streams)}
