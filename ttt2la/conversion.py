@@ -235,6 +235,7 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
         finally:
             loop.plan = plan
             state.runs.pop(loop.shape, None)      # not a run of the converted layer
+        result["program_rel_rms_error"] = err
     result["tolerance"] = tolerance(ref.dtype)
     result["ok"] = bool(err <= result["tolerance"])
     return result
