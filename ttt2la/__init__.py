@@ -7,9 +7,10 @@
 from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
                      UnsupportedTTTError)
+from .lowering.plan import PlanFallbackError
 from .report import ConversionReport, InspectionReport
 
 __version__ = "0.1.0"
 
 __all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
-           "LevelNotImplementedError", "ConversionReport", "InspectionReport", "__version__"]
+           "LevelNotImplementedError", "PlanFallbackError", "ConversionReport", "InspectionReport", "__version__"]

@@ -21,6 +21,7 @@ from .frontend.recognize import InputLayout, params_and_buffers
 from .frontend.rollup import LOOP_MODULE
 from .frontend.shapes import GraphTemplate
 from .ir import TTTProgram, with_memory_order
+from .lowering.plan import plan_at
 
 
 class LoopModule(torch.nn.Module):
@@ -32,13 +33,17 @@ class LoopModule(torch.nn.Module):
     no longer carries keeps its initial value as its final value.
     """
 
-    def __init__(self, program: TTTProgram, plan, interface: tuple[list[str], list[str]]):
+    def __init__(self, program: TTTProgram, plan, interface: tuple[list[str], list[str]],
+                 runs: dict | None = None, shape: str = ""):
         super().__init__()
         self.program = program
         self.plan = plan
         self.state_names, self.invariant_names = interface
+        self.runs = runs if runs is not None else {}
+        self.shape = shape
 
-    def forward(self, *args):
+    def plan_inputs(self, args) -> tuple[dict, list, list]:
+        """The loop's arguments by name, and the program's initial states and invariants."""
         n = len(self.state_names)
         given = dict(zip(self.state_names, args[:n]))
         given.update(zip(self.invariant_names, args[n:]))
@@ -46,7 +51,12 @@ class LoopModule(torch.nn.Module):
         # initial state may be an expanded or transposed view of a parameter
         states0 = [given[s.name].contiguous() for s in self.program.states]
         invariants = [given[i.name] for i in self.program.invariants]
+        return given, states0, invariants
+
+    def forward(self, *args):
+        given, states0, invariants = self.plan_inputs(args)
         outputs, finals = self.plan(states0, invariants)
+        self.runs[self.shape] = self.plan.implementation      # what ran, for the report
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
         # the code after the loop was traced on the layout the user's code gave the output
         return (with_memory_order(outputs[0], self.program.outputs[0].memory_order),
@@ -61,19 +71,34 @@ class ConvertedState:
     body: GraphTemplate                 # its body, generic in the batch size
     outer: GraphTemplate                # the code around the loop, generic in (B, L)
     layout: InputLayout
-    build_plan: Any                     # (program) -> plan callable with .schedule/.implementation
+    plan: Any                           # the plan chosen for ``program`` (``plan_for``)
     interface: tuple                    # names of the recognized loop's states and invariants
-    schedule: str
-    implementation: str
+    strict: bool = True                 # refuse to run another plan at a new batch size
+    runs: dict = field(default_factory=dict)        # "batch B" -> what ran (shared with the report)
+    fallbacks: dict = field(default_factory=dict)   # "batch B" -> why another plan runs there
     _outer_cache: dict = field(default_factory=dict)
     _loop_cache: dict = field(default_factory=dict)
 
+    @property
+    def schedule(self) -> str:
+        return self.plan.schedule
+
+    @property
+    def implementation(self) -> str:
+        return self.plan.implementation
+
     def loop_for(self, B: int) -> LoopModule:
+        """The loop at batch size ``B``: the chosen plan carried over to the re-sized body; a
+        fallback (``strict=False`` only) is recorded in ``fallbacks``."""
         loop = self._loop_cache.get(B)
         if loop is None:
             program = dataclasses.replace(self.program.clone(), body=self.body.instantiate(B, 0))
-            loop = self._loop_cache[B] = LoopModule(program, self.build_plan(program),
-                                                    self.interface)
+            plan, note = plan_at(self.plan, program, strict=self.strict)
+            shape = f"batch {B}"
+            if note is not None:
+                self.fallbacks[shape] = note
+            loop = self._loop_cache[B] = LoopModule(program, plan, self.interface, self.runs,
+                                                    shape)
         return loop
 
     def outer_for(self, B: int, L: int) -> torch.fx.GraphModule:

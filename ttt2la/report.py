@@ -77,6 +77,10 @@ class LayerReport:
     notes: list[str] = field(default_factory=list)
     levels: dict[int, str] | None = None
     check: dict | None = None
+    #: per batch size the converted layer has run at: what ran (filled as shapes run)
+    runs: dict[str, str] = field(default_factory=dict)
+    #: per batch size where the chosen plan could not run (``strict=False``): what ran instead
+    fallbacks: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (level keys become strings, as JSON requires)."""
@@ -133,6 +137,10 @@ class LayerReport:
             lines += [f"| {k} | {_md_cell(v)} |" for k, v in sorted(self.levels.items())]
         if self.check:
             lines += ["", f"Check: {_format_mapping(self.check)}"]
+        if self.runs:
+            lines += ["", f"Ran: {_format_mapping(self.runs)}"]
+        if self.fallbacks:
+            lines += [""] + [f"> fallback at {k}: {v}" for k, v in self.fallbacks.items()]
         if self.notes:
             lines += [""] + [f"> {n}" for n in self.notes]
         return "\n".join(lines)
@@ -172,6 +180,10 @@ class LayerReport:
             parts.append(levels)
         if self.check:
             parts.append(Text.assemble(("check ", "dim"), _format_mapping(self.check)))
+        if self.runs:
+            parts.append(Text.assemble(("ran ", "dim"), _format_mapping(self.runs)))
+        parts += [Text(f"fallback at {k}: {v}", style="bold yellow")
+                  for k, v in self.fallbacks.items()]
         parts += [Text(f"note: {n}", style="italic") for n in self.notes]
         return Group(*parts)
 

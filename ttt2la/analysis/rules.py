@@ -40,11 +40,20 @@ class NormMatch:
 @dataclass(frozen=True)
 class NewtonSchulzMatch:
     """``output`` is ``steps`` Newton–Schulz iterations ``X ← aX + (bA + cA²)X`` (A = XXᵀ)
-    started from ``input`` (normalised first when the body does so)."""
+    started from ``input`` (normalised first when the body does so).
+
+    What the graph says about the iteration, as data for the runtime: ``coefficients`` one
+    ``(a, b, c)`` per step (``None`` when a step's polynomial is not ``bA + cA²``), ``eps`` the
+    Frobenius normalisation's epsilon (``None`` when the start is not ``X / (‖X‖_F + eps)``) and
+    ``dtype`` the dtype the input is cast to before the iteration (``None``: no cast).
+    """
 
     output: torch.fx.Node
     input: torch.fx.Node
     steps: int
+    coefficients: tuple | None = None
+    eps: float | None = None
+    dtype: torch.dtype | None = None
 
 
 def _same_value(a, b) -> bool:
@@ -171,16 +180,6 @@ def _has_reciprocal_root(node, depth: int = 6) -> bool:
     return False
 
 
-def _scaled_by_constant(node) -> torch.fx.Node | None:
-    if isinstance(node, torch.fx.Node) and node.op == "call_function" and op_name(node) == "mul":
-        a, b = node.args[0], node.args[1]
-        if isinstance(b, (int, float)) and isinstance(a, torch.fx.Node):
-            return a
-        if isinstance(a, (int, float)) and isinstance(b, torch.fx.Node):
-            return b
-    return None
-
-
 def _only_through(node, source: torch.fx.Node) -> bool:
     """Every path from ``node`` back to a graph input passes through ``source``."""
     stack, seen, reached = [node], set(), False
@@ -198,16 +197,74 @@ def _only_through(node, source: torch.fx.Node) -> bool:
     return reached
 
 
-def _newton_schulz_step(node) -> torch.fx.Node | None:
-    """``X`` when ``node`` is ``a·X + B·X`` (or ``X·B``), ``B`` a polynomial of ``X`` alone."""
+def _constant_factor(node) -> tuple[torch.fx.Node, float] | None:
+    """``(x, k)`` when ``node`` is ``k·x`` or ``x·k`` for a Python number ``k``."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and op_name(node) == "mul":
+        a, b = node.args[0], node.args[1]
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, torch.fx.Node):
+            return a, float(b)
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and isinstance(b, torch.fx.Node):
+            return b, float(a)
+    return None
+
+
+def _matmul_operands(node) -> tuple | None:
+    node = peel_views(node)
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" \
+            and op_name(node) in ("mm", "bmm", "matmul"):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _is_gram(node, x: torch.fx.Node) -> bool:
+    """``node`` is ``X Xᵀ`` (or ``Xᵀ X``) of ``x``: a product of two views of ``x``."""
+    ops = _matmul_operands(node)
+    return ops is not None and all(peel_views(o) is x for o in ops)
+
+
+def _poly_coefficients(poly, x: torch.fx.Node) -> tuple[float, float] | None:
+    """``(b, c)`` when ``poly`` is ``b·A + c·A²`` with ``A`` the Gram matrix of ``x``."""
+    poly = peel_views(poly)
+    if not isinstance(poly, torch.fx.Node) or op_name(poly) != "add" \
+            or poly.kwargs.get("alpha", 1) != 1:
+        return None
+    b = c = None
+    for term in poly.args[:2]:
+        term = peel_views(term)
+        scaled = _constant_factor(term)
+        if scaled is not None and _is_gram(scaled[0], x):          # b·A
+            b = scaled[1] if b is None else None
+            continue
+        if scaled is not None:                                      # c·(A A)
+            ops = _matmul_operands(scaled[0])
+            if ops is not None and all(_is_gram(o, x) for o in ops):
+                c = scaled[1] if c is None else None
+                continue
+        ops = _matmul_operands(term)                                # (c·A) A or A (c·A)
+        if ops is not None:
+            found = None
+            for s_op, g_op in (ops, ops[::-1]):
+                f = _constant_factor(peel_views(s_op))
+                if f is not None and _is_gram(f[0], x) and _is_gram(g_op, x):
+                    found = f[1]
+            if found is not None:
+                c = found if c is None else None
+                continue
+        return None
+    return (b, c) if b is not None and c is not None else None
+
+
+def _newton_schulz_step(node) -> tuple[torch.fx.Node, tuple | None] | None:
+    """``(X, (a, b, c))`` when ``node`` is ``a·X + B·X`` (or ``X·B``), ``B`` a polynomial of
+    ``X`` alone; the triple is ``None`` when ``B`` is not ``bA + cA²``."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or op_name(node) != "add":
         return None
     u, w = node.args[0], node.args[1]
     for lin, poly in ((u, w), (w, u)):
-        x = _scaled_by_constant(lin)
-        if x is None or not isinstance(poly, torch.fx.Node):
+        scaled = _constant_factor(lin)
+        if scaled is None or not isinstance(poly, torch.fx.Node):
             continue
-        x = peel_views(x)
+        x, a = peel_views(scaled[0]), scaled[1]
         mm = peel_views(poly)
         if not isinstance(mm, torch.fx.Node) or op_name(mm) not in _MATMUL:
             continue
@@ -215,22 +272,66 @@ def _newton_schulz_step(node) -> torch.fx.Node | None:
         ops = [mm.args[i] for i in positions]
         for mine, other in (ops, ops[::-1]):
             if peel_views(mine) is x and _only_through(other, x):
-                return x
+                bc = _poly_coefficients(other, x)
+                return x, None if bc is None else (a, *bc)
+    return None
+
+
+def _frobenius_eps(start) -> tuple[torch.fx.Node, float] | None:
+    """``(x, eps)`` when ``start`` is ``x / (‖x‖_F + eps)`` (``eps`` 0 without the addition),
+    the norm taken over the last two dimensions."""
+    if not isinstance(start, torch.fx.Node) or op_name(start) != "div":
+        return None
+    x, den = start.args[0], start.args[1]
+    if not isinstance(x, torch.fx.Node) or not isinstance(den, torch.fx.Node):
+        return None
+    eps = 0.0
+    if op_name(den) == "add" and isinstance(den.args[1], (int, float)) \
+            and den.kwargs.get("alpha", 1) == 1:
+        den, eps = den.args[0], float(den.args[1])
+    den = peel_views(den)
+    if not isinstance(den, torch.fx.Node) or op_name(den) != "linalg_vector_norm" \
+            or peel_views(den.args[0]) is not peel_views(x):
+        return None
+    ord_ = den.args[1] if len(den.args) > 1 else den.kwargs.get("ord", 2)
+    dims = den.args[2] if len(den.args) > 2 else den.kwargs.get("dim")
+    rank = len(node_shape(x) or ())
+    if ord_ != 2 or dims is None or rank < 2 \
+            or sorted(d % rank for d in dims) != [rank - 2, rank - 1]:
+        return None
+    return x, eps
+
+
+def _cast_before(node) -> torch.dtype | None:
+    """The dtype the value reaching ``node`` through views was last cast to, if any."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" \
+            and op_name(node) in VIEW_OPS:
+        dtype = node.kwargs.get("dtype")
+        if op_name(node) in ("_to_copy", "to") and isinstance(dtype, torch.dtype):
+            return dtype
+        node = node.args[0]
     return None
 
 
 def match_newton_schulz(node) -> NewtonSchulzMatch | None:
-    """Recognise Newton–Schulz iterations (Muon's orthogonalisation) ending at ``node``."""
+    """Recognise Newton–Schulz iterations (Muon's orthogonalisation) ending at ``node``, with
+    the schedule, epsilon and iteration dtype the graph uses."""
     x = peel_views(node)
-    steps = 0
-    while (prev := _newton_schulz_step(x)) is not None:
+    steps, triples = 0, []
+    while (step := _newton_schulz_step(x)) is not None:
         steps += 1
-        x = prev
+        x, triple = step
+        triples.append(triple)
     if steps == 0:
         return None
     start = peel_views(x)
     norm = match_norm(start)
-    return NewtonSchulzMatch(node, norm.input if norm is not None else start, steps)
+    coefficients = None if None in triples else tuple(reversed(triples))
+    frob = _frobenius_eps(start)
+    eps = frob[1] if frob is not None else None
+    dtype = _cast_before(frob[0]) if frob is not None else None
+    return NewtonSchulzMatch(node, norm.input if norm is not None else start, steps,
+                             coefficients, eps, dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -141,8 +141,9 @@ def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
         for k, v in sorted(vars(m).items()):
             if isinstance(v, torch.Tensor):
                 return None
-            if isinstance(v, (bool, int, float, str, type(None))):
-                attrs.append((name, k, v))
+            if isinstance(v, (bool, int, float, str, type(None))) or callable(v) \
+                    and not isinstance(v, torch.nn.Module):
+                attrs.append((name, k, v))       # a function attribute steers the code too
         attrs.append((name, type(m)))
     tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device))
                     for n, t in params_and_buffers(cand.module).items())

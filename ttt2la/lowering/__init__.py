@@ -1,6 +1,11 @@
-"""Lowering a checked program to an executable plan: chunking and the generic executors."""
+"""Lowering a checked program to an executable plan: chunking, the generic executors, the lifting
+onto the runtime ops and the one function that chooses between them (``plan_for``)."""
 from .chunking import ChunkLayout, assemble_outputs, chunk_layout, chunk_streams
 from .executors import SCHEDULES, Plan, execute, extract, lower, padding_problem
+from .lift import LiftedPlan, LiftedProgram, NewtonSchulz
+from .plan import PlanFallbackError, plan_at, plan_for, resolve_backend
 
 __all__ = ["ChunkLayout", "assemble_outputs", "chunk_layout", "chunk_streams", "SCHEDULES",
-           "Plan", "execute", "extract", "lower", "padding_problem"]
+           "Plan", "execute", "extract", "lower", "padding_problem", "LiftedPlan",
+           "LiftedProgram", "NewtonSchulz", "PlanFallbackError", "plan_at", "plan_for",
+           "resolve_backend"]

@@ -139,6 +139,24 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
     return "a probe of the padded chunk, which was not finite"
 
 
+def require_inert_padding(program: TTTProgram, states0, invariants, layout: ChunkLayout,
+                          cache: dict[int, str | None]) -> None:
+    """Raise ``UnsupportedTTTError`` when a partial last chunk's zero padding is not inert
+    (``padding_problem``); the verdict is cached per tail length in ``cache``."""
+    if layout.tail not in cache:
+        cache[layout.tail] = padding_problem(program, states0, invariants, layout)
+    what = cache[layout.tail]
+    if what is not None:
+        c = layout.chunk_size
+        hint = " or an apply-only last chunk" if program.last_chunk == "update" else ""
+        raise UnsupportedTTTError(
+            f"The last chunk is partial (L = {layout.length} with chunk size {c}: "
+            f"{layout.tail} real token(s) padded with {c - layout.tail} zero(s)), and the "
+            f"zero padding changes {what} — the padded tokens are not inert (a mean over the "
+            f"chunk, attention across its tokens, or a bias on an empty token). Use a length "
+            f"that is a multiple of {c}{hint}.")
+
+
 def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: bool):
     tail, c = layout.tail, layout.chunk_size
     gen_device = states0[0].device if states0 else invariants[0].device
@@ -355,19 +373,7 @@ class Plan:
         return assemble_outputs(prog, chunk_outs, layout), finals
 
     def _check_padding(self, states0, invariants, layout: ChunkLayout) -> None:
-        if layout.tail not in self._padding_checked:
-            self._padding_checked[layout.tail] = padding_problem(self.program, states0,
-                                                                 invariants, layout)
-        what = self._padding_checked[layout.tail]
-        if what is not None:
-            c = layout.chunk_size
-            hint = " or an apply-only last chunk" if self.program.last_chunk == "update" else ""
-            raise UnsupportedTTTError(
-                f"The last chunk is partial (L = {layout.length} with chunk size {c}: "
-                f"{layout.tail} real token(s) padded with {c - layout.tail} zero(s)), and the "
-                f"zero padding changes {what} — the padded tokens are not inert (a mean over the "
-                f"chunk, attention across its tokens, or a bias on an empty token). Use a length "
-                f"that is a multiple of {c}{hint}.")
+        require_inert_padding(self.program, states0, invariants, layout, self._padding_checked)
 
     def _run_recurrent(self, states, streams, invariants, layout):
         prog = self.program
@@ -515,4 +521,5 @@ def execute(program: TTTProgram, analysis: Analysis | None, states0: Sequence[to
     return lower(program, analysis, schedule=schedule)(states0, invariants)
 
 
-__all__ = ["Plan", "lower", "execute", "extract", "padding_problem", "SCHEDULES"]
+__all__ = ["Plan", "lower", "execute", "extract", "padding_problem", "require_inert_padding",
+           "SCHEDULES"]

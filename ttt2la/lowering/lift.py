@@ -13,10 +13,23 @@ Lifting extracts from the body the per-chunk subgraphs that compute φ(Q), φ(K)
 value, the momentum coefficient and the output post-processing, batches them over chunks, and
 normalises their layout to the runtime's ``[B, T, H, D]`` with heads folded into the batch. It
 never guesses: any mismatch returns ``None`` and the generic executor runs the program.
+
+Newton–Schulz is read as data: the ``(a, b, c)`` of every step, the normalisation's epsilon and
+the dtype the iteration runs in come from the graph (``match_newton_schulz``), and one float64
+evaluation of the traced transform against the runtime's ``newton_schulz`` with that schedule
+confirms them, so a look-alike (another normalisation, another polynomial, a missing transpose
+rule) is never lifted.
+
+``lift`` reads node metadata (shapes), which is true only for the program as traced. A converted
+layer at another batch size runs a re-sized copy of that body (``GraphTemplate.instantiate``):
+``LiftedProgram.resized`` carries the lifted structure over to it node by node and reads no
+metadata, so the same runtime op runs at every batch size and length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -24,10 +37,14 @@ import torch.fx
 from torch.func import vmap
 
 from ..analysis.rules import match_newton_schulz
+from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram, ancestors
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
+from ..runtime.dispatch import select_backend
+from ..runtime.naive import NS_EPS
 from .chunking import assemble_outputs, chunk_streams
-from .executors import extract
+from .executors import extract, require_inert_padding
+from .precision import promoted
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default,
@@ -90,25 +107,73 @@ def _contraction(n, state_dep: set) -> _Contraction | None:
     return None
 
 
+@dataclass(frozen=True)
+class NewtonSchulz:
+    """The orthogonalisation a lifted update applies, as the runtime takes it: one ``(a, b, c)``
+    per step, the Frobenius normalisation's ``eps`` and the iteration's ``dtype`` (``None``:
+    the accumulation dtype, as when the user's code does not cast)."""
+
+    coefficients: tuple[tuple[float, float, float], ...]
+    eps: float = NS_EPS
+    dtype: torch.dtype | None = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.coefficients)
+
+
 @dataclass
 class LiftedProgram:
-    """A program recognised as block or token-causal linear attention."""
+    """A program recognised as block or token-causal linear attention.
+
+    Holds no size read from the trace: every size comes from the tensors at run time.
+    """
 
     program: TTTProgram
     kind: str                          # "block" | "chunk"
     w: int                             # index of the final state
     m: int | None                      # index of the momentum state
     transposed: bool                   # the runtime state is Wᵀ
-    muon_steps: int
+    newton_schulz: NewtonSchulz | None
     features: torch.fx.GraphModule     # (streams, invariants) -> (q_side, left, right, *scales, alpha?)
     feature_inputs: list
     post: torch.fx.GraphModule         # (read, streams, invariants) -> chunk output
     post_inputs: list
     read: torch.fx.Node
-    batch: int
-    dk: int
-    dv: int
     scale: float = 1.0                 # constant factor of the increment (signs, fixed lrs)
+    feature_boundary: list = field(default_factory=list)
+    feature_outputs: list = field(default_factory=list)
+    post_boundary: list = field(default_factory=list)
+
+    @property
+    def muon_steps(self) -> int:
+        return 0 if self.newton_schulz is None else self.newton_schulz.steps
+
+    def resized(self, program: TTTProgram) -> "LiftedProgram":
+        """The same lifting of ``program``, a re-sized copy of this one's body (same nodes in the
+        same order, other size arguments): the subgraphs are cut again at the same nodes."""
+        old = list(self.program.body.graph.nodes)
+        new = list(program.body.graph.nodes)
+        if len(old) != len(new) or any((a.op, a.target) != (b.op, b.target)
+                                       for a, b in zip(old, new)):
+            raise UnsupportedTTTError(
+                "the loop body at this batch size is not a re-sized copy of the traced one, so "
+                "its lifting onto the runtime op cannot be reused")
+        at = {n: new[i] for i, n in enumerate(old)}
+
+        def mapped(nodes):
+            return [at[n] if isinstance(n, torch.fx.Node) else n for n in nodes]
+
+        features, feature_inputs = extract(program.body, mapped(self.feature_boundary),
+                                           mapped(self.feature_outputs))
+        y = program.chunk_outputs()[0]
+        post, post_inputs = extract(program.body, mapped(self.post_boundary), [y])
+        return dataclasses.replace(self, program=program, features=features,
+                                   feature_inputs=feature_inputs, post=post,
+                                   post_inputs=post_inputs, read=at[self.read],
+                                   feature_boundary=mapped(self.feature_boundary),
+                                   feature_outputs=mapped(self.feature_outputs),
+                                   post_boundary=mapped(self.post_boundary))
 
 
 def _find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
@@ -220,15 +285,11 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if _shape(read)[0] != batch:
         return None
     rows, cols = sl[-2], sr[-1]
-    dk, dv = (cols, rows) if transposed else (rows, cols)
     if _shape(_strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
         return None
-    # Newton–Schulz steps, recognised by evaluating the transform
-    muon_steps = _identify_transform(transform, _shape(transform_root), (batch, rows, cols),
-                                     delta)
-    if muon_steps is None:
-        return None
-    if per_token and muon_steps:
+    # the orthogonalisation, read from the graph and confirmed by one evaluation
+    ns = _read_transform(transform, _shape(transform_root), (batch, rows, cols), delta)
+    if ns is False or (per_token and ns is not None):
         return None
     streams = program.stream_inputs()
     invariants = [*program.invariant_inputs(), *constants]
@@ -239,56 +300,85 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     node_scales = [c for c in contraction.scales if not isinstance(c, float)]
     feat_outputs = [read.args[0] if not transposed else read.args[1], left, right,
                     *node_scales] + ([alpha] if alpha is not None else [])
+    feature_boundary = [*streams, *invariants]
+    post_boundary = [read, *streams, *invariants]
     try:
-        features, feature_inputs = extract(program.body, [*streams, *invariants], feat_outputs)
+        features, feature_inputs = extract(program.body, feature_boundary, feat_outputs)
         y = program.chunk_outputs()[0]
-        post, post_inputs = extract(program.body, [read, *streams, *invariants], [y])
+        post, post_inputs = extract(program.body, post_boundary, [y])
     except RuntimeError:
         return None
-    return LiftedProgram(program, "chunk" if per_token else "block", w, m, transposed,
-                         muon_steps, features, feature_inputs, post, post_inputs, read,
-                         batch, dk, dv, constant_scale)
+    return LiftedProgram(program, "chunk" if per_token else "block", w, m, transposed, ns,
+                         features, feature_inputs, post, post_inputs, read, constant_scale,
+                         feature_boundary, feat_outputs, post_boundary)
 
 
-def _identify_transform(transform: torch.fx.GraphModule, in_shape: tuple,
-                        mat_shape: tuple, delta: torch.fx.Node) -> int | None:
-    """0 when ``transform`` is the identity, k when it is k Newton–Schulz steps, else None.
+def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape: tuple,
+                    delta: torch.fx.Node) -> NewtonSchulz | None | bool:
+    """``None`` when ``transform`` is the identity, the ``NewtonSchulz`` it applies, or
+    ``False`` when it is neither.
 
-    The step count comes from the graph (``match_newton_schulz``); one evaluation of the
-    transform against the runtime's ``newton_schulz`` confirms it, so that a look-alike
-    (other coefficients, another normalisation) is never lifted.
+    The schedule, epsilon and dtype come from the graph (``match_newton_schulz``); the
+    transform, evaluated in float64 (its casts promoted) on a random update of the traced
+    shape, must then equal the runtime's ``newton_schulz`` with them, also in float64 — the
+    structure is confirmed exactly, the dtype is taken as read.
     """
     match = match_newton_schulz(delta)
-    steps = match.steps if match is not None else 0
+    if match is None:
+        ns = None
+    elif match.coefficients is None or match.eps is None:
+        return False
+    else:
+        ns = NewtonSchulz(tuple(match.coefficients), match.eps, match.dtype)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(mat_shape, generator=gen, dtype=torch.float64)
     try:
         with torch.no_grad():
-            got = transform(x.reshape(in_shape).float())[0].double().reshape(mat_shape)
+            got = promoted(transform)(x.reshape(in_shape))[0].double().reshape(mat_shape)
     except Exception:
-        return None
-    ref = x if steps == 0 else newton_schulz(x, steps=steps)
-    return steps if float((got - ref).norm() / ref.norm()) < 1e-4 else None
+        return False
+    ref = x if ns is None else newton_schulz(x, 0, ns.coefficients, ns.eps,
+                                             dtype=torch.float64)
+    return ns if float((got - ref).norm() / ref.norm()) < 1e-9 else False
 
 
 class LiftedPlan:
-    """Runs a ``LiftedProgram`` with the runtime ops: ``plan(states0, invariants)``."""
+    """Runs a ``LiftedProgram`` with the runtime ops: ``plan(states0, invariants)``.
+
+    ``implementation`` names the op and the backend that ran it (``block_linear_attention[torch]``);
+    ``backend="auto"`` is resolved per call by the runtime's dispatcher and every backend that
+    ran is named. A backend asked for explicitly that cannot run a call raises
+    ``UnsupportedTTTError``.
+    """
 
     schedule = "parallel"
 
     def __init__(self, lifted: LiftedProgram, backend: str = "auto"):
         self.lifted = lifted
         self.backend = backend
+        self.ran: list[str] = []            # backends that ran, in the order first used
+        self._padding_checked: dict[int, str | None] = {}
+
+    @property
+    def op(self) -> str:
+        return "block_linear_attention" if self.lifted.kind == "block" else \
+            "chunk_linear_attention"
 
     @property
     def implementation(self) -> str:
-        op = "block" if self.lifted.kind == "block" else "chunk"
-        return f"{op}_linear_attention[{self.backend}]"
+        backends = self.ran or [self.backend]
+        return f"{self.op}[{'|'.join(backends)}]"
 
-    def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]):
+    def resized(self, program: TTTProgram) -> "LiftedPlan":
+        """This plan for ``program``, the body re-sized to another batch size."""
+        return LiftedPlan(self.lifted.resized(program), self.backend)
+
+    def _features(self, states0, invariants):
         lp = self.lifted
         prog = lp.program
         streams, layout = chunk_streams(prog, list(invariants))
+        if layout.partial:
+            require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
         # vmap's view rule needs each chunk laid out like the traced one: contiguous
         streams = [x.contiguous() for x in streams]
         values = {n: v for n, v in zip(prog.stream_inputs(), streams)}
@@ -300,7 +390,37 @@ class LiftedPlan:
             dims.setdefault(n, None)
         args = [values[n] for n in lp.feature_inputs]
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
-        feats = vmap(lp.features, in_dims=in_dims)(*args)
+        return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
+
+    def _run_op(self, phi_q, phi_k, value, s0, momentum):
+        lp = self.lifted
+        if lp.kind == "block":
+            ns = lp.newton_schulz
+            options = dict(chunk_size=lp.program.chunk_size, order=lp.program.order,
+                           momentum=momentum, initial_state=s0, output_final_state=True)
+            if ns is not None:
+                options.update(muon_steps=ns.steps, ns_coefficients=ns.coefficients,
+                               ns_eps=ns.eps, ns_dtype=ns.dtype)
+            op, fn = "block", block_linear_attention
+        else:
+            options = dict(initial_state=s0, output_final_state=True)
+            op, fn = "chunk", chunk_linear_attention
+        try:
+            chosen = select_backend(op, phi_q, phi_k, value, backend=self.backend, **options)
+        except UnsupportedTTTError as e:
+            raise UnsupportedTTTError(
+                f"the loop of {lp.program.module_path or 'the model'} "
+                f"({lp.program.loop_src}) lowers onto {self.op}, which backend="
+                f"{self.backend!r} cannot run here ({phi_k.dtype}, {phi_k.device.type}): {e}"
+            ) from None
+        if chosen not in self.ran:
+            self.ran.append(chosen)
+        return fn(phi_q, phi_k, value, backend=chosen, **options)
+
+    def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]):
+        lp = self.lifted
+        prog = lp.program
+        feats, values, dims, layout = self._features(states0, invariants)
         # sizes come from the tensors: the body's node metadata holds the traced batch size
         N = feats[0].shape[0]
         b = feats[1][0, ..., 0, 0].numel()
@@ -325,19 +445,11 @@ class LiftedPlan:
 
         w0 = states0[lp.w].reshape(b, *states0[lp.w].shape[-2:])
         s0 = (w0.transpose(-1, -2) if lp.transposed else w0).unsqueeze(1)
-        if lp.kind == "block":
-            momentum = None
-            if lp.m is not None:
-                momentum = feats[-1].reshape(N, b).transpose(0, 1).unsqueeze(-1)
-            o, s_final = block_linear_attention(
-                flat(phi_q), flat(phi_k), flat(value), chunk_size=prog.chunk_size,
-                order=prog.order, momentum=momentum, muon_steps=lp.muon_steps,
-                initial_state=s0, output_final_state=True, backend=self.backend)
-        else:
-            o, s_final = chunk_linear_attention(
-                flat(phi_q), flat(phi_k), flat(value), initial_state=s0,
-                output_final_state=True, backend=self.backend)
-        o = o.reshape(b, N, T, lp.dv).permute(1, 0, 2, 3)
+        momentum = None
+        if lp.m is not None:
+            momentum = feats[-1].reshape(N, b).transpose(0, 1).unsqueeze(-1)
+        o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, momentum)
+        o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
         read = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
         for n in lp.post_inputs:
@@ -356,6 +468,4 @@ class LiftedPlan:
         return outputs, finals
 
 
-
-
-__all__ = ["lift", "LiftedProgram", "LiftedPlan"]
+__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz"]

@@ -1,0 +1,45 @@
+"""A float64 evaluation of a traced graph: the reference a low-precision result is judged against.
+
+Newton–Schulz amplifies rounding, so two correct fp32 (or bf16) evaluations of the same Muon
+step differ by more than an fp32 tolerance. The honest question is then whether a lowered plan is
+as close to the exact function as the user's own code is: both are compared with the same graph
+evaluated in float64, where every floating dtype the graph names — casts such as ``G.bfloat16()``
+before the iteration, the dtype of a created tensor — is replaced by float64.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..ir import copy_graph
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _promote(value, dtype: torch.dtype):
+    if isinstance(value, torch.dtype) and value in _FLOATING:
+        return dtype
+    if isinstance(value, (list, tuple)):
+        return type(value)(_promote(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _promote(v, dtype) for k, v in value.items()}
+    return value
+
+
+def promoted(gm: torch.fx.GraphModule, dtype: torch.dtype = torch.float64) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose every floating dtype argument is ``dtype`` (its inputs are the
+    caller's to cast): the same function, evaluated in one precision throughout."""
+    graph = copy_graph(gm.graph)
+    for node in graph.nodes:
+        node.args = _promote(node.args, dtype)
+        node.kwargs = _promote(node.kwargs, dtype)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def as_dtype(values, dtype: torch.dtype = torch.float64):
+    """Floating tensors of ``values`` (a list, possibly holding ``None``) cast to ``dtype``."""
+    return [v.detach().to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v for v in values]
+
+
+__all__ = ["promoted", "as_dtype"]
