@@ -6,10 +6,10 @@
 """
 from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
-                     UnsupportedTTTError)
+                     UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 
 __version__ = "0.1.0"
 
 __all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
-           "LevelNotImplementedError", "ConversionReport", "InspectionReport", "__version__"]
+           "UnsupportedShapeError", "LevelNotImplementedError", "ConversionReport", "InspectionReport", "__version__"]
