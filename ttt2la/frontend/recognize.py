@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram
-from .capture import trace
+from .capture import _no_compile, trace
 from .discover import LoopCandidate
 from .loops import find_loops
 from .rollup import RolledLoop, roll_up
@@ -154,6 +154,14 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
             f"the loop at {cand.loop.src} did not run when {cand.path or 'the model'} was traced "
             f"at batch {B}, length {L}")
     return roll_up(gm, *loops[0], module_path=cand.path)
+
+
+def _run_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> None:
+    """Run the layer eagerly at (B, L): far cheaper than a trace when the shape is rejected."""
+    inputs = _inputs_at(flat, layout, B, L)
+    pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+    with torch.no_grad(), _no_compile():
+        fn(pb, *inputs)
 
 
 _CACHE: "OrderedDict[tuple, RecognizedLayer]" = OrderedDict()
@@ -282,14 +290,16 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     """Trace at the three shapes of ``plan`` and fit the outer graph's sizes."""
     b0, b1 = plan.batches
     L0, L1 = plan.lengths(C, seq_len)
+    for B, L in {(b0, L0), (b0, L1), (b1, L0)}:      # shapes the code rejects fail fast eagerly
+        _run_at(cand, fn, flat, layout, plan.unit * B, L)
     rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
     if rolled.program.chunk_size != C:
         # the slices seen eagerly were not the chunk slices: retrace at the recognized size
         C = rolled.program.chunk_size
         L0, L1 = plan.lengths(C, seq_len)
         rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
-    rolled_L = _roll_at(cand, fn, flat, layout, plan.unit * b0, L1)
     rolled_B = rolled if plan.fixed else _roll_at(cand, fn, flat, layout, plan.unit * b1, L0)
+    rolled_L = _roll_at(cand, fn, flat, layout, plan.unit * b0, L1)
     outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer,
                          B0=b0, L0=L0, L1=L1, B1=b1, what=f"code around the loop of {cand.path}")
     notes = []
