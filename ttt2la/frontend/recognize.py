@@ -290,7 +290,8 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     """Trace at the three shapes of ``plan`` and fit the outer graph's sizes."""
     b0, b1 = plan.batches
     L0, L1 = plan.lengths(C, seq_len)
-    for B, L in {(b0, L0), (b0, L1), (b1, L0)}:      # shapes the code rejects fail fast eagerly
+    shapes = [(b0, L0), (b0, L1)] + ([] if plan.fixed else [(b1, L0)])
+    for B, L in shapes:                               # shapes the code rejects fail fast eagerly
         _run_at(cand, fn, flat, layout, plan.unit * B, L)
     rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
     if rolled.program.chunk_size != C:
@@ -327,12 +328,14 @@ def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
     first = failures[0][1]
     if isinstance(first, ConversionError):
         return first
-    tried = "; ".join(f"{p.describe(C, seq_len)}: {_first_line(e)}" for p, e in failures[:3])
+    shown = failures if len(failures) <= 2 else [failures[0], failures[-1]]
+    tried = "; ".join(f"{p.describe(C, seq_len)}: {_first_line(e)}" for p, e in shown)
     err = UnsupportedTTTError(
         f"{cand.path or 'the model'} could not be traced at any probe shape, its example's batch "
-        f"size included ({tried}; {len(failures)} shapes tried). ttt2la traces a layer at small "
-        "batch sizes and lengths to make the converted layer work at any shape; make the "
-        "layer run at other lengths than the example's, e.g. by not asserting its length.")
+        f"size included ({len(failures)} sets of shapes tried; {tried}). ttt2la must trace a "
+        "layer at two lengths at least (three chunk updates, then one more token or one more "
+        "chunk) to make the converted layer work at any length: let the layer run at lengths "
+        "other than the example's.")
     err.__cause__ = first
     return err
 
