@@ -150,10 +150,14 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     gm = trace(fn, pb, *inputs)
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if not loops:
-        raise UnsupportedTTTError(
+        raise _ShapeDependent(
             f"the loop at {cand.loop.src} did not run when {cand.path or 'the model'} was traced "
             f"at batch {B}, length {L}")
     return roll_up(gm, *loops[0], module_path=cand.path)
+
+
+class _ShapeDependent(UnsupportedTTTError):
+    """A refusal that other probe shapes may not meet (the loop did not run, sizes did not fit)."""
 
 
 def _run_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> None:
@@ -280,6 +284,10 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         try:
             with _quiet_fake_tensors():
                 return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
+        except ConversionError as e:
+            if not isinstance(e, _ShapeDependent):
+                raise                     # what the loop does is unsupported at any shape
+            failures.append((plan, e))
         except Exception as e:            # the layer's own code rejected these shapes
             failures.append((plan, e))
     raise _probe_failure(cand, failures, C, seq_len)
@@ -301,8 +309,11 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
         rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
     rolled_B = rolled if plan.fixed else _roll_at(cand, fn, flat, layout, plan.unit * b1, L0)
     rolled_L = _roll_at(cand, fn, flat, layout, plan.unit * b0, L1)
-    outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer,
-                         B0=b0, L0=L0, L1=L1, B1=b1, what=f"code around the loop of {cand.path}")
+    try:
+        outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
+                             B1=b1, what=f"code around the loop of {cand.path}")
+    except UnsupportedTTTError as e:
+        raise _ShapeDependent(str(e)) from e
     notes = []
     if plan.unit > 1 or plan.fixed:
         first = failures[0]
