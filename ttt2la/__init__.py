@@ -6,11 +6,12 @@
 """
 from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
-                     UnsupportedTTTError)
+                     UnsupportedShapeError, UnsupportedTTTError)
 from .lowering.plan import PlanFallbackError
 from .report import ConversionReport, InspectionReport
 
 __version__ = "0.1.0"
 
 __all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
-           "LevelNotImplementedError", "PlanFallbackError", "ConversionReport", "InspectionReport", "__version__"]
+           "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
+           "InspectionReport", "__version__"]

@@ -73,6 +73,16 @@ def _lact_layer(**kw) -> Callable[[], torch.nn.Module]:
     return build
 
 
+def _lact_published_layer() -> torch.nn.Module:
+    from .zoo import LaCTPublishedLayer
+    return LaCTPublishedLayer(64, 2, 64)
+
+
+def _per_token_inline_layer() -> torch.nn.Module:
+    from .zoo import PerTokenInlineTTTLayer
+    return PerTokenInlineTTTLayer(64, 4)
+
+
 def _per_token_layer() -> torch.nn.Module:
     from .zoo import PerTokenTTTLayer
     return PerTokenTTTLayer(64, 4)
@@ -91,8 +101,15 @@ ZOO: dict[str, ZooModel] = {
                               "no weight norm)",
                               _lact_layer(update_theta=False, weight_norm=False), _features(64),
                               length=512, chunk_size=64),
+    "lact-published": ZooModel("one LaCT layer in the style of its published operator: "
+                               "compiled, heads folded into the batch by the caller, bf16 "
+                               "Newton–Schulz (d_model 64, 2 heads, chunk 64)",
+                               _lact_published_layer, _features(64), length=512, chunk_size=64),
     "per-token": ZooModel("per-token linear TTT layer (update, then read; 4 heads)",
                           _per_token_layer, _features(64), length=64, chunk_size=1),
+    "per-token-inline": ZooModel("the per-token layer with its token loop written inline in "
+                                 "forward, outputs stacked (4 heads)",
+                                 _per_token_inline_layer, _features(64), length=64, chunk_size=1),
 }
 
 

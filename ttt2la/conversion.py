@@ -26,7 +26,7 @@ from .analysis import analyze, assign_roles
 from .converted import ConvertedState, install
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
 from .frontend.discover import discover
-from .frontend.recognize import B0, B1, RecognizedLayer, recognize_layer
+from .frontend.recognize import RecognizedLayer, recognize_layer
 from .frontend.shapes import fit_template
 from .ir import TTTProgram
 from .lowering import plan_for
@@ -120,7 +120,7 @@ def _prepare(rl: RecognizedLayer, level: int, calibration):
         programs.append(prog)
         results = results or res
     body = fit_template(programs[0].body, programs[1].body, programs[2].body,
-                        B0=B0, L0=rl.L0, L1=rl.L1, B1=B1,
+                        B0=rl.B0, L0=rl.L0, L1=rl.L1, B1=rl.B1,
                         what=f"loop body of {rl.path or '<model>'}")
     return programs[0], results, body
 
@@ -162,7 +162,7 @@ def _build_state(rl: RecognizedLayer, level: int, calibration, backend: str, str
     the traced body recurrently would only be slower than the loop as written)."""
     program, results, body = _prepare(rl, level, calibration)
     analysis = analyze(program)
-    notes = []
+    notes = list(rl.notes)
     exact = all(r.exact for r in results)
     schedule = None
     if not analysis.reducible:
@@ -402,7 +402,7 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
         levels = {k: _level_verdict(rl, k) for k in range(MAX_LEVEL + 1)}
         reports.append(_layer_report(rl, program, analysis, [], analysis.schedule
                                      if analysis.reducible else "recurrent", "-",
-                                     analysis.reducible, [], levels=levels))
+                                     analysis.reducible, list(rl.notes), levels=levels))
     report = InspectionReport(layers=reports, notes=notes)
     if show:
         from rich.console import Console

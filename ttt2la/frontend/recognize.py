@@ -4,10 +4,19 @@
 chunk size (``L0 = 3C + r`` shows three loop iterations, enough to tell carried state from
 chunk streams), rolls the loop up at each, and fits the size arguments of the outer graph and
 of the body as functions of batch size and length (``shapes.fit_template``).
+
+Not every layer runs at every probe shape: one that tiles per-head weights over a batch with
+the heads folded in takes only multiples of its head count, another only the batch size it was
+written for. When a probe trace fails, the shapes are derived from the example instead
+(``probe_plans``): batches in units of a divisor of the example's batch, lengths that keep its
+chunk remainder, and as a last resort the example's batch alone. The converted layer then
+accepts exactly the batch sizes its traces cover, and says so when called at another.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,9 +26,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from ..errors import UnsupportedTTTError
+from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram
-from .capture import trace
+from .capture import _no_compile, trace
 from .discover import LoopCandidate
 from .loops import find_loops
 from .rollup import RolledLoop, roll_up
@@ -30,15 +39,34 @@ B0, B1 = 2, 3
 
 @dataclass
 class InputLayout:
-    """Which layer inputs carry the batch and the sequence, so any (B, L) can be read off."""
+    """Which layer inputs carry the batch and the sequence, so any (B, L) can be read off.
+
+    Sizes are fitted in units of ``batch_unit`` (``sizes`` returns ``(B // unit, L)``): a layer
+    traced at multiples of ``unit`` runs at multiples of it, and with ``fixed_batch`` only at
+    ``unit`` itself; other batch sizes raise ``UnsupportedShapeError``.
+    """
 
     batch_axis: dict[int, int]          # flat input index -> batch axis
     token_axis: dict[int, int]          # flat input index -> token axis
     ref: int                            # flat input index to read B and L from
+    batch_unit: int = 1
+    fixed_batch: bool = False
+    path: str = ""
+    why: str = ""                       # the probe failure that restricted the batch sizes
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         x = flat_inputs[self.ref]
-        return x.shape[self.batch_axis[self.ref]], x.shape[self.token_axis[self.ref]]
+        B, L = x.shape[self.batch_axis[self.ref]], x.shape[self.token_axis[self.ref]]
+        unit = self.batch_unit
+        if (self.fixed_batch and B != unit) or B % unit:
+            accepted = f"batch size {unit} only" if self.fixed_batch else \
+                f"batch sizes that are multiples of {unit}"
+            raise UnsupportedShapeError(
+                f"the converted {self.path or 'model'} was called at batch size {B}, but it was "
+                f"converted for {accepted}: the layer's own code failed when traced at other "
+                f"batch sizes ({self.why}). Convert it again with example inputs of the batch "
+                "size you call it with.")
+        return B // unit, L
 
 
 @dataclass
@@ -55,6 +83,9 @@ class RecognizedLayer:
     outer: GraphTemplate
     L0: int
     L1: int
+    B0: int = B0                        # probe batch sizes, in units of layout.batch_unit
+    B1: int = B1
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def program(self) -> TTTProgram:
@@ -119,10 +150,22 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     gm = trace(fn, pb, *inputs)
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if not loops:
-        raise UnsupportedTTTError(
+        raise _ShapeDependent(
             f"the loop at {cand.loop.src} did not run when {cand.path or 'the model'} was traced "
             f"at batch {B}, length {L}")
     return roll_up(gm, *loops[0], module_path=cand.path)
+
+
+class _ShapeDependent(UnsupportedTTTError):
+    """A refusal that other probe shapes may not meet (the loop did not run, sizes did not fit)."""
+
+
+def _run_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> None:
+    """Run the layer eagerly at (B, L): far cheaper than a trace when the shape is rejected."""
+    inputs = _inputs_at(flat, layout, B, L)
+    pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+    with torch.no_grad(), _no_compile():
+        fn(pb, *inputs)
 
 
 _CACHE: "OrderedDict[tuple, RecognizedLayer]" = OrderedDict()
@@ -141,8 +184,8 @@ def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
         for k, v in sorted(vars(m).items()):
             if isinstance(v, torch.Tensor):
                 return None
-            if isinstance(v, (bool, int, float, str, type(None))) or callable(v) \
-                    and not isinstance(v, torch.nn.Module):
+            if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device)) \
+                    or callable(v) and not isinstance(v, torch.nn.Module):
                 attrs.append((name, k, v))       # a function attribute steers the code too
         attrs.append((name, type(m)))
     tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device))
@@ -172,6 +215,57 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     return result
 
 
+@dataclass(frozen=True)
+class ProbePlan:
+    """Where to trace a layer: batch sizes ``unit·B0`` and ``unit·B1`` (one batch, ``unit``, when
+    ``fixed``), and lengths from the chunk size (``structured``: the example's chunk remainder)."""
+
+    unit: int = 1
+    fixed: bool = False
+    structured: bool = False
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        """(B0, B1) in units of ``unit``; a fixed batch has no second size to fit against, so
+        the batch trace is reused and no size is fitted as depending on the batch."""
+        return (1, 2) if self.fixed else (B0, B1)
+
+    def lengths(self, C: int, example_len: int | None) -> tuple[int, int]:
+        if self.structured and example_len is not None:
+            L0 = 3 * C + (example_len % C or C)          # >= three updates, same remainder
+            return L0, L0 + C
+        r = C // 2 if C > 1 else 1
+        return 3 * C + r, 3 * C + r + 1
+
+    def describe(self, C: int, example_len: int | None) -> str:
+        L0, L1 = self.lengths(C, example_len)
+        b0, b1 = self.batches
+        batch = f"{self.unit}" if self.fixed else f"{self.unit * b0} and {self.unit * b1}"
+        return f"batch {batch}, lengths {L0} and {L1}"
+
+
+def probe_plans(example_batch: int, example_len: int | None) -> list[ProbePlan]:
+    """The shapes to try, most general first: batches 2 and 3; then units that divide the
+    example's batch (multiples of a head count, of the batch itself); then the example's batch
+    alone — each with the usual lengths, then with lengths keeping the example's chunk remainder."""
+    units = [1] + [d for d in range(2, example_batch + 1) if example_batch % d == 0]
+    plans = [ProbePlan(u, False, st) for u in units for st in (False, True)]
+    plans += [ProbePlan(example_batch, True, st) for st in (False, True)]
+    return plans
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Fake tensors log every failed shape check; a failed probe is expected and reported."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
 def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
@@ -185,24 +279,78 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
     layout = _layout(flat, seq_len, batch)
     sizes = {c for c in cand.chunk_sizes if c > 0}
     C = max(sizes) if sizes else 1
-    r = C // 2 if C > 1 else 1
-    L0 = 3 * C + r
-    L1 = L0 + 1
     fn = layer_function(cand.module, in_spec)
-    rolled = _roll_at(cand, fn, flat, layout, B0, L0)
+    failures: list[tuple[ProbePlan, Exception]] = []
+    for plan in probe_plans(batch, seq_len):
+        try:
+            with _quiet_fake_tensors():
+                return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
+        except ConversionError as e:
+            if not isinstance(e, _ShapeDependent):
+                raise                     # what the loop does is unsupported at any shape
+            failures.append((plan, e))
+        except Exception as e:            # the layer's own code rejected these shapes
+            failures.append((plan, e))
+    raise _probe_failure(cand, failures, C, seq_len)
+
+
+def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_len,
+                  failures) -> RecognizedLayer:
+    """Trace at the three shapes of ``plan`` and fit the outer graph's sizes."""
+    b0, b1 = plan.batches
+    L0, L1 = plan.lengths(C, seq_len)
+    shapes = [(b0, L0), (b0, L1)] + ([] if plan.fixed else [(b1, L0)])
+    for B, L in shapes:                               # shapes the code rejects fail fast eagerly
+        _run_at(cand, fn, flat, layout, plan.unit * B, L)
+    rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
     if rolled.program.chunk_size != C:
         # the slices seen eagerly were not the chunk slices: retrace at the recognized size
         C = rolled.program.chunk_size
-        r = C // 2 if C > 1 else 1
-        L0, L1 = 3 * C + r, 3 * C + r + 1
-        rolled = _roll_at(cand, fn, flat, layout, B0, L0)
-    rolled_L = _roll_at(cand, fn, flat, layout, B0, L1)
-    rolled_B = _roll_at(cand, fn, flat, layout, B1, L0)
-    outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer,
-                         B0=B0, L0=L0, L1=L1, B1=B1, what=f"code around the loop of {cand.path}")
+        L0, L1 = plan.lengths(C, seq_len)
+        rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
+    rolled_B = rolled if plan.fixed else _roll_at(cand, fn, flat, layout, plan.unit * b1, L0)
+    rolled_L = _roll_at(cand, fn, flat, layout, plan.unit * b0, L1)
+    try:
+        outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
+                             B1=b1, what=f"code around the loop of {cand.path}")
+    except UnsupportedTTTError as e:
+        raise _ShapeDependent(str(e)) from e
+    notes = []
+    if plan.unit > 1 or plan.fixed:
+        first = failures[0]
+        why = f"at {first[0].describe(C, seq_len)}: {_first_line(first[1])}"
+        accepted = f"batch size {plan.unit} only" if plan.fixed else \
+            f"batch sizes that are multiples of {plan.unit}"
+        notes.append(f"converted for {accepted}: traced at {plan.describe(C, seq_len)} after "
+                     f"the layer failed {why}")
+        layout = dataclasses.replace(layout, batch_unit=plan.unit, fixed_batch=plan.fixed,
+                                     path=cand.path, why=why)
     return RecognizedLayer(cand.path, cand, rolled, rolled_L, rolled_B, layout, in_spec, outer,
-                           L0, L1)
+                           L0, L1, b0, b1, notes)
 
 
-__all__ = ["recognize_layer", "RecognizedLayer", "InputLayout", "layer_function",
-           "params_and_buffers", "B0", "B1"]
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
+    """The error when no probe shape traced: the general case's own error when it is one of
+    ours (it says what in the loop is unsupported), otherwise what every shape ran into."""
+    first = failures[0][1]
+    if isinstance(first, ConversionError):
+        return first
+    shown = failures if len(failures) <= 2 else [failures[0], failures[-1]]
+    tried = "; ".join(f"{p.describe(C, seq_len)}: {_first_line(e)}" for p, e in shown)
+    err = UnsupportedTTTError(
+        f"{cand.path or 'the model'} could not be traced at any probe shape, its example's batch "
+        f"size included ({len(failures)} sets of shapes tried; {tried}). ttt2la must trace a "
+        "layer at two lengths at least (three chunk updates, then one more token or one more "
+        "chunk) to make the converted layer work at any length: let the layer run at lengths "
+        "other than the example's.")
+    err.__cause__ = first
+    return err
+
+
+__all__ = ["recognize_layer", "RecognizedLayer", "InputLayout", "ProbePlan", "probe_plans",
+           "layer_function", "params_and_buffers", "B0", "B1"]

@@ -1,15 +1,19 @@
 """Reference TTT layers written the way their authors write them; the recognizer's test material."""
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
+from .lact_published import LaCTPublishedLayer
 from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
+from .per_token_inline import PerTokenInlineTTTLayer
 
 
 def lact_layer(style: str = "folded", **kw):
-    """Build a LaCT layer in the given coding style ("folded" or "heads"); ``kw`` go to its constructor."""
+    """Build a LaCT layer in the given coding style ("folded", "heads" or "published"); ``kw`` go to
+    its constructor."""
     if style not in LACT_STYLES:
         raise ValueError(f"unknown LaCT style {style!r}; choose one of {sorted(LACT_STYLES)}")
     return LACT_STYLES[style](**kw)
 
 
-__all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "PerTokenTTTLayer", "TinyLaCTLM", "lact_layer"]
+__all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
+           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer"]

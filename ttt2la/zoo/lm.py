@@ -7,8 +7,9 @@ from torch import nn
 
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
+from .lact_published import LaCTPublishedLayer
 
-LACT_STYLES = {"folded": LaCTFoldedLayer, "heads": LaCTHeadsLayer}
+LACT_STYLES = {"folded": LaCTFoldedLayer, "heads": LaCTHeadsLayer, "published": LaCTPublishedLayer}
 
 
 class SwiGLUMLP(nn.Module):
@@ -42,7 +43,7 @@ class Block(nn.Module):
 class TinyLaCTLM(nn.Module):
     """Embedding, ``n_layers`` LaCT blocks, final RMSNorm and an LM head (tied to the embedding by default).
 
-    ``style`` picks the LaCT implementation ("folded" or "heads"); ``layer_kwargs`` go to every LaCT layer.
+    ``style`` picks the LaCT implementation ("folded", "heads" or "published"); ``layer_kwargs`` go to every LaCT layer.
     """
 
     def __init__(

@@ -1,0 +1,58 @@
+"""Per-token test-time training written inline in ``forward``: one loop over tokens, nothing else.
+
+The fast weight ``S`` [B, H, D, D] of every head takes one gradient step on the binding loss
+``-<k_t S, v_t>`` per token (step size ``eta_t``) and the same token's query then reads it:
+``S_t = S_{t-1} + eta_t k_tᵀ v_t``, ``o_t = q_t S_t``. The outputs are collected in a list and
+stacked after the loop, the way such layers are usually first written.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PerTokenInlineTTTLayer(nn.Module):
+    """Multi-head linear TTT layer whose token loop sits directly in ``forward``.
+
+    ``eta_t = softplus(lr_proj(x_t) + softplus^-1(base_lr))`` per head and token; the initial fast
+    weight ``s0`` [H, D, D] is learned.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, base_lr: float = 0.5):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.lr_offset = math.log(math.expm1(base_lr))
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.lr_proj = nn.Linear(d_model, num_heads, bias=False)
+        self.s0 = nn.Parameter(torch.randn(num_heads, self.head_dim, self.head_dim)
+                               / math.sqrt(self.head_dim))
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, d_model] -> [B, L, d_model]."""
+        B, L, d_model = x.shape
+        H, D = self.num_heads, self.head_dim
+        q = F.normalize(self.q_proj(x).view(B, L, H, D), dim=-1)
+        k = F.normalize(self.k_proj(x).view(B, L, H, D), dim=-1)
+        v = self.v_proj(x).view(B, L, H, D)
+        eta = F.softplus(self.lr_proj(x) + self.lr_offset)            # [B, L, H]
+
+        S = self.s0.expand(B, H, D, D)
+        ys = []
+        for t in range(L):
+            write = k[:, t, :, :, None] * v[:, t, :, None, :]        # k_tᵀ v_t: [B, H, D, D]
+            S = S + eta[:, t, :, None, None] * write
+            ys.append((q[:, t, :, None, :] @ S)[:, :, 0])            # q_t S_t: [B, H, D]
+        y = torch.stack(ys, dim=1)                                    # [B, L, H, D]
+        return self.out(y.reshape(B, L, d_model))
+
+
+__all__ = ["PerTokenInlineTTTLayer"]
