@@ -151,16 +151,18 @@ def measure_timings(models: dict[str, Callable], inputs: tuple, units: float, *,
                              max_seconds=max_seconds, no_grad=no_grad, on_round=advance)
 
 
-def ran_plans(model: torch.nn.Module) -> str:
+def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
     """The plans a converted model's layers run — schedule and implementation — as one string.
 
-    Read from the plans the converted layers built for the shapes they have run at (so call it
-    after running the model), falling back to the conversion report's record.
+    Read from the plans the converted layers built for the batch sizes they have run at (only
+    ``batch`` if given; so call it after running the model), else from the conversion report.
     """
     seen = []
     for module in model.modules():
         state = getattr(module, "_ttt2la", None)
-        for loop in getattr(state, "_loop_cache", {}).values():
+        for size, loop in getattr(state, "_loop_cache", {}).items():
+            if batch is not None and size != batch:
+                continue
             plan = loop.plan
             seen.append(f"{getattr(plan, 'schedule', '?')} on "
                         f"{getattr(plan, 'implementation', '?')}")
@@ -202,7 +204,7 @@ def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Mo
     table.add_row("original", "as written", f"{base.rate:,.0f}", base.spread(), "1.00x", "")
     for name, model in converted.items():
         t = timings[name]
-        table.add_row(name, ran_plans(model), f"{t.rate:,.0f}", t.spread(),
+        table.add_row(name, ran_plans(model, inputs[0].shape[0]), f"{t.rate:,.0f}", t.spread(),
                       str(t.speedup_over(base)), f"{drift[name]:.2e}")
     return table
 
