@@ -126,7 +126,7 @@ class Row:
     error: float | None = None          # rel. RMS vs the unconverted layer of the same function
     bound: float | None = None          # the error the precision criterion allows
     reference: str = ""
-    refused: str = ""
+    not_timed: str = ""                 # why not: refused, crashed or failed, in its words
 
     @property
     def flops_per_s(self) -> float | None:
@@ -192,7 +192,11 @@ def _converted(layer, level: int, example: torch.Tensor, flops: float, reference
         converted = ttt2la.convert(layer, level=level, example_inputs=(example,))
     except ConversionError as e:
         progress(f"  level {level}: refused ({type(e).__name__})")
-        return Candidate(f"{type(e).__name__}: {str(e).splitlines()[0]}", "refused")
+        return Candidate(f"{type(e).__name__}: {_first_line(e)}", "refused")
+    except Exception as e:  # noqa: BLE001 - not an interface error: a bug, recorded, run goes on
+        progress(f"  level {level}: conversion CRASHED ({type(e).__name__}: {_first_line(e)})")
+        return Candidate(f"conversion crashed with {type(e).__name__}: {_first_line(e)}",
+                         "crashed")
     progress(f"  converted at level {level} in {time.perf_counter() - start:.1f} s")
     return Candidate(converted, "", flops, reference)
 
@@ -219,6 +223,7 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
     bound is the precision criterion (2× the reference's own error against float64, plus 1e-6).
     Returns the rows and the timings by row name.
     """
+    outputs = first_calls(candidates, x, setup, progress)
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     tokens = x.shape[0] * x.shape[1]
     progress(f"  timing {len(models)} rows side by side (≤{setup.rounds} rounds, "
@@ -228,17 +233,17 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
                                 warmup=setup.warmup, no_grad=not setup.backward,
                                 on_round=lambda r: progress(f"    round {r}", transient=True))
     with torch.no_grad():
-        outputs = {name: model(x) for name, model in models.items()}
-        exact64 = {name: twin(x64) for name, (twin, x64) in (float64_refs or {}).items()}
+        exact64 = {name: twin(x64) for name, (twin, x64) in (float64_refs or {}).items()
+                   if name in outputs}
     rows = []
     for name, c in candidates.items():
         if isinstance(c.model, str):
-            rows.append(Row(case, name, c.plan, refused=c.model))
+            rows.append(Row(case, name, c.plan, not_timed=c.model))
             continue
         t = timings[name]
         plan = c.plan or ran_plans(c.model, x.shape[0])
         row = Row(case, name, plan, t.rate, t.iqr_pct, t.range_pct, t.rounds, c.flops_per_token)
-        if c.reference is not None:
+        if c.reference in outputs:
             row.reference = c.reference
             row.error = rel_rms_error(outputs[name], outputs[c.reference])
             row.bound = TOLERANCE[x.dtype]
@@ -250,6 +255,30 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
                 row.reference = f"float64 {c.reference}, whose fp32 run is off by {own:.1e}"
         rows.append(row)
     return rows, timings
+
+
+def first_calls(candidates: dict[str, Candidate], x: torch.Tensor, setup: Setup,
+                progress) -> dict[str, torch.Tensor]:
+    """Each candidate's output on ``x`` (no_grad), and its training step once with
+    ``--backward``; a candidate that raises is marked failed (its row says why), not timed."""
+    outputs = {}
+    for name, c in candidates.items():
+        if isinstance(c.model, str):
+            continue
+        try:
+            with torch.no_grad():
+                outputs[name] = c.model(x)
+            if setup.backward:
+                _callables({name: c.model}, True)[name](x)
+        except Exception as e:  # noqa: BLE001 - recorded in the row; the other rows still run
+            progress(f"  {name} FAILED at {tuple(x.shape)}: {type(e).__name__}: {_first_line(e)}")
+            c.model, c.plan = f"failed with {type(e).__name__}: {_first_line(e)}", "failed"
+            outputs.pop(name, None)
+    return outputs
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def lact_models(setup: Setup, chunk: int, muon: bool):
@@ -356,7 +385,7 @@ def evaluate(targets: list[Target], rows: list[Row], timings: dict[str, Timing],
     by_name = {r.model: r for r in rows}
     for t in targets:
         if t.row not in timings:
-            t.spread = "not measured: " + (by_name[t.row].refused if t.row in by_name else "")
+            t.spread = "not measured: " + (by_name[t.row].not_timed if t.row in by_name else "")
             continue
         if t.baseline is None:
             row = by_name[t.row]
@@ -414,8 +443,8 @@ def _fmt_error(row: Row) -> str:
 
 
 def _cells(row: Row, peak: float) -> list[str]:
-    if row.refused:
-        return [row.case, row.model, row.plan, "", "", "", "", row.refused]
+    if row.not_timed:
+        return [row.case, row.model, row.plan, "", "", "", "", row.not_timed]
     gflops = row.flops_per_s / 1e9 if row.flops_per_s else None
     return [row.case, row.model, row.plan, _fmt_rate(row.tokens_per_s),
             f"{row.iqr_pct:.0f}% / {row.range_pct:.0f}% (n={row.rounds})",
