@@ -1,4 +1,4 @@
-"""TTT-layer throughput, side by side: LaCT as written against its conversions, and per-token layers.
+"""TTT-layer throughput, side by side: LaCT as written against its conversions; per-token layers.
 
 Every case times its rows in one run, interleaved (one call of each per round, order rotated
 every round, after warm-up rounds; ``ttt2la.timing``), and reports each row's median tokens/s with
@@ -35,7 +35,7 @@ Results go to ``--results DIR`` as they are measured: ``rows.jsonl`` gains each 
 as the case is timed, ``throughput.md`` is rewritten after every case, ``--profile`` adds a
 ``torch.profiler`` summary (top ops by self CPU time) of the converted layer of every missed target.
 
-    python benchmarks/throughput.py                  # the issue's CPU sizes, ~15 min on 2 quiet cores
+    python benchmarks/throughput.py                  # the issue's CPU sizes, ~15 min, 2 quiet cores
     python benchmarks/throughput.py --size quick     # small sizes, a few minutes
     python benchmarks/throughput.py --backward       # forward + backward instead of forward only
 """
@@ -50,7 +50,7 @@ import platform
 import sys
 import time
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -468,8 +468,8 @@ def header_lines(setup: Setup) -> list[str]:
             f"{'forward + backward' if setup.backward else 'forward only, under no_grad'}",
             f"timing: rows of a case interleaved, order rotated each round, {setup.warmup} "
             f"warm-up rounds, then up to {setup.rounds} rounds or {setup.max_seconds:g} s "
-            f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round times, % of the median; "
-            f"ratios are medians of per-round ratios",
+            f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round "
+            f"times, % of the median; ratios are medians of per-round ratios",
             f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s "
             f"(measured in this run)",
             f"torch {torch.__version__}, ttt2la {ttt2la.__version__}, "

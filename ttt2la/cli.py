@@ -156,6 +156,7 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
 
     Read from the plans the converted layers built for the batch sizes they have run at (only
     ``batch`` if given; so call it after running the model), else from the conversion report.
+    Where the report names another schedule or op than the one that ran, that is said too.
     """
     seen = []
     for module in model.modules():
@@ -166,10 +167,20 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
             plan = loop.plan
             seen.append(f"{getattr(plan, 'schedule', '?')} on "
                         f"{getattr(plan, 'implementation', '?')}")
+    report = getattr(model, "ttt2la_report", None)
+    named = sorted({f"{layer.schedule} on {layer.runtime}"
+                    for layer in getattr(report, "layers", [])})
     if not seen:
-        report = getattr(model, "ttt2la_report", None)
-        seen = [f"{layer.schedule} on {layer.runtime}" for layer in getattr(report, "layers", [])]
-    return ", ".join(sorted(set(seen))) or "as written"
+        return ", ".join(named) or "as written"
+    seen = sorted(set(seen))
+    if named and {_op_name(p) for p in seen} != {_op_name(p) for p in named}:
+        return f"{', '.join(seen)} (the report names {', '.join(named)})"
+    return ", ".join(seen)
+
+
+def _op_name(plan: str) -> str:
+    """``"parallel on block_linear_attention[auto]"`` -> ``"parallel on block_linear_attention"``."""
+    return plan.split("[")[0].split("(")[0].strip()
 
 
 def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Module],
