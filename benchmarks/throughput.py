@@ -99,6 +99,11 @@ class Setup:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def passes(self) -> int:
+        """Useful FLOPs per call, in forward counts: a matmul's backward is two more its size."""
+        return 3 if self.backward else 1
+
 
 #: Size presets: the issue's CPU sizes (about 15 minutes on 2 cores), a quick run, and a smoke
 #: run small enough for the test suite.
@@ -325,8 +330,9 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
                                                                    setup.torch_dtype)
     example = x[:1, : min(length, 3 * chunk)]        # two updating chunks and a last one
     steps = setup.muon_steps if muon else 0
-    flops = {theta: lact_flops_per_token(length, chunk, setup.heads, setup.head_dim,
-                                         muon_steps=steps, update_theta=theta)
+    flops = {theta: setup.passes * lact_flops_per_token(length, chunk, setup.heads,
+                                                        setup.head_dim, muon_steps=steps,
+                                                        update_theta=theta)
              for theta in (True, False)}
     candidates = {"original (level 0)": Candidate(original, "as written", flops[True])}
     for level in setup.levels:
@@ -364,7 +370,7 @@ def per_token_case(setup: Setup, length: int, target: float, progress):
     dev, dt = torch.device(setup.device), setup.torch_dtype
     x = torch.randn(setup.batch, length, setup.d_model,
                     generator=torch.Generator().manual_seed(1)).to(dev, dt)
-    flops = per_token_flops_per_token(setup.d_model, setup.heads)
+    flops = setup.passes * per_token_flops_per_token(setup.d_model, setup.heads)
     candidates, targets = {}, []
     for name, cls in per_token_classes().items():
         torch.manual_seed(0)
@@ -463,9 +469,11 @@ def header_lines(setup: Setup) -> list[str]:
              f"{torch.get_num_threads()} torch threads"
     lact = ", ".join(f"chunk {c} at L={n}" for c, n in setup.lact)
     return [f"sizes `{setup.size}`: B={setup.batch}, {setup.heads} heads × {setup.head_dim}, "
-            f"LaCT layer `{lact_class().__name__}` at {lact}; per-token layers at L="
+            f"LaCT layer `{lact_class().__name__}` at {lact}; per-token layers "
+            f"{', '.join(f'`{c.__name__}`' for c in per_token_classes().values())} at L="
             f"{', '.join(map(str, setup.per_token_lengths))}; {setup.dtype}; "
-            f"{'forward + backward' if setup.backward else 'forward only, under no_grad'}",
+            + ("forward + backward (useful FLOPs: 3× the forward count)" if setup.backward
+               else "forward only, under no_grad"),
             f"timing: rows of a case interleaved, order rotated each round, {setup.warmup} "
             f"warm-up rounds, then up to {setup.rounds} rounds or {setup.max_seconds:g} s "
             f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round "
