@@ -1,12 +1,16 @@
 """GPU benchmark of the Triton kernels against their recurrent forms, the torch runtime and flash-linear-attention.
 
-Three sections, every time the median of several runs timed with CUDA events after warm-up runs:
+Three sections, every time the median of several runs timed with CUDA events after warm-up runs (with the
+interquartile range of the runs as % of the median):
 
 (a) LaCT variant 2 (Θ frozen, no weight norm; momentum and Muon kept): 4 heads of 384, chunks of 2048,
-    T = 32K, bf16, apply-then-update order. The Triton block op (features given, and with the SwiGLU kernel
-    fused in), the torch runtime's parallel op, the recurrent form (the reference's loop over chunks) and, when
-    ``ttt2la.zoo`` has it, the whole recurrent LaCT layer (``LaCTFoldedLayer``, projections included) in its
-    variant-2 and baseline configurations.
+    T = 32K, bf16, apply-then-update order, Newton–Schulz as LaCT's release runs it (its five per-step
+    coefficient triples, iterated in bf16: ``ns_coefficients``/``ns_dtype`` of the runtime op — precision
+    follows the source, nothing runs in float64). The Triton block op (features given, and with the SwiGLU
+    kernel fused in), the torch runtime's parallel op, the recurrent form (the reference's loop over chunks)
+    and the whole LaCT zoo layer (``LaCTPublishedLayer`` when the zoo has it, else ``LaCTFoldedLayer``;
+    projections included) as written in its variant-2 and baseline configurations, and the baseline
+    converted by ``ttt2la.convert(level=2)``.
 (b) Token-causal linear attention with a per-head decay: B = 8, T = 8192, H = 16, D = 128, bf16, forward and
     forward + backward, Triton against the torch runtime and fla's ``chunk_simple_gla`` when it imports.
 (c) Achieved TFLOP/s of the dominant matmuls (the block op's increment and read kernels, Newton–Schulz, the
@@ -14,8 +18,16 @@ Three sections, every time the median of several runs timed with CUDA events aft
 
 FLOPs are counted analytically, matmuls only (see ``block_flops``/``chunk_flops``); the backward counts the
 matmuls it performs, recomputation included. Each Triton row also reports its relative RMS error against the
-torch runtime on the same inputs. Writes a Markdown table to stdout and to ``--out``
-(default ``benchmarks/results/gpu-<date>.md``). ``--quick`` shrinks every shape for a smoke run.
+torch runtime on the same inputs. Every row is written to ``--out`` (default
+``benchmarks/results/gpu-<date>.md``) as soon as it is measured, so a time-out loses nothing; rows that would
+start after ``--budget-seconds`` are recorded as skipped. ``--quick`` shrinks every shape for a smoke run;
+``--device cpu`` (with ``TRITON_INTERPRET=1`` and ``--quick``) smoke-tests the script itself without a GPU,
+timing with the wall clock.
+
+Read before trusting tile choices: the kernels' compile check (``ttt2la/runtime/triton/ahead_of_time.py``)
+compiles without the divisibility hints (``tt.divisibility``) the JIT adds at launch, so the register counts
+it reports, which chose the tile sizes and warp counts, are pessimistic (e.g. 254 registers reported where
+the hinted compile uses 80). Measured times here are the ground truth.
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -39,8 +52,16 @@ from ttt2la.runtime.naive import naive_block_linear_attention  # noqa: E402
 from ttt2la.runtime.newton_schulz import newton_schulz  # noqa: E402
 from ttt2la.testing import rel_rms_error  # noqa: E402
 
-#: Where the benchmark runs (a module constant so a CPU smoke test of this script can redirect it).
+#: Where the benchmark runs (``--device cpu`` redirects it for a smoke test of this script).
 DEVICE = "cuda"
+
+#: LaCT's released Newton–Schulz: one (a, b, c) per step, iterated in bf16.
+LACT_NS_COEFFICIENTS = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                        (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
+LACT_NS_DTYPE = torch.bfloat16
+
+#: Rows that would start after this time (``time.monotonic()``) are recorded as skipped.
+DEADLINE = math.inf
 
 #: Dense bf16 matmul rate the vendor states for the chips this is meant for (TFLOP/s, no sparsity).
 NOMINAL_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -53,26 +74,42 @@ class Row:
     implementation: str
     passes: str
     ms: float | None = None
+    iqr_pct: float | None = None
     tokens: int = 0
     flops: float = 0.0
     error: float | None = None
     note: str = ""
 
 
+#: Spread (IQR % of the median) of the last ``cuda_ms`` call, picked up by ``_attempt`` for its row.
+LAST_SPREAD: list[float | None] = [None]
+
+
 def cuda_ms(fn, *, warmup: int = 2, repeats: int = 7) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, timed with CUDA events."""
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, timed with CUDA events
+    (the wall clock off CUDA); the runs' interquartile range goes to ``LAST_SPREAD``."""
+    cuda = DEVICE.startswith("cuda")
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    median = statistics.median(times)
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (median, median, median)
+    LAST_SPREAD[0] = (q[2] - q[0]) / median * 100
+    return median
 
 
 def forward_backward(fn, inputs):
@@ -132,13 +169,38 @@ def measured_peak_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+class Rows(list):
+    """The measured rows; every ``append`` rewrites the results file, so a time-out loses nothing."""
+
+    def __init__(self, path: str, header: str, peak: float, nominal: float | None):
+        super().__init__()
+        self.path, self.header, self.peak, self.nominal = path, header, peak, nominal
+        self.flush(done=False)
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        self.flush(done=False)
+
+    def flush(self, *, done: bool) -> str:
+        table = markdown(self, self.header + ("" if done else "\n\n**Partial: the run has not finished.**"),
+                         self.peak, self.nominal)
+        with open(self.path, "w") as f:
+            f.write(table)
+        return table
+
+
 def _attempt(rows, row: Row, measure):
     """Fill ``row`` by ``measure(row)``; a failure becomes a note instead of ending the run."""
-    try:
-        measure(row)
-    except Exception as exc:  # one broken row must not cost the others (device time is scarce)
-        row.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        traceback.print_exc()
+    if time.monotonic() > DEADLINE:
+        row.note = "skipped: the run's time budget (--budget-seconds) was spent"
+    else:
+        LAST_SPREAD[0] = None
+        try:
+            measure(row)
+            row.iqr_pct = LAST_SPREAD[0] if row.ms is not None else None
+        except Exception as exc:  # one broken row must not cost the others (device time is scarce)
+            row.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            traceback.print_exc()
     rows.append(row)
     print(f"  {row.section} | {row.implementation} | {row.passes} | "
           f"{'-' if row.ms is None else f'{row.ms:.3f} ms'} {row.note}", flush=True)
@@ -164,10 +226,11 @@ def section_lact(rows, *, B, T, H, D, C, steps):
     from ttt2la.runtime import triton as kernels
     from ttt2la.runtime.triton.swiglu import swiglu_features
 
-    section = f"(a) LaCT variant 2: B={B} T={T} H={H} D={D} C={C} bf16, momentum + Muon({steps})"
+    section = (f"(a) LaCT variant 2: B={B} T={T} H={H} D={D} C={C} bf16, momentum + Muon({steps} steps of "
+               f"LaCT's schedule, in bf16)")
     q, k, v, lr, momentum, w0, w2 = lact_inputs(B, T, H, D, C)
     phi_q, phi_k = swiglu_features(q, w0, w2), swiglu_features(k, w0, w2)
-    options = dict(chunk_size=C, order="exclusive", lr=lr, momentum=momentum, muon_steps=steps)
+    options = dict(chunk_size=C, order="exclusive", lr=lr, momentum=momentum, **lact_newton_schulz(steps))
     flops = dict(B=B, T=T, H=H, Dk=D, Dv=D, C=C, muon_steps=steps)
     reference = {}
 
@@ -226,27 +289,58 @@ def section_lact(rows, *, B, T, H, D, C, steps):
     _attempt(rows, Row(section, "torch runtime, parallel (φ given)", "fwd+bwd"), torch_training)
     _attempt(rows, Row(section, "Triton block op (φ given)", "fwd+bwd"), triton_training)
     _attempt(rows, Row(section, "Triton, SwiGLU φ fused", "fwd+bwd"), fused_training)
-    section_lact_layers(rows, section, B=B, T=T, H=H, D=D, C=C, steps=steps)
+
+
+def lact_newton_schulz(steps: int) -> dict:
+    """Runtime-op options for ``steps`` Newton–Schulz steps as LaCT's release runs them (none for 0)."""
+    if steps == 0:
+        return dict(muon_steps=0)
+    return dict(muon_steps=steps, ns_coefficients=LACT_NS_COEFFICIENTS[:steps], ns_dtype=LACT_NS_DTYPE)
 
 
 def section_lact_layers(rows, section, *, B, T, H, D, C, steps):
-    """The whole recurrent LaCT layer (projections, norms and its own chunk loop), if the zoo has it."""
-    try:
-        from ttt2la.zoo import LaCTFoldedLayer
-    except ImportError as exc:
-        rows.append(Row(section, "LaCTFoldedLayer (recurrent layer)", "fwd", note=f"not importable: {exc}"))
-        return
+    """The whole LaCT zoo layer as written (projections, norms, its own chunk loop) in its variant-2 and
+    baseline configurations, and the baseline converted at level 2 (the plan that ran in the note)."""
+    import ttt2la.zoo
+
+    cls = getattr(ttt2la.zoo, "LaCTPublishedLayer", None) or ttt2la.zoo.LaCTFoldedLayer
     x = torch.randn(B, T, H * D, device=DEVICE, dtype=torch.bfloat16)
-    for name, kwargs in (("LaCTFoldedLayer, variant 2 (recurrent, whole layer)",
-                          dict(update_theta=False, weight_norm=False)),
-                         ("LaCTFoldedLayer, baseline (recurrent, whole layer)", {})):
-        def measure(row, kwargs=kwargs):
-            layer = LaCTFoldedLayer(H * D, H, C, muon_steps=steps, **kwargs).to(DEVICE, torch.bfloat16)
+    torch.manual_seed(0)
+    baseline = cls(H * D, H, C, muon_steps=steps).to(DEVICE, torch.bfloat16).eval()
+    variant2 = cls(H * D, H, C, muon_steps=steps, update_theta=False, weight_norm=False)
+    variant2.load_state_dict(baseline.state_dict())
+    variant2.to(DEVICE, torch.bfloat16).eval()
+    outputs = {}
+
+    def as_written(layer, key):
+        def measure(row):
             with torch.no_grad():
+                outputs[key] = layer(x).float()
                 row.ms = cuda_ms(lambda: layer(x), warmup=1, repeats=3)
             row.tokens = B * T
-            row.note = "includes projections, norms and Θ updates where enabled; FLOPs not counted"
-        _attempt(rows, Row(section, name, "fwd"), measure)
+            row.note = "whole layer: projections, norms and Θ updates where enabled; FLOPs not counted"
+        return measure
+
+    def converted(row):
+        import ttt2la
+        from ttt2la.cli import ran_plans
+
+        start = time.monotonic()
+        layer = ttt2la.convert(baseline, level=2, example_inputs=(x[:1, : min(T, 3 * C)],))
+        took = time.monotonic() - start
+        with torch.no_grad():
+            out = layer(x).float()
+            row.ms = cuda_ms(lambda: layer(x), warmup=1, repeats=3)
+        row.tokens = B * T
+        row.error = rel_rms_error(out, outputs["v2"]) if "v2" in outputs else None
+        row.note = (f"plan that ran: {ran_plans(layer, B)}; converted in {took:.0f} s; error vs variant 2 as "
+                    f"written")
+
+    _attempt(rows, Row(section, f"{cls.__name__}, variant 2 as written (whole layer)", "fwd"),
+             as_written(variant2, "v2"))
+    _attempt(rows, Row(section, f"{cls.__name__}, baseline as written (whole layer)", "fwd"),
+             as_written(baseline, "baseline"))
+    _attempt(rows, Row(section, f"{cls.__name__} baseline converted at level 2 (whole layer)", "fwd"), converted)
 
 
 # ----------------------------------------------------------------------------- (b) token-causal
@@ -324,18 +418,26 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
         row.ms = cuda_ms(lambda: chunk_read(q, states, C))
         row.tokens, row.flops = B * T, token_flops
 
-    def orthogonalise(dtype):
+    def orthogonalise(dtype, tf32=False):
         def measure(row):
             M = torch.randn(B, n, H, D, D, device=DEVICE, dtype=torch.float32)
-            row.ms = cuda_ms(lambda: newton_schulz(M, steps, dtype=dtype))
+            coefficients = LACT_NS_COEFFICIENTS[:steps]
+            previous = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            try:
+                row.ms = cuda_ms(lambda: newton_schulz(M, steps, coefficients, dtype=dtype))
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = previous
             row.flops = B * n * H * newton_schulz_flops(D, D, steps)
-            row.note = f"torch matmuls in {str(dtype).replace('torch.', '')}, all {n} chunks at once"
+            row.note = (f"LaCT's schedule, torch matmuls in {str(dtype).replace('torch.', '')}"
+                        f"{' (TF32 allowed)' if tf32 else ''}, all {n} chunks at once")
         return measure
 
     _attempt(rows, Row(section, "Triton increments G_j = φ(K_j)ᵀ(lr ⊙ V_j)", "fwd"), increments(False))
     _attempt(rows, Row(section, "Triton increments, split lr ⊙ V", "fwd"), increments(True))
     _attempt(rows, Row(section, "Triton read o = φ(Q_j) W_j", "fwd"), read)
     _attempt(rows, Row(section, "Newton–Schulz", "fwd"), orthogonalise(torch.float32))
+    _attempt(rows, Row(section, "Newton–Schulz", "fwd"), orthogonalise(torch.float32, tf32=True))
     _attempt(rows, Row(section, "Newton–Schulz", "fwd"), orthogonalise(torch.bfloat16))
 
 
@@ -343,13 +445,14 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
 
 def markdown(rows, header, peak, nominal) -> str:
     lines = [header, "",
-             "| section | implementation | pass | median ms | tokens/s | TFLOP/s | % of measured peak | "
+             "| section | implementation | pass | median ms | IQR | tokens/s | TFLOP/s | % of measured peak | "
              "% of nominal peak | rel. RMS error vs torch | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tflops = r.flops / (r.ms * 1e-3) / 1e12 if r.ms and r.flops else None
         cells = [r.section, r.implementation, r.passes,
                  f"{r.ms:.3f}" if r.ms else "-",
+                 f"{r.iqr_pct:.0f}%" if r.iqr_pct is not None else "-",
                  f"{r.tokens / (r.ms * 1e-3) / 1e6:.2f}M" if r.ms and r.tokens else "-",
                  f"{tflops:.1f}" if tflops else "-",
                  f"{100 * tflops / peak:.1f}" if tflops and peak else "-",
@@ -360,39 +463,51 @@ def markdown(rows, header, peak, nominal) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Shapes per ``--size``: the benchmark's own, a quick GPU run, and a tiny one for the interpreter on CPU.
+SHAPES = {
+    "full": (dict(B=1, T=32768, H=4, D=384, C=2048, steps=5), dict(B=8, T=8192, H=16, D=128), 8192),
+    "quick": (dict(B=1, T=4096, H=2, D=128, C=512, steps=5), dict(B=1, T=1024, H=2, D=64), 2048),
+    "tiny": (dict(B=1, T=64, H=1, D=16, C=16, steps=2), dict(B=1, T=64, H=1, D=16), 128),
+}
+
+
 def main(argv=None):
+    global DEVICE, DEADLINE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="Markdown output path (default benchmarks/results/gpu-<date>.md)")
-    parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="full")
+    parser.add_argument("--quick", dest="size", action="store_const", const="quick", help="--size quick")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda; cpu only smoke-tests the script (TRITON_INTERPRET=1, --size tiny)")
+    parser.add_argument("--budget-seconds", type=float, default=math.inf,
+                        help="rows that would start later than this are recorded as skipped")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    DEVICE, DEADLINE = args.device, time.monotonic() + args.budget_seconds
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_bench.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
     import triton
 
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if DEVICE.startswith("cuda") else f"{platform.machine()} (smoke run)"
     nominal = next((v for key, v in NOMINAL_BF16_TFLOPS.items() if key in name), None)
-    peak = measured_peak_tflops(2048 if args.quick else 8192)
+    lact, causal, peak_n = SHAPES[args.size]
+    peak = measured_peak_tflops(peak_n)
     date = datetime.datetime.now().strftime("%Y-%m-%d")
     header = (f"## GPU results {date}: {name}\n\n"
               f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}. "
-              f"bf16 matmul rate measured here (8192³): {peak:.0f} TFLOP/s; nominal dense bf16: "
-              f"{nominal if nominal else 'unknown'} TFLOP/s. Medians of CUDA-event timings after warm-up."
-              + (" **Quick (small-shape) run.**" if args.quick else ""))
+              f"bf16 matmul rate measured here ({peak_n}³): {peak:.0f} TFLOP/s; nominal dense bf16: "
+              f"{nominal if nominal else 'unknown'} TFLOP/s. Medians of CUDA-event timings after warm-up, with "
+              f"the interquartile range of the runs (% of the median)."
+              + ("" if args.size == "full" else f" **{args.size} (small-shape) run.**"))
     print(header, flush=True)
-    lact = dict(B=1, T=4096, H=2, D=128, C=512, steps=5) if args.quick else \
-        dict(B=1, T=32768, H=4, D=384, C=2048, steps=5)
-    causal = dict(B=1, T=1024, H=2, D=64) if args.quick else dict(B=8, T=8192, H=16, D=128)
-    rows: list[Row] = []
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gpu-{date}.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    rows = Rows(out, header, peak, nominal)
     section_lact(rows, **lact)
     section_chunk(rows, **causal)
     section_matmuls(rows, **lact)
-    table = markdown(rows, header, peak, nominal)
-    print(table)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gpu-{date}.md")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(table)
+    section_lact_layers(rows, "(d) whole LaCT layer, shape of (a)", **lact)
+    print(rows.flush(done=True))
     print(f"written to {out}")
     return 0
 

@@ -1,50 +1,66 @@
 #!/usr/bin/env bash
-# One pass over what needs an NVIDIA GPU: the full Triton kernel tests on the GPU, then the benchmark.
+# First contact with an NVIDIA GPU that may be lent for minutes only, possibly without network:
+# the benchmark first (every row written to the results directory as soon as it is measured),
+# then the slow full Triton kernel tests with the time that is left.
 #
-#   bash benchmarks/gpu_check.sh            # from anywhere; results go to benchmarks/results/
-#   RESULTS_DIR=/some/dir bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh RESULTS_DIR        # RESULTS_DIR is created if missing
 #
-# Installs nothing from the network. If flash-linear-attention wheels (fla-core) are shipped under
-# benchmarks/wheels/, they are installed offline and the benchmark compares against chunk_simple_gla;
-# otherwise that comparison is skipped (and the table says so). Budget: tests <= 7 min, benchmark <= 6 min.
+# Budget: at most about 7 minutes in all (an 8-minute slot with a margin): ~0.5 min setup,
+# benchmark <= 4 min (rows that would start after 3 min are recorded as skipped), kernel tests
+# <= 2.5 min (whatever finishes is in the log; a time-out is reported, not hidden).
+#
+# Offline: flash-linear-attention (fla-core, which the token-causal rows compare against) and
+# its one dependency come as wheels in benchmarks/wheels/ and are installed with
+# `pip install --no-index --no-deps`; if that fails the fla rows say "skipped".
+#
+# Read before trusting tile choices: the kernels' compile check (ahead_of_time.py) compiles
+# without the divisibility hints the JIT adds at launch, so the register counts that chose tile
+# sizes and warps are pessimistic (e.g. 254 registers reported where the hinted compile uses
+# 80); the times measured here are what counts.
 set -uo pipefail
 
+if [ $# -ne 1 ]; then
+    echo "usage: bash benchmarks/gpu_check.sh RESULTS_DIR" >&2
+    exit 2
+fi
+mkdir -p "$1" && RESULTS_DIR="$(cd "$1" && pwd)" || { echo "cannot create $1" >&2; exit 2; }
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 PY="${PYTHON:-python3}"
-RESULTS_DIR="${RESULTS_DIR:-$ROOT/benchmarks/results}"
-STAMP="$(date +%Y-%m-%d)"
-mkdir -p "$RESULTS_DIR"
+STAMP="$(date +%Y-%m-%d-%H%M)"
+exec > >(tee -a "$RESULTS_DIR/gpu-check-$STAMP.log") 2>&1
+start=$(date +%s)
+say() { echo "== [+$(( $(date +%s) - start ))s] $*"; }
 status=0
 
-echo "== GPU"
-if ! nvidia-smi; then
-    echo "nvidia-smi failed: no NVIDIA GPU visible, nothing to check" >&2
+say "GPU"
+if ! timeout 30 nvidia-smi; then
+    echo "nvidia-smi failed: no NVIDIA GPU visible, nothing to check"
     exit 1
 fi
-"$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|',
+timeout 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|',
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'torch sees no GPU')" || exit 1
 
-echo "== flash-linear-attention"
-if compgen -G "benchmarks/wheels/*.whl" > /dev/null; then
-    "$PY" -m pip install --no-index --no-deps benchmarks/wheels/*.whl \
-        || echo "installing the shipped wheels failed: the fla comparison will be skipped"
-else
-    echo "no wheels under benchmarks/wheels/: the comparison with fla's chunk_simple_gla is skipped"
-fi
+say "flash-linear-attention, offline from benchmarks/wheels/"
+timeout 60 "$PY" -m pip install --quiet --no-index --no-deps benchmarks/wheels/*.whl \
+    || echo "installing the shipped wheels failed: the fla comparison will be skipped"
 
-echo "== Triton kernel tests on the GPU (full set)"
-TTT2LA_FULL_KERNEL_TESTS=1 timeout 420 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider \
-    --durations=10 2>&1 | tee "$RESULTS_DIR/gpu-tests-$STAMP.txt"
-test_status=${PIPESTATUS[0]}
-[ "$test_status" -eq 0 ] || { echo "kernel tests FAILED (exit $test_status)"; status=1; }
-
-echo "== Benchmark"
-timeout 360 "$PY" benchmarks/gpu_bench.py --out "$RESULTS_DIR/gpu-$STAMP.md"
+say "benchmark (results: $RESULTS_DIR/gpu-$STAMP.md, rewritten after every row)"
+timeout 240 "$PY" benchmarks/gpu_bench.py --budget-seconds 180 --out "$RESULTS_DIR/gpu-$STAMP.md"
 bench_status=$?
-[ "$bench_status" -eq 0 ] || { echo "benchmark FAILED (exit $bench_status)"; status=1; }
+[ "$bench_status" -eq 0 ] || { echo "benchmark FAILED or timed out (exit $bench_status)"; status=1; }
 
-echo "== Done: results in $RESULTS_DIR (exit $status)"
+say "Triton kernel tests on the GPU, full set (log: $RESULTS_DIR/gpu-tests-$STAMP.txt)"
+TTT2LA_FULL_KERNEL_TESTS=1 timeout 150 "$PY" -m pytest tests/test_triton_kernels.py -v \
+    -p no:cacheprovider --durations=10 2>&1 | tee "$RESULTS_DIR/gpu-tests-$STAMP.txt"
+test_status=${PIPESTATUS[0]}
+case "$test_status" in
+    0) ;;
+    124) echo "kernel tests TIMED OUT after 150 s: the tests listed above ran, the rest did not"; status=1 ;;
+    *) echo "kernel tests FAILED (exit $test_status)"; status=1 ;;
+esac
+
+say "done: results in $RESULTS_DIR (exit $status)"
 exit $status

@@ -1,85 +1,95 @@
-"""TTT-layer throughput, side by side: LaCT as written against its conversions, and a per-token layer.
+"""TTT-layer throughput, side by side: LaCT as written against its conversions; per-token layers.
 
-For every (chunk size, Muon on/off) case, four LaCT layers with the same weights run on the same
-input ``[B, L, H·D]``, one call of each per round, medians of several rounds:
+Every case times its rows in one run, interleaved (one call of each per round, order rotated
+every round, after warm-up rounds; ``ttt2la.timing``), and reports each row's median tokens/s with
+the spread of its rounds, and ratios as medians of per-round ratios.
 
-* ``original (level 0)``    — the LaCT layer as published (Θ updated, weight norm), unconverted:
-  its Python loop over chunks is the recurrent form;
-* ``level 1 converted``     — ``ttt2la.convert(layer, level=1)``: Θ frozen, weight norm kept
-  (semi-parallel schedule);
-* ``level 2 converted``     — ``ttt2la.convert(layer, level=2)``: Θ frozen, no weight norm
-  (parallel schedule);
-* ``variant 2 as written``  — the layer built with ``update_theta=False, weight_norm=False``, run by
-  its own loop: the recurrent form of the level-2 function (the paper's "tok/s recurrent").
+LaCT cases — ``LaCTPublishedLayer`` from the zoo when it exists (LaCT's released operator: heads
+folded into the batch by the caller, the chunk loop in a helper), else ``LaCTFoldedLayer`` — with
+4 heads of 128 features, chunk 2048 at L=16384 and chunk 64 at L=4096, with and without Muon:
 
-Then the per-token layer (``ttt2la.zoo.PerTokenTTTLayer``) against its conversion. Each converted
-row also reports its relative RMS error against the unconverted layer that computes the same
-function (variant 1 / variant 2 as written, or the per-token layer itself).
+* ``original (level 0)``     — the layer as written (Θ updated, weight norm), unconverted;
+* ``level 1 converted``      — ``ttt2la.convert(layer, level=1)``: Θ frozen, weight norm kept;
+* ``level 2 converted``      — ``ttt2la.convert(layer, level=2)``: Θ frozen, no weight norm;
+* ``variant 1 as written``   — the layer built with ``update_theta=False``, run by its own loop;
+* ``variant 2 as written``   — the layer built with ``update_theta=False, weight_norm=False``;
+* ``variant 2 hand-written`` — the variant-2 function written here as a plain fp32 loop over
+  chunks with the features hoisted out of it and the heads batched (``hand_written.py``).
 
-Useful FLOPs are counted analytically (matmuls only; elementwise work is not counted):
+Targets per case: level 2 ≥ 1.0× variant 2 as written and ≥ 1.0× hand-written; level 1 ≥ 1.0×
+variant 1 as written; at chunk 2048 with Muon level 2 ≥ 1.8× the original; at chunk 2048 the
+level-2 layer's useful FLOP/s ≥ 70 % of the measured fp32 GEMM peak. Per-token cases: the
+per-token layers of the zoo (loop in a helper; loop inline in ``forward`` when the zoo has it)
+against their conversions at L=2048 (target ≥ 10×) and L=8192 (≥ 30×).
 
-LaCT, per batch element and head, with head dim ``d``, fast-weight hidden dim ``i``, ``N`` chunks
-of ``C`` tokens and ``U = L - len(last chunk)`` tokens that update (the last chunk only applies)::
+Every converted row names the plan that ran (schedule and implementation of the plan the converted
+layer built for the timed shape) and its relative RMS error against the unconverted layer that
+computes the same function. Without Muon that error must be ≤ 1e-5 (fp32); with Muon the bound is
+the project's precision criterion: the converted layer's error against a float64 evaluation of the
+same function at most 2× the unconverted layer's own error against it, plus 1e-6.
 
-    kernel φ(x) = silu(x W0) ⊙ (x W2) on the queries (L) and keys (U):  4·d·i·(L + U)
-    increments φ(K_j)ᵀ (η ⊙ V_j) for the updating chunks:               2·d·i·U
-    outputs φ(Q_j) W1_j:                                                2·d·i·L
-    Muon on each of the N-1 increments, s Newton–Schulz steps,
-      m = min(d, i), n = max(d, i):                                     (N-1)·s·(4·m²·n + 2·m³)
-    with Θ updated (level 0 only): W1ᵀ V_j and the two Θ increments:    6·d·i·U,
-      and Muon on the two Θ increments:                                 2·(N-1)·s·(4·m²·n + 2·m³)
+Useful FLOPs are counted analytically (matmuls only, see ``flops.py``); "% of peak" divides useful
+FLOP/s by the GEMM peak measured at the start of the run (``gemm_peak.py``).
 
-Per-token layer, per batch element, head and token: the update ``η kᵀ v`` and the read ``q W``:
-``4·d²``. Projections, per batch element and token, with ``D_m = H·d``: LaCT ``2·D_m·(4·D_m + 4·H)``
-(qkv, output, learning rates, momentum), per-token layer ``2·D_m·(4·D_m + H)``. A layer's useful
-FLOPs are the core plus its projections, since the timed call runs both; "% of peak" divides
-useful FLOP/s by this machine's measured GEMM peak in the same dtype (``gemm_peak.py``).
+Results go to ``--results DIR`` as they are measured: ``rows.jsonl`` gains each case's rows as soon
+as the case is timed, ``throughput.md`` is rewritten after every case, ``--profile`` adds a
+``torch.profiler`` summary (top ops by self CPU time) of the converted layer of every missed target.
 
-Run ``python benchmarks/throughput.py`` (full sizes: B=4, head dim 128, L=16384, chunks 2048 and
-64, per-token L=4096 — meant for a GPU), or ``--quick`` for a small CPU run; ``--markdown PATH``
-writes the table as Markdown.
+    python benchmarks/throughput.py                  # the issue's CPU sizes, ~15 min, 2 quiet cores
+    python benchmarks/throughput.py --size quick     # small sizes, a few minutes
+    python benchmarks/throughput.py --backward       # forward + backward instead of forward only
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
-import math
+import os
 import platform
 import sys
+import time
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-import ttt2la
-from ttt2la.cli import measure_throughput
-from ttt2la.errors import ConversionError
-from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import LaCTFoldedLayer, PerTokenTTTLayer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemm_peak import measure_gemm_peak
+import ttt2la  # noqa: E402
+import ttt2la.zoo  # noqa: E402
+from ttt2la.cli import ran_plans  # noqa: E402
+from ttt2la.errors import ConversionError  # noqa: E402
+from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
+from ttt2la.timing import Timing, time_side_by_side  # noqa: E402
+
+from flops import lact_flops_per_token, per_token_flops_per_token  # noqa: E402
+from gemm_peak import measure_gemm_peak  # noqa: E402
+from hand_written import HandWrittenVariant2  # noqa: E402
 
 
 @dataclass
 class Setup:
-    """Sizes and placement of one benchmark run."""
+    """Sizes, timing budget and placement of one run (``SIZES`` holds the presets)."""
 
-    batch: int = 4
+    batch: int = 1
     heads: int = 4
     head_dim: int = 128
-    length: int = 16384
-    chunks: tuple[int, ...] = (2048, 64)
-    per_token_length: int = 4096
+    lact: tuple[tuple[int, int], ...] = ((2048, 16384), (64, 4096))     # (chunk, length)
+    per_token_lengths: tuple[int, ...] = (2048, 8192)
+    per_token_targets: tuple[float, ...] = (10.0, 30.0)                  # one per length
     muon_steps: int = 5
-    repeats: int = 5
-    dtype: str = "bfloat16"
-    device: str = "cuda"
-    peak: float = math.nan       # measured GEMM FLOP/s, filled in before the cases run
+    rounds: int = 15
+    max_seconds: float = 40.0          # timing budget of one case (at least 3 rounds)
+    warmup: int = 1                    # untimed rounds first (also absorbs torch.compile)
+    dtype: str = "float32"
+    device: str = "cpu"
+    backward: bool = False
+    levels: tuple[int, ...] = (1, 2)    # conversion levels measured in the LaCT cases
+    size: str = "issue"
+    peak: float = float("nan")         # measured GEMM FLOP/s, filled in before the cases run
 
     @property
     def d_model(self) -> int:
@@ -89,6 +99,22 @@ class Setup:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def passes(self) -> int:
+        """Useful FLOPs per call, in forward counts: a matmul's backward is two more its size."""
+        return 3 if self.backward else 1
+
+
+#: Size presets: the issue's CPU sizes (about 15 minutes on 2 cores), a quick run, and a smoke
+#: run small enough for the test suite.
+SIZES = {
+    "issue": {},
+    "quick": dict(heads=2, head_dim=32, lact=((256, 1024), (32, 512)),
+                  per_token_lengths=(256, 1024), rounds=7, max_seconds=8.0),
+    "smoke": dict(heads=2, head_dim=8, lact=((16, 64),), per_token_lengths=(32,),
+                  per_token_targets=(10.0,), rounds=1, max_seconds=0.0, warmup=1, muon_steps=2),
+}
+
 
 @dataclass
 class Row:
@@ -96,64 +122,66 @@ class Row:
 
     case: str
     model: str
-    schedule: str
+    plan: str
     tokens_per_s: float | None = None
-    useful_flops: float | None = None
-    peak: float | None = None
+    iqr_pct: float | None = None
+    range_pct: float | None = None
+    rounds: int = 0
+    flops_per_token: float | None = None
     error: float | None = None          # rel. RMS vs the unconverted layer of the same function
-    tolerance: float | None = None
-    refused: str = ""
-    speedups: dict[str, float] = field(default_factory=dict)
+    bound: float | None = None          # the error the precision criterion allows
+    reference: str = ""
+    not_timed: str = ""                 # why not: refused, crashed or failed, in its words
 
     @property
     def flops_per_s(self) -> float | None:
-        if self.tokens_per_s is None or self.useful_flops is None:
+        if self.tokens_per_s is None or self.flops_per_token is None:
             return None
-        return self.useful_flops * self.tokens_per_s
+        return self.flops_per_token * self.tokens_per_s
 
 
-# -- analytic FLOP counts (see the module docstring) ------------------------------------------------
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
-    """Matmul FLOPs of ``steps`` quintic Newton–Schulz steps on one ``rows x cols`` matrix."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m**3)
+@dataclass
+class Target:
+    """One target of a case: ``row`` at least ``threshold`` × ``baseline`` (or % of peak)."""
+
+    case: str
+    what: str
+    row: str
+    threshold: float
+    baseline: str | None = None         # None: FLOP/s as % of the GEMM peak
+    measured: float | None = None
+    spread: str = ""
+    profile: str = ""
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.measured is None else self.measured >= self.threshold
 
 
-def lact_core_flops(length: int, chunk: int, head_dim: int, inter_dim: int, *, muon_steps: int,
-                    update_theta: bool) -> int:
-    """Useful matmul FLOPs of LaCT's TTT core for one sequence and one head."""
-    d, i = head_dim, inter_dim
-    n_chunks = math.ceil(length / chunk)
-    updating = (n_chunks - 1) * chunk               # tokens of every chunk but the last
-    flops = 4 * d * i * (length + updating) + 2 * d * i * updating + 2 * d * i * length
-    muon = (n_chunks - 1) * newton_schulz_flops(d, i, muon_steps)
-    flops += muon
-    if update_theta:
-        flops += 6 * d * i * updating + 2 * muon
-    return flops
-
-
-def lact_projection_flops(length: int, d_model: int, heads: int) -> int:
-    """qkv, output, learning-rate and momentum projections of a LaCT layer, one sequence."""
-    return 2 * length * d_model * (4 * d_model + 4 * heads)
-
-
-def per_token_flops(length: int, d_model: int, heads: int) -> int:
-    """Useful FLOPs of the per-token layer, one sequence: core ``4·d²`` per head-token plus projections."""
-    d = d_model // heads
-    return length * heads * 4 * d * d + 2 * length * d_model * (4 * d_model + heads)
-
-
-# -- one case -----------------------------------------------------------------------------------
 @dataclass
 class Candidate:
-    """A layer to time: the module (or why it could not be built), its schedule, useful FLOPs per
-    token and the name of the unconverted layer computing the same function (None for those)."""
+    """A layer to time: a module (or why none could be built), its plan and useful FLOPs/token,
+    and the name of the unconverted row computing the same function (None for those)."""
 
     model: torch.nn.Module | str
-    schedule: str
+    plan: str
     flops_per_token: float | None = None
     reference: str | None = None
+
+
+# -- the layers ---------------------------------------------------------------------------------
+def lact_class() -> type:
+    """LaCT's published-operator style when the zoo has it, else the folded layer."""
+    return getattr(ttt2la.zoo, "LaCTPublishedLayer", None) or ttt2la.zoo.LaCTFoldedLayer
+
+
+def per_token_classes() -> dict[str, type]:
+    """The per-token layers to measure: loop in a helper, and inline in ``forward`` if present."""
+    classes = {"per-token (loop in helper)": ttt2la.zoo.PerTokenTTTLayer}
+    inline = getattr(ttt2la.zoo, "PerTokenInlineLayer", None)
+    if inline is not None:
+        classes["per-token (loop inline)"] = inline
+    return classes
 
 
 def _with_weights_of(model: torch.nn.Module, source: torch.nn.Module) -> torch.nn.Module:
@@ -161,97 +189,251 @@ def _with_weights_of(model: torch.nn.Module, source: torch.nn.Module) -> torch.n
     return model
 
 
-def _converted(layer, level: int, example: torch.Tensor, flops: float, reference: str) -> Candidate:
-    """``ttt2la.convert`` on a short example: the converted layer must then work at any length."""
+def _converted(layer, level: int, example: torch.Tensor, flops: float, reference: str,
+               progress) -> Candidate:
+    """``ttt2la.convert`` on a short example; the converted layer then runs at any length."""
+    start = time.perf_counter()
     try:
         converted = ttt2la.convert(layer, level=level, example_inputs=(example,))
     except ConversionError as e:
-        return Candidate(f"{type(e).__name__}: {e}", "refused")
-    schedules = ", ".join(sorted({layer.schedule for layer in converted.ttt2la_report.layers}))
-    return Candidate(converted, schedules, flops, reference)
+        progress(f"  level {level}: refused ({type(e).__name__})")
+        return Candidate(f"{type(e).__name__}: {_first_line(e)}", "refused")
+    except Exception as e:  # noqa: BLE001 - not an interface error: a bug, recorded, run goes on
+        progress(f"  level {level}: conversion CRASHED ({type(e).__name__}: {_first_line(e)})")
+        return Candidate(f"conversion crashed with {type(e).__name__}: {_first_line(e)}",
+                         "crashed")
+    progress(f"  converted at level {level} in {time.perf_counter() - start:.1f} s")
+    return Candidate(converted, "", flops, reference)
+
+
+# -- measuring one case ---------------------------------------------------------------------------
+def _callables(models: dict[str, torch.nn.Module], backward: bool) -> dict:
+    """What is timed: the forward call, or forward and backward of the output's sum."""
+    if not backward:
+        return models
+
+    def train_step(model):
+        def run(x):
+            model.zero_grad(set_to_none=True)
+            model(x).float().sum().backward()
+        return run
+    return {name: train_step(m) for name, m in models.items()}
 
 
 def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, setup: Setup,
-                 progress: Progress, references: dict[str, torch.nn.Module] | None = None,
-                 baselines: tuple[str, ...] = ()) -> list[Row]:
-    """Time every candidate side by side, check converted ones against their references, and
-    express each rate as a speed-up over the ``baselines`` rows. ``references`` are extra
-    unconverted layers whose outputs are compared against but whose speed is not measured."""
-    timed = {name: c.model for name, c in candidates.items() if not isinstance(c.model, str)}
-    rates = measure_throughput(timed, (x,), x.shape[0] * x.shape[1], repeats=setup.repeats,
-                               progress=progress)
+                 progress, float64_refs: dict | None = None) -> tuple[list[Row], dict]:
+    """Time every candidate side by side; check converted ones against their references.
+
+    ``float64_refs`` maps a reference row to ``(its float64 twin, x in float64)``: then the error
+    bound is the precision criterion (2× the reference's own error against float64, plus 1e-6).
+    Returns the rows and the timings by row name.
+    """
+    outputs = first_calls(candidates, x, setup, progress)
+    models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
+    tokens = x.shape[0] * x.shape[1]
+    progress(f"  timing {len(models)} rows side by side (≤{setup.rounds} rounds, "
+             f"≤{setup.max_seconds:g} s)")
+    timings = time_side_by_side(_callables(models, setup.backward), (x,), tokens,
+                                rounds=setup.rounds, max_seconds=setup.max_seconds,
+                                warmup=setup.warmup, no_grad=not setup.backward,
+                                on_round=lambda r: progress(f"    round {r}", transient=True))
     with torch.no_grad():
-        outputs = {name: model(x) for name, model in {**timed, **(references or {})}.items()}
+        exact64 = {name: twin(x64) for name, (twin, x64) in (float64_refs or {}).items()
+                   if name in outputs}
     rows = []
     for name, c in candidates.items():
         if isinstance(c.model, str):
-            rows.append(Row(case, name, c.schedule, refused=c.model))
+            rows.append(Row(case, name, c.plan, not_timed=c.model))
             continue
-        row = Row(case, name, c.schedule, rates[name], c.flops_per_token, setup.peak)
-        if c.reference is not None:
+        t = timings[name]
+        plan = c.plan or ran_plans(c.model, x.shape[0])
+        row = Row(case, name, plan, t.rate, t.iqr_pct, t.range_pct, t.rounds, c.flops_per_token)
+        if c.reference in outputs:
+            row.reference = c.reference
             row.error = rel_rms_error(outputs[name], outputs[c.reference])
-            row.tolerance = TOLERANCE[x.dtype]
-        row.speedups = {b: rates[name] / rates[b] for b in baselines if b in rates and b != name}
+            row.bound = TOLERANCE[x.dtype]
+            if c.reference in exact64:
+                exact = exact64[c.reference]
+                own = rel_rms_error(outputs[c.reference], exact)
+                row.bound = 2 * own + 1e-6
+                row.error = rel_rms_error(outputs[name], exact)
+                row.reference = f"float64 {c.reference}, whose fp32 run is off by {own:.1e}"
         rows.append(row)
-    return rows
+    return rows, timings
 
 
-def lact_case(setup: Setup, chunk: int, muon: bool, progress: Progress) -> list[Row]:
-    """The four LaCT layers of one (chunk size, Muon) case, all with the original's weights."""
-    torch.manual_seed(0)
+def first_calls(candidates: dict[str, Candidate], x: torch.Tensor, setup: Setup,
+                progress) -> dict[str, torch.Tensor]:
+    """Each candidate's output on ``x`` (no_grad), and its training step once with
+    ``--backward``; a candidate that raises is marked failed (its row says why), not timed."""
+    outputs = {}
+    for name, c in candidates.items():
+        if isinstance(c.model, str):
+            continue
+        try:
+            with torch.no_grad():
+                outputs[name] = c.model(x)
+            if setup.backward:
+                _callables({name: c.model}, True)[name](x)
+        except Exception as e:  # noqa: BLE001 - recorded in the row; the other rows still run
+            progress(f"  {name} FAILED at {tuple(x.shape)}: {type(e).__name__}: {_first_line(e)}")
+            c.model, c.plan = f"failed with {type(e).__name__}: {_first_line(e)}", "failed"
+            outputs.pop(name, None)
+    return outputs
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def lact_models(setup: Setup, chunk: int, muon: bool):
+    """Original, variant 1 and variant 2 as written (same weights), the hand-written variant 2,
+    and float64 twins of the variants (the precision criterion's references, with Muon)."""
+    cls = lact_class()
     kw = dict(muon=muon, muon_steps=setup.muon_steps)
-    dev, dt = torch.device(setup.device), setup.torch_dtype
-    original = LaCTFoldedLayer(setup.d_model, setup.heads, chunk, **kw)
-    variant1 = _with_weights_of(LaCTFoldedLayer(setup.d_model, setup.heads, chunk,
-                                                update_theta=False, **kw), original)
-    variant2 = _with_weights_of(LaCTFoldedLayer(setup.d_model, setup.heads, chunk,
-                                                update_theta=False, weight_norm=False, **kw),
-                                original)
-    for m in (original, variant1, variant2):
-        m.to(dev, dt).eval()
-    x = torch.randn(setup.batch, setup.length, setup.d_model,
-                    generator=torch.Generator().manual_seed(1)).to(dev, dt)
-    example = x[:1, : min(setup.length, 4 * chunk)]
-
-    steps = setup.muon_steps if muon else 0
-    flops = {theta: (setup.heads * lact_core_flops(setup.length, chunk, setup.head_dim,
-                                                    setup.head_dim, muon_steps=steps,
-                                                    update_theta=theta)
-                     + lact_projection_flops(setup.length, setup.d_model, setup.heads))
-                    / setup.length
-             for theta in (True, False)}
-    candidates = {
-        "original (level 0)": Candidate(original, "as written (recurrent)", flops[True]),
-        "level 1 converted": _converted(original, 1, example, flops[False], "variant 1 as written"),
-        "level 2 converted": _converted(original, 2, example, flops[False], "variant 2 as written"),
-        "variant 2 as written": Candidate(variant2, "as written (recurrent)", flops[False]),
-    }
-    return measure_case(f"LaCT, chunk {chunk}, {'Muon' if muon else 'no Muon'}", candidates, x,
-                        setup, progress, references={"variant 1 as written": variant1},
-                        baselines=("original (level 0)", "variant 2 as written"))
-
-
-def per_token_case(setup: Setup, progress: Progress) -> list[Row]:
-    """The per-token layer as written (a loop over tokens) against its conversion."""
     torch.manual_seed(0)
+    original = cls(setup.d_model, setup.heads, chunk, **kw)
+    v1 = _with_weights_of(cls(setup.d_model, setup.heads, chunk, update_theta=False, **kw),
+                          original)
+    v2 = _with_weights_of(cls(setup.d_model, setup.heads, chunk, update_theta=False,
+                              weight_norm=False, **kw), original)
     dev, dt = torch.device(setup.device), setup.torch_dtype
-    layer = PerTokenTTTLayer(setup.d_model, setup.heads).to(dev, dt).eval()
-    x = torch.randn(setup.batch, setup.per_token_length, setup.d_model,
-                    generator=torch.Generator().manual_seed(1)).to(dev, dt)
-    flops = per_token_flops(setup.per_token_length, setup.d_model, setup.heads) \
-        / setup.per_token_length
-    candidates = {
-        "per-token as written": Candidate(layer, "as written (recurrent)", flops),
-        "converted (level 0)": _converted(layer, 0, x[:1, :16], flops, "per-token as written"),
+    for m in (original, v1, v2):
+        m.to(dev, dt).eval()
+    hand = HandWrittenVariant2(v2).to(dev).eval()
+    twins = {}
+    if muon:
+        for name, theta_kw in (("variant 1 as written", dict(update_theta=False)),
+                               ("variant 2 as written", dict(update_theta=False,
+                                                             weight_norm=False))):
+            twins[name] = _float64_twin(cls, setup, chunk, kw | theta_kw, original)
+    return original, v1, v2, hand, twins
+
+
+def _float64_twin(cls, setup: Setup, chunk: int, kw: dict, source) -> torch.nn.Module:
+    """The same layer in float64, its Newton–Schulz too where the layer takes ``ns_dtype``."""
+    try:
+        twin = cls(setup.d_model, setup.heads, chunk, ns_dtype=torch.float64, **kw)
+    except TypeError:
+        twin = cls(setup.d_model, setup.heads, chunk, **kw)
+    twin.load_state_dict(source.state_dict())
+    return twin.to(setup.device, torch.float64).eval()
+
+
+def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
+    """The six LaCT rows of one (chunk size, length, Muon) case and its targets."""
+    case = f"LaCT chunk {chunk}, L={length}, {'Muon' if muon else 'no Muon'}"
+    progress(f"{case}: building and converting")
+    original, v1, v2, hand, twins = lact_models(setup, chunk, muon)
+    x = torch.randn(setup.batch, length, setup.d_model,
+                    generator=torch.Generator().manual_seed(1)).to(setup.device,
+                                                                   setup.torch_dtype)
+    example = x[:1, : min(length, 3 * chunk)]        # two updating chunks and a last one
+    steps = setup.muon_steps if muon else 0
+    flops = {theta: setup.passes * lact_flops_per_token(length, chunk, setup.heads,
+                                                        setup.head_dim, muon_steps=steps,
+                                                        update_theta=theta)
+             for theta in (True, False)}
+    candidates = {"original (level 0)": Candidate(original, "as written", flops[True])}
+    for level in setup.levels:
+        candidates[f"level {level} converted"] = _converted(
+            original, level, example, flops[False], f"variant {level} as written", progress)
+    candidates |= {
+        "variant 1 as written": Candidate(v1, "as written", flops[False]),
+        "variant 2 as written": Candidate(v2, "as written", flops[False]),
+        "variant 2 hand-written": Candidate(hand, "hand-written loop", flops[False],
+                                            "variant 2 as written"),
     }
-    return measure_case(f"per-token, L={setup.per_token_length}", candidates, x, setup, progress,
-                        baselines=("per-token as written",))
+    refs = {name: (twin, x.to(torch.float64)) for name, twin in twins.items()}
+    rows, timings = measure_case(case, candidates, x, setup, progress, refs)
+    targets = [Target(case, "level 2 ≥ 1.0× variant 2 as written", "level 2 converted", 1.0,
+                      "variant 2 as written"),
+               Target(case, "level 2 ≥ 1.0× variant 2 hand-written", "level 2 converted", 1.0,
+                      "variant 2 hand-written"),
+               Target(case, "level 1 ≥ 1.0× variant 1 as written", "level 1 converted", 1.0,
+                      "variant 1 as written")]
+    if chunk == max(c for c, _ in setup.lact):      # the large-chunk case
+        if muon:
+            targets.append(Target(case, "level 2 ≥ 1.8× the original", "level 2 converted", 1.8,
+                                  "original (level 0)"))
+        targets.append(Target(case, "level 2 useful FLOP/s ≥ 70% of the GEMM peak",
+                              "level 2 converted", 70.0))
+    targets = [t for t in targets if t.row in candidates]
+    models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
+    return rows, evaluate(targets, rows, timings, setup), models, x
 
 
-def gemm_peak(setup: Setup) -> float:
-    """This machine's GEMM peak (FLOP/s) in the setup's device and dtype."""
-    sizes = (1024, 2048, 4096, 8192) if setup.device.startswith("cuda") else (256, 512, 1024)
-    return measure_gemm_peak(sizes, dtype=setup.torch_dtype, device=setup.device).peak
+def per_token_case(setup: Setup, length: int, target: float, progress):
+    """Each per-token layer as written (a loop over tokens) against its conversion."""
+    case = f"per-token, L={length}"
+    progress(f"{case}: building and converting")
+    dev, dt = torch.device(setup.device), setup.torch_dtype
+    x = torch.randn(setup.batch, length, setup.d_model,
+                    generator=torch.Generator().manual_seed(1)).to(dev, dt)
+    flops = setup.passes * per_token_flops_per_token(setup.d_model, setup.heads)
+    candidates, targets = {}, []
+    for name, cls in per_token_classes().items():
+        torch.manual_seed(0)
+        layer = cls(setup.d_model, setup.heads).to(dev, dt).eval()
+        candidates[f"{name} as written"] = Candidate(layer, "as written", flops)
+        candidates[f"{name} converted"] = _converted(layer, 0, x[:1, :16], flops,
+                                                     f"{name} as written", progress)
+        targets.append(Target(case, f"{name}: converted ≥ {target:g}× as written",
+                              f"{name} converted", target, f"{name} as written"))
+    rows, timings = measure_case(case, candidates, x, setup, progress)
+    models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
+    return rows, evaluate(targets, rows, timings, setup), models, x
+
+
+def evaluate(targets: list[Target], rows: list[Row], timings: dict[str, Timing],
+             setup: Setup) -> list[Target]:
+    """Fill in each target's measured value (median of per-round ratios, or % of peak)."""
+    by_name = {r.model: r for r in rows}
+    for t in targets:
+        if t.row not in timings:
+            t.spread = "not measured: " + (by_name[t.row].not_timed if t.row in by_name else "")
+            continue
+        if t.baseline is None:
+            row = by_name[t.row]
+            t.measured = row.flops_per_s / setup.peak * 100 if row.flops_per_s else None
+            t.spread = f"IQR {row.iqr_pct:.0f}% of the rate"
+        elif t.baseline in timings:
+            ratio = timings[t.row].speedup_over(timings[t.baseline])
+            t.measured, t.spread = ratio.median, f"IQR {ratio.iqr_pct:.0f}%"
+    return targets
+
+
+# -- profiles of missed targets -------------------------------------------------------------------
+def profile_misses(targets: list[Target], models: dict, x: torch.Tensor, setup: Setup,
+                   results: Path, progress) -> None:
+    """For every missed target, a torch.profiler summary of its converted layer (top ops by
+    self CPU time) written to the results directory; each layer is profiled once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    done: dict[str, str] = {}
+    for t in targets:
+        if t.met is not False or t.row not in models:
+            continue
+        if t.row not in done:
+            model = _callables({t.row: models[t.row]}, setup.backward)[t.row]
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if x.is_cuda else [])
+            with torch.no_grad() if not setup.backward else torch.enable_grad():
+                model(x)
+                with profile(activities=activities) as prof:
+                    model(x)
+            name = f"profile-{_slug(t.case)}-{_slug(t.row)}.txt"
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            plan = ran_plans(models[t.row], x.shape[0])
+            (results / name).write_text(f"{t.case}: {t.row} ({plan}), "
+                                        f"one call, x {tuple(x.shape)}\n\n{table}\n")
+            done[t.row] = name
+            progress(f"  profile written: {name}")
+        t.profile = done[t.row]
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-").replace("--", "-")
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -259,128 +441,202 @@ def _fmt_rate(r: float | None) -> str:
     return "" if r is None else f"{r / 1e6:,.2f}M" if r >= 1e5 else f"{r:,.0f}"
 
 
-def _fmt_speedups(row: Row) -> str:
-    short = {"original (level 0)": "orig", "variant 2 as written": "v2 rec",
-             "per-token as written": "as written"}
-    return ", ".join(f"{v:.2f}x vs {short[k]}" for k, v in row.speedups.items())
-
-
 def _fmt_error(row: Row) -> str:
     if row.error is None:
         return ""
-    verdict = "ok" if row.error <= row.tolerance else "ABOVE TOLERANCE"
-    return f"{row.error:.1e} ({verdict})"
+    verdict = "ok" if row.error <= row.bound else "ABOVE BOUND"
+    return f"{row.error:.1e} {verdict} (bound {row.bound:.1e}; vs {row.reference})"
 
 
-def _cells(row: Row) -> list[str]:
-    if row.refused:
-        return [row.case, row.model, row.schedule, "", "", "", "", row.refused]
-    pct = row.flops_per_s / row.peak * 100 if row.flops_per_s and row.peak else None
-    return [row.case, row.model, row.schedule, _fmt_rate(row.tokens_per_s), _fmt_speedups(row),
-            "" if row.flops_per_s is None else f"{row.flops_per_s / 1e9:,.3g}",
-            "" if pct is None else f"{pct:.2g}%", _fmt_error(row)]
+def _cells(row: Row, peak: float) -> list[str]:
+    if row.not_timed:
+        return [row.case, row.model, row.plan, "", "", "", "", row.not_timed]
+    gflops = row.flops_per_s / 1e9 if row.flops_per_s else None
+    return [row.case, row.model, row.plan, _fmt_rate(row.tokens_per_s),
+            f"{row.iqr_pct:.0f}% / {row.range_pct:.0f}% (n={row.rounds})",
+            "" if gflops is None else f"{gflops:,.3g}",
+            "" if gflops is None else f"{gflops * 1e9 / peak * 100:.2g}%", _fmt_error(row)]
 
 
-HEADERS = ["case", "layer", "schedule", "tokens/s", "speed-up", "useful GFLOP/s", "% of peak",
-           "rel. RMS vs same function as written"]
+HEADERS = ["case", "row", "plan that ran", "tokens/s (median)", "spread: IQR / range",
+           "useful GFLOP/s", "% of GEMM peak", "rel. RMS error vs same function unconverted"]
 
 
 def header_lines(setup: Setup) -> list[str]:
-    """What was measured where: sizes, device, dtype, peak, versions."""
+    """What was measured where: sizes, device, dtype, timing, peak, versions."""
     device = torch.cuda.get_device_name(setup.device) if setup.device.startswith("cuda") \
-        else f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-    return [f"B={setup.batch}, H={setup.heads}, head dim {setup.head_dim}, L={setup.length} "
-            f"(per-token L={setup.per_token_length}), {setup.dtype}, median of {setup.repeats} "
-            f"runs side by side",
-            f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e12:.3g} TFLOP/s",
+        else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
+             f"{torch.get_num_threads()} torch threads"
+    lact = ", ".join(f"chunk {c} at L={n}" for c, n in setup.lact)
+    return [f"sizes `{setup.size}`: B={setup.batch}, {setup.heads} heads × {setup.head_dim}, "
+            f"LaCT layer `{lact_class().__name__}` at {lact}; per-token layers "
+            f"{', '.join(f'`{c.__name__}`' for c in per_token_classes().values())} at L="
+            f"{', '.join(map(str, setup.per_token_lengths))}; {setup.dtype}; "
+            + ("forward + backward (useful FLOPs: 3× the forward count)" if setup.backward
+               else "forward only, under no_grad"),
+            f"timing: rows of a case interleaved, order rotated each round, {setup.warmup} "
+            f"warm-up rounds, then up to {setup.rounds} rounds or {setup.max_seconds:g} s "
+            f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round "
+            f"times, % of the median; ratios are medians of per-round ratios",
+            f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s "
+            f"(measured in this run)",
             f"torch {torch.__version__}, ttt2la {ttt2la.__version__}, "
-            f"{datetime.date.today().isoformat()}"]
+            f"{datetime.datetime.now().isoformat(timespec='minutes')}"]
 
 
-def to_markdown(rows: list[Row], setup: Setup) -> str:
-    """The results as a Markdown table preceded by what was measured where."""
-    lines = ["# TTT-layer throughput", ""] + [f"- {line}" for line in header_lines(setup)] + [""]
-    lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(row)) + " |"
-              for row in rows]
+def to_markdown(rows: list[Row], targets: list[Target], setup: Setup, done: bool) -> str:
+    """Rows and target verdicts as Markdown, preceded by what was measured where."""
+    lines = ["# TTT-layer throughput", ""] + [f"- {line}" for line in header_lines(setup)]
+    if not done:
+        lines += ["- **partial: the run has not finished (or was stopped)**"]
+    lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r, setup.peak)) + " |"
+              for r in rows]
+    lines += ["", "| case | target | measured | spread | verdict | profile |",
+              "|---|---|---|---|---|---|"]
+    for t in targets:
+        unit = "%" if t.baseline is None else "×"
+        measured = "" if t.measured is None else f"{t.measured:.2f}{unit}"
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[t.met]
+        lines.append(f"| {t.case} | {t.what} | {measured} | {t.spread} | {verdict} | "
+                     f"{t.profile} |")
     return "\n".join(lines) + "\n"
-
-
-def to_table(rows: list[Row], setup: Setup) -> Table:
-    """The results as a rich table."""
-    table = Table(*HEADERS, title="TTT-layer throughput", caption="\n".join(header_lines(setup)))
-    for row in rows:
-        table.add_row(*_cells(row))
-    return table
 
 
 # -- command line ---------------------------------------------------------------------------------
 def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
-    """Read the run's sizes from the command line (``--quick`` shrinks every default)."""
-    cuda = torch.cuda.is_available()
+    """Read the run's sizes from the command line: a preset, then individual overrides."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes for a CPU run: B=1, H=2, head dim 32, L=1024, chunks 256 "
-                        "and 32, per-token L=256, 3 repeats")
+    p.add_argument("--size", choices=sorted(SIZES), default="issue",
+                   help="issue: the issue's CPU sizes (about 15 min on 2 cores); quick: small "
+                        "sizes (a few minutes); smoke: tiny, for tests")
+    p.add_argument("--quick", dest="size", action="store_const", const="quick",
+                   help="the same as --size quick")
+    p.add_argument("--markdown", metavar="PATH",
+                   help="also copy the final Markdown tables to PATH")
     p.add_argument("--batch", type=int)
     p.add_argument("--heads", type=int)
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--length", type=int)
-    p.add_argument("--chunks", type=int, nargs="+")
-    p.add_argument("--per-token-length", type=int)
-    p.add_argument("--repeats", type=int)
+    p.add_argument("--lact", type=_chunk_length, nargs="+", metavar="CHUNKxLENGTH",
+                   help="LaCT cases, e.g. 2048x16384 64x4096")
+    p.add_argument("--per-token-lengths", type=int, nargs="*")
+    p.add_argument("--rounds", type=int, help="at most this many timed rounds per case")
+    p.add_argument("--max-seconds", type=float, help="timing budget per case (≥ 3 rounds)")
     p.add_argument("--muon", choices=("both", "on", "off"), default="both")
-    p.add_argument("--skip-per-token", action="store_true")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--markdown", metavar="PATH", help="also write the results as Markdown")
-    p.add_argument("--json", metavar="PATH", help="also write the raw rows as JSON")
+    p.add_argument("--levels", type=int, nargs="+", choices=(1, 2), default=[1, 2],
+                   help="conversion levels of the LaCT cases (1 2)")
+    p.add_argument("--backward", action="store_true", help="time forward + backward")
+    p.add_argument("--profile", action="store_true",
+                   help="write a torch.profiler summary of each converted layer that misses a "
+                        "target into the results directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--threads", type=int, help="torch threads (default: one per core)")
+    p.add_argument("--results", metavar="DIR",
+                   help="results directory (default benchmarks/results/throughput-<size>-<time>)")
     args = p.parse_args(argv)
-    setup = Setup(device=args.device, dtype=args.dtype or ("bfloat16" if args.device.startswith(
-        "cuda") else "float32"))
-    if args.quick:
-        setup.batch, setup.heads, setup.head_dim, setup.length = 1, 2, 32, 1024
-        setup.chunks, setup.per_token_length, setup.repeats = (256, 32), 256, 3
-    for name in ("batch", "heads", "head_dim", "length", "per_token_length", "repeats"):
+    setup = Setup(device=args.device, dtype=args.dtype, backward=args.backward, size=args.size,
+                  levels=tuple(args.levels))
+    for key, value in SIZES[args.size].items():
+        setattr(setup, key, value)
+    for name in ("batch", "heads", "head_dim", "rounds", "max_seconds"):
         if getattr(args, name) is not None:
             setattr(setup, name, getattr(args, name))
-    if args.chunks:
-        setup.chunks = tuple(args.chunks)
+    if args.lact:
+        setup.lact = tuple(args.lact)
+    if args.per_token_lengths is not None:
+        lengths = tuple(args.per_token_lengths)
+        targets = setup.per_token_targets
+        setup.per_token_targets = tuple(targets[min(i, len(targets) - 1)]
+                                        for i in range(len(lengths)))
+        setup.per_token_lengths = lengths
     return setup, args
 
 
-def _write(path: str, text: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(text)
+def _chunk_length(text: str) -> tuple[int, int]:
+    chunk, _, length = text.partition("x")
+    try:
+        return int(chunk), int(length)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CHUNKxLENGTH such as 64x4096, got {text}")
+
+
+class Results:
+    """The results directory, written as the run goes: JSON lines per row, Markdown per case."""
+
+    def __init__(self, path: Path, setup: Setup):
+        self.path, self.setup = path, setup
+        path.mkdir(parents=True, exist_ok=True)
+        self.rows: list[Row] = []
+        self.targets: list[Target] = []
+        (path / "rows.jsonl").write_text(json.dumps({"setup": dataclasses.asdict(setup)}) + "\n")
+
+    def add(self, rows: list[Row], targets: list[Target]) -> None:
+        self.rows += rows
+        self.targets += targets
+        with open(self.path / "rows.jsonl", "a") as f:
+            for item in [*rows, *targets]:
+                record = dataclasses.asdict(item) | {"kind": type(item).__name__}
+                f.write(json.dumps(record) + "\n")
+        self.write_markdown(done=False)
+
+    def write_markdown(self, done: bool) -> None:
+        (self.path / "throughput.md").write_text(
+            to_markdown(self.rows, self.targets, self.setup, done))
+
+
+def run(setup: Setup, results: Path, muons: tuple[bool, ...], profile: bool,
+        say=print) -> Results:
+    """Measure every case of ``setup``, writing each case's rows to ``results`` when it ends."""
+    t0 = time.perf_counter()
+
+    def progress(text: str, transient: bool = False) -> None:
+        if not transient:
+            say(f"[{time.perf_counter() - t0:6.0f}s] {text}")
+
+    out = Results(results, setup)
+    progress(f"results directory: {results}")
+    peak_sizes = {"issue": (256, 512, 1024, 2048), "smoke": (64, 128)}.get(setup.size,
+                                                                           (256, 512, 1024))
+    setup.peak = measure_gemm_peak(peak_sizes, dtype=setup.torch_dtype, device=setup.device,
+                                   max_seconds=min(10.0, max(setup.max_seconds, 1.0))).peak
+    progress(f"{setup.dtype} GEMM peak: {setup.peak / 1e9:,.1f} GFLOP/s")
+    cases = [("lact", chunk, length, muon) for chunk, length in setup.lact for muon in muons]
+    cases += [("per-token", None, length, target)
+              for length, target in zip(setup.per_token_lengths, setup.per_token_targets)]
+    for kind, chunk, length, extra in cases:
+        if kind == "lact":
+            rows, targets, models, x = lact_case(setup, chunk, length, extra, progress)
+        else:
+            rows, targets, models, x = per_token_case(setup, length, extra, progress)
+        if profile:
+            profile_misses(targets, models, x, setup, results, progress)
+        out.add(rows, targets)
+        for t in targets:
+            verdict = {True: "met", False: "MISSED", None: "not measured"}[t.met]
+            progress(f"  {t.what}: {'' if t.measured is None else f'{t.measured:.2f}'} "
+                     f"({t.spread}) {verdict}")
+    out.write_markdown(done=True)
+    progress(f"done: {results / 'throughput.md'}")
+    return out
 
 
 def main(argv=None) -> int:
     setup, args = parse_setup(argv)
-    console, err = Console(width=None if sys.stdout.isatty() else 200), Console(stderr=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif setup.device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
+    results = Path(args.results or Path(__file__).parent / "results" /
+                   f"throughput-{setup.size}-{stamp}")
     muons = {"both": (True, False), "on": (True,), "off": (False,)}[args.muon]
-    rows: list[Row] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=True) as progress:
-        cases = progress.add_task("cases", total=len(setup.chunks) * len(muons)
-                                  + (not args.skip_per_token))
-        progress.update(cases, description="measuring the GEMM peak")
-        setup.peak = gemm_peak(setup)
-        for chunk in setup.chunks:
-            for muon in muons:
-                progress.update(cases, description=f"LaCT chunk {chunk}, muon={muon}")
-                rows += lact_case(setup, chunk, muon, progress)
-                progress.advance(cases)
-        if not args.skip_per_token:
-            progress.update(cases, description="per-token layer")
-            rows += per_token_case(setup, progress)
-            progress.advance(cases)
-    console.print(to_table(rows, setup))
+    out = run(setup, results, muons, args.profile, say=lambda s: print(s, flush=True))
+    table = to_markdown(out.rows, out.targets, setup, done=True)
+    print(table)
     if args.markdown:
-        _write(args.markdown, to_markdown(rows, setup))
-    if args.json:
-        _write(args.json, json.dumps({"setup": asdict(setup), "rows": [asdict(r) for r in rows]},
-                                     indent=2))
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(table)
     return 0
 
 

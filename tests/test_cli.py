@@ -42,7 +42,7 @@ def test_every_command_parses():
     assert parser.parse_args(["inspect", "--zoo", "per-token", "--batch", "2"]).batch == 2
     assert parser.parse_args(["report", "r.json", "--markdown"]).markdown
     args = parser.parse_args(["bench", "--zoo", "lact-lm", "--levels", "0", "2"])
-    assert (args.levels, args.strict, args.repeats) == ([0, 2], False, 5)
+    assert (args.levels, args.strict, args.repeats) == ([0, 2], False, 15)
     assert parser.parse_args(["bench", "--zoo", "lact-lm", "--strict"]).strict
 
 

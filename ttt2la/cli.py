@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from rich.table import Table
 
 from .errors import ConversionError
 from .report import ConversionReport, InspectionReport, load_report
+from .timing import Timing, time_side_by_side
 
 #: Exit status of a command whose machinery does not exist yet, or of a command line misuse.
 EXIT_UNSUPPORTED = 2
@@ -129,74 +128,112 @@ class DemoSize:
     chunk_size: int
     batch: int
     length: int
-    repeats: int
+    repeats: int            # at most this many timed rounds (at least 3) ...
+    max_seconds: float      # ... or until this many seconds of timing have passed
 
 
 # Converting traces the layer's loop a few times per level, and tracing Newton-Schulz dominates
 # that: one block without Muon keeps the default demo well under a minute on 2 cores.
-DEMO_SIZES = {"default": DemoSize(64, 1, 2, 64, batch=2, length=2048, repeats=5),
-              "quick": DemoSize(32, 1, 2, 16, batch=1, length=256, repeats=3)}
+DEMO_SIZES = {"default": DemoSize(64, 1, 2, 64, batch=2, length=2048, repeats=15,
+                                  max_seconds=20.0),
+              "quick": DemoSize(32, 1, 2, 16, batch=1, length=256, repeats=7, max_seconds=5.0)}
 
 
 # -- throughput ---------------------------------------------------------------------------------
 def measure_throughput(models: dict[str, Callable], inputs: tuple, units: float, *,
-                       repeats: int = 5, warmup: int = 1,
+                       repeats: int = 15, warmup: int = 2, max_seconds: float = 60.0,
                        progress: Progress | None = None) -> dict[str, float]:
-    """Rate of each model on the same inputs, in ``units`` (tokens, FLOPs ...) per call per second.
+    """Rate of each model on the same inputs, in ``units`` (tokens, FLOPs ...) per second.
 
-    The median of ``repeats`` timed calls after ``warmup`` untimed ones. The models run side by
-    side (one call of each per round), so background load on the machine affects them alike;
-    CUDA work is synchronised before a clock is read.
+    The median over interleaved rounds (``ttt2la.timing.time_side_by_side``: ``warmup`` untimed
+    rounds, then up to ``repeats`` timed rounds, at least 3, time-boxed by ``max_seconds``).
+    Use ``measure_timings`` for the spread as well.
     """
-    cuda = [t.device for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda]
+    timings = measure_timings(models, inputs, units, repeats=repeats, warmup=warmup,
+                              max_seconds=max_seconds, progress=progress)
+    return {name: t.rate for name, t in timings.items()}
 
-    def call(model) -> float:
-        start = time.perf_counter()
-        model(*inputs)
-        for device in cuda[:1]:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
 
-    seconds: dict[str, list[float]] = {name: [] for name in models}
-    task = progress.add_task("measuring throughput", total=(warmup + repeats) * len(models)) \
+def measure_timings(models: dict[str, Callable], inputs: tuple, units: float, *,
+                    repeats: int = 15, warmup: int = 2, max_seconds: float = 60.0,
+                    progress: Progress | None = None, no_grad: bool = True) -> dict[str, Timing]:
+    """``time_side_by_side`` with a progress bar: per-round times, median and spread per model."""
+    task = progress.add_task(f"timing {len(models)} models side by side", total=repeats) \
         if progress is not None else None
-    with torch.no_grad():
-        for round_ in range(warmup + repeats):
-            for name, model in models.items():
-                elapsed = call(model)
-                if round_ >= warmup:
-                    seconds[name].append(elapsed)
-                if progress is not None:
-                    progress.advance(task)
-    return {name: units / statistics.median(s) for name, s in seconds.items()}
+
+    def advance(done: int) -> None:
+        if progress is not None:
+            progress.update(task, completed=done)
+    return time_side_by_side(models, inputs, units, rounds=repeats, warmup=warmup,
+                             max_seconds=max_seconds, no_grad=no_grad, on_round=advance)
+
+
+def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
+    """The plans a converted model's layers run — schedule and implementation — as one string.
+
+    Read from the plans the converted layers built for the batch sizes they have run at (only
+    ``batch`` if given; so call it after running the model), else from the conversion report.
+    Where the report names another schedule or op than the one that ran, that is said too.
+    """
+    seen = []
+    for module in model.modules():
+        state = getattr(module, "_ttt2la", None)
+        for size, loop in getattr(state, "_loop_cache", {}).items():
+            if batch is not None and size != batch:
+                continue
+            plan = loop.plan
+            seen.append(f"{getattr(plan, 'schedule', '?')} on "
+                        f"{getattr(plan, 'implementation', '?')}")
+    report = getattr(model, "ttt2la_report", None)
+    named = sorted({f"{layer.schedule} on {layer.runtime}"
+                    for layer in getattr(report, "layers", [])})
+    if not seen:
+        return ", ".join(named) or "as written"
+    seen = sorted(set(seen))
+    if named and {_op_name(p) for p in seen} != {_op_name(p) for p in named}:
+        return f"{', '.join(seen)} (the report names {', '.join(named)})"
+    return ", ".join(seen)
+
+
+def _op_name(plan: str) -> str:
+    """``"parallel on block_linear_attention[auto]"`` -> ``"parallel on block_linear_attention"``."""
+    return plan.split("[")[0].split("(")[0].strip()
 
 
 def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Module],
-                     inputs: tuple, *, repeats: int, progress: Progress | None = None) -> Table:
-    """Compare the original model with its converted forms: tokens/s, speed-up and output drift."""
+                     inputs: tuple, *, repeats: int, max_seconds: float = 60.0,
+                     progress: Progress | None = None) -> Table:
+    """Compare the original model with its converted forms side by side: tokens/s (median and
+    spread of interleaved rounds), paired speed-up, the plan that ran and the output drift."""
     from .testing import rel_rms_error
 
     models = {"original": original, **converted}
     tokens = inputs[0].shape[0] * inputs[0].shape[1]
-    rates = measure_throughput(models, inputs, tokens, repeats=repeats, progress=progress)
+    timings = measure_timings(models, inputs, tokens, repeats=repeats, max_seconds=max_seconds,
+                              progress=progress)
     with torch.no_grad():
         reference = original(*inputs)
         drift = {name: rel_rms_error(model(*inputs), reference)
                  for name, model in converted.items()}
     shape = "x".join(str(s) for s in inputs[0].shape)
-    runs = f"{repeats} run{'s' * (repeats != 1)}"
-    table = Table(title=f"throughput on {shape} inputs (median of {runs}, "
-                        f"{torch.get_num_threads()} threads)")
+    rounds = timings["original"].rounds
+    table = Table(title=f"throughput on {shape} inputs, {torch.get_num_threads()} threads: "
+                        f"median of {rounds} interleaved round{'s' * (rounds != 1)} after "
+                        f"warm-up (at most {repeats}, time-boxed to {max_seconds:g} s)",
+                  caption="spread: interquartile range and min-max range of the per-round "
+                          "times, % of the median; speed-up: median of per-round ratios")
     table.add_column("model")
-    table.add_column("schedules")
+    table.add_column("plan that ran")
     table.add_column("tokens/s", justify="right")
+    table.add_column("spread", justify="right")
     table.add_column("speed-up", justify="right")
     table.add_column("rel. RMS vs original", justify="right")
-    table.add_row("original", "as written", f"{rates['original']:,.0f}", "1.00x", "")
+    base = timings["original"]
+    table.add_row("original", "as written", f"{base.rate:,.0f}", base.spread(), "1.00x", "")
     for name, model in converted.items():
-        schedules = ", ".join(sorted({layer.schedule for layer in model.ttt2la_report.layers}))
-        table.add_row(name, schedules, f"{rates[name]:,.0f}",
-                      f"{rates[name] / rates['original']:.2f}x", f"{drift[name]:.2e}")
+        t = timings[name]
+        table.add_row(name, ran_plans(model, inputs[0].shape[0]), f"{t.rate:,.0f}", t.spread(),
+                      str(t.speedup_over(base)), f"{drift[name]:.2e}")
     return table
 
 
@@ -262,7 +299,9 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
         _print_report(out, result.ttt2la_report, args.markdown)
         out.print()
     with _progress(err) as progress:
-        table = throughput_table(model, converted, inputs, repeats=repeats, progress=progress)
+        table = throughput_table(model, converted, inputs, repeats=repeats,
+                                 max_seconds=args.max_seconds or size.max_seconds,
+                                 progress=progress)
     out.print(table)
     return 0
 
@@ -331,6 +370,7 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
                                    inputs, args.backend, err)
     with _progress(err) as progress:
         table = throughput_table(model, converted, inputs, repeats=args.repeats,
+                                 max_seconds=args.max_seconds,
                                  progress=progress)
     out.print(table)
     return 0
@@ -396,7 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give the LaCT layer Muon, as published (converting then takes minutes)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
     p.add_argument("--length", type=_positive, default=None, help="sequence length")
-    p.add_argument("--repeats", type=_positive, default=None, help="timed runs per model")
+    p.add_argument("--repeats", type=_positive, default=None,
+                   help="at most this many timed rounds, each running every model once "
+                        "(15; 7 with --quick)")
+    p.add_argument("--max-seconds", type=_seconds, default=None,
+                   help="stop timing after this many seconds, once 3 rounds are done "
+                        "(20; 5 with --quick)")
     p.add_argument("--markdown", action="store_true", help="print the reports as Markdown")
 
     p = add("inspect", cmd_inspect, "analyse a model: its TTT loops, states and what each "
@@ -422,7 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(p)
     p.add_argument("--levels", type=_level, nargs="+", default=[0, 1, 2],
                    help="levels to convert at (0 1 2)")
-    p.add_argument("--repeats", type=_positive, default=5, help="timed runs per model (5)")
+    p.add_argument("--repeats", type=_positive, default=15,
+                   help="at most this many timed rounds, each running every model once (15)")
+    p.add_argument("--max-seconds", type=_seconds, default=30.0,
+                   help="stop timing after this many seconds, once 3 rounds are done (30)")
     conversion_options(p, strict=False)
     return parser
 
@@ -431,6 +479,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
     return value
 
 
@@ -458,6 +513,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
 
 
-__all__ = ["ZOO", "ZooModel", "build_zoo_model", "measure_throughput", "throughput_table",
-           "build_parser", "main"]
+__all__ = ["ZOO", "ZooModel", "build_zoo_model", "measure_throughput", "measure_timings",
+           "ran_plans", "throughput_table", "build_parser", "main"]
 
