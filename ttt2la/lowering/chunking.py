@@ -77,12 +77,27 @@ def chunk_stream(source: torch.Tensor, spec: StreamSpec, layout: ChunkLayout) ->
     axis = spec.axis % source.dim()
     if spec.per_token:
         return source.movedim(axis, 0)
-    padded_len = layout.n_chunks * layout.chunk_size
-    extra = padded_len - source.shape[axis]
-    if extra:
-        pad = [0, 0] * (source.dim() - 1 - axis) + [0, extra]
-        source = F.pad(source, pad)
-    return source.unflatten(axis, (layout.n_chunks, layout.chunk_size)).movedim(axis, 0)
+    n, c = layout.n_chunks, layout.chunk_size
+    if n * c == source.shape[axis]:
+        return source.unflatten(axis, (n, c)).movedim(axis, 0)          # a view, no copy
+    return _padded_chunks(source, axis, layout)
+
+
+def _padded_chunks(source: torch.Tensor, axis: int, layout: ChunkLayout) -> torch.Tensor:
+    """``[N, *chunk shape]`` of a sequence whose last chunk is partial, in one pass over it.
+
+    Padding the whole sequence and then laying its chunks out moves it twice (``pad``, then
+    the executors' ``contiguous``); here only the tail is padded and one ``cat`` writes the
+    full chunks and the padded tail into a contiguous chunk-major tensor.
+    """
+    n, c, tail = layout.n_chunks, layout.chunk_size, layout.tail
+    full = (n - 1) * c
+    pad = [0, 0] * (source.dim() - 1 - axis) + [0, c - tail]
+    last = F.pad(source.narrow(axis, full, tail), pad).unsqueeze(0)
+    if n == 1:
+        return last
+    head = source.narrow(axis, 0, full).unflatten(axis, (n - 1, c)).movedim(axis, 0)
+    return torch.cat([head, last])
 
 
 def chunk_streams(program: TTTProgram, invariants: list[torch.Tensor]
