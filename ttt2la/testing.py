@@ -1,6 +1,8 @@
 """Numerical comparison helpers shared by the test suite, the benchmarks and ``convert``'s checks."""
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 #: Relative RMS error allowed between two computations that are mathematically equal.
@@ -48,8 +50,29 @@ def outputs_and_grads(fn, tensors, options, *, output_final_state: bool, seed: i
                       for (name, x), gr in zip(leaves.items(), grads)}
 
 
+#: Inputs over which the precision criterion takes its medians (see ``no_worse_than_original``).
+CRITERION_SAMPLES = 5
+
+
+def no_worse_than_original(converted: list[float], original: list[float], *,
+                           factor: float = 2.0, slack: float = 1e-6) -> tuple[bool, float, float]:
+    """The precision criterion where rounding is amplified (Newton–Schulz in fp32/bf16).
+
+    ``converted`` and ``original`` are one quantity's errors against a float64 evaluation of the
+    same function, on the same ``CRITERION_SAMPLES`` inputs: the converted code may err at most
+    ``factor`` times as much as the original code, plus ``slack``. Medians over inputs, because
+    one input's error is a random draw of rounding (two correct low-precision implementations
+    differ by 2-3x on single inputs now and then) while a real fault shifts the median.
+    Returns ``(ok, median converted error, bound)``.
+    """
+    got = statistics.median(converted)
+    bound = factor * statistics.median(original) + slack
+    return got <= bound, got, bound
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE[dtype]
 
 
-__all__ = ["rel_rms_error", "tolerance", "TOLERANCE", "outputs_and_grads"]
+__all__ = ["rel_rms_error", "tolerance", "TOLERANCE", "outputs_and_grads",
+           "no_worse_than_original", "CRITERION_SAMPLES"]
