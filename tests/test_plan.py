@@ -15,13 +15,12 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ttt2la
 import ttt2la.lowering.lift as lift_module
 from ttt2la.converted import is_converted
 from ttt2la.lowering import LiftedPlan, LiftedProgram, Plan, PlanFallbackError
-from ttt2la.testing import rel_rms_error
+from ttt2la.testing import CountOps, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer
 
 STYLES = {"folded": LaCTFoldedLayer, "heads": LaCTHeadsLayer}
@@ -193,14 +192,6 @@ def test_a_non_reducible_loop_kept_without_strict_runs_the_users_code():
     assert torch.equal(conv(y), layer(y))
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_lifted_plan_does_a_fixed_number_of_ops_whatever_the_length(monkeypatch):
@@ -222,7 +213,7 @@ def test_the_lifted_plan_does_a_fixed_number_of_ops_whatever_the_length(monkeypa
                 return real(*args, **kwargs)
 
         monkeypatch.setattr(lift_module, "block_linear_attention", opaque)
-        with torch.no_grad(), _CountOps() as mode:
+        with torch.no_grad(), CountOps() as mode:
             loop.plan(states0, invariants)
         monkeypatch.setattr(lift_module, "block_linear_attention", real)
         counts[L] = mode.count

@@ -27,13 +27,12 @@ import zlib
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
                             naive_block_linear_attention, newton_schulz)
 from ttt2la.runtime.naive import naive_newton_schulz
-from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error
+from ttt2la.testing import TOLERANCE, CountOps, outputs_and_grads, rel_rms_error
 
 ORDERS = ("exclusive", "inclusive", "full")
 LR_KINDS = ("none", "token", "feature")
@@ -302,16 +301,6 @@ def test_long_sequence_momentum_does_not_underflow():
 
 # ----------------------------------------------------------------------------- dispatched ops
 
-class CountOps(TorchDispatchMode):
-    """Counts every aten op dispatched while it is active (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops_for(chunks, *, order, momentum, schedule):

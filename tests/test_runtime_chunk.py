@@ -8,11 +8,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ttt2la.errors import ConversionError
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttt2la.runtime import (chunk_linear_attention, implementation_name,
                             naive_chunk_linear_attention)
-from ttt2la.testing import TOLERANCE, outputs_and_grads, rel_rms_error
+from ttt2la.testing import TOLERANCE, CountOps, outputs_and_grads, rel_rms_error
 
 
 def hand_recurrence(q, k, v, *, chunk_size=None, log_decay=None, scale=None, initial_state=None,
@@ -190,16 +189,6 @@ def test_malformed_arguments_raise_conversion_errors(bad):
 
 
 
-class CountOps(TorchDispatchMode):
-    """Counts every aten op dispatched while it is active (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops_for(chunks, decay):

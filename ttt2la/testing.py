@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Relative RMS error allowed between two computations that are mathematically equal.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -70,9 +71,22 @@ def no_worse_than_original(converted: list[float], original: list[float], *,
     return got <= bound, got, bound
 
 
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched while it is active (forward and backward): how much work
+    a converted layer does in Python, which must not grow with the sequence length."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE[dtype]
 
 
 __all__ = ["rel_rms_error", "tolerance", "TOLERANCE", "outputs_and_grads",
-           "no_worse_than_original", "CRITERION_SAMPLES"]
+           "no_worse_than_original", "CRITERION_SAMPLES", "CountOps"]
