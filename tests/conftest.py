@@ -2,6 +2,13 @@
 
 A test that needs compilation re-enables it locally with
 ``torch.compiler.set_stance("default")`` and ``torch._dynamo.config.patch(disable=False)``.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE``, see docs/testing.md):
+
+* ``ci`` (the default): derandomized — every run draws the same examples, so the suite passes
+  or fails deterministically, in CI and on a developer's machine alike;
+* ``dev``: random draws with each test's own example counts, to look for new failures;
+* ``wide``: random draws with five times each test's example count, for a long exploration.
 """
 import os
 
@@ -13,8 +20,31 @@ torch._dynamo.config.disable = True
 # stance is eager, so both switches are needed for such code to run as plain Python.
 torch.compiler.set_stance("force_eager")
 
-settings.register_profile("dev", deadline=None)
+#: How many times each test's own ``max_examples`` the ``wide`` profile draws.
+WIDE_FACTOR = 5
+
 settings.register_profile(
-    "ci", deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+    "ci", deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "dev", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "wide", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+
+def pytest_collection_modifyitems(items):
+    """Under ``wide``, scale every hypothesis test's own example count by ``WIDE_FACTOR``.
+
+    A test's ``@settings(max_examples=...)`` overrides the profile's, so the profile alone
+    cannot widen the search; the count is scaled on the collected test instead.
+    """
+    if PROFILE != "wide":
+        return
+    for item in items:
+        fn = getattr(item, "obj", None)
+        own = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if own is not None:
+            fn._hypothesis_internal_use_settings = settings(
+                own, max_examples=own.max_examples * WIDE_FACTOR)

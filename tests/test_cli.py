@@ -14,10 +14,6 @@ from ttt2la.cli import (EXIT_REFUSED, EXIT_UNSUPPORTED, ZOO, build_parser, build
                         measure_throughput)
 from ttt2la.report import ConversionReport, LayerReport, PassRecord, StateRecord
 
-needs_convert = pytest.mark.skipif(not hasattr(ttt2la, "convert"),
-                                   reason="ttt2la.convert is not part of this build")
-
-
 def saved_report(tmp_path, **changes) -> str:
     layer = LayerReport("blocks.0.ttt", "block_causal_lact_swiglu", "lact_folded.py:83", 64,
                         "exclusive", "apply_only",
@@ -154,7 +150,6 @@ def test_measure_throughput_times_every_model():
 
 
 # -- end to end ----------------------------------------------------------------------------------
-@needs_convert
 def test_demo_quick_runs_end_to_end(capsys):
     assert main(["demo", "--quick", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -165,7 +160,6 @@ def test_demo_quick_runs_end_to_end(capsys):
     assert "tokens/s" in out
 
 
-@needs_convert
 def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):
     path = tmp_path / "variant2.json"
     assert main(["convert", "--zoo", "lact-variant2", "--level", "2", "--json", str(path),
@@ -175,7 +169,6 @@ def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):
     assert capsys.readouterr().out == printed
 
 
-@needs_convert
 def test_refused_conversion_exits_with_status_1(capsys):
     assert main(["convert", "--zoo", "lact-layer", "--level", "3"]) == EXIT_REFUSED
     assert "LevelNotImplementedError" in capsys.readouterr().err

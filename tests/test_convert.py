@@ -2,16 +2,20 @@
 must equal, refusals, training, dtype and shape coverage.
 
 A model trained as variant k converts exactly at level k, so the reference for level k on a full
-LaCT layer is the same layer built as variant k (same state_dict) and run by its own Python loop.
-Conversions are cached per layer configuration (they trace the layer); hypothesis then draws the
-configuration from a small set and the batch size and length freely, since the converted layer
-must work at any (B, L) without being converted again.
+LaCT layer is the same layer built as variant k (same state_dict) and run by its own Python loop
+(the zoo's code, which shares nothing with ttt2la). Each configuration that matters (coding
+style, momentum, Muon) is a parametrized case converted once (conversion traces the layer);
+hypothesis then draws the batch size and the length, since the converted layer must work at any
+(B, L) without being converted again. Explicit examples come first and make every case take
+several updates with momentum (L > C) and the case where momentum has nothing to carry yet
+(exactly two chunks, one update).
 
-With Muon on, the comparison runs in float64 at the float64 tolerance: Newton–Schulz amplifies
-rounding in the small singular directions of a chunk update, so two correct fp32
-implementations of the same Muon step (the zoo's loop and the runtime's batched one) can differ
-by more than 1e-5 in gradients — a property of Muon, not of the conversion. float64 shows the
-conversion is exact; without Muon the check runs in fp32 at 1e-5.
+Tolerances (docs/testing.md): without Muon, fp32 within 1e-5 of the variant. With Muon,
+Newton–Schulz amplifies rounding in the small singular directions of a chunk update, so two
+correct fp32 implementations differ by more than 1e-5; fp32 is judged by the precision
+criterion — the converted layer's error against the float64 variant (same weights) is at most
+2x the fp32 variant's own error against it, plus 1e-6, for the output and every gradient — and
+float64 conversions must equal the float64 variant within 1e-10.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import ttt2la
@@ -33,81 +37,147 @@ VARIANT = {1: dict(update_theta=False), 2: dict(update_theta=False, weight_norm=
 _converted: dict = {}
 
 
-def _dtype(muon: bool) -> torch.dtype:
-    return torch.float64 if muon else torch.float32
-
-
-def _layers(style, H, D, C, momentum, muon, level):
-    """(full layer, variant-`level` layer with the same weights, converted full layer)."""
-    key = (style, H, D, C, momentum, muon, level)
+def _layers(style, H, D, C, momentum, muon, level, dtype):
+    """(variant-`level` layer with the full layer's weights, converted full layer)."""
+    key = (style, H, D, C, momentum, muon, level, dtype)
     if key not in _converted:
-        torch.manual_seed(hash(key) % 2**31)
+        torch.manual_seed(sum(map(ord, str(key))))
         cls = STYLES[style]
-        dtype = _dtype(muon)
         full = cls(H * D, H, C, momentum=momentum, muon=muon, base_lr=0.3).to(dtype)
         variant = cls(H * D, H, C, momentum=momentum, muon=muon, base_lr=0.3,
                       **VARIANT[level]).to(dtype)
         variant.load_state_dict(full.state_dict())
         x = torch.randn(2, 3 * C + 5, H * D, dtype=dtype)
         conv = ttt2la.convert(full, level=level, example_inputs=(x,))
-        _converted[key] = (full, variant, conv)
+        _converted[key] = (variant, conv)
     return _converted[key]
 
 
 def _outputs_and_grads(module, x):
+    """The output and the gradient of a fixed random projection of it w.r.t. the input and
+    every parameter; a gradient that does not reach a tensor (None) is the zero gradient."""
     x = x.clone().requires_grad_(True)
     out = module(x)
     params = [p for p in module.parameters()]
-    weight = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                         dtype=torch.float64).to(out.dtype)
     grads = torch.autograd.grad((out * weight).sum(), [x, *params], allow_unused=True)
-    return out, dict(zip(["x", *[n for n, _ in module.named_parameters()]], grads))
+    names = ["x", *[n for n, _ in module.named_parameters()]]
+    return out, {n: torch.zeros_like(t) if g is None else g
+                 for n, g, t in zip(names, grads, [x, *params])}
 
 
 def _assert_equal(conv, ref, x):
+    """Output and every gradient within the tolerance of ``x``'s dtype."""
     tol = TOLERANCE[x.dtype]
     out_c, g_c = _outputs_and_grads(conv, x)
     out_r, g_r = _outputs_and_grads(ref, x)
     assert rel_rms_error(out_c, out_r) <= tol
+    assert g_c.keys() == g_r.keys()
     for name, g in g_r.items():
-        if g is None:                   # unused at this length (e.g. no update when L <= C)
-            assert g_c[name] is None or float(g_c[name].abs().max()) == 0.0
-            continue
-        assert g_c[name] is not None, name
         assert rel_rms_error(g_c[name], g) <= tol, name
 
 
-configs = st.sampled_from(["folded", "heads"]).flatmap(lambda style: st.tuples(
-    st.just(style), st.sampled_from([1, 2]), st.sampled_from([4, 6]),
-    st.booleans(), st.booleans()))
+def _assert_within_precision_criterion(conv, ref32, x):
+    """fp32 with Newton–Schulz: ``err(conv, ref64) <= 2 err(ref32, ref64) + 1e-6`` for the
+    output and every gradient, ``ref64`` the float64 copy of ``ref32`` (same weights)."""
+    ref64 = copy.deepcopy(ref32).double()
+    out_c, g_c = _outputs_and_grads(conv, x)
+    out_r, g_r = _outputs_and_grads(ref32, x)
+    out_64, g_64 = _outputs_and_grads(ref64, x.double())
+    pairs = [("output", out_c, out_r, out_64)] + [(n, g_c[n], g_r[n], g_64[n]) for n in g_64]
+    assert g_c.keys() == g_64.keys()
+    for name, got, original, exact in pairs:
+        err, bound = rel_rms_error(got, exact), 2 * rel_rms_error(original, exact) + 1e-6
+        assert err <= bound, f"{name}: {err:.3g} > 2 x {(bound - 1e-6) / 2:.3g} + 1e-6"
 
 
-# each example converts a layer (it traces it): no shrinking, which would convert many more
-HEAVY = settings(max_examples=6, deadline=None,
-                 phases=[Phase.explicit, Phase.reuse, Phase.generate])
+def _check(variant, conv, x, muon):
+    if muon and x.dtype == torch.float32:
+        _assert_within_precision_criterion(conv, variant, x)
+    else:
+        _assert_equal(conv, variant, x)
 
 
+# (style, H, D, C, momentum, muon, dtype): style x momentum x Muon in fp32, and float64 for Muon
+# with momentum; head count, head width and chunk size vary among them. Conversions are slow
+# (tracing), so the list is what matters, not the full product.
+F32, F64 = torch.float32, torch.float64
+LEVEL2 = [("folded", 2, 4, 3, True, False, F32), ("heads", 1, 6, 3, True, False, F32),
+          ("heads", 2, 4, 8, False, False, F32),
+          ("folded", 2, 4, 8, True, True, F32), ("heads", 1, 6, 8, True, True, F32),
+          ("folded", 1, 6, 8, False, True, F32),
+          ("folded", 1, 4, 8, True, True, F64), ("heads", 2, 6, 8, True, True, F64)]
+LEVEL1 = [("folded", 2, 4, 5, True, True, F32), ("heads", 2, 4, 5, True, False, F32),
+          ("heads", 1, 6, 8, True, True, F64)]
+
+# Shortfalls of the current lowering and runtime, each a strict xfail: the test fails as soon as
+# the shortfall is fixed, so the mark cannot outlive it.
+NOT_LIFTED = {"heads-H2-D4-C8-no_momentum-no_muon-float32":
+              "lift misses the head-major layer at H=2, D=4 and runs the generic vmap plan"}
+OVER_PRECISION_CRITERION = {
+    "folded-H2-D4-C8-with_momentum-with_muon-float32":
+        "fp32 Muon: momentum_proj.weight gradient ~5x the original's error against float64",
+    "folded-H1-D6-C8-no_momentum-with_muon-float32":
+        "fp32 Muon: lr_proj.weight gradient ~5x the original's error against float64",
+}
+
+
+def _id(cfg):
+    style, H, D, C, momentum, muon, dtype = cfg
+    return (f"{style}-H{H}-D{D}-C{C}-{'with' if momentum else 'no'}_momentum-"
+            f"{'with' if muon else 'no'}_muon-{str(dtype).split('.')[-1]}")
+
+
+def _params(configs, shortfalls):
+    return [pytest.param(cfg, id=_id(cfg), marks=[pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason=shortfalls[_id(cfg)])]
+        if _id(cfg) in shortfalls else []) for cfg in configs]
+
+
+# each example runs a converted layer, its variant and (fp32 Muon) the float64 variant: few
+# generated draws, after the explicit ones; no shrinking, which would run many more
+HEAVY = settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])
+#: the length in chunks (L = round(chunks * C), at least 1): partial chunks and L < C included
+chunk_counts = st.floats(min_value=0.1, max_value=5.9, allow_nan=False)
+
+
+@pytest.mark.parametrize("cfg", _params(LEVEL2, OVER_PRECISION_CRITERION))
 @HEAVY
-@given(cfg=configs, B=st.integers(1, 3), data=st.data())
-def test_level2_equals_variant2_run_recurrently(cfg, B, data):
-    style, H, D, momentum, muon = cfg
-    C = 8 if muon else data.draw(st.sampled_from([3, 8]))
-    L = data.draw(st.integers(1, 5 * C + 7))
-    full, variant, conv = _layers(style, H, D, C, momentum, muon, 2)
+@example(B=2, chunks=3.4)     # four chunks, three updates through momentum, the last partial
+@example(B=3, chunks=2.0)     # two whole chunks: one update, no momentum to carry yet
+@given(B=st.integers(1, 3), chunks=chunk_counts)
+def test_level2_equals_variant2_run_recurrently(cfg, B, chunks):
+    style, H, D, C, momentum, muon, dtype = cfg
+    L = max(1, round(chunks * C))
+    variant, conv = _layers(style, H, D, C, momentum, muon, 2, dtype)
     layer = conv.ttt2la_report.layers[0]
     assert layer.schedule == "parallel"
     assert [p.status for p in layer.passes] == ["applied", "applied"]
-    _assert_equal(conv, variant, torch.randn(B, L, H * D, dtype=_dtype(muon)))
+    _check(variant, conv, torch.randn(B, L, H * D, dtype=dtype), muon)
 
 
+@pytest.mark.parametrize("cfg", _params(LEVEL2, NOT_LIFTED))
+def test_level2_runs_on_the_block_op(cfg):
+    """Every level-2 LaCT conversion is lifted onto ``block_linear_attention`` (a Newton–Schulz
+    iteration or scale the runtime does not reproduce falls back to the generic plan)."""
+    style, H, D, C, momentum, muon, dtype = cfg
+    _, conv = _layers(style, H, D, C, momentum, muon, 2, dtype)
+    runtime = conv.ttt2la_report.layers[0].runtime
+    assert runtime.startswith("block_linear_attention"), runtime
+
+
+@pytest.mark.parametrize("cfg", _params(LEVEL1, OVER_PRECISION_CRITERION))
 @HEAVY
-@given(cfg=configs, B=st.integers(1, 3), data=st.data())
-def test_level1_runs_semi_parallel_and_equals_variant1(cfg, B, data):
-    style, H, D, momentum, muon = cfg
-    C = 8 if muon else 5
-    L = data.draw(st.integers(1, 5 * C + 7))
-    full, variant, conv = _layers(style, H, D, C, momentum, muon, 1)
+@example(B=2, chunks=3.4)
+@example(B=3, chunks=2.0)
+@given(B=st.integers(1, 3), chunks=chunk_counts)
+def test_level1_runs_semi_parallel_and_equals_variant1(cfg, B, chunks):
+    style, H, D, C, momentum, muon, dtype = cfg
+    L = max(1, round(chunks * C))
+    variant, conv = _layers(style, H, D, C, momentum, muon, 1, dtype)
     assert conv.ttt2la_report.layers[0].schedule == "semi-parallel"
-    _assert_equal(conv, variant, torch.randn(B, L, H * D, dtype=_dtype(muon)))
+    _check(variant, conv, torch.randn(B, L, H * D, dtype=dtype), muon)
 
 
 @pytest.mark.parametrize("style", ["folded", "heads"])
@@ -151,10 +221,11 @@ def test_variant2_layer_converts_exactly_with_both_passes_already_satisfied(styl
     _assert_equal(conv, layer, torch.randn(3, 45, 16))
 
 
-@pytest.mark.parametrize("L", [1, 4096])
-def test_per_token_layer_is_parallel_and_exact_at_level0(L):
+@pytest.mark.parametrize("L,lr", [(1, True), (4096, True), (37, False)])
+def test_per_token_layer_is_parallel_and_exact_at_level0(L, lr):
+    # lr=False: a constant step size 0.3, a constant factor of every increment
     torch.manual_seed(0)
-    layer = PerTokenTTTLayer(32, 2)
+    layer = PerTokenTTTLayer(32, 2, lr=lr, base_lr=1.0 if lr else 0.3)
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 24, 32),))
     report = conv.ttt2la_report.layers[0]
     assert report.schedule == "parallel" and report.exact and report.reducible
@@ -180,10 +251,8 @@ def test_convert_leaves_the_input_model_untouched_and_the_result_trains():
     # gradients reach every parameter the level-2 layer still uses, an optimizer step moves it
     out = conv(x)
     out.square().mean().backward()
-    unused = set()                        # w0/w2 momentum projections stay used; nothing is dropped
     for name, p in conv.named_parameters():
-        if name not in unused:
-            assert p.grad is not None and float(p.grad.abs().sum()) > 0, name
+        assert p.grad is not None and float(p.grad.abs().sum()) > 0, name
     opt = torch.optim.SGD(conv.parameters(), lr=0.1)
     opt.step()
     assert rel_rms_error(conv(x), out.detach()) > 1e-4

@@ -1,6 +1,7 @@
 """Steps 1 and 2 (freeze_theta, drop_norm), their statuses, and the level driver ``run_level``."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -49,14 +50,16 @@ def lact_grad_body(w0, w1, w2, m0, m1, k, v, q, lr, beta, n1):
     return (w0n, w1n, w2n, m0n, m1n), (swiglu(q, w0, w1, w2),)
 
 
-def lact_program(last_chunk="apply_only"):
+def lact_program(last_chunk="apply_only", dtype=torch.float32):
     w1 = torch.randn(B, DH, D) * 0.3
+    r = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731
     return program_from_body(
         lact_grad_body,
-        states=dict(w0=torch.randn(B, D, DH) * 0.3, w1=w1, w2=torch.randn(B, D, DH) * 0.3,
-                    m0=torch.zeros(B, D, DH), m1=torch.zeros(B, DH, D)),
-        streams=dict(k=seq(8, D), v=seq(8, D), q=seq(8, D), lr=seq(8, 1).abs()),
-        invariants=dict(beta=torch.full((B, 1, 1), 0.9), n1=w1.norm(dim=-2, keepdim=True)),
+        states=dict(w0=r(B, D, DH) * 0.3, w1=w1.to(dtype), w2=r(B, D, DH) * 0.3,
+                    m0=torch.zeros(B, D, DH, dtype=dtype), m1=torch.zeros(B, DH, D, dtype=dtype)),
+        streams=dict(k=r(B, 8, D), v=r(B, 8, D), q=r(B, 8, D), lr=r(B, 8, 1).abs()),
+        invariants=dict(beta=torch.full((B, 1, 1), 0.9, dtype=dtype),
+                        n1=w1.norm(dim=-2, keepdim=True).to(dtype)),
         chunk_size=C, last_chunk=last_chunk)
 
 
@@ -91,22 +94,6 @@ def random_inputs(program, L, seed=0):
     return states0, invariants
 
 
-def assert_schedules_agree(program, L):
-    analysis = analyze(program)
-    states0, invariants = random_inputs(program, L)
-    results = []
-    for schedule in ("recurrent", analysis.schedule):
-        outs, finals = execute(program, analysis, states0, invariants, schedule=schedule)
-        loss = sum((t * torch.cos(torch.arange(t.numel()).reshape(t.shape))).sum()
-                   for t in outs + finals)
-        grads = torch.autograd.grad(loss, states0 + invariants, allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g
-                 for g, x in zip(grads, states0 + invariants)]
-        results.append(outs + finals + grads)
-    for a, b in zip(*results):
-        assert rel_rms_error(b, a) <= TOLERANCE[torch.float32]
-
-
 # -- the paper's steps on a LaCT-like body -------------------------------------------------------
 
 def test_freeze_theta_then_drop_norm_gives_a_parallel_program():
@@ -130,11 +117,92 @@ def test_freeze_theta_then_drop_norm_gives_a_parallel_program():
     assert analysis.rules["w1"] == "w1' = w1 + NS3(beta·m1 - φ(k)ᵀ·((-v)⊙η))"
 
 
+# A hand-written reference for the reduced body: what steps 1 and 2 must leave of
+# ``lact_grad_body`` (w0, w2 frozen; m0 gone; at level 2 no weight norm), with its own loop and
+# its own literal constants, sharing no code with the passes, the executors or the runtime.
+
+def _ref_silu(x):
+    return x / (1 + torch.exp(-x))
+
+
+def _ref_ns3(G):
+    X = G / (torch.sqrt((G * G).sum(dim=(-2, -1), keepdim=True)) + 1e-7)
+    for _ in range(3):
+        A = X @ X.transpose(-1, -2)
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
+    return X
+
+
+def reduced_lact_reference(level, program, states0, invariants, L):
+    """Outputs and final states of the level-``level`` body by a loop over chunks of ``C``
+    tokens; the last chunk only reads (``apply_only``)."""
+    named = {spec.name: x for spec, x in zip(program.invariants, invariants)}
+    k, v, q, lr = (named[n] for n in ("k_seq", "v_seq", "q_seq", "lr_seq"))
+    beta, n1 = named["beta"], named["n1"]
+    w0, w1, w2, m1 = states0
+    starts = list(range(0, L, C))
+    ys = []
+    for j, s in enumerate(starts):
+        kc, vc, qc, lrc = (x[:, s:s + C] for x in (k, v, q, lr))
+        ys.append((_ref_silu(qc @ w0) * (qc @ w2)) @ w1)
+        if j == len(starts) - 1:
+            break
+        hidden = _ref_silu(kc @ w0) * (kc @ w2)                   # [B, c, DH]
+        m1 = beta * m1 + hidden.transpose(-1, -2) @ (lrc * vc)    # -(dloss/dw1) is hᵀ(η⊙v)
+        u = w1 + _ref_ns3(m1)
+        w1 = u / torch.sqrt((u * u).sum(dim=-2, keepdim=True)) * n1 if level == 1 else u
+    return [torch.cat(ys, 1)], [w0, w1, w2, m1]
+
+
+def _projected_grads(fn, states0, invariants):
+    outs, finals = fn(states0, invariants)
+    g = torch.Generator().manual_seed(11)
+    loss = sum((t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)).sum()
+               for t in outs + finals)
+    grads = torch.autograd.grad(loss, states0 + invariants, allow_unused=True)
+    return outs + finals + [torch.zeros_like(x) if gr is None else gr
+                            for gr, x in zip(grads, states0 + invariants)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reduced(level, dtype):
+    reduced, _ = run_level(lact_program(dtype=dtype), level)
+    return reduced, analyze(reduced)
+
+
+def _as64(xs):
+    return [x.detach().double().requires_grad_() for x in xs]
+
+
 @pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("L", [8, 6, 3])
-def test_reduced_lact_runs_chunk_parallel_exactly(level, L):
-    reduced, _ = run_level(lact_program(), level)
-    assert_schedules_agree(reduced, L)
+@pytest.mark.parametrize("L", [8, 6, 3, 13])
+def test_reduced_lact_equals_the_hand_written_variant(level, L):
+    """Both schedules of the reduced program equal the variant written by hand — outputs, final
+    states and every gradient: in float64 within 1e-10; in fp32 the chunk-parallel schedule
+    within the precision criterion (Newton–Schulz): at most 2x the error of the body run as
+    written (the recurrent schedule) against the float64 hand-written loop, plus 1e-6."""
+    reduced, analysis = _reduced(level, torch.float64)
+    assert [s.name for s in reduced.states] == ["w0", "w1", "w2", "m1"]
+    states0, invariants = random_inputs(reduced, L)
+    states0, invariants = _as64(states0), _as64(invariants)
+    loop = lambda s, x: reduced_lact_reference(level, reduced, s, x, L)  # noqa: E731
+    ref64 = _projected_grads(loop, states0, invariants)
+    for schedule in ("recurrent", analysis.schedule):
+        got = _projected_grads(
+            lambda s, x: execute(reduced, analysis, s, x, schedule=schedule), states0, invariants)
+        assert len(got) == len(ref64)
+        for i, (a, b) in enumerate(zip(got, ref64)):
+            assert rel_rms_error(a, b) <= TOLERANCE[torch.float64], (schedule, i)
+
+    reduced, analysis = _reduced(level, torch.float32)
+    states0, invariants = (
+        [x.detach().float().requires_grad_() for x in xs] for xs in (states0, invariants))
+    original, fast = (_projected_grads(
+        lambda s, x: execute(reduced, analysis, s, x, schedule=schedule), states0, invariants)
+        for schedule in ("recurrent", analysis.schedule))
+    for i, (a, b, c) in enumerate(zip(fast, ref64, original)):
+        bound = 2 * rel_rms_error(c, b) + 1e-6
+        assert rel_rms_error(a, b) <= bound, (i, rel_rms_error(a, b), bound)
 
 
 def test_calling_convention_survives_state_removal():

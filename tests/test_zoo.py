@@ -2,6 +2,7 @@
 the per-token layer against its closed form, dtype and length edge cases, and the compiled paths."""
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -304,19 +305,32 @@ def test_weight_norm_restores_initial_row_norms(muon, update_theta):
 # Precision.
 
 
-@pytest.mark.parametrize("style", ["folded", "heads"])
+#: bf16 with Newton–Schulz against float64: Muon amplifies bf16 rounding (2^-8) by up to ~a^5 in the
+#: small singular directions of an update; measured 0.06-0.30 on this case, so 0.4 only rules out
+#: gross failures — the precision criterion between the two styles below is the sharp check.
+BF16_MUON = 0.4
+
+
 @pytest.mark.parametrize("switches", SWITCHES, ids=_id)
-def test_bf16_runs_and_tracks_fp32(style, switches):
-    torch.manual_seed(5)
-    layer = lact_layer(style, d_model=16, num_heads=2, chunk_size=4, **switches)
-    x = torch.randn(2, 13, 16)
-    expected = layer(x)
-    got = layer.to(torch.bfloat16)(x.to(torch.bfloat16))
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+def test_bf16_tracks_float64(switches):
+    """Both styles in bf16 against the float64 evaluation of the same layer (same weights):
+    within 2e-2 without Muon; with Muon, each style's error at most 2x the other's plus 1e-6
+    (the precision criterion, the other style taking the original's place), and under 0.4."""
+    errors = {}
+    for style in ("folded", "heads"):
+        torch.manual_seed(5)
+        layer = lact_layer(style, d_model=16, num_heads=2, chunk_size=4, **switches)
+        x = torch.randn(2, 13, 16)
+        exact = copy.deepcopy(layer).double()(x.double())
+        got = layer.to(torch.bfloat16)(x.to(torch.bfloat16))
+        assert got.dtype == torch.bfloat16
+        errors[style] = rel_rms_error(got, exact)
     if not switches["muon"]:
-        # With Muon, Newton-Schulz magnifies bf16 rounding of the update (see the fp64 cross-check note);
-        # there the requirement is only that bf16 runs.
-        assert rel_rms_error(got, expected) <= TOLERANCE[torch.bfloat16]
+        assert max(errors.values()) <= TOLERANCE[torch.bfloat16], errors
+    else:
+        assert max(errors.values()) <= BF16_MUON, errors
+        assert errors["folded"] <= 2 * errors["heads"] + 1e-6, errors
+        assert errors["heads"] <= 2 * errors["folded"] + 1e-6, errors
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,248 @@
+"""Plant known bugs in a copy of the package and check that the test suite catches each one.
+
+Every mutation below is a small deliberate bug: one or more textual replacements in a file of
+``ttt2la/``, each of which must match exactly once. For each mutation the script copies the
+repository (``ttt2la/``, ``tests/``, ``pyproject.toml``) to a temporary directory, applies the
+replacements there, and runs the mutation's test selection with that directory as the working
+directory, so the mutated copy is the ``ttt2la`` the tests import:
+
+    python -m pytest -x -q -p no:cacheprovider <files> -k <expr>
+
+The result is one of
+
+* ``caught``      the selection failed (a test saw the bug);
+* ``NOT CAUGHT``  the selection passed with the bug in place;
+* ``stale``       a replacement's pattern no longer matches exactly once (the code changed):
+                  update the pattern, nothing was run;
+* ``baseline``    the selection fails without the bug too, so a failure says nothing;
+* ``timeout`` / ``error``  the run did not finish in ``--timeout`` s / pytest could not run.
+
+Before the mutated runs, every distinct selection is run once on an unmutated copy (the
+baseline; skip with ``--no-baseline``). Not part of CI: it runs a slice of the suite per bug.
+Run it before resolving a change to the runtime, lowering or passes:
+
+    python benchmarks/mutation_probe.py              # every mutation, a table at the end
+    python benchmarks/mutation_probe.py --list       # the mutations and their selections
+    python benchmarks/mutation_probe.py --only momentum_sign --only prefix_sum_off_by_one
+
+Exit status: 0 when every mutation run was caught, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COPIED = ("ttt2la", "tests", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A deliberate bug: ``(file, old, new)`` replacements and the tests that must catch it."""
+
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]
+    files: tuple[str, ...]
+    select: str = ""
+
+
+MUTATIONS = [
+    Mutation(
+        "momentum_sign", "momentum coefficient negated in the block op's scan",
+        (("ttt2la/runtime/block.py", "affine_scan(momentum[", "affine_scan(-momentum["),),
+        ("tests/test_convert.py",), "level2_equals and folded-H2-D4-C3"),
+    Mutation(
+        "ns_coefficient_runtime", "Newton–Schulz c coefficient +0.01 in the runtime's iteration",
+        (("ttt2la/runtime/newton_schulz.py", "c * (A @ A)", "(c + 0.01) * (A @ A)"),),
+        ("tests/test_convert.py",), "runs_on_the_block_op and folded-H1-D4-C8"),
+    Mutation(
+        "ns_coefficient_constant", "Muon's default triple 2.0315 -> 2.0415 in naive.py (shared)",
+        (("ttt2la/runtime/naive.py", "(3.4445, -4.7750, 2.0315)", "(3.4445, -4.7750, 2.0415)"),),
+        ("tests/test_convert.py",), "runs_on_the_block_op and folded-H1-D4-C8"),
+    Mutation(
+        "ns_coefficient_reference", "Newton–Schulz c coefficient +0.01 in naive.py's iteration",
+        (("ttt2la/runtime/naive.py", "c * A @ A", "(c + 0.01) * A @ A"),),
+        ("tests/test_runtime_block.py",), "random_shapes_and_options_bf16 or edge_lengths"),
+    Mutation(
+        "lr_per_feature", "per-feature learning rates applied reversed over features",
+        (("ttt2la/runtime/naive.py", "if lr.dim() == 3 else lr)", "if lr.dim() == 3 else lr.flip(-1))"),),
+        ("tests/test_runtime_block.py",), "every_option_combination_fp32 and feature"),
+    Mutation(
+        "last_chunk_zeroed", "assemble_output drops the last chunk's outputs (zeros instead)",
+        (("ttt2la/lowering/chunking.py", "return joined.narrow(axis, 0, layout.length)",
+          "keep = (layout.n_chunks - 1) * layout.chunk_size\n"
+          "    joined = torch.cat([joined.narrow(axis, 0, keep),\n"
+          "                        torch.zeros_like(joined.narrow(axis, keep, joined.shape[axis] - keep))], axis)\n"
+          "    return joined.narrow(axis, 0, layout.length)"),),
+        ("tests/test_executors.py", "tests/test_passes.py"), "hand_written"),
+    Mutation(
+        "drop_norm_noop", "drop_norm reports 'applied' but leaves the normalisation (and its check)",
+        (("ttt2la/passes/drop_norm.py", "m.output.replace_all_uses_with(m.input)", "pass"),
+         ("ttt2la/passes/drop_norm.py", "if state_norms(program):", "if False:")),
+        ("tests/test_passes.py",), "hand_written"),
+    Mutation(
+        "freeze_theta_noop", "freeze_theta reports 'applied' but keeps updating Θ (and its check)",
+        (("ttt2la/passes/freeze_theta.py", "ins[i] if i in thetas else o", "o"),
+         ("ttt2la/passes/freeze_theta.py", "if left:", "if False:")),
+        ("tests/test_passes.py",), "hand_written"),
+    Mutation(
+        "momentum_shift", "the block op's momentum coefficients shifted by one chunk",
+        (("ttt2la/runtime/block.py", "affine_scan(momentum[", "affine_scan(momentum.roll(1, 1)["),),
+        ("tests/test_convert.py",), "level2_equals and folded-H2-D4-C3"),
+    Mutation(
+        "scan_shift", "the sequential affine scan reads the previous chunk's coefficient",
+        (("ttt2la/runtime/scan.py", "zip(a.unbind(dim), f.unbind(dim))",
+          "zip(a.roll(1, dim).unbind(dim), f.unbind(dim))"),),
+        ("tests/test_executors.py",), "hand_written_loop"),
+    Mutation(
+        "weight_norm_target", "weight norm rescales to the initial state's norms, not the target",
+        (("ttt2la/runtime/block.py",
+          "normalise_columns(d if W is None else W + d, weight_norm)",
+          "normalise_columns(d if W is None else W + d, weight_norm if W0 is None else "
+          "torch.linalg.vector_norm(W0, dim=-2))"),),
+        ("tests/test_runtime_block.py",), "random_shapes_and_options_bf16 or edge_lengths"),
+    Mutation(
+        "prefix_sum_off_by_one", "prefix_sum returns S_{j-1} at j (the first sum twice)",
+        (("ttt2la/runtime/scan.py", "return torch.stack(out, dim=dim).to(f.dtype)",
+          "return torch.stack(out[:1] + out[:-1], dim=dim).to(f.dtype)"),),
+        ("tests/test_executors.py",), "hand_written_loop"),
+    Mutation(
+        "lift_scale_dropped", "the lifted plan drops the increment's constant scale",
+        (("ttt2la/lowering/lift.py", "value = value * lp.scale", "value = value"),),
+        ("tests/test_convert.py",), "per_token_layer or (level2_equals and folded-H2-D4-C3)"),
+]
+
+
+def copy_tree(dest: str) -> None:
+    """The parts of the repository the tests need, without caches."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", "*.egg-info")
+    for name in COPIED:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dest, name), ignore=ignore)
+        else:
+            shutil.copy2(src, os.path.join(dest, name))
+
+
+def apply(mutation: Mutation, dest: str) -> str | None:
+    """Apply every edit in the copy at ``dest``; the first pattern that is stale, or None."""
+    for path, old, new in mutation.edits:
+        full = os.path.join(dest, path)
+        text = open(full, encoding="utf-8").read() if os.path.exists(full) else ""
+        count = text.count(old)
+        if count != 1:
+            return f"{path}: {old!r} matches {count} times"
+        with open(full, "w", encoding="utf-8") as f:
+            f.write(text.replace(old, new))
+    return None
+
+
+def run_selection(dest: str, files, select: str, timeout: float) -> tuple[str, float, str]:
+    """``(outcome, seconds, output tail)`` of the selection run in ``dest``."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files]
+    if select:
+        cmd += ["-k", select]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HYPOTHESIS_PROFILE"] = "ci"
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - start, ""
+    seconds = time.monotonic() - start
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+    outcome = {0: "passed", 1: "failed"}.get(done.returncode, f"error (pytest exit {done.returncode})")
+    return outcome, seconds, tail
+
+
+def check_import(dest: str) -> None:
+    """The tests in ``dest`` must import ``dest``'s ttt2la, not an installed one."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import ttt2la; print(ttt2la.__file__)"],
+                         cwd=dest, env=env, capture_output=True, text=True, check=True).stdout
+    if not os.path.realpath(out.strip()).startswith(os.path.realpath(dest)):
+        raise SystemExit(f"the copy in {dest} imports ttt2la from {out.strip()}; cannot probe")
+
+
+def probe(mutations, *, timeout: float, baseline: bool, verbose: bool):
+    rows = []
+    baselines: dict[tuple, str] = {}
+    for m in mutations:
+        key = (m.files, m.select)
+        with tempfile.TemporaryDirectory(prefix="ttt2la-mutant-") as dest:
+            copy_tree(dest)
+            check_import(dest)
+            if baseline and key not in baselines:
+                outcome, seconds, tail = run_selection(dest, m.files, m.select, timeout)
+                baselines[key] = outcome
+                print(f"[baseline] {' '.join(m.files)} -k {m.select!r}: {outcome} "
+                      f"({seconds:.0f} s)", flush=True)
+                if outcome != "passed" and verbose:
+                    print(tail, flush=True)
+            stale = apply(m, dest)
+            if stale is not None:
+                rows.append((m, "stale", 0.0, stale))
+            elif baseline and baselines[key] != "passed":
+                rows.append((m, "baseline", 0.0, f"unmutated selection: {baselines[key]}"))
+            else:
+                outcome, seconds, tail = run_selection(dest, m.files, m.select, timeout)
+                status = {"failed": "caught", "passed": "NOT CAUGHT"}.get(outcome, outcome)
+                rows.append((m, status, seconds, tail.splitlines()[-1] if tail else ""))
+        m_, status, seconds, note = rows[-1]
+        print(f"[{status}] {m.name} ({seconds:.0f} s)" + (f": {note}" if status == "stale" else ""),
+              flush=True)
+        if verbose and status not in ("caught", "stale"):
+            print(note, flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| mutation | bug | tests run | result | time |", "|---|---|---|---|---:|"]
+    for m, status, seconds, note in rows:
+        tests = " ".join(os.path.basename(f) for f in m.files)
+        if m.select:
+            tests += f" `-k \"{m.select}\"`"
+        shown = f"**{status}**" if status != "caught" else status
+        if status == "stale":
+            shown += f" ({note})"
+        lines.append(f"| `{m.name}` | {m.what} | {tests} | {shown} | {seconds:.0f} s |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help="run only this mutation (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds allowed per pytest run (default 600)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the unmutated run of each selection")
+    parser.add_argument("--verbose", action="store_true", help="print pytest's tail when not caught")
+    args = parser.parse_args(argv)
+    by_name = {m.name: m for m in MUTATIONS}
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:26} {m.what}\n{'':26} {' '.join(m.files)} -k {m.select!r}")
+        return 0
+    unknown = [n for n in args.only or [] if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutation(s) {', '.join(unknown)}; see --list")
+    chosen = [by_name[n] for n in args.only] if args.only else MUTATIONS
+    rows = probe(chosen, timeout=args.timeout, baseline=not args.no_baseline,
+                 verbose=args.verbose)
+    print()
+    print(table(rows))
+    return 0 if all(status == "caught" for _, status, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
