@@ -247,8 +247,11 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         g = None
         root = None
     # Δ = T(root): find the contraction feeding it
+    # a sign or constant factor around the contraction (``-η kᵀv`` written as a loss gradient)
+    # belongs to the increment's scale, not to the transform
     candidates = [n for n in ancestors(delta if g is None else g)
-                  if n.target is aten.bmm.default or n.target is aten.mul.Tensor]
+                  if n.target in (aten.bmm.default, aten.mul.Tensor, aten.neg.default,
+                                  aten.div.Tensor)]
     contraction, transform_root = None, None
     if g is not None:
         contraction = _contraction(g, state_dep)
