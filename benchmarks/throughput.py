@@ -178,7 +178,7 @@ def lact_class() -> type:
 def per_token_classes() -> dict[str, type]:
     """The per-token layers to measure: loop in a helper, and inline in ``forward`` if present."""
     classes = {"per-token (loop in helper)": ttt2la.zoo.PerTokenTTTLayer}
-    inline = getattr(ttt2la.zoo, "PerTokenInlineLayer", None)
+    inline = getattr(ttt2la.zoo, "PerTokenInlineTTTLayer", None)
     if inline is not None:
         classes["per-token (loop inline)"] = inline
     return classes

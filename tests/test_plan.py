@@ -19,7 +19,8 @@ import torch.nn as nn
 import ttt2la
 import ttt2la.lowering.lift as lift_module
 from ttt2la.converted import is_converted
-from ttt2la.lowering import LiftedPlan, LiftedProgram, Plan, PlanFallbackError
+from ttt2la.errors import PlanFallbackError
+from ttt2la.lowering import LiftedPlan, LiftedProgram, Plan
 from ttt2la.testing import CountOps, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer
 

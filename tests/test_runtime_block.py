@@ -9,8 +9,9 @@ evaluation (bf16 within 2e-2). With Newton–Schulz, which amplifies rounding fo
 implementation, the op's error against the float64 evaluation may be at most twice the error
 of the hand-written loop run in the same low precision, plus 1e-6 — for the output, the final
 state and every input gradient. The original code's own error is taken as the larger of the
-hand-written loop's errors with its Newton–Schulz polynomial rounded three ways (as Muon
-publishes it, ``(bA + cA²)X``, term by term, and multiplied from the right): one sample of a
+hand-written loop's errors with its Newton–Schulz polynomial rounded four ways (as Muon
+publishes it, ``(bA + cA²)X``, term by term, multiplied from the right, and with the
+elementwise steps fused as compiled code runs them): one sample of a
 rounding error is itself noisy — against the published form alone, a faithful implementation
 (median error ratio 1.0) still exceeds twice that one sample for a few quantities in a thousand
 on the option grid below. The weight norm also
@@ -57,20 +58,30 @@ def steps_of(muon_steps, ns_coefficients):
     return [tuple(t) for t in ns_coefficients]
 
 
-NS_FORMS = ("published", "expanded", "right")
+NS_FORMS = ("published", "expanded", "right", "fused")
 
 
 def hand_newton_schulz(M, triples, eps, dtype, form="published"):
     """Frobenius-normalise, then ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ`` per step, on the wide
     side, as Muon's published iteration is written. The other ``form``s round the same polynomial
     differently: ``"expanded"`` ``aX + b(AX) + c(A(AX))``, ``"right"`` ``aX + X(bA' + cA'²)``
-    with ``A' = XᵀX``."""
+    with ``A' = XᵀX``, ``"fused"`` the published form with each elementwise combination in fp32
+    and rounded once, as ``torch.compile`` runs it."""
     X = M.to(dtype)
     tall = X.shape[-2] > X.shape[-1]
     if tall:
         X = X.transpose(-2, -1)
-    X = X / ((X * X).sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
+    if form == "fused":
+        wide = X.float()
+        X = (wide / ((wide * wide).sum(dim=(-2, -1), keepdim=True).sqrt() + eps)).to(dtype)
+    else:
+        X = X / ((X * X).sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
     for a, b, c in triples:
+        if form == "fused":
+            A = X @ X.transpose(-2, -1)
+            B = (b * A.float() + c * (A @ A).float()).to(dtype)
+            X = (a * X.float() + (B @ X).float()).to(dtype)
+            continue
         if form == "right":
             A = X.transpose(-2, -1) @ X
             X = a * X + X @ (b * A + c * (A @ A))

@@ -6,8 +6,7 @@
 """
 from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
-                     UnsupportedShapeError, UnsupportedTTTError)
-from .lowering.plan import PlanFallbackError
+                     PlanFallbackError, UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 
 __version__ = "0.1.0"

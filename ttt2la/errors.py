@@ -10,6 +10,11 @@ class UnsupportedTTTError(ConversionError):
     """The model has no test-time-training loop ttt2la understands, or one it cannot lower."""
 
 
+class PlanFallbackError(UnsupportedTTTError):
+    """The plan chosen at conversion could not run at a new shape, and ``strict=True`` refuses
+    to run another one in its place."""
+
+
 class UnsupportedShapeError(ConversionError):
     """A converted layer was called at a shape its conversion does not cover (the layer's own
     code ran only at some batch sizes when it was traced)."""

@@ -14,18 +14,13 @@ from typing import Union
 import torch
 
 from ..analysis.associativity import Analysis, analyze
-from ..errors import UnsupportedTTTError
+from ..errors import PlanFallbackError, UnsupportedTTTError
 from ..ir import TTTProgram
 from .executors import Plan, lower
 from .lift import LiftedPlan, lift
 
 AnyPlan = Union[Plan, LiftedPlan]
 BACKENDS = ("auto", "torch", "triton", "naive")
-
-
-class PlanFallbackError(UnsupportedTTTError):
-    """The plan chosen at conversion could not run at a new shape, and ``strict=True`` refuses
-    to run another one in its place."""
 
 
 def resolve_backend(backend: str, device: torch.device | str | None) -> str:
@@ -103,4 +98,4 @@ def plan_at(plan: AnyPlan, program: TTTProgram, *, strict: bool = True
     return lower(program, analyze(program), backend="torch", schedule=plan.schedule), None
 
 
-__all__ = ["plan_for", "plan_at", "resolve_backend", "PlanFallbackError", "AnyPlan"]
+__all__ = ["plan_for", "plan_at", "resolve_backend", "AnyPlan"]

@@ -20,22 +20,39 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=None, eps: float
     """Approximately orthogonalise every ``[..., m, n]`` matrix of ``G`` (towards its ``U Vᵀ``).
 
     ``steps``/``coefficients`` as ``ns_schedule`` (a per-step schedule takes ``steps`` 0 or
-    its length); matrices taller than wide are transposed for
-    the iteration and back. The iteration runs in ``dtype`` (default ``G``'s); the result has
-    ``G``'s dtype.
+    its length); matrices taller than wide are transposed for the iteration and back. The
+    iteration runs in ``dtype`` (default ``G``'s; in bf16/fp16 each elementwise step rounds
+    once, as compiled code does); the result has ``G``'s dtype.
     """
     schedule = ns_schedule(steps, coefficients)
     tall = G.shape[-2] > G.shape[-1]
-    X = G.to(dtype or G.dtype)
+    dt = dtype or G.dtype
+    X = G.to(dt)
     if tall:
         X = X.mT
-    X = X / (X.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
-    for a, b, c in schedule:
-        A = X @ X.mT
-        X = a * X + (b * A + c * (A @ A)) @ X
+    if dt in (torch.bfloat16, torch.float16):
+        X = _iterate_half(X, schedule, eps)
+    else:
+        X = X / (X.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)
+        for a, b, c in schedule:
+            A = X @ X.mT
+            X = a * X + (b * A + c * (A @ A)) @ X
     if tall:
         X = X.mT
     return X.to(G.dtype)
+
+
+def _iterate_half(X: torch.Tensor, schedule, eps: float) -> torch.Tensor:
+    """The iteration on bf16/fp16 matrices as compiled code runs it: matmuls in the half type,
+    each elementwise combination in fp32 and rounded once (``torch.compile`` fuses them so; an
+    eager run rounds after every op and is less accurate, never more)."""
+    X32 = X.float()
+    X = (X32 / (X32.square().sum(dim=(-2, -1), keepdim=True).sqrt() + eps)).to(X.dtype)
+    for a, b, c in schedule:
+        A = X @ X.mT
+        B = (b * A.float() + c * (A @ A).float()).to(X.dtype)
+        X = (a * X.float() + (B @ X).float()).to(X.dtype)
+    return X
 
 
 __all__ = ["newton_schulz"]
