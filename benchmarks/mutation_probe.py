@@ -62,7 +62,8 @@ MUTATIONS = [
         "ns_coefficient_runtime", "Newton–Schulz c coefficient +0.01 in the runtime's iteration",
         (("ttt2la/runtime/newton_schulz.py", "schedule = ns_schedule(steps, coefficients)",
           "schedule = tuple((a, b, c + 0.01) for a, b, c in ns_schedule(steps, coefficients))"),),
-        ("tests/test_convert.py",), "level2_equals and folded-H1-D4-C8-with_momentum-with_muon-float64"),
+        ("tests/test_convert.py", "tests/test_runtime_block.py"),
+        "folded-H1-D4-C8-with_momentum-with_muon-float64 or newton_schulz_matches"),
     Mutation(
         "ns_coefficient_constant", "Muon's default triple 2.0315 -> 2.0415 in naive.py (shared)",
         (("ttt2la/runtime/naive.py", "(3.4445, -4.7750, 2.0315)", "(3.4445, -4.7750, 2.0415)"),),
