@@ -24,6 +24,7 @@ from ttt2la.errors import NonReducibleError, UnsupportedTTTError
 from ttt2la.frontend.build import program_from_body
 from ttt2la.lowering import chunk_streams, execute, lower, padding_problem
 from ttt2la.testing import TOLERANCE, rel_rms_error
+from references import ref_ns3
 
 TOL = TOLERANCE[torch.float32]
 
@@ -164,13 +165,6 @@ def inputs_for(program, L: int, seed: int):
 # One chunk's update of each body, (states, chunk, invariants) -> new states, and its read
 # q -> y; written from the bodies' docstrings, sharing no code with the bodies or with ttt2la.
 
-def _ref_ns3(G):
-    X = G / (torch.sqrt((G * G).sum(dim=(-2, -1), keepdim=True)) + 1e-7)
-    for _ in range(3):
-        A = X @ X.transpose(-1, -2)
-        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
-    return X
-
 
 def _outer(k, u):
     """Σ_t k_tᵀ u_t over the chunk's tokens, [B, C, d] x [B, C, e] -> [B, d, e], as a loop."""
@@ -188,7 +182,7 @@ REFERENCE = {
     "additive_wx": (lambda W, k, v, q, lr: (W + _outer(lr * v, k),),
                     lambda W, q: q @ W.transpose(1, 2)),
     "momentum_muon": (lambda W, M, k, v, q, lr, beta: (
-        W + _ref_ns3(beta * M + _outer(k, lr * v)), beta * M + _outer(k, lr * v)),
+        W + ref_ns3(beta * M + _outer(k, lr * v)), beta * M + _outer(k, lr * v)),
         lambda W, q: q @ W),
     "momentum_chunk_gate": (lambda W, M, k, v, q, g: (
         W + torch.sigmoid(g).mean(dim=1, keepdim=True) * M + _outer(k, v),

@@ -15,6 +15,7 @@ from ttt2la.lowering import execute
 from ttt2la.passes import (Pass, PassResult, drop_norm, freeze_theta, get_pass, register,
                            remove_dead_states, run_level)
 from ttt2la.testing import TOLERANCE, rel_rms_error
+from references import ref_ns3
 
 B, D, DH, C = 2, 3, 4, 4
 
@@ -125,13 +126,6 @@ def _ref_silu(x):
     return x / (1 + torch.exp(-x))
 
 
-def _ref_ns3(G):
-    X = G / (torch.sqrt((G * G).sum(dim=(-2, -1), keepdim=True)) + 1e-7)
-    for _ in range(3):
-        A = X @ X.transpose(-1, -2)
-        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
-    return X
-
 
 def reduced_lact_reference(level, program, states0, invariants, L):
     """Outputs and final states of the level-``level`` body by a loop over chunks of ``C``
@@ -149,7 +143,7 @@ def reduced_lact_reference(level, program, states0, invariants, L):
             break
         hidden = _ref_silu(kc @ w0) * (kc @ w2)                   # [B, c, DH]
         m1 = beta * m1 + hidden.transpose(-1, -2) @ (lrc * vc)    # -(dloss/dw1) is hᵀ(η⊙v)
-        u = w1 + _ref_ns3(m1)
+        u = w1 + ref_ns3(m1)
         w1 = u / torch.sqrt((u * u).sum(dim=-2, keepdim=True)) * n1 if level == 1 else u
     return [torch.cat(ys, 1)], [w0, w1, w2, m1]
 
