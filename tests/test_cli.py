@@ -92,7 +92,7 @@ def test_report_renders_a_saved_report(tmp_path, capsys):
     path = saved_report(tmp_path)
     assert main(["report", path]) == 0
     out = capsys.readouterr().out
-    assert "1 of 1 TTT layer converted exactly at level 2" in out
+    assert "1 TTT layer converted exactly at level 2" in out
     assert "freeze_theta" in out
 
     assert main(["report", path, "--markdown"]) == 0

@@ -137,10 +137,15 @@ def test_missing_field_is_refused_with_the_layer_named():
 # -- renderings ------------------------------------------------------------------------------------
 def test_summary_counts_exact_layers_and_schedules():
     report = conversion_report()
-    assert report.summary.startswith("1 of 2 TTT layers converted exactly at level 2")
+    assert report.summary.startswith(
+        "2 TTT layers converted at level 2: 1 exactly, 1 lossy by design (step 1 changes the "
+        "function)")
     assert "parallel \u00d72" in report.summary
     assert not report.exact
-    assert ConversionReport(2, [lact_layer_report()], "torch", True).exact
+    exact = ConversionReport(2, [lact_layer_report()], "torch", True)
+    assert exact.exact and exact.summary.startswith("1 TTT layer converted exactly at level 2")
+    report.loss = {"original": 2.0, "converted": 2.04, "change": 0.04, "inputs": "calibration"}
+    assert "loss +0.04 nats on the calibration inputs" in report.summary
 
 
 def test_inspection_summary_names_the_first_parallel_level():

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import copy
 
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
 
 from .analysis import analyze, assign_roles
+from .calibration import LoopCalibration, layer_inputs
 from .converted import ConvertedState, install
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
 from .frontend.discover import discover
@@ -31,12 +33,11 @@ from .frontend.shapes import fit_template
 from .ir import TTTProgram
 from .lowering import plan_for
 from .lowering.check import check_plan, needs_float64_reference, recurrent_reference
-from .passes import run_level
+from .passes import MAX_LEVEL, PassContext, PassResult, check_level, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
+from .drift import layer_drift, lm_loss, model_with, run_module
 from .testing import rel_rms_error, tolerance
 
-MAX_LEVEL = 6
-IMPLEMENTED_LEVEL = 2
 _PROBE_LENGTHS = (64, 512, 4096)
 
 
@@ -108,21 +109,38 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
 
 # -- one layer ------------------------------------------------------------------------------
 
-def _prepare(rl: RecognizedLayer, level: int, calibration):
-    """Roles, passes and analysis on the three traced programs; the body template."""
-    programs = []
-    results = None
+@dataclass
+class Prepared:
+    """One layer after the passes of a level: the program, its results, its body template, and
+    the three traced programs after every earlier step (for measuring each step's drift)."""
+
+    program: TTTProgram
+    results: list[PassResult]
+    body: object                        # GraphTemplate
+    steps: dict[int, list[TTTProgram]]  # step -> the three programs after steps 1..step
+
+
+def _prepare(rl: RecognizedLayer, level: int, context: PassContext | None = None) -> Prepared:
+    """Roles and passes on the three traced programs (folds measured on the first, replayed on
+    the others), and the body template fitted from them."""
+    context = context or PassContext()
+    programs, results, steps = [], None, {}
     for rolled in (rl.rolled, rl.rolled_L, rl.rolled_B):
         prog = rolled.program.clone()
         prog.module_path = rl.path
         assign_roles(prog)
-        prog, res = run_level(prog, level, calibration)
+        prog, res, snaps = run_passes(prog, level, context, snapshots=True)
         programs.append(prog)
         results = results or res
-    body = fit_template(programs[0].body, programs[1].body, programs[2].body,
+        for snap in snaps:
+            steps.setdefault(snap.step, []).append(snap.program)
+    return Prepared(programs[0], results, _template(rl, programs), steps)
+
+
+def _template(rl: RecognizedLayer, programs: list[TTTProgram]):
+    return fit_template(programs[0].body, programs[1].body, programs[2].body,
                         B0=rl.B0, L0=rl.L0, L1=rl.L1, B1=rl.B1,
                         what=f"loop body of {rl.path or '<model>'}")
-    return programs[0], results, body
 
 
 def _state_records(program: TTTProgram, analysis) -> list[StateRecord]:
@@ -147,7 +165,7 @@ def _layer_report(rl, program, analysis, results, schedule, runtime, exact, note
         states=_state_records(program, analysis),
         streams=[_stream_label(s) for s in program.streams],
         passes=[PassRecord(r.step, r.name, r.status, r.exact, r.reason,
-                           (drifts or {}).get(r.step)) for r in results],
+                           (drifts or {}).get(r.step), r.folded) for r in results],
         schedule=schedule, runtime=runtime, reducible=bool(analysis.reducible), exact=exact,
         notes=notes, levels=levels, check=check)
 
@@ -155,12 +173,20 @@ def _layer_report(rl, program, analysis, results, schedule, runtime, exact, note
 KEPT_AS_WRITTEN = "kept as written (recurrent)"
 
 
-def _build_state(rl: RecognizedLayer, level: int, calibration, backend: str, strict: bool,
-                 device=None):
+def _build_state(rl: RecognizedLayer, level: int, context: PassContext | None, backend: str,
+                 strict: bool, device=None):
     """The converted layer's state, or ``None`` when the layer keeps the user's own code (a
     non-reducible loop with ``strict=False`` and no pass that changed its function: running
     the traced body recurrently would only be slower than the loop as written)."""
-    program, results, body = _prepare(rl, level, calibration)
+    prepared = _prepare(rl, level, context)
+    state, analysis, notes, exact = _lower(rl, prepared.program, prepared.body, prepared.results,
+                                           level, backend, strict, device)
+    return state, prepared, analysis, notes, exact
+
+
+def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, backend: str,
+           strict: bool, device=None):
+    """Analyse a rewritten program and choose its plan: ``(state, analysis, notes, exact)``."""
     analysis = analyze(program)
     notes = list(rl.notes)
     exact = all(r.exact for r in results)
@@ -171,7 +197,7 @@ def _build_state(rl: RecognizedLayer, level: int, calibration, backend: str, str
         if exact:
             notes.append(f"not reducible at level {level}: {KEPT_AS_WRITTEN}, the user's own "
                          "code runs (strict=False)")
-            return None, program, analysis, results, notes, exact
+            return None, analysis, notes, exact
         schedule = "recurrent"
         notes.append(f"not reducible at level {level}: kept the recurrent executor "
                      "(strict=False)")
@@ -181,7 +207,7 @@ def _build_state(rl: RecognizedLayer, level: int, calibration, backend: str, str
     interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict)
-    return state, program, analysis, results, notes, exact
+    return state, analysis, notes, exact
 
 
 _ZEROS = {torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
@@ -204,12 +230,6 @@ def _layer_inputs(rl: RecognizedLayer):
     return tuple(rl.candidate.args), dict(rl.candidate.kwargs)
 
 
-def _run_layer(module, args, kwargs):
-    with torch.no_grad():
-        out = module(*args, **kwargs)
-    return out if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)[0]
-
-
 def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, exact: bool,
            state) -> dict:
     """Compare the converted layer with the original's output ``ref`` on the example inputs.
@@ -220,7 +240,7 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
     at the dtype's tolerance here, and the plan against that executor by ``_check_plan``.
     """
     args, kwargs = _layer_inputs(rl)
-    got = _run_layer(converted, args, kwargs)
+    got = run_module(converted, args, kwargs)
     result = {"inputs": f"example, shape {tuple(args[0].shape) if args else ()}",
               "rel_rms_error": rel_rms_error(got, ref)}
     if not exact:
@@ -231,7 +251,7 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
         loop = state.loop_for(state.layout.sizes(flat)[0])
         plan, loop.plan = loop.plan, recurrent_reference(loop.program)
         try:
-            err = rel_rms_error(_run_layer(converted, args, kwargs), ref)
+            err = rel_rms_error(run_module(converted, args, kwargs), ref)
         finally:
             loop.plan = plan
             state.runs.pop(loop.shape, None)      # not a run of the converted layer
@@ -251,7 +271,7 @@ def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
     seen = []
     handle = loop.register_forward_pre_hook(lambda _m, a: seen.append(a))
     try:
-        _run_layer(rl.candidate.module, args, kwargs)
+        run_module(rl.candidate.module, args, kwargs)
     finally:
         handle.remove()
     _given, states0, invariants = loop.plan_inputs(seen[0])
@@ -270,29 +290,6 @@ def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
     return result
 
 
-def _pass_drifts(rl, original, ref, level, calibration, backend, results,
-                 final_error: float, device) -> dict[int, dict]:
-    """The drift of every applied lossy pass: the layer's error after steps 1..k."""
-    args, kwargs = _layer_inputs(rl)
-    inputs = "calibration" if calibration is not None else "example"
-    drifts = {}
-    last = max((r.step for r in results if r.status == "applied" and not r.exact), default=0)
-    for k, r in enumerate(results, start=1):
-        if r.exact or r.status != "applied":
-            continue
-        if r.step == last:      # the converted layer itself: measured by the check
-            drifts[r.step] = {"rel_rms_error": final_error, "after_step": k, "inputs": inputs}
-            continue
-        probe = copy.deepcopy(original)
-        state, *_ = _build_state(rl, k, calibration, backend, strict=False, device=device)
-        if state is not None:
-            install(probe, state)
-        got = _run_layer(probe, args, kwargs)
-        drifts[r.step] = {"rel_rms_error": rel_rms_error(got, ref), "after_step": k,
-                          "inputs": inputs}
-    return drifts
-
-
 def _device(module: torch.nn.Module, rl: RecognizedLayer):
     for t in (*pytree.tree_leaves(_layer_inputs(rl)), *module.parameters()):
         if isinstance(t, torch.Tensor):
@@ -302,78 +299,191 @@ def _device(module: torch.nn.Module, rl: RecognizedLayer):
 
 # -- public API -----------------------------------------------------------------------------
 
-def _check_level(level) -> None:
-    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
-        raise ValueError(f"level must be an integer from 0 to {MAX_LEVEL} (the paper's steps "
-                         f"applied), got {level!r}")
-    if level > IMPLEMENTED_LEVEL:
-        raise LevelNotImplementedError(
-            f"level {level} needs the passes of steps {IMPLEMENTED_LEVEL + 1}..{level} "
-            "(collapse_mlp, absorb_lr, remove_momentum, remove_muon), which this version of "
-            f"ttt2la does not have yet; use level <= {IMPLEMENTED_LEVEL}")
+@dataclass
+class _Layer:
+    """One layer while it is converted: what was recognized, built and measured."""
+
+    rl: RecognizedLayer
+    original: torch.nn.Module           # the layer before conversion
+    device: object
+    calibration: LoopCalibration
+    prepared: Prepared
+    state: ConvertedState | None
+    analysis: object
+    notes: list[str]
+    exact: bool
+    backend: str
+    _at_step: dict = None
+
+    def state_at(self, step: int, unfolded: "Prepared | None" = None):
+        """The converted state after steps 1..``step`` (of the unfolded run, if given)."""
+        prepared = unfolded or self.prepared
+        key = (step, unfolded is not None)
+        self._at_step = self._at_step or {}
+        if key not in self._at_step:
+            if step not in prepared.steps:
+                programs, body = [prepared.program], prepared.body
+                if unfolded is None:
+                    self._at_step[key] = self.state
+                    return self.state
+            else:
+                programs = prepared.steps[step]
+                body = _template(self.rl, programs)
+            results = prepared.results[:step]
+            self._at_step[key] = _lower(self.rl, programs[0], body, results, step,
+                                        self.backend, False, self.device)[0]
+        return self._at_step[key]
+
+
+def _calibrations(target, layers, calibration, example_inputs, example_kwargs
+                  ) -> list[LoopCalibration]:
+    """Every layer's loop inputs on the calibration data (the example inputs when none)."""
+    out = []
+    for rl in layers:
+        if calibration is None:
+            args, kwargs, source = (*_layer_inputs(rl), "example")
+        else:
+            args, kwargs = layer_inputs(target, rl.candidate.module, _as_tuple(calibration),
+                                        example_kwargs)
+            source = "calibration"
+        out.append(LoopCalibration.capture(rl, args, kwargs, source))
+    return out
+
+
+def _convert_layer(rl, calibration: LoopCalibration, level: int, folds: dict | None,
+                   backend: str, strict: bool) -> _Layer:
+    module = rl.candidate.module
+    device = _device(module, rl)
+    replay = dict((folds or {}).get(rl.path, {}))
+    context = PassContext(calibration, replay)
+    state, prepared, analysis, notes, exact = _build_state(rl, level, context, backend, strict,
+                                                           device)
+    return _Layer(rl, copy.deepcopy(module), device, calibration, prepared, state, analysis,
+                  notes, exact, backend)
+
+
+def _step_drifts(layer: _Layer, level: int) -> dict[int, dict]:
+    """Drift after every applied lossy step, with and without its fold, on calibration data."""
+    cal = layer.calibration
+    args, kwargs = cal.layer_args, cal.layer_kwargs
+    ref = run_module(layer.original, args, kwargs)
+    results = layer.prepared.results
+    unfolded = None
+    if any(r.folded for r in results):
+        unfolded = _prepare(layer.rl, level, PassContext(cal, fold=False))
+    drifts = {}
+    for r in results:
+        if r.exact or r.status != "applied":
+            continue
+        d = {"rel_rms_error": layer_drift(layer.original, layer.state_at(r.step), args, kwargs,
+                                          ref)}
+        if unfolded is not None and any(x.folded for x in results[:r.step]):
+            d["unfolded_rel_rms_error"] = layer_drift(
+                layer.original, layer.state_at(r.step, unfolded), args, kwargs, ref)
+        d["inputs"] = cal.source
+        drifts[r.step] = d
+    return drifts
+
+
+def _loss_drifts(pristine, layers: list[_Layer], inputs: tuple, drifts: list[dict]) -> dict | None:
+    """For a language model: cross-entropy change after every lossy step (into ``drifts``) and
+    of the converted model (returned)."""
+    base = lm_loss(pristine, inputs)
+    if base is None:
+        return None
+    steps = sorted({s for d in drifts for s in d})
+    for step in steps:
+        states = {layer.rl.path: layer.state_at(min(step, len(layer.prepared.results)))
+                  for layer in layers}
+        change = lm_loss(model_with(pristine, states), inputs) - base
+        for d in drifts:
+            if step in d:
+                d[step]["loss_change"] = change
+    final = lm_loss(model_with(pristine, {layer.rl.path: layer.state for layer in layers}),
+                    inputs)
+    return {"original": base, "converted": final, "change": final - base}
 
 
 def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibration=None,
             backend: str = "auto", strict: bool = True, inplace: bool = False,
-            example_kwargs: dict | None = None) -> torch.nn.Module:
+            example_kwargs: dict | None = None, folds: dict | None = None) -> torch.nn.Module:
     """Rewrite every TTT loop of ``model`` by the paper's steps 1..``level`` and lower it.
 
     Returns a new module holding its own copy of the parameters under the original names (or
     ``model`` itself with ``inplace=True``); ``result.ttt2la_report`` says what was done.
     ``strict=True`` raises ``NonReducibleError`` when a loop is not reducible at ``level``;
     ``strict=False`` keeps such loops on the recurrent executor and says so in the report.
+    ``calibration`` (model inputs, like ``example_inputs``) is what lossy steps fold from and
+    measure their drift on; ``folds`` (``{layer path: {pass name: constants}}``, as a previous
+    report recorded them) replays folds without calibration data.
     """
-    _check_level(level)
+    check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
+    pristine = copy.deepcopy(model) if inplace else model
     target = model if inplace else copy.deepcopy(model)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
-    cal = calibration
-    built = []
-    for rl in layers:
-        module = rl.candidate.module
-        original = copy.deepcopy(module)
-        device = _device(module, rl)
-        state, program, analysis, results, layer_notes, exact = _build_state(
-            rl, level, cal, backend, strict, device)
-        built.append((rl, original, state, program, analysis, results, layer_notes, exact,
-                      device))
-    for rl, _o, state, *_ in built:
-        if state is not None:
-            install(rl.candidate.module, state)
-    layer_reports = []
-    for rl, original, state, program, analysis, results, layer_notes, exact, device in built:
-        ref = _run_layer(original, *_layer_inputs(rl))
-        check = _check(ref, rl.candidate.module, rl, exact, state)
-        if state is not None:
-            check["lowering"] = _check_plan(rl, state)
-        if exact and not check.get("ok", True):
-            raise ConversionError(
-                f"the converted {rl.path or 'model'} differs from the original by a relative "
-                f"RMS error of {check['rel_rms_error']:.2e} on the example inputs although every "
-                "applied pass is exact; this is a bug in ttt2la — please report it with the "
-                "model. Use strict=False at a lower level meanwhile.")
-        drifts = None if exact else _pass_drifts(rl, original, ref, level, cal, backend,
-                                                 results, check["rel_rms_error"], device)
-        if state is None:
-            schedule, runtime, runs, fallbacks = "recurrent", KEPT_AS_WRITTEN, {}, {}
-        else:
-            schedule, runtime = state.schedule, check["lowering"]["plan"]
-            runs, fallbacks = state.runs, state.fallbacks
-        report = _layer_report(rl, program, analysis, results, schedule, runtime, exact,
-                               layer_notes, check=check, drifts=drifts)
-        report.runs, report.fallbacks = runs, fallbacks       # live: filled as shapes run
-        layer_reports.append(report)
+    calibrations = _calibrations(target, layers, calibration, inputs, example_kwargs)
+    built = [_convert_layer(rl, cal, level, folds, backend, strict)
+             for rl, cal in zip(layers, calibrations)]
+    for layer in built:
+        if layer.state is not None:
+            install(layer.rl.candidate.module, layer.state)
+    reports, drifts = [], []
+    for layer in built:
+        check = _checked(layer)
+        drifts.append({} if layer.exact else _step_drifts(layer, level))
+        reports.append((layer, check))
+    loss = None
+    if any(drifts):
+        cal_inputs = _as_tuple(calibration) if calibration is not None else inputs
+        loss = _loss_drifts(pristine, built, cal_inputs, drifts)
+        if loss is not None:
+            loss["inputs"] = "calibration" if calibration is not None else "example"
+    layer_reports = [_finished_report(layer, check, d) for (layer, check), d in zip(reports, drifts)]
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
-                                            strict=strict, notes=notes)
+                                            strict=strict, notes=notes, loss=loss)
     return target
 
 
+def _checked(layer: _Layer) -> dict:
+    """The converted layer against the original on the example inputs, and its plan against the
+    rewritten loop; raises when an exact conversion does not match."""
+    rl, state = layer.rl, layer.state
+    ref = run_module(layer.original, *_layer_inputs(rl))
+    check = _check(ref, rl.candidate.module, rl, layer.exact, state)
+    if state is not None:
+        check["lowering"] = _check_plan(rl, state)
+    if layer.exact and not check.get("ok", True):
+        raise ConversionError(
+            f"the converted {rl.path or 'model'} differs from the original by a relative "
+            f"RMS error of {check['rel_rms_error']:.2e} on the example inputs although every "
+            "applied pass is exact; this is a bug in ttt2la — please report it with the "
+            "model. Use strict=False at a lower level meanwhile.")
+    return check
+
+
+def _finished_report(layer: _Layer, check: dict, drifts: dict) -> LayerReport:
+    state = layer.state
+    if state is None:
+        schedule, runtime, runs, fallbacks = "recurrent", KEPT_AS_WRITTEN, {}, {}
+    else:
+        schedule, runtime = state.schedule, check["lowering"]["plan"]
+        runs, fallbacks = state.runs, state.fallbacks
+    report = _layer_report(layer.rl, layer.prepared.program, layer.analysis,
+                           layer.prepared.results, schedule, runtime, layer.exact, layer.notes,
+                           check=check, drifts=drifts)
+    report.runs, report.fallbacks = runs, fallbacks       # live: filled as shapes run
+    return report
+
+
 def _level_verdict(rl: RecognizedLayer, level: int) -> str:
-    if level > IMPLEMENTED_LEVEL:
+    try:
+        check_level(level)
+    except LevelNotImplementedError:
         return "not implemented"
     try:
-        program, _results, _body = _prepare(rl, level, None)
+        program = _prepare(rl, level).program
     except ConversionError as e:
         return f"unsupported: {e}"
     analysis = analyze(program)

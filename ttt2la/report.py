@@ -36,7 +36,8 @@ class PassRecord:
     """One pass of the level's pipeline on one layer: what it did and whether the function is unchanged.
 
     ``status`` is ``applied``, ``already_satisfied`` (nothing to change, still exact) or
-    ``not_applicable``; ``drift`` holds what a lossy pass measured (e.g. ``rel_rms_error``).
+    ``not_applicable``; ``drift`` holds what a lossy pass measured (e.g. ``rel_rms_error``,
+    with and without its fold); ``folded`` the constants it folded into the remaining weights.
     """
 
     step: int
@@ -45,6 +46,7 @@ class PassRecord:
     exact: bool
     reason: str
     drift: dict | None = None
+    folded: dict | None = None
 
 
 @dataclass
@@ -123,11 +125,11 @@ class LayerReport:
             f"- reducible: {_yes_no(self.reducible)}; exact: {_yes_no(self.exact)}",
         ]
         if self.passes:
-            lines += ["", "| step | pass | status | exact | reason | drift |",
-                      "|---:|---|---|---|---|---|"]
+            lines += ["", "| step | pass | status | exact | reason | drift | folded |",
+                      "|---:|---|---|---|---|---|---|"]
             lines += [f"| {p.step} | `{p.name}` | {p.status} | {_yes_no(p.exact)} | "
-                      f"{_md_cell(p.reason)} | {_md_cell(_format_mapping(p.drift))} |"
-                      for p in self.passes]
+                      f"{_md_cell(p.reason)} | {_md_cell(_format_mapping(p.drift))} | "
+                      f"{_md_cell(_format_mapping(p.folded))} |" for p in self.passes]
         if self.states:
             lines += ["", "| state | role | update rule | dependence |", "|---|---|---|---|"]
             lines += [f"| `{s.name}` | {s.role} | `{_md_cell(s.update_rule)}` | "
@@ -159,12 +161,12 @@ class LayerReport:
         )
         parts: list[Any] = [Text(self.title, style="bold"), facts]
         if self.passes:
-            passes = Table("step", "pass", "status", "exact", "reason", "drift",
+            passes = Table("step", "pass", "status", "exact", "reason", "drift", "folded",
                            box=box.SIMPLE_HEAD, title="passes", title_justify="left")
             for p in self.passes:
                 passes.add_row(str(p.step), p.name, p.status,
                                Text(_yes_no(p.exact), style="green" if p.exact else "yellow"),
-                               p.reason, _format_mapping(p.drift))
+                               p.reason, _format_mapping(p.drift), _format_mapping(p.folded))
             parts.append(passes)
         if self.states:
             states = Table("state", "role", "update rule", "dependence",
@@ -197,6 +199,8 @@ class ConversionReport:
     backend: str
     strict: bool
     notes: list[str] = field(default_factory=list)
+    #: for a language model: next-token cross-entropy of the original and the converted model
+    loss: dict | None = None
 
     kind = "conversion"
 
@@ -209,8 +213,21 @@ class ConversionReport:
     def summary(self) -> str:
         """One line in the tone of a dry-run report: how many layers converted exactly, and how."""
         n, n_exact = len(self.layers), sum(layer.exact for layer in self.layers)
-        line = (f"{n_exact} of {n} TTT layer{'s' if n != 1 else ''} converted exactly "
-                f"at level {self.level} (backend {self.backend}, strict={self.strict})")
+        layers = f"{n} TTT layer{'s' if n != 1 else ''}"
+        if n_exact == n:
+            line = f"{layers} converted exactly at level {self.level}"
+        else:
+            steps = sorted({p.step for layer in self.layers for p in layer.passes
+                            if p.status == "applied" and not p.exact})
+            which = (f"step {steps[0]} changes" if len(steps) == 1 else
+                     f"steps {', '.join(map(str, steps))} change")
+            exact = f"{n_exact} exactly, {n - n_exact} " if n_exact else ""
+            line = (f"{layers} converted at level {self.level}: {exact}lossy by design "
+                    f"({which} the function)")
+            if self.loss and self.loss.get("change") is not None:
+                line += (f", loss {self.loss['change']:+.3g} nats on the "
+                         f"{self.loss.get('inputs', 'calibration')} inputs")
+        line += f" (backend {self.backend}, strict={self.strict})"
         schedules = _count(layer.schedule for layer in self.layers)
         return line + (f"; schedules: {schedules}" if schedules else "")
 
@@ -218,7 +235,8 @@ class ConversionReport:
         """A JSON-serialisable dict with a ``version`` field (see ``SCHEMA_VERSION``)."""
         return {"version": SCHEMA_VERSION, "kind": self.kind, "level": self.level,
                 "backend": self.backend, "strict": self.strict, "exact": self.exact,
-                "notes": list(self.notes), "layers": [layer.to_dict() for layer in self.layers]}
+                "notes": list(self.notes), "loss": self.loss,
+                "layers": [layer.to_dict() for layer in self.layers]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ConversionReport":
@@ -226,7 +244,7 @@ class ConversionReport:
         _check_header(d, cls.kind)
         try:
             return cls(level=int(d["level"]), backend=d["backend"], strict=bool(d["strict"]),
-                       notes=list(d.get("notes", [])),
+                       notes=list(d.get("notes", [])), loss=d.get("loss"),
                        layers=[LayerReport.from_dict(layer) for layer in d["layers"]])
         except KeyError as e:
             raise ReportFormatError(f"the conversion report has no {e} field; re-create it "
@@ -356,11 +374,23 @@ def _format_mapping(m: dict | None) -> str:
 
 
 def _format_value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        flat = list(_flatten(v))
+        shown = ", ".join(_format_value(x) for x in flat[:4])
+        return f"[{shown}{', …' if len(flat) > 4 else ''}]"
     if isinstance(v, float) and math.isfinite(v) and v != 0 and not 1e-3 <= abs(v) < 1e4:
         return f"{v:.3e}"
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def _flatten(v):
+    for x in v:
+        if isinstance(x, (list, tuple)):
+            yield from _flatten(x)
+        else:
+            yield x
 
 
 def _md_cell(s: str) -> str:

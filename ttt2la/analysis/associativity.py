@@ -66,6 +66,7 @@ class Blocker:
     message: str
     remedy: str
     schedule: str                   # the most parallel schedule this blocker allows
+    kind: str = ""                  # "theta_update", "state_norm" ...: what a pass may remove
 
 
 @dataclass
@@ -158,15 +159,31 @@ def _recurrent_blocker(program: TTTProgram, dep: Dependence, t: int,
                f"depends nonlinearly on {through} through {_where(d.culprit)}, so its chunk "
                f"updates do not compose associatively.")
     roles = {program.states[i].role for i in members}
-    if "theta" in roles:
-        remedy = ("Apply freeze_theta (level >= 1) so the kernel weights Θ stop being updated, "
-                  "or keep the recurrent schedule (strict=False).")
-    elif _is_norm(d.culprit):
-        remedy = "Apply drop_norm (level >= 2) to remove the state normalisation."
-    else:
-        remedy = ("Keep the recurrent schedule (strict=False); ttt2la cannot parallelise this "
-                  "update.")
-    return Blocker(t, d.culprit, message, remedy, "recurrent")
+    kind = "theta_update" if "theta" in roles else "state_norm" if _is_norm(d.culprit) else ""
+    return Blocker(t, d.culprit, message, _remedy(kind, "recurrent"), "recurrent", kind)
+
+
+_WHAT_IT_DOES = {"theta_update": "so the kernel weights Θ stop being updated",
+                 "state_norm": "to remove the state normalisation"}
+
+
+def _remedy(kind: str, schedule: str) -> str:
+    """What helps, from the pass registry: the pass that removes ``kind``, or the fallback."""
+    from ..passes.base import remedy_for
+
+    fix = remedy_for(kind) if kind else None
+    if fix is None:
+        if schedule == "semi-parallel":
+            return "Use the semi-parallel schedule; no pass removes this dependence."
+        return ("Keep the recurrent schedule (strict=False); ttt2la cannot parallelise this "
+                "update.")
+    fix = fix[0].upper() + fix[1:]
+    if schedule != "recurrent":
+        return f"{fix} to make it fully parallel."
+    text = f"{fix} {_WHAT_IT_DOES.get(kind, 'to remove it')}"
+    if kind == "theta_update":
+        text += ", or keep the recurrent schedule (strict=False)"
+    return text + "."
 
 
 def _sequential_blocker(program: TTTProgram, dep: Dependence, t: int,
@@ -177,9 +194,8 @@ def _sequential_blocker(program: TTTProgram, dep: Dependence, t: int,
     through = f" through {_where(d.culprit)}" if d.culprit is not None else ""
     message = (f"{role_phrase(program, t)} {kind}{through}; only a sequential pass over its "
                f"chunks is exact.")
-    remedy = ("Apply drop_norm (level >= 2) to make it fully parallel." if local else
-              "Use the semi-parallel schedule; no pass removes this dependence.")
-    return Blocker(t, d.culprit, message, remedy, "semi-parallel")
+    kind = "state_norm" if local else ""
+    return Blocker(t, d.culprit, message, _remedy(kind, "semi-parallel"), "semi-parallel", kind)
 
 
 def analyze(program: TTTProgram, dependence: Dependence | None = None) -> Analysis:

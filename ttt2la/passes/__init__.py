@@ -1,9 +1,15 @@
-"""The paper's simplification steps as passes over a ``TTTProgram`` (``run_level`` applies 1..k)."""
-from .base import (MAX_LEVEL, Pass, PassResult, PendingPass, get_pass, passes_for_level,
-                   register, remove_dead_states, run_level)
+"""The paper's simplification steps as passes over a ``TTTProgram`` (``run_level`` applies 1..k).
+
+Importing this package registers every pass; ``base`` holds the registry, the only place that
+knows which step each pass is and so which levels exist.
+"""
+from .base import (MAX_LEVEL, Pass, PassContext, PassResult, PendingPass, Snapshot, check_level,
+                   get_pass, implemented_level, passes_for_level, register, remedy_for,
+                   remove_dead_states, run_level, run_passes)
 from .drop_norm import DropNorm, drop_norm
 from .freeze_theta import FreezeTheta, freeze_theta
 
-__all__ = ["MAX_LEVEL", "Pass", "PassResult", "PendingPass", "get_pass", "passes_for_level",
-           "register", "remove_dead_states", "run_level", "DropNorm", "drop_norm",
+__all__ = ["MAX_LEVEL", "Pass", "PassContext", "PassResult", "PendingPass", "Snapshot",
+           "check_level", "get_pass", "implemented_level", "passes_for_level", "register",
+           "remedy_for", "remove_dead_states", "run_level", "run_passes", "DropNorm", "drop_norm",
            "FreezeTheta", "freeze_theta"]

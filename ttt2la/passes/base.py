@@ -3,12 +3,20 @@
 A pass rewrites a ``TTTProgram`` in place and reports one of three outcomes: ``applied``,
 ``already_satisfied`` (nothing to change, so still exact) or ``not_applicable`` (the program has
 nothing the pass is about). ``exact`` is declared per pass (does it preserve the function?) and a
-result is exact unless the pass changed something it cannot preserve. ``run_level`` applies
-steps 1..level of the paper in order on a clone.
+result is exact unless the pass changed something it cannot preserve.
+
+The registry is the only place that knows the levels: level k applies the passes registered for
+steps 1..k, a step with no pass yet makes its level (and every higher one) unavailable, and each
+pass names the associativity blocker it removes, so the checker's remedies come from here too.
+
+Lossy passes fold what they remove into the remaining weights from calibration data
+(``PassContext.calibration``) and record the folded constants in ``PassContext.folds``; a context
+whose ``folds`` already hold a pass's constants replays them instead (the three traced programs
+of a layer, or a conversion replayed from a checkpoint's manifest, get identical constants).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch.fx
@@ -29,6 +37,24 @@ class PassResult:
     status: PassStatus
     exact: bool
     reason: str
+    folded: dict | None = None          # constants a lossy pass folded (JSON-able), if any
+
+
+@dataclass
+class PassContext:
+    """What passes share during one conversion: calibration data and the folded constants.
+
+    ``fold=False`` makes lossy passes remove without folding (the "unfolded" drift baseline).
+    ``folds`` maps a pass name to the constants it folded (JSON-able); a pass finding its
+    entry there replays it instead of measuring calibration data again.
+    """
+
+    calibration: Any = None              # ``ttt2la.calibration.LoopCalibration`` or None
+    folds: dict[str, dict] = field(default_factory=dict)
+    fold: bool = True
+
+    def replay(self, name: str) -> dict | None:
+        return self.folds.get(name)
 
 
 class Pass:
@@ -42,6 +68,7 @@ class Pass:
     step: int = 0
     exact: bool = True
     implemented: bool = True
+    removes: str | None = None        # the associativity blocker it removes (``Blocker.kind``)
 
     def requires(self, program: TTTProgram) -> None:
         """Raise when ``program`` is not something this pass can run on."""
@@ -49,20 +76,21 @@ class Pass:
     def ensures(self, program: TTTProgram) -> None:
         """Raise when the pass left ``program`` without the property it promises."""
 
-    def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
-        """Rewrite ``program`` in place (``calibration``: data a lossy pass may fold or measure)."""
+    def run(self, program: TTTProgram, context: PassContext) -> PassResult:
+        """Rewrite ``program`` in place (``context``: calibration data and folded constants)."""
         raise NotImplementedError
 
-    def __call__(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+    def __call__(self, program: TTTProgram, context: PassContext | None = None) -> PassResult:
+        context = context if isinstance(context, PassContext) else PassContext(context)
         self.requires(program)
-        result = self.run(program, calibration)
+        result = self.run(program, context)
         self.ensures(program)
         return result
 
-    def result(self, status: PassStatus, reason: str) -> PassResult:
+    def result(self, status: PassStatus, reason: str, folded: dict | None = None) -> PassResult:
         """A ``PassResult`` whose ``exact`` follows from the status and the declared ``exact``."""
         exact = self.exact if status == "applied" else True
-        return PassResult(self.name, self.step, status, exact, reason)
+        return PassResult(self.name, self.step, status, exact, reason, folded)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(step={self.step}, name={self.name!r}, exact={self.exact})"
@@ -76,7 +104,7 @@ class PendingPass(Pass):
     def __init__(self, step: int, name: str, exact: bool = False):
         self.step, self.name, self.exact = step, name, exact
 
-    def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+    def run(self, program: TTTProgram, context: PassContext) -> PassResult:
         """Always raises ``LevelNotImplementedError``."""
         raise LevelNotImplementedError(
             f"Step {self.step} ({self.name}) is not implemented yet, so levels >= {self.step} "
@@ -106,33 +134,79 @@ def get_pass(step: int) -> Pass:
     return _REGISTRY[step]
 
 
-def passes_for_level(level: int) -> list[Pass]:
-    """Steps 1..level in paper order; ``ValueError`` outside 0..6, ``LevelNotImplementedError``
-    when one of them is not written yet."""
+def implemented_level() -> int:
+    """The highest level whose steps all have a pass."""
+    level = 0
+    while level < MAX_LEVEL and get_pass(level + 1).implemented:
+        level += 1
+    return level
+
+
+def check_level(level) -> None:
+    """``ValueError`` outside 0..6, ``LevelNotImplementedError`` for a level with a missing step."""
     if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
-        raise ValueError(f"level must be an integer in 0..{MAX_LEVEL}, got {level!r}")
-    passes = [get_pass(step) for step in range(1, level + 1)]
-    missing = [p for p in passes if not p.implemented]
+        raise ValueError(f"level must be an integer from 0 to {MAX_LEVEL} (the paper's steps "
+                         f"applied), got {level!r}")
+    missing = [get_pass(step) for step in range(1, level + 1) if not get_pass(step).implemented]
     if missing:
-        p = missing[0]
+        names = ", ".join(p.name for p in missing)
+        top = implemented_level()
         raise LevelNotImplementedError(
-            f"Level {level} needs step {p.step} ({p.name}), which is not implemented yet; "
-            f"use level <= {p.step - 1}.")
-    return passes
+            f"Level {level} needs step {missing[0].step} ({names}), which this version of ttt2la "
+            f"does not implement yet; use level <= {top}.")
 
 
-def run_level(program: TTTProgram, level: int, calibration: Any = None
-              ) -> tuple[TTTProgram, list[PassResult]]:
-    """Apply steps 1..level to a clone of ``program``; returns the clone and one result per step.
+def passes_for_level(level: int) -> list[Pass]:
+    """Steps 1..level in paper order (``check_level`` says why a level cannot be had)."""
+    check_level(level)
+    return [get_pass(step) for step in range(1, level + 1)]
+
+
+def remedy_for(blocker: str) -> str | None:
+    """"Apply <pass> (level >= k)" for the pass that removes ``blocker``, or ``None``."""
+    for step in sorted(_REGISTRY):
+        p = _REGISTRY[step]
+        if p.removes == blocker:
+            return f"apply {p.name} (level >= {p.step})"
+    return None
+
+
+@dataclass
+class Snapshot:
+    """A program as it stood after one step, for measuring that step's drift."""
+
+    step: int
+    program: TTTProgram
+    results: list[PassResult]
+
+
+def run_passes(program: TTTProgram, level: int, context: PassContext | None = None,
+               snapshots: bool = False) -> tuple[TTTProgram, list[PassResult], list[Snapshot]]:
+    """Apply steps 1..level to a clone of ``program``: the result, one result per step, and (with
+    ``snapshots``) a clone after every step but the last (the result itself).
 
     Roles are inferred first when none were assigned (every state ``other``).
     """
     passes = passes_for_level(level)
+    context = context if isinstance(context, PassContext) else PassContext(context)
     program = program.clone()
     if program.states and all(s.role == "other" for s in program.states):
         from ..analysis.roles import assign_roles
         assign_roles(program)
-    results = [p(program, calibration) for p in passes]
+    results, taken = [], []
+    for p in passes[:-1] if passes else ():
+        results.append(p(program, context))
+        if snapshots:
+            taken.append(Snapshot(p.step, program.clone(), list(results)))
+    if passes:
+        results.append(passes[-1](program, context))
+    return program, results, taken
+
+
+def run_level(program: TTTProgram, level: int, context: PassContext | Any = None
+              ) -> tuple[TTTProgram, list[PassResult]]:
+    """Apply steps 1..level to a clone of ``program``; returns the clone and one result per step."""
+    program, results, _ = run_passes(program, level, context)
     return program, results
 
 
@@ -181,5 +255,6 @@ def remove_dead_states(program: TTTProgram) -> list[str]:
     return names
 
 
-__all__ = ["Pass", "PassResult", "PassStatus", "PendingPass", "register", "get_pass",
-           "passes_for_level", "run_level", "remove_dead_states", "MAX_LEVEL"]
+__all__ = ["Pass", "PassResult", "PassStatus", "PassContext", "PendingPass", "Snapshot",
+           "register", "get_pass", "implemented_level", "check_level", "passes_for_level",
+           "remedy_for", "run_passes", "run_level", "remove_dead_states", "MAX_LEVEL"]

@@ -7,13 +7,11 @@ value instead, and everything that read the normalised state reads the new one. 
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..analysis.dependence import analyze_dependence
 from ..analysis.roles import peel_views
 from ..analysis.rules import match_norm
 from ..ir import TTTProgram, describe_node
-from .base import Pass, PassResult, register
+from .base import Pass, PassContext, PassResult, register
 
 
 def state_norms(program: TTTProgram):
@@ -34,8 +32,9 @@ class DropNorm(Pass):
     name = "drop_norm"
     step = 2
     exact = False
+    removes = "state_norm"
 
-    def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+    def run(self, program: TTTProgram, context: PassContext) -> PassResult:
         """Replace every normalisation that ends a state update by its input."""
         norms = state_norms(program)
         if not norms:

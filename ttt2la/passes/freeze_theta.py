@@ -7,11 +7,9 @@ computes something else once Θ is frozen.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ..analysis.roles import kernel_parameters
 from ..ir import TTTProgram, node_src
-from .base import Pass, PassResult, register, remove_dead_states
+from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
 
 def updated_theta(program: TTTProgram) -> list[int]:
@@ -26,8 +24,9 @@ class FreezeTheta(Pass):
     name = "freeze_theta"
     step = 1
     exact = False
+    removes = "theta_update"
 
-    def run(self, program: TTTProgram, calibration: Any = None) -> PassResult:
+    def run(self, program: TTTProgram, context: PassContext) -> PassResult:
         """Make every updated Θ state's state-out its state-in and drop the states that die."""
         thetas = updated_theta(program)
         if not thetas:
