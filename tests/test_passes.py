@@ -12,8 +12,9 @@ from ttt2la.analysis import analyze
 from ttt2la.errors import ConversionError, LevelNotImplementedError
 from ttt2la.frontend.build import program_from_body
 from ttt2la.lowering import execute
-from ttt2la.passes import (Pass, PassResult, drop_norm, freeze_theta, get_pass, register,
-                           remove_dead_states, run_level)
+from ttt2la.passes import (DropNorm, Pass, PassResult, PendingPass, drop_norm, freeze_theta,
+                           get_pass, implemented_level, register, remedy_for, remove_dead_states,
+                           run_level)
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from references import ref_ns3
 
@@ -284,12 +285,41 @@ def test_remove_dead_states():
 
 # -- levels and the registry -----------------------------------------------------------------------
 
+@pytest.fixture
+def pending_step_3():
+    """The registry with step 3 pending (as before its pass existed), restored afterwards."""
+    written = get_pass(3)
+    register(PendingPass(3, "collapse_mlp"))
+    try:
+        yield
+    finally:
+        register(written)
+
+
 @pytest.mark.parametrize("level", [3, 4, 5, 6])
-def test_levels_beyond_two_are_not_implemented(level):
+def test_a_level_with_a_pending_step_is_refused_naming_it(pending_step_3, level):
     with pytest.raises(LevelNotImplementedError, match="collapse_mlp") as info:
         run_level(lact_program(), level)
     assert isinstance(info.value, ConversionError)
     assert "level <= 2" in str(info.value)
+    assert implemented_level() == 2
+
+
+def test_remedies_come_from_the_registry():
+    assert remedy_for("theta_update") == "apply freeze_theta (level >= 1)"
+    assert remedy_for("state_norm") == "apply drop_norm (level >= 2)"
+    assert remedy_for("no such blocker") is None
+    written = get_pass(2)
+
+    class Renamed(DropNorm):
+        name = "renamed_norm_pass"
+    try:
+        register(Renamed())
+        assert remedy_for("state_norm") == "apply renamed_norm_pass (level >= 2)"
+        analysis = analyze(run_level(lact_program(), 1)[0])
+        assert any("renamed_norm_pass (level >= 2)" in b.remedy for b in analysis.blockers)
+    finally:
+        register(written)
 
 
 @pytest.mark.parametrize("level", [7, -1, 2.0, True, "1"])
@@ -301,20 +331,20 @@ def test_invalid_levels(level):
 def test_registry_order_and_registration():
     assert [get_pass(s).name for s in range(1, 7)] == [
         "freeze_theta", "drop_norm", "collapse_mlp", "absorb_lr", "remove_momentum", "remove_muon"]
-    assert get_pass(1).implemented and not get_pass(3).implemented
+    assert get_pass(1).implemented
 
     class Identity(Pass):
         name, step, exact = "collapse_mlp", 3, False
 
-        def run(self, program, calibration=None) -> PassResult:
+        def run(self, program, context=None) -> PassResult:
             return self.result("already_satisfied", "nothing to collapse")
-    pending = get_pass(3)
+    written = get_pass(3)
     try:
         register(Identity())
         _, results = run_level(lact_program(), 3)
         assert [r.status for r in results] == ["applied", "applied", "already_satisfied"]
         assert results[2].exact
     finally:
-        register(pending)
+        register(written)
     with pytest.raises(ValueError):
         register(type("Bad", (Pass,), {"step": 9})())

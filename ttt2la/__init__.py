@@ -3,14 +3,16 @@
     converted = ttt2la.convert(model, level=2, example_inputs=(x,))
     print(converted.ttt2la_report)
     ttt2la.inspect(model, example_inputs=(x,))
+    print(ttt2la.sweep(model, calibration=(x,)).to_markdown())
 """
 from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
                      PlanFallbackError, UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
+from .sweep import SweepReport, sweep
 
 __version__ = "0.1.0"
 
 __all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
-           "InspectionReport", "__version__"]
+           "InspectionReport", "SweepReport", "sweep", "__version__"]

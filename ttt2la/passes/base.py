@@ -150,10 +150,11 @@ def check_level(level) -> None:
     missing = [get_pass(step) for step in range(1, level + 1) if not get_pass(step).implemented]
     if missing:
         names = ", ".join(p.name for p in missing)
-        top = implemented_level()
+        steps = ", ".join(str(p.step) for p in missing)
         raise LevelNotImplementedError(
-            f"Level {level} needs step {missing[0].step} ({names}), which this version of ttt2la "
-            f"does not implement yet; use level <= {top}.")
+            f"Level {level} needs step{'s' if len(missing) > 1 else ''} {steps} ({names}), "
+            f"which this version of ttt2la does not implement yet; use level <= "
+            f"{implemented_level()}.")
 
 
 def passes_for_level(level: int) -> list[Pass]:

@@ -1,0 +1,237 @@
+"""``ttt2la.sweep``: the paper's Table 2 for the user's own model — every level, side by side.
+
+Converts the model at every level (the layers are traced once; each level only reruns the
+passes and the lowering), and tabulates per level: exact or not, the drift of the converted TTT
+layers on the calibration data (with and without folds) and, for a language model, the change in
+cross-entropy, the schedule and runtime op, what was folded, and the tokens/s of the converted
+TTT layers, all timed interleaved in one run. Renders as rich, Markdown or JSON, and plots drift
+and throughput against level (PNG, matplotlib).
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .calibration import layer_inputs
+from .errors import ConversionError, LevelNotImplementedError
+from .passes import MAX_LEVEL, check_level
+from .timing import time_side_by_side
+
+SWEEP_VERSION = 1
+
+
+@dataclass
+class SweepRow:
+    """One level of the sweep (``level`` None: the original model)."""
+
+    level: int | None
+    exact: bool
+    drift: float | None                    # worst layer's relative RMS output error
+    unfolded_drift: float | None           # the same without the lossy passes' folds
+    loss_change: float | None              # nats, for a language model
+    schedule: str
+    runtime: str
+    folded: list[str] = field(default_factory=list)
+    tokens_per_s: float | None = None
+    spread: str = ""
+    error: str = ""                         # why the level could not be converted
+
+    @property
+    def label(self) -> str:
+        return "original" if self.level is None else f"level {self.level}"
+
+
+@dataclass
+class SweepReport:
+    """The sweep's table: one row for the original model, one per level."""
+
+    rows: list[SweepRow]
+    inputs: str                             # what drift and loss were measured on
+    tokens: int                             # tokens per timed call
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"version": SWEEP_VERSION, "kind": "sweep", "inputs": self.inputs,
+                "tokens": self.tokens, "notes": list(self.notes),
+                "rows": [asdict(r) for r in self.rows]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def _cells(self, r: SweepRow) -> list[str]:
+        if r.error:
+            return [r.label, "-", "-", "-", "-", "-", r.error, "-", "-"]
+        return [r.label, "yes" if r.exact else "no", _num(r.drift), _num(r.unfolded_drift),
+                _signed(r.loss_change), r.schedule, r.runtime,
+                "; ".join(r.folded) or "-",
+                "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f} ({r.spread})"]
+
+    HEADER = ("level", "exact", "drift", "drift unfolded", "loss change (nats)", "schedule",
+              "runtime", "folded", "TTT tokens/s")
+
+    def to_markdown(self) -> str:
+        lines = ["# ttt2la sweep", "",
+                 f"Drift and loss measured on the {self.inputs} inputs; throughput of the TTT "
+                 f"layers alone, {self.tokens} tokens per call, interleaved medians.", "",
+                 "| " + " | ".join(self.HEADER) + " |", "|" + "---|" * len(self.HEADER)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in self._cells(r)) + " |"
+                  for r in self.rows]
+        lines += [""] + [f"> {n}" for n in self.notes] if self.notes else []
+        return "\n".join(lines) + "\n"
+
+    def __rich__(self):
+        from rich import box
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(*self.HEADER, box=box.SIMPLE_HEAD,
+                      title=f"ttt2la sweep (drift on the {self.inputs} inputs)")
+        for r in self.rows:
+            table.add_row(*self._cells(r))
+        return Group(table, *[Text(f"note: {n}", style="italic") for n in self.notes])
+
+    def plot(self, path: str) -> None:
+        """Drift and TTT-layer throughput against level, as a PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.rows if r.level is not None and not r.error]
+        levels = [r.level for r in rows]
+        fig, left = plt.subplots(figsize=(6.4, 4.0))
+        left.plot(levels, [max(r.drift or 0.0, 1e-9) for r in rows], "o-", color="tab:red",
+                  label="drift (rel. RMS)")
+        left.set_yscale("log")
+        left.set_xlabel("level (paper steps applied)")
+        left.set_ylabel("output drift (relative RMS)", color="tab:red")
+        right = left.twinx()
+        right.plot(levels, [r.tokens_per_s or 0.0 for r in rows], "s--", color="tab:blue")
+        original = next((r for r in self.rows if r.level is None), None)
+        if original is not None and original.tokens_per_s:
+            right.axhline(original.tokens_per_s, color="tab:gray", linestyle=":",
+                          label="original")
+        right.set_ylabel("TTT-layer tokens/s", color="tab:blue")
+        left.set_xticks(levels)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.3g}"
+
+
+def _row(level: int, converted: torch.nn.Module) -> SweepRow:
+    report = converted.ttt2la_report
+    drift = unfolded = None
+    folded = []
+    for layer in report.layers:
+        lossy = [p for p in layer.passes if p.status == "applied" and not p.exact]
+        if lossy and lossy[-1].drift:
+            drift = max(drift or 0.0, lossy[-1].drift.get("rel_rms_error", 0.0))
+            u = lossy[-1].drift.get("unfolded_rel_rms_error")
+            unfolded = None if u is None else max(unfolded or 0.0, u)
+        for p in layer.passes:
+            if p.folded:
+                folded.append(f"{p.name}: {', '.join(sorted(p.folded))}")
+    exact = report.exact
+    return SweepRow(level, exact, 0.0 if exact else drift, unfolded,
+                    (report.loss or {}).get("change"),
+                    ", ".join(sorted({layer.schedule for layer in report.layers})),
+                    ", ".join(sorted({layer.runtime for layer in report.layers})),
+                    sorted(set(folded)))
+
+
+def _ttt_layers(model: torch.nn.Module, paths: list[str], inputs: dict) -> Callable:
+    """A callable running every TTT layer of ``model`` on its own recorded inputs."""
+    modules = [model.get_submodule(p) if p else model for p in paths]
+
+    def run(*_sync):            # the example tensor is passed only so CUDA work is synchronised
+        for p, m in zip(paths, modules):
+            args, kwargs = inputs[p]
+            m(*args, **kwargs)
+    return run
+
+
+def sweep(model: torch.nn.Module, calibration=None, *, example_inputs=None,
+          levels: Sequence[int] | None = None, backend: str = "auto", example_kwargs=None,
+          time_budget: float = 30.0, progress: Callable[[str], None] | None = None
+          ) -> SweepReport:
+    """Convert ``model`` at every level (0–6 by default) and tabulate what each step costs in
+    drift and buys in throughput (see the module docstring). ``model`` is not modified."""
+    from .conversion import convert
+
+    levels = list(range(MAX_LEVEL + 1)) if levels is None else list(levels)
+    for level in levels:
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+            raise ValueError(f"levels must be integers from 0 to {MAX_LEVEL}, got {level!r}")
+    say = progress or (lambda _msg: None)
+    rows, converted = [], {}
+    for level in levels:
+        say(f"converting at level {level}")
+        try:
+            check_level(level)
+            converted[level] = convert(model, level=level, example_inputs=example_inputs,
+                                       calibration=calibration, backend=backend, strict=False,
+                                       example_kwargs=example_kwargs)
+            rows.append(_row(level, converted[level]))
+        except LevelNotImplementedError as e:
+            rows.append(SweepRow(level, False, None, None, None, "-", "-",
+                                 error=f"not implemented ({str(e).split(';')[0]})"))
+        except ConversionError as e:
+            rows.append(SweepRow(level, False, None, None, None, "-", "-",
+                                 error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+    if not converted:
+        raise ConversionError("no level could be converted: " +
+                              "; ".join(f"{r.label}: {r.error}" for r in rows))
+    first = next(iter(converted.values())).ttt2la_report
+    source = "calibration" if calibration is not None else "example"
+    paths = [layer.module_path for layer in first.layers]
+    timed = _time_levels(model, converted, paths, example_inputs, example_kwargs, time_budget,
+                         say)
+    lm = any(r.loss_change is not None for r in rows)
+    original = SweepRow(None, True, 0.0, None, 0.0 if lm else None, "as written",
+                        "the user's code")
+    for row in [original, *rows]:
+        key = "original" if row.level is None else row.level
+        if key in timed:
+            row.tokens_per_s, row.spread = timed[key]
+    tokens = timed.get("tokens", 0)
+    return SweepReport([original, *rows], source, tokens)
+
+
+def _time_levels(model, converted: dict, paths: list[str], example_inputs, example_kwargs,
+                 budget: float, say) -> dict:
+    """Tokens/s of the TTT layers of the original and of every level, timed interleaved on the
+    layers' own inputs at the example inputs."""
+    from .conversion import _as_tuple, recognize
+
+    layers, inputs, _notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
+    recorded = {}
+    for rl in layers:
+        recorded[rl.path] = layer_inputs(model, rl.candidate.module, _as_tuple(inputs),
+                                         example_kwargs)
+    x = _as_tuple(inputs)[0]
+    tokens = int(x.shape[0] * x.shape[1]) if x.dim() >= 2 else int(x.numel())
+    original = copy.deepcopy(model)
+    runs = {"original": _ttt_layers(original, paths, recorded)}
+    runs.update({level: _ttt_layers(m, paths, recorded) for level, m in converted.items()})
+    say(f"timing {len(runs)} rows side by side")
+    timings = time_side_by_side(runs, (x,), units=tokens, max_seconds=budget, rounds=9)
+    out = {key: (t.rate, t.spread()) for key, t in timings.items()}
+    out["tokens"] = tokens
+    return out
+
+
+__all__ = ["sweep", "SweepReport", "SweepRow"]
