@@ -141,3 +141,16 @@ def test_sweep_tabulates_every_level(layer, example, calibration, tmp_path):
 def test_sweep_refuses_levels_outside_the_ladder(layer, example):
     with pytest.raises(ValueError, match="0 to 6"):
         ttt2la.sweep(layer, example_inputs=example, levels=[7])
+
+
+def test_sweep_command_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
+    from ttt2la.cli import main
+
+    path, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert main(["sweep", "--zoo", "per-token", "--length", "16", "--levels", "0", "2",
+                 "--format", "markdown", "--max-seconds", "1", "--json", str(path),
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| level 0 | yes |" in out and "| level 2 | yes |" in out
+    assert [r["level"] for r in json.loads(path.read_text())["rows"]] == [None, 0, 2]
+    assert png.exists()

@@ -376,6 +376,40 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Convert a bundled model at every level and print the paper's Table 2 for it."""
+    refused = _refuse_without_zoo(args, err, "sweeping a checkpoint file")
+    if refused:
+        return refused
+    import ttt2la
+
+    model = build_zoo_model(args.zoo, args.seed)
+    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
+    calibration = ZOO[args.zoo].example_inputs(args.calibration_batch, args.length,
+                                               args.seed + 1)
+    with err.status("sweeping") as status:
+        table = ttt2la.sweep(model, calibration, example_inputs=inputs, levels=args.levels,
+                             backend=args.backend, time_budget=args.max_seconds,
+                             progress=lambda msg: status.update(f"sweep: {msg}"))
+    if args.format == "markdown":
+        out.print(table.to_markdown(), markup=False, highlight=False)
+    elif args.format == "json":
+        out.print(table.to_json(), markup=False, highlight=False)
+    else:
+        out.print(table)
+    if args.json:
+        _write_text(args.json, table.to_json() + "\n", err)
+    if args.plot:
+        table.plot(args.plot)
+        _say(err, f"plot written to {args.plot}")
+    return 0
+
+
+def _write_text(path: str, text: str, console: Console) -> None:
+    Path(path).write_text(text)
+    _say(console, f"written to {path}")
+
+
 def _refuse_without_zoo(args: argparse.Namespace, err: Console, checkpoint_use: str) -> int:
     """The exit status when the command was not given a bundled model to work on, else 0."""
     if args.checkpoint:
@@ -472,6 +506,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=_seconds, default=30.0,
                    help="stop timing after this many seconds, once 3 rounds are done (30)")
     conversion_options(p, strict=False)
+
+    p = add("sweep", cmd_sweep, "convert a model at every level 0-6 and tabulate exactness, "
+                                "drift, schedule and TTT-layer throughput per level")
+    model_options(p)
+    p.add_argument("--levels", type=_level, nargs="+", default=None,
+                   help="levels to convert at (all, 0-6)")
+    p.add_argument("--calibration-batch", type=_positive, default=2,
+                   help="sequences of calibration data (drawn like the example inputs, another "
+                        "seed) (2)")
+    p.add_argument("--format", choices=("rich", "markdown", "json"), default="rich",
+                   help="how to print the table (rich)")
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also plot drift and throughput against level")
+    p.add_argument("--max-seconds", type=_seconds, default=30.0,
+                   help="time budget of the side-by-side timing (30)")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
+                   help="runtime backend (auto)")
     return parser
 
 
