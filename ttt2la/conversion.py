@@ -201,13 +201,23 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
         schedule = "recurrent"
         notes.append(f"not reducible at level {level}: kept the recurrent executor "
                      "(strict=False)")
-    used, zero_init = _loop_interface(rl)
+    used, zero_init = _program_indices(rl, program, *_loop_interface(rl))
     plan = plan_for(program, analysis, backend=backend, strict=strict, schedule=schedule,
                     used=used, zero_init=zero_init, device=device)
     interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict)
     return state, analysis, notes, exact
+
+
+def _program_indices(rl: RecognizedLayer, program: TTTProgram, *index_sets: set[int]
+                     ) -> list[set[int]]:
+    """Indices of the recognized loop's states, as indices of the rewritten program's states
+    (passes drop states — Θ, dead momentum — so positions shift; states are matched by name)."""
+    names = [s.name for s in rl.program.states]
+    position = {s.name: i for i, s in enumerate(program.states)}
+    return [{position[names[i]] for i in indices if names[i] in position}
+            for indices in index_sets]
 
 
 _ZEROS = {torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
