@@ -32,6 +32,8 @@ _PRODUCTS = {"bmm", "mm"}
 # views replayed from the product to the kernel's value (their other arguments are kept)
 _REPLAYED = {"view", "_unsafe_view", "reshape", "expand", "clone", "alias", "transpose",
              "permute", "t", "unsqueeze", "squeeze", "_to_copy", "contiguous"}
+_ACTIVATIONS = {"silu", "sigmoid", "tanh", "relu", "gelu", "elu", "softplus", "mish",
+                "leaky_relu", "hardtanh", "hardswish", "exp", "softmax", "_softmax"}
 _LINEAR_OPS = {"add", "sub", "rsub", "neg", "mul", "div", "bmm", "mm", "matmul", "slice",
                "select", "narrow", "cat", "stack"} | VIEW_OPS
 
@@ -53,6 +55,7 @@ class Kernel:
     sites: list[Site]            # the query path's first, then the key path's
     theta_pos: int               # 0: product = Θ·x, 1: product = x·Θ
     theta: list[torch.fx.Node]   # the placeholders φ reads besides the keys and queries
+    aliases: list = None         # (query-path Θ, key-path Θ) read as different placeholders
 
 
 
@@ -136,15 +139,17 @@ def _product(core, theta_dep: set, streamed: set, order: dict):
 
 
 def _signature(n, theta: set, theta_dep: set, memo: dict):
-    """The computation of ``n`` from Θ, with every Θ-free value a hole: two places compute the
-    same kernel exactly when their signatures are equal."""
+    """The computation of ``n`` from Θ, with every Θ-free value a hole and every Θ placeholder
+    known by its shape: two places compute the same kernel when their signatures are equal and
+    their Θ placeholders hold the same values (a Θ hoisted out of the loop is one placeholder per
+    place it is read; ``CollapseMLP`` compares them on calibration data)."""
     if not isinstance(n, torch.fx.Node):
         if isinstance(n, (list, tuple)):
             return tuple(_signature(a, theta, theta_dep, memo) for a in n)
         return repr(n)
     if n not in memo:
         if n in theta:
-            memo[n] = ("Θ", n.name)
+            memo[n] = ("Θ", node_shape(n))
         elif n not in theta_dep:
             memo[n] = "·"
         else:
@@ -171,7 +176,8 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
     order = {n: i for i, n in enumerate(program.body.graph.nodes)}
     streamed = streamed_nodes(program)
     theta = kernel_parameters(program)
-    theta_dep = _reached(program, set(theta))
+    params = kernel_candidates(program)
+    theta_dep = _reached(program, params)
     cores = list(dict.fromkeys(peel_views(f.phi) for f in finals))
     states = set(program.state_inputs())
     bends = [n for c in cores for n in nonlinear_ops(c, streamed, order)]
@@ -194,14 +200,51 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
             "it as one linear layer; convert at level <= 2.")
     product, pos, path = found
     memo: dict = {}
-    want = _signature(cores[0], set(theta), theta_dep, memo)
-    sites = []
+    want = _signature(cores[0], params, theta_dep, memo)
+    sites, leaves = [], []
     for n in program.body.graph.nodes:
-        if n in streamed and n in theta_dep and _signature(n, set(theta), theta_dep, memo) == want:
+        if n in streamed and n in theta_dep and _signature(n, params, theta_dep, memo) == want:
             chain = path if n is cores[0] else _follow(n, path)
             sites.append(Site(n, chain[-1], chain[-1].args[1 - pos], chain))
     sites.sort(key=lambda s: (s.core not in cores, order[s.core]))
-    return Kernel(sites, pos, theta), ""
+    leaves = [_leaves(s.core, params, theta_dep) for s in sites]
+    theta = list(dict.fromkeys(n for site_leaves in leaves for n in site_leaves))
+    aliases = [(a, b) for site_leaves in leaves[1:] for a, b in zip(leaves[0], site_leaves)
+               if a is not b]
+    return Kernel(sites, pos, theta, aliases), ""
+
+
+def kernel_candidates(program: TTTProgram) -> set[torch.fx.Node]:
+    """Placeholders φ may read as Θ: frozen kernel states and invariants other than the
+    sequences the streams are sliced from (a loop-invariant view of Θ hoisted out of the loop
+    is its own invariant, once per place it is read)."""
+    inv = program.invariant_inputs()
+    sources = {inv[s.source] for s in program.streams}
+    ins = program.state_inputs()
+    thetas = {ins[i] for i in program.states_with_role("theta")}
+    return {n for n in inv if n not in sources} | thetas
+
+
+def _leaves(core: torch.fx.Node, params: set, theta_dep: set) -> list[torch.fx.Node]:
+    """The Θ placeholders ``core`` reads, in argument order (the same order at every site)."""
+    out, stack = [], [core]
+    while stack:
+        n = stack.pop()
+        if n in params:
+            out.append(n)
+        elif n in theta_dep:
+            stack.extend(reversed([a for a in _flat_nodes(n.args)]))
+    return out
+
+
+def _flat_nodes(args) -> list[torch.fx.Node]:
+    found = []
+    for a in args:
+        if isinstance(a, torch.fx.Node):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(_flat_nodes(a))
+    return found
 
 
 # -- the fold --------------------------------------------------------------------------------
@@ -386,11 +429,13 @@ class CollapseMLP(Pass):
         if kernel is None:
             status, reason = why.split(": ", 1)
             return self.result(status, reason)
+        self._require_one_theta(program, kernel, context)
         folded, M, source = self._map(program, kernel, context)
         theta_names = [n.meta.get(NAME, n.name) for n in kernel.theta]
         rewrite(program, kernel, M)
         removed = remove_dead_states(program)
         self._require_theta_dead(program, kernel)
+        self._require_no_mlp_left(program, kernel)
         reason = (f"{_where(kernel)} became x·M, {_describe_map(M, folded, source)}; Θ "
                   f"({', '.join(theta_names)}) no longer read")
         if removed:
@@ -426,6 +471,38 @@ class CollapseMLP(Pass):
                     f" is still read by "
                     f"{where}: φ is computed there in a form that does not match the query path. "
                     "Convert at level <= 2.")
+
+    def _require_one_theta(self, program: TTTProgram, kernel: Kernel, context: PassContext) -> None:
+        """The key path's Θ, read as other placeholders than the query path's, must hold the same
+        values on the calibration data: the same kernel, hoisted once per place it is read."""
+        if not kernel.aliases or context.calibration is None:
+            return
+        for sample in context.calibration.samples:
+            for a, b in kernel.aliases:
+                va, vb = sample.get(a.meta.get(NAME)), sample.get(b.meta.get(NAME))
+                if va is None or vb is None:
+                    continue
+                if va.shape != vb.shape or not torch.equal(va, vb):
+                    raise UnsupportedTTTError(
+                        f"the kernel φ of {program.module_path or 'the model'} "
+                        f"({program.loop_src}) reads {a.meta.get(NAME)} on the query path where "
+                        f"the key path reads {b.meta.get(NAME)} with other values: the keys and "
+                        "queries go through different networks, which is not a TTT kernel "
+                        "collapse_mlp can write as one map; convert at level <= 2.")
+
+    def _require_no_mlp_left(self, program: TTTProgram, kernel: Kernel) -> None:
+        """No activation of a product of stream data with Θ may remain: that would be a kernel
+        the rewrite did not recognise, still running beside the collapsed one."""
+        params = kernel_candidates(program)
+        theta_dep, streamed = _reached(program, params), streamed_nodes(program)
+        for n in program.body.graph.nodes:
+            if n.op == "call_function" and op_name(n) in _ACTIVATIONS and n in theta_dep \
+                    and n in streamed:
+                raise UnsupportedTTTError(
+                    f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"
+                    f" ({program.loop_src}), but {describe_node(n)} still applies an activation "
+                    "to the keys or queries times kernel parameters: φ is computed there in a "
+                    "form that does not match the query path. Convert at level <= 2.")
 
     def ensures(self, program: TTTProgram) -> None:
         """Every kernel φ left is a fixed linear map of the keys and queries."""
