@@ -323,5 +323,6 @@ def test_inspect_reports_what_each_level_gives():
     assert {"final", "theta", "momentum"} <= roles
     assert found.levels[0].startswith("recurrent")
     assert found.levels[1] == "semi-parallel" and found.levels[2] == "parallel"
-    assert all(found.levels[k] == "not implemented" for k in range(3, 7))
+    assert found.levels[3] == "parallel"
+    assert all(found.levels[k] == "not implemented" for k in range(implemented_level() + 1, 7))
     assert "1 TTT layer found" in str(report)
