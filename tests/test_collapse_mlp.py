@@ -18,7 +18,7 @@ from ttt2la.frontend.build import program_from_body
 from ttt2la.lowering import execute
 from ttt2la.lowering.lift import lift
 from ttt2la.analysis import analyze
-from ttt2la.passes import PassContext, collapse_mlp, run_level
+from ttt2la.passes import PassContext, run_level
 from ttt2la.passes.collapse_mlp import MAP_ATTR
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer

@@ -12,6 +12,5 @@ from .freeze_theta import FreezeTheta, freeze_theta
 
 __all__ = ["MAX_LEVEL", "Pass", "PassContext", "PassResult", "PendingPass", "Snapshot",
            "check_level", "get_pass", "implemented_level", "passes_for_level", "register",
-           "remedy_for", "remove_dead_states", "run_level", "run_passes", "CollapseMLP", "collapse_mlp",
-           "DropNorm", "drop_norm",
-           "FreezeTheta", "freeze_theta"]
+           "remedy_for", "remove_dead_states", "run_level", "run_passes", "CollapseMLP",
+           "collapse_mlp", "DropNorm", "drop_norm", "FreezeTheta", "freeze_theta"]

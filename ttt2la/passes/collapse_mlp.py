@@ -464,11 +464,10 @@ class CollapseMLP(Pass):
         for node in kernel.theta:
             users = [u for u in node.users if u.op != "output"]
             if users:
-                where = describe_node(users[0])
+                where, name = describe_node(users[0]), node.meta.get(NAME, node.name)
                 raise UnsupportedTTTError(
                     f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"
-                    f" ({program.loop_src}), but the kernel parameter {node.meta.get(NAME, node.name)}"
-                    f" is still read by "
+                    f" ({program.loop_src}), but the kernel parameter {name} is still read by "
                     f"{where}: φ is computed there in a form that does not match the query path. "
                     "Convert at level <= 2.")
 
@@ -512,7 +511,8 @@ class CollapseMLP(Pass):
         for f in final_products(program):
             core = peel_views(f.phi)
             if nonlinear_ops(core, streamed, order) or states & ancestors(core):
-                raise AssertionError(f"collapse_mlp left a nonlinear kernel at {describe_node(core)}")
+                raise AssertionError(
+                    f"collapse_mlp left a nonlinear kernel at {describe_node(core)}")
 
 
 collapse_mlp = register(CollapseMLP())
