@@ -27,6 +27,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import ttt2la
+from ttt2la.passes import get_pass, implemented_level
 from ttt2la.testing import CRITERION_SAMPLES, TOLERANCE, no_worse_than_original, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, PerTokenTTTLayer, TinyLaCTLM
 
@@ -304,8 +305,9 @@ def test_errors_say_what_to_do():
     for bad in (-1, 7, 2.0, True):
         with pytest.raises(ValueError):
             ttt2la.convert(layer, level=bad, example_inputs=(torch.randn(1, 4, 8),))
-    for level in (3, 4, 5, 6):
-        with pytest.raises(ttt2la.LevelNotImplementedError, match="collapse_mlp"):
+    top = implemented_level()
+    for level in range(top + 1, 7):
+        with pytest.raises(ttt2la.LevelNotImplementedError, match=get_pass(top + 1).name):
             ttt2la.convert(layer, level=level, example_inputs=(torch.randn(1, 4, 8),))
 
 
@@ -321,5 +323,6 @@ def test_inspect_reports_what_each_level_gives():
     assert {"final", "theta", "momentum"} <= roles
     assert found.levels[0].startswith("recurrent")
     assert found.levels[1] == "semi-parallel" and found.levels[2] == "parallel"
-    assert all(found.levels[k] == "not implemented" for k in range(3, 7))
+    assert found.levels[3] == "parallel"
+    assert all(found.levels[k] == "not implemented" for k in range(implemented_level() + 1, 7))
     assert "1 TTT layer found" in str(report)

@@ -331,7 +331,7 @@ def test_invalid_levels(level):
 def test_registry_order_and_registration():
     assert [get_pass(s).name for s in range(1, 7)] == [
         "freeze_theta", "drop_norm", "collapse_mlp", "absorb_lr", "remove_momentum", "remove_muon"]
-    assert get_pass(1).implemented
+    assert get_pass(1).implemented and get_pass(3).implemented
 
     class Identity(Pass):
         name, step, exact = "collapse_mlp", 3, False

@@ -6,10 +6,11 @@ knows which step each pass is and so which levels exist.
 from .base import (MAX_LEVEL, Pass, PassContext, PassResult, PendingPass, Snapshot, check_level,
                    get_pass, implemented_level, passes_for_level, register, remedy_for,
                    remove_dead_states, run_level, run_passes)
+from .collapse_mlp import CollapseMLP, collapse_mlp
 from .drop_norm import DropNorm, drop_norm
 from .freeze_theta import FreezeTheta, freeze_theta
 
 __all__ = ["MAX_LEVEL", "Pass", "PassContext", "PassResult", "PendingPass", "Snapshot",
            "check_level", "get_pass", "implemented_level", "passes_for_level", "register",
-           "remedy_for", "remove_dead_states", "run_level", "run_passes", "DropNorm", "drop_norm",
-           "FreezeTheta", "freeze_theta"]
+           "remedy_for", "remove_dead_states", "run_level", "run_passes", "CollapseMLP",
+           "collapse_mlp", "DropNorm", "drop_norm", "FreezeTheta", "freeze_theta"]
