@@ -6,10 +6,14 @@ knows which step each pass is and so which levels exist.
 from .base import (MAX_LEVEL, Pass, PassContext, PassResult, PendingPass, Snapshot, check_level,
                    get_pass, implemented_level, passes_for_level, register, remedy_for,
                    remove_dead_states, run_level, run_passes)
+from .absorb_lr import AbsorbLr, absorb_lr
 from .drop_norm import DropNorm, drop_norm
 from .freeze_theta import FreezeTheta, freeze_theta
+from .remove_momentum import RemoveMomentum, remove_momentum
+from .remove_muon import RemoveMuon, remove_muon
 
 __all__ = ["MAX_LEVEL", "Pass", "PassContext", "PassResult", "PendingPass", "Snapshot",
            "check_level", "get_pass", "implemented_level", "passes_for_level", "register",
            "remedy_for", "remove_dead_states", "run_level", "run_passes", "DropNorm", "drop_norm",
-           "FreezeTheta", "freeze_theta"]
+           "FreezeTheta", "freeze_theta", "AbsorbLr", "absorb_lr", "RemoveMomentum",
+           "remove_momentum", "RemoveMuon", "remove_muon"]
