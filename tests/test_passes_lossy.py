@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ttt2la
+from ttt2la.zoo import lact_layer
 from ttt2la.analysis import analyze
 from ttt2la.calibration import LoopCalibration
 from ttt2la.frontend.build import program_from_body
@@ -371,3 +372,124 @@ def test_remove_muon_removes_a_gradient_normalisation():
     assert result.folded["W"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
     assert analyze(program).rules["W"].startswith("W' = W + ")
     assert "Norm" not in analyze(program).rules["W"]
+
+
+# -- convert at levels 4–6 -------------------------------------------------------------------------
+
+L_E2E = 17                               # four updating chunks of 4 tokens, one token read only
+
+
+def _fold_heads(t, heads):
+    b, n, _ = t.shape
+    return t.reshape(b, n, heads, -1).transpose(1, 2).reshape(b * heads, n, -1)
+
+
+def folded_level6_reference(layer, x, eta, c, s):
+    """LaCT (folded style) reduced to level 6, by hand: w0, w2 frozen, no weight norm, and
+    ``w1 += η·c·s · v φ(k)ᵀ`` per updating chunk — block-causal linear attention."""
+    Bx, L, dm = x.shape
+    Hx = layer.num_heads
+    q, k, v = (layer.qkv(x)).chunk(3, dim=-1)
+    q = _fold_heads(silu(q), Hx)
+    k = _fold_heads(silu(k), Hx)
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    v = _fold_heads(v, Hx)
+    w0, w1, w2 = (w.repeat(Bx, 1, 1) for w in (layer.w0, layer.w1, layer.w2))
+    outs = []
+    starts = list(range(0, L, layer.chunk_size))
+    for j, a in enumerate(starts):
+        e = a + layer.chunk_size
+        qc, kc, vc = q[:, a:e].transpose(1, 2), k[:, a:e].transpose(1, 2), v[:, a:e].transpose(1, 2)
+        outs.append(w1 @ (silu(w0 @ qc) * (w2 @ qc)))                 # [b, d, c]
+        if j < len(starts) - 1:
+            hk = silu(w0 @ kc) * (w2 @ kc)
+            w1 = w1 + (eta * c * s) * (vc @ hk.transpose(1, 2))
+    o = torch.cat(outs, dim=2).transpose(1, 2)                        # [b, L, d]
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.o_norm_weight
+    o = o.reshape(Bx, Hx, L, -1).transpose(1, 2).reshape(Bx, L, dm)
+    return layer.o_proj(o)
+
+
+@pytest.fixture(scope="module")
+def level6():
+    torch.manual_seed(3)
+    layer = lact_layer("folded", d_model=8, num_heads=2, chunk_size=4,
+                                  momentum=True, muon=True, base_lr=0.3)
+    x = torch.randn(2, L_E2E, 8)
+    calibration = torch.randn(3, L_E2E, 8)
+    return layer, x, calibration, ttt2la.convert(layer, level=6, example_inputs=(x,),
+                                                 calibration=(calibration,))
+
+
+def test_convert_level6_is_block_linear_attention_from_the_folded_weights(level6):
+    layer, x, _calibration, converted = level6
+    report = converted.ttt2la_report.layers[0]
+    assert [(p.name, p.status) for p in report.passes[3:]] == [
+        ("absorb_lr", "applied"), ("remove_momentum", "applied"), ("remove_muon", "applied")]
+    assert report.runtime.startswith("block_linear_attention")
+    assert not report.exact
+    folds = {p.name: p.folded for p in report.passes if p.folded}
+    eta, c, s = folds["absorb_lr"]["lr1"], folds["remove_momentum"]["dw1"], \
+        folds["remove_muon"]["w1"]
+    for step in (4, 5, 6):
+        drift = report.passes[step - 1].drift
+        assert drift["inputs"] == "calibration"
+        assert drift["rel_rms_error"] > 0 and drift["unfolded_rel_rms_error"] > 0
+    x = x.clone().requires_grad_(True)
+    got = converted(x)
+    ref = folded_level6_reference(layer, x, eta, c, s)
+    assert rel_rms_error(got, ref) <= FP32
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    params = [p for _, p in converted.named_parameters()]
+    g_got = torch.autograd.grad((got * weight).sum(), [x, *params], allow_unused=True)
+    g_ref = torch.autograd.grad((ref * weight).sum(), [x, *layer.parameters()],
+                                allow_unused=True)
+    for a, b in zip(g_got, g_ref):
+        if a is None or b is None:
+            assert (a is None or not a.any()) and (b is None or not b.any())
+        else:
+            assert rel_rms_error(a, b) <= FP32
+
+
+def test_convert_level4_replays_recorded_folds_without_measuring(level6):
+    layer, x, calibration, converted = level6
+    report = converted.ttt2la_report.layers[0]
+    recorded = {p.name: p.folded for p in report.passes if p.folded}
+    other = torch.randn(2, L_E2E, 8)                                  # other calibration data
+    replayed = ttt2la.convert(layer, level=4, example_inputs=(x,), calibration=(other,),
+                              folds={report.module_path: recorded})
+    (r4,) = [p for p in replayed.ttt2la_report.layers[0].passes if p.step == 4]
+    assert r4.status == "applied" and "replayed" in r4.reason
+    assert r4.folded == recorded["absorb_lr"]
+
+
+def test_convert_level5_heads_without_momentum():
+    """Heads on their own axis: one learning rate per head; no momentum to remove."""
+    torch.manual_seed(4)
+    layer = lact_layer("heads", d_model=8, num_heads=2, chunk_size=4,
+                                  momentum=False, muon=False, base_lr=0.3)
+    x = torch.randn(2, L_E2E, 8)
+    converted = ttt2la.convert(layer, level=5, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    r4, r5 = report.passes[3:]
+    assert (r4.status, r5.status, r5.exact) == ("applied", "already_satisfied", True)
+    assert report.runtime.startswith("block_linear_attention")
+    eta = torch.tensor(r4.folded["lr1"])
+    assert eta.shape == (1, 2, 1, 1)
+    # by hand: variant-2 LaCT (heads style) with the constant per-head lr
+    Bx, L = x.shape[:2]
+    q, k, v = layer.qkv(x).view(Bx, L, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    q = F.normalize(silu(q), dim=-1)
+    k = F.normalize(silu(k), dim=-1)
+    W0, W1, W2 = (w.mT.expand(Bx, 2, -1, -1) for w in (layer.w0, layer.w1, layer.w2))
+    ys = []
+    for j, a in enumerate(range(0, L, 4)):
+        qc, kc, vc = q[:, :, a:a + 4], k[:, :, a:a + 4], v[:, :, a:a + 4]
+        ys.append((silu(qc @ W0) * (qc @ W2)) @ W1)
+        if a + 4 < L:
+            W1 = W1 + (silu(kc @ W0) * (kc @ W2)).transpose(-1, -2) @ (eta.float() * vc)
+    o = torch.cat(ys, dim=2)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.o_norm_weight
+    ref = layer.o_proj(o.transpose(1, 2).reshape(Bx, L, 8))
+    assert rel_rms_error(converted(x), ref) <= FP32
