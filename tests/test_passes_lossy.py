@@ -116,7 +116,7 @@ def test_absorb_lr_keeps_a_heads_axis_and_equals_the_hand_written_constant_lr_lo
     result = absorb_lr(program, PassContext(cal))
     assert result.status == "applied"
     lr = sample["lr_seq"]
-    hand = lr[:, :, :12].double().mean(dim=(0, 2))                         # three full chunks update
+    hand = lr[:, :, :12].double().mean(dim=(0, 2))          # three full chunks update
     got = torch.tensor(result.folded["lr"], dtype=torch.float64)
     assert got.shape == (1, H, 1, 1)
     assert torch.allclose(got.flatten(), hand.flatten(), rtol=1e-12, atol=0)
@@ -180,6 +180,39 @@ def test_absorb_lr_not_applicable_without_a_learning_rate():
                                              q=torch.randn(B, 8, D), g=torch.randn(B, 8, 1)),
                                 chunk_size=C)
     assert absorb_lr(program).status == "not_applicable"
+
+
+def per_token_body(W, k, v, q, eta):
+    """Per-token TTT, update then read: ``W_t = W_{t-1} + η_t k_tᵀ v_t`` per head."""
+    W = W + eta[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))
+    return (W,), ((q.unsqueeze(-2) @ W).squeeze(-2),)
+
+
+def test_absorb_lr_on_a_per_token_loop_lowers_onto_the_token_causal_op():
+    r = torch.randn
+    program = program_from_body(
+        per_token_body, states=dict(W=r(B, H, D, D)),
+        streams=dict(k=r(B, 6, H, D), v=r(B, 6, H, D), q=r(B, 6, H, D),
+                     eta=r(B, 6, H).abs()),
+        chunk_size=1, per_token=True, order="inclusive")
+    cal, sample = calibration_for(program, 6)
+    reduced, results = run_level(program, 6, PassContext(cal))
+    assert [r.status for r in results] == ["not_applicable", "already_satisfied",
+                                           "already_satisfied", "applied",
+                                           "already_satisfied", "already_satisfied"]
+    hand = sample["eta_seq"].double().mean(dim=(0, 1))              # per head, over B and t
+    got = torch.tensor(results[3].folded["eta"], dtype=torch.float64)
+    assert got.shape == (1, H) and torch.allclose(got.flatten(), hand, rtol=1e-12, atol=0)
+    lifted = lift(reduced)
+    assert lifted is not None and lifted.kind == "chunk"
+    W, (k, v, q) = sample["W"], (sample[n] for n in ("k_seq", "v_seq", "q_seq"))
+    ys = []
+    for t in range(6):
+        W = W + hand.float().reshape(1, H, 1, 1) * (k[:, t, :, :, None] * v[:, t, :, None, :])
+        ys.append((q[:, t, :, None, :] @ W)[:, :, 0])
+    outs, _ = execute(reduced, analyze(reduced), [sample["W"]],
+                      [sample[i.name] for i in reduced.invariants])
+    assert rel_rms_error(outs[0], torch.stack(ys, 1)) <= FP32
 
 
 # -- remove_momentum -------------------------------------------------------------------------------
@@ -374,7 +407,7 @@ def test_remove_muon_removes_a_gradient_normalisation():
     assert "Norm" not in analyze(program).rules["W"]
 
 
-# -- convert at levels 4–6 -------------------------------------------------------------------------
+# -- convert at levels 4–6 ----------------------------------------------------------------------
 
 L_E2E = 17                               # four updating chunks of 4 tokens, one token read only
 

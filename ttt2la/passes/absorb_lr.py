@@ -25,7 +25,7 @@ from ..analysis.roles import VIEW_OPS
 from ..analysis.rules import constant_value
 from ..ir import TTTProgram, ancestors, describe_node
 from .base import Pass, PassContext, PassResult, register
-from .folding import fold_source, replace_with_constant, update_chunk_values
+from .folding import folded_constant, replace_with_constant, resolve_folds, update_chunk_values
 
 #: Elementwise ops a learning rate may pass through (with constant other operands) before it
 #: scales an update.
@@ -130,8 +130,6 @@ def _calibration_mean(program: TTTProgram, context: PassContext, lrs) -> dict:
     folded = {}
     for k, (i, value) in enumerate(lrs):
         chunks = [x for sample in per_sample for x in sample[k]]
-        if not chunks:
-            raise ValueError("no calibration chunk updates the state")
         stacked = torch.stack([c.double() for c in chunks])          # [chunks, *shape]
         axes = [0, 1] + ([] if (t := _token_axis(program, i, value)) is None else [t + 1])
         mean = stacked.mean(dim=sorted(set(axes)), keepdim=True)[0]
@@ -175,20 +173,13 @@ class AbsorbLr(Pass):
             reason = "the learning rate is constant: " + "; ".join(done)
             program.notes.append(f"absorb_lr: {reason}")
             return self.result("already_satisfied", reason)
-        folded, mode = fold_source(context, self.name)
-        if mode == "measure":
-            folded = _calibration_mean(program, context, data_lrs)
-            context.folds[self.name] = folded
+        folded, mode = resolve_folds(context, self.name,
+                                     lambda: _calibration_mean(program, context, data_lrs))
         replaced = []
         for i, value in data_lrs:
             name = program.streams[i].name
             place = where(value)
-            if folded is not None:
-                if name not in folded:
-                    raise KeyError(f"absorb_lr: the replayed folds have no entry for {name}")
-                constant = _constant(folded[name])
-            else:
-                constant = 1.0
+            constant = _constant(folded_constant(folded, name, self.name, 1.0))
             how = replace_with_constant(program, value, constant, f"lr_{name}")
             replaced.append(f"{name} (read at {place}) by {how}")
         reason = "replaced the per-token learning rate " + "; ".join(replaced) + \

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..analysis.dependence import node_shape, op_name
+from ..analysis.dependence import node_shape
+from ..errors import ConversionError
 from ..ir import TTTProgram
 
 aten = torch.ops.aten
@@ -40,6 +41,11 @@ def update_chunk_values(calibration, program: TTTProgram, nodes: Sequence[torch.
         if program.last_chunk == "apply_only" and not layout.partial:
             n -= 1                            # the last chunk is only read
         out.append([v[:max(n, 0)] for v in values])
+    if nodes and not any(sample[0] for sample in out):
+        raise ConversionError(
+            f"no full calibration chunk of {program.module_path or 'the loop'} updates the state "
+            f"(chunks of {program.chunk_size} tokens), so there is nothing to fold from; pass "
+            "calibration inputs at least two chunks long.")
     return out
 
 
@@ -56,6 +62,28 @@ def fold_source(context, name: str) -> tuple[dict | None, str]:
     return None, "measure"
 
 
+def resolve_folds(context, name: str, measure: Callable[[], dict]) -> tuple[dict | None, str]:
+    """The constants of pass ``name`` and how they were had (``fold_source``'s mode): measured
+    by ``measure()`` and recorded in ``context.folds`` when nothing is there to replay."""
+    folded, mode = fold_source(context, name)
+    if mode == "measure":
+        folded = measure()
+        context.folds[name] = folded
+    return folded, mode
+
+
+def folded_constant(folded: dict | None, key: str, name: str, default):
+    """Entry ``key`` of pass ``name``'s constants, or ``default`` when nothing is folded."""
+    if folded is None:
+        return default
+    if key not in folded:
+        raise ConversionError(
+            f"the folds replayed for {name} have no constant for {key} (they hold "
+            f"{sorted(folded)}): they were recorded for another model or layer; convert with "
+            "calibration data instead of these folds.")
+    return folded[key]
+
+
 def _fake_mode(node: torch.fx.Node):
     for n in [node, *node.all_input_nodes]:
         val = n.meta.get("val")
@@ -66,7 +94,7 @@ def _fake_mode(node: torch.fx.Node):
 
 
 def infer_meta(node: torch.fx.Node, attr: torch.Tensor | None = None) -> None:
-    """Give a node a pass inserted the ``meta["val"]`` (a fake tensor) analysis reads shapes from."""
+    """Give a node a pass inserted the ``meta["val"]`` (a fake tensor) analysis reads."""
     if attr is not None:
         mode = _fake_mode(next(iter(node.users), node)) if node.users else None
         node.meta["val"] = mode.from_tensor(attr) if mode is not None else attr
@@ -94,7 +122,7 @@ def _after_placeholders(graph: torch.fx.Graph) -> torch.fx.Node:
 
 def insert_tensor(program: TTTProgram, before: torch.fx.Node, value: torch.Tensor, stem: str
                   ) -> torch.fx.Node:
-    """A ``get_attr`` node holding ``value`` (an attribute of the body), placed before ``before``."""
+    """A ``get_attr`` node holding ``value`` (an attribute of the body), before ``before``."""
     gm = program.body
     name = _attr_name(gm, stem)
     gm.register_buffer(name, value, persistent=False)
@@ -151,16 +179,12 @@ def scaled(program: TTTProgram, node: torch.fx.Node, factor: float, after: torch
     if factor == 1.0:
         return node
     graph = program.body.graph
-    with graph.inserting_before(after.next):
+    at = after.next if after.op != "placeholder" else _after_placeholders(graph)
+    with graph.inserting_before(at):
         out = graph.call_function(aten.mul.Tensor, (node, float(factor)))
     infer_meta(out)
     return out
 
 
-def is_mul(node) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" \
-        and op_name(node) == "mul"
-
-
-__all__ = ["update_chunk_values", "fold_source", "infer_meta", "insert_tensor",
-           "replace_with_constant", "scaled", "is_mul"]
+__all__ = ["update_chunk_values", "fold_source", "resolve_folds", "folded_constant", "infer_meta",
+           "insert_tensor", "replace_with_constant", "scaled"]

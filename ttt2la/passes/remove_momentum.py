@@ -22,7 +22,7 @@ import torch.fx
 from ..analysis.rules import MomentumMatch, constant_value, match_momentum
 from ..ir import TTTProgram, describe_node
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
-from .folding import fold_source, scaled, update_chunk_values
+from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
 
 
 def momentum_updates(program: TTTProgram) -> list[tuple[int, MomentumMatch]]:
@@ -69,8 +69,6 @@ def _calibration_factor(program: TTTProgram, context: PassContext, matches) -> d
                 factors.append(accumulation_factor(alphas).flatten())
         if isinstance(m.coefficient, torch.fx.Node):
             k += 1
-        if not factors:
-            raise ValueError("no calibration chunk updates the state")
         folded[program.states[i].name] = torch.cat(factors).mean().item()
     return folded
 
@@ -100,16 +98,13 @@ class RemoveMomentum(Pass):
             done.append(f"{program.states[i].name} has the coefficient 0 "
                         f"({describe_node(m.output)}): it is its increment")
             self._replace(program, i, m, 1.0)
-        folded, mode = fold_source(context, self.name) if data else (None, "exact")
-        if mode == "measure":
-            folded = _calibration_factor(program, context, data)
-            context.folds[self.name] = folded
+        folded, mode = resolve_folds(context, self.name,
+                                     lambda: _calibration_factor(program, context, data)) \
+            if data else (None, "exact")
         removed = []
         for i, m in data:
             name = program.states[i].name
-            if folded is not None and name not in folded:
-                raise KeyError(f"remove_momentum: the replayed folds have no entry for {name}")
-            factor = float(folded[name]) if folded is not None else 1.0
+            factor = float(folded_constant(folded, name, self.name, 1.0))
             removed.append(f"{name} ({describe_node(m.output)}): its increment times "
                            f"{factor:.6g}")
             self._replace(program, i, m, factor)

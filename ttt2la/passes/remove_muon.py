@@ -25,7 +25,7 @@ from ..analysis.roles import VIEW_OPS, peel_views
 from ..analysis.rules import match_newton_schulz, match_norm
 from ..ir import TTTProgram, ancestors, describe_node
 from .base import Pass, PassContext, PassResult, register
-from .folding import fold_source, scaled, update_chunk_values
+from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
 
 aten = torch.ops.aten
 _WALK = {"neg", "mul", "div"} | VIEW_OPS
@@ -191,8 +191,6 @@ def _calibration_scale(program: TTTProgram, context: PassContext, transforms) ->
         for sample in per_sample:
             ratios += _ratio(sample[2 * k], sample[2 * k + 1])
         ratios = torch.cat(ratios) if ratios else torch.zeros(0)
-        if not ratios.numel():
-            raise ValueError("no calibration chunk updates the state")
         folded[_key(program, transforms, k)] = ratios.mean().item()
     return folded
 
@@ -211,21 +209,17 @@ class RemoveMuon(Pass):
             return self.result("already_satisfied",
                                "no Newton–Schulz iteration or normalisation on any state's "
                                "increment")
-        folded, mode = fold_source(context, self.name)
-        if mode == "measure":
-            folded = _calibration_scale(program, context, transforms)
-            context.folds[self.name] = folded
+        folded, mode = resolve_folds(context, self.name,
+                                     lambda: _calibration_scale(program, context, transforms))
         removed = []
         for k, t in enumerate(transforms):
             key = _key(program, transforms, k)
-            if folded is not None and key not in folded:
-                raise KeyError(f"remove_muon: the replayed folds have no entry for {key}")
-            scale = float(folded[key]) if folded is not None else 1.0
+            scale = float(folded_constant(folded, key, self.name, 1.0))
             where = describe_node(t.core)
             new = scaled(program, t.source, scale, t.source)
             t.output.replace_all_uses_with(new)
-            removed.append(f"the {t.kind} on {program.states[t.state].name}'s increment ({where}): its input "
-                           f"times {scale:.6g}")
+            removed.append(f"the {t.kind} on {program.states[t.state].name}'s increment "
+                           f"({where}): its input times {scale:.6g}")
         program.recompile()
         reason = "removed " + "; ".join(removed) + _how_folded(mode)
         program.notes.append(f"remove_muon: {reason}")
