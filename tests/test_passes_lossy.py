@@ -169,6 +169,20 @@ def test_absorb_lr_already_satisfied_by_a_constant_expression():
     assert absorb_lr(program, context).status == "not_applicable"
 
 
+def test_absorb_lr_already_satisfied_by_a_rate_per_head():
+    def per_head_lr(W, k, v, q, lr):          # lr [1, H, 1, 1], the same for every token
+        return (W + k.transpose(-1, -2) @ (lr * v),), (q @ W,)
+    r = torch.randn
+    program = program_from_body(
+        per_head_lr, states=dict(W=r(B, H, D, D)),
+        streams=dict(k=r(B, H, 8, D), v=r(B, H, 8, D), q=r(B, H, 8, D)),
+        invariants=dict(lr=r(1, H, 1, 1).abs()), stream_axes=dict(k=2, v=2, q=2),
+        output_axes=(2,), chunk_size=C)
+    result = absorb_lr(program)
+    assert (result.status, result.exact) == ("already_satisfied", True)
+    assert "lr" in result.reason
+
+
 def test_absorb_lr_not_applicable_without_a_learning_rate():
     result = absorb_lr(simple_program(linear_attention))
     assert (result.status, result.exact) == ("not_applicable", True)

@@ -85,22 +85,41 @@ def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
     return len(mine) <= len(theirs) or all(s == 1 for s in mine[: len(mine) - len(theirs)])
 
 
+def _update_nodes(program: TTTProgram) -> set[torch.fx.Node]:
+    outs, ins = program.state_outputs(), program.state_inputs()
+    return set().union(*(ancestors(o) for o, i in zip(outs, ins)
+                         if isinstance(o, torch.fx.Node) and o is not i))
+
+
+def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node]) -> bool:
+    """Every reader of ``value`` is a product on the way to an update, where it is a factor."""
+    readers = _readers(value)
+    return bool(readers) and all(
+        op.op == "call_function" and op_name(op) == "mul" and op in updates
+        and _broadcasts_as_factor(operand, op) for operand, op in readers)
+
+
 def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
     """``(stream index, value node)`` of every learning-rate stream (see the module docstring)."""
-    outs, ins = program.state_outputs(), program.state_inputs()
-    updates = set().union(*(ancestors(o) for o, i in zip(outs, ins)
-                            if isinstance(o, torch.fx.Node) and o is not i))
+    updates = _update_nodes(program)
     found = []
     for i, stream in enumerate(program.stream_inputs()):
         spec = program.streams[i] if i < len(program.streams) else None
         if spec is None or spec.role in _EXCLUDED_ROLES or not stream.users:
             continue
         value = _value_chain(stream)
-        readers = _readers(value)
-        if readers and all(op.op == "call_function" and op_name(op) == "mul" and op in updates
-                           and _broadcasts_as_factor(operand, op) for operand, op in readers):
+        if _scales_updates(value, updates):
             found.append((i, value))
     return found
+
+
+def constant_rates(program: TTTProgram) -> list[str]:
+    """Loop invariants (not stream sources) that scale an update the way a learning rate does:
+    a rate constant over the tokens, such as a learned one per head."""
+    updates = _update_nodes(program)
+    sources = {s.source for s in program.streams}
+    return [program.invariants[i].name for i, node in enumerate(program.invariant_inputs())
+            if i not in sources and node.users and _scales_updates(_value_chain(node), updates)]
 
 
 def where(value: torch.fx.Node) -> str:
@@ -159,6 +178,11 @@ class AbsorbLr(Pass):
                 return self.result("not_applicable",
                                    f"stream(s) {names} look like learning rates but do not "
                                    "scale a state update as a per-token factor; left unchanged")
+            constant = constant_rates(program)
+            if constant:
+                return self.result("already_satisfied",
+                                   f"the learning rate {', '.join(constant)} is constant over the "
+                                   "tokens (read unchanged by every chunk)")
             return self.result("not_applicable", "no per-token learning rate scales a state "
                                                  "update")
         exact_lrs = [(i, v, c) for i, v in lrs if (c := constant_value(v)) is not None]
@@ -214,4 +238,4 @@ def _how_folded(mode: str, program: TTTProgram, lrs) -> str:
 
 absorb_lr = register(AbsorbLr())
 
-__all__ = ["AbsorbLr", "absorb_lr", "learning_rates"]
+__all__ = ["AbsorbLr", "absorb_lr", "learning_rates", "constant_rates"]
