@@ -91,7 +91,7 @@ def test_absorb_lr_folds_the_calibration_mean_of_the_updating_chunks(L, updating
     assert result.folded == pytest.approx({"lr": hand}, rel=1e-12)
     assert context.folds["absorb_lr"] == result.folded
     assert "lr" in result.reason and "test_passes.py:" in result.reason
-    assert "all rows" in result.reason
+    assert "all rows" in result.reason and "batch size" in result.reason
     assert not any(n.users for n in program.stream_inputs()
                    if n.meta["ttt2la_name"] == "lr")
 

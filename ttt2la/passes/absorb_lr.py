@@ -226,14 +226,16 @@ def _how_folded(mode: str, program: TTTProgram, lrs) -> str:
         return " (unfolded: the learning rate is 1)"
     if mode == "no_calibration":
         return " (no calibration data: the learning rate is 1, nothing folded)"
+    verb = "replayed" if mode == "replay" else "folded"
     rows = [program.streams[i].name for i, v in lrs
             if all(s == 1 for k, s in enumerate(node_shape(v))
                    if k not in (0, _token_axis(program, i, v)))]
-    note = "" if not rows else (
-        f"; {', '.join(rows)} has no heads axis of its own (heads, if any, are folded into the "
-        "rows): one mean over all rows, as a per-row constant would depend on the batch size")
-    verb = "replayed" if mode == "replay" else "folded"
-    return f" ({verb}: the calibration mean per head over rows, tokens and chunks{note})"
+    if not rows:
+        return f" ({verb}: its calibration mean per head over rows, tokens and chunks)"
+    return (f" ({verb}: its calibration mean over all rows, tokens and chunks — "
+            f"{', '.join(rows)} has no heads axis besides the rows (batch × heads when the "
+            "heads are folded into them), and a per-row constant would depend on the batch "
+            "size)")
 
 
 absorb_lr = register(AbsorbLr())

@@ -85,7 +85,7 @@ def _neutral(ops: list[torch.fx.Node]) -> bool:
     swaps = 0
     for op in ops:
         name = op_name(op)
-        if name in _SWAP or (name in ("transpose",) and _swaps_last_two(op)):
+        if name in _SWAP:
             if not _swaps_last_two(op):
                 return False
             swaps += 1
