@@ -540,3 +540,72 @@ def test_convert_level5_heads_without_momentum():
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.o_norm_weight
     ref = layer.o_proj(o.transpose(1, 2).reshape(Bx, L, 8))
     assert rel_rms_error(converted(x), ref) <= FP32
+
+
+def _ns5(G):
+    X = G / (torch.sqrt((G * G).sum(dim=(1, 2), keepdim=True)) + 1e-7)
+    for _ in range(5):
+        A = X @ X.transpose(1, 2)
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X
+
+
+def variant4_operator(w, q, k, v, lr1, momentum, chunk_size):
+    """A variant-4 operator (one linear fast weight, momentum, Muon) written the way the
+    authors' variant code writes it: the learning rate is ``lr1 * 0.0 + 1.0``."""
+    q, v = q.transpose(1, 2), v.transpose(1, 2)
+    out = torch.zeros_like(v)
+    m = torch.zeros_like(w)
+    end = 0
+    for start in range(0, k.shape[1] - chunk_size, chunk_size):
+        end = start + chunk_size
+        out[:, :, start:end] = torch.bmm(w, q[:, :, start:end])
+        lr1c = lr1[:, start:end, :] * 0.0 + 1.0
+        g = torch.bmm(v[:, :, start:end], k[:, start:end, :] * lr1c)
+        g = g + m * momentum[:, start:end, :].mean(dim=1, keepdim=True)
+        m = g
+        w = w + _ns5(g)
+    out[:, :, end:] = torch.bmm(w, q[:, :, end:])
+    return out.transpose(1, 2)
+
+
+class Variant4Layer(torch.nn.Module):
+    def __init__(self, d_model, heads, chunk_size):
+        super().__init__()
+        self.heads, self.chunk_size = heads, chunk_size
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=False)
+        self.lr_proj = torch.nn.Linear(d_model, heads, bias=False)
+        self.momentum_proj = torch.nn.Linear(d_model, heads, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(heads, d_model // heads, d_model // heads) * 0.3)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (_fold_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        lr = _fold_heads(F.softplus(self.lr_proj(x)), self.heads)
+        momentum = _fold_heads(torch.sigmoid(self.momentum_proj(x)), self.heads)
+        o = variant4_operator(self.w.repeat(b, 1, 1), q, k, v, lr, momentum, self.chunk_size)
+        return o.reshape(b, self.heads, n, -1).transpose(1, 2).reshape(b, n, d)
+
+
+def test_variant4_layer_with_lr_times_zero_plus_one_converts_exactly_at_level4():
+    torch.manual_seed(5)
+    layer = Variant4Layer(8, 2, 4).double()
+    x = torch.randn(2, L_E2E, 8, dtype=torch.float64)
+    converted = ttt2la.convert(layer, level=4, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    r4 = report.passes[3]
+    assert (r4.status, r4.exact, r4.folded) == ("already_satisfied", True, None)
+    assert "constant 1" in r4.reason and report.exact
+    x = x.clone().requires_grad_(True)
+    got, ref = converted(x), layer(x)
+    assert rel_rms_error(got, ref) <= TOLERANCE[torch.float64]
+    weight = torch.randn(got.shape, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(1))
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), [x, *converted.parameters()],
+                                        allow_unused=True),
+                    torch.autograd.grad((ref * weight).sum(), [x, *layer.parameters()],
+                                        allow_unused=True)):
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        assert rel_rms_error(a, b) <= TOLERANCE[torch.float64]
