@@ -93,18 +93,14 @@ def _fake_mode(node: torch.fx.Node):
     return None
 
 
-def infer_meta(node: torch.fx.Node, attr: torch.Tensor | None = None) -> None:
+def infer_meta(node: torch.fx.Node) -> None:
     """Give a node a pass inserted the ``meta["val"]`` (a fake tensor) analysis reads."""
-    if attr is not None:
-        mode = _fake_mode(next(iter(node.users), node)) if node.users else None
-        node.meta["val"] = mode.from_tensor(attr) if mode is not None else attr
-        return
     mode = _fake_mode(node)
+    if mode is None:
+        return
     args, kwargs = pytree.tree_map(
         lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a,
         (node.args, node.kwargs))
-    if mode is None:
-        return
     with mode:
         node.meta["val"] = node.target(*args, **kwargs)
 
