@@ -658,3 +658,14 @@ def test_variant4_layer_with_lr_times_zero_plus_one_converts_exactly_at_level4()
         a = torch.zeros_like(b) if a is None else a
         b = torch.zeros_like(a) if b is None else b
         assert rel_rms_error(a, b) <= TOLERANCE[torch.float64]
+
+
+def test_calibration_without_an_updating_chunk_is_refused():
+    """One full chunk of an apply-then-update loop is only read: nothing to fold from."""
+    program = lact_like_program()
+    cal, _ = calibration_for(program, C)
+    with pytest.raises(ttt2la.ConversionError, match="at least two chunks"):
+        run_level(program, 4, PassContext(cal))
+    run_level(program, 4, PassContext(cal, {"absorb_lr": {"lr": [[[[0.5]], [[0.25]]]]}}))
+    with pytest.raises(ttt2la.ConversionError, match="no constant for lr"):
+        run_level(program, 4, PassContext(None, {"absorb_lr": {"eta": 0.5}}))
