@@ -334,6 +334,106 @@ def match_newton_schulz(node) -> NewtonSchulzMatch | None:
                              coefficients, eps, dtype)
 
 
+_CONSTANT_FILLS = {"ones": 1.0, "ones_like": 1.0, "new_ones": 1.0, "zeros": 0.0,
+                   "zeros_like": 0.0, "new_zeros": 0.0}
+_FILL_ARG = {"full": 1, "full_like": 1, "new_full": 2, "scalar_tensor": 0}
+_VALUE_PRESERVING = {"expand", "expand_as", "view", "_unsafe_view", "reshape", "unsqueeze",
+                     "squeeze", "clone", "detach", "alias", "contiguous", "t", "transpose",
+                     "permute", "view_as", "lift_fresh_copy"}
+
+
+def _float_cast(node) -> bool:
+    dtype = node.kwargs.get("dtype")
+    return dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+
+
+def constant_value(node) -> float | None:
+    """The number every element of ``node`` equals whatever the data, or ``None``.
+
+    Folds constant expressions exactly from the graph, never by evaluating data: fills
+    (``full``, ``ones_like`` ...), views and float casts of constants, ``+ - * /`` of constants,
+    and a product with an exact zero (``lr * 0.0 + 1.0`` is 1.0 for finite ``lr``).
+    """
+    if isinstance(node, bool):
+        return None
+    if isinstance(node, (int, float)):
+        return float(node)
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    name, args = op_name(node), node.args
+    if name in _CONSTANT_FILLS:
+        return _CONSTANT_FILLS[name]
+    if name in _FILL_ARG:
+        value = args[_FILL_ARG[name]] if len(args) > _FILL_ARG[name] else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            else None
+    if name in _VALUE_PRESERVING or (name in ("_to_copy", "to") and _float_cast(node)):
+        return constant_value(args[0])
+    if name == "neg":
+        a = constant_value(args[0])
+        return None if a is None else -a
+    if name not in ("mul", "add", "sub", "rsub", "div") or len(args) < 2:
+        return None
+    a, b = constant_value(args[0]), constant_value(args[1])
+    if name == "mul":
+        if a == 0.0 or b == 0.0:
+            return 0.0
+        return None if a is None or b is None else a * b
+    if a is None or b is None:
+        return None
+    alpha = node.kwargs.get("alpha", 1)
+    if name == "add":
+        return a + alpha * b
+    if name == "sub":
+        return a - alpha * b
+    if name == "rsub":
+        return b - alpha * a
+    return a / b if b != 0.0 else None
+
+
+@dataclass(frozen=True)
+class MomentumMatch:
+    """``output`` is the momentum update ``M' = α·M + sign·G`` of the state read at ``state``:
+    ``coefficient`` is α (a node or a number), ``increment`` is G and ``sign`` ±1 (``β·M - g``
+    written as a descent step); neither α nor G reads ``state``."""
+
+    output: torch.fx.Node
+    state: torch.fx.Node
+    coefficient: torch.fx.Node | float
+    increment: torch.fx.Node
+    sign: float = 1.0
+
+
+def _decay_coefficient(decayed, state: torch.fx.Node):
+    """α when ``decayed`` is ``α·M`` (either order) of the state-in ``state``, else ``None``."""
+    if not isinstance(decayed, torch.fx.Node) or op_name(decayed) != "mul":
+        return None
+    p, q = decayed.args[0], decayed.args[1]
+    for m, alpha in ((p, q), (q, p)):
+        if peel_views(m) is state and not _depends_on(alpha, state) \
+                and (isinstance(alpha, torch.fx.Node) or
+                     (isinstance(alpha, (int, float)) and not isinstance(alpha, bool))):
+            return alpha
+    return None
+
+
+def match_momentum(output, state: torch.fx.Node) -> MomentumMatch | None:
+    """Recognise ``M' = α·M ± G`` (either operand order of a sum) ending at ``output`` for the
+    state-in node ``state``; α and G must not depend on ``state``."""
+    if not isinstance(output, torch.fx.Node) or output.op != "call_function" \
+            or op_name(output) not in ("add", "sub") or output.kwargs.get("alpha", 1) != 1:
+        return None
+    u, w = output.args[0], output.args[1]
+    pairs = ((u, w, 1.0), (w, u, 1.0)) if op_name(output) == "add" else ((u, w, -1.0),)
+    for decayed, increment, sign in pairs:
+        if not isinstance(increment, torch.fx.Node) or _depends_on(increment, state):
+            continue
+        alpha = _decay_coefficient(decayed, state)
+        if alpha is not None:
+            return MomentumMatch(output, state, alpha, increment, sign)
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # sympy rendering
 
@@ -595,5 +695,6 @@ def update_rule(program: TTTProgram, state: int) -> str:
     return update_rules(program)[program.states[state].name]
 
 
-__all__ = ["NormMatch", "NewtonSchulzMatch", "match_norm", "match_newton_schulz",
+__all__ = ["NormMatch", "NewtonSchulzMatch", "MomentumMatch", "match_norm", "match_newton_schulz",
+           "match_momentum", "constant_value",
            "update_rules", "update_rule", "render", "Transpose", "Hadamard"]

@@ -1,0 +1,243 @@
+"""Step 4 of the paper: the per-token learning rate becomes a constant per head.
+
+A learning-rate stream is a chunk stream whose value — the stream, or a map of it by
+elementwise ops with constant operands, such as ``softplus(lr)`` or ``lr * 0.0 + 1.0`` — is a
+per-token scalar factor of a state update: every reader is an elementwise product, on the way
+to a state update, in which it broadcasts over the other operand's trailing (feature) axis
+(``η_t · v_t``, ``φ(k_t)ᵀ · η_t``, ``η_t · k_tᵀv_t``). Streams the roles name ``q``, ``k`` or
+``momentum`` are never taken for one.
+
+Each learning-rate value is replaced by a constant: its calibration mean over the rows of the
+loop (axis 0: the batch, or batch × heads when the heads are folded into it), the tokens and the
+chunks that update, kept apart along every other axis (a heads axis of its own). With heads
+folded into axis 0 the constant is one number: a per-row constant would depend on the batch
+size. Unfolded (``fold=False``) the learning rate becomes 1. A learning rate that is already a
+constant expression (``lr * 0.0 + 1.0``) is folded exactly, from the graph. Not exact: a model
+trained with per-token rates computes something else with a constant one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..analysis.dependence import node_shape, op_name
+from ..analysis.roles import VIEW_OPS
+from ..analysis.rules import constant_value
+from ..ir import TTTProgram, ancestors, describe_node
+from .base import Pass, PassContext, PassResult, register
+from .folding import folded_constant, replace_with_constant, resolve_folds, update_chunk_values
+
+#: Elementwise ops a learning rate may pass through (with constant other operands) before it
+#: scales an update.
+_ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "neg", "softplus", "sigmoid", "exp", "abs",
+                "relu", "clamp", "clamp_min", "clamp_max", "_to_copy", "to", "clone", "alias",
+                "detach", "contiguous", "pow", "sqrt", "square"}
+_EXCLUDED_ROLES = {"q", "k", "momentum"}
+
+
+def _value_chain(stream: torch.fx.Node) -> torch.fx.Node:
+    """The last node of the stream-only elementwise chain that starts at ``stream``."""
+    node = stream
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op != "call_function" or op_name(user) not in _ELEMENTWISE \
+                or node_shape(user) != node_shape(node):
+            break
+        others = [a for a in user.all_input_nodes if a is not node]
+        scalar_args = [a for a in (*user.args, *user.kwargs.values())
+                       if not isinstance(a, torch.fx.Node)]
+        if any(constant_value(a) is None for a in others) or not all(
+                isinstance(a, (int, float, bool, torch.dtype, torch.device, torch.layout,
+                               torch.memory_format, type(None))) for a in scalar_args):
+            break
+        node = user
+    return node
+
+
+def _readers(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(operand, op)`` for every non-view op reading ``node`` through view ops."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user.op == "call_function" and op_name(user) in VIEW_OPS:
+                stack.append(user)
+            else:
+                found.append((n, user))
+    return found
+
+
+def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
+    """``operand`` is a per-token scalar factor in ``mul``: size 1 on the other operand's
+    trailing axis, and every axis it has of its own the other operand has too."""
+    args = [a for a in mul.args[:2]]
+    if args.count(operand) != 1:
+        return False
+    other = args[1] if args[0] is operand else args[0]
+    mine, theirs = node_shape(operand), node_shape(other)
+    if mine is None or theirs is None or not mine or not theirs:
+        return False
+    if mine[-1] != 1 or theirs[-1] <= 1:
+        return False
+    for a, b in zip(reversed(mine), reversed(theirs)):
+        if a > 1 and a != b:
+            return False
+    return len(mine) <= len(theirs) or all(s == 1 for s in mine[: len(mine) - len(theirs)])
+
+
+def _update_nodes(program: TTTProgram) -> set[torch.fx.Node]:
+    outs, ins = program.state_outputs(), program.state_inputs()
+    return set().union(*(ancestors(o) for o, i in zip(outs, ins)
+                         if isinstance(o, torch.fx.Node) and o is not i))
+
+
+def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node]) -> bool:
+    """Every reader of ``value`` is a product on the way to an update, where it is a factor."""
+    readers = _readers(value)
+    return bool(readers) and all(
+        op.op == "call_function" and op_name(op) == "mul" and op in updates
+        and _broadcasts_as_factor(operand, op) for operand, op in readers)
+
+
+def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
+    """``(stream index, value node)`` of every learning-rate stream (see the module docstring)."""
+    updates = _update_nodes(program)
+    found = []
+    for i, stream in enumerate(program.stream_inputs()):
+        spec = program.streams[i] if i < len(program.streams) else None
+        if spec is None or spec.role in _EXCLUDED_ROLES or not stream.users:
+            continue
+        value = _value_chain(stream)
+        if _scales_updates(value, updates):
+            found.append((i, value))
+    return found
+
+
+def constant_rates(program: TTTProgram) -> list[str]:
+    """Loop invariants (not stream sources) that scale an update the way a learning rate does:
+    a rate constant over the tokens, such as a learned one per head."""
+    updates = _update_nodes(program)
+    sources = {s.source for s in program.streams}
+    return [program.invariants[i].name for i, node in enumerate(program.invariant_inputs())
+            if i not in sources and node.users and _scales_updates(_value_chain(node), updates)]
+
+
+def where(value: torch.fx.Node) -> str:
+    """Where a learning rate is read: the value's own op, or for a bare stream its first
+    reader."""
+    if value.op != "placeholder":
+        return describe_node(value)
+    readers = _readers(value)
+    return describe_node(readers[0][1]) if readers else value.name
+
+
+def lr_like_streams(program: TTTProgram, found) -> list[int]:
+    """Streams the roles call ``lr`` that are read but are not learning rates by the test above."""
+    taken = {i for i, _ in found}
+    return [i for i, (spec, node) in enumerate(zip(program.streams, program.stream_inputs()))
+            if spec.role == "lr" and node.users and i not in taken]
+
+
+def _token_axis(program: TTTProgram, i: int, value: torch.fx.Node) -> int | None:
+    spec = program.streams[i]
+    return None if spec.per_token else spec.axis % len(node_shape(value))
+
+
+def _calibration_mean(program: TTTProgram, context: PassContext, lrs) -> dict:
+    """Every learning rate's calibration mean over rows, tokens and update chunks, as JSON."""
+    per_sample = update_chunk_values(context.calibration, program, [v for _, v in lrs])
+    folded = {}
+    for k, (i, value) in enumerate(lrs):
+        chunks = [x for sample in per_sample for x in sample[k]]
+        stacked = torch.stack([c.double() for c in chunks])          # [chunks, *shape]
+        axes = [0, 1] + ([] if (t := _token_axis(program, i, value)) is None else [t + 1])
+        mean = stacked.mean(dim=sorted(set(axes)), keepdim=True)[0]
+        folded[program.streams[i].name] = mean.item() if mean.numel() == 1 else mean.tolist()
+    return folded
+
+
+def _constant(entry):
+    return float(entry) if isinstance(entry, (int, float)) else torch.tensor(entry,
+                                                                            dtype=torch.float64)
+
+
+class AbsorbLr(Pass):
+    """Replace every per-token learning rate by a constant per head (Step 4)."""
+
+    name = "absorb_lr"
+    step = 4
+    exact = False
+
+    def run(self, program: TTTProgram, context: PassContext) -> PassResult:
+        """Fold every learning-rate stream into a constant (its calibration mean per head)."""
+        lrs = learning_rates(program)
+        if not lrs:
+            left = lr_like_streams(program, lrs)
+            if left:
+                names = ", ".join(program.streams[i].name for i in left)
+                return self.result("not_applicable",
+                                   f"stream(s) {names} look like learning rates but do not "
+                                   "scale a state update as a per-token factor; left unchanged")
+            constant = constant_rates(program)
+            if constant:
+                return self.result("already_satisfied",
+                                   f"the learning rate {', '.join(constant)} is constant over the "
+                                   "tokens (read unchanged by every chunk)")
+            return self.result("not_applicable", "no per-token learning rate scales a state "
+                                                 "update")
+        exact_lrs = [(i, v, c) for i, v in lrs if (c := constant_value(v)) is not None]
+        data_lrs = [(i, v) for i, v in lrs if constant_value(v) is None]
+        done = []
+        for i, value, c in exact_lrs:
+            place = where(value)
+            how = replace_with_constant(program, value, c, "lr_constant")
+            done.append(f"{program.streams[i].name} is the constant {c:.6g} ({place}), written "
+                        f"as {how}")
+        if not data_lrs:
+            reason = "the learning rate is constant: " + "; ".join(done)
+            program.notes.append(f"absorb_lr: {reason}")
+            return self.result("already_satisfied", reason)
+        folded, mode = resolve_folds(context, self.name,
+                                     lambda: _calibration_mean(program, context, data_lrs))
+        replaced = []
+        for i, value in data_lrs:
+            name = program.streams[i].name
+            place = where(value)
+            constant = _constant(folded_constant(folded, name, self.name, 1.0))
+            how = replace_with_constant(program, value, constant, f"lr_{name}")
+            replaced.append(f"{name} (read at {place}) by {how}")
+        reason = "replaced the per-token learning rate " + "; ".join(replaced) + \
+            _how_folded(mode, program, data_lrs)
+        if done:
+            reason += "; " + "; ".join(done)
+        program.notes.append(f"absorb_lr: {reason}")
+        return self.result("applied", reason, folded if mode in ("measure", "replay") else None)
+
+    def ensures(self, program: TTTProgram) -> None:
+        """Every learning rate left is a constant."""
+        left = [program.streams[i].name for i, v in learning_rates(program)
+                if constant_value(v) is None]
+        if left:
+            raise AssertionError(f"absorb_lr left per-token learning rates: {left}")
+
+
+def _how_folded(mode: str, program: TTTProgram, lrs) -> str:
+    if mode == "unfolded":
+        return " (unfolded: the learning rate is 1)"
+    if mode == "no_calibration":
+        return " (no calibration data: the learning rate is 1, nothing folded)"
+    verb = "replayed" if mode == "replay" else "folded"
+    rows = [program.streams[i].name for i, v in lrs
+            if all(s == 1 for k, s in enumerate(node_shape(v))
+                   if k not in (0, _token_axis(program, i, v)))]
+    if not rows:
+        return f" ({verb}: its calibration mean per head over rows, tokens and chunks)"
+    return (f" ({verb}: its calibration mean over all rows, tokens and chunks — "
+            f"{', '.join(rows)} has no heads axis besides the rows (batch × heads when the "
+            "heads are folded into them), and a per-row constant would depend on the batch "
+            "size)")
+
+
+absorb_lr = register(AbsorbLr())
+
+__all__ = ["AbsorbLr", "absorb_lr", "learning_rates", "constant_rates"]

@@ -1,0 +1,243 @@
+"""Step 6 of the paper: no Newton–Schulz (Muon) on the updates, no normalisation of the increment.
+
+For every state updated as ``W' = W + Δ``, the transforms of its increment are found on the way
+back from ``Δ`` through views, negations and products: Newton–Schulz iterations
+(``match_newton_schulz``, LaCT's Muon) and normalisations of a value that does not read ``W``
+(``match_norm``, ViTTT's ``g/(‖g‖+1)``). Each becomes ``s·X`` of its input ``X``. When the
+iteration is wrapped in casts and transposes that undo each other (``G.to(bf16)``, ``Xᵀ`` for a
+tall matrix, and back), the whole wrapped transform is replaced, so the increment keeps ``G``'s
+dtype and layout.
+
+The fold ``s`` is the mean scale the transform imposes on the increments: the mean over every
+matrix (the trailing two axes) of every calibration chunk that updates of
+``‖T(X)‖_F / ‖X‖_F``. Unfolded (``fold=False``) ``s = 1``. Not exact: ``NS(A + B) ≠ NS(A) +
+NS(B)``, and after it a LaCT-style layer is standard linear attention ``o = q(W₀ + Σ kᵀv)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..analysis.dependence import node_shape, op_name
+from ..analysis.roles import VIEW_OPS, peel_views
+from ..analysis.rules import match_newton_schulz, match_norm
+from ..ir import TTTProgram, ancestors, describe_node
+from .base import Pass, PassContext, PassResult, register
+from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
+
+aten = torch.ops.aten
+_WALK = {"neg", "mul", "div"} | VIEW_OPS
+_SWAP = {"t", "transpose", "transpose_copy", "t_copy"}
+_RELAYOUT = {"clone", "alias", "detach", "contiguous", "_to_copy", "to", "view", "_unsafe_view",
+             "reshape", "expand"}
+
+
+@dataclass
+class IncrementTransform:
+    """A transform of state ``state``'s increment: ``output = T(input)``, replaced by
+    ``s·source`` at ``output`` (``output``/``source`` may be the wrapped form around it)."""
+
+    state: int
+    kind: str                       # "5-step Newton–Schulz iteration", "l2 normalisation" ...
+    output: torch.fx.Node
+    source: torch.fx.Node
+    core: torch.fx.Node             # where the transform was matched (for reports)
+
+
+def _increment(program: TTTProgram, i: int):
+    """``Δ`` of ``W' = W + Δ``, or ``None``."""
+    w_in, w_out = program.state_inputs()[i], program.state_outputs()[i]
+    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) != "add" \
+            or w_out.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = w_out.args[0], w_out.args[1]
+    for mine, delta in ((a, b), (b, a)):
+        if peel_views(mine) is w_in and isinstance(delta, torch.fx.Node):
+            return delta
+    return None
+
+
+def _swaps_last_two(node: torch.fx.Node) -> bool:
+    if op_name(node) == "t":
+        return True
+    dims = node.args[1:3]
+    rank = len(node_shape(node) or ())
+    return len(dims) == 2 and rank >= 2 and sorted(d % rank for d in dims) == [rank - 2, rank - 1]
+
+
+def _chain(top: torch.fx.Node, bottom: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The ops from ``bottom`` up to ``top`` when ``top`` is ``bottom`` through view ops only."""
+    ops, node = [], top
+    while node is not bottom:
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function" \
+                or op_name(node) not in VIEW_OPS:
+            return None
+        ops.append(node)
+        node = node.args[0]
+    return ops
+
+
+def _neutral(ops: list[torch.fx.Node]) -> bool:
+    """The views are casts, copies, same-shape reshapes and an even number of swaps of the
+    last two axes."""
+    swaps = 0
+    for op in ops:
+        name = op_name(op)
+        if name in _SWAP:
+            if not _swaps_last_two(op):
+                return False
+            swaps += 1
+        elif name not in _RELAYOUT:
+            return False
+        elif name in ("view", "_unsafe_view", "reshape", "expand") \
+                and node_shape(op) != node_shape(op.args[0]):
+            return False
+    return swaps % 2 == 0
+
+
+def _widen(core: torch.fx.Node, x: torch.fx.Node):
+    """``(output, source)``: the transform including the casts and transposes around it when
+    those undo each other, else ``(core, x)``."""
+    top = core
+    while len(top.users) == 1:
+        (user,) = top.users
+        if user.op != "call_function" or op_name(user) not in VIEW_OPS:
+            break
+        top = user
+    source = peel_views(x)
+    out_ops, in_ops = _chain(top, core), _chain(x, source)
+    if source is not x and out_ops is not None and in_ops is not None \
+            and node_shape(top) == node_shape(source) and _neutral(out_ops + in_ops) \
+            and _same_result_dtype(top, source):
+        return top, source
+    return core, x
+
+
+def _dtype(node):
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _same_result_dtype(top: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Reading ``source`` instead of ``top`` changes no dtype downstream: same dtype, or every
+    reader already computes in ``source``'s dtype (``W + NS(G)`` in bf16 promotes to W's)."""
+    if _dtype(top) == _dtype(source):
+        return True
+    return all(op_name(u) in ("add", "sub", "mul") and _dtype(u) == _dtype(source)
+               for u in top.users)
+
+
+def increment_transforms(program: TTTProgram) -> list[IncrementTransform]:
+    """Every Newton–Schulz iteration or normalisation applied to a state's increment."""
+    ins = program.state_inputs()
+    found = []
+    for i in range(len(program.states)):
+        delta = _increment(program, i)
+        if delta is None:
+            continue
+        shape, stack, seen = node_shape(delta), [delta], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, torch.fx.Node) or node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            ns = match_newton_schulz(node)
+            if ns is not None and node_shape(node) == shape:
+                core = peel_views(node)
+                out, src = _widen(core, ns.input)
+                found.append(IncrementTransform(i, f"{ns.steps}-step Newton–Schulz iteration",
+                                                out, src, core))
+                continue
+            norm = match_norm(node)
+            if norm is not None and node_shape(node) == shape \
+                    and ins[i] not in ancestors(norm.input):
+                found.append(IncrementTransform(i, f"{norm.kind} normalisation", norm.output,
+                                                norm.input, norm.output))
+                continue
+            name = op_name(node)
+            if name == "div":
+                stack.append(node.args[0])
+            elif name in _WALK:
+                stack.extend(node.all_input_nodes)
+    return found
+
+
+def _ratio(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    ratios = []
+    for y, x in zip(outputs, inputs):
+        ny = y.double().flatten(-2).norm(dim=-1).flatten()
+        nx = x.double().flatten(-2).norm(dim=-1).flatten()
+        keep = nx > 0
+        ratios.append(ny[keep] / nx[keep])
+    return ratios
+
+
+def _key(program: TTTProgram, transforms, k: int) -> str:
+    t = transforms[k]
+    name = program.states[t.state].name
+    same = [u for u in transforms if u.state == t.state]
+    return name if len(same) == 1 else f"{name}#{same.index(t)}"
+
+
+def _calibration_scale(program: TTTProgram, context: PassContext, transforms) -> dict:
+    """The mean ``‖T(X)‖_F / ‖X‖_F`` of every transform, as JSON."""
+    nodes = [n for t in transforms for n in (t.output, t.source)]
+    per_sample = update_chunk_values(context.calibration, program, nodes)
+    folded = {}
+    for k in range(len(transforms)):
+        ratios = []
+        for sample in per_sample:
+            ratios += _ratio(sample[2 * k], sample[2 * k + 1])
+        ratios = torch.cat(ratios) if ratios else torch.zeros(0)
+        folded[_key(program, transforms, k)] = ratios.mean().item()
+    return folded
+
+
+class RemoveMuon(Pass):
+    """Replace Newton–Schulz and increment normalisations by a scalar factor (Step 6)."""
+
+    name = "remove_muon"
+    step = 6
+    exact = False
+
+    def run(self, program: TTTProgram, context: PassContext) -> PassResult:
+        """Make every transform of an increment its input times the calibration mean scale."""
+        transforms = increment_transforms(program)
+        if not transforms:
+            return self.result("already_satisfied",
+                               "no Newton–Schulz iteration or normalisation on any state's "
+                               "increment")
+        folded, mode = resolve_folds(context, self.name,
+                                     lambda: _calibration_scale(program, context, transforms))
+        removed = []
+        for k, t in enumerate(transforms):
+            key = _key(program, transforms, k)
+            scale = float(folded_constant(folded, key, self.name, 1.0))
+            where = describe_node(t.core)
+            new = scaled(program, t.source, scale, t.source)
+            t.output.replace_all_uses_with(new)
+            removed.append(f"the {t.kind} on {program.states[t.state].name}'s increment "
+                           f"({where}): its input times {scale:.6g}")
+        program.recompile()
+        reason = "removed " + "; ".join(removed) + _how_folded(mode)
+        program.notes.append(f"remove_muon: {reason}")
+        return self.result("applied", reason, folded if mode in ("measure", "replay") else None)
+
+    def ensures(self, program: TTTProgram) -> None:
+        """No increment is orthogonalised or normalised any more."""
+        if increment_transforms(program):
+            raise AssertionError("remove_muon left a transform of an increment")
+
+
+def _how_folded(mode: str) -> str:
+    return {"unfolded": " (unfolded: the increment as it is)",
+            "no_calibration": " (no calibration data: the increment as it is, nothing folded)",
+            "replay": " (replayed: the mean scale the transform imposed on the increments)",
+            "measure": " (folded: the mean ‖T(X)‖_F/‖X‖_F over the calibration chunks)"}[mode]
+
+
+remove_muon = register(RemoveMuon())
+
+__all__ = ["RemoveMuon", "remove_muon", "increment_transforms", "IncrementTransform"]
