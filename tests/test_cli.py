@@ -12,7 +12,6 @@ import torch
 import ttt2la
 from ttt2la.cli import (EXIT_REFUSED, EXIT_UNSUPPORTED, ZOO, build_parser, build_zoo_model, main,
                         measure_throughput)
-from ttt2la.passes import implemented_level
 from ttt2la.report import ConversionReport, LayerReport, PassRecord, StateRecord
 
 def saved_report(tmp_path, **changes) -> str:
@@ -171,8 +170,7 @@ def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):
 
 
 def test_refused_conversion_exits_with_status_1(capsys):
-    level = implemented_level() + 1
-    if level > 6:
-        pytest.skip("every level is implemented")
-    assert main(["convert", "--zoo", "lact-layer", "--level", str(level)]) == EXIT_REFUSED
-    assert "LevelNotImplementedError" in capsys.readouterr().err
+    # a LaCT layer whose Θ is updated is not reducible at level 0, and convert is strict
+    assert main(["convert", "--zoo", "lact-layer", "--level", "0"]) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "NonReducibleError" in err and "freeze_theta (level >= 1)" in err
