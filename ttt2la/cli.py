@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "every implemented level; compare held-out loss and throughput")
     p.add_argument("--quick", action="store_true", help="less held-out text and shorter timing")
     p.add_argument("--sequences", type=_positive, default=None,
-                   help="held-out sequences to score and time (16; 4 with --quick)")
+                   help="held-out sequences to score and time (32; 4 with --quick)")
     p.add_argument("--length", type=_positive, default=None,
                    help="bytes per held-out sequence (256, the training length; 128 with --quick)")
     p.add_argument("--repeats", type=_positive, default=None,

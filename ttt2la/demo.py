@@ -22,14 +22,17 @@ from .testing import rel_rms_error
 class DemoSize:
     """How much held-out text the demo scores and times, and how long it times."""
 
-    sequences: int          # held-out sequences: the loss rows and the timed batch
+    sequences: int          # held-out sequences: the loss rows and the timed batch (32 x 256
+                            # are the rows the training script validated on)
     length: int             # bytes per sequence (the model was trained at 256)
     repeats: int            # at most this many timed rounds (at least 3) ...
     max_seconds: float      # ... or until this many seconds of timing have passed
 
 
-DEMO_SIZES = {"default": DemoSize(16, 256, repeats=15, max_seconds=20.0),
+DEMO_SIZES = {"default": DemoSize(32, 256, repeats=15, max_seconds=20.0),
               "quick": DemoSize(4, 128, repeats=5, max_seconds=5.0)}
+#: Exit status when this Python has too little standard-library source to score on.
+NO_HELD_OUT_TEXT = 2
 #: Chunks of held-out text in the example the conversion traces and checks on.
 EXAMPLE_CHUNKS = 4
 
@@ -186,7 +189,12 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
 
     trained = trained_char_lm()
     model, card = trained.model, trained.card
-    sequences = trained.validation_sequences(size.sequences, size.length)
+    try:
+        sequences = trained.validation_sequences(size.sequences, size.length)
+    except (OSError, ValueError) as e:       # a Python install without (enough) library source
+        err.print(f"ttt2la demo: no held-out text to score on: {e}", markup=False,
+                  highlight=False)
+        return NO_HELD_OUT_TEXT
     chunk = model.blocks[0].ttt.chunk_size
     example = (sequences[:1, : EXAMPLE_CHUNKS * chunk],)
     example_shape = f"1x{example[0].shape[1]}"
@@ -196,7 +204,8 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
               f"own source: {card['parameters']:,} parameters, {len(model.blocks)} LaCT "
               f"blocks, chunk {chunk}; {card['training']['steps']} steps on "
               f"{card['data']['train_files']} files (Python {card['data']['python']}); "
-              f"validation loss {v['loss']:.4f} nats/byte at training time (unigram "
+              f"validation loss {v['loss']:.4f} nats/byte at training time on "
+              f"{v['sequences']}x{v['sequence_length']} held-out bytes (unigram "
               f"{v['unigram_loss']:.4f}). Levels whose passes exist: "
               f"{', '.join(map(str, levels))}.", markup=False, highlight=False)
 
