@@ -4,8 +4,9 @@ The text is the Python standard library's own source files (every Python install
 split into train and validation by file (``ttt2la.zoo.trained.split_stdlib``); tokens are bytes.
 The model is ``ttt2la.zoo.TinyLaCTLM``: its only token mixers are LaCT layers, so everything a
 token knows about the text before its own chunk comes through the fast weights the TTT loop
-writes. Seeded and deterministic on one machine; the defaults take about ten minutes on two CPU
-cores. Writes ``NAME.safetensors``, ``NAME.config.json`` (the factory's keyword arguments) and
+writes. Seeded and deterministic on one machine; the defaults (400 steps of 16 x 256 bytes, one
+thread) take about ten minutes on an idle CPU core — the committed weights took 26 minutes on a
+2-core machine other jobs were loading to a load average of 10-17. Writes ``NAME.safetensors``, ``NAME.config.json`` (the factory's keyword arguments) and
 ``NAME.json`` (the card: factory, vocabulary, data, training facts, validation loss).
 
     python examples/train_char_lm.py                       # into ttt2la/zoo/weights/

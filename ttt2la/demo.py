@@ -228,7 +228,7 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
     out.print("summary:", markup=False)
     for row in rows[1:]:
         out.print(f"  {level_summary(row, rows[0], timings, example_shape)}", markup=False,
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     return 0
 
 
