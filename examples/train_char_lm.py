@@ -6,8 +6,9 @@ The model is ``ttt2la.zoo.TinyLaCTLM``: its only token mixers are LaCT layers, s
 token knows about the text before its own chunk comes through the fast weights the TTT loop
 writes. Seeded and deterministic on one machine; the defaults (400 steps of 16 x 256 bytes, one
 thread) take about ten minutes on an idle CPU core — the committed weights took 26 minutes on a
-2-core machine other jobs were loading to a load average of 10-17. Writes ``NAME.safetensors``, ``NAME.config.json`` (the factory's keyword arguments) and
-``NAME.json`` (the card: factory, vocabulary, data, training facts, validation loss).
+2-core machine other jobs were loading to a load average of 10-17. Writes ``NAME.safetensors``,
+``NAME.config.json`` (the factory's keyword arguments) and ``NAME.json`` (the card: factory,
+vocabulary, data, training facts, validation loss).
 
     python examples/train_char_lm.py                       # into ttt2la/zoo/weights/
     python examples/train_char_lm.py --steps 50 --out /tmp/lm   # a quick try
@@ -15,6 +16,7 @@ thread) take about ten minutes on an idle CPU core — the committed weights too
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -126,6 +128,15 @@ def train(args: argparse.Namespace) -> dict:
             "validation_files": len(val_files), "train_bytes": stream.numel()}
 
 
+def loss_without_ttt_updates(model: torch.nn.Module, val: torch.Tensor) -> float:
+    """Validation loss with every per-token learning rate pushed to zero (softplus of a very
+    negative number), so the fast weights keep their initial values: what the TTT loop adds."""
+    frozen = copy.deepcopy(model)
+    for block in frozen.blocks:
+        block.ttt.base_lr_inv = -1e4
+    return next_token_loss(frozen, val)
+
+
 def save(result: dict, args: argparse.Namespace) -> None:
     from safetensors.torch import save_model
 
@@ -157,6 +168,8 @@ def save(result: dict, args: argparse.Namespace) -> None:
         "validation": {"sequences": int(val.shape[0]), "sequence_length": args.length,
                        "loss": final, "perplexity": round(math.exp(final), 3),
                        "unigram_loss": round(unigram_loss(val), 4),
+                       "loss_without_ttt_updates": round(
+                           loss_without_ttt_updates(result["model"], val), 4),
                        "history": result["history"]},
     }
     (args.out / f"{args.name}.json").write_text(json.dumps(card, indent=2) + "\n")

@@ -49,6 +49,18 @@ def test_committed_model_beats_the_unigram_baseline_on_held_out_text(trained):
     assert math.isfinite(loss) and loss < baseline - 0.5, (loss, baseline)
 
 
+def test_the_ttt_loop_carries_what_the_model_knows_of_earlier_chunks(trained):
+    """With every per-token learning rate pushed to zero the fast weights never change, and the
+    model, whose only token mixers are its LaCT layers, predicts held-out text worse."""
+    import copy
+
+    rows = trained.validation_sequences(4)
+    frozen = copy.deepcopy(trained.model)
+    for block in frozen.blocks:
+        block.ttt.base_lr_inv = -1e4
+    assert next_token_loss(trained.model, rows) < next_token_loss(frozen, rows) - 0.02
+
+
 def test_unigram_loss_of_a_text_with_two_equally_frequent_bytes_is_log_2():
     rows = torch.tensor([[7, 65, 66, 65, 66]])        # targets: A B A B
     assert unigram_loss(rows) == pytest.approx(math.log(2))

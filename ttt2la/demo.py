@@ -206,7 +206,8 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
               f"{card['data']['train_files']} files (Python {card['data']['python']}); "
               f"validation loss {v['loss']:.4f} nats/byte at training time on "
               f"{v['sequences']}x{v['sequence_length']} held-out bytes (unigram "
-              f"{v['unigram_loss']:.4f}). Levels whose passes exist: "
+              f"{v['unigram_loss']:.4f}; {v['loss_without_ttt_updates']:.4f} with the fast "
+              f"weights never updated). Levels whose passes exist: "
               f"{', '.join(map(str, levels))}.", markup=False, highlight=False)
 
     with progress_factory(err) as progress:
