@@ -150,14 +150,49 @@ def test_measure_throughput_times_every_model():
 
 
 # -- end to end ----------------------------------------------------------------------------------
-def test_demo_quick_runs_end_to_end(capsys):
+def _table_rows(text: str) -> dict[str, list[str]]:
+    """The first line of every row of a rich table, keyed by its first cell."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if cells and cells[0]:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_demo_quick_converts_the_trained_model_and_scores_every_level(capsys):
+    from ttt2la.demo import EXAMPLE_CHUNKS, implemented_levels
+    from ttt2la.zoo.trained import next_token_loss, trained_char_lm, unigram_loss
+
     assert main(["demo", "--quick", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.count("ttt2la conversion report") == 3
-    for level in (0, 1, 2):
-        assert f"at level {level}" in out
-        assert f"level {level}" in out.split("throughput")[-1]
-    assert "tokens/s" in out
+    levels = implemented_levels()
+    assert {0, 1, 2} <= set(levels)
+    assert out.count("ttt2la conversion report") == len(levels)
+    table, summary = out.split("held-out loss and throughput")[-1].split("summary:")
+    assert "on the same 4x128 bytes" in table
+    rows = _table_rows(table)
+    assert set(rows) == {"original"} | {f"level {k}" for k in levels}
+    # the original's loss, recomputed here on the same held-out rows, beats a unigram model
+    trained = trained_char_lm()
+    held_out = trained.validation_sequences(4, 128)
+    loss = next_token_loss(trained.model, held_out)
+    assert rows["original"][2] == f"{loss:.4f}" and loss < unigram_loss(held_out) - 0.5
+    exact, _, level0_loss, delta, *_ = rows["level 0"]
+    assert (exact, level0_loss, delta) == ("yes", f"{loss:.4f}", "+0.0000")
+    for name, cells in rows.items():
+        assert float(cells[6].replace(",", "")) > 0              # tokens/s
+        if name in ("level 1", "level 2"):
+            assert cells[0] == "no (lossy)" and float(cells[3]) == pytest.approx(
+                float(cells[2]) - loss, abs=2e-4)
+    assert "level 0: exact" in summary
+    assert "level 1: lossy by design (freeze_theta removes" in summary
+    assert "level 2: lossy by design (freeze_theta, drop_norm remove" in summary
+    # every drift figure names the inputs it was measured on
+    assert summary.count("on the held-out text") == len(levels)
+    example = f"on the 1x{EXAMPLE_CHUNKS * trained.model.blocks[0].ttt.chunk_size} conversion"
+    assert summary.count(example) == len(levels) - 1
+    assert "converted exactly" not in summary
 
 
 def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):

@@ -118,27 +118,6 @@ def build_zoo_model(name: str, seed: int = 0) -> torch.nn.Module:
     return ZOO[name].build().eval()
 
 
-@dataclass(frozen=True)
-class DemoSize:
-    """Model and run sizes of ``ttt2la demo``."""
-
-    d_model: int
-    n_layers: int
-    num_heads: int
-    chunk_size: int
-    batch: int
-    length: int
-    repeats: int            # at most this many timed rounds (at least 3) ...
-    max_seconds: float      # ... or until this many seconds of timing have passed
-
-
-# Converting traces the layer's loop a few times per level, and tracing Newton-Schulz dominates
-# that: one block without Muon keeps the default demo well under a minute on 2 cores.
-DEMO_SIZES = {"default": DemoSize(64, 1, 2, 64, batch=2, length=2048, repeats=15,
-                                  max_seconds=20.0),
-              "quick": DemoSize(32, 1, 2, 16, batch=1, length=256, repeats=7, max_seconds=5.0)}
-
-
 # -- throughput ---------------------------------------------------------------------------------
 def measure_throughput(models: dict[str, Callable], inputs: tuple, units: float, *,
                        repeats: int = 15, warmup: int = 2, max_seconds: float = 60.0,
@@ -279,31 +258,17 @@ def _convert_at_levels(model: torch.nn.Module, levels: Sequence[tuple[int, bool]
 
 
 def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Convert a small seeded LaCT language model at levels 0, 1 and 2 and compare their speed."""
-    size = DEMO_SIZES["quick" if args.quick else "default"]
-    length, repeats = args.length or size.length, args.repeats or size.repeats
-    torch.manual_seed(args.seed)
-    model = _lact_lm(d_model=size.d_model, n_layers=size.n_layers, num_heads=size.num_heads,
-                     chunk_size=size.chunk_size, muon=args.muon)().eval()
-    inputs = _token_ids(size.batch, length, torch.Generator().manual_seed(args.seed))
-    # conversion needs only a few chunks; the converted models then run at any length
-    example = (inputs[0][:, : 4 * size.chunk_size],)
-    _say(out, f"LaCT language model, seed {args.seed}: "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"chunk {size.chunk_size}, {'with' if args.muon else 'without'} Muon, "
-              f"inputs {size.batch}x{length}")
+    """Convert the committed trained character LM at every implemented level; show each report,
+    the held-out loss beside the original's, and tokens/s side by side (``ttt2la.demo``)."""
+    from dataclasses import replace
 
-    converted = _convert_at_levels(model, ((0, False), (1, True), (2, True)), example, "auto",
-                                   err)
-    for result in converted.values():
-        _print_report(out, result.ttt2la_report, args.markdown)
-        out.print()
-    with _progress(err) as progress:
-        table = throughput_table(model, converted, inputs, repeats=repeats,
-                                 max_seconds=args.max_seconds or size.max_seconds,
-                                 progress=progress)
-    out.print(table)
-    return 0
+    from .demo import DEMO_SIZES, run_demo
+
+    size = DEMO_SIZES["quick" if args.quick else "default"]
+    size = replace(size, sequences=args.sequences or size.sequences,
+                   length=args.length or size.length, repeats=args.repeats or size.repeats,
+                   max_seconds=args.max_seconds or size.max_seconds)
+    return run_demo(size, out, err, _progress, args.markdown, _print_report)
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -463,16 +428,16 @@ def build_parser() -> argparse.ArgumentParser:
                            help="refuse a layer that is not reducible at the level instead of "
                                 "running it recurrently")
 
-    p = add("demo", cmd_demo, "convert a small seeded LaCT language model at levels 0, 1 and 2 "
-                              "and compare throughput")
-    p.add_argument("--quick", action="store_true", help="a very small model and run")
-    p.add_argument("--muon", action="store_true",
-                   help="give the LaCT layer Muon, as published (converting then takes minutes)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
-    p.add_argument("--length", type=_positive, default=None, help="sequence length")
+    p = add("demo", cmd_demo, "convert a small trained character-level LaCT language model at "
+                              "every implemented level; compare held-out loss and throughput")
+    p.add_argument("--quick", action="store_true", help="less held-out text and shorter timing")
+    p.add_argument("--sequences", type=_positive, default=None,
+                   help="held-out sequences to score and time (32; 4 with --quick)")
+    p.add_argument("--length", type=_positive, default=None,
+                   help="bytes per held-out sequence (256, the training length; 128 with --quick)")
     p.add_argument("--repeats", type=_positive, default=None,
                    help="at most this many timed rounds, each running every model once "
-                        "(15; 7 with --quick)")
+                        "(15; 5 with --quick)")
     p.add_argument("--max-seconds", type=_seconds, default=None,
                    help="stop timing after this many seconds, once 3 rounds are done "
                         "(20; 5 with --quick)")

@@ -5,6 +5,7 @@ from .lact_published import LaCTPublishedLayer
 from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
+from .trained import trained_char_lm
 
 
 def lact_layer(style: str = "folded", **kw):
@@ -16,4 +17,4 @@ def lact_layer(style: str = "folded", **kw):
 
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer"]
+           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer", "trained_char_lm"]
