@@ -1,8 +1,9 @@
 """Steps 4–6 (absorb_lr, remove_momentum, remove_muon): their rewrites, statuses, folds measured
 on calibration data against hand computations, replay, and ``convert`` at levels 4–6.
 
-Step 3 (collapse_mlp) is registered by its own pass; until it is, these tests stand in for it
-with a pass that changes nothing (``already_satisfied``) and restore the registry afterwards.
+Step 3 (collapse_mlp) has its own tests; here it is stood in for by a pass that changes nothing
+(``already_satisfied``), so steps 4–6 are seen alone on the SwiGLU kernel, and the registry is
+restored afterwards.
 References are hand-written loops with their own literal constants (``references.py``).
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ FP32 = TOLERANCE[torch.float32]
 
 
 class StandInCollapse(Pass):
-    """Step 3 as a pass that changes nothing, until collapse_mlp is registered."""
+    """Step 3 as a pass that changes nothing: steps 4–6 seen alone."""
 
     name, step, exact = "collapse_mlp", 3, False
 
@@ -42,10 +43,11 @@ class StandInCollapse(Pass):
 @pytest.fixture(scope="module", autouse=True)
 def step3():
     previous = get_pass(3)
-    if not previous.implemented:
-        register(StandInCollapse())
-    yield
-    register(previous)
+    register(StandInCollapse())
+    try:
+        yield
+    finally:
+        register(previous)
 
 
 def calibration_for(program, L, seed=0):
