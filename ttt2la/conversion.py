@@ -34,6 +34,7 @@ from .lowering.check import check_plan, needs_float64_reference, recurrent_refer
 from .passes import run_level
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .testing import rel_rms_error, tolerance
+from .validation import check_call
 
 MAX_LEVEL = 6
 IMPLEMENTED_LEVEL = 2
@@ -323,6 +324,7 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     ``strict=True`` raises ``NonReducibleError`` when a loop is not reducible at ``level``;
     ``strict=False`` keeps such loops on the recurrent executor and says so in the report.
     """
+    check_call(model, level, example_inputs, example_kwargs, backend)
     _check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
@@ -392,6 +394,7 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
 
     Prints the report (``show=False`` to only return it); ``model`` is not modified.
     """
+    check_call(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     reports = []
     for rl in layers:
