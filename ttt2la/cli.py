@@ -633,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args, out, err)
     except (InvalidInputError, CheckpointError) as e:
-        _say(err, f"ttt2la {args.command}: {_one_line(e)}")
+        _say(err, f"ttt2la {args.command}: {type(e).__name__}: {_one_line(e)}")
         return EXIT_BAD_INPUT
     except ConversionError as e:
         _say(err, f"ttt2la {args.command}: {type(e).__name__}: {e}")

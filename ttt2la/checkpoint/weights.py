@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
+import warnings
 
 from pathlib import Path
 
@@ -96,12 +98,14 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 def _read_pickled(file: Path) -> dict[str, torch.Tensor]:
     try:
-        data = torch.load(str(file), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():      # torch warns about pickle protocols it may not read
+            warnings.simplefilter("ignore")
+            data = torch.load(str(file), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"{file}: refused, this pickle would run code to load (it names objects other than "
-            f"tensors: {_why(e).splitlines()[0]}); re-save its tensors with "
-            "safetensors.torch.save_file from code you trust") from e
+            f"tensors{_unpickler_global(e)}); if you trust it, re-save its tensors with "
+            "safetensors.torch.save_file") from e
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({_why(e)})") from e
     except Exception as e:       # truncated zip archives, bad magic numbers ...
@@ -116,6 +120,12 @@ def _read_pickled(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file}: holds a {type(data).__name__}, not a state dict of "
                               "named tensors")
     return data
+
+
+def _unpickler_global(e: BaseException) -> str:
+    """``": GLOBAL io.open"``: what the refused pickle names, from torch's unpickler message."""
+    found = re.search(r"Unsupported global: (GLOBAL [\w.]+)", str(e))
+    return f": {found.group(1)}" if found else ""
 
 
 def _why(e: BaseException) -> str:
