@@ -232,6 +232,21 @@ def test_factory_checkpoint_round_trip_is_exact(factory_checkpoint):
     assert len(manifest["source"]["sha256"]) == 64
 
 
+def test_a_bundled_model_by_name(tmp_path, capsys):
+    """``ttt2la convert NAME`` works as ``--zoo NAME`` did; its checkpoint records the name."""
+    from ttt2la.cli import ZOO, build_zoo_model
+
+    out = tmp_path / "per-token"
+    assert main(["convert", "per-token", "--level", "0", "--length", "8", "--out", str(out)]) == 0
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["recipe"] == {"kind": "zoo", "name": "per-token"}
+    loaded = ttt2la.load(out)
+    x = ZOO["per-token"].example_inputs(2, 12, seed=3)[0]
+    in_memory = ttt2la.convert(build_zoo_model("per-token"), level=0,
+                               example_inputs=ZOO["per-token"].example_inputs(1, 8))
+    assert_same_outputs(in_memory, loaded, [x])
+
+
 def test_a_converted_checkpoint_converts_again(factory_checkpoint, tmp_path, capsys):
     """A converted directory is itself a checkpoint: its recipe builds the model."""
     _in_memory, out = factory_checkpoint
@@ -282,9 +297,11 @@ def hf_checkpoint(hf_classes, tmp_path_factory):
     model.save_pretrained(root / "source", max_shard_size="20KB")
     assert (root / "source" / "model.safetensors.index.json").is_file()
     out = root / "converted"
-    assert main(["convert", str(root / "source"), "--level", "1", "--example-shape", "1,64",
-                 "--out", str(out)]) == 0
-    in_memory = ttt2la.convert(model, level=1, example_inputs=(token_ids(1, 64, seed=0),))
+    example = token_ids(1, 64, seed=11)
+    save_file({"0": example}, str(root / "ids.safetensors"))
+    assert main(["convert", str(root / "source"), "--level", "1", "--example-inputs",
+                 str(root / "ids.safetensors"), "--out", str(out)]) == 0
+    in_memory = ttt2la.convert(model, level=1, example_inputs=(example,))
     return transformers, model, in_memory, out
 
 
@@ -295,6 +312,8 @@ def test_hf_directory_round_trip_is_exact(hf_checkpoint):
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["recipe"]["kind"] == "hf"
     assert manifest["recipe"]["auto_class"] == "AutoModelForCausalLM"
+    assert manifest["example_inputs"]["kind"] == "file"      # the tensors kept beside the weights
+    assert (out / manifest["example_inputs"]["file"]).is_file()
     assert len(manifest["source"]["files"]) > 1          # every shard hashed
 
 

@@ -392,9 +392,6 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise InvalidInputError("bench times positional example inputs only; --example-inputs "
                                 f"{args.example_inputs} holds keyword inputs "
                                 f"({', '.join(kwargs)})")
-    if inputs is None:
-        raise InvalidInputError("bench needs example inputs to time: pass --example-shape or "
-                                "--example-inputs")
     converted = _convert_at_levels(model, [(level, args.strict) for level in args.levels],
                                    inputs, args.backend, err)
     with _progress(err) as progress:
@@ -414,10 +411,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse output paths that cannot be written before any work is done."""
     from .checkpoint import check_output_dir
 
+    _bundled_name_as_zoo(args)
     if getattr(args, "json", None):
         check_writable(args.json, "--json")
     if getattr(args, "out", None):
-        inputs = [args.checkpoint] if args.checkpoint and not args.zoo else []
+        inputs = [args.checkpoint] if args.checkpoint else []
         inputs += [p for p in (args.example_inputs, args.config) if p]
         check_output_dir(Path(args.out), force=args.force, inputs=inputs)
 
@@ -428,8 +426,7 @@ def _open_source(args: argparse.Namespace, err: Console):
     from .checkpoint.example_inputs import build_inputs, read_inputs, spec_from_shape
     from .checkpoint.recipe import read_config
 
-    if args.zoo is None and args.checkpoint in ZOO and not Path(args.checkpoint).exists():
-        args.zoo, args.checkpoint = args.checkpoint, None
+    _bundled_name_as_zoo(args)
     if args.zoo is not None and args.checkpoint:
         raise InvalidInputError(f"name either a checkpoint ({args.checkpoint}) or --zoo "
                                 f"{args.zoo}, not both")
@@ -464,6 +461,12 @@ def _open_source(args: argparse.Namespace, err: Console):
     else:
         spec = _default_spec(model, args)
     return source, spec, build_inputs(spec)
+
+
+def _bundled_name_as_zoo(args: argparse.Namespace) -> None:
+    """``ttt2la convert lact-lm``: a bundled model's name (not a path) in place of a checkpoint."""
+    if args.zoo is None and args.checkpoint in ZOO and not Path(args.checkpoint).exists():
+        args.zoo, args.checkpoint = args.checkpoint, None
 
 
 def _default_spec(model: torch.nn.Module, args: argparse.Namespace) -> dict:

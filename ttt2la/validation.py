@@ -82,9 +82,12 @@ def check_example_inputs(model: torch.nn.Module, example_inputs, example_kwargs=
 
 
 def _name(path) -> str:
+    """``#0`` for the first positional example input, ``'mask'`` for a keyword one."""
     keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
-    return (f"{keys[1]!r}" if keys and keys[0] == 1 else f"#{keys[1]}") if len(keys) > 1 \
-        else str(keys)
+    if len(keys) < 2:
+        return "?"
+    return (f"#{keys[1]}" if keys[0] == 0 else repr(keys[1])) + \
+        "".join(f"[{k!r}]" for k in keys[2:])
 
 
 def _describe(t) -> str:
