@@ -34,7 +34,7 @@ from .lowering.check import check_plan, needs_float64_reference, recurrent_refer
 from .passes import run_level
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .testing import rel_rms_error, tolerance
-from .validation import check_call
+from .validation import check_call, check_runs
 
 MAX_LEVEL = 6
 IMPLEMENTED_LEVEL = 2
@@ -324,11 +324,12 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     ``strict=True`` raises ``NonReducibleError`` when a loop is not reducible at ``level``;
     ``strict=False`` keeps such loops on the recurrent executor and says so in the report.
     """
-    check_call(model, level, example_inputs, example_kwargs, backend)
+    check_call(model, level, example_inputs, example_kwargs, backend, run=False)
     _check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
     target = model if inplace else copy.deepcopy(model)
+    check_runs(target, example_inputs, example_kwargs)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
     cal = calibration
     built = []

@@ -24,17 +24,19 @@ class InvalidInputError(ConversionError, ValueError):
     written."""
 
 
-def check_call(model, level=None, example_inputs=None, example_kwargs=None,
-               backend=None) -> None:
+def check_call(model, level=None, example_inputs=None, example_kwargs=None, backend=None, *,
+               run: bool = True) -> None:
     """Everything ``convert`` (with ``level`` and ``backend``) or ``inspect`` (without) needs of
-    its arguments: a module, a level 0–6, a known backend, and finite example inputs on which
-    the model itself runs."""
+    its arguments: a module, a level 0–6, a known backend, finite example inputs and — with
+    ``run`` — a model that runs on them (see ``check_runs``)."""
     check_model(model)
     if level is not None or backend is not None:
         check_level(level)
         check_backend(backend)
     if example_inputs is not None or example_kwargs:
-        check_example_inputs(model, example_inputs, example_kwargs)
+        check_finite(example_inputs, example_kwargs)
+        if run:
+            check_runs(model, example_inputs, example_kwargs)
 
 
 def check_model(model) -> None:
@@ -55,12 +57,15 @@ def check_backend(backend) -> None:
                                 f"{backend!r}")
 
 
-def check_example_inputs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> None:
-    """Refuse example inputs with NaN or inf, and inputs the model itself fails on: one eager
-    forward pass (compiled code run eagerly), so its own error is shown, not a trace's."""
+def _arguments(example_inputs, example_kwargs) -> tuple[tuple, dict]:
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
         tuple(example_inputs if example_inputs is not None else ())
-    kwargs = dict(example_kwargs or {})
+    return args, dict(example_kwargs or {})
+
+
+def check_finite(example_inputs, example_kwargs=None) -> None:
+    """Refuse example inputs with NaN or inf: the conversion is checked on them."""
+    args, kwargs = _arguments(example_inputs, example_kwargs)
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
                 not bool(torch.isfinite(leaf).all()):
@@ -69,6 +74,15 @@ def check_example_inputs(model: torch.nn.Module, example_inputs, example_kwargs=
                 f"example input {_name(path)} holds {bad} NaN or infinite value(s); ttt2la "
                 "compares the converted model with the original on the example inputs, which "
                 "needs finite values")
+
+
+def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> None:
+    """Refuse example inputs the model itself fails on: one eager forward pass without
+    gradients (compiled code run eagerly), so the model's own error is shown, not a trace's.
+    ``convert`` calls it on its copy of the model, so the caller's model is not run."""
+    if example_inputs is None and not example_kwargs:
+        return
+    args, kwargs = _arguments(example_inputs, example_kwargs)
     try:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             model(*args, **kwargs)
@@ -128,4 +142,4 @@ def check_writable(path, what: str) -> Path:
 
 
 __all__ = ["InvalidInputError", "check_call", "check_model", "check_level", "check_backend",
-           "check_example_inputs", "check_writable"]
+           "check_finite", "check_runs", "check_writable"]
