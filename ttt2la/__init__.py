@@ -4,15 +4,23 @@
     print(converted.ttt2la_report)
     ttt2la.inspect(model, example_inputs=(x,))
     print(ttt2la.sweep(model, calibration=(x,)).to_markdown())
+    ttt2la.save(converted, "out/", example_inputs=(x,), factory="pkg.mod:build")
+    again = ttt2la.load("out/")
 """
+from .checkpoint import load, save
+from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
+                                WeightMismatchError)
 from .conversion import convert, inspect
 from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
                      PlanFallbackError, UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 from .sweep import SweepReport, sweep
+from .validation import InvalidInputError
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
+__all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInputError",
+           "CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
+           "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "__version__"]

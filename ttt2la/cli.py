@@ -1,12 +1,17 @@
 """The ``ttt2la`` command line: ``demo``, ``inspect``, ``convert``, ``report`` and ``bench``.
 
-Models come from the bundled zoo (``--zoo NAME``) for now; loading and saving user checkpoints is
-not implemented yet, and the commands that would need it say so and exit with status 2.
+Models come from a checkpoint — a Hugging Face directory, a state dict with ``--model
+pkg.module:factory``, a converted checkpoint directory — or from the bundled zoo (``--zoo NAME``,
+or the name in place of the checkpoint). ``convert --out DIR`` writes a converted checkpoint that
+``ttt2la.load`` rebuilds. Bad input (a missing or corrupt file, weights that do not fit, an
+output path that exists ...) is answered with one line naming what and where, exit status 2,
+and nothing written; so is an interruption (Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from dataclasses import dataclass
@@ -18,12 +23,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .checkpoint.errors import CheckpointError
 from .errors import ConversionError
 from .report import ConversionReport, InspectionReport, load_report
 from .timing import Timing, time_side_by_side
+from .validation import InvalidInputError, check_writable
 
-#: Exit status of a command whose machinery does not exist yet, or of a command line misuse.
-EXIT_UNSUPPORTED = 2
+#: Exit status of bad input (a command line misuse, a file that cannot be read or written, a
+#: checkpoint that does not fit its model) and of an interruption; nothing is written.
+EXIT_BAD_INPUT = 2
+#: The same status, under its former name.
+EXIT_UNSUPPORTED = EXIT_BAD_INPUT
 #: Exit status when a conversion, an inspection or a report file is refused.
 EXIT_REFUSED = 1
 
@@ -235,8 +245,14 @@ def _print_report(console: Console, report, markdown: bool) -> None:
 
 
 def _save_json(report, path: str | None, console: Console) -> None:
+    """Write the report as JSON to ``path`` (through a temporary file, so never half-written)."""
     if path:
-        Path(path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        tmp = Path(path).with_name(f".{Path(path).name}.partial")
+        try:
+            tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         _say(console, f"report written to {path}")
 
 
@@ -272,46 +288,56 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Print what ``ttt2la.inspect`` finds in a bundled model: loops, states and the verdict per level."""
-    refused = _refuse_without_zoo(args, err, "inspecting a checkpoint file")
-    if refused:
-        return refused
+    """Print what ``ttt2la.inspect`` finds in a model: loops, states and the verdict per level."""
     import ttt2la
 
-    model = build_zoo_model(args.zoo, args.seed)
-    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
-    with err.status(f"inspecting {args.zoo}"):
-        report: InspectionReport = ttt2la.inspect(model, example_inputs=inputs, show=False)
+    _check_outputs(args)
+    model, spec, (inputs, kwargs) = _open_model(args, err)
+    with err.status(f"inspecting {_model_name(args)}"):
+        report: InspectionReport = ttt2la.inspect(model, example_inputs=inputs,
+                                                  example_kwargs=kwargs, show=False)
     _print_report(out, report, args.markdown)
     _save_json(report, args.json, err)
     return 0
 
 
 def cmd_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Convert a bundled model at a level and print (and optionally save) the conversion report."""
-    refused = _refuse_without_zoo(args, err, "converting a checkpoint file")
-    if refused:
-        return refused
-    if args.output:
-        return _unsupported(err, "saving a converted model (--output)")
+    """Convert a model at a level, print the conversion report and optionally save the converted
+    checkpoint (``--out``) and the report as JSON (``--json``)."""
     import ttt2la
+    from .checkpoint import write_checkpoint
 
-    model = build_zoo_model(args.zoo, args.seed)
-    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
-    with err.status(f"converting {args.zoo} at level {args.level}"):
-        converted = ttt2la.convert(model, level=args.level, example_inputs=inputs,
-                                   backend=args.backend, strict=args.strict)
+    _check_outputs(args)
+    source, spec, (inputs, kwargs) = _open_source(args, err)
+    with err.status(f"converting {_model_name(args)} at level {args.level}"):
+        converted = ttt2la.convert(source.model, level=args.level, example_inputs=inputs,
+                                   example_kwargs=kwargs, backend=args.backend,
+                                   strict=args.strict)
     report: ConversionReport = converted.ttt2la_report
     _print_report(out, report, args.markdown)
+    if args.out:
+        with err.status(f"writing {args.out}"):
+            write_checkpoint(converted, args.out, recipe=source.recipe, spec=spec,
+                             source=source.info, inputs=(inputs, kwargs), force=args.force,
+                             hf_dir=source.hf_dir)
+        _say(err, f"converted checkpoint written to {args.out} (reload with ttt2la.load)")
     _save_json(report, args.json, err)
     return 0
 
 
 def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Render a report saved as JSON by ``convert --json`` or ``inspect --json``."""
+    """Render a report saved as JSON by ``convert --json`` or ``inspect --json``, or the one in a
+    converted checkpoint directory."""
+    from .checkpoint import MANIFEST_NAME, Manifest
+
     path = Path(args.path)
+    if path.is_dir():
+        _print_report(out, load_report(Manifest.read(path).report), args.markdown)
+        return 0
     if path.suffix != ".json":
-        return _unsupported(err, f"reading the report stored in a checkpoint ({path.name})")
+        _say(err, f"ttt2la report: {path}: not a JSON report nor a converted checkpoint "
+                  f"directory (one holding {MANIFEST_NAME})")
+        return EXIT_BAD_INPUT
     try:
         data = json.loads(path.read_text())
     except OSError as e:
@@ -325,12 +351,12 @@ def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Measure tokens/s of a bundled model and of its conversions at the given levels."""
-    refused = _refuse_without_zoo(args, err, "benchmarking a checkpoint file")
-    if refused:
-        return refused
-    model = build_zoo_model(args.zoo, args.seed)
-    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
+    """Measure tokens/s of a model and of its conversions at the given levels."""
+    model, _spec, (inputs, kwargs) = _open_model(args, err)
+    if kwargs:
+        raise InvalidInputError("bench times positional example inputs only; --example-inputs "
+                                f"{args.example_inputs} holds keyword inputs "
+                                f"({', '.join(kwargs)})")
     converted = _convert_at_levels(model, [(level, args.strict) for level in args.levels],
                                    inputs, args.backend, err)
     with _progress(err) as progress:
@@ -387,9 +413,95 @@ def _refuse_without_zoo(args: argparse.Namespace, err: Console, checkpoint_use: 
 
 
 def _unsupported(err: Console, what: str) -> int:
-    _say(err, f"ttt2la: {what} is not implemented yet: checkpoint loading and saving do not exist "
-              "in this version. Use --zoo NAME to work on a bundled model.")
+    _say(err, f"ttt2la: {what} is not implemented yet. Use --zoo NAME to work on a bundled "
+              "model.")
     return EXIT_UNSUPPORTED
+
+
+# -- models and inputs named on the command line ------------------------------------------------
+def _model_name(args: argparse.Namespace) -> str:
+    return args.zoo or args.checkpoint
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse output paths that cannot be written before any work is done."""
+    from .checkpoint import check_output_dir
+
+    _bundled_name_as_zoo(args)
+    if getattr(args, "json", None):
+        check_writable(args.json, "--json")
+    if getattr(args, "out", None):
+        inputs = [args.checkpoint] if args.checkpoint else []
+        inputs += [p for p in (args.example_inputs, args.config) if p]
+        check_output_dir(Path(args.out), force=args.force, inputs=inputs)
+
+
+def _open_source(args: argparse.Namespace, err: Console):
+    """The source model of the command line, its example-input spec and the inputs themselves."""
+    from .checkpoint import open_checkpoint, open_zoo
+    from .checkpoint.example_inputs import build_inputs, read_inputs, spec_from_shape
+    from .checkpoint.recipe import read_config
+
+    _bundled_name_as_zoo(args)
+    if args.zoo is not None and args.checkpoint:
+        raise InvalidInputError(f"name either a checkpoint ({args.checkpoint}) or --zoo "
+                                f"{args.zoo}, not both")
+    if args.zoo is None and not args.checkpoint:
+        raise InvalidInputError("name a model: a checkpoint (a Hugging Face directory, a state "
+                                "dict with --model pkg.module:factory, a converted checkpoint) "
+                                f"or --zoo NAME, one of: {', '.join(sorted(ZOO))}")
+    if args.config and not args.model:
+        raise InvalidInputError(f"--config {args.config}: holds keyword arguments for --model "
+                                "pkg.module:factory, which is missing")
+    if args.example_shape and args.example_inputs:
+        raise InvalidInputError("pass --example-shape or --example-inputs, not both")
+    inputs_file = read_inputs(Path(args.example_inputs)) if args.example_inputs else None
+    with err.status(f"reading {_model_name(args)}"):
+        if args.zoo is not None:
+            if args.model:
+                raise InvalidInputError(f"--model {args.model}: a bundled model is built by "
+                                        "ttt2la itself; --model goes with a state dict file")
+            source = open_zoo(args.zoo, args.seed)
+        else:
+            kwargs = read_config(Path(args.config)) if args.config else None
+            source = open_checkpoint(args.checkpoint, factory=args.model, kwargs=kwargs,
+                                     trust_remote_code=args.trust_remote_code)
+    model = source.model
+    if inputs_file is not None:
+        return source, {"kind": "file"}, inputs_file
+    if args.example_shape:
+        spec = spec_from_shape(model, args.example_shape, args.seed)
+    elif args.zoo is not None:
+        spec = {"kind": "zoo", "name": args.zoo, "batch": args.batch,
+                "length": args.length or ZOO[args.zoo].length, "seed": args.seed}
+    else:
+        spec = _default_spec(model, args)
+    return source, spec, build_inputs(spec)
+
+
+def _bundled_name_as_zoo(args: argparse.Namespace) -> None:
+    """``ttt2la convert lact-lm``: a bundled model's name (not a path) in place of a checkpoint."""
+    if args.zoo is None and args.checkpoint in ZOO and not Path(args.checkpoint).exists():
+        args.zoo, args.checkpoint = args.checkpoint, None
+
+
+def _default_spec(model: torch.nn.Module, args: argparse.Namespace) -> dict:
+    from .checkpoint.example_inputs import first_embedding, spec_from_shape
+
+    if first_embedding(model) is None:
+        raise InvalidInputError(f"{args.checkpoint}: {type(model).__name__} does not start with "
+                                "an embedding, so its inputs cannot be guessed: pass "
+                                "--example-shape B,L,D or --example-inputs FILE.safetensors")
+    return spec_from_shape(model, (args.batch, args.length or DEFAULT_LENGTH), args.seed)
+
+
+def _open_model(args: argparse.Namespace, err: Console):
+    source, spec, inputs = _open_source(args, err)
+    return source.model, spec, inputs
+
+
+#: Sequence length of the token ids made up for a checkpoint that starts with an embedding.
+DEFAULT_LENGTH = 256
 
 
 # -- argument parsing ---------------------------------------------------------------------------
@@ -407,14 +519,30 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def model_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint", nargs="?", help="a model checkpoint (not supported yet)")
+        p.add_argument("checkpoint", nargs="?", metavar="MODEL",
+                       help="a Hugging Face model directory (config.json + safetensors), a state "
+                            "dict (.safetensors, .pt, .bin) with --model, a converted checkpoint "
+                            "directory, or a bundled model name")
+        p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                       help="the function that builds the state dict's model")
+        p.add_argument("--config", metavar="JSON", help="keyword arguments for --model, as a "
+                                                         "JSON object")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="allow a Hugging Face directory's own code (auto_map) to run")
         p.add_argument("--zoo", choices=sorted(ZOO),
                        help="a bundled model: " + "; ".join(f"{k}: {v.description}"
                                                            for k, v in ZOO.items()))
+        p.add_argument("--example-shape", type=_shape, metavar="B,L[,D]",
+                       help="example inputs of this shape: token ids when the model starts "
+                            "with an embedding (B,L), standard-normal features otherwise (B,L,D)")
+        p.add_argument("--example-inputs", metavar="FILE",
+                       help="example inputs in a .safetensors file: tensors named 0, 1, ... "
+                            "are positional, others keyword arguments")
         p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
         p.add_argument("--batch", type=_positive, default=1, help="example batch size (1)")
         p.add_argument("--length", type=_positive, default=None,
-                       help="example sequence length (the zoo model's default)")
+                       help=f"example sequence length (the zoo model's default, "
+                            f"{DEFAULT_LENGTH} for a checkpoint)")
 
     def conversion_options(p: argparse.ArgumentParser, strict: bool) -> None:
         p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
@@ -453,13 +581,16 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(p)
     p.add_argument("--level", type=_level, default=2, help="simplification level 0-6 (2)")
     conversion_options(p, strict=True)
-    p.add_argument("--output", metavar="PATH", help="save the converted model (not supported yet)")
+    p.add_argument("--out", "--output", dest="out", metavar="DIR",
+                   help="write the converted checkpoint to this new directory (model.safetensors, "
+                        "ttt2la.json, report.md)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
-    p = add("report", cmd_report, "render a report saved with --json")
+    p = add("report", cmd_report, "render a report saved with --json or in a converted checkpoint")
     p.add_argument("path", help="a JSON report written by `ttt2la convert --json` or "
-                                "`ttt2la inspect --json`")
+                                "`ttt2la inspect --json`, or a converted checkpoint directory")
     p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
     p = add("bench", cmd_bench, "measure tokens/s of a model and of its conversions")
@@ -505,8 +636,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) not in (2, 3) or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected B,L or B,L,D of positive integers, got {text}")
+    return shape
+
+
 def _level(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"levels run from 0 to 6, got {text}") from None
     if not 0 <= value <= 6:
         raise argparse.ArgumentTypeError(f"levels run from 0 to 6 (the paper's steps), got {text}")
     return value
@@ -524,11 +668,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     out, err = Console(width=None if sys.stdout.isatty() else 160), Console(stderr=True)
     try:
         return args.func(args, out, err)
+    except (InvalidInputError, CheckpointError) as e:
+        _say(err, f"ttt2la {args.command}: {type(e).__name__}: {_one_line(e)}")
+        return EXIT_BAD_INPUT
     except ConversionError as e:
         _say(err, f"ttt2la {args.command}: {type(e).__name__}: {e}")
         return EXIT_REFUSED
+    except KeyboardInterrupt:
+        _say(err, f"ttt2la {args.command}: interrupted; nothing was written")
+        return EXIT_BAD_INPUT
 
 
-__all__ = ["ZOO", "ZooModel", "build_zoo_model", "measure_throughput", "measure_timings",
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+__all__ = ["ZOO", "ZooModel", "EXIT_BAD_INPUT", "build_zoo_model", "measure_throughput", "measure_timings",
            "ran_plans", "throughput_table", "build_parser", "main"]
 

@@ -37,6 +37,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .testing import rel_rms_error, tolerance
+from .validation import check_call, check_runs
 
 _PROBE_LENGTHS = (64, 512, 4096)
 
@@ -427,11 +428,13 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     measure their drift on; ``folds`` (``{layer path: {pass name: constants}}``, as a previous
     report recorded them) replays folds without calibration data.
     """
+    check_call(model, level, example_inputs, example_kwargs, backend, run=False)
     check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
     pristine = copy.deepcopy(model) if inplace else model
     target = model if inplace else copy.deepcopy(model)
+    check_runs(target, example_inputs, example_kwargs)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
     calibrations = _calibrations(target, layers, calibration, inputs, example_kwargs)
     built = [_convert_layer(rl, cal, level, folds, backend, strict)
@@ -512,6 +515,7 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
 
     Prints the report (``show=False`` to only return it); ``model`` is not modified.
     """
+    check_call(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     reports = []
     for rl in layers:

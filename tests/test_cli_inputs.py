@@ -1,0 +1,360 @@
+"""Bad input everywhere: each case is answered with one line naming what and where, exit status 2
+on the command line (a ``ConversionError`` subclass from the API), and nothing is written."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ttt2la
+from ttt2la.checkpoint import writing
+from ttt2la.checkpoint.manifest import Manifest
+from ttt2la.cli import EXIT_BAD_INPUT, main
+from ttt2la.zoo import LaCTFoldedLayer, TinyLaCTLM
+
+KWARGS = dict(vocab_size=64, d_model=32, n_layers=1, num_heads=2, chunk_size=16, muon=False)
+FACTORY = "ttt2la.zoo:TinyLaCTLM"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A good state dict, its factory kwargs, and a folder for outputs."""
+    root = tmp_path_factory.mktemp("inputs")
+    torch.manual_seed(0)
+    model = TinyLaCTLM(**{**KWARGS, "tie_embeddings": False})
+    save_file(model.state_dict(), str(root / "good.safetensors"))
+    (root / "kwargs.json").write_text(json.dumps({**KWARGS, "tie_embeddings": False}))
+    return root
+
+
+def state_argv(files, weights, *extra, out=None) -> list[str]:
+    argv = ["convert", str(weights), "--model", FACTORY, "--config", str(files / "kwargs.json")]
+    return argv + list(extra) + (["--out", str(out)] if out is not None else [])
+
+
+def listing(folder) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+def refused(argv, capsys, error: str, *names: str) -> str:
+    """Run the command line; it must exit 2 with one line naming ``error`` and every of
+    ``names``. Returns that line."""
+    assert main(argv) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"ttt2la {argv[0]}: {error}: "), lines[0]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+# -- the checkpoint named ---------------------------------------------------------------------
+def test_a_missing_path(files, tmp_path, capsys):
+    refused(state_argv(files, tmp_path / "absent.safetensors", out=tmp_path / "out"), capsys,
+            "CheckpointError", "absent.safetensors", "no such file")
+    assert listing(tmp_path) == set()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_an_unreadable_path(files, tmp_path, capsys):
+    locked = tmp_path / "locked.safetensors"
+    locked.write_bytes((files / "good.safetensors").read_bytes())
+    locked.chmod(0)
+    try:
+        refused(state_argv(files, locked, out=tmp_path / "out"), capsys, "CheckpointError",
+                "locked.safetensors")
+    finally:
+        locked.chmod(0o600)
+    assert listing(tmp_path) == {"locked.safetensors"}
+
+
+def test_a_directory_without_weights(files, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no weights here")
+    refused(state_argv(files, empty, out=tmp_path / "out"), capsys, "CheckpointError",
+            str(empty), "without weights")
+    assert listing(tmp_path) == {"empty", "empty/notes.txt"}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_safetensors_file(files, tmp_path, capsys, damage):
+    good = (files / "good.safetensors").read_bytes()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(good[: len(good) // 2] if damage == "truncated" else b"\x07" * 64 + good[64:])
+    refused(state_argv(files, bad, out=tmp_path / "out"), capsys, "CheckpointError",
+            "bad.safetensors", "not a valid safetensors file")
+    assert listing(tmp_path) == {"bad.safetensors"}
+
+
+class Payload:
+    """Unpickling this would create the file ``marker``: the code a malicious checkpoint runs."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("suffix, how", [(".pt", "torch.save"), (".bin", "pickle.dump")])
+def test_a_pickle_that_would_run_code_is_refused_unrun(files, tmp_path, capsys, suffix, how):
+    marker = tmp_path / "payload-ran"
+    evil = tmp_path / f"evil{suffix}"
+    if how == "torch.save":
+        torch.save({"embed.weight": torch.zeros(2), "hook": Payload(marker)}, evil)
+    else:
+        with open(evil, "wb") as f:
+            pickle.dump({"scale": 1.0, "hook": Payload(marker)}, f, protocol=2)
+    refused(state_argv(files, evil, out=tmp_path / "out"), capsys, "UnsafeCheckpointError",
+            evil.name, "refused", "would run code", "GLOBAL io.open")
+    assert not marker.exists(), "the pickle's payload ran"
+    assert listing(tmp_path) == {evil.name}
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(Payload(control)))      # unpickled, the payload does run
+    assert control.exists()
+    control.unlink()
+    # the same file through the API: refused, never run
+    from ttt2la.checkpoint.weights import read_weights
+    with pytest.raises(ttt2la.UnsafeCheckpointError, match=evil.name):
+        read_weights(evil)
+    assert not marker.exists()
+
+
+def test_weights_that_do_not_fit_the_model(files, tmp_path, capsys):
+    other = tmp_path / "other.safetensors"
+    save_file(TinyLaCTLM(**{**KWARGS, "d_model": 16, "tie_embeddings": False}).state_dict(),
+              str(other))
+    refused(state_argv(files, other, out=tmp_path / "out"), capsys, "WeightMismatchError",
+            "other.safetensors", "do not fit", "mis-shaped", "embed.weight")
+    assert listing(tmp_path) == {"other.safetensors"}
+
+
+@pytest.mark.parametrize("factory, says", [("no_such_module_for_ttt2la:build", "cannot import"),
+                                           ("ttt2la.zoo:NoSuchModel", "has no NoSuchModel"),
+                                           ("ttt2la.zoo.TinyLaCTLM", "expected pkg.module")])
+def test_an_unknown_factory(files, tmp_path, capsys, factory, says):
+    argv = ["convert", str(files / "good.safetensors"), "--model", factory,
+            "--out", str(tmp_path / "out")]
+    refused(argv, capsys, "CheckpointError", factory, says)
+    assert listing(tmp_path) == set()
+
+
+def test_a_factory_that_fails_on_its_kwargs(files, tmp_path, capsys):
+    (tmp_path / "wrong.json").write_text(json.dumps({"no_such_argument": 1}))
+    argv = ["convert", str(files / "good.safetensors"), "--model", FACTORY,
+            "--config", str(tmp_path / "wrong.json"), "--out", str(tmp_path / "out")]
+    refused(argv, capsys, "CheckpointError", FACTORY, "factory failed", "no_such_argument")
+    assert listing(tmp_path) == {"wrong.json"}
+
+
+@pytest.mark.parametrize("content, says", [("{not json", "not JSON"), ("[1, 2]", "JSON object")])
+def test_a_config_that_is_not_a_json_object(files, tmp_path, capsys, content, says):
+    (tmp_path / "cfg.json").write_text(content)
+    argv = ["convert", str(files / "good.safetensors"), "--model", FACTORY,
+            "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "out")]
+    refused(argv, capsys, "CheckpointError", "cfg.json", says)
+    assert listing(tmp_path) == {"cfg.json"}
+
+
+def test_a_state_dict_without_its_factory(files, tmp_path, capsys):
+    refused(["convert", str(files / "good.safetensors"), "--out", str(tmp_path / "out")], capsys,
+            "CheckpointError", "good.safetensors", "--model pkg.module:factory")
+    assert listing(tmp_path) == set()
+
+
+def test_hf_remote_code_needs_trust(files, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(
+        {"model_type": "someone-elses", "auto_map": {"AutoModelForCausalLM": "modeling.M"}}))
+    (hf / "model.safetensors").write_bytes((files / "good.safetensors").read_bytes())
+    (hf / "modeling.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w')\n")
+    refused(["convert", str(hf), "--out", str(tmp_path / "out")], capsys, "CheckpointError",
+            "config.json", "--trust-remote-code")
+    assert listing(tmp_path) == {"hf", "hf/config.json", "hf/model.safetensors", "hf/modeling.py"}
+
+
+# -- options ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["7", "-1", "two"])
+def test_a_level_outside_0_to_6(files, tmp_path, capsys, level):
+    with pytest.raises(SystemExit) as exc:
+        main(state_argv(files, files / "good.safetensors", "--level", level,
+                        out=tmp_path / "out"))
+    assert exc.value.code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "argument --level: levels run from 0 to 6" in err and level in err
+    assert listing(tmp_path) == set()
+
+
+def test_an_output_path_that_exists(files, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    refused(state_argv(files, files / "good.safetensors", out=tmp_path / "out"), capsys,
+            "CheckpointError", str(tmp_path / "out"), "already exists", "--force")
+    assert listing(tmp_path) == {"out", "out/mine.txt"}
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_output_path_that_is_or_holds_the_input(files, tmp_path, capsys, force):
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes((files / "good.safetensors").read_bytes())
+    extra = ["--force"] if force else []
+    refused(state_argv(files, weights, *extra, out=weights), capsys, "CheckpointError",
+            "w.safetensors", "is the input")
+    refused(state_argv(files, weights, *extra, out=tmp_path), capsys, "CheckpointError",
+            str(tmp_path), "is the input", "or holds it")
+    assert listing(tmp_path) == {"w.safetensors"}
+    assert weights.read_bytes() == (files / "good.safetensors").read_bytes()
+
+
+def test_a_read_only_output_folder(files, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:
+        # root writes into read-only folders; make the system answer as it does for others
+        real = writing.tempfile.mkdtemp
+
+        def mkdtemp(*args, dir=None, **kwargs):
+            if dir is not None and os.path.samefile(dir, locked):
+                raise PermissionError(13, "Permission denied")
+            return real(*args, dir=dir, **kwargs)
+        monkeypatch.setattr(writing.tempfile, "mkdtemp", mkdtemp)
+    try:
+        refused(state_argv(files, files / "good.safetensors", out=locked / "out"), capsys,
+                "CheckpointError", str(locked / "out"), "cannot write in", "Permission denied")
+        assert listing(tmp_path) == {"locked"}
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("where, says", [("missing-folder/r.json", "does not exist"),
+                                         ("", "is a directory")])
+def test_an_unwritable_json_path_is_refused_before_converting(files, tmp_path, capsys,
+                                                              monkeypatch, where, says):
+    monkeypatch.setattr(ttt2la, "convert", lambda *a, **k: pytest.fail("converted anyway"))
+    path = tmp_path / where if where else tmp_path
+    refused(state_argv(files, files / "good.safetensors", "--json", str(path)), capsys,
+            "InvalidInputError", "--json", str(path), says)
+    assert listing(tmp_path) == set()
+
+
+def test_example_inputs_the_model_fails_on(files, tmp_path, capsys):
+    """Float features into a model that starts with an embedding: the model's own error."""
+    line = refused(state_argv(files, files / "good.safetensors", "--example-shape", "1,32,8",
+                              out=tmp_path / "out"), capsys, "InvalidInputError",
+                   "TinyLaCTLM fails on the example inputs", "float32 (1, 32, 8)")
+    assert "RuntimeError" in line or "IndexError" in line
+    assert listing(tmp_path) == set()
+
+
+def test_example_ids_out_of_vocabulary(files, tmp_path, capsys):
+    save_file({"0": torch.full((1, 32), 1000)}, str(tmp_path / "ids.safetensors"))
+    refused(state_argv(files, files / "good.safetensors", "--example-inputs",
+                       str(tmp_path / "ids.safetensors"), out=tmp_path / "out"), capsys,
+            "InvalidInputError", "fails on the example inputs", "IndexError")
+    assert listing(tmp_path) == {"ids.safetensors"}
+
+
+def test_an_example_inputs_file_that_is_corrupt(files, tmp_path, capsys):
+    (tmp_path / "x.safetensors").write_bytes(b"\x00" * 10)
+    refused(state_argv(files, files / "good.safetensors", "--example-inputs",
+                       str(tmp_path / "x.safetensors"), out=tmp_path / "out"), capsys,
+            "CheckpointError", "x.safetensors")
+    assert listing(tmp_path) == {"x.safetensors"}
+
+
+# -- interruption -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(files):
+    model = TinyLaCTLM(**{**KWARGS, "tie_embeddings": False}).eval()
+    return ttt2la.convert(model, level=1, example_inputs=(torch.randint(0, 64, (1, 32)),))
+
+
+def test_ctrl_c_while_converting_exits_quietly(files, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ttt2la, "convert", interrupted)
+    assert main(state_argv(files, files / "good.safetensors", out=tmp_path / "out")) == \
+        EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err == "ttt2la convert: interrupted; nothing was written"
+    assert listing(tmp_path) == set()
+
+
+def test_ctrl_c_while_writing_leaves_nothing(files, converted, tmp_path, capsys, monkeypatch):
+    written = []
+
+    def interrupted(self, directory):
+        written.extend(p.name for p in directory.iterdir())    # weights are on disk by now
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ttt2la, "convert", lambda *a, **k: converted)
+    monkeypatch.setattr(Manifest, "write", interrupted)
+    assert main(state_argv(files, files / "good.safetensors", "--level", "1",
+                           out=tmp_path / "out")) == EXIT_BAD_INPUT
+    assert "model.safetensors" in written
+    assert capsys.readouterr().err.strip().endswith("interrupted; nothing was written")
+    assert listing(tmp_path) == set()          # neither the output nor its temporary folder
+
+
+# -- the API ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model, says", [(None, "got None"), (lambda x: x, "got function"),
+                                         ("model.pt", "got str")])
+def test_convert_and_inspect_need_a_module(model, says):
+    with pytest.raises(ttt2la.InvalidInputError, match=f"torch.nn.Module, {says}"):
+        ttt2la.convert(model, level=1)
+    with pytest.raises(ttt2la.InvalidInputError, match=f"torch.nn.Module, {says}"):
+        ttt2la.inspect(model, show=False)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_example_inputs_that_are_not_finite(bad):
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    x = torch.randn(1, 32, 32)
+    x[0, 3, 5] = bad
+    for call in (lambda: ttt2la.convert(layer, level=1, example_inputs=(x,)),
+                 lambda: ttt2la.inspect(layer, example_inputs=(x,), show=False)):
+        with pytest.raises(ttt2la.InvalidInputError,
+                           match=r"example input #0 holds 1 NaN or infinite value"):
+            call()
+
+
+@pytest.mark.parametrize("make, error", [
+    (lambda: torch.randn(1, 32, 16), "RuntimeError"),            # wrong width
+    (lambda: torch.randn(1, 32, 32, dtype=torch.float64), "RuntimeError"),   # wrong dtype
+])
+def test_example_inputs_the_layer_rejects(make, error):
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=f"LaCTFoldedLayer fails on the example inputs .* {error}: "):
+        ttt2la.convert(layer, level=1, example_inputs=(make(),))
+
+
+def test_ids_out_of_vocabulary_through_the_api():
+    model = TinyLaCTLM(**KWARGS)
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=r"TinyLaCTLM fails on the example inputs \(int64 \(1, 32\)\) at "
+                             r".*lm\.py:\d+: IndexError"):
+        ttt2la.convert(model, level=1, example_inputs=(torch.full((1, 32), 64),))
+
+
+@pytest.mark.parametrize("level", [7, -1, 1.5, True, "2"])
+def test_convert_levels_outside_0_to_6(level):
+    with pytest.raises(ttt2la.InvalidInputError, match="level must be an integer from 0 to 6"):
+        ttt2la.convert(LaCTFoldedLayer(32, 2, 16), level=level)
+
+
+def test_save_needs_a_converted_model_and_a_free_path(converted, tmp_path):
+    with pytest.raises(ttt2la.InvalidInputError, match="not returned by ttt2la.convert"):
+        ttt2la.save(TinyLaCTLM(**KWARGS), tmp_path / "out")
+    with pytest.raises(ttt2la.InvalidInputError, match="needs the example_inputs"):
+        ttt2la.save(converted, tmp_path / "out", factory=FACTORY)
+    with pytest.raises(ttt2la.CheckpointError, match="already exists"):
+        ttt2la.save(converted, tmp_path, factory=FACTORY)
+    assert listing(tmp_path) == set()

@@ -1,0 +1,224 @@
+"""Converted checkpoints: ``save`` writes a converted model as a directory, ``load`` rebuilds it.
+
+A converted checkpoint directory holds ``model.safetensors`` (the weights under their original
+parameter names), ``ttt2la.json`` (the manifest: how to build the model, the conversion asked
+for, the example-input spec and the conversion report per layer, with hashes) and ``report.md``.
+For a Hugging Face model it is again a Hugging Face directory (``config.json`` beside the
+weights), so ``from_pretrained`` reads the unconverted model from it. ``load`` builds the same
+module, loads the weights and replays the recorded conversion — with the constants lossy passes
+folded, so no calibration data is needed — then checks the result against the manifest.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError, ManifestError, UnsafeCheckpointError, WeightMismatchError
+from .example_inputs import INPUTS_NAME, build_inputs, describe, write_inputs
+from .manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, replay_differences
+from .recipe import HF_CONFIG, Recipe
+from .source import Source, open_checkpoint, open_zoo
+from .weights import (SAFETENSORS_INDEX, SAFETENSORS_NAME, read_weight_file, sha256_file,
+                      sha256_state, unique_state, write_weights)
+from .writing import atomic_directory, check_output_dir
+
+REPORT_NAME = "report.md"
+#: Files of a source Hugging Face directory not copied to the converted one (weights, ours).
+_NOT_COPIED = {SAFETENSORS_INDEX, MANIFEST_NAME, REPORT_NAME, INPUTS_NAME}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def write_checkpoint(converted: torch.nn.Module, out, *, recipe: Recipe, spec: dict,
+                     source: dict, inputs: tuple[tuple, dict | None] | None = None,
+                     force: bool = False, hf_dir: Path | None = None) -> Path:
+    """Write ``converted`` to the directory ``out`` atomically (see the module docstring).
+
+    ``spec`` is the example-input spec (``inputs`` are stored beside the weights when its kind
+    is ``file``), ``source`` where the weights came from, ``hf_dir`` a Hugging Face directory
+    whose configuration and other small files are copied.
+    """
+    import ttt2la
+
+    report = converted.ttt2la_report
+    out = Path(out)
+    spec = dict(spec)
+    with atomic_directory(out, force=force) as tmp:
+        write_weights(converted, tmp / SAFETENSORS_NAME)
+        if spec["kind"] == "file":
+            write_inputs(*inputs, tmp / INPUTS_NAME)
+            spec.update(file=INPUTS_NAME, sha256=sha256_file(tmp / INPUTS_NAME))
+        if recipe.kind == "hf":
+            _write_hf_files(converted, tmp, hf_dir)
+        state = unique_state(converted)
+        manifest = Manifest(
+            ttt2la_version=ttt2la.__version__, torch_version=torch.__version__,
+            level=report.level, backend=report.backend, strict=report.strict,
+            recipe=recipe.to_dict(), example_inputs=spec, source=source,
+            weights={"file": SAFETENSORS_NAME, "sha256": sha256_file(tmp / SAFETENSORS_NAME),
+                     "tensors": {k: [str(v.dtype).split(".")[-1], list(v.shape)]
+                                 for k, v in state.items()}},
+            report=report.to_dict())
+        (tmp / REPORT_NAME).write_text(_report_markdown(report, manifest))
+        manifest.files = sorted(p.name for p in tmp.iterdir()) + [MANIFEST_NAME]
+        manifest.write(tmp)
+    return out
+
+
+def _write_hf_files(model: torch.nn.Module, tmp: Path, hf_dir: Path | None) -> None:
+    if hf_dir is not None:
+        for f in sorted(Path(hf_dir).iterdir()):
+            if f.is_file() and f.name not in _NOT_COPIED and f.suffix not in _WEIGHT_SUFFIXES:
+                shutil.copy2(f, tmp / f.name)
+    if not (tmp / HF_CONFIG).exists():
+        model.config.to_json_file(str(tmp / HF_CONFIG))
+
+
+def _report_markdown(report, manifest: Manifest) -> str:
+    recipe = manifest.recipe
+    built = {"zoo": lambda: f"bundled model `{recipe.get('name')}`",
+             "factory": lambda: f"`{recipe.get('factory')}(**{recipe.get('kwargs', {})})`",
+             "hf": lambda: f"Hugging Face `{recipe.get('model_class')}` via "
+                           f"`{recipe.get('auto_class')}`",
+             "module": lambda: f"`{recipe.get('model_class')}` (pass `model=` to load)"}
+    source = manifest.source.get("path") or f"zoo {manifest.source.get('zoo')}"
+    lines = [report.to_markdown(), "", "## Checkpoint", "",
+             f"- model: {built.get(recipe['kind'], lambda: recipe['kind'])()}",
+             f"- source weights: `{source}`"
+             + (f", sha256 `{manifest.source['sha256']}`" if manifest.source.get("sha256") else ""),
+             f"- example inputs: {describe(manifest.example_inputs)}",
+             f"- ttt2la {manifest.ttt2la_version}, torch {manifest.torch_version}",
+             "- reload with `ttt2la.load(DIR)`", ""]
+    return "\n".join(lines)
+
+
+# -- public API ---------------------------------------------------------------------------------
+def save(converted: torch.nn.Module, directory, *, factory: str | None = None,
+         config: dict | None = None, example_inputs=None, example_kwargs: dict | None = None,
+         force: bool = False) -> Path:
+    """Write a model returned by ``ttt2la.convert`` to ``directory`` so ``ttt2la.load`` can
+    rebuild it.
+
+    ``example_inputs`` (and ``example_kwargs``) are the ones it was converted with (not needed
+    when ``convert`` inferred them); they are stored beside the weights. ``factory``
+    (``"pkg.module:function"``) and ``config`` (its keyword arguments) say how to build the
+    model again; Hugging Face models need neither, and without them ``load`` needs ``model=``.
+    The directory is written atomically and an existing path is replaced only with ``force``.
+    """
+    from ..report import ConversionReport
+    from ..validation import InvalidInputError, check_model
+
+    check_model(converted)
+    if not isinstance(getattr(converted, "ttt2la_report", None), ConversionReport):
+        raise InvalidInputError(f"{type(converted).__name__} was not returned by ttt2la.convert "
+                                "(it has no ttt2la_report); convert it first")
+    check_output_dir(Path(directory), force=force)
+    recipe = _recipe_for(converted, factory, config)
+    if example_inputs is None and not example_kwargs:
+        if not any(n.startswith("example inputs inferred") for n in converted.ttt2la_report.notes):
+            raise InvalidInputError("save needs the example_inputs the model was converted with, "
+                                    "so that load can replay the same conversion")
+        spec, inputs = {"kind": "inferred"}, None
+    else:
+        args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
+            tuple(example_inputs or ())
+        spec, inputs = {"kind": "file"}, (args, example_kwargs)
+    source = {"sha256": sha256_state(unique_state(converted)), "held_in_memory": True}
+    return write_checkpoint(converted, directory, recipe=recipe, spec=spec, source=source,
+                            inputs=inputs, force=force)
+
+
+def _recipe_for(model: torch.nn.Module, factory: str | None, config: dict | None) -> Recipe:
+    if factory is not None:
+        from .recipe import resolve_factory
+
+        resolve_factory(factory)
+        return Recipe("factory", factory=factory, kwargs=dict(config or {}))
+    cls = _original_class(model)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if hasattr(model, "config") and any(c.__name__ == "PreTrainedModel" for c in cls.__mro__):
+        return Recipe("hf", auto_class=_hf_auto_class(model, cls), model_class=name,
+                      trust_remote_code=bool(getattr(model.config, "auto_map", None)))
+    return Recipe("module", model_class=name)
+
+
+def _original_class(model: torch.nn.Module) -> type:
+    from ..converted import is_converted
+
+    return type(model).__bases__[0] if is_converted(model) else type(model)
+
+
+def _hf_auto_class(model, cls) -> str | None:
+    import transformers
+
+    from .recipe import HF_AUTO_CLASSES
+
+    for name in HF_AUTO_CLASSES:
+        try:
+            if getattr(transformers, name)._model_mapping[type(model.config)] is cls:
+                return name
+        except (KeyError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def load(directory, model: torch.nn.Module | None = None, *,
+         trust_remote_code: bool = False) -> torch.nn.Module:
+    """Rebuild the converted model saved in ``directory`` (by ``save`` or ``ttt2la convert
+    --out``): the recorded model (or a copy of ``model``, an unconverted module of the same
+    architecture), its weights, and the recorded conversion replayed and checked.
+
+    Raises a ``CheckpointError`` naming the file for a missing file, an unknown manifest
+    version, weights whose hash or shapes do not match the manifest, or a replay that differs.
+    """
+    from ..conversion import convert
+    from ..validation import check_model
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: {'not a directory' if directory.exists() else 'no such directory'}")
+    manifest = Manifest.read(directory)
+    where = directory / MANIFEST_NAME
+    for name in manifest.files:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory / name}: missing (listed in {where})")
+    weights = directory / manifest.weights["file"]
+    if sha256_file(weights) != manifest.weights["sha256"]:
+        raise WeightMismatchError(f"{weights}: its sha256 does not match {where}; the weights "
+                                  "changed after they were written")
+    tensors = read_weight_file(weights)
+    recorded = {k: [str(v.dtype).split(".")[-1], list(v.shape)] for k, v in tensors.items()}
+    if recorded != manifest.weights["tensors"]:
+        raise ManifestError(f"{weights}: its tensors (names, dtypes, shapes) differ from those "
+                            f"recorded in {where}")
+    if model is None:
+        recipe = Recipe.from_dict(manifest.recipe, where)
+        if recipe.kind == "module":
+            raise CheckpointError(f"{where}: records no way to build {recipe.model_class}; pass "
+                                  f"model={recipe.model_class.rsplit('.', 1)[-1]}(...) to load")
+        model = recipe.build(directory, trust_remote_code=trust_remote_code)
+    else:
+        check_model(model)
+        model = copy.deepcopy(model)
+    from .weights import fit_weights
+
+    fit_weights(model, tensors, weights)
+    args, kwargs = build_inputs(manifest.example_inputs, directory)
+    folds = manifest.folds()
+    converted = convert(model.eval(), level=manifest.level, example_inputs=args,
+                        example_kwargs=kwargs, backend=manifest.backend, strict=manifest.strict,
+                        inplace=True, **({"folds": folds} if folds else {}))
+    diffs = replay_differences(manifest.report, converted.ttt2la_report.to_dict())
+    if diffs:
+        raise ManifestError(f"{where}: the replayed conversion differs from the recorded one "
+                            f"({'; '.join(diffs)})")
+    return converted
+
+
+__all__ = ["save", "load", "write_checkpoint", "open_checkpoint", "open_zoo", "Source",
+           "Manifest", "Recipe", "CheckpointError", "UnsafeCheckpointError",
+           "WeightMismatchError", "ManifestError", "MANIFEST_NAME",
+           "MANIFEST_VERSION", "REPORT_NAME"]

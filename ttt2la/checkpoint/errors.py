@@ -1,0 +1,27 @@
+"""The errors of reading, writing and reloading checkpoints: each names the file it is about."""
+from __future__ import annotations
+
+from ..errors import ConversionError
+
+
+class CheckpointError(ConversionError):
+    """A checkpoint could not be read, written or rebuilt: a missing or unreadable file, weights
+    that do not fit the model, a model recipe that cannot be followed, an output path refused."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickled checkpoint would run code to load (it names something other than tensors):
+    ttt2la refuses it rather than unpickle it."""
+
+
+class WeightMismatchError(CheckpointError):
+    """Weights do not fit the model they are loaded into (missing, unexpected or mis-shaped
+    tensors), or no longer match the hash recorded when they were written."""
+
+
+class ManifestError(CheckpointError):
+    """A converted checkpoint's manifest (``ttt2la.json``) is missing, malformed, of an unknown
+    version, or disagrees with the conversion replayed from it."""
+
+
+__all__ = ["CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError"]

@@ -1,0 +1,108 @@
+"""``ttt2la.json``: the versioned manifest beside a converted checkpoint's weights.
+
+It records everything ``ttt2la.load`` needs to rebuild the converted model without the source
+checkpoint or calibration data: how to build the module (the recipe), the conversion asked for
+(level, backend, strict), the example-input spec, and the conversion report per layer — passes
+with their status and any constants a lossy pass folded, schedule and runtime — so the same
+conversion can be replayed and checked. Hashes tie it to the weights written beside it and to
+the source weights they came from.
+"""
+from __future__ import annotations
+
+import json
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ManifestError
+
+MANIFEST_NAME = "ttt2la.json"
+#: Version of the manifest format; ``load`` refuses any other.
+MANIFEST_VERSION = 1
+FORMAT = "ttt2la-converted-checkpoint"
+
+
+@dataclass
+class Manifest:
+    """The contents of ``ttt2la.json`` (see the module docstring)."""
+
+    ttt2la_version: str
+    torch_version: str
+    level: int
+    backend: str
+    strict: bool
+    recipe: dict                    # Recipe.to_dict()
+    example_inputs: dict            # an example-input spec
+    source: dict                    # {"path": ..., "sha256": ..., "files": {...}}
+    weights: dict                   # {"file": ..., "sha256": ..., "tensors": {name: [dtype, shape]}}
+    report: dict                    # ConversionReport.to_dict(): per layer passes, folds, schedule
+    files: list[str] = field(default_factory=list)      # every file of the checkpoint
+    format: str = FORMAT
+    version: int = MANIFEST_VERSION
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {"format": d.pop("format"), "version": d.pop("version"), **d}
+
+    @classmethod
+    def from_dict(cls, d, where: Path) -> "Manifest":
+        """Read a manifest dict, refusing other formats, unknown versions and missing fields."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ManifestError(f"{where}: not a ttt2la manifest (format "
+                                f"{d.get('format') if isinstance(d, dict) else None!r})")
+        if d.get("version") != MANIFEST_VERSION:
+            raise ManifestError(f"{where}: unknown manifest version {d.get('version')!r} (this "
+                                f"ttt2la reads version {MANIFEST_VERSION}); convert the source "
+                                "checkpoint again with this version")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ManifestError(f"{where}: malformed manifest ({e})") from e
+
+    def write(self, directory: Path) -> None:
+        (Path(directory) / MANIFEST_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(f"{path}: missing; {directory} is not a converted checkpoint "
+                                "written by ttt2la")
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise ManifestError(f"{path}: cannot read ({e.strerror or e})") from e
+        except ValueError as e:
+            raise ManifestError(f"{path}: not JSON ({e})") from e
+        return cls.from_dict(data, path)
+
+    def folds(self) -> dict:
+        """The constants lossy passes folded, per layer and pass: ``{module_path: {pass name:
+        folded}}``, empty when no pass folded anything (levels 0–2)."""
+        out: dict = {}
+        for layer in self.report.get("layers", []):
+            for p in layer.get("passes", []):
+                if p.get("folded"):
+                    out.setdefault(layer.get("module_path", ""), {})[p["name"]] = p["folded"]
+        return out
+
+
+def replay_differences(recorded: dict, replayed: dict) -> list[str]:
+    """What differs between the recorded conversion report and the replayed one: the layers,
+    each pass's status, the schedule (the runtime may differ by machine, so it is not compared)."""
+    def summary(report: dict) -> dict:
+        return {layer.get("module_path"): (
+            [(p.get("step"), p.get("name"), p.get("status")) for p in layer.get("passes", [])],
+            layer.get("schedule")) for layer in report.get("layers", [])}
+    before, after = summary(recorded), summary(replayed)
+    diffs = [f"layer {k!r}: {'only recorded' if k not in after else 'only replayed'}"
+             for k in sorted(set(before) ^ set(after), key=str)]
+    for k in sorted(set(before) & set(after), key=str):
+        if before[k][0] != after[k][0]:
+            diffs.append(f"layer {k!r}: passes {before[k][0]} recorded, {after[k][0]} replayed")
+        if before[k][1] != after[k][1]:
+            diffs.append(f"layer {k!r}: schedule {before[k][1]} recorded, {after[k][1]} replayed")
+    return diffs
+
+
+__all__ = ["Manifest", "MANIFEST_NAME", "MANIFEST_VERSION", "replay_differences"]

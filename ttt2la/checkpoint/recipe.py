@@ -1,0 +1,178 @@
+"""How to rebuild a model before its weights are loaded: a bundled model, a factory, or a
+Hugging Face class.
+
+A recipe is recorded in a converted checkpoint's manifest, so ``ttt2la.load`` can build the same
+module again: ``{"kind": "zoo", "name": ...}``, ``{"kind": "factory", "factory":
+"pkg.module:function", "kwargs": {...}}`` or ``{"kind": "hf", "auto_class": ..., "class": ...,
+"trust_remote_code": ...}`` (the configuration is the directory's own ``config.json``), or
+``{"kind": "module", "class": ...}`` when only the class is known (``load`` then needs ``model=``).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+#: Auto classes tried, in order, for a Hugging Face directory whose ``auto_map`` or registered
+#: model type names no other.
+HF_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModel")
+HF_CONFIG = "config.json"
+
+
+@dataclass
+class Recipe:
+    """One way to build a model with freshly initialised weights (see the module docstring)."""
+
+    kind: str
+    name: str | None = None                 # zoo
+    factory: str | None = None              # factory: "pkg.module:attr"
+    kwargs: dict = field(default_factory=dict)
+    auto_class: str | None = None           # hf
+    model_class: str | None = None          # hf: the class that was built, for messages
+    trust_remote_code: bool = False         # hf
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, {}, False) or k == "kind"}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: Path) -> "Recipe":
+        try:
+            recipe = cls(**d)
+        except TypeError as e:
+            raise CheckpointError(f"{where}: malformed model recipe {d!r} ({e})") from e
+        if recipe.kind not in ("zoo", "factory", "hf", "module"):
+            raise CheckpointError(f"{where}: unknown model recipe kind {recipe.kind!r}")
+        return recipe
+
+    def build(self, directory: Path | None = None, *,
+              trust_remote_code: bool = False) -> torch.nn.Module:
+        """The model with fresh weights, in eval mode; ``directory`` holds an HF config."""
+        if self.kind == "zoo":
+            from ..cli import ZOO, build_zoo_model
+
+            if self.name not in ZOO:
+                raise CheckpointError(f"unknown bundled model {self.name!r}; one of "
+                                      f"{', '.join(sorted(ZOO))}")
+            return build_zoo_model(self.name)
+        if self.kind == "factory":
+            return build_from_factory(self.factory, self.kwargs)
+        if self.kind == "module":
+            raise CheckpointError(f"no recipe records how to build {self.model_class}; pass "
+                                  "the model to build (model=...)")
+        return build_hf(directory, trust_remote_code or self.trust_remote_code,
+                        self.auto_class)[0].eval()
+
+
+# -- factories ----------------------------------------------------------------------------------
+def resolve_factory(spec: str):
+    """The callable named by ``"pkg.module:attr"`` (``attr`` may be dotted)."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise CheckpointError(f"--model {spec!r}: expected pkg.module:factory, e.g. "
+                              "mypkg.models:build_model")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CheckpointError(f"--model {spec!r}: unknown factory, cannot import "
+                              f"{module_name} ({e})") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise CheckpointError(f"--model {spec!r}: unknown factory, {module_name} has no "
+                                  f"{attr}") from e
+    if not callable(obj):
+        raise CheckpointError(f"--model {spec!r}: {attr} is a {type(obj).__name__}, not a "
+                              "callable that builds a model")
+    return obj
+
+
+def build_from_factory(spec: str, kwargs: dict) -> torch.nn.Module:
+    """Call the factory ``spec`` with ``kwargs`` and check it built a module."""
+    factory = resolve_factory(spec)
+    try:
+        model = factory(**kwargs)
+    except Exception as e:
+        raise CheckpointError(f"--model {spec!r}: the factory failed with {kwargs or 'no'} "
+                              f"keyword arguments: {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointError(f"--model {spec!r}: the factory returned a "
+                              f"{type(model).__name__}, not a torch.nn.Module")
+    return model.eval()
+
+
+def read_config(path: Path) -> dict:
+    """The keyword arguments stored in a JSON file (``--config``): a JSON object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object of keyword arguments, found a "
+                              f"{type(data).__name__}")
+    return data
+
+
+# -- Hugging Face -------------------------------------------------------------------------------
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise CheckpointError('reading a Hugging Face model directory needs transformers: '
+                              'pip install "ttt2la[hf]"') from e
+    return transformers
+
+
+def build_hf(directory: Path, trust_remote_code: bool = False,
+             auto_class: str | None = None) -> tuple[torch.nn.Module, Recipe]:
+    """A model built from the Hugging Face directory's ``config.json`` (fresh weights), and the
+    recipe that builds it again. Remote code (``auto_map``) runs only with ``trust_remote_code``."""
+    directory = Path(directory)
+    config_path = directory / HF_CONFIG
+    raw = read_config(config_path)
+    auto_map = raw.get("auto_map") or {}
+    if auto_map and not trust_remote_code:
+        raise CheckpointError(f"{config_path}: the model class comes from code in the "
+                              f"directory (auto_map: {', '.join(sorted(auto_map))}); pass "
+                              "--trust-remote-code (trust_remote_code=True) if you trust it")
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            str(directory), trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{config_path}: transformers cannot read this configuration "
+                              f"(model_type {raw.get('model_type')!r}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); is the model type "
+                              "registered, or does it need --trust-remote-code?") from e
+    names = [auto_class] if auto_class else \
+        [a for a in HF_AUTO_CLASSES if a in auto_map] or list(HF_AUTO_CLASSES)
+    errors = []
+    for name in names:
+        try:
+            model = getattr(transformers, name).from_config(
+                config, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError, AttributeError) as e:
+            errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        cls = type(model)
+        return model, Recipe("hf", auto_class=name, model_class=f"{cls.__module__}.{cls.__name__}",
+                             trust_remote_code=bool(auto_map))
+    raise CheckpointError(f"{config_path}: no model class for model_type "
+                          f"{raw.get('model_type')!r} ({'; '.join(errors)})")
+
+
+def is_hf_directory(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / HF_CONFIG).is_file()
+
+
+__all__ = ["Recipe", "resolve_factory", "build_from_factory", "read_config", "build_hf",
+           "is_hf_directory", "HF_AUTO_CLASSES"]

@@ -1,0 +1,79 @@
+"""Writing a checkpoint directory atomically: everything goes into a temporary directory beside
+the destination, which is renamed into place only once complete. An error or an interruption
+(Ctrl-C) removes the temporary directory, so no partial output is ever left behind."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from pathlib import Path
+
+from .errors import CheckpointError
+
+
+def check_output_dir(out: Path, *, force: bool = False, inputs=()) -> Path:
+    """Refuse an output path that exists (unless ``force``), that is or contains an input, or
+    whose folder cannot be written — before any work is done."""
+    out = Path(out)
+    target = out.resolve()
+    for given in inputs:
+        src = Path(given).resolve()
+        if target == src or target in src.parents:
+            raise CheckpointError(f"--out {out}: is the input {given}{' or holds it' * (target != src)}; "
+                                  "choose another output directory")
+    if out.exists() and not force:
+        raise CheckpointError(f"--out {out}: already exists; choose a new path or pass --force "
+                              "to replace it")
+    parent = target.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"--out {out}: the folder {parent} does not exist")
+    try:
+        probe = tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".probe")
+        os.rmdir(probe)
+    except OSError as e:
+        raise CheckpointError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from e
+    return out
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, *, force: bool = False):
+    """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``
+    (replacing ``out`` only with ``force``), on any error or interruption delete it."""
+    out = Path(out)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.name}.",
+                                    suffix=".partial"))
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot write in {out.resolve().parent} "
+                              f"({e.strerror or e})") from e
+    try:
+        yield tmp
+        _replace(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace(tmp: Path, out: Path, force: bool) -> None:
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        return
+    if not force:
+        raise CheckpointError(f"{out}: appeared while writing; nothing was replaced")
+    old = Path(tempfile.mkdtemp(dir=tmp.parent, prefix=f".{out.name}.", suffix=".old"))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink()
+
+
+__all__ = ["check_output_dir", "atomic_directory"]

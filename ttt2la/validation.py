@@ -1,0 +1,145 @@
+"""Checks of what a caller hands ``convert``, ``inspect`` and the command line, made before any
+work starts so that a bad argument is answered in one line instead of crashing deep inside a
+trace (or after a long conversion)."""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import ConversionError
+
+MAX_LEVEL = 6
+BACKENDS = ("auto", "torch", "triton", "naive")
+
+
+class InvalidInputError(ConversionError, ValueError):
+    """An argument cannot be worked on: not a module, a level or backend that does not exist,
+    example inputs the model fails on or that are not finite, an output path that cannot be
+    written."""
+
+
+def check_call(model, level=None, example_inputs=None, example_kwargs=None, backend=None, *,
+               run: bool = True) -> None:
+    """Everything ``convert`` (with ``level`` and ``backend``) or ``inspect`` (without) needs of
+    its arguments: a module, a level 0–6, a known backend, finite example inputs and — with
+    ``run`` — a model that runs on them (see ``check_runs``)."""
+    check_model(model)
+    if level is not None or backend is not None:
+        check_level(level)
+        check_backend(backend)
+    if example_inputs is not None or example_kwargs:
+        check_finite(example_inputs, example_kwargs)
+        if run:
+            check_runs(model, example_inputs, example_kwargs)
+
+
+def check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"model must be a torch.nn.Module, got "
+                                f"{'None' if model is None else type(model).__name__}")
+
+
+def check_level(level) -> None:
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+        raise InvalidInputError(f"level must be an integer from 0 to {MAX_LEVEL} (the paper's "
+                                f"steps applied), got {level!r}")
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got "
+                                f"{backend!r}")
+
+
+def _arguments(example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
+        tuple(example_inputs if example_inputs is not None else ())
+    return args, dict(example_kwargs or {})
+
+
+def check_finite(example_inputs, example_kwargs=None) -> None:
+    """Refuse example inputs with NaN or inf: the conversion is checked on them."""
+    args, kwargs = _arguments(example_inputs, example_kwargs)
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
+                not bool(torch.isfinite(leaf).all()):
+            bad = int((~torch.isfinite(leaf)).sum())
+            raise InvalidInputError(
+                f"example input {_name(path)} holds {bad} NaN or infinite value(s); ttt2la "
+                "compares the converted model with the original on the example inputs, which "
+                "needs finite values")
+
+
+def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> None:
+    """Refuse example inputs the model itself fails on: one eager forward pass without
+    gradients (compiled code run eagerly), so the model's own error is shown, not a trace's.
+    ``convert`` calls it on its copy of the model, so the caller's model is not run."""
+    if example_inputs is None and not example_kwargs:
+        return
+    args, kwargs = _arguments(example_inputs, example_kwargs)
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            model(*args, **kwargs)
+    except Exception as e:
+        shapes = ", ".join(_describe(t) for t in pytree.tree_leaves((args, kwargs)))
+        raise InvalidInputError(
+            f"{type(model).__name__} fails on the example inputs ({shapes}){_where(e)}: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            " — pass inputs the model accepts (dtype, width, token ids below the vocabulary "
+            "size)") from e
+
+
+def _name(path) -> str:
+    """``#0`` for the first positional example input, ``'mask'`` for a keyword one."""
+    keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
+    if len(keys) < 2:
+        return "?"
+    return (f"#{keys[1]}" if keys[0] == 0 else repr(keys[1])) + \
+        "".join(f"[{k!r}]" for k in keys[2:])
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)}".replace("torch.", "")
+    return type(t).__name__
+
+
+def _where(e: BaseException) -> str:
+    """`` at file:line`` of the innermost frame outside torch, where the model's code failed."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename and
+              f"{os.sep}ttt2la{os.sep}validation" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def check_writable(path, what: str) -> Path:
+    """Check that ``path`` can be created (``what`` names the option, e.g. ``--json``) before
+    any work is done: its folder exists and accepts new files, and it is not a folder itself.
+    Probed by creating and removing a temporary file, so permissions are judged as the system
+    judges them, not guessed."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InvalidInputError(f"{what} {path}: is a directory")
+    if not parent.is_dir():
+        raise InvalidInputError(f"{what} {path}: the folder {parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InvalidInputError(f"{what} {path}: cannot write in {parent} "
+                                f"({e.strerror or e})") from e
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InvalidInputError(f"{what} {path}: the file exists and is read-only")
+    return path
+
+
+__all__ = ["InvalidInputError", "check_call", "check_model", "check_level", "check_backend",
+           "check_finite", "check_runs", "check_writable"]
