@@ -17,11 +17,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .errors import StreamingError
 from .frontend.recognize import InputLayout, params_and_buffers
 from .frontend.rollup import LOOP_MODULE
 from .frontend.shapes import GraphTemplate
 from .ir import TTTProgram, with_memory_order
+from .locality import streaming_problem
 from .lowering.plan import plan_at
+from .stream import StreamCall, TTTState, advance, stateful_plan
 
 
 class LoopModule(torch.nn.Module):
@@ -41,6 +44,7 @@ class LoopModule(torch.nn.Module):
         self.state_names, self.invariant_names = interface
         self.runs = runs if runs is not None else {}
         self.shape = shape
+        self.stream_call = None         # a ``StreamCall`` while a stateful call runs
 
     def plan_inputs(self, args) -> tuple[dict, list, list]:
         """The loop's arguments by name, and the program's initial states and invariants."""
@@ -55,8 +59,17 @@ class LoopModule(torch.nn.Module):
 
     def forward(self, *args):
         given, states0, invariants = self.plan_inputs(args)
-        outputs, finals = self.plan(states0, invariants)
-        self.runs[self.shape] = self.plan.implementation      # what ran, for the report
+        if self.stream_call is None:
+            plan = self.plan
+            outputs, finals = plan(states0, invariants)
+        else:
+            plan = stateful_plan(self)
+            where = f"the loop of {self.program.module_path or 'the model'} " \
+                    f"({self.program.loop_src})"
+            outputs, finals = advance(plan, self.program, states0, invariants,
+                                      self.stream_call, where)
+        key = self.shape if plan is self.plan else f"{self.shape}, stateful"
+        self.runs[key] = plan.implementation      # what ran, for the report
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
         # the code after the loop was traced on the layout the user's code gave the output
         return (with_memory_order(outputs[0], self.program.outputs[0].memory_order),
@@ -78,6 +91,7 @@ class ConvertedState:
     fallbacks: dict = field(default_factory=dict)   # "batch B" -> why another plan runs there
     _outer_cache: dict = field(default_factory=dict)
     _loop_cache: dict = field(default_factory=dict)
+    streamable: str | None = None       # why the layer cannot carry state ("" if it can)
 
     @property
     def schedule(self) -> str:
@@ -112,16 +126,57 @@ class ConvertedState:
         return gm
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
-        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
         return self.outer_for(B, L)(params_and_buffers(module), *flat)
+
+    def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      state: TTTState | None) -> tuple[Any, TTTState]:
+        """``module(*args, **kwargs)`` continuing from ``state`` (``None``: the layer's initial
+        fast weights): the output for these tokens and the state after them."""
+        if state is not None and not isinstance(state, TTTState):
+            raise StreamingError(
+                f"ttt_state must be a ttt2la.TTTState returned by an earlier call of this "
+                f"layer (or None), got {type(state).__name__}")
+        flat = _flat_inputs(args, kwargs)
+        B, L = self.layout.sizes(flat)
+        if self.streamable is None:
+            self.streamable = streaming_problem(self, module, flat) or ""
+        if self.streamable:
+            raise StreamingError(
+                f"{self.program.module_path or 'this layer'} cannot carry its fast-weight "
+                f"state from one call to the next: {self.streamable} (the loop is at "
+                f"{self.program.loop_src}). Only the loop carries state, so the code around it "
+                "must treat tokens one by one; run whole sequences instead.")
+        gm = self.outer_for(B, L)
+        loop = self.loop_for(B)
+        call = StreamCall(state)
+        loop.stream_call = call
+        try:
+            y = gm(params_and_buffers(module), *flat)
+        finally:
+            loop.stream_call = None
+        return y, call.state_out
+
+
+def _flat_inputs(args, kwargs) -> list:
+    """The call's inputs flattened, tensors contiguous: the graphs were traced on contiguous
+    inputs, and a slice of a longer sequence (``x[:, i:j]``) is not."""
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return [x.contiguous() if isinstance(x, torch.Tensor) else x for x in flat]
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def _converted_forward(self, *args, **kwargs):
-    return self._ttt2la(self, args, kwargs)
+def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kwargs):
+    """The converted layer; with ``return_ttt_state=True`` (or a ``ttt_state``) it continues
+    the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
+    ``(output, state_after)`` (``ttt2la.stream``)."""
+    if ttt_state is None and not return_ttt_state:
+        return self._ttt2la(self, args, kwargs)
+    y, state = self._ttt2la.stateful_call(self, args, kwargs, ttt_state)
+    return (y, state) if return_ttt_state else y
 
 
 def converted_class(cls: type) -> type:
