@@ -9,6 +9,7 @@ user's Python loop is never run or re-traced again.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .errors import StreamingError
+from .errors import AlreadyConvertedError, ConversionError, StreamingError, UnsupportedTTTError
 from .frontend.recognize import InputLayout, params_and_buffers
 from .frontend.rollup import LOOP_MODULE
 from .frontend.shapes import GraphTemplate
@@ -92,6 +93,17 @@ class ConvertedState:
     _outer_cache: dict = field(default_factory=dict)
     _loop_cache: dict = field(default_factory=dict)
     streamable: str | None = None       # why the layer cannot carry state ("" if it can)
+    recipe: "Recipe | None" = None      # how to build it again (pickling)
+
+    def __deepcopy__(self, memo) -> "ConvertedState":
+        """A copy for a copied model: the compiled parts (program, templates, plan) hold no
+        parameter — the layer passes its own at every call — and are never changed after
+        conversion, so they are shared; the caches of specialised graphs start empty; the
+        report's dicts and the recipe are copied."""
+        return dataclasses.replace(
+            self, runs=copy.deepcopy(self.runs, memo), fallbacks=copy.deepcopy(self.fallbacks,
+                                                                               memo),
+            _outer_cache={}, _loop_cache={}, recipe=copy.deepcopy(self.recipe, memo))
 
     @property
     def schedule(self) -> str:
@@ -179,16 +191,120 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     return (y, state) if return_ttt_state else y
 
 
+@dataclass
+class Recipe:
+    """How a converted layer was built, to build it again where its compiled state cannot
+    travel (pickling: the traced graphs hold fake tensors): the layer's path in its model,
+    the level, backend and strictness, the folded constants of lossy passes
+    (``{pass name: constants}``, replayed without calibration data) and the layer's example
+    inputs as the conversion captured them."""
+
+    path: str
+    level: int
+    backend: str
+    strict: bool
+    folds: dict
+    args: tuple
+    kwargs: dict
+
+    @classmethod
+    def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
+        folds = {r.name: r.folded for r in results if getattr(r, "folded", None)}
+        return cls(rl.path, level, backend, strict, folds, tuple(rl.candidate.args),
+                   dict(rl.candidate.kwargs))
+
+
+def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: dict):
+    """Unpickle a converted layer: the user's ``cls`` with its attributes (parameters,
+    submodules), converted again from ``recipe`` — the same trace, passes and plan."""
+    module = cls.__new__(cls)
+    module.__setstate__(attributes)
+    state = _replay(module, recipe)
+    state.runs.update(runs)
+    state.fallbacks.update(fallbacks)
+    state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
+    install(module, state)
+    return module
+
+
+def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
+    from .conversion import _build_state           # conversion imports this module
+    from .frontend.discover import discover
+    from .frontend.recognize import recognize_layer
+    from .passes import PassContext
+
+    candidates = [c for c in discover(module, recipe.args, recipe.kwargs) if c.path == ""]
+    if not candidates:
+        raise UnsupportedTTTError(
+            f"the converted layer {recipe.path or type(module).__name__} could not be rebuilt: "
+            "its loop did not run on the example inputs recorded at conversion. Convert the "
+            "original model again.")
+    cand = dataclasses.replace(candidates[0], path=recipe.path)
+    x = next((t for t in recipe.args if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    rl = recognize_layer(cand, None if x is None else x.shape[1])
+    device = next((t.device for t in (*pytree.tree_leaves((recipe.args, recipe.kwargs)),
+                                      *module.parameters()) if isinstance(t, torch.Tensor)),
+                  None)
+    state = _build_state(rl, recipe.level, PassContext(folds=dict(recipe.folds)),
+                         recipe.backend, recipe.strict, device)[0]
+    state.recipe = recipe
+    return state
+
+
+def _converted_reduce(self, protocol):
+    """Pickle as the user's class plus a recipe: ``Converted<cls>`` is made at run time, so
+    pickle cannot find it by name, and the compiled state holds fake tensors."""
+    state = self._ttt2la
+    if state.recipe is None:
+        raise ConversionError(
+            f"this converted {type(self).__name__} has no record of how it was converted, so "
+            "it cannot be pickled; convert it with ttt2la.convert")
+    attributes = {k: v for k, v in self.__dict__.items() if k != "_ttt2la"}
+    return rebuild, (original_class(type(self)), attributes, state.recipe, state.runs,
+                     state.fallbacks)
+
+
+def _converted_deepcopy(self, memo):
+    """A deep copy like any module's; the compiled state is shared (``ConvertedState``)."""
+    new = type(self).__new__(type(self))
+    memo[id(self)] = new
+    new.__setstate__(copy.deepcopy(self.__dict__, memo))
+    return new
+
+
 def converted_class(cls: type) -> type:
-    """``Converted<cls>``: the user's class with ``forward`` running the converted program."""
+    """``Converted<cls>``: the user's class with ``forward`` running the converted program;
+    it pickles as ``cls`` plus the recipe that converts it again."""
     new = _CLASSES.get(cls)
     if new is None:
         new = type(f"Converted{cls.__name__}", (cls,),
                    {"forward": _converted_forward, "__module__": cls.__module__,
+                    "__reduce_ex__": _converted_reduce, "__deepcopy__": _converted_deepcopy,
+                    "_ttt2la_original": cls,
                     "__doc__": f"{cls.__name__} whose TTT loop runs as linear attention "
                                "(converted by ttt2la)."})
         _CLASSES[cls] = new
     return new
+
+
+def original_class(cls: type) -> type:
+    """The user's class a ``Converted<cls>`` was made from (``cls`` itself otherwise)."""
+    return cls.__dict__.get("_ttt2la_original", cls)
+
+
+def require_unconverted(model: torch.nn.Module) -> None:
+    """Raise ``AlreadyConvertedError`` when ``model`` (or a submodule) is converted already."""
+    if not isinstance(model, torch.nn.Module):
+        return                  # not a module at all: convert says so itself
+    done = [path or "the model itself" for path, m in model.named_modules() if is_converted(m)]
+    if done:
+        report = getattr(model, "ttt2la_report", None)
+        level = f" at level {report.level}" if report is not None else ""
+        raise AlreadyConvertedError(
+            f"{type(model).__name__} is already converted{level} ({', '.join(done)} run as "
+            "linear attention); ttt2la converts the original model. Convert the model you "
+            "converted this one from (convert returns a copy and leaves it untouched), at the "
+            "level you want now.")
 
 
 def install(module: torch.nn.Module, state: ConvertedState) -> None:
@@ -201,4 +317,5 @@ def is_converted(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, "_ttt2la", None), ConvertedState)
 
 
-__all__ = ["LoopModule", "ConvertedState", "install", "converted_class", "is_converted"]
+__all__ = ["LoopModule", "ConvertedState", "Recipe", "install", "converted_class",
+           "original_class", "is_converted", "require_unconverted", "rebuild"]
