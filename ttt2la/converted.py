@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,9 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
     ``(output, state_after)`` (``ttt2la.stream``)."""
     if ttt_state is None and not return_ttt_state:
+        if torch.compiler.is_compiling() and not kwargs \
+                and all(isinstance(a, torch.Tensor) for a in args):
+            return self._ttt2la_compiled(*params_and_buffers(self).values(), *args)
         return self._ttt2la(self, args, kwargs)
     y, state = self._ttt2la.stateful_call(self, args, kwargs, ttt_state)
     return (y, state) if return_ttt_state else y
@@ -259,7 +263,8 @@ def _converted_reduce(self, protocol):
         raise ConversionError(
             f"this converted {type(self).__name__} has no record of how it was converted, so "
             "it cannot be pickled; convert it with ttt2la.convert")
-    attributes = {k: v for k, v in self.__dict__.items() if k != "_ttt2la"}
+    attributes = {k: v for k, v in self.__dict__.items()
+                  if k not in ("_ttt2la", "_ttt2la_compiled")}
     return rebuild, (original_class(type(self)), attributes, state.recipe, state.runs,
                      state.fallbacks)
 
@@ -269,6 +274,7 @@ def _converted_deepcopy(self, memo):
     new = type(self).__new__(type(self))
     memo[id(self)] = new
     new.__setstate__(copy.deepcopy(self.__dict__, memo))
+    new._ttt2la_compiled = _compiled_entry(new)
     return new
 
 
@@ -311,6 +317,30 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
+    module._ttt2la_compiled = _compiled_entry(module)
+
+
+def _compiled_entry(module: torch.nn.Module):
+    """The converted layer as one call that ``torch.compile`` writes into its graph as it is
+    (``allow_in_graph``) instead of reading its Python: the layer specialises graphs from
+    templates and its plans walk torch.fx graphs, which TorchDynamo does not trace. The graph
+    compiler (AOTAutograd) then traces the call's tensor ops at the shape being compiled, so
+    ``torch.compile(converted, fullgraph=True)`` sees the whole layer as tensor ops.
+    Takes the layer's parameters and buffers (in ``params_and_buffers`` order), then its
+    positional tensor inputs."""
+    ref = weakref.ref(module)
+
+    def ttt2la_converted_layer(*tensors):
+        layer = ref()
+        pb = params_and_buffers(layer)
+        n = len(pb)
+        flat = [t.contiguous() for t in tensors[n:]]
+        B, L = layer._ttt2la.layout.sizes(flat)
+        # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
+        B, L = int(B), int(L)
+        return layer._ttt2la.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
+
+    return torch._dynamo.allow_in_graph(ttt2la_converted_layer)
 
 
 def is_converted(module: torch.nn.Module) -> bool:
