@@ -6,13 +6,16 @@
     print(ttt2la.sweep(model, calibration=(x,)).to_markdown())
 """
 from .conversion import convert, inspect
-from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
-                     PlanFallbackError, UnsupportedShapeError, UnsupportedTTTError)
+from .errors import (AlreadyConvertedError, ConversionError, LevelNotImplementedError,
+                     NonReducibleError, PlanFallbackError, StreamingError, UnsupportedShapeError,
+                     UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
+from .stream import Stream, TTTState
 from .sweep import SweepReport, sweep
 
 __version__ = "0.1.0"
 
 __all__ = ["convert", "inspect", "ConversionError", "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
-           "InspectionReport", "SweepReport", "sweep", "__version__"]
+           "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
+           "AlreadyConvertedError", "__version__"]
