@@ -163,3 +163,47 @@ def test_stream_decodes_a_whole_model_piece_by_piece(lm, split):
 def test_stream_needs_a_converted_model():
     with pytest.raises(ttt2la.StreamingError, match="no converted"):
         ttt2la.Stream(torch.nn.Linear(2, 2))
+
+
+class _UpdateThenApplyChunks(torch.nn.Module):
+    """A chunked layer that updates its fast weight with a chunk before reading it there."""
+
+    def __init__(self, d, C):
+        super().__init__()
+        self.C = C
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        W = self.w0.expand(x.shape[0], -1, -1)
+        outs = []
+        for i in range(0, x.shape[1], self.C):
+            W = W + 0.1 * k[:, i:i + self.C].transpose(1, 2) @ v[:, i:i + self.C]
+            outs.append(q[:, i:i + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+@pytest.fixture(scope="module")
+def update_first():
+    torch.manual_seed(11)
+    layer = _UpdateThenApplyChunks(8, 4)
+    return layer, ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+
+
+@settings(max_examples=8)
+@given(chunks=st.integers(1, 6), cut_chunks=st.lists(st.integers(1, 5), max_size=3),
+       tail=st.integers(1, 3))
+def test_update_then_apply_chunks_continue_on_chunk_boundaries_only(update_first, chunks,
+                                                                     cut_chunks, tail):
+    layer, conv = update_first
+    assert conv.ttt2la_report.layers[0].order == "inclusive"
+    x = torch.randn(2, 4 * chunks, 8, generator=torch.Generator().manual_seed(chunks))
+    cuts = sorted({4 * c for c in cut_chunks if c < chunks})
+    with torch.no_grad():
+        got, state = _pieces(conv, x, cuts)
+        assert rel_rms_error(got, layer(x)) <= TOLERANCE[torch.float32]
+        assert state.open_tokens == 0
+        # a piece ending inside a chunk: the chunk's outputs are not final yet
+        with pytest.raises(ttt2la.StreamingError, match="chunk boundary"):
+            conv(x[:, :tail], ttt_state=state, return_ttt_state=True)
