@@ -224,8 +224,6 @@ def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: 
     module = cls.__new__(cls)
     module.__setstate__(attributes)
     state = _replay(module, recipe)
-    state.runs.update(runs)
-    state.fallbacks.update(fallbacks)
     state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
     install(module, state)
     return module

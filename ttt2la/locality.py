@@ -100,9 +100,7 @@ def _probe(state, module, flat, batch: int, length: int) -> str | None:
     pb = params_and_buffers(module)
     names = state.interface[0] + state.interface[1]
     n_states = len(state.interface[0])
-    axes = {names.index(program.invariants[s.source].name):
-            s.axis for s in program.streams}
-    where = {i: names[i] for i in range(len(names))}
+    axes = {names.index(program.invariants[s.source].name): s.axis for s in program.streams}
     out_axis = program.outputs[0].axis
 
     def run(B_L, inputs, reply=None):
@@ -114,32 +112,32 @@ def _probe(state, module, flat, batch: int, length: int) -> str | None:
             y = gm(pb, *inputs)
         finally:
             setattr(gm, LOOP_MODULE, loop)
-        return stand.seen, pytree.tree_leaves(y), stand
+        return stand.seen, pytree.tree_leaves(y)
 
     unit = layout.batch_unit
     base_in = _inputs_at(flat, layout, batch, length)
-    seen0, y0, _ = run((batch // unit, length), base_in)
+    seen0, y0 = run((batch // unit, length), base_in)
     replied = state.outer_for(batch // unit, length).get_submodule(LOOP_MODULE)(*seen0)
     longer_in = _inputs_at(flat, layout, batch, length + 1)
-    seen1, _, _ = run((batch // unit, length + 1), longer_in)
+    seen1, _ = run((batch // unit, length + 1), longer_in)
     for i, (a, b) in enumerate(zip(seen0, seen1)):
         if i not in axes and _differs(a, b):
             kind = "initial state" if i < n_states else "loop input"
-            return f"the {kind} {where[i]} depends on the sequence length"
+            return f"the {kind} {names[i]} depends on the sequence length"
     gen = torch.Generator().manual_seed(0)
     token_outputs = [(k, next((ax for ax in range(1, y.dim()) if y.shape[ax] == length), None))
                      for k, y in enumerate(y0) if isinstance(y, torch.Tensor)]
     for t in (0, length // 2, length - 1):
-        seen, ys, _ = run((batch // unit, length), _perturbed(base_in, layout.token_axis, t, gen),
+        seen, ys = run((batch // unit, length), _perturbed(base_in, layout.token_axis, t, gen),
                           reply=lambda args: replied)
         for i, (a, b) in enumerate(zip(seen0, seen)):
             if i in axes:
                 if _leaks(a, b, axes[i] % a.dim(), t):
-                    return (f"the sequence {where[i]} the loop reads mixes tokens: a change at "
+                    return (f"the sequence {names[i]} the loop reads mixes tokens: a change at "
                             f"token {t} of the input changes other tokens of it")
             elif _differs(a, b):
                 kind = "initial state" if i < n_states else "loop input"
-                return f"the {kind} {where[i]} depends on the tokens of the sequence"
+                return f"the {kind} {names[i]} depends on the tokens of the sequence"
         for k, ax in token_outputs:
             if ax is not None and _leaks(y0[k], ys[k], ax, t):
                 return (f"the layer's output mixes tokens: a change at token {t} of the input "
@@ -151,7 +149,7 @@ def _probe(state, module, flat, batch: int, length: int) -> str | None:
             row += torch.randn(row.shape, generator=gen).to(o.dtype)
             return (o, *replied[1:])
 
-        _, ys, _ = run((batch // unit, length), base_in, reply=moved)
+        _, ys = run((batch // unit, length), base_in, reply=moved)
         for k, ax in token_outputs:
             if ax is not None and _leaks(y0[k], ys[k], ax, t):
                 return (f"the code after the loop mixes tokens: a change at token {t} of the "

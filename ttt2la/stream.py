@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from .errors import ConversionError, StreamingError
 from .ir import TTTProgram
@@ -37,7 +36,7 @@ from .lowering.executors import lower
 from .lowering.lift import LiftedPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TTTState:
     """The state one converted TTT layer carries from one call to the next.
 
