@@ -48,6 +48,8 @@ def test_deepcopy_gives_an_independent_model_with_the_same_outputs(lm):
         assert torch.equal(conv(ids), before)                   # the original is untouched
         assert rel_rms_error(twin(ids), before) > 1e-3
     assert rel_rms_error(before, model(ids)) <= FP32
+    shallow = copy.copy(conv.blocks[0].ttt)                    # shares parameters, no re-trace
+    assert shallow.qkv is conv.blocks[0].ttt.qkv and shallow._ttt2la is conv.blocks[0].ttt._ttt2la
 
 
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])

@@ -276,6 +276,14 @@ def _converted_deepcopy(self, memo):
     return new
 
 
+def _converted_copy(self):
+    """A shallow copy like any module's (sharing parameters and the compiled state)."""
+    new = type(self).__new__(type(self))
+    new.__setstate__(dict(self.__dict__))
+    new._ttt2la_compiled = _compiled_entry(new)
+    return new
+
+
 def converted_class(cls: type) -> type:
     """``Converted<cls>``: the user's class with ``forward`` running the converted program;
     it pickles as ``cls`` plus the recipe that converts it again."""
@@ -284,6 +292,7 @@ def converted_class(cls: type) -> type:
         new = type(f"Converted{cls.__name__}", (cls,),
                    {"forward": _converted_forward, "__module__": cls.__module__,
                     "__reduce_ex__": _converted_reduce, "__deepcopy__": _converted_deepcopy,
+                    "__copy__": _converted_copy,
                     "_ttt2la_original": cls,
                     "__doc__": f"{cls.__name__} whose TTT loop runs as linear attention "
                                "(converted by ttt2la)."})
