@@ -6,6 +6,11 @@ user's code around the loop, traced once and made shape-generic — with the loo
 ``LoopModule``, which runs the rewritten program on the chosen schedule. Graphs are
 specialized per (batch, length) from templates on first use and cached, like a recompile; the
 user's Python loop is never run or re-traced again.
+
+The converted layer is an ordinary module beyond that: it continues a sequence from a previous
+call's state (``ttt_state``, see ``ttt2la.stream``), deep-copies sharing its compiled state,
+pickles as the user's class plus the ``Recipe`` that converts it again, and enters a
+``torch.compile`` graph as one call (``_compiled_entry``).
 """
 from __future__ import annotations
 
@@ -347,7 +352,7 @@ def _compiled_entry(module: torch.nn.Module):
         B, L = int(B), int(L)
         return layer._ttt2la.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
 
-    return torch._dynamo.allow_in_graph(ttt2la_converted_layer)
+    return torch.compiler.allow_in_graph(ttt2la_converted_layer)
 
 
 def is_converted(module: torch.nn.Module) -> bool:
