@@ -15,11 +15,12 @@ from safetensors.torch import save_file
 import ttt2la
 from ttt2la.checkpoint import MANIFEST_NAME, MANIFEST_VERSION, REPORT_NAME
 from ttt2la.cli import main
+from ttt2la.passes import MAX_LEVEL
 from ttt2la.zoo import TinyLaCTLM
 
 LM_KWARGS = dict(vocab_size=64, d_model=32, n_layers=1, num_heads=2, chunk_size=16, muon=False)
 LM_FACTORY = "ttt2la.zoo:TinyLaCTLM"
-LEVELS = (0, 1, 2)
+LEVELS = tuple(range(MAX_LEVEL + 1))      # every level: lossy ones round-trip their folds
 
 
 def token_ids(batch: int, length: int, seed: int, vocab: int = 64) -> torch.Tensor:
@@ -43,7 +44,7 @@ def assert_same_outputs(a, b, inputs):
 # -- the bundled LM, through the API ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm_checkpoints(tmp_path_factory):
-    """The bundled LM (tied embeddings) converted at levels 0-2, saved, and loaded back."""
+    """The bundled LM (tied embeddings) converted at every level, saved, and loaded back."""
     torch.manual_seed(0)
     model = TinyLaCTLM(**LM_KWARGS).eval()
     example = token_ids(1, 64, seed=1)
@@ -323,3 +324,18 @@ def test_converted_hf_directory_is_again_a_hf_directory(hf_checkpoint):
     assert set(again.state_dict()) == set(model.state_dict())
     for name, t in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], t), name
+
+
+def test_lossy_levels_record_their_folds_in_the_manifest(lm_checkpoints):
+    """Levels 3-6 fold constants; the manifest carries them and loading replays them exactly
+    (the round-trip test above), with no calibration data."""
+    _model, out = lm_checkpoints
+    converted, directory, loaded = out[MAX_LEVEL]
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    folded = [p for layer in converted.ttt2la_report.layers for p in layer.passes if p.folded]
+    assert {p.name for p in folded} >= {"collapse_mlp", "absorb_lr", "remove_momentum"}
+    text = json.dumps(manifest)
+    for p in folded:
+        assert p.name in text
+    assert [p.folded for layer in loaded.ttt2la_report.layers for p in layer.passes] == \
+        [p.folded for layer in converted.ttt2la_report.layers for p in layer.passes]

@@ -11,9 +11,11 @@ from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)
 from .conversion import convert, inspect
-from .errors import (ConversionError, LevelNotImplementedError, NonReducibleError,
-                     PlanFallbackError, UnsupportedShapeError, UnsupportedTTTError)
+from .errors import (AlreadyConvertedError, ConversionError, LevelNotImplementedError,
+                     NonReducibleError, PlanFallbackError, StreamingError, UnsupportedShapeError,
+                     UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
+from .stream import Stream, TTTState
 from .sweep import SweepReport, sweep
 from .validation import InvalidInputError
 
@@ -23,4 +25,5 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
            "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
-           "InspectionReport", "SweepReport", "sweep", "__version__"]
+           "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
+           "AlreadyConvertedError", "__version__"]

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from .analysis import analyze, assign_roles
 from .calibration import LoopCalibration, layer_inputs
-from .converted import ConvertedState, install
+from .converted import ConvertedState, Recipe, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
 from .frontend.discover import discover
 from .frontend.recognize import RecognizedLayer, recognize_layer
@@ -369,6 +369,8 @@ def _convert_layer(rl, calibration: LoopCalibration, level: int, folds: dict | N
     context = PassContext(calibration, replay)
     state, prepared, analysis, notes, exact = _build_state(rl, level, context, backend, strict,
                                                            device)
+    if state is not None:
+        state.recipe = Recipe.of(rl, level, prepared.results, backend, strict)
     return _Layer(rl, copy.deepcopy(module), device, calibration, prepared, state, analysis,
                   notes, exact, backend)
 
@@ -428,6 +430,7 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     measure their drift on; ``folds`` (``{layer path: {pass name: constants}}``, as a previous
     report recorded them) replays folds without calibration data.
     """
+    require_unconverted(model)
     check_call(model, level, example_inputs, example_kwargs, backend, run=False)
     check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):
@@ -515,6 +518,7 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
 
     Prints the report (``show=False`` to only return it); ``model`` is not modified.
     """
+    require_unconverted(model)
     check_call(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
     layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     reports = []

@@ -6,10 +6,17 @@ user's code around the loop, traced once and made shape-generic — with the loo
 ``LoopModule``, which runs the rewritten program on the chosen schedule. Graphs are
 specialized per (batch, length) from templates on first use and cached, like a recompile; the
 user's Python loop is never run or re-traced again.
+
+The converted layer is an ordinary module beyond that: it continues a sequence from a previous
+call's state (``ttt_state``, see ``ttt2la.stream``), deep-copies sharing its compiled state,
+pickles as the user's class plus the ``Recipe`` that converts it again, and enters a
+``torch.compile`` graph as one call (``_compiled_entry``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +24,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .errors import AlreadyConvertedError, ConversionError, StreamingError, UnsupportedTTTError
 from .frontend.recognize import InputLayout, params_and_buffers
 from .frontend.rollup import LOOP_MODULE
 from .frontend.shapes import GraphTemplate
 from .ir import TTTProgram, with_memory_order
+from .locality import streaming_problem
 from .lowering.plan import plan_at
+from .stream import StreamCall, TTTState, advance, stateful_plan
 
 
 class LoopModule(torch.nn.Module):
@@ -41,6 +51,7 @@ class LoopModule(torch.nn.Module):
         self.state_names, self.invariant_names = interface
         self.runs = runs if runs is not None else {}
         self.shape = shape
+        self.stream_call = None         # a ``StreamCall`` while a stateful call runs
 
     def plan_inputs(self, args) -> tuple[dict, list, list]:
         """The loop's arguments by name, and the program's initial states and invariants."""
@@ -55,8 +66,17 @@ class LoopModule(torch.nn.Module):
 
     def forward(self, *args):
         given, states0, invariants = self.plan_inputs(args)
-        outputs, finals = self.plan(states0, invariants)
-        self.runs[self.shape] = self.plan.implementation      # what ran, for the report
+        if self.stream_call is None:
+            plan = self.plan
+            outputs, finals = plan(states0, invariants)
+        else:
+            plan = stateful_plan(self)
+            where = f"the loop of {self.program.module_path or 'the model'} " \
+                    f"({self.program.loop_src})"
+            outputs, finals = advance(plan, self.program, states0, invariants,
+                                      self.stream_call, where)
+        key = self.shape if plan is self.plan else f"{self.shape}, stateful"
+        self.runs[key] = plan.implementation      # what ran, for the report
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
         # the code after the loop was traced on the layout the user's code gave the output
         return (with_memory_order(outputs[0], self.program.outputs[0].memory_order),
@@ -78,6 +98,18 @@ class ConvertedState:
     fallbacks: dict = field(default_factory=dict)   # "batch B" -> why another plan runs there
     _outer_cache: dict = field(default_factory=dict)
     _loop_cache: dict = field(default_factory=dict)
+    streamable: str | None = None       # why the layer cannot carry state ("" if it can)
+    recipe: "Recipe | None" = None      # how to build it again (pickling)
+
+    def __deepcopy__(self, memo) -> "ConvertedState":
+        """A copy for a copied model: the compiled parts (program, templates, plan) hold no
+        parameter — the layer passes its own at every call — and are never changed after
+        conversion, so they are shared; the caches of specialised graphs start empty; the
+        report's dicts and the recipe are copied."""
+        return dataclasses.replace(
+            self, runs=copy.deepcopy(self.runs, memo), fallbacks=copy.deepcopy(self.fallbacks,
+                                                                               memo),
+            _outer_cache={}, _loop_cache={}, recipe=copy.deepcopy(self.recipe, memo))
 
     @property
     def schedule(self) -> str:
@@ -112,38 +144,220 @@ class ConvertedState:
         return gm
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
-        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
         return self.outer_for(B, L)(params_and_buffers(module), *flat)
+
+    def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      state: TTTState | None) -> tuple[Any, TTTState]:
+        """``module(*args, **kwargs)`` continuing from ``state`` (``None``: the layer's initial
+        fast weights): the output for these tokens and the state after them."""
+        if state is not None and not isinstance(state, TTTState):
+            raise StreamingError(
+                f"ttt_state must be a ttt2la.TTTState returned by an earlier call of this "
+                f"layer (or None), got {type(state).__name__}")
+        flat = _flat_inputs(args, kwargs)
+        B, L = self.layout.sizes(flat)
+        if self.streamable is None:
+            self.streamable = streaming_problem(self, module, flat) or ""
+        if self.streamable:
+            raise StreamingError(
+                f"{self.program.module_path or 'this layer'} cannot carry its fast-weight "
+                f"state from one call to the next: {self.streamable} (the loop is at "
+                f"{self.program.loop_src}). Only the loop carries state, so the code around it "
+                "must treat tokens one by one; run whole sequences instead.")
+        gm = self.outer_for(B, L)
+        loop = self.loop_for(B)
+        call = StreamCall(state)
+        loop.stream_call = call
+        try:
+            y = gm(params_and_buffers(module), *flat)
+        finally:
+            loop.stream_call = None
+        return y, call.state_out
+
+
+def _flat_inputs(args, kwargs) -> list:
+    """The call's inputs flattened, tensors contiguous: the graphs were traced on contiguous
+    inputs, and a slice of a longer sequence (``x[:, i:j]``) is not."""
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return [x.contiguous() if isinstance(x, torch.Tensor) else x for x in flat]
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def _converted_forward(self, *args, **kwargs):
-    return self._ttt2la(self, args, kwargs)
+def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kwargs):
+    """The converted layer; with ``return_ttt_state=True`` (or a ``ttt_state``) it continues
+    the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
+    ``(output, state_after)`` (``ttt2la.stream``)."""
+    if ttt_state is None and not return_ttt_state:
+        if torch.compiler.is_compiling() and not kwargs \
+                and all(isinstance(a, torch.Tensor) for a in args):
+            return self._ttt2la_compiled(*params_and_buffers(self).values(), *args)
+        return self._ttt2la(self, args, kwargs)
+    y, state = self._ttt2la.stateful_call(self, args, kwargs, ttt_state)
+    return (y, state) if return_ttt_state else y
+
+
+@dataclass
+class Recipe:
+    """How a converted layer was built, to build it again where its compiled state cannot
+    travel (pickling: the traced graphs hold fake tensors): the layer's path in its model,
+    the level, backend and strictness, the folded constants of lossy passes
+    (``{pass name: constants}``, replayed without calibration data) and the layer's example
+    inputs as the conversion captured them."""
+
+    path: str
+    level: int
+    backend: str
+    strict: bool
+    folds: dict
+    args: tuple
+    kwargs: dict
+
+    @classmethod
+    def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
+        folds = {r.name: r.folded for r in results if getattr(r, "folded", None)}
+        return cls(rl.path, level, backend, strict, folds, tuple(rl.candidate.args),
+                   dict(rl.candidate.kwargs))
+
+
+def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: dict):
+    """Unpickle a converted layer: the user's ``cls`` with its attributes (parameters,
+    submodules), converted again from ``recipe`` — the same trace, passes and plan."""
+    module = cls.__new__(cls)
+    module.__setstate__(attributes)
+    state = _replay(module, recipe)
+    state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
+    install(module, state)
+    return module
+
+
+def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
+    from .conversion import _build_state           # conversion imports this module
+    from .frontend.discover import discover
+    from .frontend.recognize import recognize_layer
+    from .passes import PassContext
+
+    candidates = [c for c in discover(module, recipe.args, recipe.kwargs) if c.path == ""]
+    if not candidates:
+        raise UnsupportedTTTError(
+            f"the converted layer {recipe.path or type(module).__name__} could not be rebuilt: "
+            "its loop did not run on the example inputs recorded at conversion. Convert the "
+            "original model again.")
+    cand = dataclasses.replace(candidates[0], path=recipe.path)
+    x = next((t for t in recipe.args if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    rl = recognize_layer(cand, None if x is None else x.shape[1])
+    device = next((t.device for t in (*pytree.tree_leaves((recipe.args, recipe.kwargs)),
+                                      *module.parameters()) if isinstance(t, torch.Tensor)),
+                  None)
+    state = _build_state(rl, recipe.level, PassContext(folds=dict(recipe.folds)),
+                         recipe.backend, recipe.strict, device)[0]
+    state.recipe = recipe
+    return state
+
+
+def _converted_reduce(self, protocol):
+    """Pickle as the user's class plus a recipe: ``Converted<cls>`` is made at run time, so
+    pickle cannot find it by name, and the compiled state holds fake tensors."""
+    state = self._ttt2la
+    if state.recipe is None:
+        raise ConversionError(
+            f"this converted {type(self).__name__} has no record of how it was converted, so "
+            "it cannot be pickled; convert it with ttt2la.convert")
+    attributes = {k: v for k, v in self.__dict__.items()
+                  if k not in ("_ttt2la", "_ttt2la_compiled")}
+    return rebuild, (original_class(type(self)), attributes, state.recipe, state.runs,
+                     state.fallbacks)
+
+
+def _converted_deepcopy(self, memo):
+    """A deep copy like any module's; the compiled state is shared (``ConvertedState``)."""
+    new = type(self).__new__(type(self))
+    memo[id(self)] = new
+    new.__setstate__(copy.deepcopy(self.__dict__, memo))
+    new._ttt2la_compiled = _compiled_entry(new)
+    return new
+
+
+def _converted_copy(self):
+    """A shallow copy like any module's (sharing parameters and the compiled state)."""
+    new = type(self).__new__(type(self))
+    new.__setstate__(dict(self.__dict__))
+    new._ttt2la_compiled = _compiled_entry(new)
+    return new
 
 
 def converted_class(cls: type) -> type:
-    """``Converted<cls>``: the user's class with ``forward`` running the converted program."""
+    """``Converted<cls>``: the user's class with ``forward`` running the converted program;
+    it pickles as ``cls`` plus the recipe that converts it again."""
     new = _CLASSES.get(cls)
     if new is None:
         new = type(f"Converted{cls.__name__}", (cls,),
                    {"forward": _converted_forward, "__module__": cls.__module__,
+                    "__reduce_ex__": _converted_reduce, "__deepcopy__": _converted_deepcopy,
+                    "__copy__": _converted_copy,
+                    "_ttt2la_original": cls,
                     "__doc__": f"{cls.__name__} whose TTT loop runs as linear attention "
                                "(converted by ttt2la)."})
         _CLASSES[cls] = new
     return new
 
 
+def original_class(cls: type) -> type:
+    """The user's class a ``Converted<cls>`` was made from (``cls`` itself otherwise)."""
+    return cls.__dict__.get("_ttt2la_original", cls)
+
+
+def require_unconverted(model: torch.nn.Module) -> None:
+    """Raise ``AlreadyConvertedError`` when ``model`` (or a submodule) is converted already."""
+    if not isinstance(model, torch.nn.Module):
+        return                  # not a module at all: convert says so itself
+    done = [path or "the model itself" for path, m in model.named_modules() if is_converted(m)]
+    if done:
+        report = getattr(model, "ttt2la_report", None)
+        level = f" at level {report.level}" if report is not None else ""
+        raise AlreadyConvertedError(
+            f"{type(model).__name__} is already converted{level} ({', '.join(done)} run as "
+            "linear attention); ttt2la converts the original model. Convert the model you "
+            "converted this one from (convert returns a copy and leaves it untouched), at the "
+            "level you want now.")
+
+
 def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
+    module._ttt2la_compiled = _compiled_entry(module)
+
+
+def _compiled_entry(module: torch.nn.Module):
+    """The converted layer as one call that ``torch.compile`` writes into its graph as it is
+    (``allow_in_graph``) instead of reading its Python: the layer specialises graphs from
+    templates and its plans walk torch.fx graphs, which TorchDynamo does not trace. The graph
+    compiler (AOTAutograd) then traces the call's tensor ops at the shape being compiled, so
+    ``torch.compile(converted, fullgraph=True)`` sees the whole layer as tensor ops.
+    Takes the layer's parameters and buffers (in ``params_and_buffers`` order), then its
+    positional tensor inputs."""
+    ref = weakref.ref(module)
+
+    def ttt2la_converted_layer(*tensors):
+        layer = ref()
+        pb = params_and_buffers(layer)
+        n = len(pb)
+        flat = [t.contiguous() for t in tensors[n:]]
+        B, L = layer._ttt2la.layout.sizes(flat)
+        # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
+        B, L = int(B), int(L)
+        return layer._ttt2la.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
+
+    return torch.compiler.allow_in_graph(ttt2la_converted_layer)
 
 
 def is_converted(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, "_ttt2la", None), ConvertedState)
 
 
-__all__ = ["LoopModule", "ConvertedState", "install", "converted_class", "is_converted"]
+__all__ = ["LoopModule", "ConvertedState", "Recipe", "install", "converted_class",
+           "original_class", "is_converted", "require_unconverted", "rebuild"]

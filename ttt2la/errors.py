@@ -38,3 +38,13 @@ class NonReducibleError(ConversionError):
 
 class LevelNotImplementedError(ConversionError, NotImplementedError):
     """A simplification level whose passes do not exist yet was requested."""
+
+
+class StreamingError(ConversionError):
+    """A converted layer cannot continue a sequence from a previous call's state as asked: its
+    code outside the loop mixes tokens across the sequence, the state belongs to another layer
+    or batch size, or a piece ends where the layer's outputs are not final yet."""
+
+
+class AlreadyConvertedError(ConversionError):
+    """The model handed to ``convert`` or ``inspect`` is already a converted model."""

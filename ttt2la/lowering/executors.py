@@ -23,7 +23,9 @@ from typing import Sequence
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import is_fake
 from torch.func import jvp, vmap
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis, analyze
 from ..analysis.dependence import op_name
@@ -144,7 +146,14 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
     """Raise ``UnsupportedTTTError`` when a partial last chunk's zero padding is not inert
     (``padding_problem``); the verdict is cached per tail length in ``cache``."""
     if layout.tail not in cache:
-        cache[layout.tail] = padding_problem(program, states0, invariants, layout)
+        if any(is_fake(t) for t in (*states0, *invariants) if isinstance(t, torch.Tensor)):
+            # a compiler traces the plan (torch.compile): the probe reads numbers, so it runs
+            # outside the trace on real stand-ins; its verdict is about the body's structure
+            with _disable_current_modes():
+                states0, invariants = _stand_ins(states0), _stand_ins(invariants)
+                cache[layout.tail] = padding_problem(program, states0, invariants, layout)
+        else:
+            cache[layout.tail] = padding_problem(program, states0, invariants, layout)
     what = cache[layout.tail]
     if what is not None:
         c = layout.chunk_size
@@ -155,6 +164,14 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
             f"zero padding changes {what} — the padded tokens are not inert (a mean over the "
             f"chunk, attention across its tokens, or a bias on an empty token). Use a length "
             f"that is a multiple of {c}{hint}.")
+
+
+def _stand_ins(values) -> list:
+    """Real random tensors shaped like ``values`` (fake tensors of a compiler's trace)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(v.shape, generator=gen).to(v.dtype).to(v.device)
+            if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+            for v in values]
 
 
 def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: bool):

@@ -1,0 +1,209 @@
+"""Stateful decoding: a sequence fed to a converted layer (or model) in pieces gives the outputs
+of feeding it whole, for pieces of any sizes, including pieces that end inside a chunk.
+
+The reference is the *original* layer (the zoo's own Python loop, which shares no code with
+ttt2la) run on the whole sequence. Layers are built as the variant their level converts exactly
+(level 1: Θ frozen; level 2: no weight norm either), so the tolerances are the project's exact
+ones: fp32 within 1e-5 relative RMS; with Muon the layer is compared in float64 (within 1e-10),
+where Newton–Schulz does not amplify rounding beyond it. Hypothesis draws the sequence length,
+the batch size and the split points; every case is converted once per module.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, PerTokenTTTLayer, TinyLaCTLM
+
+D = 16
+CASES = {
+    # name: (factory, level, dtype, chunk size)
+    "folded-level1-weight-norm": (lambda: LaCTFoldedLayer(D, 2, 4, muon=False, base_lr=0.3,
+                                                          update_theta=False), 1, torch.float32, 4),
+    "heads-level2-momentum-muon-f64": (lambda: LaCTHeadsLayer(D, 2, 5, base_lr=0.3,
+                                                              update_theta=False,
+                                                              weight_norm=False),
+                                       2, torch.float64, 5),
+    "per-token-level0": (lambda: PerTokenTTTLayer(D, 2), 0, torch.float32, 1),
+}
+_built: dict = {}
+
+
+def _case(name):
+    """(original layer, converted layer) for ``name``, converted once."""
+    if name not in _built:
+        factory, level, dtype, C = CASES[name]
+        torch.manual_seed(7)
+        layer = factory().to(dtype)
+        x = torch.randn(2, 3 * C + 2, D, dtype=dtype)
+        _built[name] = (layer, ttt2la.convert(layer, level=level, example_inputs=(x,)))
+    return _built[name]
+
+
+def _pieces(conv, x, cuts):
+    """The converted layer run piece by piece (cut at ``cuts``), outputs joined, final state."""
+    bounds = [0, *sorted(set(cuts)), x.shape[1]]
+    state, outs = None, []
+    for a, b in zip(bounds, bounds[1:]):
+        y, state = conv(x[:, a:b], ttt_state=state, return_ttt_state=True)
+        assert y.shape[1] == b - a
+        outs.append(y)
+    return torch.cat(outs, dim=1), state
+
+
+@st.composite
+def _splits(draw, max_len=23):
+    L = draw(st.integers(1, max_len))
+    cuts = draw(st.lists(st.integers(1, max(1, L - 1)), max_size=6)) if L > 1 else []
+    return draw(st.integers(1, 3)), L, sorted(set(cuts))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@settings(max_examples=12)
+@given(split=_splits())
+@example(split=(2, 23, [1, 2, 3, 4, 5, 6]))      # token by token through the first chunks
+@example(split=(1, 20, [4, 8, 12]))               # pieces that end on chunk boundaries
+@example(split=(2, 1, []))                        # one token
+def test_pieces_equal_the_whole_sequence(name, split):
+    B, L, cuts = split
+    layer, conv = _case(name)
+    dtype = CASES[name][2]
+    gen = torch.Generator().manual_seed(B * 1000 + L)
+    x = torch.randn(B, L, D, generator=gen).to(dtype)
+    with torch.no_grad():
+        ref = layer(x)
+        got, state = _pieces(conv, x, cuts)
+    assert rel_rms_error(got, ref) <= TOLERANCE[dtype], (cuts, rel_rms_error(got, ref))
+    assert state.tokens == L
+
+
+def test_the_state_holds_fast_weights_momentum_and_the_open_chunk():
+    _layer, conv = _case("heads-level2-momentum-muon-f64")
+    C = CASES["heads-level2-momentum-muon-f64"][3]
+    x = torch.randn(2, 2 * C + 3, D, dtype=torch.float64)
+    with torch.no_grad():
+        _y, state = conv(x, return_ttt_state=True)
+    assert isinstance(state, ttt2la.TTTState)
+    assert state.fast_weights and state.momentum
+    assert state.open_tokens == 3 and state.tokens == 2 * C + 3
+    assert len(state.open) == len(state.sources) > 0 and all(3 in t.shape for t in state.open)
+    # the momentum after two updates is not zero: the next piece must start from it
+    assert all(float(m.abs().max()) > 0 for m in state.momentum.values())
+    _y, per_token = _case("per-token-level0")[1](torch.randn(1, 5, D), return_ttt_state=True)
+    assert per_token.open_tokens == 0 and per_token.tokens == 5
+
+
+def test_state_that_does_not_fit_is_refused():
+    _layer, conv = _case("folded-level1-weight-norm")
+    x = torch.randn(2, 6, D)
+    with torch.no_grad():
+        _y, state = conv(x, return_ttt_state=True)
+        with pytest.raises(ttt2la.StreamingError, match="batch size"):
+            conv(torch.randn(3, 2, D), ttt_state=state, return_ttt_state=True)
+        other = _case("per-token-level0")[1]
+        with pytest.raises(ttt2la.StreamingError, match="another layer"):
+            other(torch.randn(2, 2, D), ttt_state=state, return_ttt_state=True)
+        with pytest.raises(ttt2la.StreamingError, match="TTTState"):
+            conv(x, ttt_state={"w1": 0}, return_ttt_state=True)
+
+
+class _MeanCentred(LaCTFoldedLayer):
+    """A layer whose code after the loop subtracts the mean over the sequence."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y - y.mean(dim=1, keepdim=True)
+
+
+def test_a_layer_mixing_tokens_outside_the_loop_cannot_carry_state():
+    torch.manual_seed(0)
+    layer = _MeanCentred(D, 2, 4, muon=False, update_theta=False, weight_norm=False)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 14, D),))
+    x = torch.randn(2, 9, D)
+    assert rel_rms_error(conv(x), layer(x)) <= TOLERANCE[torch.float32]   # whole: fine
+    with pytest.raises(ttt2la.StreamingError, match="mixes tokens"):
+        conv(x, return_ttt_state=True)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(3)
+    model = TinyLaCTLM(40, D, 2, 2, 4, muon=False, update_theta=False, weight_norm=False)
+    ids = torch.randint(0, 40, (2, 14))
+    return model, ttt2la.convert(model, level=2, example_inputs=(ids,))
+
+
+@settings(max_examples=8)
+@given(split=_splits(max_len=19))
+@example(split=(1, 19, list(range(1, 19))))       # decode token by token
+def test_stream_decodes_a_whole_model_piece_by_piece(lm, split):
+    model, conv = lm
+    B, L, cuts = split
+    gen = torch.Generator().manual_seed(L)
+    ids = torch.randint(0, 40, (B, L), generator=gen)
+    stream = ttt2la.Stream(conv)
+    bounds = [0, *cuts, L]
+    with torch.no_grad():
+        ref = model(ids)
+        got = torch.cat([stream.stream(ids[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    assert rel_rms_error(got, ref) <= TOLERANCE[torch.float32]
+    assert stream.tokens == L and set(stream.states) == {"blocks.0.ttt", "blocks.1.ttt"}
+    stream.reset()
+    with torch.no_grad():
+        assert rel_rms_error(stream.stream(ids), ref) <= TOLERANCE[torch.float32]
+    # outside ``stream`` the model runs whole sequences as before
+    with torch.no_grad():
+        assert torch.equal(conv(ids), conv(ids))
+
+
+def test_stream_needs_a_converted_model():
+    with pytest.raises(ttt2la.StreamingError, match="no converted"):
+        ttt2la.Stream(torch.nn.Linear(2, 2))
+
+
+class _UpdateThenApplyChunks(torch.nn.Module):
+    """A chunked layer that updates its fast weight with a chunk before reading it there."""
+
+    def __init__(self, d, C):
+        super().__init__()
+        self.C = C
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        W = self.w0.expand(x.shape[0], -1, -1)
+        outs = []
+        for i in range(0, x.shape[1], self.C):
+            W = W + 0.1 * k[:, i:i + self.C].transpose(1, 2) @ v[:, i:i + self.C]
+            outs.append(q[:, i:i + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+@pytest.fixture(scope="module")
+def update_first():
+    torch.manual_seed(11)
+    layer = _UpdateThenApplyChunks(8, 4)
+    return layer, ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+
+
+@settings(max_examples=8)
+@given(chunks=st.integers(1, 6), cut_chunks=st.lists(st.integers(1, 5), max_size=3),
+       tail=st.integers(1, 3))
+def test_update_then_apply_chunks_continue_on_chunk_boundaries_only(update_first, chunks,
+                                                                     cut_chunks, tail):
+    layer, conv = update_first
+    assert conv.ttt2la_report.layers[0].order == "inclusive"
+    x = torch.randn(2, 4 * chunks, 8, generator=torch.Generator().manual_seed(chunks))
+    cuts = sorted({4 * c for c in cut_chunks if c < chunks})
+    with torch.no_grad():
+        got, state = _pieces(conv, x, cuts)
+        assert rel_rms_error(got, layer(x)) <= TOLERANCE[torch.float32]
+        assert state.open_tokens == 0
+        # a piece ending inside a chunk: the chunk's outputs are not final yet
+        with pytest.raises(ttt2la.StreamingError, match="chunk boundary"):
+            conv(x[:, :tail], ttt_state=state, return_ttt_state=True)

@@ -1,0 +1,261 @@
+"""Stateful decoding: a converted layer continues a sequence from the state a previous call left.
+
+``y, state = layer(x, ttt_state=state, return_ttt_state=True)`` runs the piece ``x`` from
+``state`` (``None``: the layer's initial fast weights) and returns the state after it, so that
+feeding a sequence in pieces of any sizes gives the outputs of feeding it whole.
+
+A chunked layer updates its fast weights once per chunk of ``C`` tokens, so a piece that ends
+inside a chunk cannot fold that chunk into the state yet — and an apply-then-update layer
+(LaCT) does not fold its last chunk even when it is full, since the whole sequence would only
+apply it. The state therefore holds the fast weights and momentum *at the start of the open
+chunk* together with that chunk's tokens as the loop reads them (its slice of every stream
+source: q, k, v, learning rates, ...). The next piece is appended to those tokens and the open
+chunk is recomputed from its start, so every chunk the loop sees is the chunk the whole
+sequence would give it. A per-token layer has no open chunk.
+
+``Stream(model)`` carries the state of every converted layer of a whole model from one call
+to the next.
+
+Only the loop carries state: the code around it must treat tokens one by one (projections,
+norms over features, the output projection). ``streaming_problem`` checks that once per layer
+by perturbing single tokens; a layer whose code mixes tokens across the sequence outside the
+loop raises ``StreamingError``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import ConversionError, StreamingError
+from .ir import TTTProgram
+from .lowering.chunking import stream_length
+from .lowering.executors import lower
+from .lowering.lift import LiftedPlan
+
+
+@dataclass(frozen=True, eq=False)
+class TTTState:
+    """The state one converted TTT layer carries from one call to the next.
+
+    * ``names`` / ``roles`` / ``values``: the loop's carried states (fast weights — roles
+      ``final`` and ``theta`` — and ``momentum``) as they are at the start of the open chunk,
+      in the layout the loop carries them (heads folded into the batch where the user's code
+      folds them);
+    * ``sources`` / ``open``: the open chunk's tokens, one tensor per sequence the loop slices
+      chunks from (named like the loop's invariants), cut along that sequence's token axis;
+      ``open_tokens`` is their number (0 for per-token layers, ``1..C`` for LaCT's
+      apply-then-update chunks);
+    * ``tokens``: how many tokens the layer has seen since the state started.
+    """
+
+    names: tuple[str, ...]
+    roles: tuple[str, ...]
+    values: tuple[torch.Tensor, ...]
+    sources: tuple[str, ...]
+    open: tuple[torch.Tensor, ...]
+    open_tokens: int
+    tokens: int
+
+    @property
+    def fast_weights(self) -> dict[str, torch.Tensor]:
+        """The fast weights (roles ``final`` and ``theta``) by name."""
+        return {n: v for n, r, v in zip(self.names, self.roles, self.values)
+                if r in ("final", "theta")}
+
+    @property
+    def momentum(self) -> dict[str, torch.Tensor]:
+        """The momentum buffers by name."""
+        return {n: v for n, r, v in zip(self.names, self.roles, self.values) if r == "momentum"}
+
+    def detach(self) -> "TTTState":
+        """The same state cut from the autograd graph (to decode without keeping history)."""
+        return TTTState(self.names, self.roles, tuple(v.detach() for v in self.values),
+                        self.sources, tuple(t.detach() for t in self.open), self.open_tokens,
+                        self.tokens)
+
+
+def _source_axes(program: TTTProgram, invariants: Sequence[torch.Tensor]) -> dict[int, int]:
+    """Invariant index -> token axis, for every sequence the loop slices chunks from."""
+    axes: dict[int, int] = {}
+    for spec in program.streams:
+        axes.setdefault(spec.source, spec.axis % invariants[spec.source].dim())
+    return axes
+
+
+def _narrow(invariants, axes: dict[int, int], start: int, length: int) -> list:
+    return [x.narrow(axes[i], start, length) if i in axes else x
+            for i, x in enumerate(invariants)]
+
+
+def _check_compatible(state: TTTState, program: TTTProgram, states0, where: str) -> None:
+    names = tuple(s.name for s in program.states)
+    if state.names != names:
+        raise StreamingError(
+            f"the ttt_state passed to {where} belongs to another layer (its states are "
+            f"{', '.join(state.names)}; this layer carries {', '.join(names)}). Pass each "
+            "layer the state it returned, or ttt_state=None to start over.")
+    for name, v, s0 in zip(names, state.values, states0):
+        if v.shape != s0.shape:
+            raise StreamingError(
+                f"the ttt_state passed to {where} holds {name} of shape {tuple(v.shape)}, but "
+                f"this call needs {tuple(s0.shape)}: the batch size changed between calls. "
+                "Continue a state at the batch size it was made with, or start over with "
+                "ttt_state=None.")
+
+
+@dataclass
+class StreamCall:
+    """One stateful call of a converted layer: the state in, filled with the state out."""
+
+    state_in: TTTState | None
+    state_out: TTTState | None = None
+
+
+def stateful_plan(loop) -> object:
+    """The plan a stateful call runs: the layer's own, unless it cannot take or return every
+    carried state (the runtime op starts momentum at zero and returns only the final fast
+    weights); then the generic parallel schedule of the same program, exact as well."""
+    plan = loop.plan
+    if isinstance(plan, LiftedPlan) and plan.lifted.m is not None:
+        cached = getattr(loop, "_stateful_plan", None)
+        if cached is None:
+            cached = lower(loop.program, None, backend="torch", schedule="parallel")
+            loop._stateful_plan = cached
+        return cached
+    return plan
+
+
+def advance(plan, program: TTTProgram, states0: list, invariants: list, call: StreamCall,
+            where: str) -> tuple[list, list]:
+    """Run ``program`` on one piece from ``call.state_in``: its outputs (the piece's tokens
+    only) and final states as the whole sequence would give them; the state after the piece is
+    left in ``call.state_out``."""
+    axes = _source_axes(program, invariants)
+    sources = sorted(axes)
+    state_in, n_open, seen = call.state_in, 0, 0
+    if state_in is not None:
+        _check_compatible(state_in, program, states0, where)
+        states0 = [v.to(s.dtype) for v, s in zip(state_in.values, states0)]
+        invariants = list(invariants)
+        for i, prefix in zip(sources, state_in.open):
+            invariants[i] = torch.cat([prefix, invariants[i]], dim=axes[i])
+        n_open, seen = state_in.open_tokens, state_in.tokens
+    length = stream_length(program, list(invariants))
+    per_token = any(s.per_token for s in program.streams)
+    C = 1 if per_token else program.chunk_size
+    if program.last_chunk == "apply_only":
+        tail = length - (math.ceil(length / C) - 1) * C         # the last chunk stays open
+    else:
+        tail = length % C
+    if tail and tail != C and program.order == "inclusive":
+        raise StreamingError(
+            f"{where} reads each chunk's outputs through the fast weights updated with the "
+            f"whole chunk (update, then apply; chunk size {C}), so the outputs of an unfinished "
+            f"chunk change when its remaining tokens arrive: this piece ends {tail} token(s) "
+            f"into a chunk. Feed pieces that end on a chunk boundary (multiples of {C} tokens).")
+    if program.last_chunk == "apply_only" or tail == 0:
+        outputs, finals = plan(states0, invariants)
+        carried = [s if f is None else f for f, s in zip(finals, states0)]
+    else:
+        full = length - tail
+        mid = states0
+        head_outputs = []
+        if full:
+            head_outputs, head_finals = plan(states0, _narrow(invariants, axes, 0, full))
+            mid = [s if f is None else f for f, s in zip(head_finals, states0)]
+        tail_outputs, finals = plan(mid, _narrow(invariants, axes, full, tail))
+        finals = [s if f is None else f for f, s in zip(finals, mid)]
+        outputs = tail_outputs if not full else [
+            torch.cat([a, b], dim=spec.axis % a.dim())
+            for a, b, spec in zip(head_outputs, tail_outputs, program.outputs)]
+        carried = mid
+    outputs = [o.narrow(spec.axis % o.dim(), n_open, length - n_open)
+               for o, spec in zip(outputs, program.outputs)]
+    open_tokens = 0 if per_token else tail
+    call.state_out = TTTState(
+        names=tuple(s.name for s in program.states), roles=tuple(s.role for s in program.states),
+        values=tuple(carried),
+        sources=tuple(program.invariants[i].name for i in sources),
+        open=tuple(invariants[i].narrow(axes[i], length - open_tokens, open_tokens)
+                   for i in sources),
+        open_tokens=open_tokens, tokens=seen + length - n_open)
+    return outputs, finals
+
+
+class Stream:
+    """Decode with a whole model piece by piece: ``stream(x)`` runs ``model`` on the next
+    piece, every converted layer continuing from the state the previous call left.
+
+        s = ttt2la.Stream(converted_lm)
+        logits = s.stream(prompt_ids)          # [B, L] token ids in
+        logits = s.stream(next_ids)            # continues where the prompt ended
+        s.reset()                              # start a new sequence
+
+    ``states`` maps each converted layer's path to its ``TTTState``. The model itself is
+    untouched: outside ``stream`` it runs whole sequences as before.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from .converted import is_converted
+
+        if not isinstance(model, torch.nn.Module):
+            raise ConversionError(f"Stream takes a converted torch.nn.Module, got "
+                                  f"{type(model).__name__}")
+        self.model = model
+        self.layers = {path: m for path, m in model.named_modules() if is_converted(m)}
+        if not self.layers:
+            raise StreamingError(
+                f"{type(model).__name__} has no converted TTT layer, so there is no state to "
+                "carry; convert it first with ttt2la.convert(model, ...)")
+        kept = [layer.module_path for layer in getattr(getattr(model, "ttt2la_report", None),
+                                                       "layers", [])
+                if layer.module_path not in self.layers and layer.module_path != ""]
+        if kept:
+            raise StreamingError(
+                f"the TTT loop of {', '.join(kept)} was kept as the user wrote it (not "
+                "reducible at this level, strict=False), and the user's loop restarts from its "
+                "initial fast weights at every call, so the model cannot decode piece by piece. "
+                "Convert at a level where every layer converts.")
+        self.states: dict[str, TTTState | None] = {p: None for p in self.layers}
+
+    def reset(self) -> None:
+        """Forget every layer's state: the next ``stream`` call starts a new sequence."""
+        self.states = {p: None for p in self.layers}
+
+    @property
+    def tokens(self) -> int:
+        """Tokens seen since the last reset (by the first converted layer)."""
+        first = next(iter(self.states.values()))
+        return 0 if first is None else first.tokens
+
+    def stream(self, *args, **kwargs):
+        """``model(*args, **kwargs)`` on the next piece of the sequence."""
+        handles = []
+        try:
+            for path, layer in self.layers.items():
+                handles.append(layer.register_forward_pre_hook(self._pre(path), with_kwargs=True))
+                handles.append(layer.register_forward_hook(self._post(path)))
+            return self.model(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    __call__ = stream
+
+    def _pre(self, path: str):
+        def hook(_module, args, kwargs):
+            return args, {**kwargs, "ttt_state": self.states[path], "return_ttt_state": True}
+        return hook
+
+    def _post(self, path: str):
+        def hook(_module, _args, output):
+            y, state = output
+            self.states[path] = state
+            return y
+        return hook
+
+
+__all__ = ["TTTState", "Stream", "StreamCall", "advance", "stateful_plan"]
