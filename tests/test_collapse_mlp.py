@@ -416,11 +416,6 @@ def test_a_collapsed_layer_with_momentum_lifts(small_kernel):
     assert lifted is not None and lifted.m is not None and lifted.muon_steps == 5
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "convert hands the plan the loop interface (states the code after the loop reads, states "
-    "that start at zero) as indices into the recognized loop's states, while the plan reads them "
-    "as indices into the rewritten program's: once Θ's states are removed the momentum state's "
-    "index no longer says it starts at zero, and the lifted plan is refused"))
 def test_a_collapsed_layer_with_momentum_runs_on_the_block_op(small_kernel):
     _, conv = small_kernel
     assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
