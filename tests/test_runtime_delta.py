@@ -133,6 +133,16 @@ def test_edge_lengths(T, C, decay):
     assert_matches_hand_loop(tensors, options, True, T * C)
 
 
+def test_a_realistic_chunk_in_fp32():
+    """64-token chunks of 32 features, decay, two chunks and a ragged tail: the size at which
+    the triangular solve and the decay masks meet fp32 rounding (measured ~2e-7, as the token
+    loop in fp32)."""
+    tensors, options = make_case(17, B=1, T=150, H=1, Dk=32, Dv=24, C=64, decay=True,
+                                 initial_state=True, order="exclusive", scan="pairwise",
+                                 dtype=torch.float32)
+    assert_matches_hand_loop(tensors, options, True, 17)
+
+
 def test_chunk_size_and_scan_do_not_change_the_result():
     tensors, options = make_case(3, B=1, T=50, H=2, Dk=4, Dv=3, C=4, decay=True,
                                  initial_state=True, order="inclusive", scan="pairwise",
