@@ -16,6 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttt2la
+from test_executors import inputs_for, make_program
+from ttt2la.analysis import analyze
+from ttt2la.lowering import lower
+from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta
 from ttt2la.testing import TOLERANCE, CountOps, rel_rms_error
 
 D = 6
@@ -106,3 +110,35 @@ def test_op_count_grows_only_with_the_scan_depth():
     per_level = c32 - c16
     assert 0 < per_level < c16 / 2, (c16, c32)
     assert c256 <= c16 + (math.log2(256) - math.log2(16)) * per_level, (c16, c32, c256)
+
+
+shapes = st.fixed_dictionaries(dict(
+    B=st.sampled_from([1, 2]), d=st.sampled_from([2, 3, 5]), C=st.sampled_from([1, 2, 3, 4]),
+    inclusive=st.booleans(), last_chunk=st.sampled_from(["update", "apply_only"]),
+    n_len=st.integers(min_value=1, max_value=27), seed=st.integers(0, 3)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes)
+def test_scan_plan_matches_the_recurrent_loop_on_hand_built_programs(s):
+    """The delta-rule body of the executor tests (per-token learning rates, both read orders,
+    a last chunk that updates or is only read): the scan plan equals the loop, outputs, final
+    states and gradients of states and invariants."""
+    program = make_program("delta_rule", s["B"], s["d"], s["C"], s["inclusive"], s["last_chunk"])
+    analysis = analyze(program)
+    plan = lift_delta(program, analysis, analysis.schedule)
+    assert isinstance(plan, DeltaScanPlan)
+    results = []
+    for run in (plan, lower(program, None, schedule="recurrent")):
+        states0, invariants = inputs_for(program, s["n_len"], s["seed"])
+        outputs, finals = run(states0, invariants)
+        leaves = [*states0, *invariants]
+        loss = sum((o * torch.cos(torch.arange(o.numel()).view(o.shape))).sum()
+                   for o in [*outputs, *finals])
+        results.append([*outputs, *finals, *torch.autograd.grad(loss, leaves, allow_unused=True)])
+    assert "matrix-affine scan: W" in plan.implementation
+    for got, want in zip(*results):
+        if want is None:
+            assert got is None or not got.abs().any()
+            continue
+        assert rel_rms_error(got, want) <= TOLERANCE[torch.float32], rel_rms_error(got, want)
