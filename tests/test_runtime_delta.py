@@ -30,7 +30,8 @@ def hand_delta_rule(q, k, v, beta, *, decay=None, chunk_size=None, initial_state
         kt = k[:, t].unsqueeze(-2)  # [B, H, 1, Dk]
         residual = kt @ W - v[:, t].unsqueeze(-2)  # [B, H, 1, Dv]
         W = W - beta[:, t][:, :, None, None] * (kt.mT @ residual)
-        outs.append(read_before if order == "exclusive" else (q[:, t].unsqueeze(-2) @ W).squeeze(-2))
+        read_after = (q[:, t].unsqueeze(-2) @ W).squeeze(-2)
+        outs.append(read_before if order == "exclusive" else read_after)
     return torch.stack(outs, dim=1), (W if output_final_state else None)
 
 

@@ -55,13 +55,24 @@ class DeltaScanPlan(Plan):
 
     @property
     def implementation(self) -> str:
-        base = super().implementation
-        names = [self.program.states[t].name for t in sorted(self.scanned)
-                 if self.sides.get(t, "left") is not None]
-        return base.replace("sequential: ", "matrix-affine scan: ") if names else base
+        """``"torch.vmap(semi-parallel; matrix-affine scan: W)"`` — what runs, for the report."""
+        if self.schedule == "recurrent":
+            return super().implementation
+        scanned = {t for t in self.scanned if self.sides.get(t, "left") is not None}
+        name = lambda t: self.program.states[t].name  # noqa: E731
+        sequential = [name(t) for s in self._steps if s.mode == "sequential" for t in s.states
+                      if t not in scanned]
+        parts = [self.schedule]
+        if scanned:
+            parts.append(f"matrix-affine scan: {', '.join(name(t) for t in sorted(scanned))}")
+        if sequential:
+            parts.append(f"sequential: {', '.join(sequential)}")
+        if self.fallbacks:
+            parts.append("loop fallback")
+        return f"torch.vmap({'; '.join(parts)})"
 
     def _sequential(self, step, env, states0, n):
-        (t,) = step.states if len(step.states) == 1 else (None,)
+        t = step.states[0] if len(step.states) == 1 else None
         if t not in self.scanned or self.sides.get(t, "left") is None:
             return super()._sequential(step, env, states0, n)
         maps = self._maps(step, env, states0[t], n)
@@ -98,7 +109,10 @@ class DeltaScanPlan(Plan):
             def pair(*args, side=side, basis=basis):
                 update = update_of(args)
                 cols = vmap(lambda x: jvp(update, (zero,), (x,))[1])(basis)
-                A = cols[..., 0].movedim(0, -1) if side == "left" else cols[..., 0, :].movedim(0, -2)
+                if side == "left":  # (A E_i0)[:, 0] is A's column i
+                    A = cols[..., 0].movedim(0, -1)
+                else:  # (E_0i A)[0, :] is A's row i
+                    A = cols[..., 0, :].movedim(0, -2)
                 return A, update(zero)
 
             (A, B), fell_back = _call_batched(pair, values, n)
