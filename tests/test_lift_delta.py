@@ -142,3 +142,29 @@ def test_scan_plan_matches_the_recurrent_loop_on_hand_built_programs(s):
             assert got is None or not got.abs().any()
             continue
         assert rel_rms_error(got, want) <= TOLERANCE[torch.float32], rel_rms_error(got, want)
+
+
+def test_a_map_on_neither_side_runs_the_sequential_pass():
+    """``W' = W − 0.1·(Wᵀ + kᵀk W)``: matrix-affine in ``W``, but not ``A·W`` or ``W·A``; the
+    plan must notice and keep the sequential pass, exactly."""
+    from ttt2la.frontend.build import program_from_body
+
+    def body(W, k, q):
+        W2 = W - 0.1 * (W.transpose(-1, -2) + k.transpose(-1, -2) @ k @ W)
+        return (W2,), (q @ W2,)
+
+    g = torch.Generator().manual_seed(0)
+    program = program_from_body(body, states=dict(W=torch.randn(2, 3, 3, generator=g)),
+                                streams=dict(k=torch.randn(2, 4, 3, generator=g),
+                                             q=torch.randn(2, 4, 3, generator=g)),
+                                chunk_size=2, order="inclusive", last_chunk="update")
+    analysis = analyze(program)
+    plan = lift_delta(program, analysis, analysis.schedule)
+    assert plan is not None
+    states0, invariants = inputs_for(program, 9, 0)
+    got = plan(states0, invariants)
+    want = lower(program, None, schedule="recurrent")(states0, invariants)
+    for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        assert rel_rms_error(a, b) <= TOLERANCE[torch.float32]
+    assert "sequential: W" in plan.implementation
+    assert "matrix-affine scan" not in plan.implementation

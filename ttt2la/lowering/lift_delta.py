@@ -9,7 +9,7 @@ derivative there along the basis matrices (``jvp``), all batched over chunks —
 with the runtime's log-depth ``matrix_affine_scan``. Which side ``A_j`` multiplies on is read off
 the first chunk: the derivative along a random direction must equal ``A_0`` applied on that
 side; when neither side fits (another linear map of the state: transposes, sums), the sequential
-pass runs as before and the fallback is recorded.
+pass runs as before and the plan names the state as sequential.
 """
 from __future__ import annotations
 
@@ -122,8 +122,7 @@ class DeltaScanPlan(Plan):
             if t in self.sides or _fits(first, A[0], s0, side):
                 self.sides[t] = side
                 return A, B, side
-        self.sides[t] = None
-        self.fallbacks.add(f"{self.program.states[t].name} (neither A·S nor S·A)")
+        self.sides[t] = None  # neither A·S nor S·A: the sequential pass, named as such
         return None
 
     def _step_values(self, step, env, n: int):
