@@ -164,14 +164,19 @@ def scanned_states(analysis: Analysis) -> set[int]:
             and analysis.states[group[0]].self_dependence == Dep.MATRIX_AFFINE}
 
 
-def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str) -> DeltaScanPlan | None:
+def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
+               sides: dict[int, str | None] | None = None) -> DeltaScanPlan | None:
     """The delta-rule plan for ``program`` on ``schedule``, or ``None`` when no state of it is
     matrix-affine in itself. Raises ``NonReducibleError`` when the program does not allow
-    ``schedule``."""
+    ``schedule``. ``sides``: the sides already read off a plan of the same body at another
+    batch size (structural, so carried over: a later call, even one a compiler traces with
+    fake tensors, need not probe again)."""
     if schedule != "semi-parallel" or not scanned_states(analysis):
         return None
     analysis.require_schedule(schedule)
-    return DeltaScanPlan(program, analysis, schedule)
+    plan = DeltaScanPlan(program, analysis, schedule)
+    plan.sides.update(sides or {})
+    return plan
 
 
 __all__ = ["DeltaScanPlan", "lift_delta", "scanned_states"]

@@ -100,7 +100,7 @@ def plan_at(plan: AnyPlan, program: TTTProgram, *, strict: bool = True
             generic = lower(program, analyze(program), backend="torch", schedule="parallel")
             return generic, f"{generic.implementation} instead of {plan.implementation}: {e}"
     if isinstance(plan, DeltaScanPlan):
-        return lift_delta(program, analyze(program), plan.schedule), None
+        return lift_delta(program, analyze(program), plan.schedule, plan.sides), None
     return lower(program, analyze(program), backend="torch", schedule=plan.schedule), None
 
 
