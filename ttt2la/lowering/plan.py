@@ -18,8 +18,9 @@ from ..errors import PlanFallbackError, UnsupportedTTTError
 from ..ir import TTTProgram
 from .executors import Plan, lower
 from .lift import LiftedPlan, lift
+from .lift_delta import DeltaScanPlan, lift_delta
 
-AnyPlan = Union[Plan, LiftedPlan]
+AnyPlan = Union[Plan, LiftedPlan, DeltaScanPlan]
 BACKENDS = ("auto", "torch", "triton", "naive")
 
 
@@ -75,6 +76,9 @@ def plan_for(program: TTTProgram, analysis: Analysis | None = None, *, backend: 
             "and the generic schedules run with torch; use backend='auto' or 'torch'")
     if backend == "naive":
         schedule = "recurrent"
+    delta = lift_delta(program, analysis, schedule)
+    if delta is not None:
+        return delta
     return lower(program, analysis, backend="torch", schedule=schedule)
 
 
@@ -95,6 +99,8 @@ def plan_at(plan: AnyPlan, program: TTTProgram, *, strict: bool = True
                 ) from e
             generic = lower(program, analyze(program), backend="torch", schedule="parallel")
             return generic, f"{generic.implementation} instead of {plan.implementation}: {e}"
+    if isinstance(plan, DeltaScanPlan):
+        return lift_delta(program, analyze(program), plan.schedule, plan.sides), None
     return lower(program, analyze(program), backend="torch", schedule=plan.schedule), None
 
 
