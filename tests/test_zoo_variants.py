@@ -234,12 +234,13 @@ def only_w1_lact(w0, w1, w2, q, k, v, lr0, lr1, lr2, chunk_size=2048, use_muon=F
 
 
 class OnlyW1Layer(nn.Module):
-    """A LaCT-LM-style layer around ``only_w1_lact`` (its variant 4 with ``use_lr1=False``)."""
+    """A LaCT-LM-style layer around ``only_w1_lact`` (its variant 4 with ``use_lr1=False``); the
+    operator's switches travel in a dict of options."""
 
     def __init__(self, d_model, num_heads, chunk_size, use_lr1, use_muon):
         super().__init__()
         self.num_heads, self.chunk_size = num_heads, chunk_size
-        self.use_lr1, self.use_muon = use_lr1, use_muon
+        self.ttt_options = dict(use_muon=use_muon, weight_norm=False, use_lr1=use_lr1)
         dh = d_model // num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.lr_proj = nn.Linear(d_model, 3 * num_heads)
@@ -266,26 +267,28 @@ class OnlyW1Layer(nn.Module):
         momentum = fold(self.momentum_proj(x))
         o = only_w1_lact(self.w0.repeat(b, 1, 1), self.w1.repeat(b, 1, 1), self.w2.repeat(b, 1, 1),
                          q, k, v, lr0, lr1, lr2, chunk_size=self.chunk_size,
-                         use_muon=self.use_muon, momentum=momentum, weight_norm=False,
-                         use_lr1=self.use_lr1)
+                         momentum=momentum, **self.ttt_options)
         o = self.ttt_norm(o).view(b, nh, s, -1).transpose(1, 2).reshape(b, s, d)
         return self.o_proj(o)
 
 
-@pytest.mark.parametrize("use_lr1", [True, False], ids=["per-token-lr", "lr-pinned-to-one"])
-def test_released_variant4_operator_converts_exactly_with_its_lr_pinned(use_lr1):
-    torch.manual_seed(7)
-    layer = OnlyW1Layer(H * D, H, C, use_lr1, use_muon=False)
-    x = torch.randn(2, 3 * C + 2, H * D)
-    conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
-    assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
-    xs = torch.randn(3, 4 * C + 1, H * D)
-    got, ref = _outputs_and_grads(conv, xs), _outputs_and_grads(layer, xs)
-    for name, r in ref.items():
-        err = rel_rms_error(got[name], r)
-        assert err <= TOLERANCE[torch.float32], f"{name}: {err:.3g}"
-    if not use_lr1:                             # the pinned rate reaches nothing
-        assert float(got["lr_proj.weight"].abs().max()) == 0.0
+def test_released_variant4_operator_converts_exactly_with_its_lr_pinned():
+    """The same layer with the rate per token, then pinned to one, converted one after the other:
+    the second conversion must not reuse the first one's traces (their switches differ only in
+    a dict of operator options, which the recognition cache once left out of its key)."""
+    for use_lr1 in (True, False):
+        torch.manual_seed(7)
+        layer = OnlyW1Layer(H * D, H, C, use_lr1, use_muon=False)
+        x = torch.randn(2, 3 * C + 2, H * D)
+        conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+        assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+        xs = torch.randn(3, 4 * C + 1, H * D)
+        got, ref = _outputs_and_grads(conv, xs), _outputs_and_grads(layer, xs)
+        for name, r in ref.items():
+            err = rel_rms_error(got[name], r)
+            assert err <= TOLERANCE[torch.float32], f"use_lr1={use_lr1}, {name}: {err:.3g}"
+        if not use_lr1:                         # the pinned rate reaches nothing
+            assert float(got["lr_proj.weight"].abs().max()) == 0.0
 
 
 # -- per-token layers: step 4 (a constant rate) --------------------------------------------------
