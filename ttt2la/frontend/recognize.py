@@ -172,27 +172,58 @@ _CACHE: "OrderedDict[tuple, RecognizedLayer]" = OrderedDict()
 _CACHE_SIZE = 32
 
 
+#: What every ``nn.Module`` keeps in its ``__dict__`` (parameter and hook tables, ``training``).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class _Uncacheable(Exception):
+    """A configuration value the signature cannot describe: the layer is traced every time."""
+
+
+def _config_value(v):
+    """A hashable description of one configuration value, containers included: a switch kept in
+    a dict of operator options steers the code as much as one kept in its own attribute."""
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_config_value(x) for x in v))
+    if isinstance(v, (set, frozenset)):
+        return ("set", frozenset(_config_value(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((_config_value(k), _config_value(x)) for k, x in v.items()))
+    if callable(v) and not isinstance(v, torch.nn.Module):
+        return v                                  # a function attribute steers the code too
+    raise _Uncacheable(type(v).__name__)          # a tensor (its value is baked in), an object
+
+
 def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
     """What determines the traces of a layer: its code, configuration and tensor shapes.
 
     Parameters and buffers are graph inputs, so their values do not matter; plain Python
-    attributes (chunk size, switches) steer the code and are part of the key. A layer holding
-    a tensor that is neither a parameter nor a buffer is not cached (its value is baked in).
+    attributes (chunk size, switches, containers of them) steer the code and are part of the
+    key. A layer holding any other value — a tensor that is neither a parameter nor a buffer
+    (its value is baked in), an object the key cannot describe — is not cached.
     """
     attrs = []
-    for name, m in cand.module.named_modules():
-        for k, v in sorted(vars(m).items()):
-            if isinstance(v, torch.Tensor):
-                return None
-            if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device)) \
-                    or callable(v) and not isinstance(v, torch.nn.Module):
-                attrs.append((name, k, v))       # a function attribute steers the code too
-        attrs.append((name, type(m)))
+    try:
+        for name, m in cand.module.named_modules():
+            for k, v in sorted(vars(m).items()):
+                if k not in _MODULE_INTERNALS:
+                    attrs.append((name, k, _config_value(v)))
+            attrs.append((name, type(m)))
+    except _Uncacheable:
+        return None
     tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device))
                     for n, t in params_and_buffers(cand.module).items())
     inputs = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor)
                    else ("value", repr(x)) for x in flat)
-    return (type(cand.module), tuple(attrs), tensors, inputs, seq_len, cand.loop)
+    key = (type(cand.module), tuple(attrs), tensors, inputs, seq_len, cand.loop)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:

@@ -6,15 +6,18 @@ from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
 from .trained import trained_char_lm
+from .variants import STEPS, variant_switches, with_variant
 
 
-def lact_layer(style: str = "folded", **kw):
+def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     """Build a LaCT layer in the given coding style ("folded", "heads" or "published"); ``kw`` go to
-    its constructor."""
+    its constructor. ``variant=k`` sets the switches of steps 1..k off (0: LaCT as published,
+    6: block-causal linear attention)."""
     if style not in LACT_STYLES:
         raise ValueError(f"unknown LaCT style {style!r}; choose one of {sorted(LACT_STYLES)}")
-    return LACT_STYLES[style](**kw)
+    return LACT_STYLES[style](**with_variant(variant, kw))
 
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer", "trained_char_lm"]
+           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer", "trained_char_lm", "STEPS",
+           "variant_switches"]

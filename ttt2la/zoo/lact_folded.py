@@ -3,6 +3,8 @@
 Fast weights use the ``W @ x`` convention: ``f(x) = w1 @ (silu(w0 @ x) * (w2 @ x))`` for a column ``x``.
 The chunk loop is "apply then update" (shifted block causal): chunk j reads the fast weights left by
 chunks < j, and the last chunk is only applied.  The backward pass through the SwiGLU is written out by hand.
+With ``mlp=False`` the fast weight is one bias-free linear map, ``f(x) = w1 @ x`` (``block_causal_lact_linear``),
+and with ``per_token_lr=False`` every learning rate is the constant 1.
 """
 import math
 
@@ -59,7 +61,7 @@ def block_causal_lact_swiglu(
 
     w0, w2: [b, dh, d]   w1: [b, d, dh]     (b = batch * heads, dh = intermediate dim)
     q, k, v: [b, l, d]
-    lr0, lr1, lr2: [b, l, 1]   per-token learning rate of w0, w1, w2
+    lr0, lr1, lr2: [b, l, 1]   per-token learning rate of w0, w1, w2 (all None: a constant rate of 1)
     momentum: [b, l, 1] or None   per-token momentum; each chunk uses its mean
     Returns the output [b, l, d] (and the final (w0, w1, w2) if ``return_final_state``).
     """
@@ -87,9 +89,13 @@ def block_causal_lact_swiglu(
         ki = k[:, s_index:e_index, :]  # [b, l, d]
         vi = v[:, :, s_index:e_index]  # [b, d, l]
         qi = q[:, :, s_index:e_index]  # [b, d, l]
-        lr0i = lr0[:, s_index:e_index, :]  # [b, l, 1]
-        lr1i = lr1[:, s_index:e_index, :]
-        lr2i = lr2[:, s_index:e_index, :]
+        if lr1 is not None:
+            lr0i = lr0[:, s_index:e_index, :]  # [b, l, 1]
+            lr1i = lr1[:, s_index:e_index, :]
+            lr2i = lr2[:, s_index:e_index, :]
+        else:
+            # constant learning rate: the plain gradient step
+            lr0i = lr1i = lr2i = 1.0
 
         # apply the current fast weights: [b, dh, d] @ [b, d, l] -> [b, dh, l]
         h = torch.bmm(w2, qi)
@@ -155,11 +161,78 @@ def block_causal_lact_swiglu(
     return output
 
 
+def block_causal_lact_linear(
+    w1: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lr1: torch.Tensor = None,
+    momentum: torch.Tensor = None,
+    chunk_size: int = 2048,
+    weight_norm: bool = True,
+    use_muon: bool = True,
+    muon_steps: int = 5,
+):
+    """Shifted block-causal LaCT with a single linear fast weight: ``f(x) = w1 @ x``, no hidden layer.
+
+    The keys and queries go straight into ``w1``, so the gradient of ``-<w1 k, v>`` is ``-v k^T``.
+    w1: [b, d, d]   q, k, v: [b, l, d]   lr1: [b, l, 1] or None (constant rate 1)
+    momentum: [b, l, 1] or None.  Returns the output [b, l, d].
+    """
+    if weight_norm:
+        w1_norm = w1.norm(dim=2, keepdim=True)
+    if momentum is not None:
+        dw1_momentum = torch.zeros_like(w1)
+
+    q = q.transpose(1, 2)  # [b, d, l]
+    v = v.transpose(1, 2)  # [b, d, l]
+    output = torch.zeros_like(v)
+
+    e_index = 0
+    seq_len = k.shape[1]
+    for i in range(0, seq_len - chunk_size, chunk_size):
+        s_index = i
+        e_index = s_index + chunk_size
+
+        ki = k[:, s_index:e_index, :]  # [b, l, d]
+        vi = v[:, :, s_index:e_index]  # [b, d, l]
+        qi = q[:, :, s_index:e_index]  # [b, d, l]
+
+        # apply: the query itself is the hidden state
+        output[:, :, s_index:e_index] = torch.bmm(w1, qi)
+
+        # [b, d, l] @ [b, l, d] -> [b, d, d]
+        if lr1 is not None:
+            dw1 = torch.bmm(vi, ki * lr1[:, s_index:e_index, :])
+        else:
+            dw1 = torch.bmm(vi, ki)
+
+        if momentum is not None:
+            m_i = momentum[:, s_index:e_index, :].mean(dim=1, keepdim=True)  # [b, 1, 1]
+            dw1 = dw1 + dw1_momentum * m_i
+            dw1_momentum = dw1
+
+        if use_muon:
+            dw1 = zeropower_via_newtonschulz5(dw1, muon_steps)
+
+        w1 = w1 + dw1
+
+        if weight_norm:
+            w1 = w1 / (w1.norm(dim=2, keepdim=True) + 1e-5) * w1_norm
+
+    # the last chunk is only applied
+    qi = q[:, :, e_index:seq_len]
+    output[:, :, e_index:seq_len] = torch.bmm(w1, qi)
+    return output.transpose(1, 2)  # [b, l, d]
+
+
 class LaCTFoldedLayer(nn.Module):
     """LaCT layer for causal language modelling: SwiGLU fast weights trained per chunk at test time.
 
     ``lr_proj`` outputs 3 * num_heads channels ordered ``[lr0 (heads...), lr1 (heads...), lr2 (heads...)]``,
-    the per-token learning rates of ``w0``, ``w1`` and ``w2``.
+    the per-token learning rates of ``w0``, ``w1`` and ``w2``.  ``mlp=False`` replaces the SwiGLU by one linear
+    fast weight ``w1: [H, d, d]`` (no ``w0``/``w2``; ``lr_proj`` then has num_heads channels, and ``inter_dim``
+    is unused); ``per_token_lr=False`` drops ``lr_proj`` and steps with a constant rate of 1.
     """
 
     def __init__(
@@ -175,6 +248,8 @@ class LaCTFoldedLayer(nn.Module):
         muon=True,
         base_lr=1e-2,
         muon_steps=5,
+        mlp=True,
+        per_token_lr=True,
     ):
         super().__init__()
         assert d_model % num_heads == 0, "d_model must be divisible by num_heads"
@@ -188,16 +263,22 @@ class LaCTFoldedLayer(nn.Module):
         self.use_momentum = momentum
         self.use_muon = muon
         self.muon_steps = muon_steps
+        self.mlp = mlp
+        self.per_token_lr = per_token_lr
 
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.lr_proj = nn.Linear(d_model, 3 * num_heads, bias=False)
-        self.base_lr_inv = math.log(math.exp(base_lr) - 1)  # softplus^-1(base_lr)
+        if per_token_lr:
+            self.lr_proj = nn.Linear(d_model, (3 if mlp else 1) * num_heads, bias=False)
+            self.base_lr_inv = math.log(math.exp(base_lr) - 1)  # softplus^-1(base_lr)
         if momentum:
             self.momentum_proj = nn.Linear(d_model, num_heads, bias=False)
 
-        self.w0 = nn.Parameter(torch.randn(num_heads, self.inter_dim, self.head_dim) / math.sqrt(self.head_dim))
-        self.w1 = nn.Parameter(torch.randn(num_heads, self.head_dim, self.inter_dim) / math.sqrt(self.inter_dim))
-        self.w2 = nn.Parameter(torch.randn(num_heads, self.inter_dim, self.head_dim) / math.sqrt(self.head_dim))
+        if mlp:
+            self.w0 = nn.Parameter(torch.randn(num_heads, self.inter_dim, self.head_dim) / math.sqrt(self.head_dim))
+            self.w1 = nn.Parameter(torch.randn(num_heads, self.head_dim, self.inter_dim) / math.sqrt(self.inter_dim))
+            self.w2 = nn.Parameter(torch.randn(num_heads, self.inter_dim, self.head_dim) / math.sqrt(self.head_dim))
+        else:
+            self.w1 = nn.Parameter(torch.randn(num_heads, self.head_dim, self.head_dim) / math.sqrt(self.head_dim))
 
         self.o_norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
@@ -217,26 +298,37 @@ class LaCTFoldedLayer(nn.Module):
         k = F.normalize(F.silu(self._fold_heads(k)), dim=-1)
         v = self._fold_heads(v)
 
-        lr = F.softplus(self.lr_proj(x) + self.base_lr_inv)  # [B, L, 3H]
-        lr0, lr1, lr2 = (self._fold_heads(t) for t in lr.chunk(3, dim=-1))  # [B*H, L, 1] each
+        if self.per_token_lr:
+            lr = F.softplus(self.lr_proj(x) + self.base_lr_inv)  # [B, L, 3H] (or [B, L, H] without the MLP)
+            lrs = [self._fold_heads(t) for t in lr.chunk(3 if self.mlp else 1, dim=-1)]  # [B*H, L, 1] each
+        else:
+            lrs = [None, None, None] if self.mlp else [None]
 
         if self.use_momentum:
             momentum = self._fold_heads(torch.sigmoid(self.momentum_proj(x)))  # [B*H, L, 1]
         else:
             momentum = None
 
-        w0 = self.w0.repeat(B, 1, 1)
         w1 = self.w1.repeat(B, 1, 1)
-        w2 = self.w2.repeat(B, 1, 1)
-
-        o = block_causal_lact_swiglu(
-            w0, w1, w2, q, k, v, lr0, lr1, lr2, momentum,
-            chunk_size=self.chunk_size,
-            update_theta=self.update_theta,
-            weight_norm=self.weight_norm,
-            use_muon=self.use_muon,
-            muon_steps=self.muon_steps,
-        )  # [B*H, L, d]
+        if self.mlp:
+            w0 = self.w0.repeat(B, 1, 1)
+            w2 = self.w2.repeat(B, 1, 1)
+            o = block_causal_lact_swiglu(
+                w0, w1, w2, q, k, v, *lrs, momentum,
+                chunk_size=self.chunk_size,
+                update_theta=self.update_theta,
+                weight_norm=self.weight_norm,
+                use_muon=self.use_muon,
+                muon_steps=self.muon_steps,
+            )  # [B*H, L, d]
+        else:
+            o = block_causal_lact_linear(
+                w1, q, k, v, lrs[0], momentum,
+                chunk_size=self.chunk_size,
+                weight_norm=self.weight_norm,
+                use_muon=self.use_muon,
+                muon_steps=self.muon_steps,
+            )  # [B*H, L, d]
 
         # per-head RMSNorm
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.o_norm_weight

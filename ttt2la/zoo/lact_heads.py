@@ -3,6 +3,8 @@
 The fast-weight network is a bias-free SwiGLU, ``f(x) = (silu(x @ W0) * (x @ W2)) @ W1`` for a row ``x``.
 The stored parameters keep the ``W @ x`` layout (``w0: [H, inter, d]``); the forward works on their
 transposes.  Each chunk is read with the weights of the previous chunks, then used for one test-time step.
+``mlp=False`` trains a single linear fast weight ``f(x) = x @ W1`` instead, and ``per_token_lr=False`` steps at
+a fixed rate of 1.
 """
 from __future__ import annotations
 
@@ -41,11 +43,19 @@ def kv_binding_loss(W0, W1, W2, k, v):
     return -(swiglu(k, W0, W1, W2) * v).sum()
 
 
+def linear_binding_loss(W1, k, v):
+    """The same binding loss for a single linear fast weight, ``f(x) = x @ W1``."""
+    return -((k @ W1) * v).sum()
+
+
 def fast_weight_grads(W0, W1, W2, k, v, lr0, lr1, lr2, update_theta=True):
     """One test-time step's increments ``-lr * dL/dW`` for each fast weight (None for a frozen one).
 
-    k, v: [B, H, C, d]; lr*: [B, H, C, 1].  Weighting v by a matrix's lr gives that matrix's lr-weighted loss.
+    k, v: [B, H, C, d]; lr*: [B, H, C, 1] (or a float).  Weighting v by a matrix's lr gives that matrix's
+    lr-weighted loss.  Without ``W0``/``W2`` (None) the fast weight is linear and only ``W1`` moves.
     """
+    if W0 is None:
+        return None, -grad(linear_binding_loss)(W1, k, v * lr1), None
     dW1 = -grad(kv_binding_loss, argnums=1)(W0, W1, W2, k, v * lr1)
     if not update_theta:
         return None, dW1, None
@@ -75,6 +85,8 @@ class LaCTHeadsLayer(nn.Module):
         muon: bool = True,
         base_lr: float = 1e-2,
         muon_steps: int = 5,
+        mlp: bool = True,
+        per_token_lr: bool = True,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -84,17 +96,23 @@ class LaCTHeadsLayer(nn.Module):
         self.inter_dim = inter_dim if inter_dim is not None else self.head_dim
         self.update_theta, self.weight_norm = update_theta, weight_norm
         self.momentum, self.muon, self.muon_steps = momentum, muon, muon_steps
+        self.mlp, self.per_token_lr = mlp, per_token_lr
         H, D, I = num_heads, self.head_dim, self.inter_dim
+        n_lrs = 3 if mlp else 1
 
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.lr_proj = nn.Linear(d_model, 3 * H, bias=False)
-        self.base_lr_inv = math.log(math.expm1(base_lr))
+        if per_token_lr:
+            self.lr_proj = nn.Linear(d_model, n_lrs * H, bias=False)
+            self.base_lr_inv = math.log(math.expm1(base_lr))
         if momentum:
             self.momentum_proj = nn.Linear(d_model, H, bias=False)
         # stored in the W @ x layout; fan-in is the last dim
-        self.w0 = nn.Parameter(torch.randn(H, I, D) * D**-0.5)
-        self.w1 = nn.Parameter(torch.randn(H, D, I) * I**-0.5)
-        self.w2 = nn.Parameter(torch.randn(H, I, D) * D**-0.5)
+        if mlp:
+            self.w0 = nn.Parameter(torch.randn(H, I, D) * D**-0.5)
+            self.w1 = nn.Parameter(torch.randn(H, D, I) * I**-0.5)
+            self.w2 = nn.Parameter(torch.randn(H, I, D) * D**-0.5)
+        else:
+            self.w1 = nn.Parameter(torch.randn(H, D, D) * D**-0.5)
         self.o_norm_weight = nn.Parameter(torch.ones(D))
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
@@ -107,47 +125,55 @@ class LaCTHeadsLayer(nn.Module):
         q = F.normalize(F.silu(q), dim=-1)
         k = F.normalize(F.silu(k), dim=-1)
 
-        lr = F.softplus(self.lr_proj(x) + self.base_lr_inv)
-        lr0, lr1, lr2 = lr.view(B, L, 3, H).permute(2, 0, 3, 1).unsqueeze(-1)  # [B, H, L, 1] each
+        n_lrs = 3 if self.mlp else 1
+        if self.per_token_lr:
+            lr = F.softplus(self.lr_proj(x) + self.base_lr_inv)
+            lrs = list(lr.view(B, L, n_lrs, H).permute(2, 0, 3, 1).unsqueeze(-1))  # [B, H, L, 1] each
         if self.momentum:
             alpha = torch.sigmoid(self.momentum_proj(x)).transpose(1, 2).unsqueeze(-1)  # [B, H, L, 1]
 
         # x @ W views of the initial fast weights, one copy per batch element
-        W0 = self.w0.mT.expand(B, H, -1, -1)
         W1 = self.w1.mT.expand(B, H, -1, -1)
-        W2 = self.w2.mT.expand(B, H, -1, -1)
+        W0 = self.w0.mT.expand(B, H, -1, -1) if self.mlp else None
+        W2 = self.w2.mT.expand(B, H, -1, -1) if self.mlp else None
         # row norms in the W @ x layout = column norms here
-        W0_norm, W1_norm, W2_norm = (W.norm(dim=-2, keepdim=True) for W in (W0, W1, W2))
+        W0_norm, W1_norm, W2_norm = (None if W is None else W.norm(dim=-2, keepdim=True) for W in (W0, W1, W2))
+        update_theta = self.update_theta and self.mlp
         M0 = M1 = M2 = None
 
         n_chunks = -(-L // C)
         outputs = []
         for j in range(n_chunks):
             s, e = j * C, min((j + 1) * C, L)
-            outputs.append(swiglu(q[:, :, s:e], W0, W1, W2))
+            outputs.append(swiglu(q[:, :, s:e], W0, W1, W2) if self.mlp else q[:, :, s:e] @ W1)
 
             if j < n_chunks - 1:
+                if not self.per_token_lr:
+                    lr0 = lr1 = lr2 = 1.0
+                elif self.mlp:
+                    lr0, lr1, lr2 = (t[:, :, s:e] for t in lrs)
+                else:
+                    lr0, lr1, lr2 = None, lrs[0][:, :, s:e], None
                 dW0, dW1, dW2 = fast_weight_grads(
-                    W0, W1, W2, k[:, :, s:e], v[:, :, s:e],
-                    lr0[:, :, s:e], lr1[:, :, s:e], lr2[:, :, s:e], self.update_theta,
+                    W0, W1, W2, k[:, :, s:e], v[:, :, s:e], lr0, lr1, lr2, update_theta,
                 )
                 if self.momentum:
                     a_j = alpha[:, :, s:e].mean(dim=2, keepdim=True)  # [B, H, 1, 1]
                     dW1 = M1 = dW1 if M1 is None else dW1 + a_j * M1
-                    if self.update_theta:
+                    if update_theta:
                         dW0 = M0 = dW0 if M0 is None else dW0 + a_j * M0
                         dW2 = M2 = dW2 if M2 is None else dW2 + a_j * M2
                 if self.muon:
                     dW1 = newton_schulz(dW1, self.muon_steps)
-                    if self.update_theta:
+                    if update_theta:
                         dW0 = newton_schulz(dW0, self.muon_steps)
                         dW2 = newton_schulz(dW2, self.muon_steps)
                 W1 = W1 + dW1
-                if self.update_theta:
+                if update_theta:
                     W0, W2 = W0 + dW0, W2 + dW2
                 if self.weight_norm:
                     W1 = W1 / (W1.norm(dim=-2, keepdim=True) + 1e-5) * W1_norm
-                    if self.update_theta:
+                    if update_theta:
                         W0 = W0 / (W0.norm(dim=-2, keepdim=True) + 1e-5) * W0_norm
                         W2 = W2 / (W2.norm(dim=-2, keepdim=True) + 1e-5) * W2_norm
 

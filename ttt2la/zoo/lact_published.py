@@ -8,6 +8,11 @@ Outputs go into a preallocated buffer chunk by chunk, the SwiGLU backward is wri
 Muon runs a five-step Newton–Schulz schedule in bf16, as released. The layer folds the heads
 itself and hands the folded tensors to an operator submodule that owns the ``[H, dh, d]`` fast
 weights and tiles them over the folded batch.
+
+The simplified variants are switches of the same operator, written as the released variant code
+writes them: ``use_mlp=False`` feeds the queries and keys straight into ``w1`` (a single linear
+fast weight; ``w0`` and ``w2`` stay in the autograd graph at zero weight), and ``use_lr=False``
+keeps the per-token rates in the graph but pins them to 1.
 """
 from __future__ import annotations
 
@@ -81,13 +86,19 @@ def block_causal_swiglu_ttt(
     weight_norm: bool = True,
     muon_steps: int = 5,
     ns_dtype: torch.dtype = torch.bfloat16,
+    use_mlp: bool = True,
+    use_lr: bool = True,
 ) -> torch.Tensor:
     """Shifted block-causal test-time training of a SwiGLU fast-weight MLP.
 
     w0, w2: [b, dh, d]; w1: [b, d, dh]; q, k, v: [b, l, d] with b = batch·heads;
     lr0, lr1, lr2: [b, l, 1] per-token step sizes; momentum: [b, l, 1] or None (a chunk uses the
     mean over its tokens). Returns the output [b, l, d].
+    use_mlp=False: only w1 [b, d, d] is used and trained, read straight from q and k (dh = d).
+    use_lr=False: every step size is 1.
     """
+    if not use_mlp:
+        update_theta = False
     # row norms the weight normalisation restores after every step
     n0 = w0.norm(dim=2, keepdim=True)
     n1 = w1.norm(dim=2, keepdim=True)
@@ -106,25 +117,36 @@ def block_causal_swiglu_ttt(
         kc = k[:, start:end, :]                              # [b, c, d]
         vc = v[:, :, start:end]                              # [b, d, c]
         qc = q[:, :, start:end]                              # [b, d, c]
-        lr0c = lr0[:, start:end, :]                          # [b, c, 1]
-        lr1c = lr1[:, start:end, :]
-        lr2c = lr2[:, start:end, :]
+        if use_lr:
+            lr0c = lr0[:, start:end, :]                      # [b, c, 1]
+            lr1c = lr1[:, start:end, :]
+            lr2c = lr2[:, start:end, :]
+        else:
+            # rates pinned to one; the lr projection stays in the graph
+            lr0c = lr0[:, start:end, :] * 0.0 + 1.0
+            lr1c = lr1[:, start:end, :] * 0.0 + 1.0
+            lr2c = lr2[:, start:end, :] * 0.0 + 1.0
 
-        # read: the weights of the previous chunks applied to this chunk's queries
-        up = torch.bmm(w2, qc)                               # [b, dh, c]
-        gate = F.silu(torch.bmm(w0, qc), inplace=True)
-        out[:, :, start:end] = torch.bmm(w1, gate * up)      # [b, d, c]
+        if not use_mlp:
+            # q and k are the hidden states of a single linear fast weight
+            out[:, :, start:end] = torch.bmm(w1, qc)         # [b, d, c]
+            hid = kc.transpose(1, 2)                         # [b, d, c]
+        else:
+            # read: the weights of the previous chunks applied to this chunk's queries
+            up = torch.bmm(w2, qc)                           # [b, dh, c]
+            gate = F.silu(torch.bmm(w0, qc), inplace=True)
+            out[:, :, start:end] = torch.bmm(w1, gate * up)  # [b, d, c]
 
-        # forward on the keys
-        pre_gate = torch.bmm(w0, kc.transpose(1, 2))         # [b, dh, c]
-        pre_up = torch.bmm(w2, kc.transpose(1, 2))           # [b, dh, c]
-        act = F.silu(pre_gate, inplace=False)
-        hid = act * pre_up
+            # forward on the keys
+            pre_gate = torch.bmm(w0, kc.transpose(1, 2))     # [b, dh, c]
+            pre_up = torch.bmm(w2, kc.transpose(1, 2))       # [b, dh, c]
+            act = F.silu(pre_gate, inplace=False)
+            hid = act * pre_up
 
-        # backward of the binding score <f(k), v>, by hand
-        d_hid = torch.bmm(w1.transpose(1, 2), vc)            # [b, dh, c]
-        d_up = d_hid * act
-        d_pre_gate = silu_grad(d_hid * pre_up, pre_gate)
+            # backward of the binding score <f(k), v>, by hand
+            d_hid = torch.bmm(w1.transpose(1, 2), vc)        # [b, dh, c]
+            d_up = d_hid * act
+            d_pre_gate = silu_grad(d_hid * pre_up, pre_gate)
 
         # per-token rates folded into the chunk sums: [b, d, c] @ [b, c, dh] -> [b, d, dh]
         g1 = torch.bmm(vc, (hid.transpose(1, 2) * lr1c).type_as(vc))
@@ -160,6 +182,10 @@ def block_causal_swiglu_ttt(
 
     # the last chunk is read, never trained on
     qc = q[:, :, end:seq_len]
+    if not use_mlp:
+        out[:, :, end:seq_len] = torch.bmm(w1, qc)
+        # w0 and w2 take no part; keep them in the graph so they still get (zero) gradients
+        return out.transpose(1, 2) + w0.sum() * 0.0 + w2.sum() * 0.0
     up = torch.bmm(w2, qc)
     gate = F.silu(torch.bmm(w0, qc), inplace=True)
     out[:, :, end:seq_len] = torch.bmm(w1, gate * up)
@@ -170,17 +196,22 @@ class SwiGLUFastWeights(nn.Module):
     """The test-time-trained SwiGLU of every head; called with heads already folded into the batch.
 
     Owns ``w0, w2: [H, dh, d]`` and ``w1: [H, d, dh]`` and tiles them over the folded batch, so the
-    folded batch must be a multiple of ``num_heads``.
+    folded batch must be a multiple of ``num_heads``. With ``mlp=False`` dh is d and only ``w1``
+    is trained; ``w0`` and ``w2`` are kept, unused, as the released variant code keeps them.
     """
 
     def __init__(self, num_heads: int, head_dim: int, inter_dim: int, chunk_size: int, *,
                  update_theta: bool = True, weight_norm: bool = True, muon: bool = True,
-                 muon_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16):
+                 muon_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, mlp: bool = True,
+                 per_token_lr: bool = True):
         super().__init__()
         self.num_heads = num_heads
         self.chunk_size = chunk_size
         self.update_theta, self.weight_norm = update_theta, weight_norm
         self.use_muon, self.muon_steps, self.ns_dtype = muon, muon_steps, ns_dtype
+        self.use_mlp, self.use_lr = mlp, per_token_lr
+        if not mlp:
+            inter_dim = head_dim
         self.w0 = nn.Parameter(torch.randn(num_heads, inter_dim, head_dim) / math.sqrt(head_dim))
         self.w1 = nn.Parameter(torch.randn(num_heads, head_dim, inter_dim) / math.sqrt(inter_dim))
         self.w2 = nn.Parameter(torch.randn(num_heads, inter_dim, head_dim) / math.sqrt(head_dim))
@@ -195,7 +226,8 @@ class SwiGLUFastWeights(nn.Module):
             w0, w1, w2, q, k, v, lr0, lr1, lr2,
             chunk_size=self.chunk_size, use_muon=self.use_muon, momentum=momentum,
             update_theta=self.update_theta, weight_norm=self.weight_norm,
-            muon_steps=self.muon_steps, ns_dtype=self.ns_dtype)
+            muon_steps=self.muon_steps, ns_dtype=self.ns_dtype, use_mlp=self.use_mlp,
+            use_lr=self.use_lr)
 
 
 class LaCTPublishedLayer(nn.Module):
@@ -203,12 +235,12 @@ class LaCTPublishedLayer(nn.Module):
 
     Constructor keywords match ``LaCTFoldedLayer``; ``ns_dtype`` is the dtype Newton–Schulz runs in
     (bf16 as released). ``lr_proj`` channels are grouped per head: ``[lr0, lr1, lr2]`` of head 0,
-    then of head 1, ...
+    then of head 1, ... — all three kept whatever the switches, as in the released variants.
     """
 
     def __init__(self, d_model, num_heads, chunk_size, *, inter_dim=None, update_theta=True,
                  weight_norm=True, momentum=True, muon=True, base_lr=1e-2, muon_steps=5,
-                 ns_dtype=torch.bfloat16):
+                 ns_dtype=torch.bfloat16, mlp=True, per_token_lr=True):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -226,7 +258,7 @@ class LaCTPublishedLayer(nn.Module):
         self.ttt = SwiGLUFastWeights(num_heads, self.head_dim, inter_dim or self.head_dim,
                                      chunk_size, update_theta=update_theta,
                                      weight_norm=weight_norm, muon=muon, muon_steps=muon_steps,
-                                     ns_dtype=ns_dtype)
+                                     ns_dtype=ns_dtype, mlp=mlp, per_token_lr=per_token_lr)
         self.ttt_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 

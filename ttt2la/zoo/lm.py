@@ -8,6 +8,7 @@ from torch import nn
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
 from .lact_published import LaCTPublishedLayer
+from .variants import with_variant
 
 LACT_STYLES = {"folded": LaCTFoldedLayer, "heads": LaCTHeadsLayer, "published": LaCTPublishedLayer}
 
@@ -43,7 +44,8 @@ class Block(nn.Module):
 class TinyLaCTLM(nn.Module):
     """Embedding, ``n_layers`` LaCT blocks, final RMSNorm and an LM head (tied to the embedding by default).
 
-    ``style`` picks the LaCT implementation ("folded", "heads" or "published"); ``layer_kwargs`` go to every LaCT layer.
+    ``style`` picks the LaCT implementation ("folded", "heads" or "published"); ``layer_kwargs`` go to every LaCT layer,
+    and ``variant=k`` builds them as LaCT variant k (steps 1..k of the paper's simplifications).
     """
 
     def __init__(
@@ -57,12 +59,14 @@ class TinyLaCTLM(nn.Module):
         style: str = "folded",
         tie_embeddings: bool = True,
         mlp_ratio: int = 4,
+        variant: int | None = None,
         **layer_kwargs,
     ):
         super().__init__()
         if style not in LACT_STYLES:
             raise ValueError(f"unknown LaCT style {style!r}; choose one of {sorted(LACT_STYLES)}")
         layer_cls = LACT_STYLES[style]
+        layer_kwargs = with_variant(variant, layer_kwargs)
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             Block(layer_cls(d_model, num_heads, chunk_size, **layer_kwargs), d_model, mlp_ratio * d_model)

@@ -17,21 +17,23 @@ from torch import nn
 class PerTokenInlineTTTLayer(nn.Module):
     """Multi-head linear TTT layer whose token loop sits directly in ``forward``.
 
-    ``eta_t = softplus(lr_proj(x_t) + softplus^-1(base_lr))`` per head and token; the initial fast
-    weight ``s0`` [H, D, D] is learned.
+    ``eta_t = softplus(lr_proj(x_t) + softplus^-1(base_lr))`` per head and token, or the constant
+    ``base_lr`` with ``lr=False`` (no ``lr_proj``); the initial fast weight ``s0`` [H, D, D] is
+    learned.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, base_lr: float = 0.5):
+    def __init__(self, d_model: int, num_heads: int, *, base_lr: float = 0.5, lr: bool = True):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
+        self.base_lr = base_lr
         self.lr_offset = math.log(math.expm1(base_lr))
         self.q_proj = nn.Linear(d_model, d_model, bias=False)
         self.k_proj = nn.Linear(d_model, d_model, bias=False)
         self.v_proj = nn.Linear(d_model, d_model, bias=False)
-        self.lr_proj = nn.Linear(d_model, num_heads, bias=False)
+        self.lr_proj = nn.Linear(d_model, num_heads, bias=False) if lr else None
         self.s0 = nn.Parameter(torch.randn(num_heads, self.head_dim, self.head_dim)
                                / math.sqrt(self.head_dim))
         self.out = nn.Linear(d_model, d_model, bias=False)
@@ -43,13 +45,17 @@ class PerTokenInlineTTTLayer(nn.Module):
         q = F.normalize(self.q_proj(x).view(B, L, H, D), dim=-1)
         k = F.normalize(self.k_proj(x).view(B, L, H, D), dim=-1)
         v = self.v_proj(x).view(B, L, H, D)
-        eta = F.softplus(self.lr_proj(x) + self.lr_offset)            # [B, L, H]
+        if self.lr_proj is not None:
+            eta = F.softplus(self.lr_proj(x) + self.lr_offset)        # [B, L, H]
 
         S = self.s0.expand(B, H, D, D)
         ys = []
         for t in range(L):
             write = k[:, t, :, :, None] * v[:, t, :, None, :]        # k_tᵀ v_t: [B, H, D, D]
-            S = S + eta[:, t, :, None, None] * write
+            if self.lr_proj is not None:
+                S = S + eta[:, t, :, None, None] * write
+            else:
+                S = S + self.base_lr * write
             ys.append((q[:, t, :, None, :] @ S)[:, :, 0])            # q_t S_t: [B, H, D]
         y = torch.stack(ys, dim=1)                                    # [B, L, H, D]
         return self.out(y.reshape(B, L, d_model))
