@@ -240,9 +240,14 @@ def test_freeze_theta_statuses():
     assert (result.status, result.exact) == ("already_satisfied", True)
     assert "parameter" in result.reason
 
-    program = simple_program(linear_attention)
+    program = simple_program(linear_attention)      # φ = identity: nothing to freeze
     result = freeze_theta(program)
-    assert (result.status, result.exact) == ("not_applicable", True)
+    assert (result.status, result.exact) == ("already_satisfied", True)
+    assert "no weights Θ" in result.reason
+
+    def no_read(W, k, v, q):                         # no final layer reads the state
+        return (W + k.transpose(-1, -2) @ v,), (q * 2.0,)
+    assert freeze_theta(simple_program(no_read)).status == "not_applicable"
 
 
 def test_drop_norm_statuses():

@@ -170,7 +170,7 @@ def test_absorb_lr_already_satisfied_by_a_constant_expression():
     assert "constant 1" in result.reason and "absorb_lr" not in context.folds
     after = run(program, sample)
     assert rel_rms_error(after[0][0], before[0][0]) <= FP32
-    assert absorb_lr(program, context).status == "not_applicable"
+    assert absorb_lr(program, context).status == "already_satisfied"
 
 
 def test_absorb_lr_already_satisfied_by_a_rate_per_head():
@@ -187,9 +187,13 @@ def test_absorb_lr_already_satisfied_by_a_rate_per_head():
     assert "lr" in result.reason
 
 
-def test_absorb_lr_not_applicable_without_a_learning_rate():
-    result = absorb_lr(simple_program(linear_attention))
-    assert (result.status, result.exact) == ("not_applicable", True)
+def test_absorb_lr_without_a_per_token_learning_rate():
+    result = absorb_lr(simple_program(linear_attention))       # a constant rate: already 1
+    assert (result.status, result.exact) == ("already_satisfied", True)
+
+    def never_updated(W, k, v, q):
+        return (W,), (q @ W,)
+    assert absorb_lr(simple_program(never_updated)).status == "not_applicable"
 
     def output_gate(W, k, v, q, g):            # a per-token scalar on the read, not the update
         return (W + k.transpose(-1, -2) @ v,), ((q @ W) * g,)
@@ -197,7 +201,7 @@ def test_absorb_lr_not_applicable_without_a_learning_rate():
                                 streams=dict(k=torch.randn(B, 8, D), v=torch.randn(B, 8, D),
                                              q=torch.randn(B, 8, D), g=torch.randn(B, 8, 1)),
                                 chunk_size=C)
-    assert absorb_lr(program).status == "not_applicable"
+    assert absorb_lr(program).status == "already_satisfied"
 
 
 def per_token_body(W, k, v, q, eta):
@@ -215,7 +219,7 @@ def test_absorb_lr_on_a_per_token_loop_lowers_onto_the_token_causal_op():
         chunk_size=1, per_token=True, order="inclusive")
     cal, sample = calibration_for(program, 6)
     reduced, results = run_level(program, 6, PassContext(cal))
-    assert [r.status for r in results] == ["not_applicable", "already_satisfied",
+    assert [r.status for r in results] == ["already_satisfied", "already_satisfied",
                                            "already_satisfied", "applied",
                                            "already_satisfied", "already_satisfied"]
     hand = sample["eta_seq"].double().mean(dim=(0, 1))              # per head, over B and t

@@ -183,8 +183,11 @@ class AbsorbLr(Pass):
                 return self.result("already_satisfied",
                                    f"the learning rate {', '.join(constant)} is constant over the "
                                    "tokens (read unchanged by every chunk)")
-            return self.result("not_applicable", "no per-token learning rate scales a state "
-                                                 "update")
+            ins, outs = program.state_inputs(), program.state_outputs()
+            if not any(o is not i for i, o in zip(ins, outs)):
+                return self.result("not_applicable", "the loop updates no carried state")
+            return self.result("already_satisfied", "no per-token learning rate scales a state "
+                                                    "update: the rate is a constant of the code")
         exact_lrs = [(i, v, c) for i, v in lrs if (c := constant_value(v)) is not None]
         data_lrs = [(i, v) for i, v in lrs if constant_value(v) is None]
         done = []

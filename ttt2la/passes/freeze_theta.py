@@ -7,7 +7,7 @@ computes something else once Θ is frozen.
 """
 from __future__ import annotations
 
-from ..analysis.roles import kernel_parameters
+from ..analysis.roles import final_products, kernel_parameters
 from ..ir import TTTProgram, node_src
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
@@ -40,9 +40,11 @@ class FreezeTheta(Pass):
                 return self.result("already_satisfied",
                                    f"the kernel φ reads {len(params)} parameter tensor(s) that "
                                    f"the loop does not update")
-            return self.result("not_applicable",
-                               "no kernel feature path with parameters: φ is the identity or no "
-                               "final layer W was found")
+            if final_products(program):
+                return self.result("already_satisfied",
+                                   "the kernel φ has no weights Θ to freeze (only the final layer "
+                                   "W is a fast weight)")
+            return self.result("not_applicable", "no final layer W was found")
         ins, outs = program.state_inputs(), program.state_outputs()
         described = []
         for i in thetas:
