@@ -109,11 +109,13 @@ def _assigned_name(src: SourceLoc | None) -> str | None:
     return "_".join(names) if names else None
 
 
-def _state_names(outs: list[torch.fx.Node], depth: int) -> list[str | None]:
+def _state_names(outs: list[torch.fx.Node], depth: int,
+                 first: list[str | None]) -> list[str | None]:
     """A name per carried state, from the statement that assigns its new value.
 
     The innermost frame that assigns one name gives it. A state assigned by a tuple
-    (``W, b = step(W, b, ...)``) takes the element at its place, when the states that line
+    (``W, b = step(W, b, ...)``) takes the name its initial value was assigned to when that is
+    one of the tuple's (``first``), else the element at its place when the states that line
     assigns are as many as its names (their values are computed in the tuple's order).
     """
     names: list[str | None] = [None] * len(outs)
@@ -132,7 +134,11 @@ def _state_names(outs: list[torch.fx.Node], depth: int) -> list[str | None]:
     order = {n: k for k, n in enumerate(outs[0].graph.nodes)} if outs else {}
     for (_f, _l, got), members in tuples.items():
         members.sort(key=lambda i: order.get(outs[i], 0))
-        if len(members) == len(got):
+        if all(first[i] in got for i in members) and \
+                len({first[i] for i in members}) == len(members):
+            for i in members:
+                names[i] = first[i]
+        elif len(members) == len(got):
             for i, name in zip(members, got):
                 names[i] = name
         else:
@@ -430,7 +436,9 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     taken: set[str] = set()
     state_specs, stream_specs, inv_specs = [], [], []
-    guessed = _state_names([carried[p] for p in producers], depth)
+    firsts = [_assigned_name(initial[p].meta.get(SRC)) if isinstance(initial.get(p), torch.fx.Node)
+              else None for p in producers]
+    guessed = _state_names([carried[p] for p in producers], depth, firsts)
     for i, p in enumerate(producers):
         out = carried[p]
         name = _unique(guessed[i] or f"state{i}", taken)

@@ -7,7 +7,7 @@ loss and after the final layer, so the layer is outside the paper's theorem: its
 ``φ(k)ᵀ·(something independent of W)``, and no step of the paper removes the norm. ttt2la must
 refuse it, naming the norm.
 
-``TTTLinearFuncGradLayer`` takes the gradient with ``torch.func.grad`` and a library layer norm;
+With ``bias=False`` the weight ``W`` is the only fast weight. ``TTTLinearFuncGradLayer`` takes the gradient with ``torch.func.grad`` and a library layer norm;
 ``TTTLinearAutogradLayer`` writes the norm out by hand and takes the gradient with
 ``torch.autograd.grad`` after ``requires_grad_()`` — the two styles met in published code.
 """
@@ -23,7 +23,7 @@ class _TTTLinearBase(nn.Module):
     """Projections, initial fast weights and the chunk loop; subclasses say how the step is taken."""
 
     def __init__(self, d_model: int, num_heads: int, chunk_size: int, *,
-                 base_lr: float = 1.0) -> None:
+                 base_lr: float = 1.0, bias: bool = True) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -32,7 +32,7 @@ class _TTTLinearBase(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.lr_gate = nn.Linear(d_model, num_heads)
         self.W = nn.Parameter(torch.randn(num_heads, D, D) * 0.02)
-        self.b = nn.Parameter(torch.zeros(num_heads, 1, D))
+        self.b = nn.Parameter(torch.zeros(num_heads, 1, D)) if bias else None
         self.ln_weight = nn.Parameter(torch.ones(num_heads, 1, D))
         self.ln_bias = nn.Parameter(torch.zeros(num_heads, 1, D))
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
@@ -41,12 +41,17 @@ class _TTTLinearBase(nn.Module):
         raise NotImplementedError
 
     def step(self, W, b, k, v, lr):
-        """One gradient step of ``(W, b)`` on a mini-batch: returns the new ``(W, b)``."""
+        """One gradient step of ``(W, b)`` on a mini-batch (``b`` None without a bias): returns
+        the new ``(W, b)``."""
         raise NotImplementedError
+
+    @staticmethod
+    def affine(x, W, b):
+        return x @ W if b is None else x @ W + b
 
     def loss(self, W, b, k, v, lr):
         """Reconstruction loss of ``v - k`` from ``k`` through the normed fast weight."""
-        z = self.norm(k @ W + b)
+        z = self.norm(self.affine(k, W, b))
         return 0.5 * (lr * (z - (v - k)) ** 2).sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,12 +62,12 @@ class _TTTLinearBase(nn.Module):
         lr = (self.base_lr / self.head_dim) * torch.sigmoid(self.lr_gate(x))
         lr = lr.transpose(1, 2).unsqueeze(-1)                       # [B, H, L, 1]
         W = self.W.expand(B, -1, -1, -1)
-        b = self.b.expand(B, -1, -1, -1)
+        b = None if self.b is None else self.b.expand(B, -1, -1, -1)
         outs = []
         for s in range(0, L, C):
             qi = q[:, :, s:s + C]
             W, b = self.step(W, b, k[:, :, s:s + C], v[:, :, s:s + C], lr[:, :, s:s + C])
-            outs.append(qi + self.norm(qi @ W + b))
+            outs.append(qi + self.norm(self.affine(qi, W, b)))
         o = torch.cat(outs, dim=2)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, d))
 
@@ -75,6 +80,8 @@ class TTTLinearFuncGradLayer(_TTTLinearBase):
         return z * self.ln_weight + self.ln_bias
 
     def step(self, W, b, k, v, lr):
+        if b is None:
+            return W - grad(self.loss)(W, b, k, v, lr), None
         gW, gb = grad(self.loss, argnums=(0, 1))(W, b, k, v, lr)
         return W - gW, b - gb
 
@@ -89,6 +96,10 @@ class TTTLinearAutogradLayer(_TTTLinearBase):
 
     def step(self, W, b, k, v, lr):
         with torch.enable_grad():
-            W, b = W.requires_grad_(), b.requires_grad_()
+            W = W.requires_grad_()
+            if b is None:
+                (gW,) = torch.autograd.grad(self.loss(W, None, k, v, lr), W, create_graph=True)
+                return W - gW, None
+            b = b.requires_grad_()
             gW, gb = torch.autograd.grad(self.loss(W, b, k, v, lr), (W, b), create_graph=True)
         return W - gW, b - gb
