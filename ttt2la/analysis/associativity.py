@@ -9,6 +9,10 @@ decides per strongly connected component:
   several states coupled at most state-locally → a sequential pass over chunks of only the small
   state-dependent graph, everything else batched (``semi-parallel``);
 * anything nonlinear inside a component → ``recurrent``: the body runs in a loop.
+
+A final layer whose update depends nonlinearly on itself (a layer norm or nonlinearity after it
+inside the loss, a rate computed from it and the data) is outside the paper's theorem: its
+blocker says so and that no pass removes it, ahead of any other.
 """
 from __future__ import annotations
 
@@ -18,9 +22,9 @@ import networkx as nx
 import torch.fx
 
 from ..errors import NonReducibleError
-from ..ir import TTTProgram, describe_node, node_src
+from ..ir import TTTProgram, ancestors, describe_node, node_src
 from .dependence import Dep, Dependence, StateDep, analyze_dependence, op_name
-from .rules import match_norm, update_rules
+from .rules import match_newton_schulz, match_norm, update_rules
 
 _SCHEDULE_RANK = {"parallel": 0, "semi-parallel": 1, "recurrent": 2}
 
@@ -67,6 +71,7 @@ class Blocker:
     remedy: str
     schedule: str                   # the most parallel schedule this blocker allows
     kind: str = ""                  # "theta_update", "state_norm" ...: what a pass may remove
+    outside_theory: bool = False    # no pass of the paper can remove it: reported first
 
 
 @dataclass
@@ -186,6 +191,61 @@ def _remedy(kind: str, schedule: str) -> str:
     return text + "."
 
 
+#: Ops of a normalisation: a layer norm, written with the library op or by hand.
+_NORM_OPS = {"native_layer_norm", "layer_norm", "rms_norm", "native_group_norm", "var", "std",
+             "var_mean", "std_mean", "rsqrt", "sqrt", "linalg_vector_norm", "norm"}
+
+
+def _in_newton_schulz(culprit: torch.fx.Node, out: torch.fx.Node) -> bool:
+    """Whether ``culprit`` is part of a Newton–Schulz orthogonalisation feeding ``out``."""
+    for node in ancestors(out):
+        if node.op != "call_function" or op_name(node) not in ("add", "_to_copy", "view"):
+            continue
+        m = match_newton_schulz(node)
+        if m is not None and culprit in ancestors(m.node) - ancestors(m.input) | {m.input}:
+            return True
+    return False
+
+
+def _normalises(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Whether ``node`` is, or feeds within a few ops, a normalisation op."""
+    frontier = [node]
+    for _ in range(depth + 1):
+        if any(op_name(n) in _NORM_OPS for n in frontier if n.op == "call_function"):
+            return True
+        frontier = [u for n in frontier for u in n.users]
+    return False
+
+
+def _theorem_blocker(program: TTTProgram, dep: Dependence, t: int) -> Blocker | None:
+    """The final layer's update depends nonlinearly on the final layer itself — a norm or a
+    nonlinearity after it inside the loss, or a learning rate computed from it. The paper's
+    reduction needs ``f(x) = φ(x)·W`` with ``W`` linear and the step's effective value free of
+    ``W``; no step of the paper changes that, so the layer is refused, whatever the level."""
+    d = dep.update(t, t)
+    if program.states[t].role != "final" or d.cls != Dep.NONLINEAR or d.culprit is None:
+        return None
+    out = program.state_outputs()[t]
+    if _in_newton_schulz(d.culprit, out):
+        return None
+    if _normalises(d.culprit):
+        what = (f"a normalisation ({_where(d.culprit)}) follows it inside the loss it is "
+                "trained with (a layer norm, as in TTT-Linear or a layer-normed memory)")
+    else:
+        what = (f"its update depends nonlinearly on itself through {_where(d.culprit)} (a "
+                "nonlinearity after it inside the loss, or a learning rate or gate computed "
+                "from it)")
+    updated = node_src(out) if isinstance(out, torch.fx.Node) else None
+    message = (f"{role_phrase(program, t)}{f' (updated at {updated})' if updated else ''} is "
+               f"the last fast weight before the output, and {what}, so the loop is not linear "
+               "attention: the paper's reduction needs a linear, bias-free final layer whose "
+               "gradient step adds φ(k)ᵀ times a value that does not depend on it.")
+    remedy = ("No pass removes this: freezing the final layer would leave no test-time training "
+              "and no step of the paper takes a norm or nonlinearity out of the loss. Keep the "
+              "layer as written (strict=False), or train a variant without it.")
+    return Blocker(t, d.culprit, message, remedy, "recurrent", outside_theory=True)
+
+
 def _sequential_blocker(program: TTTProgram, dep: Dependence, t: int,
                         members: set[int]) -> Blocker:
     d = max((dep.update(t, u) for u in sorted(members)), key=lambda x: x.cls)
@@ -231,7 +291,8 @@ def analyze(program: TTTProgram, dependence: Dependence | None = None) -> Analys
                 rule=rules[spec.name], mode=mode,
                 culprit=inner.culprit if mode in ("sequential", "recurrent") else None))
             if mode == "recurrent":
-                blocker = _recurrent_blocker(program, dep, t, members)
+                blocker = _theorem_blocker(program, dep, t) or \
+                    _recurrent_blocker(program, dep, t, members)
             elif mode == "sequential":
                 blocker = _sequential_blocker(program, dep, t, members)
             else:
@@ -244,7 +305,7 @@ def analyze(program: TTTProgram, dependence: Dependence | None = None) -> Analys
         schedule = "semi-parallel"
     if "recurrent" in group_modes:
         schedule = "recurrent"
-    blockers.sort(key=lambda b: -_SCHEDULE_RANK[b.schedule])
+    blockers.sort(key=lambda b: (-_SCHEDULE_RANK[b.schedule], not b.outside_theory))
     return Analysis(program, dep, states, graph, groups, group_modes, schedule, blockers)
 
 

@@ -1,11 +1,14 @@
 """Lift a loop body into the paper's roles: the final layer W, the kernel parameters Θ, momentum.
 
-The final state ``W`` is the one that multiplies the kernel features ``φ(q)`` in a chunk output
-(``o = φ(q)·W``); the states that ``φ`` is computed from, or that enter the increment through a
-product with stream data the way ``W0`` does in ``silu(k·W0ᵀ)``, are the kernel parameters Θ; a
-state that decays by a scalar-affine recursion and feeds another state's update is a momentum
-buffer. Stream roles (``q``, ``k``, ``v``, ``lr``, ``momentum``) are a best-effort guess for
-reports.
+The fast weights a chunk output reads form layers: a fast weight is Θ (a kernel parameter) only
+when a later fast weight reads through it — its product with the data feeds the features ``φ``
+another fast weight multiplies. The last fast weight before the output is the final layer ``W``
+(``o = φ(q)·W``), also when a norm or a nonlinearity follows it: such a layer is outside the
+paper's theorem and is refused by the checker, never frozen as if it were Θ. States that enter
+the increment through a product with stream data the way ``W0`` does in ``silu(k·W0ᵀ)`` are Θ
+too; a state that decays by a scalar-affine recursion and feeds another state's update is a
+momentum buffer. Stream roles (``q``, ``k``, ``v``, ``lr``, ``momentum``) are a best-effort
+guess for reports.
 """
 from __future__ import annotations
 
@@ -113,6 +116,48 @@ def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[F
 
 
 
+@dataclass
+class FastWeightLayers:
+    """The fast weights on the output path, by layer: ``final`` maps each last fast weight
+    before the output to its product with the data; ``theta`` holds those read through."""
+
+    final: dict[int, torch.fx.Node]
+    theta: set[int]
+
+
+def fast_weight_layers(program: TTTProgram, dep: Dependence | None = None) -> FastWeightLayers:
+    """Walk back from the chunk outputs through any ops (not into state updates).
+
+    A product of a state with stream data met on the way is a fast-weight layer; the walk goes
+    on into its data operand, where further products are layers it reads through (Θ).
+    """
+    dep = dep or analyze_dependence(program)
+    top: dict[int, torch.fx.Node] = {}
+    inner: set[int] = set()
+    stack = [(o, False) for o in program.chunk_outputs() if isinstance(o, torch.fx.Node)]
+    seen = set()
+    while stack:
+        node, under = stack.pop()
+        if (node, under) in seen or node.op != "call_function":
+            continue
+        seen.add((node, under))
+        ops = matmul_operands(node)
+        hit = False
+        for mine, other in (ops, ops[::-1]) if ops is not None else ():
+            s = state_valued(program, dep, mine)
+            if s is not None and dep.reads_streams(other) and s not in dep.states_of(other):
+                if under:
+                    inner.add(s)
+                else:
+                    top.setdefault(s, node)
+                stack.append((other, True))
+                hit = True
+        if hit or state_valued(program, dep, node) is not None:
+            continue
+        stack.extend((a, under) for a in node.all_input_nodes)
+    return FastWeightLayers({s: n for s, n in top.items() if s not in inner}, inner)
+
+
 def _state_of_node(program: TTTProgram, node) -> int | None:
     ins = program.state_inputs()
     return ins.index(node) if node in ins else None
@@ -169,8 +214,9 @@ def assign_roles(program: TTTProgram, dep: Dependence | None = None) -> dict[str
     """
     dep = dep or analyze_dependence(program)
     finals = final_products(program, dep)
-    final = {f.state for f in finals}
-    theta = kernel_states(program, dep, finals) - final
+    layers = fast_weight_layers(program, dep)
+    final = {f.state for f in finals} | set(layers.final)
+    theta = (kernel_states(program, dep, finals) | layers.theta) - final
     n = len(program.states)
     roles = {}
     for i in range(n):
@@ -292,5 +338,5 @@ def _assign_stream_roles(program: TTTProgram, dep: Dependence, finals) -> None:
         program.streams[i].role = role
 
 
-__all__ = ["FinalProduct", "VIEW_OPS", "assign_roles", "final_products", "kernel_states",
+__all__ = ["FastWeightLayers", "FinalProduct", "VIEW_OPS", "fast_weight_layers", "assign_roles", "final_products", "kernel_states",
            "kernel_parameters", "matmul_operands", "peel_views", "state_valued"]

@@ -9,6 +9,7 @@ The frames are what the loop recognizer uses to tell loop iterations apart.
 from __future__ import annotations
 
 import contextlib
+import copy
 import linecache
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import SRC, SourceLoc
@@ -64,6 +66,23 @@ def _no_compile():
         yield
 
 
+_PACKAGE_DIR = _OWN_DIR + os.sep
+_ZOO_DIR = _PACKAGE_DIR + "zoo" + os.sep
+
+
+def user_frame(e: BaseException) -> str | None:
+    """``file:line (`code`)`` of the innermost user frame in an exception's traceback."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user_file(f.filename)
+              and (not f.filename.startswith(_PACKAGE_DIR) or f.filename.startswith(_ZOO_DIR))]
+    if not frames:
+        return None
+    f = frames[-1]
+    code = (f.line or "").strip()
+    return f"{f.filename}:{f.lineno}" + (f" (`{code}`)" if code else "")
+
+
 def parse_frames(stack_trace: str | None) -> tuple[SourceLoc, ...]:
     if not stack_trace:
         return ()
@@ -93,15 +112,47 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
 
     The trace is functionalized (in-place writes such as ``out[:, i:i+C] = y`` become
     ``slice_scatter``) and dead code is removed, so that every node is a pure function of its
-    inputs — what loop recognition, the passes and the executors all rely on.
+    inputs — what loop recognition, the passes and the executors all rely on. Code that takes
+    gradients with ``torch.autograd.grad`` after ``requires_grad_()`` cannot run inside the
+    functionalization transform; it is traced plainly first, and that graph functionalized.
     """
-    pure = torch.func.functionalize(fn, remove="mutations")
-    with _no_compile(), _all_user_frames():
-        gm = make_fx(pure, tracing_mode=tracing_mode, record_stack_traces=True,
-                     _allow_non_fake_inputs=True)(*args)
+    try:
+        gm = _trace_functional(fn, args, tracing_mode)
+    except RuntimeError as e:
+        if "requires_grad_" not in str(e):
+            raise
+        gm = _trace_then_functionalize(fn, args, tracing_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return annotate_frames(gm)
 
 
-__all__ = ["trace", "FRAMES", "parse_frames", "annotate_frames"]
+def _trace_functional(fn, args, tracing_mode: str) -> torch.fx.GraphModule:
+    pure = torch.func.functionalize(fn, remove="mutations")
+    with _no_compile(), _all_user_frames():
+        return make_fx(pure, tracing_mode=tracing_mode, record_stack_traces=True,
+                       _allow_non_fake_inputs=True)(*args)
+
+
+def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModule:
+    """Trace with autograd live (``requires_grad_`` and ``autograd.grad`` run as in eager, their
+    backward recorded as aten ops), then functionalize that graph, keeping each node's frames."""
+    from torch.fx import traceback as fx_traceback
+
+    with _no_compile(), _all_user_frames(), torch.enable_grad():
+        plain = make_fx(fn, tracing_mode=tracing_mode, record_stack_traces=True,
+                        _allow_non_fake_inputs=True)(*args)
+    flat_args = pytree.tree_leaves(args)
+
+    def replay(*flat):
+        return torch.fx.Interpreter(plain).run(*flat)
+
+    pure = torch.func.functionalize(replay, remove="mutations")
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(pure, tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*flat_args)
+    gm.graph._codegen = copy.deepcopy(plain.graph._codegen)
+    gm.recompile()
+    return gm
+
+
+__all__ = ["trace", "FRAMES", "parse_frames", "annotate_frames", "user_frame"]

@@ -18,7 +18,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..ir import SourceLoc
-from .capture import _is_user_file, _no_compile
+from ..errors import ConversionError, UnsupportedTTTError
+from .capture import _is_user_file, _no_compile, user_frame
 from .loops import LoopSite, _loops_in_file
 
 
@@ -33,7 +34,9 @@ class LoopCandidate:
     kwargs: dict
     chunk_sizes: set[int] = field(default_factory=set)
     slice_lengths: set[int] = field(default_factory=set)   # sequence length seen by the slices
+    slice_starts: set[int] = field(default_factory=set)    # offsets of the chunk slices
     ops: int = 0
+    probe_length: int | None = None     # the longer length the loop was found at, if any
 
 
 def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
@@ -87,16 +90,72 @@ def _slice_info(func, args):
             dim = x.dim() - (len(idx) - 1 - idx.index(Ellipsis)) - 1
         elif isinstance(item, slice):
             if isinstance(item.start, int) and isinstance(item.stop, int) and item.step in (None, 1):
-                return item.stop - item.start, x.shape[dim]
+                return item.stop - item.start, x.shape[dim], item.start
         elif isinstance(item, int):
-            return 1, x.shape[dim]
+            return 1, x.shape[dim], item
         dim += 1
     return None
 
 
+#: Longest sequence an example is stretched to when it is too short to show the loop.
+MAX_PROBE_LENGTH = 1 << 12
+
+
+def sequence_length(example_inputs: tuple) -> int | None:
+    """The example's length: axis 1 of its first batch-first tensor input."""
+    x = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return None if x is None else x.shape[1]
+
+
+def stretch(example_inputs: tuple, length: int) -> tuple:
+    """The example repeated along its sequence axis (axis 1) to ``length`` tokens."""
+    L = sequence_length(example_inputs)
+
+    def one(x):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] != L:
+            return x
+        reps = -(-length // x.shape[1])
+        return torch.cat([x] * reps, dim=1).narrow(1, 0, length)
+    return tuple(one(x) for x in example_inputs)
+
+
 def discover(model: torch.nn.Module, example_inputs: tuple,
              example_kwargs: dict | None = None) -> list[LoopCandidate]:
-    """Run ``model`` once and return the submodules that hold a loop, outermost first."""
+    """Run ``model`` and return the submodules that hold a loop, outermost first.
+
+    An example too short to run the loop at all (a layer that updates on every chunk but the
+    last, fed one chunk) is stretched along its sequence axis, doubling its length, until some
+    loop runs; the candidates keep the inputs of the example itself.
+    """
+    try:
+        found, captured = _discover_once(model, example_inputs, example_kwargs)
+    except ConversionError:
+        raise
+    except Exception as e:
+        where = user_frame(e)
+        raise UnsupportedTTTError(
+            f"{type(model).__name__} failed on the example inputs"
+            f"{f' at {where}' if where else ''} ({type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0]}). ttt2la runs the model once on "
+            "example_inputs, without gradients, to find its loops: pass inputs the model "
+            "accepts (a tuple of positional arguments, example_kwargs for keyword ones), and "
+            "wrap code that takes gradients inside forward in torch.enable_grad().") from e
+    L = sequence_length(example_inputs)
+    length = L
+    while not found and L is not None and length < MAX_PROBE_LENGTH:
+        length = max(2 * length, 2)
+        try:
+            found, _ = _discover_once(model, stretch(example_inputs, length), example_kwargs)
+        except Exception:               # the model does not run at other lengths
+            break
+        for cand in found:
+            cand.args, cand.kwargs = captured.get(cand.path, (cand.args, cand.kwargs))
+            cand.probe_length = length
+    return found
+
+
+def _discover_once(model, example_inputs, example_kwargs):
+    """One eager forward: the loop candidates and every submodule's captured inputs."""
     paths = {m: p for p, m in model.named_modules()}
     captured: dict[str, tuple] = {}
     stack: list[str] = []
@@ -142,6 +201,7 @@ def discover(model: torch.nn.Module, example_inputs: tuple,
                     if info is not None:
                         cand.chunk_sizes.add(info[0])
                         cand.slice_lengths.add(info[1])
+                        cand.slice_starts.add(info[2])
 
     try:
         with torch.no_grad(), _no_compile(), _Recorder(stack, sink):
@@ -158,7 +218,7 @@ def discover(model: torch.nn.Module, example_inputs: tuple,
         cands.sort(key=lambda c: -c.ops)
         out.append(cands[0])
     out.sort(key=lambda c: c.path.count("."))
-    return out
+    return out, captured
 
 
-__all__ = ["discover", "LoopCandidate"]
+__all__ = ["discover", "LoopCandidate", "MAX_PROBE_LENGTH", "sequence_length", "stretch"]

@@ -28,15 +28,29 @@ class LoopSite:
     line: int          # the loop statement
     body_start: int
     body_end: int
+    #: (first line, last line) of every statement directly in the loop body, in source order
+    statements: tuple[tuple[int, int], ...] = ()
 
     def contains(self, frame: SourceLoc) -> bool:
         return (frame.file == self.file and frame.function == self.function
                 and self.body_start <= frame.line <= self.body_end)
 
+    def statement_index(self, line: int) -> int | None:
+        """Which statement directly in the loop body holds ``line`` (None when none does)."""
+        for i, (lo, hi) in enumerate(self.statements):
+            if lo <= line <= hi:
+                return i
+        return None
+
     @property
     def src(self) -> SourceLoc:
         return SourceLoc(self.file, self.line, self.function,
                          linecache.getline(self.file, self.line).strip())
+
+
+def _first_line(stmt: ast.stmt) -> int:
+    """A statement's first line, decorators included."""
+    return min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,8 +71,9 @@ def _loops_in_file(file: str) -> tuple[LoopSite, ...]:
                 fn = getattr(child, "name", "<lambda>")
             if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) and function is not None:
                 body = child.body
+                stmts = tuple((_first_line(b), getattr(b, "end_lineno", b.lineno)) for b in body)
                 found.append(LoopSite(file, function, child.lineno, body[0].lineno,
-                                      max(getattr(b, "end_lineno", b.lineno) for b in body)))
+                                      max(hi for _lo, hi in stmts), stmts))
             visit(child, fn)
 
     visit(tree, None)
@@ -110,21 +125,49 @@ def count_iterations(nodes: list[torch.fx.Node]) -> int | None:
     return max((len(v) for v in offsets.values()), default=None)
 
 
-def split_iterations(nodes: list[torch.fx.Node], depth: int,
-                     n_iter: int | None = None) -> list[list[torch.fx.Node]]:
-    """Split the nodes of an unrolled loop (in graph order) into ``n_iter`` iterations.
+def split_iterations(nodes: list[torch.fx.Node], depth: int, n_iter: int | None = None,
+                     loop: LoopSite | None = None) -> list[list[torch.fx.Node]]:
+    """Split the nodes of an unrolled loop (in graph order) into its iterations.
 
-    The first op key that occurs exactly ``n_iter`` times marks where each iteration begins (at
-    the same offset inside every iteration). Without ``n_iter``, the most common occurrence
-    count of the keys is taken for it.
+    An iteration runs the statements of the loop body in source order, so a new one begins
+    where the statement of the loop body an op comes from goes *back* (``by_statement``). That
+    holds whatever the first op of an iteration is, when a first iteration runs other ops, and
+    when dead code removed a last iteration's first ops. A body whose ops all come from one
+    statement shows no such step back; it is split at the op that occurs once per iteration.
     """
     if not nodes:
         return []
+    if loop is not None:
+        iters = _split_by_statement(nodes, loop)
+        if len(iters) > 1 and (n_iter is None or len(iters) == n_iter):
+            return iters
+    return _split_at_marker(nodes, depth, n_iter)
+
+
+def _split_by_statement(nodes: list[torch.fx.Node], loop: LoopSite) -> list[list[torch.fx.Node]]:
+    iters: list[list[torch.fx.Node]] = []
+    previous = None
+    for n in nodes:
+        d = loop_depth(n, loop)
+        index = loop.statement_index(node_frames(n)[d].line) if d is not None else None
+        if index is None:
+            index = previous if previous is not None else 0
+        if previous is None or index < previous:
+            iters.append([])
+        iters[-1].append(n)
+        previous = index
+    return iters
+
+
+def _split_at_marker(nodes: list[torch.fx.Node], depth: int,
+                     n_iter: int | None) -> list[list[torch.fx.Node]]:
+    """The first op key that occurs exactly ``n_iter`` times marks where each iteration begins
+    (at the same offset inside every iteration). Without ``n_iter``, the most common occurrence
+    count of the keys is taken for it."""
     keys = [iteration_key(n, depth) for n in nodes]
     counts = Counter(keys)
     if n_iter is None or n_iter not in counts.values():
         n_iter = Counter(counts.values()).most_common(1)[0][0]
-    # Prefer a key that occurs exactly n_iter times and appears first.
     marker_pos = next(i for i, k in enumerate(keys) if counts[k] == n_iter)
     marker = keys[marker_pos]
     starts = [i - marker_pos for i, k in enumerate(keys) if k == marker]

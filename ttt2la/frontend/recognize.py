@@ -28,8 +28,8 @@ from torch.func import functional_call
 
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram
-from .capture import _no_compile, trace
-from .discover import LoopCandidate
+from .capture import _no_compile, trace, user_frame
+from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
 from .rollup import RolledLoop, roll_up
 from .shapes import GraphTemplate, fit_template
@@ -147,13 +147,55 @@ def params_and_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     inputs = _inputs_at(flat, layout, B, L)
     pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
-    gm = trace(fn, pb, *inputs)
+    try:
+        gm = trace(fn, pb, *inputs)
+    except ConversionError:
+        raise
+    except Exception as e:
+        raise _trace_failure(cand, e, B, L) from e
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if not loops:
         raise _ShapeDependent(
             f"the loop at {cand.loop.src} did not run when {cand.path or 'the model'} was traced "
             f"at batch {B}, length {L}")
-    return roll_up(gm, *loops[0], module_path=cand.path)
+    try:
+        return roll_up(gm, *loops[0], module_path=cand.path)
+    except ConversionError:
+        raise
+    except Exception as e:
+        err = UnsupportedTTTError(
+            f"{_layer_name(cand)}: ttt2la could not roll up the loop at {cand.loop.src} "
+            f"({_first_line(e)}). The loop's iterations could not be matched to one body; "
+            "write it as a loop over chunks that carries the fast weights, or report the layer's "
+            "code.")
+        raise err from e
+
+
+def _layer_name(cand: LoopCandidate) -> str:
+    """``"blocks.0.attn (LaCTLayer)"`` — how errors name a layer."""
+    cls = type(cand.module).__name__
+    return f"{cand.path} ({cls})" if cand.path else cls
+
+
+_DATA_DEPENDENT = ("DataDependent", "data-dependent", "data dependent", "item()", "tolist",
+                   "Proxy object cannot be iterated", "symbolically traced variables")
+
+
+def _trace_failure(cand: LoopCandidate, e: Exception, B: int, L: int) -> UnsupportedTTTError:
+    """A failure of the user's code under ``make_fx``: where, and what to change."""
+    where = user_frame(e)
+    at = f" at {where}" if where else f" in the loop at {cand.loop.src}"
+    text = f"{type(e).__name__}: {e}"
+    if any(k in text for k in _DATA_DEPENDENT):
+        what = ("the code reads a value out of a tensor (`.item()`, `.tolist()`, a Python `if` "
+                "or `range` on a tensor), but ttt2la traces the layer with shapes only. Compute "
+                "that value from sizes or Python numbers, or move it out of the layer's forward.")
+    else:
+        what = ("rewrite that line with torch operations that trace under make_fx (no NumPy, no "
+                "in-place changes to parameters), or report it with the layer's code.")
+    return UnsupportedTTTError(
+        f"{_layer_name(cand)}: tracing failed{at} at batch {B}, length {L} "
+        f"({_first_line(e)}): {what}")
 
 
 class _ShapeDependent(UnsupportedTTTError):
@@ -308,7 +350,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         seq_len = next((n for n in sorted(lengths, reverse=True)
                         if any(n in x.shape[1:] for x in tensors)), None)
     layout = _layout(flat, seq_len, batch)
-    sizes = {c for c in cand.chunk_sizes if c > 0}
+    sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
     fn = layer_function(cand.module, in_spec)
     failures: list[tuple[ProbePlan, Exception]] = []
@@ -323,6 +365,29 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         except Exception as e:            # the layer's own code rejected these shapes
             failures.append((plan, e))
     raise _probe_failure(cand, failures, C, seq_len)
+
+
+def _chunk_sizes(cand: LoopCandidate, flat: list, layout: InputLayout, in_spec, batch: int,
+                 seq_len: int | None) -> set[int]:
+    """The chunk slices' sizes, from an example long enough to show two chunks.
+
+    An example no longer than one chunk shows a slice of its own length, not the chunk size:
+    the layer is then run eagerly at doubling lengths until its loop slices two chunks.
+    """
+    if len(cand.slice_starts) >= 2 or seq_len is None:
+        return cand.chunk_sizes
+    length = seq_len
+    while length < MAX_PROBE_LENGTH:
+        length = max(2 * length, 2)
+        args, kwargs = pytree.tree_unflatten(_inputs_at(flat, layout, batch, length), in_spec)
+        try:
+            found = _discover_once(cand.module, tuple(args), kwargs)[0]
+        except Exception:               # the layer does not run at this length
+            break
+        same = next((c for c in found if c.loop == cand.loop), None)
+        if same is not None and len(same.slice_starts) >= 2:
+            return same.chunk_sizes
+    return cand.chunk_sizes
 
 
 def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_len,
@@ -347,6 +412,9 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     except UnsupportedTTTError as e:
         raise _ShapeDependent(str(e)) from e
     notes = []
+    if cand.probe_length is not None:
+        notes.append(f"the example (length {seq_len}) is too short to run the loop; it was found "
+                     f"by running the model at length {cand.probe_length}")
     if plan.unit > 1 or plan.fixed:
         first = failures[0]
         why = f"at {first[0].describe(C, seq_len)}: {_first_line(first[1])}"
@@ -373,9 +441,11 @@ def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
         return first
     shown = failures if len(failures) <= 2 else [failures[0], failures[-1]]
     tried = "; ".join(f"{p.describe(C, seq_len)}: {_first_line(e)}" for p, e in shown)
+    where = user_frame(first)
+    at = f" (first at {where})" if where else ""
     err = UnsupportedTTTError(
-        f"{cand.path or 'the model'} could not be traced at any probe shape, its example's batch "
-        f"size included ({len(failures)} sets of shapes tried; {tried}). ttt2la must trace a "
+        f"{_layer_name(cand)} could not be traced at any probe shape, its example's batch size "
+        f"included{at} ({len(failures)} sets of shapes tried; {tried}). ttt2la must trace a "
         "layer at two lengths at least (three chunk updates, then one more token or one more "
         "chunk) to make the converted layer work at any length: let the layer run at lengths "
         "other than the example's.")

@@ -30,6 +30,7 @@ import torch.fx
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec, StreamSpec,
                   TTTProgram, memory_order)
+from .capture import FRAMES
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 
 aten = torch.ops.aten
@@ -85,7 +86,8 @@ def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in _flat_args(node) if isinstance(a, torch.fx.Node)]
 
 
-def _assigned_name(src: SourceLoc | None) -> str | None:
+def _assigned_names(src: SourceLoc | None) -> list[str] | None:
+    """The names a line assigns: ``[W]`` for ``W = ...``, ``[W, b]`` for ``W, b = ...``."""
     if src is None or not src.code:
         return None
     try:
@@ -96,10 +98,53 @@ def _assigned_name(src: SourceLoc | None) -> str | None:
     if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
         if isinstance(target, ast.Name):
-            return target.id
+            return [target.id]
         if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
-            return "_".join(e.id for e in target.elts)
+            return [e.id for e in target.elts]
     return None
+
+
+def _assigned_name(src: SourceLoc | None) -> str | None:
+    names = _assigned_names(src)
+    return "_".join(names) if names else None
+
+
+def _state_names(outs: list[torch.fx.Node], depth: int,
+                 first: list[str | None]) -> list[str | None]:
+    """A name per carried state, from the statement that assigns its new value.
+
+    The innermost frame that assigns one name gives it. A state assigned by a tuple
+    (``W, b = step(W, b, ...)``) takes the name its initial value was assigned to when that is
+    one of the tuple's (``first``), else the element at its place when the states that line
+    assigns are as many as its names (their values are computed in the tuple's order).
+    """
+    names: list[str | None] = [None] * len(outs)
+    tuples: dict[tuple, list[int]] = {}
+    for i, out in enumerate(outs):
+        frames = out.meta.get(FRAMES, ())[depth:] or ((out.meta.get(SRC),) if SRC in out.meta
+                                                      else ())
+        for frame in reversed(frames):
+            got = _assigned_names(frame)
+            if got and len(got) == 1:
+                names[i] = got[0]
+                break
+            if got:
+                tuples.setdefault((frame.file, frame.line, tuple(got)), []).append(i)
+                break
+    order = {n: k for k, n in enumerate(outs[0].graph.nodes)} if outs else {}
+    for (_f, _l, got), members in tuples.items():
+        members.sort(key=lambda i: order.get(outs[i], 0))
+        if all(first[i] in got for i in members) and \
+                len({first[i] for i in members}) == len(members):
+            for i in members:
+                names[i] = first[i]
+        elif len(members) == len(got):
+            for i, name in zip(members, got):
+                names[i] = name
+        else:
+            for i in members:
+                names[i] = "_".join(got)
+    return names
 
 
 def _sliced_names(src: SourceLoc | None) -> list[str]:
@@ -136,7 +181,7 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     loop_nodes = [n for n in nodes if n.op == "call_function" and loop_depth(n, loop) is not None]
-    iters = split_iterations(loop_nodes, depth, count_iterations(loop_nodes))
+    iters = split_iterations(loop_nodes, depth, count_iterations(loop_nodes), loop)
     n_iter = len(iters)
     if n_iter < 3:
         raise _fail(f"the loop ran {n_iter} iteration(s) at the traced shape; at least 3 are "
@@ -244,11 +289,19 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
             else:
                 raise _fail(f"{n.format_node()} reads {a.format_node()}, defined after the loop",
                             loop)
+    first_slices = {to0[x] for x in streams if x in to0}
+    init_nodes: set[torch.fx.Node] = set()       # first-iteration code that only initialises
     for p, v0 in initial.items():
         if v0 is ZERO:
             notes.append(f"the first iteration skips the use of {p.name}: it starts at zero")
         if isinstance(v0, torch.fx.Node) and (v0 in in_loop and v0 not in hoisted):
-            raise _fail("the initial value of a carried state is computed inside the loop", loop)
+            made = _initialisation(v0, set0, in_loop, hoisted, first_slices)
+            if made is None:
+                raise _fail("the initial value of a carried state is computed inside the loop "
+                            "from the first chunk", loop)
+            init_nodes |= made
+            notes.append(f"the first iteration initialises {p.name}; that code runs before "
+                         "the loop")
     for s, (src, *_rest) in streams.items():
         note_invariant(src)
 
@@ -383,9 +436,12 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     taken: set[str] = set()
     state_specs, stream_specs, inv_specs = [], [], []
+    firsts = [_assigned_name(initial[p].meta.get(SRC)) if isinstance(initial.get(p), torch.fx.Node)
+              else None for p in producers]
+    guessed = _state_names([carried[p] for p in producers], depth, firsts)
     for i, p in enumerate(producers):
         out = carried[p]
-        name = _unique(_assigned_name(out.meta.get(SRC)) or f"state{i}", taken)
+        name = _unique(guessed[i] or f"state{i}", taken)
         ph = body.placeholder(name)
         ph.meta.update(val=p.meta.get("val"), **{KIND: "state", NAME: name})
         env[p] = ph
@@ -436,7 +492,7 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
         # the final value of each state: the last iteration that still updates
         j = n_iter - 1 if not truncated else n_iter - 2
         last_state[p] = iteration_map(j)[carried[p]]
-    removable = (in_loop - hoisted) | set(tail_nodes) | removable_extra
+    removable = ((in_loop - hoisted) | set(tail_nodes) | removable_extra) - init_nodes
     anchor = max((a for a in [*invariants, *[v for v in initial.values()
                                                if isinstance(v, torch.fx.Node)]]),
                  key=order.get)
@@ -483,10 +539,46 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
                             f"({bad.format_node()})", loop)
             outer_graph.erase_node(n)
     outer_graph.eliminate_dead_code()
+    _contiguous_inputs(outer_graph)
     outer_graph.lint()
     program.notes.extend(notes)
     return RolledLoop(program=program, outer=gm, n_iterations=n_iter, tail=bool(extra),
                       notes=notes)
+
+
+def _initialisation(v0: torch.fx.Node, first: set, in_loop: set, hoisted: set,
+                    slices: set) -> set[torch.fx.Node] | None:
+    """The first-iteration nodes that compute a state's initial value ``v0``, when they read
+    nothing the loop produces or slices (``if W is None: W = self.w.expand(...)``), else None."""
+    made, stack = set(), [v0]
+    while stack:
+        n = stack.pop()
+        if n in made or n not in in_loop or n in hoisted:
+            continue
+        if n not in first or n in slices:
+            return None
+        made.add(n)
+        stack.extend(_input_nodes(n))
+    return made
+
+
+def _contiguous_inputs(graph: torch.fx.Graph) -> None:
+    """Read every tensor input of the outer graph through ``contiguous``.
+
+    The layer is traced on contiguous copies of its inputs, so the trace may ``view`` them in
+    ways that only a contiguous tensor allows; a user passing a transposed or sliced tensor
+    gets it made contiguous first (``contiguous`` returns a contiguous input itself).
+    """
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or not ph.users:
+            continue
+        users = list(ph.users)
+        with graph.inserting_after(ph):
+            c = graph.call_function(aten.contiguous.default, (ph,))
+        c.meta = dict(ph.meta)
+        for u in users:
+            u.replace_input_with(ph, c)
 
 
 _FILL = {aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0,

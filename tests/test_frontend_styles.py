@@ -1,0 +1,362 @@
+"""TTT loops written in other styles: one-statement chunk slicing, a first iteration that
+initialises the state, update-then-apply loops with a partial last chunk, examples too short to
+show the loop or laid out non-contiguously, ``torch.autograd.grad`` in the loop; and layers the
+theory excludes (a norm or nonlinearity after the final layer) refused by name, never frozen.
+
+Every converted layer is compared with the layer as written (its own Python loop): outputs and
+every parameter gradient within the fp32 tolerance.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import grad
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.zoo import ttt_linear
+from ttt2la.zoo.one_line_slices import OneLineSliceLayer
+from ttt2la.zoo.ttt_linear import TTTLinearAutogradLayer, TTTLinearFuncGradLayer
+
+TOL = TOLERANCE[torch.float32]
+
+
+def _outputs_and_grads(module, x, seed=5):
+    """Output and every parameter gradient of ``<module(x), g>`` for a fixed random ``g``."""
+    module.zero_grad(set_to_none=True)
+    y = module(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
+    (y * g).sum().backward()
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+             for n, p in module.named_parameters()}
+    return y.detach(), grads
+
+
+def _assert_same_function(converted, original, xs):
+    for x in xs:
+        y, gy = _outputs_and_grads(converted, x)
+        r, gr = _outputs_and_grads(original, x)
+        assert rel_rms_error(y, r) <= TOL, f"output at {tuple(x.shape)}: {rel_rms_error(y, r)}"
+        for name in gr:
+            err = rel_rms_error(gy[name], gr[name])
+            assert err <= TOL, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
+
+
+def _line_of(module, text: str) -> int:
+    """The line of ``module``'s source that contains ``text`` (once)."""
+    lines, _ = inspect.getsourcelines(module)
+    hits = [i + 1 for i, line in enumerate(lines) if text in line]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+# -- iteration splitting ----------------------------------------------------------------------
+
+def _one_statement_loop(W, q, k, v):
+    outs = []
+    for s in range(0, q.shape[1], 2):
+        qi, ki, vi = q[:, s:s + 2], k[:, s:s + 2], v[:, s:s + 2]
+        outs.append(qi @ W)
+        W = W + ki.mT @ vi
+    return torch.cat(outs, dim=1)
+
+
+def test_iterations_split_where_the_loop_body_starts_again():
+    """The last update is dead, so the last iteration lost its k and v slices: every
+    iteration is still one copy of the body, the last one shorter."""
+    from ttt2la.frontend.capture import trace
+    from ttt2la.frontend.loops import count_iterations, find_loops, split_iterations
+
+    gm = trace(_one_statement_loop, torch.randn(3, 3), *torch.randn(3, 1, 7, 3))
+    (loop, depth), = [ld for ld in find_loops(gm) if ld[0].function == "_one_statement_loop"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and
+             any(loop.contains(f) for f in n.meta.get("ttt2la_frames", ()))]
+    n = count_iterations(nodes)
+    iters = split_iterations(nodes, depth, n, loop)
+    assert n == 4 and len(iters) == 4
+    sizes = [len(it) for it in iters]
+    assert sizes[1] == sizes[2] and sizes[3] < sizes[2]
+    targets = [[x.target for x in it] for it in iters]
+    assert targets[1] == targets[2]
+    assert sum(t == torch.ops.aten.slice.Tensor for t in targets[3]) < \
+        sum(t == torch.ops.aten.slice.Tensor for t in targets[2])
+
+
+# -- exact conversions -------------------------------------------------------------------------
+
+@settings(max_examples=3)
+@given(B=st.integers(1, 2), H=st.integers(1, 2), D=st.sampled_from([2, 3, 4]),
+       C=st.integers(2, 5), r=st.integers(1, 5), order=st.sampled_from(["apply_first",
+                                                                          "update_first"]))
+def test_one_statement_slicing_converts_exactly_at_levels_0_to_2(B, H, D, C, r, order):
+    torch.manual_seed(C * 10 + D)
+    layer = OneLineSliceLayer(H * D, H, C, order=order)
+    L = 3 * C + min(r, C)
+    x = torch.randn(B, L, H * D)
+    for level in (0, 1, 2):
+        converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+        report = converted.ttt2la_report.layers[0]
+        assert report.exact and report.schedule == "parallel"
+        assert report.last_chunk == ("apply_only" if order == "apply_first" else "update")
+        _assert_same_function(converted, layer, [x, torch.randn(B + 1, 2 * C + 1, H * D)])
+
+
+@pytest.mark.parametrize("order,L", [("apply_first", 1), ("update_first", 3),
+                                     ("apply_first", 6)])
+def test_examples_shorter_than_the_loop_convert(order, L):
+    """Chunk 6: one token, half a chunk, one chunk — the loop is read at longer lengths."""
+    torch.manual_seed(L)
+    layer = OneLineSliceLayer(8, 2, 6, order=order)
+    x = torch.randn(2, L, 8)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert converted.ttt2la_report.layers[0].chunk_size == 6
+    _assert_same_function(converted, layer, [x, torch.randn(2, 23, 8)])
+
+
+def test_non_contiguous_example_inputs_convert():
+    torch.manual_seed(0)
+    layer = OneLineSliceLayer(8, 2, 4)
+    x = torch.randn(18, 2, 8).transpose(0, 1)          # [B, L, d], not contiguous
+    assert not x.is_contiguous()
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    y = torch.randn(2, 8, 11).permute(0, 2, 1)
+    _assert_same_function(converted, layer, [x, y])
+
+
+class FirstIterationInitialises(nn.Module):
+    """A hand-written loop whose first iteration creates the fast weight from a parameter."""
+
+    def __init__(self, d=6, C=3):
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.C = C
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = None, []
+        for s in range(0, x.shape[1], self.C):
+            if W is None:
+                W = 2.0 * self.w.expand(x.shape[0], -1, -1)
+            W = W + 0.5 * k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+def test_first_iteration_that_initialises_the_state_converts():
+    torch.manual_seed(1)
+    layer = FirstIterationInitialises()
+    x = torch.randn(2, 11, 6)
+    for level in (0, 1, 2):
+        converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+        assert converted.ttt2la_report.layers[0].schedule == "parallel"
+        _assert_same_function(converted, layer, [x, torch.randn(3, 7, 6)])
+
+
+class StateScaledLayer(nn.Module):
+    """The step size is read from the fast weight alone: ``sigmoid(mean(W²))``."""
+
+    def __init__(self, d=6, C=3):
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.C = C
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        for s in range(0, x.shape[1], self.C):
+            rate = torch.sigmoid(W.pow(2).mean(dim=(-2, -1), keepdim=True))
+            W = W + rate * (k[:, s:s + self.C].mT @ v[:, s:s + self.C])
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+def test_rate_read_from_the_state_alone_converts_semi_parallel():
+    """A state-local map of the final layer: only it runs chunk by chunk, exactly."""
+    torch.manual_seed(2)
+    layer = StateScaledLayer()
+    x = torch.randn(2, 13, 6)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert converted.ttt2la_report.layers[0].schedule == "semi-parallel"
+    _assert_same_function(converted, layer, [x, torch.randn(1, 8, 6)])
+
+
+# -- refusals the theory calls for ----------------------------------------------------------------
+
+TTT_LINEAR = [   # the first with W as its only fast weight, the second with a bias beside it
+    (TTTLinearFuncGradLayer, False, "native_layer_norm", "z = F.layer_norm(z"),
+    (TTTLinearAutogradLayer, True, "pow", "var = ((z - mu) ** 2)"),
+]
+
+
+@pytest.mark.parametrize("cls,bias,op,code", TTT_LINEAR, ids=["func_grad", "autograd_grad"])
+def test_ttt_linear_is_refused_naming_the_layer_norm_at_every_level(cls, bias, op, code):
+    torch.manual_seed(0)
+    layer = cls(8, 2, 4, bias=bias)
+    x = torch.randn(2, 14, 8)
+    line = _line_of(ttt_linear, code)
+    for level in (0, 1, 2):
+        with pytest.raises(ttt2la.NonReducibleError) as info:
+            ttt2la.convert(layer, level=level, example_inputs=(x,))
+        e = info.value
+        assert op in e.op and e.where.startswith(f"zoo/ttt_linear.py:{line} ")
+        assert e.state == "W" and "final-layer state W" in str(e)
+        assert "No pass removes this" in e.remedy
+        assert "freeze_theta" not in str(e)
+    report = ttt2la.inspect(layer, example_inputs=(x,), show=False)
+    for level in (0, 1, 2):
+        assert report.layers[0].levels[level].startswith(f"recurrent: aten.{op}")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_ttt_linear_is_kept_as_written_not_frozen_when_not_strict(level):
+    torch.manual_seed(0)
+    layer = TTTLinearFuncGradLayer(8, 2, 4)
+    x = torch.randn(2, 14, 8)
+    converted = ttt2la.convert(layer, level=level, example_inputs=(x,), strict=False)
+    report = converted.ttt2la_report.layers[0]
+    assert [s.role for s in report.states][:1] == ["final"]
+    assert all(p.status != "applied" for p in report.passes if p.name == "freeze_theta")
+    assert report.runtime == "kept as written (recurrent)"
+    _assert_same_function(converted, layer, [x])
+
+
+class _Linear(nn.Module):
+    def __init__(self, d=6, C=3):
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.C = C
+
+
+def _tanh_binding_loss(W, k, v):
+    return -(torch.tanh(k @ W) * v).sum()
+
+
+class TanhFinalLayer(_Linear):
+    """``f(x) = tanh(x W)``: a nonlinear final layer."""
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(torch.tanh(q[:, s:s + self.C] @ W))
+            W = W - grad(_tanh_binding_loss)(W, k[:, s:s + self.C], v[:, s:s + self.C])
+        return torch.cat(outs, dim=1)
+
+
+class StateGatedLayer(_Linear):
+    """Each token's rate is read from the fast weight itself: ``sigmoid(k_t·W·1)``."""
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        for s in range(0, x.shape[1], self.C):
+            ki, vi = k[:, s:s + self.C], v[:, s:s + self.C]
+            rate = torch.sigmoid((ki @ W).sum(-1, keepdim=True))
+            W = W + ki.mT @ (rate * vi)
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("cls,op,code", [
+    (TanhFinalLayer, "tanh", "return -(torch.tanh(k @ W) * v).sum()"),
+    (StateGatedLayer, "sigmoid", "rate = torch.sigmoid("),
+], ids=["nonlinear_final_layer", "state_dependent_rate"])
+def test_nonlinear_final_layer_and_state_dependent_rate_are_refused(cls, op, code):
+    torch.manual_seed(0)
+    layer = cls()
+    x = torch.randn(2, 11, 6)
+    for level in (0, 1, 2):
+        with pytest.raises(ttt2la.NonReducibleError) as info:
+            ttt2la.convert(layer, level=level, example_inputs=(x,))
+        e = info.value
+        assert op in e.op and "test_frontend_styles.py:" in e.where
+        assert code in str(e) and "No pass removes this" in e.remedy
+
+
+# -- tracing failures: a ConversionError naming the layer and the source line -------------------
+
+class _Catalogue(_Linear):
+    pass
+
+
+class BranchOnValue(_Catalogue):
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        for s in range(0, x.shape[1], self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            if W.norm() > 1e3:
+                W = W / 2
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class ItemInLoop(_Catalogue):
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        for s in range(0, x.shape[1], self.C):
+            n = self.C + int(k[:, s].abs().sum().item() < 0)
+            W = W + k[:, s:s + n].mT @ v[:, s:s + n]
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class TolistMask(_Catalogue):
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        keep = (torch.arange(x.shape[1]) % 2 == 0).tolist()
+        for s in range(0, x.shape[1], self.C):
+            if keep[s]:
+                W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class SummedOutputs(_Catalogue):
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, o = self.w.expand(x.shape[0], -1, -1), 0
+        for s in range(0, x.shape[1], self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            o = o + (q[:, s:s + self.C] @ W).mean(dim=1, keepdim=True)
+        return o
+
+
+class OnlyItsOwnLength(_Catalogue):
+    def forward(self, x):
+        if x.shape[1] != 11:
+            raise ValueError("this layer runs at length 11 only")
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = self.w.expand(x.shape[0], -1, -1), []
+        for s in range(0, x.shape[1], self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("cls,code", [
+    (BranchOnValue, "if W.norm() > 1e3:"),
+    (ItemInLoop, "n = self.C + int(k[:, s].abs().sum().item() < 0)"),
+    (TolistMask, "keep = (torch.arange(x.shape[1]) % 2 == 0).tolist()"),
+    (SummedOutputs, "for s in range(0, x.shape[1], self.C):"),
+    (OnlyItsOwnLength, 'raise ValueError("this layer runs at length 11 only")'),
+])
+def test_tracing_failures_name_the_layer_and_the_source_line(cls, code):
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.ConversionError) as info:
+        ttt2la.convert(cls(), level=2, example_inputs=(torch.randn(2, 11, 6),))
+    text = str(info.value)
+    assert cls.__name__ in text
+    lines, start = inspect.getsourcelines(cls)
+    line = start + next(i for i, s in enumerate(lines) if code in s)
+    assert f"test_frontend_styles.py:{line}" in text, text
