@@ -8,9 +8,10 @@ iteration is wrapped in casts and transposes that undo each other (``G.to(bf16)`
 tall matrix, and back), the whole wrapped transform is replaced, so the increment keeps ``G``'s
 dtype and layout.
 
-The fold ``s`` is the mean scale the transform imposes on the increments: the mean over every
-matrix (the trailing two axes) of every calibration chunk that updates of
-``‖T(X)‖_F / ‖X‖_F``. Unfolded (``fold=False``) ``s = 1``. Not exact: ``NS(A + B) ≠ NS(A) +
+The fold ``s`` is the scale the transform imposes on the increments, by least squares: the one
+number that best reproduces the transformed increments from the raw ones on calibration data,
+``s = Σ⟨T(X), X⟩ / Σ‖X‖²_F`` over every calibration chunk that updates the state (so ``s·X`` is
+never further from ``T(X)`` than ``X`` itself is). Unfolded (``fold=False``) ``s = 1``. Not exact: ``NS(A + B) ≠ NS(A) +
 NS(B)``, and after it a LaCT-style layer is standard linear attention ``o = q(W₀ + Σ kᵀv)``.
 """
 from __future__ import annotations
@@ -164,14 +165,14 @@ def increment_transforms(program: TTTProgram) -> list[IncrementTransform]:
     return found
 
 
-def _ratio(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    ratios = []
+def _projections(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> tuple[float, float]:
+    """``(Σ⟨T(X), X⟩, Σ‖X‖²)`` over the chunks' increments ``X`` and their transforms ``T(X)``."""
+    inner = square = 0.0
     for y, x in zip(outputs, inputs):
-        ny = y.double().flatten(-2).norm(dim=-1).flatten()
-        nx = x.double().flatten(-2).norm(dim=-1).flatten()
-        keep = nx > 0
-        ratios.append(ny[keep] / nx[keep])
-    return ratios
+        x = x.double()
+        inner += (y.double() * x).sum().item()
+        square += (x * x).sum().item()
+    return inner, square
 
 
 def _key(program: TTTProgram, transforms, k: int) -> str:
@@ -182,16 +183,17 @@ def _key(program: TTTProgram, transforms, k: int) -> str:
 
 
 def _calibration_scale(program: TTTProgram, context: PassContext, transforms) -> dict:
-    """The mean ``‖T(X)‖_F / ‖X‖_F`` of every transform, as JSON."""
+    """Every transform's least-squares scale ``Σ⟨T(X), X⟩ / Σ‖X‖²`` on calibration data, as
+    JSON (1 when every calibration increment is zero)."""
     nodes = [n for t in transforms for n in (t.output, t.source)]
     per_sample = update_chunk_values(context.calibration, program, nodes)
     folded = {}
     for k in range(len(transforms)):
-        ratios = []
+        inner = square = 0.0
         for sample in per_sample:
-            ratios += _ratio(sample[2 * k], sample[2 * k + 1])
-        ratios = torch.cat(ratios) if ratios else torch.zeros(0)
-        folded[_key(program, transforms, k)] = ratios.mean().item()
+            i, q = _projections(sample[2 * k], sample[2 * k + 1])
+            inner, square = inner + i, square + q
+        folded[_key(program, transforms, k)] = inner / square if square > 0 else 1.0
     return folded
 
 
@@ -203,7 +205,7 @@ class RemoveMuon(Pass):
     exact = False
 
     def run(self, program: TTTProgram, context: PassContext) -> PassResult:
-        """Make every transform of an increment its input times the calibration mean scale."""
+        """Make every transform of an increment its input times its calibration scale."""
         transforms = increment_transforms(program)
         if not transforms:
             return self.result("already_satisfied",
@@ -234,8 +236,9 @@ class RemoveMuon(Pass):
 def _how_folded(mode: str) -> str:
     return {"unfolded": " (unfolded: the increment as it is)",
             "no_calibration": " (no calibration data: the increment as it is, nothing folded)",
-            "replay": " (replayed: the mean scale the transform imposed on the increments)",
-            "measure": " (folded: the mean ‖T(X)‖_F/‖X‖_F over the calibration chunks)"}[mode]
+            "replay": " (replayed: the scale the transform imposed on the increments)",
+            "measure": " (folded: the least-squares scale Σ⟨T(X), X⟩/Σ‖X‖² over the calibration "
+                       "chunks)"}[mode]
 
 
 remove_muon = register(RemoveMuon())
