@@ -1,4 +1,4 @@
-"""The lossy steps' folds earn their keep on trained models: measured drift, folded against unfolded.
+"""The lossy steps' folds earn their keep on trained models: measured drift, folded vs unfolded.
 
 Two trained models: the bundled character-level LaCT language model (momentum, weight norm and
 Θ updates; no Muon), and a small LaCT layer with Muon trained here for a few hundred steps on an
