@@ -12,7 +12,8 @@ The fold ``s`` is the scale the transform imposes on the increments, by least sq
 number that best reproduces the transformed increments from the raw ones on calibration data,
 ``s = Σ⟨T(X), X⟩ / Σ‖X‖²_F`` over every calibration chunk that updates the state (so ``s·X`` is
 never further from ``T(X)`` than ``X`` itself is). Unfolded (``fold=False``) ``s = 1``. Not
-exact: ``NS(A + B) ≠ NS(A) + NS(B)``, and after it a LaCT-style layer is standard linear attention ``o = q(W₀ + Σ kᵀv)``.
+exact: ``NS(A + B) ≠ NS(A) + NS(B)``, and after it a LaCT-style layer is standard linear
+attention ``o = q(W₀ + Σ kᵀv)``.
 """
 from __future__ import annotations
 
