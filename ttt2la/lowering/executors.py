@@ -486,14 +486,18 @@ class Plan:
             self.fallbacks.add(self.program.states[t].name)
         return f, a
 
+    def _frontier_values(self, step: _StateStep, env, n: int) -> dict[torch.fx.Node, _Value]:
+        """The step's frontier (what its state-dependent subgraph reads), batched over chunks."""
+        if step.frontier_graph is None:
+            return {}
+        vals, fell_back = _call_batched(step.frontier_graph,
+                                        [env[i] for i in step.frontier_inputs], n)
+        if fell_back:
+            self.fallbacks.add("frontier")
+        return {node: (v, True) for node, v in zip(step.computed, vals)}
+
     def _sequential(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
-        frontier_values: dict[torch.fx.Node, _Value] = {}
-        if step.frontier_graph is not None:
-            vals, fell_back = _call_batched(step.frontier_graph,
-                                            [env[i] for i in step.frontier_inputs], n)
-            if fell_back:
-                self.fallbacks.add("frontier")
-            frontier_values = {node: (v, True) for node, v in zip(step.computed, vals)}
+        frontier_values = self._frontier_values(step, env, n)
         ins = self.program.state_inputs()
         state = {ins[t]: states0[t] for t in step.states}
         afters: list[list[torch.Tensor]] = [[] for _ in step.states]

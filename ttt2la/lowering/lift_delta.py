@@ -126,13 +126,7 @@ class DeltaScanPlan(Plan):
         return None
 
     def _step_values(self, step, env, n: int):
-        frontier_values = {}
-        if step.frontier_graph is not None:
-            vals, fell_back = _call_batched(step.frontier_graph,
-                                            [env[i] for i in step.frontier_inputs], n)
-            if fell_back:
-                self.fallbacks.add("frontier")
-            frontier_values = {node: (v, True) for node, v in zip(step.computed, vals)}
+        frontier_values = self._frontier_values(step, env, n)
         state_in = self.program.state_inputs()[step.states[0]]
         values = []
         for i in step.inputs:
