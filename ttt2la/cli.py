@@ -401,6 +401,35 @@ def _write_text(path: str, text: str, console: Console) -> None:
     _say(console, f"written to {path}")
 
 
+def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Sample from a converted language-model checkpoint, the fast weights carried across
+    tokens (``ttt2la.Stream``)."""
+    import ttt2la
+    from .generate import generate_text, sample_tokens
+
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    with err.status(f"loading {args.checkpoint}"):
+        model = ttt2la.load(args.checkpoint).eval()
+    if args.prompt_ids is not None:
+        prompt = torch.tensor(args.prompt_ids)
+        ids = [str(t) for t in sample_tokens(model, prompt, args.tokens, **sampling)]
+        out.print(" ".join(ids), markup=False, highlight=False)
+        return 0
+    sys.stdout.write(args.prompt)
+    generate_text(model, args.prompt, args.tokens,
+                  on_token=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+                  **sampling)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}")
+
+
 def _refuse_without_zoo(args: argparse.Namespace, err: Console, checkpoint_use: str) -> int:
     """The exit status when the command was not given a bundled model to work on, else 0."""
     if args.checkpoint:
@@ -619,6 +648,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time budget of the side-by-side timing (30)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
                    help="runtime backend (auto)")
+
+    p = add("generate", cmd_generate, "sample text from a converted language-model checkpoint "
+                                      "(a directory written by `convert --out`)")
+    p.add_argument("checkpoint", help="a converted checkpoint directory")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="def ", help="text to continue (byte-level models)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, default=None,
+                        help="token ids to continue, comma-separated (any vocabulary)")
+    p.add_argument("--tokens", type=_positive, default=200, help="tokens to sample (200)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 is greedy (0.8)")
+    p.add_argument("--top-k", type=_positive, default=None, help="sample among the k likeliest")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     return parser
 
 
