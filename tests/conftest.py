@@ -15,6 +15,10 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+# Under pytest-xdist each worker has a core of its own: one intra-op thread each, not oversubscribed.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 torch._dynamo.config.disable = True
 # With dynamo disabled, a ``fullgraph=True`` function raises "found no compiled frames" unless the
 # stance is eager, so both switches are needed for such code to run as plain Python.

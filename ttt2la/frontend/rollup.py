@@ -109,6 +109,19 @@ def _assigned_name(src: SourceLoc | None) -> str | None:
     return "_".join(names) if names else None
 
 
+def _stream_name(loc: SourceLoc | None, k: int, n: int) -> str | None:
+    """The name of the ``k``-th of ``n`` streams sliced on one line: the sliced tensor's name
+    (``q[:, s:e]``) when the line names one per stream, else the name it is assigned to
+    (``lr0, lr1, lr2 = (t[:, s:e] for t in lrs)``)."""
+    sliced = _sliced_names(loc)
+    if n <= len(sliced):
+        return sliced[k]
+    assigned = _assigned_names(loc) or []
+    if n == len(assigned):
+        return assigned[k]
+    return sliced[k] if k < len(sliced) else _assigned_name(loc)
+
+
 def _state_names(outs: list[torch.fx.Node], depth: int,
                  first: list[str | None]) -> list[str | None]:
     """A name per carried state, from the statement that assigns its new value.
@@ -449,13 +462,12 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
         state_specs.append(StateSpec(name, tuple(val.shape), val.dtype, src=out.meta.get(SRC)))
     stream_items = list(streams.items())
     per_line: dict = {}
+    on_line = Counter(s.meta.get(SRC) for s, _ in stream_items)
     for s, (src, axis, _c, pt) in stream_items:
         loc = s.meta.get(SRC)
-        sliced = _sliced_names(loc)
         k = per_line.get(loc, 0)
         per_line[loc] = k + 1
-        guess = sliced[k] if k < len(sliced) else _assigned_name(loc)
-        name = _unique(guess or "x", taken)
+        name = _unique(_stream_name(loc, k, on_line[loc]) or "x", taken)
         ph = body.placeholder(name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
         env[s] = ph
