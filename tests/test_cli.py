@@ -153,7 +153,7 @@ def _table_rows(text: str) -> dict[str, list[str]]:
 
 
 def test_demo_quick_converts_the_trained_model_and_scores_every_level(capsys):
-    from ttt2la.demo import EXAMPLE_CHUNKS, implemented_levels
+    from ttt2la.demo import CALIBRATION_SEQUENCES, implemented_levels
     from ttt2la.zoo.trained import next_token_loss, trained_char_lm, unigram_loss
 
     assert main(["demo", "--quick", "--repeats", "1"]) == 0
@@ -182,8 +182,8 @@ def test_demo_quick_converts_the_trained_model_and_scores_every_level(capsys):
     assert "level 2: lossy by design (freeze_theta, drop_norm remove" in summary
     # every drift figure names the inputs it was measured on
     assert summary.count("on the held-out text") == len(levels)
-    example = f"on the 1x{EXAMPLE_CHUNKS * trained.model.blocks[0].ttt.chunk_size} conversion"
-    assert summary.count(example) == len(levels) - 1
+    calibration = f"on the {CALIBRATION_SEQUENCES}x{trained.sequence_length} calibration text"
+    assert summary.count(calibration) == len(levels) - 1
     assert "converted exactly" not in summary
 
 

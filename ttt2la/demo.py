@@ -33,6 +33,8 @@ DEMO_SIZES = {"default": DemoSize(32, 256, repeats=15, max_seconds=20.0),
               "quick": DemoSize(4, 128, repeats=5, max_seconds=5.0)}
 #: Exit status when this Python has too little standard-library source to score on.
 NO_HELD_OUT_TEXT = 2
+#: Sequences of training text the lossy levels fold from and measure their drift on.
+CALIBRATION_SEQUENCES = 4
 #: Chunks of held-out text in the example the conversion traces and checks on.
 EXAMPLE_CHUNKS = 4
 
@@ -74,7 +76,7 @@ class Row:
 
 
 def convert_levels(model: torch.nn.Module, levels: list[int], example: tuple,
-                   progress) -> list[Row]:
+                   progress, calibration: tuple | None = None) -> list[Row]:
     """One row per level: level 0 keeps a loop that is not reducible as written (strict=False);
     higher levels are strict. A refused conversion becomes a row that says why."""
     import ttt2la
@@ -85,7 +87,7 @@ def convert_levels(model: torch.nn.Module, levels: list[int], example: tuple,
         progress.update(task, description=f"converting at level {level}")
         try:
             converted = ttt2la.convert(model, level=level, example_inputs=example,
-                                       strict=level > 0)
+                                       calibration=calibration, strict=level > 0)
             rows.append(Row(f"level {level}", converted, converted.ttt2la_report))
         except ConversionError as e:
             rows.append(Row(f"level {level}", None, refused=f"{type(e).__name__}: {e}"))
@@ -144,7 +146,7 @@ def comparison_table(rows: list[Row], timings: dict, plans: dict, unigram: float
     return table
 
 
-def level_summary(row: Row, base: Row, timings: dict, example_shape: str) -> str:
+def level_summary(row: Row, base: Row, timings: dict, calibration_shape: str) -> str:
     """One line per level: exact, or lossy by design with the loss it costs, and where each
     figure was measured."""
     if row.model is None:
@@ -161,8 +163,8 @@ def level_summary(row: Row, base: Row, timings: dict, example_shape: str) -> str
                "trained with")
     return (f"{row.name}: lossy by design ({removed}) — loss {delta:+.4f} nats/byte, logits "
             f"rel. RMS {row.logits_rms:.1e} on the held-out text, {speed:.2f}x the original's "
-            f"tokens/s; the report's drift (each layer's output, on the {example_shape} "
-            f"conversion example): {drift}")
+            f"tokens/s; the report's drift (each layer's output, on the {calibration_shape} "
+            f"calibration text from training files): {drift}")
 
 
 def _plan(text: str) -> str:
@@ -197,7 +199,8 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
         return NO_HELD_OUT_TEXT
     chunk = model.blocks[0].ttt.chunk_size
     example = (sequences[:1, : EXAMPLE_CHUNKS * chunk],)
-    example_shape = f"1x{example[0].shape[1]}"
+    calibration = (trained.calibration_sequences(CALIBRATION_SEQUENCES),)
+    calibration_shape = "x".join(map(str, calibration[0].shape))
     levels = implemented_levels()
     v = card["validation"]
     out.print(f"character-level LaCT language model trained on the Python standard library's "
@@ -211,7 +214,8 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
               f"{', '.join(map(str, levels))}.", markup=False, highlight=False)
 
     with progress_factory(err) as progress:
-        rows = [Row("original", model)] + convert_levels(model, levels, example, progress)
+        rows = [Row("original", model)] + convert_levels(model, levels, example, progress,
+                                                         calibration)
     for row in rows[1:]:
         if row.report is not None:
             print_report(out, row.report, markdown)
@@ -228,7 +232,7 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
                                size.repeats, size.max_seconds))
     out.print("summary:", markup=False)
     for row in rows[1:]:
-        out.print(f"  {level_summary(row, rows[0], timings, example_shape)}", markup=False,
+        out.print(f"  {level_summary(row, rows[0], timings, calibration_shape)}", markup=False,
                   highlight=False, soft_wrap=True)
     return 0
 

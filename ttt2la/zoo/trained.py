@@ -97,10 +97,20 @@ def validation_sequences(n: int, length: int, root: Path | None = None,
     joined stream (deterministic: the same rows on every call). Column ``t + 1`` is the target
     of column ``t``."""
     _, validation = split_stdlib(root, seed)
-    stream = read_tokens(validation, root)
-    span = length + 1
+    return _spaced_rows(read_tokens(validation, root), n, length + 1, "held-out")
+
+
+def training_sequences(n: int, length: int, root: Path | None = None, seed: int = SPLIT_SEED,
+                       files: int = 32) -> torch.Tensor:
+    """``[n, length]`` token ids from the first ``files`` training files (sorted): text the model
+    was trained on, for calibrating a conversion without touching the held-out text."""
+    train, _ = split_stdlib(root, seed)
+    return _spaced_rows(read_tokens(sorted(train)[:files], root), n, length, "training")
+
+
+def _spaced_rows(stream: torch.Tensor, n: int, span: int, what: str) -> torch.Tensor:
     if stream.numel() < n * span:
-        raise ValueError(f"the held-out standard library files have {stream.numel():,} bytes, "
+        raise ValueError(f"the {what} standard library files have {stream.numel():,} bytes, "
                          f"fewer than {n} sequences of {span}")
     starts = torch.linspace(0, stream.numel() - span, n).long().tolist()
     return torch.stack([stream[s: s + span] for s in starts]).long()
@@ -149,6 +159,11 @@ class TrainedModel:
         return validation_sequences(n, length or self.sequence_length,
                                     seed=int(self.card["data"]["split_seed"]))
 
+    def calibration_sequences(self, n: int, length: int | None = None) -> torch.Tensor:
+        """``n`` sequences of training text (never held-out text) to calibrate conversions on."""
+        return training_sequences(n, length or self.sequence_length,
+                                  seed=int(self.card["data"]["split_seed"]))
+
 
 def resolve_factory(spec: str) -> Callable[..., torch.nn.Module]:
     """``"pkg.module:name"`` -> the object it names."""
@@ -183,5 +198,6 @@ def perplexity(loss: float) -> float:
 
 __all__ = ["TrainedModel", "trained_char_lm", "load_card", "resolve_factory", "stdlib_root",
            "stdlib_sources", "is_held_out", "split_stdlib", "encode", "decode", "read_tokens",
+           "training_sequences",
            "validation_sequences", "next_token_loss", "unigram_loss", "perplexity", "WEIGHTS_DIR",
            "VOCAB_SIZE"]
