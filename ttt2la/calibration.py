@@ -36,15 +36,19 @@ class _Recorder(torch.nn.Module):
         raise _Captured
 
 
-def layer_inputs(model: torch.nn.Module, module: torch.nn.Module, inputs: tuple,
-                 kwargs: dict | None = None) -> tuple[tuple, dict]:
-    """The ``(args, kwargs)`` ``module`` is called with when ``model`` runs on ``inputs``."""
-    seen = []
+def layer_inputs(model: torch.nn.Module, modules: Sequence[torch.nn.Module], inputs: tuple,
+                 kwargs: dict | None = None) -> list[tuple[tuple, dict]]:
+    """The ``(args, kwargs)`` each of ``modules`` is first called with when ``model`` runs on
+    ``inputs`` (one forward pass for all of them)."""
+    seen: dict[int, tuple] = {}
 
-    def hook(_m, args, kw):
-        seen.append((tuple(args), dict(kw)))
+    def hook(i):
+        def record(_m, args, kw):
+            seen.setdefault(i, (tuple(args), dict(kw)))
+        return record
 
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i, m in enumerate(modules)]
     try:
         with torch.no_grad():
             model(*inputs, **(kwargs or {}))
@@ -54,11 +58,12 @@ def layer_inputs(model: torch.nn.Module, module: torch.nn.Module, inputs: tuple,
             f"{str(e).splitlines()[0] if str(e) else ''}); pass calibration inputs the model "
             "accepts, shaped like its example inputs.") from e
     finally:
-        handle.remove()
-    if not seen:
-        raise ConversionError("the layer is not called when the model runs on the calibration "
-                              "inputs; pass calibration inputs that reach it.")
-    return seen[0]
+        for handle in handles:
+            handle.remove()
+    if len(seen) < len(modules):
+        raise ConversionError("a TTT layer is not called when the model runs on the "
+                              "calibration inputs; pass calibration inputs that reach it.")
+    return [seen[i] for i in range(len(modules))]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
@@ -324,41 +324,34 @@ class _Layer:
     notes: list[str]
     exact: bool
     backend: str
-    _at_step: dict = None
+    _at_step: dict = field(default_factory=dict)
 
     def state_at(self, step: int, unfolded: "Prepared | None" = None):
-        """The converted state after steps 1..``step`` (of the unfolded run, if given)."""
-        prepared = unfolded or self.prepared
+        """The converted state after steps 1..``step`` (of the unfolded run, if given); the
+        last step's program is the prepared program itself, whose state is ``self.state``."""
         key = (step, unfolded is not None)
-        self._at_step = self._at_step or {}
         if key not in self._at_step:
-            if step not in prepared.steps:
-                programs, body = [prepared.program], prepared.body
-                if unfolded is None:
-                    self._at_step[key] = self.state
-                    return self.state
-            else:
+            prepared = unfolded or self.prepared
+            if step in prepared.steps:
                 programs = prepared.steps[step]
-                body = _template(self.rl, programs)
-            results = prepared.results[:step]
-            self._at_step[key] = _lower(self.rl, programs[0], body, results, step,
+                program, body = programs[0], _template(self.rl, programs)
+            elif unfolded is None:
+                return self.state
+            else:
+                program, body = prepared.program, prepared.body
+            self._at_step[key] = _lower(self.rl, program, body, prepared.results[:step], step,
                                         self.backend, False, self.device)[0]
         return self._at_step[key]
 
 
-def _calibrations(target, layers, calibration, example_inputs, example_kwargs
-                  ) -> list[LoopCalibration]:
+def _calibrations(target, layers, calibration, example_kwargs) -> list[LoopCalibration]:
     """Every layer's loop inputs on the calibration data (the example inputs when none)."""
-    out = []
-    for rl in layers:
-        if calibration is None:
-            args, kwargs, source = (*_layer_inputs(rl), "example")
-        else:
-            args, kwargs = layer_inputs(target, rl.candidate.module, _as_tuple(calibration),
-                                        example_kwargs)
-            source = "calibration"
-        out.append(LoopCalibration.capture(rl, args, kwargs, source))
-    return out
+    if calibration is None:
+        return [LoopCalibration.capture(rl, *_layer_inputs(rl), "example") for rl in layers]
+    seen = layer_inputs(target, [rl.candidate.module for rl in layers], _as_tuple(calibration),
+                        example_kwargs)
+    return [LoopCalibration.capture(rl, args, kwargs, "calibration")
+            for rl, (args, kwargs) in zip(layers, seen)]
 
 
 def _convert_layer(rl, calibration: LoopCalibration, level: int, folds: dict | None,
@@ -439,7 +432,7 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     target = model if inplace else copy.deepcopy(model)
     check_runs(target, example_inputs, example_kwargs)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
-    calibrations = _calibrations(target, layers, calibration, inputs, example_kwargs)
+    calibrations = _calibrations(target, layers, calibration, example_kwargs)
     built = [_convert_layer(rl, cal, level, folds, backend, strict)
              for rl, cal in zip(layers, calibrations)]
     for layer in built:

@@ -37,7 +37,8 @@ def layer_drift(original: torch.nn.Module, state, args: tuple, kwargs: dict,
     return rel_rms_error(run_module(probe, args, kwargs), reference)
 
 
-def _vocabulary(model: torch.nn.Module) -> int | None:
+def vocabulary_size(model: torch.nn.Module) -> int | None:
+    """The number of token ids the model's first embedding takes, or ``None``."""
     emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     return None if emb is None else emb.num_embeddings
 
@@ -48,7 +49,7 @@ def lm_loss(model: torch.nn.Module, inputs: tuple) -> float | None:
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].is_floating_point() \
             or inputs[0].dim() != 2 or inputs[0].shape[1] < 2:
         return None
-    vocab = _vocabulary(model)
+    vocab = vocabulary_size(model)
     logits = run_module(model, inputs)
     if vocab is None or logits.dim() != 3 or logits.shape[-1] != vocab \
             or logits.shape[:2] != inputs[0].shape:
@@ -67,4 +68,5 @@ def model_with(model: torch.nn.Module, states: dict[str, object]) -> torch.nn.Mo
     return probe
 
 
-__all__ = ["first_output", "run_module", "layer_drift", "lm_loss", "model_with"]
+__all__ = ["first_output", "run_module", "layer_drift", "lm_loss", "model_with",
+           "vocabulary_size"]

@@ -12,15 +12,10 @@ from typing import Callable, Iterator
 import torch
 
 from .validation import InvalidInputError
+from .drift import vocabulary_size
 from .stream import Stream
 
 BYTE_VOCABULARY = 256
-
-
-def vocabulary_size(model: torch.nn.Module) -> int | None:
-    """The number of token ids the model's first embedding takes, or ``None``."""
-    emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return None if emb is None else emb.num_embeddings
 
 
 def _logits(out) -> torch.Tensor:

@@ -17,7 +17,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from .calibration import layer_inputs
 from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
@@ -215,13 +214,11 @@ def _time_levels(model, converted: dict, paths: list[str], example_inputs, examp
                  budget: float, say) -> dict:
     """Tokens/s of the TTT layers of the original and of every level, timed interleaved on the
     layers' own inputs at the example inputs."""
-    from .conversion import _as_tuple, recognize
+    from .conversion import _as_tuple, _layer_inputs, recognize
 
+    # the layers' inputs as recognition recorded them on the example (the traces are cached)
     layers, inputs, _notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
-    recorded = {}
-    for rl in layers:
-        recorded[rl.path] = layer_inputs(model, rl.candidate.module, _as_tuple(inputs),
-                                         example_kwargs)
+    recorded = {rl.path: _layer_inputs(rl) for rl in layers}
     x = _as_tuple(inputs)[0]
     tokens = int(x.shape[0] * x.shape[1]) if x.dim() >= 2 else int(x.numel())
     original = copy.deepcopy(model)

@@ -24,4 +24,22 @@ class ManifestError(CheckpointError):
     version, or disagrees with the conversion replayed from it."""
 
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError"]
+
+
+def read_json(path, error: type[CheckpointError] = CheckpointError):
+    """The JSON document in ``path``; an unreadable or malformed file raises ``error`` naming
+    it."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from e
+    except ValueError as e:
+        raise error(f"{path}: not JSON ({e})") from e
+
+
+__all__ = ["CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
+           "read_json"]

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ManifestError
+from .errors import ManifestError, read_json
 
 MANIFEST_NAME = "ttt2la.json"
 #: Version of the manifest format; ``load`` refuses any other.
@@ -68,13 +68,7 @@ class Manifest:
         if not path.is_file():
             raise ManifestError(f"{path}: missing; {directory} is not a converted checkpoint "
                                 "written by ttt2la")
-        try:
-            data = json.loads(path.read_text())
-        except OSError as e:
-            raise ManifestError(f"{path}: cannot read ({e.strerror or e})") from e
-        except ValueError as e:
-            raise ManifestError(f"{path}: not JSON ({e})") from e
-        return cls.from_dict(data, path)
+        return cls.from_dict(read_json(path, ManifestError), path)
 
     def folds(self) -> dict:
         """The constants lossy passes folded, per layer and pass: ``{module_path: {pass name:

@@ -10,14 +10,13 @@ module again: ``{"kind": "zoo", "name": ...}``, ``{"kind": "factory", "factory":
 from __future__ import annotations
 
 import importlib
-import json
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json
 
 #: Auto classes tried, in order, for a Hugging Face directory whose ``auto_map`` or registered
 #: model type names no other.
@@ -110,12 +109,7 @@ def build_from_factory(spec: str, kwargs: dict) -> torch.nn.Module:
 def read_config(path: Path) -> dict:
     """The keyword arguments stored in a JSON file (``--config``): a JSON object."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not JSON ({e})") from e
+    data = read_json(path)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object of keyword arguments, found a "
                               f"{type(data).__name__}")
