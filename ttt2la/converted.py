@@ -178,10 +178,10 @@ class ConvertedState:
 
 
 def _flat_inputs(args, kwargs) -> list:
-    """The call's inputs flattened, tensors contiguous: the graphs were traced on contiguous
-    inputs, and a slice of a longer sequence (``x[:, i:j]``) is not."""
+    """The call's inputs flattened, in the layout the caller gave them: the outer graph reads
+    any layout (``rollup._contiguous_inputs``), so a slice of a longer sequence is not copied."""
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    return [x.contiguous() if isinstance(x, torch.Tensor) else x for x in flat]
+    return flat
 
 
 _CLASSES: dict[type, type] = {}

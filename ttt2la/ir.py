@@ -213,6 +213,17 @@ def with_memory_order(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.T
     return t.permute(order).contiguous().permute(inverse)
 
 
+def reshape_views(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """Turn every ``view`` of ``graph`` into ``reshape``, in place: the same values for inputs of
+    any memory layout (a trace's ``view`` assumed the traced layout). Functional graphs never
+    write through a view, so aliasing is not part of their meaning."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
+                                                          torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
+    return graph
+
+
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of ``graph`` whose nodes can be rewritten; metadata is shared, not deep-copied
     (it holds fake tensors, which are costly to copy and never mutated)."""

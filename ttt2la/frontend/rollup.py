@@ -29,7 +29,7 @@ import torch.fx
 
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec, StreamSpec,
-                  TTTProgram, memory_order)
+                  TTTProgram, memory_order, reshape_views)
 from .capture import FRAMES
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 
@@ -575,12 +575,17 @@ def _initialisation(v0: torch.fx.Node, first: set, in_loop: set, hoisted: set,
 
 
 def _contiguous_inputs(graph: torch.fx.Graph) -> None:
-    """Read every tensor input of the outer graph through ``contiguous``.
+    """Let the outer graph take inputs of any memory layout without copying them.
 
     The layer is traced on contiguous copies of its inputs, so the trace may ``view`` them in
-    ways that only a contiguous tensor allows; a user passing a transposed or sliced tensor
-    gets it made contiguous first (``contiguous`` returns a contiguous input itself).
+    ways that only a contiguous tensor allows. Every ``view`` becomes a ``reshape`` (a view
+    where the layout allows one, a copy only where it does not), so a transposed or sliced input
+    is read where it lies. A graph that reads raw strides (``as_strided``) gets every tensor
+    input made contiguous first instead (``contiguous`` returns a contiguous input itself).
     """
+    if not any(n.target is aten.as_strided.default for n in graph.nodes):
+        reshape_views(graph)
+        return
     for ph in [n for n in graph.nodes if n.op == "placeholder"]:
         val = ph.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() == 0 or not ph.users:

@@ -38,13 +38,15 @@ from torch.func import vmap
 
 from ..analysis.rules import match_newton_schulz
 from ..errors import UnsupportedTTTError
-from ..ir import TTTProgram, ancestors
+from ..ir import TTTProgram, ancestors, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from ..runtime.dispatch import select_backend
-from ..runtime.naive import NS_EPS
-from .chunking import assemble_outputs, chunk_streams
+from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
+from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
 from .executors import extract, require_inert_padding
 from .precision import promoted
+from .weight_norm import WeightNorm, match_weight_norm
+from .whole_sequence import drop_identity_views, per_token_rate, stream_axes, token_local
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default,
@@ -144,6 +146,14 @@ class LiftedProgram:
     feature_boundary: list = field(default_factory=list)
     feature_outputs: list = field(default_factory=list)
     post_boundary: list = field(default_factory=list)
+    # token-local features and post-processing run once over whole sequences (``whole_sequence``)
+    weight_norm: torch.fx.Node | None = None              # the target norms, when normalised
+    whole_sequence: bool = False
+    token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
+    token_feature_inputs: list = field(default_factory=list)
+    whole_post: torch.fx.GraphModule | None = None        # ``post`` for whole sequences
+    chunk_features: torch.fx.GraphModule | None = None    # -> (*scales, alpha?), per chunk
+    chunk_feature_inputs: list = field(default_factory=list)
 
     @property
     def muon_steps(self) -> int:
@@ -168,12 +178,15 @@ class LiftedProgram:
                                            mapped(self.feature_outputs))
         y = program.chunk_outputs()[0]
         post, post_inputs = extract(program.body, mapped(self.post_boundary), [y])
-        return dataclasses.replace(self, program=program, features=features,
-                                   feature_inputs=feature_inputs, post=post,
-                                   post_inputs=post_inputs, read=at[self.read],
-                                   feature_boundary=mapped(self.feature_boundary),
-                                   feature_outputs=mapped(self.feature_outputs),
-                                   post_boundary=mapped(self.post_boundary))
+        resized = dataclasses.replace(self, program=program, features=features,
+                                      feature_inputs=feature_inputs, post=post,
+                                      post_inputs=post_inputs, read=at[self.read],
+                                      feature_boundary=mapped(self.feature_boundary),
+                                      feature_outputs=mapped(self.feature_outputs),
+                                      post_boundary=mapped(self.post_boundary),
+                                      weight_norm=None if self.weight_norm is None
+                                      else at[self.weight_norm])
+        return _split_features(resized) if self.whole_sequence else resized
 
 
 def _find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
@@ -214,10 +227,12 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     for n in program.body.graph.nodes:
         if n in live or any(a in state_dep for a in n.all_input_nodes):
             state_dep.add(n)
-    # W' = W + Δ
-    if w_out.target is not aten.add.Tensor:
+    # W' = W + Δ, or W' = norm(W + Δ)·n (weight norm, which the op runs chunk after chunk)
+    norm = match_weight_norm(w_out)
+    w_sum = w_out if norm is None else norm.sum
+    if w_sum.target is not aten.add.Tensor:
         return None
-    a, b = w_out.args
+    a, b = w_sum.args
     if _strip(a) is w_in:
         delta = b
     elif _strip(b) is w_in:
@@ -290,6 +305,8 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     rows, cols = sl[-2], sr[-1]
     if _shape(_strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
         return None
+    if norm is not None and not _runtime_weight_norm(norm, transposed, state_dep):
+        return None
     # the orthogonalisation, read from the graph and confirmed by one evaluation
     ns = _read_transform(transform, _shape(transform_root), (batch, rows, cols), delta)
     if ns is False or (per_token and ns is not None):
@@ -311,9 +328,62 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         post, post_inputs = extract(program.body, post_boundary, [y])
     except RuntimeError:
         return None
-    return LiftedProgram(program, "chunk" if per_token else "block", w, m, transposed, ns,
-                         features, feature_inputs, post, post_inputs, read, constant_scale,
-                         feature_boundary, feat_outputs, post_boundary)
+    lifted = LiftedProgram(program, "chunk" if per_token else "block", w, m, transposed, ns,
+                           features, feature_inputs, post, post_inputs, read, constant_scale,
+                           feature_boundary, feat_outputs, post_boundary,
+                           weight_norm=None if norm is None else norm.target)
+    return _whole_sequence(lifted)
+
+
+def _runtime_weight_norm(norm: WeightNorm, transposed: bool, state_dep: set) -> bool:
+    """Whether the op's ``weight_norm`` computes ``norm``: the norm runs over the state's key
+    axis (rows of ``[Dk, Dv]``; columns of the transposed ``[Dv, Dk]``) with the runtime's ε,
+    towards a target the loop reads from outside (a placeholder no state flows into)."""
+    return (norm.dim == (-1 if transposed else -2) and norm.eps == WEIGHT_NORM_EPS
+            and norm.target.op == "placeholder" and norm.target not in state_dep)
+
+
+def _split_features(lp: LiftedProgram) -> LiftedProgram:
+    """``lp`` with its features cut in two: the token-level ones (φ(Q) side, left, right) and
+    the chunk-level ones (scales, momentum coefficient)."""
+    token, token_inputs = extract(lp.program.body, lp.feature_boundary, lp.feature_outputs[:3])
+    post, _ = extract(lp.program.body, lp.post_boundary, [lp.program.chunk_outputs()[0]])
+    for gm in (token, post):
+        # whole sequences arrive in the layout the user's code made them, not as traced, and
+        # at any length: the no-op views a trace bakes the chunk's sizes into go
+        reshape_views(gm.graph)
+        drop_identity_views(gm)
+    chunk, chunk_inputs = None, []
+    if lp.feature_outputs[3:]:
+        chunk, chunk_inputs = extract(lp.program.body, lp.feature_boundary,
+                                      lp.feature_outputs[3:])
+    return dataclasses.replace(lp, whole_sequence=True, token_features=token,
+                               token_feature_inputs=token_inputs, whole_post=post,
+                               chunk_features=chunk,
+                               chunk_feature_inputs=chunk_inputs)
+
+
+def _whole_sequence(lp: LiftedProgram) -> LiftedProgram:
+    """``lp`` marked to run its features and post-processing over whole sequences when both are
+    token-local (``whole_sequence.token_local``), else ``lp`` unchanged."""
+    prog = lp.program
+    if lp.kind != "block" or any(s.per_token for s in prog.streams):
+        return lp
+    try:
+        split = _split_features(lp)
+    except RuntimeError:
+        return lp
+    q_axis = -1 if lp.transposed else -2
+    if not token_local(split.token_features, split.token_feature_inputs,
+                       stream_axes(prog, split.token_feature_inputs), (q_axis, -1, -2),
+                       prog.chunk_size):
+        return lp
+    post_axes = {lp.read: q_axis, **stream_axes(prog, lp.post_inputs)}
+    out_axis = prog.outputs[0].axis % prog.chunk_outputs()[0].meta["val"].dim()
+    if not token_local(split.whole_post, lp.post_inputs, post_axes, (out_axis,),
+                       prog.chunk_size):
+        return lp
+    return split
 
 
 def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape: tuple,
@@ -354,13 +424,16 @@ class LiftedPlan:
     ``UnsupportedTTTError``.
     """
 
-    schedule = "parallel"
-
     def __init__(self, lifted: LiftedProgram, backend: str = "auto"):
         self.lifted = lifted
         self.backend = backend
         self.ran: list[str] = []            # backends that ran, in the order first used
         self._padding_checked: dict[int, str | None] = {}
+
+    @property
+    def schedule(self) -> str:
+        """Semi-parallel when the op normalises the state chunk after chunk, else parallel."""
+        return "parallel" if self.lifted.weight_norm is None else "semi-parallel"
 
     @property
     def op(self) -> str:
@@ -395,12 +468,16 @@ class LiftedPlan:
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
         return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
 
-    def _run_op(self, phi_q, phi_k, value, s0, momentum):
+    def _run_op(self, phi_q, phi_k, value, s0, momentum, lr=None, values=None):
         lp = self.lifted
         if lp.kind == "block":
             ns = lp.newton_schulz
             options = dict(chunk_size=lp.program.chunk_size, order=lp.program.order,
                            momentum=momentum, initial_state=s0, output_final_state=True)
+            if lr is not None:
+                options["lr"] = lr
+            if lp.weight_norm is not None:      # [.., Dv, 1] or [.., 1, Dv] -> [b, 1, Dv]
+                options["weight_norm"] = values[lp.weight_norm].reshape(s0.shape[0], 1, -1)
             if ns is not None:
                 options.update(muon_steps=ns.steps, ns_coefficients=ns.coefficients,
                                ns_eps=ns.eps, ns_dtype=ns.dtype)
@@ -421,6 +498,8 @@ class LiftedPlan:
         return fn(phi_q, phi_k, value, backend=chosen, **options)
 
     def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]):
+        if self.lifted.whole_sequence:
+            return self._whole(states0, invariants)
         lp = self.lifted
         prog = lp.program
         feats, values, dims, layout = self._features(states0, invariants)
@@ -446,12 +525,12 @@ class LiftedPlan:
         def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
 
-        w0 = states0[lp.w].reshape(b, *states0[lp.w].shape[-2:])
-        s0 = (w0.transpose(-1, -2) if lp.transposed else w0).unsqueeze(1)
+        s0 = self._initial(states0, b)
         momentum = None
         if lp.m is not None:
             momentum = feats[-1].reshape(N, b).transpose(0, 1).unsqueeze(-1)
-        o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, momentum)
+        o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, momentum,
+                                  values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
         read = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
@@ -464,11 +543,81 @@ class LiftedPlan:
                 post_dims.append(dims[n])
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
+        return outputs, self._finals(states0, s_final)
+
+    def _finals(self, states0, s_final: torch.Tensor) -> list:
+        """The program's final states: the runtime's ``[b, 1, Dk, Dv]`` state in the layout of
+        the traced one; the other states are not returned (momentum starts and ends unread)."""
+        lp = self.lifted
         s_final = s_final.squeeze(1)
-        w_final = (s_final.transpose(-1, -2) if lp.transposed else s_final)
-        finals = [None] * len(prog.states)
+        w_final = s_final.transpose(-1, -2) if lp.transposed else s_final
+        finals = [None] * len(lp.program.states)
         finals[lp.w] = w_final.reshape(states0[lp.w].shape)
-        return outputs, finals
+        return finals
+
+    def _initial(self, states0, b: int) -> torch.Tensor:
+        """The final state's initial value as the runtime takes it, ``[b, 1, Dk, Dv]``."""
+        lp = self.lifted
+        w0 = states0[lp.w].reshape(b, *states0[lp.w].shape[-2:])
+        return (w0.transpose(-1, -2) if lp.transposed else w0).unsqueeze(1)
+
+    def _whole(self, states0, invariants):
+        """The plan with token-local features and post-processing run once over the whole
+        sequences (``whole_sequence``): no chunk-major copies, no output assembly."""
+        lp = self.lifted
+        prog = lp.program
+        layout = chunk_layout(prog, list(invariants))
+        values = dict(zip(prog.stream_inputs(), (invariants[s.source] for s in prog.streams)))
+        values.update(zip(prog.invariant_inputs(), invariants))
+        for n, v in zip(prog.state_inputs(), states0):     # frozen states read as constants
+            values.setdefault(n, v)
+        q_side, left, right = lp.token_features(*(values[n] for n in lp.token_feature_inputs))
+        batch = q_side.shape[:-2]
+        b = left[..., 0, 0].numel()
+        q_side, left, right = (f.reshape(b, *f.shape[-2:]) for f in (q_side, left, right))
+        if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
+            phi_q, phi_k, value = q_side.transpose(-1, -2), right, left.transpose(-1, -2)
+        else:
+            phi_q, phi_k, value = q_side, left.transpose(-1, -2), right
+        T = phi_k.shape[-2]
+        chunk_level = self._chunk_level(states0, invariants, layout)
+        alpha = chunk_level.pop() if lp.m is not None else None
+        rate = per_token_rate(chunk_level, b, prog.chunk_size, T)
+        if lp.scale != 1.0:
+            value = value * lp.scale
+        momentum = None if alpha is None else alpha.reshape(-1, b).transpose(0, 1).unsqueeze(-1)
+        o, s_final = self._run_op(phi_q.unsqueeze(2), phi_k.unsqueeze(2), value.unsqueeze(2),
+                                  self._initial(states0, b), momentum,
+                                  lr=rate, values=values)
+        read = o.squeeze(2).reshape(*batch, T, o.shape[-1])
+        if lp.transposed:
+            read = read.transpose(-1, -2)
+        values[lp.read] = read
+        (y,) = lp.whole_post(*(values[n] for n in lp.post_inputs))
+        return [y], self._finals(states0, s_final)
+
+    def _chunk_level(self, states0, invariants, layout) -> list[torch.Tensor]:
+        """The chunk-level features (scales, momentum coefficient), ``[N, ...]``, computed chunk
+        by chunk as traced (a partial last chunk padded, its padding checked inert)."""
+        lp = self.lifted
+        if lp.chunk_features is None:
+            return []
+        prog = lp.program
+        if layout.partial:
+            require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
+        inputs = lp.chunk_feature_inputs
+        values, dims = {}, {}
+        for n, spec in zip(prog.stream_inputs(), prog.streams):
+            if n in inputs:     # vmap's view rule wants each chunk laid out like the traced one
+                values[n] = chunk_stream(invariants[spec.source], spec, layout).contiguous()
+                dims[n] = 0
+        for n, v in zip(prog.invariant_inputs(), invariants):
+            values[n], dims[n] = v, None
+        for n, v in zip(prog.state_inputs(), states0):
+            values.setdefault(n, v)
+            dims.setdefault(n, None)
+        return list(vmap(lp.chunk_features, in_dims=tuple(dims[n] for n in inputs))(
+            *(values[n] for n in inputs)))
 
 
 __all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz"]

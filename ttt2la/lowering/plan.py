@@ -65,9 +65,11 @@ def plan_for(program: TTTProgram, analysis: Analysis | None = None, *, backend: 
         if not analysis.reducible and strict:
             analysis.require_reducible(None)
         schedule = analysis.schedule if analysis.reducible else "recurrent"
-    if schedule == "parallel":
+    if schedule in ("parallel", "semi-parallel"):
         lifted = lift(program)
-        if lifted is not None and _liftable(lifted, set(used), zero_init):
+        # semi-parallel programs lift only when the op's weight norm is what is sequential
+        if lifted is not None and _liftable(lifted, set(used), zero_init) and \
+                (schedule == "parallel") == (lifted.weight_norm is None):
             return LiftedPlan(lifted, backend=backend)
     if backend == "triton":
         raise UnsupportedTTTError(
