@@ -28,11 +28,11 @@ import torch.utils._pytree as pytree
 
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec, StreamSpec,
+from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StateSpec, StreamSpec,
                   TTTProgram, memory_order)
 from .capture import trace
-from .recognize import (InputLayout, RecognizedLayer, _inputs_at, _layer_name, _layout,
-                        layer_function, params_and_buffers)
+from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
+                        _layout, layer_function, params_and_buffers)
 from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs,
                      _materialize_shape_only, _state_names, _unique)
 from .shapes import fit_template
@@ -286,6 +286,28 @@ def _build(gm, nodes, order, dep, body_nodes, states_in, states_out, out_node, u
             f"have no token axis of the layer's length {length}; ttt2la reads a single step as "
             "one chunk of the whole sequence.")
 
+    body_gm, state_specs, streams, inv_specs = _body_graph(
+        body_nodes, states_in, states_out, out_node, updates, externals, sources, length)
+
+    first_update = updates[0][0].meta.get(SRC)
+    program = TTTProgram(
+        body=body_gm, states=state_specs,
+        streams=streams,
+        invariants=inv_specs,
+        outputs=[OutputSpec("o", axis=out_axis, memory_order=memory_order(out_node.meta["val"]))],
+        chunk_size=length, order="inclusive", last_chunk="update", module_path=module_path,
+        loop_src=first_update, function=first_update.function if first_update else "")
+    note = ("single-step TTT: the fast weights are stepped once over the whole sequence and "
+            "then read by every token; it runs as one chunk")
+    program.notes.append(note)
+    _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node)
+    return RolledLoop(program=program, outer=gm, n_iterations=1, tail=False, notes=[note])
+
+
+def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals, sources,
+                length):
+    """The body ``(*states, *streams, *invariants) -> (*new states, output)`` and its specs:
+    every input with a token axis is a stream of one chunk, the whole sequence."""
     body = torch.fx.Graph()
     env: dict = {}
     taken: set[str] = set()
@@ -324,20 +346,7 @@ def _build(gm, nodes, order, dep, body_nodes, states_in, states_out, out_node, u
     _materialize_shape_only(body)
     body.eliminate_dead_code()
     body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
-
-    first_update = updates[0][0].meta.get(SRC)
-    program = TTTProgram(
-        body=body_gm, states=state_specs,
-        streams=streams,
-        invariants=inv_specs,
-        outputs=[OutputSpec("o", axis=out_axis, memory_order=memory_order(out_node.meta["val"]))],
-        chunk_size=length, order="inclusive", last_chunk="update", module_path=module_path,
-        loop_src=first_update, function=first_update.function if first_update else "")
-    note = ("single-step TTT: the fast weights are stepped once over the whole sequence and "
-            "then read by every token; it runs as one chunk")
-    program.notes.append(note)
-    _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node)
-    return RolledLoop(program=program, outer=gm, n_iterations=1, tail=False, notes=[note])
+    return body_gm, state_specs, streams, inv_specs
 
 
 def _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node) -> None:
@@ -381,7 +390,15 @@ def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
             gm = trace(fn, pb, *_inputs_at(flat, layout, B, seq_len))
         except Exception as e:
             raise NotSingleStep(f"{layer}: tracing at batch {B} failed: {e}") from e
-        return single_step(gm, n_params, seq_len, module_path=cand.path, layer=layer)
+        try:
+            return single_step(gm, n_params, seq_len, module_path=cand.path, layer=layer)
+        except ConversionError:
+            raise
+        except Exception as e:
+            raise UnsupportedTTTError(
+                f"{layer}: its fast weights are stepped once (a single-step TTT layer, loop at "
+                f"{cand.loop.src}), but ttt2la could not cut that step out of the layer "
+                f"({_first_line(e)}); report the layer's code.") from e
 
     try:
         b0, b1, unit, fixed = 2, 3, 1, False
