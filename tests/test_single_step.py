@@ -90,6 +90,8 @@ def test_the_offset_loop_is_not_a_sequence_loop_and_the_length_is_fixed():
     assert {s.name for s in layer.states} == {"W1", "taps"}
     with pytest.raises(ttt2la.UnsupportedShapeError, match="6 tokens"):
         converted(torch.randn(2, 8, 8))
+    with pytest.raises(ttt2la.StreamingError, match="single-step"):       # nothing to continue
+        converted(torch.randn(2, 6, 8), return_ttt_state=True)
 
 
 def hand_written_step(block: ViTTTBlock, x: torch.Tensor) -> torch.Tensor:
