@@ -3,9 +3,9 @@
 The *render* schedule — one step on the input views' tokens, then one read of every token — is
 a single-step TTT: it converts as one chunk, exactly, at the example's length. The *causal*
 schedule is a loop over chunks and converts at any length. Verdicts at levels 0–2: stepping the
-kernel weights Θ (``update_theta``) is refused at level 0 naming the ``silu`` (or its derivative)
-through which the updates read them; at level k the converted layer is the layer written with the switches of
-steps 1..k off (outputs and every gradient within fp32 tolerance).
+kernel weights Θ (``update_theta``) is refused at level 0 naming the ``silu`` (or its
+derivative) through which the updates read them; at level k the converted layer is the layer
+written with the switches of steps 1..k off (outputs and every gradient within fp32 tolerance).
 """
 from __future__ import annotations
 

@@ -254,7 +254,7 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
             f"{layer}: the reads of the stepped fast weights do not meet in one value before "
             "the layer's output; ttt2la converts a single step whose reads form one output.")
     body = _body_nodes(nodes, order, dep, states_in, states_out, out_node, layer)
-    return _build(gm, nodes, order, dep, body, states_in, states_out, out_node, updates, length,
+    return _build(gm, order, dep, body, states_in, states_out, out_node, updates, length,
                   module_path, layer)
 
 
@@ -273,7 +273,7 @@ def _updates_reading(graph, dep, stepped: set) -> list:
     return out
 
 
-def _build(gm, nodes, order, dep, body_nodes, states_in, states_out, out_node, updates, length,
+def _build(gm, order, dep, body_nodes, states_in, states_out, out_node, updates, length,
            module_path, layer) -> RolledLoop:
     """The ``TTTProgram`` of the step and the outer graph calling it."""
     body_nodes, externals = _with_token_inputs(body_nodes, states_in, dep, order, length)
