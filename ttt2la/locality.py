@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from .frontend.recognize import _inputs_at, params_and_buffers
 from .frontend.rollup import LOOP_MODULE
+from .frontend.single_step import FixedLengthLayout
 from .testing import tolerance
 
 
@@ -86,6 +87,9 @@ def streaming_problem(state, module: torch.nn.Module, flat: list) -> str | None:
     """
     if _reads_final_states(state):
         return "the code after the loop reads the final fast weights"
+    if isinstance(state.layout, FixedLengthLayout):
+        return ("its fast weights are stepped once on all its tokens, which every token then "
+                "reads (a single-step TTT layer): there is no sequence to continue")
     program, layout = state.program, state.layout
     C = 1 if any(s.per_token for s in program.streams) else program.chunk_size
     length = 2 * C + 3

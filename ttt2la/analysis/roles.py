@@ -79,6 +79,25 @@ def state_valued(program: TTTProgram, dep: Dependence, operand) -> int | None:
     return None
 
 
+def _reads_state(program: TTTProgram, node, s: int) -> bool:
+    """Whether ``node`` reads state ``s`` other than through another state's new value: data
+    read through a kernel Θ stepped before it is read (update, then apply) depend on ``W`` only
+    by way of Θ's own update, which does not make them a product of ``W`` with itself."""
+    target = program.state_inputs()[s]
+    stops = {peel_views(o) for t, o in enumerate(program.state_outputs()) if t != s}
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        if n is target:
+            return True
+        if n not in stops:
+            stack.extend(n.all_input_nodes)
+    return False
+
+
 def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[FinalProduct]:
     """Products ``φ · W`` reached from the chunk outputs through linear ops only.
 
@@ -100,7 +119,7 @@ def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[F
             hit = False
             for mine, other in (ops, ops[::-1]):
                 s = state_valued(program, dep, mine)
-                if s is not None and dep.reads_streams(other) and s not in dep.states_of(other):
+                if s is not None and dep.reads_streams(other) and not _reads_state(program, other, s):
                     found.setdefault((s, node), FinalProduct(s, node, other))
                     hit = True
             if not hit:
@@ -145,7 +164,7 @@ def fast_weight_layers(program: TTTProgram, dep: Dependence | None = None) -> Fa
         hit = False
         for mine, other in (ops, ops[::-1]) if ops is not None else ():
             s = state_valued(program, dep, mine)
-            if s is not None and dep.reads_streams(other) and s not in dep.states_of(other):
+            if s is not None and dep.reads_streams(other) and not _reads_state(program, other, s):
                 if under:
                     inner.add(s)
                 else:
@@ -182,7 +201,7 @@ def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduc
             s = state_valued(program, dep, mine)
             if s is None or s in final:
                 continue
-            if dep.reads_streams(other) and s not in dep.states_of(other):
+            if dep.reads_streams(other) and not _reads_state(program, other, s):
                 theta.add(s)
     return theta
 
@@ -215,8 +234,13 @@ def assign_roles(program: TTTProgram, dep: Dependence | None = None) -> dict[str
     dep = dep or analyze_dependence(program)
     finals = final_products(program, dep)
     layers = fast_weight_layers(program, dep)
-    final = {f.state for f in finals} | set(layers.final)
-    theta = (kernel_states(program, dep, finals) | layers.theta) - final
+    linear = {f.state for f in finals}
+    kernels = kernel_states(program, dep, finals)
+    # a gate ``(q·W1) ⊙ silu(q·W2)``: W2 reaches the output only through a nonlinearity, beside
+    # a linear final layer W1 whose increment it enters through ``silu(k·W2)`` — Θ, not final
+    gates = {s for s in layers.final if s not in linear and s in kernels} if linear else set()
+    final = linear | (set(layers.final) - gates)
+    theta = (kernels | layers.theta) - final
     n = len(program.states)
     roles = {}
     for i in range(n):

@@ -280,7 +280,11 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     if hit is not None:
         _CACHE.move_to_end(key)
         return dataclasses.replace(hit, path=cand.path, candidate=cand)
-    result = _recognize_layer(cand, seq_len)
+    try:
+        result = _recognize_layer(cand, seq_len)
+    except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
+        from .single_step import recognize_single_step
+        result = recognize_single_step(cand, seq_len, refusal)
     if key is not None:
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:

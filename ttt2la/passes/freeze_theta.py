@@ -50,6 +50,8 @@ class FreezeTheta(Pass):
         for i in thetas:
             src = node_src(outs[i])
             described.append(f"{program.states[i].name}" + (f" (updated at {src})" if src else ""))
+        for i in thetas:            # whatever reads the stepped Θ (an output read after the
+            outs[i].replace_all_uses_with(ins[i])   # update) reads the unchanged Θ
         new_outs = [ins[i] if i in thetas else o for i, o in enumerate(outs)]
         program.set_outputs(new_outs, program.chunk_outputs())
         removed = remove_dead_states(program)

@@ -5,8 +5,10 @@ from .lact_published import LaCTPublishedLayer
 from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
+from .schedule import ScheduleTTTLayer
 from .trained import trained_char_lm
 from .variants import STEPS, variant_switches, with_variant
+from .vittt import ViTTTBlock
 
 
 def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
@@ -19,5 +21,5 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer", "trained_char_lm", "STEPS",
-           "variant_switches"]
+           "PerTokenInlineTTTLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "lact_layer",
+           "trained_char_lm", "STEPS", "variant_switches"]

@@ -1,0 +1,135 @@
+"""Single-step (bidirectional) TTT: the ViTTT-like block steps its fast weights once over the whole
+image and every token reads them. Its only Python loop runs over the nine conv offsets, which
+must not be taken for a loop over the sequence; the step is one chunk, lowered exactly.
+
+Verdicts at levels 0–2: with the gate's kernel Θ stepped (as published), level 0 is refused
+naming the ``silu`` through which W1's update reads Θ; at levels 1–2 the converted block is the
+block written with Θ frozen (outputs and every gradient within fp32 tolerance); written with Θ
+frozen it converts exactly at every level. At level 6 ``remove_muon`` takes the gradient
+normalisation ``g/(‖g‖+1)`` out of both increments.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.zoo import ViTTTBlock
+
+FP32 = TOLERANCE[torch.float32]
+
+
+def outputs_and_grads(module, x, g):
+    """The output and the gradients of ``<module(x), g>`` w.r.t. ``x`` and every parameter."""
+    xi = x.clone().requires_grad_(True)
+    y = module(xi)
+    names = ["x", *(n for n, _ in module.named_parameters())]
+    params = [xi, *module.parameters()]
+    grads = torch.autograd.grad((y * g).sum(), params, allow_unused=True)
+    # a parameter the output does not read (a last update no token reads) has gradient zero
+    return y, {n: torch.zeros_like(p) if d is None else d for n, p, d in zip(names, params, grads)}
+
+
+def assert_same_function(converted, reference, x):
+    g = torch.randn_like(reference(x))
+    yc, gc = outputs_and_grads(converted, x, g)
+    yr, gr = outputs_and_grads(reference, x, g)
+    assert rel_rms_error(yc, yr) <= FP32
+    assert gc.keys() == gr.keys()
+    for name in gr:
+        assert rel_rms_error(gc[name], gr[name]) <= FP32, name
+
+
+def frozen_gate_twin(block: ViTTTBlock) -> ViTTTBlock:
+    """The same block (same parameters) written with the gate's kernel Θ not stepped."""
+    twin = ViTTTBlock(block.dim, block.num_heads, block.height, block.width, update_gate=False,
+                      grad_norm=block.grad_norm, lr=block.lr)
+    twin.load_state_dict(block.state_dict())
+    return twin
+
+
+@settings(max_examples=3, deadline=None)
+@given(B=st.integers(1, 3), h=st.integers(2, 3), w=st.integers(2, 4), heads=st.integers(1, 2),
+       head_dim=st.sampled_from([2, 4]), update_gate=st.booleans(), grad_norm=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_vittt_verdicts_at_levels_0_to_2(B, h, w, heads, head_dim, update_gate, grad_norm,
+                                         seed):
+    torch.manual_seed(seed)
+    block = ViTTTBlock(heads * head_dim, heads, h, w, update_gate=update_gate,
+                       grad_norm=grad_norm)
+    x = torch.randn(B, h * w, heads * head_dim)
+    for level in (0, 1, 2):
+        if update_gate and level == 0:
+            with pytest.raises(ttt2la.NonReducibleError) as refused:
+                ttt2la.convert(block, level=0, example_inputs=(x,))
+            assert "silu" in refused.value.op and "vittt.py:" in refused.value.where
+            assert "freeze_theta" in str(refused.value)
+            continue
+        converted = ttt2la.convert(block, level=level, example_inputs=(x,))
+        layer = converted.ttt2la_report.layers[0]
+        assert layer.exact == (not update_gate)
+        assert layer.schedule == "parallel"
+        roles = {s.name: s.role for s in layer.states}
+        assert roles["W1"] == "final" and roles.get("W2", "theta") == "theta"
+        reference = frozen_gate_twin(block) if update_gate else block
+        assert_same_function(converted, reference, x)
+        x2 = torch.randn(B % 3 + 1, h * w, heads * head_dim)   # another batch size
+        assert_same_function(converted, reference, x2)
+
+
+def test_the_offset_loop_is_not_a_sequence_loop_and_the_length_is_fixed():
+    torch.manual_seed(0)
+    block = ViTTTBlock(8, 2, 2, 3, update_gate=False)
+    converted = ttt2la.convert(block, level=2, example_inputs=(torch.randn(2, 6, 8),))
+    layer = converted.ttt2la_report.layers[0]
+    assert layer.chunk_size == 6 and layer.order == "inclusive"   # one chunk: the whole image
+    assert {s.name for s in layer.states} == {"W1", "taps"}
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="6 tokens"):
+        converted(torch.randn(2, 8, 8))
+    with pytest.raises(ttt2la.StreamingError, match="single-step"):       # nothing to continue
+        converted(torch.randn(2, 6, 8), return_ttt_state=True)
+
+
+def hand_written_step(block: ViTTTBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block with Θ frozen and no gradient normalisation, in closed form: the GLU is linear
+    attention gated by ``silu(q W2)`` on the output and ``silu(k W2)`` on the values, the
+    convolution a 3×3 local linear attention (``F.conv2d``/``F.unfold``, no offset loop)."""
+    B, N, C = x.shape
+    H, D, h, w = block.num_heads, C // block.num_heads, block.height, block.width
+    q, k, v = block.qkv(x).view(B, N, 3, H, D).unbind(2)                   # [B, N, H, D]
+    q, k, v = F.normalize(q, dim=-1), F.normalize(k, dim=-1), v / N
+    gk = F.silu(torch.einsum("bnhd,hde->bnhe", k, block.w2))
+    W1 = block.w1 + 1.0 * torch.einsum("bnhd,bnhe->bhde", k, v * gk)
+    o_glu = torch.einsum("bnhd,bhde->bnhe", q, W1) * F.silu(
+        torch.einsum("bnhd,hde->bnhe", q, block.w2))
+    as_image = lambda t: t.reshape(B, N, C).transpose(1, 2).reshape(B, C, h, w)  # noqa: E731
+    patches = F.unfold(as_image(k), 3, padding=1).view(B, C, 9, N)            # k around each pixel
+    taps = block.taps + 1.0 * torch.einsum("bcjn,bcn->bcj", patches, as_image(v).view(B, C, N))
+    o_conv = torch.stack([F.conv2d(as_image(q)[i:i + 1], taps[i].view(C, 1, 3, 3), padding=1,
+                                   groups=C) for i in range(B)]).view(B, C, N).transpose(1, 2)
+    return block.proj(o_glu.reshape(B, N, C) + o_conv)
+
+
+@settings(max_examples=5, deadline=None)
+@given(B=st.integers(1, 3), h=st.integers(1, 4), w=st.integers(1, 4), heads=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_block_is_gated_and_local_linear_attention(B, h, w, heads, seed):
+    torch.manual_seed(seed)
+    block = ViTTTBlock(2 * heads, heads, h, w, update_gate=False, grad_norm=False).double()
+    x = torch.randn(B, h * w, 2 * heads, dtype=torch.float64)
+    assert rel_rms_error(block(x), hand_written_step(block, x)) <= TOLERANCE[torch.float64]
+
+
+def test_remove_muon_takes_the_gradient_normalisation_out_at_level_6():
+    torch.manual_seed(0)
+    block = ViTTTBlock(8, 2, 2, 3, update_gate=False)
+    x = torch.randn(2, 6, 8)
+    converted = ttt2la.convert(block, level=6, example_inputs=(x,))
+    passes = {p.name: p for p in converted.ttt2la_report.layers[0].passes}
+    assert passes["remove_muon"].status == "applied"
+    assert "W1's increment" in passes["remove_muon"].reason
+    assert "taps's increment" in passes["remove_muon"].reason

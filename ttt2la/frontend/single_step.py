@@ -1,0 +1,428 @@
+"""Single-step (bidirectional) TTT: one update over a set of tokens, then every token reads it.
+
+ViTTT steps its fast weights once on all tokens of an image; LaCT's novel-view renderer steps
+once on the input views' tokens and then reads all tokens. Neither loops over the sequence — a
+Python loop there runs over constants (conv offsets, heads, a fixed list of schedule steps) — so
+there is nothing to roll up. Instead, the layer is traced once and its test-time updates are
+found in the graph: a value ``W' = W ± Δ`` whose ``W`` is computed from parameters alone and
+whose increment ``Δ`` (same shape) from the layer's inputs. Each such ``W`` is a state, stepped
+once; the state's new value is ``W'`` or, after a state-local map of it (weight
+normalisation), the last value of that map the rest of the layer reads.
+
+The program is one chunk: the body runs from the first op that reads a fast weight to the first
+value every read of the stepped weights flows through (the *output*); the code before and after
+it is the outer graph, with the body as one ``call_module``. Its ``order`` is ``"inclusive"``
+(the output reads the stepped weights) and it has one stream, the whole sequence, so every
+executor runs the body exactly once: exact, no scan. The layer's length is fixed (an image's
+``h × w``, the views' tokens); batch sizes are fitted from two traces like any layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..analysis.roles import peel_views
+from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
+from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StateSpec, StreamSpec,
+                  TTTProgram, memory_order)
+from .capture import trace
+from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
+                        _layout, layer_function, params_and_buffers)
+from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs,
+                     _materialize_shape_only, _state_names, _unique)
+from .shapes import fit_template
+
+aten = torch.ops.aten
+_UPDATES = (aten.add.Tensor, aten.sub.Tensor)
+
+
+class NotSingleStep(UnsupportedTTTError):
+    """The traced layer is not one update followed by reads (the caller's own error stands)."""
+
+
+@dataclass
+class FixedLengthLayout(InputLayout):
+    """An ``InputLayout`` that also fixes the sequence length: a single-step layer was traced
+    at one length (an image's ``h × w``) and runs at that length only."""
+
+    length: int = 0
+
+    def sizes(self, flat_inputs: list) -> tuple[int, int]:
+        B, L = super().sizes(flat_inputs)
+        if L != self.length:
+            raise UnsupportedShapeError(
+                f"the converted {self.path or 'layer'} was called with {L} tokens, but it "
+                f"steps its fast weights once over a fixed set of {self.length} tokens (a "
+                "single-step TTT layer, traced at that length only). Convert it again with "
+                "example inputs of the length you call it with.")
+        return B, L
+
+
+# -- finding the update ---------------------------------------------------------------------
+
+def _data_dependent(graph: torch.fx.Graph, data: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    out = set(data)
+    for n in graph.nodes:
+        if n.op == "call_function" and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _shape(n) -> tuple | None:
+    val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node]) -> list[tuple]:
+    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only, ``Δ`` from the inputs,
+    both of the result's shape, ``W`` a matrix or more."""
+    found = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _UPDATES or len(n.args) < 2:
+            continue
+        a, b = n.args[0], n.args[1]
+        pairs = [(a, b)] if n.target is aten.sub.Tensor else [(a, b), (b, a)]
+        for w, d in pairs:
+            if isinstance(w, torch.fx.Node) and isinstance(d, torch.fx.Node) \
+                    and w not in dep and d in dep and w.op == "call_function" \
+                    and _shape(w) == _shape(d) == _shape(n) and len(_shape(n) or ()) >= 2:
+                found.append((n, w, d))
+                break
+    return found
+
+
+def _state_local(start: torch.fx.Node, dep: set[torch.fx.Node], order: dict) -> list:
+    """``start`` and the values computed from it and parameters alone (a weight norm)."""
+    local, stack = {start}, [start]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in local or u.op != "call_function":
+                continue
+            if all(a in local or a not in dep for a in u.all_input_nodes):
+                local.add(u)
+                stack.append(u)
+    return sorted(local, key=order.get)
+
+
+def _new_value(stepped: torch.fx.Node, shape, dep, order) -> tuple[torch.fx.Node, set]:
+    """The state's value after the step: the value of its state-local map read elsewhere."""
+    local = _state_local(stepped, dep, order)
+    local_set = set(local)
+    read = {peel_views(n) for n in local if any(u not in local_set for u in n.users)}
+    if len(read) != 1 or _shape(next(iter(read))) != shape:
+        return stepped, {stepped}
+    (new,) = read
+    return new, {n for n in local_set if order[n] <= order[new]}
+
+
+# -- the output -----------------------------------------------------------------------------
+
+def _output_node(nodes: list, states_out: list, order: dict, length: int
+                 ) -> torch.fx.Node | None:
+    """The first value with a token axis that every read of the stepped weights flows
+    through (the reads' own views of the weights come before it)."""
+    shapes = {_shape(s) for s in states_out}
+    after: set[torch.fx.Node] = set()
+    stack = [u for s in states_out for u in s.users]
+    while stack:
+        n = stack.pop()
+        if n not in after and n.op == "call_function":
+            after.add(n)
+            stack.extend(n.users)
+    inside: set[torch.fx.Node] = set(states_out)
+    for n in sorted(after, key=order.get):
+        inside.add(n)
+        if _shape(n) not in shapes and _token_axis(_shape(n) or (), length) is not None \
+                and all(u in inside for m in inside if m is not n for u in m.users):
+            return n
+    return None
+
+
+# -- the program ----------------------------------------------------------------------------
+
+def _ancestors_within(roots, allowed: set) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen or n not in allowed:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _descendants(roots) -> set:
+    seen, stack = set(), [u for r in roots for u in r.users]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
+
+
+def _body_nodes(nodes, order, dep, states_in, states_out, out_node, layer) -> list:
+    """The ops of the step: from the first read of a fast weight to the output, that the new
+    states or the output need; state-independent ones read after the output stay outside."""
+    reads = _descendants(states_in)
+    first = min(order[n] for n in reads)
+    candidates = {n for n in nodes if n.op == "call_function"
+                  and (n in reads or (n in dep and order[n] > first))}
+    body = _ancestors_within([*states_out, out_node], candidates)
+    changed = True
+    while changed:
+        changed = False
+        for n in list(body):
+            if n not in reads and any(u not in body for u in n.users if u is not out_node):
+                body.discard(n)
+                changed = True
+    for n in body:
+        if n is out_node:
+            continue
+        stray = [u for u in n.users if u not in body]
+        if stray:
+            raise UnsupportedTTTError(
+                f"{layer}: code after the test-time step reads {n.format_node()} from inside "
+                f"it ({stray[0].format_node()}, at {stray[0].meta.get(SRC)}); ttt2la converts a "
+                "single step whose only result is what the stepped weights produce.")
+    return sorted(body, key=order.get)
+
+
+def _externals(body_nodes, states_in) -> list:
+    inside, out = set(body_nodes), []
+    for n in body_nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in states_in and a not in out:
+                out.append(a)
+    return out
+
+
+def _with_token_inputs(body_nodes, states_in, dep, order, length) -> tuple[list, list]:
+    """The body grown backwards until every input it reads from the layer's data has a token
+    axis: a slice of the input views' tokens or an image-shaped copy of the keys is computed
+    inside, from the whole sequence, so that the body's data are streams."""
+    body = set(body_nodes)
+    while True:
+        grown = False
+        for a in _externals(body_nodes, states_in):
+            if a in dep and a.op == "call_function" and \
+                    _token_axis(_shape(a) or (), length) is None and \
+                    all(u in body for u in a.users):
+                body.add(a)
+                grown = True
+        if not grown:
+            return body_nodes, _externals(body_nodes, states_in)
+        body_nodes = sorted(body, key=order.get)
+
+
+def _token_axis(shape: tuple, length: int) -> int | None:
+    return next((a for a in range(1, len(shape)) if shape[a] == length), None)
+
+
+def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_path: str = "",
+                layer: str = "") -> RolledLoop:
+    """The single-step program of a traced layer (``gm`` takes its parameters, then its
+    inputs); ``NotSingleStep`` when the graph holds no update or more than one per state."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    dep = _data_dependent(graph, set(placeholders[n_params:]))
+    updates = _updates(graph, dep)
+    if not updates:
+        raise NotSingleStep(f"{layer}: no test-time update (W ± Δ of a weight) found")
+    states_in, states_out, locals_ = [], [], set()
+    for stepped, w, _delta in updates:
+        new, local = _new_value(stepped, _shape(w), dep, order)
+        states_in.append(w)
+        states_out.append(new)
+        locals_ |= local
+    if len(set(states_in)) != len(states_in):
+        raise NotSingleStep(f"{layer}: a fast weight is updated more than once")
+    for stepped, _w, _d in _updates_reading(graph, dep, locals_):
+        raise NotSingleStep(f"{layer}: the stepped weights are stepped again "
+                            f"({stepped.format_node()}): a loop over chunks, not a single step")
+    out_node = _output_node(nodes, states_out, order, length)
+    if out_node is None:
+        raise UnsupportedTTTError(
+            f"{layer}: the reads of the stepped fast weights do not meet in one value before "
+            "the layer's output; ttt2la converts a single step whose reads form one output.")
+    body = _body_nodes(nodes, order, dep, states_in, states_out, out_node, layer)
+    return _build(gm, order, dep, body, states_in, states_out, out_node, updates, length,
+                  module_path, layer)
+
+
+def _updates_reading(graph, dep, stepped: set) -> list:
+    """Updates whose weight is a stepped weight: a second step."""
+    out = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _UPDATES or len(n.args) < 2:
+            continue
+        a, b = n.args[0], n.args[1]
+        for w, d in ((a, b), (b, a)):
+            if w in stepped and isinstance(d, torch.fx.Node) and d in dep and d not in stepped \
+                    and _shape(w) == _shape(d) == _shape(n):
+                out.append((n, w, d))
+                break
+    return out
+
+
+def _build(gm, order, dep, body_nodes, states_in, states_out, out_node, updates, length,
+           module_path, layer) -> RolledLoop:
+    """The ``TTTProgram`` of the step and the outer graph calling it."""
+    body_nodes, externals = _with_token_inputs(body_nodes, states_in, dep, order, length)
+    out_axis = _token_axis(_shape(out_node), length)
+    sources = [a for a in externals if a in dep and _token_axis(_shape(a) or (), length)
+               is not None]
+    if out_axis is None or not sources:
+        raise UnsupportedTTTError(
+            f"{layer}: the output of the test-time step ({out_node.format_node()}) or its inputs "
+            f"have no token axis of the layer's length {length}; ttt2la reads a single step as "
+            "one chunk of the whole sequence.")
+
+    body_gm, state_specs, streams, inv_specs = _body_graph(
+        body_nodes, states_in, states_out, out_node, updates, externals, sources, length)
+
+    first_update = updates[0][0].meta.get(SRC)
+    program = TTTProgram(
+        body=body_gm, states=state_specs,
+        streams=streams,
+        invariants=inv_specs,
+        outputs=[OutputSpec("o", axis=out_axis, memory_order=memory_order(out_node.meta["val"]))],
+        chunk_size=length, order="inclusive", last_chunk="update", module_path=module_path,
+        loop_src=first_update, function=first_update.function if first_update else "")
+    note = ("single-step TTT: the fast weights are stepped once over the whole sequence and "
+            "then read by every token; it runs as one chunk")
+    program.notes.append(note)
+    _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node)
+    return RolledLoop(program=program, outer=gm, n_iterations=1, tail=False, notes=[note])
+
+
+def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals, sources,
+                length):
+    """The body ``(*states, *streams, *invariants) -> (*new states, output)`` and its specs:
+    every input with a token axis is a stream of one chunk, the whole sequence."""
+    body = torch.fx.Graph()
+    env: dict = {}
+    taken: set[str] = set()
+    firsts = [_assigned_name(w.meta.get(SRC)) for w in states_in]
+    guessed = _state_names(states_out, 0, firsts)
+    guessed = [g or _assigned_name(u[0].meta.get(SRC)) for g, u in zip(guessed, updates)]
+    state_specs, inv_specs = [], []
+    for i, (w, new) in enumerate(zip(states_in, states_out)):
+        name = _unique(guessed[i] or f"state{i}", taken)
+        ph = body.placeholder(name)
+        ph.meta.update(val=w.meta.get("val"), **{KIND: "state", NAME: name})
+        env[w] = ph
+        val = w.meta["val"]
+        state_specs.append(StateSpec(name, tuple(val.shape), val.dtype, src=new.meta.get(SRC)))
+    streams, stream_phs = [], {}
+    for a in sources:
+        name = _unique(_assigned_name(a.meta.get(SRC)) or a.name, taken)
+        ph = body.placeholder(name)
+        ph.meta.update(val=a.meta.get("val"), **{KIND: "stream", NAME: name})
+        stream_phs[a] = ph
+        streams.append(StreamSpec(name, source=externals.index(a),
+                                  axis=_token_axis(_shape(a), length)))
+    for a in externals:
+        base = _assigned_name(a.meta.get(SRC)) or a.name
+        name = _unique(f"{base}_all" if a in stream_phs else base, taken)
+        ph = body.placeholder(name)
+        ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
+        env[a] = stream_phs.get(a, ph)
+        val = a.meta["val"]
+        inv_specs.append(InvariantSpec(name, tuple(val.shape), val.dtype))
+    for n in body_nodes:
+        new = body.node_copy(n, lambda a: env[a])
+        new.meta = dict(n.meta)
+        env[n] = new
+    body.output(tuple(env[s] for s in states_out) + (env[out_node],))
+    _materialize_shape_only(body)
+    body.eliminate_dead_code()
+    body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
+    return body_gm, state_specs, streams, inv_specs
+
+
+def _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node) -> None:
+    """Replace the step by one ``call_module`` taking ``(*initial states, *invariants)``."""
+    graph = gm.graph
+    if not hasattr(gm, LOOP_MODULE):
+        gm.add_submodule(LOOP_MODULE, torch.nn.Module())
+    with graph.inserting_before(out_node):
+        call = graph.call_module(LOOP_MODULE, tuple(states_in) + tuple(externals))
+        got = graph.call_function(operator.getitem, (call, 0))
+    out_node.replace_all_uses_with(got)
+    for n in reversed(body_nodes):
+        graph.erase_node(n)
+    graph.eliminate_dead_code()
+    _contiguous_inputs(graph)
+    graph.lint()
+    gm.recompile()
+
+
+# -- recognition ----------------------------------------------------------------------------
+
+def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
+    """A ``RecognizedLayer`` for ``cand`` when its forward is a single test-time step; else
+    ``refusal`` (the loop recognizer's own error) is raised again."""
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors or seq_len is None:
+        raise refusal
+    batch = tensors[0].shape[0]
+    try:
+        layout = _layout(flat, seq_len, batch)
+    except ConversionError:
+        raise refusal from None
+    fn = layer_function(cand.module, in_spec)
+    pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+    n_params = len(pytree.tree_leaves(pb))
+    layer = _layer_name(cand)
+
+    def rolled_at(B):
+        try:
+            gm = trace(fn, pb, *_inputs_at(flat, layout, B, seq_len))
+        except Exception as e:
+            raise NotSingleStep(f"{layer}: tracing at batch {B} failed: {e}") from e
+        try:
+            return single_step(gm, n_params, seq_len, module_path=cand.path, layer=layer)
+        except ConversionError:
+            raise
+        except Exception as e:
+            raise UnsupportedTTTError(
+                f"{layer}: its fast weights are stepped once (a single-step TTT layer, loop at "
+                f"{cand.loop.src}), but ttt2la could not cut that step out of the layer "
+                f"({_first_line(e)}); report the layer's code.") from e
+
+    try:
+        b0, b1, unit, fixed = 2, 3, 1, False
+        try:
+            rolled, rolled_B = rolled_at(b0), rolled_at(b1)
+        except NotSingleStep:
+            if batch in (2, 3):
+                raise
+            b0, b1, unit, fixed = 1, 2, batch, True     # the example's batch only
+            rolled = rolled_B = rolled_at(batch)
+    except NotSingleStep:
+        raise refusal from None
+    outer = fit_template(rolled.outer, rolled.outer, rolled_B.outer, B0=b0, L0=seq_len,
+                         L1=seq_len + 1, B1=b1, what=f"code around the step of {cand.path}")
+    if fixed:
+        layout = dataclasses.replace(layout, batch_unit=unit, fixed_batch=True, path=cand.path,
+                                     why="the layer failed when traced at batch sizes 2 and 3")
+    layout = FixedLengthLayout(**{f.name: getattr(layout, f.name)
+                                  for f in dataclasses.fields(InputLayout)}, length=seq_len)
+    layout.path = cand.path
+    notes = [f"single-step TTT over {seq_len} tokens: converted for that length only"]
+    return RecognizedLayer(cand.path, cand, rolled, rolled, rolled_B,
+                           layout, in_spec, outer, seq_len,
+                           seq_len + 1, b0, b1, notes)
+
+
+__all__ = ["single_step", "recognize_single_step", "FixedLengthLayout", "NotSingleStep"]
