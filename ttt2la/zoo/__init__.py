@@ -6,6 +6,7 @@ from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
 from .trained import trained_char_lm
+from .ttt_scan import ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTMLPLayer
 from .variants import STEPS, variant_switches, with_variant
 
 
@@ -19,5 +20,6 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer", "trained_char_lm", "STEPS",
+           "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
+           "TinyLaCTLM", "lact_layer", "trained_char_lm", "STEPS",
            "variant_switches"]
