@@ -216,3 +216,51 @@ def test_ttt_linear_scan_is_kept_as_written_when_not_strict():
     _assert_same_function(converted, layer, [x, torch.randn(1, 7, 4)])
     inspected = ttt2la.inspect(layer, example_inputs=(x,), show=False)
     assert all(inspected.layers[0].levels[k].startswith("recurrent:") for k in (0, 1, 2))
+
+
+class RateAfterChunking(ScanLinearTTTLayer):
+    """The rates projected from the input *after* it is cut into mini-batches (the published
+    ``get_eta``): not a reshape of one sequence, so it is refused by name."""
+
+    def ttt(self, inputs, size, params):
+        B, H, L, f = inputs["q"].shape
+        n = L // size
+        X = inputs.pop("x").reshape(B, n, size, -1)
+        lr = torch.einsum("bnkd,hd->bhnk", X, self.lr_weight) + self.lr_bias[None, :, None]
+        xs = {name: t.reshape(B, H, n, size, f).permute(2, 0, 1, 3, 4)
+              for name, t in inputs.items()}
+        xs["lr"] = torch.sigmoid(lr).unsqueeze(-1).permute(2, 0, 1, 3, 4)  # <- named
+        scale = torch.clamp_min(self.position_rate[:size] + self.position_offset[:size], 0.0)
+        out = torch.empty(n, B, H, size, f)
+        params, out = ttt_scan.scan(lambda c, x: self.mini_batch(c, x, scale), params, xs, out)
+        return out.permute(1, 0, 3, 2, 4).reshape(B, n * size, H * f), params
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        K = self.mini_batch_size
+        n, rest = divmod(L, K)
+        seq = {"q": self.heads(self.q_proj(x)), "k": self.heads(self.k_proj(x)),
+               "v": self.heads(self.v_proj(x))}
+        params, outs = self.initial(B), []
+        if n:
+            inputs = {**{k: t[:, :, :n * K] for k, t in seq.items()}, "x": x[:, :n * K]}
+            y, params = self.ttt(inputs, K, params)
+            outs.append(y)
+        if rest:
+            inputs = {**{k: t[:, :, -rest:] for k, t in seq.items()}, "x": x[:, -rest:]}
+            outs.append(self.ttt(inputs, rest, params)[0])
+        return self.o_proj(self.post_norm(torch.cat(outs, dim=1)))
+
+
+def test_rates_computed_after_chunking_are_refused_naming_the_line():
+    torch.manual_seed(0)
+    layer = RateAfterChunking(4, 2, 3)
+    x = torch.randn(2, 11, 4)
+    layer(x)
+    lines, start = inspect.getsourcelines(RateAfterChunking)
+    line = start + next(i for i, s in enumerate(lines) if s.rstrip().endswith("# <- named"))
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(layer, level=2, example_inputs=(x,))
+    text = str(info.value)
+    assert "RateAfterChunking" in text and f"test_scan_style.py:{line}" in text, text
+    assert "computed after the sequence was cut into mini-batches" in text

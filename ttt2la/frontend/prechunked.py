@@ -29,6 +29,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from ..errors import UnsupportedTTTError
+from ..ir import SRC
 from .loops import LoopSite, loop_depth
 
 aten = torch.ops.aten
@@ -103,8 +105,8 @@ class ChunkAxes:
             self._mark(out, d1 if axis == d0 else d0 if axis == d1 else axis, size)
 
     def indexed(self, func, args) -> tuple[int, int, int] | None:
-        """``(K, N·K, i·K)`` for ``x[i]`` on a pre-chunked ``x`` along its chunk axis: the chunk
-        size, the length and the offset a chunk slice of the sequence would report."""
+        """``(K, N·K, i·K)`` for ``x[i]`` on a pre-chunked ``x`` whose chunk axis is its first:
+        the chunk size, the length and the offset a chunk slice of the sequence would report."""
         if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
             return None
         known = self.of(args[0])
@@ -177,8 +179,8 @@ def _folded_slice(t: torch.fx.Node, axis: int) -> tuple[torch.fx.Node, int]:
     while t.op == "call_function" and t.target in _COPIES and _shape(t.args[0]) == _shape(t):
         t = t.args[0]
     if t.target is aten.slice.Tensor and len(t.args) >= 3 and t.args[1] % len(_shape(t)) == axis \
-            and (len(t.args) < 5 or t.args[4] == 1) and isinstance(t.args[2], int):
-        start = t.args[2] if t.args[2] is not None else 0
+            and (len(t.args) < 5 or t.args[4] == 1) and isinstance(t.args[2], (int, type(None))):
+        start = t.args[2] or 0
         size = _shape(t.args[0])[axis]
         start = max(start + size, 0) if start < 0 else min(start, size)
         return t.args[0], start
@@ -313,6 +315,34 @@ def _flatten_cats(graph: torch.fx.Graph, joins: set[torch.fx.Node]) -> None:
         node.args = (flat, *node.args[1:])
 
 
+def _computed_at(node: torch.fx.Node) -> str:
+    """``file:line (`code`)`` of the nearest op behind ``node`` that computes, not relays."""
+    while node.op == "call_function" and node.target in (*_MOVES, *_COPIES, *_VIEWS,
+                                                         aten.unsqueeze.default):
+        node = node.args[0]
+    src = node.meta.get(SRC)
+    return f"{src.file}:{src.line} (`{src.code}`)" if src is not None else node.format_node()
+
+
+def _refuse_chunked_computations(graph: torch.fx.Graph, in_loop: set) -> None:
+    """Raise when, beside the rewritten streams, the loop still takes ``x[i]`` of a tensor
+    computed from the chunked inputs (a learning rate projected after the reshape): its chunk
+    is not a slice of one sequence, so no chunk of the converted loop can read it."""
+    for sel in graph.nodes:
+        if sel in in_loop and sel.target is aten.select.int and \
+                isinstance(sel.args[0], torch.fx.Node) and sel.args[0] not in in_loop \
+                and not any(u.target is aten.select_scatter.default   # out[i] = y's slot
+                            for u in sel.args[0].users):
+            src = sel.meta.get(SRC)
+            where = f" at {src.file}:{src.line}" if src is not None else ""
+            raise UnsupportedTTTError(
+                f"the loop takes mini-batch {sel.args[2]} of a tensor{where} that was computed "
+                f"after the sequence was cut into mini-batches, at {_computed_at(sel.args[0])}; "
+                "ttt2la reads pre-chunked inputs that are reshapes of whole sequences. Compute "
+                "that tensor on the whole sequence ([B, ..., L, ...]) and reshape it into "
+                "mini-batches with the others.")
+
+
 def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
     """Rewrite the pre-chunked streams and output buffers of ``loop`` (see the module
     docstring) in place; returns whether anything was rewritten."""
@@ -328,6 +358,8 @@ def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
         if found is not None:
             _rewrite_stream(graph, sel, found)
             changed = True
+    if changed:
+        _refuse_chunked_computations(graph, in_loop)
     joins = set()
     for w in [n for n in graph.nodes if n in in_loop and n.target is aten.select_scatter.default
               and n.args[0] not in in_loop]:
