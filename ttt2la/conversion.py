@@ -141,7 +141,8 @@ def _prepare(rl: RecognizedLayer, level: int, context: PassContext | None = None
 def _template(rl: RecognizedLayer, programs: list[TTTProgram]):
     return fit_template(programs[0].body, programs[1].body, programs[2].body,
                         B0=rl.B0, L0=rl.L0, L1=rl.L1, B1=rl.B1,
-                        what=f"loop body of {rl.path or '<model>'}")
+                        what=f"loop body of {rl.path or '<model>'} "
+                             f"({type(rl.candidate.module).__name__})")
 
 
 def _state_records(program: TTTProgram, analysis) -> list[StateRecord]:

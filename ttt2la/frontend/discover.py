@@ -21,6 +21,7 @@ from ..ir import SourceLoc
 from ..errors import ConversionError, UnsupportedTTTError
 from .capture import _is_user_file, _no_compile, user_frame
 from .loops import LoopSite, _loops_in_file
+from .prechunked import ChunkAxes
 
 
 @dataclass
@@ -52,14 +53,16 @@ def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, stack, sink):
+    def __init__(self, stack, sink, chunks: ChunkAxes):
         super().__init__()
-        self.stack, self.sink = stack, sink
+        self.stack, self.sink, self.chunks = stack, sink, chunks
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.stack:
             self.sink(self.stack[-1], func, args, _user_frames())
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.chunks.note(func, args, kwargs or {}, out)
+        return out
 
 
 def _forward_site(module: torch.nn.Module) -> tuple[str, str, int, int] | None:
@@ -76,10 +79,14 @@ def _forward_site(module: torch.nn.Module) -> tuple[str, str, int, int] | None:
     return os.path.abspath(code.co_filename), code.co_name, start, start + len(lines)
 
 
-def _slice_info(func, args):
-    """Chunk size and sequence length of ``x[..., a:b]`` / ``x[..., t]`` on a tensor."""
+def _slice_info(func, args, chunks: ChunkAxes | None = None):
+    """Chunk size, sequence length and offset of ``x[..., a:b]`` / ``x[..., t]`` on a tensor,
+    or of ``x[i]`` on a pre-chunked ``[N, …, K, …]`` tensor (``prechunked``)."""
     if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
         return None
+    chunked = chunks.indexed(func, args) if chunks is not None else None
+    if chunked is not None:
+        return chunked
     x, idx = args[0], args[1]
     if not isinstance(x, torch.Tensor):
         return None
@@ -176,6 +183,7 @@ def _discover_once(model, example_inputs, example_kwargs):
     forward_sites = {p: _forward_site(m) for m, p in paths.items()}
     found: dict[tuple[str, LoopSite], LoopCandidate] = {}
     by_path = {p: m for m, p in paths.items()}
+    chunks = ChunkAxes()
 
     def sink(path, func, args, frames):
         site = forward_sites.get(path)
@@ -197,14 +205,14 @@ def _discover_once(model, example_inputs, example_kwargs):
                         a, k = captured[path]
                         cand = found[key] = LoopCandidate(path, by_path[path], loop, a, k)
                     cand.ops += 1
-                    info = _slice_info(func, args)
+                    info = _slice_info(func, args, chunks)
                     if info is not None:
                         cand.chunk_sizes.add(info[0])
                         cand.slice_lengths.add(info[1])
                         cand.slice_starts.add(info[2])
 
     try:
-        with torch.no_grad(), _no_compile(), _Recorder(stack, sink):
+        with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks):
             model(*example_inputs, **(example_kwargs or {}))
     finally:
         for h in hooks:

@@ -31,6 +31,8 @@ from ..ir import TTTProgram
 from .capture import _no_compile, trace, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
+from .prechunked import unchunk_streams
+from .trace_guards import data_dependent_message, data_dependent_node, no_numpy
 from .rollup import RolledLoop, roll_up
 from .shapes import GraphTemplate, fit_template
 
@@ -148,12 +150,18 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     inputs = _inputs_at(flat, layout, B, L)
     pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
     try:
-        gm = trace(fn, pb, *inputs)
+        with no_numpy():
+            gm = trace(fn, pb, *inputs)
     except ConversionError:
         raise
     except Exception as e:
         raise _trace_failure(cand, e, B, L) from e
+    read = data_dependent_node(gm)
+    if read is not None:
+        raise UnsupportedTTTError(data_dependent_message(read, _layer_name(cand)))
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
+    if loops and unchunk_streams(gm, cand.loop):        # scan style: x[i] of [N, ..., K, ...]
+        loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if not loops:
         raise _ShapeDependent(
             f"the loop at {cand.loop.src} did not run when {cand.path or 'the model'} was traced "

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
-from ..ir import copy_graph
+from ..ir import SRC, copy_graph
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,19 @@ class GraphTemplate:
         return gm
 
 
+def _first_difference(*graphs: list[torch.fx.Node]) -> str:
+    """`` from the op at file:line (`code`)``: the source of the first op the traces disagree
+    on (empty when it has none)."""
+    for nodes in zip(*graphs):
+        if len({(n.op, n.target) for n in nodes}) > 1:
+            src = next((n.meta.get(SRC) for n in nodes if n.meta.get(SRC) is not None), None)
+            return f" from the op at {src.file}:{src.line} (`{src.code}`) on" if src else ""
+    longest = max(graphs, key=len)
+    extra = longest[min(len(g) for g in graphs):]
+    src = next((n.meta.get(SRC) for n in extra if n.meta.get(SRC) is not None), None)
+    return f" from the op at {src.file}:{src.line} (`{src.code}`) on" if src else ""
+
+
 def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.fx.GraphModule,
                  *, B0: int, L0: int, L1: int, B1: int, what: str) -> GraphTemplate:
     """Fit a ``GraphTemplate`` from the same graph traced at (B0,L0), (B0,L1) and (B1,L0)."""
@@ -112,13 +125,15 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
     if not (len(n0) == len(nL) == len(nB)):
         raise UnsupportedTTTError(
             f"the {what} has a different number of ops at different lengths or batch sizes "
-            f"({len(n0)}, {len(nL)}, {len(nB)}): its code branches on the input shape")
+            f"({len(n0)}, {len(nL)}, {len(nB)}){_first_difference(n0, nL, nB)}: its code "
+            "branches on the input shape (or loops over a size)")
     slots: dict = {}
     for i, (a, b, c) in enumerate(zip(n0, nL, nB)):
         if (a.op, a.target) != (b.op, b.target) or (a.op, a.target) != (c.op, c.target):
             raise UnsupportedTTTError(
                 f"the {what} runs different ops at different shapes ({a.format_node()} vs "
-                f"{b.format_node()}): its code branches on the input shape")
+                f"{b.format_node()}){_first_difference(n0, nL, nB)}: its code branches on the "
+                "input shape")
         for where in ("args", "kwargs"):
             xa, xb, xc = getattr(a, where), getattr(b, where), getattr(c, where)
             sa = list(_int_slots(xa))

@@ -7,6 +7,7 @@ from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
 from .schedule import ScheduleTTTLayer
 from .trained import trained_char_lm
+from .ttt_scan import ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTMLPLayer
 from .variants import STEPS, variant_switches, with_variant
 from .vittt import ViTTTBlock
 
@@ -21,5 +22,6 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "lact_layer",
-           "trained_char_lm", "STEPS", "variant_switches"]
+           "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
+           "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "lact_layer", "trained_char_lm", "STEPS",
+           "variant_switches"]

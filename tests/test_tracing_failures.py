@@ -1,0 +1,234 @@
+"""A catalogue of code ttt2la's shapes-only trace cannot stand for: every entry is refused with a
+``ConversionError`` that names the layer and the source line, never a raw torch exception (or a
+crash: NumPy on a fake tensor takes the process down unless it is stopped first).
+
+Every layer is a small chunked loop with one construct the tracer cannot handle; the line to be
+named is marked in its source with ``# <- named``.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ttt2la
+
+C = 3
+
+
+class _Loop(nn.Module):
+    """Projections and a fast weight shared by the catalogue's layers."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+
+    def qkv(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        return q, k, v, self.w.expand(x.shape[0], -1, -1)
+
+
+class ItemAsRate(_Loop):
+    """``.item()`` inside the loop: a Python float read from the chunk."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            rate = 1.0 / (1.0 + k[:, s:s + C].pow(2).mean().item())  # <- named
+            W = W + rate * k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class ItemBeforeLoop(_Loop):
+    """``.item()`` before the loop: a rate read from the whole input."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        rate = x.abs().mean().item()  # <- named
+        outs = []
+        for s in range(0, x.shape[1], C):
+            W = W + rate * k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class TolistOfData(_Loop):
+    """``.tolist()`` of data: per-chunk rates as Python numbers."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        rates = torch.sigmoid(x[:, :, 0].mean(0)).tolist()  # <- named
+        outs = []
+        for s in range(0, x.shape[1], C):
+            W = W + rates[s] * k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class IfOnChunk(_Loop):
+    """A Python ``if`` on a tensor inside the loop."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            if k[:, s:s + C].mean() > 0:  # <- named
+                W = W + k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class WhileOnState(_Loop):
+    """A ``while`` whose condition reads the fast weight."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            W = W + k[:, s:s + C].mT @ v[:, s:s + C]
+            while W.abs().max() > 1e4:  # <- named
+                W = W / 2
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class RangeOfTensor(_Loop):
+    """``range`` over a tensor: the number of inner steps read from the data."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        steps = (x[0, 0, 0] > 0).long() + 1
+        outs = []
+        for s in range(0, x.shape[1], C):
+            for _ in range(steps):  # <- named
+                W = W + k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class BooleanMaskKeys(_Loop):
+    """Boolean-mask indexing: the number of keys kept depends on their values."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            kept = k[:, s:s + C][k[:, s:s + C].sum(-1) > 0]  # <- named
+            W = W + kept.sum(0)[:, None] * v[:, s:s + C].mean(1)[:, None, :]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class NonzeroCount(_Loop):
+    """``nonzero``: a shape that depends on the data, used as a number."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            hits = torch.nonzero(k[:, s:s + C, 0] > 0).shape[0]  # <- named
+            W = W + (hits + 1) * k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class UniqueCount(_Loop):
+    """``unique``: the number of distinct values scales the step."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            distinct = torch.unique(k[:, s:s + C].round())  # <- named
+            W = W + distinct.numel() * (k[:, s:s + C].mT @ v[:, s:s + C])
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class NumpyStep(_Loop):
+    """NumPy inside the loop (under fake tensors this would crash the process)."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            scale = float(np.tanh(k[:, s:s + C].detach().numpy()).mean())  # <- named
+            W = W + scale * k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class LeastSquaresStep(_Loop):
+    """An op with no shape-only implementation (``linalg.lstsq``)."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            fit = torch.linalg.lstsq(k[:, s:s + C], v[:, s:s + C]).solution  # <- named
+            W = W + 0.1 * fit
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class IterateOverBatch(_Loop):
+    """Iterating a tensor: a Python loop over the batch inside the chunk loop."""
+
+    def forward(self, x):
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            W = W + k[:, s:s + C].mT @ v[:, s:s + C]
+            W = torch.stack([w / (1 + w.norm()) for w in W])  # <- named
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+class FixedLength(_Loop):
+    """A layer that refuses every length but its example's."""
+
+    def forward(self, x):
+        assert x.shape[1] == 11, "this layer runs at length 11 only"  # <- named
+        q, k, v, W = self.qkv(x)
+        outs = []
+        for s in range(0, x.shape[1], C):
+            W = W + k[:, s:s + C].mT @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        return torch.cat(outs, dim=1)
+
+
+CATALOGUE = [ItemAsRate, ItemBeforeLoop, TolistOfData, IfOnChunk, WhileOnState, RangeOfTensor,
+             BooleanMaskKeys, NonzeroCount, UniqueCount, NumpyStep, LeastSquaresStep,
+             IterateOverBatch, FixedLength]
+
+
+def _named_line(cls) -> int:
+    lines, start = inspect.getsourcelines(cls)
+    (i,) = [i for i, line in enumerate(lines) if line.rstrip().endswith("# <- named")]
+    return start + i
+
+
+@pytest.mark.parametrize("cls", CATALOGUE, ids=lambda c: c.__name__)
+def test_tracing_failure_is_a_conversion_error_naming_the_layer_and_line(cls):
+    torch.manual_seed(0)
+    layer = cls()
+    x = torch.randn(2, 11, 6)
+    layer(x)                                    # the layer itself runs
+    with pytest.raises(ttt2la.ConversionError) as info:
+        ttt2la.convert(layer, level=2, example_inputs=(x,))
+    text = str(info.value)
+    assert cls.__name__ in text, text
+    assert f"test_tracing_failures.py:{_named_line(cls)}" in text, text
+
+
+def test_numpy_is_usable_again_after_a_refused_trace():
+    """The trace's NumPy guard is lifted when tracing ends, refused or not."""
+    with pytest.raises(ttt2la.ConversionError):
+        ttt2la.convert(NumpyStep(), level=2, example_inputs=(torch.randn(2, 11, 6),))
+    assert np.asarray(torch.ones(2)).tolist() == [1.0, 1.0]

@@ -1,0 +1,379 @@
+"""Pre-chunked streams: loops over ``x[i]`` of a sequence reshaped into ``[N, …, K, …]`` chunks.
+
+Code written as a scan (TTT-Linear's and TTT-MLP's published style) cuts the sequence into
+``N`` mini-batches of ``K`` tokens *before* the loop — ``t.reshape(B, H, N, K, f)``, moved
+mini-batch first — takes ``xs[i]`` in iteration ``i``, writes ``out[i] = y`` into a buffer
+made for all mini-batches, and un-chunks the buffer after the loop (a permute and a reshape
+that merges ``N`` with ``K``). The ``L % K`` remaining tokens are a second call of the same
+loop on a reshape with ``N = 1``.
+
+Both are rewritten here, on the traced graph, into the form the roll-up reads — chunk slices of
+the whole sequence and per-iteration outputs joined by one ``cat``:
+
+* ``select(chunked(T), d, i)`` becomes ``chunked₁(slice(T, a, i·K, (i+1)·K))`` selected at 0,
+  where ``chunked₁`` is the same split with ``N = 1`` and the same moves, and a slice ``T`` of
+  a longer tensor (``q[:, :, :N·K]``, ``q[:, :, -r:]``) is folded into the chunk slice, so the
+  remainder call becomes a partial last chunk of the same sequence;
+* ``out[i] = y`` into a buffer read back through ``unchunk(out)`` becomes ``unchunk₁(y)``
+  per iteration, joined by ``cat`` along the merged axis; a ``cat`` of such joins is flattened.
+
+``ChunkAxes`` is the eager counterpart: it follows the same reshapes during discovery so that
+``x[i]`` on a pre-chunked tensor reports the chunk size ``K``, not 1.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..errors import UnsupportedTTTError
+from ..ir import SRC
+from .loops import LoopSite, loop_depth
+
+aten = torch.ops.aten
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_MOVES = (aten.permute.default, aten.transpose.int)
+_COPIES = (aten.clone.default, aten.alias.default)
+
+
+# -- eager discovery --------------------------------------------------------------------------
+
+def split_axis(before, after, axis: int | None = None) -> tuple[int, int] | None:
+    """``(a, K)`` when ``after`` is ``before`` with axis ``a`` (``axis`` when given) split into
+    ``(N, K)``; ``None`` when it is not, or when more than one axis could be the split one."""
+    before, after = list(before), list(after)
+    if len(after) != len(before) + 1:
+        return None
+    hits = [(a, after[a + 1]) for a in (range(len(before)) if axis is None else [axis])
+            if after[:a] == before[:a] and after[a + 2:] == before[a + 1:]
+            and after[a] * after[a + 1] == before[a]]
+    return hits[0] if len(hits) == 1 else None
+
+
+class ChunkAxes:
+    """Which tensors of one eager run are pre-chunked: their chunk axis and chunk size ``K``.
+
+    A reshape that splits an axis into ``(N, K)`` makes one; permutes, transposes and copies
+    carry it along. Tensors are held weakly and looked up by identity.
+    """
+
+    _MOVE_NAMES = {"permute", "transpose", "swapaxes"}
+    _COPY_NAMES = {"contiguous", "clone", "detach", "float", "to", "type_as"}
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def of(self, t) -> tuple[int, int] | None:
+        """``(chunk axis, K)`` of ``t`` when it is pre-chunked."""
+        hit = self._known.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return hit[1:] if hit is not None and hit[0]() is t else None
+
+    def _mark(self, t, axis: int, size: int) -> None:
+        try:
+            self._known[id(t)] = (weakref.ref(t), axis, size)
+        except TypeError:
+            pass
+
+    def note(self, func, args, kwargs, out) -> None:
+        """Follow one torch call of the eager run."""
+        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+            return
+        name = getattr(func, "__name__", "")
+        x = args[0]
+        if name in ("reshape", "view") and out.dim() == x.dim() + 1:
+            found = split_axis(x.shape, out.shape)
+            if found is not None:
+                self._mark(out, found[0], found[1])
+            return
+        known = self.of(x)
+        if known is None:
+            return
+        axis, size = known
+        if name in self._COPY_NAMES and out.shape == x.shape:
+            self._mark(out, axis, size)
+        elif name == "permute":
+            dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+            dims = [d % x.dim() for d in (dims or kwargs.get("dims", ()))]
+            if axis in dims:
+                self._mark(out, dims.index(axis), size)
+        elif name in ("transpose", "swapaxes") and len(args) >= 3:
+            d0, d1 = args[1] % x.dim(), args[2] % x.dim()
+            self._mark(out, d1 if axis == d0 else d0 if axis == d1 else axis, size)
+
+    def indexed(self, func, args) -> tuple[int, int, int] | None:
+        """``(K, N·K, i·K)`` for ``x[i]`` on a pre-chunked ``x`` whose chunk axis is its first:
+        the chunk size, the length and the offset a chunk slice of the sequence would report."""
+        if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
+            return None
+        known = self.of(args[0])
+        idx = args[1]
+        if known is None or not isinstance(idx, int) or known[0] != 0:
+            return None
+        count = args[0].shape[0]
+        return known[1], count * known[1], (idx % count) * known[1]
+
+
+# -- the traced graph -------------------------------------------------------------------------
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _shape(node) -> list[int]:
+    return list(_val(node).shape)
+
+
+def _emit(graph: torch.fx.Graph, target, args, meta: dict, kwargs=None) -> torch.fx.Node:
+    """A new node computing ``target(*args, **kwargs)``, with ``meta`` (frames) and its fake
+    value."""
+    kwargs = dict(kwargs or {})
+    node = graph.call_function(target, tuple(args), kwargs)
+    node.meta.update({k: v for k, v in meta.items() if k != "val"})
+    vals, kw = pytree.tree_map(lambda a: _val(a) if isinstance(a, torch.fx.Node) else a,
+                               (list(args), kwargs))
+    mode = next((v.fake_mode for v in pytree.tree_leaves(vals)
+                 if getattr(v, "fake_mode", None) is not None), None)
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*vals, **kw)
+    return node
+
+
+def _move_axis(node: torch.fx.Node, axis: int) -> int:
+    """Where axis ``axis`` of ``node``'s output comes from in its input (permute/transpose)."""
+    if node.target is aten.permute.default:
+        return node.args[1][axis] % len(node.args[1])
+    rank = len(_shape(node))
+    d0, d1 = node.args[1] % rank, node.args[2] % rank
+    return d1 if axis == d0 else d0 if axis == d1 else axis
+
+
+def _chunked_source(src: torch.fx.Node, axis: int):
+    """``(T, a, K, steps)`` when ``src`` is ``T`` with axis ``a`` split into ``(N, K)`` and moved
+    (``steps``: the split, then the moves and copies, in order) so that the split's ``N`` is
+    ``src``'s axis ``axis``; else ``None``."""
+    steps = []
+    node = src
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target in _MOVES:
+            axis = _move_axis(node, axis)
+        elif node.target in _VIEWS:
+            found = split_axis(_shape(node.args[0]), _shape(node), axis)
+            if found is None:
+                return None
+            return node.args[0], axis, found[1], [node, *reversed(steps)]
+        elif node.target not in _COPIES:
+            return None
+        steps.append(node)
+        node = node.args[0]
+    return None
+
+
+def _folded_slice(t: torch.fx.Node, axis: int) -> tuple[torch.fx.Node, int]:
+    """``(base, offset)``: ``t`` is ``base`` from ``offset`` on along ``axis`` (a step-1 slice,
+    or an alias: ``q[:, :N·K]`` of a sequence of exactly ``N·K`` tokens traces to one)."""
+    while t.op == "call_function" and t.target in _COPIES and _shape(t.args[0]) == _shape(t):
+        t = t.args[0]
+    if t.target is aten.slice.Tensor and len(t.args) >= 3 and t.args[1] % len(_shape(t)) == axis \
+            and (len(t.args) < 5 or t.args[4] == 1) and isinstance(t.args[2], (int, type(None))):
+        start = t.args[2] or 0
+        size = _shape(t.args[0])[axis]
+        start = max(start + size, 0) if start < 0 else min(start, size)
+        return t.args[0], start
+    return t, 0
+
+
+def _permutation(steps, rank: int) -> list[int]:
+    """The one permutation the moves among ``steps`` make together (copies and views aside)."""
+    dims = list(range(rank))
+    for step in steps:
+        if step.target is aten.permute.default:
+            dims = [dims[p % rank] for p in step.args[1]]
+        elif step.target is aten.transpose.int:
+            d0, d1 = step.args[1] % rank, step.args[2] % rank
+            dims[d0], dims[d1] = dims[d1], dims[d0]
+    return dims
+
+
+def _rewrite_stream(graph: torch.fx.Graph, sel: torch.fx.Node, found) -> None:
+    """``select(chunked(T), d, i)`` -> ``chunked₁(slice(T, a, i·K, (i+1)·K))[d = 0]``."""
+    t, axis, size, steps = found
+    base, offset = _folded_slice(t, axis)
+    count = _shape(steps[0])[axis]
+    start = offset + (sel.args[2] % count) * size
+    one = _shape(t)
+    one[axis:axis + 1] = [1, size]
+    with graph.inserting_before(sel):
+        chunk = _emit(graph, aten.slice.Tensor, (base, axis, start, start + size), sel.meta)
+        split = _emit(graph, aten.view.default, (chunk, one), sel.meta)
+        moved = _emit(graph, aten.permute.default, (split, _permutation(steps, len(one))),
+                      sel.meta)
+        new = _emit(graph, aten.select.int, (moved, sel.args[1], 0), sel.meta)
+    sel.replace_all_uses_with(new)
+    graph.erase_node(sel)
+
+
+def _merge_axis(before, after, axis: int) -> bool:
+    """Whether ``after`` is ``before`` with axes ``axis`` and ``axis + 1`` merged (the axes
+    after them may be regrouped)."""
+    before, after = list(before), list(after)
+    return len(before) > axis + 1 and len(after) > axis and after[:axis] == before[:axis] \
+        and after[axis] == before[axis] * before[axis + 1] \
+        and math.prod(after[axis + 1:]) == math.prod(before[axis + 2:])
+
+
+def _unchunked(buffer: torch.fx.Node, axis: int):
+    """``(steps, result, merged axis)`` when the final ``buffer`` is read only through moves
+    and copies ending in a view that merges its chunk axis with the next one."""
+    steps, node = [], buffer
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op != "call_function" or user.args[0] is not node:
+            return None
+        if user.target in _MOVES:
+            rank = len(_shape(user))
+            axis = next(j for j in range(rank) if _move_axis(user, j) == axis)
+        elif user.target in _VIEWS:
+            if not _merge_axis(_shape(node), _shape(user), axis):
+                return None
+            return [*steps, user], user, axis
+        elif user.target not in _COPIES:
+            return None
+        steps.append(user)
+        node = user
+    return None
+
+
+def _buffer_writes(first: torch.fx.Node, in_loop: set) -> list[torch.fx.Node] | None:
+    """The chain of ``select_scatter`` writes that starts at ``first``, when it writes every
+    slot of the buffer once, in order (``out[i] = y`` for ``i = 0 … N−1``)."""
+    chain, node = [first], first
+    while True:
+        nxt = [u for u in node.users if u.target is aten.select_scatter.default
+               and u.args[0] is node and u in in_loop]
+        if not nxt:
+            break
+        if len(nxt) > 1:
+            return None
+        node = nxt[0]
+        chain.append(node)
+    dim = first.args[2]
+    count = _shape(first)[dim]
+    if len(chain) != count or [w.args[3] % count for w in chain] != list(range(count)) \
+            or any(w.args[2] != dim for w in chain):
+        return None
+    return chain
+
+
+def _rewrite_buffer(graph: torch.fx.Graph, writes: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """Replace the un-chunked buffer by ``cat(unchunk₁(y_i))``; returns that ``cat``."""
+    dim = writes[0].args[2]
+    found = _unchunked(writes[-1], dim)
+    if found is None:
+        return None
+    steps, result, merged = found
+    perm = _permutation(steps, len(_shape(writes[-1])))
+    shape = _shape(result)
+    shape[merged] //= len(writes)
+    pieces = []
+    for w in writes:
+        y = w.args[1]
+        if y.target is aten.copy.default:
+            y = y.args[1]
+        with graph.inserting_before(w.next):       # the same ops for every buffer and size
+            one = _emit(graph, aten.expand.default, (y, _shape(w.args[1])), w.meta)
+            one = _emit(graph, aten.unsqueeze.default, (one, dim), w.meta)
+            one = _emit(graph, aten.permute.default, (one, perm), w.meta)
+            one = _emit(graph, aten.clone.default, (one,), w.meta,
+                        {"memory_format": torch.contiguous_format})
+            pieces.append(_emit(graph, aten._unsafe_view.default, (one, shape), w.meta))
+    with graph.inserting_after(result):
+        cat = _emit(graph, aten.cat.default, (pieces, merged), result.meta)
+    result.replace_all_uses_with(cat)
+    return cat
+
+
+def _flatten_cats(graph: torch.fx.Graph, joins: set[torch.fx.Node]) -> None:
+    """``cat([cat(a), cat(b)])`` along one axis -> ``cat(a + b)`` for the joins made here."""
+    for node in list(graph.nodes):
+        if node.target is not aten.cat.default or node in joins:
+            continue
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        parts = list(node.args[0])
+        if not any(p in joins for p in parts):
+            continue
+        flat = []
+        for p in parts:
+            if p in joins and len(p.users) == 1 and p.args[1] == dim:
+                flat.extend(p.args[0])
+            else:
+                flat.append(p)
+        node.args = (flat, *node.args[1:])
+
+
+def _computed_at(node: torch.fx.Node) -> str:
+    """``file:line (`code`)`` of the nearest op behind ``node`` that computes, not relays."""
+    while node.op == "call_function" and node.target in (*_MOVES, *_COPIES, *_VIEWS,
+                                                         aten.unsqueeze.default):
+        node = node.args[0]
+    src = node.meta.get(SRC)
+    return f"{src.file}:{src.line} (`{src.code}`)" if src is not None else node.format_node()
+
+
+def _refuse_chunked_computations(graph: torch.fx.Graph, in_loop: set) -> None:
+    """Raise when, beside the rewritten streams, the loop still takes ``x[i]`` of a tensor
+    computed from the chunked inputs (a learning rate projected after the reshape): its chunk
+    is not a slice of one sequence, so no chunk of the converted loop can read it."""
+    for sel in graph.nodes:
+        if sel in in_loop and sel.target is aten.select.int and \
+                isinstance(sel.args[0], torch.fx.Node) and sel.args[0] not in in_loop \
+                and not any(u.target is aten.select_scatter.default   # out[i] = y's slot
+                            for u in sel.args[0].users):
+            src = sel.meta.get(SRC)
+            where = f" at {src.file}:{src.line}" if src is not None else ""
+            raise UnsupportedTTTError(
+                f"the loop takes mini-batch {sel.args[2]} of a tensor{where} that was computed "
+                f"after the sequence was cut into mini-batches, at {_computed_at(sel.args[0])}; "
+                "ttt2la reads pre-chunked inputs that are reshapes of whole sequences. Compute "
+                "that tensor on the whole sequence ([B, ..., L, ...]) and reshape it into "
+                "mini-batches with the others.")
+
+
+def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
+    """Rewrite the pre-chunked streams and output buffers of ``loop`` (see the module
+    docstring) in place; returns whether anything was rewritten."""
+    graph = gm.graph
+    in_loop = {n for n in graph.nodes
+               if n.op == "call_function" and loop_depth(n, loop) is not None}
+    changed = False
+    for sel in [n for n in graph.nodes if n in in_loop and n.target is aten.select.int]:
+        src = sel.args[0]
+        if not isinstance(src, torch.fx.Node) or src in in_loop:
+            continue
+        found = _chunked_source(src, sel.args[1] % len(_shape(src)))
+        if found is not None:
+            _rewrite_stream(graph, sel, found)
+            changed = True
+    if changed:
+        _refuse_chunked_computations(graph, in_loop)
+    joins = set()
+    for w in [n for n in graph.nodes if n in in_loop and n.target is aten.select_scatter.default
+              and n.args[0] not in in_loop]:
+        writes = _buffer_writes(w, in_loop)
+        cat = _rewrite_buffer(graph, writes) if writes is not None else None
+        if cat is not None:
+            joins.add(cat)
+    if joins:
+        _flatten_cats(graph, joins)
+        changed = True
+    if changed:
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
+__all__ = ["ChunkAxes", "split_axis", "unchunk_streams"]
