@@ -5,6 +5,7 @@ from .lact_published import LaCTPublishedLayer
 from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
+from .titans import MemoryState, TitansLinearMemory, TitansMLPMemory
 from .trained import trained_char_lm
 from .variants import STEPS, variant_switches, with_variant
 
@@ -20,4 +21,4 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
            "PerTokenInlineTTTLayer", "TinyLaCTLM", "lact_layer", "trained_char_lm", "STEPS",
-           "variant_switches"]
+           "variant_switches", "MemoryState", "TitansLinearMemory", "TitansMLPMemory"]
