@@ -6,9 +6,12 @@ the weights the window *started* with, all chunks at once (``vmap(grad(loss))`` 
 chunks); the surprises then go through an associative scan over the window's chunks — momentum
 ``S_j = β_j S_{j−1} − g_j`` when enabled — and the weights through another, with weight decay
 ``W_j = keep_j W_{j−1} + S_j`` (``keep_j`` the product of the chunk's per-token keep gates; 1
-without decay). The queries of chunk ``j`` read the weights left by chunk ``j − 1`` (causal: a
-query never reads its own chunk). The window's last weights start the next window. The forward
-returns the retrieved values and a ``MemoryState`` named tuple (position, final weights).
+without decay; ``β_j`` the chunk mean of the per-token momentum gates). The queries of chunk
+``j`` read the weights left by chunk ``j − 1`` (causal: a query never reads its own chunk). The
+window's last weights start the next window. Tokens outside ``store_mask`` — and the zero tokens
+that pad the last window to full size — have rate, decay and momentum gates 0: they neither
+teach the memory nor decay it. The forward returns the retrieved values and a ``MemoryState``
+named tuple (position, final weights, last surprise).
 
 ``TitansLinearMemory``: ``f(k) = k W`` — the update is affine in ``W`` (a delta rule), so it
 converts exactly. ``TitansMLPMemory``: Titans' default memory, a two-layer MLP behind a
@@ -85,13 +88,13 @@ class _TitansMemory(nn.Module):
         at_start = {name: w.repeat_interleave(n, dim=0) for name, w in weights.items()}
         grads = vmap(grad(self.loss))(at_start, k.flatten(0, 1), v.flatten(0, 1),
                                       lr.flatten(0, 1))
+        keep = log_keep.sum(-1).exp()
         after = {}
         for name, g in grads.items():
             step = -g.view(B, n, *g.shape[1:])
             if self.momentum:
                 step = scan_gates(beta, step, surprise[name])
                 surprise = {**surprise, name: step[:, -1]}
-            keep = log_keep.sum(-1).exp()
             after[name] = scan_gates(keep, step, weights[name])
         return after, surprise
 
@@ -135,6 +138,7 @@ class _TitansMemory(nn.Module):
         return torch.cat(outs, dim=1)[:, :L], state
 
     def unwrap(self, weights):
+        """The weights as the state hands them on (the dict itself, or its one tensor)."""
         return weights
 
 
