@@ -314,7 +314,7 @@ class TolistMask(_Catalogue):
     def forward(self, x):
         q, k, v = self.proj(x).chunk(3, dim=-1)
         W, outs = self.w.expand(x.shape[0], -1, -1), []
-        keep = (torch.arange(x.shape[1]) % 2 == 0).tolist()
+        keep = (x[0, :, 0] > 0).tolist()
         for s in range(0, x.shape[1], self.C):
             if keep[s]:
                 W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
@@ -347,7 +347,7 @@ class OnlyItsOwnLength(_Catalogue):
 @pytest.mark.parametrize("cls,code", [
     (BranchOnValue, "if W.norm() > 1e3:"),
     (ItemInLoop, "n = self.C + int(k[:, s].abs().sum().item() < 0)"),
-    (TolistMask, "keep = (torch.arange(x.shape[1]) % 2 == 0).tolist()"),
+    (TolistMask, "keep = (x[0, :, 0] > 0).tolist()"),
     (SummedOutputs, "for s in range(0, x.shape[1], self.C):"),
     (OnlyItsOwnLength, 'raise ValueError("this layer runs at length 11 only")'),
 ])

@@ -10,6 +10,10 @@ with the runtime's log-depth ``matrix_affine_scan``. Which side ``A_j`` multipli
 the first chunk: the derivative along a random direction must equal ``A_0`` applied on that
 side; when neither side fits (another linear map of the state: transposes, sums), the sequential
 pass runs as before and the plan names the state as sequential.
+
+Several states coupled affinely (a memory and its momentum: ``S' = β S − g(W)``,
+``W' = γ W + S'``) are one affine map of the states stacked — rows for ``A·[W; S]``, columns
+for ``[W | S]·A`` — and are scanned the same way, jointly.
 """
 from __future__ import annotations
 
@@ -44,27 +48,53 @@ def _apply(A: torch.Tensor, S: torch.Tensor, side: str) -> torch.Tensor:
     return A @ S if side == "left" else S @ A
 
 
+def _stack(parts: list[torch.Tensor], side: str) -> torch.Tensor:
+    """States stacked so that one map acts on all: rows (left) or columns (right)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2 if side == "left" else -1)
+
+
+def _unstack(stacked: torch.Tensor, like: list[torch.Tensor], side: str) -> list[torch.Tensor]:
+    """The stacked state split back into states shaped like ``like`` (``_stack``'s inverse)."""
+    if len(like) == 1:
+        return [stacked]
+    dim = -2 if side == "left" else -1
+    return list(stacked.split([t.shape[dim] for t in like], dim=dim))
+
+
+def _stackable(states: list[torch.Tensor], side: str) -> bool:
+    """Can the states be stacked on ``side`` (same leading axes, same other matrix axis)?"""
+    if any(t.dim() < 2 or not t.is_floating_point() for t in states):
+        return False
+    keep = -1 if side == "left" else -2
+    first = states[0]
+    return all(t.shape[:-2] == first.shape[:-2] and t.shape[keep] == first.shape[keep]
+               and t.dtype == first.dtype for t in states)
+
+
 class DeltaScanPlan(Plan):
-    """The generic semi-parallel plan in which every single state whose update is
-    matrix-affine in itself gets its sequence from a log-depth matrix-affine scan."""
+    """The generic semi-parallel plan in which every group of states whose update is
+    matrix-affine in its members (one state: the delta rule; several: a memory and its momentum)
+    gets its sequence from a log-depth matrix-affine scan."""
 
     def __init__(self, program: TTTProgram, analysis: Analysis, schedule: str):
         super().__init__(program, analysis, schedule)
-        self.scanned = scanned_states(analysis) if schedule == "semi-parallel" else set()
-        self.sides: dict[int, str | None] = {}
+        self.scanned = scanned_groups(analysis) if schedule == "semi-parallel" else set()
+        self.sides: dict[int, str | None] = {}     # keyed by a group's first state
 
     @property
     def implementation(self) -> str:
         """``"torch.vmap(semi-parallel; matrix-affine scan: W)"`` — what runs, for the report."""
         if self.schedule == "recurrent":
             return super().implementation
-        scanned = {t for t in self.scanned if self.sides.get(t, "left") is not None}
+        scanned = [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None]
+        in_scan = {t for g in scanned for t in g}
         name = lambda t: self.program.states[t].name  # noqa: E731
         sequential = [name(t) for s in self._steps if s.mode == "sequential" for t in s.states
-                      if t not in scanned]
+                      if t not in in_scan]
         parts = [self.schedule]
         if scanned:
-            parts.append(f"matrix-affine scan: {', '.join(name(t) for t in sorted(scanned))}")
+            groups = ", ".join(" + ".join(name(t) for t in g) for g in scanned)
+            parts.append(f"matrix-affine scan: {groups}")
         if sequential:
             parts.append(f"sequential: {', '.join(sequential)}")
         if self.fallbacks:
@@ -72,42 +102,48 @@ class DeltaScanPlan(Plan):
         return f"torch.vmap({'; '.join(parts)})"
 
     def _sequential(self, step, env, states0, n):
-        t = step.states[0] if len(step.states) == 1 else None
-        if t not in self.scanned or self.sides.get(t, "left") is None:
+        group = tuple(step.states)
+        if group not in self.scanned or self.sides.get(group[0], "left") is None:
             return super()._sequential(step, env, states0, n)
-        maps = self._maps(step, env, states0[t], n)
+        starts = [states0[t] for t in group]
+        maps = self._maps(step, env, starts, n)
         if maps is None:
             return super()._sequential(step, env, states0, n)
         A, B, side = maps
+        s0 = _stack(starts, side)
         if side == "right":  # S A + B: scan the transposes
-            A, B, s0 = A.mT, B.mT, states0[t].mT
-        else:
-            s0 = states0[t]
+            A, B, s0 = A.mT, B.mT, s0.mT
         after = matrix_affine_scan(A.movedim(0, -3), B.movedim(0, -3), s0).movedim(-3, 0)
-        return [after.mT if side == "right" else after]
+        return _unstack(after.mT if side == "right" else after, starts, side)
 
-    def _maps(self, step, env, s0: torch.Tensor, n: int):
-        """``(A [n, ..., r, r], B [n, ..., rows, cols], side)`` of every chunk, or ``None``."""
+    def _maps(self, step, env, starts: list[torch.Tensor], n: int):
+        """``(A [n, ..., r, r], B [n, ..., rows, cols], side)`` of every chunk, for the group's
+        states stacked on ``side``, or ``None``."""
         t = step.states[0]
-        if s0.dim() < 2 or not s0.is_floating_point():
+        sides = [self.sides[t]] if t in self.sides else list(SIDES)
+        sides = [side for side in sides if side is not None and _stackable(starts, side)]
+        if not sides:
             self.sides[t] = None
             return None
         values = self._step_values(step, env, n)
-        k = step.inputs.index(self.program.state_inputs()[t])
-        zero = torch.zeros_like(s0)
+        ins = self.program.state_inputs()
+        ks = [step.inputs.index(ins[u]) for u in step.states]
 
-        def update_of(args):
-            def update(state):
+        def update_of(args, side):
+            def update(stacked):
                 full = list(args)
-                full[k] = state
-                return step.graph(*full)[0]
+                for k, part in zip(ks, _unstack(stacked, starts, side)):
+                    full[k] = part
+                return _stack(list(step.graph(*full)[:len(ks)]), side)
             return update
 
-        for side in [self.sides[t]] if t in self.sides else list(SIDES):
+        for side in sides:
+            s0 = _stack(starts, side)
+            zero = torch.zeros_like(s0)
             basis = _basis(s0, side)
 
-            def pair(*args, side=side, basis=basis):
-                update = update_of(args)
+            def pair(*args, side=side, basis=basis, zero=zero):
+                update = update_of(args, side)
                 cols = vmap(lambda x: jvp(update, (zero,), (x,))[1])(basis)
                 if side == "left":  # (A E_i0)[:, 0] is A's column i
                     A = cols[..., 0].movedim(0, -1)
@@ -117,8 +153,8 @@ class DeltaScanPlan(Plan):
 
             (A, B), fell_back = _call_batched(pair, values, n)
             if fell_back:
-                self.fallbacks.add(self.program.states[t].name)
-            first = update_of([v[0] if batched else v for v, batched in values])
+                self.fallbacks.update(self.program.states[u].name for u in step.states)
+            first = update_of([v[0] if batched else v for v, batched in values], side)
             if t in self.sides or _fits(first, A[0], s0, side):
                 self.sides[t] = side
                 return A, B, side
@@ -127,10 +163,11 @@ class DeltaScanPlan(Plan):
 
     def _step_values(self, step, env, n: int):
         frontier_values = self._frontier_values(step, env, n)
-        state_in = self.program.state_inputs()[step.states[0]]
+        ins = self.program.state_inputs()
+        state_ins = {ins[u] for u in step.states}
         values = []
         for i in step.inputs:
-            if i is state_in:
+            if i in state_ins:
                 values.append((None, False))
             else:
                 values.append(frontier_values.get(i) or env[i])
@@ -150,21 +187,33 @@ def _fits(update, A0: torch.Tensor, s0: torch.Tensor, side: str) -> bool:
     return rel_rms_error(moved, _apply(A0, probe, side)) <= FIT_TOLERANCE
 
 
+def scanned_groups(analysis: Analysis) -> set[tuple[int, ...]]:
+    """The groups of states the checker runs sequentially only because each member's update is
+    at most matrix-affine in the group's states (no weight norm): one state matrix-affine in
+    itself, or several coupled affinely."""
+    dep = analysis.dependence
+    out = set()
+    for group, mode in zip(analysis.groups, analysis.group_modes):
+        if mode != "sequential":
+            continue
+        worst = max(dep.update(t, u).cls for t in group for u in group)
+        if worst == Dep.MATRIX_AFFINE or (len(group) > 1 and worst < Dep.MATRIX_AFFINE):
+            out.add(tuple(group))
+    return out
+
+
 def scanned_states(analysis: Analysis) -> set[int]:
-    """The states the checker runs sequentially only because they are matrix-affine in
-    themselves (one state per group, no weight norm)."""
-    return {group[0] for group, mode in zip(analysis.groups, analysis.group_modes)
-            if mode == "sequential" and len(group) == 1
-            and analysis.states[group[0]].self_dependence == Dep.MATRIX_AFFINE}
+    """Every state in a group ``scanned_groups`` finds."""
+    return {t for group in scanned_groups(analysis) for t in group}
 
 
 def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
                sides: dict[int, str | None] | None = None) -> DeltaScanPlan | None:
-    """The delta-rule plan for ``program`` on ``schedule``, or ``None`` when no state of it is
-    matrix-affine in itself. Raises ``NonReducibleError`` when the program does not allow
-    ``schedule``. ``sides``: the sides already read off a plan of the same body at another
-    batch size (structural, so carried over: a later call, even one a compiler traces with
-    fake tensors, need not probe again)."""
+    """The delta-rule plan for ``program`` on ``schedule``, or ``None`` when no group of its
+    states is matrix-affine in its members. Raises ``NonReducibleError`` when the program does
+    not allow ``schedule``. ``sides``: the sides already read off a plan of the same body at
+    another batch size (structural, so carried over: a later call, even one a compiler traces
+    with fake tensors, need not probe again)."""
     if schedule != "semi-parallel" or not scanned_states(analysis):
         return None
     analysis.require_schedule(schedule)
@@ -173,4 +222,4 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
     return plan
 
 
-__all__ = ["DeltaScanPlan", "lift_delta", "scanned_states"]
+__all__ = ["DeltaScanPlan", "lift_delta", "scanned_groups", "scanned_states"]

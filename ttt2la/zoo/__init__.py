@@ -6,6 +6,7 @@ from .lm import LACT_STYLES, TinyLaCTLM
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
 from .schedule import ScheduleTTTLayer
+from .titans import MemoryState, TitansLinearMemory, TitansMLPMemory
 from .trained import trained_char_lm
 from .ttt_scan import ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTMLPLayer
 from .variants import STEPS, variant_switches, with_variant
@@ -23,5 +24,5 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
            "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
-           "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "lact_layer", "trained_char_lm", "STEPS",
-           "variant_switches"]
+           "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "MemoryState", "TitansLinearMemory",
+           "TitansMLPMemory", "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
