@@ -621,8 +621,18 @@ def run(setup: Setup, results: Path, muons: tuple[bool, ...], profile: bool,
     return out
 
 
+#: Every case builds the published operator with other switches (update_theta, weight_norm,
+#: use_muon, chunk size); each is one more compiled specialisation. Dynamo's default limit (8)
+#: is reached within the run and the rest would silently time *eager* code as "as written",
+#: which a user with one configuration never runs; the limit is raised so they stay compiled.
+RECOMPILE_LIMIT = 256
+
+
 def main(argv=None) -> int:
     setup, args = parse_setup(argv)
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        RECOMPILE_LIMIT, torch._dynamo.config.accumulated_recompile_limit)
     if args.threads:
         torch.set_num_threads(args.threads)
     elif setup.device == "cpu":

@@ -18,33 +18,11 @@ from torch import nn
 from torch.func import grad
 
 import ttt2la
-from ttt2la.testing import TOLERANCE, rel_rms_error
+from equivalence import assert_same_function
 from ttt2la.zoo import ttt_linear
 from ttt2la.zoo.one_line_slices import OneLineSliceLayer
 from ttt2la.zoo.ttt_linear import TTTLinearAutogradLayer, TTTLinearFuncGradLayer
 
-TOL = TOLERANCE[torch.float32]
-
-
-def _outputs_and_grads(module, x, seed=5):
-    """Output and every parameter gradient of ``<module(x), g>`` for a fixed random ``g``."""
-    module.zero_grad(set_to_none=True)
-    y = module(x)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
-    (y * g).sum().backward()
-    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
-             for n, p in module.named_parameters()}
-    return y.detach(), grads
-
-
-def _assert_same_function(converted, original, xs):
-    for x in xs:
-        y, gy = _outputs_and_grads(converted, x)
-        r, gr = _outputs_and_grads(original, x)
-        assert rel_rms_error(y, r) <= TOL, f"output at {tuple(x.shape)}: {rel_rms_error(y, r)}"
-        for name in gr:
-            err = rel_rms_error(gy[name], gr[name])
-            assert err <= TOL, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
 
 
 def _line_of(module, text: str) -> int:
@@ -103,7 +81,7 @@ def test_one_statement_slicing_converts_exactly_at_levels_0_to_2(B, H, D, C, r, 
         report = converted.ttt2la_report.layers[0]
         assert report.exact and report.schedule == "parallel"
         assert report.last_chunk == ("apply_only" if order == "apply_first" else "update")
-        _assert_same_function(converted, layer, [x, torch.randn(B + 1, 2 * C + 1, H * D)])
+        assert_same_function(converted, layer, [x, torch.randn(B + 1, 2 * C + 1, H * D)])
 
 
 @pytest.mark.parametrize("order,L", [("apply_first", 1), ("update_first", 3),
@@ -115,7 +93,7 @@ def test_examples_shorter_than_the_loop_convert(order, L):
     x = torch.randn(2, L, 8)
     converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
     assert converted.ttt2la_report.layers[0].chunk_size == 6
-    _assert_same_function(converted, layer, [x, torch.randn(2, 23, 8)])
+    assert_same_function(converted, layer, [x, torch.randn(2, 23, 8)])
 
 
 def test_non_contiguous_example_inputs_convert():
@@ -125,7 +103,7 @@ def test_non_contiguous_example_inputs_convert():
     assert not x.is_contiguous()
     converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
     y = torch.randn(2, 8, 11).permute(0, 2, 1)
-    _assert_same_function(converted, layer, [x, y])
+    assert_same_function(converted, layer, [x, y])
 
 
 class FirstIterationInitialises(nn.Module):
@@ -155,7 +133,7 @@ def test_first_iteration_that_initialises_the_state_converts():
     for level in (0, 1, 2):
         converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
         assert converted.ttt2la_report.layers[0].schedule == "parallel"
-        _assert_same_function(converted, layer, [x, torch.randn(3, 7, 6)])
+        assert_same_function(converted, layer, [x, torch.randn(3, 7, 6)])
 
 
 class StateScaledLayer(nn.Module):
@@ -184,7 +162,7 @@ def test_rate_read_from_the_state_alone_converts_semi_parallel():
     x = torch.randn(2, 13, 6)
     converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
     assert converted.ttt2la_report.layers[0].schedule == "semi-parallel"
-    _assert_same_function(converted, layer, [x, torch.randn(1, 8, 6)])
+    assert_same_function(converted, layer, [x, torch.randn(1, 8, 6)])
 
 
 # -- refusals the theory calls for ----------------------------------------------------------------
@@ -224,7 +202,7 @@ def test_ttt_linear_is_kept_as_written_not_frozen_when_not_strict(level):
     assert [s.role for s in report.states][:1] == ["final"]
     assert all(p.status != "applied" for p in report.passes if p.name == "freeze_theta")
     assert report.runtime == "kept as written (recurrent)"
-    _assert_same_function(converted, layer, [x])
+    assert_same_function(converted, layer, [x])
 
 
 class _Linear(nn.Module):

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ttt2la
+from equivalence import assert_same_function
 from ttt2la.lowering import LiftedPlan
 from ttt2la.testing import rel_rms_error
 
@@ -126,15 +127,6 @@ def _plan(conv, B):
     return state.loop_for(B).plan
 
 
-def _outputs_and_grads(module, x):
-    x = x.clone().requires_grad_(True)
-    out = module(x)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    params = list(module.parameters())
-    grads = torch.autograd.grad((out * w).sum(), [x, *params], allow_unused=True)
-    return [out, *(torch.zeros_like(p) if g is None else g for p, g in zip([x, *params], grads))]
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_feature_maps_run_whole_only_when_token_local(name):
     _, whole, schedule = CASES[name]
@@ -153,8 +145,7 @@ def test_lifted_layers_equal_their_loop(name, B, L):
     layer, conv = _converted(name)
     L = _length(name, L)
     x = torch.randn(B, L, D, dtype=torch.float64, generator=torch.Generator().manual_seed(B * L))
-    for got, ref in zip(_outputs_and_grads(conv, x), _outputs_and_grads(layer, x)):
-        assert rel_rms_error(got, ref) <= F64
+    assert_same_function(conv, layer, x, tol=F64)
 
 
 class OtherNormTTT(FeatureTTT):
@@ -188,8 +179,7 @@ def test_a_weight_norm_the_op_does_not_compute_is_not_lifted(eps, dim):
     x = torch.randn(2, 3 * C + 2, D, dtype=torch.float64)
     conv = ttt2la.convert(layer, level=1, example_inputs=(x,))
     assert not isinstance(_plan(conv, 2), LiftedPlan)
-    for got, ref in zip(_outputs_and_grads(conv, x), _outputs_and_grads(layer, x)):
-        assert rel_rms_error(got, ref) <= F64
+    assert_same_function(conv, layer, x, tol=F64)
 
 
 class _Copies(TorchDispatchMode):

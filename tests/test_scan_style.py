@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttt2la
+from equivalence import assert_same_function
 from ttt2la.frontend.capture import trace
 from ttt2la.frontend.discover import discover
 from ttt2la.frontend.loops import find_loops
@@ -27,27 +28,6 @@ from ttt2la.zoo.ttt_scan import ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTM
 
 TOL = TOLERANCE[torch.float32]
 aten = torch.ops.aten
-
-
-def _outputs_and_grads(module, x, seed=7):
-    """Output and every parameter gradient of ``<module(x), g>`` for a fixed random ``g``."""
-    module.zero_grad(set_to_none=True)
-    y = module(x)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
-    (y * g).sum().backward()
-    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
-             for n, p in module.named_parameters()}
-    return y.detach(), grads
-
-
-def _assert_same_function(converted, original, xs):
-    for x in xs:
-        y, gy = _outputs_and_grads(converted, x)
-        r, gr = _outputs_and_grads(original, x)
-        assert rel_rms_error(y, r) <= TOL, f"output at {tuple(x.shape)}: {rel_rms_error(y, r)}"
-        for name in gr:
-            err = rel_rms_error(gy[name], gr[name])
-            assert err <= TOL, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
 
 
 def _randomised(layer):
@@ -175,7 +155,7 @@ def test_scan_linear_layer_converts_exactly_at_levels_0_to_2(B, H, f, K, n, r):
         report = converted.ttt2la_report.layers[0]
         assert report.exact and report.schedule == "parallel" and report.chunk_size == K
         assert [s.name for s in report.states] == ["W"]
-        _assert_same_function(converted, layer, [x, *others])
+        assert_same_function(converted, layer, [x, *others])
 
 
 # -- refusals: the norm inside the loss ----------------------------------------------------------
@@ -213,7 +193,7 @@ def test_ttt_linear_scan_is_kept_as_written_when_not_strict():
     converted = ttt2la.convert(layer, level=2, example_inputs=(x,), strict=False)
     report = converted.ttt2la_report.layers[0]
     assert report.runtime == "kept as written (recurrent)"
-    _assert_same_function(converted, layer, [x, torch.randn(1, 7, 4)])
+    assert_same_function(converted, layer, [x, torch.randn(1, 7, 4)])
     inspected = ttt2la.inspect(layer, example_inputs=(x,), show=False)
     assert all(inspected.layers[0].levels[k].startswith("recurrent:") for k in (0, 1, 2))
 

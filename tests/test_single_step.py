@@ -17,31 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttt2la
+from equivalence import assert_same_function
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import ViTTTBlock
 
-FP32 = TOLERANCE[torch.float32]
-
-
-def outputs_and_grads(module, x, g):
-    """The output and the gradients of ``<module(x), g>`` w.r.t. ``x`` and every parameter."""
-    xi = x.clone().requires_grad_(True)
-    y = module(xi)
-    names = ["x", *(n for n, _ in module.named_parameters())]
-    params = [xi, *module.parameters()]
-    grads = torch.autograd.grad((y * g).sum(), params, allow_unused=True)
-    # a parameter the output does not read (a last update no token reads) has gradient zero
-    return y, {n: torch.zeros_like(p) if d is None else d for n, p, d in zip(names, params, grads)}
-
-
-def assert_same_function(converted, reference, x):
-    g = torch.randn_like(reference(x))
-    yc, gc = outputs_and_grads(converted, x, g)
-    yr, gr = outputs_and_grads(reference, x, g)
-    assert rel_rms_error(yc, yr) <= FP32
-    assert gc.keys() == gr.keys()
-    for name in gr:
-        assert rel_rms_error(gc[name], gr[name]) <= FP32, name
 
 
 def frozen_gate_twin(block: ViTTTBlock) -> ViTTTBlock:

@@ -122,7 +122,7 @@ def stateful_plan(loop) -> object:
     if isinstance(plan, LiftedPlan) and plan.lifted.m is not None:
         cached = getattr(loop, "_stateful_plan", None)
         if cached is None:
-            cached = lower(loop.program, None, backend="torch", schedule="parallel")
+            cached = lower(loop.program, None, backend="torch", schedule=plan.schedule)
             loop._stateful_plan = cached
         return cached
     return plan

@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import SRC, SourceLoc
 from .shape_values import shape_only_values
+from .trace_guards import no_numpy
 
 FRAMES = "ttt2la_frames"
 
@@ -130,7 +131,7 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
 
 def _trace_functional(fn, args, tracing_mode: str) -> torch.fx.GraphModule:
     pure = torch.func.functionalize(fn, remove="mutations")
-    with _no_compile(), _all_user_frames(), shape_only_values():
+    with _no_compile(), _all_user_frames(), shape_only_values(), no_numpy():
         return make_fx(pure, tracing_mode=tracing_mode, record_stack_traces=True,
                        _allow_non_fake_inputs=True)(*args)
 
@@ -140,7 +141,7 @@ def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModu
     backward recorded as aten ops), then functionalize that graph, keeping each node's frames."""
     from torch.fx import traceback as fx_traceback
 
-    with _no_compile(), _all_user_frames(), torch.enable_grad(), shape_only_values():
+    with _no_compile(), _all_user_frames(), torch.enable_grad(), shape_only_values(), no_numpy():
         plain = make_fx(fn, tracing_mode=tracing_mode, record_stack_traces=True,
                         _allow_non_fake_inputs=True)(*args)
     flat_args = pytree.tree_leaves(args)

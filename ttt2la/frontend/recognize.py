@@ -32,7 +32,7 @@ from .capture import _no_compile, trace, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
 from .prechunked import unchunk_streams
-from .trace_guards import data_dependent_message, data_dependent_node, no_numpy
+from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import RolledLoop, roll_up
 from .shapes import GraphTemplate, fit_template
 
@@ -150,8 +150,7 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     inputs = _inputs_at(flat, layout, B, L)
     pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
     try:
-        with no_numpy():
-            gm = trace(fn, pb, *inputs)
+        gm = trace(fn, pb, *inputs)
     except ConversionError:
         raise
     except Exception as e:

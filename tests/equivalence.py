@@ -1,0 +1,36 @@
+"""The comparison equivalence tests make: a converted layer and the layer as written give the same
+output and the same gradient of ``<output, g>`` for the input and every parameter."""
+import torch
+
+from ttt2la.testing import TOLERANCE, rel_rms_error
+
+FP32 = TOLERANCE[torch.float32]
+
+
+def outputs_and_grads(module, x, g):
+    """The output and the gradients of ``<module(x), g>`` w.r.t. ``x`` and every parameter; a
+    parameter the output does not read (a last update no token reads) has gradient zero."""
+    xi = x.clone().requires_grad_(True)
+    y = module(xi)
+    names = ["x", *(n for n, _ in module.named_parameters())]
+    params = [xi, *module.parameters()]
+    grads = torch.autograd.grad((y * g).sum(), params, allow_unused=True)
+    return y.detach(), {n: torch.zeros_like(p) if d is None else d
+                        for n, p, d in zip(names, params, grads)}
+
+
+def assert_same_function(converted, reference, xs, tol: float = FP32, seed: int = 5):
+    """Output and every gradient of ``converted`` within ``tol`` of ``reference``'s on each input
+    of ``xs`` (a tensor or a list of them), for a fixed random cotangent."""
+    for x in [xs] if isinstance(xs, torch.Tensor) else xs:
+        with torch.no_grad():
+            shape = reference(x).shape
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=x.dtype)
+        yc, gc = outputs_and_grads(converted, x, g)
+        yr, gr = outputs_and_grads(reference, x, g)
+        err = rel_rms_error(yc, yr)
+        assert err <= tol, f"output at {tuple(x.shape)}: {err:.3g}"
+        assert gc.keys() == gr.keys()
+        for name in gr:
+            err = rel_rms_error(gc[name], gr[name])
+            assert err <= tol, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
