@@ -119,7 +119,7 @@ MUTATIONS = [
         ("tests/test_executors.py",), "hand_written_loop"),
     Mutation(
         "lift_scale_dropped", "the lifted plan drops the increment's constant scale",
-        (("ttt2la/lowering/lift.py", "value = value * lp.scale", "value = value"),),
+        (("ttt2la/lowering/lift.py", "else value * self.lifted.scale", "else value"),),
         ("tests/test_convert.py",), "level2_equals and heads-H2-D4-C8"),
 ]
 

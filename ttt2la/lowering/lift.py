@@ -519,8 +519,7 @@ class LiftedPlan:
         T = phi_k.shape[-2]
         for s in scales:                         # a scalar per matrix and chunk
             value = value * s.reshape(N, b, 1, 1)
-        if lp.scale != 1.0:
-            value = value * lp.scale
+        value = self._scaled(value)
 
         def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
@@ -544,6 +543,10 @@ class LiftedPlan:
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
         return outputs, self._finals(states0, s_final)
+
+    def _scaled(self, value: torch.Tensor) -> torch.Tensor:
+        """The effective value times the increment's constant factor (signs, fixed rates)."""
+        return value if self.lifted.scale == 1.0 else value * self.lifted.scale
 
     def _finals(self, states0, s_final: torch.Tensor) -> list:
         """The program's final states: the runtime's ``[b, 1, Dk, Dv]`` state in the layout of
@@ -583,8 +586,7 @@ class LiftedPlan:
         chunk_level = self._chunk_level(states0, invariants, layout)
         alpha = chunk_level.pop() if lp.m is not None else None
         rate = per_token_rate(chunk_level, b, prog.chunk_size, T)
-        if lp.scale != 1.0:
-            value = value * lp.scale
+        value = self._scaled(value)
         momentum = None if alpha is None else alpha.reshape(-1, b).transpose(0, 1).unsqueeze(-1)
         o, s_final = self._run_op(phi_q.unsqueeze(2), phi_k.unsqueeze(2), value.unsqueeze(2),
                                   self._initial(states0, b), momentum,
