@@ -454,12 +454,8 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     guessed = _state_names([carried[p] for p in producers], depth, firsts)
     for i, p in enumerate(producers):
         out = carried[p]
-        name = _unique(guessed[i] or f"state{i}", taken)
-        ph = body.placeholder(name)
-        ph.meta.update(val=p.meta.get("val"), **{KIND: "state", NAME: name})
-        env[p] = ph
-        val = p.meta["val"]
-        state_specs.append(StateSpec(name, tuple(val.shape), val.dtype, src=out.meta.get(SRC)))
+        state_specs.append(state_input(body, p, out, _unique(guessed[i] or f"state{i}", taken),
+                                       env))
     stream_items = list(streams.items())
     per_line: dict = {}
     on_line = Counter(s.meta.get(SRC) for s, _ in stream_items)
@@ -572,6 +568,17 @@ def _initialisation(v0: torch.fx.Node, first: set, in_loop: set, hoisted: set,
         made.add(n)
         stack.extend(_input_nodes(n))
     return made
+
+
+def state_input(body: torch.fx.Graph, node: torch.fx.Node, updated: torch.fx.Node, name: str,
+                env: dict) -> StateSpec:
+    """A state placeholder of ``body`` standing for ``node`` (recorded in ``env``), and its spec;
+    ``updated`` computes the state's next value (the line the report names)."""
+    ph = body.placeholder(name)
+    ph.meta.update(val=node.meta.get("val"), **{KIND: "state", NAME: name})
+    env[node] = ph
+    val = node.meta["val"]
+    return StateSpec(name, tuple(val.shape), val.dtype, src=updated.meta.get(SRC))
 
 
 def _contiguous_inputs(graph: torch.fx.Graph) -> None:

@@ -28,13 +28,13 @@ import torch.utils._pytree as pytree
 
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StateSpec, StreamSpec,
+from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StreamSpec,
                   TTTProgram, memory_order)
 from .capture import trace
 from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
                         _layout, layer_function, params_and_buffers)
 from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs,
-                     _materialize_shape_only, _state_names, _unique)
+                     _materialize_shape_only, _state_names, _unique, state_input)
 from .shapes import fit_template
 
 aten = torch.ops.aten
@@ -316,12 +316,8 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
     guessed = [g or _assigned_name(u[0].meta.get(SRC)) for g, u in zip(guessed, updates)]
     state_specs, inv_specs = [], []
     for i, (w, new) in enumerate(zip(states_in, states_out)):
-        name = _unique(guessed[i] or f"state{i}", taken)
-        ph = body.placeholder(name)
-        ph.meta.update(val=w.meta.get("val"), **{KIND: "state", NAME: name})
-        env[w] = ph
-        val = w.meta["val"]
-        state_specs.append(StateSpec(name, tuple(val.shape), val.dtype, src=new.meta.get(SRC)))
+        state_specs.append(state_input(body, w, new, _unique(guessed[i] or f"state{i}", taken),
+                                       env))
     streams, stream_phs = [], {}
     for a in sources:
         name = _unique(_assigned_name(a.meta.get(SRC)) or a.name, taken)

@@ -146,8 +146,8 @@ class LiftedProgram:
     feature_boundary: list = field(default_factory=list)
     feature_outputs: list = field(default_factory=list)
     post_boundary: list = field(default_factory=list)
-    # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     weight_norm: torch.fx.Node | None = None              # the target norms, when normalised
+    # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
     token_feature_inputs: list = field(default_factory=list)
@@ -415,6 +415,18 @@ def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape:
     return ns if float((got - ref).norm() / ref.norm()) < 1e-9 else False
 
 
+def _bind(program: TTTProgram, streams: dict, invariants, states0) -> tuple[dict, dict]:
+    """Every body input by node, and its ``vmap`` dim: ``streams`` (chunk-major, dim 0), the
+    invariants and the states the loop no longer changes (read as constants, unbatched)."""
+    values, dims = dict(streams), {n: 0 for n in streams}
+    for n, v in zip(program.invariant_inputs(), invariants):
+        values[n], dims[n] = v, None
+    for n, v in zip(program.state_inputs(), states0):
+        values.setdefault(n, v)
+        dims.setdefault(n, None)
+    return values, dims
+
+
 class LiftedPlan:
     """Runs a ``LiftedProgram`` with the runtime ops: ``plan(states0, invariants)``.
 
@@ -456,14 +468,9 @@ class LiftedPlan:
         if layout.partial:
             require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
         # vmap's view rule needs each chunk laid out like the traced one: contiguous
-        streams = [x.contiguous() for x in streams]
-        values = {n: v for n, v in zip(prog.stream_inputs(), streams)}
-        dims = {n: 0 for n in prog.stream_inputs()}
-        for n, v in zip(prog.invariant_inputs(), invariants):
-            values[n], dims[n] = v, None
-        for n, v in zip(prog.state_inputs(), states0):     # frozen states read as constants
-            values.setdefault(n, v)
-            dims.setdefault(n, None)
+        values, dims = _bind(prog, dict(zip(prog.stream_inputs(),
+                                            (x.contiguous() for x in streams))),
+                             invariants, states0)
         args = [values[n] for n in lp.feature_inputs]
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
         return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
@@ -570,10 +577,9 @@ class LiftedPlan:
         lp = self.lifted
         prog = lp.program
         layout = chunk_layout(prog, list(invariants))
-        values = dict(zip(prog.stream_inputs(), (invariants[s.source] for s in prog.streams)))
-        values.update(zip(prog.invariant_inputs(), invariants))
-        for n, v in zip(prog.state_inputs(), states0):     # frozen states read as constants
-            values.setdefault(n, v)
+        values, _ = _bind(prog, dict(zip(prog.stream_inputs(),
+                                         (invariants[s.source] for s in prog.streams))),
+                          invariants, states0)
         q_side, left, right = lp.token_features(*(values[n] for n in lp.token_feature_inputs))
         batch = q_side.shape[:-2]
         b = left[..., 0, 0].numel()
@@ -608,16 +614,10 @@ class LiftedPlan:
         if layout.partial:
             require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
         inputs = lp.chunk_feature_inputs
-        values, dims = {}, {}
-        for n, spec in zip(prog.stream_inputs(), prog.streams):
-            if n in inputs:     # vmap's view rule wants each chunk laid out like the traced one
-                values[n] = chunk_stream(invariants[spec.source], spec, layout).contiguous()
-                dims[n] = 0
-        for n, v in zip(prog.invariant_inputs(), invariants):
-            values[n], dims[n] = v, None
-        for n, v in zip(prog.state_inputs(), states0):
-            values.setdefault(n, v)
-            dims.setdefault(n, None)
+        # only the streams these features read, each chunk laid out like the traced one
+        streams = {n: chunk_stream(invariants[spec.source], spec, layout).contiguous()
+                   for n, spec in zip(prog.stream_inputs(), prog.streams) if n in inputs}
+        values, dims = _bind(prog, streams, invariants, states0)
         return list(vmap(lp.chunk_features, in_dims=tuple(dims[n] for n in inputs))(
             *(values[n] for n in inputs)))
 
