@@ -93,3 +93,28 @@ def test_prefix_sum(dtype, with_initial):
     expected = loop_reference(torch.ones(1, 6, 1, 1, 1, dtype=torch.float64), f, initial, 1)
     assert S.dtype == dtype
     assert rel_rms_error(S, expected) < TOLERANCE[dtype]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 130]), with_initial=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_summed_scan_is_momentum_then_prefix_sum(n, with_initial, seed):
+    """One matmul within a block, two blocked scans past it: both equal the two loops, with
+    gradients, in fp32 against float64."""
+    from ttt2la.runtime.scan import summed_scan
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(3, n, generator=g).requires_grad_()
+    f = torch.randn(3, n, 6, generator=g).requires_grad_()
+    initial = torch.randn(3, 6, generator=g).requires_grad_() if with_initial else None
+    leaves = [x for x in (a, f, initial) if x is not None]
+    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+    a64, f64 = leaves64[:2]
+    velocity = loop_reference(a64.unsqueeze(-1), f64, None, dim=1)
+    want = loop_reference(torch.ones(()), velocity, leaves64[2] if with_initial else None, dim=1)
+    got = summed_scan(a, f, initial)
+    assert rel_rms_error(got, want) <= TOLERANCE[torch.float32]
+    seed_grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    got.backward(seed_grad.float())
+    want.backward(seed_grad)
+    for x, x64 in zip(leaves, leaves64):
+        assert rel_rms_error(x.grad, x64.grad) <= TOLERANCE[torch.float32]

@@ -44,6 +44,7 @@ from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
 from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
 from .executors import extract, require_inert_padding
+from .specialize import SpecializedGraph
 from .precision import promoted
 from .weight_norm import WeightNorm, match_weight_norm
 from .whole_sequence import drop_identity_views, per_token_rate, stream_axes, token_local
@@ -441,6 +442,9 @@ class LiftedPlan:
         self.backend = backend
         self.ran: list[str] = []            # backends that ran, in the order first used
         self._padding_checked: dict[int, str | None] = {}
+        if lifted.whole_sequence:           # specialised to each call's layout
+            self._token_features = SpecializedGraph(lifted.token_features)
+            self._whole_post = SpecializedGraph(lifted.whole_post)
 
     @property
     def schedule(self) -> str:
@@ -580,7 +584,7 @@ class LiftedPlan:
         values, _ = _bind(prog, dict(zip(prog.stream_inputs(),
                                          (invariants[s.source] for s in prog.streams))),
                           invariants, states0)
-        q_side, left, right = lp.token_features(*(values[n] for n in lp.token_feature_inputs))
+        q_side, left, right = self._token_features(*(values[n] for n in lp.token_feature_inputs))
         batch = q_side.shape[:-2]
         b = left[..., 0, 0].numel()
         q_side, left, right = (f.reshape(b, *f.shape[-2:]) for f in (q_side, left, right))
@@ -601,7 +605,7 @@ class LiftedPlan:
         if lp.transposed:
             read = read.transpose(-1, -2)
         values[lp.read] = read
-        (y,) = lp.whole_post(*(values[n] for n in lp.post_inputs))
+        (y,) = self._whole_post(*(values[n] for n in lp.post_inputs))
         return [y], self._finals(states0, s_final)
 
     def _chunk_level(self, states0, invariants, layout) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 from ttt2la.runtime.naive import (NS_EPS, WEIGHT_NORM_EPS, check_block_inputs, compute_dtype,
                                   final_state_dtype, ns_schedule)
 from ttt2la.runtime.newton_schulz import newton_schulz
-from ttt2la.runtime.scan import blocked_scan
+from ttt2la.runtime.scan import blocked_scan, summed_scan
 
 
 def chunk_pieces(T: int, C: int, first: int, stop: int):
@@ -182,12 +182,12 @@ def _semi_parallel_states(delta, W0, weight_norm):
     return torch.stack(states, dim=2)
 
 
-def _scan_rows(factors, f, initial):
-    """``blocked_scan`` over axis 2 of ``f [B, H, n, Dk, Dv]`` (``factors [B, H, n]`` or None)."""
+def _scan_rows(factors, f, initial, scan=blocked_scan):
+    """``scan`` over axis 2 of ``f [B, H, n, Dk, Dv]`` (``factors [B, H, n]`` or None)."""
     B, H, n, Dk, Dv = f.shape
-    S = blocked_scan(None if factors is None else factors.reshape(B * H, n),
-                     f.reshape(B * H, n, Dk * Dv),
-                     None if initial is None else initial.reshape(B * H, Dk * Dv))
+    S = scan(None if factors is None else factors.reshape(B * H, n),
+             f.reshape(B * H, n, Dk * Dv),
+             None if initial is None else initial.reshape(B * H, Dk * Dv))
     return S.view(B, H, n, Dk, Dv)
 
 
@@ -196,7 +196,10 @@ def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0):
     n = G.shape[2]
     M = G
     if momentum is not None and n > 1:
-        M = _scan_rows(momentum[:, :n].transpose(1, 2), G, None)
+        factors = momentum[:, :n].transpose(1, 2)
+        if not schedule and weight_norm is None:     # momentum then the sum: one linear map
+            return _scan_rows(factors, G, W0, summed_scan)
+        M = _scan_rows(factors, G, None)
     delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
     if weight_norm is not None:
         return _semi_parallel_states(delta, W0, weight_norm)

@@ -63,6 +63,10 @@ def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
     blocks = f.reshape(N, m, s, X)
     if m == 1 and initial is None:
         return (L @ blocks).reshape(N, s, X)[:, :n]
+    if m == 1 and a is None:                # one block from a start, added in place
+        S = L @ f
+        S += initial.unsqueeze(1)
+        return S
     # the state entering every block, from the scan one level up of the blocks' end states,
     # is carried in by the same matmul: inside + through ⊗ entering, one pass over the features
     if a is None:
@@ -80,6 +84,25 @@ def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
     S = torch.baddbmm(L.reshape(N * m, s, s) @ blocks.reshape(N * m, s, X),
                       through.reshape(N * m, s, 1), entering.reshape(N * m, 1, X))
     return S.reshape(N, m * s, X)[:, :n]
+
+
+def summed_scan(a: torch.Tensor, f: torch.Tensor,
+                initial: torch.Tensor | None = None) -> torch.Tensor:
+    """``S_j = initial + Σ_{l≤j} M_l`` with ``M_l = a_l M_{l-1} + f_l`` over axis 1 of ``f [N, n, X]``.
+
+    Momentum followed by the state's prefix sum. Both are linear in ``f``: within one block
+    (``n ≤ SCAN_BLOCK``) their composition is one ``[n, n]`` matrix, the row-wise cumulative
+    sum of the momentum's transfer matrix, so the states come from one matmul pass over the
+    features instead of two; longer scans run the two blocked scans.
+    """
+    N, n, X = f.shape
+    if n > SCAN_BLOCK:
+        return blocked_scan(None, blocked_scan(a, f), initial)
+    K = _transfer(a, n, f).cumsum(dim=-2)                # K[j, i] = Σ_{i≤l≤j} a_{i+1} ⋯ a_l
+    S = K @ f
+    if initial is not None:     # in place: the product's backward does not read its result
+        S += initial.unsqueeze(1)
+    return S
 
 
 def _as_rows(f: torch.Tensor, dim: int, last: int):
@@ -218,5 +241,5 @@ def _auto_method(a: torch.Tensor, f: torch.Tensor, dim: int) -> str:
     return "sequential" if f.shape[dim] <= SEQUENTIAL_MAX_STEPS else "doubling"
 
 
-__all__ = ["affine_scan", "affine_scan_blocked", "affine_scan_sequential", "affine_scan_doubling",
+__all__ = ["affine_scan", "summed_scan", "affine_scan_blocked", "affine_scan_sequential", "affine_scan_doubling",
            "blocked_scan", "prefix_sum", "SCAN_BLOCK"]

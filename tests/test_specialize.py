@@ -1,0 +1,128 @@
+"""Feature graphs specialised to their inputs: same values, products token-major where the stream
+lies so, intermediates reused only when no gradient is recorded, inputs never written."""
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ttt2la.lowering.specialize import CACHE_SIZE, SpecializedGraph, token_major_products
+from ttt2la.testing import rel_rms_error, tolerance
+
+aten = torch.ops.aten
+
+
+def swiglu_features(q_t, k, lr, w0, w2):
+    """LaCT-like features: q read transposed ([b, d, L]), k token-major, a per-token rate."""
+    phi_q = F.silu(torch.bmm(w0, q_t)) * torch.bmm(w2, q_t)                  # [b, dh, L]
+    k_t = k.transpose(1, 2)
+    phi_k = (F.silu(torch.bmm(w0, k_t)) * torch.bmm(w2, k_t)).transpose(1, 2) * lr   # [b, L, dh]
+    return phi_q, phi_k
+
+
+def _inputs(b, L, d, dh, transposed_q=True, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, L, d, generator=g)
+    q_t = q.transpose(1, 2) if transposed_q else q.transpose(1, 2).contiguous()
+    k = torch.randn(b, L, d, generator=g)
+    lr = torch.rand(b, L, 1, generator=g)
+    w0 = torch.randn(b, dh, d, generator=g) / d ** 0.5
+    w2 = torch.randn(b, dh, d, generator=g) / d ** 0.5
+    args = [q_t, k, lr, w0, w2]
+    if requires_grad:
+        args = [a.detach().requires_grad_() for a in args]
+    return args
+
+
+def _traced(args):
+    return make_fx(swiglu_features)(*args)
+
+
+def _products(gm):
+    return [n for n in gm.graph.nodes if n.target in (aten.bmm.default, aten.mm.default)]
+
+
+def _long_operands_row_major(gm, args) -> list[bool]:
+    FakeTensorProp(gm).propagate(*args)
+    return [n.args[0].meta["val"].stride(-1) == 1 and n.args[0].meta["val"].shape[-2] == args[1].shape[1]
+            for n in _products(gm)]
+
+
+def test_products_on_a_transposed_stream_run_token_major():
+    args = _inputs(2, 16, 8, 4)
+    assert _long_operands_row_major(_traced(args), args) == [False] * 4
+    gm = token_major_products(_traced(args), args)
+    # every product now reads the stream row-major as its first operand: [b, L, d] @ [b, d, dh]
+    assert _long_operands_row_major(gm, args) == [True] * 4
+    with torch.no_grad():
+        phi_q, _ = gm(*args)
+    # φ(Q) comes out as a transposed view of a token-major tensor, which the op reads as it lies
+    assert phi_q.transpose(1, 2).is_contiguous()
+
+
+def test_row_major_streams_are_left_alone():
+    args = _inputs(2, 16, 8, 4, transposed_q=False)
+    gm = token_major_products(_traced(args), args)
+    # q_t is row-major [b, d, L] here: only the two products on k's transpose are reoriented
+    assert len(_products(gm)) == 4
+    assert sum(n.args[0].target == aten.transpose.int for n in _products(gm)) == 2
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 3), L=st.integers(1, 40), d=st.sampled_from([1, 4, 8]),
+       dh=st.sampled_from([1, 3, 8]), transposed_q=st.booleans())
+def test_specialised_values_equal_the_traced_graph(b, L, d, dh, transposed_q):
+    args = _inputs(b, L, d, dh, transposed_q)
+    spec = SpecializedGraph(_traced(args))
+    with torch.no_grad():
+        got = spec(*args)
+    want = swiglu_features(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert rel_rms_error(g, w) <= tolerance(torch.float32)
+
+
+def test_inputs_are_never_written():
+    args = _inputs(2, 24, 8, 8)
+    saved = [a.clone() for a in args]
+    spec = SpecializedGraph(_traced(args))
+    with torch.no_grad():
+        spec(*args)
+    for a, s in zip(args, saved):
+        assert torch.equal(a, s)
+
+
+def test_intermediates_are_reused_only_without_gradients():
+    args = _inputs(2, 24, 8, 8)
+    spec = SpecializedGraph(_traced(args))
+    with torch.no_grad():
+        inplace = spec.for_inputs(args)
+    assert any(str(n.target).endswith("_.Tensor") or str(n.target).endswith("_.default")
+               for n in inplace.graph.nodes if n.op == "call_function")
+    grad_args = _inputs(2, 24, 8, 8, requires_grad=True)
+    functional = spec.for_inputs(grad_args)
+    assert not any(str(n.target).endswith(("_.Tensor", "_.default"))
+                   for n in functional.graph.nodes if n.op == "call_function")
+
+
+def test_gradients_through_the_specialised_graph():
+    args = _inputs(2, 24, 8, 8, requires_grad=True)
+    ref = [a.detach().clone().requires_grad_() for a in args]
+    spec = SpecializedGraph(_traced(args))
+    got, want = spec(*args), swiglu_features(*ref)
+    seed = [torch.randn_like(w) for w in want]
+    torch.autograd.backward(got, seed)
+    torch.autograd.backward(want, seed)
+    for a, r in zip(args, ref):
+        assert rel_rms_error(a.grad, r.grad) <= tolerance(torch.float32)
+
+
+def test_one_specialisation_per_signature_and_the_cache_is_bounded():
+    spec = SpecializedGraph(_traced(_inputs(1, 8, 4, 4)))
+    with torch.no_grad():
+        first = spec.for_inputs(_inputs(1, 8, 4, 4))
+        assert spec.for_inputs(_inputs(1, 8, 4, 4, seed=1)) is first
+        assert spec.for_inputs(_inputs(1, 9, 4, 4)) is not first
+        for L in range(10, 10 + 2 * CACHE_SIZE):
+            spec(*_inputs(1, L, 4, 4))
+    assert len(spec._cache) == CACHE_SIZE
