@@ -51,11 +51,13 @@ def test_every_name_is_an_aten_overload_packet(category):
     assert not missing, f"{category}: not aten ops: {missing}"
 
 
-@pytest.mark.parametrize("targets", ["RESHAPE_TARGETS", "RELAYOUT_TARGETS"])
-def test_targets_are_overloads_of_views(targets):
+@pytest.mark.parametrize("targets, category", [
+    ("RESHAPE_TARGETS", "VIEWS"), ("RELAYOUT_TARGETS", "VIEWS"), ("SLICE_TARGETS", "SLICES"),
+    ("SELECT_TARGETS", "LINEAR_MAPS")])
+def test_targets_are_overloads_of_their_category(targets, category):
     for target in getattr(ops, targets):
         assert isinstance(target, torch._ops.OpOverload)
-        assert target.overloadpacket.__name__ in ops.VIEWS
+        assert target.overloadpacket.__name__ in CATEGORIES[category]
     assert aten.view.dtype not in ops.RELAYOUT_TARGETS          # a bit cast, not a view
     assert ops.RESHAPE_TARGETS <= ops.RELAYOUT_TARGETS
 
@@ -253,6 +255,12 @@ def test_rules_read_norms_and_constants_through_the_vocabulary():
     gm = _traced(lambda x: torch.empty_like(x), (D, D))
     assert constant_value(_last(gm, ops.EMPTY_FILLS)) is None       # no value to read
     assert ops.fill_value(_last(gm, ops.EMPTY_FILLS)) is None
+
+
+def test_indexing_traces_to_the_slice_and_select_targets():
+    gm = _traced(lambda x: x[:, 1:3] + x[0, :2], (D, D))
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert ops.SLICE_TARGETS <= targets and ops.SELECT_TARGETS <= targets
 
 
 def test_lowering_keeps_exact_overloads():

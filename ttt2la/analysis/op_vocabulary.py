@@ -234,6 +234,11 @@ RELAYOUT_TARGETS = RESHAPE_TARGETS | frozenset({
     aten.clone.default, aten.alias.default, aten.contiguous.default})
 
 
+#: Slicing as traced from ``x[:, s:e]`` and selection as traced from ``x[i]``.
+SLICE_TARGETS = frozenset({aten.slice.Tensor})
+SELECT_TARGETS = frozenset({aten.select.int})
+
+
 def is_view(node) -> bool:
     """Whether ``node`` is a view or copy of its first argument (see ``VIEWS``)."""
     return calls(node, VIEWS)
@@ -244,6 +249,6 @@ __all__ = [
     "FILL_VALUE_ARGUMENTS", "INDEX_ARGUMENTS", "KNOWN_NONLINEAR", "LINEAR_GATHERS",
     "LINEAR_JOINS", "LINEAR_MAPS", "MATMULS", "MATRIX_PRODUCTS", "NORMALISATION_OPS",
     "NORM_LAYERS", "NORM_REDUCTIONS", "NORM_SCALE_CHAIN", "OUTPUT_PATH_LINEAR", "PERMUTES",
-    "RANDOM_FILLS", "RELAYOUT_TARGETS", "RESHAPES", "RESHAPE_TARGETS", "SHAPE_ONLY",
-    "SIZE_VALUES", "SLICES", "SQUARE_REDUCTIONS", "TENSOR_SHAPED_FILLS", "UNARY_FUNCTIONS",
+    "RANDOM_FILLS", "RELAYOUT_TARGETS", "RESHAPES", "RESHAPE_TARGETS", "SELECT_TARGETS",
+    "SHAPE_ONLY", "SIZE_VALUES", "SLICES", "SLICE_TARGETS", "SQUARE_REDUCTIONS", "TENSOR_SHAPED_FILLS", "UNARY_FUNCTIONS",
     "UPDATE_STEPS", "VALUE_PRESERVING", "VIEWS", "calls", "fill_value", "is_view", "op_name"]

@@ -356,5 +356,6 @@ def _assign_stream_roles(program: TTTProgram, dep: Dependence, finals) -> None:
         program.streams[i].role = role
 
 
-__all__ = ["FastWeightLayers", "FinalProduct", "VIEW_OPS", "fast_weight_layers", "assign_roles", "final_products", "kernel_states",
-           "kernel_parameters", "matmul_operands", "peel_views", "state_valued"]
+__all__ = ["FastWeightLayers", "FinalProduct", "VIEW_OPS", "fast_weight_layers", "assign_roles",
+           "final_products", "kernel_states", "kernel_parameters", "matmul_operands", "peel_views",
+           "state_valued"]
