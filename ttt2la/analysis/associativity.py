@@ -23,7 +23,8 @@ import torch.fx
 
 from ..errors import NonReducibleError
 from ..ir import TTTProgram, ancestors, describe_node, node_src
-from .dependence import Dep, Dependence, StateDep, analyze_dependence, op_name
+from .dependence import Dep, Dependence, StateDep, analyze_dependence
+from .op_vocabulary import NORMALISATION_OPS, calls, op_name
 from .rules import match_newton_schulz, match_norm, update_rules
 
 _SCHEDULE_RANK = {"parallel": 0, "semi-parallel": 1, "recurrent": 2}
@@ -191,11 +192,6 @@ def _remedy(kind: str, schedule: str) -> str:
     return text + "."
 
 
-#: Ops of a normalisation: a layer norm, written with the library op or by hand.
-_NORM_OPS = {"native_layer_norm", "layer_norm", "rms_norm", "native_group_norm", "var", "std",
-             "var_mean", "std_mean", "rsqrt", "sqrt", "linalg_vector_norm", "norm"}
-
-
 def _in_newton_schulz(culprit: torch.fx.Node, out: torch.fx.Node) -> bool:
     """Whether ``culprit`` is part of a Newton–Schulz orthogonalisation feeding ``out``."""
     for node in ancestors(out):
@@ -211,7 +207,7 @@ def _normalises(node: torch.fx.Node, depth: int = 4) -> bool:
     """Whether ``node`` is, or feeds within a few ops, a normalisation op."""
     frontier = [node]
     for _ in range(depth + 1):
-        if any(op_name(n) in _NORM_OPS for n in frontier if n.op == "call_function"):
+        if any(calls(n, NORMALISATION_OPS) for n in frontier):
             return True
         frontier = [u for n in frontier for u in n.users]
     return False

@@ -18,6 +18,9 @@ import torch
 import torch.fx
 
 from ..ir import KIND, TTTProgram
+from .op_vocabulary import (ADDITIVE, COPIES, EXPANDS, INDEX_ARGUMENTS, KNOWN_NONLINEAR,
+                            LINEAR_GATHERS, LINEAR_JOINS, LINEAR_MAPS, MATMULS, PERMUTES,
+                            RESHAPES, SHAPE_ONLY, SLICES, op_name)
 
 
 class Dep(IntEnum):
@@ -133,65 +136,6 @@ class Dependence:
         return self.of(self.program.state_outputs()[target], source)
 
 
-# --------------------------------------------------------------------------------------------
-# Op families. Names are aten overload packets (``aten.add.Tensor`` -> ``add``).
-
-_RELAYOUT = {"view", "_unsafe_view", "reshape", "view_copy", "_reshape_alias", "flatten",
-             "unflatten", "unsqueeze", "squeeze", "unsqueeze_copy", "squeeze_copy", "view_as"}
-_COPY = {"clone", "_to_copy", "to", "detach", "alias", "contiguous", "lift_fresh_copy",
-         "detach_copy", "alias_copy", "type_as", "_to_dtype", "copy_", "lift_fresh"}
-_PERMUTE = {"transpose", "permute", "t", "transpose_copy", "permute_copy", "t_copy", "movedim",
-            "swapaxes", "mT"}
-_EXPAND = {"expand", "expand_copy", "expand_as", "broadcast_to"}
-_SLICE = {"slice", "slice_copy", "narrow", "narrow_copy"}
-_LINEAR_VIEW = {"select", "select_copy", "as_strided", "repeat", "flip", "roll", "diagonal",
-                "unfold", "tril", "triu", "diag", "diag_embed", "trace", "pixel_shuffle",
-                "im2col", "col2im", "constant_pad_nd", "pad", "_unsafe_index", "masked_fill",
-                "sum", "mean", "cumsum", "nansum", "sum_to_size", "split", "split_with_sizes",
-                "chunk", "unbind", "unsafe_split", "tensor_split", "repeat_interleave", "copy"}
-_LINEAR_MULTI = {"cat", "stack", "slice_scatter", "select_scatter", "diagonal_scatter",
-                 "as_strided_scatter", "index_put", "scatter", "scatter_add", "index_add"}
-# Arguments of linear ops that index rather than carry data: they must not depend on S.
-_INDEX_ARGS = {"index_select": (2,), "gather": (2,), "index": (1,), "scatter": (2,),
-               "scatter_add": (2,), "index_put": (1,), "index_add": (2,), "masked_fill": (1,),
-               "_unsafe_index": (1,)}
-_LINEAR_INDEXED = {"index_select", "gather", "index"}
-_SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-               "new_zeros", "new_ones", "new_empty", "new_full", "sym_size", "size", "sym_numel",
-               "sym_stride", "scalar_tensor", "full", "zeros", "ones", "arange", "empty", "eye",
-               "randn", "rand", "empty_strided", "_local_scalar_dense"}
-# Bilinear ops: (operand positions, additive positions).
-_MATMUL = {"mm": ((0, 1), ()), "bmm": ((0, 1), ()), "matmul": ((0, 1), ()), "mv": ((0, 1), ()),
-           "dot": ((0, 1), ()), "vdot": ((0, 1), ()), "outer": ((0, 1), ()), "inner": ((0, 1), ()),
-           "tensordot": ((0, 1), ()), "linear": ((0, 1), (2,)), "baddbmm": ((1, 2), (0,)),
-           "addmm": ((1, 2), (0,)), "addbmm": ((1, 2), (0,)), "addmv": ((1, 2), (0,)),
-           "addr": ((1, 2), (0,)), "convolution": ((0, 1), (2,)), "_convolution": ((0, 1), (2,)),
-           "conv1d": ((0, 1), (2,)), "conv2d": ((0, 1), (2,)), "conv3d": ((0, 1), (2,))}
-# Nonlinear ops that stay state-local when they act on state-local values (weight norms,
-# Newton–Schulz, activations); ops not listed anywhere are treated as nonlinear outright.
-_KNOWN_NONLINEAR = {
-    "silu", "silu_backward", "sigmoid", "sigmoid_backward", "tanh", "tanh_backward", "exp",
-    "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "pow", "reciprocal", "relu", "gelu",
-    "gelu_backward", "elu", "elu_backward", "leaky_relu", "softplus", "softplus_backward",
-    "threshold_backward", "hardtanh", "mish", "abs", "sign", "sgn", "sin", "cos", "erf",
-    "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "max", "min", "amax", "amin",
-    "linalg_vector_norm", "norm", "frobenius_norm", "linalg_norm", "var", "std", "var_mean",
-    "std_mean", "_softmax", "softmax", "_log_softmax", "log_softmax", "_softmax_backward_data",
-    "native_layer_norm", "layer_norm", "rms_norm", "native_group_norm", "eq", "ne", "lt", "le",
-    "gt", "ge", "logical_and", "logical_or", "logical_not", "floor", "ceil", "round", "trunc",
-    "square", "prod", "logsumexp", "cumprod", "renorm", "einsum", "lerp",
-}
-
-
-def op_name(node: torch.fx.Node) -> str:
-    """The aten overload-packet name of a node: ``add`` for ``aten.add.Tensor``."""
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(target, "__name__", str(target))
-
-
 def node_shape(node) -> tuple[int, ...] | None:
     """The static shape recorded on a node by ``make_fx`` (``None`` when unknown)."""
     if not isinstance(node, torch.fx.Node):
@@ -271,16 +215,16 @@ class _Interpreter:
         if node.target is operator.getitem:
             return self.getitem(node)
         name = op_name(node)
-        if name in _SHAPE_ONLY:
+        if name in SHAPE_ONLY:
             return INDEPENDENT
-        if name in _RELAYOUT or name in _COPY or name in _PERMUTE or name in _EXPAND \
-                or name in _SLICE:
+        if name in RESHAPES or name in COPIES or name in PERMUTES or name in EXPANDS \
+                or name in SLICES:
             return self.relayout(node, name)
         if name == "pow" and len(node.args) > 1 and isinstance(node.args[1], (int, float)) \
                 and node.args[1] in (0, 1):
             # x**1 (a gradient of x**2 writes it) is x; x**0 is a constant
             return self.relayout(node, "clone") if node.args[1] == 1 else INDEPENDENT
-        if name in ("add", "sub", "rsub", "neg"):
+        if name in ADDITIVE:
             return self.additive(node, name)
         if name == "mul":
             return self.product(node)
@@ -288,15 +232,15 @@ class _Interpreter:
             return self.quotient(node)
         if name == "where":
             return self.where(node)
-        if name in _MATMUL:
-            return self.matmul(node, *_MATMUL[name])
+        if name in MATMULS:
+            return self.matmul(node, *MATMULS[name])
         if name in ("addcmul", "addcdiv"):
             return self.addc(node)
-        if name in _INDEX_ARGS and self.index_depends(node, name):
+        if name in INDEX_ARGUMENTS and self.index_depends(node, name):
             return self.nonlinear(node)
-        if name in _LINEAR_VIEW or name in _LINEAR_MULTI or name in _LINEAR_INDEXED:
+        if name in LINEAR_MAPS or name in LINEAR_JOINS or name in LINEAR_GATHERS:
             return self.linear(node, name)
-        return self.nonlinear(node, known=name in _KNOWN_NONLINEAR)
+        return self.nonlinear(node, known=name in KNOWN_NONLINEAR)
 
     def getitem(self, node) -> StateDep:
         parent = node.args[0]
@@ -315,13 +259,13 @@ class _Interpreter:
         layout = d.layout
         out_shape, in_shape = node_shape(node), node_shape(x)
         if layout is not None:
-            if name in _COPY:
+            if name in COPIES:
                 pass
-            elif name in _RELAYOUT:
+            elif name in RESHAPES:
                 layout = Layout(layout.perm, out_shape) if out_shape is not None else None
-            elif name in _EXPAND or name in _SLICE:
+            elif name in EXPANDS or name in SLICES:
                 layout = layout if (out_shape is not None and out_shape == in_shape) else None
-            elif name in _PERMUTE:
+            elif name in PERMUTES:
                 layout = self.permute(node, name, layout)
         return self.make(d.kind, layout, d.token_mixed, d.culprit)
 
@@ -471,15 +415,15 @@ class _Interpreter:
         return self.join_linear(node, deps, elementwise=False)
 
     def index_depends(self, node, name) -> bool:
-        positions = _INDEX_ARGS[name]
+        positions = INDEX_ARGUMENTS[name]
         args = list(node.args)
         return any(self.dep(n).kind > Dep.INDEPENDENT
                    for i in positions if i < len(args) for n in _flatten_nodes(args[i]))
 
     def linear(self, node, name) -> StateDep:
         data = node.all_input_nodes
-        if name in _INDEX_ARGS:
-            index_nodes = {n for i in _INDEX_ARGS[name] if i < len(node.args)
+        if name in INDEX_ARGUMENTS:
+            index_nodes = {n for i in INDEX_ARGUMENTS[name] if i < len(node.args)
                            for n in _flatten_nodes(node.args[i])}
             data = [n for n in data if n not in index_nodes]
         deps = [self.dep(n) for n in data if self.dep(n).kind > Dep.INDEPENDENT]
@@ -488,7 +432,7 @@ class _Interpreter:
         if len(deps) == 1:
             d = deps[0]
             others = [n for n in node.all_input_nodes if self.dep(n).kind == Dep.INDEPENDENT]
-            mixes = name in _LINEAR_MULTI and self.streams(others)
+            mixes = name in LINEAR_JOINS and self.streams(others)
             return self.make(d.kind, None, d.token_mixed or mixes, d.culprit)
         return self.join_linear(node, deps, elementwise=False)
 

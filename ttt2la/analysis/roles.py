@@ -18,18 +18,13 @@ import torch
 import torch.fx
 
 from ..ir import TTTProgram, ancestors
-from .dependence import _MATMUL, Dep, Dependence, analyze_dependence, node_shape, op_name
+from .dependence import Dep, Dependence, analyze_dependence, node_shape
+from .op_vocabulary import (MATMULS, MATRIX_PRODUCTS, OUTPUT_PATH_LINEAR, VIEWS, calls, is_view,
+                            op_name)
 
-#: Ops that only move or copy data: a matmul operand is "the state" through any chain of them.
-VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "expand_as", "clone", "_to_copy", "to",
-            "detach", "alias", "contiguous", "lift_fresh_copy", "t", "transpose", "permute",
-            "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "type_as", "movedim",
-            "_reshape_alias", "view_copy", "transpose_copy", "permute_copy", "t_copy",
-            "expand_copy", "alias_copy", "detach_copy", "unsqueeze_copy", "squeeze_copy"}
-# Linear ops an output path may pass through between the final product and the chunk output.
-_PASS_THROUGH = VIEW_OPS | {"add", "sub", "neg", "mul", "where", "cat", "stack", "slice", "select",
-                            "narrow", "slice_scatter", "select_scatter", "sum", "mean", "copy",
-                            "masked_fill", "constant_pad_nd", "pad", "squeeze", "rsub"}
+#: Ops that only move or copy data: a matmul operand is "the state" through any chain of them
+#: (the vocabulary's ``VIEWS``, under the name the passes use).
+VIEW_OPS = VIEWS
 
 
 @dataclass
@@ -43,17 +38,16 @@ class FinalProduct:
 
 def peel_views(node):
     """Follow view/copy ops back to the value they relay out."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" \
-            and op_name(node) in VIEW_OPS:
+    while is_view(node):
         node = node.args[0]
     return node
 
 
 def matmul_operands(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The two multiplied operands of a matmul-family node, or ``None`` for other nodes."""
-    if node.op != "call_function" or op_name(node) not in _MATMUL:
+    if not calls(node, MATMULS):
         return None
-    positions = _MATMUL[op_name(node)][0]
+    positions = MATMULS[op_name(node)].operands
     ops = [node.args[i] for i in positions if i < len(node.args)]
     return ops if len(ops) == 2 and all(isinstance(o, torch.fx.Node) for o in ops) else None
 
@@ -128,7 +122,7 @@ def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[F
         name = op_name(node)
         if name == "div":
             stack.append(node.args[0])
-        elif name in _PASS_THROUGH:
+        elif name in OUTPUT_PATH_LINEAR:
             stack.extend(node.all_input_nodes)
     return list(found.values())
 
@@ -277,7 +271,7 @@ def _streams_in(program: TTTProgram, node) -> set[int]:
 def _contracted_state_dim(dep: Dependence, matmul: torch.fx.Node, operand, state: int):
     """Which dimension of ``state`` a matmul contracts, when the operand is a plain relayout."""
     ops = matmul_operands(matmul)
-    if ops is None or op_name(matmul) not in ("mm", "bmm", "matmul") or operand not in ops:
+    if ops is None or op_name(matmul) not in MATRIX_PRODUCTS or operand not in ops:
         return None
     layout = dep.of(operand, state).layout
     if layout is None or layout.shape != layout.permuted_shape(dep.of(operand, state).state_shape):
@@ -362,5 +356,6 @@ def _assign_stream_roles(program: TTTProgram, dep: Dependence, finals) -> None:
         program.streams[i].role = role
 
 
-__all__ = ["FastWeightLayers", "FinalProduct", "VIEW_OPS", "fast_weight_layers", "assign_roles", "final_products", "kernel_states",
-           "kernel_parameters", "matmul_operands", "peel_views", "state_valued"]
+__all__ = ["FastWeightLayers", "FinalProduct", "VIEW_OPS", "fast_weight_layers", "assign_roles",
+           "final_products", "kernel_states", "kernel_parameters", "matmul_operands", "peel_views",
+           "state_valued"]

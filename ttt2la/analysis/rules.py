@@ -17,16 +17,12 @@ import torch
 import torch.fx
 
 from ..ir import KIND, TTTProgram
-from .dependence import _MATMUL, _SHAPE_ONLY, node_shape, op_name
-from .roles import VIEW_OPS, peel_views
-
-_SCALE_CHAIN = {"add", "sub", "clamp", "clamp_min", "clamp_max", "maximum", "expand", "expand_as",
-                "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "sqrt", "pow", "mul",
-                "div", "reciprocal", "rsqrt", "_to_copy", "clone", "detach", "alias", "max",
-                "squeeze", "view_as", "contiguous"}
-_NORM_PRIMITIVES = {"linalg_vector_norm", "norm", "frobenius_norm", "linalg_norm", "var", "std"}
-_SQUARE_REDUCTIONS = {"sum", "mean"}
-
+from .dependence import node_shape
+from .op_vocabulary import (CASTS, CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, MATMULS, MATRIX_PRODUCTS,
+                            NORM_REDUCTIONS, NORM_SCALE_CHAIN, PERMUTES, SHAPE_ONLY, SLICES,
+                            SQUARE_REDUCTIONS, UNARY_FUNCTIONS, VALUE_PRESERVING, VIEWS, calls,
+                            fill_value, is_view, op_name)
+from .roles import peel_views
 
 @dataclass(frozen=True)
 class NormMatch:
@@ -86,11 +82,11 @@ def _norm_sources(node, depth: int = 12) -> list[torch.fx.Node]:
         name = op_name(n)
         if n.target is operator.getitem:
             stack.append((n.args[0], d + 1))
-        elif name in _NORM_PRIMITIVES or name in ("var_mean", "std_mean"):
+        elif name in NORM_REDUCTIONS:
             found.append(n.args[0])
-        elif name in _SQUARE_REDUCTIONS and (y := _squared(n.args[0])) is not None:
+        elif name in SQUARE_REDUCTIONS and (y := _squared(n.args[0])) is not None:
             found.append(y)
-        elif name in _SCALE_CHAIN:
+        elif name in NORM_SCALE_CHAIN:
             stack.extend((a, d + 1) for a in n.all_input_nodes)
     return found
 
@@ -210,8 +206,7 @@ def _constant_factor(node) -> tuple[torch.fx.Node, float] | None:
 
 def _matmul_operands(node) -> tuple | None:
     node = peel_views(node)
-    if isinstance(node, torch.fx.Node) and node.op == "call_function" \
-            and op_name(node) in ("mm", "bmm", "matmul"):
+    if calls(node, MATRIX_PRODUCTS):
         return node.args[0], node.args[1]
     return None
 
@@ -266,9 +261,9 @@ def _newton_schulz_step(node) -> tuple[torch.fx.Node, tuple | None] | None:
             continue
         x, a = peel_views(scaled[0]), scaled[1]
         mm = peel_views(poly)
-        if not isinstance(mm, torch.fx.Node) or op_name(mm) not in _MATMUL:
+        if not calls(mm, MATMULS):
             continue
-        positions = _MATMUL[op_name(mm)][0]
+        positions = MATMULS[op_name(mm)].operands
         ops = [mm.args[i] for i in positions]
         for mine, other in (ops, ops[::-1]):
             if peel_views(mine) is x and _only_through(other, x):
@@ -304,10 +299,9 @@ def _frobenius_eps(start) -> tuple[torch.fx.Node, float] | None:
 
 def _cast_before(node) -> torch.dtype | None:
     """The dtype the value reaching ``node`` through views was last cast to, if any."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" \
-            and op_name(node) in VIEW_OPS:
+    while is_view(node):
         dtype = node.kwargs.get("dtype")
-        if op_name(node) in ("_to_copy", "to") and isinstance(dtype, torch.dtype):
+        if op_name(node) in CASTS and isinstance(dtype, torch.dtype):
             return dtype
         node = node.args[0]
     return None
@@ -334,14 +328,6 @@ def match_newton_schulz(node) -> NewtonSchulzMatch | None:
                              coefficients, eps, dtype)
 
 
-_CONSTANT_FILLS = {"ones": 1.0, "ones_like": 1.0, "new_ones": 1.0, "zeros": 0.0,
-                   "zeros_like": 0.0, "new_zeros": 0.0}
-_FILL_ARG = {"full": 1, "full_like": 1, "new_full": 2, "scalar_tensor": 0}
-_VALUE_PRESERVING = {"expand", "expand_as", "view", "_unsafe_view", "reshape", "unsqueeze",
-                     "squeeze", "clone", "detach", "alias", "contiguous", "t", "transpose",
-                     "permute", "view_as", "lift_fresh_copy"}
-
-
 def _float_cast(node) -> bool:
     dtype = node.kwargs.get("dtype")
     return dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
@@ -361,13 +347,9 @@ def constant_value(node) -> float | None:
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
     name, args = op_name(node), node.args
-    if name in _CONSTANT_FILLS:
-        return _CONSTANT_FILLS[name]
-    if name in _FILL_ARG:
-        value = args[_FILL_ARG[name]] if len(args) > _FILL_ARG[name] else None
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            else None
-    if name in _VALUE_PRESERVING or (name in ("_to_copy", "to") and _float_cast(node)):
+    if name in CONSTANT_FILLS or name in FILL_VALUE_ARGUMENTS:
+        return fill_value(node)
+    if name in VALUE_PRESERVING or (name in CASTS and _float_cast(node)):
         return constant_value(args[0])
     if name == "neg":
         a = constant_value(args[0])
@@ -499,9 +481,6 @@ def render(expr) -> str:
     return _Printer().doprint(expr)
 
 
-_UNARY_NAMES = {"silu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "relu", "gelu", "elu",
-                "softplus", "abs", "sign", "reciprocal", "sin", "cos", "erf", "softmax",
-                "_softmax", "log_softmax", "_log_softmax"}
 _MAX_OPS = 40
 
 
@@ -551,7 +530,7 @@ class _Renderer:
             self.streams_of[node] = frozenset().union(*(self.streams_of[n] for n in inputs)) \
                 if inputs else frozenset()
             name = op_name(node) if node.op == "call_function" else ""
-            own = name in _MATMUL or name in _UNARY_NAMES or name in (
+            own = name in MATMULS or name in UNARY_FUNCTIONS or name in (
                 "linalg_vector_norm", "mean", "sum", "pow", "silu_backward", "sigmoid_backward")
             self.nonlinear_in[node] = own or any(self.nonlinear_in[n] for n in inputs)
 
@@ -592,16 +571,10 @@ class _Renderer:
         phi = sympy.Function("φ", commutative=False)
         return phi(self.symbols[s])
 
-    def _constant(self, node: torch.fx.Node, name: str) -> sympy.Expr:
-        if name in ("ones_like", "new_ones", "ones"):
-            return sympy.Integer(1)
-        if name in ("zeros_like", "new_zeros", "zeros"):
-            return sympy.Integer(0)
-        if name in ("full_like", "new_full", "full", "scalar_tensor"):
-            value = node.args[1] if name != "scalar_tensor" else node.args[0]
-            if isinstance(value, (int, float)):
-                return self.arg(value)
-        return sympy.Symbol("c")
+    def _constant(self, node: torch.fx.Node) -> sympy.Expr:
+        """A shape-only value: the number it is filled with, else a constant ``c``."""
+        value = fill_value(node)
+        return sympy.Symbol("c") if value is None else self.arg(value)
 
     def _expr(self, node: torch.fx.Node) -> sympy.Expr:
         if node in self.symbols:
@@ -614,12 +587,12 @@ class _Renderer:
         args = node.args
         if node.target is operator.getitem:
             return self.expr(args[0])
-        if name in ("transpose", "t", "permute", "transpose_copy", "permute_copy", "movedim"):
+        if name in PERMUTES:
             return Transpose(self.expr(args[0]))
-        if name in VIEW_OPS or name in ("slice", "select", "narrow"):
+        if name in VIEWS or name in SLICES or name == "select":
             return self.expr(args[0])
-        if name in _SHAPE_ONLY:
-            return self._constant(node, name)
+        if name in SHAPE_ONLY:
+            return self._constant(node)
         if name == "pow" and len(args) > 1 and isinstance(args[1], (int, float)) \
                 and args[1] in (0, 1):
             return self.expr(args[0]) if args[1] == 1 else sympy.Integer(1)
@@ -653,8 +626,8 @@ class _Renderer:
             if b.is_commutative:
                 return a / b
             return self.generic("f", [a, b])
-        if name in _MATMUL:
-            operands, additive = _MATMUL[name]
+        if name in MATMULS:
+            operands, additive = MATMULS[name]
             ops = [self.arg(args[i]) for i in operands if i < len(args)]
             if name == "linear":
                 ops = [ops[0], Transpose(ops[1])]
@@ -663,7 +636,7 @@ class _Renderer:
                 if i < len(args) and args[i] is not None:
                     product = self.arg(args[i]) + product
             return product
-        if name in _UNARY_NAMES and args and isinstance(args[0], torch.fx.Node):
+        if name in UNARY_FUNCTIONS and args and isinstance(args[0], torch.fx.Node):
             fn = sympy.Function(name.lstrip("_"), commutative=False)
             return fn(self.expr(args[0]))
         if name in ("mean", "sum") and isinstance(args[0], torch.fx.Node):

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StreamSpec,
@@ -36,9 +37,6 @@ from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _
 from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs,
                      _materialize_shape_only, _state_names, _unique, state_input)
 from .shapes import fit_template
-
-aten = torch.ops.aten
-_UPDATES = (aten.add.Tensor, aten.sub.Tensor)
 
 
 class NotSingleStep(UnsupportedTTTError):
@@ -83,10 +81,10 @@ def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node]) -> list[tuple]:
     both of the result's shape, ``W`` a matrix or more."""
     found = []
     for n in graph.nodes:
-        if n.op != "call_function" or n.target not in _UPDATES or len(n.args) < 2:
+        if not calls(n, UPDATE_STEPS) or len(n.args) < 2:
             continue
         a, b = n.args[0], n.args[1]
-        pairs = [(a, b)] if n.target is aten.sub.Tensor else [(a, b), (b, a)]
+        pairs = [(a, b)] if op_name(n) == "sub" else [(a, b), (b, a)]
         for w, d in pairs:
             if isinstance(w, torch.fx.Node) and isinstance(d, torch.fx.Node) \
                     and w not in dep and d in dep and w.op == "call_function" \
@@ -262,7 +260,7 @@ def _updates_reading(graph, dep, stepped: set) -> list:
     """Updates whose weight is a stepped weight: a second step."""
     out = []
     for n in graph.nodes:
-        if n.op != "call_function" or n.target not in _UPDATES or len(n.args) < 2:
+        if not calls(n, UPDATE_STEPS) or len(n.args) < 2:
             continue
         a, b = n.args[0], n.args[1]
         for w, d in ((a, b), (b, a)):

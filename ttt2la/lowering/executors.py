@@ -28,7 +28,8 @@ from torch.func import jvp, vmap
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis, analyze
-from ..analysis.dependence import op_name
+from ..analysis.op_vocabulary import (CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, TENSOR_SHAPED_FILLS,
+                                      calls, op_name)
 from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram
 from ..runtime import affine_scan, prefix_sum
@@ -43,21 +44,17 @@ _Value = tuple[torch.Tensor, bool]          # a tensor and whether it has a lead
 # graph surgery
 
 
-_FILL_VALUE = {"ones_like": 1, "new_ones": 1, "zeros_like": 0, "new_zeros": 0, "empty_like": 0,
-               "new_empty": 0, "full_like": None, "new_full": None}
-
-
 def shape_only(node: torch.fx.Node) -> bool:
     """``ones_like(x)`` and friends: the value depends on ``x``'s shape only, which is static."""
-    return node.op == "call_function" and op_name(node) in _FILL_VALUE \
-        and isinstance(node.meta.get("val"), torch.Tensor)
+    return calls(node, TENSOR_SHAPED_FILLS) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _copy_as_constant(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     name, val = op_name(node), node.meta["val"]
-    value = _FILL_VALUE[name]
-    if value is None:
-        value = node.args[1] if name == "full_like" else node.args[2]
+    if name in FILL_VALUE_ARGUMENTS:
+        value = node.args[FILL_VALUE_ARGUMENTS[name]]
+    else:
+        value = CONSTANT_FILLS.get(name, 0)     # an uninitialised fill (empty_like): zeros
     new = graph.call_function(torch.ops.aten.full.default, (list(val.shape), value),
                               {"dtype": val.dtype, "device": val.device})
     new.meta = dict(node.meta)

@@ -36,6 +36,7 @@ import torch
 import torch.fx
 from torch.func import vmap
 
+from ..analysis.op_vocabulary import RELAYOUT_TARGETS
 from ..analysis.rules import match_newton_schulz
 from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram, ancestors, reshape_views
@@ -50,13 +51,10 @@ from .weight_norm import WeightNorm, match_weight_norm
 from .whole_sequence import drop_identity_views, per_token_rate, stream_axes, token_local
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default,
-          aten.clone.default, aten.alias.default, aten.reshape.default,
-          aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default}
 
 
 def _strip(n):
-    while isinstance(n, torch.fx.Node) and n.target in _VIEWS:
+    while isinstance(n, torch.fx.Node) and n.target in RELAYOUT_TARGETS:
         n = n.args[0]
     return n
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
+from ..analysis.op_vocabulary import RESHAPE_TARGETS
 from ..ir import TTTProgram
 from .precision import promoted
 
@@ -95,16 +96,12 @@ def token_local(gm: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
     return True
 
 
-_SHAPING = {torch.ops.aten.expand.default, torch.ops.aten.reshape.default,
-            torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-
-
 def drop_identity_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Remove, in place, every ``expand``/``view``/``reshape`` that left its input's traced shape
     unchanged. Tracing ``@`` on batched operands writes such no-ops with the chunk's sizes baked
     in (``expand(x, [B, C, d])``); without them the graph runs at any length."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SHAPING:
+        if node.op != "call_function" or node.target not in RESHAPE_TARGETS:
             continue
         source = node.args[0]
         val, src = node.meta.get("val"), getattr(source, "meta", {}).get("val")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..analysis.dependence import _KNOWN_NONLINEAR, node_shape, op_name
+from ..analysis.dependence import node_shape, op_name
+from ..analysis.op_vocabulary import KNOWN_NONLINEAR
 from ..analysis.roles import VIEW_OPS, final_products, kernel_parameters, peel_views
 from ..errors import ConversionError, UnsupportedTTTError
 from ..ir import NAME, SRC, TTTProgram, ancestors, describe_node
@@ -130,7 +131,7 @@ def _product(core, theta_dep: set, streamed: set, order: dict):
             if t in theta_dep and t not in streamed and x in streamed and x not in theta_dep:
                 path = _path(core, n)
                 if path is not None:
-                    bends = sum(op_name(p) in _KNOWN_NONLINEAR for p in path[1:])
+                    bends = sum(op_name(p) in KNOWN_NONLINEAR for p in path[1:])
                     found.append(((bends, order[n]), n, pos, path))
     if not found:
         return None
