@@ -210,12 +210,18 @@ def scanned_states(analysis: Analysis) -> set[int]:
 def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
                sides: dict[int, str | None] | None = None) -> DeltaScanPlan | None:
     """The delta-rule plan for ``program`` on ``schedule``, or ``None`` when no group of its
-    states is matrix-affine in its members. Raises ``NonReducibleError`` when the program does
+    states is matrix-affine in its members: a per-token loop that is exactly the (gated) delta
+    rule runs on the chunked ``delta_rule`` op (``lift_delta_rule``), any other such group on
+    the matrix-affine scan. Raises ``NonReducibleError`` when the program does
     not allow ``schedule``. ``sides``: the sides already read off a plan of the same body at
     another batch size (structural, so carried over: a later call, even one a compiler traces
     with fake tensors, need not probe again)."""
     if schedule != "semi-parallel" or not scanned_states(analysis):
         return None
+    from .lift_delta_rule import lift_delta_rule    # it builds on this module's plan
+    exact = lift_delta_rule(program, analysis, schedule)
+    if exact is not None:
+        return exact
     analysis.require_schedule(schedule)
     plan = DeltaScanPlan(program, analysis, schedule)
     plan.sides.update(sides or {})
