@@ -102,9 +102,24 @@ class DeltaRuleMatch:
     post: torch.fx.GraphModule         # (read, boundary) -> the token's output
     post_inputs: list[torch.fx.Node]
 
-    @property
-    def boundary(self) -> list[torch.fx.Node]:
-        return _boundary(self.program)
+    def resized(self, program: TTTProgram) -> "DeltaRuleMatch | None":
+        """The same reading of ``program``, a re-sized copy of this body (same nodes in the
+        same order, other size arguments; its metadata still holds the traced sizes, so
+        nothing is read again): the graphs are cut again at the same nodes. None when the body
+        is not such a copy."""
+        old, new = list(self.program.body.graph.nodes), list(program.body.graph.nodes)
+        if len(old) != len(new) or any((a.op, a.target) != (b.op, b.target)
+                                       for a, b in zip(old, new)):
+            return None
+        at = {n: new[i] for i, n in enumerate(old)}
+        key, value, read, query = (at[n] for n in (self.key, self.value, self.read, self.query))
+        atoms = [at[n] for n in self.atoms]
+        post, post_inputs = extract(program.body, [read, *_boundary(program)],
+                                    [program.chunk_outputs()[0]])
+        reshape_views(post.graph)
+        post.recompile()
+        return _built(program, self.state, self.side, key, value, atoms,
+                      (self.decay, self.beta, self.value_scale), read, query, post, post_inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,6 +474,7 @@ class DeltaRulePlan(DeltaScanPlan):
         super().__init__(match.program, analysis, schedule)
         self.match = match
         self.chunk_size = chunk_size
+        self.sides[match.state] = match     # what ``plan_at`` carries to other batch sizes
 
     #: whether an ``apply_only`` last token's update is left out (the program's semantics)
     final_update_dead = True
@@ -558,13 +574,17 @@ class _Probe(DeltaRulePlan):
         self.program, self.chunk_size = match.program, DELTA_CHUNK_SIZE
 
 
-def lift_delta_rule(program: TTTProgram, analysis: Analysis, schedule: str
-                    ) -> DeltaRulePlan | None:
+def lift_delta_rule(program: TTTProgram, analysis: Analysis, schedule: str,
+                    carried: DeltaRuleMatch | None = None) -> DeltaRulePlan | None:
     """The delta-rule plan of a per-token loop on ``schedule``, or None when the loop is not the
-    (gated) delta rule as ``match_delta_rule`` reads it."""
+    (gated) delta rule as ``match_delta_rule`` reads it. ``carried``: the match of a plan of the
+    same body at another batch size, carried over instead of read again."""
     if schedule != "semi-parallel":
         return None
-    match = match_delta_rule(program, analysis)
+    if carried is not None:
+        match = carried.resized(program)
+    else:
+        match = match_delta_rule(program, analysis)
     if match is None:
         return None
     analysis.require_schedule(schedule)

@@ -23,7 +23,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["DeltaMemoryLayer", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
+__all__ = ["DeltaMemoryLayer", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer",
+           "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
            "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "MemoryState", "TitansLinearMemory",
            "TitansMLPMemory", "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
