@@ -8,7 +8,9 @@ size; the report names ``delta_rule``; the converted layer's op count grows with
 as the op's log-depth scan over chunks. A look-alike whose update is matrix-affine but not the
 delta rule (another key writes than reads) keeps the generic matrix-affine scan, exactly. And
 the op itself on bf16 inputs is no further from a float64 evaluation than the token loop run in
-bf16 (twice its error plus 1e-6).
+bf16 (twice its error plus 1e-6). Two other ways of writing the rule — the row-sum form of
+delta-rule libraries' reference code, and a ``[out, in]`` memory with a constant decay stepped
+by ``torch.func.grad`` and read before the step — convert onto the op as well.
 """
 from __future__ import annotations
 
@@ -112,6 +114,91 @@ def test_op_count_grows_only_with_the_scan_depth():
     per_level = c32 - c16
     assert 0 < per_level < c16 / 2, (c16, c32)
     assert c256 <= c16 + (math.log2(256) - math.log2(16)) * per_level, (c16, c32, c256)
+
+
+class RowSumMemory(nn.Module):
+    """The delta rule as the reference recurrences of delta-rule libraries write it: heads-first
+    ``[B, H, L, D]`` tensors, the prediction as a broadcast product summed over the key axis,
+    the correction scaled by β before the write, the read by ``einsum``."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.b = nn.Linear(d, heads)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        D = d // self.heads
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, D).permute(2, 0, 3, 1, 4)
+        q, k = q * D ** -0.5, F.normalize(k, dim=-1)
+        beta = self.b(x).sigmoid().transpose(1, 2)                     # [B, H, L]
+        S = x.new_zeros(B, self.heads, D, D)
+        outs = []
+        for i in range(L):
+            k_i, v_i = k[:, :, i], v[:, :, i]
+            correction = (v_i - (S * k_i[..., None]).sum(-2)) * beta[:, :, i, None]
+            S = S + k_i[..., None] * correction[..., None, :]
+            outs.append(torch.einsum("bhd,bhdm->bhm", q[:, :, i], S))
+        return torch.stack(outs, dim=2).transpose(1, 2).reshape(B, L, d)
+
+
+class OutInMemory(nn.Module):
+    """A learned initial memory stored ``[out, in]`` (``k Wᵀ``), a constant decay and step on
+    the unscaled loss ``‖k Wᵀ − v‖²`` by ``torch.func.grad``, read before the step; the final
+    memory is returned too."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.w0 = nn.Parameter(torch.randn(d, d) * 0.2)
+
+    def forward(self, x):
+        q, v = self.q(x), self.v(x)
+        k = F.normalize(self.k(x), dim=-1)
+
+        def loss(W, k, v):
+            return ((k[:, None, :] @ W.mT - v[:, None, :]) ** 2).sum()
+
+        W = self.w0.expand(x.shape[0], -1, -1)
+        ys = []
+        for t in range(x.shape[1]):
+            ys.append((q[:, t, None, :] @ W.mT)[:, 0])
+            W = 0.95 * W - 0.2 * torch.func.grad(loss)(W, k[:, t], v[:, t])
+        return torch.stack(ys, dim=1), W
+
+
+@functools.lru_cache(maxsize=None)
+def converted_style(name: str):
+    torch.manual_seed(7)
+    layer, d = (RowSumMemory(8, 2), 8) if name == "row-sum" else (OutInMemory(5), 5)
+    return layer, ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, d),)), d
+
+
+def _flat_outputs_and_grads(model, x, seed):
+    model.zero_grad(set_to_none=True)
+    ys = model(x)
+    ys = ys if isinstance(ys, tuple) else (ys,)
+    g = torch.Generator().manual_seed(seed)
+    sum((y * torch.randn(y.shape, generator=g)).sum() for y in ys).backward()
+    return [y.detach() for y in ys], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=6, deadline=None)
+@given(name=st.sampled_from(["row-sum", "out-in"]), batch=st.integers(1, 3),
+       length=st.integers(1, 5 * C + 7), seed=st.integers(0, 2**31 - 1))
+def test_other_ways_of_writing_it_convert_exactly(name, batch, length, seed):
+    """Outputs (and the returned memory), every parameter gradient (the initial memory's too)."""
+    layer, fast, d = converted_style(name)
+    runtime = fast.ttt2la_report.to_dict()["layers"][0]["runtime"]
+    assert runtime.startswith("delta_rule[torch]("), runtime
+    x = torch.randn(batch, length, d, generator=torch.Generator().manual_seed(seed))
+    want, g_want = _flat_outputs_and_grads(layer, x, seed)
+    got, g_got = _flat_outputs_and_grads(fast, x, seed)
+    for a, b in zip(got, want):
+        assert rel_rms_error(a, b) <= TOL, rel_rms_error(a, b)
+    for n, grad in g_want.items():
+        assert rel_rms_error(g_got[n], grad) <= TOL, (n, rel_rms_error(g_got[n], grad))
 
 
 class TwoKeyMemory(nn.Module):

@@ -55,7 +55,6 @@ MAX_ATOMS = 6
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.clone.default,
           aten.alias.default, aten.reshape.default}
-_TRANSPOSES = {aten.transpose.int, aten.t.default}
 
 
 @dataclass(frozen=True)
@@ -126,24 +125,31 @@ class DeltaRuleMatch:
 # reading the graph
 
 
-def _strip(n):
-    while isinstance(n, torch.fx.Node) and n.target in _VIEWS:
-        n = n.args[0]
-    return n
-
-
-def _transposed(n) -> torch.fx.Node | None:
-    """``x`` when ``n`` is ``x`` with its last two axes swapped (through views), else None."""
-    n = _strip(n)
-    if not isinstance(n, torch.fx.Node):
-        return None
-    if n.target is aten.t.default:
-        return _strip(n.args[0])
-    if n.target is aten.transpose.int:
+def _relayout(n) -> tuple[torch.fx.Node, bool]:
+    """``(x, swapped)``: ``n`` is ``x`` through views, batch reshapes and permutations that keep
+    the leading axes in place, its last two axes swapped when ``swapped``."""
+    swapped = False
+    while isinstance(n, torch.fx.Node) and n.op == "call_function":
+        if n.target in _VIEWS:
+            n = n.args[0]
+            continue
+        if n.target is aten.t.default:
+            swapped, n = not swapped, n.args[0]
+            continue
+        if n.target not in (aten.transpose.int, aten.permute.default):
+            break
         rank = len(n.meta["val"].shape)
-        if {d % rank for d in n.args[1:3]} == {rank - 2, rank - 1}:
-            return _strip(n.args[0])
-    return None
+        if n.target is aten.transpose.int:
+            dims = {d % rank for d in n.args[1:3]}
+            if dims != {rank - 2, rank - 1}:
+                break
+            swapped, n = not swapped, n.args[0]
+            continue
+        perm = [d % rank for d in n.args[1]]
+        if perm[:-2] != list(range(rank - 2)):
+            break
+        swapped, n = swapped ^ (perm[-2:] == [rank - 1, rank - 2]), n.args[0]
+    return n, swapped
 
 
 def _boundary(program: TTTProgram) -> list[torch.fx.Node]:
@@ -185,16 +191,11 @@ def _reads(program: TTTProgram, t: int):
         if n.target is not aten.bmm.default:
             continue
         x, y = n.args
-        if x in state_dep and y in state_dep:
-            continue
-        if _strip(y) is state and x not in state_dep:
-            yield n, x, "left"
-        elif _transposed(y) is state and x not in state_dep:
-            yield n, x, "right"
-        elif _strip(x) is state and y not in state_dep:
-            yield n, y, "right"
-        elif _transposed(x) is state and y not in state_dep:
-            yield n, y, "left"
+        (bx, sx), (by, sy) = _relayout(x), _relayout(y)
+        if by is state and x not in state_dep:
+            yield n, x, "right" if sy else "left"
+        elif bx is state and y not in state_dep:
+            yield n, y, "left" if sx else "right"
 
 
 # ---------------------------------------------------------------------------------------------
