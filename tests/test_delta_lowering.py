@@ -77,6 +77,8 @@ def test_delta_memory_converts_exactly_onto_the_delta_rule(which, batch, length,
     x = torch.randn(batch, length, d_model, generator=torch.Generator().manual_seed(seed))
     y_ref, g_ref = outputs_and_grads(layer, x, seed)
     y, g = outputs_and_grads(fast, x, seed)
+    ran = fast.ttt2la_report.to_dict()["layers"][0]["runs"][f"batch {batch}"]
+    assert ran == runtime, (batch, ran)          # the plan is carried to every batch size
     assert rel_rms_error(y, y_ref) <= TOL, rel_rms_error(y, y_ref)
     assert g.keys() == g_ref.keys()
     for name, grad in g_ref.items():

@@ -336,8 +336,8 @@ def match_delta_rule(program: TTTProgram, analysis: Analysis) -> DeltaRuleMatch 
     with _disable_current_modes(), torch.no_grad():
         try:
             return _match(program, live[0])
-        except (RuntimeError, ValueError, IndexError):
-            return None
+        except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
+            return None                # a body the probes cannot run: the generic plan
 
 
 def _match(program: TTTProgram, t: int) -> DeltaRuleMatch | None:
@@ -496,9 +496,11 @@ class DeltaRulePlan(DeltaScanPlan):
         layout = chunk_layout(prog, list(invariants))
         L = layout.n_chunks
         values, dims = {}, {}
+        needed = {*m.feature_inputs, *m.post_inputs}
         for node, spec in zip(prog.stream_inputs(), prog.streams):
-            values[node] = chunk_stream(invariants[spec.source], spec, layout).contiguous()
-            dims[node] = 0
+            if node in needed:      # token-major, each token laid out like the traced one
+                values[node] = chunk_stream(invariants[spec.source], spec, layout).contiguous()
+                dims[node] = 0
         for node, x in [*zip(prog.invariant_inputs(), invariants),
                         *zip(prog.state_inputs(), states0)]:
             values.setdefault(node, x)
