@@ -381,7 +381,8 @@ def _match_with_read(program, t, frontier, boundary, state_shape, read, query, s
 
 def _built(program, t, side, key, value, atoms, combined, read, query, post, post_inputs):
     """The match of these pieces, with the graph that computes them from the loop's inputs."""
-    features, feature_inputs = extract(program.body, _boundary(program), [key, value, *atoms, query])
+    features, feature_inputs = extract(program.body, _boundary(program),
+                                       [key, value, *atoms, query])
     reshape_views(features.graph)
     features.recompile()
     return DeltaRuleMatch(program, t, side, key, value, atoms, *combined, read, query,
