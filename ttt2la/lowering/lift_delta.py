@@ -208,17 +208,26 @@ def scanned_states(analysis: Analysis) -> set[int]:
 
 
 def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
-               sides: dict[int, str | None] | None = None) -> DeltaScanPlan | None:
+               sides: dict | None = None) -> DeltaScanPlan | None:
     """The delta-rule plan for ``program`` on ``schedule``, or ``None`` when no group of its
-    states is matrix-affine in its members. Raises ``NonReducibleError`` when the program does
-    not allow ``schedule``. ``sides``: the sides already read off a plan of the same body at
-    another batch size (structural, so carried over: a later call, even one a compiler traces
-    with fake tensors, need not probe again)."""
+    states is matrix-affine in its members: a per-token loop that is exactly the (gated) delta
+    rule runs on the chunked ``delta_rule`` op (``lift_delta_rule``), any other such group on
+    the matrix-affine scan. Raises ``NonReducibleError`` when the program does
+    not allow ``schedule``. ``sides``: what a plan of the same body at another batch size
+    already read off it — each group's side, or the delta-rule match of a per-token loop —
+    (structural, so carried over: a later call, even one a compiler traces with fake tensors,
+    need not probe again)."""
     if schedule != "semi-parallel" or not scanned_states(analysis):
         return None
+    from .lift_delta_rule import DeltaRuleMatch, lift_delta_rule  # builds on this module
+    carried = [m for m in (sides or {}).values() if isinstance(m, DeltaRuleMatch)]
+    exact = lift_delta_rule(program, analysis, schedule, carried[0] if carried else None)
+    if exact is not None:
+        return exact
     analysis.require_schedule(schedule)
     plan = DeltaScanPlan(program, analysis, schedule)
-    plan.sides.update(sides or {})
+    plan.sides.update({t: side for t, side in (sides or {}).items()
+                       if side is None or isinstance(side, str)})
     return plan
 
 

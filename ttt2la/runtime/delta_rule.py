@@ -40,6 +40,10 @@ from ttt2la.runtime.matrix_affine_scan import METHODS, matrix_affine_scan
 from ttt2la.runtime.naive import RuntimeInputError, compute_dtype, final_state_dtype
 
 DELTA_ORDERS = ("inclusive", "exclusive")
+#: The chunk size the runtime picks when a caller (a lowered loop) leaves it to it: the UT
+#: solve costs ``O(C²)`` per token and the scan ``O(Dk²·Dv / C)``; 64 balances them for heads of
+#: 64 features and is the size the delta-rule kernels of public libraries use.
+DELTA_CHUNK_SIZE = 64
 DELTA_BACKENDS = ("auto", "torch", "naive")
 
 
@@ -71,8 +75,8 @@ def check_delta_inputs(q, k, v, beta, *, decay, chunk_size, initial_state, order
                  f"got {shape(initial_state)}")
 
 
-def naive_delta_rule(q, k, v, beta, *, decay=None, chunk_size=64, initial_state=None,
-                     output_final_state=False, order="inclusive"):
+def naive_delta_rule(q, k, v, beta, *, decay=None, chunk_size=DELTA_CHUNK_SIZE,
+                     initial_state=None, output_final_state=False, order="inclusive"):
     """The gated delta rule one token at a time (the reference; see the module docstring).
 
     ``chunk_size`` only exists to share the fast op's signature. Returns
@@ -141,8 +145,9 @@ def chunk_maps(q, k, v, beta, g, order: str):
     return A, k_out.mT @ U, M @ U, gamma_read.unsqueeze(-1) * q - M @ W
 
 
-def torch_delta_rule(q, k, v, beta, *, decay=None, chunk_size=64, initial_state=None,
-                     output_final_state=False, order="inclusive", scan="pairwise"):
+def torch_delta_rule(q, k, v, beta, *, decay=None, chunk_size=DELTA_CHUNK_SIZE,
+                     initial_state=None, output_final_state=False, order="inclusive",
+                     scan="pairwise"):
     """Chunked gated delta rule; same contract as ``naive_delta_rule``.
 
     ``scan`` chooses how the chunk maps are composed: ``"pairwise"`` (log-depth) or
@@ -171,7 +176,7 @@ def torch_delta_rule(q, k, v, beta, *, decay=None, chunk_size=64, initial_state=
     return o.to(v.dtype), final
 
 
-def delta_rule(q, k, v, beta, *, decay=None, chunk_size=64, initial_state=None,
+def delta_rule(q, k, v, beta, *, decay=None, chunk_size=DELTA_CHUNK_SIZE, initial_state=None,
                output_final_state=False, order="inclusive", scan="pairwise", backend="auto"):
     """The gated delta rule ``S_t = α_t (I − β_t k_tᵀ k_t) S_{t-1} + β_t k_tᵀ v_t``.
 
@@ -192,4 +197,4 @@ def delta_rule(q, k, v, beta, *, decay=None, chunk_size=64, initial_state=None,
 
 
 __all__ = ["delta_rule", "naive_delta_rule", "torch_delta_rule", "check_delta_inputs",
-           "chunk_maps", "DELTA_ORDERS"]
+           "chunk_maps", "DELTA_ORDERS", "DELTA_CHUNK_SIZE"]

@@ -1,4 +1,5 @@
 """Reference TTT layers written the way their authors write them; the recognizer's test material."""
+from .delta_memory import DeltaMemoryLayer
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
 from .lact_published import LaCTPublishedLayer
@@ -22,7 +23,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
-           "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
+__all__ = ["DeltaMemoryLayer", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer",
+           "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
            "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "MemoryState", "TitansLinearMemory",
            "TitansMLPMemory", "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
