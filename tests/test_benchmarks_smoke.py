@@ -117,3 +117,19 @@ def test_throughput_script_end_to_end(throughput, tmp_path):
     markdown = (out / "throughput.md").read_text()
     assert "partial" not in markdown
     assert markdown.count("| LaCT chunk 16, L=64, no Muon |") == 5 + 3
+
+
+def test_cases_with_many_chunks_time_the_published_operator_eagerly(throughput, tmp_path):
+    """Dynamo would unroll a loop of this many chunks; those rows run eagerly and say so."""
+    out = tmp_path / "results"
+    chunks = throughput.COMPILED_CHUNKS + 1
+    assert throughput.main(["--size", "smoke", "--muon", "off", "--levels", "2",
+                            "--lact", f"2x{2 * chunks}", "--per-token-lengths",
+                            "--rounds", "1", "--threads", str(torch.get_num_threads()),
+                            "--results", str(out)]) == 0
+    rows = {r["model"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())
+            if r.get("kind") == "Row"}
+    for name in ("original (level 0)", "variant 1 as written", "variant 2 as written"):
+        assert rows[name]["plan"] == f"as written, run eagerly ({chunks} chunks, not compiled)"
+        assert rows[name]["tokens_per_s"] > 0
+    assert rows["level 2 converted"]["error"] <= rows["level 2 converted"]["bound"]
