@@ -183,10 +183,6 @@ def advance(plan, program: TTTProgram, states0: list, invariants: list, call: St
             invariants[i] = torch.cat([prefix, invariants[i]], dim=axes[i])
         n_open, seen = state_in.open_tokens, state_in.tokens
     length = stream_length(program, list(invariants))
-    if length == 0:
-        raise StreamingError(
-            f"{where} was given a piece of no tokens and holds no open tokens, so there is no "
-            "output to compute; feed pieces of at least one token.")
     tail = _open_tail(program, length, where)
     if program.last_chunk == "apply_only" or tail == 0:
         outputs, finals = plan(states0, invariants)
