@@ -11,7 +11,9 @@ apply it. The state therefore holds the fast weights and momentum *at the start 
 chunk* together with that chunk's tokens as the loop reads them (its slice of every stream
 source: q, k, v, learning rates, ...). The next piece is appended to those tokens and the open
 chunk is recomputed from its start, so every chunk the loop sees is the chunk the whole
-sequence would give it. A per-token layer has no open chunk.
+sequence would give it. A per-token layer has no open chunk, unless it reads each token
+before writing it and its last token is only read (the delta rule's read-then-write form): its
+last token stays open the same way, one token long.
 
 ``Stream(model)`` carries the state of every converted layer of a whole model from one call
 to the next.
@@ -46,8 +48,9 @@ class TTTState:
       folds them);
     * ``sources`` / ``open``: the open chunk's tokens, one tensor per sequence the loop slices
       chunks from (named like the loop's invariants), cut along that sequence's token axis;
-      ``open_tokens`` is their number (0 for per-token layers, ``1..C`` for LaCT's
-      apply-then-update chunks);
+      ``open_tokens`` is their number (0 for per-token layers that write every token they
+      read, 1 for those whose last token is only read, ``1..C`` for LaCT's apply-then-update
+      chunks);
     * ``tokens``: how many tokens the layer has seen since the state started.
     """
 
@@ -106,6 +109,42 @@ def _check_compatible(state: TTTState, program: TTTProgram, states0, where: str)
                 "ttt_state=None.")
 
 
+def _open_tail(program: TTTProgram, length: int, where: str) -> int:
+    """How many of the piece's last tokens stay open: the tokens of a chunk the loop has not
+    folded into its state. A loop whose last chunk (or, per token, last token) is only read
+    never folds it, so that chunk stays open even when it is full — else the next piece would
+    start from a state missing its update."""
+    per_token = any(s.per_token for s in program.streams)
+    C = 1 if per_token else program.chunk_size
+    if program.last_chunk == "apply_only":
+        tail = length - (math.ceil(length / C) - 1) * C         # 1..C: the last chunk stays open
+    else:
+        tail = length % C
+    if tail and tail != C and program.order == "inclusive":
+        raise StreamingError(
+            f"{where} reads each chunk's outputs through the fast weights updated with the "
+            f"whole chunk (update, then apply; chunk size {C}), so the outputs of an unfinished "
+            f"chunk change when its remaining tokens arrive: this piece ends {tail} token(s) "
+            f"into a chunk. Feed pieces that end on a chunk boundary (multiples of {C} tokens).")
+    return tail
+
+
+def _states_after(finals: list, before: list, program: TTTProgram, where: str) -> list:
+    """Every carried state after a run of the plan. A plan may leave out (``None``) a state
+    the loop never changes — it keeps its value — but a state the loop updates and the plan
+    does not return cannot be continued: the next piece would start from a stale value."""
+    ins, outs = program.state_inputs(), program.state_outputs()
+    after = []
+    for spec, f, s, i, o in zip(program.states, finals, before, ins, outs):
+        if f is None and o is not i:
+            raise StreamingError(
+                f"{where} updates its state {spec.name} in the loop, but the plan that runs it "
+                "returns no value for it after a piece, so a next piece could not start from "
+                "it. Run whole sequences, or convert with backend='naive' to carry it.")
+        after.append(s if f is None else f)
+    return after
+
+
 @dataclass
 class StreamCall:
     """One stateful call of a converted layer: the state in, filled with the state out."""
@@ -144,37 +183,26 @@ def advance(plan, program: TTTProgram, states0: list, invariants: list, call: St
             invariants[i] = torch.cat([prefix, invariants[i]], dim=axes[i])
         n_open, seen = state_in.open_tokens, state_in.tokens
     length = stream_length(program, list(invariants))
-    per_token = any(s.per_token for s in program.streams)
-    C = 1 if per_token else program.chunk_size
-    if program.last_chunk == "apply_only":
-        tail = length - (math.ceil(length / C) - 1) * C         # the last chunk stays open
-    else:
-        tail = length % C
-    if tail and tail != C and program.order == "inclusive":
-        raise StreamingError(
-            f"{where} reads each chunk's outputs through the fast weights updated with the "
-            f"whole chunk (update, then apply; chunk size {C}), so the outputs of an unfinished "
-            f"chunk change when its remaining tokens arrive: this piece ends {tail} token(s) "
-            f"into a chunk. Feed pieces that end on a chunk boundary (multiples of {C} tokens).")
+    tail = _open_tail(program, length, where)
     if program.last_chunk == "apply_only" or tail == 0:
         outputs, finals = plan(states0, invariants)
-        carried = [s if f is None else f for f, s in zip(finals, states0)]
+        carried = _states_after(finals, states0, program, where)
     else:
         full = length - tail
         mid = states0
         head_outputs = []
         if full:
             head_outputs, head_finals = plan(states0, _narrow(invariants, axes, 0, full))
-            mid = [s if f is None else f for f, s in zip(head_finals, states0)]
+            mid = _states_after(head_finals, states0, program, where)
         tail_outputs, finals = plan(mid, _narrow(invariants, axes, full, tail))
-        finals = [s if f is None else f for f, s in zip(finals, mid)]
+        finals = _states_after(finals, mid, program, where)
         outputs = tail_outputs if not full else [
             torch.cat([a, b], dim=spec.axis % a.dim())
             for a, b, spec in zip(head_outputs, tail_outputs, program.outputs)]
         carried = mid
     outputs = [o.narrow(spec.axis % o.dim(), n_open, length - n_open)
                for o, spec in zip(outputs, program.outputs)]
-    open_tokens = 0 if per_token else tail
+    open_tokens = tail
     call.state_out = TTTState(
         names=tuple(s.name for s in program.states), roles=tuple(s.role for s in program.states),
         values=tuple(carried),
