@@ -26,7 +26,7 @@ from torch import nn
 import ttt2la
 from ttt2la.runtime import delta_rule
 from ttt2la.runtime.delta_rule import DELTA_CHUNK_SIZE
-from ttt2la.testing import TOLERANCE, CountOps, rel_rms_error
+from ttt2la.testing import TOLERANCE, rel_rms_error, training_step_ops
 from ttt2la.zoo import DeltaMemoryLayer
 
 C = DELTA_CHUNK_SIZE
@@ -100,11 +100,7 @@ def test_every_length_around_the_chunk_boundaries():
 def _count(fast, chunks: int, d_model: int) -> int:
     """Forward + backward ops at ``chunks`` chunks of the op, after one warm-up call."""
     x = torch.randn(1, chunks * C, d_model, generator=torch.Generator().manual_seed(0))
-    fast(x).sum().backward()
-    fast.zero_grad()
-    with CountOps() as counter:
-        fast(x).sum().backward()
-    return counter.count
+    return training_step_ops(fast, x)
 
 
 def test_op_count_grows_only_with_the_scan_depth():

@@ -20,7 +20,7 @@ from test_executors import inputs_for, make_program
 from ttt2la.analysis import analyze
 from ttt2la.lowering import lower
 from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta
-from ttt2la.testing import TOLERANCE, CountOps, rel_rms_error
+from ttt2la.testing import TOLERANCE, rel_rms_error, training_step_ops
 
 D = 6
 
@@ -97,11 +97,7 @@ def _count(fast, chunks):
     """Forward + backward ops at ``chunks`` chunks, after one warm-up call (which builds the
     plan at this batch size)."""
     x = torch.randn(1, chunks * 4, D, generator=torch.Generator().manual_seed(0))
-    fast(x).sum().backward()
-    fast.zero_grad()
-    with CountOps() as counter:
-        fast(x).sum().backward()
-    return counter.count
+    return training_step_ops(fast, x)
 
 
 def test_op_count_grows_only_with_the_scan_depth():

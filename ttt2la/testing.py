@@ -84,9 +84,20 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def training_step_ops(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Ops one forward and backward of ``module(x).sum()`` dispatches, after a warm-up step at
+    this shape (which builds whatever the module prepares per shape)."""
+    module(x).sum().backward()
+    module.zero_grad()
+    with CountOps() as counter:
+        module(x).sum().backward()
+    return counter.count
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE[dtype]
 
 
 __all__ = ["rel_rms_error", "tolerance", "TOLERANCE", "outputs_and_grads",
-           "no_worse_than_original", "CRITERION_SAMPLES", "CountOps"]
+           "no_worse_than_original", "CRITERION_SAMPLES", "CountOps",
+           "training_step_ops"]

@@ -11,9 +11,10 @@ fully reduced linear attention lower to this. With ``g`` the log-decays of one c
   ``S_j = exp(Σ g) S_{j-1} + Σ_i exp(Σ_{l>i} g_l) k_iᵀ v_i`` come from one blocked affine scan
   over chunks (``scan.blocked_scan``: log-depth; a plain prefix sum without decay).
 
-All chunks' intra-chunk attention, increments and outputs are batched matmuls, one call per
-head (a head's chunks are strided views BLAS reads in place); the chunk states are kept
-head-major, ``[B, H, N, Dk, Dv]``, so the scan works on contiguous views.
+The inputs are laid out head-major once (``[B·H, N, C, D]``; no copy for one head of contiguous
+tokens), so every chunk of every head is a contiguous block and the intra-chunk attention, the
+increments and the reads are each one batched matmul; the states, ``[B·H, N, Dk, Dv]``, scan as
+contiguous rows, and each chunk's read of the state before it is added in place.
 """
 from __future__ import annotations
 
@@ -47,20 +48,42 @@ def segment_sums(g: torch.Tensor) -> torch.Tensor:
     return sums.mT.masked_fill(later, -math.inf)  # [..., t, i]; later[t, i]: i > t
 
 
-def _intra_chunk(q, k, v, g, causal):
-    """One head: in-chunk attention, chunk increments, decayed queries and chunk decay.
+def _head_major(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
+    """``[B, T, H, ...] → [B·H, n, C, ...]``: at most one copy into head-major order (none when
+    that is how ``x`` lies), zero-padded after ``T``; every chunk of every head is then a
+    contiguous block, so all heads and chunks run as one batched matmul with no hidden copies."""
+    B, T, H = x.shape[:3]
+    x = x.movedim(2, 1).reshape(B * H, T, *x.shape[3:]).contiguous()
+    return split_chunks(x, n, C)
 
-    ``q, k, v``: ``[B, n, C, D]``; ``g``: log-decays ``[B, n, C]`` or None. Returns
-    ``(o_intra [B, n, C, Dv], increment [B, n, Dk, Dv], q_read [B, n, C, Dk], decay [B, n] or None)``.
+
+def _intra_chunk(q, k, v, g, causal):
+    """In-chunk attention, chunk increments, decayed queries and chunk decay, all heads at once.
+
+    ``q, k, v``: ``[N, n, C, D]``; ``g``: log-decays ``[N, n, C]`` or None. Returns
+    ``(o_intra [N, n, C, Dv], increment [N, n, Dk, Dv], q_read [N, n, C, Dk], decay [N, n] or None)``.
     """
-    attn = q @ k.mT  # [B, n, C, C]
+    attn = q @ k.mT  # [N, n, C, C]
     if g is None:
         return attn.masked_fill(~causal, 0.0) @ v, k.mT @ v, q, None
-    segments = segment_sums(g)  # [B, n, C, C]
+    segments = segment_sums(g)  # [N, n, C, C]
     mask = segments.exp()
     increment = (k * mask[..., -1, :].unsqueeze(-1)).mT @ v
     b = torch.cumsum(g, dim=-1)
     return (attn * mask) @ v, increment, q * b.exp().unsqueeze(-1), b[..., -1].exp()
+
+
+def _reads_of_previous(q_read: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """``q_read[r, j] @ states[r, j-1]`` for every row ``r`` and chunk ``j ≥ 1``, flattened to
+    ``[R·n − 1, C, Dv]`` beside the flattened outputs' chunks ``1 …``: one matmul over
+    contiguous slices (no copy of ``states[:, :-1]``); the pairs that straddle two rows (a row's
+    first chunk with the previous row's last state) are zeroed."""
+    R, n, C, Dk = q_read.shape
+    reads = q_read.reshape(R * n, C, Dk)[1:] @ states.reshape(R * n, Dk, -1)[:-1]
+    if R > 1:
+        straddling = torch.arange(1, R, device=reads.device) * n - 1
+        reads.index_fill_(0, straddling, 0.0)
+    return reads
 
 
 def torch_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
@@ -77,29 +100,26 @@ def torch_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     Dv = v.shape[-1]
     C = min(chunk_size, T)
     n = math.ceil(T / C)
-    qc, kc, vc = (split_chunks(x.to(dt), n, C).unbind(3) for x in (q, k, v))
-    g = None if log_decay is None else split_chunks(log_decay.to(dt), n, C).unbind(3)
+    qc, kc, vc = (_head_major(x.to(dt), n, C) for x in (q, k, v))   # [B·H, n, C, D]
+    g = None if log_decay is None else _head_major(log_decay.to(dt), n, C)
     causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    heads = [_intra_chunk(qc[h], kc[h], vc[h], None if g is None else g[h], causal)
-             for h in range(H)]
-    increments = torch.stack([inc for _, inc, _, _ in heads], dim=1)  # [B, H, n, Dk, Dv]
-    decay = None if g is None else torch.stack([d for *_, d in heads], dim=1)  # [B, H, n]
+    o, increments, q_read, decay = _intra_chunk(qc, kc, vc, g, causal)
 
-    S0 = None if initial_state is None else initial_state.to(dt)
-    states = blocked_scan(None if decay is None else decay.reshape(B * H, n),
-                          increments.reshape(B * H, n, Dk * Dv),
+    S0 = None if initial_state is None else initial_state.to(dt).reshape(B * H, Dk, Dv)
+    states = blocked_scan(decay, increments.reshape(B * H, n, Dk * Dv),
                           None if S0 is None else S0.reshape(B * H, Dk * Dv))
-    states = states.view(B, H, n, Dk, Dv)
-    first = (torch.zeros(B, H, 1, Dk, Dv, dtype=dt, device=v.device) if S0 is None
-             else S0.unsqueeze(2))
-    before = torch.cat([first, states[:, :, :-1]], dim=2).unbind(1)
-    o = torch.stack([o_intra + q_read @ S for (o_intra, _, q_read, _), S in zip(heads, before)],
-                    dim=3)  # [B, n, C, H, Dv]
+    states = states.view(B * H, n, Dk, Dv)
+    # chunk j reads the state left by chunks < j, added in place (a matmul's backward does
+    # not read its result): no concatenation of the initial state to the states
+    if n > 1:
+        o.view(-1, C, Dv)[1:] += _reads_of_previous(q_read, states)
+    if S0 is not None:
+        o[:, 0] += q_read[:, 0] @ S0
     if scale is not None:
         o = o * scale
-    o = o.reshape(B, n * C, H, Dv)[:, :T]
-    final = (states[:, :, -1].to(final_state_dtype(v, initial_state)) if output_final_state
-             else None)
+    o = o.reshape(B, H, n * C, Dv)[:, :, :T].movedim(1, 2)
+    final = (states[:, -1].reshape(B, H, Dk, Dv).to(final_state_dtype(v, initial_state))
+             if output_final_state else None)
     return o.to(v.dtype), final
 
 
