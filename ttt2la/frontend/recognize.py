@@ -287,16 +287,29 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     if hit is not None:
         _CACHE.move_to_end(key)
         return dataclasses.replace(hit, path=cand.path, candidate=cand)
-    try:
-        result = _recognize_layer(cand, seq_len)
-    except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
-        from .single_step import recognize_single_step
-        result = recognize_single_step(cand, seq_len, refusal)
+    from .single_step import recognize_single_step
+    if cand.no_loop:
+        result = recognize_single_step(cand, seq_len, _no_loop(cand))
+    else:
+        try:
+            result = _recognize_layer(cand, seq_len)
+        except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
+            result = recognize_single_step(cand, seq_len, refusal)
     if key is not None:
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return result
+
+
+def _no_loop(cand: LoopCandidate) -> UnsupportedTTTError:
+    """The refusal of a layer that runs no loop and holds no single test-time step either."""
+    return UnsupportedTTTError(
+        f"{_layer_name(cand)} runs no Python loop, and its forward ({cand.loop.file}:"
+        f"{cand.loop.line}) holds no single test-time step either (a weight computed from "
+        "parameters, stepped once by an increment computed from the inputs, then read). ttt2la "
+        "converts layers that loop over chunks or tokens carrying fast weights, or that step "
+        "their fast weights once over all tokens.")
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,16 @@ def _shape(n) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _broadcasts(small, shape) -> bool:
+    """Whether a tensor of shape ``small`` broadcasts to ``shape`` without new axes."""
+    return small is not None and shape is not None and len(small) == len(shape) \
+        and all(a in (1, b) for a, b in zip(small, shape))
+
+
 def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node]) -> list[tuple]:
-    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only, ``Δ`` from the inputs,
-    both of the result's shape, ``W`` a matrix or more."""
+    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only (a parameter itself
+    when it broadcasts over the batch, ``[1, H, D, D] − [B, H, D, D]``), ``Δ`` from the inputs
+    and of the result's shape, a matrix or more."""
     found = []
     for n in graph.nodes:
         if n.op != "call_function" or n.target not in _UPDATES or len(n.args) < 2:
@@ -89,11 +96,28 @@ def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node]) -> list[tuple]:
         pairs = [(a, b)] if n.target is aten.sub.Tensor else [(a, b), (b, a)]
         for w, d in pairs:
             if isinstance(w, torch.fx.Node) and isinstance(d, torch.fx.Node) \
-                    and w not in dep and d in dep and w.op == "call_function" \
-                    and _shape(w) == _shape(d) == _shape(n) and len(_shape(n) or ()) >= 2:
+                    and w not in dep and d in dep and w.op in ("call_function", "placeholder") \
+                    and _shape(d) == _shape(n) and _broadcasts(_shape(w), _shape(n)) \
+                    and len(_shape(n) or ()) >= 2:
                 found.append((n, w, d))
                 break
     return found
+
+
+def _full_size(graph: torch.fx.Graph, updates: list[tuple]) -> list[tuple]:
+    """Every update's weight at the result's shape: a broadcast weight is expanded first
+    (``expand(W, shape)``), so that the state the step carries is the weight it steps."""
+    out = []
+    for n, w, d in updates:
+        if _shape(w) != _shape(n):
+            with graph.inserting_before(n):
+                full = graph.call_function(aten.expand.default, (w, list(_shape(n))))
+            full.meta = {k: v for k, v in n.meta.items() if k != "val"}
+            full.meta["val"] = n.meta["val"]
+            n.replace_input_with(w, full)
+            w = full
+        out.append((n, w, d))
+    return out
 
 
 def _state_local(start: torch.fx.Node, dep: set[torch.fx.Node], order: dict) -> list:
@@ -237,6 +261,9 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
     updates = _updates(graph, dep)
     if not updates:
         raise NotSingleStep(f"{layer}: no test-time update (W ± Δ of a weight) found")
+    updates = _full_size(graph, updates)
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     states_in, states_out, locals_ = [], [], set()
     for stepped, w, _delta in updates:
         new, local = _new_value(stepped, _shape(w), dep, order)
