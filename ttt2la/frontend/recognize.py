@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram
+from .call_signature import CallSignature
 from .capture import _no_compile, trace, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
@@ -55,8 +56,12 @@ class InputLayout:
     fixed_batch: bool = False
     path: str = ""
     why: str = ""                       # the probe failure that restricted the batch sizes
+    signature: CallSignature | None = None      # the example call, checked on every call
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
+        if self.signature is not None:
+            self.signature.check(flat_inputs, self.batch_axis, self.token_axis, self.ref,
+                                 self.path)
         x = flat_inputs[self.ref]
         B, L = x.shape[self.batch_axis[self.ref]], x.shape[self.token_axis[self.ref]]
         unit = self.batch_unit
@@ -374,6 +379,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         seq_len = next((n for n in sorted(lengths, reverse=True)
                         if any(n in x.shape[1:] for x in tensors)), None)
     layout = _layout(flat, seq_len, batch)
+    layout.signature = CallSignature.of(cand.args, cand.kwargs)
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
     fn = layer_function(cand.module, in_spec)
