@@ -11,6 +11,7 @@ from .trained import trained_char_lm
 from .ttt_scan import ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTMLPLayer
 from .variants import STEPS, variant_switches, with_variant
 from .vittt import ViTTTBlock
+from .vittt_closed_form import ViTTTClosedFormBlock
 
 
 def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
@@ -24,5 +25,6 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 __all__ = ["LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer", "PerTokenTTTLayer",
            "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
-           "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "MemoryState", "TitansLinearMemory",
-           "TitansMLPMemory", "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
+           "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "ViTTTClosedFormBlock", "MemoryState",
+           "TitansLinearMemory", "TitansMLPMemory", "lact_layer", "trained_char_lm", "STEPS",
+           "variant_switches"]
