@@ -1,11 +1,12 @@
 """The update/apply-schedule layer (a list of ``(start, end, update, apply)`` steps).
 
 The *render* schedule — one step on the input views' tokens, then one read of every token — is
-a single-step TTT: it converts as one chunk, exactly, at the example's length. The *causal*
-schedule is a loop over chunks and converts at any length. Verdicts at levels 0–2: stepping the
-kernel weights Θ (``update_theta``) is refused at level 0 naming the ``silu`` (or its
-derivative) through which the updates read them; at level k the converted layer is the layer
-written with the switches of steps 1..k off (outputs and every gradient within fp32 tolerance).
+a single-step TTT: it converts as one chunk, exactly, at any length its update's slice of the
+input views reaches. The *causal* schedule is a loop over chunks and converts at any length.
+Verdicts at levels 0–2: stepping the kernel weights Θ (``update_theta``) is refused at level 0
+naming the ``silu`` (or its derivative) through which the updates read them; at level k the
+converted layer is the layer written with the switches of steps 1..k off (outputs and every
+gradient within fp32 tolerance).
 """
 from __future__ import annotations
 
@@ -68,14 +69,15 @@ def test_render_schedule_converts_as_one_step(B, n_in, n_out, heads, head_dim, u
     check_verdicts(layer, torch.randn(B, L, d), [torch.randn(B % 3 + 1, L, d)])
 
 
-def test_render_is_one_chunk_and_refuses_another_length():
+def test_render_is_one_step_at_any_length_its_update_slice_reaches():
     torch.manual_seed(0)
     layer = ScheduleTTTLayer(8, 2, schedule="render", input_tokens=4)
     converted = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 7, 8),))
     report = converted.ttt2la_report.layers[0]
-    assert report.chunk_size == 7 and report.order == "inclusive"
-    with pytest.raises(ttt2la.UnsupportedShapeError, match="7 tokens"):
-        converted(torch.randn(2, 9, 8))
+    assert report.order == "inclusive"          # one chunk: the whole sequence, read after
+    assert_same_function(converted, layer, [torch.randn(2, 9, 8), torch.randn(1, 4, 8)])
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="4 tokens or more"):
+        converted(torch.randn(2, 3, 8))
 
 
 @settings(max_examples=1, deadline=None)

@@ -33,6 +33,7 @@ def check_call(model, level=None, example_inputs=None, example_kwargs=None, back
     if level is not None or backend is not None:
         check_level(level)
         check_backend(backend)
+    check_argument_types(example_inputs, example_kwargs)
     if example_inputs is not None or example_kwargs:
         check_finite(example_inputs, example_kwargs)
         if run:
@@ -55,6 +56,20 @@ def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got "
                                 f"{backend!r}")
+
+
+def check_argument_types(example_inputs, example_kwargs) -> None:
+    """``example_inputs``: a tensor, a tuple or list of positional arguments, or None;
+    ``example_kwargs``: a dict of keyword arguments, or None."""
+    if example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, list)):
+        hint = " (pass keyword arguments as example_kwargs)" if isinstance(example_inputs, dict) \
+            else ""
+        raise InvalidInputError(
+            f"example_inputs must be a tensor or a tuple of the model's positional arguments, "
+            f"got {type(example_inputs).__name__}{hint}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise InvalidInputError(f"example_kwargs must be a dict of the model's keyword "
+                                f"arguments, got {type(example_kwargs).__name__}")
 
 
 def _arguments(example_inputs, example_kwargs) -> tuple[tuple, dict]:
@@ -87,7 +102,9 @@ def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> N
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             model(*args, **kwargs)
     except Exception as e:
-        shapes = ", ".join(_describe(t) for t in pytree.tree_leaves((args, kwargs)))
+        leaves = pytree.tree_leaves((args, kwargs))
+        shapes = ", ".join(_describe(t) for t in leaves[:8]) + \
+            (f" and {len(leaves) - 8} more" if len(leaves) > 8 else "")
         raise InvalidInputError(
             f"{type(model).__name__} fails on the example inputs ({shapes}){_where(e)}: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -142,4 +159,4 @@ def check_writable(path, what: str) -> Path:
 
 
 __all__ = ["InvalidInputError", "check_call", "check_model", "check_level", "check_backend",
-           "check_finite", "check_runs", "check_writable"]
+           "check_argument_types", "check_finite", "check_runs", "check_writable"]

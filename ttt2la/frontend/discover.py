@@ -38,6 +38,7 @@ class LoopCandidate:
     slice_starts: set[int] = field(default_factory=set)    # offsets of the chunk slices
     ops: int = 0
     probe_length: int | None = None     # the longer length the loop was found at, if any
+    no_loop: bool = False               # no loop ran: a single test-time step, maybe
 
 
 def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
@@ -158,7 +159,21 @@ def discover(model: torch.nn.Module, example_inputs: tuple,
         for cand in found:
             cand.args, cand.kwargs = captured.get(cand.path, (cand.args, cand.kwargs))
             cand.probe_length = length
+    if not found:
+        found = _without_loop(model, captured)
     return found
+
+
+def _without_loop(model: torch.nn.Module, captured: dict) -> list[LoopCandidate]:
+    """The model itself as a candidate when no loop ran anywhere: its forward may step its
+    fast weights once, in straight-line code (the single-step recognizer decides)."""
+    site = _forward_site(model)
+    if site is None or "" not in captured:
+        return []
+    file, name, lo, hi = site
+    args, kwargs = captured[""]
+    return [LoopCandidate("", model, LoopSite(file, name, lo, lo, hi), args, kwargs,
+                          no_loop=True)]
 
 
 def _discover_once(model, example_inputs, example_kwargs):

@@ -199,8 +199,9 @@ def _permutation(steps, rank: int) -> list[int]:
     return dims
 
 
-def _rewrite_stream(graph: torch.fx.Graph, sel: torch.fx.Node, found) -> None:
-    """``select(chunked(T), d, i)`` -> ``chunked₁(slice(T, a, i·K, (i+1)·K))[d = 0]``."""
+def _rewrite_stream(graph: torch.fx.Graph, sel: torch.fx.Node, found) -> torch.fx.Node:
+    """``select(chunked(T), d, i)`` -> ``chunked₁(slice(T, a, i·K, (i+1)·K))[d = 0]``; returns
+    the new node."""
     t, axis, size, steps = found
     base, offset = _folded_slice(t, axis)
     count = _shape(steps[0])[axis]
@@ -215,6 +216,7 @@ def _rewrite_stream(graph: torch.fx.Graph, sel: torch.fx.Node, found) -> None:
         new = _emit(graph, aten.select.int, (moved, sel.args[1], 0), sel.meta)
     sel.replace_all_uses_with(new)
     graph.erase_node(sel)
+    return new
 
 
 def _merge_axis(before, after, axis: int) -> bool:
@@ -324,31 +326,42 @@ def _computed_at(node: torch.fx.Node) -> str:
     return f"{src.file}:{src.line} (`{src.code}`)" if src is not None else node.format_node()
 
 
+def _computed_selects(graph: torch.fx.Graph, in_loop: set) -> list[torch.fx.Node]:
+    """The loop's ``x[i]`` of tensors made outside it that are neither a rewritten stream nor
+    an output buffer (``out[i] = y``'s slot): tensors computed after the cut."""
+    return [sel for sel in graph.nodes
+            if sel in in_loop and sel.target is aten.select.int
+            and isinstance(sel.args[0], torch.fx.Node) and sel.args[0] not in in_loop
+            and isinstance(_val(sel.args[0]), torch.Tensor)
+            and not sel.meta.get("ttt2la_broadcast")      # one slice of a broadcast axis
+            and not any(u.target is aten.select_scatter.default for u in sel.args[0].users)]
+
+
 def _refuse_chunked_computations(graph: torch.fx.Graph, in_loop: set) -> None:
     """Raise when, beside the rewritten streams, the loop still takes ``x[i]`` of a tensor
-    computed from the chunked inputs (a learning rate projected after the reshape): its chunk
-    is not a slice of one sequence, so no chunk of the converted loop can read it."""
-    for sel in graph.nodes:
-        if sel in in_loop and sel.target is aten.select.int and \
-                isinstance(sel.args[0], torch.fx.Node) and sel.args[0] not in in_loop \
-                and not any(u.target is aten.select_scatter.default   # out[i] = y's slot
-                            for u in sel.args[0].users):
-            src = sel.meta.get(SRC)
-            where = f" at {src.file}:{src.line}" if src is not None else ""
-            raise UnsupportedTTTError(
-                f"the loop takes mini-batch {sel.args[2]} of a tensor{where} that was computed "
-                f"after the sequence was cut into mini-batches, at {_computed_at(sel.args[0])}; "
-                "ttt2la reads pre-chunked inputs that are reshapes of whole sequences. Compute "
-                "that tensor on the whole sequence ([B, ..., L, ...]) and reshape it into "
-                "mini-batches with the others.")
+    computed from the chunked inputs that no identity of ``chunked_computations`` rewrites:
+    its chunk is not a slice of one sequence, so no chunk of the converted loop can read it."""
+    for sel in _computed_selects(graph, in_loop):
+        src = sel.meta.get(SRC)
+        where = f" at {src.file}:{src.line}" if src is not None else ""
+        raise UnsupportedTTTError(
+            f"the loop takes mini-batch {sel.args[2]} of a tensor{where} that was computed "
+            f"after the sequence was cut into mini-batches, at {_computed_at(sel.args[0])}, "
+            "and ttt2la cannot read its mini-batches there (it reads reshapes of whole "
+            "sequences, and elementwise ops, permutes and row-wise matrix products of them). "
+            "Compute that tensor on the whole sequence ([B, ..., L, ...]) and reshape it into "
+            "mini-batches with the others.")
+
+
+def _loop_nodes(graph: torch.fx.Graph, loop: LoopSite) -> set[torch.fx.Node]:
+    return {n for n in graph.nodes if n.op == "call_function" and loop_depth(n, loop) is not None}
 
 
 def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
     """Rewrite the pre-chunked streams and output buffers of ``loop`` (see the module
     docstring) in place; returns whether anything was rewritten."""
     graph = gm.graph
-    in_loop = {n for n in graph.nodes
-               if n.op == "call_function" and loop_depth(n, loop) is not None}
+    in_loop = _loop_nodes(graph, loop)
     changed = False
     for sel in [n for n in graph.nodes if n in in_loop and n.target is aten.select.int]:
         src = sel.args[0]
@@ -359,6 +372,10 @@ def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
             _rewrite_stream(graph, sel, found)
             changed = True
     if changed:
+        from .chunked_computations import rewrite_computed
+        in_loop = _loop_nodes(graph, loop)
+        rewrite_computed(graph, _computed_selects(graph, in_loop))
+        in_loop = _loop_nodes(graph, loop)
         _refuse_chunked_computations(graph, in_loop)
     joins = set()
     for w in [n for n in graph.nodes if n in in_loop and n.target is aten.select_scatter.default

@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram
+from .call_signature import CallSignature
 from .capture import _no_compile, trace, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
@@ -55,8 +56,12 @@ class InputLayout:
     fixed_batch: bool = False
     path: str = ""
     why: str = ""                       # the probe failure that restricted the batch sizes
+    signature: CallSignature | None = None      # the example call, checked on every call
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
+        if self.signature is not None:
+            self.signature.check(flat_inputs, self.batch_axis, self.token_axis, self.ref,
+                                 self.path)
         x = flat_inputs[self.ref]
         B, L = x.shape[self.batch_axis[self.ref]], x.shape[self.token_axis[self.ref]]
         unit = self.batch_unit
@@ -287,16 +292,29 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     if hit is not None:
         _CACHE.move_to_end(key)
         return dataclasses.replace(hit, path=cand.path, candidate=cand)
-    try:
-        result = _recognize_layer(cand, seq_len)
-    except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
-        from .single_step import recognize_single_step
-        result = recognize_single_step(cand, seq_len, refusal)
+    from .single_step import recognize_single_step
+    if cand.no_loop:
+        result = recognize_single_step(cand, seq_len, _no_loop(cand))
+    else:
+        try:
+            result = _recognize_layer(cand, seq_len)
+        except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
+            result = recognize_single_step(cand, seq_len, refusal)
     if key is not None:
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return result
+
+
+def _no_loop(cand: LoopCandidate) -> UnsupportedTTTError:
+    """The refusal of a layer that runs no loop and holds no single test-time step either."""
+    return UnsupportedTTTError(
+        f"{_layer_name(cand)} runs no Python loop, and its forward ({cand.loop.file}:"
+        f"{cand.loop.line}) holds no single test-time step either (a weight computed from "
+        "parameters, stepped once by an increment computed from the inputs, then read). ttt2la "
+        "converts layers that loop over chunks or tokens carrying fast weights, or that step "
+        "their fast weights once over all tokens.")
 
 
 @dataclass(frozen=True)
@@ -361,6 +379,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         seq_len = next((n for n in sorted(lengths, reverse=True)
                         if any(n in x.shape[1:] for x in tensors)), None)
     layout = _layout(flat, seq_len, batch)
+    layout.signature = CallSignature.of(cand.args, cand.kwargs)
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
     fn = layer_function(cand.module, in_spec)

@@ -31,7 +31,10 @@ from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StreamSpec,
                   TTTProgram, memory_order)
-from .capture import trace
+from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
+                         shortest_length)
+from .call_signature import CallSignature
+from .capture import trace, user_frame
 from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
                         _layout, layer_function, params_and_buffers)
 from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs,
@@ -44,21 +47,34 @@ class NotSingleStep(UnsupportedTTTError):
 
 
 @dataclass
-class FixedLengthLayout(InputLayout):
-    """An ``InputLayout`` that also fixes the sequence length: a single-step layer was traced
-    at one length (an image's ``h × w``) and runs at that length only."""
+class SingleStepLayout(InputLayout):
+    """An ``InputLayout`` of a single-step layer: its fast weights are stepped once on all the
+    tokens of a call, so there is no sequence to continue from one call to the next; with a
+    ``length`` it runs at that length only (``length_why`` says why)."""
 
-    length: int = 0
+    length: int | None = None
+    length_why: str = ""
+    shortest: int = 1
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         B, L = super().sizes(flat_inputs)
-        if L != self.length:
+        if self.length is None and L < self.shortest:
             raise UnsupportedShapeError(
-                f"the converted {self.path or 'layer'} was called with {L} tokens, but it "
-                f"steps its fast weights once over a fixed set of {self.length} tokens (a "
-                "single-step TTT layer, traced at that length only). Convert it again with "
-                "example inputs of the length you call it with.")
+                f"the converted {self.path or 'layer'} was called with {L} tokens, but it was "
+                f"converted for {self.shortest} tokens or more: {self.length_why}. Convert it "
+                "again with example inputs of the length you call it with.")
+        if self.length is not None and L != self.length:
+            raise UnsupportedShapeError(
+                f"the converted {self.path or 'layer'} was called with {L} tokens, but it was "
+                f"converted for {self.length} tokens only: it steps its fast weights once over "
+                f"all the tokens of a call, and it cannot do so at other lengths ("
+                f"{self.length_why}). Convert it again with example inputs of the length you "
+                "call it with.")
         return B, L
+
+
+#: the name other modules know it by
+FixedLengthLayout = SingleStepLayout
 
 
 # -- finding the update ---------------------------------------------------------------------
@@ -76,9 +92,16 @@ def _shape(n) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _broadcasts(small, shape) -> bool:
+    """Whether a tensor of shape ``small`` broadcasts to ``shape`` without new axes."""
+    return small is not None and shape is not None and len(small) == len(shape) \
+        and all(a in (1, b) for a, b in zip(small, shape))
+
+
 def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node]) -> list[tuple]:
-    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only, ``Δ`` from the inputs,
-    both of the result's shape, ``W`` a matrix or more."""
+    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only (a parameter itself
+    when it broadcasts over the batch, ``[1, H, D, D] − [B, H, D, D]``), ``Δ`` from the inputs
+    and of the result's shape, a matrix or more."""
     found = []
     for n in graph.nodes:
         if not calls(n, UPDATE_STEPS) or len(n.args) < 2:
@@ -87,11 +110,28 @@ def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node]) -> list[tuple]:
         pairs = [(a, b)] if op_name(n) == "sub" else [(a, b), (b, a)]
         for w, d in pairs:
             if isinstance(w, torch.fx.Node) and isinstance(d, torch.fx.Node) \
-                    and w not in dep and d in dep and w.op == "call_function" \
-                    and _shape(w) == _shape(d) == _shape(n) and len(_shape(n) or ()) >= 2:
+                    and w not in dep and d in dep and w.op in ("call_function", "placeholder") \
+                    and _shape(d) == _shape(n) and _broadcasts(_shape(w), _shape(n)) \
+                    and len(_shape(n) or ()) >= 2:
                 found.append((n, w, d))
                 break
     return found
+
+
+def _full_size(graph: torch.fx.Graph, updates: list[tuple]) -> list[tuple]:
+    """Every update's weight at the result's shape: a broadcast weight is expanded first
+    (``expand(W, shape)``), so that the state the step carries is the weight it steps."""
+    out = []
+    for n, w, d in updates:
+        if _shape(w) != _shape(n):
+            with graph.inserting_before(n):
+                full = graph.call_function(aten.expand.default, (w, list(_shape(n))))
+            full.meta = {k: v for k, v in n.meta.items() if k != "val"}
+            full.meta["val"] = n.meta["val"]
+            n.replace_input_with(w, full)
+            w = full
+        out.append((n, w, d))
+    return out
 
 
 def _state_local(start: torch.fx.Node, dep: set[torch.fx.Node], order: dict) -> list:
@@ -224,9 +264,12 @@ def _token_axis(shape: tuple, length: int) -> int | None:
 
 
 def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_path: str = "",
-                layer: str = "") -> RolledLoop:
+                layer: str = "", whole: bool = False) -> RolledLoop:
     """The single-step program of a traced layer (``gm`` takes its parameters, then its
-    inputs); ``NotSingleStep`` when the graph holds no update or more than one per state."""
+    inputs); ``NotSingleStep`` when the graph holds no update or more than one per state.
+
+    ``whole``: the program's one chunk is the whole sequence at any length (``_WholeSequence``),
+    not a chunk of ``length`` tokens."""
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -235,6 +278,9 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
     updates = _updates(graph, dep)
     if not updates:
         raise NotSingleStep(f"{layer}: no test-time update (W ± Δ of a weight) found")
+    updates = _full_size(graph, updates)
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     states_in, states_out, locals_ = [], [], set()
     for stepped, w, _delta in updates:
         new, local = _new_value(stepped, _shape(w), dep, order)
@@ -253,7 +299,7 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
             "the layer's output; ttt2la converts a single step whose reads form one output.")
     body = _body_nodes(nodes, order, dep, states_in, states_out, out_node, layer)
     return _build(gm, order, dep, body, states_in, states_out, out_node, updates, length,
-                  module_path, layer)
+                  module_path, layer, whole)
 
 
 def _updates_reading(graph, dep, stepped: set) -> list:
@@ -271,8 +317,40 @@ def _updates_reading(graph, dep, stepped: set) -> list:
     return out
 
 
+class _WholeSequence:
+    """How a single step runs at any length: every stream source gets a leading axis of size
+    1, which is the chunk axis (chunk size 1, one chunk), so the runtime cuts nothing and the
+    body reads the whole sequence, whatever its length; ``whole`` maps each source to the body
+    placeholder holding all of it (sizes of the length are read from it at run time)."""
+
+    def __init__(self, sources) -> None:
+        self.sources = list(sources)
+        self.whole: dict = {}
+
+    @staticmethod
+    def val(a: torch.fx.Node):
+        return _lead(a.meta["val"])
+
+
+def _lead(val):
+    """``val`` with a leading axis of size 1 (a fake value: computed in its own fake mode)."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return val.unsqueeze(0)
+    with mode:
+        return val.unsqueeze(0)
+
+
+def _emit(graph: torch.fx.Graph, target, args, val, meta: dict) -> torch.fx.Node:
+    """A new node ``target(*args)`` with the frames of ``meta`` and the fake value ``val``."""
+    node = graph.call_function(target, tuple(args))
+    node.meta.update({k: v for k, v in meta.items() if k not in ("val", KIND, NAME)})
+    node.meta["val"] = val
+    return node
+
+
 def _build(gm, order, dep, body_nodes, states_in, states_out, out_node, updates, length,
-           module_path, layer) -> RolledLoop:
+           module_path, layer, whole) -> RolledLoop:
     """The ``TTTProgram`` of the step and the outer graph calling it."""
     body_nodes, externals = _with_token_inputs(body_nodes, states_in, dep, order, length)
     out_axis = _token_axis(_shape(out_node), length)
@@ -284,28 +362,34 @@ def _build(gm, order, dep, body_nodes, states_in, states_out, out_node, updates,
             f"have no token axis of the layer's length {length}; ttt2la reads a single step as "
             "one chunk of the whole sequence.")
 
+    cut = _WholeSequence(sources) if whole else None
     body_gm, state_specs, streams, inv_specs = _body_graph(
-        body_nodes, states_in, states_out, out_node, updates, externals, sources, length)
+        body_nodes, states_in, states_out, out_node, updates, externals, sources, length, cut)
+    if cut is not None:
+        out_axis = 0
 
     first_update = updates[0][0].meta.get(SRC)
     program = TTTProgram(
         body=body_gm, states=state_specs,
         streams=streams,
         invariants=inv_specs,
-        outputs=[OutputSpec("o", axis=out_axis, memory_order=memory_order(out_node.meta["val"]))],
-        chunk_size=length, order="inclusive", last_chunk="update", module_path=module_path,
+        outputs=[OutputSpec("o", axis=out_axis, memory_order=memory_order(
+            out_node.meta["val"] if cut is None else _lead(out_node.meta["val"])))],
+        chunk_size=1 if cut else length, order="inclusive", last_chunk="update",
+        module_path=module_path,
         loop_src=first_update, function=first_update.function if first_update else "")
     note = ("single-step TTT: the fast weights are stepped once over the whole sequence and "
             "then read by every token; it runs as one chunk")
     program.notes.append(note)
-    _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node)
+    _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node, cut)
     return RolledLoop(program=program, outer=gm, n_iterations=1, tail=False, notes=[note])
 
 
 def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals, sources,
-                length):
+                length, cut=None):
     """The body ``(*states, *streams, *invariants) -> (*new states, output)`` and its specs:
-    every input with a token axis is a stream of one chunk, the whole sequence."""
+    every input with a token axis is a stream of one chunk, the whole sequence (with ``cut``,
+    a one-token chunk of a leading axis of size 1 put in front of it)."""
     body = torch.fx.Graph()
     env: dict = {}
     taken: set[str] = set()
@@ -320,37 +404,55 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
     for a in sources:
         name = _unique(_assigned_name(a.meta.get(SRC)) or a.name, taken)
         ph = body.placeholder(name)
-        ph.meta.update(val=a.meta.get("val"), **{KIND: "stream", NAME: name})
+        ph.meta.update(val=cut.val(a) if cut else a.meta.get("val"),
+                       **{KIND: "stream", NAME: name})
         stream_phs[a] = ph
         streams.append(StreamSpec(name, source=externals.index(a),
-                                  axis=_token_axis(_shape(a), length)))
+                                  axis=0 if cut else _token_axis(_shape(a), length)))
     for a in externals:
         base = _assigned_name(a.meta.get(SRC)) or a.name
         name = _unique(f"{base}_all" if a in stream_phs else base, taken)
         ph = body.placeholder(name)
-        ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
+        val = cut.val(a) if cut else a.meta["val"]
+        ph.meta.update(val=val, **{KIND: "invariant", NAME: name})
         env[a] = stream_phs.get(a, ph)
-        val = a.meta["val"]
         inv_specs.append(InvariantSpec(name, tuple(val.shape), val.dtype))
+        if cut is not None and a in stream_phs:
+            cut.whole[a] = ph
+    if cut is not None:
+        for a, ph in stream_phs.items():
+            env[a] = _emit(body, aten.select.int, (ph, 0, 0), a.meta["val"], a.meta)
     for n in body_nodes:
         new = body.node_copy(n, lambda a: env[a])
         new.meta = dict(n.meta)
         env[n] = new
-    body.output(tuple(env[s] for s in states_out) + (env[out_node],))
+    out = env[out_node]
+    if cut is not None:
+        out = _emit(body, aten.unsqueeze.default, (out, 0), _lead(out_node.meta["val"]),
+                    out_node.meta)
+    body.output(tuple(env[s] for s in states_out) + (out,))
     _materialize_shape_only(body)
     body.eliminate_dead_code()
     body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
     return body_gm, state_specs, streams, inv_specs
 
 
-def _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node) -> None:
-    """Replace the step by one ``call_module`` taking ``(*initial states, *invariants)``."""
+def _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node, cut=None) -> None:
+    """Replace the step by one ``call_module`` taking ``(*initial states, *invariants)``
+    (with ``cut``, the streams' sources and the output with a leading axis of size 1)."""
     graph = gm.graph
     if not hasattr(gm, LOOP_MODULE):
         gm.add_submodule(LOOP_MODULE, torch.nn.Module())
     with graph.inserting_before(out_node):
-        call = graph.call_module(LOOP_MODULE, tuple(states_in) + tuple(externals))
+        args = list(externals)
+        if cut is not None:
+            args = [_emit(graph, aten.unsqueeze.default, (a, 0), cut.val(a), a.meta)
+                    if a in cut.sources else a for a in args]
+        call = graph.call_module(LOOP_MODULE, tuple(states_in) + tuple(args))
         got = graph.call_function(operator.getitem, (call, 0))
+        if cut is not None:
+            got = _emit(graph, aten.select.int, (got, 0, 0), out_node.meta["val"],
+                        out_node.meta)
     out_node.replace_all_uses_with(got)
     for n in reversed(body_nodes):
         graph.erase_node(n)
@@ -364,7 +466,11 @@ def _rewrite_outer(gm, order, body_nodes, states_in, externals, out_node) -> Non
 
 def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
     """A ``RecognizedLayer`` for ``cand`` when its forward is a single test-time step; else
-    ``refusal`` (the loop recognizer's own error) is raised again."""
+    ``refusal`` (the loop recognizer's own error) is raised again.
+
+    The step is converted for any length when its traces at three lengths differ only in
+    numbers affine in the length (``any_length``); otherwise for the example's length only,
+    and the converted layer says why when called at another."""
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors or seq_len is None:
@@ -374,49 +480,144 @@ def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
         layout = _layout(flat, seq_len, batch)
     except ConversionError:
         raise refusal from None
-    fn = layer_function(cand.module, in_spec)
-    pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
-    n_params = len(pytree.tree_leaves(pb))
-    layer = _layer_name(cand)
-
-    def rolled_at(B):
-        try:
-            gm = trace(fn, pb, *_inputs_at(flat, layout, B, seq_len))
-        except Exception as e:
-            raise NotSingleStep(f"{layer}: tracing at batch {B} failed: {e}") from e
-        try:
-            return single_step(gm, n_params, seq_len, module_path=cand.path, layer=layer)
-        except ConversionError:
-            raise
-        except Exception as e:
-            raise UnsupportedTTTError(
-                f"{layer}: its fast weights are stepped once (a single-step TTT layer, loop at "
-                f"{cand.loop.src}), but ttt2la could not cut that step out of the layer "
-                f"({_first_line(e)}); report the layer's code.") from e
-
+    layout.signature = CallSignature.of(cand.args, cand.kwargs)
+    step = _Step(cand, flat, in_spec, layout)
     try:
         b0, b1, unit, fixed = 2, 3, 1, False
         try:
-            rolled, rolled_B = rolled_at(b0), rolled_at(b1)
+            step.at(b0, seq_len)
         except NotSingleStep:
             if batch in (2, 3):
                 raise
             b0, b1, unit, fixed = 1, 2, batch, True     # the example's batch only
-            rolled = rolled_B = rolled_at(batch)
+            step.at(batch, seq_len)
     except NotSingleStep:
         raise refusal from None
-    outer = fit_template(rolled.outer, rolled.outer, rolled_B.outer, B0=b0, L0=seq_len,
-                         L1=seq_len + 1, B1=b1, what=f"code around the step of {cand.path}")
     if fixed:
         layout = dataclasses.replace(layout, batch_unit=unit, fixed_batch=True, path=cand.path,
                                      why="the layer failed when traced at batch sizes 2 and 3")
-    layout = FixedLengthLayout(**{f.name: getattr(layout, f.name)
-                                  for f in dataclasses.fields(InputLayout)}, length=seq_len)
-    layout.path = cand.path
-    notes = [f"single-step TTT over {seq_len} tokens: converted for that length only"]
-    return RecognizedLayer(cand.path, cand, rolled, rolled, rolled_B,
-                           layout, in_spec, outer, seq_len,
-                           seq_len + 1, b0, b1, notes)
+    try:
+        return _any_length(step, layout, b0, b1, unit, fixed, seq_len)
+    except FixedLength as why:
+        return _fixed_length(step, layout, b0, b1, unit, fixed, seq_len, str(why))
 
 
-__all__ = ["single_step", "recognize_single_step", "FixedLengthLayout", "NotSingleStep"]
+class _Step:
+    """Traces of one layer's single step at chosen batch sizes and lengths."""
+
+    def __init__(self, cand, flat, in_spec, layout) -> None:
+        self.cand, self.flat, self.in_spec, self.layout = cand, flat, in_spec, layout
+        self.fn = layer_function(cand.module, in_spec)
+        self.pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+        self.n_params = len(pytree.tree_leaves(self.pb))
+        self.layer = _layer_name(cand)
+
+    def at(self, B: int, L: int, whole: bool = True) -> RolledLoop:
+        """The step traced at batch ``B`` (in samples) and length ``L``."""
+        try:
+            gm = trace(self.fn, self.pb, *_inputs_at(self.flat, self.layout, B, L))
+        except Exception as e:
+            raise NotSingleStep(f"{self.layer}: tracing at batch {B}, length {L} failed: "
+                                f"{_first_line(e)}") from e
+        try:
+            return single_step(gm, self.n_params, L, module_path=self.cand.path,
+                               layer=self.layer, whole=whole)
+        except ConversionError:
+            raise
+        except Exception as e:
+            raise UnsupportedTTTError(
+                f"{self.layer}: its fast weights are stepped once (a single-step TTT layer, "
+                f"in {self.cand.loop.function} at {self.cand.loop.file}:{self.cand.loop.line}), "
+                f"but ttt2la could not cut that step out of the layer ({_first_line(e)}); "
+                "report the layer's code.") from e
+
+
+def _any_length(step: _Step, layout, b0, b1, unit, fixed, L0) -> RecognizedLayer:
+    """The step converted for any length (see ``any_length``), or ``FixedLength``."""
+    sizes = {n for t in [*pytree.tree_leaves(step.pb), *step.flat]
+             if isinstance(t, torch.Tensor) for n in t.shape}
+    lengths = probe_lengths(L0, sizes | {unit * b0, unit * b1})
+    at_b0 = [_traced_at(step, unit * b0, L) for L in lengths]
+    at_b1 = None if fixed else [_traced_at(step, unit * b1, L) for L in lengths[:2]]
+    name = step.cand.path or "the layer"
+    bodies = length_slots([r.program.body for r in at_b0],
+                          None if fixed else [r.program.body for r in at_b1], lengths,
+                          f"test-time step of {name}")
+    outers = length_slots([r.outer for r in at_b0],
+                          None if fixed else [r.outer for r in at_b1], lengths,
+                          f"code around the step of {name}")
+    shortest, short_why = shortest_length(
+        [(at_b0[0].program.body, at_b0[1].program.body), (at_b0[0].outer, at_b0[1].outer)],
+        L0)
+    carrier, axis = _body_carrier(at_b0)
+    runs = [(at_b0[0], 0), (at_b0[1], 0)] + ([] if fixed else [(at_b1[0], 1)])
+    floats = {k: v for k, v in outers.items() if v[2]}        # ints: the outer template's
+    ref = step.n_params + layout.ref
+    for rolled, which in runs:
+        body = rolled.program.body
+        rewrite(body, bodies, which, _placeholder(body.graph, carrier), axis)
+        outer = rolled.outer
+        rewrite(outer, floats, which, _placeholder(outer.graph, ref),
+                layout.token_axis[layout.ref])
+    rolled, rolled_L = at_b0[0], at_b0[1]
+    rolled_B = rolled if fixed else at_b1[0]
+    outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=lengths[0],
+                         L1=lengths[1], B1=b1, what=f"code around the step of {name}")
+    single = SingleStepLayout(**{f.name: getattr(layout, f.name)
+                                 for f in dataclasses.fields(InputLayout)}, length=None,
+                              shortest=shortest, length_why=short_why)
+    single.path = step.cand.path
+    lengths_ok = "any length" if shortest == 1 else f"lengths from {shortest} on ({short_why})"
+    notes = ["single-step TTT: the fast weights are stepped once over all tokens; converted "
+             f"for {lengths_ok}: sizes and constants of the length are read when it runs"]
+    return RecognizedLayer(step.cand.path, step.cand, rolled, rolled_L, rolled_B, single,
+                           step.in_spec, outer, lengths[0], lengths[1], b0, b1, notes)
+
+
+def _traced_at(step: _Step, B: int, L: int) -> RolledLoop:
+    """The step at another shape, or ``FixedLength`` saying why it cannot be traced there."""
+    try:
+        return step.at(B, L)
+    except NotSingleStep as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        where = user_frame(cause)
+        raise FixedLength(f"the layer's own code fails at {L} tokens"
+                          f"{f' at {where}' if where else ''}: {_first_line(cause)}") from e
+    except ConversionError as e:
+        raise FixedLength(f"at {L} tokens: {_first_line(e)}") from e
+
+
+def _body_carrier(at_b0) -> tuple[str, int]:
+    """The body input the length is read from: the first stream's whole-sequence source (its
+    invariant name) and its token axis."""
+    program = at_b0[0].program
+    name = program.invariants[program.streams[0].source].name
+    vals = [_placeholder(r.program.body.graph, name).meta["val"] for r in at_b0]
+    return name, changing_axis(vals)
+
+
+def _placeholder(graph: torch.fx.Graph, key) -> torch.fx.Node:
+    """The placeholder named ``key`` (a body input), or the ``key``-th one (an outer input)."""
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    if isinstance(key, int):
+        return phs[key]
+    return next(n for n in phs if n.meta.get(NAME, n.name) == key)
+
+
+def _fixed_length(step: _Step, layout, b0, b1, unit, fixed, L0, why: str) -> RecognizedLayer:
+    """The step converted for the example's length ``L0`` only: one chunk of ``L0`` tokens."""
+    rolled = step.at(unit * b0, L0, whole=False)
+    rolled_B = rolled if fixed else step.at(unit * b1, L0, whole=False)
+    outer = fit_template(rolled.outer, rolled.outer, rolled_B.outer, B0=b0, L0=L0,
+                         L1=L0 + 1, B1=b1, what=f"code around the step of {step.cand.path}")
+    single = SingleStepLayout(**{f.name: getattr(layout, f.name)
+                                 for f in dataclasses.fields(InputLayout)}, length=L0,
+                              length_why=why)
+    single.path = step.cand.path
+    notes = [f"single-step TTT over {L0} tokens: converted for that length only ({why})"]
+    return RecognizedLayer(step.cand.path, step.cand, rolled, rolled, rolled_B, single,
+                           step.in_spec, outer, L0, L0 + 1, b0, b1, notes)
+
+
+__all__ = ["single_step", "recognize_single_step", "SingleStepLayout", "FixedLengthLayout",
+           "NotSingleStep"]

@@ -9,9 +9,10 @@ from .per_token_inline import PerTokenInlineTTTLayer
 from .schedule import ScheduleTTTLayer
 from .titans import MemoryState, TitansLinearMemory, TitansMLPMemory
 from .trained import trained_char_lm
-from .ttt_scan import ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTMLPLayer
+from .ttt_scan import ScanEtaTTTLayer, ScanLinearTTTLayer, ScanTTTLinearLayer, ScanTTTMLPLayer
 from .variants import STEPS, variant_switches, with_variant
 from .vittt import ViTTTBlock
+from .vittt_closed_form import ViTTTClosedFormBlock
 
 
 def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
@@ -24,6 +25,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 
 __all__ = ["DeltaMemoryLayer", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer",
-           "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanLinearTTTLayer", "ScanTTTLinearLayer", "ScanTTTMLPLayer",
-           "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock", "MemoryState", "TitansLinearMemory",
-           "TitansMLPMemory", "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
+           "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
+           "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
+           "ViTTTClosedFormBlock", "MemoryState", "TitansLinearMemory", "TitansMLPMemory",
+           "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]

@@ -235,4 +235,95 @@ class ScanLinearTTTLayer(_ScanTTTBase):
         return {"W": W}, q + z_bar
 
 
-__all__ = ["ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScanLinearTTTLayer", "scan"]
+ETA_SOURCES = ("chunks", "mini_batch", "state")
+
+
+class ScanEtaTTTLayer(ScanLinearTTTLayer):
+    """``ScanLinearTTTLayer`` with its rates computed the way TTT-Linear's published code
+    computes them (``get_eta``): *after* the sequence is cut into mini-batches.
+
+    ``η_ts = ramp_t · lr_s`` — ``ramp`` the per-position scale (``1/(t+1)`` plus a learnable
+    offset), ``lr_s = base_lr/f · σ(x_s·w_lr + b)`` — as a ``[K, K]`` block per mini-batch:
+
+    * ``eta_from="chunks"``: from the pre-chunked input ``[B, N, K, d]``, one ``[B, H, N, K, K]``
+      tensor scanned with the other inputs (the published layout);
+    * ``eta_from="mini_batch"``: inside the scan step, from the mini-batch's own inputs;
+    * ``eta_from="state"``: as ``"mini_batch"``, gated by ``σ(mean(k W))``, which reads the fast
+      weight — a state-dependent rate, outside the theorem, to be refused.
+
+    The first two are the same function as ``ScanLinearTTTLayer`` with the same parameters.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, mini_batch_size: int, *,
+                 eta_from: str = "chunks", **kw) -> None:
+        super().__init__(d_model, num_heads, mini_batch_size, **kw)
+        if eta_from not in ETA_SOURCES:
+            raise ValueError(f"eta_from must be one of {ETA_SOURCES}, got {eta_from!r}")
+        self.eta_from = eta_from
+
+    def get_eta(self, X: torch.Tensor, size: int) -> torch.Tensor:
+        """``[B, H, N, K, K]`` rates of mini-batches ``X [B, N, K, d]`` of ``size`` tokens."""
+        B, n = X.shape[:2]
+        lr = (X @ self.lr_weight.T + self.lr_bias[:, 0]).permute(0, 3, 1, 2)     # [B, H, N, K]
+        lr = (self.base_lr / self.head_dim) * torch.sigmoid(lr)
+        ramp = torch.clamp_min(self.position_rate[:size] + self.position_offset[:size], 0.0)
+        token_eta = torch.broadcast_to(ramp.reshape(1, 1, 1, size, 1),
+                                       (B, self.num_heads, n, size, 1))
+        return token_eta * lr.unsqueeze(-2)
+
+    def ttt_chunks(self, inputs: dict, x: torch.Tensor, size: int, params: dict):
+        """Like ``ttt``, with the rates made from ``x [B, n·size, d]`` cut into mini-batches."""
+        B, H, L, f = inputs["q"].shape
+        n = L // size
+        xs = {name: t.reshape(B, H, n, size, f).permute(2, 0, 1, 3, 4)
+              for name, t in inputs.items()}
+        X = x.reshape(B, n, size, x.shape[-1])
+        if self.eta_from == "chunks":
+            xs["eta"] = self.get_eta(X, size).permute(2, 0, 1, 3, 4)
+        else:
+            xs["x"] = X.permute(1, 0, 2, 3)
+        out = torch.empty(n, B, H, size, f, dtype=x.dtype, device=x.device)
+
+        def step(carry, xb):
+            return self.eta_step(carry, xb, size)
+
+        params, out = scan(step, params, xs, out)
+        return out.permute(1, 0, 3, 2, 4).reshape(B, n * size, H * f), params
+
+    def eta_step(self, params: dict, x: dict, size: int):
+        W = params["W"]
+        q, k, v = x["q"], x["k"], x["v"]
+        if self.eta_from == "chunks":
+            eta = x["eta"]
+        else:
+            eta = self.get_eta(x["x"][:, None], size)[:, :, 0]
+            if self.eta_from == "state":
+                eta = eta * torch.sigmoid((k @ W).mean(dim=-1))[..., None, :]
+        causal, last = torch.tril(eta), eta[:, :, -1, :, None]
+        z_bar = q @ W + (causal * (q @ k.transpose(-1, -2))) @ v
+        W = W + (last * k).transpose(-1, -2) @ v
+        return {"W": W}, q + z_bar
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, d_model] -> [B, L, d_model]."""
+        B, L, _ = x.shape
+        K = self.mini_batch_size
+        n, rest = divmod(L, K)
+        seq = {"q": self.heads(self.q_proj(x)), "k": self.heads(self.k_proj(x)),
+               "v": self.heads(self.v_proj(x))}
+        params = self.initial(B)
+        outs = []
+        if n > 0:
+            y, params = self.ttt_chunks({k: t[:, :, :n * K] for k, t in seq.items()},
+                                        x[:, :n * K], K, params)
+            outs.append(y)
+        if rest > 0:
+            y, _ = self.ttt_chunks({k: t[:, :, -rest:] for k, t in seq.items()}, x[:, -rest:],
+                                   rest, params)
+            outs.append(y)
+        y = torch.cat(outs, dim=1)
+        return self.o_proj(self.post_norm(y))
+
+
+__all__ = ["ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScanLinearTTTLayer", "ScanEtaTTTLayer",
+           "scan"]

@@ -1,0 +1,159 @@
+"""Errors are interface: whatever a caller passes, only a ``ttt2la.ConversionError`` escapes.
+
+A catalogue of wrong calls of a converted layer — an optional mask passed when the layer was
+converted without one (or left out, or ``None``, when it was converted with one), a mask of
+the wrong rank or length, extra or unknown arguments, inputs of the wrong rank or width, another
+value of a plain Python argument the conversion built in — and of wrong arguments to
+``convert`` and ``inspect``. Each wrong call of the converted layer either raises the very error
+class the original layer raises on it, or a ``ConversionError`` that names the input and says
+what the layer was converted for; a call the original accepts is never answered with another
+output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.zoo import TitansLinearMemory, ViTTTClosedFormBlock
+
+B, L, D = 2, 20, 8
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+MASK = torch.arange(B * L).reshape(B, L) % 3 != 0
+
+WRONG_CALLS = [
+    ("mask of another length", (_x(B, L, D),), {"store_mask": torch.ones(B, L + 1).bool()}),
+    ("mask without batch", (_x(B, L, D),), {"store_mask": torch.ones(L).bool()}),
+    ("mask of rank 3", (_x(B, L, D),), {"store_mask": torch.ones(B, L, 1).bool()}),
+    ("mask positional", (_x(B, L, D), MASK), {}),
+    ("mask None", (_x(B, L, D),), {"store_mask": None}),
+    ("mask a list", (_x(B, L, D),), {"store_mask": [1, 0]}),
+    ("mask an int", (_x(B, L, D),), {"store_mask": 1}),
+    ("extra positional", (_x(B, L, D), MASK, MASK), {}),
+    ("unknown keyword", (_x(B, L, D),), {"foo": 1}),
+    ("no input", (), {}),
+    ("input without batch", (_x(L, D),), {}),
+    ("input too wide", (_x(B, L, D + 1),), {}),
+    ("input of integers", (_x(B, L, D, dtype=torch.long),), {}),
+    ("input a list", ([[0.0] * D] * L,), {}),
+    ("the right call", (_x(B, L, D),), {}),
+    ("the right call, masked", (_x(B, L, D),), {"store_mask": MASK}),
+]
+
+
+def _outcome(module, args, kwargs):
+    try:
+        return module(*args, **kwargs), None
+    except Exception as e:              # the error is what is compared
+        return None, e
+
+
+def _same_outputs(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for u, v in zip(la, lb):
+        if isinstance(u, torch.Tensor):
+            if not isinstance(v, torch.Tensor) or u.shape != v.shape or \
+                    rel_rms_error(v.detach(), u.detach()) > TOLERANCE[torch.float32]:
+                return False
+        elif u != v:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def memories():
+    torch.manual_seed(0)
+    memory = TitansLinearMemory(D, 4)
+    x = torch.randn(B, L, D)
+    plain = ttt2la.convert(memory, level=0, example_inputs=(x,))
+    masked = ttt2la.convert(memory, level=0, example_inputs=(x,),
+                            example_kwargs={"store_mask": MASK})
+    return memory, {"converted without a mask": plain, "converted with a mask": masked}
+
+
+@pytest.mark.parametrize("how", ["converted without a mask", "converted with a mask"])
+@pytest.mark.parametrize("name,args,kwargs", WRONG_CALLS, ids=[c[0] for c in WRONG_CALLS])
+def test_a_wrong_call_is_the_original_error_or_a_conversion_error(memories, how, name, args,
+                                                                    kwargs):
+    memory, converted = memories[0], memories[1][how]
+    want, original_error = _outcome(memory, args, kwargs)
+    got, error = _outcome(converted, args, kwargs)
+    if error is None:
+        assert original_error is None, f"the original raised {original_error!r}"
+        assert _same_outputs(want, got)
+    elif isinstance(error, ttt2la.ConversionError):
+        assert "converted for" in str(error), str(error)
+    else:
+        assert original_error is not None and type(error) is type(original_error), \
+            f"{type(error).__name__}: {error} (the original: {original_error!r})"
+
+
+def test_the_message_names_the_input_and_what_to_pass(memories):
+    converted = memories[1]["converted with a mask"]
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(torch.randn(B, L, D), store_mask=torch.ones(B, L + 1).bool())
+    text = str(refused.value)
+    assert "'store_mask'" in text and f"{L + 1} tokens" in text and f"has {L}" in text
+    assert "'store_mask': a tensor [B, L]" in text and "#0: a tensor [B, L, 8]" in text
+    plain = memories[1]["converted without a mask"]
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="converted for 1"):
+        plain(torch.randn(B, L, D), store_mask=MASK)
+
+
+class Gained(ViTTTClosedFormBlock):
+    """A single-step block with a plain Python argument, which a conversion builds in."""
+
+    def forward(self, x, gain: float = 1.0):
+        return super().forward(x) * gain
+
+
+def test_a_built_in_python_value_is_checked_not_silently_reused():
+    torch.manual_seed(0)
+    block = Gained(8, 2, update_gate=False)
+    x = torch.randn(2, 6, 8)
+    converted = ttt2la.convert(block, level=0, example_inputs=(x,),
+                               example_kwargs={"gain": 2.0})
+    assert _same_outputs(block(x, gain=2.0), converted(x, gain=2.0))
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="2.0 it was converted with"):
+        converted(x, gain=3.0)
+
+
+WRONG_ARGUMENTS = [
+    ("inputs a dict", {"x": torch.randn(B, L, D)}, None),
+    ("inputs a generator", (t for t in [torch.randn(B, L, D)]), None),
+    ("inputs a string", "x", None),
+    ("inputs an int", 3, None),
+    ("inputs nested lists", [torch.randn(B, L, D).tolist()], None),
+    ("inputs a NumPy array", (torch.randn(B, L, D).numpy(),), None),
+    ("inputs empty", (), None),
+    ("inputs of length 0", (torch.randn(B, 0, D),), None),
+    ("inputs with NaN", (torch.full((B, L, D), float("nan")),), None),
+    ("kwargs a list", (torch.randn(B, L, D),), [("store_mask", MASK)]),
+    ("kwargs unknown", (torch.randn(B, L, D),), {"foo": 1}),
+    ("kwargs a mask of another length", (torch.randn(B, L, D),),
+     {"store_mask": torch.ones(B, L + 1).bool()}),
+    ("no inputs, no embedding", None, None),
+]
+
+
+@pytest.mark.parametrize("entry", ["convert", "inspect"])
+@pytest.mark.parametrize("name,inputs,kwargs", WRONG_ARGUMENTS,
+                         ids=[a[0] for a in WRONG_ARGUMENTS])
+def test_wrong_arguments_to_convert_and_inspect_are_conversion_errors(entry, name, inputs,
+                                                                       kwargs):
+    torch.manual_seed(0)
+    memory = TitansLinearMemory(D, 4)
+    with pytest.raises(ttt2la.ConversionError):
+        if entry == "convert":
+            ttt2la.convert(memory, level=0, example_inputs=inputs, example_kwargs=kwargs)
+        else:
+            ttt2la.inspect(memory, example_inputs=inputs, example_kwargs=kwargs, show=False)
