@@ -16,7 +16,7 @@ import torch
 
 import ttt2la
 from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import LaCTFoldedLayer, TinyLaCTLM
+from ttt2la.zoo import LaCTFoldedLayer, ScanEtaTTTLayer, TinyLaCTLM
 
 FP32 = TOLERANCE[torch.float32]
 
@@ -87,14 +87,20 @@ def test_converting_a_converted_model_says_it_is_converted_already(lm):
     assert type(model.blocks[0].ttt) is LaCTFoldedLayer
 
 
-def test_torch_compile_fullgraph_runs_the_converted_layer():
+@pytest.mark.parametrize("make", [
+    lambda: LaCTFoldedLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False),
+    # features chunk by chunk, the padding of a partial last chunk probed per tail length
+    lambda: ScanEtaTTTLayer(16, 2, 4),
+], ids=["whole-sequence features", "chunked features"])
+def test_torch_compile_fullgraph_runs_the_converted_layer(make):
     torch.manual_seed(0)
-    layer = LaCTFoldedLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False)
+    layer = make()
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 13, 16),))
     with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
         torch._dynamo.reset()
         compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")
-        for shape in [(2, 13, 16), (3, 10, 16)]:        # a second shape: a new specialisation
+        # a second shape recompiles with symbolic sizes, a third runs that graph
+        for shape in [(2, 13, 16), (3, 10, 16), (2, 19, 16)]:
             x = torch.randn(*shape, requires_grad=True)
             y = compiled(x)
             assert rel_rms_error(y, layer(x)) <= FP32

@@ -145,7 +145,8 @@ class ConvertedState:
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
         flat = _flat_inputs(args, kwargs)
-        B, L = self.layout.sizes(flat)
+        # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
+        B, L = (int(n) for n in self.layout.sizes(flat))
         return self.outer_for(B, L)(params_and_buffers(module), *flat)
 
     def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,

@@ -49,7 +49,7 @@ def stream_length(program: TTTProgram, invariants: list[torch.Tensor]) -> int:
     lengths = {}
     for spec in program.streams:
         src = invariants[spec.source]
-        lengths[spec.name] = src.shape[spec.axis % src.dim()]
+        lengths[spec.name] = int(src.shape[spec.axis % src.dim()])   # concrete, also in a trace
     if len(set(lengths.values())) != 1:
         raise UnsupportedTTTError(
             f"The chunk streams of this loop have different lengths {lengths}; every stream "

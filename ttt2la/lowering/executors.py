@@ -142,16 +142,17 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
                           cache: dict[int, str | None]) -> None:
     """Raise ``UnsupportedTTTError`` when a partial last chunk's zero padding is not inert
     (``padding_problem``); the verdict is cached per tail length in ``cache``."""
-    if layout.tail not in cache:
+    tail = int(layout.tail)            # a plain key, also when a compiler traces sizes
+    if tail not in cache:
         if any(is_fake(t) for t in (*states0, *invariants) if isinstance(t, torch.Tensor)):
             # a compiler traces the plan (torch.compile): the probe reads numbers, so it runs
             # outside the trace on real stand-ins; its verdict is about the body's structure
             with _disable_current_modes():
                 states0, invariants = _stand_ins(states0), _stand_ins(invariants)
-                cache[layout.tail] = padding_problem(program, states0, invariants, layout)
+                cache[tail] = padding_problem(program, states0, invariants, layout)
         else:
-            cache[layout.tail] = padding_problem(program, states0, invariants, layout)
-    what = cache[layout.tail]
+            cache[tail] = padding_problem(program, states0, invariants, layout)
+    what = cache[tail]
     if what is not None:
         c = layout.chunk_size
         hint = " or an apply-only last chunk" if program.last_chunk == "update" else ""
@@ -166,9 +167,10 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
 def _stand_ins(values) -> list:
     """Real random tensors shaped like ``values`` (fake tensors of a compiler's trace)."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(v.shape, generator=gen).to(v.dtype).to(v.device)
-            if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-            for v in values]
+    shapes = [[int(n) for n in v.shape] for v in values]     # sizes the trace has symbolic
+    return [torch.randn(shape, generator=gen).to(v.dtype).to(v.device)
+            if v.is_floating_point() else torch.zeros(shape, dtype=v.dtype, device=v.device)
+            for v, shape in zip(values, shapes)]
 
 
 def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: bool):

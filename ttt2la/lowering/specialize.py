@@ -42,6 +42,11 @@ def _signature(args, records: bool) -> tuple:
         for a in args)
 
 
+def _symbolic(args) -> bool:
+    return any(isinstance(n, torch.SymInt) for a in args if isinstance(a, torch.Tensor)
+               for n in (*a.shape, *a.stride()))
+
+
 def _records_grad(args) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -92,6 +97,8 @@ class SpecializedGraph:
         self._cache: OrderedDict[tuple, torch.fx.GraphModule] = OrderedDict()
 
     def __call__(self, *args):
+        if _symbolic(args):     # a compiler traces the call: it fuses and plans buffers itself
+            return self.graph(*args)
         return self.for_inputs(args)(*args)
 
     def for_inputs(self, args) -> torch.fx.GraphModule:
