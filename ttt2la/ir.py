@@ -57,6 +57,7 @@ import torch.fx
 KIND = "ttt2la_kind"
 NAME = "ttt2la_name"
 SRC = "ttt2la_src"
+LOOP_MODULE = "ttt_loop"      # the submodule the outer graph calls in the place of the loop
 
 StateRole = Literal["final", "theta", "momentum", "other"]
 
@@ -262,7 +263,7 @@ def describe_node(node: torch.fx.Node) -> str:
 
 
 __all__ = [
-    "KIND", "NAME", "SRC", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
+    "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
     "with_memory_order", "ancestors",
 ]
