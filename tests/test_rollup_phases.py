@@ -18,7 +18,7 @@ from ttt2la.frontend.capture import trace
 from ttt2la.frontend.loops import find_loops
 from ttt2la.frontend.rollup import (ZERO, carried_states, chunk_output, classify_inputs,
                                     order_and_tail, roll_up, split_buffer, unroll)
-from ttt2la.ir import KIND, LOOP_MODULE
+from ttt2la.ir import KIND, LOOP_MODULE, bind_loop_args, loop_interface
 from ttt2la.testing import TOLERANCE, rel_rms_error
 
 aten = torch.ops.aten
@@ -366,6 +366,9 @@ def test_the_outer_graph_calls_the_loop_once_with_states_then_invariants(fn):
     else:
         assert start is ph[0]
     assert set(ph[1:4]) <= set(call.args[n_states:])
+    by_name = bind_loop_args(loop_interface(program), call.args)
+    assert by_name[program.states[0].name] is start
+    assert [by_name[i.name] for i in program.invariants] == list(call.args[n_states:])
     # nothing of the loop's iterations is left around the call
     assert not any(n.target in (aten.bmm.default, aten.slice.Tensor, aten.select.int)
                    for n in gm.graph.nodes if n.op == "call_function")

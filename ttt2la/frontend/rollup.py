@@ -12,9 +12,12 @@ TTT inner loop, ``roll_up`` finds, from the copies of the loop body:
 * a **peeled last chunk** — LaCT applies the last chunk without updating, either after the loop
   (a *tail* that repeats the body's apply ops) or in a last iteration whose update is skipped.
 
-The body of the middle iteration becomes ``TTTProgram.body``; the rest of the layer becomes the
-*outer graph*, in which the whole loop is one ``call_module`` to ``ttt_loop`` taking
-``(*initial_states, *invariants)`` and returning ``(*assembled_outputs, *final_states)``.
+The body of iteration 1 becomes ``TTTProgram.body``; the rest of the layer becomes the *outer
+graph*, in which the whole loop is one ``call_module`` to ``LOOP_MODULE`` taking
+``(*initial_states, *invariants)`` and returning ``(output, *final_states)`` (the conventions
+are stated in ``ttt2la.ir``). ``roll_up`` runs one phase per step: ``unroll`` (the iterations),
+``classify_inputs``, ``carried_states``, ``split_buffer`` and ``chunk_output``,
+``order_and_tail``, ``extract_body``, ``rewrite_outer``.
 """
 from __future__ import annotations
 
