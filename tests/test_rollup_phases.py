@@ -12,7 +12,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import ttt2la
+from equivalence import assert_same_function
 from ttt2la.errors import UnsupportedTTTError
 from ttt2la.frontend.capture import trace
 from ttt2la.frontend.loops import find_loops
@@ -112,6 +116,16 @@ def initialised_in_loop(W0, q, k, v, lr):
     return torch.cat(outs, dim=1), W
 
 
+def constant_in_body(W, q, k, v, lr):
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        weights = torch.tensor([1.0, 0.5])               # one per token of a chunk
+        outs.append(qi @ W)
+        W = W + lr * (ki * weights[:, None]).transpose(1, 2) @ vi
+    return torch.cat(outs, dim=1), W
+
+
 # -- loops roll-up refuses ---------------------------------------------------------------------
 
 def squares_offsets(W, q, k, v, lr):
@@ -129,6 +143,16 @@ def two_chunk_sizes(W, q, k, v, lr):
         qi, ki = q[:, 2 * i:2 * i + 2], k[:, 3 * i:3 * i + 3]
         outs.append(qi @ W)
         W = W + lr * ki.transpose(1, 2) @ ki
+    return torch.cat(outs, dim=1), W
+
+
+def constant_changing_per_iteration(W, q, k, v, lr):
+    outs = []
+    for i, s in enumerate(range(0, q.shape[1], C)):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        step = torch.tensor([float(i)])
+        outs.append(qi @ W)
+        W = W + step * ki.transpose(1, 2) @ vi
     return torch.cat(outs, dim=1), W
 
 
@@ -228,6 +252,23 @@ def test_per_token_streams_select_one_token():
     assert {s.source for s in inputs.streams.values()} == set(ph[1:4])
     assert all(s.per_token and s.chunk == 1 for s in inputs.streams.values())
     assert all(n.target is aten.select.int for n in inputs.streams)
+
+
+def test_a_constant_built_in_the_body_is_loop_invariant():
+    gm, _ph, u = _traced(constant_in_body, 6)
+    inputs = classify_inputs(u)
+    made = [n for n in inputs.hoisted if n.target is aten.lift_fresh_copy.default]
+    assert len(made) == 1
+    assert torch.equal(getattr(gm, made[0].args[0].target), torch.tensor([1.0, 0.5]))
+    states = carried_states(u, inputs)
+    assert len(states.carried) == 1
+    assert any(a in inputs.hoisted for a in states.invariants)
+
+
+def test_a_constant_that_changes_between_iterations_is_refused():
+    _gm, _ph, u = _traced(constant_changing_per_iteration, 8)
+    with pytest.raises(UnsupportedTTTError, match="changes between iterations"):
+        classify_inputs(u)
 
 
 def test_an_offset_that_does_not_move_by_a_chunk_is_refused():
@@ -344,7 +385,7 @@ def test_stacked_per_token_outputs():
 # -- the body and the outer graph --------------------------------------------------------------
 
 _STYLES = [apply_then_update, update_then_apply, per_token, into_buffer, last_chunk_after_loop,
-           last_update_skipped, starts_at_zero, initialised_in_loop]
+           last_update_skipped, starts_at_zero, initialised_in_loop, constant_in_body]
 
 
 @pytest.mark.parametrize("fn", _STYLES)
@@ -390,3 +431,38 @@ def test_outer_graph_and_body_compute_the_loop(fn, L):
     got, want = gm(*args), fn(*args)
     for g, w in zip(got, want):
         assert rel_rms_error(g, w) <= TOLERANCE[torch.float32]
+
+
+# -- a constant of Python numbers in a layer's loop converts -----------------------------------
+
+class TokenWeightedLayer(torch.nn.Module):
+    """Apply-then-update over chunks of 4, each key weighted by its place in the chunk with a
+    ``torch.tensor`` of Python numbers built inside the loop."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) / d)
+        self.proj = torch.nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W = self.w0.expand(x.shape[0], -1, -1)
+        outs = []
+        for s in range(0, x.shape[1], 4):
+            qi, ki, vi = q[:, s:s + 4], k[:, s:s + 4], v[:, s:s + 4]
+            outs.append(qi @ W)
+            weights = torch.tensor([0.125, 0.25, 0.5, 1.0])
+            W = W + (ki * weights[:, None]).transpose(1, 2) @ vi
+        return torch.cat(outs, dim=1)
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.integers(1, 3), chunks=st.integers(3, 6), d=st.sampled_from([4, 8]),
+       seed=st.integers(0, 2**16))
+def test_a_constant_built_in_the_loop_converts_exactly(batch, chunks, d, seed):
+    torch.manual_seed(seed)
+    layer = TokenWeightedLayer(d)
+    x = torch.randn(batch, 4 * chunks, d)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    others = [torch.randn(batch + 1, 4 * (chunks + 2), d), torch.randn(batch, 4 * chunks, d)]
+    assert_same_function(converted, layer, others)

@@ -235,7 +235,10 @@ class Unrolled:
         return len(self.iters)
 
     def before_loop(self, n: torch.fx.Node) -> bool:
-        """``n`` is computed before the loop starts."""
+        """``n`` is computed before the loop starts, or is a constant of the graph (a
+        ``torch.tensor(...)`` of Python numbers in the body is one constant per iteration)."""
+        if n.op == "get_attr":
+            return True
         return n not in self.in_loop and self.order[n] < self.first_pos
 
     def in_iteration(self, j: int) -> dict[torch.fx.Node, torch.fx.Node]:
@@ -321,12 +324,24 @@ def classify_inputs(u: Unrolled) -> Inputs:
 
 def _same_in_both(u: Unrolled, a1, a2, moved: set) -> bool:
     """Argument ``a1`` of an iteration-1 op and ``a2`` of its iteration-2 copy are the same
-    value: equal constants, one node, or the iteration-2 copy of a hoisted op or stream."""
+    value: equal numbers, one node, equal graph constants, or the iteration-2 copy of a
+    hoisted op or stream."""
     if isinstance(a1, torch.fx.Node):
         if a1 in moved:
             return u.to2.get(a1) is a2
-        return a1 is a2
+        return a1 is a2 or _equal_constants(u.gm, a1, a2)
     return a1 == a2
+
+
+def _equal_constants(gm: torch.fx.GraphModule, a: torch.fx.Node, b) -> bool:
+    """``a`` and ``b`` are graph constants holding equal tensors: each iteration's copy of one
+    ``torch.tensor(...)`` of Python numbers, the same value every time."""
+    if not (isinstance(b, torch.fx.Node) and a.op == b.op == "get_attr"):
+        return False
+    ta, tb = getattr(gm, a.target, None), getattr(gm, b.target, None)
+    return (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
+            and ta.shape == tb.shape and ta.dtype == tb.dtype and ta.device == tb.device
+            and bool(torch.equal(ta, tb)))
 
 
 def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> Stream | None:
