@@ -271,7 +271,7 @@ def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
 
 # -- phase 1: inputs --------------------------------------------------------------------------
 
-class Stream(NamedTuple):
+class ChunkStream(NamedTuple):
     """A chunk stream: iteration j reads chunk j of ``source`` along ``axis``."""
 
     source: torch.fx.Node
@@ -285,11 +285,11 @@ class Inputs:
     """Iteration 1's ops that read no carried state, by what they are."""
 
     hoisted: set[torch.fx.Node]              # the same in every iteration: loop-invariant code
-    streams: dict[torch.fx.Node, Stream]     # slices that move by one chunk per iteration
+    streams: dict[torch.fx.Node, ChunkStream]  # slices that move by one chunk per iteration
     body_nodes: list[torch.fx.Node]          # the rest of iteration 1: the loop body
 
     @property
-    def first(self) -> Stream:
+    def first(self) -> ChunkStream:
         return next(iter(self.streams.values()))
 
 
@@ -298,7 +298,7 @@ def classify_inputs(u: Unrolled) -> Inputs:
     the same op on the same arguments in iteration 2 is hoisted; a slice whose offset moves by
     one chunk is a stream; anything else that changes between iterations is refused."""
     hoisted: set[torch.fx.Node] = set()
-    streams: dict[torch.fx.Node, Stream] = {}
+    streams: dict[torch.fx.Node, ChunkStream] = {}
     for n in u.iters[1]:
         if not all(u.before_loop(a) or a in hoisted for a in _input_nodes(n)):
             continue
@@ -344,7 +344,7 @@ def _equal_constants(gm: torch.fx.GraphModule, a: torch.fx.Node, b) -> bool:
             and bool(torch.equal(ta, tb)))
 
 
-def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> Stream | None:
+def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> ChunkStream | None:
     """The stream ``n`` reads when it and its next-iteration copy ``n2`` slice one tensor at
     offsets one chunk apart (chunk 1 at offset C, chunk 2 at 2C), or select tokens 1 and 2."""
     src = n.args[0]
@@ -352,9 +352,9 @@ def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> Stream | None:
         start1, end1, start2, end2 = n.args[2], n.args[3], n2.args[2], n2.args[3]
         c = start2 - start1
         if c > 0 and end1 - start1 == c and end2 - start2 == c and start1 == c:
-            return Stream(src, n.args[1], c, False)
+            return ChunkStream(src, n.args[1], c, False)
     if n.target in _SELECT and n2.args[0] is src and n.args[2] == 1 and n2.args[2] == 2:
-        return Stream(src, n.args[1], 1, True)
+        return ChunkStream(src, n.args[1], 1, True)
     return None
 
 
@@ -629,7 +629,7 @@ def _peeled_apply(u: Unrolled, states: States, updated: set, out_node: torch.fx.
     return tail_nodes
 
 
-def _check_count(u: Unrolled, stream: Stream, peeled: bool) -> None:
+def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
     """The loop ran once per chunk of the sequence ``stream`` is sliced from (one fewer when
     the last chunk is applied after it)."""
     seq_len = stream.source.meta["val"].shape[stream.axis]
