@@ -58,6 +58,9 @@ converted layer runs it)::
   value of each state. Passes may drop states or invariants from the rewritten program, so
   whoever runs it binds the call's arguments by name (``bind_loop_args``); a state the rewritten
   program no longer carries returns its initial value.
+  The call stands for every iteration and for a last chunk the user's code applies after the
+  loop; a state the first iteration does not read starts as ``zeros``, and code that only
+  initialises a state in the first iteration runs before the call.
 * The graph is specialised per shape: a ``ShapeTemplate`` makes the outer graph (and the body)
   at batch size B and length L, and a ``SizeReader`` reads (B, L) off a call's inputs.
 """
