@@ -21,7 +21,7 @@ from ttt2la.errors import UnsupportedTTTError
 from ttt2la.frontend.capture import trace
 from ttt2la.frontend.loops import find_loops
 from ttt2la.frontend.rollup import (ZERO, carried_states, chunk_output, classify_inputs,
-                                    order_and_tail, roll_up, split_buffer, unroll)
+                                    extract_body, order_and_tail, roll_up, split_buffer, unroll)
 from ttt2la.ir import KIND, LOOP_MODULE, bind_loop_args, loop_interface
 from ttt2la.testing import TOLERANCE, rel_rms_error
 
@@ -263,6 +263,11 @@ def test_a_constant_built_in_the_body_is_loop_invariant():
     states = carried_states(u, inputs)
     assert len(states.carried) == 1
     assert any(a in inputs.hoisted for a in states.invariants)
+
+    _gm, _ph, u, inputs, states, out, tail = _phases(constant_in_body, 6)
+    program = extract_body(u, inputs, states, out, tail)
+    # named after the variable it was built into, not after the update it is written in
+    assert "weights" in [i.name for i in program.invariants]
 
 
 def test_a_constant_that_changes_between_iterations_is_refused():

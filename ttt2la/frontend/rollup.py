@@ -652,8 +652,9 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
     state_specs = _state_placeholders(u, states, body, env, taken)
     stream_specs = _stream_placeholders(inputs, states, body, env, taken)
     inv_specs = []
+    state_names = {spec.name for spec in state_specs}
     for a in states.invariants:
-        name = _unique(_assigned_name(a.meta.get(SRC)) or a.name, taken)
+        name = _unique(_invariant_name(a, inputs.hoisted, state_names), taken)
         ph = body.placeholder(name)
         ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
         env[a] = ph
@@ -675,6 +676,22 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
         chunk_size=inputs.first.chunk, order=tail.order, last_chunk=tail.last_chunk,
         module_path=module_path, loop_src=u.loop.src, function=u.loop.function,
     )
+
+
+def _invariant_name(a: torch.fx.Node, hoisted: set, state_names: set[str]) -> str:
+    """An invariant's name: what its line assigns; for hoisted code written inside a state's
+    update (``W = W + k * scale[:, None]``), the name of the hoisted value it is computed from
+    (``scale``) rather than the state's."""
+    n = a
+    while n in hoisted:
+        name = _assigned_name(n.meta.get(SRC))
+        if name and name not in state_names:
+            return name
+        ins = [x for x in _input_nodes(n) if x in hoisted]
+        if len(ins) != 1:
+            break
+        n = ins[0]
+    return _assigned_name(a.meta.get(SRC)) or a.name
 
 
 def _state_placeholders(u: Unrolled, states: States, body: torch.fx.Graph, env: dict,
