@@ -25,10 +25,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .errors import AlreadyConvertedError, ConversionError, StreamingError, UnsupportedTTTError
-from .frontend.recognize import InputLayout, params_and_buffers
-from .frontend.rollup import LOOP_MODULE
-from .frontend.shapes import GraphTemplate
-from .ir import TTTProgram, with_memory_order
+from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
+                 params_and_buffers, with_memory_order)
 from .locality import streaming_problem
 from .lowering.plan import plan_at
 from .stream import StreamCall, TTTState, advance, stateful_plan
@@ -37,10 +35,11 @@ from .stream import StreamCall, TTTState, advance, stateful_plan
 class LoopModule(torch.nn.Module):
     """Runs a lowered plan in the place of the loop: ``(*states0, *invariants) -> (out, *finals)``.
 
-    The arguments follow the recognized loop (``interface``: its state names, then its
-    invariant names); passes may have dropped states (dead momentum of a frozen Θ) or
-    invariants, so values are matched to the rewritten program by name. A state the program
-    no longer carries keeps its initial value as its final value.
+    The loop call of ``ttt2la.ir``'s outer-graph convention: the arguments follow the
+    recognized loop (``interface``, its ``loop_interface``); passes may have dropped states
+    (dead momentum of a frozen Θ) or invariants, so values are matched to the rewritten
+    program by name. A state the program no longer carries keeps its initial value as its
+    final value.
     """
 
     def __init__(self, program: TTTProgram, plan, interface: tuple[list[str], list[str]],
@@ -55,9 +54,7 @@ class LoopModule(torch.nn.Module):
 
     def plan_inputs(self, args) -> tuple[dict, list, list]:
         """The loop's arguments by name, and the program's initial states and invariants."""
-        n = len(self.state_names)
-        given = dict(zip(self.state_names, args[:n]))
-        given.update(zip(self.invariant_names, args[n:]))
+        given = bind_loop_args((self.state_names, self.invariant_names), args)
         # the body was traced reading states a previous iteration produced (contiguous); an
         # initial state may be an expanded or transposed view of a parameter
         states0 = [given[s.name].contiguous() for s in self.program.states]
@@ -88,9 +85,9 @@ class ConvertedState:
     """Everything a converted layer needs at run time (kept out of ``state_dict``)."""
 
     program: TTTProgram                 # rewritten program at the canonical batch size
-    body: GraphTemplate                 # its body, generic in the batch size
-    outer: GraphTemplate                # the code around the loop, generic in (B, L)
-    layout: InputLayout
+    body: ShapeTemplate                 # its body, generic in the batch size
+    outer: ShapeTemplate                # the code around the loop, generic in (B, L)
+    layout: SizeReader                  # reads (B, L) off a call's inputs
     plan: Any                           # the plan chosen for ``program`` (``plan_for``)
     interface: tuple                    # names of the recognized loop's states and invariants
     strict: bool = True                 # refuse to run another plan at a new batch size
@@ -180,7 +177,8 @@ class ConvertedState:
 
 def _flat_inputs(args, kwargs) -> list:
     """The call's inputs flattened, in the layout the caller gave them: the outer graph reads
-    any layout (``rollup._contiguous_inputs``), so a slice of a longer sequence is not copied."""
+    any layout (the frontend makes its views reshapes), so a slice of a longer sequence is not
+    copied."""
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     return flat
 

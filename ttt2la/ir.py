@@ -41,6 +41,28 @@ Iteration semantics over ``N = ceil(L / chunk_size)`` chunks (``N = L`` for per-
 apply-then-update) and ``"inclusive"`` when they read ``states_out`` (update-then-apply, the
 per-token TTT form). ``last_chunk`` is ``"apply_only"`` when the last chunk is applied without
 updating (LaCT), ``"update"`` otherwise.
+
+Outer-graph calling convention (the layer with its loop rolled up; the frontend builds it, a
+converted layer runs it)::
+
+    outer(params_and_buffers(module), *flat_inputs) -> the layer's outputs
+
+* ``params_and_buffers(module)`` — the layer's parameters and buffers by name (in that
+  order), so the same graph runs with any weights; ``flat_inputs`` — the layer's positional
+  and keyword inputs, flattened as a pytree.
+* The loop is one node ``call_module(LOOP_MODULE, (*initial_states, *invariants))``: the
+  initial values of the recognized program's states, then its invariants, in the order of its
+  ``states`` and ``invariants`` (``loop_interface``). The submodule standing at ``LOOP_MODULE``
+  returns ``(output, *final_states)``, read by ``getitem``: ``output`` the chunk outputs joined
+  as ``outputs[0]`` says (laid out in memory as ``outputs[0].memory_order``), then the final
+  value of each state. Passes may drop states or invariants from the rewritten program, so
+  whoever runs it binds the call's arguments by name (``bind_loop_args``); a state the rewritten
+  program no longer carries returns its initial value.
+  The call stands for every iteration and for a last chunk the user's code applies after the
+  loop; a state the first iteration does not read starts as ``zeros``, and code that only
+  initialises a state in the first iteration runs before the call.
+* The graph is specialised per shape: a ``ShapeTemplate`` makes the outer graph (and the body)
+  at batch size B and length L, and a ``SizeReader`` reads (B, L) off a call's inputs.
 """
 from __future__ import annotations
 
@@ -49,7 +71,7 @@ import dataclasses
 import warnings
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, Sequence
 
 import torch
 import torch.fx
@@ -57,6 +79,7 @@ import torch.fx
 KIND = "ttt2la_kind"
 NAME = "ttt2la_name"
 SRC = "ttt2la_src"
+LOOP_MODULE = "ttt_loop"      # the submodule the outer graph calls in the place of the loop
 
 StateRole = Literal["final", "theta", "momentum", "other"]
 
@@ -198,6 +221,41 @@ class TTTProgram:
         )
 
 
+def loop_interface(program: TTTProgram) -> tuple[list[str], list[str]]:
+    """The names of the loop call's arguments: the program's states, then its invariants (taken
+    from the program as recognized, before passes rewrite it)."""
+    return [s.name for s in program.states], [i.name for i in program.invariants]
+
+
+def bind_loop_args(interface: tuple[list[str], list[str]],
+                   args: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The loop call's arguments (``(*initial_states, *invariants)``) by name."""
+    state_names, invariant_names = interface
+    n = len(state_names)
+    return {**dict(zip(state_names, args[:n])), **dict(zip(invariant_names, args[n:]))}
+
+
+def params_and_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The outer graph's first argument: ``module``'s parameters, then its buffers, by name."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+class ShapeTemplate(Protocol):
+    """A traced graph made generic in the batch size and the sequence length (the frontend's
+    ``GraphTemplate``): ``gm`` as traced, ``instantiate(B, L)`` at another shape."""
+
+    gm: torch.fx.GraphModule
+
+    def instantiate(self, B: int, L: int) -> torch.fx.GraphModule: ...
+
+
+class SizeReader(Protocol):
+    """Reads the batch size and sequence length off a call's flattened inputs (the frontend's
+    ``InputLayout``), in the units a ``ShapeTemplate`` is instantiated at."""
+
+    def sizes(self, flat_inputs: list) -> tuple[int, int]: ...
+
+
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     """Dims of ``t`` from outermost to innermost in memory (size-1 dims keep their place)."""
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
@@ -262,7 +320,8 @@ def describe_node(node: torch.fx.Node) -> str:
 
 
 __all__ = [
-    "KIND", "NAME", "SRC", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
+    "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
-    "with_memory_order", "ancestors",
+    "with_memory_order", "ancestors", "loop_interface", "bind_loop_args", "params_and_buffers",
+    "ShapeTemplate", "SizeReader",
 ]

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import TTTProgram
+from ..ir import TTTProgram, params_and_buffers
 from .call_signature import CallSignature
 from .capture import _no_compile, trace, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
@@ -145,10 +145,6 @@ def layer_function(module: torch.nn.Module, in_spec) -> Callable:
         args, kwargs = pytree.tree_unflatten(list(flat), in_spec)
         return functional_call(module, pb, args, kwargs)
     return f
-
-
-def params_and_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:

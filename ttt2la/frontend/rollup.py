@@ -12,29 +12,33 @@ TTT inner loop, ``roll_up`` finds, from the copies of the loop body:
 * a **peeled last chunk** — LaCT applies the last chunk without updating, either after the loop
   (a *tail* that repeats the body's apply ops) or in a last iteration whose update is skipped.
 
-The body of the middle iteration becomes ``TTTProgram.body``; the rest of the layer becomes the
-*outer graph*, in which the whole loop is one ``call_module`` to ``ttt_loop`` taking
-``(*initial_states, *invariants)`` and returning ``(*assembled_outputs, *final_states)``.
+The body of iteration 1 becomes ``TTTProgram.body``; the rest of the layer becomes the *outer
+graph*, in which the whole loop is one ``call_module`` to ``LOOP_MODULE`` taking
+``(*initial_states, *invariants)`` and returning ``(output, *final_states)`` (the conventions
+are stated in ``ttt2la.ir``). ``roll_up`` runs one phase per step: ``unroll`` (the iterations),
+``classify_inputs``, ``carried_states``, ``split_buffer`` and ``chunk_output``,
+``order_and_tail``, ``extract_body``, ``rewrite_outer``.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
-from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec, StreamSpec,
-                  TTTProgram, memory_order, reshape_views)
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec,
+                  StreamSpec, TTTProgram, memory_order, reshape_views)
 from .capture import FRAMES
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 
 aten = torch.ops.aten
-LOOP_MODULE = "ttt_loop"
 _SLICE = (aten.slice.Tensor,)
 _SELECT = (aten.select.int,)
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
@@ -190,276 +194,524 @@ def _unique(name: str, taken: set[str]) -> str:
 
 def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
             module_path: str = "") -> RolledLoop:
-    graph = gm.graph
-    nodes = list(graph.nodes)
+    """Roll the unrolled ``loop`` of ``gm`` (its nodes inside the loop at frame ``depth``) up
+    into a ``TTTProgram``; ``gm`` becomes the outer graph, rewritten in place (the caller passes
+    a copy). Each phase below reads the ones before it and refuses what it cannot explain."""
+    u = unroll(gm, loop, depth)
+    inputs = classify_inputs(u)
+    states = split_buffer(u, inputs, carried_states(u, inputs))
+    out_node = chunk_output(u, states)
+    tail = order_and_tail(u, inputs, states, out_node)
+    program = extract_body(u, inputs, states, out_node, tail, module_path)
+    rewrite_outer(u, inputs, states, tail)
+    program.notes.extend(states.notes)
+    return RolledLoop(program=program, outer=gm, n_iterations=u.n_iter, tail=tail.peeled,
+                      notes=states.notes)
+
+
+# -- the iterations ---------------------------------------------------------------------------
+
+@dataclass
+class Unrolled:
+    """The unrolled copies of one loop in a traced graph, split into iterations.
+
+    Iteration 1 stands for the body: iteration 0 may initialise states or skip a first use,
+    the last one may be cut short, so only iterations 1 and 2 must run the very same ops.
+    """
+
+    gm: torch.fx.GraphModule
+    loop: LoopSite
+    depth: int
+    order: dict[torch.fx.Node, int]          # graph position of every node
+    in_loop: set[torch.fx.Node]
+    first_pos: int                           # graph position of the loop's first node
+    iters: list[list[torch.fx.Node]]
+    to2: dict[torch.fx.Node, torch.fx.Node]  # iteration-1 node -> the same op in iteration 2
+    to0: dict[torch.fx.Node, torch.fx.Node]  # iteration-1 node -> the same op in iteration 0
+    _maps: dict = field(default_factory=dict)
+
+    @property
+    def n_iter(self) -> int:
+        return len(self.iters)
+
+    def before_loop(self, n: torch.fx.Node) -> bool:
+        """``n`` is computed before the loop starts, or is a constant of the graph (a
+        ``torch.tensor(...)`` of Python numbers in the body is one constant per iteration)."""
+        if n.op == "get_attr":
+            return True
+        return n not in self.in_loop and self.order[n] < self.first_pos
+
+    def in_iteration(self, j: int) -> dict[torch.fx.Node, torch.fx.Node]:
+        """Iteration-1 node -> the same op in iteration ``j`` (where it has one)."""
+        if j not in self._maps:
+            self._maps[j] = _align(self.iters[1], self.iters[j], self.depth)
+        return self._maps[j]
+
+    def fail(self, msg: str) -> UnsupportedTTTError:
+        return _fail(msg, self.loop)
+
+
+def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
+    """The iterations of ``loop`` in ``gm``, with iteration 1's ops matched to 0's and 2's."""
+    nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     loop_nodes = [n for n in nodes if n.op == "call_function" and loop_depth(n, loop) is not None]
     iters = split_iterations(loop_nodes, depth, count_iterations(loop_nodes), loop)
-    n_iter = len(iters)
-    if n_iter < 3:
-        raise _fail(f"the loop ran {n_iter} iteration(s) at the traced shape; at least 3 are "
-                    "needed to tell carried state from streams", loop)
-    in_loop = set(loop_nodes)
-    first_loop_pos = order[loop_nodes[0]]
+    if len(iters) < 3:
+        raise _fail(f"the loop ran {len(iters)} iteration(s) at the traced shape; at least 3 "
+                    "are needed to tell carried state from streams", loop)
     I0, I1, I2 = iters[0], iters[1], iters[2]
-    k1 = [iteration_key(n, depth) for n in I1]
-    if k1 != [iteration_key(n, depth) for n in I2]:
+    if [iteration_key(n, depth) for n in I1] != [iteration_key(n, depth) for n in I2]:
         raise _fail("iterations 1 and 2 run different ops; data-dependent control flow inside "
                     "the loop is not supported", loop)
-    to2 = dict(zip(I1, I2))
-    to0 = {v: k for k, v in _align(I0, I1, depth).items()}   # I1 node -> I0 node
-    set1 = set(I1)
-    set0 = set(I0)
+    return Unrolled(gm, loop, depth, order, set(loop_nodes), order[loop_nodes[0]], iters,
+                    to2=dict(zip(I1, I2)),
+                    to0={v: k for k, v in _align(I0, I1, depth).items()})
 
-    # -- classify the inputs of iteration 1 -------------------------------------------------
+
+# -- phase 1: inputs --------------------------------------------------------------------------
+
+class ChunkStream(NamedTuple):
+    """A chunk stream: iteration j reads chunk j of ``source`` along ``axis``."""
+
+    source: torch.fx.Node
+    axis: int
+    chunk: int
+    per_token: bool                          # ``select`` of one token rather than a slice
+
+
+@dataclass
+class Inputs:
+    """Iteration 1's ops that read no carried state, by what they are."""
+
+    hoisted: set[torch.fx.Node]              # the same in every iteration: loop-invariant code
+    streams: dict[torch.fx.Node, ChunkStream]  # slices that move by one chunk per iteration
+    body_nodes: list[torch.fx.Node]          # the rest of iteration 1: the loop body
+
+    @property
+    def first(self) -> ChunkStream:
+        return next(iter(self.streams.values()))
+
+
+def classify_inputs(u: Unrolled) -> Inputs:
+    """Sort iteration 1's ops that read only values from before the loop (or hoisted ones):
+    the same op on the same arguments in iteration 2 is hoisted; a slice whose offset moves by
+    one chunk is a stream; anything else that changes between iterations is refused."""
     hoisted: set[torch.fx.Node] = set()
-    streams: dict[torch.fx.Node, tuple] = {}                  # I1 node -> (source, axis, C, per_token)
-
-    def outside(n):
-        return n not in in_loop and order[n] < first_loop_pos
-
-    def same_modulo(a1, a2):
-        if isinstance(a1, torch.fx.Node):
-            if a1 in hoisted or a1 in streams:
-                return to2.get(a1) is a2
-            return a1 is a2
-        return a1 == a2
-
-    chunk = None
-    for n in I1:
-        ins = _input_nodes(n)
-        if not all(outside(a) or a in hoisted for a in ins):
+    streams: dict[torch.fx.Node, ChunkStream] = {}
+    for n in u.iters[1]:
+        if not all(u.before_loop(a) or a in hoisted for a in _input_nodes(n)):
             continue
-        a1, a2 = _flat_args(n), _flat_args(to2[n])
-        if len(a1) == len(a2) and all(same_modulo(x, y) for x, y in zip(a1, a2)):
+        a1, a2 = _flat_args(n), _flat_args(u.to2[n])
+        moved = hoisted | streams.keys()
+        if len(a1) == len(a2) and all(_same_in_both(u, x, y, moved) for x, y in zip(a1, a2)):
             hoisted.add(n)
             continue
-        src = n.args[0]
-        if n.target in _SLICE and to2[n].args[0] is src:
-            dim = n.args[1]
-            start1, end1 = n.args[2], n.args[3]
-            start2, end2 = to2[n].args[2], to2[n].args[3]
-            c = start2 - start1
-            if c > 0 and end1 - start1 == c and end2 - start2 == c and start1 == c:
-                if chunk not in (None, c):
-                    raise _fail(f"streams are sliced with chunk sizes {chunk} and {c}", loop)
-                chunk = c
-                streams[n] = (src, dim, c, False)
-                continue
-        if n.target in _SELECT and to2[n].args[0] is src:
-            dim, i1, i2 = n.args[1], n.args[2], to2[n].args[2]
-            if i1 == 1 and i2 == 2:
-                if chunk not in (None, 1):
-                    raise _fail("the loop mixes per-token and per-chunk slicing", loop)
-                chunk = 1
-                streams[n] = (src, dim, 1, True)
-                continue
-        raise _fail(f"iteration input {n.format_node()} changes between iterations in a way "
-                    "that is neither a chunk slice nor carried state", loop)
+        stream = _chunk_slice(n, u.to2[n])
+        if stream is None:
+            raise u.fail(f"iteration input {n.format_node()} changes between iterations in a "
+                         "way that is neither a chunk slice nor carried state")
+        chunk = next(iter(streams.values())).chunk if streams else None
+        if chunk not in (None, stream.chunk):
+            raise u.fail("the loop mixes per-token and per-chunk slicing" if stream.per_token
+                         else f"streams are sliced with chunk sizes {chunk} and {stream.chunk}")
+        streams[n] = stream
     if not streams:
-        raise _fail("no chunk streams: the loop does not slice the sequence", loop)
+        raise u.fail("no chunk streams: the loop does not slice the sequence")
+    body_nodes = [n for n in u.iters[1] if n not in hoisted and n not in streams]
+    return Inputs(hoisted, streams, body_nodes)
 
-    body_nodes = [n for n in I1 if n not in hoisted and n not in streams]
-    carried: dict[torch.fx.Node, torch.fx.Node] = {}         # I0 producer -> I1 state-out
-    notes: list[str] = []
-    initial: dict[torch.fx.Node, object] = {}                 # I0 producer -> initial value
+
+def _same_in_both(u: Unrolled, a1, a2, moved: set) -> bool:
+    """Argument ``a1`` of an iteration-1 op and ``a2`` of its iteration-2 copy are the same
+    value: equal numbers, one node, equal graph constants, or the iteration-2 copy of a
+    hoisted op or stream."""
+    if isinstance(a1, torch.fx.Node):
+        if a1 in moved:
+            return u.to2.get(a1) is a2
+        return a1 is a2 or _equal_constants(u.gm, a1, a2)
+    return a1 == a2
+
+
+def _equal_constants(gm: torch.fx.GraphModule, a: torch.fx.Node, b) -> bool:
+    """``a`` and ``b`` are graph constants holding equal tensors: each iteration's copy of one
+    ``torch.tensor(...)`` of Python numbers, the same value every time."""
+    if not (isinstance(b, torch.fx.Node) and a.op == b.op == "get_attr"):
+        return False
+    ta, tb = getattr(gm, a.target, None), getattr(gm, b.target, None)
+    return (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
+            and ta.shape == tb.shape and ta.dtype == tb.dtype and ta.device == tb.device
+            and bool(torch.equal(ta, tb)))
+
+
+def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> ChunkStream | None:
+    """The stream ``n`` reads when it and its next-iteration copy ``n2`` slice one tensor at
+    offsets one chunk apart (chunk 1 at offset C, chunk 2 at 2C), or select tokens 1 and 2."""
+    src = n.args[0]
+    if n.target in _SLICE and n2.args[0] is src:
+        start1, end1, start2, end2 = n.args[2], n.args[3], n2.args[2], n2.args[3]
+        c = start2 - start1
+        if c > 0 and end1 - start1 == c and end2 - start2 == c and start1 == c:
+            return ChunkStream(src, n.args[1], c, False)
+    if n.target in _SELECT and n2.args[0] is src and n.args[2] == 1 and n2.args[2] == 2:
+        return ChunkStream(src, n.args[1], 1, True)
+    return None
+
+
+# -- phase 2: carried states ------------------------------------------------------------------
+
+@dataclass
+class States:
+    """What the body carries and reads: its states, their initial values, its invariants."""
+
+    body_nodes: list[torch.fx.Node]
+    carried: dict[torch.fx.Node, torch.fx.Node]    # iteration-0 producer -> iteration-1 state-out
+    initial: dict[torch.fx.Node, object]           # producer -> initial value (node or ZERO)
+    invariants: list[torch.fx.Node]                # values from before the loop the body reads
+    init_nodes: set[torch.fx.Node]                 # first-iteration code that only initialises
+    notes: list[str]
+    buffer: "Buffer | None" = None                 # an output written chunk by chunk
+
+
+def carried_states(u: Unrolled, inputs: Inputs) -> States:
+    """Sort what the body reads: its own values, invariants (values from before the loop,
+    hoisted code) and carried states (what iteration 0 produced, whose iteration-2 copy reads
+    iteration 1's value in the same place); then where each state starts."""
+    first, body = set(u.iters[0]), set(u.iters[1])
+    carried: dict[torch.fx.Node, torch.fx.Node] = {}
+    initial: dict[torch.fx.Node, object] = {}
     invariants: list[torch.fx.Node] = []
-
-    def note_invariant(a):
-        if a not in invariants:
-            invariants.append(a)
-
-    for n in body_nodes:
+    for n in inputs.body_nodes:
         for pos, a in enumerate(_flat_args(n)):
             if not isinstance(a, torch.fx.Node):
                 continue
-            if a in hoisted:
-                note_invariant(a)
+            if a in inputs.hoisted:
+                _add(invariants, a)
+            elif a in body:
                 continue
-            if a in set1:
-                continue
-            if a in set0:
-                # what iteration 2 reads in the same place is iteration 1's state-out
-                got2 = _flat_args(to2[n])[pos]
-                if not (isinstance(got2, torch.fx.Node) and got2 in set1):
-                    raise _fail(f"{a.format_node()} is read from the previous iteration, but "
-                                "the next iteration reads something else there", loop)
-                if carried.get(a, got2) is not got2:
-                    raise _fail(f"{a.format_node()} is carried into two different values", loop)
-                carried[a] = got2
-                c0 = to0.get(n)
-                v0 = ZERO if c0 is None else _flat_args(c0)[pos]
-                if v0 is ZERO and a in initial:
-                    continue
-                if a in initial and initial[a] is not ZERO and initial[a] is not v0:
-                    raise _fail("a carried value starts from two different initial values", loop)
-                initial[a] = v0
-            elif outside(a) or a in hoisted:
-                note_invariant(a)
-            elif a in in_loop:
-                raise _fail(f"{n.format_node()} reads a value from an iteration two steps back",
-                            loop)
+            elif a in first:
+                _carry(u, n, pos, a, carried, initial)
+            elif u.before_loop(a):
+                _add(invariants, a)
+            elif a in u.in_loop:
+                raise u.fail(f"{n.format_node()} reads a value from an iteration two steps back")
             else:
-                raise _fail(f"{n.format_node()} reads {a.format_node()}, defined after the loop",
-                            loop)
-    first_slices = {to0[x] for x in streams if x in to0}
-    init_nodes: set[torch.fx.Node] = set()       # first-iteration code that only initialises
+                raise u.fail(f"{n.format_node()} reads {a.format_node()}, defined after the loop")
+    init_nodes, notes = _initialisations(u, inputs, initial)
+    for s in inputs.streams.values():
+        _add(invariants, s.source)
+    return States(inputs.body_nodes, carried, initial, invariants, init_nodes, notes)
+
+
+def _add(values: list, a) -> None:
+    if a not in values:
+        values.append(a)
+
+
+def _carry(u: Unrolled, n: torch.fx.Node, pos: int, a: torch.fx.Node, carried: dict,
+           initial: dict) -> None:
+    """Body op ``n`` reads iteration 0's ``a`` at argument ``pos``: record ``a`` as a carried
+    state, its value out of iteration 1, and what iteration 0 read in its place (its start)."""
+    got2 = _flat_args(u.to2[n])[pos]
+    if not (isinstance(got2, torch.fx.Node) and got2 in u.to2):
+        raise u.fail(f"{a.format_node()} is read from the previous iteration, but the next "
+                     "iteration reads something else there")
+    if carried.get(a, got2) is not got2:
+        raise u.fail(f"{a.format_node()} is carried into two different values")
+    carried[a] = got2
+    c0 = u.to0.get(n)
+    v0 = ZERO if c0 is None else _flat_args(c0)[pos]
+    if v0 is ZERO and a in initial:
+        return
+    if a in initial and initial[a] is not ZERO and initial[a] is not v0:
+        raise u.fail("a carried value starts from two different initial values")
+    initial[a] = v0
+
+
+def _initialisations(u: Unrolled, inputs: Inputs,
+                     initial: dict) -> tuple[set[torch.fx.Node], list[str]]:
+    """The first-iteration code that only computes initial states (it runs before the loop in
+    the outer graph), and notes on states whose first use the first iteration skips."""
+    first = set(u.iters[0])
+    first_slices = {u.to0[x] for x in inputs.streams if x in u.to0}
+    init_nodes: set[torch.fx.Node] = set()
+    notes: list[str] = []
     for p, v0 in initial.items():
         if v0 is ZERO:
             notes.append(f"the first iteration skips the use of {p.name}: it starts at zero")
-        if isinstance(v0, torch.fx.Node) and (v0 in in_loop and v0 not in hoisted):
-            made = _initialisation(v0, set0, in_loop, hoisted, first_slices)
+        if isinstance(v0, torch.fx.Node) and (v0 in u.in_loop and v0 not in inputs.hoisted):
+            made = _initialisation(v0, first, u.in_loop, inputs.hoisted, first_slices)
             if made is None:
-                raise _fail("the initial value of a carried state is computed inside the loop "
-                            "from the first chunk", loop)
+                raise u.fail("the initial value of a carried state is computed inside the loop "
+                             "from the first chunk")
             init_nodes |= made
             notes.append(f"the first iteration initialises {p.name}; that code runs before "
                          "the loop")
-    for s, (src, *_rest) in streams.items():
-        note_invariant(src)
+    return init_nodes, notes
 
-    # -- output buffers: ``out[..., i:i+C] = y`` (a carried tensor written chunk by chunk) ------
-    src0, axis0, C, per_token = next(iter(streams.values()))
-    buffers = {}
-    for p, o1 in carried.items():
-        if o1.target is aten.slice_scatter.default and o1.args[0] is p:
-            written = o1.args[1]
-            y = written.args[1] if written.target is aten.copy.default else written
-            dim, s_, e_ = o1.args[2], o1.args[3], o1.args[4]
-            step = 1 if per_token else C
-            if s_ == step and e_ == 2 * step:
-                plumbing = {o1, written}
-                if written.target is aten.copy.default:
-                    plumbing.add(written.args[0])
-                buffers[p] = (y, dim, plumbing)
+
+# -- phase 3: buffers and outputs -------------------------------------------------------------
+
+@dataclass
+class Buffer:
+    """An output buffer ``out[..., s:e] = y``: a carried tensor each iteration writes its
+    chunk output into."""
+
+    producer: torch.fx.Node                  # the buffer as iteration 0 leaves it
+    write: torch.fx.Node                     # iteration 1's ``slice_scatter`` into it
+    written: torch.fx.Node                   # what iteration 1 writes: the chunk output
+    axis: int
+    plumbing: set[torch.fx.Node]             # the write's own ops (not part of the body)
+
+
+def split_buffer(u: Unrolled, inputs: Inputs, states: States) -> States:
+    """``states`` with an output buffer taken out of the carried states (at most one): a
+    carried tensor whose update writes iteration j's chunk at offset j."""
+    step = 1 if inputs.first.per_token else inputs.first.chunk
+    buffers = []
+    for p, o1 in states.carried.items():
+        if o1.target is aten.slice_scatter.default and o1.args[0] is p \
+                and o1.args[3] == step and o1.args[4] == 2 * step:
+            y, plumbing = _written_value(o1)
+            buffers.append(Buffer(p, o1, y, o1.args[2], plumbing))
     if len(buffers) > 1:
-        raise _fail("more than one output buffer is written inside the loop", loop)
-    buffer_plumbing = set().union(*(b[2] for b in buffers.values())) if buffers else set()
-    carried_all = dict(carried)
-    for p in buffers:
-        del carried[p]
-        initial.pop(p, None)
-    body_nodes = [n for n in body_nodes if n not in buffer_plumbing]
+        raise u.fail("more than one output buffer is written inside the loop")
+    if not buffers:
+        return states
+    (buf,) = buffers
+    return dataclasses.replace(
+        states, buffer=buf,
+        carried={p: o for p, o in states.carried.items() if p is not buf.producer},
+        initial={p: v for p, v in states.initial.items() if p is not buf.producer},
+        body_nodes=[n for n in states.body_nodes if n not in buf.plumbing])
 
-    # -- chunk outputs: iteration-1 values read after the loop ------------------------------
-    if buffers:
-        chunk_outputs = [next(iter(buffers.values()))[0]]
+
+def _written_value(write: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node]]:
+    """What ``slice_scatter`` node ``write`` writes (behind the ``copy`` a functionalized
+    ``out[...] = y`` makes), and the write's own nodes."""
+    written = write.args[1]
+    plumbing = {write, written}
+    if written.target is aten.copy.default:
+        plumbing.add(written.args[0])
+        return written.args[1], plumbing
+    return written, plumbing
+
+
+def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
+    """The one value of iteration 1 that code after the loop gathers: what it writes into the
+    output buffer, else the body value read outside the loop that is not a state."""
+    if states.buffer is not None:
+        return states.buffer.written
+    state_outs = set(states.carried.values())
+    outs = [n for n in states.body_nodes
+            if any(x not in u.in_loop for x in n.users) and n not in state_outs]
+    if not outs:
+        raise u.fail("no iteration output is used after the loop")
+    if len(outs) != 1:
+        raise u.fail("more than one per-chunk output")
+    return outs[0]
+
+
+# -- phase 4: order and the peeled last chunk -------------------------------------------------
+
+@dataclass
+class Tail:
+    """How the chunk outputs leave the loop, and what happens to the last chunk."""
+
+    order: str                               # "exclusive" | "inclusive" (``TTTProgram.order``)
+    truncated: bool                          # the last iteration skips the update
+    peeled: bool                             # the last chunk is applied after the loop
+    collector: torch.fx.Node                 # the cat/stack/buffer that gathers the outputs
+    axis: int                                # the axis they are joined along
+    stacked: bool                            # one token per iteration, stacked
+    tail_nodes: list[torch.fx.Node]          # the peeled apply after the loop
+    removable: set[torch.fx.Node]            # gathering code that goes with the loop
+
+    @property
+    def last_chunk(self) -> str:
+        return "apply_only" if (self.peeled or self.truncated) else "update"
+
+
+def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
+                   out_node: torch.fx.Node) -> Tail:
+    """The body's order (does its output read the updated states?), how the chunk outputs are
+    gathered, and whether the last chunk is only applied — in a last iteration that skips the
+    update, or after the loop — checked against the number of chunks the tokens make."""
+    updated = _update_dependents(states)
+    truncated = [iteration_key(n, u.depth) for n in u.iters[-1]] != \
+        [iteration_key(n, u.depth) for n in u.iters[1]]
+    map_last = u.in_iteration(u.n_iter - 1)
+    if truncated and all(o in map_last for o in states.carried.values()):
+        raise u.fail("the last iteration differs from the others")
+    if states.buffer is not None:
+        collector, axis, y_tail, removable = _gathered_in_buffer(u, states.buffer)
+        stacked = inputs.first.per_token
     else:
-        chunk_outputs = [n for n in body_nodes
-                         if any(u not in in_loop for u in n.users) and n not in carried.values()]
-    if not chunk_outputs:
-        raise _fail("no iteration output is used after the loop", loop)
-    if len(chunk_outputs) != 1:
-        raise _fail("more than one per-chunk output", loop)
-    out_node = chunk_outputs[0]
-
-    producers = list(carried)
-
-    def iteration_map(j):
-        return _align(I1, iters[j], depth)
-
-    # -- order and the peeled last chunk ----------------------------------------------------
-    state_outs = set(carried.values())
-    depends_on_update = set()
-    for n in body_nodes:
-        if n in state_outs or any(a in depends_on_update for a in _input_nodes(n)):
-            depends_on_update.add(n)
-    order_kind = "inclusive" if out_node in depends_on_update else "exclusive"
-
-    last = iters[-1]
-    truncated = [iteration_key(n, depth) for n in last] != k1
-    map_last = iteration_map(n_iter - 1)
-    if truncated and all(o in map_last for o in state_outs):
-        raise _fail("the last iteration differs from the others", loop)
-
-    per_iter = [iteration_map(j).get(out_node) for j in range(n_iter)]
-    per_iter = [p for p in per_iter if p is not None]
-    removable_extra: set[torch.fx.Node] = set()
-    y_tail = None
-    if buffers:
-        (bp,) = buffers
-        buf_dim = buffers[bp][1]
-        final_buf = iteration_map(n_iter - 1).get(carried_all[bp])
-        if final_buf is None:
-            raise _fail("the output buffer is not written in the last iteration", loop)
-        for j in range(n_iter):
-            m = iteration_map(j)
-            removable_extra.update(m[x] for x in buffers[bp][2] if x in m)
-        users = [u for u in final_buf.users if u not in in_loop]
-        tail_write = next((u for u in users if u.target is aten.slice_scatter.default
-                           and u.args[0] is final_buf), None)
-        replaced = final_buf
-        if tail_write is not None:
-            written = tail_write.args[1]
-            y_tail = written.args[1] if written.target is aten.copy.default else written
-            removable_extra.update({tail_write, written})
-            if written.target is aten.copy.default:
-                removable_extra.add(written.args[0])
-            replaced = tail_write
-        collector, cat_dim, stacked = replaced, buf_dim, per_token
-    else:
-        collectors = set()
-        for po in per_iter:
-            collectors.update(u for u in po.users if u not in in_loop)
-        if len(collectors) != 1:
-            raise _fail("chunk outputs are not gathered by a single cat/stack or buffer after "
-                        "the loop", loop)
-        collector = collectors.pop()
-        if collector.target not in (aten.cat.default, aten.stack.default):
-            raise _fail(f"chunk outputs are gathered by {collector.target}, expected cat, stack "
-                        "or writes into a buffer", loop)
-        pieces = list(collector.args[0])
-        extra = [p for p in pieces if p not in per_iter]
-        if pieces[: len(per_iter)] != per_iter or len(extra) > 1:
-            raise _fail("the gathered outputs are not the iterations' outputs in order", loop)
-        y_tail = extra[0] if extra else None
-        cat_dim = collector.args[1] if len(collector.args) > 1 else collector.kwargs.get("dim", 0)
+        collector, axis, y_tail, removable = _gathered_by_cat(u, out_node)
         stacked = collector.target is aten.stack.default
-    removable_extra.add(collector)
+    removable.add(collector)
+    tail_nodes = [] if y_tail is None else _peeled_apply(u, states, updated, out_node, y_tail)
+    _check_count(u, inputs.first, peeled=y_tail is not None)
+    return Tail("inclusive" if out_node in updated else "exclusive", truncated,
+                y_tail is not None, collector, axis, stacked, tail_nodes, removable)
 
-    tail_nodes: list[torch.fx.Node] = []
-    if y_tail is not None:
-        stack, seen = [y_tail], set()
-        while stack:
-            n = stack.pop()
-            if n in seen or n.op != "call_function" or order[n] < first_loop_pos or n in in_loop:
-                continue
-            seen.add(n)
-            stack.extend(_input_nodes(n))
-        tail_nodes = sorted(seen, key=order.get)
-        apply_nodes = [n for n in body_nodes if n not in depends_on_update and
-                       (n is out_node or _reaches(n, out_node))]
-        strip = lambda ns: [n.target for n in ns if n.target not in _SLICE + _SELECT]  # noqa: E731
-        if strip(tail_nodes) != strip(apply_nodes):
-            raise _fail("code after the loop computes a last output that is not the loop's own "
-                        "apply step", loop)
-    extra = y_tail is not None
-    last_chunk = "apply_only" if (extra or truncated) else "update"
 
-    # -- check the iteration count against the chunking rule --------------------------------
-    seq_len = src0.meta["val"].shape[axis0]
-    n_chunks = seq_len if per_token else -(-seq_len // C)
-    expected = n_chunks - 1 if extra else n_chunks
-    if n_iter != expected:
-        raise _fail(f"the loop ran {n_iter} iterations over {seq_len} tokens in chunks of {C}; "
-                    f"expected {expected}", loop)
+def _update_dependents(states: States) -> set[torch.fx.Node]:
+    """The body nodes that are, or read, a state's updated value."""
+    state_outs = set(states.carried.values())
+    dependents: set[torch.fx.Node] = set()
+    for n in states.body_nodes:
+        if n in state_outs or any(a in dependents for a in _input_nodes(n)):
+            dependents.add(n)
+    return dependents
 
-    # -- build the body graph ---------------------------------------------------------------
+
+def _gathered_in_buffer(u: Unrolled, buf: Buffer):
+    """The buffer after the last write (a write after the loop is the peeled last chunk),
+    its axis, the peeled chunk's output (or None) and the writes that go with the loop."""
+    final_buf = u.in_iteration(u.n_iter - 1).get(buf.write)
+    if final_buf is None:
+        raise u.fail("the output buffer is not written in the last iteration")
+    removable: set[torch.fx.Node] = set()
+    for j in range(u.n_iter):
+        m = u.in_iteration(j)
+        removable.update(m[x] for x in buf.plumbing if x in m)
+    tail_write = next((x for x in final_buf.users if x not in u.in_loop
+                       and x.target is aten.slice_scatter.default and x.args[0] is final_buf),
+                      None)
+    if tail_write is None:
+        return final_buf, buf.axis, None, removable
+    y_tail, plumbing = _written_value(tail_write)
+    return tail_write, buf.axis, y_tail, removable | plumbing
+
+
+def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
+    """The ``cat``/``stack`` after the loop that joins every iteration's output (one more
+    piece after them is the peeled last chunk), its axis and that piece (or None)."""
+    per_iter = [u.in_iteration(j).get(out_node) for j in range(u.n_iter)]
+    per_iter = [p for p in per_iter if p is not None]
+    collectors = {x for po in per_iter for x in po.users if x not in u.in_loop}
+    if len(collectors) != 1:
+        raise u.fail("chunk outputs are not gathered by a single cat/stack or buffer after the "
+                     "loop")
+    (collector,) = collectors
+    if collector.target not in (aten.cat.default, aten.stack.default):
+        raise u.fail(f"chunk outputs are gathered by {collector.target}, expected cat, stack or "
+                     "writes into a buffer")
+    pieces = list(collector.args[0])
+    extra = [p for p in pieces if p not in per_iter]
+    if pieces[: len(per_iter)] != per_iter or len(extra) > 1:
+        raise u.fail("the gathered outputs are not the iterations' outputs in order")
+    axis = collector.args[1] if len(collector.args) > 1 else collector.kwargs.get("dim", 0)
+    return collector, axis, (extra[0] if extra else None), set()
+
+
+def _peeled_apply(u: Unrolled, states: States, updated: set, out_node: torch.fx.Node,
+                  y_tail: torch.fx.Node) -> list[torch.fx.Node]:
+    """The code after the loop that computes the last chunk's output ``y_tail``; it must run
+    the body's apply ops (those that do not read the update), slicing aside."""
+    stack, seen = [y_tail], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function" or u.order[n] < u.first_pos or n in u.in_loop:
+            continue
+        seen.add(n)
+        stack.extend(_input_nodes(n))
+    tail_nodes = sorted(seen, key=u.order.get)
+    apply_nodes = [n for n in states.body_nodes if n not in updated and
+                   (n is out_node or _reaches(n, out_node))]
+
+    def strip(ns):
+        return [n.target for n in ns if n.target not in _SLICE + _SELECT]
+    if strip(tail_nodes) != strip(apply_nodes):
+        raise u.fail("code after the loop computes a last output that is not the loop's own "
+                     "apply step")
+    return tail_nodes
+
+
+def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
+    """The loop ran once per chunk of the sequence ``stream`` is sliced from (one fewer when
+    the last chunk is applied after it)."""
+    seq_len = stream.source.meta["val"].shape[stream.axis]
+    n_chunks = seq_len if stream.per_token else -(-seq_len // stream.chunk)
+    expected = n_chunks - 1 if peeled else n_chunks
+    if u.n_iter != expected:
+        raise u.fail(f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
+                     f"{stream.chunk}; expected {expected}")
+
+
+# -- phase 5: the body ------------------------------------------------------------------------
+
+def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx.Node,
+                 tail: Tail, module_path: str = "") -> TTTProgram:
+    """Iteration 1 as the program's body: ``(*states, *streams, *invariants) -> (*states_out,
+    chunk_output)`` (the convention of ``ttt2la.ir``), with names from the user's source."""
     body = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     taken: set[str] = set()
-    state_specs, stream_specs, inv_specs = [], [], []
-    firsts = [_assigned_name(initial[p].meta.get(SRC)) if isinstance(initial.get(p), torch.fx.Node)
-              else None for p in producers]
-    guessed = _state_names([carried[p] for p in producers], depth, firsts)
-    for i, p in enumerate(producers):
-        out = carried[p]
-        state_specs.append(state_input(body, p, out, _unique(guessed[i] or f"state{i}", taken),
-                                       env))
-    stream_items = list(streams.items())
+    state_specs = _state_placeholders(u, states, body, env, taken)
+    stream_specs = _stream_placeholders(inputs, states, body, env, taken)
+    inv_specs = []
+    state_names = {spec.name for spec in state_specs}
+    for a in states.invariants:
+        name = _unique(_invariant_name(a, inputs.hoisted, state_names), taken)
+        ph = body.placeholder(name)
+        ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
+        env[a] = ph
+        val = a.meta["val"]
+        inv_specs.append(InvariantSpec(name, tuple(val.shape), val.dtype))
+    for n in states.body_nodes:
+        new = body.node_copy(n, lambda a: env[a])
+        new.meta = dict(n.meta)
+        env[n] = new
+    body.output(tuple(env[o] for o in states.carried.values()) + (env[out_node],))
+    _materialize_shape_only(body)
+    body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
+    out_axis = tail.axis if tail.axis >= 0 else \
+        tail.axis + out_node.meta["val"].dim() + int(tail.stacked)
+    return TTTProgram(
+        body=body_gm, states=state_specs, streams=stream_specs, invariants=inv_specs,
+        outputs=[OutputSpec("o", axis=out_axis, per_token=tail.stacked,
+                            memory_order=memory_order(tail.collector.meta["val"]))],
+        chunk_size=inputs.first.chunk, order=tail.order, last_chunk=tail.last_chunk,
+        module_path=module_path, loop_src=u.loop.src, function=u.loop.function,
+    )
+
+
+def _invariant_name(a: torch.fx.Node, hoisted: set, state_names: set[str]) -> str:
+    """An invariant's name: what its line assigns; for hoisted code written inside a state's
+    update (``W = W + k * scale[:, None]``), the name of the hoisted value it is computed from
+    (``scale``) rather than the state's."""
+    n = a
+    while n in hoisted:
+        name = _assigned_name(n.meta.get(SRC))
+        if name and name not in state_names:
+            return name
+        ins = [x for x in _input_nodes(n) if x in hoisted]
+        if len(ins) != 1:
+            break
+        n = ins[0]
+    return _assigned_name(a.meta.get(SRC)) or a.name
+
+
+def _state_placeholders(u: Unrolled, states: States, body: torch.fx.Graph, env: dict,
+                        taken: set) -> list[StateSpec]:
+    """One placeholder per carried state, named after the line that updates it."""
+    producers = list(states.carried)
+    firsts = [_assigned_name(states.initial[p].meta.get(SRC))
+              if isinstance(states.initial.get(p), torch.fx.Node) else None for p in producers]
+    guessed = _state_names([states.carried[p] for p in producers], u.depth, firsts)
+    return [state_input(body, p, states.carried[p], _unique(guessed[i] or f"state{i}", taken),
+                        env) for i, p in enumerate(producers)]
+
+
+def _stream_placeholders(inputs: Inputs, states: States, body: torch.fx.Graph, env: dict,
+                         taken: set) -> list[StreamSpec]:
+    """One placeholder per stream, named after the tensor it slices."""
+    specs = []
     per_line: dict = {}
-    on_line = Counter(s.meta.get(SRC) for s, _ in stream_items)
-    for s, (src, axis, _c, pt) in stream_items:
+    on_line = Counter(s.meta.get(SRC) for s in inputs.streams)
+    for s, stream in inputs.streams.items():
         loc = s.meta.get(SRC)
         k = per_line.get(loc, 0)
         per_line[loc] = k + 1
@@ -467,91 +719,76 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
         ph = body.placeholder(name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
         env[s] = ph
-        stream_specs.append(StreamSpec(name, source=invariants.index(src), axis=axis,
-                                       per_token=pt))
-    for i, a in enumerate(invariants):
-        name = _unique(_assigned_name(a.meta.get(SRC)) or a.name, taken)
-        ph = body.placeholder(name)
-        ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
-        env[a] = ph
-        val = a.meta["val"]
-        inv_specs.append(InvariantSpec(name, tuple(val.shape), val.dtype))
-    for n in body_nodes:
-        new = body.node_copy(n, lambda a: env[a])
-        new.meta = dict(n.meta)
-        env[n] = new
-    body.output(tuple(env[carried[p]] for p in producers) + (env[out_node],))
-    _materialize_shape_only(body)
-    body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
+        specs.append(StreamSpec(name, source=states.invariants.index(stream.source),
+                                axis=stream.axis, per_token=stream.per_token))
+    return specs
 
-    out_axis = cat_dim if cat_dim >= 0 else cat_dim + out_node.meta["val"].dim() + int(stacked)
-    program = TTTProgram(
-        body=body_gm, states=state_specs, streams=stream_specs, invariants=inv_specs,
-        outputs=[OutputSpec("o", axis=out_axis, per_token=stacked,
-                            memory_order=memory_order(collector.meta["val"]))],
-        chunk_size=C, order=order_kind, last_chunk=last_chunk, module_path=module_path,
-        loop_src=loop.src, function=loop.function,
-    )
 
-    # -- the outer graph: everything but the loop, with the loop as one call ------------------
-    outer_graph = graph   # rewritten in place on a copy made by the caller
-    last_state = {}
-    for p in producers:
-        # the final value of each state: the last iteration that still updates
-        j = n_iter - 1 if not truncated else n_iter - 2
-        last_state[p] = iteration_map(j)[carried[p]]
-    removable = ((in_loop - hoisted) | set(tail_nodes) | removable_extra) - init_nodes
-    anchor = max((a for a in [*invariants, *[v for v in initial.values()
-                                               if isinstance(v, torch.fx.Node)]]),
-                 key=order.get)
-    if not hasattr(gm, LOOP_MODULE):
-        gm.add_submodule(LOOP_MODULE, torch.nn.Module())   # replaced by the lowered plan
-    init_args = []
-    for p in producers:
-        v0 = initial[p]
-        if v0 is ZERO:
-            val = p.meta["val"]
-            with outer_graph.inserting_after(anchor):
-                v0 = outer_graph.call_function(
-                    aten.zeros.default, (list(val.shape),),
-                    {"dtype": val.dtype, "device": val.device})
-            v0.meta["val"] = val
-        init_args.append(v0)
-    last_init = [a for a in init_args if isinstance(a, torch.fx.Node)]
-    anchor = max([anchor, *last_init], key=lambda n: order.get(n, len(order)))
-    with outer_graph.inserting_after(anchor):
-        call = outer_graph.call_module(LOOP_MODULE, tuple(init_args) + tuple(invariants))
-    with outer_graph.inserting_after(call):
-        got_out = outer_graph.call_function(operator.getitem, (call, 0))
-        got_states = []
-        for i in range(len(producers)):
-            with outer_graph.inserting_after(got_out if not got_states else got_states[-1]):
-                got_states.append(outer_graph.call_function(operator.getitem, (call, 1 + i)))
-    collector.replace_all_uses_with(got_out)
-    for i, p in enumerate(producers):
-        for j in range(n_iter):
-            node = iteration_map(j).get(carried[p])
+# -- phase 6: the outer graph -----------------------------------------------------------------
+
+def rewrite_outer(u: Unrolled, inputs: Inputs, states: States, tail: Tail) -> None:
+    """Rewrite ``u.gm`` in place into the outer graph: the loop and the peeled last chunk
+    become one ``call_module`` to ``LOOP_MODULE`` (the convention of ``ttt2la.ir``), the
+    code after the loop reads its assembled output and final states."""
+    graph = u.gm.graph
+    removable = ((u.in_loop - inputs.hoisted) | set(tail.tail_nodes) | tail.removable) \
+        - states.init_nodes
+    last = u.n_iter - 1 if not tail.truncated else u.n_iter - 2   # the last that updates
+    finals = [u.in_iteration(last)[out1] for out1 in states.carried.values()]
+    call, got_out, got_states = _insert_loop_call(u, states)
+    tail.collector.replace_all_uses_with(got_out)
+    for i, (out1, final) in enumerate(zip(states.carried.values(), finals)):
+        for j in range(u.n_iter):
+            node = u.in_iteration(j).get(out1)
             if node is None:
                 continue
-            for u in list(node.users):
-                if u not in removable:
-                    if node is not last_state[p]:
-                        raise _fail("code after the loop reads a state from before the last "
-                                    "update", loop)
-                    u.replace_input_with(node, got_states[i])
-    for n in reversed(list(outer_graph.nodes)):
+            for x in list(node.users):
+                if x not in removable:
+                    if node is not final:
+                        raise u.fail("code after the loop reads a state from before the last "
+                                     "update")
+                    x.replace_input_with(node, got_states[i])
+    for n in reversed(list(graph.nodes)):
         if n in removable:
-            if n.users and any(u not in removable for u in n.users):
-                bad = next(u for u in n.users if u not in removable)
-                raise _fail(f"code after the loop reads {n.format_node()} from inside it "
-                            f"({bad.format_node()})", loop)
-            outer_graph.erase_node(n)
-    outer_graph.eliminate_dead_code()
-    _contiguous_inputs(outer_graph)
-    outer_graph.lint()
-    program.notes.extend(notes)
-    return RolledLoop(program=program, outer=gm, n_iterations=n_iter, tail=bool(extra),
-                      notes=notes)
+            if n.users and any(x not in removable for x in n.users):
+                bad = next(x for x in n.users if x not in removable)
+                raise u.fail(f"code after the loop reads {n.format_node()} from inside it "
+                             f"({bad.format_node()})")
+            graph.erase_node(n)
+    graph.eliminate_dead_code()
+    _contiguous_inputs(graph)
+    graph.lint()
+
+
+def _insert_loop_call(u: Unrolled, states: States):
+    """``call_module(LOOP_MODULE, (*initial_states, *invariants))`` after the last value it
+    reads (a state that starts at zero gets a ``zeros``), and a ``getitem`` per result."""
+    graph = u.gm.graph
+    anchor = max([*states.invariants, *[v for v in states.initial.values()
+                                         if isinstance(v, torch.fx.Node)]], key=u.order.get)
+    if not hasattr(u.gm, LOOP_MODULE):
+        u.gm.add_submodule(LOOP_MODULE, torch.nn.Module())   # replaced by the lowered plan
+    init_args = []
+    for p in states.carried:
+        v0 = states.initial[p]
+        if v0 is ZERO:
+            val = p.meta["val"]
+            with graph.inserting_after(anchor):
+                v0 = graph.call_function(aten.zeros.default, (list(val.shape),),
+                                         {"dtype": val.dtype, "device": val.device})
+            v0.meta["val"] = val
+        init_args.append(v0)
+    nodes = [a for a in init_args if isinstance(a, torch.fx.Node)]
+    anchor = max([anchor, *nodes], key=lambda n: u.order.get(n, len(u.order)))
+    with graph.inserting_after(anchor):
+        call = graph.call_module(LOOP_MODULE, tuple(init_args) + tuple(states.invariants))
+    with graph.inserting_after(call):
+        got_out = graph.call_function(operator.getitem, (call, 0))
+    got_states = []
+    for i in range(len(states.carried)):
+        with graph.inserting_after(got_out if not got_states else got_states[-1]):
+            got_states.append(graph.call_function(operator.getitem, (call, 1 + i)))
+    return call, got_out, got_states
 
 
 def _initialisation(v0: torch.fx.Node, first: set, in_loop: set, hoisted: set,
