@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -40,6 +41,7 @@ LAYERS = [
     (True, "before", "manual", 2),
     (False, "before", "func", 3),
     (True, "after", "manual", 3),
+    (True, "before", "manual", 1),     # one head: its view(B, L, 1, D) is no cut into chunks
 ]
 HEAD_DIM = 4
 
@@ -85,11 +87,14 @@ def test_delta_memory_converts_exactly_onto_the_delta_rule(which, batch, length,
         assert rel_rms_error(g[name], grad) <= TOL, (name, rel_rms_error(g[name], grad))
 
 
-def test_every_length_around_the_chunk_boundaries():
+@pytest.mark.parametrize("which", [2, len(LAYERS) - 1], ids=["two heads", "one head"])
+def test_every_length_around_the_chunk_boundaries(which):
     """The lengths hypothesis may miss: 1, C − 1, C, C + 1, 2C and 5C + 7."""
-    layer, fast = converted(2)
+    layer, fast = converted(which)
+    assert fast.ttt2la_report.to_dict()["layers"][0]["runtime"].startswith("delta_rule[torch](")
+    d_model = LAYERS[which][3] * HEAD_DIM
     for length in (1, C - 1, C, C + 1, 2 * C, 5 * C + 7):
-        x = torch.randn(2, length, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(length))
+        x = torch.randn(2, length, d_model, generator=torch.Generator().manual_seed(length))
         y_ref, g_ref = outputs_and_grads(layer, x, length)
         y, g = outputs_and_grads(fast, x, length)
         assert rel_rms_error(y, y_ref) <= TOL, (length, rel_rms_error(y, y_ref))

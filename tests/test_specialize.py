@@ -96,11 +96,11 @@ def test_intermediates_are_reused_only_without_gradients():
     args = _inputs(2, 24, 8, 8)
     spec = SpecializedGraph(_traced(args))
     with torch.no_grad():
-        inplace = spec.for_inputs(args)
+        inplace, _ = spec.for_inputs(args)
     assert any(str(n.target).endswith("_.Tensor") or str(n.target).endswith("_.default")
                for n in inplace.graph.nodes if n.op == "call_function")
     grad_args = _inputs(2, 24, 8, 8, requires_grad=True)
-    functional = spec.for_inputs(grad_args)
+    functional, _ = spec.for_inputs(grad_args)
     assert not any(str(n.target).endswith(("_.Tensor", "_.default"))
                    for n in functional.graph.nodes if n.op == "call_function")
 
@@ -120,9 +120,31 @@ def test_gradients_through_the_specialised_graph():
 def test_one_specialisation_per_signature_and_the_cache_is_bounded():
     spec = SpecializedGraph(_traced(_inputs(1, 8, 4, 4)))
     with torch.no_grad():
-        first = spec.for_inputs(_inputs(1, 8, 4, 4))
-        assert spec.for_inputs(_inputs(1, 8, 4, 4, seed=1)) is first
-        assert spec.for_inputs(_inputs(1, 9, 4, 4)) is not first
+        first = spec.for_inputs(_inputs(1, 8, 4, 4))[0]
+        assert spec.for_inputs(_inputs(1, 8, 4, 4, seed=1))[0] is first
+        assert spec.for_inputs(_inputs(1, 9, 4, 4))[0] is not first
         for L in range(10, 10 + 2 * CACHE_SIZE):
             spec(*_inputs(1, L, 4, 4))
     assert len(spec._cache) == CACHE_SIZE
+
+
+def test_tensor_constants_are_read_never_written():
+    """A graph's own tensor constants (``get_attr``, here a float64 map cast for use) run as
+    inputs: the fake-tensor passes can read them and re-inplacing never writes into them."""
+    constant = torch.randn(3, 4, dtype=torch.float64)
+
+    def uses_a_constant(x):
+        scaled = torch.ops.aten.mul.Tensor(constant.to(x.dtype), 2.0)    # dies here: in-place
+        return torch.ops.aten.add.Tensor(torch.bmm(x, scaled.expand(x.shape[0], 3, 4)), 1.0)
+
+    x = torch.randn(2, 5, 3)
+    gm = make_fx(uses_a_constant)(x)
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    saved = constant.clone()
+    spec = SpecializedGraph(gm)
+    with torch.no_grad():
+        got = spec(x)
+        again = spec(x)
+    assert torch.equal(constant, saved)
+    assert rel_rms_error(got, uses_a_constant(x)) <= tolerance(torch.float32)
+    assert torch.equal(got, again)

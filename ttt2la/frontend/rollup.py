@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.fx
 
+from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
+                                      TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec,
                   StreamSpec, TTTProgram, memory_order, reshape_views)
@@ -39,8 +41,6 @@ from .capture import FRAMES
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 
 aten = torch.ops.aten
-_SLICE = (aten.slice.Tensor,)
-_SELECT = (aten.select.int,)
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
 
 
@@ -348,12 +348,12 @@ def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> ChunkStream | None:
     """The stream ``n`` reads when it and its next-iteration copy ``n2`` slice one tensor at
     offsets one chunk apart (chunk 1 at offset C, chunk 2 at 2C), or select tokens 1 and 2."""
     src = n.args[0]
-    if n.target in _SLICE and n2.args[0] is src:
+    if n.target in SLICE_TARGETS and n2.args[0] is src:
         start1, end1, start2, end2 = n.args[2], n.args[3], n2.args[2], n2.args[3]
         c = start2 - start1
         if c > 0 and end1 - start1 == c and end2 - start2 == c and start1 == c:
             return ChunkStream(src, n.args[1], c, False)
-    if n.target in _SELECT and n2.args[0] is src and n.args[2] == 1 and n2.args[2] == 2:
+    if n.target in SELECT_TARGETS and n2.args[0] is src and n.args[2] == 1 and n2.args[2] == 2:
         return ChunkStream(src, n.args[1], 1, True)
     return None
 
@@ -622,7 +622,7 @@ def _peeled_apply(u: Unrolled, states: States, updated: set, out_node: torch.fx.
                    (n is out_node or _reaches(n, out_node))]
 
     def strip(ns):
-        return [n.target for n in ns if n.target not in _SLICE + _SELECT]
+        return [n.target for n in ns if n.target not in SLICE_TARGETS | SELECT_TARGETS]
     if strip(tail_nodes) != strip(apply_nodes):
         raise u.fail("code after the loop computes a last output that is not the loop's own "
                      "apply step")
@@ -842,12 +842,9 @@ def _contiguous_inputs(graph: torch.fx.Graph) -> None:
             u.replace_input_with(ph, c)
 
 
-_FILL = {aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0,
-         aten.empty_like.default: 0.0}
-
-
 def _materialize_shape_only(graph: torch.fx.Graph) -> None:
-    """Replace ``zeros_like(x)``/``ones_like(x)`` by ``full(shape, value)``.
+    """Replace fills shaped like a tensor (``zeros_like(x)``, ``ones_like(x)``, ``new_full``…) by
+    ``full(shape, value)`` (an uninitialised ``empty_like`` by zeros).
 
     They read only ``x``'s shape, but as graph edges they make a value look like it depends on
     ``x`` — ``torch.func.grad`` seeds its backward with ``ones_like(loss)``, which would tie a
@@ -856,11 +853,11 @@ def _materialize_shape_only(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target in _FILL or node.target is aten.full_like.default:
+        if calls(node, TENSOR_SHAPED_FILLS):
             val = node.meta.get("val")
-            if val is None:
+            fill = 0.0 if calls(node, EMPTY_FILLS) else fill_value(node)
+            if val is None or fill is None:
                 continue
-            fill = node.args[1] if node.target is aten.full_like.default else _FILL[node.target]
             with graph.inserting_before(node):
                 full = graph.call_function(aten.full.default, (list(val.shape), fill),
                                            {"dtype": val.dtype, "device": val.device})

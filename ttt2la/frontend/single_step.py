@@ -41,6 +41,8 @@ from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs
                      _materialize_shape_only, _state_names, _unique, state_input)
 from .shapes import fit_template
 
+aten = torch.ops.aten
+
 
 class NotSingleStep(UnsupportedTTTError):
     """The traced layer is not one update followed by reads (the caller's own error stands)."""

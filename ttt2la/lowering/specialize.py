@@ -52,10 +52,25 @@ def _records_grad(args) -> bool:
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """A copy of ``gm`` whose tensor constants (``get_attr``) are trailing inputs, and their
+    values: the passes below run on fake tensors, and never write into an input."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1:]
+    constants = []
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        value = torch.fx.graph_module._get_attr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        anchor = last[0].next if last else next(iter(graph.nodes))
+        with graph.inserting_before(anchor):
+            placeholder = graph.placeholder(f"constant_{len(constants)}")
+        last = [placeholder]
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+        constants.append(value)
+    return torch.fx.GraphModule(gm, graph), constants
 
 
 def _reads_transposed(node) -> bool:
@@ -94,32 +109,35 @@ class SpecializedGraph:
 
     def __init__(self, graph: torch.fx.GraphModule):
         self.graph = graph
-        self._cache: OrderedDict[tuple, torch.fx.GraphModule] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[torch.fx.GraphModule, list]] = OrderedDict()
 
     def __call__(self, *args):
         if _symbolic(args):     # a compiler traces the call: it fuses and plans buffers itself
             return self.graph(*args)
-        return self.for_inputs(args)(*args)
+        gm, constants = self.for_inputs(args)
+        return gm(*args, *constants)
 
-    def for_inputs(self, args) -> torch.fx.GraphModule:
+    def for_inputs(self, args) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+        """The specialised graph for ``args`` and the constants it takes after them."""
         records = _records_grad(args)
         key = _signature(args, records)
-        gm = self._cache.get(key)
-        if gm is None:
-            gm = self._specialise(args, records)
-            self._cache[key] = gm
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = self._specialise(args, records)
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        return gm
+        return found
 
-    def _specialise(self, args, records: bool) -> torch.fx.GraphModule:
+    def _specialise(self, args, records: bool):
         # built on fake tensors, out of sight of any dispatch mode the caller runs (a counter,
         # a profiler): what they see is the call, not its one-time preparation
         with _disable_current_modes():
-            gm = token_major_products(_copy(self.graph), args)
-            return gm if records else reinplace(gm, *args)
+            gm, constants = _copy(self.graph)
+            every = (*args, *constants)
+            gm = token_major_products(gm, every)
+            return (gm if records else reinplace(gm, *every)), constants
 
 
 __all__ = ["SpecializedGraph", "token_major_products", "CACHE_SIZE"]

@@ -12,7 +12,7 @@ Three forms, all differentiable through autograd:
   product, never a quotient), and the blocks' end states are scanned the same way one level up.
   ``⌈log_SCAN_BLOCK N⌉`` levels of a fixed handful of ops, O(N·SCAN_BLOCK) multiply-adds on the
   (small) factors and one matmul pass over the features per level (the carry into each block
-  rides on the same matmul, ``baddbmm``).
+  is added to that matmul's result in place).
 * *doubling* (elementwise factors): ``⌈log₂ N⌉`` passes composing ``(a, f)`` pairs.
 * *sequential*: a loop over the steps, kept for scans of at most ``SEQUENTIAL_MAX_STEPS``
   elementwise steps.
@@ -63,16 +63,9 @@ def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
     blocks = f.reshape(N, m, s, X)
     if m == 1 and initial is None:
         return (L @ blocks).reshape(N, s, X)[:, :n]
-    if m == 1 and a is None:                # one block from a start, added in place
-        S = L @ f
-        S += initial.unsqueeze(1)
-        return S
     # the state entering every block, from the scan one level up of the blocks' end states,
-    # is carried in by the same matmul: inside + through ⊗ entering, one pass over the features
-    if a is None:
-        through = torch.ones(N, m, s, dtype=f.dtype, device=f.device)
-    else:
-        through = a.reshape(N, m, s)[..., :1] * L[..., :, 0]  # a_0 ⋯ a_j inside each block
+    # is carried in as through ⊗ entering, added to the blocks' product in place
+    through = None if a is None else a.reshape(N, m, s)[..., :1] * L[..., :, 0]  # a_0 ⋯ a_j
     if m == 1:
         entering = initial.unsqueeze(1)
     else:
@@ -81,8 +74,11 @@ def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
         first = torch.zeros_like(after[:, :1]) if initial is None else initial.unsqueeze(1)
         entering = torch.cat([first, after[:, :-1]], dim=1)  # [N, m, X]
     L = L.expand(N, m, s, s)
-    S = torch.baddbmm(L.reshape(N * m, s, s) @ blocks.reshape(N * m, s, X),
-                      through.reshape(N * m, s, 1), entering.reshape(N * m, 1, X))
+    S = L.reshape(N * m, s, s) @ blocks.reshape(N * m, s, X)
+    if a is None:       # in place: the product's backward does not read its result
+        S += entering.reshape(N * m, 1, X)
+    else:
+        S.baddbmm_(through.reshape(N * m, s, 1), entering.reshape(N * m, 1, X))
     return S.reshape(N, m * s, X)[:, :n]
 
 

@@ -22,7 +22,6 @@ The windows' starts come from ``torch.arange(0, L, window).tolist()``: shape-onl
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
