@@ -87,6 +87,10 @@ def test_subcategories_sit_inside_their_category():
     assert ops.NORM_LAYERS | ops.NORM_REDUCTIONS <= ops.NORMALISATION_OPS
     assert set(ops.INDEX_ARGUMENTS) <= ops.LINEAR_MAPS | ops.LINEAR_JOINS | ops.LINEAR_GATHERS
     assert ops.UPDATE_STEPS <= ops.ADDITIVE
+    assert ops.TRANSPOSES <= ops.PERMUTES
+    assert ops.ACTIVATIONS | ops.ELEMENTWISE_FUNCTIONS <= ops.KNOWN_NONLINEAR
+    assert not ops.ELEMENTWISE_FUNCTIONS & ops.SOFTMAXES
+    assert ops.SOFTMAXES <= ops.UNARY_FUNCTIONS
     # an output path walks through linear ops only
     assert not ops.OUTPUT_PATH_LINEAR & (ops.KNOWN_NONLINEAR | set(ops.MATMULS) | ops.SHAPE_ONLY)
 
@@ -272,3 +276,56 @@ def test_lowering_keeps_exact_overloads():
     left = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert aten.view.dtype in left                  # a bit cast keeps its shape, but stays
     assert aten.view.default not in left            # a no-op reshape is dropped
+
+
+def _unary(name: str):
+    """``aten.name`` as a function of one tensor, with literal extra arguments where needed."""
+    extra = {"clamp": (-0.5, 0.5), "clamp_min": (-0.5,), "clamp_max": (0.5,), "pow": (3,),
+             "softmax": (-1,), "_softmax": (-1, False), "log_softmax": (-1,),
+             "_log_softmax": (-1, False)}.get(name, ())
+    return lambda x: getattr(aten, name)(x, *extra)
+
+
+@pytest.mark.parametrize("name", sorted(ops.ELEMENTWISE_FUNCTIONS))
+def test_elementwise_functions_act_on_each_element_alone(name):
+    f = _unary(name)
+    x = torch.rand(3, 4, dtype=torch.float64) + 0.25
+    y = x.clone()
+    y[1, 2] += 0.125
+    fx, fy = f(x), f(y)
+    assert fx.shape == x.shape
+    changed = (fx != fy)
+    changed[1, 2] = False
+    assert not changed.any(), f"{name}: changing one element changed others"
+
+
+@pytest.mark.parametrize("name", sorted(ops.SOFTMAXES))
+def test_softmaxes_mix_their_axis(name):
+    x = torch.rand(3, 4, dtype=torch.float64)
+    y = x.clone()
+    y[1, 2] += 0.125
+    assert (_unary(name)(x)[1] != _unary(name)(y)[1]).sum() == 4
+
+
+@pytest.mark.parametrize("name", sorted(ops.ACTIVATIONS))
+def test_activations_are_nonlinear(name):
+    f = _unary(name)
+    x = torch.linspace(-2.0, 2.0, 8, dtype=torch.float64)
+    y = x.flip(0) + 0.5
+    assert not torch.allclose(f(x + y), f(x) + f(y)), name
+
+
+@pytest.mark.parametrize("name", sorted(ops.SCALINGS))
+def test_scalings_are_linear_in_their_first_operand(name):
+    f = getattr(aten, name)
+    x, y = torch.randn(2, 3, 4, dtype=torch.float64).unbind(0)
+    c = torch.tensor([0.5, -2.0, 4.0, 1.5], dtype=torch.float64)
+    apply = (lambda t: f(t)) if name == "neg" else (lambda t: f(t, c))
+    torch.testing.assert_close(apply(3 * x - 2 * y), 3 * apply(x) - 2 * apply(y))
+
+
+@pytest.mark.parametrize("name", sorted(ops.TRANSPOSES))
+def test_transposes_swap_two_axes(name):
+    x = torch.arange(12.0).reshape(3, 4)
+    dims = () if name in ("t", "t_copy", "mT") else (0, 1)
+    torch.testing.assert_close(getattr(aten, name)(x, *dims), x.T.contiguous())

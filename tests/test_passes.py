@@ -353,3 +353,44 @@ def test_registry_order_and_registration():
         register(written)
     with pytest.raises(ValueError):
         register(type("Bad", (Pass,), {"step": 9})())
+
+
+def _traced_chain(f, shape):
+    """The call nodes of ``f`` traced on a tensor of ``shape``, in order."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(f, pre_dispatch=False)(torch.randn(*shape))
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("f, neutral", [
+    (lambda x: torch.ops.aten.t_copy(torch.ops.aten.t_copy(x)), True),
+    (lambda x: torch.ops.aten.t_copy(x), False),
+    (lambda x: x.transpose(0, 1).transpose(1, 0).detach(), True),
+    (lambda x: x.transpose(0, 1).reshape(2, 3), False),
+    (lambda x: x.squeeze(0).clone(), True),
+    (lambda x: x.unsqueeze(0).view(3, 2), False),
+])
+def test_neutral_views_of_an_increment(f, neutral):
+    """Copies, same-shape reshapes and an even number of two-axis swaps leave an increment as
+    it is; one swap or a reshape to another shape does not."""
+    from ttt2la.passes.remove_muon import _neutral
+    assert _neutral(_traced_chain(f, (3, 2))) is neutral
+
+
+@pytest.mark.parametrize("f, replayed", [
+    (lambda x: x.detach(), [True]), (lambda x: x.to(torch.float64), [True]),
+    (lambda x: x.transpose(0, 1), [True]), (lambda x: x.view(6), [True]),
+    (lambda x: x.expand_as(torch.ones(4, 3, 2)), [True]),
+])
+def test_views_replayed_by_collapse_mlp(f, replayed):
+    """A view between a product and the kernel's value is replayed (never dropped) when its
+    other arguments are constants."""
+    from ttt2la.passes.collapse_mlp import _replayed
+    assert [_replayed(n) for n in _traced_chain(f, (3, 2))][-len(replayed):] == replayed
+
+
+def test_a_view_shaped_by_another_value_is_not_replayed():
+    from ttt2la.passes.collapse_mlp import _replayed
+    gm = torch.fx.symbolic_trace(lambda x, y: torch.ops.aten.expand_as(x, y))
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not _replayed(node)

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .analysis import analyze, assign_roles
+from .analysis.op_vocabulary import fill_value
 from .calibration import LoopCalibration, layer_inputs
 from .converted import ConvertedState, Recipe, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
@@ -222,10 +223,6 @@ def _program_indices(rl: RecognizedLayer, program: TTTProgram, *index_sets: set[
             for indices in index_sets]
 
 
-_ZEROS = {torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
-          torch.ops.aten.new_zeros.default}
-
-
 def _loop_interface(rl: RecognizedLayer) -> tuple[set[int], set[int]]:
     """Which final states the code after the loop reads, and which states start at zero."""
     from .frontend.rollup import LOOP_MODULE
@@ -234,7 +231,7 @@ def _loop_interface(rl: RecognizedLayer) -> tuple[set[int], set[int]]:
                 if n.op == "call_module" and n.target == LOOP_MODULE)
     used = {u.args[1] - 1 for u in call.users if u.args[1] >= 1 and u.users}
     zero = {i for i, a in enumerate(call.args[: len(rl.program.states)])
-            if isinstance(a, torch.fx.Node) and a.target in _ZEROS}
+            if fill_value(a) == 0.0}
     return used, zero
 
 

@@ -49,10 +49,12 @@ COPIES = CASTS | frozenset({
     "clone", "detach", "alias", "contiguous", "lift_fresh_copy", "lift_fresh", "detach_copy",
     "alias_copy"})
 
-#: Permutes: the first argument with its dimensions reordered (``t``/``mT``: the last two).
-PERMUTES = frozenset({
-    "transpose", "permute", "t", "transpose_copy", "permute_copy", "t_copy", "movedim",
-    "swapaxes", "mT"})
+#: Transposes: the first argument with two dimensions swapped — ``transpose(x, d0, d1)`` and
+#: ``swapaxes``; ``t``, ``t_copy`` and ``mT`` take no dimensions and swap the last two.
+TRANSPOSES = frozenset({"transpose", "transpose_copy", "swapaxes", "t", "t_copy", "mT"})
+
+#: Permutes: the first argument with its dimensions reordered.
+PERMUTES = TRANSPOSES | frozenset({"permute", "permute_copy", "movedim"})
 
 #: Expands: the first argument broadcast to a larger shape, without copying.
 EXPANDS = frozenset({"expand", "expand_copy", "expand_as", "broadcast_to"})
@@ -73,6 +75,10 @@ SLICES = frozenset({"slice", "slice_copy", "narrow", "narrow_copy"})
 
 #: Additive ops: ``x + αy``, ``x - αy``, ``αy - x`` (``rsub``) and ``-x``.
 ADDITIVE = frozenset({"add", "sub", "rsub", "neg"})
+
+#: Scalings: elementwise products and quotients, and negation — linear in a data operand
+#: while the other factor does not depend on it.
+SCALINGS = frozenset({"mul", "div", "neg"})
 
 #: How a fast weight is stepped in a single-step layer: ``W + Δ`` or ``W - Δ``.
 UPDATE_STEPS = frozenset({"add", "sub"})
@@ -210,10 +216,27 @@ UNARY_FUNCTIONS = frozenset({
     "abs", "sign", "reciprocal", "sin", "cos", "erf", "softmax", "_softmax", "log_softmax",
     "_log_softmax"})
 
+#: Activations: the nonlinearities a hidden layer applies to its pre-activation (``exp`` and
+#: softmax among them, as positive feature maps).
+ACTIVATIONS = frozenset({
+    "silu", "sigmoid", "tanh", "relu", "gelu", "elu", "softplus", "mish", "leaky_relu",
+    "hardtanh", "hardswish", "exp", "softmax", "_softmax"})
+
+#: Softmaxes: normalise along one axis, so each element of the value depends on the whole axis.
+SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
+
+#: Elementwise functions: nonlinear maps applied to each element on its own (the unary
+#: functions and activations less the softmaxes, clamps, powers), so the value keeps the
+#: input's shape and an element depends on the same element only.
+ELEMENTWISE_FUNCTIONS = (UNARY_FUNCTIONS | ACTIVATIONS | frozenset({
+    "clamp", "clamp_min", "clamp_max", "pow", "square", "expm1", "log1p", "log2", "sgn"})) \
+    - SOFTMAXES
+
 #: Known nonlinear ops: state-local when they act on state-local values (weight norms,
 #: Newton–Schulz, activations of a state). Ops in no category at all are taken as nonlinear
 #: outright, so a value they compute from a state is never state-local.
-KNOWN_NONLINEAR = UNARY_FUNCTIONS | NORM_REDUCTIONS | NORM_LAYERS | frozenset({
+KNOWN_NONLINEAR = UNARY_FUNCTIONS | ACTIVATIONS | ELEMENTWISE_FUNCTIONS | NORM_REDUCTIONS \
+    | NORM_LAYERS | frozenset({
     "silu_backward", "sigmoid_backward", "tanh_backward", "expm1", "log1p", "log2", "pow",
     "gelu_backward", "elu_backward", "leaky_relu", "softplus_backward", "threshold_backward",
     "hardtanh", "mish", "sgn", "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "max",
@@ -245,10 +268,12 @@ def is_view(node) -> bool:
 
 
 __all__ = [
-    "ADDITIVE", "Bilinear", "CASTS", "CONSTANT_FILLS", "COPIES", "EMPTY_FILLS", "EXPANDS",
+    "ACTIVATIONS", "ADDITIVE", "Bilinear", "CASTS", "CONSTANT_FILLS", "COPIES",
+    "ELEMENTWISE_FUNCTIONS", "EMPTY_FILLS", "EXPANDS",
     "FILL_VALUE_ARGUMENTS", "INDEX_ARGUMENTS", "KNOWN_NONLINEAR", "LINEAR_GATHERS",
     "LINEAR_JOINS", "LINEAR_MAPS", "MATMULS", "MATRIX_PRODUCTS", "NORMALISATION_OPS",
     "NORM_LAYERS", "NORM_REDUCTIONS", "NORM_SCALE_CHAIN", "OUTPUT_PATH_LINEAR", "PERMUTES",
-    "RANDOM_FILLS", "RELAYOUT_TARGETS", "RESHAPES", "RESHAPE_TARGETS", "SELECT_TARGETS",
-    "SHAPE_ONLY", "SIZE_VALUES", "SLICES", "SLICE_TARGETS", "SQUARE_REDUCTIONS", "TENSOR_SHAPED_FILLS", "UNARY_FUNCTIONS",
-    "UPDATE_STEPS", "VALUE_PRESERVING", "VIEWS", "calls", "fill_value", "is_view", "op_name"]
+    "RANDOM_FILLS", "RELAYOUT_TARGETS", "RESHAPES", "RESHAPE_TARGETS", "SCALINGS",
+    "SELECT_TARGETS", "SHAPE_ONLY", "SIZE_VALUES", "SLICES", "SLICE_TARGETS", "SOFTMAXES",
+    "SQUARE_REDUCTIONS", "TENSOR_SHAPED_FILLS", "TRANSPOSES", "UNARY_FUNCTIONS", "UPDATE_STEPS",
+    "VALUE_PRESERVING", "VIEWS", "calls", "fill_value", "is_view", "op_name"]

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from ..analysis.dependence import node_shape, op_name
+from ..analysis.op_vocabulary import ADDITIVE, COPIES, ELEMENTWISE_FUNCTIONS, SCALINGS
 from ..analysis.roles import VIEW_OPS
 from ..analysis.rules import constant_value
 from ..ir import TTTProgram, ancestors, describe_node
@@ -29,9 +30,7 @@ from .folding import folded_constant, replace_with_constant, resolve_folds, upda
 
 #: Elementwise ops a learning rate may pass through (with constant other operands) before it
 #: scales an update.
-_ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "neg", "softplus", "sigmoid", "exp", "abs",
-                "relu", "clamp", "clamp_min", "clamp_max", "_to_copy", "to", "clone", "alias",
-                "detach", "contiguous", "pow", "sqrt", "square"}
+_ELEMENTWISE = ADDITIVE | SCALINGS | ELEMENTWISE_FUNCTIONS | COPIES
 _EXCLUDED_ROLES = {"q", "k", "momentum"}
 
 

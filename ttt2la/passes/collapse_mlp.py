@@ -22,21 +22,26 @@ import torch
 import torch.fx
 
 from ..analysis.dependence import node_shape, op_name
-from ..analysis.op_vocabulary import KNOWN_NONLINEAR
+from ..analysis.op_vocabulary import (ACTIVATIONS, ADDITIVE, CASTS, KNOWN_NONLINEAR,
+                                     MATRIX_PRODUCTS, SCALINGS, SLICES)
 from ..analysis.roles import VIEW_OPS, final_products, kernel_parameters, peel_views
 from ..errors import ConversionError, UnsupportedTTTError
 from ..ir import NAME, SRC, TTTProgram, ancestors, describe_node
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
 MAP_ATTR = "collapse_mlp_map"        # the body attribute holding M in Θ's layout
-_PRODUCTS = {"bmm", "mm"}
-# views replayed from the product to the kernel's value (their other arguments are kept)
-_REPLAYED = {"view", "_unsafe_view", "reshape", "expand", "clone", "alias", "transpose",
-             "permute", "t", "unsqueeze", "squeeze", "_to_copy", "contiguous"}
-_ACTIVATIONS = {"silu", "sigmoid", "tanh", "relu", "gelu", "elu", "softplus", "mish",
-                "leaky_relu", "hardtanh", "hardswish", "exp", "softmax", "_softmax"}
-_LINEAR_OPS = {"add", "sub", "rsub", "neg", "mul", "div", "bmm", "mm", "matmul", "slice",
-               "select", "narrow", "cat", "stack"} | VIEW_OPS
+#: Linear ops of stream data for ``nonlinear_ops``: views, slices, additions and scalings,
+#: matrix products, selections and concatenations — narrower than the vocabulary's linear maps
+#: (no masked fills, scatters or reductions), which this pass does not track.
+_LINEAR_OPS = VIEW_OPS | SLICES | ADDITIVE | SCALINGS | MATRIX_PRODUCTS \
+    | frozenset({"select", "cat", "stack"})
+
+
+def _replayed(n: torch.fx.Node) -> bool:
+    """A view replayed from the product to the kernel's value: its other arguments are
+    constants (sizes, dims, dtypes), so it applies to any value of the product's shape."""
+    return op_name(n) in VIEW_OPS and not any(
+        isinstance(a, torch.fx.Node) for a in (*n.args[1:], *n.kwargs.values()))
 
 
 @dataclass
@@ -104,9 +109,9 @@ def _path(core, product) -> list[torch.fx.Node] | None:
     if core is product:
         return [core]
     if not isinstance(core, torch.fx.Node) or core.op != "call_function" \
-            or op_name(core) in _PRODUCTS | {"matmul"} or product not in ancestors(core):
+            or op_name(core) in MATRIX_PRODUCTS or product not in ancestors(core):
         return None
-    if op_name(core) in _REPLAYED:
+    if _replayed(core):
         rest = _path(core.args[0], product)
         return None if rest is None else [core, *rest]
     for a in core.args:
@@ -124,7 +129,7 @@ def _product(core, theta_dep: set, streamed: set, order: dict):
     fewest nonlinear ops on the way (SwiGLU's ``x W2ᵀ`` branch)."""
     found = []
     for n in ancestors(core):
-        if n.op != "call_function" or op_name(n) not in _PRODUCTS:
+        if n.op != "call_function" or op_name(n) not in MATRIX_PRODUCTS:
             continue
         for pos in (0, 1):
             t, x = n.args[pos], n.args[1 - pos]
@@ -273,7 +278,7 @@ def _in_product_layout(site: Site, core_value: torch.Tensor, product_shape) -> t
     views between them, found by running those views on the product's element indices)."""
     index = torch.arange(int(torch.Size(product_shape).numel())).reshape(product_shape)
     for n in reversed(site.path[:-1]):
-        if op_name(n) in _REPLAYED and op_name(n) != "_to_copy":
+        if _replayed(n) and op_name(n) not in CASTS:
             index = n.target(index, *n.args[1:], **{k: v for k, v in n.kwargs.items()
                                                     if k != "memory_format"})
     out = torch.full((index.numel(),), float("nan"), dtype=torch.float64)
@@ -387,7 +392,7 @@ def rewrite(program: TTTProgram, kernel: Kernel, M: torch.Tensor) -> None:
             args[kernel.theta_pos] = mapped
             new = _call(graph, site.product.target, args, site.product.kwargs, src)
             for n in reversed(site.path[:-1]):
-                if op_name(n) in _REPLAYED:
+                if _replayed(n):
                     new = _call(graph, n.target, (new, *n.args[1:]), n.kwargs, src)
         site.core.replace_all_uses_with(new)
     program.recompile()
@@ -496,7 +501,7 @@ class CollapseMLP(Pass):
         params = kernel_candidates(program)
         theta_dep, streamed = _reached(program, params), streamed_nodes(program)
         for n in program.body.graph.nodes:
-            if n.op == "call_function" and op_name(n) in _ACTIVATIONS and n in theta_dep \
+            if n.op == "call_function" and op_name(n) in ACTIVATIONS and n in theta_dep \
                     and n in streamed:
                 raise UnsupportedTTTError(
                     f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"

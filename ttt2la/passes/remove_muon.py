@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from ..analysis.dependence import node_shape, op_name
+from ..analysis.op_vocabulary import COPIES, EXPANDS, RESHAPES, SCALINGS, TRANSPOSES
 from ..analysis.roles import VIEW_OPS, peel_views
 from ..analysis.rules import match_newton_schulz, match_norm
 from ..ir import TTTProgram, ancestors, describe_node
@@ -30,10 +31,7 @@ from .base import Pass, PassContext, PassResult, register
 from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
 
 aten = torch.ops.aten
-_WALK = {"neg", "mul", "div"} | VIEW_OPS
-_SWAP = {"t", "transpose", "transpose_copy", "t_copy"}
-_RELAYOUT = {"clone", "alias", "detach", "contiguous", "_to_copy", "to", "view", "_unsafe_view",
-             "reshape", "expand"}
+_WALK = SCALINGS | VIEW_OPS
 
 
 @dataclass
@@ -62,7 +60,7 @@ def _increment(program: TTTProgram, i: int):
 
 
 def _swaps_last_two(node: torch.fx.Node) -> bool:
-    if op_name(node) == "t":
+    if len(node.args) == 1:         # t, t_copy, mT
         return True
     dims = node.args[1:3]
     rank = len(node_shape(node) or ())
@@ -87,14 +85,14 @@ def _neutral(ops: list[torch.fx.Node]) -> bool:
     swaps = 0
     for op in ops:
         name = op_name(op)
-        if name in _SWAP:
+        if name in TRANSPOSES:
             if not _swaps_last_two(op):
                 return False
             swaps += 1
-        elif name not in _RELAYOUT:
-            return False
-        elif name in ("view", "_unsafe_view", "reshape", "expand") \
-                and node_shape(op) != node_shape(op.args[0]):
+        elif name in RESHAPES | EXPANDS:
+            if node_shape(op) != node_shape(op.args[0]):
+                return False
+        elif name not in COPIES:
             return False
     return swaps % 2 == 0
 
