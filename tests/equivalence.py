@@ -1,6 +1,7 @@
 """The comparison equivalence tests make: a converted layer and the layer as written give the same
 output and the same gradient of ``<output, g>`` for the input and every parameter."""
 import torch
+from hypothesis import strategies as st
 
 from ttt2la.testing import TOLERANCE, rel_rms_error
 
@@ -34,3 +35,22 @@ def assert_same_function(converted, reference, xs, tol: float = FP32, seed: int 
         for name in gr:
             err = rel_rms_error(gc[name], gr[name])
             assert err <= tol, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
+
+
+def in_pieces(conv, x, cuts):
+    """The converted layer run piece by piece (cut at ``cuts``), outputs joined, final state."""
+    bounds = [0, *sorted(set(cuts)), x.shape[1]]
+    state, outs = None, []
+    for a, b in zip(bounds, bounds[1:]):
+        y, state = conv(x[:, a:b], ttt_state=state, return_ttt_state=True)
+        assert y.shape[1] == b - a
+        outs.append(y)
+    return torch.cat(outs, dim=1), state
+
+
+@st.composite
+def splits(draw, max_len: int, max_cuts: int = 6):
+    """``(batch, length, cuts)``: a sequence and the points where streaming cuts it."""
+    L = draw(st.integers(1, max_len))
+    cuts = draw(st.lists(st.integers(1, max(1, L - 1)), max_size=max_cuts)) if L > 1 else []
+    return draw(st.integers(1, 3)), L, sorted(set(cuts))

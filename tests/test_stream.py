@@ -19,6 +19,8 @@ import ttt2la
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, PerTokenTTTLayer, TinyLaCTLM
 
+from equivalence import in_pieces, splits
+
 D = 16
 CASES = {
     # name: (factory, level, dtype, chunk size)
@@ -44,27 +46,9 @@ def _case(name):
     return _built[name]
 
 
-def _pieces(conv, x, cuts):
-    """The converted layer run piece by piece (cut at ``cuts``), outputs joined, final state."""
-    bounds = [0, *sorted(set(cuts)), x.shape[1]]
-    state, outs = None, []
-    for a, b in zip(bounds, bounds[1:]):
-        y, state = conv(x[:, a:b], ttt_state=state, return_ttt_state=True)
-        assert y.shape[1] == b - a
-        outs.append(y)
-    return torch.cat(outs, dim=1), state
-
-
-@st.composite
-def _splits(draw, max_len=23):
-    L = draw(st.integers(1, max_len))
-    cuts = draw(st.lists(st.integers(1, max(1, L - 1)), max_size=6)) if L > 1 else []
-    return draw(st.integers(1, 3)), L, sorted(set(cuts))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 @settings(max_examples=12)
-@given(split=_splits())
+@given(split=splits(23))
 @example(split=(2, 23, [1, 2, 3, 4, 5, 6]))      # token by token through the first chunks
 @example(split=(1, 20, [4, 8, 12]))               # pieces that end on chunk boundaries
 @example(split=(2, 1, []))                        # one token
@@ -76,7 +60,7 @@ def test_pieces_equal_the_whole_sequence(name, split):
     x = torch.randn(B, L, D, generator=gen).to(dtype)
     with torch.no_grad():
         ref = layer(x)
-        got, state = _pieces(conv, x, cuts)
+        got, state = in_pieces(conv, x, cuts)
     assert rel_rms_error(got, ref) <= TOLERANCE[dtype], (cuts, rel_rms_error(got, ref))
     assert state.tokens == L
 
@@ -138,7 +122,7 @@ def lm():
 
 
 @settings(max_examples=8)
-@given(split=_splits(max_len=19))
+@given(split=splits(19))
 @example(split=(1, 19, list(range(1, 19))))       # decode token by token
 def test_stream_decodes_a_whole_model_piece_by_piece(lm, split):
     model, conv = lm
@@ -201,7 +185,7 @@ def test_update_then_apply_chunks_continue_on_chunk_boundaries_only(update_first
     x = torch.randn(2, 4 * chunks, 8, generator=torch.Generator().manual_seed(chunks))
     cuts = sorted({4 * c for c in cut_chunks if c < chunks})
     with torch.no_grad():
-        got, state = _pieces(conv, x, cuts)
+        got, state = in_pieces(conv, x, cuts)
         assert rel_rms_error(got, layer(x)) <= TOLERANCE[torch.float32]
         assert state.open_tokens == 0
         # a piece ending inside a chunk: the chunk's outputs are not final yet

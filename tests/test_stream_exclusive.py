@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 import ttt2la
 from ttt2la.stream import StreamCall, advance
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import DeltaMemoryLayer, LaCTFoldedLayer, LaCTHeadsLayer
+
+from equivalence import in_pieces, splits
 
 D, H = 16, 2
 TOL = TOLERANCE[torch.float32]
@@ -144,16 +145,6 @@ def _converted(name):
     return _built[name]
 
 
-def _pieces(conv, x, cuts):
-    bounds = [0, *cuts, x.shape[1]]
-    state, outs = None, []
-    for a, b in zip(bounds, bounds[1:]):
-        y, state = conv(x[:, a:b], ttt_state=state, return_ttt_state=True)
-        assert y.shape[1] == b - a
-        outs.append(y)
-    return torch.cat(outs, dim=1), state
-
-
 def _same_state(got, want):
     """Two ``TTTState``s carry the same thing: fast weights, momentum and open tokens."""
     assert got.names == want.names and got.open_tokens == want.open_tokens
@@ -164,16 +155,9 @@ def _same_state(got, want):
         assert a.shape == b.shape and rel_rms_error(a, b) <= TOL
 
 
-@st.composite
-def _splits(draw, max_len=13):
-    L = draw(st.integers(1, max_len))
-    cuts = draw(st.lists(st.integers(1, max(1, L - 1)), max_size=4)) if L > 1 else []
-    return draw(st.integers(1, 3)), L, sorted(set(cuts))
-
-
 @pytest.mark.parametrize("name", list(TOKEN_CASES))
 @settings(max_examples=10, deadline=None)
-@given(split=_splits())
+@given(split=splits(13, 4))
 @example(split=(2, 11, [5]))                       # the reported split
 @example(split=(1, 6, [1, 2, 3, 4, 5]))            # token by token
 @example(split=(3, 1, []))                         # one token
@@ -185,7 +169,7 @@ def test_per_token_pieces_give_the_whole_outputs_and_state(name, split):
     with torch.no_grad():
         want, states = reference(layer, x)
         assert rel_rms_error(layer(x), want) <= TOL          # the reference is the layer
-        got, state = _pieces(conv, x, cuts)
+        got, state = in_pieces(conv, x, cuts)
         _y, whole = conv(x, return_ttt_state=True)
     assert rel_rms_error(got, want) <= TOL, (cuts, rel_rms_error(got, want))
     # the state holds the memory after every token the loop folded in; the token it only
@@ -214,7 +198,7 @@ def test_continuing_folds_the_last_read_token(name):
 
 @pytest.mark.parametrize("name", list(CHUNK_CASES))
 @settings(max_examples=10, deadline=None)
-@given(split=_splits(max_len=17))
+@given(split=splits(17, 4))
 @example(split=(2, 14, [5, 6]))                    # pieces ending inside chunks
 @example(split=(1, 12, [4, 8]))                    # pieces ending on chunk boundaries
 def test_chunked_pieces_give_the_whole_outputs_and_state(name, split):
@@ -224,7 +208,7 @@ def test_chunked_pieces_give_the_whole_outputs_and_state(name, split):
     x = torch.randn(B, L, D, generator=torch.Generator().manual_seed(100 * B + L))
     with torch.no_grad():
         want = layer(x)
-        got, state = _pieces(conv, x, cuts)
+        got, state = in_pieces(conv, x, cuts)
         _y, whole = conv(x, return_ttt_state=True)
     assert rel_rms_error(got, want) <= TOL, (cuts, rel_rms_error(got, want))
     # the last chunk, full or not, is only read: it stays open

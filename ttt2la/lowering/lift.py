@@ -199,14 +199,27 @@ def _find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
     return None, None
 
 
-def lift(program: TTTProgram) -> LiftedProgram | None:
-    """Recognise ``program`` as block/token-causal linear attention, or return ``None``."""
+@dataclass
+class _Update:
+    """What ``lift`` reads off the final state's update ``W' = W + T(M')`` (see ``_update``)."""
+
+    w: int                              # index of the final state
+    m: int | None                       # index of the momentum state
+    frozen: list                        # states the loop no longer changes (read as invariants)
+    state_dep: set                      # nodes that depend on a live state
+    norm: WeightNorm | None             # ``W' = norm(W + Δ)·n`` when normalised
+    delta: torch.fx.Node                # Δ
+    alpha: torch.fx.Node | None         # the momentum coefficient of ``M' = α·M + G``
+    g: torch.fx.Node | None             # G
+
+
+def _states(program: TTTProgram):
+    """``(w, m, frozen)``: one final state, at most one live momentum state beside it, in an
+    order and tail the runtime ops have; else ``None``."""
     roles = [s.role for s in program.states]
     if roles.count("final") != 1 or len(program.outputs) != 1:
         return None
-    ins = program.state_inputs()
-    outs = program.state_outputs()
-    # states the loop no longer changes (a frozen Θ) are read like invariants
+    ins, outs = program.state_inputs(), program.state_outputs()
     frozen = [i for i in range(len(roles)) if outs[i] is ins[i]]
     w = roles.index("final")
     others = [i for i in range(len(roles)) if i != w and i not in frozen]
@@ -219,81 +232,82 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         return None
     if per_token and (program.order != "inclusive" or m is not None):
         return None
-    w_in, w_out = ins[w], outs[w]
+    return w, m, frozen
+
+
+def _momentum(m_in, m_out, delta, state_dep):
+    """``(α, G)`` of ``M' = α·M + G`` feeding ``delta``, or ``None``."""
+    if m_out.target is not aten.add.Tensor or m_out not in ancestors(delta):
+        return None
+    found = None
+    for x, y in (m_out.args, m_out.args[::-1]):
+        if isinstance(x, torch.fx.Node) and x.target is aten.mul.Tensor:
+            p, q = x.args
+            if _strip(p) is m_in and isinstance(q, torch.fx.Node) and q not in state_dep:
+                found = q, y
+            elif _strip(q) is m_in and isinstance(p, torch.fx.Node) and p not in state_dep:
+                found = p, y
+    return found
+
+
+def _update(program: TTTProgram) -> _Update | None:
+    """The final state's update read off the body: ``W' = W + Δ`` (or ``norm(W + Δ)·n``, which
+    the op runs chunk after chunk), through momentum ``M' = α·M + G`` when there is one."""
+    found = _states(program)
+    if found is None:
+        return None
+    w, m, frozen = found
+    ins, outs = program.state_inputs(), program.state_outputs()
     live = [ins[i] for i in range(len(ins)) if i not in frozen]
-    constants = [ins[i] for i in frozen]
     state_dep = set()
     for n in program.body.graph.nodes:
         if n in live or any(a in state_dep for a in n.all_input_nodes):
             state_dep.add(n)
-    # W' = W + Δ, or W' = norm(W + Δ)·n (weight norm, which the op runs chunk after chunk)
+    w_in, w_out = ins[w], outs[w]
     norm = match_weight_norm(w_out)
     w_sum = w_out if norm is None else norm.sum
     if w_sum.target is not aten.add.Tensor:
         return None
     a, b = w_sum.args
-    if _strip(a) is w_in:
-        delta = b
-    elif _strip(b) is w_in:
-        delta = a
-    else:
-        return None
+    delta = b if _strip(a) is w_in else a if _strip(b) is w_in else None
     if not isinstance(delta, torch.fx.Node) or w_in in ancestors(delta):
         return None
-    # momentum: M' = α·M + G
-    alpha = None
+    alpha = g = None
     if m is not None:
-        m_in, m_out = ins[m], outs[m]
-        if m_out.target is not aten.add.Tensor or m_out not in ancestors(delta):
+        found = _momentum(ins[m], outs[m], delta, state_dep)
+        if found is None:
             return None
-        g = None
-        for x, y in (m_out.args, m_out.args[::-1]):
-            if isinstance(x, torch.fx.Node) and x.target is aten.mul.Tensor:
-                p, q = x.args
-                if _strip(p) is m_in and isinstance(q, torch.fx.Node) and q not in state_dep:
-                    alpha, g = q, y
-                elif _strip(q) is m_in and isinstance(p, torch.fx.Node) and p not in state_dep:
-                    alpha, g = p, y
-        if alpha is None:
-            return None
-        root = m_out
-    else:
-        g = None
-        root = None
-    # Δ = T(root): find the contraction feeding it
-    # a sign or constant factor around the contraction (``-η kᵀv`` written as a loss gradient)
-    # belongs to the increment's scale, not to the transform
-    candidates = [n for n in ancestors(delta if g is None else g)
+        alpha, g = found
+    return _Update(w, m, frozen, state_dep, norm, delta, alpha, g)
+
+
+def _increment(program: TTTProgram, up: _Update):
+    """``(contraction, transform_root)``: the key-feature ⊗ value contraction the increment is
+    made of, and where the transform ``Δ = T(·)`` starts; else ``None``. A sign or constant
+    factor around the contraction (``-η kᵀv`` written as a loss gradient) belongs to the
+    increment's scale, not to the transform."""
+    if up.g is not None:
+        contraction = _contraction(up.g, up.state_dep)
+        return None if contraction is None else (contraction, program.state_outputs()[up.m])
+    candidates = [n for n in ancestors(up.delta)
                   if n.target in (aten.bmm.default, aten.mul.Tensor, aten.neg.default,
                                   aten.div.Tensor)]
-    contraction, transform_root = None, None
-    if g is not None:
-        contraction = _contraction(g, state_dep)
-        transform_root = root
-    else:
-        for c in sorted(candidates, key=lambda n: -len(ancestors(n))):
-            con = _contraction(c, state_dep)
-            if con is None:
-                continue
-            try:
-                extract(program.body, [c], [delta])
-            except RuntimeError:
-                continue
-            contraction, transform_root = con, c
-            break
-    if contraction is None:
-        return None
-    try:
-        transform, _ = extract(program.body, [transform_root], [delta])
-    except RuntimeError:
-        return None
-    # the read: o = φ(Q) W (W right) or W φ(Q)ᵀ (W left)
-    w_ref = {w_in} if program.order == "exclusive" else {w_out}
-    read, transposed = _find_read(program, w_ref, state_dep - w_ref)
-    if read is None:
-        return None
-    left, right = contraction.left, contraction.right
-    sl, sr = _shape(left), _shape(right)
+    for c in sorted(candidates, key=lambda n: -len(ancestors(n))):
+        con = _contraction(c, up.state_dep)
+        if con is None:
+            continue
+        try:
+            extract(program.body, [c], [up.delta])
+        except RuntimeError:
+            continue
+        return con, c
+    return None
+
+
+def _consistent_shapes(program: TTTProgram, up: _Update, contraction, read) -> tuple | None:
+    """``(batch, rows, cols)`` of the state when the contraction, the read and the state agree
+    on them; else ``None``."""
+    sl, sr = _shape(contraction.left), _shape(contraction.right)
     if len(sl) < 2 or len(sr) < 2 or sl[:-2] != sr[:-2] or sl[-1] != sr[-2]:
         return None
     batch = 1
@@ -302,23 +316,52 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if _shape(read)[0] != batch:
         return None
     rows, cols = sl[-2], sr[-1]
+    w_in = program.state_inputs()[up.w]
     if _shape(_strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
         return None
-    if norm is not None and not _runtime_weight_norm(norm, transposed, state_dep):
+    return batch, rows, cols
+
+
+def lift(program: TTTProgram) -> LiftedProgram | None:
+    """Recognise ``program`` as block/token-causal linear attention, or return ``None``."""
+    up = _update(program)
+    found = None if up is None else _increment(program, up)
+    if found is None:
+        return None
+    contraction, transform_root = found
+    try:
+        transform, _ = extract(program.body, [transform_root], [up.delta])
+    except RuntimeError:
+        return None
+    # the read: o = φ(Q) W (W right) or W φ(Q)ᵀ (W left)
+    ins, outs = program.state_inputs(), program.state_outputs()
+    w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w]}
+    read, transposed = _find_read(program, w_ref, up.state_dep - w_ref)
+    shapes = None if read is None else _consistent_shapes(program, up, contraction, read)
+    if shapes is None:
+        return None
+    if up.norm is not None and not _runtime_weight_norm(up.norm, transposed, up.state_dep):
         return None
     # the orthogonalisation, read from the graph and confirmed by one evaluation
-    ns = _read_transform(transform, _shape(transform_root), (batch, rows, cols), delta)
+    per_token = any(s.per_token for s in program.streams)
+    ns = _read_transform(transform, _shape(transform_root), shapes, up.delta)
     if ns is False or (per_token and ns is not None):
         return None
+    return _assemble(program, up, contraction, read, transposed, ns, per_token)
+
+
+def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token):
+    """The ``LiftedProgram``: the feature and post-processing subgraphs cut from the body."""
     streams = program.stream_inputs()
-    invariants = [*program.invariant_inputs(), *constants]
+    ins = program.state_inputs()
+    invariants = [*program.invariant_inputs(), *(ins[i] for i in up.frozen)]
     constant_scale = 1.0
     for c in contraction.scales:
         if isinstance(c, float):
             constant_scale *= c
     node_scales = [c for c in contraction.scales if not isinstance(c, float)]
-    feat_outputs = [read.args[0] if not transposed else read.args[1], left, right,
-                    *node_scales] + ([alpha] if alpha is not None else [])
+    feat_outputs = [read.args[0] if not transposed else read.args[1], contraction.left,
+                    contraction.right, *node_scales] + ([up.alpha] if up.alpha is not None else [])
     feature_boundary = [*streams, *invariants]
     post_boundary = [read, *streams, *invariants]
     try:
@@ -327,10 +370,10 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         post, post_inputs = extract(program.body, post_boundary, [y])
     except RuntimeError:
         return None
-    lifted = LiftedProgram(program, "chunk" if per_token else "block", w, m, transposed, ns,
-                           features, feature_inputs, post, post_inputs, read, constant_scale,
-                           feature_boundary, feat_outputs, post_boundary,
-                           weight_norm=None if norm is None else norm.target)
+    lifted = LiftedProgram(program, "chunk" if per_token else "block", up.w, up.m, transposed,
+                           ns, features, feature_inputs, post, post_inputs, read,
+                           constant_scale, feature_boundary, feat_outputs, post_boundary,
+                           weight_norm=None if up.norm is None else up.norm.target)
     return _whole_sequence(lifted)
 
 
