@@ -44,14 +44,13 @@ _COPIES = (aten.clone.default, aten.alias.default)
 
 def split_axis(before, after, axis: int | None = None) -> tuple[int, int] | None:
     """``(a, K)`` when ``after`` is ``before`` with axis ``a`` (``axis`` when given) split into
-    ``(N, K)``; ``None`` when it is not, or when more than one axis could be the split one.
-    ``K = 1`` is no cut: a unit axis put after one (``view(B, L, 1, D)`` for one head)."""
+    ``(N, K)``; ``None`` when it is not, or when more than one axis could be the split one."""
     before, after = list(before), list(after)
     if len(after) != len(before) + 1:
         return None
     hits = [(a, after[a + 1]) for a in (range(len(before)) if axis is None else [axis])
             if after[:a] == before[:a] and after[a + 2:] == before[a + 1:]
-            and after[a] * after[a + 1] == before[a] and after[a + 1] != 1]
+            and after[a] * after[a + 1] == before[a]]
     return hits[0] if len(hits) == 1 else None
 
 
