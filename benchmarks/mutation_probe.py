@@ -56,7 +56,7 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "momentum_sign", "momentum coefficient negated in the block op's scan",
-        (("ttt2la/runtime/block.py", "_scan_rows(momentum[", "_scan_rows(-momentum["),),
+        (("ttt2la/runtime/block.py", "factors = momentum[", "factors = -momentum["),),
         ("tests/test_convert.py",), "level2_equals and folded-H2-D4-C3"),
     Mutation(
         "ns_coefficient_runtime", "Newton–Schulz c coefficient +0.01 in the runtime's iteration",
@@ -96,7 +96,7 @@ MUTATIONS = [
         ("tests/test_passes.py",), "hand_written"),
     Mutation(
         "momentum_shift", "the block op's momentum coefficients shifted by one chunk",
-        (("ttt2la/runtime/block.py", "_scan_rows(momentum[", "_scan_rows(momentum.roll(1, 1)["),),
+        (("ttt2la/runtime/block.py", "factors = momentum[", "factors = momentum.roll(1, 1)["),),
         ("tests/test_convert.py",), "level2_equals and folded-H2-D4-C3"),
     Mutation(
         "scan_shift", "the sequential affine scan reads the previous chunk's coefficient",
