@@ -86,7 +86,7 @@ def check_finite(example_inputs, example_kwargs=None) -> None:
                 not bool(torch.isfinite(leaf).all()):
             bad = int((~torch.isfinite(leaf)).sum())
             raise InvalidInputError(
-                f"example input {_name(path)} holds {bad} NaN or infinite value(s); ttt2la "
+                f"example input {input_name(path)} holds {bad} NaN or infinite value(s); ttt2la "
                 "compares the converted model with the original on the example inputs, which "
                 "needs finite values")
 
@@ -112,11 +112,12 @@ def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> N
             "size)") from e
 
 
-def _name(path) -> str:
-    """``#0`` for the first positional example input, ``'mask'`` for a keyword one."""
+def input_name(path, whole: str = "?") -> str:
+    """``#0`` for the first positional input of ``(args, kwargs)``, ``'mask'`` for a keyword
+    one (a pytree key path); ``whole`` for a path that names no single input."""
     keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
     if len(keys) < 2:
-        return "?"
+        return whole
     return (f"#{keys[1]}" if keys[0] == 0 else repr(keys[1])) + \
         "".join(f"[{k!r}]" for k in keys[2:])
 

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedShapeError
+from ..validation import input_name
 
 #: how many inputs a message lists before it stops
 _SHOWN = 8
@@ -37,14 +38,6 @@ class Leaf:
         return f"{self.name}: a tensor [{', '.join(dims)}]"
 
 
-def _name(path) -> str:
-    keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
-    if len(keys) < 2:
-        return "input"
-    return (f"#{keys[1]}" if keys[0] == 0 else repr(keys[1])) + \
-        "".join(f"[{k!r}]" for k in keys[2:])
-
-
 def _same_value(a, b) -> bool:
     if a is b:
         return True
@@ -65,9 +58,9 @@ class CallSignature:
         leaves = []
         for path, x in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
             if isinstance(x, torch.Tensor):
-                leaves.append(Leaf(_name(path), x.dim(), tuple(x.shape)))
+                leaves.append(Leaf(input_name(path, "input"), x.dim(), tuple(x.shape)))
             else:
-                leaves.append(Leaf(_name(path), value=x))
+                leaves.append(Leaf(input_name(path, "input"), value=x))
         return cls(tuple(leaves))
 
     def describe(self, batch_axis: dict, token_axis: dict) -> str:
