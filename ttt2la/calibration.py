@@ -17,7 +17,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .errors import ConversionError
-from .ir import TTTProgram
+from .ir import LOOP_MODULE, TTTProgram
 
 MAX_SAMPLES = 4          # calibration pieces per layer: enough for means, bounded in cost
 
@@ -81,7 +81,6 @@ class LoopCalibration:
         """Run the layer's outer graph on ``(args, kwargs)`` in pieces of the traced batch size
         and record what its loop receives."""
         from .frontend.recognize import _inputs_at, params_and_buffers
-        from .frontend.rollup import LOOP_MODULE
 
         flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
         layout = rl.layout

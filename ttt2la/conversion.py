@@ -31,7 +31,7 @@ from .errors import ConversionError, LevelNotImplementedError, NonReducibleError
 from .frontend.discover import discover
 from .frontend.recognize import RecognizedLayer, recognize_layer
 from .frontend.shapes import fit_template
-from .ir import TTTProgram
+from .ir import LOOP_MODULE, TTTProgram
 from .lowering import plan_for
 from .lowering.check import check_plan, needs_float64_reference, recurrent_reference
 from .passes import MAX_LEVEL, PassContext, PassResult, check_level, run_passes
@@ -225,8 +225,6 @@ def _program_indices(rl: RecognizedLayer, program: TTTProgram, *index_sets: set[
 
 def _loop_interface(rl: RecognizedLayer) -> tuple[set[int], set[int]]:
     """Which final states the code after the loop reads, and which states start at zero."""
-    from .frontend.rollup import LOOP_MODULE
-
     call = next(n for n in rl.outer.gm.graph.nodes
                 if n.op == "call_module" and n.target == LOOP_MODULE)
     used = {u.args[1] - 1 for u in call.users if u.args[1] >= 1 and u.users}

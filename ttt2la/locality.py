@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .frontend.recognize import _inputs_at, params_and_buffers
-from .frontend.rollup import LOOP_MODULE
+from .ir import LOOP_MODULE
 from .frontend.single_step import FixedLengthLayout
 from .testing import tolerance
 
