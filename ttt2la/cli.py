@@ -547,44 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    def model_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint", nargs="?", metavar="MODEL",
-                       help="a Hugging Face model directory (config.json + safetensors), a state "
-                            "dict (.safetensors, .pt, .bin) with --model, a converted checkpoint "
-                            "directory, or a bundled model name")
-        p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
-                       help="the function that builds the state dict's model")
-        p.add_argument("--config", metavar="JSON", help="keyword arguments for --model, as a "
-                                                         "JSON object")
-        p.add_argument("--trust-remote-code", action="store_true",
-                       help="allow a Hugging Face directory's own code (auto_map) to run")
-        p.add_argument("--zoo", choices=sorted(ZOO),
-                       help="a bundled model: " + "; ".join(f"{k}: {v.description}"
-                                                           for k, v in ZOO.items()))
-        p.add_argument("--example-shape", type=_shape, metavar="B,L[,D]",
-                       help="example inputs of this shape: token ids when the model starts "
-                            "with an embedding (B,L), standard-normal features otherwise (B,L,D)")
-        p.add_argument("--example-inputs", metavar="FILE",
-                       help="example inputs in a .safetensors file: tensors named 0, 1, ... "
-                            "are positional, others keyword arguments")
-        p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
-        p.add_argument("--batch", type=_positive, default=1, help="example batch size (1)")
-        p.add_argument("--length", type=_positive, default=None,
-                       help=f"example sequence length (the zoo model's default, "
-                            f"{DEFAULT_LENGTH} for a checkpoint)")
+    _add_demo(add)
+    _add_model_commands(add)
+    _add_generate(add)
+    return parser
 
-    def conversion_options(p: argparse.ArgumentParser, strict: bool) -> None:
-        p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
-                       help="runtime backend (auto)")
-        if strict:
-            p.add_argument("--no-strict", dest="strict", action="store_false",
-                           help="run a layer that is not reducible at the level recurrently "
-                                "instead of refusing it")
-        else:
-            p.add_argument("--strict", action="store_true",
-                           help="refuse a layer that is not reducible at the level instead of "
-                                "running it recurrently")
 
+def _add_demo(add) -> None:
+    """The demo: the bundled trained model converted at every level."""
     p = add("demo", cmd_demo, "convert a small trained character-level LaCT language model at "
                               "every implemented level; compare held-out loss and throughput")
     p.add_argument("--quick", action="store_true", help="less held-out text and shorter timing")
@@ -600,16 +570,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(20; 5 with --quick)")
     p.add_argument("--markdown", action="store_true", help="print the reports as Markdown")
 
+
+
+def _add_model_commands(add) -> None:
+    """The commands that read a model: inspect, convert, report, bench, sweep."""
     p = add("inspect", cmd_inspect, "analyse a model: its TTT loops, states and what each "
                                     "level gives")
-    model_options(p)
+    _model_options(p)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
     p = add("convert", cmd_convert, "convert a model at a level and print the conversion report")
-    model_options(p)
+    _model_options(p)
     p.add_argument("--level", type=_level, default=2, help="simplification level 0-6 (2)")
-    conversion_options(p, strict=True)
+    _conversion_options(p, strict=True)
     p.add_argument("--out", "--output", dest="out", metavar="DIR",
                    help="write the converted checkpoint to this new directory (model.safetensors, "
                         "ttt2la.json, report.md)")
@@ -623,18 +597,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print the report as Markdown")
 
     p = add("bench", cmd_bench, "measure tokens/s of a model and of its conversions")
-    model_options(p)
+    _model_options(p)
     p.add_argument("--levels", type=_level, nargs="+", default=[0, 1, 2],
                    help="levels to convert at (0 1 2)")
     p.add_argument("--repeats", type=_positive, default=15,
                    help="at most this many timed rounds, each running every model once (15)")
     p.add_argument("--max-seconds", type=_seconds, default=30.0,
                    help="stop timing after this many seconds, once 3 rounds are done (30)")
-    conversion_options(p, strict=False)
+    _conversion_options(p, strict=False)
 
     p = add("sweep", cmd_sweep, "convert a model at every level 0-6 and tabulate exactness, "
                                 "drift, schedule and TTT-layer throughput per level")
-    model_options(p)
+    _model_options(p)
     p.add_argument("--levels", type=_level, nargs="+", default=None,
                    help="levels to convert at (all, 0-6)")
     p.add_argument("--calibration-batch", type=_positive, default=2,
@@ -649,6 +623,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
                    help="runtime backend (auto)")
 
+
+
+def _add_generate(add) -> None:
+    """Sampling from a converted language-model checkpoint."""
     p = add("generate", cmd_generate, "sample text from a converted language-model checkpoint "
                                       "(a directory written by `convert --out`)")
     p.add_argument("checkpoint", help="a converted checkpoint directory")
@@ -661,7 +639,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature; 0 is greedy (0.8)")
     p.add_argument("--top-k", type=_positive, default=None, help="sample among the k likeliest")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    return parser
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    """Where the model comes from and the example inputs it is traced on."""
+    p.add_argument("checkpoint", nargs="?", metavar="MODEL",
+                   help="a Hugging Face model directory (config.json + safetensors), a state "
+                        "dict (.safetensors, .pt, .bin) with --model, a converted checkpoint "
+                        "directory, or a bundled model name")
+    p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                   help="the function that builds the state dict's model")
+    p.add_argument("--config", metavar="JSON", help="keyword arguments for --model, as a "
+                                                     "JSON object")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a Hugging Face directory's own code (auto_map) to run")
+    p.add_argument("--zoo", choices=sorted(ZOO),
+                   help="a bundled model: " + "; ".join(f"{k}: {v.description}"
+                                                       for k, v in ZOO.items()))
+    p.add_argument("--example-shape", type=_shape, metavar="B,L[,D]",
+                   help="example inputs of this shape: token ids when the model starts "
+                        "with an embedding (B,L), standard-normal features otherwise (B,L,D)")
+    p.add_argument("--example-inputs", metavar="FILE",
+                   help="example inputs in a .safetensors file: tensors named 0, 1, ... "
+                        "are positional, others keyword arguments")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
+    p.add_argument("--batch", type=_positive, default=1, help="example batch size (1)")
+    p.add_argument("--length", type=_positive, default=None,
+                   help=f"example sequence length (the zoo model's default, "
+                        f"{DEFAULT_LENGTH} for a checkpoint)")
+
+
+def _conversion_options(p: argparse.ArgumentParser, strict: bool) -> None:
+    """The runtime backend, and whether a layer not reducible at the level is refused."""
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "naive"),
+                   help="runtime backend (auto)")
+    if strict:
+        p.add_argument("--no-strict", dest="strict", action="store_false",
+                       help="run a layer that is not reducible at the level recurrently "
+                            "instead of refusing it")
+    else:
+        p.add_argument("--strict", action="store_true",
+                       help="refuse a layer that is not reducible at the level instead of "
+                            "running it recurrently")
 
 
 def _positive(text: str) -> int:
