@@ -454,24 +454,43 @@ def _initialisations(u: Unrolled, inputs: Inputs,
 
 @dataclass
 class Buffer:
-    """An output buffer ``out[..., s:e] = y``: a carried tensor each iteration writes its
-    chunk output into."""
+    """An output buffer ``out[:, s:e] = y`` (or ``out[:, t] = y`` per token): a carried tensor
+    each iteration writes its output into."""
 
     producer: torch.fx.Node                  # the buffer as iteration 0 leaves it
-    write: torch.fx.Node                     # iteration 1's ``slice_scatter`` into it
+    write: torch.fx.Node                     # iteration 1's ``slice_scatter``/``select_scatter``
     written: torch.fx.Node                   # what iteration 1 writes: the chunk output
     axis: int
     plumbing: set[torch.fx.Node]             # the write's own ops (not part of the body)
 
+    @property
+    def stacked(self) -> bool:
+        """One token per iteration written by ``out[:, t] = y`` (``y`` has no token axis)."""
+        return self.write.target is aten.select_scatter.default
+
+
+_WRITES = (aten.slice_scatter.default, aten.select_scatter.default)
+
+
+def _writes_next_slot(write: torch.fx.Node, buf: torch.fx.Node, step: int) -> bool:
+    """Iteration 1's ``write`` puts its output into slot 1 of ``buf``: ``out[:, C:2C] = y``
+    for chunks of ``C`` (or ``out[:, 1:2]``), ``out[:, 1] = y`` for single tokens."""
+    if write.args[0] is not buf:
+        return False
+    if write.target is aten.slice_scatter.default:
+        return len(write.args) >= 5 and write.args[3] == step and write.args[4] == 2 * step \
+            and (len(write.args) < 6 or write.args[5] == 1)
+    return write.target is aten.select_scatter.default and step == 1 and write.args[3] == 1
+
 
 def split_buffer(u: Unrolled, inputs: Inputs, states: States) -> States:
     """``states`` with an output buffer taken out of the carried states (at most one): a
-    carried tensor whose update writes iteration j's chunk at offset j."""
+    carried tensor whose update writes iteration j's chunk (or token) at offset j, and which
+    nothing inside the loop reads."""
     step = 1 if inputs.first.per_token else inputs.first.chunk
     buffers = []
     for p, o1 in states.carried.items():
-        if o1.target is aten.slice_scatter.default and o1.args[0] is p \
-                and o1.args[3] == step and o1.args[4] == 2 * step:
+        if o1.target in _WRITES and _writes_next_slot(o1, p, step):
             y, plumbing = _written_value(o1)
             buffers.append(Buffer(p, o1, y, o1.args[2], plumbing))
     if len(buffers) > 1:
@@ -479,22 +498,56 @@ def split_buffer(u: Unrolled, inputs: Inputs, states: States) -> States:
     if not buffers:
         return states
     (buf,) = buffers
+    body_nodes = [n for n in states.body_nodes if n not in buf.plumbing]
+    _refuse_buffer_reads(u, buf, body_nodes)
     return dataclasses.replace(
         states, buffer=buf,
         carried={p: o for p, o in states.carried.items() if p is not buf.producer},
         initial={p: v for p, v in states.initial.items() if p is not buf.producer},
-        body_nodes=[n for n in states.body_nodes if n not in buf.plumbing])
+        body_nodes=body_nodes)
+
+
+def _refuse_buffer_reads(u: Unrolled, buf: Buffer, body_nodes: list[torch.fx.Node]) -> None:
+    """Refuse a buffer the loop also reads (``out[:, t - 1]``, ``out.sum()``): its values are
+    then carried state, which the converted loop does not keep."""
+    buffer_values = buf.plumbing | {buf.producer}
+    for n in body_nodes:
+        if any(a in buffer_values for a in _input_nodes(n)):
+            raise UnsupportedTTTError(
+                f"the output buffer {_where_assigned(buf.producer, u)} is also read inside the "
+                f"loop, at {_where(n)}; ttt2la converts a buffer that each iteration only writes "
+                f"its output into (written at {_where(buf.write)}). Keep what the loop reads "
+                "in its own carried variable (e.g. `prev = y`), or collect the outputs in a list "
+                "and `torch.cat`/`torch.stack` them after the loop "
+                f"(loop at {u.loop.src}).")
+
+
+def _where(n: torch.fx.Node) -> str:
+    """``file:line (`code`)`` of the statement that made ``n``."""
+    src = n.meta.get(SRC)
+    return f"{src.file}:{src.line} (`{src.code.strip()}`)" if src is not None \
+        else n.format_node()
+
+
+def _where_assigned(producer: torch.fx.Node, u: Unrolled) -> str:
+    """The buffer's name and where the loop writes it first, for messages."""
+    first_write = producer
+    while first_write.op == "call_function" and first_write.target in _WRITES \
+            and isinstance(first_write.args[0], torch.fx.Node) \
+            and first_write.args[0] in u.in_loop:
+        first_write = first_write.args[0]
+    made = first_write.args[0] if first_write.target in _WRITES else first_write
+    name = _assigned_name(made.meta.get(SRC)) if isinstance(made, torch.fx.Node) else None
+    return f"`{name}`" if name else "written in the loop"
 
 
 def _written_value(write: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node]]:
-    """What ``slice_scatter`` node ``write`` writes (behind the ``copy`` a functionalized
-    ``out[...] = y`` makes), and the write's own nodes."""
+    """What ``slice_scatter``/``select_scatter`` node ``write`` writes (behind the ``copy`` a
+    functionalized ``out[...] = y`` makes), and the write's own nodes."""
     written = write.args[1]
-    plumbing = {write, written}
-    if written.target is aten.copy.default:
-        plumbing.add(written.args[0])
-        return written.args[1], plumbing
-    return written, plumbing
+    if isinstance(written, torch.fx.Node) and written.target is aten.copy.default:
+        return written.args[1], {write, written, written.args[0]}
+    return written, {write}
 
 
 def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
@@ -545,7 +598,8 @@ def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
         raise u.fail("the last iteration differs from the others")
     if states.buffer is not None:
         collector, axis, y_tail, removable = _gathered_in_buffer(u, states.buffer)
-        stacked = inputs.first.per_token
+        stacked = states.buffer.stacked
+        _check_buffer_shape(u, states.buffer, collector, inputs.first)
     else:
         collector, axis, y_tail, removable = _gathered_by_cat(u, out_node)
         stacked = collector.target is aten.stack.default
@@ -577,12 +631,30 @@ def _gathered_in_buffer(u: Unrolled, buf: Buffer):
         m = u.in_iteration(j)
         removable.update(m[x] for x in buf.plumbing if x in m)
     tail_write = next((x for x in final_buf.users if x not in u.in_loop
-                       and x.target is aten.slice_scatter.default and x.args[0] is final_buf),
-                      None)
+                       and x.target is buf.write.target and x.args[0] is final_buf), None)
     if tail_write is None:
         return final_buf, buf.axis, None, removable
     y_tail, plumbing = _written_value(tail_write)
     return tail_write, buf.axis, y_tail, removable | plumbing
+
+
+def _check_buffer_shape(u: Unrolled, buf: Buffer, collector: torch.fx.Node,
+                        stream: ChunkStream) -> None:
+    """The buffer holds exactly the outputs joined along its axis, one slot per token: a
+    longer buffer, or outputs broadcast into their slots, would keep values the converted loop
+    does not write."""
+    shape = list(collector.meta["val"].shape)
+    y = list(buf.written.meta["val"].shape)
+    axis = buf.axis % len(shape)
+    n = stream.source.meta["val"].shape[stream.axis]
+    expected = y[:axis] + [n] + y[axis:] if buf.stacked else y[:axis] + [n] + y[axis + 1:]
+    if shape != expected:
+        raise UnsupportedTTTError(
+            f"the output buffer {_where_assigned(buf.producer, u)} has shape {shape}, but the "
+            f"loop writes outputs of shape {y} into it along axis {axis} ({_where(buf.write)}), "
+            f"which join to {expected}; allocate the buffer with the outputs' shape (e.g. "
+            "`torch.empty_like(v)`) and write every token once, or collect the outputs in a "
+            f"list and `torch.cat`/`torch.stack` them after the loop (loop at {u.loop.src}).")
 
 
 def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
@@ -736,7 +808,7 @@ def rewrite_outer(u: Unrolled, inputs: Inputs, states: States, tail: Tail) -> No
     last = u.n_iter - 1 if not tail.truncated else u.n_iter - 2   # the last that updates
     finals = [u.in_iteration(last)[out1] for out1 in states.carried.values()]
     call, got_out, got_states = _insert_loop_call(u, states)
-    tail.collector.replace_all_uses_with(got_out)
+    tail.collector.replace_all_uses_with(_in_buffer_dtype(graph, got_out, states, tail))
     for i, (out1, final) in enumerate(zip(states.carried.values(), finals)):
         for j in range(u.n_iter):
             node = u.in_iteration(j).get(out1)
@@ -758,6 +830,21 @@ def rewrite_outer(u: Unrolled, inputs: Inputs, states: States, tail: Tail) -> No
     graph.eliminate_dead_code()
     _contiguous_inputs(graph)
     graph.lint()
+
+
+def _in_buffer_dtype(graph: torch.fx.Graph, got_out: torch.fx.Node, states: States,
+                     tail: Tail) -> torch.fx.Node:
+    """The loop's output as the buffer holds it: a buffer of another dtype than the outputs
+    written into it (``torch.zeros(B, L, D)`` for float64 outputs) casts them."""
+    if states.buffer is None:
+        return got_out
+    want, got = tail.collector.meta["val"], states.buffer.written.meta["val"]
+    if want.dtype == got.dtype:
+        return got_out
+    with graph.inserting_after(got_out):
+        cast = graph.call_function(aten._to_copy.default, (got_out,), {"dtype": want.dtype})
+    cast.meta["val"] = want
+    return cast
 
 
 def _insert_loop_call(u: Unrolled, states: States):
