@@ -2,12 +2,13 @@
 
 ``o = torch.empty_like(v)`` then ``o[:, t] = y`` per token, or ``o[:, :, s:e] = y`` per chunk,
 is the same layer as collecting the outputs in a list and stacking them: the zoo layers written
-that way (``outputs="buffer"``: the per-token inline layer, the delta-rule memory, LaCT
-head-major) convert exactly — outputs and every parameter gradient equal the layer as written
+that way (``outputs="buffer"``: the per-token layers inline and with a compiled step, the
+delta-rule memory, LaCT head-major) convert exactly — outputs and every parameter gradient equal the layer as written
 (fp32, relative RMS ≤ 1e-5) at any batch size and length — and the buffer costs no per-token
 work: outside the runtime ops, the converted layer dispatches the same ops at two lengths.
-A buffer the loop also reads, or one longer than the outputs written into it, is refused with
-a message that names the line and says what to write instead.
+A buffer of another dtype than its outputs casts them, as the layer does. A buffer the loop
+also reads, or one longer than the outputs written into it, is refused with a message that
+names the line and says what to write instead.
 """
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ import ttt2la
 from test_op_count import count_ops
 from ttt2la.errors import ConversionError
 from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import DeltaMemoryLayer, LaCTHeadsLayer, PerTokenInlineTTTLayer
+from ttt2la.zoo import DeltaMemoryLayer, LaCTHeadsLayer, PerTokenInlineTTTLayer, PerTokenTTTLayer
 
 FP32 = TOLERANCE[torch.float32]
 
 #: name -> (constructor, d_model, level, schedule the report must name)
 LAYERS = {
     "inline": (lambda **kw: PerTokenInlineTTTLayer(12, 3, **kw), 12, 0, "parallel"),
+    "compiled-step": (lambda **kw: PerTokenTTTLayer(8, 2, **kw), 8, 0, "parallel"),
     "delta": (lambda **kw: DeltaMemoryLayer(8, 2, **kw), 8, 0, "semi-parallel"),
     "delta-gated-before": (lambda **kw: DeltaMemoryLayer(12, 3, decay=True, read="before",
                                                          grad="func", **kw),
@@ -55,9 +57,10 @@ def outputs_and_grads(module, x, seed):
     x = x.clone().requires_grad_(True)
     y = module(x)
     w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
-    names = ["x", *(n for n, _ in module.named_parameters())]
-    grads = torch.autograd.grad((y * w).sum(), [x, *module.parameters()], allow_unused=True)
-    return y, {n: (torch.zeros(()) if g is None else g) for n, g in zip(names, grads)}
+    names, leaves = zip(("x", x), *module.named_parameters())
+    grads = torch.autograd.grad((y * w).sum(), leaves, allow_unused=True)
+    return y, {n: torch.zeros_like(t) if g is None else g     # unread: a zero gradient
+               for n, t, g in zip(names, leaves, grads)}
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -112,6 +115,8 @@ class BufferLayer(nn.Module):
         q, k, v = self.q(x), F.normalize(self.k(x), dim=-1), self.v(x)
         W = x.new_zeros(B, d, d)
         o = x.new_zeros(B, L + (self.how == "too long"), d)
+        if self.how == "float32":
+            o = torch.zeros(B, L, d, dtype=torch.float32)
         if self.how == "chunks read":
             for s in range(0, L, 4):
                 o[:, s:s + 4] = q[:, s:s + 4] @ W
@@ -128,10 +133,21 @@ class BufferLayer(nn.Module):
 _FORWARD = BufferLayer.forward.__code__.co_firstlineno
 
 
+def test_a_float32_buffer_casts_float64_outputs_as_the_layer_does():
+    torch.manual_seed(1)
+    layer = BufferLayer("float32").double()
+    x = torch.randn(2, 16, 8, dtype=torch.float64)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    for other in (x, torch.randn(3, 21, 8, dtype=torch.float64)):
+        y, y_ref = conv(other), layer(other)
+        assert y.dtype == y_ref.dtype == torch.float32
+        assert rel_rms_error(y, y_ref) <= FP32
+
+
 @pytest.mark.parametrize("how, line, says", [
-    ("tokens read", _FORWARD + 14, "is also read inside the loop"),
-    ("chunks read", _FORWARD + 8, "is also read inside the loop"),
-    ("too long", _FORWARD + 12, "allocate the buffer with the outputs' shape"),
+    ("tokens read", _FORWARD + 16, "is also read inside the loop"),
+    ("chunks read", _FORWARD + 10, "is also read inside the loop"),
+    ("too long", _FORWARD + 14, "allocate the buffer with the outputs' shape"),
 ])
 def test_a_buffer_that_is_not_only_the_outputs_is_refused_naming_the_line(how, line, says):
     with pytest.raises(ConversionError) as e:
