@@ -3,9 +3,10 @@
 ``o = torch.empty_like(v)`` then ``o[:, t] = y`` per token, or ``o[:, :, s:e] = y`` per chunk,
 is the same layer as collecting the outputs in a list and stacking them: the zoo layers written
 that way (``outputs="buffer"``: the per-token layers inline and with a compiled step, the
-delta-rule memory, LaCT head-major) convert exactly — outputs and every parameter gradient equal the layer as written
-(fp32, relative RMS ≤ 1e-5) at any batch size and length — and the buffer costs no per-token
-work: outside the runtime ops, the converted layer dispatches the same ops at two lengths.
+delta-rule memory, LaCT head-major) convert exactly — outputs and every parameter gradient
+equal the layer as written (fp32, relative RMS ≤ 1e-5) at any batch size and length — and the
+buffer costs no per-token work: outside the runtime ops, the converted layer dispatches the
+same ops at two lengths.
 A buffer of another dtype than its outputs casts them, as the layer does. A buffer the loop
 also reads, or one longer than the outputs written into it, is refused with a message that
 names the line and says what to write instead.
