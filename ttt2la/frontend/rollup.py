@@ -8,7 +8,8 @@ TTT inner loop, ``roll_up`` finds, from the copies of the loop body:
   the chunk size (or by one token) from one iteration to the next;
 * the **invariants** — values every iteration reads unchanged (loop-invariant code inside the
   loop is hoisted);
-* the **chunk outputs** — what each iteration hands to code after the loop (``cat``/``stack``);
+* the **chunk outputs** — what each iteration hands to code after the loop (``cat``/``stack``,
+  or writes into a buffer allocated before it: ``out[:, s:e] = y``, ``out[:, t] = y``);
 * a **peeled last chunk** — LaCT applies the last chunk without updating, either after the loop
   (a *tail* that repeats the body's apply ops) or in a last iteration whose update is skipped.
 
