@@ -41,6 +41,7 @@ LAYERS = [
     (True, "before", "manual", 2),
     (False, "before", "func", 3),
     (True, "after", "manual", 3),
+    (True, "before", "manual", 1),     # one head: its view(B, L, 1, D) is no cut into chunks
 ]
 HEAD_DIM = 4
 
@@ -86,7 +87,8 @@ def test_delta_memory_converts_exactly_onto_the_delta_rule(which, batch, length,
         assert rel_rms_error(g[name], grad) <= TOL, (name, rel_rms_error(g[name], grad))
 
 
-@pytest.mark.parametrize("which", [2, 3], ids=["two heads", "three heads"])
+@pytest.mark.parametrize("which", [2, 3, len(LAYERS) - 1],
+                         ids=["two heads", "three heads", "one head"])
 def test_every_length_around_the_chunk_boundaries(which):
     """The lengths hypothesis may miss: 1, C − 1, C, C + 1, 2C and 5C + 7."""
     layer, fast = converted(which)

@@ -71,6 +71,22 @@ def into_buffer(W, q, k, v, lr):
     return out, W
 
 
+def per_token_into_buffer(W, q, k, v, lr):
+    out = torch.empty_like(q)
+    for t in range(q.shape[1]):
+        W = W + lr * k[:, t, :, None] * v[:, t, None, :]
+        out[:, t] = torch.einsum("bd,bde->be", q[:, t], W)
+    return out, W
+
+
+def buffer_read_in_loop(W, q, k, v, lr):
+    out = torch.zeros_like(q)
+    for t in range(q.shape[1]):
+        out[:, t] = torch.einsum("bd,bde->be", q[:, t], W)
+        W = W + lr * out[:, t, :, None] * v[:, t, None, :]
+    return out, W
+
+
 def last_chunk_after_loop(W, q, k, v, lr):
     L = q.shape[1]
     outs = []
@@ -337,6 +353,32 @@ def test_an_output_buffer_is_not_a_state():
     assert out is buf.written and out.target is aten._unsafe_view.default   # qi @ W
 
 
+def test_a_per_token_output_buffer_is_not_a_state():
+    _gm, _ph, u = _traced(per_token_into_buffer, 5)
+    inputs = classify_inputs(u)
+    before = carried_states(u, inputs)
+    states = split_buffer(u, inputs, before)
+    assert len(before.carried) == 2 and len(states.carried) == 1
+    buf = states.buffer
+    assert buf is not None and buf.stacked and buf.axis == 1
+    assert buf.write.target is aten.select_scatter.default
+    assert not (buf.plumbing & set(states.body_nodes))
+    out = chunk_output(u, states)
+    assert out is buf.written and out in states.body_nodes
+    assert list(out.meta["val"].shape) == [B, D]          # one token's output, no token axis
+
+
+def test_a_buffer_the_loop_reads_is_refused_naming_the_line():
+    _gm, _ph, u = _traced(buffer_read_in_loop, 5)
+    inputs = classify_inputs(u)
+    with pytest.raises(UnsupportedTTTError) as e:
+        split_buffer(u, inputs, carried_states(u, inputs))
+    line = buffer_read_in_loop.__code__.co_firstlineno + 4
+    msg = str(e.value)
+    assert f"test_rollup_phases.py:{line}" in msg and "`out`" in msg
+    assert "read inside the loop" in msg and "torch.stack" in msg
+
+
 def test_the_chunk_output_is_what_the_cat_reads():
     gm, _ph, u = _traced(apply_then_update, 6)
     inputs = classify_inputs(u)
@@ -387,9 +429,16 @@ def test_stacked_per_token_outputs():
     assert tail.stacked and tail.collector.target is aten.stack.default and tail.axis == 1
 
 
+def test_per_token_outputs_written_into_a_buffer_are_stacked():
+    *_rest, tail = _phases(per_token_into_buffer, 5)
+    assert tail.stacked and tail.collector.target is aten.select_scatter.default
+    assert tail.axis == 1 and tail.order == "inclusive" and tail.last_chunk == "update"
+
+
 # -- the body and the outer graph --------------------------------------------------------------
 
-_STYLES = [apply_then_update, update_then_apply, per_token, into_buffer, last_chunk_after_loop,
+_STYLES = [apply_then_update, update_then_apply, per_token, into_buffer, per_token_into_buffer,
+           last_chunk_after_loop,
            last_update_skipped, starts_at_zero, initialised_in_loop, constant_in_body]
 
 

@@ -157,13 +157,13 @@ def _chunked_source(src: torch.fx.Node, axis: int):
     (``steps``: the split, then the moves and copies, in order) so that the split's ``N`` is
     ``src``'s axis ``axis``; else ``None``."""
     steps = []
-    node = src
+    node, indexed = src, axis
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
         if node.target in _MOVES:
             axis = _move_axis(node, axis)
         elif node.target in _VIEWS:
             found = split_axis(_shape(node.args[0]), _shape(node), axis)
-            if found is None:
+            if found is None or _token_axis(node, axis, found[1], indexed):
                 return None
             return node.args[0], axis, found[1], [node, *reversed(steps)]
         elif node.target not in _COPIES:
@@ -171,6 +171,16 @@ def _chunked_source(src: torch.fx.Node, axis: int):
         steps.append(node)
         node = node.args[0]
     return None
+
+
+def _token_axis(view: torch.fx.Node, axis: int, size: int, indexed: int) -> bool:
+    """Whether ``view``'s axis ``axis``, "split" into ``(N, 1)``, is just a token axis followed
+    by a unit axis (``view(B, L, 1, D)`` for one head) that the loop indexes in place
+    (``x[:, t]``, ``indexed > 0``): a per-token stream as written, and the code between the view
+    and the loop (norms, scales) stays on whole sequences. A unit split is a cut when the loop
+    takes mini-batches laid out first (``xs[i]``, scan style), or when ``N`` is 1 (a remainder
+    call of one token, whose ``x[0]`` reads the sequence's last token only as a mini-batch)."""
+    return size == 1 and _shape(view)[axis] > 1 and indexed > 0
 
 
 def _folded_slice(t: torch.fx.Node, axis: int) -> tuple[torch.fx.Node, int]:

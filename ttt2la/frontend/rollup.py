@@ -8,7 +8,8 @@ TTT inner loop, ``roll_up`` finds, from the copies of the loop body:
   the chunk size (or by one token) from one iteration to the next;
 * the **invariants** — values every iteration reads unchanged (loop-invariant code inside the
   loop is hoisted);
-* the **chunk outputs** — what each iteration hands to code after the loop (``cat``/``stack``);
+* the **chunk outputs** — what each iteration hands to code after the loop (``cat``/``stack``,
+  or writes into a buffer allocated before it: ``out[:, s:e] = y``, ``out[:, t] = y``);
 * a **peeled last chunk** — LaCT applies the last chunk without updating, either after the loop
   (a *tail* that repeats the body's apply ops) or in a last iteration whose update is skipped.
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
+import linecache
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -90,22 +93,90 @@ def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in _flat_args(node) if isinstance(a, torch.fx.Node)]
 
 
-def _assigned_names(src: SourceLoc | None) -> list[str] | None:
-    """The names a line assigns: ``[W]`` for ``W = ...``, ``[W, b]`` for ``W, b = ...``."""
-    if src is None or not src.code:
-        return None
+def _statement(src: SourceLoc | None) -> ast.stmt | None:
+    """The statement that ``src``'s line is part of: the simple statement of the file that
+    holds the line (one written over several lines included), else the line itself parsed (a
+    compound statement's header without its body: ``for ...:``)."""
+    return _statement_at(src)[0]
+
+
+def _statement_at(src: SourceLoc | None) -> tuple[ast.stmt | None, int | None]:
+    """``_statement(src)`` and the line it starts on."""
+    if src is None:
+        return None, None
+    held = [st for st in _simple_statements(src.file)
+            if st.lineno <= src.line <= (st.end_lineno or st.lineno)]
+    if held:
+        stmt = max(held, key=lambda st: st.lineno)
+        return stmt, stmt.lineno
+    if not src.code:
+        return None, None
     try:
         tree = ast.parse(src.code.strip().rstrip(":"))
     except SyntaxError:
-        return None
-    stmt = tree.body[0] if tree.body else None
+        return None, None
+    return (tree.body[0], src.line) if tree.body else (None, None)
+
+
+_SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
+
+
+@functools.lru_cache(maxsize=256)
+def _simple_statements(file: str) -> tuple[ast.stmt, ...]:
+    """Every assignment, expression and return statement of a source file (none when it
+    cannot be read or parsed)."""
+    lines = linecache.getlines(file)
+    try:
+        tree = ast.parse("".join(lines)) if lines else None
+    except SyntaxError:
+        return ()
+    return tuple(n for n in ast.walk(tree) if isinstance(n, _SIMPLE)) if tree else ()
+
+
+def _target_name(target: ast.expr) -> str | None:
+    """The name an assignment target gives its value: ``W`` for ``W``, the key for
+    ``state["W"]``, the attribute for ``state.W``."""
+    if isinstance(target, ast.Name):
+        return target.id
+    if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) \
+            and isinstance(target.slice.value, str) and target.slice.value.isidentifier():
+        return target.slice.value
+    if isinstance(target, ast.Attribute):
+        return target.attr
+    return None
+
+
+def _assigned_names(src: SourceLoc | None) -> list[str] | None:
+    """The names a line assigns: ``[W]`` for ``W = ...`` (or ``state["W"] = ...``,
+    ``state.W = ...``), ``[W, b]`` for ``W, b = ...``."""
+    stmt = _statement(src)
     if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-        if isinstance(target, ast.Name):
-            return [target.id]
-        if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
-            return [e.id for e in target.elts]
+        if isinstance(target, ast.Tuple):
+            names = [_target_name(e) for e in target.elts]
+            return names if names and all(names) else None
+        name = _target_name(target)
+        return [name] if name else None
     return None
+
+
+def _held_names(src: SourceLoc | None) -> list[str] | None:
+    """The names a line assigns, where one variable holds several values by name: the keys
+    of ``state = {"W1": ..., "W2": ...}`` (or ``dict(W1=..., W2=...)``), else
+    ``_assigned_names``."""
+    stmt = _statement(src)
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+            and isinstance(stmt.targets[0], ast.Name):
+        value = stmt.value
+        keys = None
+        if isinstance(value, ast.Dict) and value.keys:
+            keys = [k.value if isinstance(k, ast.Constant) else None for k in value.keys]
+        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+                and value.func.id == "dict" and not value.args and value.keywords:
+            keys = [kw.arg for kw in value.keywords]
+        if keys and all(isinstance(k, str) and k.isidentifier() for k in keys):
+            return keys
+    return _assigned_names(src)
 
 
 def _assigned_name(src: SourceLoc | None) -> str | None:
@@ -130,25 +201,33 @@ def _state_names(outs: list[torch.fx.Node], depth: int,
                  first: list[str | None]) -> list[str | None]:
     """A name per carried state, from the statement that assigns its new value.
 
-    The innermost frame that assigns one name gives it. A state assigned by a tuple
-    (``W, b = step(W, b, ...)``) takes the name its initial value was assigned to when that is
-    one of the tuple's (``first``), else the element at its place when the states that line
-    assigns are as many as its names (their values are computed in the tuple's order).
+    The innermost frame that assigns a name gives it, unless it gives the same name to
+    several states (a helper's ``W = W - g`` called for each weight): those take the next
+    frame out that assigns, and where none is left, their name numbered in the order they are
+    computed (``w = step(*w)`` -> ``w0, w1``). A state assigned by a tuple (``W, b = step(W, b,
+    ...)``) or by a dict literal (``state = {"W": ..., "b": ...}``) takes the name its initial
+    value was assigned to when that is one of the line's (``first``), else the element at its
+    place when the states that line assigns are as many as its names (their values are
+    computed in the line's order).
     """
+    chains = [_assigning_frames(out, depth) for out in outs]
+    level, shared = _distinguishing_frames(chains)
+    order = {n: k for k, n in enumerate(outs[0].graph.nodes)} if outs else {}
     names: list[str | None] = [None] * len(outs)
     tuples: dict[tuple, list[int]] = {}
-    for i, out in enumerate(outs):
-        frames = out.meta.get(FRAMES, ())[depth:] or ((out.meta.get(SRC),) if SRC in out.meta
-                                                      else ())
-        for frame in reversed(frames):
-            got = _assigned_names(frame)
-            if got and len(got) == 1:
-                names[i] = got[0]
-                break
-            if got:
-                tuples.setdefault((frame.file, frame.line, tuple(got)), []).append(i)
-                break
-    order = {n: k for k, n in enumerate(outs[0].graph.nodes)} if outs else {}
+    for i, chain in enumerate(chains):
+        if level[i] >= len(chain):
+            continue
+        place, got = chain[level[i]]
+        if len(got) == 1:
+            names[i] = got[0]
+        else:
+            tuples.setdefault((*place, got), []).append(i)
+    for members in shared.values():
+        if len(members) > 1 and all(names[i] == names[members[0]] for i in members):
+            members.sort(key=lambda i: order.get(outs[i], 0))
+            for k, i in enumerate(members):
+                names[i] = f"{names[i]}{k}"
     for (_f, _l, got), members in tuples.items():
         members.sort(key=lambda i: order.get(outs[i], 0))
         if all(first[i] in got for i in members) and \
@@ -162,6 +241,40 @@ def _state_names(outs: list[torch.fx.Node], depth: int,
             for i in members:
                 names[i] = "_".join(got)
     return names
+
+
+def _distinguishing_frames(chains: list[list]) -> tuple[list[int], dict[tuple, list[int]]]:
+    """Which frame of its chain names each state (an index into ``chains[i]``): the innermost,
+    moved out for states that share one name there while every one of them has a frame
+    further out; and the states that share a single name at the frames chosen."""
+    level = [0] * len(chains)
+    while True:
+        shared: dict[tuple, list[int]] = {}
+        for i, chain in enumerate(chains):
+            if level[i] < len(chain) and len(chain[level[i]][1]) == 1:
+                place, got = chain[level[i]]
+                shared.setdefault((*place, got[0]), []).append(i)
+        moved = False
+        for members in shared.values():
+            if len(members) > 1 and all(level[i] + 1 < len(chains[i]) for i in members):
+                for i in members:
+                    level[i] += 1
+                moved = True
+        if not moved:
+            return level, shared
+
+
+def _assigning_frames(out: torch.fx.Node, depth: int) -> list[tuple[tuple, tuple]]:
+    """``((file, line), names)`` of the statements that assign ``out``'s value in its frames
+    from ``depth`` in, innermost first (``line``: where the statement starts)."""
+    frames = out.meta.get(FRAMES, ())[depth:] or ((out.meta.get(SRC),) if SRC in out.meta
+                                                  else ())
+    chain = []
+    for frame in reversed(frames):
+        got = _held_names(frame)
+        if got:
+            chain.append(((frame.file, _statement_at(frame)[1]), tuple(got)))
+    return chain
 
 
 def _sliced_names(src: SourceLoc | None) -> list[str]:
@@ -454,24 +567,43 @@ def _initialisations(u: Unrolled, inputs: Inputs,
 
 @dataclass
 class Buffer:
-    """An output buffer ``out[..., s:e] = y``: a carried tensor each iteration writes its
-    chunk output into."""
+    """An output buffer ``out[:, s:e] = y`` (or ``out[:, t] = y`` per token): a carried tensor
+    each iteration writes its output into."""
 
     producer: torch.fx.Node                  # the buffer as iteration 0 leaves it
-    write: torch.fx.Node                     # iteration 1's ``slice_scatter`` into it
+    write: torch.fx.Node                     # iteration 1's ``slice_scatter``/``select_scatter``
     written: torch.fx.Node                   # what iteration 1 writes: the chunk output
     axis: int
     plumbing: set[torch.fx.Node]             # the write's own ops (not part of the body)
 
+    @property
+    def stacked(self) -> bool:
+        """One token per iteration written by ``out[:, t] = y`` (``y`` has no token axis)."""
+        return self.write.target is aten.select_scatter.default
+
+
+_WRITES = (aten.slice_scatter.default, aten.select_scatter.default)
+
+
+def _writes_next_slot(write: torch.fx.Node, buf: torch.fx.Node, step: int) -> bool:
+    """Iteration 1's ``write`` puts its output into slot 1 of ``buf``: ``out[:, C:2C] = y``
+    for chunks of ``C`` (or ``out[:, 1:2]``), ``out[:, 1] = y`` for single tokens."""
+    if write.args[0] is not buf:
+        return False
+    if write.target is aten.slice_scatter.default:
+        return len(write.args) >= 5 and write.args[3] == step and write.args[4] == 2 * step \
+            and (len(write.args) < 6 or write.args[5] == 1)
+    return write.target is aten.select_scatter.default and step == 1 and write.args[3] == 1
+
 
 def split_buffer(u: Unrolled, inputs: Inputs, states: States) -> States:
     """``states`` with an output buffer taken out of the carried states (at most one): a
-    carried tensor whose update writes iteration j's chunk at offset j."""
+    carried tensor whose update writes iteration j's chunk (or token) at offset j, and which
+    nothing inside the loop reads."""
     step = 1 if inputs.first.per_token else inputs.first.chunk
     buffers = []
     for p, o1 in states.carried.items():
-        if o1.target is aten.slice_scatter.default and o1.args[0] is p \
-                and o1.args[3] == step and o1.args[4] == 2 * step:
+        if o1.target in _WRITES and _writes_next_slot(o1, p, step):
             y, plumbing = _written_value(o1)
             buffers.append(Buffer(p, o1, y, o1.args[2], plumbing))
     if len(buffers) > 1:
@@ -479,22 +611,56 @@ def split_buffer(u: Unrolled, inputs: Inputs, states: States) -> States:
     if not buffers:
         return states
     (buf,) = buffers
+    body_nodes = [n for n in states.body_nodes if n not in buf.plumbing]
+    _refuse_buffer_reads(u, buf, body_nodes)
     return dataclasses.replace(
         states, buffer=buf,
         carried={p: o for p, o in states.carried.items() if p is not buf.producer},
         initial={p: v for p, v in states.initial.items() if p is not buf.producer},
-        body_nodes=[n for n in states.body_nodes if n not in buf.plumbing])
+        body_nodes=body_nodes)
+
+
+def _refuse_buffer_reads(u: Unrolled, buf: Buffer, body_nodes: list[torch.fx.Node]) -> None:
+    """Refuse a buffer the loop also reads (``out[:, t - 1]``, ``out.sum()``): its values are
+    then carried state, which the converted loop does not keep."""
+    buffer_values = buf.plumbing | {buf.producer}
+    for n in body_nodes:
+        if any(a in buffer_values for a in _input_nodes(n)):
+            raise UnsupportedTTTError(
+                f"the output buffer {_where_assigned(buf.producer, u)} is also read inside the "
+                f"loop, at {_where(n)}; ttt2la converts a buffer that each iteration only writes "
+                f"its output into (written at {_where(buf.write)}). Keep what the loop reads "
+                "in its own carried variable (e.g. `prev = y`), or collect the outputs in a list "
+                "and `torch.cat`/`torch.stack` them after the loop "
+                f"(loop at {u.loop.src}).")
+
+
+def _where(n: torch.fx.Node) -> str:
+    """``file:line (`code`)`` of the statement that made ``n``."""
+    src = n.meta.get(SRC)
+    return f"{src.file}:{src.line} (`{src.code.strip()}`)" if src is not None \
+        else n.format_node()
+
+
+def _where_assigned(producer: torch.fx.Node, u: Unrolled) -> str:
+    """The buffer's name and where the loop writes it first, for messages."""
+    first_write = producer
+    while first_write.op == "call_function" and first_write.target in _WRITES \
+            and isinstance(first_write.args[0], torch.fx.Node) \
+            and first_write.args[0] in u.in_loop:
+        first_write = first_write.args[0]
+    made = first_write.args[0] if first_write.target in _WRITES else first_write
+    name = _assigned_name(made.meta.get(SRC)) if isinstance(made, torch.fx.Node) else None
+    return f"`{name}`" if name else "written in the loop"
 
 
 def _written_value(write: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node]]:
-    """What ``slice_scatter`` node ``write`` writes (behind the ``copy`` a functionalized
-    ``out[...] = y`` makes), and the write's own nodes."""
+    """What ``slice_scatter``/``select_scatter`` node ``write`` writes (behind the ``copy`` a
+    functionalized ``out[...] = y`` makes), and the write's own nodes."""
     written = write.args[1]
-    plumbing = {write, written}
-    if written.target is aten.copy.default:
-        plumbing.add(written.args[0])
-        return written.args[1], plumbing
-    return written, plumbing
+    if isinstance(written, torch.fx.Node) and written.target is aten.copy.default:
+        return written.args[1], {write, written, written.args[0]}
+    return written, {write}
 
 
 def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
@@ -545,7 +711,8 @@ def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
         raise u.fail("the last iteration differs from the others")
     if states.buffer is not None:
         collector, axis, y_tail, removable = _gathered_in_buffer(u, states.buffer)
-        stacked = inputs.first.per_token
+        stacked = states.buffer.stacked
+        _check_buffer_shape(u, states.buffer, collector, inputs.first)
     else:
         collector, axis, y_tail, removable = _gathered_by_cat(u, out_node)
         stacked = collector.target is aten.stack.default
@@ -577,12 +744,30 @@ def _gathered_in_buffer(u: Unrolled, buf: Buffer):
         m = u.in_iteration(j)
         removable.update(m[x] for x in buf.plumbing if x in m)
     tail_write = next((x for x in final_buf.users if x not in u.in_loop
-                       and x.target is aten.slice_scatter.default and x.args[0] is final_buf),
-                      None)
+                       and x.target is buf.write.target and x.args[0] is final_buf), None)
     if tail_write is None:
         return final_buf, buf.axis, None, removable
     y_tail, plumbing = _written_value(tail_write)
     return tail_write, buf.axis, y_tail, removable | plumbing
+
+
+def _check_buffer_shape(u: Unrolled, buf: Buffer, collector: torch.fx.Node,
+                        stream: ChunkStream) -> None:
+    """The buffer holds exactly the outputs joined along its axis, one slot per token: a
+    longer buffer, or outputs broadcast into their slots, would keep values the converted loop
+    does not write."""
+    shape = list(collector.meta["val"].shape)
+    y = list(buf.written.meta["val"].shape)
+    axis = buf.axis % len(shape)
+    n = stream.source.meta["val"].shape[stream.axis]
+    expected = y[:axis] + [n] + y[axis:] if buf.stacked else y[:axis] + [n] + y[axis + 1:]
+    if shape != expected:
+        raise UnsupportedTTTError(
+            f"the output buffer {_where_assigned(buf.producer, u)} has shape {shape}, but the "
+            f"loop writes outputs of shape {y} into it along axis {axis} ({_where(buf.write)}), "
+            f"which join to {expected}; allocate the buffer with the outputs' shape (e.g. "
+            "`torch.empty_like(v)`) and write every token once, or collect the outputs in a "
+            f"list and `torch.cat`/`torch.stack` them after the loop (loop at {u.loop.src}).")
 
 
 def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
@@ -736,7 +921,7 @@ def rewrite_outer(u: Unrolled, inputs: Inputs, states: States, tail: Tail) -> No
     last = u.n_iter - 1 if not tail.truncated else u.n_iter - 2   # the last that updates
     finals = [u.in_iteration(last)[out1] for out1 in states.carried.values()]
     call, got_out, got_states = _insert_loop_call(u, states)
-    tail.collector.replace_all_uses_with(got_out)
+    tail.collector.replace_all_uses_with(_in_buffer_dtype(graph, got_out, states, tail))
     for i, (out1, final) in enumerate(zip(states.carried.values(), finals)):
         for j in range(u.n_iter):
             node = u.in_iteration(j).get(out1)
@@ -758,6 +943,21 @@ def rewrite_outer(u: Unrolled, inputs: Inputs, states: States, tail: Tail) -> No
     graph.eliminate_dead_code()
     _contiguous_inputs(graph)
     graph.lint()
+
+
+def _in_buffer_dtype(graph: torch.fx.Graph, got_out: torch.fx.Node, states: States,
+                     tail: Tail) -> torch.fx.Node:
+    """The loop's output as the buffer holds it: a buffer of another dtype than the outputs
+    written into it (``torch.zeros(B, L, D)`` for float64 outputs) casts them."""
+    if states.buffer is None:
+        return got_out
+    want, got = tail.collector.meta["val"], states.buffer.written.meta["val"]
+    if want.dtype == got.dtype:
+        return got_out
+    with graph.inserting_after(got_out):
+        cast = graph.call_function(aten._to_copy.default, (got_out,), {"dtype": want.dtype})
+    cast.meta["val"] = want
+    return cast
 
 
 def _insert_loop_call(u: Unrolled, states: States):

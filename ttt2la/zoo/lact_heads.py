@@ -4,7 +4,8 @@ The fast-weight network is a bias-free SwiGLU, ``f(x) = (silu(x @ W0) * (x @ W2)
 The stored parameters keep the ``W @ x`` layout (``w0: [H, inter, d]``); the forward works on their
 transposes.  Each chunk is read with the weights of the previous chunks, then used for one test-time step.
 ``mlp=False`` trains a single linear fast weight ``f(x) = x @ W1`` instead, and ``per_token_lr=False`` steps at
-a fixed rate of 1.
+a fixed rate of 1.  The chunk outputs are joined by ``torch.cat`` after the loop, or (``outputs="buffer"``)
+written into a tensor allocated before it, ``o[:, :, s:e] = ...``.
 """
 from __future__ import annotations
 
@@ -87,8 +88,12 @@ class LaCTHeadsLayer(nn.Module):
         muon_steps: int = 5,
         mlp: bool = True,
         per_token_lr: bool = True,
+        outputs: str = "list",
     ) -> None:
         super().__init__()
+        if outputs not in ("list", "buffer"):
+            raise ValueError(f"outputs must be 'list' or 'buffer', got {outputs!r}")
+        self.outputs = outputs
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.d_model, self.num_heads, self.chunk_size = d_model, num_heads, chunk_size
@@ -142,10 +147,15 @@ class LaCTHeadsLayer(nn.Module):
         M0 = M1 = M2 = None
 
         n_chunks = -(-L // C)
+        o = torch.empty_like(q) if self.outputs == "buffer" else None  # [B, H, L, D]
         outputs = []
         for j in range(n_chunks):
             s, e = j * C, min((j + 1) * C, L)
-            outputs.append(swiglu(q[:, :, s:e], W0, W1, W2) if self.mlp else q[:, :, s:e] @ W1)
+            o_j = swiglu(q[:, :, s:e], W0, W1, W2) if self.mlp else q[:, :, s:e] @ W1
+            if o is not None:
+                o[:, :, s:e] = o_j
+            else:
+                outputs.append(o_j)
 
             if j < n_chunks - 1:
                 if not self.per_token_lr:
@@ -177,6 +187,7 @@ class LaCTHeadsLayer(nn.Module):
                         W0 = W0 / (W0.norm(dim=-2, keepdim=True) + 1e-5) * W0_norm
                         W2 = W2 / (W2.norm(dim=-2, keepdim=True) + 1e-5) * W2_norm
 
-        o = torch.cat(outputs, dim=2)  # [B, H, L, D]
+        if o is None:
+            o = torch.cat(outputs, dim=2)  # [B, H, L, D]
         o = F.rms_norm(o, (self.head_dim,), self.o_norm_weight, eps=1e-6)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, self.d_model))

@@ -24,13 +24,18 @@ class PerTokenTTTLayer(nn.Module):
     """Multi-head linear TTT layer updated token by token (update, then read).
 
     With ``lr=True`` the step size of each head is ``softplus(lr_proj(x) + softplus^-1(base_lr))`` per
-    token; otherwise it is the constant ``base_lr``.
+    token; otherwise it is the constant ``base_lr``. ``outputs="buffer"`` writes every token's output into a
+    tensor allocated before the scan (``o[:, t] = o_t``) instead of stacking a list after it.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, lr: bool = True, base_lr: float = 1.0):
+    def __init__(self, d_model: int, num_heads: int, *, lr: bool = True, base_lr: float = 1.0,
+                 outputs: str = "list"):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        if outputs not in ("list", "buffer"):
+            raise ValueError(f"outputs must be 'list' or 'buffer', got {outputs!r}")
+        self.outputs = outputs
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = D = d_model // num_heads
@@ -48,6 +53,11 @@ class PerTokenTTTLayer(nn.Module):
         """Sequential scan over tokens. q, k, v: [B, L, H, D]; eta: [B, L, H] -> o: [B, L, H, D]."""
         B, L = q.shape[:2]
         W = self.w0.unsqueeze(0).expand(B, -1, -1, -1)
+        if self.outputs == "buffer":
+            o = torch.empty_like(q)
+            for t in range(L):
+                W, o[:, t] = ttt_step(W, q[:, t], k[:, t], v[:, t], eta[:, t])
+            return o
         outs = []
         for t in range(L):
             W, o_t = ttt_step(W, q[:, t], k[:, t], v[:, t], eta[:, t])

@@ -1,0 +1,164 @@
+"""Carried states are named after the user's own variables, however the loop holds them.
+
+Each loop below carries two fast weights: as separate variables, assigned one by one or by one
+tuple (directly or from a step function), in a dict (updated key by key or rebuilt as a dict
+literal), in one variable holding a tuple, and updated by a helper that names its argument the
+same for both. The rolled-up program (and the report) names each state after its own variable
+or key — never a joined ``wa_wb`` — and numbers them only where the code has one name for both.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ttt2la
+from ttt2la.frontend.capture import trace
+from ttt2la.frontend.loops import find_loops
+from ttt2la.frontend.rollup import roll_up
+
+C = 2
+
+
+def step(wa, wb, k, v):
+    return wa + k.mT @ v, wb + 0.5 * k.mT @ v
+
+
+def sgd(W, g):
+    W = W - 0.1 * g
+    return W
+
+
+def separate(wa, wb, q, k, v):
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ wa + qi @ wb)
+        wa = wa + ki.mT @ vi
+        wb = wb + 0.5 * ki.mT @ vi
+    return torch.cat(outs, 1)
+
+
+def one_tuple(wa, wb, q, k, v):
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ wa + qi @ wb)
+        wa, wb = wa + ki.mT @ vi, wb + 0.5 * ki.mT @ vi
+    return torch.cat(outs, 1)
+
+
+def tuple_from_step(wa, wb, q, k, v):
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ wa + qi @ wb)
+        wa, wb = step(wa, wb, ki, vi)
+    return torch.cat(outs, 1)
+
+
+def dict_by_key(wa, wb, q, k, v):
+    state = {"fast_a": wa, "fast_b": wb}
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ state["fast_a"] + qi @ state["fast_b"])
+        state["fast_a"] = state["fast_a"] + ki.mT @ vi
+        state["fast_b"] = state["fast_b"] + 0.5 * ki.mT @ vi
+    return torch.cat(outs, 1)
+
+
+def dict_literal(wa, wb, q, k, v):
+    state = {"fast_a": wa, "fast_b": wb}
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ state["fast_a"] + qi @ state["fast_b"])
+        state = {"fast_a": state["fast_a"] + ki.mT @ vi,
+                 "fast_b": state["fast_b"] + 0.5 * ki.mT @ vi}
+    return torch.cat(outs, 1)
+
+
+def dict_call(wa, wb, q, k, v):
+    state = dict(fast_a=wa, fast_b=wb)
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ state["fast_a"] + qi @ state["fast_b"])
+        state = dict(fast_a=state["fast_a"] + ki.mT @ vi, fast_b=state["fast_b"] - ki.mT @ vi)
+    return torch.cat(outs, 1)
+
+
+def helper_for_each(wa, wb, q, k, v):
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ wa + qi @ wb)
+        wa = sgd(wa, -ki.mT @ vi)
+        wb = sgd(wb, ki.mT @ vi)
+    return torch.cat(outs, 1)
+
+
+def tuple_in_one_variable(wa, wb, q, k, v):
+    w = (wa, wb)
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ w[0] + qi @ w[1])
+        w = step(w[0], w[1], ki, vi)
+    return torch.cat(outs, 1)
+
+
+def _state_names(fn) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    wa, wb = (torch.randn(2, 3, 3, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(2, 4 * C, 3, generator=g) for _ in range(3))
+    gm = trace(fn, wa, wb, q, k, v)
+    (loop, depth), = [ld for ld in find_loops(gm) if ld[0].function == fn.__name__]
+    return [s.name for s in roll_up(gm, loop, depth).program.states]
+
+
+@pytest.mark.parametrize("fn, names", [
+    (separate, ["wa", "wb"]),
+    (one_tuple, ["wa", "wb"]),
+    (tuple_from_step, ["wa", "wb"]),
+    (dict_by_key, ["fast_a", "fast_b"]),
+    (dict_literal, ["fast_a", "fast_b"]),
+    (dict_call, ["fast_a", "fast_b"]),
+    (helper_for_each, ["wa", "wb"]),
+    (tuple_in_one_variable, ["w0", "w1"]),
+])
+def test_each_state_is_named_after_its_own_variable(fn, names):
+    assert sorted(_state_names(fn)) == names
+
+
+class DictStateLayer(nn.Module):
+    """Two linear fast weights held in a dict and updated key by key, per chunk of 4."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.w0 = nn.Parameter(torch.randn(2, d, d) * 0.1)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.q(x), F.normalize(self.k(x), dim=-1), self.v(x)
+        memory = {"keys_to_values": self.w0[0].expand(B, d, d),
+                  "slow_copy": self.w0[1].expand(B, d, d)}
+        outs = []
+        for s in range(0, L, 4):
+            qi, ki, vi = q[:, s:s + 4], k[:, s:s + 4], v[:, s:s + 4]
+            outs.append(qi @ memory["keys_to_values"] + qi @ memory["slow_copy"])
+            memory["keys_to_values"] = memory["keys_to_values"] + ki.mT @ vi
+            memory["slow_copy"] = memory["slow_copy"] + 0.1 * ki.mT @ vi
+        return torch.cat(outs, 1)
+
+
+def test_the_report_names_dict_held_states_by_their_keys():
+    torch.manual_seed(0)
+    converted = ttt2la.convert(DictStateLayer(), level=0,
+                               example_inputs=(torch.randn(2, 16, 8),))
+    report = converted.ttt2la_report.layers[0]
+    assert sorted(s.name for s in report.states) == ["keys_to_values", "slow_copy"]
+    assert "keys_to_values" in report.to_markdown()
