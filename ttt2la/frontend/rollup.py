@@ -22,11 +22,8 @@ are stated in ``ttt2la.ir``). ``roll_up`` runs one phase per step: ``unroll`` (t
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import functools
-import linecache
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,10 +35,10 @@ import torch.fx
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, SourceLoc, StateSpec,
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, StateSpec,
                   StreamSpec, TTTProgram, memory_order, reshape_views)
-from .capture import FRAMES
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
+from .source_names import assigned_name, state_names, stream_name, unique
 
 aten = torch.ops.aten
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
@@ -91,218 +88,6 @@ def _flat_args(node: torch.fx.Node) -> list:
 
 def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in _flat_args(node) if isinstance(a, torch.fx.Node)]
-
-
-def _statement(src: SourceLoc | None) -> ast.stmt | None:
-    """The statement that ``src``'s line is part of: the simple statement of the file that
-    holds the line (one written over several lines included), else the line itself parsed (a
-    compound statement's header without its body: ``for ...:``)."""
-    return _statement_at(src)[0]
-
-
-def _statement_at(src: SourceLoc | None) -> tuple[ast.stmt | None, int | None]:
-    """``_statement(src)`` and the line it starts on."""
-    if src is None:
-        return None, None
-    held = [st for st in _simple_statements(src.file)
-            if st.lineno <= src.line <= (st.end_lineno or st.lineno)]
-    if held:
-        stmt = max(held, key=lambda st: st.lineno)
-        return stmt, stmt.lineno
-    if not src.code:
-        return None, None
-    try:
-        tree = ast.parse(src.code.strip().rstrip(":"))
-    except SyntaxError:
-        return None, None
-    return (tree.body[0], src.line) if tree.body else (None, None)
-
-
-_SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
-
-
-@functools.lru_cache(maxsize=256)
-def _simple_statements(file: str) -> tuple[ast.stmt, ...]:
-    """Every assignment, expression and return statement of a source file (none when it
-    cannot be read or parsed)."""
-    lines = linecache.getlines(file)
-    try:
-        tree = ast.parse("".join(lines)) if lines else None
-    except SyntaxError:
-        return ()
-    return tuple(n for n in ast.walk(tree) if isinstance(n, _SIMPLE)) if tree else ()
-
-
-def _target_name(target: ast.expr) -> str | None:
-    """The name an assignment target gives its value: ``W`` for ``W``, the key for
-    ``state["W"]``, the attribute for ``state.W``."""
-    if isinstance(target, ast.Name):
-        return target.id
-    if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) \
-            and isinstance(target.slice.value, str) and target.slice.value.isidentifier():
-        return target.slice.value
-    if isinstance(target, ast.Attribute):
-        return target.attr
-    return None
-
-
-def _assigned_names(src: SourceLoc | None) -> list[str] | None:
-    """The names a line assigns: ``[W]`` for ``W = ...`` (or ``state["W"] = ...``,
-    ``state.W = ...``), ``[W, b]`` for ``W, b = ...``."""
-    stmt = _statement(src)
-    if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-        if isinstance(target, ast.Tuple):
-            names = [_target_name(e) for e in target.elts]
-            return names if names and all(names) else None
-        name = _target_name(target)
-        return [name] if name else None
-    return None
-
-
-def _held_names(src: SourceLoc | None) -> list[str] | None:
-    """The names a line assigns, where one variable holds several values by name: the keys
-    of ``state = {"W1": ..., "W2": ...}`` (or ``dict(W1=..., W2=...)``), else
-    ``_assigned_names``."""
-    stmt = _statement(src)
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
-            and isinstance(stmt.targets[0], ast.Name):
-        value = stmt.value
-        keys = None
-        if isinstance(value, ast.Dict) and value.keys:
-            keys = [k.value if isinstance(k, ast.Constant) else None for k in value.keys]
-        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
-                and value.func.id == "dict" and not value.args and value.keywords:
-            keys = [kw.arg for kw in value.keywords]
-        if keys and all(isinstance(k, str) and k.isidentifier() for k in keys):
-            return keys
-    return _assigned_names(src)
-
-
-def _assigned_name(src: SourceLoc | None) -> str | None:
-    names = _assigned_names(src)
-    return "_".join(names) if names else None
-
-
-def _stream_name(loc: SourceLoc | None, k: int, n: int) -> str | None:
-    """The name of the ``k``-th of ``n`` streams sliced on one line: the sliced tensor's name
-    (``q[:, s:e]``) when the line names one per stream, else the name it is assigned to
-    (``lr0, lr1, lr2 = (t[:, s:e] for t in lrs)``)."""
-    sliced = _sliced_names(loc)
-    if n <= len(sliced):
-        return sliced[k]
-    assigned = _assigned_names(loc) or []
-    if n == len(assigned):
-        return assigned[k]
-    return sliced[k] if k < len(sliced) else _assigned_name(loc)
-
-
-def _state_names(outs: list[torch.fx.Node], depth: int,
-                 first: list[str | None]) -> list[str | None]:
-    """A name per carried state, from the statement that assigns its new value.
-
-    The innermost frame that assigns a name gives it, unless it gives the same name to
-    several states (a helper's ``W = W - g`` called for each weight): those take the next
-    frame out that assigns, and where none is left, their name numbered in the order they are
-    computed (``w = step(*w)`` -> ``w0, w1``). A state assigned by a tuple (``W, b = step(W, b,
-    ...)``) or by a dict literal (``state = {"W": ..., "b": ...}``) takes the name its initial
-    value was assigned to when that is one of the line's (``first``), else the element at its
-    place when the states that line assigns are as many as its names (their values are
-    computed in the line's order).
-    """
-    chains = [_assigning_frames(out, depth) for out in outs]
-    level, shared = _distinguishing_frames(chains)
-    order = {n: k for k, n in enumerate(outs[0].graph.nodes)} if outs else {}
-    names: list[str | None] = [None] * len(outs)
-    tuples: dict[tuple, list[int]] = {}
-    for i, chain in enumerate(chains):
-        if level[i] >= len(chain):
-            continue
-        place, got = chain[level[i]]
-        if len(got) == 1:
-            names[i] = got[0]
-        else:
-            tuples.setdefault((*place, got), []).append(i)
-    for members in shared.values():
-        if len(members) > 1 and all(names[i] == names[members[0]] for i in members):
-            members.sort(key=lambda i: order.get(outs[i], 0))
-            for k, i in enumerate(members):
-                names[i] = f"{names[i]}{k}"
-    for (_f, _l, got), members in tuples.items():
-        members.sort(key=lambda i: order.get(outs[i], 0))
-        if all(first[i] in got for i in members) and \
-                len({first[i] for i in members}) == len(members):
-            for i in members:
-                names[i] = first[i]
-        elif len(members) == len(got):
-            for i, name in zip(members, got):
-                names[i] = name
-        else:
-            for i in members:
-                names[i] = "_".join(got)
-    return names
-
-
-def _distinguishing_frames(chains: list[list]) -> tuple[list[int], dict[tuple, list[int]]]:
-    """Which frame of its chain names each state (an index into ``chains[i]``): the innermost,
-    moved out for states that share one name there while every one of them has a frame
-    further out; and the states that share a single name at the frames chosen."""
-    level = [0] * len(chains)
-    while True:
-        shared: dict[tuple, list[int]] = {}
-        for i, chain in enumerate(chains):
-            if level[i] < len(chain) and len(chain[level[i]][1]) == 1:
-                place, got = chain[level[i]]
-                shared.setdefault((*place, got[0]), []).append(i)
-        moved = False
-        for members in shared.values():
-            if len(members) > 1 and all(level[i] + 1 < len(chains[i]) for i in members):
-                for i in members:
-                    level[i] += 1
-                moved = True
-        if not moved:
-            return level, shared
-
-
-def _assigning_frames(out: torch.fx.Node, depth: int) -> list[tuple[tuple, tuple]]:
-    """``((file, line), names)`` of the statements that assign ``out``'s value in its frames
-    from ``depth`` in, innermost first (``line``: where the statement starts)."""
-    frames = out.meta.get(FRAMES, ())[depth:] or ((out.meta.get(SRC),) if SRC in out.meta
-                                                  else ())
-    chain = []
-    for frame in reversed(frames):
-        got = _held_names(frame)
-        if got:
-            chain.append(((frame.file, _statement_at(frame)[1]), tuple(got)))
-    return chain
-
-
-def _sliced_names(src: SourceLoc | None) -> list[str]:
-    """The variables a line indexes, in order: ``qi = q[:, i:i+C]; ki = k[...]`` -> [q, k]."""
-    if src is None or not src.code:
-        return []
-    try:
-        tree = ast.parse(src.code.strip().rstrip(":"))
-    except SyntaxError:
-        return []
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript):
-            value = node.value
-            if isinstance(value, ast.Name):
-                names.append(value.id)
-            elif isinstance(value, ast.Attribute):
-                names.append(value.attr)
-    return names
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    base, i = name, 1
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    taken.add(name)
-    return name
 
 
 def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
@@ -650,7 +435,7 @@ def _where_assigned(producer: torch.fx.Node, u: Unrolled) -> str:
             and first_write.args[0] in u.in_loop:
         first_write = first_write.args[0]
     made = first_write.args[0] if first_write.target in _WRITES else first_write
-    name = _assigned_name(made.meta.get(SRC)) if isinstance(made, torch.fx.Node) else None
+    name = assigned_name(made.meta.get(SRC)) if isinstance(made, torch.fx.Node) else None
     return f"`{name}`" if name else "written in the loop"
 
 
@@ -839,7 +624,7 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
     inv_specs = []
     state_names = {spec.name for spec in state_specs}
     for a in states.invariants:
-        name = _unique(_invariant_name(a, inputs.hoisted, state_names), taken)
+        name = unique(_invariant_name(a, inputs.hoisted, state_names), taken)
         ph = body.placeholder(name)
         ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
         env[a] = ph
@@ -869,24 +654,24 @@ def _invariant_name(a: torch.fx.Node, hoisted: set, state_names: set[str]) -> st
     (``scale``) rather than the state's."""
     n = a
     while n in hoisted:
-        name = _assigned_name(n.meta.get(SRC))
+        name = assigned_name(n.meta.get(SRC))
         if name and name not in state_names:
             return name
         ins = [x for x in _input_nodes(n) if x in hoisted]
         if len(ins) != 1:
             break
         n = ins[0]
-    return _assigned_name(a.meta.get(SRC)) or a.name
+    return assigned_name(a.meta.get(SRC)) or a.name
 
 
 def _state_placeholders(u: Unrolled, states: States, body: torch.fx.Graph, env: dict,
                         taken: set) -> list[StateSpec]:
     """One placeholder per carried state, named after the line that updates it."""
     producers = list(states.carried)
-    firsts = [_assigned_name(states.initial[p].meta.get(SRC))
+    firsts = [assigned_name(states.initial[p].meta.get(SRC))
               if isinstance(states.initial.get(p), torch.fx.Node) else None for p in producers]
-    guessed = _state_names([states.carried[p] for p in producers], u.depth, firsts)
-    return [state_input(body, p, states.carried[p], _unique(guessed[i] or f"state{i}", taken),
+    guessed = state_names([states.carried[p] for p in producers], u.depth, firsts)
+    return [state_input(body, p, states.carried[p], unique(guessed[i] or f"state{i}", taken),
                         env) for i, p in enumerate(producers)]
 
 
@@ -900,7 +685,7 @@ def _stream_placeholders(inputs: Inputs, states: States, body: torch.fx.Graph, e
         loc = s.meta.get(SRC)
         k = per_line.get(loc, 0)
         per_line[loc] = k + 1
-        name = _unique(_stream_name(loc, k, on_line[loc]) or "x", taken)
+        name = unique(stream_name(loc, k, on_line[loc]) or "x", taken)
         ph = body.placeholder(name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
         env[s] = ph

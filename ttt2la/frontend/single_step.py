@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, NAME, SRC, InvariantSpec, OutputSpec, StreamSpec,
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, StreamSpec,
                   TTTProgram, memory_order)
 from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
                          shortest_length)
@@ -37,8 +37,8 @@ from .call_signature import CallSignature
 from .capture import trace, user_frame
 from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
                         _layout, layer_function, params_and_buffers)
-from .rollup import (LOOP_MODULE, RolledLoop, _assigned_name, _contiguous_inputs,
-                     _materialize_shape_only, _state_names, _unique, state_input)
+from .rollup import RolledLoop, _contiguous_inputs, _materialize_shape_only, state_input
+from .source_names import assigned_name, state_names, unique
 from .shapes import fit_template
 
 aten = torch.ops.aten
@@ -395,16 +395,16 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
     body = torch.fx.Graph()
     env: dict = {}
     taken: set[str] = set()
-    firsts = [_assigned_name(w.meta.get(SRC)) for w in states_in]
-    guessed = _state_names(states_out, 0, firsts)
-    guessed = [g or _assigned_name(u[0].meta.get(SRC)) for g, u in zip(guessed, updates)]
+    firsts = [assigned_name(w.meta.get(SRC)) for w in states_in]
+    guessed = state_names(states_out, 0, firsts)
+    guessed = [g or assigned_name(u[0].meta.get(SRC)) for g, u in zip(guessed, updates)]
     state_specs, inv_specs = [], []
     for i, (w, new) in enumerate(zip(states_in, states_out)):
-        state_specs.append(state_input(body, w, new, _unique(guessed[i] or f"state{i}", taken),
+        state_specs.append(state_input(body, w, new, unique(guessed[i] or f"state{i}", taken),
                                        env))
     streams, stream_phs = [], {}
     for a in sources:
-        name = _unique(_assigned_name(a.meta.get(SRC)) or a.name, taken)
+        name = unique(assigned_name(a.meta.get(SRC)) or a.name, taken)
         ph = body.placeholder(name)
         ph.meta.update(val=cut.val(a) if cut else a.meta.get("val"),
                        **{KIND: "stream", NAME: name})
@@ -412,8 +412,8 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
         streams.append(StreamSpec(name, source=externals.index(a),
                                   axis=0 if cut else _token_axis(_shape(a), length)))
     for a in externals:
-        base = _assigned_name(a.meta.get(SRC)) or a.name
-        name = _unique(f"{base}_all" if a in stream_phs else base, taken)
+        base = assigned_name(a.meta.get(SRC)) or a.name
+        name = unique(f"{base}_all" if a in stream_phs else base, taken)
         ph = body.placeholder(name)
         val = cut.val(a) if cut else a.meta["val"]
         ph.meta.update(val=val, **{KIND: "invariant", NAME: name})
