@@ -132,6 +132,16 @@ def test_recorded_graph_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda *a: spec(*a), args)
 
 
+def test_inputs_no_used_output_depends_on_get_no_gradient():
+    """As autograd: φ(K) receives no gradient, so k and the rate get None, not zeros."""
+    args = _feature_inputs(2, 40, 4, 3, torch.float64)
+    phi_q, _ = SpecializedGraph(make_fx(_swiglu)(*args))(*args)
+    phi_q.sum().backward()
+    q_t, k, lr, w0, w2 = args
+    assert k.grad is None and lr.grad is None
+    assert q_t.grad is not None and w0.grad is not None and w2.grad is not None
+
+
 def test_a_second_backward_through_overwritten_activations_is_refused():
     args = _feature_inputs(2, 4096, 64, 64, torch.float32)     # 2 MB intermediates
     spec = SpecializedGraph(make_fx(_swiglu)(*args))

@@ -15,8 +15,10 @@ sequences on CPU, two things cost more than the arithmetic:
 dtypes, whether autograd records): matmuls oriented token-major where the stream lies so, and,
 when nothing is recorded for a gradient, elementwise ops writing into an intermediate that dies
 with them (torch.fx's re-inplacing pass, which never writes into a graph input or into a buffer
-a live value aliases). The values computed are the same ops' values; only the orientation of
-the products and where intermediates live change.
+a live value aliases); when a gradient is recorded, one autograd function whose forward and
+backward graphs write large results into dead buffers (``planned_autograd``). The values
+computed are the same ops' values; only the orientation of the products and where
+intermediates live change.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.reinplace import reinplace
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ttt2la.lowering.buffer_reuse import output_storages, reuse_buffers
+from ttt2la.lowering.planned_autograd import planned_autograd
 
 aten = torch.ops.aten
 
@@ -106,47 +108,6 @@ def token_major_products(gm: torch.fx.GraphModule, args) -> torch.fx.GraphModule
     return gm
 
 
-def _n_outputs(gm: torch.fx.GraphModule) -> int:
-    out = gm.graph.output_node().args[0]
-    return len(out) if isinstance(out, (tuple, list)) else 1
-
-
-def recording(gm: torch.fx.GraphModule, n_inputs: int):
-    """``gm`` as one autograd function whose forward and backward graphs reuse dead buffers.
-
-    The joint graph is split by the rematerialising partitioner (cheap pointwise values are
-    recomputed in the backward rather than kept); the forward then writes large results into
-    buffers that died before them, and the backward likewise, counting as its own the
-    activations the forward saved for it alone (dead once the backward has read them). A
-    second backward through the same graph (``retain_graph=True``) finds them overwritten, and
-    autograd refuses it: their version counters moved.
-    """
-    from functorch.compile import aot_function, make_boxed_func, \
-        min_cut_rematerialization_partition
-
-    first = _n_outputs(gm)
-    saved: dict[str, object] = {}
-
-    def forward_compiler(fw: torch.fx.GraphModule, example_inputs):
-        with _disable_current_modes():
-            names = [n.name for n in fw.graph.output_node().args[0]]
-            reuse_buffers(fw, example_inputs)
-            keys = output_storages(fw, example_inputs, first)
-            saved.update({name: key for name, key in zip(names[first:], keys)
-                          if key is not None})
-        return make_boxed_func(fw)
-
-    def backward_compiler(bw: torch.fx.GraphModule, example_inputs):
-        with _disable_current_modes():
-            owned = {n.name: saved[n.name] for n in bw.graph.nodes
-                     if n.op == "placeholder" and n.name in saved}
-            reuse_buffers(bw, example_inputs, owned_inputs=owned)
-        return make_boxed_func(bw)
-
-    return aot_function(gm, forward_compiler, backward_compiler,
-                        partition_fn=min_cut_rematerialization_partition)
-
-
 class SpecializedGraph:
     """Calls a copy of ``graph`` specialised to the call's input signature (see the module)."""
 
@@ -181,7 +142,7 @@ class SpecializedGraph:
             every = (*args, *constants)
             gm = token_major_products(gm, every)
             if records:
-                return recording(gm, len(every)), constants
+                return planned_autograd(gm), constants
             return reinplace(gm, *every), constants
 
 
