@@ -121,6 +121,10 @@ MUTATIONS = [
         "lift_scale_dropped", "the lifted plan drops the increment's constant scale",
         (("ttt2la/lowering/lift.py", "else value * self.lifted.scale", "else value"),),
         ("tests/test_convert.py",), "level2_equals and heads-H2-D4-C8"),
+    Mutation(
+        "buffer_reuse_views", "buffer reuse ignores views: a buffer is free once its base is dead",
+        (("ttt2la/lowering/buffer_reuse.py", "buf = by_storage.get(key)", "buf = None"),),
+        ("tests/test_buffer_reuse.py",), "same_values or gradients_match"),
 ]
 
 

@@ -15,8 +15,10 @@ sequences on CPU, two things cost more than the arithmetic:
 dtypes, whether autograd records): matmuls oriented token-major where the stream lies so, and,
 when nothing is recorded for a gradient, elementwise ops writing into an intermediate that dies
 with them (torch.fx's re-inplacing pass, which never writes into a graph input or into a buffer
-a live value aliases). The values computed are the same ops' values; only the orientation of
-the products and where intermediates live change.
+a live value aliases); when a gradient is recorded, one autograd function whose forward and
+backward graphs write large results into dead buffers (``planned_autograd``). The values
+computed are the same ops' values; only the orientation of the products and where
+intermediates live change.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.reinplace import reinplace
 from torch.utils._python_dispatch import _disable_current_modes
+
+from ttt2la.lowering.planned_autograd import planned_autograd
 
 aten = torch.ops.aten
 
@@ -137,7 +141,9 @@ class SpecializedGraph:
             gm, constants = _copy(self.graph)
             every = (*args, *constants)
             gm = token_major_products(gm, every)
-            return (gm if records else reinplace(gm, *every)), constants
+            if records:
+                return planned_autograd(gm), constants
+            return reinplace(gm, *every), constants
 
 
 __all__ = ["SpecializedGraph", "token_major_products", "CACHE_SIZE"]

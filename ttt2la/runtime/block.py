@@ -79,10 +79,12 @@ class ChunkIncrements(torch.autograd.Function):
         phi_k, u = ctx.saved_tensors
         B, T, H, _ = phi_k.shape
         dG = dG.contiguous()
-        covered = min(ctx.n * ctx.C, T) == T
-        new = torch.empty_like if covered else torch.zeros_like
-        dk = new(phi_k) if ctx.needs_input_grad[0] else None
-        du = new(u) if ctx.needs_input_grad[1] else None
+        covered = min(ctx.n * ctx.C, T)     # tokens past the increments get a zero gradient
+        dk = torch.empty_like(phi_k) if ctx.needs_input_grad[0] else None
+        du = torch.empty_like(u) if ctx.needs_input_grad[1] else None
+        for d in (dk, du):
+            if d is not None and covered < T:
+                d[:, covered:].zero_()
         for chunk, count, length in chunk_pieces(T, ctx.C, 0, ctx.n):
             for b in range(B):
                 for h in range(H):
