@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ttt2la.errors import UnsupportedTTTError
 from ttt2la.lowering.buffer_reuse import out_overload, reuse_buffers
 from ttt2la.lowering.specialize import SpecializedGraph
 from ttt2la.testing import rel_rms_error, tolerance
@@ -148,8 +149,15 @@ def test_a_second_backward_through_overwritten_activations_is_refused():
     out = spec(*args)
     seed = [torch.ones_like(o) for o in out]
     torch.autograd.backward(out, seed, retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(UnsupportedTTTError, match="retain_graph=True"):
         torch.autograd.backward(out, seed)
+
+
+def test_a_backward_creating_a_graph_is_refused():
+    args = _feature_inputs(2, 64, 8, 8, torch.float32)
+    out = SpecializedGraph(make_fx(_swiglu)(*args))(*args)
+    with pytest.raises(UnsupportedTTTError, match="create_graph=True"):
+        torch.autograd.grad(sum(o.sum() for o in out), args[0], create_graph=True)
 
 
 class _FreshLarge(TorchDispatchMode):

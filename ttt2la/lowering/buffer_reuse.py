@@ -201,6 +201,18 @@ def reuse_buffers(gm: torch.fx.GraphModule, example_inputs, *,
     return gm
 
 
+def writes_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (after ``reuse_buffers``) writes a result into one of its inputs' memory,
+    through an ``out=`` argument that is a placeholder or a view of one."""
+    for node in gm.graph.nodes:
+        for name, dest in node.kwargs.items():
+            while name.startswith("out") and isinstance(dest, torch.fx.Node):
+                if dest.op == "placeholder":
+                    return True
+                dest = dest.args[0] if dest.op == "call_function" and dest.args else None
+    return False
+
+
 def _reuse_target(node, buf, node_buf, dead, idx):
     """``(operand node, None)`` to run in place, ``(dead buffer, None)`` to write into, or None."""
     found = out_overload(node.target)
@@ -239,4 +251,4 @@ def _rewrite(graph, node, buf, target, node_buf, dead):
         node_buf[n if n is not node else new] = into
 
 
-__all__ = ["reuse_buffers", "output_storages", "out_overload", "propagate", "MIN_BYTES"]
+__all__ = ["reuse_buffers", "writes_inputs", "output_storages", "out_overload", "propagate", "MIN_BYTES"]

@@ -7,7 +7,8 @@ torch's rematerialising partitioner (cheap pointwise values are recomputed in th
 rather than kept), then rewrites both so that large results go into buffers that died before
 them; the backward counts as its own the activations the forward saved for it alone, which
 nothing reads once it has. A second backward through the same graph (``retain_graph=True``)
-would read those overwritten activations: autograd refuses it (their version counters moved).
+would read those overwritten activations: it is refused with an ``UnsupportedTTTError`` (so is a
+backward with ``create_graph=True``), before autograd would find their version counters moved.
 
 Gradients keep autograd's meaning: an input that no output given a gradient depends on gets
 ``None``, not zeros (the partitioned backward fills missing output gradients with zeros).
@@ -18,7 +19,8 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ttt2la.lowering.buffer_reuse import output_storages, reuse_buffers
+from ttt2la.errors import UnsupportedTTTError
+from ttt2la.lowering.buffer_reuse import output_storages, reuse_buffers, writes_inputs
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list:
@@ -40,10 +42,18 @@ def input_dependencies(gm: torch.fx.GraphModule) -> list[frozenset[int]]:
 
 
 class _Call:
-    """What one call's backward learns: the outputs that received a gradient."""
+    """What one call's backward learns: the outputs that received a gradient, and whether a
+    backward already ran (and overwrote the activations)."""
 
-    def __init__(self):
+    def __init__(self, plan: dict):
         self.given: frozenset[int] = frozenset()
+        self.done = False
+        self.plan = plan          # the compiled backward's: whether it overwrites saved values
+
+    @property
+    def spent(self) -> bool:
+        """Whether a backward ran and overwrote the activations the forward kept."""
+        return self.done and self.plan["overwrites_saved"]
 
 
 class _Outputs(torch.autograd.Function):
@@ -57,6 +67,17 @@ class _Outputs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.call.spent or torch.is_grad_enabled():
+            what = ("a backward that records a graph for higher-order gradients "
+                    "(create_graph=True)" if torch.is_grad_enabled() else
+                    "a second backward through one call (retain_graph=True)")
+            raise UnsupportedTTTError(
+                f"{what} of a converted layer: its backward writes into the activation memory "
+                "its forward kept, so they can be read once, and it is not differentiable "
+                "itself. Call the converted layer again for each backward, or keep this "
+                "layer's original code (convert with level 0 and strict=False) where "
+                "higher-order gradients are needed.")
+        ctx.call.done = True
         ctx.call.given = frozenset(p for p, g in zip(ctx.positions, grads) if g is not None)
         return (None, None, *grads)
 
@@ -83,6 +104,7 @@ def _compilers(first: int):
     from functorch.compile import make_boxed_func
 
     saved: dict[str, object] = {}
+    plan = {"overwrites_saved": False}
 
     def forward_compiler(fw: torch.fx.GraphModule, example_inputs):
         with _disable_current_modes():
@@ -98,9 +120,10 @@ def _compilers(first: int):
             owned = {n.name: saved[n.name] for n in bw.graph.nodes
                      if n.op == "placeholder" and n.name in saved}
             reuse_buffers(bw, example_inputs, owned_inputs=owned)
+            plan["overwrites_saved"] = writes_inputs(bw)
         return make_boxed_func(bw)
 
-    return forward_compiler, backward_compiler
+    return forward_compiler, backward_compiler, plan
 
 
 def planned_autograd(gm: torch.fx.GraphModule):
@@ -108,14 +131,14 @@ def planned_autograd(gm: torch.fx.GraphModule):
     returns what ``gm`` does."""
     from functorch.compile import aot_function, min_cut_rematerialization_partition
 
-    forward_compiler, backward_compiler = _compilers(len(_outputs(gm)))
+    forward_compiler, backward_compiler, plan = _compilers(len(_outputs(gm)))
     joint = aot_function(gm, forward_compiler, backward_compiler,
                          partition_fn=min_cut_rematerialization_partition)
     deps = input_dependencies(gm)
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
 
     def call(*args):
-        record = _Call()
+        record = _Call(plan)
         at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         users = [frozenset(k for k, d in enumerate(deps) if i in d) for i in at]
         args = list(args)
