@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
-from ..analysis.op_vocabulary import RESHAPE_TARGETS, SLICE_TARGETS, UPDATE_STEPS, calls, op_name
+from ..analysis.op_vocabulary import (RELAYOUT_TARGETS, RESHAPE_TARGETS, SLICE_TARGETS,
+                                      UPDATE_STEPS, calls, op_name)
 from ..errors import UnsupportedTTTError
 from ..ir import KIND, TTTProgram, ancestors, copy_graph
 from ..runtime.bidirectional import bidirectional_linear_attention
@@ -37,6 +38,8 @@ from .lift import _contraction, _find_read, _strip
 from .precision import promoted
 
 aten = torch.ops.aten
+#: same elements in the same order, another shape (not a broadcast)
+_RESHAPES = RESHAPE_TARGETS - {aten.expand.default}
 
 #: Relative error (float64) within which a fitted piece or the whole body counts as equal; a
 #: wrong reading misses by order one.
@@ -167,7 +170,7 @@ def _gate(read: torch.fx.Node, live_dep: set):
     n = read
     while len(n.users) == 1:
         (user,) = n.users
-        if user.target in RESHAPE_TARGETS and user.args[0] is n:
+        if user.target in _RESHAPES and user.args[0] is n:
             n = user
             continue
         if user.target is aten.mul.Tensor and len(user.args) == 2:
@@ -177,6 +180,21 @@ def _gate(read: torch.fx.Node, live_dep: set):
                 return user, other
         break
     return read, None
+
+
+def _read_only_by(w_out: torch.fx.Node, read: torch.fx.Node) -> bool:
+    """Whether the stepped weight reaches everything but the body's output through ``read``
+    alone (views of it on the way): a second read (a gate computed from the stepped weight) is
+    not linear attention."""
+    stack = [w_out]
+    while stack:
+        for u in stack.pop().users:
+            if u is read or u.op == "output":
+                continue
+            if u.target not in RELAYOUT_TARGETS:
+                return False
+            stack.append(u)
+    return True
 
 
 def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
@@ -194,6 +212,8 @@ def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
         return None
     shapes = [_shape(n) for n in (con.left, con.right, read, *read.args)]
     if any(s is None or len(s) != 3 for s in shapes):
+        return None
+    if not _read_only_by(w_out, read):
         return None
     phi_q = read.args[1] if transposed else read.args[0]
     gated, gate = (read, None) if transposed else _gate(read, live_dep)

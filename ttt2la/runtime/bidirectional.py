@@ -77,7 +77,8 @@ def naive_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, ini
     its window one offset at a time, then every token read. Returns
     ``(o [B, T, H, Dv], final_state [B, H, Dk', Dv] or None)``."""
     check_bidirectional_inputs(q, k, v, gate=gate, window=window, initial_state=initial_state)
-    dt = compute_dtype(v.dtype)
+    dt, dtype = compute_dtype(v.dtype), v.dtype
+    final_dtype = final_state_dtype(v, initial_state)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     B, T, H, Dk = k.shape
 
@@ -101,8 +102,8 @@ def naive_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, ini
     for t in range(T):
         o = (features(q, t).unsqueeze(-2) @ S).squeeze(-2)
         outs.append(o if gate is None else o * gate[:, t].to(dt))
-    o = torch.stack(outs, dim=1).to(v.dtype)
-    return o, (S.to(final_state_dtype(v, initial_state)) if output_final_state else None)
+    o = torch.stack(outs, dim=1).to(dtype)
+    return o, (S.to(final_dtype) if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------------- torch
@@ -154,15 +155,15 @@ def torch_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, ini
                                          output_final_state=False):
     """The op in plain torch (any device, autograd); same contract as the reference."""
     check_bidirectional_inputs(q, k, v, gate=gate, window=window, initial_state=initial_state)
-    dt = compute_dtype(v.dtype)
+    dt, dtype = compute_dtype(v.dtype), v.dtype
+    final_dtype = final_state_dtype(v, initial_state)
     S0 = None if initial_state is None else initial_state.to(dt)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     o, S = _global(q, k, v, S0) if window is None else _local(q, k, v, S0, window)
     o = o.transpose(1, 2)                                              # [B, T, H, Dv]
     if gate is not None:
         o = o * gate.to(dt)
-    final = S.to(final_state_dtype(v, initial_state)) if output_final_state else None
-    return o.to(v.dtype), final
+    return o.to(dtype), (S.to(final_dtype) if output_final_state else None)
 
 
 def bidirectional_linear_attention(q, k, v, *, gate=None, window=None, initial_state=None,
