@@ -109,6 +109,9 @@ class Part:
     read: torch.fx.Node
     state_out: torch.fx.Node
     options: tuple            # (scale, transposed) or (size, scale)
+    #: factors of the scale computed in the body (sizes of a length read at run time), with
+    #: their powers: ``scale · Π node ** power``
+    scale_terms: tuple = ()
 
     def describe(self, program: TTTProgram) -> str:
         name = program.states[self.state].name
@@ -123,7 +126,8 @@ class Part:
     def mapped(self, at) -> "Part":
         """The same part in a copy of the body (``at``: old node -> new node)."""
         return replace(self, inputs=tuple(None if n is None else at[n] for n in self.inputs),
-                       read=at[self.read], state_out=at[self.state_out])
+                       read=at[self.read], state_out=at[self.state_out],
+                       scale_terms=tuple((at[n], p) for n, p in self.scale_terms))
 
 
 def is_single_step(program: TTTProgram) -> bool:
@@ -202,10 +206,12 @@ def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
     if found is None:
         return None
     delta, sign = found
+    delta, terms = _scalar_factors(delta, live_dep)
     con = _contraction(delta, live_dep)
     if con is None or con.outer or not all(isinstance(c, float) for c in con.scales):
         return None
-    scale = sign * math.prod(con.scales)
+    scale = sign * math.prod(con.scales) * math.prod(c for c in terms if isinstance(c, float))
+    terms = tuple(t for t in terms if not isinstance(t, float))
     w_out = program.state_outputs()[t]
     read, transposed = _find_read(program, {w_out}, live_dep - {w_out})
     if read is None:
@@ -219,7 +225,34 @@ def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
     gated, gate = (read, None) if transposed else _gate(read, live_dep)
     return Part(t, "linear" if gate is None else "gated",
                 (phi_q, con.left, con.right, program.state_inputs()[t], gate), gated, w_out,
-                (scale, transposed))
+                (scale, transposed), terms)
+
+
+def _scalar_factors(n: torch.fx.Node, live_dep: set):
+    """``(inner, factors)``: ``n`` is ``inner`` times and divided by scalars — numbers (as
+    floats) and values the body computes from sizes (as ``(node, ±1)``)."""
+    factors = []
+    while isinstance(n, torch.fx.Node) and len(n.args) == 2 \
+            and n.target in (aten.mul.Tensor, aten.div.Tensor):
+        a, b = n.args
+        power = 1 if n.target is aten.mul.Tensor else -1
+        if _scalar(b, live_dep):
+            factors.append(float(b) ** power if isinstance(b, (int, float)) else (b, power))
+            n = a
+        elif power == 1 and _scalar(a, live_dep):
+            factors.append(float(a) if isinstance(a, (int, float)) else (a, 1))
+            n = b
+        else:
+            break
+    return n, factors
+
+
+def _scalar(x, live_dep: set) -> bool:
+    """A number, or a body value that is not a tensor (a size) and reads no state."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x != 0
+    return isinstance(x, torch.fx.Node) and x not in live_dep \
+        and not isinstance(x.meta.get("val"), torch.Tensor) and "val" in x.meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,10 +396,14 @@ def rewritten(body: torch.fx.GraphModule, parts: list[Part], backend: str
     at = dict(zip(body.graph.nodes, graph.nodes))
     order = {n: i for i, n in enumerate(graph.nodes)}
     for part in (p.mapped(at) for p in parts):
-        args = [n for n in part.inputs if n is not None]
+        args = [n for n in part.inputs if n is not None] + [n for n, _ in part.scale_terms]
         fn, options = part.call(backend)
         with graph.inserting_after(max(args, key=order.get)):
-            call = graph.call_function(fn, (*part.inputs, *options))
+            scale = options[0]
+            for n, power in part.scale_terms:
+                scale = graph.call_function(operator.mul if power == 1 else operator.truediv,
+                                            (scale, n))
+            call = graph.call_function(fn, (*part.inputs, scale, *options[1:]))
         with graph.inserting_after(call):
             read = graph.call_function(operator.getitem, (call, 0))
         with graph.inserting_after(read):
