@@ -4,7 +4,8 @@ ViTTT's gated unit with the gate's Θ frozen is linear attention with an output 
 depthwise convolution with fast taps local linear attention: the converted block runs both on
 the op (the report names it) and equals the block as written, outputs and every gradient. A
 gradient normalised ``g/(‖g‖+1)`` is not linear in the values, so that block keeps the generic
-executor until level 6 takes the normalisation out. A look-alike whose gate reads the stepped
+executor until level 6 takes the normalisation out. LaCT's render step (update on the input
+views, read every token) runs on it too. A look-alike whose gate reads the stepped
 weight itself is not linear attention and stays on the generic executor, still exact.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 import ttt2la
 from equivalence import assert_same_function
-from ttt2la.zoo import ViTTTBlock, ViTTTClosedFormBlock
+from ttt2la.zoo import ScheduleTTTLayer, ViTTTBlock, ViTTTClosedFormBlock
 
 OP = "bidirectional_linear_attention"
 
@@ -71,6 +72,14 @@ def test_any_length_step_runs_on_the_op_and_the_report_names_it():
     assert runtime(converted) == f"{OP}[torch](w1: linear)"
     assert f"runtime {OP}[torch](w1: linear)" in str(converted.ttt2la_report)
     assert_same_function(converted, block, [torch.randn(3, 11, 8), torch.randn(1, 2, 8)])
+
+
+def test_render_schedule_updates_on_the_input_views_and_reads_every_token_on_the_op():
+    torch.manual_seed(5)
+    layer = ScheduleTTTLayer(8, 2, schedule="render", input_tokens=6)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 14, 8),))
+    assert runtime(converted) == f"{OP}[torch](W1: linear)"
+    assert_same_function(converted, layer, [torch.randn(2, 14, 8), torch.randn(1, 9, 8)])
 
 
 class StepThenRead(nn.Module):

@@ -1,4 +1,4 @@
-"""``bidirectional_linear_attention``: one update over all tokens, then every token reads it.
+"""``bidirectional_linear_attention``: one update over all key tokens, then every query reads it.
 
 The torch path is checked against the token-loop reference and against the same math written
 here by hand — a global state ``S0 + Σ_t k_tᵀ v_t`` read by every query and gated, and a local
@@ -21,10 +21,11 @@ from ttt2la.testing import TOLERANCE, rel_rms_error
 FP32 = TOLERANCE[torch.float32]
 
 
-def _inputs(B, T, H, Dk, Dv, rows, gen, dtype=torch.float32):
+def _inputs(B, T, H, Dk, Dv, rows, gen, dtype=torch.float32, Tq=None):
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-    return dict(q=r(B, T, H, Dk), k=r(B, T, H, Dk), v=r(B, T, H, Dv), gate=r(B, T, H, Dv),
+    Tq = T if Tq is None else Tq
+    return dict(q=r(B, Tq, H, Dk), k=r(B, T, H, Dk), v=r(B, T, H, Dv), gate=r(B, Tq, H, Dv),
                 initial_state=r(B, H, rows, Dv))
 
 
@@ -47,13 +48,16 @@ def _assert_close(got: dict, want: dict, tol: float):
 @settings(max_examples=12, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), Dk=st.integers(1, 5), Dv=st.integers(1, 5),
        grid=st.tuples(st.integers(1, 5), st.integers(1, 5)), size=st.sampled_from([None, 1, 3, 5]),
-       gated=st.booleans(), initial=st.booleans(), seed=st.integers(0, 2**16))
-def test_torch_path_equals_the_token_loop(B, H, Dk, Dv, grid, size, gated, initial, seed):
+       gated=st.booleans(), initial=st.booleans(), queries=st.integers(1, 7),
+       seed=st.integers(0, 2**16))
+def test_torch_path_equals_the_token_loop(B, H, Dk, Dv, grid, size, gated, initial, queries,
+                                          seed):
     gen = torch.Generator().manual_seed(seed)
     T = grid[0] * grid[1]
     window = None if size is None else (*grid, size)
     rows = Dk if size is None else size * size * Dk
-    inputs = _inputs(B, T, H, Dk, Dv, rows, gen)
+    # a window reads the tokens it updates on; the global op may read other tokens
+    inputs = _inputs(B, T, H, Dk, Dv, rows, gen, Tq=T if size else queries)
     inputs["gate"] = inputs["gate"] if gated else None
     inputs["initial_state"] = inputs["initial_state"] if initial else None
 
@@ -68,8 +72,8 @@ def test_torch_path_equals_the_token_loop(B, H, Dk, Dv, grid, size, gated, initi
 
 def gated_attention_by_hand(q, k, v, gate, initial_state):
     """Every head's state ``S0 + Σ_t k_tᵀ v_t``, read by every query, times the gate."""
-    B, T, H, _ = q.shape
-    out = torch.empty_like(v)
+    B, T, H, _ = k.shape
+    out = torch.empty_like(gate)
     states = torch.empty_like(initial_state)
     for b in range(B):
         for h in range(H):
@@ -77,8 +81,8 @@ def gated_attention_by_hand(q, k, v, gate, initial_state):
             for t in range(T):
                 S = S + torch.outer(k[b, t, h], v[b, t, h])
             states[b, h] = S
-            for t in range(T):
-                out[b, t, h] = (q[b, t, h] @ S) * gate[b, t, h]
+            for s in range(q.shape[1]):
+                out[b, s, h] = (q[b, s, h] @ S) * gate[b, s, h]
     return out, states
 
 
@@ -96,10 +100,10 @@ def conv_by_hand(q, k, v, initial_state, height, width):
 
 @settings(max_examples=8, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), Dk=st.integers(1, 4), Dv=st.integers(1, 4),
-       T=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_global_op_is_gated_linear_attention(B, H, Dk, Dv, T, seed):
+       T=st.integers(1, 9), Tq=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_global_op_is_gated_linear_attention(B, H, Dk, Dv, T, Tq, seed):
     gen = torch.Generator().manual_seed(seed)
-    inputs = _inputs(B, T, H, Dk, Dv, Dk, gen)
+    inputs = _inputs(B, T, H, Dk, Dv, Dk, gen, Tq=Tq)
     fast = lambda **kw: bidirectional_linear_attention(**kw, output_final_state=True)  # noqa
     got = _outputs_and_grads(fast, inputs, torch.Generator().manual_seed(2))
     want = _outputs_and_grads(gated_attention_by_hand, inputs, torch.Generator().manual_seed(2))
@@ -135,6 +139,8 @@ def test_bf16_accumulates_in_fp32_and_returns_bf16():
 def test_contract_violations_and_backends_are_named():
     q = k = torch.randn(1, 6, 2, 3)
     v = torch.randn(1, 6, 2, 4)
+    with pytest.raises(RuntimeInputError, match="q must be"):
+        bidirectional_linear_attention(torch.randn(1, 6, 2, 2), k, v)
     with pytest.raises(RuntimeInputError, match="gate"):
         bidirectional_linear_attention(q, k, v, gate=torch.randn(1, 6, 2, 3))
     with pytest.raises(RuntimeInputError, match="odd size"):

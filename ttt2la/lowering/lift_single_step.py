@@ -55,9 +55,9 @@ SINGLE_STEP_NOTE = "single-step TTT"
 def gated_linear_attention(phi_q, left, right, state, gate, scale: float, transposed: bool,
                            backend: str):
     """``(read, state')`` of ``state' = state + scale·left·right`` read by ``phi_q`` — the body's
-    own layouts: ``phi_q [b, T, Dk]``, ``left [b, Dk, T]``, ``right [b, T, Dv]``, the read
-    ``[b, T, Dv]`` (gated: the gate's shape); transposed, the state is ``[Dv, Dk]``, ``phi_q`` is
-    ``[b, Dk, T]``, ``left [b, Dv, T]``, ``right [b, T, Dk]`` and the read ``[b, Dv, T]``."""
+    own layouts: ``phi_q [b, Tq, Dk]``, ``left [b, Dk, T]``, ``right [b, T, Dv]``, the read
+    ``[b, Tq, Dv]`` (gated: the gate's shape); transposed, the state is ``[Dv, Dk]``, ``phi_q``
+    is ``[b, Dk, Tq]``, ``left [b, Dv, T]``, ``right [b, T, Dk]`` and the read ``[b, Dv, Tq]``."""
     b = left.shape[0]
     if transposed:
         q, k, v = phi_q.mT, right, left.mT
@@ -65,7 +65,7 @@ def gated_linear_attention(phi_q, left, right, state, gate, scale: float, transp
         q, k, v = phi_q, left.mT, right
     if scale != 1.0:
         v = v * scale
-    T, Dk, Dv = k.shape[1], k.shape[-1], v.shape[-1]
+    T, Dk, Dv = q.shape[1], k.shape[-1], v.shape[-1]
     s0 = state.reshape(b, Dv, Dk).mT if transposed else state.reshape(b, Dk, Dv)
     g = None if gate is None else gate.reshape(b, T, 1, Dv)
     o, S = bidirectional_linear_attention(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), gate=g,

@@ -3,9 +3,10 @@
 Single-step TTT (ViTTT's fast weights, LaCT's render step) steps its fast weight once on every
 token of a call and reads the stepped weight with every token. As linear attention, per head::
 
-    S = S_0 + Σ_t φ(k_t)ᵀ v_t            o_t = (φ(q_t) S) ⊙ g_t
+    S = S_0 + Σ_t φ(k_t)ᵀ v_t            o_s = (φ(q_s) S) ⊙ g_s
 
-with an optional *output gate* ``g`` (ViTTT's gated unit ``(q W1) ⊙ silu(q W2)`` with ``W2``
+over the ``T`` key tokens and the ``Tq`` query tokens (LaCT's render step updates on the input
+views' tokens and reads all tokens), with an optional *output gate* ``g`` (ViTTT's gated unit ``(q W1) ⊙ silu(q W2)`` with ``W2``
 frozen is this with ``g = silu(q W2)``). Nothing is causal: there is one state and one read.
 
 *Local* linear attention (``window=(height, width, size)``) is the same op whose features are a
@@ -47,21 +48,24 @@ def check_bidirectional_inputs(q, k, v, *, gate, window, initial_state) -> None:
     shape = lambda t: tuple(t.shape)  # noqa: E731
     _require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
              f"q, k, v must be [B, T, H, D]; got {shape(q)}, {shape(k)}, {shape(v)}")
-    _require(q.shape == k.shape, f"q and k must have the same shape; got {shape(q)}, {shape(k)}")
     B, T, H, Dk = k.shape
-    Dv = v.shape[-1]
+    Tq, Dv = q.shape[1], v.shape[-1]
+    _require(q.shape == (B, Tq, H, Dk), f"q must be [B, Tq, H, Dk] = [{B}, Tq, {H}, {Dk}]; "
+                                        f"got {shape(q)}")
     _require(v.shape[:3] == (B, T, H), f"v must be [B, T, H, Dv] = [{B}, {T}, {H}, Dv]; "
                                        f"got {shape(v)}")
-    _require(gate is None or gate.shape == v.shape,
-             f"gate must have v's shape {shape(v)}; got {None if gate is None else shape(gate)}")
+    _require(gate is None or gate.shape == (B, Tq, H, Dv),
+             f"gate must be [B, Tq, H, Dv] = [{B}, {Tq}, {H}, {Dv}]; "
+             f"got {None if gate is None else shape(gate)}")
     rows = Dk
     if window is not None:
         ok = (isinstance(window, (tuple, list)) and len(window) == 3
               and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in window))
         _require(ok and window[2] % 2 == 1,
                  f"window must be (height, width, size) with an odd size, got {window!r}")
-        _require(window[0] * window[1] == T,
-                 f"window's grid {window[0]}×{window[1]} does not hold the {T} tokens")
+        _require(window[0] * window[1] == T == Tq,
+                 f"window's grid {window[0]}×{window[1]} does not hold the {T} keys and {Tq} "
+                 "queries")
         rows = window[2] ** 2 * Dk
     _require(initial_state is None or initial_state.shape == (B, H, rows, Dv),
              f"initial_state must be [B, H, Dk', Dv] = [{B}, {H}, {rows}, {Dv}]"
@@ -75,7 +79,7 @@ def naive_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, ini
                                          output_final_state=False):
     """The specification: the state summed token by token, each token's features gathered from
     its window one offset at a time, then every token read. Returns
-    ``(o [B, T, H, Dv], final_state [B, H, Dk', Dv] or None)``."""
+    ``(o [B, Tq, H, Dv], final_state [B, H, Dk', Dv] or None)``."""
     check_bidirectional_inputs(q, k, v, gate=gate, window=window, initial_state=initial_state)
     dt, dtype = compute_dtype(v.dtype), v.dtype
     final_dtype = final_state_dtype(v, initial_state)
@@ -99,7 +103,7 @@ def naive_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, ini
     for t in range(T):
         S = S + features(k, t).unsqueeze(-1) * v[:, t].unsqueeze(-2)
     outs = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         o = (features(q, t).unsqueeze(-2) @ S).squeeze(-2)
         outs.append(o if gate is None else o * gate[:, t].to(dt))
     o = torch.stack(outs, dim=1).to(dtype)
@@ -167,11 +171,12 @@ def torch_bidirectional_linear_attention(q, k, v, *, gate=None, window=None, ini
 
 def bidirectional_linear_attention(q, k, v, *, gate=None, window=None, initial_state=None,
                                    output_final_state=False, backend="auto"):
-    """``S = S_0 + Σ_t φ(k_t)ᵀ v_t``, ``o_t = (φ(q_t) S) ⊙ gate_t`` (see the module docstring).
+    """``S = S_0 + Σ_t φ(k_t)ᵀ v_t``, ``o_s = (φ(q_s) S) ⊙ gate_s`` (see the module docstring):
+    ``q [B, Tq, H, Dk]``, ``k [B, T, H, Dk]``, ``v [B, T, H, Dv]``, ``gate [B, Tq, H, Dv]``.
 
     ``backend``: ``"auto"`` and ``"torch"`` run the torch implementation on every device,
     ``"naive"`` the reference; ``"triton"`` raises ``UnsupportedTTTError`` (no kernel: the op is
-    two matmuls per head). Returns ``(o [B, T, H, Dv], final_state or None)``.
+    two matmuls per head). Returns ``(o [B, Tq, H, Dv], final_state or None)``.
     """
     _require(backend in BIDIRECTIONAL_BACKENDS,
              f"backend must be one of {BIDIRECTIONAL_BACKENDS}, got {backend!r}")
