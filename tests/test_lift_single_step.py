@@ -35,16 +35,18 @@ def frozen_gate_twin(block: ViTTTBlock) -> ViTTTBlock:
     return twin
 
 
-@settings(max_examples=3, deadline=None)
+# Θ stepped (update_gate=True): frozen by level 1 on, the block then equals its frozen twin
+@pytest.mark.parametrize("update_gate, level", [(False, 0), (False, 1), (False, 2), (True, 1),
+                                                (True, 2)])
+@settings(max_examples=1, deadline=None)
 @given(B=st.integers(1, 2), h=st.integers(2, 3), w=st.integers(2, 3), heads=st.integers(1, 2),
-       head_dim=st.sampled_from([2, 3]), update_gate=st.booleans(), seed=st.integers(0, 2**16))
-def test_vittt_block_runs_on_the_op(B, h, w, heads, head_dim, update_gate, seed):
+       head_dim=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
+def test_vittt_block_runs_on_the_op(update_gate, level, B, h, w, heads, head_dim, seed):
     torch.manual_seed(seed)
     block = ViTTTBlock(heads * head_dim, heads, h, w, update_gate=update_gate, grad_norm=False,
                        lr=0.7)
     reference = frozen_gate_twin(block) if update_gate else block
     x = torch.randn(B, h * w, heads * head_dim)
-    level = 1 if update_gate else 2 * (seed % 2)        # Θ stepped: frozen from level 1 on
     converted = ttt2la.convert(block, level=level, example_inputs=(x,))
     assert runtime(converted) == f"{OP}[torch](W1: gated; taps: local 3×3)"
     assert_same_function(converted, reference, [x, torch.randn(B % 2 + 1, h * w, x.shape[-1])])
