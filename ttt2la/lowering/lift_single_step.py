@@ -202,6 +202,9 @@ def _read_only_by(w_out: torch.fx.Node, read: torch.fx.Node) -> bool:
 
 
 def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
+    """State ``t`` as (gated) linear attention, read off the graph: ``W ± Δ`` with ``Δ`` a
+    ``bmm`` contraction times constants and sizes, one ``bmm`` read, a gate if one multiplies
+    it; else None."""
     found = _step(program, t, live_dep)
     if found is None:
         return None
@@ -322,6 +325,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _local_part(program: TTTProgram, t: int, live_dep: set, values: dict) -> Part | None:
+    """State ``t`` as local linear attention: ``size²`` taps per channel whose reads flow
+    through one image-shaped value; the query, key and value images and the value's factor are
+    the body's image-shaped values that reproduce its float64 ``values`` (``None`` if none do)."""
     found = _step(program, t, live_dep)
     w_in, w_out = program.state_inputs()[t], program.state_outputs()[t]
     shape = _shape(w_in)

@@ -6,8 +6,9 @@ token of a call and reads the stepped weight with every token. As linear attenti
     S = S_0 + Σ_t φ(k_t)ᵀ v_t            o_s = (φ(q_s) S) ⊙ g_s
 
 over the ``T`` key tokens and the ``Tq`` query tokens (LaCT's render step updates on the input
-views' tokens and reads all tokens), with an optional *output gate* ``g`` (ViTTT's gated unit ``(q W1) ⊙ silu(q W2)`` with ``W2``
-frozen is this with ``g = silu(q W2)``). Nothing is causal: there is one state and one read.
+views' tokens and reads all tokens), with an optional *output gate* ``g`` (ViTTT's gated unit
+``(q W1) ⊙ silu(q W2)`` with ``W2`` frozen is this with ``g = silu(q W2)``). Nothing is causal:
+there is one state and one read.
 
 *Local* linear attention (``window=(height, width, size)``) is the same op whose features are a
 neighbourhood's: the tokens lie row-major on a ``height × width`` grid and ``φ(x_t)`` stacks
@@ -16,9 +17,10 @@ grid), so the state has ``size²·Dk`` rows, one block of ``Dk`` per offset. A d
 convolution whose taps are a fast weight is this op with one head per channel and
 ``Dk = Dv = 1``: the state is the taps.
 
-The torch implementation runs on every device (two matmuls per head, or two grouped convolutions
-for a window — there is no Triton kernel: cuBLAS and cuDNN already run them); its reference, ``naive_bidirectional_linear_attention``, is a token
-loop with the neighbourhoods gathered one by one.
+The torch implementation runs on every device (two matmuls per head, or two grouped
+convolutions for a window — there is no Triton kernel: cuBLAS and cuDNN already run them); its
+reference, ``naive_bidirectional_linear_attention``, is a token loop with the neighbourhoods
+gathered one by one.
 """
 from __future__ import annotations
 
