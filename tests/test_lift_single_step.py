@@ -107,6 +107,32 @@ class StepThenRead(nn.Module):
         return ((q @ w1) * gate).transpose(1, 2).reshape(b, n, c)
 
 
+class TransposedStep(nn.Module):
+    """The step and read with the fast weight stored ``[out, in]``: ``W' = W + vᵀk·η``, read
+    ``(W' qᵀ)ᵀ``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, d = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.w = nn.Parameter(torch.randn(1, heads, d, d) * d ** -0.5)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        w = self.w + 0.3 * (v.transpose(-2, -1) @ k)
+        return (w @ q.transpose(-2, -1)).transpose(-2, -1).transpose(1, 2).reshape(b, n, c)
+
+
+def test_a_weight_stored_out_by_in_runs_on_the_op():
+    torch.manual_seed(6)
+    layer = TransposedStep(8, 2)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 5, 8),))
+    assert runtime(converted) == f"{OP}[torch](w: linear)"
+    assert_same_function(converted, layer, [torch.randn(2, 5, 8), torch.randn(3, 8, 8)])
+
+
 @pytest.mark.parametrize("self_gated", [False, True])
 def test_a_gate_that_reads_the_stepped_weight_is_not_lifted(self_gated):
     torch.manual_seed(3)
