@@ -27,12 +27,13 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from ..analysis.op_vocabulary import (RELAYOUT_TARGETS, RESHAPE_TARGETS, SLICE_TARGETS,
                                       UPDATE_STEPS, calls, op_name)
 from ..errors import UnsupportedTTTError
 from ..ir import KIND, TTTProgram, ancestors, copy_graph
-from ..runtime.bidirectional import bidirectional_linear_attention
+from ..runtime.bidirectional import bidirectional_linear_attention, window_offsets
 from .chunking import assemble_outputs, chunk_streams
 from .lift import _contraction, _find_read, _strip
 from .precision import promoted
@@ -346,24 +347,59 @@ def _local_part(program: TTTProgram, t: int, live_dep: set, values: dict) -> Par
               if n not in live_dep and _shape(n) == image and not calls(n, SLICE_TARGETS)
               and any(a.op == "placeholder" for a in ancestors(n))]
     kv = [n for n in images if n in key_side]
-    increment = values[w_out].double() - values[w_in].double()
+    increment = (values[w_out].double() - values[w_in].double()).reshape(-1, size * size)
+    # products and sums, not ``bmm``: a float64 matrix-vector ``bmm`` was measured a thousand
+    # times slower on CPU; wrong pairs are turned down on a few heads first
+    few, windows = _Windows(values, size, 4), _Windows(values, size)
     for k in kv:
         for v in kv:
-            scale = _fitted_scale(values[k], values[v], increment, size)
+            if _scale((few(k) * few.row(v)).sum(-1), increment[:4]) is None:
+                continue
+            scale = _scale((windows(k) * windows.row(v)).sum(-1), increment)
             if scale is None:
                 continue
+            taps = values[w_out].reshape(-1, size * size, 1)
             for q in (n for n in images if n in read_side):
-                got, _ = local_linear_attention(values[q], values[k], values[v], values[w_in],
-                                                size, scale, "torch")
+                got = (taps * windows(q)).sum(1).reshape(image)  # Σ_j q[x + off_j] taps[j]
                 if _rel(got, values[read]) <= FIT_TOLERANCE:
                     return Part(t, "local", (q, k, v, w_in), read, w_out, (size, scale))
     return None
 
 
-def _fitted_scale(k, v, increment, size: int) -> float | None:
-    """The constant ``c`` with ``increment = c · Σ_t φ(k_t) v_t`` (local), or None."""
-    zero = torch.zeros_like(increment)
-    _, S = local_linear_attention(k, k, v, zero, size, 1.0, "torch")
+class _Windows:
+    """Each image value's ``size × size`` windows, ``[heads, size², h·w]`` (zero outside the
+    image), and the value itself as ``[heads, 1, h·w]``, for the first ``heads`` heads (all when
+    None), computed once per node: the fits read every pair of candidates."""
+
+    def __init__(self, values: dict, size: int, heads: int | None = None) -> None:
+        self.values, self.size, self.heads = values, size, heads
+        self.windows, self.rows = {}, {}
+
+    def _image(self, node: torch.fx.Node) -> torch.Tensor:
+        x = self.values[node]
+        return x.reshape(-1, *x.shape[-2:])[:self.heads]
+
+    def __call__(self, node: torch.fx.Node) -> torch.Tensor:
+        if node not in self.windows:
+            x = self._image(node)
+            h, w = x.shape[-2:]
+            r = self.size // 2
+            padded = F.pad(x, (r, r, r, r))
+            shifts = [padded[:, r + di:r + di + h, r + dj:r + dj + w]
+                      for di, dj in window_offsets(self.size)]
+            self.windows[node] = torch.stack(shifts, dim=1).reshape(x.shape[0], -1, h * w)
+        return self.windows[node]
+
+    def row(self, node: torch.fx.Node) -> torch.Tensor:
+        if node not in self.rows:
+            x = self._image(node)
+            self.rows[node] = x.reshape(x.shape[0], 1, -1).contiguous()
+        return self.rows[node]
+
+
+def _scale(S, increment) -> float | None:
+    """``c`` with ``increment = c·S`` to the fit's tolerance, or None."""
+    S = S.reshape(increment.shape)
     norm = float((S * S).sum())
     if norm == 0.0:
         return None
@@ -439,31 +475,49 @@ def _confirmed(program: TTTProgram, parts: list[Part]) -> bool:
 
 
 def single_step_parts(program: TTTProgram) -> list[Part]:
-    """The confirmed parts of a single-step program (empty when none lifts)."""
+    """The confirmed parts of a single-step program (empty when none lifts). A reading that
+    fails on a graph it was not written for lifts nothing: the generic executor runs it."""
     if not is_single_step(program) or len(program.outputs) != 1:
         return []
     live_dep = _live_dependents(program)
     ins, outs = program.state_inputs(), program.state_outputs()
-    args = _random_inputs(program, seed=1)
-    values = None
+    samples = _Samples(program)
     parts = []
     for t in range(len(ins)):
         if outs[t] is ins[t]:
             continue
-        part = _linear_part(program, t, live_dep)
-        if part is None and args is not None:
-            if values is None:
-                try:
-                    gm = promoted(program.body)
-                    by_copy = _node_values(gm, args)
-                except Exception:
-                    return []
-                values = {n: by_copy[c] for n, c in zip(program.body.graph.nodes,
-                                                        gm.graph.nodes) if c in by_copy}
-            part = _local_part(program, t, live_dep, values)
+        try:
+            part = _linear_part(program, t, live_dep)
+            if part is None and samples.values() is not None:
+                part = _local_part(program, t, live_dep, samples.values())
+        except Exception:       # a graph the reading does not know: not lifted
+            part = None
         if part is not None and _confirmed(program, [*parts, part]):
             parts.append(part)
     return parts
+
+
+class _Samples:
+    """Every body value at one float64 random input, evaluated on first use (None when the
+    body's inputs cannot be sampled or it fails on them)."""
+
+    def __init__(self, program: TTTProgram) -> None:
+        self.program, self._values, self._done = program, None, False
+
+    def values(self) -> dict | None:
+        if not self._done:
+            self._done = True
+            args = _random_inputs(self.program, seed=1)
+            if args is not None:
+                try:
+                    gm = promoted(self.program.body)
+                    by_copy = _node_values(gm, args)
+                except Exception:
+                    return None
+                self._values = {n: by_copy[c] for n, c in
+                                zip(self.program.body.graph.nodes, gm.graph.nodes)
+                                if c in by_copy}
+        return self._values
 
 
 # ---------------------------------------------------------------------------------------------
