@@ -78,7 +78,7 @@ def gated_linear_attention(phi_q, left, right, state, gate, scale: float, transp
     return (o if gate is None else o.reshape(gate.shape)), S.reshape(state.shape)
 
 
-def local_linear_attention(q_image, k_image, v_image, state, size: int, scale: float,
+def local_linear_attention(q_image, k_image, v_image, state, scale: float, size: int,
                            backend: str):
     """``(read, state')`` of a depthwise convolution whose ``size²`` taps per channel are a fast
     weight: images ``[..., h, w]``, taps ``[..., size²]`` (the same leading axes, one head each)."""
@@ -109,7 +109,7 @@ class Part:
     inputs: tuple
     read: torch.fx.Node
     state_out: torch.fx.Node
-    options: tuple            # (scale, transposed) or (size, scale)
+    options: tuple            # (scale, transposed) or (scale, size): the scale first
     #: factors of the scale computed in the body (sizes of a length read at run time), with
     #: their powers: ``scale · Π node ** power``
     scale_terms: tuple = ()
@@ -117,7 +117,7 @@ class Part:
     def describe(self, program: TTTProgram) -> str:
         name = program.states[self.state].name
         if self.kind == "local":
-            return f"{name}: local {self.options[0]}×{self.options[0]}"
+            return f"{name}: local {self.options[1]}×{self.options[1]}"
         return f"{name}: {'gated' if self.kind == 'gated' else 'linear'}"
 
     def call(self, backend: str):
@@ -215,7 +215,7 @@ def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
     if con is None or con.outer or not all(isinstance(c, float) for c in con.scales):
         return None
     scale = sign * math.prod(con.scales) * math.prod(c for c in terms if isinstance(c, float))
-    terms = tuple(t for t in terms if not isinstance(t, float))
+    terms = tuple(f for f in terms if not isinstance(f, float))
     w_out = program.state_outputs()[t]
     read, transposed = _find_read(program, {w_out}, live_dep - {w_out})
     if read is None:
@@ -362,7 +362,7 @@ def _local_part(program: TTTProgram, t: int, live_dep: set, values: dict) -> Par
             for q in (n for n in images if n in read_side):
                 got = (taps * windows(q)).sum(1).reshape(image)  # Σ_j q[x + off_j] taps[j]
                 if _rel(got, values[read]) <= FIT_TOLERANCE:
-                    return Part(t, "local", (q, k, v, w_in), read, w_out, (size, scale))
+                    return Part(t, "local", (q, k, v, w_in), read, w_out, (scale, size))
     return None
 
 
