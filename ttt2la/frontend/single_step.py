@@ -415,7 +415,7 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
         base = assigned_name(a.meta.get(SRC)) or a.name
         name = unique(f"{base}_all" if a in stream_phs else base, taken)
         ph = body.placeholder(name)
-        val = cut.val(a) if cut else a.meta["val"]
+        val = cut.val(a) if cut and a in stream_phs else a.meta["val"]
         ph.meta.update(val=val, **{KIND: "invariant", NAME: name})
         env[a] = stream_phs.get(a, ph)
         inv_specs.append(InvariantSpec(name, tuple(val.shape), val.dtype))

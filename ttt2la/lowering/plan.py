@@ -19,8 +19,9 @@ from ..ir import TTTProgram
 from .executors import Plan, lower
 from .lift import LiftedPlan, lift
 from .lift_delta import DeltaScanPlan, lift_delta
+from .lift_single_step import SingleStepPlan, lift_single_step
 
-AnyPlan = Union[Plan, LiftedPlan, DeltaScanPlan]
+AnyPlan = Union[Plan, LiftedPlan, DeltaScanPlan, SingleStepPlan]
 BACKENDS = ("auto", "torch", "triton", "naive")
 
 
@@ -65,6 +66,10 @@ def plan_for(program: TTTProgram, analysis: Analysis | None = None, *, backend: 
         if not analysis.reducible and strict:
             analysis.require_reducible(None)
         schedule = analysis.schedule if analysis.reducible else "recurrent"
+    if schedule == "parallel" and backend in ("torch", "triton"):
+        single = lift_single_step(program, backend)
+        if single is not None:
+            return single
     if schedule in ("parallel", "semi-parallel"):
         lifted = lift(program)
         # semi-parallel programs lift only when the op's weight norm is what is sequential
@@ -88,7 +93,7 @@ def plan_at(plan: AnyPlan, program: TTTProgram, *, strict: bool = True
             ) -> tuple[AnyPlan, str | None]:
     """``plan`` carried over to ``program`` (the same body re-sized to another batch size), and
     a note when the generic schedule had to run instead (``strict=False`` only)."""
-    if isinstance(plan, LiftedPlan):
+    if isinstance(plan, (LiftedPlan, SingleStepPlan)):
         try:
             return plan.resized(program), None
         except (UnsupportedTTTError, RuntimeError) as e:

@@ -1,4 +1,6 @@
 """Chunk-parallel linear-attention runtime that recognized TTT loops lower to."""
+from ttt2la.runtime.bidirectional import (bidirectional_linear_attention,
+                                          naive_bidirectional_linear_attention)
 from ttt2la.runtime.delta_rule import delta_rule, naive_delta_rule
 from ttt2la.runtime.dispatch import (block_linear_attention, chunk_linear_attention,
                                      implementation_name)
@@ -9,4 +11,5 @@ from ttt2la.runtime.scan import affine_scan, prefix_sum
 
 __all__ = ["block_linear_attention", "chunk_linear_attention", "implementation_name",
            "naive_block_linear_attention", "naive_chunk_linear_attention", "newton_schulz",
-           "affine_scan", "prefix_sum", "delta_rule", "naive_delta_rule", "matrix_affine_scan"]
+           "affine_scan", "prefix_sum", "delta_rule", "naive_delta_rule", "matrix_affine_scan",
+           "bidirectional_linear_attention", "naive_bidirectional_linear_attention"]
