@@ -167,6 +167,7 @@ class TTTProgram:
     loop_src: SourceLoc | None = None      # the ``for`` statement
     function: str = ""                     # function that holds the loop
     notes: list[str] = field(default_factory=list)
+    single_step: bool = False              # one update over all tokens, then every token reads
 
     # -- body plumbing shared by passes, analysis and executors --------------------------
     def placeholders(self) -> list[torch.fx.Node]:

@@ -379,7 +379,8 @@ def _build(gm, order, dep, body_nodes, states_in, states_out, out_node, updates,
             out_node.meta["val"] if cut is None else _lead(out_node.meta["val"])))],
         chunk_size=1 if cut else length, order="inclusive", last_chunk="update",
         module_path=module_path,
-        loop_src=first_update, function=first_update.function if first_update else "")
+        loop_src=first_update, function=first_update.function if first_update else "",
+        single_step=True)
     note = ("single-step TTT: the fast weights are stepped once over the whole sequence and "
             "then read by every token; it runs as one chunk")
     program.notes.append(note)

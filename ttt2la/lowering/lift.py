@@ -53,7 +53,8 @@ from .whole_sequence import drop_identity_views, per_token_rate, stream_axes, to
 aten = torch.ops.aten
 
 
-def _strip(n):
+def strip(n):
+    """``n`` with the relayouts around it (views, transposes, copies) peeled off."""
     while isinstance(n, torch.fx.Node) and n.target in RELAYOUT_TARGETS:
         n = n.args[0]
     return n
@@ -71,21 +72,21 @@ class _Contraction:
     outer: bool                # an elementwise outer product (one token) rather than a bmm
 
 
-def _contraction(n, state_dep: set) -> _Contraction | None:
+def contraction(n, state_dep: set) -> _Contraction | None:
     """``n`` as a sum over tokens of outer products (a bmm, or a broadcast product of a column
     and a row), possibly times scalars per matrix."""
-    n = _strip(n)
+    n = strip(n)
     if not isinstance(n, torch.fx.Node) or n in state_dep:
         return None
     if n.target is aten.bmm.default:
         return _Contraction(n.args[0], n.args[1], [], False)
     if n.target is aten.neg.default:
-        inner = _contraction(n.args[0], state_dep)
+        inner = contraction(n.args[0], state_dep)
         if inner is not None:
             inner.scales.append(-1.0)
         return inner
     if n.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(n.args[1], (int, float)):
-        inner = _contraction(n.args[0], state_dep)
+        inner = contraction(n.args[0], state_dep)
         if inner is not None:
             inner.scales.append(float(n.args[1]) if n.target is aten.mul.Tensor
                                 else 1.0 / float(n.args[1]))
@@ -101,7 +102,7 @@ def _contraction(n, state_dep: set) -> _Contraction | None:
         for x, s in ((a, b), (b, a)):
             ss = _shape(s)
             if len(ss) < 2 or ss[-2:] == (1, 1):
-                inner = _contraction(x, state_dep)
+                inner = contraction(x, state_dep)
                 if inner is not None:
                     inner.scales.append(s)
                     return inner
@@ -188,10 +189,13 @@ class LiftedProgram:
         return _split_features(resized) if self.whole_sequence else resized
 
 
-def _find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
+def find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
+    """``(bmm, transposed)``: the product that reads the state (one of ``w_ref``) against an
+    operand no other live state feeds, ``transposed`` when the state is its left operand;
+    ``(None, None)`` when there is none."""
     for n in program.body.graph.nodes:
         if n.target is aten.bmm.default:
-            a, b = _strip(n.args[0]), _strip(n.args[1])
+            a, b = strip(n.args[0]), strip(n.args[1])
             if b in w_ref and n.args[0] not in state_dep_other:
                 return n, False
             if a in w_ref and n.args[1] not in state_dep_other:
@@ -243,9 +247,9 @@ def _momentum(m_in, m_out, delta, state_dep):
     for x, y in (m_out.args, m_out.args[::-1]):
         if isinstance(x, torch.fx.Node) and x.target is aten.mul.Tensor:
             p, q = x.args
-            if _strip(p) is m_in and isinstance(q, torch.fx.Node) and q not in state_dep:
+            if strip(p) is m_in and isinstance(q, torch.fx.Node) and q not in state_dep:
                 found = q, y
-            elif _strip(q) is m_in and isinstance(p, torch.fx.Node) and p not in state_dep:
+            elif strip(q) is m_in and isinstance(p, torch.fx.Node) and p not in state_dep:
                 found = p, y
     return found
 
@@ -269,7 +273,7 @@ def _update(program: TTTProgram) -> _Update | None:
     if w_sum.target is not aten.add.Tensor:
         return None
     a, b = w_sum.args
-    delta = b if _strip(a) is w_in else a if _strip(b) is w_in else None
+    delta = b if strip(a) is w_in else a if strip(b) is w_in else None
     if not isinstance(delta, torch.fx.Node) or w_in in ancestors(delta):
         return None
     alpha = g = None
@@ -287,13 +291,13 @@ def _increment(program: TTTProgram, up: _Update):
     factor around the contraction (``-η kᵀv`` written as a loss gradient) belongs to the
     increment's scale, not to the transform."""
     if up.g is not None:
-        contraction = _contraction(up.g, up.state_dep)
-        return None if contraction is None else (contraction, program.state_outputs()[up.m])
+        con = contraction(up.g, up.state_dep)
+        return None if con is None else (con, program.state_outputs()[up.m])
     candidates = [n for n in ancestors(up.delta)
                   if n.target in (aten.bmm.default, aten.mul.Tensor, aten.neg.default,
                                   aten.div.Tensor)]
     for c in sorted(candidates, key=lambda n: -len(ancestors(n))):
-        con = _contraction(c, up.state_dep)
+        con = contraction(c, up.state_dep)
         if con is None:
             continue
         try:
@@ -317,7 +321,7 @@ def _consistent_shapes(program: TTTProgram, up: _Update, contraction, read) -> t
         return None
     rows, cols = sl[-2], sr[-1]
     w_in = program.state_inputs()[up.w]
-    if _shape(_strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
+    if _shape(strip(w_in))[-2:] != (rows, cols) and _shape(w_in)[-2:] != (rows, cols):
         return None
     return batch, rows, cols
 
@@ -336,7 +340,7 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     # the read: o = φ(Q) W (W right) or W φ(Q)ᵀ (W left)
     ins, outs = program.state_inputs(), program.state_outputs()
     w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w]}
-    read, transposed = _find_read(program, w_ref, up.state_dep - w_ref)
+    read, transposed = find_read(program, w_ref, up.state_dep - w_ref)
     shapes = None if read is None else _consistent_shapes(program, up, contraction, read)
     if shapes is None:
         return None
@@ -667,4 +671,4 @@ class LiftedPlan:
             *(values[n] for n in inputs)))
 
 
-__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz"]
+__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "contraction", "find_read", "strip"]

@@ -35,7 +35,7 @@ from ..errors import UnsupportedTTTError
 from ..ir import KIND, TTTProgram, ancestors, copy_graph
 from ..runtime.bidirectional import bidirectional_linear_attention, window_offsets
 from .chunking import assemble_outputs, chunk_streams
-from .lift import _contraction, _find_read, _strip
+from .lift import contraction, find_read, strip
 from .precision import promoted
 
 aten = torch.ops.aten
@@ -45,9 +45,6 @@ _RESHAPES = RESHAPE_TARGETS - {aten.expand.default}
 #: Relative error (float64) within which a fitted piece or the whole body counts as equal; a
 #: wrong reading misses by order one.
 FIT_TOLERANCE = 1e-8
-#: The note the single-step frontend leaves on the programs it builds.
-SINGLE_STEP_NOTE = "single-step TTT"
-
 
 # ---------------------------------------------------------------------------------------------
 # the op as the rewritten body calls it
@@ -133,8 +130,7 @@ class Part:
 
 def is_single_step(program: TTTProgram) -> bool:
     """Whether ``program`` was built by the single-step frontend (one chunk at every length)."""
-    return any(note.startswith(SINGLE_STEP_NOTE) for note in program.notes) \
-        and program.order == "inclusive" and program.last_chunk == "update"
+    return program.single_step and program.order == "inclusive" and program.last_chunk == "update"
 
 
 def _shape(n) -> tuple | None:
@@ -148,9 +144,9 @@ def _step(program: TTTProgram, t: int, live_dep: set):
     if not calls(w_out, UPDATE_STEPS) or len(w_out.args) < 2:
         return None
     a, b = w_out.args[:2]
-    if _strip(a) is w_in and isinstance(b, torch.fx.Node) and b not in live_dep:
+    if strip(a) is w_in and isinstance(b, torch.fx.Node) and b not in live_dep:
         return b, (-1.0 if op_name(w_out) == "sub" else 1.0)
-    if op_name(w_out) == "add" and _strip(b) is w_in and isinstance(a, torch.fx.Node) \
+    if op_name(w_out) == "add" and strip(b) is w_in and isinstance(a, torch.fx.Node) \
             and a not in live_dep:
         return a, 1.0
     return None
@@ -211,13 +207,13 @@ def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
         return None
     delta, sign = found
     delta, terms = _scalar_factors(delta, live_dep)
-    con = _contraction(delta, live_dep)
+    con = contraction(delta, live_dep)
     if con is None or con.outer or not all(isinstance(c, float) for c in con.scales):
         return None
     scale = sign * math.prod(con.scales) * math.prod(c for c in terms if isinstance(c, float))
     terms = tuple(f for f in terms if not isinstance(f, float))
     w_out = program.state_outputs()[t]
-    read, transposed = _find_read(program, {w_out}, live_dep - {w_out})
+    read, transposed = find_read(program, {w_out}, live_dep - {w_out})
     if read is None:
         return None
     shapes = [_shape(n) for n in (con.left, con.right, read, *read.args)]
