@@ -116,8 +116,8 @@ class SpecializedGraph:
         self._cache: OrderedDict[tuple, tuple[torch.fx.GraphModule, list]] = OrderedDict()
 
     def __call__(self, *args):
-        if _symbolic(args):     # a compiler traces the call: it fuses and plans buffers itself
-            return self.graph(*args)
+        if _symbolic(args) or torch.compiler.is_compiling():
+            return self.graph(*args)    # a compiler traces the call: it fuses and plans itself
         gm, constants = self.for_inputs(args)
         return gm(*args, *constants)
 
