@@ -251,4 +251,5 @@ def _rewrite(graph, node, buf, target, node_buf, dead):
         node_buf[n if n is not node else new] = into
 
 
-__all__ = ["reuse_buffers", "writes_inputs", "output_storages", "out_overload", "propagate", "MIN_BYTES"]
+__all__ = ["reuse_buffers", "writes_inputs", "output_storages", "out_overload", "propagate",
+           "MIN_BYTES"]

@@ -671,4 +671,5 @@ class LiftedPlan:
             *(values[n] for n in inputs)))
 
 
-__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "contraction", "find_read", "strip"]
+__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "contraction", "find_read",
+           "strip"]

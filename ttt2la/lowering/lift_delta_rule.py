@@ -41,7 +41,7 @@ from ..runtime.delta_rule import DELTA_CHUNK_SIZE, delta_rule
 from .chunking import assemble_outputs, chunk_layout, chunk_stream
 from .executors import extract, shape_only
 from .lift_delta import DeltaScanPlan, scanned_groups
-from .precision import promoted
+from .precision import promoted, relative_error
 
 aten = torch.ops.aten
 
@@ -214,10 +214,6 @@ def _samples(nodes: list[torch.fx.Node], n: int, seed: int) -> list[torch.Tensor
     return out
 
 
-def _rel(err: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(err.norm() / ref.norm().clamp_min(1e-300))
-
-
 def _matrices(update, state: torch.Tensor, side: str) -> torch.Tensor:
     """``A`` of ``update(S) = A S + B`` (left) or ``S A + B`` (right), ``[..., r, r]``: the
     derivative at zero along the basis states ``E_{i0}`` (its columns) or ``E_{0i}`` (rows)."""
@@ -256,7 +252,7 @@ def _fit_keys(A: torch.Tensor, keys: list[torch.Tensor]):
         a = (trace * n2 * n2 - kak * n2) / det
         neg_c = (r * kak - n2 * trace) / det
         fitted = a[:, None, None] * eye + neg_c[:, None, None] * kk
-        if _rel(A - fitted, A) <= FIT_TOLERANCE:
+        if relative_error(A - fitted, A) <= FIT_TOLERANCE:
             yield i, a, -neg_c
 
 
@@ -264,14 +260,14 @@ def _fit_values(B: torch.Tensor, k: torch.Tensor, values: list[torch.Tensor]):
     """Every ``(i, b)`` for which candidate value ``v = values[i]`` gives ``B = b kᵀ v``
     (``B [N, r, d]``)."""
     w = (k.unsqueeze(-2) @ B).squeeze(-2) / (k * k).sum(-1, keepdim=True)
-    if _rel(B - k.unsqueeze(-1) * w.unsqueeze(-2), B) > FIT_TOLERANCE:
+    if relative_error(B - k.unsqueeze(-1) * w.unsqueeze(-2), B) > FIT_TOLERANCE:
         return
     for i, v in enumerate(values):
         vv = (v * v).sum(-1)
         if bool((vv == 0).any()):
             continue
         b = (w * v).sum(-1) / vv
-        if _rel(w - b.unsqueeze(-1) * v, w) <= FIT_TOLERANCE:
+        if relative_error(w - b.unsqueeze(-1) * v, w) <= FIT_TOLERANCE:
             yield i, b
 
 
@@ -286,7 +282,7 @@ def _fit_coefficient(target: torch.Tensor, atoms: list[torch.Tensor]) -> Coeffic
         if not bool(torch.isfinite(prod).all()) or float(prod.norm()) == 0.0:
             continue
         scale = float((target * prod).sum() / (prod * prod).sum())
-        if _rel(target - scale * prod, target) <= FIT_TOLERANCE:
+        if relative_error(target - scale * prod, target) <= FIT_TOLERANCE:
             return Coefficient(scale, tuple(powers))
     return None
 
@@ -558,8 +554,8 @@ def _confirmed(match: DeltaRuleMatch) -> bool:
         got_out.append(outs[0].squeeze(prog.outputs[0].axis))
         got_state.append(finals[match.state])
     n_states = len(prog.states)
-    state_ok = _rel(torch.stack(got_state) - want[match.state], want[match.state])
-    out_ok = _rel(torch.stack(got_out) - want[n_states], want[n_states])
+    state_ok = relative_error(torch.stack(got_state) - want[match.state], want[match.state])
+    out_ok = relative_error(torch.stack(got_out) - want[n_states], want[n_states])
     return state_ok <= FIT_TOLERANCE and out_ok <= FIT_TOLERANCE
 
 

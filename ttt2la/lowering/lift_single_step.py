@@ -36,7 +36,7 @@ from ..ir import KIND, TTTProgram, ancestors, copy_graph
 from ..runtime.bidirectional import bidirectional_linear_attention, window_offsets
 from .chunking import assemble_outputs, chunk_streams
 from .lift import contraction, find_read, strip
-from .precision import promoted
+from .precision import promoted, relative_error
 
 aten = torch.ops.aten
 #: same elements in the same order, another shape (not a broadcast)
@@ -284,17 +284,10 @@ def _dominator(program: TTTProgram, start: torch.fx.Node, end: torch.fx.Node):
 
 def _node_values(gm: torch.fx.GraphModule, args) -> dict:
     """Every node's value in one evaluation of ``gm``."""
-    values = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            values[n] = out
-            return out
-
+    interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
     with torch.no_grad():
-        Recorder(gm).run(*args)
-    return values
+        interpreter.run(*args)
+    return interpreter.env
 
 
 def _random_inputs(program: TTTProgram, seed: int):
@@ -315,10 +308,6 @@ def _random_inputs(program: TTTProgram, seed: int):
         x.copy_(torch.randn(base, generator=gen, dtype=torch.float64))
         out.append(x.expand(tuple(val.shape)))
     return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _local_part(program: TTTProgram, t: int, live_dep: set, values: dict) -> Part | None:
@@ -357,7 +346,7 @@ def _local_part(program: TTTProgram, t: int, live_dep: set, values: dict) -> Par
             taps = values[w_out].reshape(-1, size * size, 1)
             for q in (n for n in images if n in read_side):
                 got = (taps * windows(q)).sum(1).reshape(image)  # Σ_j q[x + off_j] taps[j]
-                if _rel(got, values[read]) <= FIT_TOLERANCE:
+                if relative_error(got - values[read], values[read]) <= FIT_TOLERANCE:
                     return Part(t, "local", (q, k, v, w_in), read, w_out, (scale, size))
     return None
 
@@ -400,7 +389,8 @@ def _scale(S, increment) -> float | None:
     if norm == 0.0:
         return None
     c = float((S * increment).sum()) / norm
-    return c if c != 0.0 and _rel(c * S, increment) <= FIT_TOLERANCE else None
+    fits = c != 0.0 and relative_error(c * S - increment, increment) <= FIT_TOLERANCE
+    return c if fits else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +457,7 @@ def _confirmed(program: TTTProgram, parts: list[Part]) -> bool:
             got = promoted(rewritten(program.body, parts, "torch"))(*args)
     except Exception:
         return False
-    return all(_rel(g, w) <= FIT_TOLERANCE for g, w in zip(got, want))
+    return all(relative_error(g - w, w) <= FIT_TOLERANCE for g, w in zip(got, want))
 
 
 def single_step_parts(program: TTTProgram) -> list[Part]:

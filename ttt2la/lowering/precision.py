@@ -42,4 +42,11 @@ def as_dtype(values, dtype: torch.dtype = torch.float64):
             else v for v in values]
 
 
-__all__ = ["promoted", "as_dtype"]
+__all__ = ["promoted", "as_dtype", "relative_error"]
+
+
+def relative_error(err: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖err‖ / ‖ref‖`` of a float64 fit or confirmation (huge when ``ref`` is zero and ``err``
+    is not): how the lifts judge a piece read off a graph against the graph's own values."""
+    return float(err.norm() / ref.norm().clamp_min(1e-300))
+
