@@ -28,8 +28,8 @@ def _outputs(gm: torch.fx.GraphModule) -> list:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def input_dependencies(gm: torch.fx.GraphModule) -> list[frozenset[int]]:
-    """For each output of ``gm``, the positions of the inputs it is computed from."""
+def output_users(gm: torch.fx.GraphModule) -> list[frozenset[int]]:
+    """For each input of ``gm``, the positions of the outputs computed from it."""
     deps: dict = {}
     position = 0
     for node in gm.graph.nodes:
@@ -38,7 +38,8 @@ def input_dependencies(gm: torch.fx.GraphModule) -> list[frozenset[int]]:
             position += 1
         elif node.op != "output":
             deps[node] = frozenset().union(*(deps[a] for a in node.all_input_nodes))
-    return [deps[o] if isinstance(o, torch.fx.Node) else frozenset() for o in _outputs(gm)]
+    per_output = [deps[o] if isinstance(o, torch.fx.Node) else frozenset() for o in _outputs(gm)]
+    return [frozenset(k for k, d in enumerate(per_output) if i in d) for i in range(position)]
 
 
 class _Call:
@@ -134,13 +135,13 @@ def planned_autograd(gm: torch.fx.GraphModule):
     forward_compiler, backward_compiler, plan = _compilers(len(_outputs(gm)))
     joint = aot_function(gm, forward_compiler, backward_compiler,
                          partition_fn=min_cut_rematerialization_partition)
-    deps = input_dependencies(gm)
+    users_of = output_users(gm)            # static: computed once, read by every call
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
 
     def call(*args):
         record = _Call(plan)
         at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        users = [frozenset(k for k, d in enumerate(deps) if i in d) for i in at]
+        users = [users_of[i] for i in at]
         args = list(args)
         for i, x in zip(at, _Inputs.apply(record, users, *(args[i] for i in at))):
             args[i] = x
@@ -154,4 +155,4 @@ def planned_autograd(gm: torch.fx.GraphModule):
     return call
 
 
-__all__ = ["planned_autograd", "input_dependencies"]
+__all__ = ["planned_autograd", "output_users"]
