@@ -104,6 +104,10 @@ class SourceLoc:
     def full(self) -> str:
         return f"{self.file}:{self.line} in {self.function}: {self.code}".rstrip(": ")
 
+    def at(self) -> str:
+        """``file:line (`code`)``, how refusals point at the line."""
+        return f"{self.file}:{self.line}" + (f" (`{self.code}`)" if self.code else "")
+
 
 @dataclass
 class StateSpec:

@@ -72,7 +72,7 @@ def _put(args, path, value):
 
 def _where(node: torch.fx.Node) -> str:
     src = node.meta.get(SRC)
-    return f" at {src.file}:{src.line} (`{src.code}`)" if src is not None else ""
+    return f" at {src.at()}" if src is not None else ""
 
 
 def _aligned(graphs: dict, what: str) -> dict:

@@ -333,7 +333,7 @@ def _computed_at(node: torch.fx.Node) -> str:
                                                          aten.unsqueeze.default):
         node = node.args[0]
     src = node.meta.get(SRC)
-    return f"{src.file}:{src.line} (`{src.code}`)" if src is not None else node.format_node()
+    return src.at() if src is not None else node.format_node()
 
 
 def _computed_selects(graph: torch.fx.Graph, in_loop: set) -> list[torch.fx.Node]:

@@ -423,8 +423,7 @@ def _refuse_buffer_reads(u: Unrolled, buf: Buffer, body_nodes: list[torch.fx.Nod
 def _where(n: torch.fx.Node) -> str:
     """``file:line (`code`)`` of the statement that made ``n``."""
     src = n.meta.get(SRC)
-    return f"{src.file}:{src.line} (`{src.code.strip()}`)" if src is not None \
-        else n.format_node()
+    return src.at() if src is not None else n.format_node()
 
 
 def _where_assigned(producer: torch.fx.Node, u: Unrolled) -> str:

@@ -111,11 +111,11 @@ def _first_difference(*graphs: list[torch.fx.Node]) -> str:
     for nodes in zip(*graphs):
         if len({(n.op, n.target) for n in nodes}) > 1:
             src = next((n.meta.get(SRC) for n in nodes if n.meta.get(SRC) is not None), None)
-            return f" from the op at {src.file}:{src.line} (`{src.code}`) on" if src else ""
+            return f" from the op at {src.at()} on" if src else ""
     longest = max(graphs, key=len)
     extra = longest[min(len(g) for g in graphs):]
     src = next((n.meta.get(SRC) for n in extra if n.meta.get(SRC) is not None), None)
-    return f" from the op at {src.file}:{src.line} (`{src.code}`) on" if src else ""
+    return f" from the op at {src.at()} on" if src else ""
 
 
 def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.fx.GraphModule,

@@ -58,7 +58,7 @@ def data_dependent_message(node: torch.fx.Node, layer: str) -> str:
     """Why the layer is refused, naming the op and the line that read the data."""
     src = node.meta.get(SRC)
     op = str(node.target).replace("aten::", "aten.")
-    at = f" at {src.file}:{src.line} (`{src.code}`)" if src is not None else ""
+    at = f" at {src.at()}" if src is not None else ""
     return (f"{layer}: {op}{at} reads a number out of the data (`.item()`, `.tolist()`, "
             "`nonzero`, boolean-mask indexing or `unique`), and the size or value it gives "
             "steers the computation; ttt2la traces the layer with shapes only and runs the "
