@@ -1,28 +1,36 @@
 """GPU benchmark of the Triton kernels against their recurrent forms, the torch runtime and flash-linear-attention.
 
-Three sections, every time the median of several runs timed with CUDA events after warm-up runs (with the
-interquartile range of the runs as % of the median):
+Four sections (``--sections``, a comma list of a, b, c, d; all by default), every time the median of several
+runs timed with CUDA events after warm-up runs (with the interquartile range of the runs as % of the median),
+forward and forward + backward:
 
 (a) LaCT variant 2 (Θ frozen, no weight norm; momentum and Muon kept): 4 heads of 384, chunks of 2048,
     T = 32K, bf16, apply-then-update order, Newton–Schulz as LaCT's release runs it (its five per-step
     coefficient triples, iterated in bf16: ``ns_coefficients``/``ns_dtype`` of the runtime op — precision
     follows the source, nothing runs in float64). The Triton block op (features given, and with the SwiGLU
-    kernel fused in), the torch runtime's parallel op, the recurrent form (the reference's loop over chunks)
-    and the whole LaCT zoo layer (``LaCTPublishedLayer`` when the zoo has it, else ``LaCTFoldedLayer``;
-    projections included) as written in its variant-2 and baseline configurations, and the baseline
-    converted by ``ttt2la.convert(level=2)``.
-(b) Token-causal linear attention with a per-head decay: B = 8, T = 8192, H = 16, D = 128, bf16, forward and
-    forward + backward, Triton against the torch runtime and fla's ``chunk_simple_gla`` when it imports.
-(c) Achieved TFLOP/s of the dominant matmuls (the block op's increment and read kernels, Newton–Schulz, the
-    token-causal op) against the GPU's bf16 matmul rate, measured here on an 8192³ product.
+    kernel fused in), the torch runtime's parallel op and the recurrent form (the reference's loop over
+    chunks).
+(b) Token-causal linear attention with a per-head decay: B = 8, T = 8192, H = 16, D = 128, bf16, Triton
+    against the torch runtime and fla's ``chunk_simple_gla`` when it imports.
+(c) Achieved TFLOP/s of the dominant matmuls (the block op's increment and read kernels, and Newton–Schulz
+    through ``newton_schulz`` — forward in fp32, TF32 and bf16, forward + backward in bf16 and fp32) against
+    the GPU's bf16 matmul rate, measured here on an 8192³ product.
+(d) The whole LaCT zoo layer at the shape of (a) (``LaCTPublishedLayer`` when the zoo has it, else
+    ``LaCTFoldedLayer``; projections included) as written in its variant-2 and baseline configurations, and
+    the baseline converted by ``ttt2la.convert(level=2)`` (the plan that ran in the note); forward + backward
+    backpropagates the output's sum into every parameter.
 
 FLOPs are counted analytically, matmuls only (see ``block_flops``/``chunk_flops``); the backward counts the
-matmuls it performs, recomputation included. Each Triton row also reports its relative RMS error against the
-torch runtime on the same inputs. Every row is written to ``--out`` (default
-``benchmarks/results/gpu-<date>.md``) as soon as it is measured, so a time-out loses nothing; rows that would
-start after ``--budget-seconds`` are recorded as skipped. ``--quick`` shrinks every shape for a smoke run;
-``--device cpu`` (with ``TRITON_INTERPRET=1`` and ``--quick``) smoke-tests the script itself without a GPU,
-timing with the wall clock.
+matmuls it performs, recomputation included (Newton–Schulz alone in (c): 3× its forward, no recomputation).
+Each Triton row also reports its relative RMS error against the torch runtime on the same inputs. Every row is
+written to ``--out`` (default ``benchmarks/results/gpu-<date>.md``) as soon as it is measured, so a time-out
+loses nothing; rows that would start after ``--budget-seconds`` are recorded as skipped. ``--profile DIR``
+then writes ``torch.profiler`` tables (sorted by device time) of the level-2 converted layer and of variant 2
+as written at the shape of (d), forward and forward + backward, to ``DIR/profile-{converted,variant2}-
+{fwd,fwdbwd}.txt`` (the layer converted for (d) is reused; each file is written as soon as it is done, the
+rows' budget does not apply to them, and a profiler failure is printed, not fatal). ``--quick`` shrinks every
+shape for a short GPU run; ``--device cpu --size tiny`` (with ``TRITON_INTERPRET=1``) smoke-tests the script
+itself without a GPU: one timed run per row, the wall clock, and the zoo layers' ``torch.compile`` turned off.
 
 Read before trusting tile choices: the kernels' compile check (``ttt2la/runtime/triton/ahead_of_time.py``)
 compiles without the divisibility hints (``tt.divisibility``) the JIT adds at launch, so the register counts
@@ -63,6 +71,15 @@ LACT_NS_DTYPE = torch.bfloat16
 #: Rows that would start after this time (``time.monotonic()``) are recorded as skipped.
 DEADLINE = math.inf
 
+#: When the script started (``time.monotonic()``), for the elapsed times in its progress lines.
+START = time.monotonic()
+
+
+def elapsed() -> str:
+    """Seconds since the script started, as ``+12s``."""
+    return f"+{time.monotonic() - START:.0f}s"
+
+
 #: Dense bf16 matmul rate the vendor states for the chips this is meant for (TFLOP/s, no sparsity).
 NOMINAL_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
@@ -89,6 +106,8 @@ def cuda_ms(fn, *, warmup: int = 2, repeats: int = 7) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, timed with CUDA events
     (the wall clock off CUDA); the runs' interquartile range goes to ``LAST_SPREAD``."""
     cuda = DEVICE.startswith("cuda")
+    if not cuda:                # a smoke run of the script itself: its numbers mean nothing, one run will do
+        warmup, repeats = 0, 1
     for _ in range(warmup):
         fn()
     if cuda:
@@ -202,7 +221,7 @@ def _attempt(rows, row: Row, measure):
             row.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             traceback.print_exc()
     rows.append(row)
-    print(f"  {row.section} | {row.implementation} | {row.passes} | "
+    print(f"  [{elapsed()}] {row.section} | {row.implementation} | {row.passes} | "
           f"{'-' if row.ms is None else f'{row.ms:.3f} ms'} {row.note}", flush=True)
 
 
@@ -281,6 +300,11 @@ def section_lact(rows, *, B, T, H, D, C, steps):
                                (q, k, v, w0, w2)))
         row.tokens, row.flops = B * T, block_flops(**flops, backward=True, swiglu_dims=(D, D))
 
+    def recurrent_training(row):
+        row.ms = cuda_ms(grads(lambda a, b, c: naive_block_linear_attention(a, b, c, **options), (phi_q, phi_k, v)),
+                         warmup=1, repeats=3)
+        row.tokens, row.flops = B * T, block_flops(**flops, backward=True)
+
     _attempt(rows, Row(section, "torch runtime, parallel (φ given)", "fwd"), torch_forward)
     _attempt(rows, Row(section, "Triton block op (φ given)", "fwd"), triton_forward)
     _attempt(rows, Row(section, "Triton, SwiGLU φ fused", "fwd"), fused_forward)
@@ -289,6 +313,7 @@ def section_lact(rows, *, B, T, H, D, C, steps):
     _attempt(rows, Row(section, "torch runtime, parallel (φ given)", "fwd+bwd"), torch_training)
     _attempt(rows, Row(section, "Triton block op (φ given)", "fwd+bwd"), triton_training)
     _attempt(rows, Row(section, "Triton, SwiGLU φ fused", "fwd+bwd"), fused_training)
+    _attempt(rows, Row(section, "recurrent form (loop over chunks, φ given)", "fwd+bwd"), recurrent_training)
 
 
 def lact_newton_schulz(steps: int) -> dict:
@@ -298,49 +323,184 @@ def lact_newton_schulz(steps: int) -> dict:
     return dict(muon_steps=steps, ns_coefficients=LACT_NS_COEFFICIENTS[:steps], ns_dtype=LACT_NS_DTYPE)
 
 
-def section_lact_layers(rows, section, *, B, T, H, D, C, steps):
-    """The whole LaCT zoo layer as written (projections, norms, its own chunk loop) in its variant-2 and
-    baseline configurations, and the baseline converted at level 2 (the plan that ran in the note)."""
-    import ttt2la.zoo
+class LaCTLayers:
+    """The zoo's LaCT layer at one shape: its input, the baseline and variant-2 configurations (same weights), and
+    the baseline converted at level 2 — converted once, on first use, and shared by (d) and ``--profile``."""
 
-    cls = getattr(ttt2la.zoo, "LaCTPublishedLayer", None) or ttt2la.zoo.LaCTFoldedLayer
-    x = torch.randn(B, T, H * D, device=DEVICE, dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    baseline = cls(H * D, H, C, muon_steps=steps).to(DEVICE, torch.bfloat16).eval()
-    variant2 = cls(H * D, H, C, muon_steps=steps, update_theta=False, weight_norm=False)
-    variant2.load_state_dict(baseline.state_dict())
-    variant2.to(DEVICE, torch.bfloat16).eval()
-    outputs = {}
+    def __init__(self, *, B, T, H, D, C, steps):
+        import ttt2la.zoo
+
+        self.cls = getattr(ttt2la.zoo, "LaCTPublishedLayer", None) or ttt2la.zoo.LaCTFoldedLayer
+        self.B, self.T, self.C = B, T, C
+        self.x = torch.randn(B, T, H * D, device=DEVICE, dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        self.baseline = self.cls(H * D, H, C, muon_steps=steps).to(DEVICE, torch.bfloat16).eval()
+        self.variant2 = self.cls(H * D, H, C, muon_steps=steps, update_theta=False, weight_norm=False)
+        self.variant2.load_state_dict(self.baseline.state_dict())
+        self.variant2.to(DEVICE, torch.bfloat16).eval()
+        self._converted: torch.nn.Module | None = None
+        self._failure: Exception | None = None
+        self.convert_seconds: float | None = None
+
+    def converted(self) -> torch.nn.Module:
+        """The baseline converted at level 2 (a failed conversion is raised again, not retried)."""
+        if self._failure is not None:
+            raise self._failure
+        if self._converted is None:
+            import ttt2la
+
+            start = time.monotonic()
+            try:
+                self._converted = ttt2la.convert(self.baseline, level=2,
+                                                 example_inputs=(self.x[:1, : min(self.T, 3 * self.C)],))
+            except Exception as exc:
+                self._failure = exc
+                raise
+            self.convert_seconds = time.monotonic() - start
+        return self._converted
+
+    def plan_note(self) -> str:
+        from ttt2la.cli import ran_plans
+
+        return f"plan that ran: {ran_plans(self._converted, self.B)}; converted in {self.convert_seconds:.0f} s"
+
+
+def layer_training(layer, x):
+    """A closure running ``layer(x)`` and backpropagating the sum of its output into every parameter."""
+    parameters = list(layer.parameters())
+
+    def run():
+        for p in parameters:
+            p.grad = None
+        layer(x).float().sum().backward()
+    return run
+
+
+def gradients(layer) -> dict[str, torch.Tensor]:
+    """The parameter gradients ``layer`` holds, by name, in float32."""
+    return {name: p.grad.float() for name, p in layer.named_parameters() if p.grad is not None}
+
+
+def reached(grads, layer) -> str:
+    """How many of ``layer``'s parameters the backward of the output's sum reached."""
+    return f"backward of the output's sum: {len(grads)} of {len(list(layer.parameters()))} parameters get a gradient"
+
+
+def gradient_error(grads, reference) -> tuple[float | None, str]:
+    """The worst per-parameter relative RMS error of ``grads`` against ``reference`` (by name), and which."""
+    shared = sorted(set(grads) & set(reference))
+    if not shared:
+        return None, "no parameter gradient shared with variant 2 as written to compare"
+    errors = {name: rel_rms_error(grads[name], reference[name]) for name in shared}
+    worst = max(errors, key=errors.get)
+    return errors[worst], f"worst of {len(shared)} parameter gradients ({worst}) vs variant 2 as written"
+
+
+def section_lact_layers(rows, section, layers: LaCTLayers):
+    """The whole LaCT zoo layer as written (projections, norms, its own chunk loop) in its variant-2 and
+    baseline configurations, and the baseline converted at level 2 (the plan that ran in the note): forward,
+    then forward + backward of the output's sum into every parameter (the converted layer before the slow
+    baseline, so that a short run keeps the rows that matter most)."""
+    x, B, T, name = layers.x, layers.B, layers.T, layers.cls.__name__
+    outputs, grads = {}, {}
+    whole = "whole layer: projections, norms and Θ updates where enabled; FLOPs not counted"
 
     def as_written(layer, key):
         def measure(row):
             with torch.no_grad():
                 outputs[key] = layer(x).float()
                 row.ms = cuda_ms(lambda: layer(x), warmup=1, repeats=3)
-            row.tokens = B * T
-            row.note = "whole layer: projections, norms and Θ updates where enabled; FLOPs not counted"
+            row.tokens, row.note = B * T, whole
         return measure
 
     def converted(row):
-        import ttt2la
-        from ttt2la.cli import ran_plans
-
-        start = time.monotonic()
-        layer = ttt2la.convert(baseline, level=2, example_inputs=(x[:1, : min(T, 3 * C)],))
-        took = time.monotonic() - start
+        layer = layers.converted()
         with torch.no_grad():
             out = layer(x).float()
             row.ms = cuda_ms(lambda: layer(x), warmup=1, repeats=3)
         row.tokens = B * T
         row.error = rel_rms_error(out, outputs["v2"]) if "v2" in outputs else None
-        row.note = (f"plan that ran: {ran_plans(layer, B)}; converted in {took:.0f} s; error vs variant 2 as "
-                    f"written")
+        row.note = f"{layers.plan_note()}; error vs variant 2 as written"
 
-    _attempt(rows, Row(section, f"{cls.__name__}, variant 2 as written (whole layer)", "fwd"),
-             as_written(variant2, "v2"))
-    _attempt(rows, Row(section, f"{cls.__name__}, baseline as written (whole layer)", "fwd"),
-             as_written(baseline, "baseline"))
-    _attempt(rows, Row(section, f"{cls.__name__} baseline converted at level 2 (whole layer)", "fwd"), converted)
+    def as_written_training(layer, key):
+        def measure(row):
+            run = layer_training(layer, x)
+            run()
+            grads[key] = gradients(layer)
+            row.ms = cuda_ms(run, warmup=1, repeats=3)
+            row.tokens = B * T
+            row.note = f"{whole}; {reached(grads[key], layer)}"
+        return measure
+
+    def converted_training(row):
+        layer = layers.converted()
+        run = layer_training(layer, x)
+        run()
+        mine = gradients(layer)
+        row.ms = cuda_ms(run, warmup=1, repeats=3)
+        row.tokens = B * T
+        if "v2" in grads:
+            row.error, compared = gradient_error(mine, grads["v2"])
+        else:
+            compared = "variant 2 as written has no gradients to compare"
+        row.note = f"{layers.plan_note()}; {reached(mine, layer)}; error: {compared}"
+
+    _attempt(rows, Row(section, f"{name}, variant 2 as written (whole layer)", "fwd"), as_written(layers.variant2, "v2"))
+    _attempt(rows, Row(section, f"{name}, baseline as written (whole layer)", "fwd"),
+             as_written(layers.baseline, "baseline"))
+    _attempt(rows, Row(section, f"{name} baseline converted at level 2 (whole layer)", "fwd"), converted)
+    _attempt(rows, Row(section, f"{name}, variant 2 as written (whole layer)", "fwd+bwd"),
+             as_written_training(layers.variant2, "v2"))
+    _attempt(rows, Row(section, f"{name} baseline converted at level 2 (whole layer)", "fwd+bwd"),
+             converted_training)
+    _attempt(rows, Row(section, f"{name}, baseline as written (whole layer)", "fwd+bwd"),
+             as_written_training(layers.baseline, "baseline"))
+
+
+def profile_layers(layers: LaCTLayers, directory: str, *, iterations: int = 3) -> None:
+    """``torch.profiler`` tables (CPU and CUDA activities, sorted by device time) of the converted layer and of
+    variant 2 as written, forward and forward + backward, ``iterations`` runs after warm-up each. Each file is
+    written when done (an outer time-out loses only the one under way); a failure is printed and ends nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(directory, exist_ok=True)
+    cuda = DEVICE.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    keys = ("self_device_time_total", "device_time_total") if cuda else ("self_cpu_time_total", "cpu_time_total")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if not cuda:
+        iterations = 1
+
+    def forward(layer):
+        def run():
+            with torch.no_grad():
+                layer(layers.x)
+        return run
+
+    for label, get in (("converted", layers.converted), ("variant2", lambda: layers.variant2)):
+        for passes, make in (("fwd", forward), ("fwdbwd", lambda layer: layer_training(layer, layers.x))):
+            path = os.path.join(directory, f"profile-{label}-{passes}.txt")
+            try:
+                run = make(get())
+                for _ in range(2 if cuda else 1):
+                    run()
+                sync()
+                with profile(activities=activities) as prof:
+                    for _ in range(iterations):
+                        run()
+                    sync()
+                averages = prof.key_averages()
+                text = [f"{label} layer ({layers.cls.__name__}, B={layers.B} T={layers.T}), {passes}, "
+                        f"{iterations} iterations after warm-up; {DEVICE}\n"]
+                for key in keys:
+                    text += [f"\n== sorted by {key} (top 30)\n",
+                             averages.table(sort_by=key, row_limit=30, max_name_column_width=100)]
+                with open(path, "w") as f:
+                    f.write("".join(text))
+                print(f"  profile written: {path} ({elapsed()})", flush=True)
+            except Exception as exc:  # the table is what counts: a profiler failure is reported, not fatal
+                print(f"  profile {path} failed: {type(exc).__name__}: {exc}", flush=True)
+                traceback.print_exc()
 
 
 # ----------------------------------------------------------------------------- (b) token-causal
@@ -433,12 +593,36 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
                         f"{' (TF32 allowed)' if tf32 else ''}, all {n} chunks at once")
         return measure
 
+    def orthogonalise_training(dtype):
+        def measure(row):
+            M = torch.randn(B, n, H, D, D, device=DEVICE, dtype=torch.float32, requires_grad=True)
+            cotangent = torch.randn(B, n, H, D, D, device=DEVICE, dtype=torch.float32)
+            coefficients = LACT_NS_COEFFICIENTS[:steps]
+
+            def run():
+                M.grad = None
+                newton_schulz(M, steps, coefficients, dtype=dtype).backward(cotangent)
+
+            previous = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = False
+            try:
+                row.ms = cuda_ms(run)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = previous
+            row.flops = 3 * B * n * H * newton_schulz_flops(D, D, steps)
+            row.note = (f"LaCT's schedule iterated in {str(dtype).replace('torch.', '')}, float32 input and "
+                        f"gradient as the block op gives them, all {n} chunks at once; FLOPs: 3× the forward's "
+                        f"matmuls (the backward's two products per forward matmul; recomputation not counted)")
+        return measure
+
     _attempt(rows, Row(section, "Triton increments G_j = φ(K_j)ᵀ(lr ⊙ V_j)", "fwd"), increments(False))
     _attempt(rows, Row(section, "Triton increments, split lr ⊙ V", "fwd"), increments(True))
     _attempt(rows, Row(section, "Triton read o = φ(Q_j) W_j", "fwd"), read)
     _attempt(rows, Row(section, "Newton–Schulz", "fwd"), orthogonalise(torch.float32))
     _attempt(rows, Row(section, "Newton–Schulz", "fwd"), orthogonalise(torch.float32, tf32=True))
     _attempt(rows, Row(section, "Newton–Schulz", "fwd"), orthogonalise(torch.bfloat16))
+    _attempt(rows, Row(section, "Newton–Schulz", "fwd+bwd"), orthogonalise_training(torch.bfloat16))
+    _attempt(rows, Row(section, "Newton–Schulz", "fwd+bwd"), orthogonalise_training(torch.float32))
 
 
 # ----------------------------------------------------------------------------- report
@@ -481,11 +665,22 @@ def main(argv=None):
                         help="cuda; cpu only smoke-tests the script (TRITON_INTERPRET=1, --size tiny)")
     parser.add_argument("--budget-seconds", type=float, default=math.inf,
                         help="rows that would start later than this are recorded as skipped")
+    parser.add_argument("--sections", default="a,b,c,d", type=sections,
+                        help="comma list of the sections to run, of a,b,c,d (default all)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after the table, write torch.profiler tables of the level-2 converted layer and of "
+                             "variant 2 as written (shape of (d)), forward and forward + backward, to DIR")
     args = parser.parse_args(argv)
     DEVICE, DEADLINE = args.device, time.monotonic() + args.budget_seconds
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_bench.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
+    if not DEVICE.startswith("cuda"):
+        # A smoke run of the script: the zoo layers' torch.compile would spend minutes in Inductor's C++ build
+        # on a small CPU, so it runs them eagerly; the GPU run compiles them as written.
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
     import triton
 
     name = torch.cuda.get_device_name() if DEVICE.startswith("cuda") else f"{platform.machine()} (smoke run)"
@@ -503,13 +698,49 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gpu-{date}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows = Rows(out, header, peak, nominal)
-    section_lact(rows, **lact)
-    section_chunk(rows, **causal)
-    section_matmuls(rows, **lact)
-    section_lact_layers(rows, "(d) whole LaCT layer, shape of (a)", **lact)
+    layers = None
+    for section in args.sections:
+        if section == "a":
+            section_lact(rows, **lact)
+        elif section == "b":
+            section_chunk(rows, **causal)
+        elif section == "c":
+            section_matmuls(rows, **lact)
+        else:
+            layers = lact_layers(rows, lact)
     print(rows.flush(done=True))
-    print(f"written to {out}")
+    print(f"written to {out} ({elapsed()})", flush=True)
+    if args.profile:
+        print(f"profiles of the whole layer at the shape of (d), to {args.profile}", flush=True)
+        try:
+            profile_layers(layers or LaCTLayers(**lact), args.profile)
+        except Exception as exc:  # building the layers failed: say so, the table is written already
+            print(f"  profiles failed: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc()
+    print(f"done ({elapsed()})", flush=True)
     return 0
+
+
+def sections(text: str) -> list[str]:
+    """``--sections``: a comma list of a, b, c, d, run in the order a, b, c, d whatever the order given."""
+    names = {name.strip().lower() for name in text.split(",") if name.strip()}
+    unknown = names - set("abcd")
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"sections are a comma list of a,b,c,d; got {text!r}")
+    return sorted(names)
+
+
+def lact_layers(rows, lact) -> LaCTLayers | None:
+    """Section (d): builds the layers (a failure to build them becomes a row) and measures them."""
+    section = "(d) whole LaCT layer, shape of (a)"
+    try:
+        layers = LaCTLayers(**lact)
+    except Exception as exc:
+        traceback.print_exc()
+        rows.append(Row(section, "LaCT zoo layer", "-", note=f"failed to build: {type(exc).__name__}: {exc}"))
+        return None
+    section_lact_layers(rows, section, layers)
+    return layers
 
 
 if __name__ == "__main__":
