@@ -7,8 +7,8 @@ work on ``[B, N, H, Dk, Dv]`` states, which stays in torch (batched over chunks)
   and in the backward the state gradient ``φ(Q_j)ᵀ dO_j``), the per-token scale fused into the load;
 * ``chunk_read``: ``O_t = (s ⊙ X_t) S_{chunk(t)}`` (the output ``φ(Q) W``, and in the backward ``dO Wᵀ``,
   ``(lr ⊙ V) dGᵀ`` and ``φ(K) dG``), states given by strides so a transpose costs nothing;
-* momentum (``scan.affine_scan``), Newton–Schulz (``newton_schulz``, recomputed in the backward rather than
-  stored) and the state prefix sum, in torch.
+* momentum (``scan.affine_scan``), Newton–Schulz (``newton_schulz``: three GEMMs a step with fused epilogues,
+  its matrices kept for a hand-written backward) and the state prefix sum, in torch.
 """
 from __future__ import annotations
 
@@ -250,25 +250,6 @@ class ChunkRead(torch.autograd.Function):
         return (*grads, None, None)
 
 
-class Orthogonalise(torch.autograd.Function):
-    """Newton–Schulz on every chunk's momentum; the backward recomputes the iteration instead of storing it."""
-
-    @staticmethod
-    def forward(ctx, M, schedule, eps, iteration_dtype):
-        ctx.save_for_backward(M)
-        ctx.schedule, ctx.eps, ctx.iteration_dtype = schedule, eps, iteration_dtype
-        return newton_schulz(M, 0, schedule, eps, dtype=iteration_dtype)
-
-    @staticmethod
-    def backward(ctx, dDelta):
-        (M,) = ctx.saved_tensors
-        with torch.enable_grad():
-            M = M.detach().requires_grad_()
-            delta = newton_schulz(M, 0, ctx.schedule, ctx.eps, dtype=ctx.iteration_dtype)
-            (dM,) = torch.autograd.grad(delta, M, dDelta)
-        return dM, None, None, None
-
-
 def read_states(M, *, order, n, momentum, schedule, ns_eps, ns_dtype, initial_state, dtype):
     """From the increments ``M`` ``[B, n_update, H, Dk, Dv]``: the state every chunk reads and the final state.
 
@@ -280,7 +261,7 @@ def read_states(M, *, order, n, momentum, schedule, ns_eps, ns_dtype, initial_st
     if n_update > 0:
         if momentum is not None and n_update > 1:
             M = affine_scan(momentum[:, :n_update].to(dtype)[..., None, None], M, dim=1)
-        delta = Orthogonalise.apply(M, schedule, ns_eps, ns_dtype) if schedule else M
+        delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
         states = prefix_sum(delta, dim=1, initial=W0)
         final = states[:, -1]
     else:
@@ -324,4 +305,4 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
 
 
 __all__ = ["block_linear_attention", "chunk_increments", "chunk_read", "read_states", "increments_backward",
-           "read_backward", "ChunkIncrements", "ChunkRead", "Orthogonalise"]
+           "read_backward", "ChunkIncrements", "ChunkRead"]
