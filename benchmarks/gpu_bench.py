@@ -40,6 +40,7 @@ the hinted compile uses 80). Measured times here are the ground truth.
 from __future__ import annotations
 
 import argparse
+import importlib
 import dataclasses
 import datetime
 import math
@@ -678,9 +679,7 @@ def main(argv=None):
     if not DEVICE.startswith("cuda"):
         # A smoke run of the script: the zoo layers' torch.compile would spend minutes in Inductor's C++ build
         # on a small CPU, so it runs them eagerly; the GPU run compiles them as written.
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
+        importlib.import_module("torch._dynamo").config.disable = True   # no local `import torch`: main reads the global
     import triton
 
     name = torch.cuda.get_device_name() if DEVICE.startswith("cuda") else f"{platform.machine()} (smoke run)"

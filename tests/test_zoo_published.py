@@ -250,3 +250,29 @@ def test_layer_matches_a_reference_written_with_autograd(switches, B, C, data):
                                **switches).double()
     x = torch.randn(B, L, H * D, dtype=torch.float64)
     assert rel_rms_error(layer(x), _reference(layer, x)) <= TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("dtype,ns_dtype", [(torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16),
+                                            (torch.float32, torch.float32)])
+def test_newton_schulz_iterates_in_the_dtype_the_code_iterates_in(monkeypatch, dtype, ns_dtype):
+    """Precision follows the source: in a bf16 model whose orthogonalisation casts to bf16 (a no-op
+    on bf16 values, so the trace holds no cast) the converted layer iterates in bf16, not in the
+    op's fp32 accumulation dtype; an fp32 model's cast to bf16 is kept, and fp32 stays fp32."""
+    from ttt2la.runtime import block as torch_block
+    torch.manual_seed(0)
+    layer = LaCTPublishedLayer(32, 2, 8, muon_steps=3, ns_dtype=ns_dtype).to(dtype).eval()
+    x = torch.randn(1, 32, 32, dtype=dtype)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+    seen = []
+    original = torch_block.newton_schulz
+
+    def spy(G, *args, dtype=None, **kwargs):
+        seen.append(dtype or G.dtype)   # the dtype it iterates in (None: G's)
+        return original(G, *args, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(torch_block, "newton_schulz", spy)
+    with torch.no_grad():
+        conv(x)
+    assert seen == [ns_dtype]

@@ -112,8 +112,9 @@ def contraction(n, state_dep: set) -> _Contraction | None:
 @dataclass(frozen=True)
 class NewtonSchulz:
     """The orthogonalisation a lifted update applies, as the runtime takes it: one ``(a, b, c)``
-    per step, the Frobenius normalisation's ``eps`` and the iteration's ``dtype`` (``None``:
-    the accumulation dtype, as when the user's code does not cast)."""
+    per step, the Frobenius normalisation's ``eps`` and the dtype the user's code casts to before
+    iterating (``None``: no cast, so the iteration runs in the dtype of the values, bf16 in a bf16
+    model — see ``iteration_dtype``)."""
 
     coefficients: tuple[tuple[float, float, float], ...]
     eps: float = NS_EPS
@@ -122,6 +123,12 @@ class NewtonSchulz:
     @property
     def steps(self) -> int:
         return len(self.coefficients)
+
+    def iteration_dtype(self, phi_k: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+        """The dtype the iteration runs in: the cast's, or without one the update's own dtype
+        (keys and values promoted), as the user's code computes it — not the op's wider
+        accumulation dtype, which would make a bf16 model iterate in fp32."""
+        return self.dtype or torch.promote_types(phi_k.dtype, value.dtype)
 
 
 @dataclass
@@ -536,7 +543,7 @@ class LiftedPlan:
                 options["weight_norm"] = values[lp.weight_norm].reshape(s0.shape[0], 1, -1)
             if ns is not None:
                 options.update(muon_steps=ns.steps, ns_coefficients=ns.coefficients,
-                               ns_eps=ns.eps, ns_dtype=ns.dtype)
+                               ns_eps=ns.eps, ns_dtype=ns.iteration_dtype(phi_k, value))
             op, fn = "block", block_linear_attention
         else:
             options = dict(initial_state=s0, output_final_state=True)
