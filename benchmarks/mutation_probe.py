@@ -122,6 +122,16 @@ MUTATIONS = [
         (("ttt2la/lowering/lift.py", "else value * self.lifted.scale", "else value"),),
         ("tests/test_convert.py",), "level2_equals and heads-H2-D4-C8"),
     Mutation(
+        "ns_backward_transpose_term", "Newton–Schulz backward drops the dAᵀX term of A = XXᵀ",
+        (("ttt2la/runtime/newton_schulz.py", "                        dA.mT, X, beta=1.0, alpha=1.0)",
+          "                        dA.mT, X, beta=1.0, alpha=0.0)"),),
+        ("tests/test_runtime_block.py",), "gradient_matches_autograd"),
+    Mutation(
+        "ns_iteration_dtype_widened", "a converted layer iterates Newton–Schulz in the op's accumulation dtype",
+        (("ttt2la/lowering/lift.py", "return self.dtype or torch.promote_types(phi_k.dtype, value.dtype)",
+          "return self.dtype"),),
+        ("tests/test_zoo_published.py",), "iterates_in_the_dtype"),
+    Mutation(
         "buffer_reuse_views", "buffer reuse ignores views: a buffer is free once its base is dead",
         (("ttt2la/lowering/buffer_reuse.py", "buf = by_storage.get(key)", "buf = None"),),
         ("tests/test_buffer_reuse.py",), "same_values or gradients_match"),

@@ -368,6 +368,40 @@ def test_newton_schulz_matches_the_hand_written_iteration(m, n, schedule, ns_bf1
         assert rel_rms_error(got, exact) <= 2 * own + 1e-6 + (TOLERANCE[dtype] if not triples else 0)
 
 
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(2, 9), schedule=st.sampled_from(sorted(SCHEDULES)),
+       ns_bf16=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1), tall=st.booleans())
+def test_newton_schulz_gradient_matches_autograd_of_the_hand_written_iteration(m, n, schedule, ns_bf16,
+                                                                                dtype, seed, tall):
+    """``newton_schulz``'s hand-written backward against autograd through ``hand_newton_schulz``:
+    float64 to 1e-10; low precision within twice the hand-written forms' own error (plus 1e-6).
+    A 1×1 matrix only sets a length, which the normalisation removes: its exact gradient is of
+    the order of ``eps`` and its relative error rounding noise, so matrices have two entries or more."""
+    steps, coefficients = SCHEDULES[schedule]
+    triples = steps_of(steps, coefficients)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, 3, n, m) if tall else (2, 3, m, n)
+    G = torch.randn(shape, generator=gen, dtype=torch.float64)
+    cot = torch.randn(shape, generator=gen, dtype=torch.float64)
+    it = torch.bfloat16 if ns_bf16 else None
+
+    def grad(fn, x):
+        x = x.detach().requires_grad_()
+        (dx,) = torch.autograd.grad((fn(x) * cot.to(x.dtype)).sum(), x)
+        return dx
+
+    exact = grad(lambda x: hand_newton_schulz(x, triples, 1e-7, torch.float64), G)
+    assert rel_rms_error(grad(lambda x: newton_schulz(x, steps, coefficients), G), exact) \
+        <= TOLERANCE[torch.float64]
+    low = G.to(dtype)
+    own = max(rel_rms_error(grad(lambda x: hand_newton_schulz(x, triples, 1e-7, it or dtype, form), low),
+                            exact) for form in NS_FORMS)
+    got = grad(lambda x: newton_schulz(x, steps, coefficients, dtype=it), low)
+    assert got.dtype == dtype
+    assert rel_rms_error(got, exact) <= 2 * own + 1e-6 + (TOLERANCE[dtype] if not triples else 0)
+
+
 def test_newton_schulz_orthogonalises():
     """Five quintic steps push every singular value of a well-conditioned matrix near 1."""
     G = torch.randn(16, 24, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
