@@ -276,3 +276,38 @@ def test_newton_schulz_iterates_in_the_dtype_the_code_iterates_in(monkeypatch, d
     with torch.no_grad():
         conv(x)
     assert seen == [ns_dtype]
+
+
+def test_a_compiled_variant_with_bf16_newton_schulz_converts_exactly():
+    """Variant 2 written with ``torch.compile`` (LaCT's release compiles its operator) and its
+    bf16 Newton–Schulz: every pass is already satisfied, so the conversion is exact and checked
+    step by step; the compiled original rounds the bf16 iteration differently from its own ops run
+    eagerly, so the check compares the traced program with the original run eagerly (it used to
+    refuse this conversion as a bug)."""
+    torch.manual_seed(0)
+    layer = LaCTPublishedLayer(16, 2, 8, update_theta=False, weight_norm=False, muon_steps=5).eval()
+    x = torch.randn(1, 32, 16)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled_out = layer(x)
+        conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    report = conv.ttt2la_report.layers[0]
+    assert report.runtime.startswith("block_linear_attention")
+    assert all(p.status == "already_satisfied" for p in report.passes)
+    with torch.no_grad():
+        assert rel_rms_error(compiled_out, layer(x)) > 1e-4    # the two roundings do differ here
+    exact = LaCTPublishedLayer(16, 2, 8, update_theta=False, weight_norm=False, muon_steps=5,
+                               ns_dtype=torch.float64)
+    exact.load_state_dict(layer.state_dict())
+    exact = exact.double().eval()
+    gen = torch.Generator().manual_seed(1)
+    errors = {"converted": [], "original": []}
+    with torch.no_grad():
+        for xs in [x.double()] + [torch.randn(1, 32, 16, generator=gen, dtype=torch.float64)
+                                  for _ in range(CRITERION_SAMPLES - 1)]:
+            ref = exact(xs)
+            errors["converted"].append(rel_rms_error(conv(xs.float()), ref))
+            errors["original"].append(rel_rms_error(layer(xs.float()), ref))
+    ok, got, bound = no_worse_than_original(errors["converted"], errors["original"])
+    assert ok, (got, bound)

@@ -238,13 +238,15 @@ def _layer_inputs(rl: RecognizedLayer):
 
 
 def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, exact: bool,
-           state) -> dict:
+           state, original: torch.nn.Module) -> dict:
     """Compare the converted layer with the original's output ``ref`` on the example inputs.
 
     With Newton–Schulz below float64 no tolerance separates two correct evaluations, so an exact
     conversion is checked in two exact steps instead: the rewritten program, run by the
     recurrent executor in the layer (the user's ops in the user's order), against the original
-    at the dtype's tolerance here, and the plan against that executor by ``_check_plan``.
+    run eagerly at the dtype's tolerance here, and the plan against that executor by
+    ``_check_plan``. Eagerly, because ``torch.compile`` rounds a bf16 iteration differently
+    (fused elementwise steps in fp32): the traced ops are the eager ones.
     """
     args, kwargs = _layer_inputs(rl)
     got = run_module(converted, args, kwargs)
@@ -258,7 +260,9 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
         loop = state.loop_for(state.layout.sizes(flat)[0])
         plan, loop.plan = loop.plan, recurrent_reference(loop.program)
         try:
-            err = rel_rms_error(run_module(converted, args, kwargs), ref)
+            with torch.compiler.set_stance("force_eager"):
+                eager_ref = run_module(original, args, kwargs)
+            err = rel_rms_error(run_module(converted, args, kwargs), eager_ref)
         finally:
             loop.plan = plan
             state.runs.pop(loop.shape, None)      # not a run of the converted layer
@@ -456,7 +460,7 @@ def _checked(layer: _Layer) -> dict:
     rewritten loop; raises when an exact conversion does not match."""
     rl, state = layer.rl, layer.state
     ref = run_module(layer.original, *_layer_inputs(rl))
-    check = _check(ref, rl.candidate.module, rl, layer.exact, state)
+    check = _check(ref, rl.candidate.module, rl, layer.exact, state, layer.original)
     if state is not None:
         check["lowering"] = _check_plan(rl, state)
     if layer.exact and not check.get("ok", True):
