@@ -40,8 +40,9 @@ the hinted compile uses 80). Measured times here are the ground truth.
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import dataclasses
+import importlib
 import datetime
 import math
 import os
@@ -130,6 +131,17 @@ def cuda_ms(fn, *, warmup: int = 2, repeats: int = 7) -> float:
     q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (median, median, median)
     LAST_SPREAD[0] = (q[2] - q[0]) / median * 100
     return median
+
+
+@contextlib.contextmanager
+def tf32_matmuls(allowed: bool):
+    """fp32 matmuls with TF32 tensor cores ``allowed`` or not, the previous setting restored after."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def forward_backward(fn, inputs):
@@ -583,12 +595,8 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
         def measure(row):
             M = torch.randn(B, n, H, D, D, device=DEVICE, dtype=torch.float32)
             coefficients = LACT_NS_COEFFICIENTS[:steps]
-            previous = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            try:
+            with tf32_matmuls(tf32):
                 row.ms = cuda_ms(lambda: newton_schulz(M, steps, coefficients, dtype=dtype))
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = previous
             row.flops = B * n * H * newton_schulz_flops(D, D, steps)
             row.note = (f"LaCT's schedule, torch matmuls in {str(dtype).replace('torch.', '')}"
                         f"{' (TF32 allowed)' if tf32 else ''}, all {n} chunks at once")
@@ -604,12 +612,8 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
                 M.grad = None
                 newton_schulz(M, steps, coefficients, dtype=dtype).backward(cotangent)
 
-            previous = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = False
-            try:
+            with tf32_matmuls(False):
                 row.ms = cuda_ms(run)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = previous
             row.flops = 3 * B * n * H * newton_schulz_flops(D, D, steps)
             row.note = (f"LaCT's schedule iterated in {str(dtype).replace('torch.', '')}, float32 input and "
                         f"gradient as the block op gives them, all {n} chunks at once; FLOPs: 3× the forward's "

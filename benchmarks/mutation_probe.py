@@ -123,8 +123,7 @@ MUTATIONS = [
         ("tests/test_convert.py",), "level2_equals and heads-H2-D4-C8"),
     Mutation(
         "ns_backward_transpose_term", "Newton–Schulz backward drops the dAᵀX term of A = XXᵀ",
-        (("ttt2la/runtime/newton_schulz.py", "                        dA.mT, X, beta=1.0, alpha=1.0)",
-          "                        dA.mT, X, beta=1.0, alpha=0.0)"),),
+        (("ttt2la/runtime/newton_schulz.py", "dA, X), dA.mT, X)", "dA, X), dA.mT, X, alpha=0.0)"),),
         ("tests/test_runtime_block.py",), "gradient_matches_autograd"),
     Mutation(
         "ns_iteration_dtype_widened", "a converted layer iterates Newton–Schulz in the op's accumulation dtype",

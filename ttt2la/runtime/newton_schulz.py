@@ -64,7 +64,8 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
-def _fused(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+def _fused(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0,
+           alpha: float = 1.0) -> torch.Tensor:
     """``beta·c + alpha·(a @ b)`` in one GEMM with the sum as its epilogue: half operands
     accumulate in fp32 and the sum rounds once (on CPU through an fp32 GEMM, as ``_product``)."""
     if a.dtype in HALF and a.device.type == "cpu":
@@ -82,7 +83,8 @@ def _polynomial(A: torch.Tensor, AA: torch.Tensor, b: float, c: float) -> torch.
 
 class QuinticSteps(torch.autograd.Function):
     """The polynomial steps on normalised wide ``[N, m, n]`` matrices, keeping each step's
-    ``X``, ``A = XXᵀ`` and ``B = bA + cA²`` for the backward.
+    ``X``, ``A = XXᵀ`` and ``B = bA + cA²`` for the backward (only when a gradient is wanted: in
+    inference each step's matrices are freed as the next one starts).
 
     Backward of ``Y = aX + BX``: autograd's own formula for the step, in its order of rounding
     (``c`` scales ``dB`` before the products, ``dA X`` and ``dAᵀ X`` are separate terms), with the
@@ -94,12 +96,13 @@ class QuinticSteps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, schedule):
-        kept = []
+        keep, kept = ctx.needs_input_grad[0], []
         for a, b, c in schedule:
             A = _product(X, X.mT)
             B = _polynomial(A, _product(A, A), b, c)
-            kept += [X, A, B]
-            X = _fused(X, B, X, beta=a, alpha=1.0)
+            if keep:
+                kept += [X, A, B]
+            X = _fused(X, B, X, beta=a)
         ctx.save_for_backward(*kept)
         ctx.schedule = schedule
         return X
@@ -114,9 +117,8 @@ class QuinticSteps(torch.autograd.Function):
             X, A, B = kept[3 * i:3 * i + 3]
             dB = _product(dY, X.mT)
             cdB = dB * c
-            dA = _fused(_fused(dB * b, cdB, A, beta=1.0, alpha=1.0), A, cdB, beta=1.0, alpha=1.0)
-            dY = _fused(_fused(_fused(dY, B, dY, beta=a, alpha=1.0), dA, X, beta=1.0, alpha=1.0),
-                        dA.mT, X, beta=1.0, alpha=1.0)
+            dA = _fused(_fused(dB * b, cdB, A), A, cdB)
+            dY = _fused(_fused(_fused(dY, B, dY, beta=a), dA, X), dA.mT, X)
         return dY, None
 
 
