@@ -31,6 +31,12 @@ same function at most 2× the unconverted layer's own error against it, plus 1e-
 Useful FLOPs are counted analytically (matmuls only, see ``flops.py``); "% of peak" divides useful
 FLOP/s by the GEMM peak measured at the start of the run (``gemm_peak.py``).
 
+Every converted row has a twin, ``…: its matmuls alone``, timed in the same rounds: the matrix
+products one call of it dispatches, replayed alone (``ceiling.py``). Each target then states its
+ceiling: how far the row could go if everything around its products were free, and (speed-ups)
+how far any implementation could go with the row's useful FLOPs at the GEMM peak; a target above
+the latter is marked "beyond the GEMM peak".
+
 Results go to ``--results DIR`` as they are measured: ``rows.jsonl`` gains each case's rows as soon
 as the case is timed, ``throughput.md`` is rewritten after every case, ``--profile`` adds a
 ``torch.profiler`` summary (top ops by self CPU time) of the converted layer of every missed target.
@@ -65,6 +71,7 @@ from ttt2la.errors import ConversionError  # noqa: E402
 from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
 from ttt2la.timing import Timing, time_side_by_side  # noqa: E402
 
+from ceiling import Replay, matmul_flops, record_matmuls  # noqa: E402
 from flops import lact_flops_per_token, per_token_flops_per_token  # noqa: E402
 from gemm_peak import measure_gemm_peak  # noqa: E402
 from hand_written import HandWrittenVariant2  # noqa: E402
@@ -152,10 +159,16 @@ class Target:
     measured: float | None = None
     spread: str = ""
     profile: str = ""
+    ceiling: str = ""                   # how far the target could go (``ceiling.py``)
+    beyond_peak: bool = False           # not even the useful FLOPs at the GEMM peak would meet it
 
     @property
     def met(self) -> bool | None:
         return None if self.measured is None else self.measured >= self.threshold
+
+
+#: Suffix of the row that times a converted row's matrix products alone (``ceiling.py``).
+ALONE = "its matmuls alone"
 
 
 @dataclass
@@ -221,19 +234,23 @@ def _callables(models: dict[str, torch.nn.Module], backward: bool) -> dict:
 
 
 def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, setup: Setup,
-                 progress, float64_refs: dict | None = None) -> tuple[list[Row], dict]:
+                 progress, float64_refs: dict | None = None,
+                 alone: tuple[str, ...] = ()) -> tuple[list[Row], dict]:
     """Time every candidate side by side; check converted ones against their references.
 
     ``float64_refs`` maps a reference row to ``(its float64 twin, x in float64)``: then the error
     bound is the precision criterion (2× the reference's own error against float64, plus 1e-6).
+    Every row named in ``alone`` gets a twin row timing its call's matrix products alone.
     Returns the rows and the timings by row name.
     """
     outputs = first_calls(candidates, x, setup, progress)
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
+    calls = _callables(models, setup.backward)
+    replays = _replays({n: calls[n] for n in alone if n in calls}, x, setup)
     tokens = x.shape[0] * x.shape[1]
-    progress(f"  timing {len(models)} rows side by side (≤{setup.rounds} rounds, "
+    progress(f"  timing {len(calls) + len(replays)} rows side by side (≤{setup.rounds} rounds, "
              f"≤{setup.max_seconds:g} s)")
-    timings = time_side_by_side(_callables(models, setup.backward), (x,), tokens,
+    timings = time_side_by_side(calls | replays, (x,), tokens,
                                 rounds=setup.rounds, max_seconds=setup.max_seconds,
                                 warmup=setup.warmup, no_grad=not setup.backward,
                                 on_round=lambda r: progress(f"    round {r}", transient=True))
@@ -259,7 +276,20 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
                 row.error = rel_rms_error(outputs[name], exact)
                 row.reference = f"float64 {c.reference}, whose fp32 run is off by {own:.1e}"
         rows.append(row)
+        if f"{name}: {ALONE}" in replays:
+            replay, t = replays[f"{name}: {ALONE}"], timings[f"{name}: {ALONE}"]
+            plan = (f"the {len(replay.products)} matrix products of one call, replayed alone "
+                    f"({matmul_flops(replay.products) / 1e9:,.3g} GFLOP)")
+            rows.append(Row(case, f"{name}: {ALONE}", plan, t.rate, t.iqr_pct, t.range_pct,
+                            t.rounds, c.flops_per_token))
     return rows, timings
+
+
+def _replays(calls: dict, x: torch.Tensor, setup: Setup) -> dict[str, Replay]:
+    """For each call, its matrix products (``ceiling.py``) as a ``Replay`` to time beside it."""
+    with torch.no_grad() if not setup.backward else torch.enable_grad():
+        return {f"{name}: {ALONE}": Replay(record_matmuls(call, x))
+                for name, call in calls.items()}
 
 
 def first_calls(candidates: dict[str, Candidate], x: torch.Tensor, setup: Setup,
@@ -369,7 +399,8 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
                                             "variant 2 as written"),
     }
     refs = {name: (twin, x.to(torch.float64)) for name, twin in twins.items()}
-    rows, timings = measure_case(case, candidates, x, setup, progress, refs)
+    rows, timings = measure_case(case, candidates, x, setup, progress, refs,
+                                 alone=tuple(f"level {lv} converted" for lv in setup.levels))
     targets = [Target(case, "level 2 ≥ 1.0× variant 2 as written", "level 2 converted", 1.0,
                       "variant 2 as written"),
                Target(case, "level 2 ≥ 1.0× variant 2 hand-written", "level 2 converted", 1.0,
@@ -404,7 +435,8 @@ def per_token_case(setup: Setup, length: int, target: float, progress):
                                                      f"{name} as written", progress)
         targets.append(Target(case, f"{name}: converted ≥ {target:g}× as written",
                               f"{name} converted", target, f"{name} as written"))
-    rows, timings = measure_case(case, candidates, x, setup, progress)
+    rows, timings = measure_case(case, candidates, x, setup, progress,
+                                 alone=tuple(n for n in candidates if n.endswith("converted")))
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     return rows, evaluate(targets, rows, timings, setup), models, x
 
@@ -424,7 +456,30 @@ def evaluate(targets: list[Target], rows: list[Row], timings: dict[str, Timing],
         elif t.baseline in timings:
             ratio = timings[t.row].speedup_over(timings[t.baseline])
             t.measured, t.spread = ratio.median, f"IQR {ratio.iqr_pct:.0f}%"
+        _ceiling(t, by_name, timings, setup)
     return targets
+
+
+def _ceiling(t: Target, by_name: dict[str, Row], timings: dict[str, Timing],
+             setup: Setup) -> None:
+    """How far ``t`` could go: with the row's matrix products alone, and (a speed-up) with its
+    useful FLOPs at the GEMM peak (``ceiling.py``)."""
+    alone, row = f"{t.row}: {ALONE}", by_name[t.row]
+    parts = []
+    if t.baseline is None:
+        if alone in by_name and by_name[alone].flops_per_s:
+            parts.append(f"≤ {by_name[alone].flops_per_s / setup.peak * 100:.0f}% with "
+                         f"{ALONE}")
+    elif t.baseline in timings:
+        if alone in timings:
+            parts.append(f"≤ {timings[alone].speedup_over(timings[t.baseline]).median:.2f}× "
+                         f"with {ALONE}")
+        if row.flops_per_token:
+            at_peak = row.flops_per_token * timings[t.row].units / setup.peak
+            bound = timings[t.baseline].median / at_peak
+            t.beyond_peak = bound < t.threshold
+            parts.append(f"≤ {bound:.2f}× with its useful FLOPs at the GEMM peak")
+    t.ceiling = "; ".join(parts)
 
 
 # -- profiles of missed targets -------------------------------------------------------------------
@@ -516,15 +571,20 @@ def to_markdown(rows: list[Row], targets: list[Target], setup: Setup, done: bool
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r, setup.peak)) + " |"
               for r in rows]
-    lines += ["", "| case | target | measured | spread | verdict | profile |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| case | target | measured | spread | verdict | ceiling | profile |",
+              "|---|---|---|---|---|---|---|"]
     for t in targets:
         unit = "%" if t.baseline is None else "×"
         measured = "" if t.measured is None else f"{t.measured:.2f}{unit}"
-        verdict = {True: "met", False: "**missed**", None: "not measured"}[t.met]
-        lines.append(f"| {t.case} | {t.what} | {measured} | {t.spread} | {verdict} | "
-                     f"{t.profile} |")
+        lines.append(f"| {t.case} | {t.what} | {measured} | {t.spread} | {_verdict(t)} | "
+                     f"{t.ceiling} | {t.profile} |")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(t: Target) -> str:
+    if t.met is False and t.beyond_peak:
+        return "**missed**: beyond the GEMM peak"
+    return {True: "met", False: "**missed**", None: "not measured"}[t.met]
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -639,7 +699,7 @@ def run(setup: Setup, results: Path, muons: tuple[bool, ...], profile: bool,
         for t in targets:
             verdict = {True: "met", False: "MISSED", None: "not measured"}[t.met]
             progress(f"  {t.what}: {'' if t.measured is None else f'{t.measured:.2f}'} "
-                     f"({t.spread}) {verdict}")
+                     f"({t.spread}) {verdict}" + (f"; ceiling {t.ceiling}" if t.ceiling else ""))
     out.write_markdown(done=True)
     progress(f"done: {results / 'throughput.md'}")
     return out

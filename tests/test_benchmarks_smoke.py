@@ -116,7 +116,12 @@ def test_throughput_script_end_to_end(throughput, tmp_path):
     assert all(t["measured"] is not None and t["measured"] > 0 for t in targets)
     markdown = (out / "throughput.md").read_text()
     assert "partial" not in markdown
-    assert markdown.count("| LaCT chunk 16, L=64, no Muon |") == 5 + 3
+    assert markdown.count("| LaCT chunk 16, L=64, no Muon |") == 6 + 3
+    alone = rows["level 2 converted: its matmuls alone"]
+    assert alone["tokens_per_s"] > 0 and "matrix products of one call" in alone["plan"]
+    ceilings = {t["what"]: t["ceiling"] for t in targets}
+    assert "with its matmuls alone" in ceilings["level 2 useful FLOP/s ≥ 70% of the GEMM peak"]
+    assert "at the GEMM peak" in ceilings["level 2 ≥ 1.0× variant 2 hand-written"]
 
 
 def test_cases_with_many_chunks_time_the_published_operator_eagerly(throughput, tmp_path):
@@ -133,3 +138,73 @@ def test_cases_with_many_chunks_time_the_published_operator_eagerly(throughput, 
         assert rows[name]["plan"] == f"as written, run eagerly ({chunks} chunks, not compiled)"
         assert rows[name]["tokens_per_s"] > 0
     assert rows["level 2 converted"]["error"] <= rows["level 2 converted"]["bound"]
+
+
+@pytest.fixture
+def ceiling():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import ceiling
+        yield ceiling
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_ceiling_records_every_matrix_product_and_only_those(ceiling):
+    """Forward and backward products of a call, with their layouts and FLOPs; nothing else."""
+    lin = torch.nn.Linear(6, 5, bias=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    a, b = torch.randn(4, 2, 7), torch.randn(4, 7, 3)
+    out = torch.empty(4, 3, 2).transpose(1, 2)
+
+    def call():
+        y = torch.relu(lin(x)).sum() + torch.baddbmm(out, a, b).sum()
+        torch.bmm(a, b.expand(4, 7, 3), out=out)
+        y.backward()
+
+    products = ceiling.record_matmuls(call)
+    ops = [p.op.overloadpacket for p in products]
+    aten = torch.ops.aten
+    assert ops.count(aten.addmm) == 1 and ops.count(aten.baddbmm) == 1
+    assert ops.count(aten.bmm) == 1 and ops.count(aten.mm) == 2      # backward: dx and dW
+    assert not set(ops) - ceiling.MATMULS
+    bmm = next(p for p in products if p.op.overloadpacket is aten.bmm)
+    assert bmm.kwargs["out"].stride == (6, 1, 2) and bmm.args[0].shape == (4, 2, 7)
+    expected = 2 * (3 * 6 * 5) + 2 * (4 * 2 * 7 * 3) * 2 + 2 * (3 * 5 * 6) + 2 * (5 * 3 * 6)
+    assert ceiling.matmul_flops(products) == expected
+
+
+def test_ceiling_replay_runs_the_same_products_on_fresh_operands(ceiling):
+    """Broadcast strides and ``out=`` views replay; the call's own tensors are not touched."""
+    a, w = torch.randn(5, 8), torch.randn(8, 1).expand(8, 4)
+    out = torch.zeros(4, 5).t()
+    products = ceiling.record_matmuls(lambda: torch.mm(a, w, out=out))
+    before = out.clone()
+    replay = ceiling.Replay(products)
+    replay(torch.randn(2))
+    assert torch.equal(out, before)
+    (args, kwargs), = (stand for _, stand in replay.calls)
+    assert args[1].stride() == (1, 0) and kwargs["out"].stride() == (1, 5)
+    assert not torch.equal(kwargs["out"], torch.zeros(5, 4))
+
+
+def test_a_target_beyond_the_gemm_peak_says_so(throughput):
+    """The ceilings of a speed-up target: replayed products and useful FLOPs at the peak."""
+    setup = throughput.Setup(peak=1e9)
+    tokens = 100
+    timings = {"fast": Timing((0.5, 0.5, 0.5), tokens), "slow": Timing((2.0, 2.0, 2.0), tokens),
+               f"fast: {throughput.ALONE}": Timing((0.25, 0.25, 0.25), tokens)}
+    rows = [throughput.Row("c", "fast", "p", flops_per_token=2e6),
+            throughput.Row("c", f"fast: {throughput.ALONE}", "p", flops_per_token=2e6)]
+    far = throughput.Target("c", "fast ≥ 9× slow", "fast", 9.0, "slow")
+    near = throughput.Target("c", "fast ≥ 3× slow", "fast", 3.0, "slow")
+    throughput.evaluate([far, near], rows, timings, setup)
+    # 2 s against 0.25 s replayed: 8×; 200 MFLOP at 1 GFLOP/s: 0.2 s, so at most 10×
+    assert far.measured == pytest.approx(4.0) and near.measured == pytest.approx(4.0)
+    assert far.ceiling == "≤ 8.00× with its matmuls alone; ≤ 10.00× with its useful FLOPs at " \
+                          "the GEMM peak"
+    assert not far.beyond_peak and far.met is False
+    far.threshold = 11.0
+    throughput.evaluate([far], rows, timings, setup)
+    assert far.beyond_peak and throughput._verdict(far) == "**missed**: beyond the GEMM peak"
+    assert throughput._verdict(near) == "met"
