@@ -44,6 +44,7 @@ as the case is timed, ``throughput.md`` is rewritten after every case, ``--profi
     python benchmarks/throughput.py                  # the issue's CPU sizes, ~15 min, 2 quiet cores
     python benchmarks/throughput.py --size quick     # small sizes, a few minutes
     python benchmarks/throughput.py --backward       # forward + backward instead of forward only
+    python benchmarks/throughput.py --keep-freed-memory   # glibc keeping freed memory (allocator.py)
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ from ttt2la.errors import ConversionError  # noqa: E402
 from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
 from ttt2la.timing import Timing, time_side_by_side  # noqa: E402
 
+from allocator import keep_freed_memory  # noqa: E402
 from ceiling import Replay, matmul_flops, record_matmuls  # noqa: E402
 from flops import lact_flops_per_token, per_token_flops_per_token  # noqa: E402
 from gemm_peak import measure_gemm_peak  # noqa: E402
@@ -97,6 +99,7 @@ class Setup:
     levels: tuple[int, ...] = (1, 2)    # conversion levels measured in the LaCT cases
     size: str = "issue"
     peak: float = float("nan")         # measured GEMM FLOP/s, filled in before the cases run
+    allocator: str = "the C library's default malloc"   # ``--keep-freed-memory`` changes it
 
     @property
     def d_model(self) -> int:
@@ -558,7 +561,7 @@ def header_lines(setup: Setup) -> list[str]:
             f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round "
             f"times, % of the median; ratios are medians of per-round ratios",
             f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s "
-            f"(measured in this run)",
+            f"(measured in this run); allocator: {setup.allocator}",
             f"torch {torch.__version__}, ttt2la {ttt2la.__version__}, "
             f"{datetime.datetime.now().isoformat(timespec='minutes')}"]
 
@@ -616,6 +619,9 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, help="torch threads (default: one per core)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="make glibc keep freed memory instead of mapping every large tensor "
+                        "afresh (allocator.py); applies to every row")
     p.add_argument("--results", metavar="DIR",
                    help="results directory (default benchmarks/results/throughput-<size>-<time>)")
     args = p.parse_args(argv)
@@ -717,6 +723,8 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     torch._dynamo.config.accumulated_recompile_limit = max(
         RECOMPILE_LIMIT, torch._dynamo.config.accumulated_recompile_limit)
+    if args.keep_freed_memory:
+        setup.allocator = keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     elif setup.device == "cpu":

@@ -208,3 +208,19 @@ def test_a_target_beyond_the_gemm_peak_says_so(throughput):
     throughput.evaluate([far], rows, timings, setup)
     assert far.beyond_peak and throughput._verdict(far) == "**missed**: beyond the GEMM peak"
     assert throughput._verdict(near) == "met"
+
+
+def test_keep_freed_memory_configures_glibc_or_says_why_not():
+    """Run in a child process: the setting is process-wide and must not leak into the suite."""
+    import platform
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import allocator\n"
+            "try:\n    print(allocator.keep_freed_memory())\n"
+            "except OSError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(BENCHMARKS)], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    if platform.libc_ver()[0] == "glibc":
+        assert out.startswith("glibc ") and "keeping freed memory" in out, out
+    else:
+        assert out.startswith("refused: "), out
