@@ -11,6 +11,9 @@ side with the call. Two ceilings follow for a target:
   fusing or removing all elementwise work, copies and dispatch could at most give this plan;
 * *at the GEMM peak*: the layer's useful FLOPs done at the measured peak rate — what any
   implementation could at most give on this machine.
+
+Products a custom kernel computes (the Triton ops on a GPU) are not aten matmuls and are not
+recorded, so there the first ceiling only loosens; it stays an upper bound.
 """
 from __future__ import annotations
 

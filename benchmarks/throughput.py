@@ -29,7 +29,9 @@ the project's precision criterion: the converted layer's error against a float64
 same function at most 2× the unconverted layer's own error against it, plus 1e-6.
 
 Useful FLOPs are counted analytically (matmuls only, see ``flops.py``); "% of peak" divides useful
-FLOP/s by the GEMM peak measured at the start of the run (``gemm_peak.py``).
+FLOP/s by the GEMM peak: the size that was fastest at the start of the run (``gemm_peak.py``) is
+timed again in every round of every case, beside its rows, and a case divides by its own median
+(a machine whose speed drifts during a run moves the rows and their yardstick alike).
 
 Every converted row has a twin, ``…: its matmuls alone``, timed in the same rounds: the matrix
 products one call of it dispatches, replayed alone (``ceiling.py``). Each target then states its
@@ -59,6 +61,7 @@ import time
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -99,6 +102,7 @@ class Setup:
     levels: tuple[int, ...] = (1, 2)    # conversion levels measured in the LaCT cases
     size: str = "issue"
     peak: float = float("nan")         # measured GEMM FLOP/s, filled in before the cases run
+    peak_size: int = 0                 # the square GEMM that reached it, re-timed in every case
     allocator: str = "the C library's default malloc"   # ``--keep-freed-memory`` changes it
 
     @property
@@ -142,6 +146,7 @@ class Row:
     bound: float | None = None          # the error the precision criterion allows
     reference: str = ""
     not_timed: str = ""                 # why not: refused, crashed or failed, in its words
+    peak: float | None = None           # the GEMM peak timed in the case's rounds
 
     @property
     def flops_per_s(self) -> float | None:
@@ -250,13 +255,15 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     calls = _callables(models, setup.backward)
     replays = _replays({n: calls[n] for n in alone if n in calls}, x, setup)
+    peak_gemm = _peak_gemm(setup, x.device)
     tokens = x.shape[0] * x.shape[1]
     progress(f"  timing {len(calls) + len(replays)} rows side by side (≤{setup.rounds} rounds, "
              f"≤{setup.max_seconds:g} s)")
-    timings = time_side_by_side(calls | replays, (x,), tokens,
+    timings = time_side_by_side(calls | replays | {PEAK: peak_gemm}, (x,), tokens,
                                 rounds=setup.rounds, max_seconds=setup.max_seconds,
                                 warmup=setup.warmup, no_grad=not setup.backward,
                                 on_round=lambda r: progress(f"    round {r}", transient=True))
+    peak = 2 * setup.peak_size**3 / timings.pop(PEAK).median
     with torch.no_grad():
         exact64 = {name: twin(x64) for name, (twin, x64) in (float64_refs or {}).items()
                    if name in outputs}
@@ -267,7 +274,8 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
             continue
         t = timings[name]
         plan = c.plan or ran_plans(c.model, x.shape[0])
-        row = Row(case, name, plan, t.rate, t.iqr_pct, t.range_pct, t.rounds, c.flops_per_token)
+        row = Row(case, name, plan, t.rate, t.iqr_pct, t.range_pct, t.rounds, c.flops_per_token,
+                  peak=peak)
         if c.reference in outputs:
             row.reference = c.reference
             row.error = rel_rms_error(outputs[name], outputs[c.reference])
@@ -284,8 +292,24 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
             plan = (f"the {len(replay.products)} matrix products of one call, replayed alone "
                     f"({matmul_flops(replay.products) / 1e9:,.3g} GFLOP)")
             rows.append(Row(case, f"{name}: {ALONE}", plan, t.rate, t.iqr_pct, t.range_pct,
-                            t.rounds, c.flops_per_token))
+                            t.rounds, c.flops_per_token, peak=peak))
     return rows, timings
+
+
+#: The row name under which the GEMM peak's matmul is timed in a case's rounds.
+PEAK = "GEMM peak"
+
+
+def _peak_gemm(setup: Setup, device) -> Callable:
+    """The square matmul that reached the GEMM peak, to time in a case's rounds."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n = setup.peak_size
+    a, b = (torch.randn(n, n, generator=g, device=device).to(setup.torch_dtype) for _ in "ab")
+
+    def gemm(*ignored):
+        with torch.no_grad():
+            torch.mm(a, b)
+    return gemm
 
 
 def _replays(calls: dict, x: torch.Tensor, setup: Setup) -> dict[str, Replay]:
@@ -454,7 +478,7 @@ def evaluate(targets: list[Target], rows: list[Row], timings: dict[str, Timing],
             continue
         if t.baseline is None:
             row = by_name[t.row]
-            t.measured = row.flops_per_s / setup.peak * 100 if row.flops_per_s else None
+            t.measured = row.flops_per_s / _peak(row, setup) * 100 if row.flops_per_s else None
             t.spread = f"IQR {row.iqr_pct:.0f}% of the rate"
         elif t.baseline in timings:
             ratio = timings[t.row].speedup_over(timings[t.baseline])
@@ -471,14 +495,14 @@ def _ceiling(t: Target, by_name: dict[str, Row], timings: dict[str, Timing],
     parts = []
     if t.baseline is None:
         if alone in by_name and by_name[alone].flops_per_s:
-            parts.append(f"≤ {by_name[alone].flops_per_s / setup.peak * 100:.0f}% with "
+            parts.append(f"≤ {by_name[alone].flops_per_s / _peak(row, setup) * 100:.0f}% with "
                          f"{ALONE}")
     elif t.baseline in timings:
         if alone in timings:
             parts.append(f"≤ {timings[alone].speedup_over(timings[t.baseline]).median:.2f}× "
                          f"with {ALONE}")
         if row.flops_per_token:
-            at_peak = row.flops_per_token * timings[t.row].units / setup.peak
+            at_peak = row.flops_per_token * timings[t.row].units / _peak(row, setup)
             bound = timings[t.baseline].median / at_peak
             t.beyond_peak = bound < t.threshold
             parts.append(f"≤ {bound:.2f}× with its useful FLOPs at the GEMM peak")
@@ -530,6 +554,11 @@ def _fmt_error(row: Row) -> str:
     return f"{row.error:.1e} {verdict} (bound {row.bound:.1e}; vs {row.reference})"
 
 
+def _peak(row: Row, setup: Setup) -> float:
+    """The GEMM peak a row is measured against: its case's, else the run's."""
+    return row.peak or setup.peak
+
+
 def _cells(row: Row, peak: float) -> list[str]:
     if row.not_timed:
         return [row.case, row.model, row.plan, "", "", "", "", row.not_timed]
@@ -537,14 +566,24 @@ def _cells(row: Row, peak: float) -> list[str]:
     return [row.case, row.model, row.plan, _fmt_rate(row.tokens_per_s),
             f"{row.iqr_pct:.0f}% / {row.range_pct:.0f}% (n={row.rounds})",
             "" if gflops is None else f"{gflops:,.3g}",
-            "" if gflops is None else f"{gflops * 1e9 / peak * 100:.2g}%", _fmt_error(row)]
+            "" if gflops is None else f"{gflops * 1e9 / (row.peak or peak) * 100:.2g}%",
+            _fmt_error(row)]
 
 
 HEADERS = ["case", "row", "plan that ran", "tokens/s (median)", "spread: IQR / range",
            "useful GFLOP/s", "% of GEMM peak", "rel. RMS error vs same function unconverted"]
 
 
-def header_lines(setup: Setup) -> list[str]:
+def _case_peaks(rows: list[Row]) -> str:
+    peaks = {}
+    for r in rows:
+        if r.peak:
+            peaks.setdefault(r.case, r.peak)
+    return ", ".join(f"{p / 1e9:,.1f}" for p in peaks.values()) + " GFLOP/s" if peaks \
+        else "no case yet"
+
+
+def header_lines(setup: Setup, rows: list[Row] = ()) -> list[str]:
     """What was measured where: sizes, device, dtype, timing, peak, versions."""
     device = torch.cuda.get_device_name(setup.device) if setup.device.startswith("cuda") \
         else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
@@ -560,15 +599,16 @@ def header_lines(setup: Setup) -> list[str]:
             f"warm-up rounds, then up to {setup.rounds} rounds or {setup.max_seconds:g} s "
             f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round "
             f"times, % of the median; ratios are medians of per-round ratios",
-            f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s "
-            f"(measured in this run); allocator: {setup.allocator}",
+            f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s at the "
+            f"start of the run ({setup.peak_size}² matmul; each case re-times it in its rounds: "
+            f"{_case_peaks(rows)}); allocator: {setup.allocator}",
             f"torch {torch.__version__}, ttt2la {ttt2la.__version__}, "
             f"{datetime.datetime.now().isoformat(timespec='minutes')}"]
 
 
 def to_markdown(rows: list[Row], targets: list[Target], setup: Setup, done: bool) -> str:
     """Rows and target verdicts as Markdown, preceded by what was measured where."""
-    lines = ["# TTT-layer throughput", ""] + [f"- {line}" for line in header_lines(setup)]
+    lines = ["# TTT-layer throughput", ""] + [f"- {line}" for line in header_lines(setup, rows)]
     if not done:
         lines += ["- **partial: the run has not finished (or was stopped)**"]
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
@@ -688,8 +728,9 @@ def run(setup: Setup, results: Path, muons: tuple[bool, ...], profile: bool,
     progress(f"results directory: {results}")
     peak_sizes = {"issue": (256, 512, 1024, 2048), "smoke": (64, 128)}.get(setup.size,
                                                                            (256, 512, 1024))
-    setup.peak = measure_gemm_peak(peak_sizes, dtype=setup.torch_dtype, device=setup.device,
-                                   max_seconds=min(10.0, max(setup.max_seconds, 1.0))).peak
+    gemm = measure_gemm_peak(peak_sizes, dtype=setup.torch_dtype, device=setup.device,
+                             max_seconds=min(10.0, max(setup.max_seconds, 1.0)))
+    setup.peak, setup.peak_size = gemm.peak, gemm.best_size
     progress(f"{setup.dtype} GEMM peak: {setup.peak / 1e9:,.1f} GFLOP/s")
     cases = [("lact", chunk, length, muon) for chunk, length in setup.lact for muon in muons]
     cases += [("per-token", None, length, target)
