@@ -38,12 +38,6 @@ class GemmPeak:
     def peak(self) -> float:
         return max(self.flops_per_size.values())
 
-    @property
-    def best_size(self) -> int:
-        """The size ``n`` whose ``n x n`` GEMM reached the peak."""
-        rates = self.flops_per_size
-        return max(rates, key=rates.get)
-
 
 def measure_gemm_peak(sizes=DEFAULT_SIZES, *, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", repeats: int = 9,

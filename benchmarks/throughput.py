@@ -29,9 +29,9 @@ the project's precision criterion: the converted layer's error against a float64
 same function at most 2× the unconverted layer's own error against it, plus 1e-6.
 
 Useful FLOPs are counted analytically (matmuls only, see ``flops.py``); "% of peak" divides useful
-FLOP/s by the GEMM peak: the size that was fastest at the start of the run (``gemm_peak.py``) is
-timed again in every round of every case, beside its rows, and a case divides by its own median
-(a machine whose speed drifts during a run moves the rows and their yardstick alike).
+FLOP/s by the GEMM peak: the square matmuls of ``gemm_peak.py`` are timed again in every round of
+every case, beside its rows, and a case divides by the best of their medians (a machine whose
+speed drifts during a run moves the rows and their yardstick alike).
 
 Every converted row has a twin, ``…: its matmuls alone``, timed in the same rounds: the matrix
 products one call of it dispatches, replayed alone (``ceiling.py``). Each target then states its
@@ -102,7 +102,7 @@ class Setup:
     levels: tuple[int, ...] = (1, 2)    # conversion levels measured in the LaCT cases
     size: str = "issue"
     peak: float = float("nan")         # measured GEMM FLOP/s, filled in before the cases run
-    peak_size: int = 0                 # the square GEMM that reached it, re-timed in every case
+    peak_sizes: tuple[int, ...] = ()   # the square GEMMs it was the best of, re-timed per case
     allocator: str = "the C library's default malloc"   # ``--keep-freed-memory`` changes it
 
     @property
@@ -235,6 +235,9 @@ def _callables(models: dict[str, torch.nn.Module], backward: bool) -> dict:
 
     def train_step(model):
         def run(x):
+            # the input asks for its gradient, as a layer's input inside a network does: every
+            # product's backward is then two products of its size (``Setup.passes``)
+            x = x.detach().requires_grad_()
             model.zero_grad(set_to_none=True)
             model(x).float().sum().backward()
         return run
@@ -255,15 +258,16 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     calls = _callables(models, setup.backward)
     replays = _replays({n: calls[n] for n in alone if n in calls}, x, setup)
-    peak_gemm = _peak_gemm(setup, x.device)
+    peak_gemms = {f"{PEAK} {n}": _square_gemm(n, setup, x.device) for n in setup.peak_sizes}
     tokens = x.shape[0] * x.shape[1]
     progress(f"  timing {len(calls) + len(replays)} rows side by side (≤{setup.rounds} rounds, "
              f"≤{setup.max_seconds:g} s)")
-    timings = time_side_by_side(calls | replays | {PEAK: peak_gemm}, (x,), tokens,
+    timings = time_side_by_side(calls | replays | peak_gemms, (x,), tokens,
                                 rounds=setup.rounds, max_seconds=setup.max_seconds,
                                 warmup=setup.warmup, no_grad=not setup.backward,
                                 on_round=lambda r: progress(f"    round {r}", transient=True))
-    peak = 2 * setup.peak_size**3 / timings.pop(PEAK).median
+    peak = max((2 * n**3 / timings.pop(f"{PEAK} {n}").median for n in setup.peak_sizes),
+               default=None)
     with torch.no_grad():
         exact64 = {name: twin(x64) for name, (twin, x64) in (float64_refs or {}).items()
                    if name in outputs}
@@ -296,14 +300,13 @@ def measure_case(case: str, candidates: dict[str, Candidate], x: torch.Tensor, s
     return rows, timings
 
 
-#: The row name under which the GEMM peak's matmul is timed in a case's rounds.
+#: Prefix of the rows under which the GEMM peak's matmuls are timed in a case's rounds.
 PEAK = "GEMM peak"
 
 
-def _peak_gemm(setup: Setup, device) -> Callable:
-    """The square matmul that reached the GEMM peak, to time in a case's rounds."""
+def _square_gemm(n: int, setup: Setup, device) -> Callable:
+    """An ``n x n`` matmul of the GEMM peak's, to time in a case's rounds."""
     g = torch.Generator(device=device).manual_seed(0)
-    n = setup.peak_size
     a, b = (torch.randn(n, n, generator=g, device=device).to(setup.torch_dtype) for _ in "ab")
 
     def gemm(*ignored):
@@ -600,7 +603,8 @@ def header_lines(setup: Setup, rows: list[Row] = ()) -> list[str]:
             f"(at least {min(3, setup.rounds)}); spread = IQR and min–max range of per-round "
             f"times, % of the median; ratios are medians of per-round ratios",
             f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s at the "
-            f"start of the run ({setup.peak_size}² matmul; each case re-times it in its rounds: "
+            f"start of the run (best of {', '.join(f'{n}²' for n in setup.peak_sizes)} matmuls;"
+            f" each case re-times them in its rounds: "
             f"{_case_peaks(rows)}); allocator: {setup.allocator}",
             f"torch {torch.__version__}, ttt2la {ttt2la.__version__}, "
             f"{datetime.datetime.now().isoformat(timespec='minutes')}"]
@@ -618,10 +622,16 @@ def to_markdown(rows: list[Row], targets: list[Target], setup: Setup, done: bool
               "|---|---|---|---|---|---|---|"]
     for t in targets:
         unit = "%" if t.baseline is None else "×"
-        measured = "" if t.measured is None else f"{t.measured:.2f}{unit}"
+        measured = "" if t.measured is None else f"{_fmt_measured(t)}{unit}"
         lines.append(f"| {t.case} | {t.what} | {measured} | {t.spread} | {_verdict(t)} | "
                      f"{t.ceiling} | {t.profile} |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt_measured(t: Target) -> str:
+    """Two decimals, or three where two would round a miss up to the threshold (0.998×)."""
+    text = f"{t.measured:.2f}"
+    return f"{t.measured:.3f}" if t.measured < t.threshold <= float(text) else text
 
 
 def _verdict(t: Target) -> str:
@@ -730,7 +740,7 @@ def run(setup: Setup, results: Path, muons: tuple[bool, ...], profile: bool,
                                                                            (256, 512, 1024))
     gemm = measure_gemm_peak(peak_sizes, dtype=setup.torch_dtype, device=setup.device,
                              max_seconds=min(10.0, max(setup.max_seconds, 1.0)))
-    setup.peak, setup.peak_size = gemm.peak, gemm.best_size
+    setup.peak, setup.peak_sizes = gemm.peak, tuple(peak_sizes)
     progress(f"{setup.dtype} GEMM peak: {setup.peak / 1e9:,.1f} GFLOP/s")
     cases = [("lact", chunk, length, muon) for chunk, length in setup.lact for muon in muons]
     cases += [("per-token", None, length, target)
@@ -744,8 +754,8 @@ def run(setup: Setup, results: Path, muons: tuple[bool, ...], profile: bool,
             profile_misses(targets, models, x, setup, results, progress)
         out.add(rows, targets)
         for t in targets:
-            verdict = {True: "met", False: "MISSED", None: "not measured"}[t.met]
-            progress(f"  {t.what}: {'' if t.measured is None else f'{t.measured:.2f}'} "
+            verdict = _verdict(t).replace("**missed**", "MISSED")
+            progress(f"  {t.what}: {'' if t.measured is None else _fmt_measured(t)} "
                      f"({t.spread}) {verdict}" + (f"; ceiling {t.ceiling}" if t.ceiling else ""))
     out.write_markdown(done=True)
     progress(f"done: {results / 'throughput.md'}")

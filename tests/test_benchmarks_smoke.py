@@ -125,7 +125,7 @@ def test_throughput_script_end_to_end(throughput, tmp_path):
     assert "partial" not in markdown
     assert markdown.count("| LaCT chunk 16, L=64, no Muon |") == 6 + 3
     assert all(r["peak"] > 0 for r in rows.values() if r["tokens_per_s"])
-    assert "each case re-times it in its rounds: " in markdown and "no case yet" not in markdown
+    assert "each case re-times them in its rounds: " in markdown and "no case yet" not in markdown
     alone = rows["level 2 converted: its matmuls alone"]
     assert alone["tokens_per_s"] > 0 and "matrix products of one call" in alone["plan"]
     ceilings = {t["what"]: t["ceiling"] for t in targets}
@@ -212,6 +212,8 @@ def test_a_target_beyond_the_gemm_peak_says_so(throughput):
     throughput.evaluate([far], rows, timings, setup)
     assert far.beyond_peak and throughput._verdict(far) == "**missed**: beyond the GEMM peak"
     assert throughput._verdict(near) == "met"
+    near.measured = 2.9981
+    assert throughput._fmt_measured(near) == "2.998" and throughput._verdict(near) == "**missed**"
     # a case measures against the peak timed in its own rounds, not the run's first one
     for row in rows:
         row.peak = 2e9
@@ -234,3 +236,17 @@ def test_keep_freed_memory_configures_glibc_or_says_why_not():
         assert out.startswith("glibc ") and "keeping freed memory" in out, out
     else:
         assert out.startswith("refused: "), out
+
+
+def test_a_timed_training_step_does_three_times_the_forward_products(throughput, ceiling):
+    """With ``--backward`` useful FLOPs are 3× the forward's: the input's gradient is computed
+    too, as for a layer inside a network."""
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 6, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 4, bias=False))
+    x = torch.randn(5, 8)
+    step = throughput._callables({"layer": layer}, backward=True)["layer"]
+    with torch.no_grad():
+        forward = ceiling.matmul_flops(ceiling.record_matmuls(layer, x))
+    assert forward == 2 * 5 * (8 * 6 + 6 * 4)
+    assert ceiling.matmul_flops(ceiling.record_matmuls(step, x)) == 3 * forward
+    assert x.grad is None and not x.requires_grad
