@@ -562,14 +562,14 @@ def _peak(row: Row, setup: Setup) -> float:
     return row.peak or setup.peak
 
 
-def _cells(row: Row, peak: float) -> list[str]:
+def _cells(row: Row, setup: Setup) -> list[str]:
     if row.not_timed:
         return [row.case, row.model, row.plan, "", "", "", "", row.not_timed]
     gflops = row.flops_per_s / 1e9 if row.flops_per_s else None
     return [row.case, row.model, row.plan, _fmt_rate(row.tokens_per_s),
             f"{row.iqr_pct:.0f}% / {row.range_pct:.0f}% (n={row.rounds})",
             "" if gflops is None else f"{gflops:,.3g}",
-            "" if gflops is None else f"{gflops * 1e9 / (row.peak or peak) * 100:.2g}%",
+            "" if gflops is None else f"{gflops * 1e9 / _peak(row, setup) * 100:.2g}%",
             _fmt_error(row)]
 
 
@@ -616,7 +616,7 @@ def to_markdown(rows: list[Row], targets: list[Target], setup: Setup, done: bool
     if not done:
         lines += ["- **partial: the run has not finished (or was stopped)**"]
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r, setup.peak)) + " |"
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r, setup)) + " |"
               for r in rows]
     lines += ["", "| case | target | measured | spread | verdict | ceiling | profile |",
               "|---|---|---|---|---|---|---|"]

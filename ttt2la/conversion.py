@@ -256,12 +256,12 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
         return result
     err = result["rel_rms_error"]
     if state is not None and needs_float64_reference(state.program, ref.dtype):
+        with torch.compiler.set_stance("force_eager"):
+            eager_ref = run_module(original, args, kwargs)
         flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
         loop = state.loop_for(state.layout.sizes(flat)[0])
         plan, loop.plan = loop.plan, recurrent_reference(loop.program)
         try:
-            with torch.compiler.set_stance("force_eager"):
-                eager_ref = run_module(original, args, kwargs)
             err = rel_rms_error(run_module(converted, args, kwargs), eager_ref)
         finally:
             loop.plan = plan
