@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton kernels against their recurrent forms, the torch runtime and flash-linear-attention.
 
-Four sections (``--sections``, a comma list of a, b, c, d; all by default), every time the median of several
+Five sections (``--sections``, a comma list of a, b, c, d, e; all by default), every time the median of several
 runs timed with CUDA events after warm-up runs (with the interquartile range of the runs as % of the median),
 forward and forward + backward:
 
@@ -19,6 +19,9 @@ forward and forward + backward:
     ``LaCTFoldedLayer``; projections included) as written in its variant-2 and baseline configurations, and
     the baseline converted by ``ttt2la.convert(level=2)`` (the plan that ran in the note); forward + backward
     backpropagates the output's sum into every parameter.
+(e) Tile tuning: the increment and read kernels, the block op at the shape of (a) and the chunk op at the shape
+    of (b), each with its default tiles and then with ``TTT2LA_TUNE_KERNELS`` on (the first call's time, which
+    includes the tuning, and the configurations chosen are in the note).
 
 FLOPs are counted analytically, matmuls only (see ``block_flops``/``chunk_flops``); the backward counts the
 matmuls it performs, recomputation included (Newton–Schulz alone in (c): 3× its forward, no recomputation).
@@ -630,6 +633,88 @@ def section_matmuls(rows, *, B, T, H, D, C, steps):
     _attempt(rows, Row(section, "Newton–Schulz", "fwd+bwd"), orthogonalise_training(torch.float32))
 
 
+# ----------------------------------------------------------------------------- (e) tuned tiles
+
+def section_tuning(rows, *, lact, causal):
+    """Each token-level Triton path with its default tiles, then with tile tuning on (``tile_tuning``): the
+    first tuned call times every candidate configuration (its wall time is the tuning's cost, in the note, with
+    the configurations chosen); the row is the median after it, its error taken against the default's output."""
+    from ttt2la.runtime import triton as kernels
+    from ttt2la.runtime.triton import tile_tuning
+    from ttt2la.runtime.triton.block import chunk_increments, chunk_read
+
+    section = "(e) tile tuning (TTT2LA_TUNE_KERNELS=1) against the default tiles (error: against their output)"
+    B, T, H, D, C, steps = (lact[n] for n in ("B", "T", "H", "D", "C", "steps"))
+    q, k, v, lr, momentum, _, _ = lact_inputs(B, T, H, D, C)
+    n = math.ceil(T / C)
+    states = torch.randn(B, n, H, D, D, device=DEVICE, dtype=torch.float32)
+    block_options = dict(chunk_size=C, order="exclusive", lr=lr, momentum=momentum, **lact_newton_schulz(steps))
+    cb, ct, ch, cd = (causal[n] for n in ("B", "T", "H", "D"))
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    cq, ck, cv = (torch.randn(cb, ct, ch, cd, generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    log_decay = F.logsigmoid(torch.randn(cb, ct, ch, generator=g, device=DEVICE) + 3)
+    token_flops = B * H * 2 * T * D * D
+    block = dict(B=B, T=T, H=H, Dk=D, Dv=D, C=C, muon_steps=steps)
+    chunk = dict(B=cb, T=ct, H=ch, K=cd, V=cd)
+
+    def first(out):
+        return (out[0] if isinstance(out, tuple) else out).float()
+
+    cases = [
+        ("increments G_j = φ(K_j)ᵀ(lr ⊙ V_j)", "fwd", lambda: chunk_increments(k, v, n, C, scale=lr),
+         B * T, token_flops),
+        ("read o = φ(Q_j) W_j", "fwd", lambda: chunk_read(q, states, C), B * T, token_flops),
+        ("block op (φ given), LaCT shape", "fwd", lambda: kernels.block_linear_attention(q, k, v, **block_options),
+         B * T, block_flops(**block)),
+        ("block op (φ given), LaCT shape", "fwd+bwd",
+         forward_backward(lambda a, b, c: kernels.block_linear_attention(a, b, c, **block_options),
+                          [t.detach().requires_grad_() for t in (q, k, v)]), B * T, block_flops(**block, backward=True)),
+        ("chunk op, shape of (b)", "fwd",
+         lambda: kernels.chunk_linear_attention(cq, ck, cv, log_decay=log_decay, scale=cd ** -0.5),
+         cb * ct, chunk_flops(**chunk)),
+        ("chunk op, shape of (b)", "fwd+bwd",
+         forward_backward(lambda a, b, c, d: kernels.chunk_linear_attention(a, b, c, log_decay=d, scale=cd ** -0.5),
+                          [t.detach().requires_grad_() for t in (cq, ck, cv, log_decay)]),
+         cb * ct, chunk_flops(**chunk, backward=True)),
+    ]
+    try:
+        for name, passes, fn, tokens, flops in cases:
+            default = {}
+
+            def measure_default(row, fn=fn, tokens=tokens, flops=flops):
+                tile_tuning.tune_kernels(False)
+                out = fn()
+                default["o"] = first(out) if out is not None else None
+                row.ms = cuda_ms(fn)
+                row.tokens, row.flops = tokens, flops
+
+            def measure_tuned(row, fn=fn, tokens=tokens, flops=flops):
+                tile_tuning.tune_kernels(True)
+                before = set(tile_tuning.CHOSEN)
+                started = time.monotonic()
+                out = fn()
+                if DEVICE.startswith("cuda"):
+                    torch.cuda.synchronize()
+                tuning_s = time.monotonic() - started
+                if out is not None and default.get("o") is not None:
+                    row.error = rel_rms_error(first(out), default["o"])
+                row.ms = cuda_ms(fn)
+                row.tokens, row.flops = tokens, flops
+                chosen = [t for key, t in tile_tuning.CHOSEN.items() if key not in before]
+                if not tile_tuning.enabled():
+                    row.note = "tuning is off here (Triton's interpreter): the default tiles ran"
+                elif chosen:
+                    row.note = (f"first call {tuning_s:.1f} s (tuning); chose "
+                                + "; ".join(f"{t.site}: {t.chosen}" for t in chosen))
+                else:
+                    row.note = "nothing new to tune (chosen at an earlier row)"
+
+            _attempt(rows, Row(section, f"{name}, default tiles", passes), measure_default)
+            _attempt(rows, Row(section, f"{name}, tuned tiles", passes), measure_tuned)
+    finally:
+        tile_tuning.tune_kernels(None)
+
+
 # ----------------------------------------------------------------------------- report
 
 def markdown(rows, header, peak, nominal) -> str:
@@ -670,8 +755,8 @@ def main(argv=None):
                         help="cuda; cpu only smoke-tests the script (TRITON_INTERPRET=1, --size tiny)")
     parser.add_argument("--budget-seconds", type=float, default=math.inf,
                         help="rows that would start later than this are recorded as skipped")
-    parser.add_argument("--sections", default="a,b,c,d", type=sections,
-                        help="comma list of the sections to run, of a,b,c,d (default all)")
+    parser.add_argument("--sections", default="a,b,c,d,e", type=sections,
+                        help="comma list of the sections to run, of a,b,c,d,e (default all)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after the table, write torch.profiler tables of the level-2 converted layer and of "
                              "variant 2 as written (shape of (d)), forward and forward + backward, to DIR")
@@ -709,8 +794,10 @@ def main(argv=None):
             section_chunk(rows, **causal)
         elif section == "c":
             section_matmuls(rows, **lact)
-        else:
+        elif section == "d":
             layers = lact_layers(rows, lact)
+        else:
+            section_tuning(rows, lact=lact, causal=causal)
     print(rows.flush(done=True))
     print(f"written to {out} ({elapsed()})", flush=True)
     if args.profile:
@@ -725,11 +812,11 @@ def main(argv=None):
 
 
 def sections(text: str) -> list[str]:
-    """``--sections``: a comma list of a, b, c, d, run in the order a, b, c, d whatever the order given."""
+    """``--sections``: a comma list of a, b, c, d, e, run in alphabetical order whatever the order given."""
     names = {name.strip().lower() for name in text.split(",") if name.strip()}
-    unknown = names - set("abcd")
+    unknown = names - set("abcde")
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"sections are a comma list of a,b,c,d; got {text!r}")
+        raise argparse.ArgumentTypeError(f"sections are a comma list of a,b,c,d,e; got {text!r}")
     return sorted(names)
 
 

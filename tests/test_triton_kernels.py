@@ -304,6 +304,57 @@ def test_block_op_at_kernel_tile_sizes():
                 muon_steps=5, initial_state=True, dtype=torch.bfloat16)
 
 
+# ----------------------------------------------------------------------------- every tuning candidate
+
+def _tilings(options):
+    """The distinct tile sides among a site's candidate configurations (warps and stages do not change what a
+    kernel computes)."""
+    seen = []
+    for c in options:
+        if c.tiles not in seen:
+            seen.append(c.tiles)
+    return seen
+
+
+def _forcing_each_tiling(sites):
+    """One ``forcing`` context per round: round ``i`` launches every site with its ``i``-th tiling (cycling), so
+    a few runs cover every tiling of every site."""
+    from ttt2la.runtime.triton import tile_tuning
+    tilings = {site: _tilings(options) for site, options in sites.items()}
+    rounds = max(len(t) for t in tilings.values())
+    assert rounds > 1, "the test shape leaves a single tiling: it would test nothing but the default"
+    for i in range(rounds):
+        yield tile_tuning.forcing(**{site: tile_tuning.Config(t[i % len(t)], 4, 2) for site, t in tilings.items()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_op_is_right_with_every_tuning_candidate(dtype):
+    """Every tiling that tuning may pick for the chunk op's five kernels, on features that span two tiles."""
+    from ttt2la.runtime.triton.chunk import feature_configs
+    Dk, Dv = (40, 72) if dtype == torch.bfloat16 else (20, 24)
+    sites = {"chunk.states": feature_configs(Dk, Dv, dtype), "chunk.output": feature_configs(Dk, Dv, dtype),
+             "chunk.states_bwd": feature_configs(Dk, Dv, dtype), "chunk.dqk": feature_configs(Dk, Dv, dtype, 32),
+             "chunk.dv": feature_configs(Dk, Dv, dtype)}
+    for forced in _forcing_each_tiling(sites):
+        with forced:
+            check_chunk(21, 16, True, B=1, T=37, H=2, Dk=Dk, Dv=Dv, decay=True, scale=0.3, initial_state=True,
+                        dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_op_is_right_with_every_tuning_candidate(dtype):
+    """Every tiling that tuning may pick for the block op's increments and reads, forward and backward
+    (per-token ``lr`` and momentum, so the scaled variants run too)."""
+    from ttt2la.runtime.triton.block import _gemm_configs
+    C, D = (80, 72) if dtype == torch.bfloat16 else (20, 24)
+    sites = {"block.increments": _gemm_configs(dtype, dict(BT=C, BX=D, BY=D), "BT"),
+             "block.read": _gemm_configs(dtype, dict(BT=C, BX=D, BO=D), "BX")}
+    for forced in _forcing_each_tiling(sites):
+        with forced:
+            check_block(22, True, B=1, T=2 * C + 9, H=1, Dk=D, Dv=D, C=C, order="exclusive", lr_kind="token",
+                        momentum=True, muon_steps=0, initial_state=True, dtype=dtype)
+
+
 # ----------------------------------------------------------------------------- fused SwiGLU features
 
 def hand_swiglu(x, w0, w2):

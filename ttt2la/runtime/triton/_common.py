@@ -137,7 +137,12 @@ def launch_options(*tiles: int) -> dict:
     """
     if INTERPRET:
         return {}
-    return {"num_warps": 8 if max(tiles) >= 64 else 4, "num_stages": 2}
+    return {"num_warps": default_warps(*tiles), "num_stages": 2}
+
+
+def default_warps(*tiles: int) -> int:
+    """The default warp count of ``launch_options`` for tiles with these sides."""
+    return 8 if max(tiles) >= 64 else 4
 
 
 def contiguous(*tensors):

@@ -21,8 +21,9 @@ from ttt2la.runtime.naive import NS_EPS, check_block_inputs, compute_dtype, fina
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
 
-from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, launch_options, mm_split, tile, tl_dtype,
+from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, default_warps, mm_split, tile, tl_dtype,
                       token_tile, upcast)
+from .tile_tuning import Config, candidates, config, launch, shape_class, sides_up_to
 from .chunk import load_tile, store_tile, token_base
 
 #: ``SCALE`` modes of the kernels: no scale, one per token, one per token and feature.
@@ -127,12 +128,16 @@ def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, s
     out = x.new_empty(B, n, H, DX, DY, dtype=accumulator(dot_dtype))
     if n == 0:
         return out
-    half = dot_dtype in HALF_DTYPES
-    BX, BY, BT = tile(DX, 64, dot_dtype), tile(DY, 64, dot_dtype), token_tile(C, dot_dtype)
-    grid = (n, triton.cdiv(DX, BX) * triton.cdiv(DY, BY), B * H)
-    _increments_kernel[grid](x, y, scale, out, T, C, H, DX, DY, BT, BX, BY, _scale_mode(scale),
-                             split_x and half, split_y and half, tl_dtype(dot_dtype), upcast(dot_dtype),
-                             tl_dtype(accumulator(dot_dtype)), **launch_options(BX, BY, BT))
+    split_x, split_y = split_x and dot_dtype in HALF_DTYPES, split_y and dot_dtype in HALF_DTYPES
+
+    def run(c):
+        grid = (n, triton.cdiv(DX, c["BX"]) * triton.cdiv(DY, c["BY"]), B * H)
+        _increments_kernel[grid](x, y, scale, out, T, C, H, DX, DY, c["BT"], c["BX"], c["BY"], _scale_mode(scale),
+                                 split_x, split_y, tl_dtype(dot_dtype), upcast(dot_dtype),
+                                 tl_dtype(accumulator(dot_dtype)), **c.options)
+
+    key = (dot_dtype, x.dtype, y.dtype, B * H, shape_class(T), C, DX, DY, _scale_mode(scale), split_x, split_y)
+    launch("block.increments", key, _gemm_configs(dot_dtype, dict(BT=C, BX=DX, BY=DY), "BT"), run)
     return out
 
 
@@ -155,13 +160,33 @@ def chunk_read(x, states, C, *, scale=None, transpose=False, out_dtype=None, dot
     if n == 0:
         return out
     dot_dtype = dot_dtype or x.dtype
-    half = dot_dtype in HALF_DTYPES
-    BT, BX, BO = token_tile(C, dot_dtype), tile(DX, 64, dot_dtype), tile(DO, 64, dot_dtype)
-    grid = (n * triton.cdiv(C, BT), triton.cdiv(DO, BO), B * H)
-    _read_kernel[grid](x, scale, states, out, T, C, s_b, s_n, s_h, s_k, s_v, H, DX, DO, BT, BX, BO,
-                       _scale_mode(scale), split_x and half, split_s and half, tl_dtype(dot_dtype),
-                       upcast(dot_dtype), tl_dtype(accumulator(dot_dtype)), **launch_options(BX, BO, BT))
+    split_x, split_s = split_x and dot_dtype in HALF_DTYPES, split_s and dot_dtype in HALF_DTYPES
+
+    def run(c):
+        grid = (n * triton.cdiv(C, c["BT"]), triton.cdiv(DO, c["BO"]), B * H)
+        _read_kernel[grid](x, scale, states, out, T, C, s_b, s_n, s_h, s_k, s_v, H, DX, DO, c["BT"], c["BX"],
+                           c["BO"], _scale_mode(scale), split_x, split_s, tl_dtype(dot_dtype), upcast(dot_dtype),
+                           tl_dtype(accumulator(dot_dtype)), **c.options)
+
+    key = (dot_dtype, x.dtype, states.dtype, B * H, shape_class(T), C, DX, DO, _scale_mode(scale), split_x, split_s,
+           s_k > s_v)
+    launch("block.read", key, _gemm_configs(dot_dtype, dict(BT=C, BX=DX, BO=DO), "BX"), run)
     return out
+
+
+def _gemm_configs(dot_dtype: torch.dtype, dims: dict[str, int], reduced: str) -> list[Config]:
+    """Launch options of a kernel with a token tile ``BT`` (within chunks of ``dims["BT"]`` tokens) and feature
+    tiles (the other ``dims``), summing over the side ``reduced``: the default tiles first, then the classic GEMM
+    sides for tensor cores (half precision: 64 or 128 wide outputs, 32 or 64 deep sums) or the narrower CUDA-core
+    ones (fp32)."""
+    defaults = {n: token_tile(d, dot_dtype) if n == "BT" else tile(d, 64, dot_dtype) for n, d in dims.items()}
+    default = config(default_warps(*defaults.values()), 2, **defaults)
+    half = dot_dtype in HALF_DTYPES
+
+    def sides(name):
+        return sides_up_to(dims[name], ((32, 64) if name == reduced else (64, 128)) if half else (16, 32))
+
+    return candidates(default, {n: sides(n) for n in dims})
 
 
 def value_grads(du, v, lr, needs_v, needs_lr):

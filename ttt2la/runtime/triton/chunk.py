@@ -16,7 +16,8 @@ import triton.language as tl
 
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
-from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, launch_options, mm, tile, tl_dtype, total, upcast
+from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, default_warps, mm, tile, tl_dtype, total, upcast
+from .tile_tuning import Config, candidates, config, launch, shape_class, sides_up_to
 
 
 @triton.jit
@@ -268,17 +269,37 @@ def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
     return g.view(B, n, chunk, H).cumsum(2).view(B, n * chunk, H)[:, :T].contiguous()
 
 
+def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others: int) -> list[Config]:
+    """Launch options of a kernel tiled over key and value features (``others``: its other tile sides, which
+    count for the default warps): the default tiles first, then the tensor-core sides for half precision or
+    the narrower CUDA-core ones for fp32 (``tile``'s caps)."""
+    BK, BV = tile(K, k_cap, dtype), tile(V, 64, dtype)
+    default = config(default_warps(BK, BV, *others), 2, BK=BK, BV=BV)
+    sides = (32, 64) if dtype in HALF_DTYPES else (16, 32)
+    return candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)})
+
+
+def _key(x: torch.Tensor, *flags) -> tuple:
+    """Shape class of a launch on ``x`` ``[B, T, H, D]``: dtype, batch × heads, length class and ``flags``."""
+    B, T, H, _ = x.shape
+    return (x.dtype, B * H, shape_class(T), *flags)
+
+
 def _states(k, v, g, h0, chunk, want_final, states_dtype):
     B, T, H, K = k.shape
     V = v.shape[-1]
-    BK, BV = tile(K, 64, k.dtype), tile(V, 64, k.dtype)
     NT = triton.cdiv(T, chunk)
     h = k.new_empty(B, H, NT, K, V, dtype=states_dtype)
     ht = k.new_empty(B, H, K, V, dtype=torch.float32) if want_final else None
-    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
-    _states_fwd_kernel[grid](k, v, g, h0, h, ht, T, H, K, V, chunk, BK, BV,
-                             g is not None, h0 is not None, want_final,
-                             tl_dtype(k.dtype), upcast(k.dtype), **launch_options(BK, BV))
+
+    def run(c):
+        grid = (triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), B * H)
+        _states_fwd_kernel[grid](k, v, g, h0, h, ht, T, H, K, V, chunk, c["BK"], c["BV"],
+                                 g is not None, h0 is not None, want_final,
+                                 tl_dtype(k.dtype), upcast(k.dtype), **c.options)
+
+    key = _key(k, states_dtype, K, V, chunk, g is not None, h0 is not None, want_final)
+    launch("chunk.states", key, feature_configs(K, V, k.dtype), run)
     return h, ht
 
 
@@ -288,10 +309,13 @@ def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
     V = v.shape[-1]
     h, ht = _states(k, v, g, h0, chunk, want_final, k.dtype)
     o = torch.empty_like(v)
-    BK, BV = tile(K, 64, k.dtype), tile(V, 64, k.dtype)
-    grid = (triton.cdiv(T, chunk), triton.cdiv(V, BV), B * H)
-    _output_fwd_kernel[grid](q, k, v, g, h, o, scale, T, H, K, V, chunk, BK, BV,
-                             g is not None, tl_dtype(q.dtype), upcast(q.dtype), **launch_options(BK, BV, chunk))
+
+    def run(c):
+        grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)
+        _output_fwd_kernel[grid](q, k, v, g, h, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+                                 g is not None, tl_dtype(q.dtype), upcast(q.dtype), **c.options)
+
+    launch("chunk.output", _key(q, K, V, chunk, g is not None), feature_configs(K, V, k.dtype, 64, chunk), run)
     return o, ht
 
 
@@ -299,29 +323,42 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
     """Backward pass: ``dq, dk, dv``, ``d log_decay`` (fp32, or None) and ``dh0`` (fp32, or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BK, BV = tile(K, 64, k.dtype), tile(V, 64, k.dtype)
     NT = triton.cdiv(T, chunk)
-    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     DT, UP = tl_dtype(q.dtype), upcast(q.dtype)
-    opts = launch_options(BK, BV, chunk)
     want_dg = want_dg and g is not None
     # fp32 states here: the decay gradient reads them outside the matmuls.
     states_dtype = torch.float32 if want_dg else q.dtype
     h, _ = _states(k, v, g, h0, chunk, False, states_dtype)
     dh = q.new_empty(B, H, NT, K, V, dtype=states_dtype)
     dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if want_dh0 else None
-    _states_bwd_kernel[(NK, NV, B * H)](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, BK, BV,
-                                       g is not None, dht is not None, want_dh0, DT, UP, **opts)
+
+    def run_states(c):
+        grid = (triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), B * H)
+        _states_bwd_kernel[grid](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+                                 g is not None, dht is not None, want_dh0, DT, UP, **c.options)
+
+    launch("chunk.states_bwd", _key(q, states_dtype, K, V, chunk, g is not None, dht is not None, want_dh0),
+           feature_configs(K, V, q.dtype, 64, chunk), run_states)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def run_dqk(c):
+        NKq = triton.cdiv(K, c["BK"])
+        dg = q.new_empty(NKq, B, T, H, dtype=torch.float32) if want_dg else None
+        _dqk_bwd_kernel[(NT, NKq, B * H)](q, k, v, g, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk,
+                                          c["BK"], c["BV"], g is not None, want_dg, DT, UP, **c.options)
+        return dg
+
     # With a decay this kernel also holds the [BT, BT] score-gradient products: narrower key tiles keep it
     # from spilling (ahead_of_time, sm_90).
-    BKq = tile(K, 32 if want_dg else 64, k.dtype)
-    NKq = triton.cdiv(K, BKq)
-    dg = q.new_empty(NKq, B, T, H, dtype=torch.float32) if want_dg else None
-    _dqk_bwd_kernel[(NT, NKq, B * H)](q, k, v, g, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk, BKq, BV,
-                                      g is not None, want_dg, DT, UP, **opts)
-    _dv_bwd_kernel[(NT, NV, B * H)](q, k, g, do, dh, dv, scale, T, H, K, V, chunk, BK, BV,
-                                    g is not None, DT, UP, **opts)
+    dg = launch("chunk.dqk", _key(q, K, V, chunk, g is not None, want_dg),
+                feature_configs(K, V, q.dtype, 32 if want_dg else 64, chunk, tile(K, 64, q.dtype)), run_dqk)
+
+    def run_dv(c):
+        grid = (NT, triton.cdiv(V, c["BV"]), B * H)
+        _dv_bwd_kernel[grid](q, k, g, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+                             g is not None, DT, UP, **c.options)
+
+    launch("chunk.dv", _key(q, K, V, chunk, g is not None), feature_configs(K, V, q.dtype, 64, chunk), run_dv)
     return dq, dk, dv, (dg.sum(0) if dg is not None else None), dh0
 
 
