@@ -11,10 +11,11 @@ of the hand-written loop run in the same low precision, plus 1e-6 — for the ou
 state and every input gradient. The original code's own error is taken as the larger of the
 hand-written loop's errors with its Newton–Schulz polynomial rounded four ways (as Muon
 publishes it, ``(bA + cA²)X``, term by term, multiplied from the right, and with the
-elementwise steps fused as compiled code runs them): one sample of a
-rounding error is itself noisy — against the published form alone, a faithful implementation
-(median error ratio 1.0) still exceeds twice that one sample for a few quantities in a thousand
-on the option grid below. The weight norm also
+elementwise steps fused as compiled code runs them), and both sides are judged by their median
+over ``CRITERION_SAMPLES`` inputs of the same shape: one sample of a rounding error is itself
+noisy — a faithful implementation (median error ratio 1.0) still exceeds twice the largest of the
+four forms' errors on about one input in three hundred, and the forms themselves exceed twice
+the others' on up to one in thirty. The weight norm also
 amplifies rounding where a column's norm nearly cancels; such draws are judged by the same rule
 when the low-precision loop itself misses the fixed bound.
 """
@@ -27,13 +28,14 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
                             naive_block_linear_attention, newton_schulz)
 from ttt2la.runtime.naive import naive_newton_schulz
-from ttt2la.testing import TOLERANCE, CountOps, outputs_and_grads, rel_rms_error
+from ttt2la.testing import (CRITERION_SAMPLES, TOLERANCE, CountOps, no_worse_than_original,
+                            outputs_and_grads, rel_rms_error)
 
 ORDERS = ("exclusive", "inclusive", "full")
 LR_KINDS = ("none", "token", "feature")
@@ -168,8 +170,10 @@ def run_with_grads(fn, tensors, options, output_final_state, seed, cotangent_dty
     return [o] + ([final] if final is not None else []) + [gr for _, gr in grads.values()]
 
 
-def assert_precise(fn, tensors, options, output_final_state, seed):
-    """``fn`` against ``hand_block`` in float64, by the precision rule in the module docstring."""
+def _errors(fn, tensors, options, output_final_state, seed):
+    """``fn``'s relative errors against ``hand_block`` in float64, by name, and the original code's
+    own (the largest of the hand-written loop's, rounded ``NS_FORMS`` ways in the inputs'
+    precision; ``None`` where neither Newton–Schulz nor the weight norm amplifies rounding)."""
     dtype = tensors[0].dtype
     as64 = lambda x: x.to(torch.float64) if isinstance(x, torch.Tensor) else x  # noqa: E731
     got = run_with_grads(fn, tensors, options, output_final_state, seed, dtype)
@@ -180,19 +184,41 @@ def assert_precise(fn, tensors, options, output_final_state, seed):
              + ["grad phi_q", "grad phi_k", "grad v"]
              + [f"grad {k}" for k in TENSOR_OPTIONS if options[k] is not None])
     assert got[0].dtype == dtype and got[0].shape == exact[0].shape
-    muon = options["muon_steps"] > 0 or options["ns_coefficients"] is not None
-    lows = []
-    if muon or options["weight_norm"] is not None:
-        lows = [run_with_grads(lambda *a, **k: hand_block(*a, form=form, **k), tensors, options,
-                               output_final_state, seed, dtype) for form in NS_FORMS]
-    for name, x, x64, i in zip(names, got, exact, itertools.count()):
+    for name, x in zip(names, got):
         assert x.dtype == dtype and torch.isfinite(x).all(), name
-        err = rel_rms_error(x, x64)
-        bound = TOLERANCE[dtype]
-        if lows:
-            own = 2 * max(rel_rms_error(low[i], x64) for low in lows) + 1e-6
-            bound = own if muon else max(bound, own)
-        assert err <= bound, (name, err, bound)
+    errors = {name: rel_rms_error(x, x64) for name, x, x64 in zip(names, got, exact)}
+    if not (_muon(options) or options["weight_norm"] is not None):
+        return errors, None
+    lows = [run_with_grads(lambda *a, **k: hand_block(*a, form=form, **k), tensors, options,
+                           output_final_state, seed, dtype) for form in NS_FORMS]
+    own = {name: max(rel_rms_error(low[i], x64) for low in lows)
+           for i, (name, x64) in enumerate(zip(names, exact))}
+    return errors, own
+
+
+def _muon(options) -> bool:
+    return options["muon_steps"] > 0 or options["ns_coefficients"] is not None
+
+
+def assert_precise(fn, make_inputs, output_final_state, seed):
+    """``fn`` against ``hand_block`` in float64, by the precision rule in the module docstring, on
+    ``make_inputs(seed)`` (tensors and options); with Newton–Schulz, medians over
+    ``CRITERION_SAMPLES`` inputs of that shape (``no_worse_than_original``)."""
+    tensors, options = make_inputs(seed)
+    dtype = tensors[0].dtype
+    if not _muon(options):
+        errors, own = _errors(fn, tensors, options, output_final_state, seed)
+        for name, err in errors.items():
+            bound = TOLERANCE[dtype] if own is None else max(TOLERANCE[dtype], 2 * own[name] + 1e-6)
+            assert err <= bound, (name, err, bound)
+        return
+    samples = [_errors(fn, *make_inputs(seed + i), output_final_state, seed + i) if i else
+               _errors(fn, tensors, options, output_final_state, seed)
+               for i in range(CRITERION_SAMPLES)]
+    for name in samples[0][0]:
+        ok, got, bound = no_worse_than_original([e[name] for e, _ in samples],
+                                                [o[name] for _, o in samples])
+        assert ok, (name, got, bound)
 
 
 def torch_op(*args, **kwargs):
@@ -208,11 +234,12 @@ def test_every_option_combination_fp32(order, lr_kind, momentum, schedule, weigh
                                        initial_state, final):
     options = (order, lr_kind, momentum, schedule, weight_norm, initial_state)
     seed = zlib.crc32(repr(options).encode())
-    tensors, options = make_case(seed, B=2, T=11, H=2, Dk=5, Dv=3, C=4, order=order,
-                                 lr_kind=lr_kind, momentum=momentum, schedule=schedule,
-                                 weight_norm=weight_norm, initial_state=initial_state,
-                                 dtype=torch.float32)
-    assert_precise(torch_op, tensors, options, final, seed)
+
+    def make(seed):
+        return make_case(seed, B=2, T=11, H=2, Dk=5, Dv=3, C=4, order=order, lr_kind=lr_kind,
+                         momentum=momentum, schedule=schedule, weight_norm=weight_norm,
+                         initial_state=initial_state, dtype=torch.float32)
+    assert_precise(torch_op, make, final, seed)
 
 
 case = st.fixed_dictionaries(dict(
@@ -243,16 +270,20 @@ def _draw(c, dtype):
 
 @settings(max_examples=50, deadline=None)
 @given(c=case)
+# a draw where one input's momentum gradient, a cancelling sum, erred 2.2x the four forms' largest
+@example(c=dict(B=1, H=2, Dk=9, Dv=1, C=1, order="inclusive", lr_kind="feature", momentum=True,
+                schedule="triple3", ns_bf16=False, weight_norm=False, initial_state=False,
+                final=False, seed=70693, t_frac=0.125))
 def test_random_shapes_and_options_fp32(c):
-    tensors, options = _draw(c, torch.float32)
-    assert_precise(torch_op, tensors, options, c["final"], c["seed"])
+    assert_precise(torch_op, lambda seed: _draw(dict(c, seed=seed), torch.float32), c["final"],
+                   c["seed"])
 
 
 @settings(max_examples=30, deadline=None)
 @given(c=case)
 def test_random_shapes_and_options_bf16(c):
-    tensors, options = _draw(c, torch.bfloat16)
-    assert_precise(torch_op, tensors, options, c["final"], c["seed"])
+    assert_precise(torch_op, lambda seed: _draw(dict(c, seed=seed), torch.bfloat16), c["final"],
+                   c["seed"])
 
 
 @settings(max_examples=30, deadline=None)
@@ -271,10 +302,11 @@ def test_naive_reference_matches_the_hand_written_loop(c):
 @pytest.mark.parametrize("T", [1, 4, 5, 8, 13])
 def test_edge_lengths_against_reference(T):
     """T < C, T = C, T = C + 1, T = 2C, ragged — with everything switched on."""
-    tensors, options = make_case(T, B=1, T=T, H=3, Dk=6, Dv=7, C=4, order="exclusive",
-                                 lr_kind="feature", momentum=True, schedule="muon5",
-                                 weight_norm=True, initial_state=True, dtype=torch.float32)
-    assert_precise(torch_op, tensors, options, True, T)
+    def make(seed):
+        return make_case(seed, B=1, T=T, H=3, Dk=6, Dv=7, C=4, order="exclusive",
+                         lr_kind="feature", momentum=True, schedule="muon5", weight_norm=True,
+                         initial_state=True, dtype=torch.float32)
+    assert_precise(torch_op, make, True, T)
 
 
 def test_exclusive_single_chunk_returns_initial_state():
