@@ -134,6 +134,11 @@ MUTATIONS = [
         "buffer_reuse_views", "buffer reuse ignores views: a buffer is free once its base is dead",
         (("ttt2la/lowering/buffer_reuse.py", "buf = by_storage.get(key)", "buf = None"),),
         ("tests/test_buffer_reuse.py",), "same_values or gradients_match"),
+    Mutation(
+        "tile_grid_default", "the chunk op's output grid ignores the tuned value tile (the default's 64)",
+        (("ttt2la/runtime/triton/chunk.py", 'grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)',
+          "grid = (triton.cdiv(T, chunk), triton.cdiv(V, 64), B * H)"),),
+        ("tests/test_triton_kernels.py",), "chunk_op_is_right_with_every_tuning_candidate"),
 ]
 
 
