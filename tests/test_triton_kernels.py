@@ -355,6 +355,33 @@ def test_block_op_is_right_with_every_tuning_candidate(dtype):
                         momentum=True, muon_steps=0, initial_state=True, dtype=dtype)
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the device timer is real; this replaces it to run anywhere")
+def test_tuning_launches_every_candidate_and_the_op_stays_right(monkeypatch):
+    """Tuning on, end to end: every candidate of every chunk-op site is launched into the same buffers
+    (a site's launches must only write its own outputs), the fastest is kept (here the smallest tiles, by
+    a stand-in timer), and the op's outputs and gradients are still right."""
+    from ttt2la.runtime.triton import tile_tuning
+    monkeypatch.setattr(tile_tuning, "INTERPRET", False)
+    monkeypatch.setattr(tile_tuning, "CHOSEN", {})
+
+    def smallest_tiles_fastest(launch):      # launch: the site's run bound to one configuration
+        launch()
+        return float(sum(side for _, side in launch.args[0].tiles))
+
+    monkeypatch.setattr(tile_tuning, "_time", smallest_tiles_fastest)
+    tile_tuning.tune_kernels(True)
+    try:
+        check_chunk(23, 16, True, B=1, T=29, H=1, Dk=20, Dv=24, decay=True, scale=0.3, initial_state=True,
+                    dtype=torch.float32)
+    finally:
+        tile_tuning.tune_kernels(None)
+    sites = {t.site for t in tile_tuning.CHOSEN.values()}
+    assert sites == {"chunk.states", "chunk.output", "chunk.states_bwd", "chunk.dqk", "chunk.dv"}
+    for tuned in tile_tuning.CHOSEN.values():
+        assert len(tuned.times) > 1 and tuned.chosen == min(tuned.times, key=tuned.times.get)
+        assert dict(tuned.chosen.tiles) == {"BK": 16, "BV": 16}, tuned      # not the default 32 × 32
+
+
 # ----------------------------------------------------------------------------- fused SwiGLU features
 
 def hand_swiglu(x, w0, w2):

@@ -9,6 +9,7 @@ candidate computes the same sums in another tiling, so a choice changes rounding
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from contextlib import contextmanager
@@ -120,8 +121,9 @@ def _skippable() -> tuple[type, ...]:
                              CompilationError) if e is not None)
 
 
-def _time(run: Callable[[], object]) -> float:
-    """Median milliseconds of ``run`` on the device (Triton's benchmarker: warm-up, then CUDA-event timing)."""
+def _time(launch: functools.partial) -> float:
+    """Median milliseconds of ``launch()`` (``run`` bound to one configuration) on the device (Triton's
+    benchmarker: warm-up, then CUDA-event timing)."""
     return float(triton.testing.do_bench(run, warmup=5, rep=25))
 
 
@@ -139,7 +141,7 @@ def choose(site: str, key: tuple, options: Sequence[Config], run: Callable[[Conf
         times = {}
         for c in options:
             try:
-                times[c] = _time(lambda: run(c))
+                times[c] = _time(functools.partial(run, c))
             except skippable:
                 times[c] = None
         ran = {c: t for c, t in times.items() if t is not None}
