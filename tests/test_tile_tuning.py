@@ -131,3 +131,24 @@ def test_a_forced_configuration_wins_and_is_restored(device):
 def test_launch_options_of_a_configuration():
     c = config(8, 3, BT=64, BX=128)
     assert c["BX"] == 128 and str(c) == "BT=64 BX=128, 8 warps, 3 stages"
+
+
+def test_the_device_timer_runs_the_launch_and_takes_the_median(monkeypatch):
+    """``_time`` hands Triton's benchmarker the launch itself and asks for the median (the benchmarker
+    needs a GPU, so a stand-in records what it was given)."""
+    import functools
+
+    import triton.testing
+
+    seen = {}
+
+    def benchmarker(fn, **options):
+        fn()
+        seen.update(options)
+        return 1.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", benchmarker)
+    ran = []
+    launch = functools.partial(ran.append, config(4, 2, BK=32))
+    assert tile_tuning._time(launch) == 1.25
+    assert ran == [config(4, 2, BK=32)] and seen.get("return_mode") == "median"

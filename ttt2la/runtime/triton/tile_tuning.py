@@ -124,7 +124,7 @@ def _skippable() -> tuple[type, ...]:
 def _time(launch: functools.partial) -> float:
     """Median milliseconds of ``launch()`` (``run`` bound to one configuration) on the device (Triton's
     benchmarker: warm-up, then CUDA-event timing)."""
-    return float(triton.testing.do_bench(run, warmup=5, rep=25))
+    return float(triton.testing.do_bench(launch, warmup=5, rep=25, return_mode="median"))
 
 
 def choose(site: str, key: tuple, options: Sequence[Config], run: Callable[[Config], object]) -> Config:
