@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import triton
+import triton.testing
 
 from ._common import INTERPRET
 
