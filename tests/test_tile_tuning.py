@@ -128,9 +128,11 @@ def test_a_forced_configuration_wins_and_is_restored(device):
     assert choose("site", (), options, device["timed"].append) == options[0]   # all equal: the first
 
 
-def test_launch_options_of_a_configuration():
+def test_launch_options_of_a_configuration(monkeypatch):
     c = config(8, 3, BT=64, BX=128)
     assert c["BX"] == 128 and str(c) == "BT=64 BX=128, 8 warps, 3 stages"
+    monkeypatch.setattr(tile_tuning, "INTERPRET", False)
+    assert c.options == {"num_warps": 8, "num_stages": 3}
 
 
 def test_the_device_timer_runs_the_launch_and_takes_the_median(monkeypatch):
