@@ -9,6 +9,10 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from triton_interpreter import import_kernels  # noqa: E402
+
+import_kernels()    # before anything of ttt2la.runtime.triton: the first import decides for the process
+
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from ttt2la.runtime.triton import tile_tuning  # noqa: E402
