@@ -23,7 +23,7 @@ from ttt2la.analysis import analyze
 from ttt2la.errors import NonReducibleError, UnsupportedTTTError
 from ttt2la.frontend.build import program_from_body
 from ttt2la.lowering import chunk_streams, execute, lower, padding_problem
-from ttt2la.testing import CRITERION_SAMPLES, TOLERANCE, no_worse_than_original, rel_rms_error
+from ttt2la.testing import TOLERANCE, no_worse_than_original, rel_rms_error
 from references import ref_ns3
 
 TOL = TOLERANCE[torch.float32]
@@ -237,10 +237,18 @@ def _as64(xs):
     return [x.detach().double().requires_grad_() for x in xs]
 
 
+#: Inputs the Newton–Schulz criterion takes medians over here: more than ``CRITERION_SAMPLES``,
+#: because these bodies' chunks are often shorter than their features, and Newton–Schulz on a
+#: rank-deficient update makes one input's error heavy-tailed. Measured on one such shape (d = 5,
+#: C = 3) over 200 inputs: the parallel schedule's median error is 0.96x the fp32 loop's, yet one
+#: window of 5 inputs in 40 put the median over the bound; no window of 9 in 22 did.
+MUON_SAMPLES = 9
+
+
 def assert_matches_reference(kind, program, L, seed=0, *, C, inclusive, last_chunk):
     """Both the recurrent and the chosen schedule equal the hand-written float64 loop: within
     1e-5 in fp32, or, with Newton–Schulz, within 2x the fp32 loop's own error plus 1e-6 — as
-    medians over ``CRITERION_SAMPLES`` inputs, since one input's rounding error is a random draw
+    medians over ``MUON_SAMPLES`` inputs, since one input's rounding error is a random draw
     (``no_worse_than_original``). Returns the analysis and the float64 loop's results on the
     first input."""
     analysis = analyze(program)
@@ -248,7 +256,7 @@ def assert_matches_reference(kind, program, L, seed=0, *, C, inclusive, last_chu
                              last_chunk=last_chunk)
     muon = kind == "momentum_muon"
     errors, own, first = {}, {}, None
-    for sample in range(CRITERION_SAMPLES if muon else 1):
+    for sample in range(MUON_SAMPLES if muon else 1):
         states0, invariants = inputs_for(program, L, seed + sample)
         ref64 = outputs_finals_grads(loop, _as64(states0), _as64(invariants))
         ref32 = outputs_finals_grads(loop, states0, invariants)
@@ -310,6 +318,8 @@ shapes = st.fixed_dictionaries(dict(
 # one-token chunks: with Newton–Schulz, the recurrent schedule's error on one input was 1.1x twice
 # the fp32 loop's own (a random draw of rounding; judged as medians over inputs since)
 @example(s=dict(B=1, d=3, C=1, inclusive=False, last_chunk="update", n_len=5, seed=2))
+# chunks shorter than the features: the parallel schedule's median over 5 inputs was 1.08x the bound
+@example(s=dict(B=1, d=5, C=3, inclusive=True, last_chunk="apply_only", n_len=5, seed=0))
 def test_chunked_schedule_matches_hand_written_loop(kind, s):
     program = make_program(kind, s["B"], s["d"], s["C"], s["inclusive"], s["last_chunk"])
     analysis, _ = assert_matches_reference(kind, program, s["n_len"], s["seed"], C=s["C"],
