@@ -314,13 +314,13 @@ def _forcing_each_tiling(sites):
 def test_chunk_op_is_right_with_every_tuning_candidate(dtype):
     """Every tiling that tuning may pick for the chunk op's five kernels, on features that span two tiles."""
     from ttt2la.runtime.triton.chunk import feature_configs
-    Dk, Dv = (40, 72) if dtype == torch.bfloat16 else (20, 24)
+    Dk, Dv = (36, 40) if dtype == torch.bfloat16 else (20, 24)
     sites = {"chunk.states": feature_configs(Dk, Dv, dtype), "chunk.output": feature_configs(Dk, Dv, dtype),
              "chunk.states_bwd": feature_configs(Dk, Dv, dtype), "chunk.dqk": feature_configs(Dk, Dv, dtype, 32),
              "chunk.dv": feature_configs(Dk, Dv, dtype)}
     for forced in _forcing_each_tiling(sites):
         with forced:
-            check_chunk(21, 16, True, B=1, T=37, H=2, Dk=Dk, Dv=Dv, decay=True, scale=0.3, initial_state=True,
+            check_chunk(21, 16, True, B=1, T=23, H=2, Dk=Dk, Dv=Dv, decay=True, scale=0.3, initial_state=True,
                         dtype=dtype)
 
 
@@ -354,7 +354,7 @@ def test_tuning_launches_every_candidate_and_the_op_stays_right(monkeypatch):
     monkeypatch.setattr(tile_tuning, "_time", smallest_tiles_fastest)
     tile_tuning.tune_kernels(True)
     try:
-        check_chunk(23, 16, True, B=1, T=29, H=1, Dk=20, Dv=24, decay=True, scale=0.3, initial_state=True,
+        check_chunk(23, 16, True, B=1, T=21, H=1, Dk=20, Dv=24, decay=True, scale=0.3, initial_state=True,
                     dtype=torch.float32)
     finally:
         tile_tuning.tune_kernels(None)
