@@ -330,8 +330,8 @@ def test_block_op_is_right_with_every_tuning_candidate(dtype):
     (per-token ``lr`` and momentum, so the scaled variants run too)."""
     from ttt2la.runtime.triton.block import _gemm_configs
     C, D = (80, 72) if dtype == torch.bfloat16 else (20, 24)
-    sites = {"block.increments": _gemm_configs(dtype, dict(BT=C, BX=D, BY=D), "BT"),
-             "block.read": _gemm_configs(dtype, dict(BT=C, BX=D, BO=D), "BX")}
+    sites = {"block.increments": _gemm_configs(dtype, "BT", BT=C, BX=D, BY=D),
+             "block.read": _gemm_configs(dtype, "BX", BT=C, BX=D, BO=D)}
     for forced in _forcing_each_tiling(sites):
         with forced:
             check_block(22, True, B=1, T=2 * C + 9, H=1, Dk=D, Dv=D, C=C, order="exclusive", lr_kind="token",

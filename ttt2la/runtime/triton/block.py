@@ -12,6 +12,8 @@ work on ``[B, N, H, Dk, Dv]`` states, which stays in torch (batched over chunks)
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,7 +139,7 @@ def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, s
                                  tl_dtype(accumulator(dot_dtype)), **c.options)
 
     key = (dot_dtype, x.dtype, y.dtype, B * H, shape_class(T), C, DX, DY, _scale_mode(scale), split_x, split_y)
-    launch("block.increments", key, _gemm_configs(dot_dtype, dict(BT=C, BX=DX, BY=DY), "BT"), run)
+    launch("block.increments", key, _gemm_configs(dot_dtype, "BT", BT=C, BX=DX, BY=DY), run)
     return out
 
 
@@ -170,15 +172,16 @@ def chunk_read(x, states, C, *, scale=None, transpose=False, out_dtype=None, dot
 
     key = (dot_dtype, x.dtype, states.dtype, B * H, shape_class(T), C, DX, DO, _scale_mode(scale), split_x, split_s,
            s_k > s_v)
-    launch("block.read", key, _gemm_configs(dot_dtype, dict(BT=C, BX=DX, BO=DO), "BX"), run)
+    launch("block.read", key, _gemm_configs(dot_dtype, "BX", BT=C, BX=DX, BO=DO), run)
     return out
 
 
-def _gemm_configs(dot_dtype: torch.dtype, dims: dict[str, int], reduced: str) -> list[Config]:
+@functools.lru_cache(maxsize=None)
+def _gemm_configs(dot_dtype: torch.dtype, reduced: str, **dims: int) -> tuple[Config, ...]:
     """Launch options of a kernel with a token tile ``BT`` (within chunks of ``dims["BT"]`` tokens) and feature
     tiles (the other ``dims``), summing over the side ``reduced``: the default tiles first, then the classic GEMM
     sides for tensor cores (half precision: 64 or 128 wide outputs, 32 or 64 deep sums) or the narrower CUDA-core
-    ones (fp32)."""
+    ones (fp32). Cached: every launch asks, tuning on or off."""
     defaults = {n: token_tile(d, dot_dtype) if n == "BT" else tile(d, 64, dot_dtype) for n, d in dims.items()}
     default = config(default_warps(*defaults.values()), 2, **defaults)
     half = dot_dtype in HALF_DTYPES
@@ -186,7 +189,7 @@ def _gemm_configs(dot_dtype: torch.dtype, dims: dict[str, int], reduced: str) ->
     def sides(name):
         return sides_up_to(dims[name], ((32, 64) if name == reduced else (64, 128)) if half else (16, 32))
 
-    return candidates(default, {n: sides(n) for n in dims})
+    return tuple(candidates(default, {n: sides(n) for n in dims}))
 
 
 def value_grads(du, v, lr, needs_v, needs_lr):

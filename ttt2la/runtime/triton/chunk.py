@@ -10,6 +10,8 @@ and int32 offsets within the tile; int64 offsets per element cost about 1.5× th
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -269,14 +271,15 @@ def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
     return g.view(B, n, chunk, H).cumsum(2).view(B, n * chunk, H)[:, :T].contiguous()
 
 
-def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others: int) -> list[Config]:
+@functools.lru_cache(maxsize=None)
+def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others: int) -> tuple[Config, ...]:
     """Launch options of a kernel tiled over key and value features (``others``: its other tile sides, which
     count for the default warps): the default tiles first, then the tensor-core sides for half precision or
-    the narrower CUDA-core ones for fp32 (``tile``'s caps)."""
+    the narrower CUDA-core ones for fp32 (``tile``'s caps). Cached: every launch asks, tuning on or off."""
     BK, BV = tile(K, k_cap, dtype), tile(V, 64, dtype)
     default = config(default_warps(BK, BV, *others), 2, BK=BK, BV=BV)
     sides = (32, 64) if dtype in HALF_DTYPES else (16, 32)
-    return candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)})
+    return tuple(candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)}))
 
 
 def _key(x: torch.Tensor, *flags) -> tuple:
