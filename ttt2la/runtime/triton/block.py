@@ -25,7 +25,7 @@ from ttt2la.runtime.scan import affine_scan, prefix_sum
 
 from ._common import (HALF_DTYPES, accumulator, cdiv, contiguous, default_warps, mm_split, tile, tl_dtype,
                       token_tile, upcast)
-from .tile_tuning import Config, candidates, config, launch, shape_class, sides_up_to
+from .tile_tuning import Config, candidates, config, launch, shape_key, sides_up_to
 from .chunk import load_tile, store_tile, token_base
 
 #: ``SCALE`` modes of the kernels: no scale, one per token, one per token and feature.
@@ -138,7 +138,7 @@ def chunk_increments(x, y, n, C, scale=None, *, dot_dtype=None, split_x=False, s
                                  split_x, split_y, tl_dtype(dot_dtype), upcast(dot_dtype),
                                  tl_dtype(accumulator(dot_dtype)), **c.options)
 
-    key = (dot_dtype, x.dtype, y.dtype, B * H, shape_class(T), C, DX, DY, _scale_mode(scale), split_x, split_y)
+    key = shape_key(x, dot_dtype, y.dtype, C, DX, DY, _scale_mode(scale), split_x, split_y)
     launch("block.increments", key, _gemm_configs(dot_dtype, "BT", BT=C, BX=DX, BY=DY), run)
     return out
 
@@ -170,8 +170,7 @@ def chunk_read(x, states, C, *, scale=None, transpose=False, out_dtype=None, dot
                            c["BO"], _scale_mode(scale), split_x, split_s, tl_dtype(dot_dtype), upcast(dot_dtype),
                            tl_dtype(accumulator(dot_dtype)), **c.options)
 
-    key = (dot_dtype, x.dtype, states.dtype, B * H, shape_class(T), C, DX, DO, _scale_mode(scale), split_x, split_s,
-           s_k > s_v)
+    key = shape_key(x, dot_dtype, states.dtype, C, DX, DO, _scale_mode(scale), split_x, split_s, s_k > s_v)
     launch("block.read", key, _gemm_configs(dot_dtype, "BX", BT=C, BX=DX, BO=DO), run)
     return out
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
 from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, default_warps, mm, tile, tl_dtype, total, upcast
-from .tile_tuning import Config, candidates, config, launch, shape_class, sides_up_to
+from .tile_tuning import Config, candidates, config, launch, shape_key, sides_up_to
 
 
 @triton.jit
@@ -282,12 +282,6 @@ def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others
     return tuple(candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)}))
 
 
-def _key(x: torch.Tensor, *flags) -> tuple:
-    """Shape class of a launch on ``x`` ``[B, T, H, D]``: dtype, batch × heads, length class and ``flags``."""
-    B, T, H, _ = x.shape
-    return (x.dtype, B * H, shape_class(T), *flags)
-
-
 def _states(k, v, g, h0, chunk, want_final, states_dtype):
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -301,7 +295,7 @@ def _states(k, v, g, h0, chunk, want_final, states_dtype):
                                  g is not None, h0 is not None, want_final,
                                  tl_dtype(k.dtype), upcast(k.dtype), **c.options)
 
-    key = _key(k, states_dtype, K, V, chunk, g is not None, h0 is not None, want_final)
+    key = shape_key(k, states_dtype, K, V, chunk, g is not None, h0 is not None, want_final)
     launch("chunk.states", key, feature_configs(K, V, k.dtype), run)
     return h, ht
 
@@ -318,7 +312,7 @@ def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
         _output_fwd_kernel[grid](q, k, v, g, h, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                                  g is not None, tl_dtype(q.dtype), upcast(q.dtype), **c.options)
 
-    launch("chunk.output", _key(q, K, V, chunk, g is not None), feature_configs(K, V, k.dtype, 64, chunk), run)
+    launch("chunk.output", shape_key(q, K, V, chunk, g is not None), feature_configs(K, V, k.dtype, 64, chunk), run)
     return o, ht
 
 
@@ -340,7 +334,7 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
         _states_bwd_kernel[grid](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                                  g is not None, dht is not None, want_dh0, DT, UP, **c.options)
 
-    launch("chunk.states_bwd", _key(q, states_dtype, K, V, chunk, g is not None, dht is not None, want_dh0),
+    launch("chunk.states_bwd", shape_key(q, states_dtype, K, V, chunk, g is not None, dht is not None, want_dh0),
            feature_configs(K, V, q.dtype, 64, chunk), run_states)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -353,7 +347,7 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
 
     # With a decay this kernel also holds the [BT, BT] score-gradient products: narrower key tiles keep it
     # from spilling (ahead_of_time, sm_90).
-    dg = launch("chunk.dqk", _key(q, K, V, chunk, g is not None, want_dg),
+    dg = launch("chunk.dqk", shape_key(q, K, V, chunk, g is not None, want_dg),
                 feature_configs(K, V, q.dtype, 32 if want_dg else 64, chunk, tile(K, 64, q.dtype)), run_dqk)
 
     def run_dv(c):
@@ -361,7 +355,7 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
         _dv_bwd_kernel[grid](q, k, g, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                              g is not None, DT, UP, **c.options)
 
-    launch("chunk.dv", _key(q, K, V, chunk, g is not None), feature_configs(K, V, q.dtype, 64, chunk), run_dv)
+    launch("chunk.dv", shape_key(q, K, V, chunk, g is not None), feature_configs(K, V, q.dtype, 64, chunk), run_dv)
     return dq, dk, dv, (dg.sum(0) if dg is not None else None), dh0
 
 

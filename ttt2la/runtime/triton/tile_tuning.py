@@ -156,6 +156,8 @@ def launch(site: str, key: tuple, options: Sequence[Config], run: Callable[[Conf
     return run(choose(site, key, options, run))
 
 
-def shape_class(T: int) -> int:
-    """Sequence lengths tuned together: the same power of two."""
-    return triton.next_power_of_2(max(int(T), 1))
+def shape_key(x, *flags) -> tuple:
+    """The shape class a launch on ``x`` ``[B, T, H, D]`` is tuned for: its dtype, batch × heads, the power of
+    two of its length (lengths tuned together), and the site's ``flags``."""
+    B, T, H, _ = x.shape
+    return (x.dtype, B * H, triton.next_power_of_2(max(int(T), 1)), *flags)
