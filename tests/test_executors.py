@@ -260,7 +260,8 @@ def assert_matches_reference(kind, program, L, seed=0, *, C, inclusive, last_chu
         states0, invariants = inputs_for(program, L, seed + sample)
         ref64 = outputs_finals_grads(loop, _as64(states0), _as64(invariants))
         ref32 = outputs_finals_grads(loop, states0, invariants)
-        first = first or ref64
+        if first is None:
+            first = ref64
         for what, r64_l, r32_l in zip(("outputs", "final states", "gradients"), ref64, ref32):
             for i, (b, c) in enumerate(zip(r64_l, r32_l)):
                 own.setdefault((what, i), []).append(rel_rms_error(c, b))

@@ -212,9 +212,8 @@ def assert_precise(fn, make_inputs, output_final_state, seed):
             bound = TOLERANCE[dtype] if own is None else max(TOLERANCE[dtype], 2 * own[name] + 1e-6)
             assert err <= bound, (name, err, bound)
         return
-    samples = [_errors(fn, *make_inputs(seed + i), output_final_state, seed + i) if i else
-               _errors(fn, tensors, options, output_final_state, seed)
-               for i in range(CRITERION_SAMPLES)]
+    inputs = [(tensors, options)] + [make_inputs(seed + i) for i in range(1, CRITERION_SAMPLES)]
+    samples = [_errors(fn, t, o, output_final_state, seed + i) for i, (t, o) in enumerate(inputs)]
     for name in samples[0][0]:
         ok, got, bound = no_worse_than_original([e[name] for e, _ in samples],
                                                 [o[name] for _, o in samples])
