@@ -197,7 +197,8 @@ def test_convert_writes_a_report_that_report_reads(tmp_path, capsys):
 
 
 def test_refused_conversion_exits_with_status_1(capsys):
-    # a LaCT layer whose Θ is updated is not reducible at level 0, and convert is strict
-    assert main(["convert", "--zoo", "lact-layer", "--level", "0"]) == EXIT_REFUSED
+    # a LaCT layer whose Θ is updated is not reducible at level 0, and convert is strict (two
+    # chunks of 64 show the update: a shorter example traces faster than the model's default)
+    assert main(["convert", "--zoo", "lact-layer", "--level", "0", "--length", "128"]) == EXIT_REFUSED
     err = capsys.readouterr().err
     assert "NonReducibleError" in err and "freeze_theta (level >= 1)" in err

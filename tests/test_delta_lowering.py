@@ -32,6 +32,7 @@ from ttt2la.zoo import DeltaMemoryLayer
 
 C = DELTA_CHUNK_SIZE
 TOL = TOLERANCE[torch.float32]
+pytestmark = pytest.mark.usefixtures("always_scan")
 
 #: (decay, read, grad, heads) of the layers converted (one trace each); every option appears
 #: with each of its values.

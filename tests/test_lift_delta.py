@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import math
+from unittest import mock
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +21,14 @@ import ttt2la
 from test_executors import inputs_for, make_program
 from ttt2la.analysis import analyze
 from ttt2la.lowering import lower
-from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta
+import ttt2la.lowering.lift_delta as lift_delta_module
+from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta, scan_pays
 from ttt2la.testing import TOLERANCE, rel_rms_error, training_step_ops
 
 D = 6
+
+
+pytestmark = pytest.mark.usefixtures("always_scan")
 
 
 class DeltaMemory(nn.Module):
@@ -114,6 +120,26 @@ shapes = st.fixed_dictionaries(dict(
     n_len=st.integers(min_value=1, max_value=27), seed=st.integers(0, 3)))
 
 
+def _assert_scan_equals_the_loop(program, plan, n_len: int, seed: int):
+    """``plan`` scans ``W`` and equals the recurrent loop at length ``n_len``: outputs, final
+    states and the gradients of states and invariants."""
+    assert isinstance(plan, DeltaScanPlan)
+    results = []
+    for run in (plan, lower(program, None, schedule="recurrent")):
+        states0, invariants = inputs_for(program, n_len, seed)
+        outputs, finals = run(states0, invariants)
+        leaves = [*states0, *invariants]
+        loss = sum((o * torch.cos(torch.arange(o.numel()).view(o.shape))).sum()
+                   for o in [*outputs, *finals])
+        results.append([*outputs, *finals, *torch.autograd.grad(loss, leaves, allow_unused=True)])
+    assert "matrix-affine scan: W" in plan.implementation, plan.implementation
+    for got, want in zip(*results):
+        if want is None:
+            assert got is None or not got.abs().any()
+            continue
+        assert rel_rms_error(got, want) <= TOLERANCE[torch.float32], rel_rms_error(got, want)
+
+
 @settings(max_examples=15, deadline=None)
 @given(shapes)
 def test_scan_plan_matches_the_recurrent_loop_on_hand_built_programs(s):
@@ -123,21 +149,7 @@ def test_scan_plan_matches_the_recurrent_loop_on_hand_built_programs(s):
     program = make_program("delta_rule", s["B"], s["d"], s["C"], s["inclusive"], s["last_chunk"])
     analysis = analyze(program)
     plan = lift_delta(program, analysis, analysis.schedule)
-    assert isinstance(plan, DeltaScanPlan)
-    results = []
-    for run in (plan, lower(program, None, schedule="recurrent")):
-        states0, invariants = inputs_for(program, s["n_len"], s["seed"])
-        outputs, finals = run(states0, invariants)
-        leaves = [*states0, *invariants]
-        loss = sum((o * torch.cos(torch.arange(o.numel()).view(o.shape))).sum()
-                   for o in [*outputs, *finals])
-        results.append([*outputs, *finals, *torch.autograd.grad(loss, leaves, allow_unused=True)])
-    assert "matrix-affine scan: W" in plan.implementation
-    for got, want in zip(*results):
-        if want is None:
-            assert got is None or not got.abs().any()
-            continue
-        assert rel_rms_error(got, want) <= TOLERANCE[torch.float32], rel_rms_error(got, want)
+    _assert_scan_equals_the_loop(program, plan, s["n_len"], s["seed"])
 
 
 def test_a_map_on_neither_side_runs_the_sequential_pass():
@@ -164,3 +176,65 @@ def test_a_map_on_neither_side_runs_the_sequential_pass():
         assert rel_rms_error(a, b) <= TOLERANCE[torch.float32]
     assert "sequential: W" in plan.implementation
     assert "matrix-affine scan" not in plan.implementation
+
+
+def _rectangular_program(dk: int, dv: int, transposed: bool, chunk: int):
+    """A delta rule on a ``[dk, dv]`` memory (``[dv, dk]`` stored transposed: ``S·A``), so that
+    reading ``A`` takes ``ceil(dk / dv)`` derivatives, each covering ``dv`` of its columns."""
+    from ttt2la.frontend.build import program_from_body
+
+    def body(W, k, v, q):
+        read = (lambda x: x @ W.mT) if transposed else (lambda x: x @ W)
+        err = (read(k) - v) * 0.3
+        grad = err.transpose(-1, -2) @ k if transposed else k.transpose(-1, -2) @ err
+        W2 = W - grad
+        return (W2,), (read(q),)
+
+    g = torch.Generator().manual_seed(dk * 10 + dv)
+    shape = (2, dv, dk) if transposed else (2, dk, dv)
+    return program_from_body(body, states=dict(W=torch.randn(shape, generator=g) * 0.3),
+                             streams=dict(k=torch.randn(2, chunk, dk, generator=g) * 0.5,
+                                          v=torch.randn(2, chunk, dv, generator=g),
+                                          q=torch.randn(2, chunk, dk, generator=g)),
+                             chunk_size=chunk, order="exclusive", last_chunk="update")
+
+
+@settings(max_examples=12, deadline=None)
+@given(dk=st.integers(1, 7), dv=st.integers(1, 7), transposed=st.booleans(),
+       chunk=st.integers(1, 4), n_len=st.integers(1, 23))
+def test_the_scan_reads_rectangular_maps_exactly(dk, dv, transposed, chunk, n_len):
+    """Memories wider than tall and taller than wide, stored either way: the maps read off by
+    derivatives along identity blocks give the loop's outputs, final state and gradients."""
+    program = _rectangular_program(dk, dv, transposed, chunk)
+    analysis = analyze(program)
+    plan = lift_delta(program, analysis, analysis.schedule)
+    _assert_scan_equals_the_loop(program, plan, n_len, 0)
+
+
+def test_on_a_cpu_the_scan_runs_only_where_it_beats_the_loop():
+    """The scan redoes every chunk's update and composes ``[r, r]`` maps: on a CPU it pays for
+    small memories over many chunks and loses for large ones over few; on CUDA it always runs."""
+    small, large = torch.zeros(16, 8, 8), torch.zeros(16, 64, 64)
+    assert scan_pays([small], n=512, tokens=4)
+    assert not scan_pays([large], n=32, tokens=64)
+    assert not scan_pays([large], n=512, tokens=4)
+    assert not scan_pays([small], n=2, tokens=4)           # the scan's fixed cost, two steps
+    assert scan_pays([torch.zeros(16, 64, 64, device="meta")], n=32, tokens=64) is False
+    # a memory with its momentum, stacked: the stacked rows count
+    assert scan_pays([torch.zeros(4, 6, 6), torch.zeros(4, 6, 6)], n=256, tokens=4)
+
+
+def test_a_large_memory_on_a_cpu_runs_the_loop_exactly_and_says_so():
+    """A ``[48, 48]`` memory over three chunks: the plan loops (cheaper here), names it, and
+    equals the recurrent loop."""
+    program = _rectangular_program(48, 48, False, 32)
+    analysis = analyze(program)
+    plan = lift_delta(program, analysis, analysis.schedule)
+    states0, invariants = inputs_for(program, 96, 0)
+    with mock.patch.object(lift_delta_module, "scan_pays", scan_pays):  # the rule as it stands
+        got = plan(states0, invariants)
+    assert "sequential: W" in plan.implementation and "scan" not in plan.implementation, \
+        plan.implementation
+    want = lower(program, None, schedule="recurrent")(states0, invariants)
+    for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        assert rel_rms_error(a, b) <= TOLERANCE[torch.float32]

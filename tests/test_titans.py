@@ -25,6 +25,7 @@ from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo.titans import MemoryState, TitansLinearMemory, TitansMLPMemory
 
 TOL = TOLERANCE[torch.float32]
+pytestmark = pytest.mark.usefixtures("always_scan")
 
 #: (dim, chunk_size, window_chunks, weight_decay, momentum, store_mask) of the linear memories
 #: checked (one trace each: the sizes vary across them); a memory converted with a store mask

@@ -5,7 +5,8 @@ in ``S`` through a matrix, so the checker runs it *semi-parallel*, a sequential 
 chunks. Each chunk's update is still one affine map ``S ↦ A_j S + B_j`` (or ``S A_j + B_j`` when
 the state is stored transposed) whose ``A_j`` and ``B_j`` do not depend on the state: this plan
 gets every chunk's pair at once — ``B_j`` is the update at ``S = 0``, the columns of ``A_j`` its
-derivative there along the basis matrices (``jvp``), all batched over chunks — and composes them
+derivative there along identity blocks (``jvp``, one per ``c`` columns of ``A``: one
+update's cost for a square state), all batched over chunks — and composes them
 with the runtime's log-depth ``matrix_affine_scan``. Which side ``A_j`` multiplies on is read off
 the first chunk: the derivative along a random direction must equal ``A_0`` applied on that
 side; when neither side fits (another linear map of the state: transposes, sums), the sequential
@@ -30,18 +31,30 @@ from .executors import Plan, _call_batched
 SIDES = ("left", "right")
 
 
-def _basis(state: torch.Tensor, side: str) -> torch.Tensor:
-    """The ``r`` matrices ``E_{i0}`` (left: ``A S`` reads ``S``'s rows) or ``E_{0i}`` (right),
-    broadcast over the state's leading axes: ``[r, *state.shape]``."""
+def _tangents(state: torch.Tensor, side: str) -> torch.Tensor:
+    """Directions along which one derivative of ``S ↦ A S`` (left) or ``S ↦ S A`` (right) reads
+    ``ceil(r / c)`` blocks of ``A`` at once: the ``k``-th holds the identity's block ``k`` in its
+    first columns (left) or rows (right), ``A X_k`` then holds ``A``'s columns ``k·c …`` (``X_k A``
+    its rows). One derivative per block, not one per basis matrix: each costs one update.
+    ``[m, *state.shape]``."""
     rows, cols = state.shape[-2:]
-    r = rows if side == "left" else cols
+    r, c = (rows, cols) if side == "left" else (cols, rows)
+    m = -(-r // c)
     eye = torch.eye(r, dtype=state.dtype, device=state.device)
-    basis = torch.zeros(r, rows, cols, dtype=state.dtype, device=state.device)
-    if side == "left":
-        basis[:, :, 0] = eye
-    else:
-        basis[:, 0, :] = eye
-    return basis.view(r, *([1] * (state.dim() - 2)), rows, cols).expand(r, *state.shape)
+    blocks = torch.zeros(m, r, c, dtype=state.dtype, device=state.device)
+    for k in range(m):
+        part = eye[:, k * c:(k + 1) * c]
+        blocks[k, :, :part.shape[1]] = part
+    if side == "right":
+        blocks = blocks.mT
+    return blocks.view(m, *([1] * (state.dim() - 2)), rows, cols).expand(m, *state.shape)
+
+
+def _assembled(moved: torch.Tensor, r: int, side: str) -> torch.Tensor:
+    """``A`` from the derivatives along ``_tangents`` (``moved``: ``[m, ..., rows, cols]``)."""
+    if side == "left":  # block k's columns: A's columns k·c ...
+        return torch.cat(moved.unbind(0), dim=-1)[..., :r]
+    return torch.cat(moved.unbind(0), dim=-2)[..., :r, :]
 
 
 def _apply(A: torch.Tensor, S: torch.Tensor, side: str) -> torch.Tensor:
@@ -80,13 +93,15 @@ class DeltaScanPlan(Plan):
         super().__init__(program, analysis, schedule)
         self.scanned = scanned_groups(analysis) if schedule == "semi-parallel" else set()
         self.sides: dict[int, str | None] = {}     # keyed by a group's first state
+        self.looped: dict[tuple[int, ...], bool] = {}  # groups the last call ran as a loop
 
     @property
     def implementation(self) -> str:
         """``"torch.vmap(semi-parallel; matrix-affine scan: W)"`` — what runs, for the report."""
         if self.schedule == "recurrent":
             return super().implementation
-        scanned = [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None]
+        scanned = [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None
+                   and not self.looped.get(g, False)]
         in_scan = {t for g in scanned for t in g}
         name = lambda t: self.program.states[t].name  # noqa: E731
         sequential = [name(t) for s in self._steps if s.mode == "sequential" for t in s.states
@@ -106,6 +121,9 @@ class DeltaScanPlan(Plan):
         if group not in self.scanned or self.sides.get(group[0], "left") is None:
             return super()._sequential(step, env, states0, n)
         starts = [states0[t] for t in group]
+        self.looped[group] = not scan_pays(starts, n, self.program.chunk_size)
+        if self.looped[group]:
+            return super()._sequential(step, env, states0, n)
         maps = self._maps(step, env, starts, n)
         if maps is None:
             return super()._sequential(step, env, states0, n)
@@ -140,16 +158,13 @@ class DeltaScanPlan(Plan):
         for side in sides:
             s0 = _stack(starts, side)
             zero = torch.zeros_like(s0)
-            basis = _basis(s0, side)
+            tangents = _tangents(s0, side)
+            r = s0.shape[-2] if side == "left" else s0.shape[-1]
 
-            def pair(*args, side=side, basis=basis, zero=zero):
+            def pair(*args, side=side, tangents=tangents, zero=zero, r=r):
                 update = update_of(args, side)
-                cols = vmap(lambda x: jvp(update, (zero,), (x,))[1])(basis)
-                if side == "left":  # (A E_i0)[:, 0] is A's column i
-                    A = cols[..., 0].movedim(0, -1)
-                else:  # (E_0i A)[0, :] is A's row i
-                    A = cols[..., 0, :].movedim(0, -2)
-                return A, update(zero)
+                at_zero, moved = vmap(lambda x: jvp(update, (zero,), (x,)))(tangents)
+                return _assembled(moved, r, side), at_zero[0]
 
             (A, B), fell_back = _call_batched(pair, values, n)
             if fell_back:
@@ -172,6 +187,35 @@ class DeltaScanPlan(Plan):
             else:
                 values.append(frontier_values.get(i) or env[i])
         return values
+
+
+#: The CPU cost model that decides where the log-depth scan beats a Python loop over the chunks
+#: (measured on the development machine, 2 cores, fp32; docs/benchmarks.md, "Delta-rule
+#: memories"): one chunk step of the loop costs about this much in dispatch alone (s) ...
+LOOP_STEP_SECONDS = 100e-6
+#: ... the scan's fixed cost (its extraction and log-depth recursion, s) ...
+SCAN_FIXED_SECONDS = 5e-3
+#: ... and the rate of its small batched products (FLOP/s).
+SCAN_FLOPS = 20e9
+
+
+def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
+    """Is the log-depth scan faster than the loop over ``n`` chunks of ``tokens`` tokens for
+    this group of states? Always on CUDA and under a compiler (no Python loop over chunks
+    there). On a CPU the scan does every chunk's update once more (to read ``A_j`` and ``B_j``)
+    plus its compositions, ``2 r² (r + c)`` per chunk, to save the loop's per-step dispatch:
+    it pays for small states over many chunks only (a ``[64, 64]`` memory ran 1.2–4.7× slower
+    scanned than looped, a ``[8, 8]`` one 2× faster over 512 chunks)."""
+    first = states[0]
+    if first.device.type == "cuda" or torch.compiler.is_compiling():
+        return True
+    rows = sum(t.shape[-2] for t in states)
+    cols = first.shape[-1]
+    r = max(rows, cols)
+    batch = first[..., 0, 0].numel()
+    per_chunk = batch * (4 * tokens * rows * cols + 2 * r * r * (rows + cols))
+    scanned = n * per_chunk / SCAN_FLOPS + SCAN_FIXED_SECONDS
+    return scanned < n * (LOOP_STEP_SECONDS + 2 * tokens * rows * cols * batch / SCAN_FLOPS)
 
 
 #: How far (relative RMS) chunk 0's update may move from ``A_0`` applied on the chosen side; the
@@ -231,4 +275,4 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
     return plan
 
 
-__all__ = ["DeltaScanPlan", "lift_delta", "scanned_groups", "scanned_states"]
+__all__ = ["DeltaScanPlan", "lift_delta", "scan_pays", "scanned_groups", "scanned_states"]

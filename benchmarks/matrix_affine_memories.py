@@ -1,0 +1,121 @@
+"""CPU timings of converted memories whose state is matrix-affine in itself (chunked delta rules),
+against the layer as written: the plan's own choice (``scan_pays``), the log-depth scan forced
+and the loop over chunks forced, side by side.
+
+    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N]
+
+Rows of a case run interleaved in one process (``ttt2la.timing``): medians over the rounds, the
+spread next to them, ratios as medians of per-round ratios against the layer as written. The
+layers: ``TitansLinearMemory`` (windows of chunks, weight decay, with and without momentum) and a
+mini-batch delta rule written here for the purpose (heads, a learning rate per token from a gate,
+``W ← W − Kᵀ((K W − V) ⊙ η)`` per chunk), over a grid of head widths and chunk sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ttt2la
+import ttt2la.lowering.lift_delta as lift_delta
+from ttt2la.testing import rel_rms_error
+from ttt2la.timing import time_side_by_side
+from ttt2la.zoo.titans import TitansLinearMemory
+
+
+class MiniBatchDelta(nn.Module):
+    """Heads of a linear memory, read and then stepped once per chunk on ``½ η ‖k W − v‖²``."""
+
+    def __init__(self, head_dim: int, heads: int, chunk: int):
+        super().__init__()
+        d = head_dim * heads
+        self.h, self.dh, self.chunk = heads, head_dim, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, heads)
+        self.out = nn.Linear(d, d, bias=False)
+        self.w0 = nn.Parameter(torch.randn(heads, head_dim, head_dim) / head_dim ** 0.5)
+
+    def forward(self, x):
+        B, L, D = x.shape
+        q, k, v = (t.reshape(B, L, self.h, self.dh).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        k = F.normalize(k, dim=-1)
+        eta = torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)
+        W, ys = self.w0.expand(B, -1, -1, -1), []
+        for s in range(0, L, self.chunk):
+            qc, kc, vc, ec = (t[:, :, s:s + self.chunk] for t in (q, k, v, eta))
+            ys.append(qc @ W)
+            W = W - kc.transpose(-1, -2) @ ((kc @ W - vc) * ec)
+        return self.out(torch.cat(ys, dim=2).transpose(1, 2).reshape(B, L, D))
+
+
+def cases(quick: bool):
+    """(name, layer, input) of every case."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    grid = [(8, 4), (8, 64), (16, 4), (16, 16), (32, 16), (64, 4), (64, 64)]
+    if quick:
+        grid = [(8, 4), (64, 64)]
+    length = 512 if quick else 2048
+    for dh, chunk in grid:
+        yield (f"mini-batch delta, 4 heads × {dh}, chunk {chunk}, L={length}",
+               MiniBatchDelta(dh, 4, chunk), torch.randn(4, length, 4 * dh, generator=g))
+    for momentum in (False, True):
+        yield (f"Titans linear memory, dim 64, chunk 16, {'momentum' if momentum else 'no momentum'}, "
+               f"L={2 * length}", TitansLinearMemory(64, 16, momentum=momentum),
+               torch.randn(4, 2 * length, 64, generator=g))
+
+
+class _Forced:
+    """The converted layer called with the scan's cost rule replaced by ``always``."""
+
+    def __init__(self, layer, always: bool | None):
+        self.layer, self.always = layer, always
+
+    def __call__(self, x):
+        forced = contextlib.nullcontext() if self.always is None else \
+            mock.patch.object(lift_delta, "scan_pays", lambda *args: self.always)
+        with forced:
+            out = self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two small cases, shorter")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, forward under no_grad")
+    print("| case | row | ms (median) | spread | vs as written | plan that ran |")
+    print("|---|---|---|---|---|---|")
+    for name, layer, x in cases(args.quick):
+        fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
+        rows = {"as written": lambda t, layer=layer: layer(t),
+                "converted (cost rule)": _Forced(fast, None),
+                "converted, scan forced": _Forced(fast, True),
+                "converted, loop forced": _Forced(fast, False)}
+        timings = time_side_by_side(rows, (x,), rounds=args.rounds, max_seconds=30.0)
+        with torch.no_grad():
+            want = rows["as written"](x)
+            want = want[0] if isinstance(want, tuple) else want
+            for row, timing in timings.items():
+                plan = ""
+                if row != "as written":
+                    got = rows[row](x)
+                    err = rel_rms_error(got, want)
+                    ran = fast.ttt2la_report.layers[0].runs.get(f"batch {x.shape[0]}", "?")
+                    plan = f"{ran} (error {err:.1e})"
+                ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
+                print(f"| {name} | {row} | {timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | "
+                      f"{plan} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
