@@ -13,15 +13,12 @@ mini-batch delta rule written here for the purpose (heads, a learning rate per t
 from __future__ import annotations
 
 import argparse
-import contextlib
-from unittest import mock
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ttt2la
-import ttt2la.lowering.lift_delta as lift_delta
+from ttt2la.lowering.lift_delta import scanning
 from ttt2la.testing import rel_rms_error
 from ttt2la.timing import time_side_by_side
 from ttt2la.zoo.titans import TitansLinearMemory
@@ -71,15 +68,14 @@ def cases(quick: bool):
 
 
 class _Forced:
-    """The converted layer called with the scan's cost rule replaced by ``always``."""
+    """The converted layer called with the scan forced (``always``: True or False) or the cost rule
+    deciding (None)."""
 
     def __init__(self, layer, always: bool | None):
         self.layer, self.always = layer, always
 
     def __call__(self, x):
-        forced = contextlib.nullcontext() if self.always is None else \
-            mock.patch.object(lift_delta, "scan_pays", lambda *args: self.always)
-        with forced:
+        with scanning(self.always):
             out = self.layer(x)
         return out[0] if isinstance(out, tuple) else out
 

@@ -139,6 +139,16 @@ MUTATIONS = [
         (("ttt2la/runtime/triton/chunk.py", 'grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)',
           "grid = (triton.cdiv(T, chunk), triton.cdiv(V, 64), B * H)"),),
         ("tests/test_triton_kernels.py",), "chunk_op_is_right_with_every_tuning_candidate"),
+    Mutation(
+        "scan_map_tail", "the matrix-affine scan assembles a tall map from its blocks' last columns",
+        (("ttt2la/lowering/lift_delta.py", "return torch.cat(moved.unbind(0), dim=-1)[..., :r]",
+          "return torch.cat(moved.unbind(0), dim=-1)[..., -r:]"),),
+        ("tests/test_lift_delta.py",), "rectangular"),
+    Mutation(
+        "scan_rule_inverted", "the CPU cost rule scans where the loop is cheaper, and loops where it is not",
+        (("ttt2la/lowering/lift_delta.py", "return scanned < n * (LOOP_STEP_SECONDS + update)",
+          "return scanned > n * (LOOP_STEP_SECONDS + update)"),),
+        ("tests/test_lift_delta.py",), "beats_the_loop or large_memory"),
 ]
 
 

@@ -11,7 +11,6 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``, see docs/testing.md):
 * ``wide``: random draws with five times each test's example count, for a long exploration.
 """
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -61,7 +60,7 @@ def always_scan():
     """Delta-rule memories scanned at every size: modules that test the matrix-affine scan
     itself opt in (``pytestmark = pytest.mark.usefixtures("always_scan")``), where on a CPU the
     cost rule (``scan_pays``, tested as it stands) would loop over their few chunks instead."""
-    import ttt2la.lowering.lift_delta as lift_delta
+    from ttt2la.lowering.lift_delta import scanning
 
-    with mock.patch.object(lift_delta, "scan_pays", lambda *args: True):
+    with scanning(True):
         yield

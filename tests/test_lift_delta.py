@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -21,8 +20,7 @@ import ttt2la
 from test_executors import inputs_for, make_program
 from ttt2la.analysis import analyze
 from ttt2la.lowering import lower
-import ttt2la.lowering.lift_delta as lift_delta_module
-from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta, scan_pays
+from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta, scan_pays, scanning
 from ttt2la.testing import TOLERANCE, rel_rms_error, training_step_ops
 
 D = 6
@@ -215,13 +213,17 @@ def test_on_a_cpu_the_scan_runs_only_where_it_beats_the_loop():
     """The scan redoes every chunk's update and composes ``[r, r]`` maps: on a CPU it pays for
     small memories over many chunks and loses for large ones over few; on CUDA it always runs."""
     small, large = torch.zeros(16, 8, 8), torch.zeros(16, 64, 64)
-    assert scan_pays([small], n=512, tokens=4)
-    assert not scan_pays([large], n=32, tokens=64)
-    assert not scan_pays([large], n=512, tokens=4)
-    assert not scan_pays([small], n=2, tokens=4)           # the scan's fixed cost, two steps
-    assert scan_pays([torch.zeros(16, 64, 64, device="meta")], n=32, tokens=64) is False
-    # a memory with its momentum, stacked: the stacked rows count
-    assert scan_pays([torch.zeros(4, 6, 6), torch.zeros(4, 6, 6)], n=256, tokens=4)
+    with scanning(None):                 # the rule as it stands, not the module's forced scan
+        assert scan_pays([small], n=512, tokens=4)
+        assert not scan_pays([large], n=32, tokens=64)
+        assert not scan_pays([large], n=512, tokens=4)
+        assert not scan_pays([small], n=2, tokens=4)       # the scan's fixed cost, two steps
+        assert scan_pays([torch.zeros(16, 64, 64, device="meta")], n=32, tokens=64) is False
+        # a memory with its momentum, stacked: the stacked rows count
+        assert scan_pays([torch.zeros(4, 6, 6), torch.zeros(4, 6, 6)], n=256, tokens=4)
+        with scanning(False):            # forced either way, then restored
+            assert not scan_pays([small], n=512, tokens=4)
+        assert scan_pays([small], n=512, tokens=4)
 
 
 def test_a_large_memory_on_a_cpu_runs_the_loop_exactly_and_says_so():
@@ -231,7 +233,7 @@ def test_a_large_memory_on_a_cpu_runs_the_loop_exactly_and_says_so():
     analysis = analyze(program)
     plan = lift_delta(program, analysis, analysis.schedule)
     states0, invariants = inputs_for(program, 96, 0)
-    with mock.patch.object(lift_delta_module, "scan_pays", scan_pays):  # the rule as it stands
+    with scanning(None):                 # the rule as it stands, not the module's forced scan
         got = plan(states0, invariants)
     assert "sequential: W" in plan.implementation and "scan" not in plan.implementation, \
         plan.implementation

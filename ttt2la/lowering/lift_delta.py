@@ -18,6 +18,8 @@ for ``[W | S]·A`` — and are scanned the same way, jointly.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.func import jvp, vmap
 
@@ -40,11 +42,8 @@ def _tangents(state: torch.Tensor, side: str) -> torch.Tensor:
     rows, cols = state.shape[-2:]
     r, c = (rows, cols) if side == "left" else (cols, rows)
     m = -(-r // c)
-    eye = torch.eye(r, dtype=state.dtype, device=state.device)
-    blocks = torch.zeros(m, r, c, dtype=state.dtype, device=state.device)
-    for k in range(m):
-        part = eye[:, k * c:(k + 1) * c]
-        blocks[k, :, :part.shape[1]] = part
+    eye = torch.eye(r, m * c, dtype=state.dtype, device=state.device)   # zero columns past r
+    blocks = eye.view(r, m, c).movedim(1, 0)
     if side == "right":
         blocks = blocks.mT
     return blocks.view(m, *([1] * (state.dim() - 2)), rows, cols).expand(m, *state.shape)
@@ -190,13 +189,30 @@ class DeltaScanPlan(Plan):
 
 
 #: The CPU cost model that decides where the log-depth scan beats a Python loop over the chunks
-#: (measured on the development machine, 2 cores, fp32; docs/benchmarks.md, "Delta-rule
+#: (measured on the development machine, 2 cores, fp32; docs/benchmarks.md, "CPU: delta-rule
 #: memories"): one chunk step of the loop costs about this much in dispatch alone (s) ...
 LOOP_STEP_SECONDS = 100e-6
 #: ... the scan's fixed cost (its extraction and log-depth recursion, s) ...
 SCAN_FIXED_SECONDS = 5e-3
 #: ... and the rate of its small batched products (FLOP/s).
 SCAN_FLOPS = 20e9
+
+
+#: What ``scan_pays`` answers while ``scanning`` forces it (``None``: the cost rule).
+_forced: bool | None = None
+
+
+@contextmanager
+def scanning(always: bool | None):
+    """Within the block, scan every matrix-affine group (``True``), loop over the chunks
+    (``False``) or let the cost rule decide (``None``): for tests of either path and for
+    benchmarks that time both."""
+    global _forced
+    before, _forced = _forced, always
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
@@ -206,16 +222,18 @@ def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
     plus its compositions, ``2 r² (r + c)`` per chunk, to save the loop's per-step dispatch:
     it pays for small states over many chunks only (a ``[64, 64]`` memory ran 1.2–4.7× slower
     scanned than looped, a ``[8, 8]`` one 2× faster over 512 chunks)."""
+    if _forced is not None:
+        return _forced
     first = states[0]
     if first.device.type == "cuda" or torch.compiler.is_compiling():
         return True
-    rows = sum(t.shape[-2] for t in states)
-    cols = first.shape[-1]
-    r = max(rows, cols)
+    rows, cols = sum(t.shape[-2] for t in states), first.shape[-1]
+    r = max(rows, cols)                 # A_j is [rows, rows] or [cols, cols], by the side
     batch = first[..., 0, 0].numel()
-    per_chunk = batch * (4 * tokens * rows * cols + 2 * r * r * (rows + cols))
-    scanned = n * per_chunk / SCAN_FLOPS + SCAN_FIXED_SECONDS
-    return scanned < n * (LOOP_STEP_SECONDS + 2 * tokens * rows * cols * batch / SCAN_FLOPS)
+    update = batch * 2 * tokens * rows * cols / SCAN_FLOPS     # the MSE step's two products
+    compose = batch * 2 * r * r * (rows + cols) / SCAN_FLOPS
+    scanned = n * (2 * update + compose) + SCAN_FIXED_SECONDS
+    return scanned < n * (LOOP_STEP_SECONDS + update)
 
 
 #: How far (relative RMS) chunk 0's update may move from ``A_0`` applied on the chosen side; the
@@ -275,4 +293,5 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
     return plan
 
 
-__all__ = ["DeltaScanPlan", "lift_delta", "scan_pays", "scanned_groups", "scanned_states"]
+__all__ = ["DeltaScanPlan", "lift_delta", "scan_pays", "scanned_groups", "scanned_states",
+           "scanning"]
