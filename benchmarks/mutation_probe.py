@@ -146,9 +146,23 @@ MUTATIONS = [
         ("tests/test_lift_delta.py",), "rectangular"),
     Mutation(
         "scan_rule_inverted", "the CPU cost rule scans where the loop is cheaper, and loops where it is not",
-        (("ttt2la/lowering/lift_delta.py", "return scanned < n * (LOOP_STEP_SECONDS + update)",
-          "return scanned > n * (LOOP_STEP_SECONDS + update)"),),
+        (("ttt2la/lowering/lift_delta.py", "return scanned < looped", "return scanned > looped"),),
         ("tests/test_lift_delta.py",), "beats_the_loop or large_memory"),
+    Mutation(
+        "loop_outputs_final_off_by_one", "the loop that reads the outputs as it goes keeps the last "
+        "chunk's update as the final state where that chunk only reads (apply_only)",
+        (("ttt2la/lowering/executors.py", "            if j < n_upd:\n", "            if j <= n_upd:\n"),),
+        ("tests/test_executors.py",), "last_sequential or coupled"),
+    Mutation(
+        "lean_call_wrong_kernel", "the lean graph calls subtraction through torch.add",
+        (("ttt2la/lowering/lean_calls.py", "aten.sub.Tensor: torch.sub,", "aten.sub.Tensor: torch.add,"),),
+        ("tests/test_lean_calls.py", "tests/test_executors.py"), ""),
+    Mutation(
+        "batched_views_kept", "graphs run batched over chunks keep their views, which vmap refuses for a "
+        "chunk of a stream, so a loop fallback runs",
+        (("ttt2la/lowering/executors.py", "            node.target = torch.ops.aten.reshape.default\n",
+          "            pass\n"),),
+        ("tests/test_titans.py",), "large_memory"),
 ]
 
 

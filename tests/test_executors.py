@@ -18,6 +18,7 @@ import functools
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttt2la.analysis import analyze
 from ttt2la.errors import NonReducibleError, UnsupportedTTTError
@@ -506,6 +507,45 @@ def test_coupled_states_run_as_one_sequential_group():
     assert rel_rms_error(y, torch.cat(ys, 1)) <= TOL
     assert rel_rms_error(finals[0], S) <= TOL and rel_rms_error(finals[1], T) <= TOL
     assert "sequential: S, T" in lower(program, analysis).implementation
+
+
+class _ShapesMade(TorchDispatchMode):
+    """The shapes of every tensor the ops dispatched within the block return."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("last_chunk", ["update", "apply_only"])
+def test_the_last_sequential_group_reads_the_outputs_inside_its_loop(last_chunk):
+    """Outputs that read a sequential state before and after each chunk's update, and a
+    parallel state's sequence, are read inside the sequential state's chunk loop: equal to the
+    recurrent loop (outputs, finals, gradients), and no tensor holds every chunk's state."""
+    def body(A, S, k, v, u, q):
+        S_next = S - k.transpose(-1, -2) @ (k @ S - v) * 0.1
+        return (A + k.transpose(-1, -2) @ u, S_next), (q @ S + q @ S_next + (q @ A).sum(-1, True),)
+    B, d, e, C, L = 2, 3, 4, 2, 9
+    program = program_from_body(
+        body, states=dict(A=torch.randn(B, d, e), S=torch.randn(B, d, d)),
+        streams=dict(k=torch.randn(B, L, d), v=torch.randn(B, L, d), u=torch.randn(B, L, e),
+                     q=torch.randn(B, L, d)), chunk_size=C, last_chunk=last_chunk)
+    analysis, _ = assert_matches_recurrent(program, L)
+    assert analysis.group_modes[-1] == "sequential" and len(analysis.groups) == 2
+    states0, invariants = inputs_for(program, L, 0)
+    made = _ShapesMade()
+    with made:
+        execute(program, analysis, states0, invariants)
+    n = -(-L // C)
+    assert (n, B, d, e) in made.shapes                # the parallel state's sequence
+    assert not any(s[1:] == (B, d, d) and s[0] >= n - 1 for s in made.shapes), made.shapes
 
 
 def test_unknown_backend_is_refused():

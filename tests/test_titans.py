@@ -160,3 +160,22 @@ def test_coupled_affine_states_are_scanned_stacked():
     assert "matrix-affine scan: W + M" in plan.implementation, plan.implementation
     for got, want in zip(*results):
         assert rel_rms_error(got, want) <= TOL, rel_rms_error(got, want)
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_a_large_memory_loops_over_chunks_with_every_batched_value_vmapped(momentum):
+    """At dim 64 and batch 4 the cost rule loops over the chunks; the values around the loop
+    (the windows' features, the outputs) still run as one ``vmap`` over the chunks, not a loop
+    fallback (a view of a chunk of a stream refused for its strides once forced one), exact."""
+    from ttt2la.lowering.lift_delta import scanning
+
+    torch.manual_seed(0)
+    layer = TitansLinearMemory(64, 16, momentum=momentum)
+    fast = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(1, 64, 64),))
+    x = torch.randn(4, 256, 64)
+    with torch.no_grad(), scanning(None):
+        got, want = fast(x), layer(x)
+    ran = fast.ttt2la_report.layers[0].runs["batch 4"]
+    assert "sequential: weights" in ran and "fallback" not in ran, ran
+    for a, b in ((got[0], want[0]), (got[1].weights, want[1].weights)):
+        assert rel_rms_error(a, b) <= TOL

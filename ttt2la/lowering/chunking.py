@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -107,19 +109,27 @@ def chunk_streams(program: TTTProgram, invariants: list[torch.Tensor]
     return [chunk_stream(invariants[s.source], s, layout) for s in program.streams], layout
 
 
-def assemble_output(chunks: torch.Tensor, spec: OutputSpec, layout: ChunkLayout) -> torch.Tensor:
-    """Join ``[N, *chunk output]`` along ``spec.axis`` and cut the padding back to ``L``."""
+def assemble_output(chunks: torch.Tensor | Sequence[torch.Tensor], spec: OutputSpec,
+                    layout: ChunkLayout) -> torch.Tensor:
+    """Join ``[N, *chunk output]`` along ``spec.axis`` and cut the padding back to ``L``. A list
+    of the ``N`` chunk outputs (a loop's) is joined in one copy, with no stacked tensor first."""
     if spec.per_token or layout.per_token:
-        axis = spec.axis % chunks.dim()
-        return chunks.movedim(0, axis)
-    axis = spec.axis % (chunks.dim() - 1)
-    joined = chunks.movedim(0, axis).flatten(axis, axis + 1)
+        if isinstance(chunks, torch.Tensor):
+            return chunks.movedim(0, spec.axis % chunks.dim())
+        return torch.stack(list(chunks), dim=spec.axis % (chunks[0].dim() + 1))
+    if isinstance(chunks, torch.Tensor):
+        axis = spec.axis % (chunks.dim() - 1)
+        joined = chunks.movedim(0, axis).flatten(axis, axis + 1)
+    else:
+        axis = spec.axis % chunks[0].dim()
+        joined = torch.cat(list(chunks), dim=axis)
     return joined.narrow(axis, 0, layout.length)
 
 
 def assemble_outputs(program: TTTProgram, chunk_outputs: list[torch.Tensor],
                      layout: ChunkLayout) -> list[torch.Tensor]:
-    """Every chunk output of ``program`` joined over chunks (see ``assemble_output``)."""
+    """Every chunk output of ``program`` joined over chunks (see ``assemble_output``): each a
+    tensor with a leading chunk axis or a list of chunks."""
     return [assemble_output(y, spec, layout) for y, spec in zip(chunk_outputs, program.outputs)]
 
 

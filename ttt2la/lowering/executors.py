@@ -35,6 +35,7 @@ from ..ir import TTTProgram
 from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
+from .lean_calls import lean_calls
 
 SCHEDULES = ("parallel", "semi-parallel", "recurrent")
 _Value = tuple[torch.Tensor, bool]          # a tensor and whether it has a leading chunk axis
@@ -95,6 +96,19 @@ def extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
                 graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
     return torch.fx.GraphModule(body, graph), taken
+
+
+def _extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
+             outputs: Sequence[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """``extract`` for a graph the plan runs batched over chunks (or chunk by chunk), its views
+    made reshapes: the same values, and under ``vmap`` a view of a chunk of a stream can be
+    refused for its strides where the reshape copies (the loop fallback ran otherwise)."""
+    gm, taken = extract(body, inputs, outputs)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm, taken
 
 
 def _call_batched(fn, values: list[_Value], n_chunks: int) -> tuple[list[torch.Tensor], bool]:
@@ -245,6 +259,8 @@ class _StateStep:
     frontier_inputs: list[torch.fx.Node] = field(default_factory=list)
     frontier: list[torch.fx.Node] = field(default_factory=list)
     computed: list[torch.fx.Node] = field(default_factory=list)
+    loop_graph: torch.fx.GraphModule | None = None      # the update and the outputs, per chunk
+    loop_inputs: list[torch.fx.Node] = field(default_factory=list)
 
 
 class Plan:
@@ -261,6 +277,7 @@ class Plan:
         self._padding_checked: dict[int, str | None] = {}
         self._steps: list[_StateStep] = []
         self._outputs_graph = None
+        self._recurrent_body: torch.fx.GraphModule | None = None   # the body, called per chunk
         self._outputs_inputs: list[torch.fx.Node] = []
         self._independent: list[torch.fx.Node] = []      # state-free values read by the rest
         self._constant: list[torch.fx.Node] = []         # ... of those, the stream-free ones
@@ -292,10 +309,10 @@ class Plan:
             if n in results or any(u in reads_state for u in n.users):
                 (self._independent if n in reads_stream else self._constant).append(n)
         if self._independent:
-            self._independent_graph, self._independent_inputs = extract(
+            self._independent_graph, self._independent_inputs = _extract(
                 prog.body, leaves, self._independent)
         if self._constant:
-            self._constant_graph, self._constant_inputs = extract(prog.body, leaves,
+            self._constant_graph, self._constant_inputs = _extract(prog.body, leaves,
                                                                   self._constant)
 
     def _build(self) -> None:
@@ -310,7 +327,7 @@ class Plan:
                 raise AssertionError("a recurrent group in a chunk-parallel plan")
             if mode in ("prefix", "affine", "independent"):
                 (t,) = group
-                step.graph, step.inputs = extract(prog.body, available + [ins[t]], [outs[t]])
+                step.graph, step.inputs = _extract(prog.body, available + [ins[t]], [outs[t]])
             elif mode == "sequential":
                 self._build_sequential(step, available)
             self._steps.append(step)
@@ -318,7 +335,7 @@ class Plan:
                 available.append(ins[t])
                 if outs[t].op != "placeholder" and outs[t] not in available:
                     available.append(outs[t])
-        self._outputs_graph, self._outputs_inputs = extract(prog.body, available,
+        self._outputs_graph, self._outputs_inputs = _extract(prog.body, available,
                                                             prog.chunk_outputs())
 
     def _build_sequential(self, step: _StateStep, available: list[torch.fx.Node]) -> None:
@@ -353,9 +370,10 @@ class Plan:
         step.frontier = frontier
         step.computed = [n for n in frontier if n not in available]
         if step.computed:
-            step.frontier_graph, step.frontier_inputs = extract(prog.body, available,
+            step.frontier_graph, step.frontier_inputs = _extract(prog.body, available,
                                                                 step.computed)
-        step.graph, step.inputs = extract(prog.body, own_ins + frontier, own_outs)
+        step.graph, step.inputs = _extract(prog.body, own_ins + frontier, own_outs)
+        step.graph = lean_calls(step.graph)
 
     @property
     def implementation(self) -> str:
@@ -394,14 +412,18 @@ class Plan:
     def _run_recurrent(self, states, streams, invariants, layout):
         prog = self.program
         n_s = len(prog.states)
+        if self._recurrent_body is None:
+            self._recurrent_body = lean_calls(prog.body)
+        forward = self._recurrent_body.forward
         per_output: list[list[torch.Tensor]] = [[] for _ in prog.outputs]
+        columns = [x.unbind(0) for x in streams]
         for j in range(layout.n_chunks):
-            res = prog.body(*states, *[x[j] for x in streams], *invariants)
+            res = forward(*states, *[c[j] for c in columns], *invariants)
             for k, y in enumerate(res[n_s:]):
                 per_output[k].append(y)
             if j < layout.n_chunks - 1 or prog.last_chunk == "update":
                 states = list(res[:n_s])
-        return [torch.stack(ys) for ys in per_output], states
+        return per_output, states
 
     def _run_parallel(self, states0, streams, invariants, layout):
         prog = self.program
@@ -424,6 +446,8 @@ class Plan:
             env.update((node, (v, True)) for node, v in zip(self._independent, values))
         finals: list[torch.Tensor | None] = [None] * len(prog.states)
         for step in self._steps:
+            if step is self._steps[-1] and self._outputs_in_loop(step, states0, n):
+                return self._loop_reading_outputs(step, env, states0, n, n_upd, finals), finals
             afters = self._sequence(step, env, states0, n)
             for t, after in zip(step.states, afters):
                 s0 = states0[t]
@@ -495,24 +519,79 @@ class Plan:
             self.fallbacks.add("frontier")
         return {node: (v, True) for node, v in zip(step.computed, vals)}
 
-    def _sequential(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
+    def _loops(self, step: _StateStep, states0, n: int) -> bool:
+        """Does ``step`` run as a Python loop over the chunks on this call?"""
+        return step.mode == "sequential"
+
+    def _outputs_in_loop(self, step: _StateStep, states0, n: int) -> bool:
+        """Read the outputs inside ``step``'s chunk loop rather than batched after it? When the
+        loop runs anyway and the outputs read its states: the batched read would need every
+        chunk's state before and after it kept (two copies of ``n`` states), which for a large
+        state costs more than the products they feed."""
+        if not self._loops(step, states0, n):
+            return False
+        ins, outs = self.program.state_inputs(), self.program.state_outputs()
+        own = {ins[t] for t in step.states} | {outs[t] for t in step.states
+                                                if outs[t].op != "placeholder"}
+        return any(i in own for i in self._outputs_inputs)
+
+    def _chunk_loop(self, step: _StateStep, env, states0, n: int, graph, inputs):
+        """Run ``graph`` once per chunk with the group's states carried (it takes them among
+        ``inputs`` and returns their updates first, in the group's order): yields each chunk's
+        results. Batched inputs are split once, and the graph's code is called directly."""
         frontier_values = self._frontier_values(step, env, n)
-        ins = self.program.state_inputs()
-        state = {ins[t]: states0[t] for t in step.states}
-        afters: list[list[torch.Tensor]] = [[] for _ in step.states]
+        own = [self.program.state_inputs()[t] for t in step.states]
+        state = {i: states0[t] for i, t in zip(own, step.states)}
+        columns = [None if i in state else _chunks(frontier_values.get(i) or env[i], n)
+                   for i in inputs]
+        forward = graph.forward
         for j in range(n):
-            args = []
-            for i in step.inputs:
-                if i in state:
-                    args.append(state[i])
-                else:
-                    v, batched = frontier_values.get(i) or env[i]
-                    args.append(v[j] if batched else v)
-            res = step.graph(*args)
-            for k, t in enumerate(step.states):
-                state[ins[t]] = res[k]
-                afters[k].append(res[k])
+            res = forward(*[state[i] if col is None else col[j] for i, col in zip(inputs, columns)])
+            state = dict(zip(own, res))
+            yield res
+
+    def _sequential(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
+        k = len(step.states)
+        afters = zip(*(res[:k] for res in self._chunk_loop(step, env, states0, n, step.graph,
+                                                            step.inputs)))
         return [torch.stack(a) for a in afters]
+
+    def _loop_reading_outputs(self, step: _StateStep, env, states0, n: int, n_upd: int,
+                              finals: list) -> list[list[torch.Tensor]]:
+        """The last group's chunk loop with each chunk's outputs read as it goes, by one graph
+        (see ``_outputs_in_loop``); fills the group's ``finals`` and returns each output's chunks
+        (joined by ``assemble_outputs`` in one copy)."""
+        if step.loop_graph is None:
+            self._build_loop_reading_outputs(step)
+        k = len(step.states)
+        for t in step.states:
+            finals[t] = states0[t]
+        per_output: list[list[torch.Tensor]] = [[] for _ in self.program.outputs]
+        loop = self._chunk_loop(step, env, states0, n, step.loop_graph, step.loop_inputs)
+        for j, res in enumerate(loop):
+            for ys, y in zip(per_output, res[k:]):
+                ys.append(y)
+            if j < n_upd:
+                for t, after in zip(step.states, res[:k]):
+                    finals[t] = after
+        return per_output
+
+    def _build_loop_reading_outputs(self, step: _StateStep) -> None:
+        """One graph per chunk: the group's update and the chunk outputs."""
+        prog = self.program
+        ins, outs = prog.state_inputs(), prog.state_outputs()
+        own_outs = [outs[t] for t in step.states]
+        leaves = [ins[t] for t in step.states] + step.frontier + [
+            i for i in self._outputs_inputs if i not in own_outs or i.op == "placeholder"]
+        graph, step.loop_inputs = _extract(prog.body, leaves, own_outs + list(prog.chunk_outputs()))
+        step.loop_graph = lean_calls(graph)
+
+
+def _chunks(value: _Value, n: int) -> Sequence[torch.Tensor]:
+    """The ``n`` chunks of a value batched over chunks (views, split once); an unbatched value
+    ``n`` times."""
+    v, batched = value
+    return v.unbind(0) if batched else [v] * n
 
 
 def lower(program: TTTProgram, analysis: Analysis | None = None, backend: str = "auto",

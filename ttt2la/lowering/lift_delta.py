@@ -115,14 +115,19 @@ class DeltaScanPlan(Plan):
             parts.append("loop fallback")
         return f"torch.vmap({'; '.join(parts)})"
 
-    def _sequential(self, step, env, states0, n):
+    def _loops(self, step, states0, n):
         group = tuple(step.states)
         if group not in self.scanned or self.sides.get(group[0], "left") is None:
+            return super()._loops(step, states0, n)
+        self.looped[group] = not scan_pays([states0[t] for t in group], n,
+                                           self.program.chunk_size)
+        return self.looped[group]
+
+    def _sequential(self, step, env, states0, n):
+        if self._loops(step, states0, n):
             return super()._sequential(step, env, states0, n)
+        group = tuple(step.states)
         starts = [states0[t] for t in group]
-        self.looped[group] = not scan_pays(starts, n, self.program.chunk_size)
-        if self.looped[group]:
-            return super()._sequential(step, env, states0, n)
         maps = self._maps(step, env, starts, n)
         if maps is None:
             return super()._sequential(step, env, states0, n)
@@ -188,14 +193,17 @@ class DeltaScanPlan(Plan):
         return values
 
 
-#: The CPU cost model that decides where the log-depth scan beats a Python loop over the chunks
-#: (measured on the development machine, 2 cores, fp32; docs/benchmarks.md, "CPU: delta-rule
-#: memories"): one chunk step of the loop costs about this much in dispatch alone (s) ...
-LOOP_STEP_SECONDS = 100e-6
-#: ... the scan's fixed cost (its extraction and log-depth recursion, s) ...
-SCAN_FIXED_SECONDS = 5e-3
-#: ... and the rate of its small batched products (FLOP/s).
-SCAN_FLOPS = 20e9
+#: The CPU cost model that decides where the log-depth scan beats a Python loop over the chunks,
+#: fitted to a 12-shape grid of delta-rule memories (2 cores, fp32; docs/benchmarks.md, "CPU:
+#: delta-rule memories"; it picks the faster path at every point of the grid): one chunk step of
+#: the loop costs this much in dispatch (s) ...
+LOOP_STEP_SECONDS = 28e-6
+#: ... and runs the update's products, one chunk at a time, at this rate (FLOP/s) ...
+LOOP_FLOPS = 2.7e9
+#: ... the scan costs this much once (its extraction and log-depth recursion, s) ...
+SCAN_FIXED_SECONDS = 2.8e-3
+#: ... and runs its products, batched over the chunks, at this rate (FLOP/s).
+SCAN_FLOPS = 8e9
 
 
 #: What ``scan_pays`` answers while ``scanning`` forces it (``None``: the cost rule).
@@ -220,8 +228,8 @@ def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
     this group of states? Always on CUDA and under a compiler (no Python loop over chunks
     there). On a CPU the scan does every chunk's update once more (to read ``A_j`` and ``B_j``)
     plus its compositions, ``2 r² (r + c)`` per chunk, to save the loop's per-step dispatch:
-    it pays for small states over many chunks only (a ``[64, 64]`` memory ran 1.2–4.7× slower
-    scanned than looped, a ``[8, 8]`` one 2× faster over 512 chunks)."""
+    it pays for small states over many chunks only (a ``[64, 64]`` memory ran 1.8–13× slower
+    scanned than looped, a ``[4, 4]`` one 3.3× faster over 2048 chunks)."""
     if _forced is not None:
         return _forced
     first = states[0]
@@ -230,10 +238,11 @@ def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
     rows, cols = sum(t.shape[-2] for t in states), first.shape[-1]
     r = max(rows, cols)                 # A_j is [rows, rows] or [cols, cols], by the side
     batch = first[..., 0, 0].numel()
-    update = batch * 2 * tokens * rows * cols / SCAN_FLOPS     # the MSE step's two products
-    compose = batch * 2 * r * r * (rows + cols) / SCAN_FLOPS
-    scanned = n * (2 * update + compose) + SCAN_FIXED_SECONDS
-    return scanned < n * (LOOP_STEP_SECONDS + update)
+    update = batch * 2 * tokens * rows * cols      # the MSE step's two products, FLOP
+    compose = batch * 2 * r * r * (rows + cols)
+    scanned = n * (2 * update + compose) / SCAN_FLOPS + SCAN_FIXED_SECONDS
+    looped = n * (LOOP_STEP_SECONDS + update / LOOP_FLOPS)
+    return scanned < looped
 
 
 #: How far (relative RMS) chunk 0's update may move from ``A_0`` applied on the chosen side; the
