@@ -1,6 +1,5 @@
 """``lean_calls``: a graph run once per chunk computes the same values, bit for bit, with its aten
-overloads called through the torch functions that bind the same kernels and without expands or
-views onto a tensor's own shape."""
+overloads called through the torch functions that bind the same kernels."""
 from __future__ import annotations
 
 import torch
@@ -75,17 +74,15 @@ def _traced():
     return make_fx(_chunk_step)(*args), args
 
 
-def test_a_traced_step_keeps_its_values_with_fewer_calls():
+def test_a_traced_step_keeps_its_values_with_cheaper_calls():
     gm, args = _traced()
     lean = lean_calls(gm)
     for got, want in zip(lean(*args), gm(*args)):
         assert torch.equal(got, want)
     calls = lambda g: [n for n in g.graph.nodes if n.op == "call_function"]  # noqa: E731
-    assert len(calls(lean)) < len(calls(gm))
-    assert not any(n.target is aten.expand.default for n in calls(lean)), lean.code
-    assert not any(isinstance(n.target, torch._ops.OpOverload) and n.target in FAST_CALLS
-                   for n in calls(lean))
-    assert lean is not gm and any(n.target is aten.expand.default for n in calls(gm))
+    assert len(calls(lean)) == len(calls(gm))
+    assert not any(isinstance(n.target, torch._ops.OpOverload) for n in calls(lean)), lean.code
+    assert all(isinstance(n.target, torch._ops.OpOverload) for n in calls(gm))
 
 
 def test_arguments_the_torch_function_does_not_take_keep_the_overload():
@@ -101,18 +98,3 @@ def test_arguments_the_torch_function_does_not_take_keep_the_overload():
     assert targets == [aten.expand.default, aten.add.Scalar]
     x = _r(1, 3)
     assert torch.equal(lean(x), x.expand(4, 3) + 2)
-
-
-def test_a_view_onto_another_shape_stays():
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = torch.empty(2, 6)
-    same = graph.call_function(aten.view.default, (x, [2, 6]))
-    same.meta["val"] = torch.empty(2, 6)
-    other = graph.call_function(aten.view.default, (same, [3, 4]))
-    other.meta["val"] = torch.empty(3, 4)
-    graph.output(other)
-    lean = lean_calls(torch.fx.GraphModule(torch.nn.Module(), graph))
-    assert [n.target for n in lean.graph.nodes if n.op == "call_function"] == [torch.Tensor.view]
-    x = _r(2, 6)
-    assert torch.equal(lean(x), x.view(3, 4))

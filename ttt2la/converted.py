@@ -28,6 +28,7 @@ from .errors import AlreadyConvertedError, ConversionError, StreamingError, Unsu
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
+from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .stream import StreamCall, TTTState, advance, stateful_plan
 
@@ -137,7 +138,7 @@ class ConvertedState:
             if gm is self.outer.gm:
                 gm = torch.fx.GraphModule(self.outer.gm, self.outer.gm.graph)
             setattr(gm, LOOP_MODULE, self.loop_for(B))
-            self._outer_cache[(B, L)] = gm
+            gm = self._outer_cache[(B, L)] = lean_calls(gm)
         return gm
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):

@@ -31,7 +31,7 @@ from ..analysis.associativity import Analysis, analyze
 from ..analysis.op_vocabulary import (CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, TENSOR_SHAPED_FILLS,
                                       calls, op_name)
 from ..errors import UnsupportedTTTError
-from ..ir import TTTProgram
+from ..ir import TTTProgram, reshape_views
 from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
@@ -104,9 +104,7 @@ def _extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
     made reshapes: the same values, and under ``vmap`` a view of a chunk of a stream can be
     refused for its strides where the reshape copies (the loop fallback ran otherwise)."""
     gm, taken = extract(body, inputs, outputs)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
+    reshape_views(gm.graph)
     gm.recompile()
     return gm, taken
 

@@ -3,16 +3,17 @@
 A loop over chunks calls the same small graph once per chunk, and for a small state the Python
 cost of the calls is most of a step's time. A traced graph calls ``torch.ops.aten`` overloads:
 about 5 µs each from Python, against about 2.5 µs for the torch function that binds the same
-kernel; and a decomposed matmul expands tensors to the shape they already have. ``lean_calls``
-drops expands and views onto a tensor's own shape, and calls each op whose torch function takes
-the same arguments through that function. The kernels, and so the values, are the same.
+kernel. ``lean_calls`` calls each op whose torch function takes the same arguments through that
+function; the kernels, and so the values, are the same. (Expands and views onto a tensor's own
+shape stay: a graph re-sized to another batch size keeps its trace's shape metadata, so which
+ones are no-ops cannot be read off it.)
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.fx
+
+from ..ir import copy_graph
 
 aten = torch.ops.aten
 
@@ -59,23 +60,6 @@ FAST_CALLS = {
 _NOT_TAKEN = {aten.expand.default: {"implicit"}}
 _POSITIONAL = {aten.add.Scalar: 2, aten.sub.Scalar: 2, aten.rsub.Scalar: 2}
 
-_NO_OPS = (aten.expand.default, aten.view.default, aten._unsafe_view.default,
-           aten.reshape.default)
-
-
-def _shape(node) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _is_no_op(node: torch.fx.Node) -> bool:
-    """An expand or view whose result has its input's shape (and so is its input's value)."""
-    if node.op != "call_function" or node.target not in _NO_OPS:
-        return False
-    src, size = node.args[0], node.args[1]
-    shape = _shape(src)
-    return shape is not None and shape == _shape(node) and list(shape) == list(size)
-
 
 def _has_fast_call(node: torch.fx.Node) -> bool:
     op = node.target
@@ -85,15 +69,11 @@ def _has_fast_call(node: torch.fx.Node) -> bool:
 
 
 def lean_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` that computes the same values with fewer and cheaper Python calls."""
-    graph = copy.deepcopy(gm.graph)
-    for node in list(graph.nodes):
-        if _is_no_op(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-        elif _has_fast_call(node):
+    """A copy of ``gm`` that computes the same values with cheaper Python calls."""
+    graph = copy_graph(gm.graph)
+    for node in graph.nodes:
+        if _has_fast_call(node):
             node.target = FAST_CALLS[node.target]
-    graph.eliminate_dead_code()
     return torch.fx.GraphModule(gm, graph)
 
 
