@@ -2,7 +2,7 @@
 against the layer as written: the plan's own choice (``scan_pays``), the log-depth scan forced
 and the loop over chunks forced, side by side.
 
-    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N]
+    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N] [--backward]
 
 Rows of a case run interleaved in one process (``ttt2la.timing``): medians over the rounds, the
 spread next to them, ratios as medians of per-round ratios against the layer as written. The
@@ -80,37 +80,82 @@ class _Forced:
         return out[0] if isinstance(out, tuple) else out
 
 
+class _TrainingStep:
+    """One forward and backward of a fixed random functional of ``model``'s output; the
+    parameter gradients it leaves are what the error column compares."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        self.model.zero_grad(set_to_none=True)
+        out = self.model(x)
+        y = out[0] if isinstance(out, tuple) else out
+        weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        (y * weights).sum().backward()
+
+    def grads(self) -> dict:
+        return {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+def _forward_rows(layer, fast):
+    return {"as written": lambda t, layer=layer: layer(t),
+            "converted (cost rule)": _Forced(fast, None),
+            "converted, scan forced": _Forced(fast, True),
+            "converted, loop forced": _Forced(fast, False)}
+
+
+def _forward_error(rows, row, x) -> float:
+    with torch.no_grad():
+        want = rows["as written"](x)
+        want = want[0] if isinstance(want, tuple) else want
+        return rel_rms_error(rows[row](x), want)
+
+
+def _gradient_error(rows, row, x) -> float:
+    """The largest relative RMS error over the parameter gradients."""
+    rows["as written"](x)
+    want = rows["as written"].grads()
+    rows[row](x)
+    got = rows[row].grads()
+    return max(rel_rms_error(got[n], g) for n, g in want.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small cases, shorter")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--backward", action="store_true",
+                        help="time a training step (forward and backward) of the layer as written "
+                             "and of the converted layer as the cost rule runs it; the error "
+                             "column is the largest over the parameter gradients")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, forward under no_grad")
+    what = "forward and backward" if args.backward else "forward under no_grad"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {what}")
     print("| case | row | ms (median) | spread | vs as written | plan that ran |")
     print("|---|---|---|---|---|---|")
     for name, layer, x in cases(args.quick):
         fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
-        rows = {"as written": lambda t, layer=layer: layer(t),
-                "converted (cost rule)": _Forced(fast, None),
-                "converted, scan forced": _Forced(fast, True),
-                "converted, loop forced": _Forced(fast, False)}
-        timings = time_side_by_side(rows, (x,), rounds=args.rounds, max_seconds=30.0)
-        with torch.no_grad():
-            want = rows["as written"](x)
-            want = want[0] if isinstance(want, tuple) else want
-            for row, timing in timings.items():
-                plan = ""
-                if row != "as written":
-                    got = rows[row](x)
-                    err = rel_rms_error(got, want)
-                    ran = fast.ttt2la_report.layers[0].runs.get(f"batch {x.shape[0]}", "?")
-                    plan = f"{ran} (error {err:.1e})"
-                ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
-                print(f"| {name} | {row} | {timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | "
-                      f"{plan} |", flush=True)
+        if args.backward:
+            rows = {"as written": _TrainingStep(layer),
+                    "converted (cost rule)": _TrainingStep(fast)}
+            error = _gradient_error
+        else:
+            rows, error = _forward_rows(layer, fast), _forward_error
+        timings = time_side_by_side(rows, (x,), rounds=args.rounds, max_seconds=30.0,
+                                    no_grad=not args.backward)
+        for row, timing in timings.items():
+            plan = ""
+            if row != "as written":
+                err = error(rows, row, x)
+                ran = fast.ttt2la_report.layers[0].runs.get(f"batch {x.shape[0]}", "?")
+                plan = f"{ran} (error {err:.1e})"
+            ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
+            print(f"| {name} | {row} | {timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | "
+                  f"{plan} |", flush=True)
 
 
 if __name__ == "__main__":

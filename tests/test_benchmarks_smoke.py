@@ -273,3 +273,30 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     assert sum("tuned tiles" in r for r in tuning) == 6
     assert all("the default tiles ran" in r for r in tuning if "tuned tiles" in r)
     assert sum("Triton chunk op" in r for r in rows) == 2
+
+
+def test_delta_rule_memory_benchmark_compares_outputs_and_gradients():
+    """``matrix_affine_memories.py``'s error columns on a small mini-batch delta rule: the
+    converted layer's outputs and every parameter gradient against the layer as written, on
+    both paths the cost rule can take."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import matrix_affine_memories as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    import ttt2la
+
+    torch.manual_seed(0)
+    layer = bench.MiniBatchDelta(4, 2, 4)
+    x = torch.randn(2, 37, 8)
+    fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :16],))
+    forward = bench._forward_rows(layer, fast)
+    training = {"as written": bench._TrainingStep(layer),
+                "converted (cost rule)": bench._TrainingStep(fast)}
+    for row in ("converted, scan forced", "converted, loop forced"):
+        assert bench._forward_error(forward, row, x) <= 1e-5
+    with bench.scanning(True):
+        assert bench._gradient_error(training, "converted (cost rule)", x) <= 1e-5
+    with bench.scanning(False):
+        assert bench._gradient_error(training, "converted (cost rule)", x) <= 1e-5
+    assert set(training["as written"].grads()) == {n for n, _ in layer.named_parameters()}
