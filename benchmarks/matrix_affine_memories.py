@@ -2,7 +2,7 @@
 against the layer as written: the plan's own choice (``scan_pays``), the log-depth scan forced
 and the loop over chunks forced, side by side.
 
-    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N] [--backward]
+    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N] [--backward | --fit-rule]
 
 Rows of a case run interleaved in one process (``ttt2la.timing``): medians over the rounds, the
 spread next to them, ratios as medians of per-round ratios against the layer as written. The
@@ -121,6 +121,47 @@ def _gradient_error(rows, row, x) -> float:
     return max(rel_rms_error(got[n], g) for n, g in want.items())
 
 
+#: The grid the CPU cost rule's constants were fitted to: (head width, chunk) of a 4-head
+#: mini-batch delta rule at B = 4, L = 2048.
+RULE_GRID = [(4, 1), (4, 4), (8, 1), (8, 4), (8, 16), (8, 64), (16, 4), (16, 16), (32, 4),
+             (32, 16), (64, 4), (64, 64)]
+
+
+def fit_rule(rounds: int) -> None:
+    """Time the scan and the loop forced over ``RULE_GRID``, fit the cost rule's four constants
+    to the differences (least squares, weighted by the inverse of each difference) and print
+    them beside the constants in use, with the faster path and the rule's choice per shape."""
+    from ttt2la.lowering import lift_delta
+
+    features, differences = [], []
+    print("| head width | chunk | scan (ms) | loop (ms) | faster | the rule picks |")
+    print("|---|---|---|---|---|---|")
+    for dh, chunk in RULE_GRID:
+        torch.manual_seed(0)
+        layer, x = MiniBatchDelta(dh, 4, chunk), torch.randn(4, 2048, 4 * dh)
+        fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
+        t = time_side_by_side({"scan": _Forced(fast, True), "loop": _Forced(fast, False)}, (x,),
+                              rounds=rounds, max_seconds=20.0)
+        scan, loop = t["scan"].median, t["loop"].median
+        n, batch = 2048 // chunk, 16
+        update, compose = batch * 2 * chunk * dh * dh, batch * 2 * dh * dh * 2 * dh
+        features.append([1.0, n * (2 * update + compose), -n, -n * update])
+        differences.append(scan - loop)
+        picks = "scan" if lift_delta.scan_pays([torch.zeros(batch, dh, dh)], n, chunk) else "loop"
+        print(f"| {dh} | {chunk} | {scan * 1e3:.1f} | {loop * 1e3:.1f} | "
+              f"{'scan' if scan < loop else 'loop'} | {picks} |", flush=True)
+    A = torch.tensor(features, dtype=torch.float64)
+    d = torch.tensor(differences, dtype=torch.float64)
+    w = 1 / d.abs().clamp_min(1e-3)
+    fixed, per_scan_flop, step, per_loop_flop = torch.linalg.lstsq(A * w[:, None], d * w).solution
+    print(f"fitted: LOOP_STEP_SECONDS = {step:.3g}, LOOP_FLOPS = {1 / per_loop_flop:.3g}, "
+          f"SCAN_FIXED_SECONDS = {fixed:.3g}, SCAN_FLOPS = {1 / per_scan_flop:.3g}")
+    print(f"in use: LOOP_STEP_SECONDS = {lift_delta.LOOP_STEP_SECONDS:.3g}, "
+          f"LOOP_FLOPS = {lift_delta.LOOP_FLOPS:.3g}, "
+          f"SCAN_FIXED_SECONDS = {lift_delta.SCAN_FIXED_SECONDS:.3g}, "
+          f"SCAN_FLOPS = {lift_delta.SCAN_FLOPS:.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small cases, shorter")
@@ -130,9 +171,15 @@ def main() -> None:
                         help="time a training step (forward and backward) of the layer as written "
                              "and of the converted layer as the cost rule runs it; the error "
                              "column is the largest over the parameter gradients")
+    parser.add_argument("--fit-rule", action="store_true",
+                        help="time scan and loop over the grid the CPU cost rule was fitted to, "
+                             "and fit its constants again (about 2 min on 2 cores)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fit_rule:
+        fit_rule(args.rounds)
+        return
     what = "forward and backward" if args.backward else "forward under no_grad"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {what}")
     print("| case | row | ms (median) | spread | vs as written | plan that ran |")

@@ -195,8 +195,9 @@ class DeltaScanPlan(Plan):
 
 #: The CPU cost model that decides where the log-depth scan beats a Python loop over the chunks,
 #: fitted to a 12-shape grid of delta-rule memories (2 cores, fp32; docs/benchmarks.md, "CPU:
-#: delta-rule memories"; it picks the faster path at every point of the grid): one chunk step of
-#: the loop costs this much in dispatch (s) ...
+#: delta-rule memories"; it picks the faster path at every point of the grid;
+#: ``benchmarks/matrix_affine_memories.py --fit-rule`` refits it): one chunk step of the loop
+#: costs this much in dispatch (s) ...
 LOOP_STEP_SECONDS = 28e-6
 #: ... and runs the update's products, one chunk at a time, at this rate (FLOP/s) ...
 LOOP_FLOPS = 2.7e9
