@@ -2,7 +2,8 @@
 against the layer as written: the plan's own choice (``scan_pays``), the log-depth scan forced
 and the loop over chunks forced, side by side.
 
-    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N] [--backward | --fit-rule]
+    python benchmarks/matrix_affine_memories.py [--quick] [--rounds N] [--threads N] [--keep-freed-memory]
+        [--backward | --fit-rule]
 
 Rows of a case run interleaved in one process (``ttt2la.timing``): medians over the rounds, the
 spread next to them, ratios as medians of per-round ratios against the layer as written. The
@@ -171,17 +172,23 @@ def main() -> None:
                         help="time a training step (forward and backward) of the layer as written "
                              "and of the converted layer as the cost rule runs it; the error "
                              "column is the largest over the parameter gradients")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="make glibc keep freed memory (allocator.py), for every row alike")
     parser.add_argument("--fit-rule", action="store_true",
                         help="time scan and loop over the grid the CPU cost rule was fitted to, "
                              "and fit its constants again (about 2 min on 2 cores)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = "the C library's default malloc"
+    if args.keep_freed_memory:
+        from allocator import keep_freed_memory   # benchmarks/, next to this script
+        allocator = keep_freed_memory()
     if args.fit_rule:
         fit_rule(args.rounds)
         return
     what = "forward and backward" if args.backward else "forward under no_grad"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {what}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {what}; {allocator}")
     print("| case | row | ms (median) | spread | vs as written | plan that ran |")
     print("|---|---|---|---|---|---|")
     for name, layer, x in cases(args.quick):
