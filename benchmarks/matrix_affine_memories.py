@@ -144,11 +144,11 @@ def fit_rule(rounds: int) -> None:
         t = time_side_by_side({"scan": _Forced(fast, True), "loop": _Forced(fast, False)}, (x,),
                               rounds=rounds, max_seconds=20.0)
         scan, loop = t["scan"].median, t["loop"].median
-        n, batch = 2048 // chunk, 16
-        update, compose = batch * 2 * chunk * dh * dh, batch * 2 * dh * dh * 2 * dh
+        n, memory = 2048 // chunk, [torch.zeros(16, dh, dh)]     # B·H memories of [dh, dh]
+        update, compose = lift_delta.step_flops(memory, chunk)
         features.append([1.0, n * (2 * update + compose), -n, -n * update])
         differences.append(scan - loop)
-        picks = "scan" if lift_delta.scan_pays([torch.zeros(batch, dh, dh)], n, chunk) else "loop"
+        picks = "scan" if lift_delta.scan_pays(memory, n, chunk) else "loop"
         print(f"| {dh} | {chunk} | {scan * 1e3:.1f} | {loop * 1e3:.1f} | "
               f"{'scan' if scan < loop else 'loop'} | {picks} |", flush=True)
     A = torch.tensor(features, dtype=torch.float64)

@@ -134,11 +134,9 @@ class ConvertedState:
     def outer_for(self, B: int, L: int) -> torch.fx.GraphModule:
         gm = self._outer_cache.get((B, L))
         if gm is None:
-            gm = self.outer.instantiate(B, L)
-            if gm is self.outer.gm:
-                gm = torch.fx.GraphModule(self.outer.gm, self.outer.gm.graph)
+            gm = lean_calls(self.outer.instantiate(B, L))   # a copy: the template stays
             setattr(gm, LOOP_MODULE, self.loop_for(B))
-            gm = self._outer_cache[(B, L)] = lean_calls(gm)
+            self._outer_cache[(B, L)] = gm
         return gm
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):

@@ -275,6 +275,7 @@ class Plan:
         self._padding_checked: dict[int, str | None] = {}
         self._steps: list[_StateStep] = []
         self._outputs_graph = None
+        self._outputs_read_last_group = False            # do the outputs read the last group?
         self._recurrent_body: torch.fx.GraphModule | None = None   # the body, called per chunk
         self._outputs_inputs: list[torch.fx.Node] = []
         self._independent: list[torch.fx.Node] = []      # state-free values read by the rest
@@ -335,6 +336,9 @@ class Plan:
                     available.append(outs[t])
         self._outputs_graph, self._outputs_inputs = _extract(prog.body, available,
                                                             prog.chunk_outputs())
+        last = self._steps[-1].states if self._steps else []
+        own = {ins[t] for t in last} | {outs[t] for t in last if outs[t].op != "placeholder"}
+        self._outputs_read_last_group = any(i in own for i in self._outputs_inputs)
 
     def _build_sequential(self, step: _StateStep, available: list[torch.fx.Node]) -> None:
         """Split a group's update into the small graph the chunk loop runs (every node that
@@ -522,16 +526,11 @@ class Plan:
         return step.mode == "sequential"
 
     def _outputs_in_loop(self, step: _StateStep, states0, n: int) -> bool:
-        """Read the outputs inside ``step``'s chunk loop rather than batched after it? When the
-        loop runs anyway and the outputs read its states: the batched read would need every
+        """Read the outputs inside the last ``step``'s chunk loop rather than batched after it?
+        When the loop runs anyway and the outputs read its states: the batched read would need every
         chunk's state before and after it kept (two copies of ``n`` states), which for a large
         state costs more than the products they feed."""
-        if not self._loops(step, states0, n):
-            return False
-        ins, outs = self.program.state_inputs(), self.program.state_outputs()
-        own = {ins[t] for t in step.states} | {outs[t] for t in step.states
-                                                if outs[t].op != "placeholder"}
-        return any(i in own for i in self._outputs_inputs)
+        return self._outputs_read_last_group and self._loops(step, states0, n)
 
     def _chunk_loop(self, step: _StateStep, env, states0, n: int, graph, inputs):
         """Run ``graph`` once per chunk with the group's states carried (it takes them among

@@ -224,6 +224,16 @@ def scanning(always: bool | None):
         _forced = before
 
 
+def step_flops(states: list[torch.Tensor], tokens: int) -> tuple[int, int]:
+    """FLOPs per chunk of ``tokens`` tokens for this group of states: one update (the MSE
+    step's two products) and one composition of the scan's maps (``2 r² (r + c)``)."""
+    first = states[0]
+    rows, cols = sum(t.shape[-2] for t in states), first.shape[-1]
+    r = max(rows, cols)                 # A_j is [rows, rows] or [cols, cols], by the side
+    batch = first[..., 0, 0].numel()
+    return batch * 2 * tokens * rows * cols, batch * 2 * r * r * (rows + cols)
+
+
 def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
     """Is the log-depth scan faster than the loop over ``n`` chunks of ``tokens`` tokens for
     this group of states? Always on CUDA and under a compiler (no Python loop over chunks
@@ -236,11 +246,7 @@ def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
     first = states[0]
     if first.device.type == "cuda" or torch.compiler.is_compiling():
         return True
-    rows, cols = sum(t.shape[-2] for t in states), first.shape[-1]
-    r = max(rows, cols)                 # A_j is [rows, rows] or [cols, cols], by the side
-    batch = first[..., 0, 0].numel()
-    update = batch * 2 * tokens * rows * cols      # the MSE step's two products, FLOP
-    compose = batch * 2 * r * r * (rows + cols)
+    update, compose = step_flops(states, tokens)
     scanned = n * (2 * update + compose) / SCAN_FLOPS + SCAN_FIXED_SECONDS
     looped = n * (LOOP_STEP_SECONDS + update / LOOP_FLOPS)
     return scanned < looped
@@ -304,4 +310,4 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
 
 
 __all__ = ["DeltaScanPlan", "lift_delta", "scan_pays", "scanned_groups", "scanned_states",
-           "scanning"]
+           "scanning", "step_flops"]
