@@ -34,7 +34,8 @@ from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
 from .prechunked import unchunk_streams
 from .trace_guards import data_dependent_message, data_dependent_node
-from .rollup import RolledLoop, roll_up
+from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
+                     roll_up)
 from .shapes import GraphTemplate, fit_template
 
 B0, B1 = 2, 3
@@ -46,7 +47,8 @@ class InputLayout:
 
     Sizes are fitted in units of ``batch_unit`` (``sizes`` returns ``(B // unit, L)``): a layer
     traced at multiples of ``unit`` runs at multiples of it, and with ``fixed_batch`` only at
-    ``unit`` itself; other batch sizes raise ``UnsupportedShapeError``.
+    ``unit`` itself; other batch sizes raise ``UnsupportedShapeError``. A layer whose loop covers
+    whole chunks only (``L // C``) runs at lengths that are multiples of ``length_unit``.
     """
 
     batch_axis: dict[int, int]          # flat input index -> batch axis
@@ -54,6 +56,8 @@ class InputLayout:
     ref: int                            # flat input index to read B and L from
     batch_unit: int = 1
     fixed_batch: bool = False
+    length_unit: int = 1
+    loop_src: str = ""                  # the loop, named when a length is refused
     path: str = ""
     why: str = ""                       # the probe failure that restricted the batch sizes
     signature: CallSignature | None = None      # the example call, checked on every call
@@ -73,6 +77,13 @@ class InputLayout:
                 f"converted for {accepted}: the layer's own code failed when traced at other "
                 f"batch sizes ({self.why}). Convert it again with example inputs of the batch "
                 "size you call it with.")
+        if L % self.length_unit:
+            raise UnsupportedShapeError(
+                f"the converted {self.path or 'model'} was called at length {L}, but its loop "
+                f"({self.loop_src}) runs over whole chunks of {self.length_unit} tokens only "
+                f"and would leave the last {L % self.length_unit} out: call it at lengths that "
+                f"are multiples of {self.length_unit} (pad the sequence), or loop over every "
+                "token in the layer's code.")
         return B // unit, L
 
 
@@ -321,6 +332,7 @@ class ProbePlan:
     unit: int = 1
     fixed: bool = False
     structured: bool = False
+    longer: bool = False             # one chunk more: four full chunks for ``L // C`` loops
 
     @property
     def batches(self) -> tuple[int, int]:
@@ -329,11 +341,12 @@ class ProbePlan:
         return (1, 2) if self.fixed else (B0, B1)
 
     def lengths(self, C: int, example_len: int | None) -> tuple[int, int]:
+        extra = C if self.longer else 0
         if self.structured and example_len is not None:
-            L0 = 3 * C + (example_len % C or C)          # >= three updates, same remainder
+            L0 = 3 * C + (example_len % C or C) + extra  # >= three updates, same remainder
             return L0, L0 + C
         r = C // 2 if C > 1 else 1
-        return 3 * C + r, 3 * C + r + 1
+        return 3 * C + r + extra, 3 * C + r + 1 + extra
 
     def describe(self, C: int, example_len: int | None) -> str:
         L0, L1 = self.lengths(C, example_len)
@@ -385,7 +398,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
             with _quiet_fake_tensors():
                 return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
         except ConversionError as e:
-            if not isinstance(e, _ShapeDependent):
+            if not isinstance(e, (_ShapeDependent, LengthDependent)):
                 raise                     # what the loop does is unsupported at any shape
             failures.append((plan, e))
         except Exception as e:            # the layer's own code rejected these shapes
@@ -424,7 +437,14 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     shapes = [(b0, L0), (b0, L1)] + ([] if plan.fixed else [(b1, L0)])
     for B, L in shapes:                               # shapes the code rejects fail fast eagerly
         _run_at(cand, fn, flat, layout, plan.unit * B, L)
-    rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
+    try:
+        rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
+    except TooFewIterations:
+        if plan.longer:
+            raise
+        # a loop over the whole chunks (``L // C``) ran three, the last without its dead update
+        return _recognize_at(cand, fn, flat, layout, in_spec,
+                             dataclasses.replace(plan, longer=True), C, seq_len, failures)
     if rolled.program.chunk_size != C:
         # the slices seen eagerly were not the chunk slices: retrace at the recognized size
         C = rolled.program.chunk_size
@@ -438,6 +458,11 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     except UnsupportedTTTError as e:
         raise _ShapeDependent(str(e)) from e
     notes = []
+    if any(isinstance(e, WholeChunksOnly) for _, e in failures):
+        notes.append(f"the loop at {cand.loop.src} runs over whole chunks only; converted for "
+                     f"lengths that are multiples of {C}")
+        layout = dataclasses.replace(layout, length_unit=C, loop_src=cand.loop.src,
+                                     path=cand.path)
     if cand.probe_length is not None:
         notes.append(f"the example (length {seq_len}) is too short to run the loop; it was found "
                      f"by running the model at length {cand.probe_length}")

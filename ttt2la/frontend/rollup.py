@@ -55,6 +55,23 @@ class RolledLoop:
     notes: list[str] = field(default_factory=list)
 
 
+class LengthDependent(UnsupportedTTTError):
+    """A refusal that a trace at another sequence length may not meet: the shape probe tries
+    its other lengths before it gives up."""
+
+
+class TooFewIterations(LengthDependent):
+    """The loop ran three iterations at the traced length and its last differs from the one
+    before: it may only be cut short (an update nothing reads is traced away), so a longer trace
+    can tell. The shape probe traces one chunk longer."""
+
+
+class WholeChunksOnly(LengthDependent):
+    """The loop ran once per whole chunk (``L // C``), leaving the tokens after the last one:
+    the layer is written for lengths that are multiples of its chunk, where it covers every
+    token. The shape probe traces at lengths that keep the example's chunk structure."""
+
+
 def _fail(msg: str, loop: LoopSite) -> UnsupportedTTTError:
     return UnsupportedTTTError(f"{msg} (loop at {loop.src}). ttt2la recognizes loops over chunks "
                                "or tokens that carry fast weights from one iteration to the next.")
@@ -160,6 +177,10 @@ def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
                     "are needed to tell carried state from streams", loop)
     I0, I1, I2 = iters[0], iters[1], iters[2]
     if [iteration_key(n, depth) for n in I1] != [iteration_key(n, depth) for n in I2]:
+        if len(iters) == 3:         # iteration 2 is also the last one
+            raise TooFewIterations(str(_fail(
+                "the loop ran 3 iterations at the traced length and the last one runs other ops "
+                "than the one before", loop)))
         raise _fail("iterations 1 and 2 run different ops; data-dependent control flow inside "
                     "the loop is not supported", loop)
     return Unrolled(gm, loop, depth, order, set(loop_nodes), order[loop_nodes[0]], iters,
@@ -604,6 +625,12 @@ def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
     seq_len = stream.source.meta["val"].shape[stream.axis]
     n_chunks = seq_len if stream.per_token else -(-seq_len // stream.chunk)
     expected = n_chunks - 1 if peeled else n_chunks
+    whole = seq_len // stream.chunk - (1 if peeled else 0)
+    if u.n_iter != expected and not stream.per_token and u.n_iter == whole:
+        raise WholeChunksOnly(str(u.fail(
+            f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
+            f"{stream.chunk}, leaving the last {seq_len % stream.chunk} tokens out; such a layer "
+            f"converts from example inputs whose length is a multiple of {stream.chunk}")))
     if u.n_iter != expected:
         raise u.fail(f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
                      f"{stream.chunk}; expected {expected}")

@@ -1,5 +1,6 @@
 """Reference TTT layers written the way their authors write them; the recognizer's test material."""
 from .delta_memory import DeltaMemoryLayer
+from .gated_memory import GatedChunkMemory
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
 from .lact_published import LaCTPublishedLayer
@@ -24,7 +25,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["DeltaMemoryLayer", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer",
+__all__ = ["DeltaMemoryLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer",
            "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
            "ViTTTClosedFormBlock", "MemoryState", "TitansLinearMemory", "TitansMLPMemory",
