@@ -163,8 +163,9 @@ def fit_rule(rounds: int) -> None:
           f"SCAN_FLOPS = {lift_delta.SCAN_FLOPS:.3g}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options both memory benchmarks take (cases, rounds, threads, a training step)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="two small cases, shorter")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
@@ -172,6 +173,11 @@ def main() -> None:
                         help="time a training step (forward and backward) of the layer as written "
                              "and of the converted layer as the cost rule runs it; the error "
                              "column is the largest over the parameter gradients")
+    return parser
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="make glibc keep freed memory (allocator.py), for every row alike")
     parser.add_argument("--fit-rule", action="store_true",
@@ -187,20 +193,27 @@ def main() -> None:
     if args.fit_rule:
         fit_rule(args.rounds)
         return
-    what = "forward and backward" if args.backward else "forward under no_grad"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {what}; {allocator}")
+    print_table(cases(args.quick), backward=args.backward, rounds=args.rounds, allocator=allocator)
+
+
+def print_table(cases, *, backward: bool, rounds: int, allocator: str = "") -> None:
+    """Convert each case's layer at level 0 and print its rows side by side as a markdown table:
+    the forward rows (``_forward_rows``), or a training step as written and converted."""
+    what = "forward and backward" if backward else "forward under no_grad"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, {what}"
+          + (f"; {allocator}" if allocator else ""))
     print("| case | row | ms (median) | spread | vs as written | plan that ran |")
     print("|---|---|---|---|---|---|")
-    for name, layer, x in cases(args.quick):
+    for name, layer, x in cases:
         fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
-        if args.backward:
+        if backward:
             rows = {"as written": _TrainingStep(layer),
                     "converted (cost rule)": _TrainingStep(fast)}
             error = _gradient_error
         else:
             rows, error = _forward_rows(layer, fast), _forward_error
-        timings = time_side_by_side(rows, (x,), rounds=args.rounds, max_seconds=30.0,
-                                    no_grad=not args.backward)
+        timings = time_side_by_side(rows, (x,), rounds=rounds, max_seconds=30.0,
+                                    no_grad=not backward)
         for row, timing in timings.items():
             plan = ""
             if row != "as written":
@@ -210,7 +223,6 @@ def main() -> None:
             ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
             print(f"| {name} | {row} | {timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | "
                   f"{plan} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

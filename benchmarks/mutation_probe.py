@@ -162,6 +162,23 @@ MUTATIONS = [
         "chunk of a stream, so a loop fallback runs",
         (("ttt2la/lowering/executors.py", "    reshape_views(gm.graph)\n", "\n"),),
         ("tests/test_titans.py",), "large_memory"),
+    Mutation(
+        "affine_rule_inverted", "the scalar-affine cost rule scans large states and loops small ones",
+        (("ttt2la/lowering/scan_choice.py",
+          "return n * state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < n * AFFINE_LOOP_STEP_SECONDS",
+          "return n * state.numel() * AFFINE_SCAN_ELEMENT_SECONDS > n * AFFINE_LOOP_STEP_SECONDS"),),
+        ("tests/test_scan_choice.py",), "rule or large_state"),
+    Mutation(
+        "affine_loop_reads_the_scan_state", "a looped scalar-affine state that feeds a later group "
+        "hands it the initial state for every chunk",
+        (("ttt2la/lowering/executors.py",
+          "        return [torch.stack(a) for a in afters]",
+          "        return [torch.stack(a).zero_() + states0[t] for a, t in zip(afters, step.states)]"),),
+        ("tests/test_scan_choice.py",), "either_path"),
+    Mutation(
+        "whole_chunks_unrestricted", "a layer converted from a loop over whole chunks takes any length",
+        (("ttt2la/frontend/recognize.py", "        if L % self.length_unit:", "        if False:"),),
+        ("tests/test_whole_chunk_loops.py",), "refused_naming_the_loop"),
 ]
 
 

@@ -300,3 +300,25 @@ def test_delta_rule_memory_benchmark_compares_outputs_and_gradients():
     with bench.scanning(False):
         assert bench._gradient_error(training, "converted (cost rule)", x) <= 1e-5
     assert set(training["as written"].grads()) == {n for n, _ in layer.named_parameters()}
+
+
+def test_gated_memory_benchmark_prints_every_row_with_its_plan_and_error(capsys):
+    """``gated_memories.py``'s table on one small gated memory: the layer as written, the rule's
+    choice and both forced paths, each converted row naming the plan that ran and its error
+    against the layer as written."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gated_memories as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from ttt2la.zoo import GatedChunkMemory
+
+    torch.manual_seed(0)
+    case = ("small gated memory", GatedChunkMemory(8, 2, 4), torch.randn(2, 32, 8))
+    bench.print_table([case], backward=False, rounds=1)
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| small")]
+    assert [r.split("|")[2].strip() for r in rows] == [
+        "as written", "converted (cost rule)", "converted, scan forced", "converted, loop forced"]
+    errors = [float(r.split("(error ")[1].split(")")[0]) for r in rows[1:]]
+    assert all(e <= 1e-5 for e in errors), rows
+    assert "sequential: W" in rows[3] and "sequential" not in rows[2]

@@ -36,6 +36,7 @@ from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
 from .lean_calls import lean_calls
+from .scan_choice import affine_scan_pays
 
 SCHEDULES = ("parallel", "semi-parallel", "recurrent")
 _Value = tuple[torch.Tensor, bool]          # a tensor and whether it has a leading chunk axis
@@ -259,6 +260,7 @@ class _StateStep:
     computed: list[torch.fx.Node] = field(default_factory=list)
     loop_graph: torch.fx.GraphModule | None = None      # the update and the outputs, per chunk
     loop_inputs: list[torch.fx.Node] = field(default_factory=list)
+    as_loop: "_StateStep | None" = None     # a scalar-affine group as a loop over the chunks
 
 
 class Plan:
@@ -273,6 +275,7 @@ class Plan:
         self.schedule = schedule
         self.fallbacks: set[str] = set()
         self._padding_checked: dict[int, str | None] = {}
+        self._looped_affine: set[int] = set()       # scalar-affine states the last call looped
         self._steps: list[_StateStep] = []
         self._outputs_graph = None
         self._outputs_read_last_group = False            # do the outputs read the last group?
@@ -327,6 +330,9 @@ class Plan:
             if mode in ("prefix", "affine", "independent"):
                 (t,) = group
                 step.graph, step.inputs = _extract(prog.body, available + [ins[t]], [outs[t]])
+            if mode == "affine":            # scanned or looped, by the cost rule at each call
+                step.as_loop = _StateStep(list(group), "sequential")
+                self._build_sequential(step.as_loop, available)
             elif mode == "sequential":
                 self._build_sequential(step, available)
             self._steps.append(step)
@@ -383,10 +389,15 @@ class Plan:
         if self.schedule == "recurrent":
             return "torch(recurrent loop)"
         seq = [self.program.states[t].name for s in self._steps if s.mode == "sequential"
-               for t in s.states]
+               for t in s.states] + self._looped_affine_names()
         detail = f"; sequential: {', '.join(seq)}" if seq else ""
         loop = "; loop fallback" if self.fallbacks else ""
         return f"torch.vmap({self.schedule}{detail}{loop})"
+
+    def _looped_affine_names(self) -> list[str]:
+        """The scalar-affine states the last call ran as a loop over the chunks."""
+        return [self.program.states[t].name for s in self._steps if s.mode == "affine"
+                for t in s.states if t in self._looped_affine]
 
     # -- running -----------------------------------------------------------------------------
     def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]
@@ -448,9 +459,10 @@ class Plan:
             env.update((node, (v, True)) for node, v in zip(self._independent, values))
         finals: list[torch.Tensor | None] = [None] * len(prog.states)
         for step in self._steps:
-            if step is self._steps[-1] and self._outputs_in_loop(step, states0, n):
-                return self._loop_reading_outputs(step, env, states0, n, n_upd, finals), finals
-            afters = self._sequence(step, env, states0, n)
+            run = self._how_to_run(step, states0, n)
+            if step is self._steps[-1] and self._outputs_in_loop(run, states0, n):
+                return self._loop_reading_outputs(run, env, states0, n, n_upd, finals), finals
+            afters = self._sequence(run, env, states0, n)
             for t, after in zip(step.states, afters):
                 s0 = states0[t]
                 before = torch.cat([s0.unsqueeze(0), after[:-1]]) if n > 1 else s0.unsqueeze(0)
@@ -463,6 +475,18 @@ class Plan:
         if fell_back:
             self.fallbacks.add("outputs")
         return chunk_outs, finals
+
+    def _how_to_run(self, step: _StateStep, states0, n: int) -> _StateStep:
+        """``step``, or for a scalar-affine state its loop over the chunks when on this call
+        the scan would not pay (``affine_scan_pays``)."""
+        if step.as_loop is None:
+            return step
+        (t,) = step.states
+        if affine_scan_pays(states0[t], n):
+            self._looped_affine.discard(t)
+            return step
+        self._looped_affine.add(t)
+        return step.as_loop
 
     def _sequence(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
         """``[S_1 … S_N]`` (the state after each chunk) for every state of the group."""

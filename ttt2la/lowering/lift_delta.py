@@ -18,8 +18,6 @@ for ``[W | S]·A`` — and are scanned the same way, jointly.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch.func import jvp, vmap
 
@@ -29,6 +27,7 @@ from ..ir import TTTProgram
 from ..runtime import matrix_affine_scan
 from ..testing import rel_rms_error
 from .executors import Plan, _call_batched
+from .scan_choice import forced, scanning
 
 SIDES = ("left", "right")
 
@@ -104,7 +103,7 @@ class DeltaScanPlan(Plan):
         in_scan = {t for g in scanned for t in g}
         name = lambda t: self.program.states[t].name  # noqa: E731
         sequential = [name(t) for s in self._steps if s.mode == "sequential" for t in s.states
-                      if t not in in_scan]
+                      if t not in in_scan] + self._looped_affine_names()
         parts = [self.schedule]
         if scanned:
             groups = ", ".join(" + ".join(name(t) for t in g) for g in scanned)
@@ -207,23 +206,6 @@ SCAN_FIXED_SECONDS = 2.8e-3
 SCAN_FLOPS = 8e9
 
 
-#: What ``scan_pays`` answers while ``scanning`` forces it (``None``: the cost rule).
-_forced: bool | None = None
-
-
-@contextmanager
-def scanning(always: bool | None):
-    """Within the block, scan every matrix-affine group (``True``), loop over the chunks
-    (``False``) or let the cost rule decide (``None``): for tests of either path and for
-    benchmarks that time both."""
-    global _forced
-    before, _forced = _forced, always
-    try:
-        yield
-    finally:
-        _forced = before
-
-
 def step_flops(states: list[torch.Tensor], tokens: int) -> tuple[int, int]:
     """FLOPs per chunk of ``tokens`` tokens for this group of states: one update (the MSE
     step's two products) and one composition of the scan's maps (``2 r² (r + c)``)."""
@@ -241,8 +223,8 @@ def scan_pays(states: list[torch.Tensor], n: int, tokens: int) -> bool:
     plus its compositions, ``2 r² (r + c)`` per chunk, to save the loop's per-step dispatch:
     it pays for small states over many chunks only (a ``[64, 64]`` memory ran 1.8–13× slower
     scanned than looped, a ``[4, 4]`` one 3.3× faster over 2048 chunks)."""
-    if _forced is not None:
-        return _forced
+    if forced() is not None:
+        return forced()
     first = states[0]
     if first.device.type == "cuda" or torch.compiler.is_compiling():
         return True
