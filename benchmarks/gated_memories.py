@@ -53,7 +53,7 @@ def fit_rule(rounds: int) -> None:
         n, state = LENGTH // chunk, torch.zeros(BATCH, HEADS, layer.dh, layer.dh)
         features.append([n * state.numel(), -n])
         differences.append(scan - loop)
-        picks = "scan" if scan_choice.affine_scan_pays(state, n) else "loop"
+        picks = "scan" if scan_choice.affine_scan_pays(state) else "loop"
         print(f"| {layer.dh} | {chunk} | {scan * 1e3:.1f} | {loop * 1e3:.1f} | "
               f"{'scan' if scan < loop else 'loop'} | {picks} |", flush=True)
     A = torch.tensor(features, dtype=torch.float64)

@@ -165,8 +165,8 @@ MUTATIONS = [
     Mutation(
         "affine_rule_inverted", "the scalar-affine cost rule scans large states and loops small ones",
         (("ttt2la/lowering/scan_choice.py",
-          "return n * state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < n * AFFINE_LOOP_STEP_SECONDS",
-          "return n * state.numel() * AFFINE_SCAN_ELEMENT_SECONDS > n * AFFINE_LOOP_STEP_SECONDS"),),
+          "return state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < AFFINE_LOOP_STEP_SECONDS",
+          "return state.numel() * AFFINE_SCAN_ELEMENT_SECONDS > AFFINE_LOOP_STEP_SECONDS"),),
         ("tests/test_scan_choice.py",), "rule or large_state"),
     Mutation(
         "affine_loop_reads_the_scan_state", "a looped scalar-affine state that feeds a later group "

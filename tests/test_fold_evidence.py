@@ -2,8 +2,8 @@
 
 Two trained models: the bundled character-level LaCT language model (momentum, weight norm and
 Θ updates; no Muon), and a small LaCT layer with Muon trained for 200 steps on an in-context task
-by ``train_muon_layer`` below, once, and committed (``tests/data/``) (the target of a query token is a vector only the earlier tokens of the same
-sequence carry). Each is converted once at level 6 with held-out calibration data; the report's
+(the target of a query token is a vector only the earlier tokens of the same sequence carry) by
+``train_muon_layer`` below, once, and committed (``tests/data/``). Each is converted once at level 6 with held-out calibration data; the report's
 drift of every lossy step, with and without the folds, is what is checked.
 
 The margins below were set from measurements on CPU (torch 2.13; the Muon layer's on 2026-12-01);
@@ -12,7 +12,6 @@ the figures are in the comments and in docs/passes/index.md.
 import contextlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -185,18 +184,16 @@ def test_the_muon_fold_alone_beats_the_raw_increment(muon_layer, muon_conversion
 
 
 def retrain(path: Path = MUON_LAYER):
-    """Train the Muon layer and write it to ``path`` atomically (a temporary file, then a rename)."""
+    """Train the Muon layer and write it to ``path`` through a temporary file beside it, so
+    never half-written."""
     layer = train_muon_layer()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.partial")
     try:
-        save_model(layer, tmp)
-        os.chmod(tmp, 0o644)
+        save_model(layer, str(tmp))
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

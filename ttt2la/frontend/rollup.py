@@ -72,9 +72,10 @@ class WholeChunksOnly(LengthDependent):
     token. The shape probe traces at lengths that keep the example's chunk structure."""
 
 
-def _fail(msg: str, loop: LoopSite) -> UnsupportedTTTError:
-    return UnsupportedTTTError(f"{msg} (loop at {loop.src}). ttt2la recognizes loops over chunks "
-                               "or tokens that carry fast weights from one iteration to the next.")
+def _fail(msg: str, loop: LoopSite,
+          kind: type[UnsupportedTTTError] = UnsupportedTTTError) -> UnsupportedTTTError:
+    return kind(f"{msg} (loop at {loop.src}). ttt2la recognizes loops over chunks or tokens that "
+                "carry fast weights from one iteration to the next.")
 
 
 def _align(a: list[torch.fx.Node], b: list[torch.fx.Node], depth: int) -> dict:
@@ -162,8 +163,9 @@ class Unrolled:
             self._maps[j] = _align(self.iters[1], self.iters[j], self.depth)
         return self._maps[j]
 
-    def fail(self, msg: str) -> UnsupportedTTTError:
-        return _fail(msg, self.loop)
+    def fail(self, msg: str,
+             kind: type[UnsupportedTTTError] = UnsupportedTTTError) -> UnsupportedTTTError:
+        return _fail(msg, self.loop, kind)
 
 
 def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
@@ -178,9 +180,8 @@ def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
     I0, I1, I2 = iters[0], iters[1], iters[2]
     if [iteration_key(n, depth) for n in I1] != [iteration_key(n, depth) for n in I2]:
         if len(iters) == 3:         # iteration 2 is also the last one
-            raise TooFewIterations(str(_fail(
-                "the loop ran 3 iterations at the traced length and the last one runs other ops "
-                "than the one before", loop)))
+            raise _fail("the loop ran 3 iterations at the traced length and the last one runs "
+                        "other ops than the one before", loop, TooFewIterations)
         raise _fail("iterations 1 and 2 run different ops; data-dependent control flow inside "
                     "the loop is not supported", loop)
     return Unrolled(gm, loop, depth, order, set(loop_nodes), order[loop_nodes[0]], iters,
@@ -627,10 +628,10 @@ def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
     expected = n_chunks - 1 if peeled else n_chunks
     whole = seq_len // stream.chunk - (1 if peeled else 0)
     if u.n_iter != expected and not stream.per_token and u.n_iter == whole:
-        raise WholeChunksOnly(str(u.fail(
-            f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
-            f"{stream.chunk}, leaving the last {seq_len % stream.chunk} tokens out; such a layer "
-            f"converts from example inputs whose length is a multiple of {stream.chunk}")))
+        raise u.fail(f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
+                     f"{stream.chunk}, leaving the last {seq_len % stream.chunk} tokens out; such "
+                     f"a layer converts from example inputs whose length is a multiple of "
+                     f"{stream.chunk}", WholeChunksOnly)
     if u.n_iter != expected:
         raise u.fail(f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
                      f"{stream.chunk}; expected {expected}")

@@ -459,7 +459,7 @@ class Plan:
             env.update((node, (v, True)) for node, v in zip(self._independent, values))
         finals: list[torch.Tensor | None] = [None] * len(prog.states)
         for step in self._steps:
-            run = self._how_to_run(step, states0, n)
+            run = self._how_to_run(step, states0)
             if step is self._steps[-1] and self._outputs_in_loop(run, states0, n):
                 return self._loop_reading_outputs(run, env, states0, n, n_upd, finals), finals
             afters = self._sequence(run, env, states0, n)
@@ -476,13 +476,13 @@ class Plan:
             self.fallbacks.add("outputs")
         return chunk_outs, finals
 
-    def _how_to_run(self, step: _StateStep, states0, n: int) -> _StateStep:
+    def _how_to_run(self, step: _StateStep, states0) -> _StateStep:
         """``step``, or for a scalar-affine state its loop over the chunks when on this call
         the scan would not pay (``affine_scan_pays``)."""
         if step.as_loop is None:
             return step
         (t,) = step.states
-        if affine_scan_pays(states0[t], n):
+        if affine_scan_pays(states0[t]):
             self._looped_affine.discard(t)
             return step
         self._looped_affine.add(t)

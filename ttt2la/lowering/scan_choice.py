@@ -44,16 +44,17 @@ def forced() -> bool | None:
     return _forced
 
 
-def affine_scan_pays(state: torch.Tensor, n: int) -> bool:
-    """Is the scan faster than the loop over ``n`` chunks for this scalar-affine state (its
-    initial value, batch included)? Always on CUDA and under a compiler; on a CPU for states of
+def affine_scan_pays(state: torch.Tensor) -> bool:
+    """Is the scan faster than the loop over the chunks for this scalar-affine state (its
+    initial value, batch included)? Both sides cost per chunk, so the number of chunks does not
+    decide. Always on CUDA and under a compiler; on a CPU for states of
     fewer than about 1,700 elements (a ``[4, 4, 8, 8]`` memory scanned 1.2–2.9× faster than
     looped, a ``[4, 4, 64, 64]`` one 5× slower)."""
     if _forced is not None:
         return _forced
     if state.device.type == "cuda" or torch.compiler.is_compiling():
         return True
-    return n * state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < n * AFFINE_LOOP_STEP_SECONDS
+    return state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < AFFINE_LOOP_STEP_SECONDS
 
 
 __all__ = ["AFFINE_LOOP_STEP_SECONDS", "AFFINE_SCAN_ELEMENT_SECONDS", "affine_scan_pays",

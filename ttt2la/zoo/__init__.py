@@ -25,8 +25,8 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["DeltaMemoryLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer", "LaCTPublishedLayer",
-           "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
+__all__ = ["DeltaMemoryLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
+           "LaCTPublishedLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
            "ViTTTClosedFormBlock", "MemoryState", "TitansLinearMemory", "TitansMLPMemory",
            "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
