@@ -163,6 +163,19 @@ MUTATIONS = [
         (("ttt2la/lowering/executors.py", "    reshape_views(gm.graph)\n", "\n"),),
         ("tests/test_titans.py",), "large_memory"),
     Mutation(
+        "group_mask_unshifted", "in groups of chunks, the exclusive order reads its own chunk's "
+        "increment (the mask not shifted by one chunk)",
+        (("ttt2la/runtime/grouped_chunks.py",
+          "A = F.pad(L[..., :-1, :], (0, 0, 1, 0)) if exclusive else L",
+          "A = L"),),
+        ("tests/test_runtime_block.py",), "groups_of_chunks"),
+    Mutation(
+        "decay_dropped_by_lift", "the lifted plan drops a decayed state's factor per chunk",
+        (("ttt2la/lowering/lift.py",
+          "        return momentum, (found.pop(0) if lp.decayed else None)",
+          "        return momentum, None"),),
+        ("tests/test_lift_decay.py",), "equals_its_loop or plain_decayed"),
+    Mutation(
         "affine_rule_inverted", "the scalar-affine cost rule scans large states and loops small ones",
         (("ttt2la/lowering/scan_choice.py",
           "return state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < AFFINE_LOOP_STEP_SECONDS",

@@ -33,13 +33,16 @@ from hypothesis import example, given, settings, strategies as st
 from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
                             naive_block_linear_attention, newton_schulz)
+from ttt2la.runtime.block import block_group
+from ttt2la.runtime.grouped_chunks import (GROUP_MAX_FEATURES, GROUP_TOKENS, group_chunks,
+                                           grouped_block_linear_attention)
 from ttt2la.runtime.naive import naive_newton_schulz
 from ttt2la.testing import (CRITERION_SAMPLES, TOLERANCE, CountOps, no_worse_than_original,
                             outputs_and_grads, rel_rms_error)
 
 ORDERS = ("exclusive", "inclusive", "full")
 LR_KINDS = ("none", "token", "feature")
-TENSOR_OPTIONS = ("lr", "momentum", "weight_norm", "initial_state")
+TENSOR_OPTIONS = ("lr", "momentum", "weight_norm", "decay", "initial_state")
 
 # Newton–Schulz schedules, written out here on purpose (not imported from the package).
 MUON_TRIPLE = (3.4445, -4.7750, 2.0315)
@@ -101,13 +104,15 @@ def hand_newton_schulz(M, triples, eps, dtype, form="published"):
 
 def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
                muon_steps=0, ns_coefficients=None, ns_eps=1e-7, ns_dtype=None,
-               weight_norm=None, initial_state=None, output_final_state=False, dtype=None,
-               form="published"):
+               weight_norm=None, decay=None, initial_state=None, output_final_state=False,
+               dtype=None, form="published"):
     """LaCT's rule as a plain loop over chunks, in ``dtype`` throughout (default: the inputs');
-    Newton–Schulz iterates in ``ns_dtype`` when given (``form`` as ``hand_newton_schulz``)."""
+    Newton–Schulz iterates in ``ns_dtype`` when given (``form`` as ``hand_newton_schulz``);
+    ``decay`` multiplies the state before each chunk's step."""
     dtype = dtype or v.dtype
     cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
-    q, k, val, lr, momentum, weight_norm = map(cast, (phi_q, phi_k, v, lr, momentum, weight_norm))
+    q, k, val, lr, momentum, weight_norm, decay = map(
+        cast, (phi_q, phi_k, v, lr, momentum, weight_norm, decay))
     B, T, H, Dk = k.shape
     Dv = val.shape[-1]
     C = T if order == "full" else chunk_size
@@ -130,7 +135,7 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
         step = M
         if triples:
             step = hand_newton_schulz(M, triples, ns_eps, ns_dtype or dtype, form)
-        W = W + step
+        W = (W if decay is None else decay[:, j, :, None, None] * W) + step
         if weight_norm is not None:
             W = W / (W.square().sum(dim=-2, keepdim=True).sqrt() + 1e-5) * weight_norm[:, :, None, :]
         if order != "exclusive":
@@ -139,7 +144,7 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
 
 
 def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, weight_norm,
-              initial_state, dtype, ns_dtype=None):
+              initial_state, dtype, ns_dtype=None, decay=False):
     """Random inputs for one call: the positional tensors and the keyword options."""
     g = torch.Generator().manual_seed(seed)
 
@@ -158,6 +163,7 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, w
             "feature": rand(B, T, H, Dv, low=0.1, high=1.0)}[lr_kind],
         momentum=rand(B, n, H, low=0.3, high=0.9) if momentum else None,
         weight_norm=rand(B, H, Dv, low=0.5, high=1.5) if weight_norm else None,
+        decay=rand(B, n, H, low=0.2, high=1.0) if decay else None,
         initial_state=rand(B, H, Dk, Dv) if initial_state else None,
     )
     return tensors, options
@@ -246,7 +252,8 @@ case = st.fixed_dictionaries(dict(
     C=st.integers(1, 6), order=st.sampled_from(ORDERS), lr_kind=st.sampled_from(LR_KINDS),
     momentum=st.booleans(), schedule=st.sampled_from(sorted(SCHEDULES)),
     ns_bf16=st.booleans(), weight_norm=st.booleans(), initial_state=st.booleans(),
-    final=st.booleans(), seed=st.integers(0, 2**31 - 1), t_frac=st.floats(0.0, 1.0)))
+    final=st.booleans(), seed=st.integers(0, 2**31 - 1), t_frac=st.floats(0.0, 1.0),
+    decay=st.booleans()))
 
 
 def _draw(c, dtype):
@@ -264,7 +271,8 @@ def _draw(c, dtype):
                      Dv=max(c["Dv"], least), C=C, order=c["order"], lr_kind=c["lr_kind"],
                      momentum=c["momentum"], schedule=c["schedule"],
                      weight_norm=c["weight_norm"], initial_state=c["initial_state"] or c["weight_norm"],
-                     dtype=dtype, ns_dtype=torch.bfloat16 if c["ns_bf16"] else None)
+                     dtype=dtype, ns_dtype=torch.bfloat16 if c["ns_bf16"] else None,
+                     decay=c.get("decay", False))
 
 
 @settings(max_examples=50, deadline=None)
@@ -346,8 +354,9 @@ def test_long_sequence_momentum_does_not_underflow():
 
 
 def ops_for(chunks, *, order, momentum, schedule):
-    """aten ops of one forward and backward of the op on ``chunks`` chunks of two tokens."""
-    B, H, D, C = 1, 2, 3, 2
+    """aten ops of one forward and backward of the op on ``chunks`` chunks of two tokens, in the
+    state form (features too wide to group)."""
+    B, H, D, C = 1, 2, GROUP_MAX_FEATURES + 1, 2
     T = chunks * C
     x = [torch.randn(B, T, H, D, requires_grad=True) for _ in range(3)]
     muon_steps, ns_coefficients = SCHEDULES[schedule]
@@ -491,6 +500,8 @@ def test_triton_package_is_used_when_it_supports_the_call(monkeypatch):
     dict(order="sideways"),
     dict(chunk_size=0),
     dict(momentum=torch.rand(1, 7, 1)),
+    dict(decay=torch.rand(1, 2, 1)),
+    dict(decay=torch.rand(1, 3)),
     dict(lr=torch.rand(1, 6, 1, 2, 2)),
     dict(weight_norm=torch.rand(1, 1, 3)),
     dict(initial_state=torch.rand(1, 1, 2, 3)),
@@ -501,3 +512,93 @@ def test_malformed_arguments_raise_conversion_errors(bad):
     kwargs = dict(chunk_size=2, order="exclusive") | bad
     with pytest.raises(ConversionError):
         block_linear_attention(phi, phi, phi, **kwargs)
+
+
+# ----------------------------------------------------------------------------- decay and groups
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("momentum,schedule,weight_norm", [
+    (False, "none", False), (True, "none", False), (False, "muon5", False),
+    (True, "lact5", False), (False, "none", True), (True, "muon1", True)])
+@pytest.mark.parametrize("initial_state", [False, True])
+def test_decay_with_every_other_option_fp32(order, momentum, schedule, weight_norm,
+                                            initial_state):
+    """``W_j = γ_j W_{j-1} + Δ_j`` through momentum, Newton–Schulz and the weight norm, on a
+    ragged sequence; the decay's own gradient is judged with the others."""
+    options = (order, momentum, schedule, weight_norm, initial_state)
+    seed = zlib.crc32(repr(("decay",) + options).encode())
+
+    def make(seed):
+        return make_case(seed, B=2, T=11, H=2, Dk=5, Dv=3, C=2, order=order, lr_kind="token",
+                         momentum=momentum, schedule=schedule, weight_norm=weight_norm,
+                         initial_state=initial_state or weight_norm, dtype=torch.float32,
+                         decay=True)
+    assert_precise(torch_op, make, True, seed)
+
+
+group_case = st.fixed_dictionaries(dict(
+    B=st.integers(1, 2), H=st.integers(1, 2), Dk=st.integers(1, 6), Dv=st.integers(1, 6),
+    C=st.integers(1, 5), T=st.integers(1, 40), group=st.integers(1, 6),
+    order=st.sampled_from(["exclusive", "inclusive"]), lr_kind=st.sampled_from(LR_KINDS),
+    decay=st.sampled_from(["none", "gate", "signed"]), initial_state=st.booleans(),
+    seed=st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=group_case)
+def test_groups_of_chunks_equal_the_loop_in_float64(c):
+    """Every group size, including ones that do not divide the chunks and decays of either sign
+    (a gate can be any real), against the hand-written loop: outputs, final state, gradients."""
+    tensors, options = make_case(c["seed"], B=c["B"], T=c["T"], H=c["H"], Dk=c["Dk"], Dv=c["Dv"],
+                                 C=c["C"], order=c["order"], lr_kind=c["lr_kind"],
+                                 momentum=False, schedule="none", weight_norm=False,
+                                 initial_state=c["initial_state"], dtype=torch.float64,
+                                 decay=c["decay"] != "none")
+    if c["decay"] == "signed":
+        options["decay"] = 2 * options["decay"] - 1.2
+    keep = {k: options[k] for k in ("chunk_size", "order", "initial_state")}
+
+    def grouped(phi_q, phi_k, v, *, lr=None, decay=None, initial_state=None, **_):
+        u = v if lr is None else v * (lr.unsqueeze(-1) if lr.dim() == 3 else lr)
+        return grouped_block_linear_attention(phi_q, phi_k, u, chunk_size=keep["chunk_size"],
+                                              order=keep["order"], decay=decay,
+                                              initial_state=initial_state, group=c["group"])
+    got = run_with_grads(grouped, tensors, options, True, c["seed"], torch.float64)
+    exact = run_with_grads(hand_block, tensors, options, True, c["seed"], torch.float64)
+    for i, (x, ref) in enumerate(zip(got, exact)):
+        assert rel_rms_error(x, ref) <= TOLERANCE[torch.float64], i
+
+
+def test_the_op_groups_chunks_only_where_the_rule_says():
+    """Narrow features in short chunks run in groups; wide features, long chunks and any state
+    through momentum, Newton–Schulz or a weight norm keep the state form."""
+    assert group_chunks(4, 16, 16, n=64) == GROUP_TOKENS // 4 > 1
+    assert group_chunks(1, 8, 32, n=3) == 3                      # never more than the chunks
+    assert group_chunks(4, 128, 128, n=64) == 1
+    assert group_chunks(GROUP_TOKENS, 16, 16, n=64) == 1
+    plain = dict(order="exclusive", momentum=None, schedule=(), weight_norm=None)
+    assert block_group(64, 4, 16, 16, **plain) > 1
+    assert block_group(64, 4, 16, 16, **(plain | dict(momentum=torch.ones(1)))) == 1
+    assert block_group(64, 4, 16, 16, **(plain | dict(schedule=((3.0, -4.0, 2.0),)))) == 1
+    assert block_group(64, 4, 16, 16, **(plain | dict(weight_norm=torch.ones(1)))) == 1
+    assert block_group(1, 4, 16, 16, **(plain | dict(order="full"))) == 1
+
+
+@pytest.mark.parametrize("order", ["exclusive", "inclusive"])
+@pytest.mark.parametrize("decay", [False, True])
+def test_groups_dispatch_ops_independent_of_the_chunks(order, decay):
+    """In groups the op is a fixed handful of batched ops plus the log-depth scan over groups."""
+    def count(chunks):
+        B, H, D, C = 1, 2, 3, 2
+        x = [torch.randn(B, chunks * C, H, D, requires_grad=True) for _ in range(3)]
+        d = torch.rand(B, chunks, H, requires_grad=True) if decay else None
+        assert block_group(chunks, C, D, D, order=order, momentum=None, schedule=(),
+                           weight_norm=None) > 1
+        with CountOps() as counter:
+            o, final = block_linear_attention(*x, chunk_size=C, order=order, decay=d,
+                                              output_final_state=True, backend="torch")
+            (o.sum() + final.sum()).backward()
+        return counter.count
+    c16, c256, c4096 = count(16), count(256), count(4096)
+    # a loop over chunks would add >= 240 and >= 3840 ops; the scan over groups adds a level
+    assert c256 - c16 < 240 and c4096 - c256 < 240, (c16, c256, c4096)

@@ -5,8 +5,8 @@ body has the shape the paper proves every reduced TTT layer has — a final stat
 matmul with kernel features and updated by a sum over tokens of key-feature ⊗ effective-value,
 optionally through momentum and Newton–Schulz — it is lifted onto the runtime ops instead:
 
-* ``block_linear_attention`` (LaCT's chunk form, with ``momentum`` and ``muon_steps``) for
-  chunked loops;
+* ``block_linear_attention`` (LaCT's chunk form, with ``momentum`` and ``muon_steps``, and a
+  state decayed once per chunk, ``W' = γ W + Δ``, as gated memories decay it) for chunked loops;
 * ``chunk_linear_attention`` (token-causal) for per-token loops.
 
 Lifting extracts from the body the per-chunk subgraphs that compute φ(Q), φ(K), the effective
@@ -28,6 +28,7 @@ metadata, so the same runtime op runs at every batch size and length.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -47,17 +48,56 @@ from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_stream
 from .executors import extract, require_inert_padding
 from .specialize import SpecializedGraph
 from .precision import promoted
+from .scan_choice import decayed_op_pays, scanning
 from .weight_norm import WeightNorm, match_weight_norm
-from .whole_sequence import drop_identity_views, per_token_rate, stream_axes, token_local
+from .whole_sequence import (drop_identity_views, free_chunk_sizes, per_token_rate, stream_axes,
+                             token_local)
 
 aten = torch.ops.aten
 
 
+#: Moves of axes that ``strip`` peels off where the chain they are part of only reshapes.
+AXIS_MOVES = frozenset({aten.permute.default, aten.transpose.int, aten.unsqueeze.default,
+                        aten.squeeze.dim, aten.squeeze.default, aten.t.default})
+
+
 def strip(n):
-    """``n`` with the relayouts around it (views, transposes, copies) peeled off."""
+    """``n`` with the relayouts around it (views, copies) peeled off, and the moves of axes
+    between them where the whole chain only reshapes its source (as ``torch.einsum`` traces:
+    a unit axis put in and moved, a transpose undone) — a transpose that stays is kept."""
     while isinstance(n, torch.fx.Node) and n.target in RELAYOUT_TARGETS:
         n = n.args[0]
+    source = n
+    while isinstance(source, torch.fx.Node) and (source.target in RELAYOUT_TARGETS
+                                                  or source.target in AXIS_MOVES):
+        source = source.args[0]
+    if source is not n and _only_reshapes(source, n):
+        return source
     return n
+
+
+def _only_reshapes(source, n: torch.fx.Node) -> bool:
+    """Whether the chain of one-input relayouts from ``source`` to ``n`` gives every element
+    of ``source`` the place ``reshape`` would: the chain replayed on ``arange``."""
+    chain = []
+    node = n
+    while node is not source:
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return False
+        chain.append(node)
+        node = node.args[0]
+    if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
+        return False
+    shape = tuple(source.meta["val"].shape)
+    x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    y = x
+    try:
+        for node in reversed(chain):
+            y = node.target(y, *node.args[1:], **node.kwargs)
+    except Exception:
+        return False
+    return (tuple(y.shape) == tuple(n.meta["val"].shape)
+            and torch.equal(y.reshape(-1), x.reshape(-1)))
 
 
 def _shape(n: torch.fx.Node) -> tuple:
@@ -144,7 +184,7 @@ class LiftedProgram:
     m: int | None                      # index of the momentum state
     transposed: bool                   # the runtime state is Wᵀ
     newton_schulz: NewtonSchulz | None
-    features: torch.fx.GraphModule     # (streams, invariants) -> (q_side, left, right, *scales, alpha?)
+    features: torch.fx.GraphModule     # (streams, invariants) -> (q_side, left, right, *scales, alpha?, gamma?)
     feature_inputs: list
     post: torch.fx.GraphModule         # (read, streams, invariants) -> chunk output
     post_inputs: list
@@ -154,17 +194,23 @@ class LiftedProgram:
     feature_outputs: list = field(default_factory=list)
     post_boundary: list = field(default_factory=list)
     weight_norm: torch.fx.Node | None = None              # the target norms, when normalised
+    decayed: bool = False              # W' = γ·W + Δ: the features end with the decay γ
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
     token_feature_inputs: list = field(default_factory=list)
     whole_post: torch.fx.GraphModule | None = None        # ``post`` for whole sequences
-    chunk_features: torch.fx.GraphModule | None = None    # -> (*scales, alpha?), per chunk
+    chunk_features: torch.fx.GraphModule | None = None    # -> (*scales, alpha?, gamma?), per chunk
     chunk_feature_inputs: list = field(default_factory=list)
 
     @property
     def muon_steps(self) -> int:
         return 0 if self.newton_schulz is None else self.newton_schulz.steps
+
+    @property
+    def chunk_coefficients(self) -> int:
+        """How many per-chunk coefficients end the features: momentum's α, the decay γ."""
+        return (self.m is not None) + self.decayed
 
     def resized(self, program: TTTProgram) -> "LiftedProgram":
         """The same lifting of ``program``, a re-sized copy of this one's body (same nodes in the
@@ -212,7 +258,7 @@ def find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
 
 @dataclass
 class _Update:
-    """What ``lift`` reads off the final state's update ``W' = W + T(M')`` (see ``_update``)."""
+    """What ``lift`` reads off the final state's update ``W' = γ·W + T(M')`` (see ``_update``)."""
 
     w: int                              # index of the final state
     m: int | None                       # index of the momentum state
@@ -222,6 +268,7 @@ class _Update:
     delta: torch.fx.Node                # Δ
     alpha: torch.fx.Node | None         # the momentum coefficient of ``M' = α·M + G``
     g: torch.fx.Node | None             # G
+    gamma: torch.fx.Node | None = None  # the state's decay, one factor per matrix and chunk
 
 
 def _states(program: TTTProgram):
@@ -261,9 +308,24 @@ def _momentum(m_in, m_out, delta, state_dep):
     return found
 
 
+def _decay(x, w_in, state_dep: set):
+    """``x`` as ``γ·W``: ``(γ,)`` for a state-independent factor per matrix (``[..., 1, 1]``),
+    ``(None,)`` for ``W`` itself, ``None`` otherwise."""
+    if strip(x) is w_in:
+        return (None,)
+    if not isinstance(x, torch.fx.Node) or x.target is not aten.mul.Tensor:
+        return None
+    for p, q in (x.args, x.args[::-1]):
+        if (strip(p) is w_in and isinstance(q, torch.fx.Node) and q not in state_dep
+                and len(_shape(q)) >= 2 and _shape(q)[-2:] == (1, 1)):
+            return (q,)
+    return None
+
+
 def _update(program: TTTProgram) -> _Update | None:
-    """The final state's update read off the body: ``W' = W + Δ`` (or ``norm(W + Δ)·n``, which
-    the op runs chunk after chunk), through momentum ``M' = α·M + G`` when there is one."""
+    """The final state's update read off the body: ``W' = γ·W + Δ`` (or ``norm(γ·W + Δ)·n``,
+    which the op runs chunk after chunk; ``γ`` a decay per chunk or 1), through momentum
+    ``M' = α·M + G`` when there is one."""
     found = _states(program)
     if found is None:
         return None
@@ -279,8 +341,12 @@ def _update(program: TTTProgram) -> _Update | None:
     w_sum = w_out if norm is None else norm.sum
     if w_sum.target is not aten.add.Tensor:
         return None
-    a, b = w_sum.args
-    delta = b if strip(a) is w_in else a if strip(b) is w_in else None
+    delta = gamma = None
+    for x, y in (w_sum.args, w_sum.args[::-1]):
+        found = _decay(x, w_in, state_dep)
+        if found is not None:
+            (gamma,), delta = found, y
+            break
     if not isinstance(delta, torch.fx.Node) or w_in in ancestors(delta):
         return None
     alpha = g = None
@@ -289,7 +355,7 @@ def _update(program: TTTProgram) -> _Update | None:
         if found is None:
             return None
         alpha, g = found
-    return _Update(w, m, frozen, state_dep, norm, delta, alpha, g)
+    return _Update(w, m, frozen, state_dep, norm, delta, alpha, g, gamma)
 
 
 def _increment(program: TTTProgram, up: _Update):
@@ -356,7 +422,7 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     # the orthogonalisation, read from the graph and confirmed by one evaluation
     per_token = any(s.per_token for s in program.streams)
     ns = _read_transform(transform, _shape(transform_root), shapes, up.delta)
-    if ns is False or (per_token and ns is not None):
+    if ns is False or (per_token and (ns is not None or up.gamma is not None)):
         return None
     return _assemble(program, up, contraction, read, transposed, ns, per_token)
 
@@ -372,7 +438,8 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
             constant_scale *= c
     node_scales = [c for c in contraction.scales if not isinstance(c, float)]
     feat_outputs = [read.args[0] if not transposed else read.args[1], contraction.left,
-                    contraction.right, *node_scales] + ([up.alpha] if up.alpha is not None else [])
+                    contraction.right, *node_scales] + [c for c in (up.alpha, up.gamma)
+                                                        if c is not None]
     feature_boundary = [*streams, *invariants]
     post_boundary = [read, *streams, *invariants]
     try:
@@ -384,7 +451,8 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
     lifted = LiftedProgram(program, "chunk" if per_token else "block", up.w, up.m, transposed,
                            ns, features, feature_inputs, post, post_inputs, read,
                            constant_scale, feature_boundary, feat_outputs, post_boundary,
-                           weight_norm=None if up.norm is None else up.norm.target)
+                           weight_norm=None if up.norm is None else up.norm.target,
+                           decayed=up.gamma is not None)
     return _whole_sequence(lifted)
 
 
@@ -399,13 +467,20 @@ def _runtime_weight_norm(norm: WeightNorm, transposed: bool, state_dep: set) -> 
 def _split_features(lp: LiftedProgram) -> LiftedProgram:
     """``lp`` with its features cut in two: the token-level ones (φ(Q) side, left, right) and
     the chunk-level ones (scales, momentum coefficient)."""
-    token, token_inputs = extract(lp.program.body, lp.feature_boundary, lp.feature_outputs[:3])
-    post, _ = extract(lp.program.body, lp.post_boundary, [lp.program.chunk_outputs()[0]])
-    for gm in (token, post):
+    prog = lp.program
+    token, token_inputs = extract(prog.body, lp.feature_boundary, lp.feature_outputs[:3])
+    post, post_inputs = extract(prog.body, lp.post_boundary, [prog.chunk_outputs()[0]])
+    read_axis = (-1 if lp.transposed else -2) % lp.read.meta["val"].dim()
+    for gm, inputs, axes in ((token, token_inputs, stream_axes(prog, token_inputs)),
+                             (post, post_inputs, {lp.read: read_axis,
+                                                  **stream_axes(prog, post_inputs)})):
         # whole sequences arrive in the layout the user's code made them, not as traced, and
-        # at any length: the no-op views a trace bakes the chunk's sizes into go
+        # at any length: the no-op views a trace bakes the chunk's sizes into go, and the
+        # reshapes that carry a token axis infer its length
         reshape_views(gm.graph)
         drop_identity_views(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        free_chunk_sizes(gm, {ph: axes[n] for ph, n in zip(placeholders, inputs) if n in axes})
     chunk, chunk_inputs = None, []
     if lp.feature_outputs[3:]:
         chunk, chunk_inputs = extract(lp.program.body, lp.feature_boundary,
@@ -468,6 +543,14 @@ def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape:
     return ns if float((got - ref).norm() / ref.norm()) < 1e-9 else False
 
 
+def per_matrix(c: torch.Tensor, batch: tuple) -> torch.Tensor:
+    """Per-chunk scalars ``[N, ..., 1, 1]`` that broadcast over the state's batch axes (a rate
+    per head given as ``[1, H, 1, 1]``) as one per matrix, ``[N, *batch, 1, 1]``."""
+    if c.dim() == len(batch) + 3 and c.shape[-2:] == (1, 1):
+        return c.expand(c.shape[0], *batch, 1, 1)
+    return c
+
+
 def _bind(program: TTTProgram, streams: dict, invariants, states0) -> tuple[dict, dict]:
     """Every body input by node, and its ``vmap`` dim: ``streams`` (chunk-major, dim 0), the
     invariants and the states the loop no longer changes (read as constants, unbatched)."""
@@ -486,12 +569,17 @@ class LiftedPlan:
     ``implementation`` names the op and the backend that ran it (``block_linear_attention[torch]``);
     ``backend="auto"`` is resolved per call by the runtime's dispatcher and every backend that
     ran is named. A backend asked for explicitly that cannot run a call raises
-    ``UnsupportedTTTError``.
+    ``UnsupportedTTTError``. A decayed state (``W' = γ W + Δ``) may come with ``loop``, the
+    generic plan of the same program: calls where the op's chunk-parallel form does not pay
+    (``scan_choice.decayed_op_pays``) run it as a loop over the chunks instead, and
+    ``implementation`` then names it.
     """
 
-    def __init__(self, lifted: LiftedProgram, backend: str = "auto"):
+    def __init__(self, lifted: LiftedProgram, backend: str = "auto", loop=None):
         self.lifted = lifted
         self.backend = backend
+        self.loop = loop
+        self.looped = False                 # whether the last call ran ``loop``
         self.ran: list[str] = []            # backends that ran, in the order first used
         self._padding_checked: dict[int, str | None] = {}
         if lifted.whole_sequence:           # specialised to each call's layout
@@ -510,12 +598,15 @@ class LiftedPlan:
 
     @property
     def implementation(self) -> str:
+        if self.looped:
+            return f"{self.loop.implementation}, not {self.op}: a loop over chunks pays here"
         backends = self.ran or [self.backend]
         return f"{self.op}[{'|'.join(backends)}]"
 
-    def resized(self, program: TTTProgram) -> "LiftedPlan":
-        """This plan for ``program``, the body re-sized to another batch size."""
-        return LiftedPlan(self.lifted.resized(program), self.backend)
+    def resized(self, program: TTTProgram, loop=None) -> "LiftedPlan":
+        """This plan for ``program``, the body re-sized to another batch size (``loop``: its
+        generic plan, where this one has one)."""
+        return LiftedPlan(self.lifted.resized(program), self.backend, loop)
 
     def _features(self, states0, invariants):
         lp = self.lifted
@@ -531,7 +622,15 @@ class LiftedPlan:
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
         return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
 
-    def _run_op(self, phi_q, phi_k, value, s0, momentum, lr=None, values=None):
+    def _per_chunk(self, coefficients, b: int):
+        """``(momentum, decay)`` as the block op takes them, ``[b, N, 1]`` or None, from the
+        per-chunk coefficients that end the features (``[N, ...]``, one per matrix)."""
+        lp = self.lifted
+        found = [c.reshape(-1, b).transpose(0, 1).unsqueeze(-1) for c in coefficients]
+        momentum = found.pop(0) if lp.m is not None else None
+        return momentum, (found.pop(0) if lp.decayed else None)
+
+    def _run_op(self, phi_q, phi_k, value, s0, momentum, lr=None, values=None, decay=None):
         lp = self.lifted
         if lp.kind == "block":
             ns = lp.newton_schulz
@@ -539,6 +638,8 @@ class LiftedPlan:
                            momentum=momentum, initial_state=s0, output_final_state=True)
             if lr is not None:
                 options["lr"] = lr
+            if decay is not None:
+                options["decay"] = decay
             if lp.weight_norm is not None:      # [.., Dv, 1] or [.., 1, Dv] -> [b, 1, Dv]
                 options["weight_norm"] = values[lp.weight_norm].reshape(s0.shape[0], 1, -1)
             if ns is not None:
@@ -561,6 +662,10 @@ class LiftedPlan:
         return fn(phi_q, phi_k, value, backend=chosen, **options)
 
     def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]):
+        self.looped = self.loop is not None and not decayed_op_pays(states0[self.lifted.w])
+        if self.looped:
+            with scanning(False):
+                return self.loop(states0, invariants)
         if self.lifted.whole_sequence:
             return self._whole(states0, invariants)
         lp = self.lifted
@@ -571,7 +676,7 @@ class LiftedPlan:
         b = feats[1][0, ..., 0, 0].numel()
         # fold every batch-like dim (batch, heads) into one: [N, b, rows, cols]
         q_side, left, right = (f.reshape(N, b, *f.shape[-2:]) for f in feats[:3])
-        n_scales = len(feats) - 3 - (1 if lp.m is not None else 0)
+        n_scales = len(feats) - 3 - lp.chunk_coefficients
         scales = feats[3:3 + n_scales]
         if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
             phi_q = q_side.transpose(-1, -2)
@@ -580,19 +685,19 @@ class LiftedPlan:
             phi_q = q_side
             phi_k, value = left.transpose(-1, -2), right
         T = phi_k.shape[-2]
+        w_batch = states0[lp.w].shape[:-2]
         for s in scales:                         # a scalar per matrix and chunk
-            value = value * s.reshape(N, b, 1, 1)
+            value = value * per_matrix(s, w_batch).reshape(N, b, 1, 1)
         value = self._scaled(value)
 
         def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
 
         s0 = self._initial(states0, b)
-        momentum = None
-        if lp.m is not None:
-            momentum = feats[-1].reshape(N, b).transpose(0, 1).unsqueeze(-1)
+        momentum, decay = self._per_chunk([per_matrix(c, w_batch)
+                                           for c in feats[3 + n_scales:]], b)
         o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, momentum,
-                                  values=values)
+                                  decay=decay, values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
         read = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
@@ -645,14 +750,16 @@ class LiftedPlan:
         else:
             phi_q, phi_k, value = q_side, left.transpose(-1, -2), right
         T = phi_k.shape[-2]
-        chunk_level = self._chunk_level(states0, invariants, layout)
-        alpha = chunk_level.pop() if lp.m is not None else None
-        rate = per_token_rate(chunk_level, b, prog.chunk_size, T)
+        w_batch = states0[lp.w].shape[:-2]
+        chunk_level = [per_matrix(c, w_batch)
+                       for c in self._chunk_level(states0, invariants, layout)]
+        cut = len(chunk_level) - lp.chunk_coefficients
+        momentum, decay = self._per_chunk(chunk_level[cut:], b)
+        rate = per_token_rate(chunk_level[:cut], b, prog.chunk_size, T)
         value = self._scaled(value)
-        momentum = None if alpha is None else alpha.reshape(-1, b).transpose(0, 1).unsqueeze(-1)
         o, s_final = self._run_op(phi_q.unsqueeze(2), phi_k.unsqueeze(2), value.unsqueeze(2),
                                   self._initial(states0, b), momentum,
-                                  lr=rate, values=values)
+                                  lr=rate, values=values, decay=decay)
         read = o.squeeze(2).reshape(*batch, T, o.shape[-1])
         if lp.transposed:
             read = read.transpose(-1, -2)

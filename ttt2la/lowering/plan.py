@@ -43,6 +43,15 @@ def _liftable(lifted, used: set[int], zero_init: set[int] | None) -> bool:
     return True
 
 
+def _loop_for(lifted, program: TTTProgram, analysis: Analysis, schedule: str, backend: str):
+    """The generic plan a decayed lifted state runs where a loop over the chunks pays
+    (``scan_choice.decayed_op_pays``); None for other lifts and for an explicit Triton backend,
+    which never runs the generic schedule."""
+    if not lifted.decayed or backend == "triton":
+        return None
+    return lower(program, analysis, backend="torch", schedule=schedule)
+
+
 def _where(program: TTTProgram) -> str:
     return f"the loop of {program.module_path or 'the model'} ({program.loop_src})"
 
@@ -75,7 +84,8 @@ def plan_for(program: TTTProgram, analysis: Analysis | None = None, *, backend: 
         # semi-parallel programs lift only when the op's weight norm is what is sequential
         if lifted is not None and _liftable(lifted, set(used), zero_init) and \
                 (schedule == "parallel") == (lifted.weight_norm is None):
-            return LiftedPlan(lifted, backend=backend)
+            return LiftedPlan(lifted, backend=backend,
+                              loop=_loop_for(lifted, program, analysis, schedule, backend))
     if backend == "triton":
         raise UnsupportedTTTError(
             f"backend='triton' was asked for, but {_where(program)} does not have the shape of "
@@ -95,6 +105,9 @@ def plan_at(plan: AnyPlan, program: TTTProgram, *, strict: bool = True
     a note when the generic schedule had to run instead (``strict=False`` only)."""
     if isinstance(plan, (LiftedPlan, SingleStepPlan)):
         try:
+            if isinstance(plan, LiftedPlan) and plan.loop is not None:
+                return plan.resized(program, lower(program, analyze(program), backend="torch",
+                                                   schedule=plan.loop.schedule)), None
             return plan.resized(program), None
         except (UnsupportedTTTError, RuntimeError) as e:
             if strict:

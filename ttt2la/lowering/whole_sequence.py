@@ -17,6 +17,8 @@ a cumulative sum all fail it, and the program then runs chunk by chunk as before
 """
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 import torch
@@ -25,6 +27,8 @@ import torch.fx
 from ..analysis.op_vocabulary import RESHAPE_TARGETS
 from ..ir import TTTProgram
 from .precision import promoted
+
+aten = torch.ops.aten
 
 #: relative error under which the whole-sequence and the chunked float64 evaluations agree
 AGREEMENT = 1e-9
@@ -113,6 +117,52 @@ def drop_identity_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+def _token_axis_after(node: torch.fx.Node, axis: int) -> int | None:
+    """Where the token axis ``axis`` of ``node``'s first input lands in its output, for the
+    moves of axes and reshapes that keep it whole; None where it is merged, split or lost."""
+    src = node.args[0].meta["val"].shape
+    out = node.meta["val"].shape
+    if node.target in (aten.clone.default, aten.alias.default, aten.contiguous.default):
+        return axis
+    if node.target is aten.unsqueeze.default:
+        d = node.args[1] % len(out)
+        return axis + (d <= axis)
+    if node.target is aten.permute.default:
+        return [p % len(src) for p in node.args[1]].index(axis)
+    if node.target is aten.transpose.int:
+        a, b = (d % len(src) for d in node.args[1:3])
+        return b if axis == a else a if axis == b else axis
+    if node.target is aten.reshape.default:
+        before = math.prod(src[:axis])
+        for j in range(len(out)):
+            if math.prod(out[:j]) == before and out[j] == src[axis]:
+                return j
+    return None
+
+
+def free_chunk_sizes(gm: torch.fx.GraphModule, token_axes: dict) -> torch.fx.GraphModule:
+    """In place, every ``reshape`` that carries a token axis through whole (heads merged into
+    the batch, ``[B·H, C, d]``, as ``torch.einsum`` traces it) infers that axis' length (``-1``)
+    instead of naming the traced chunk's, so it reshapes sequences of any length. The token axes
+    are followed from ``token_axes`` (input node → axis) through moves of axes and reshapes
+    only; whether the graph is then token-local is ``token_local``'s to confirm."""
+    axes = dict(token_axes)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args or node.args[0] not in axes:
+            continue
+        axis = _token_axis_after(node, axes[node.args[0]])
+        if axis is None:
+            continue
+        axes[node] = axis
+        if node.target is aten.reshape.default:
+            sizes = list(node.args[1])
+            if -1 not in sizes and all(isinstance(d, int) for d in sizes):
+                sizes[axis] = -1
+                node.args = (node.args[0], sizes, *node.args[2:])
+    gm.recompile()
+    return gm
+
+
 def stream_axes(program: TTTProgram, nodes: Sequence[torch.fx.Node]) -> dict:
     """The token axis of every stream among ``nodes`` (a chunk keeps its source's rank)."""
     specs = dict(zip(program.stream_inputs(), program.streams))
@@ -131,4 +181,5 @@ def per_token_rate(scales: Sequence[torch.Tensor], batch: int, chunk_size: int,
     return rate.transpose(0, 1).repeat_interleave(chunk_size, dim=1)[:, :length].unsqueeze(-1)
 
 
-__all__ = ["token_local", "stream_axes", "per_token_rate", "drop_identity_views", "AGREEMENT"]
+__all__ = ["token_local", "stream_axes", "per_token_rate", "drop_identity_views",
+           "free_chunk_sizes", "AGREEMENT"]

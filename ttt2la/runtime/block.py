@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import torch
 
+from ttt2la.runtime.grouped_chunks import group_chunks, grouped_block_linear_attention
 from ttt2la.runtime.naive import (NS_EPS, WEIGHT_NORM_EPS, check_block_inputs, compute_dtype,
-                                  final_state_dtype, ns_schedule)
+                                  effective_value, final_state_dtype, ns_schedule)
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import blocked_scan, summed_scan
 
@@ -174,11 +175,14 @@ def normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return W / (norms + WEIGHT_NORM_EPS) * target.unsqueeze(-2)
 
 
-def _semi_parallel_states(delta, W0, weight_norm):
-    """``W_j = norm(W_{j-1} + Δ_j)`` chunk after chunk over axis 2 of ``[B, H, n, Dk, Dv]``."""
+def _semi_parallel_states(delta, W0, weight_norm, decay):
+    """``W_j = norm(γ_j W_{j-1} + Δ_j)`` chunk after chunk over axis 2 of ``[B, H, n, Dk, Dv]``
+    (``decay [B, H, n]`` holds the ``γ_j``, or is None)."""
     W = W0
     states = []
-    for d in delta.unbind(2):
+    for j, d in enumerate(delta.unbind(2)):
+        if W is not None and decay is not None:
+            W = decay[:, :, j, None, None] * W
         W = normalise_columns(d if W is None else W + d, weight_norm)
         states.append(W)
     return torch.stack(states, dim=2)
@@ -193,35 +197,52 @@ def _scan_rows(factors, f, initial, scan=blocked_scan):
     return S.view(B, H, n, Dk, Dv)
 
 
-def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0):
-    """States after every update, ``[B, H, n, Dk, Dv]``, from the increments ``G``."""
+def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, decay=None):
+    """States after every update, ``[B, H, n, Dk, Dv]``, from the increments ``G``; ``decay
+    [B, N, H]`` multiplies the state before each chunk's update (None: 1)."""
     n = G.shape[2]
     M = G
+    gamma = None if decay is None else decay[:, :n].transpose(1, 2)     # [B, H, n]
     if momentum is not None and n > 1:
         factors = momentum[:, :n].transpose(1, 2)
-        if not schedule and weight_norm is None:     # momentum then the sum: one linear map
-            return _scan_rows(factors, G, W0, summed_scan)
+        if not schedule and weight_norm is None and gamma is None:
+            return _scan_rows(factors, G, W0, summed_scan)   # momentum then the sum: one map
         M = _scan_rows(factors, G, None)
     delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
     if weight_norm is not None:
-        return _semi_parallel_states(delta, W0, weight_norm)
+        return _semi_parallel_states(delta, W0, weight_norm, gamma)
     if n == 1:
-        return delta if W0 is None else delta + W0.unsqueeze(2)
-    return _scan_rows(None, delta, W0)
+        if W0 is None:
+            return delta
+        first = W0.unsqueeze(2)
+        return delta + (first if gamma is None else gamma[..., None, None] * first)
+    return _scan_rows(gamma, delta, W0)
+
+
+def block_group(n: int, C: int, Dk: int, Dv: int, *, order, momentum, schedule,
+                weight_norm) -> int:
+    """Chunks per group the torch op runs (1: the state form): groups only for a state that is
+    a decayed sum of increments (no momentum, Newton–Schulz or weight norm)."""
+    if order == "full" or momentum is not None or schedule or weight_norm is not None:
+        return 1
+    return group_chunks(C, Dk, Dv, n)
 
 
 def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                                  momentum=None, muon_steps=0, ns_coefficients=None,
-                                 ns_eps=NS_EPS, ns_dtype=None, weight_norm=None,
+                                 ns_eps=NS_EPS, ns_dtype=None, weight_norm=None, decay=None,
                                  initial_state=None, output_final_state=False):
     """Chunk-parallel block linear attention; same contract as ``naive_block_linear_attention``.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``; exact (up to rounding)
-    for every option combination, differentiable through autograd.
+    for every option combination, differentiable through autograd. Without momentum,
+    Newton–Schulz and weight norm, chunks shorter than their features run in groups
+    (``grouped_chunks``) where ``group_chunks`` says so.
     """
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
-                           initial_state=initial_state, ns_coefficients=ns_coefficients)
+                           initial_state=initial_state, ns_coefficients=ns_coefficients,
+                           decay=decay)
     schedule = ns_schedule(muon_steps, ns_coefficients)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
@@ -229,16 +250,22 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     C = T if order == "full" else chunk_size
     shift = 1 if order == "exclusive" else 0
     W0 = None if initial_state is None else initial_state.to(dt)
+    cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
+    group = block_group(n, C, Dk, Dv, order=order, momentum=momentum, schedule=schedule,
+                        weight_norm=weight_norm)
 
+    if group > 1:
+        o, final = grouped_block_linear_attention(
+            phi_q.to(dt), phi_k.to(dt), effective_value(v.to(dt), cast(lr)), chunk_size=C,
+            order=order, decay=cast(decay), initial_state=W0, group=group)
+        final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
+        return o.to(v.dtype), final
     if n - shift > 0:
-        u = v.to(dt)
-        if lr is not None:
-            u = u * (lr.to(dt).unsqueeze(-1) if lr.dim() == 3 else lr.to(dt))
-        G = ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
-        states = chunk_states(G, momentum=None if momentum is None else momentum.to(dt),
-                              schedule=schedule, ns_eps=ns_eps, ns_dtype=ns_dtype,
-                              weight_norm=None if weight_norm is None else weight_norm.to(dt),
-                              W0=W0)
+        G = ChunkIncrements.apply(phi_k.to(dt), effective_value(v.to(dt), cast(lr)),
+                                  n - shift, C)
+        states = chunk_states(G, momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
+                              ns_dtype=ns_dtype, weight_norm=cast(weight_norm), W0=W0,
+                              decay=cast(decay))
         final = states[:, :, -1]
     else:
         states = phi_k.new_empty(B, H, 0, Dk, Dv, dtype=dt)
@@ -251,5 +278,5 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     return o.to(v.dtype), final
 
 
-__all__ = ["torch_block_linear_attention", "ChunkIncrements", "ReadStates", "chunk_states",
+__all__ = ["torch_block_linear_attention", "block_group", "ChunkIncrements", "ReadStates", "chunk_states",
            "chunk_pieces", "normalise_columns"]
