@@ -105,9 +105,10 @@ def plan_at(plan: AnyPlan, program: TTTProgram, *, strict: bool = True
     a note when the generic schedule had to run instead (``strict=False`` only)."""
     if isinstance(plan, (LiftedPlan, SingleStepPlan)):
         try:
-            if isinstance(plan, LiftedPlan) and plan.loop is not None:
-                return plan.resized(program, lower(program, analyze(program), backend="torch",
-                                                   schedule=plan.loop.schedule)), None
+            if isinstance(plan, LiftedPlan):
+                loop = None if plan.loop is None else _loop_for(
+                    plan.lifted, program, analyze(program), plan.loop.schedule, plan.backend)
+                return plan.resized(program, loop), None
             return plan.resized(program), None
         except (UnsupportedTTTError, RuntimeError) as e:
             if strict:

@@ -17,7 +17,8 @@ strided views of the input and writing results straight into strided views of th
 ``out=``: no padding, no per-head stacking, no transposed copies, forward or backward. The
 per-chunk states live head-major, ``[B, H, N, Dk, Dv]``, so every state-sized step (scans,
 Newton–Schulz, the norm) works on contiguous views. Steps 2-4 act on those small tensors under
-ordinary autograd.
+ordinary autograd. A state with neither momentum, Newton–Schulz nor a weight norm, short chunks
+and narrow features runs in groups of chunks instead (``grouped_chunks``).
 
 Precision follows the source: the op accumulates in the inputs' dtype (fp32 for bf16/fp16,
 float64 only for float64 inputs), and Newton–Schulz iterates in ``ns_dtype`` — the dtype the
@@ -26,9 +27,9 @@ user's code iterates in (LaCT casts to bf16), the accumulation dtype by default.
 Measured on CPU (``benchmarks/runtime_cpu.py``, ``docs/runtime.md``): faster than a plain loop
 over chunks doing the same math at 2048-token chunks, forward and backward, with and without
 Newton–Schulz; at chunks shorter than the features the forward is slower (every chunk's state
-is read from memory). The Appendix-H masked form ``((ΦQ ΦKᵀ) ⊙ mask) U`` was measured 10-100×
-slower than the state form except on sequences of a few dozen tokens, so only the state form
-is kept.
+is read from memory). The Appendix-H masked form ``((ΦQ ΦKᵀ) ⊙ mask) U`` over the whole sequence was
+measured 10-100× slower than the state form except on sequences of a few dozen tokens; it runs
+only inside groups of chunks (``grouped_chunks``).
 """
 from __future__ import annotations
 
@@ -254,15 +255,16 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     group = block_group(n, C, Dk, Dv, order=order, momentum=momentum, schedule=schedule,
                         weight_norm=weight_norm)
 
+    u = effective_value(v.to(dt), cast(lr))
+
     if group > 1:
         o, final = grouped_block_linear_attention(
-            phi_q.to(dt), phi_k.to(dt), effective_value(v.to(dt), cast(lr)), chunk_size=C,
-            order=order, decay=cast(decay), initial_state=W0, group=group)
+            phi_q.to(dt), phi_k.to(dt), u, chunk_size=C, order=order, decay=cast(decay),
+            initial_state=W0, group=group)
         final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
         return o.to(v.dtype), final
     if n - shift > 0:
-        G = ChunkIncrements.apply(phi_k.to(dt), effective_value(v.to(dt), cast(lr)),
-                                  n - shift, C)
+        G = ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
         states = chunk_states(G, momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
                               ns_dtype=ns_dtype, weight_norm=cast(weight_norm), W0=W0,
                               decay=cast(decay))
@@ -278,5 +280,5 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     return o.to(v.dtype), final
 
 
-__all__ = ["torch_block_linear_attention", "block_group", "ChunkIncrements", "ReadStates", "chunk_states",
-           "chunk_pieces", "normalise_columns"]
+__all__ = ["torch_block_linear_attention", "block_group", "ChunkIncrements", "ReadStates",
+           "chunk_states", "chunk_pieces", "normalise_columns"]

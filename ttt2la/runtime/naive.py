@@ -101,10 +101,10 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
                  f"momentum must hold one coefficient per chunk, [B, N, H] = {(B, n, H)} "
                  f"(N = ceil({T} / {chunk_size})), got {_shape(momentum)}")
     if decay is not None:
+        count = "1 for the full order" if order == "full" else f"ceil({T} / {chunk_size})"
         _require(_shape(decay) == (B, n, H), op,
                  f"decay must hold one factor per chunk, [B, N, H] = {(B, n, H)} "
-                 f"(N = {'1 for the full order' if order == 'full' else f'ceil({T} / {chunk_size})'}"
-                 f"), got {_shape(decay)}")
+                 f"(N = {count}), got {_shape(decay)}")
     if weight_norm is not None:
         _require(_shape(weight_norm) == (B, H, Dv), op,
                  f"weight_norm must be [B, H, Dv] = {(B, H, Dv)}, got {_shape(weight_norm)}")
