@@ -1,6 +1,8 @@
 """CPU timings of converted gated memories, whose state is scalar-affine in itself
-(``W ← γ_c W + η Kᵀ V``), against the layer as written: the plan's own choice
-(``affine_scan_pays``), the scan forced and the loop over chunks forced, side by side.
+(``W ← γ_c W + η Kᵀ V``), against the layer as written: the converted layer as shipped (its plan
+raced against the code as written, ``ttt2la.as_written``), the plan's own choice alone
+(``affine_scan_pays``, ``decayed_op_pays``), the op or scan forced and the loop over chunks
+forced, side by side.
 
     python benchmarks/gated_memories.py [--quick] [--rounds N] [--threads N] [--backward | --fit-rule]
 

@@ -176,6 +176,27 @@ MUTATIONS = [
           "        return momentum, None"),),
         ("tests/test_lift_decay.py",), "equals_its_loop or plain_decayed"),
     Mutation(
+        "race_with_gradients", "a call that records gradients races the plan against the code "
+        "as written (whose backward is the slower)",
+        (("ttt2la/as_written.py",
+          "    if torch.is_grad_enabled() and (",
+          "    if False and ("),),
+        ("tests/test_as_written.py",), "gradients"),
+    Mutation(
+        "race_during_the_checks", "convert's own checks of a layer already race it, so a check "
+        "can compare the user's code with itself",
+        (("ttt2la/conversion.py",
+          "            install(layer.rl.candidate.module, layer.state)\n",
+          "            install(layer.rl.candidate.module, layer.state)\n"
+          "            layer.state.as_written = AsWritten()\n"),),
+        ("tests/test_as_written.py",), "checks"),
+    Mutation(
+        "race_keeps_the_slower", "the race keeps the slower of the plan and the code as written",
+        (("ttt2la/as_written.py",
+          "self.winner = WRITTEN if written < plan * (1 - MARGIN) else PLAN",
+          "self.winner = WRITTEN if written > plan * (1 - MARGIN) else PLAN"),),
+        ("tests/test_as_written.py",), "faster_side"),
+    Mutation(
         "affine_rule_inverted", "the scalar-affine cost rule scans large states and loops small ones",
         (("ttt2la/lowering/scan_choice.py",
           "return state.numel() * AFFINE_SCAN_ELEMENT_SECONDS < AFFINE_LOOP_STEP_SECONDS",

@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from ttt2la import race_as_written
+
 # Under pytest-xdist each worker has a core of its own: one intra-op thread each, not oversubscribed.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
@@ -53,6 +55,15 @@ def pytest_collection_modifyitems(items):
         if own is not None:
             fn._hypothesis_internal_use_settings = settings(
                 own, max_examples=own.max_examples * WIDE_FACTOR)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def plans_alone():
+    """Converted layers race their plan against the user's code on repeated calls without
+    gradients (``ttt2la.as_written``); the suite tests plans, so they run alone unless a test
+    turns the race on itself."""
+    with race_as_written(False):
+        yield
 
 
 @pytest.fixture(scope="module")

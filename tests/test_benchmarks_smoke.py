@@ -303,8 +303,8 @@ def test_delta_rule_memory_benchmark_compares_outputs_and_gradients():
 
 
 def test_gated_memory_benchmark_prints_every_row_with_its_plan_and_error(capsys):
-    """``gated_memories.py``'s table on one small gated memory: the layer as written, the rule's
-    choice and both forced paths, each converted row naming the plan that ran and its error
+    """``gated_memories.py``'s table on one small gated memory: the layer as written, the
+    converted layer as shipped and its plan alone, and both forced paths, each converted row naming the plan that ran and its error
     against the layer as written."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
@@ -318,7 +318,8 @@ def test_gated_memory_benchmark_prints_every_row_with_its_plan_and_error(capsys)
     bench.print_table([case], backward=False, rounds=1)
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| small")]
     assert [r.split("|")[2].strip() for r in rows] == [
-        "as written", "converted (cost rule)", "converted, scan forced", "converted, loop forced"]
+        "as written", "converted (as shipped)", "converted, plan alone (cost rule)",
+        "converted, scan forced", "converted, loop forced"]
     errors = [float(r.split("(error ")[1].split(")")[0]) for r in rows[1:]]
     assert all(e <= 1e-5 for e in errors), rows
-    assert "sequential: W" in rows[3] and "sequential" not in rows[2]
+    assert "sequential: W" in rows[4] and "sequential" not in rows[3]

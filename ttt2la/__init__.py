@@ -7,6 +7,7 @@
     ttt2la.save(converted, "out/", example_inputs=(x,), factory="pkg.mod:build")
     again = ttt2la.load("out/")
 """
+from .as_written import race_as_written
 from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)
@@ -26,4 +27,4 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
-           "AlreadyConvertedError", "__version__"]
+           "AlreadyConvertedError", "race_as_written", "__version__"]

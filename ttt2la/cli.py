@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .as_written import CALLS_TO_DECIDE
 from .checkpoint.errors import CheckpointError
 from .errors import ConversionError
 from .report import ConversionReport, InspectionReport, load_report
@@ -173,6 +174,8 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
             plan = loop.plan
             seen.append(f"{getattr(plan, 'schedule', '?')} on "
                         f"{getattr(plan, 'implementation', '?')}")
+            if state.as_written is not None and state.as_written.kept_at(size):
+                seen.append("as written (the user's loop, measured faster without gradients)")
     report = getattr(model, "ttt2la_report", None)
     named = sorted({f"{layer.schedule} on {layer.runtime}"
                     for layer in getattr(report, "layers", [])})
@@ -198,8 +201,9 @@ def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Mo
 
     models = {"original": original, **converted}
     tokens = inputs[0].shape[0] * inputs[0].shape[1]
+    # warm-up long enough for any race against the code as written to be decided (as_written)
     timings = measure_timings(models, inputs, tokens, repeats=repeats, max_seconds=max_seconds,
-                              progress=progress)
+                              warmup=CALLS_TO_DECIDE, progress=progress)
     with torch.no_grad():
         reference = original(*inputs)
         drift = {name: rel_rms_error(model(*inputs), reference)

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from .analysis import analyze, assign_roles
 from .analysis.op_vocabulary import fill_value
+from .as_written import AsWritten
 from .calibration import LoopCalibration, layer_inputs
 from .converted import ConvertedState, Recipe, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
@@ -450,6 +451,9 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
         if loss is not None:
             loss["inputs"] = "calibration" if calibration is not None else "example"
     layer_reports = [_finished_report(layer, check, d) for (layer, check), d in zip(reports, drifts)]
+    for layer in built:     # after the checks above, which must see the plans
+        if layer.state is not None and layer.exact:
+            layer.state.as_written = AsWritten()
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
                                             strict=strict, notes=notes, loss=loss)
     return target

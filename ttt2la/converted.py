@@ -24,6 +24,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .as_written import AsWritten, races
 from .errors import AlreadyConvertedError, ConversionError, StreamingError, UnsupportedTTTError
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
@@ -98,16 +99,19 @@ class ConvertedState:
     _loop_cache: dict = field(default_factory=dict)
     streamable: str | None = None       # why the layer cannot carry state ("" if it can)
     recipe: "Recipe | None" = None      # how to build it again (pickling)
+    as_written: AsWritten | None = None  # an exact conversion's races against the user's code
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
         parameter — the layer passes its own at every call — and are never changed after
         conversion, so they are shared; the caches of specialised graphs start empty; the
-        report's dicts and the recipe are copied."""
+        report's dicts and the recipe are copied; races against the code as written start
+        again."""
         return dataclasses.replace(
             self, runs=copy.deepcopy(self.runs, memo), fallbacks=copy.deepcopy(self.fallbacks,
                                                                                memo),
-            _outer_cache={}, _loop_cache={}, recipe=copy.deepcopy(self.recipe, memo))
+            _outer_cache={}, _loop_cache={}, recipe=copy.deepcopy(self.recipe, memo),
+            as_written=None if self.as_written is None else AsWritten())
 
     @property
     def schedule(self) -> str:
@@ -143,7 +147,15 @@ class ConvertedState:
         flat = _flat_inputs(args, kwargs)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = (int(n) for n in self.layout.sizes(flat))
-        return self.outer_for(B, L)(params_and_buffers(module), *flat)
+        gm = self.outer_for(B, L)
+        plan = lambda: gm(params_and_buffers(module), *flat)   # noqa: E731
+        if self.as_written is None or not races(module, flat):
+            return plan()
+        dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
+        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        return self.as_written.call(
+            (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.loops_over_chunks,
+            self.runs, f"batch {B}, length {L}, without gradients")
 
     def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       state: TTTState | None) -> tuple[Any, TTTState]:
@@ -250,9 +262,11 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     device = next((t.device for t in (*pytree.tree_leaves((recipe.args, recipe.kwargs)),
                                       *module.parameters()) if isinstance(t, torch.Tensor)),
                   None)
-    state = _build_state(rl, recipe.level, PassContext(folds=dict(recipe.folds)),
-                         recipe.backend, recipe.strict, device)[0]
+    state, _prepared, _analysis, _notes, exact = _build_state(
+        rl, recipe.level, PassContext(folds=dict(recipe.folds)), recipe.backend, recipe.strict,
+        device)
     state.recipe = recipe
+    state.as_written = AsWritten() if exact else None
     return state
 
 

@@ -388,11 +388,21 @@ class Plan:
         """``"torch.vmap(semi-parallel; sequential: w1)"`` — what runs, for the report."""
         if self.schedule == "recurrent":
             return "torch(recurrent loop)"
-        seq = [self.program.states[t].name for s in self._steps if s.mode == "sequential"
-               for t in s.states] + self._looped_affine_names()
+        seq = self._sequential_names()
         detail = f"; sequential: {', '.join(seq)}" if seq else ""
         loop = "; loop fallback" if self.fallbacks else ""
         return f"torch.vmap({self.schedule}{detail}{loop})"
+
+    @property
+    def loops_over_chunks(self) -> bool:
+        """Did the last call run a Python loop over the chunks (a state's update chunk after
+        chunk)? Such a plan can lose to the user's own loop (``ttt2la.as_written``)."""
+        return self.schedule == "recurrent" or bool(self._sequential_names())
+
+    def _sequential_names(self) -> list[str]:
+        """The states the last call updated chunk after chunk."""
+        return [self.program.states[t].name for s in self._steps if s.mode == "sequential"
+                for t in s.states] + self._looped_affine_names()
 
     def _looped_affine_names(self) -> list[str]:
         """The scalar-affine states the last call ran as a loop over the chunks."""

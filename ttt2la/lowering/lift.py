@@ -597,6 +597,11 @@ class LiftedPlan:
             "chunk_linear_attention"
 
     @property
+    def loops_over_chunks(self) -> bool:
+        """Did the last call run the generic loop over the chunks instead of the op?"""
+        return self.looped
+
+    @property
     def implementation(self) -> str:
         if self.looped:
             return f"{self.loop.implementation}, not {self.op}: a loop over chunks pays here"

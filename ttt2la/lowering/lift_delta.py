@@ -98,12 +98,9 @@ class DeltaScanPlan(Plan):
         """``"torch.vmap(semi-parallel; matrix-affine scan: W)"`` — what runs, for the report."""
         if self.schedule == "recurrent":
             return super().implementation
-        scanned = [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None
-                   and not self.looped.get(g, False)]
-        in_scan = {t for g in scanned for t in g}
+        scanned = self._scanned_groups()
         name = lambda t: self.program.states[t].name  # noqa: E731
-        sequential = [name(t) for s in self._steps if s.mode == "sequential" for t in s.states
-                      if t not in in_scan] + self._looped_affine_names()
+        sequential = self._sequential_names()
         parts = [self.schedule]
         if scanned:
             groups = ", ".join(" + ".join(name(t) for t in g) for g in scanned)
@@ -113,6 +110,16 @@ class DeltaScanPlan(Plan):
         if self.fallbacks:
             parts.append("loop fallback")
         return f"torch.vmap({'; '.join(parts)})"
+
+    def _scanned_groups(self) -> list[tuple[int, ...]]:
+        """The groups of states the last call scanned."""
+        return [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None
+                and not self.looped.get(g, False)]
+
+    def _sequential_names(self) -> list[str]:
+        in_scan = {t for g in self._scanned_groups() for t in g}
+        return [self.program.states[t].name for s in self._steps if s.mode == "sequential"
+                for t in s.states if t not in in_scan] + self._looped_affine_names()
 
     def _loops(self, step, states0, n):
         group = tuple(step.states)

@@ -480,6 +480,8 @@ class DeltaRulePlan(DeltaScanPlan):
     #: its logarithm)
     op_backend = "torch"
     check_decay = True
+    #: one call of the runtime op, never a loop over the chunks in the plan
+    loops_over_chunks = False
 
     @property
     def implementation(self) -> str:

@@ -520,6 +520,9 @@ class SingleStepPlan:
         self.program, self.parts, self.backend = program, parts, backend
         self.body = rewritten(program.body, parts, backend)
 
+    #: a single step: one chunk, no loop over chunks
+    loops_over_chunks = False
+
     @property
     def implementation(self) -> str:
         """``bidirectional_linear_attention[torch](W1: gated; taps: local 3×3)``, and the fast

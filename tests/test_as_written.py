@@ -1,0 +1,188 @@
+"""An exact conversion whose plan loops over the chunks races it against the user's own code on
+its first calls without gradients at each shape, and keeps the faster.
+
+The clock is the test's: the user's forward and the plan each advance it by a drawn cost when they
+run, so which side wins is known. Every call's output must be the source's, whichever side ran;
+the user's forward must run exactly when the race's protocol says (plan first, then the code as
+written, alternating, then the winner alone); plans on a runtime op, calls with gradients, lossy
+conversions, forced paths and the switch never race.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import ttt2la
+import ttt2la.as_written as as_written
+from ttt2la.as_written import CALLS_TO_DECIDE, PLAN, WRITTEN, race_as_written
+from ttt2la.cli import ran_plans
+from ttt2la.converted import is_converted
+from ttt2la.lowering.scan_choice import scanning
+from ttt2la.testing import rel_rms_error
+from ttt2la.zoo import GatedChunkMemory, LaCTFoldedLayer
+
+#: 4 heads of 48 features at batch 1: 9,216 state elements, so the plan loops over the chunks.
+LOOPING = dict(d_model=192, num_heads=4, chunk=8)
+#: 4 heads of 4 features: the plan runs block_linear_attention.
+ON_THE_OP = dict(d_model=16, num_heads=4, chunk=4)
+
+
+class Costs:
+    """A clock the two sides advance: ``plan`` and ``written`` seconds per call, counting the
+    user's forward calls."""
+
+    def __init__(self, monkeypatch, conv, plan: float, written: float):
+        self.now, self.written_calls = 0.0, 0
+        monkeypatch.setattr(as_written, "_clock", lambda: self.now)
+        forward = GatedChunkMemory.forward
+
+        def counted(module, *args, **kwargs):
+            self.now += written
+            self.written_calls += 1
+            return forward(module, *args, **kwargs)
+
+        monkeypatch.setattr(GatedChunkMemory, "forward", counted)
+        state = conv._ttt2la
+        for B in (1, 2):
+            state.loop_for(B).register_forward_pre_hook(lambda *_: self._tick(plan))
+
+    def _tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _converted(kwargs, x):
+    """The layer and its level-0 conversion, converted with racing on (as a user converts)."""
+    torch.manual_seed(0)
+    layer = GatedChunkMemory(**kwargs)
+    with race_as_written(True):
+        return layer, ttt2la.convert(layer, level=0, example_inputs=(x,))
+
+
+def _expected_written_calls(calls: int, winner: str) -> int:
+    """The user's forward calls in ``calls`` calls of a looping plan: every odd call while the
+    race runs, then every call if the code as written won."""
+    racing = min(calls, CALLS_TO_DECIDE)
+    after = calls - racing
+    return racing // 2 + (after if winner == WRITTEN else 0)
+
+
+@settings(max_examples=8)
+@given(plan_cost=st.floats(0.5, 2.0), written_cost=st.floats(0.5, 2.0),
+       calls=st.integers(1, CALLS_TO_DECIDE + 4), batch=st.sampled_from([1, 2]))
+def test_every_call_is_the_sources_and_the_faster_side_is_kept(plan_cost, written_cost, calls,
+                                                              batch):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    layer, conv = _converted(LOOPING, x0)
+    x = torch.randn(batch, 32, LOOPING["d_model"])
+    with pytest.MonkeyPatch.context() as mp:
+        with torch.no_grad():
+            want = layer(x)
+        costs = Costs(mp, conv, plan_cost, written_cost)
+        with race_as_written(True), torch.no_grad():
+            for _ in range(calls):
+                assert rel_rms_error(conv(x), want) <= 1e-5
+    race = conv._ttt2la.as_written.races[(batch, 32, torch.float32)]
+    winner = WRITTEN if written_cost < plan_cost * (1 - as_written.MARGIN) else PLAN
+    assert race.winner == (winner if calls >= CALLS_TO_DECIDE else None)
+    timed = max(0, min(calls, CALLS_TO_DECIDE) - 2)      # the first call of each side is untimed
+    assert (len(race.plan), len(race.written)) == ((timed + 1) // 2, timed // 2)
+    assert costs.written_calls == _expected_written_calls(calls, winner)
+    shape = f"batch {batch}, length 32, without gradients"
+    runs = conv.ttt2la_report.layers[0].runs
+    assert (shape in runs) == (race.winner == WRITTEN)
+    assert ("as written" in ran_plans(conv, batch)) == (race.winner == WRITTEN)
+
+
+def test_each_shape_races_on_its_own(monkeypatch):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    _layer, conv = _converted(LOOPING, x0)
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0)
+    long, short = (torch.randn(1, L, LOOPING["d_model"]) for L in (32, 16))
+    with race_as_written(True), torch.no_grad():
+        for _ in range(CALLS_TO_DECIDE):
+            conv(long)
+        before = costs.written_calls
+        conv(short)                  # a new shape: its race starts with the plan
+        assert costs.written_calls == before
+        conv(long)                   # the decided shape runs the code as written
+        assert costs.written_calls == before + 1
+
+
+def test_calls_with_gradients_never_race(monkeypatch):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    _layer, conv = _converted(LOOPING, x0)
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0)
+    x = torch.randn(1, 32, LOOPING["d_model"])
+    with race_as_written(True):
+        for _ in range(CALLS_TO_DECIDE + 2):
+            conv(x).sum().backward()
+    assert costs.written_calls == 0
+    assert not conv._ttt2la.as_written.races
+
+
+def test_a_plan_on_a_runtime_op_never_races(monkeypatch):
+    x0 = torch.randn(1, 16, ON_THE_OP["d_model"])
+    _layer, conv = _converted(ON_THE_OP, x0)
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0)
+    x = torch.randn(1, 32, ON_THE_OP["d_model"])
+    with race_as_written(True), torch.no_grad():
+        for _ in range(CALLS_TO_DECIDE + 2):
+            conv(x)
+    assert "block_linear_attention" in conv._ttt2la.loop_for(1).plan.implementation
+    assert costs.written_calls == 0
+
+
+@pytest.mark.parametrize("switch", ["race_as_written(False)", "scanning(False)"])
+def test_the_switch_and_a_forced_path_run_the_plan_alone(monkeypatch, switch):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    _layer, conv = _converted(LOOPING, x0)
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0)
+    x = torch.randn(1, 32, LOOPING["d_model"])
+    off = race_as_written(False) if switch.startswith("race") else scanning(False)
+    with race_as_written(True), off, torch.no_grad():
+        for _ in range(CALLS_TO_DECIDE + 2):
+            conv(x)
+    assert costs.written_calls == 0
+
+
+def test_a_lossy_conversion_never_races():
+    torch.manual_seed(0)
+    layer = LaCTFoldedLayer(8, 2, 4, momentum=False, muon=False, base_lr=0.3)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 8),))
+    assert conv.ttt2la_report.layers[0].exact is False
+    state = next(m._ttt2la for m in conv.modules() if is_converted(m))
+    assert state.as_written is None
+
+
+def test_the_user_code_failing_leaves_the_plan(monkeypatch):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    layer, conv = _converted(LOOPING, x0)
+    x = torch.randn(1, 32, LOOPING["d_model"])
+    with torch.no_grad():
+        want = layer(x)
+
+    def broken(module, *args, **kwargs):
+        raise RuntimeError("the user's code fails here")
+
+    monkeypatch.setattr(GatedChunkMemory, "forward", broken)
+    with race_as_written(True), torch.no_grad():
+        for _ in range(3):
+            assert rel_rms_error(conv(x), want) <= 1e-5
+    assert conv._ttt2la.as_written.races[(1, 32, torch.float32)].winner == PLAN
+
+
+def test_the_conversions_checks_and_a_copy_start_no_race(monkeypatch):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    _layer, conv = _converted(LOOPING, x0)
+    assert conv._ttt2la.as_written is not None and not conv._ttt2la.as_written.races
+    Costs(monkeypatch, conv, plan=2.0, written=1.0)
+    x = torch.randn(1, 32, LOOPING["d_model"])
+    with race_as_written(True), torch.no_grad():
+        for _ in range(CALLS_TO_DECIDE):
+            conv(x)
+    assert conv._ttt2la.as_written.races[(1, 32, torch.float32)].winner == WRITTEN
+    again = copy.deepcopy(conv)
+    assert not again._ttt2la.as_written.races

@@ -1,0 +1,131 @@
+"""The code as written, raced against the plan: an exact conversion computes the user's own
+function, so where its plan still loops over the chunks in Python the layer times both on its
+first calls at each shape and keeps the faster.
+
+Such a plan runs the user's per-chunk ops as a traced graph, and on a CPU it can lose a few
+percent to the same loop written by hand: its graph dispatches more per chunk, and its
+chunk-major copies of whole sequences are fresh memory the allocator faults in on every call.
+Only calls that record no autograd graph race: with gradients the converted loop's backward
+beats the user's slicing (1.4–6.4× in ``docs/benchmarks.md``), so a forward timed alone would
+choose wrongly. Plans on a runtime op never race, nor CUDA tensors, calls under a compiler,
+stateful calls, or a path forced with ``scan_choice.scanning``. Each call runs one side only, so
+the user's code runs exactly as often as the layer is called.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+#: Timed calls of each side before the race is decided, after one untimed call of each.
+ROUNDS = 3
+#: Calls at one shape before the faster side runs alone (what a benchmark's warm-up covers).
+CALLS_TO_DECIDE = 2 + 2 * ROUNDS
+#: The code as written is kept only when its median is this much below the plan's (a tie keeps
+#: the plan the report names).
+MARGIN = 0.03
+
+PLAN, WRITTEN = "plan", "as written"
+
+_enabled = True
+_clock: Callable[[], float] = time.perf_counter
+
+
+@contextmanager
+def race_as_written(enabled: bool):
+    """Within the block, converted layers race their plan against the code as written
+    (``True``, the default) or always run the plan (``False``: tests of a plan, benchmarks that
+    time it alone)."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def races(module: torch.nn.Module, flat: list) -> bool:
+    """Would a call of ``module`` on ``flat`` inputs race (the global switch, no forced path, a
+    CPU call in eager mode that records no autograd graph)?"""
+    from .lowering.scan_choice import forced
+
+    if not _enabled or forced() is not None or torch.compiler.is_compiling():
+        return False
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" for t in tensors):
+        return False
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
+                                    or any(p.requires_grad for p in module.parameters())):
+        return False
+    return True
+
+
+@dataclass
+class Race:
+    """The race at one shape: the calls so far and, once decided, the side that runs."""
+
+    plan: list[float] = field(default_factory=list)
+    written: list[float] = field(default_factory=list)
+    calls: int = 0
+    winner: str | None = None
+
+    def next_side(self) -> str:
+        """Plan first (it builds its graphs), the code as written second, then alternating."""
+        return self.winner or (PLAN if self.calls % 2 == 0 else WRITTEN)
+
+    def record(self, side: str, seconds: float) -> None:
+        if self.calls >= 2:                  # the first call of each side is a warm-up
+            (self.plan if side == PLAN else self.written).append(seconds)
+        self.calls += 1
+        if self.calls == CALLS_TO_DECIDE:
+            plan, written = statistics.median(self.plan), statistics.median(self.written)
+            self.winner = WRITTEN if written < plan * (1 - MARGIN) else PLAN
+
+    def describe(self) -> str:
+        return (f"{statistics.median(self.written) * 1e3:.3g} ms against "
+                f"{statistics.median(self.plan) * 1e3:.3g} ms for the plan, medians of "
+                f"{ROUNDS} calls each without gradients")
+
+
+@dataclass
+class AsWritten:
+    """A converted layer's races, one per shape it is called at (batch, length, dtype)."""
+
+    races: dict[tuple, Race] = field(default_factory=dict)
+
+    def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],
+             plan_loops: Callable[[], bool], runs: dict, shape: str):
+        """Run this call on the side the race at ``key`` gives it, timing it while the race
+        runs; ``plan_loops()`` says, after the plan's first call, whether it looped over the
+        chunks (else the plan wins at once). A decided race for the code as written is recorded
+        in ``runs`` under ``shape``."""
+        race = self.races.setdefault(key, Race())
+        side = race.next_side()
+        if race.winner is not None:
+            return plan() if side == PLAN else written()
+        start = _clock()
+        try:
+            out = plan() if side == PLAN else written()
+        except Exception:
+            if side == PLAN:
+                raise
+            race.winner = PLAN        # the plan ran at this shape: it is the layer's answer
+            return plan()
+        race.record(side, _clock() - start)
+        if race.calls == 1 and not plan_loops():
+            race.winner = PLAN
+        if race.winner == WRITTEN:
+            runs[shape] = f"as written: the user's own loop ran faster ({race.describe()})"
+        return out
+
+    def kept_at(self, batch: int) -> bool:
+        """Does any shape of this batch size run the code as written?"""
+        return any(r.winner == WRITTEN for key, r in self.races.items() if key[0] == batch)
+
+
+__all__ = ["AsWritten", "Race", "race_as_written", "races", "ROUNDS", "CALLS_TO_DECIDE",
+           "MARGIN"]
