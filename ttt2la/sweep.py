@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .as_written import CALLS_TO_DECIDE
 from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
@@ -225,7 +226,9 @@ def _time_levels(model, converted: dict, paths: list[str], example_inputs, examp
     runs = {"original": _ttt_layers(original, paths, recorded)}
     runs.update({level: _ttt_layers(m, paths, recorded) for level, m in converted.items()})
     say(f"timing {len(runs)} rows side by side")
-    timings = time_side_by_side(runs, (x,), units=tokens, max_seconds=budget, rounds=9)
+    # warm-up long enough for any race against the code as written to be decided (as_written)
+    timings = time_side_by_side(runs, (x,), units=tokens, max_seconds=budget, rounds=9,
+                                warmup=CALLS_TO_DECIDE)
     out = {key: (t.rate, t.spread()) for key, t in timings.items()}
     out["tokens"] = tokens
     return out
