@@ -93,6 +93,8 @@ def test_every_call_is_the_sources_and_the_faster_side_is_kept(plan_cost, writte
     shape = f"batch {batch}, length 32, without gradients"
     runs = conv.ttt2la_report.layers[0].runs
     assert (shape in runs) == (race.winner == WRITTEN)
+    said = f"- {shape}: as written: the user's own loop ran faster"
+    assert (said in conv.ttt2la_report.to_markdown()) == (race.winner == WRITTEN)
     assert ("as written" in ran_plans(conv, batch)) == (race.winner == WRITTEN)
 
 

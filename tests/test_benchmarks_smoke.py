@@ -304,8 +304,8 @@ def test_delta_rule_memory_benchmark_compares_outputs_and_gradients():
 
 def test_gated_memory_benchmark_prints_every_row_with_its_plan_and_error(capsys):
     """``gated_memories.py``'s table on one small gated memory: the layer as written, the
-    converted layer as shipped and its plan alone, and both forced paths, each converted row naming the plan that ran and its error
-    against the layer as written."""
+    converted layer as shipped and its plan alone, and both forced paths, each converted row
+    naming the plan that ran and its error against the layer as written."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import gated_memories as bench

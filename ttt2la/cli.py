@@ -165,7 +165,7 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
     ``batch`` if given; so call it after running the model), else from the conversion report.
     Where the report names another schedule or op than the one that ran, that is said too.
     """
-    seen = []
+    seen, kept = [], []
     for module in model.modules():
         state = getattr(module, "_ttt2la", None)
         for size, loop in getattr(state, "_loop_cache", {}).items():
@@ -175,16 +175,21 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
             seen.append(f"{getattr(plan, 'schedule', '?')} on "
                         f"{getattr(plan, 'implementation', '?')}")
             if state.as_written is not None and state.as_written.kept_at(size):
-                seen.append("as written (the user's loop, measured faster without gradients)")
+                kept.append(AS_WRITTEN_FASTER)
     report = getattr(model, "ttt2la_report", None)
     named = sorted({f"{layer.schedule} on {layer.runtime}"
                     for layer in getattr(report, "layers", [])})
     if not seen:
         return ", ".join(named) or "as written"
     seen = sorted(set(seen))
+    also = [AS_WRITTEN_FASTER] if kept else []
     if named and {_op_name(p) for p in seen} != {_op_name(p) for p in named}:
-        return f"{', '.join(seen)} (the report names {', '.join(named)})"
-    return ", ".join(seen)
+        return f"{', '.join(also + seen)} (the report names {', '.join(named)})"
+    return ", ".join(also + seen)
+
+
+#: What ``ran_plans`` says of a layer whose race kept the user's own code.
+AS_WRITTEN_FASTER = "as written without gradients (the user's loop, measured faster)"
 
 
 def _op_name(plan: str) -> str:

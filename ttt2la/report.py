@@ -140,7 +140,7 @@ class LayerReport:
         if self.check:
             lines += ["", f"Check: {_format_mapping(self.check)}"]
         if self.runs:
-            lines += ["", f"Ran: {_format_mapping(self.runs)}"]
+            lines += ["", "Ran:"] + [f"- {shape}: {what}" for shape, what in self.runs.items()]
         if self.fallbacks:
             lines += [""] + [f"> fallback at {k}: {v}" for k, v in self.fallbacks.items()]
         if self.notes:
@@ -182,8 +182,8 @@ class LayerReport:
             parts.append(levels)
         if self.check:
             parts.append(Text.assemble(("check ", "dim"), _format_mapping(self.check)))
-        if self.runs:
-            parts.append(Text.assemble(("ran ", "dim"), _format_mapping(self.runs)))
+        parts += [Text.assemble(("ran at ", "dim"), f"{shape}: {what}")
+                  for shape, what in self.runs.items()]
         parts += [Text(f"fallback at {k}: {v}", style="bold yellow")
                   for k, v in self.fallbacks.items()]
         parts += [Text(f"note: {n}", style="italic") for n in self.notes]
