@@ -8,8 +8,9 @@ chunk-major copies of whole sequences are fresh memory the allocator faults in o
 Only calls that record no autograd graph race: with gradients the converted loop's backward
 beats the user's slicing (1.4–6.4× in ``docs/benchmarks.md``), so a forward timed alone would
 choose wrongly. Plans on a runtime op never race, nor CUDA tensors, calls under a compiler,
-stateful calls, or a path forced with ``scan_choice.scanning``. Each call runs one side only, so
-the user's code runs exactly as often as the layer is called.
+stateful calls, or a path forced with ``scan_choice.scanning``. Each call runs one side only
+(the plan after the user's code only where that raised, which ends the race), so the race adds
+no work beyond timing.
 """
 from __future__ import annotations
 
