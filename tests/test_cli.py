@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ttt2la
+from ttt2la import race_as_written
 from ttt2la.cli import (EXIT_REFUSED, EXIT_UNSUPPORTED, ZOO, build_parser, build_zoo_model, main,
                         measure_throughput)
 from ttt2la.report import ConversionReport, LayerReport, PassRecord, StateRecord
@@ -115,6 +116,18 @@ def test_zoo_models_build_with_matching_inputs(name):
     (x,) = ZOO[name].example_inputs(batch=2, length=5, seed=1)
     assert x.shape[:2] == (2, 5)
     assert torch.equal(x, ZOO[name].example_inputs(batch=2, length=5, seed=1)[0])
+
+
+@pytest.mark.parametrize("name", ["titans-linear", "gated-memory"])
+def test_bench_times_a_memory_and_its_conversion(name, capsys):
+    """``bench`` on a zoo memory: the Titans-like one returns its state beside its output (the
+    drift column reads the output), the gated one loops over the chunks and races its plan
+    against the code as written; each converted row is exact."""
+    with race_as_written(True):
+        assert main(["bench", "--zoo", name, "--length", "32", "--levels", "0", "--repeats", "3",
+                     "--max-seconds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "level 0" in out and "0.00e+00" in out, out
 
 
 @pytest.mark.parametrize("name", ["lact-lm", "lact-layer", "lact-variant2"])

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from .as_written import CALLS_TO_DECIDE
 from .checkpoint.errors import CheckpointError
+from .drift import run_module
 from .errors import ConversionError
 from .report import ConversionReport, InspectionReport, load_report
 from .timing import Timing, time_side_by_side
@@ -93,6 +94,16 @@ def _per_token_inline_layer() -> torch.nn.Module:
     return PerTokenInlineTTTLayer(64, 4)
 
 
+def _gated_memory() -> torch.nn.Module:
+    from .zoo import GatedChunkMemory
+    return GatedChunkMemory(256, 4, 16)
+
+
+def _titans_linear_memory() -> torch.nn.Module:
+    from .zoo import TitansLinearMemory
+    return TitansLinearMemory(64, 16, momentum=True)
+
+
 def _per_token_layer() -> torch.nn.Module:
     from .zoo import PerTokenTTTLayer
     return PerTokenTTTLayer(64, 4)
@@ -120,6 +131,12 @@ ZOO: dict[str, ZooModel] = {
     "per-token-inline": ZooModel("the per-token layer with its token loop written inline in "
                                  "forward, outputs stacked (4 heads)",
                                  _per_token_inline_layer, _features(64), length=64, chunk_size=1),
+    "gated-memory": ZooModel("a gated linear memory: 4 heads of 64, a decay per chunk of 16 "
+                             "from a gate, einsum style (a loop over the chunks on a CPU)",
+                             _gated_memory, _features(256), length=512, chunk_size=16),
+    "titans-linear": ZooModel("a Titans-like linear memory with momentum and weight decay "
+                              "(dim 64, chunk 16)",
+                              _titans_linear_memory, _features(64), length=512, chunk_size=16),
 }
 
 
@@ -209,10 +226,9 @@ def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Mo
     # warm-up long enough for any race against the code as written to be decided (as_written)
     timings = measure_timings(models, inputs, tokens, repeats=repeats, max_seconds=max_seconds,
                               warmup=CALLS_TO_DECIDE, progress=progress)
-    with torch.no_grad():
-        reference = original(*inputs)
-        drift = {name: rel_rms_error(model(*inputs), reference)
-                 for name, model in converted.items()}
+    reference = run_module(original, inputs)          # a model's main output (first tensor)
+    drift = {name: rel_rms_error(run_module(model, inputs), reference)
+             for name, model in converted.items()}
     shape = "x".join(str(s) for s in inputs[0].shape)
     rounds = timings["original"].rounds
     table = Table(title=f"throughput on {shape} inputs, {torch.get_num_threads()} threads: "
