@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ttt2la
-from ttt2la.as_written import CALLS_TO_DECIDE
+from ttt2la.as_written import CALLS_TO_DECIDE, AsWritten
 from ttt2la.lowering.lift_delta import scanning
 from ttt2la.testing import rel_rms_error
 from ttt2la.timing import time_side_by_side
@@ -210,7 +210,7 @@ def _ran(fast, x, row: str) -> str:
     shipped row's race kept it, else the plan."""
     runs = fast.ttt2la_report.layers[0].runs
     B, L = x.shape[:2]
-    kept = runs.get(f"batch {B}, length {L}, without gradients")
+    kept = runs.get(AsWritten.shape(B, L))
     if row == SHIPPED and kept is not None:
         return kept
     return runs.get(f"batch {B}", "?")

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import ttt2la
 import ttt2la.as_written as as_written
-from ttt2la.as_written import CALLS_TO_DECIDE, PLAN, WRITTEN, race_as_written
+from ttt2la.as_written import CALLS_TO_DECIDE, PLAN, WRITTEN, AsWritten, race_as_written
 from ttt2la.cli import ran_plans
 from ttt2la.converted import is_converted
 from ttt2la.lowering.scan_choice import scanning
@@ -90,7 +90,8 @@ def test_every_call_is_the_sources_and_the_faster_side_is_kept(plan_cost, writte
     timed = max(0, min(calls, CALLS_TO_DECIDE) - 2)      # the first call of each side is untimed
     assert (len(race.plan), len(race.written)) == ((timed + 1) // 2, timed // 2)
     assert costs.written_calls == _expected_written_calls(calls, winner)
-    shape = f"batch {batch}, length 32, without gradients"
+    shape = AsWritten.shape(batch, 32)
+    assert shape == f"batch {batch}, length 32, without gradients"
     runs = conv.ttt2la_report.layers[0].runs
     assert (shape in runs) == (race.winner == WRITTEN)
     said = f"- {shape}: as written: the user's own loop ran faster"

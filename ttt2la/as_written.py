@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from .lowering.scan_choice import forced
+
 #: Timed calls of each side before the race is decided, after one untimed call of each.
 ROUNDS = 3
 #: Calls at one shape before the faster side runs alone (what a benchmark's warm-up covers).
@@ -52,8 +54,6 @@ def race_as_written(enabled: bool):
 def races(module: torch.nn.Module, flat: list) -> bool:
     """Would a call of ``module`` on ``flat`` inputs race (the global switch, no forced path, a
     CPU call in eager mode that records no autograd graph)?"""
-    from .lowering.scan_choice import forced
-
     if not _enabled or forced() is not None or torch.compiler.is_compiling():
         return False
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
@@ -122,6 +122,11 @@ class AsWritten:
         if race.winner == WRITTEN:
             runs[shape] = f"as written: the user's own loop ran faster ({race.describe()})"
         return out
+
+    @staticmethod
+    def shape(batch: int, length: int) -> str:
+        """The key under which a converted layer's ``runs`` record what a decided race keeps."""
+        return f"batch {batch}, length {length}, without gradients"
 
     def kept_at(self, batch: int) -> bool:
         """Does any shape of this batch size run the code as written?"""

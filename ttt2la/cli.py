@@ -182,7 +182,7 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
     ``batch`` if given; so call it after running the model), else from the conversion report.
     Where the report names another schedule or op than the one that ran, that is said too.
     """
-    seen, kept = [], []
+    seen, kept = [], False
     for module in model.modules():
         state = getattr(module, "_ttt2la", None)
         for size, loop in getattr(state, "_loop_cache", {}).items():
@@ -191,8 +191,7 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
             plan = loop.plan
             seen.append(f"{getattr(plan, 'schedule', '?')} on "
                         f"{getattr(plan, 'implementation', '?')}")
-            if state.as_written is not None and state.as_written.kept_at(size):
-                kept.append(AS_WRITTEN_FASTER)
+            kept = kept or (state.as_written is not None and state.as_written.kept_at(size))
     report = getattr(model, "ttt2la_report", None)
     named = sorted({f"{layer.schedule} on {layer.runtime}"
                     for layer in getattr(report, "layers", [])})

@@ -155,7 +155,7 @@ class ConvertedState:
         written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         return self.as_written.call(
             (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.loops_over_chunks,
-            self.runs, f"batch {B}, length {L}, without gradients")
+            self.runs, AsWritten.shape(B, L))
 
     def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       state: TTTState | None) -> tuple[Any, TTTState]:
