@@ -4,7 +4,8 @@ raced against the code as written, ``ttt2la.as_written``), the plan's own choice
 (``affine_scan_pays``, ``decayed_op_pays``), the op or scan forced and the loop over chunks
 forced, side by side.
 
-    python benchmarks/gated_memories.py [--quick] [--rounds N] [--threads N] [--backward | --fit-rule]
+    python benchmarks/gated_memories.py [--quick] [--rounds N] [--threads N]
+                                        [--backward | --fit-rule | --expansions]
 
 The layer is ``ttt2la.zoo.GatedChunkMemory`` (4 heads, a decay gate per chunk, einsum style, a
 loop over whole chunks) over a grid of head widths and chunk sizes at B = 4, L = 2048. Rows of a
@@ -18,7 +19,10 @@ import torch
 
 import ttt2la
 from matrix_affine_memories import _Forced, arguments, print_table
-from ttt2la.lowering import scan_choice
+from unittest import mock
+
+from ttt2la.lowering import loop_expansions, scan_choice
+from ttt2la.testing import rel_rms_error
 from ttt2la.timing import time_side_by_side
 from ttt2la.zoo import GatedChunkMemory
 
@@ -68,15 +72,67 @@ def fit_rule(rounds: int) -> None:
           f"AFFINE_SCAN_ELEMENT_SECONDS = {scan_choice.AFFINE_SCAN_ELEMENT_SECONDS:.3g}")
 
 
+#: (head width, chunk) where the loop's ``η Kᵀ V`` is an expansion (larger than K and V), with
+#: increments of 4,096 to 65,536 elements at B = 4: the grid ``EXPANSION_MIN_ELEMENTS`` was
+#: read off.
+EXPANSION_GRID = [(16, 2), (16, 4), (32, 4), (32, 8), (64, 16)]
+
+
+class _Expansions:
+    """The converted layer's loop forced, its expansions computed in the loop (``moved``) or
+    read batched before it, whatever the size rule says."""
+
+    def __init__(self, layer, moved: bool):
+        self.layer, self.limit = layer, 0 if moved else 10**12
+
+    def __call__(self, x):
+        with scan_choice.scanning(False), ttt2la.race_as_written(False), \
+                mock.patch.object(loop_expansions, "EXPANSION_MIN_ELEMENTS", self.limit):
+            return self.layer(x)
+
+
+def expansion_rule(rounds: int) -> None:
+    """Time the loop over the chunks with its expansions moved and batched, side by side, over
+    ``EXPANSION_GRID``; print each beside the rule's choice."""
+    print("| head width | chunk | increment (elements) | as written (ms) | batched (ms) | "
+          "moved (ms) | moved vs batched | the rule picks | error (moved, batched) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for dh, chunk in EXPANSION_GRID:
+        torch.manual_seed(0)
+        layer = GatedChunkMemory(HEADS * dh, HEADS, chunk)
+        x = torch.randn(BATCH, LENGTH, HEADS * dh, generator=g)
+        fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
+        rows = {"as written": layer, "batched": _Expansions(fast, False),
+                "moved": _Expansions(fast, True)}
+        t = time_side_by_side(rows, (x,), rounds=rounds, max_seconds=30.0)
+        with torch.no_grad():
+            ref = layer(x)
+            errors = [rel_rms_error(rows[k](x), ref) for k in ("moved", "batched")]
+        size = BATCH * HEADS * dh * dh
+        picks = "moved" if size >= loop_expansions.EXPANSION_MIN_ELEMENTS else "batched"
+        ms = {k: v.median * 1e3 for k, v in t.items()}
+        print(f"| {dh} | {chunk} | {size:,} | {ms['as written']:.1f} | {ms['batched']:.1f} "
+              f"({t['batched'].spread()}) | {ms['moved']:.1f} ({t['moved'].spread()}) | "
+              f"{t['moved'].speedup_over(t['batched'])} | {picks} | "
+              f"{errors[0]:.1e}, {errors[1]:.1e} |", flush=True)
+
+
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--fit-rule", action="store_true",
                         help="time scan and loop over the grid and fit the rule's constants again")
+    parser.add_argument("--expansions", action="store_true",
+                        help="time the loop with its outer products moved into it and batched "
+                             "before it, over the grid the size rule was read off")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.fit_rule:
         fit_rule(args.rounds)
+        return
+    if args.expansions:
+        expansion_rule(args.rounds)
         return
     print_table(cases(args.quick), backward=args.backward, rounds=args.rounds)
 

@@ -210,6 +210,25 @@ MUTATIONS = [
           "        return [torch.stack(a).zero_() + states0[t] for a, t in zip(afters, step.states)]"),),
         ("tests/test_scan_choice.py",), "either_path"),
     Mutation(
+        "expansions_batched", "a loop over the chunks reads its outer products batched beforehand",
+        (("ttt2la/lowering/loop_expansions.py",
+          "        if sum(_numel(a) for a in reads) < _numel(value):",
+          "        if False:"),),
+        ("tests/test_loop_expansions.py",), ""),
+    Mutation(
+        "expansion_size_rule_inverted", "a loop computes its small expansions itself and reads "
+        "its large ones batched",
+        (("ttt2la/lowering/loop_expansions.py",
+          "    return largest * state.numel() >= EXPANSION_MIN_ELEMENTS * traced_state",
+          "    return largest * state.numel() < EXPANSION_MIN_ELEMENTS * traced_state"),),
+        ("tests/test_loop_expansions.py",), "size_rule"),
+    Mutation(
+        "deferred_values_zero", "a scan reads the values a loop would compute itself as zeros",
+        (("ttt2la/lowering/executors.py",
+          "        self.update(self._compute())",
+          "        self.update({k: (torch.zeros_like(v), b) for k, (v, b) in self._compute().items()})"),),
+        ("tests/test_loop_expansions.py",), "recurrent_loop"),
+    Mutation(
         "whole_chunks_unrestricted", "a layer converted from a loop over whole chunks takes any length",
         (("ttt2la/frontend/recognize.py", "        if L % self.length_unit:", "        if False:"),),
         ("tests/test_whole_chunk_loops.py",), "refused_naming_the_loop"),

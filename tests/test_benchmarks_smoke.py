@@ -323,3 +323,25 @@ def test_gated_memory_benchmark_prints_every_row_with_its_plan_and_error(capsys)
     errors = [float(r.split("(error ")[1].split(")")[0]) for r in rows[1:]]
     assert all(e <= 1e-5 for e in errors), rows
     assert "sequential: W" in rows[4] and "sequential" not in rows[3]
+
+
+def test_expansion_rule_times_both_loops_and_names_the_rules_choice(capsys, monkeypatch):
+    """``gated_memories.py --expansions`` on two small shapes: every row times the layer as
+    written and both loops, names the side the size rule picks, and both loops equal the layer
+    as written."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gated_memories as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    monkeypatch.setattr(bench, "EXPANSION_GRID", [(4, 1), (16, 2)])
+    monkeypatch.setattr(bench, "LENGTH", 32)
+    monkeypatch.setattr(bench.loop_expansions, "EXPANSION_MIN_ELEMENTS", 1024)
+    bench.expansion_rule(rounds=1)
+    rows = [r.split("|") for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    rows = [r for r in rows if r[1].strip().isdigit()]
+    assert [(r[1].strip(), r[3].strip(), r[8].strip()) for r in rows] == [
+        ("4", "256", "batched"), ("16", "4,096", "moved")]
+    for r in rows:
+        assert all(float(e) <= 1e-5 for e in r[9].split(","))
+

@@ -36,6 +36,7 @@ from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
 from .lean_calls import lean_calls
+from .loop_expansions import expansions, expansions_pay
 from .scan_choice import affine_scan_pays
 
 SCHEDULES = ("parallel", "semi-parallel", "recurrent")
@@ -261,6 +262,25 @@ class _StateStep:
     loop_graph: torch.fx.GraphModule | None = None      # the update and the outputs, per chunk
     loop_inputs: list[torch.fx.Node] = field(default_factory=list)
     as_loop: "_StateStep | None" = None     # a scalar-affine group as a loop over the chunks
+    moved: set[torch.fx.Node] = field(default_factory=set)  # expansions its loop computes
+    batched: "_StateStep | None" = None     # the same loop reading them batched beforehand
+
+
+class _Values(dict):
+    """The values a call has computed, by node; the ``deferred`` ones (state-independent values
+    that a loop computes itself) are computed, all at once, when something else first reads
+    one."""
+
+    def __init__(self, deferred: list[torch.fx.Node], compute):
+        super().__init__()
+        self._deferred, self._compute = set(deferred), compute
+
+    def __missing__(self, node: torch.fx.Node) -> _Value:
+        if node not in self._deferred:
+            raise KeyError(node)
+        self._deferred = set()
+        self.update(self._compute())
+        return self[node]
 
 
 class Plan:
@@ -283,9 +303,13 @@ class Plan:
         self._outputs_inputs: list[torch.fx.Node] = []
         self._independent: list[torch.fx.Node] = []      # state-free values read by the rest
         self._constant: list[torch.fx.Node] = []         # ... of those, the stream-free ones
-        self._independent_graph = self._constant_graph = None
+        self._movable: set[torch.fx.Node] = set()       # state-free values reading streams
+        self._eager: list[torch.fx.Node] = []            # independent values every call reads
+        self._deferred: list[torch.fx.Node] = []         # ... and those only loops compute
+        self._independent_graph = self._constant_graph = self._deferred_graph = None
         self._independent_inputs: list[torch.fx.Node] = []
         self._constant_inputs: list[torch.fx.Node] = []
+        self._deferred_inputs: list[torch.fx.Node] = []
         if schedule != "recurrent":
             self._build()
 
@@ -308,11 +332,26 @@ class Plan:
         for n in nodes:
             if n.op in ("placeholder", "get_attr", "output") or n in reads_state:
                 continue
+            if n in reads_stream and not shape_only(n):
+                self._movable.add(n)
             if n in results or any(u in reads_state for u in n.users):
                 (self._independent if n in reads_stream else self._constant).append(n)
-        if self._independent:
-            self._independent_graph, self._independent_inputs = _extract(
-                prog.body, leaves, self._independent)
+
+    def _build_independent_graphs(self, leaves: list[torch.fx.Node]) -> None:
+        """The graphs computing the state-independent values: the constant ones, the batched
+        ones every call reads, and those only a loop computes itself (``loop_expansions``),
+        deferred until a scan or the outputs read them."""
+        prog = self.program
+        moved = set().union(*(s.moved for s in self._steps),
+                            *(s.as_loop.moved for s in self._steps if s.as_loop is not None))
+        self._eager = [n for n in self._independent if n not in moved]
+        self._deferred = [n for n in self._independent if n in moved]
+        if self._eager:
+            self._independent_graph, self._independent_inputs = _extract(prog.body, leaves,
+                                                                        self._eager)
+        if self._deferred:
+            self._deferred_graph, self._deferred_inputs = _extract(prog.body, leaves,
+                                                                  self._deferred)
         if self._constant:
             self._constant_graph, self._constant_inputs = _extract(prog.body, leaves,
                                                                   self._constant)
@@ -321,6 +360,7 @@ class Plan:
         prog = self.program
         ins, outs = prog.state_inputs(), prog.state_outputs()
         available = [*prog.stream_inputs(), *prog.invariant_inputs()]
+        leaves = list(available)
         self._build_independent(available)
         available += self._independent + self._constant
         for group, mode in zip(self.analysis.groups, self.analysis.group_modes):
@@ -340,15 +380,19 @@ class Plan:
                 available.append(ins[t])
                 if outs[t].op != "placeholder" and outs[t] not in available:
                     available.append(outs[t])
+        self._build_independent_graphs(leaves)
         self._outputs_graph, self._outputs_inputs = _extract(prog.body, available,
                                                             prog.chunk_outputs())
         last = self._steps[-1].states if self._steps else []
         own = {ins[t] for t in last} | {outs[t] for t in last if outs[t].op != "placeholder"}
         self._outputs_read_last_group = any(i in own for i in self._outputs_inputs)
 
-    def _build_sequential(self, step: _StateStep, available: list[torch.fx.Node]) -> None:
+    def _build_sequential(self, step: _StateStep, available: list[torch.fx.Node],
+                          move: bool = True) -> None:
         """Split a group's update into the small graph the chunk loop runs (every node that
-        reads the group's states) and the frontier it reads, computed beforehand in a batch."""
+        reads the group's states, and with ``move`` the expansions it computes itself) and the
+        frontier it reads, computed beforehand in a batch. A loop with expansions carries the
+        same loop without them (``batched``), for calls where they are small."""
         prog = self.program
         ins, outs = prog.state_inputs(), prog.state_outputs()
         own_ins = [ins[t] for t in step.states]
@@ -368,13 +412,12 @@ class Plan:
                 continue
             local.add(n)
             stack.extend(n.all_input_nodes)
-        frontier: list[torch.fx.Node] = []
-        for n in prog.body.graph.nodes:
-            if n in local:
-                frontier += [a for a in n.all_input_nodes
-                             if a not in local and a not in own_ins and a not in frontier]
-        frontier += [o for o in own_outs if o not in local and o not in own_ins
-                     and o not in frontier]
+        frontier = self._frontier(local, own_ins, own_outs)
+        step.moved = expansions(frontier, self._movable) if move else set()
+        if step.moved:
+            step.batched = _StateStep(list(step.states), step.mode)
+            self._build_sequential(step.batched, available, move=False)
+            frontier = self._frontier(local | step.moved, own_ins, own_outs)
         step.frontier = frontier
         step.computed = [n for n in frontier if n not in available]
         if step.computed:
@@ -382,6 +425,17 @@ class Plan:
                                                                 step.computed)
         step.graph, step.inputs = _extract(prog.body, own_ins + frontier, own_outs)
         step.graph = lean_calls(step.graph)
+
+    def _frontier(self, local: set, own_ins: list, own_outs: list) -> list[torch.fx.Node]:
+        """What the ``local`` nodes of a group's update read from outside it (its states
+        aside), and the updates computed outside it, in graph order."""
+        frontier: list[torch.fx.Node] = []
+        for n in self.program.body.graph.nodes:
+            if n in local:
+                frontier += [a for a in n.all_input_nodes
+                             if a not in local and a not in own_ins and a not in frontier]
+        return frontier + [o for o in own_outs if o not in local and o not in own_ins
+                           and o not in frontier]
 
     @property
     def implementation(self) -> str:
@@ -453,7 +507,8 @@ class Plan:
         n = layout.n_chunks
         n_upd = n if prog.last_chunk == "update" else n - 1
         ins, outs = prog.state_inputs(), prog.state_outputs()
-        env: dict[torch.fx.Node, _Value] = {}
+        env = _Values(self._deferred, lambda: self._batched(
+            self._deferred_graph, self._deferred_inputs, self._deferred, env, n))
         for ph, x in zip(prog.stream_inputs(), streams):
             env[ph] = (x, True)
         for ph, p in zip(prog.invariant_inputs(), invariants):
@@ -462,11 +517,8 @@ class Plan:
             values = self._constant_graph(*[env[i][0] for i in self._constant_inputs])
             env.update((node, (v, False)) for node, v in zip(self._constant, values))
         if self._independent_graph is not None:
-            values, fell_back = _call_batched(self._independent_graph,
-                                              [env[i] for i in self._independent_inputs], n)
-            if fell_back:
-                self.fallbacks.add("state-independent values")
-            env.update((node, (v, True)) for node, v in zip(self._independent, values))
+            env.update(self._batched(self._independent_graph, self._independent_inputs,
+                                     self._eager, env, n))
         finals: list[torch.Tensor | None] = [None] * len(prog.states)
         for step in self._steps:
             run = self._how_to_run(step, states0)
@@ -486,17 +538,34 @@ class Plan:
             self.fallbacks.add("outputs")
         return chunk_outs, finals
 
+    def _batched(self, graph, inputs, computed, env, n: int) -> dict[torch.fx.Node, _Value]:
+        """The state-independent values ``computed`` by ``graph``, batched over the chunks."""
+        values, fell_back = _call_batched(graph, [env[i] for i in inputs], n)
+        if fell_back:
+            self.fallbacks.add("state-independent values")
+        return {node: (v, True) for node, v in zip(computed, values)}
+
     def _how_to_run(self, step: _StateStep, states0) -> _StateStep:
         """``step``, or for a scalar-affine state its loop over the chunks when on this call
-        the scan would not pay (``affine_scan_pays``)."""
-        if step.as_loop is None:
-            return step
-        (t,) = step.states
-        if affine_scan_pays(states0[t]):
-            self._looped_affine.discard(t)
-            return step
-        self._looped_affine.add(t)
-        return step.as_loop
+        the scan would not pay (``affine_scan_pays``); a loop with its expansions read batched
+        where on this call they are small (``expansions_pay``)."""
+        run = step
+        if step.as_loop is not None:
+            (t,) = step.states
+            if affine_scan_pays(states0[t]):
+                self._looped_affine.discard(t)
+            else:
+                self._looped_affine.add(t)
+                run = step.as_loop
+        if run.batched is not None and not self._expansions_pay(run, states0):
+            return run.batched
+        return run
+
+    def _expansions_pay(self, step: _StateStep, states0) -> bool:
+        """Are the loop's expansions, at this call's sizes, worth computing in the loop?"""
+        t = step.states[0]
+        traced = self.program.state_inputs()[t].meta["val"].numel()
+        return expansions_pay(step.moved, states0[t], traced)
 
     def _sequence(self, step: _StateStep, env, states0, n: int) -> list[torch.Tensor]:
         """``[S_1 … S_N]`` (the state after each chunk) for every state of the group."""
