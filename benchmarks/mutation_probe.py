@@ -229,6 +229,13 @@ MUTATIONS = [
           "        self.update({k: (torch.zeros_like(v), b) for k, (v, b) in self._compute().items()})"),),
         ("tests/test_loop_expansions.py",), "recurrent_loop"),
     Mutation(
+        "output_joined_contiguous", "a loop's chunk outputs are joined contiguous, so the code "
+        "after the loop copies them again into the order it reads",
+        (("ttt2la/lowering/chunking.py",
+          "    return torch.cat(chunks, dim=axis, out=out.permute(inverse_order(order)))",
+          "    return torch.cat(chunks, dim=axis)"),),
+        ("tests/test_output_assembly.py",), ""),
+    Mutation(
         "whole_chunks_unrestricted", "a layer converted from a loop over whole chunks takes any length",
         (("ttt2la/frontend/recognize.py", "        if L % self.length_unit:", "        if False:"),),
         ("tests/test_whole_chunk_loops.py",), "refused_naming_the_loop"),

@@ -266,14 +266,19 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
 
 
+def inverse_order(order: tuple[int, ...]) -> list[int]:
+    """The permutation that undoes ``order``: ``t.permute(order).permute(inverse) is t``."""
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return inverse
+
+
 def with_memory_order(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
     """``t``'s values laid out in memory in ``order`` (see ``memory_order``)."""
     if order is None or len(order) != t.dim():
         return t.contiguous()
-    inverse = [0] * len(order)
-    for i, d in enumerate(order):
-        inverse[d] = i
-    return t.permute(order).contiguous().permute(inverse)
+    return t.permute(order).contiguous().permute(inverse_order(order))
 
 
 def reshape_views(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -327,6 +332,6 @@ def describe_node(node: torch.fx.Node) -> str:
 __all__ = [
     "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
-    "with_memory_order", "ancestors", "loop_interface", "bind_loop_args", "params_and_buffers",
+    "inverse_order", "with_memory_order", "ancestors", "loop_interface", "bind_loop_args", "params_and_buffers",
     "ShapeTemplate", "SizeReader",
 ]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedTTTError
-from ..ir import OutputSpec, StreamSpec, TTTProgram
+from ..ir import OutputSpec, StreamSpec, TTTProgram, inverse_order
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ def chunk_streams(program: TTTProgram, invariants: list[torch.Tensor]
 def assemble_output(chunks: torch.Tensor | Sequence[torch.Tensor], spec: OutputSpec,
                     layout: ChunkLayout) -> torch.Tensor:
     """Join ``[N, *chunk output]`` along ``spec.axis`` and cut the padding back to ``L``. A list
-    of the ``N`` chunk outputs (a loop's) is joined in one copy, with no stacked tensor first."""
+    of the ``N`` chunk outputs (a loop's) is joined in one copy, with no stacked tensor first,
+    laid out in ``spec.memory_order`` where it can be (``_joined_in_order``)."""
     if spec.per_token or layout.per_token:
         if isinstance(chunks, torch.Tensor):
             return chunks.movedim(0, spec.axis % chunks.dim())
@@ -122,8 +123,36 @@ def assemble_output(chunks: torch.Tensor | Sequence[torch.Tensor], spec: OutputS
         joined = chunks.movedim(0, axis).flatten(axis, axis + 1)
     else:
         axis = spec.axis % chunks[0].dim()
-        joined = torch.cat(list(chunks), dim=axis)
+        joined = _joined_in_order(list(chunks), axis, spec.memory_order, layout)
     return joined.narrow(axis, 0, layout.length)
+
+
+def _joined_in_order(chunks: list[torch.Tensor], axis: int, order, layout: ChunkLayout
+                     ) -> torch.Tensor:
+    """The chunks joined along ``axis``, written straight into the memory order the code after
+    the loop reads (``with_memory_order`` then copies nothing) where no gradient is recorded,
+    nothing is cut and no compiler traces (it has its own layouts): one copy of the output, not
+    two."""
+    if not _joins_in_order(chunks, order, layout):
+        return torch.cat(chunks, dim=axis)
+    first = chunks[0]
+    shape = list(first.shape)
+    shape[axis] = sum(c.shape[axis] for c in chunks)
+    out = torch.empty([shape[d] for d in order], dtype=first.dtype, device=first.device)
+    return torch.cat(chunks, dim=axis, out=out.permute(inverse_order(order)))
+
+
+def _joins_in_order(chunks: list[torch.Tensor], order, layout: ChunkLayout) -> bool:
+    """Can the chunks be joined into ``order`` (another order than their own, one dtype, whole
+    chunks, no gradient recorded, no compiler tracing)?"""
+    first = chunks[0]
+    if order is None or len(order) != first.dim() or list(order) == sorted(order):
+        return False
+    if layout.partial or any(c.dtype != first.dtype for c in chunks):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(c.requires_grad for c in chunks))
 
 
 def assemble_outputs(program: TTTProgram, chunk_outputs: list[torch.Tensor],
