@@ -332,6 +332,6 @@ def describe_node(node: torch.fx.Node) -> str:
 __all__ = [
     "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
-    "inverse_order", "with_memory_order", "ancestors", "loop_interface", "bind_loop_args", "params_and_buffers",
-    "ShapeTemplate", "SizeReader",
+    "inverse_order", "with_memory_order", "ancestors", "loop_interface", "bind_loop_args",
+    "params_and_buffers", "ShapeTemplate", "SizeReader",
 ]

@@ -314,9 +314,10 @@ class Plan:
             self._build()
 
     # -- construction ------------------------------------------------------------------------
-    def _build_independent(self, leaves: list[torch.fx.Node]) -> None:
-        """The state-independent values the state updates and outputs read: computed once per
-        call, batched over chunks when they read streams and unbatched otherwise."""
+    def _sort_independent(self) -> None:
+        """Sort out the state-independent values the state updates and outputs read (computed
+        once per call, batched over chunks when they read streams and unbatched otherwise; their
+        graphs are built by ``_build_independent_graphs``) and those a loop may compute itself."""
         prog = self.program
         nodes = list(prog.body.graph.nodes)
         reads_state: set[torch.fx.Node] = set(prog.state_inputs())
@@ -361,7 +362,7 @@ class Plan:
         ins, outs = prog.state_inputs(), prog.state_outputs()
         available = [*prog.stream_inputs(), *prog.invariant_inputs()]
         leaves = list(available)
-        self._build_independent(available)
+        self._sort_independent()
         available += self._independent + self._constant
         for group, mode in zip(self.analysis.groups, self.analysis.group_modes):
             step = _StateStep(list(group), mode)
@@ -455,8 +456,13 @@ class Plan:
 
     def _sequential_names(self) -> list[str]:
         """The states the last call updated chunk after chunk."""
+        scanned = self._scanned_states()
         return [self.program.states[t].name for s in self._steps if s.mode == "sequential"
-                for t in s.states] + self._looped_affine_names()
+                for t in s.states if t not in scanned] + self._looped_affine_names()
+
+    def _scanned_states(self) -> set[int]:
+        """The states of sequential groups the last call scanned instead (none here)."""
+        return set()
 
     def _looped_affine_names(self) -> list[str]:
         """The scalar-affine states the last call ran as a loop over the chunks."""

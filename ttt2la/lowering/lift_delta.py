@@ -116,10 +116,8 @@ class DeltaScanPlan(Plan):
         return [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None
                 and not self.looped.get(g, False)]
 
-    def _sequential_names(self) -> list[str]:
-        in_scan = {t for g in self._scanned_groups() for t in g}
-        return [self.program.states[t].name for s in self._steps if s.mode == "sequential"
-                for t in s.states if t not in in_scan] + self._looped_affine_names()
+    def _scanned_states(self) -> set[int]:
+        return {t for g in self._scanned_groups() for t in g}
 
     def _loops(self, step, states0, n):
         group = tuple(step.states)
