@@ -345,3 +345,20 @@ def test_expansion_rule_times_both_loops_and_names_the_rules_choice(capsys, monk
     for r in rows:
         assert all(float(e) <= 1e-5 for e in r[9].split(","))
 
+
+
+@pytest.fixture
+def lact_operator():
+    yield from _benchmark_module("lact_operator")
+
+
+def test_lact_operator_script_times_the_operator_beside_the_layers(lact_operator, capsys):
+    assert lact_operator.main(["--chunk", "4", "--length", "16", "--rounds", "1"]) == 0
+    table = capsys.readouterr().out
+    for row in ("variant 2's operator", "converted operator (level 2)",
+                "variant 2 as written (layer)", "level 2 converted (layer)"):
+        assert f"| {row} |" in table, row
+    # both converted rows name their error against variant 2, and it is within fp32's bound
+    errors = [float(line.rsplit("|", 2)[1]) for line in table.splitlines()
+              if line.startswith(("| converted operator", "| level 2 converted"))]
+    assert len(errors) == 2 and all(e <= 1e-5 for e in errors), errors
