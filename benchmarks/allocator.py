@@ -21,6 +21,16 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEEP_BYTES = 2**31 - 1
 
 
+#: How a run that leaves the allocator alone names it.
+DEFAULT = "the C library's default malloc"
+
+
+def allocator(keep_freed: bool) -> str:
+    """The allocator a run uses, named for its header: glibc keeping freed memory where
+    ``keep_freed`` (``keep_freed_memory``, set here), else the default (``DEFAULT``)."""
+    return keep_freed_memory() if keep_freed else DEFAULT
+
+
 def keep_freed_memory() -> str:
     """Make glibc keep freed memory and serve large blocks from its heap; returns what was set.
 
@@ -41,4 +51,4 @@ def keep_freed_memory() -> str:
             f"M_TRIM_THRESHOLD = {KEEP_BYTES})")
 
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "allocator", "DEFAULT"]

@@ -21,6 +21,7 @@ import argparse
 import torch
 
 import ttt2la
+from allocator import allocator as chosen_allocator
 from throughput import COMPILED_CHUNKS, Eager
 from ttt2la.testing import rel_rms_error
 from ttt2la.timing import time_side_by_side
@@ -30,7 +31,10 @@ HEADS, HEAD_DIM = 4, 128
 
 
 def build(chunk: int, length: int, muon: bool, batch: int):
-    """(the layer converted at level 2, variant 2 as written, the input, the operator's inputs)."""
+    """``(converted, variant 2, variant 2 as timed, x, the operator's inputs)``: the layer
+    converted at level 2, variant 2 as written with the same weights and that layer as it is
+    timed (eagerly past ``COMPILED_CHUNKS``), the input, and what variant 2 hands its operator
+    on it."""
     torch.manual_seed(0)
     d_model = HEADS * HEAD_DIM
     original = LaCTPublishedLayer(d_model, HEADS, chunk, muon=muon).eval()
@@ -39,22 +43,20 @@ def build(chunk: int, length: int, muon: bool, batch: int):
     v2.load_state_dict(original.state_dict())
     x = torch.randn(batch, length, d_model, generator=torch.Generator().manual_seed(1))
     converted = ttt2la.convert(original, level=2, example_inputs=(x[:1, :3 * chunk],))
-    if -(-length // chunk) > COMPILED_CHUNKS:
-        v2 = Eager(v2)
+    timed = Eager(v2) if -(-length // chunk) > COMPILED_CHUNKS else v2
     captured = []
-    inner = v2.layer if isinstance(v2, Eager) else v2
-    hook = inner.ttt.register_forward_pre_hook(lambda _m, args: captured.append(args))
+    hook = v2.ttt.register_forward_pre_hook(lambda _m, args: captured.append(args))
     with torch.no_grad():
-        v2(x)
+        timed(x)
     hook.remove()
-    return converted, v2, inner, x, captured[0]
+    return converted, v2, timed, x, captured[0]
 
 
-def rows(converted, v2, inner, x):
+def rows(converted, v2, timed, x):
     """The timed rows: each takes the operator's inputs (the layer rows read ``x``)."""
-    return {"variant 2's operator": lambda *a: inner.ttt(*a),
+    return {"variant 2's operator": lambda *a: v2.ttt(*a),
             "converted operator (level 2)": lambda *a: converted.ttt(*a),
-            "variant 2 as written (layer)": lambda *_: v2(x),
+            "variant 2 as written (layer)": lambda *_: timed(x),
             "level 2 converted (layer)": lambda *_: converted(x)}
 
 
@@ -71,17 +73,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    allocator = "the C library's default malloc"
-    if args.keep_freed_memory:
-        from allocator import keep_freed_memory   # benchmarks/, next to this script
-        allocator = keep_freed_memory()
-    converted, v2, inner, x, inputs = build(args.chunk, args.length, args.muon, args.batch)
-    timed = rows(converted, v2, inner, x)
+    allocator = chosen_allocator(args.keep_freed_memory)
+    converted, v2, timed, x, inputs = build(args.chunk, args.length, args.muon, args.batch)
     with torch.no_grad():
         errors = {"converted operator (level 2)": rel_rms_error(converted.ttt(*inputs),
-                                                                inner.ttt(*inputs)),
-                  "level 2 converted (layer)": rel_rms_error(converted(x), v2(x))}
-    t = time_side_by_side(timed, inputs, rounds=args.rounds, max_seconds=300.0)
+                                                                v2.ttt(*inputs)),
+                  "level 2 converted (layer)": rel_rms_error(converted(x), timed(x))}
+    t = time_side_by_side(rows(converted, v2, timed, x), inputs, rounds=args.rounds,
+                          max_seconds=300.0)
     print(f"LaCT operator, {HEADS} heads × {HEAD_DIM}, chunk {args.chunk}, L={args.length}, "
           f"B={args.batch}, {'Muon' if args.muon else 'no Muon'}, fp32, forward under no_grad; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {allocator}")

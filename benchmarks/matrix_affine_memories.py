@@ -195,10 +195,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    allocator = "the C library's default malloc"
-    if args.keep_freed_memory:
-        from allocator import keep_freed_memory   # benchmarks/, next to this script
-        allocator = keep_freed_memory()
+    from allocator import allocator as chosen   # benchmarks/, next to this script
+    allocator = chosen(args.keep_freed_memory)
     if args.fit_rule:
         fit_rule(args.rounds)
         return

@@ -75,7 +75,7 @@ from ttt2la.errors import ConversionError  # noqa: E402
 from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
 from ttt2la.timing import Timing, time_side_by_side  # noqa: E402
 
-from allocator import keep_freed_memory  # noqa: E402
+from allocator import DEFAULT as DEFAULT_ALLOCATOR, keep_freed_memory  # noqa: E402
 from ceiling import Replay, matmul_flops, record_matmuls  # noqa: E402
 from flops import lact_flops_per_token, per_token_flops_per_token  # noqa: E402
 from gemm_peak import measure_gemm_peak  # noqa: E402
@@ -103,7 +103,7 @@ class Setup:
     size: str = "issue"
     peak: float = float("nan")         # measured GEMM FLOP/s, filled in before the cases run
     peak_sizes: tuple[int, ...] = ()   # the square GEMMs it was the best of, re-timed per case
-    allocator: str = "the C library's default malloc"   # ``--keep-freed-memory`` changes it
+    allocator: str = DEFAULT_ALLOCATOR   # ``--keep-freed-memory`` changes it
 
     @property
     def d_model(self) -> int:

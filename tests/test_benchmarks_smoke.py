@@ -346,7 +346,6 @@ def test_expansion_rule_times_both_loops_and_names_the_rules_choice(capsys, monk
         assert all(float(e) <= 1e-5 for e in r[9].split(","))
 
 
-
 @pytest.fixture
 def lact_operator():
     yield from _benchmark_module("lact_operator")
