@@ -406,12 +406,19 @@ class _Interpreter:
             product = self.make(kind, token_mixed=mixed, culprit=d.culprit)
         else:
             product = INDEPENDENT
-        extra = [self.dep(args[i]) for i in additive if i < len(args)]
+        added = [args[i] for i in additive if i < len(args) and isinstance(args[i], torch.fx.Node)]
+        extra = [self.dep(a) for a in added]
         deps = [d for d in [product, *extra] if d.kind > Dep.INDEPENDENT]
         if not deps:
             return INDEPENDENT
         if len(deps) == 1 and deps[0] is product:
             return product
+        if len(deps) == 1:                  # only the added term reads the state: S·β + A B
+            d = deps[0]
+            same, mixes = self.broadcast_mixes(node, added[extra.index(d)], ops)
+            beta = node.kwargs.get("beta", 1)
+            kind = Dep.SCALAR_AFFINE if (beta != 1 and d.kind == Dep.IDENTITY) else d.kind
+            return self.make(kind, d.layout if same else None, d.token_mixed or mixes, d.culprit)
         return self.join_linear(node, deps, elementwise=False)
 
     def index_depends(self, node, name) -> bool:

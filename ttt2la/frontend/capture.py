@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import SRC, SourceLoc
+from .decompositions import DECOMPOSITIONS
 from .shape_values import shape_only_values
 from .trace_guards import no_numpy
 
@@ -117,6 +118,9 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     inputs — what loop recognition, the passes and the executors all rely on. Code that takes
     gradients with ``torch.autograd.grad`` after ``requires_grad_()`` cannot run inside the
     functionalization transform; it is traced plainly first, and that graph functionalized.
+    A few fused ops are traced as their definitions (``decompositions``: ``lerp``, ``mse_loss``),
+    and the pieces of a ``split`` or ``unbind`` that a loop reads as the slices they are
+    (``split_pieces``).
     """
     try:
         gm = _trace_functional(fn, args, tracing_mode)
@@ -126,13 +130,15 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
         gm = _trace_then_functionalize(fn, args, tracing_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return annotate_frames(gm)
+    from .split_pieces import split_pieces_as_slices     # it reads the frames of this module
+
+    return split_pieces_as_slices(annotate_frames(gm))
 
 
 def _trace_functional(fn, args, tracing_mode: str) -> torch.fx.GraphModule:
     pure = torch.func.functionalize(fn, remove="mutations")
     with _no_compile(), _all_user_frames(), shape_only_values(), no_numpy():
-        return make_fx(pure, tracing_mode=tracing_mode, record_stack_traces=True,
+        return make_fx(pure, DECOMPOSITIONS, tracing_mode=tracing_mode, record_stack_traces=True,
                        _allow_non_fake_inputs=True)(*args)
 
 
@@ -142,7 +148,7 @@ def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModu
     from torch.fx import traceback as fx_traceback
 
     with _no_compile(), _all_user_frames(), torch.enable_grad(), shape_only_values(), no_numpy():
-        plain = make_fx(fn, tracing_mode=tracing_mode, record_stack_traces=True,
+        plain = make_fx(fn, DECOMPOSITIONS, tracing_mode=tracing_mode, record_stack_traces=True,
                         _allow_non_fake_inputs=True)(*args)
     flat_args = pytree.tree_leaves(args)
 

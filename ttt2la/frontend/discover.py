@@ -39,6 +39,8 @@ class LoopCandidate:
     ops: int = 0
     probe_length: int | None = None     # the longer length the loop was found at, if any
     no_loop: bool = False               # no loop ran: a single test-time step, maybe
+    #: ``(op, pieces, length)`` of every ``chunk(n)``/``tensor_split(n)`` the loop statement cuts
+    fixed_cuts: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
@@ -60,7 +62,7 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.stack:
-            self.sink(self.stack[-1], func, args, _user_frames())
+            self.sink(self.stack[-1], func, args, kwargs or {}, _user_frames())
         out = func(*args, **(kwargs or {}))
         self.chunks.note(func, args, kwargs or {}, out)
         return out
@@ -103,6 +105,33 @@ def _slice_info(func, args, chunks: ChunkAxes | None = None):
             return 1, x.shape[dim], item
         dim += 1
     return None
+
+
+def _cut_info(func, args, kwargs):
+    """Chunk size, sequence length and chunk offsets of ``x.split(C, dim)`` (``C`` an int) or
+    ``x.unbind(dim)``: the pieces a loop statement such as ``for xc in x.split(C, 1)`` hands
+    its iterations; ``(op, pieces, length)`` for ``x.chunk(n, dim)`` and ``x.tensor_split(n,
+    dim)``, whose pieces grow with the length."""
+    name = getattr(func, "__name__", "")
+    if name not in ("split", "unbind", "chunk", "tensor_split") or not args \
+            or not isinstance(args[0], torch.Tensor):
+        return None
+    x, rest = args[0], list(args[1:])
+    if name == "unbind":
+        size = 1
+    else:
+        size = rest.pop(0) if rest else kwargs.get(
+            {"split": "split_size_or_sections", "chunk": "chunks"}.get(name, "sections"),
+            kwargs.get("split_size", kwargs.get("indices_or_sections")))
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            return None
+    dim = rest[0] if rest else kwargs.get("dim", 0)
+    if not isinstance(dim, int) or x.dim() == 0:
+        return None
+    n = x.shape[dim % x.dim()]
+    if name in ("chunk", "tensor_split"):
+        return name, size, n
+    return size, n, set(range(0, n, size))
 
 
 #: Longest sequence an example is stretched to when it is too short to show the loop.
@@ -199,8 +228,9 @@ def _discover_once(model, example_inputs, example_kwargs):
     found: dict[tuple[str, LoopSite], LoopCandidate] = {}
     by_path = {p: m for m, p in paths.items()}
     chunks = ChunkAxes()
+    cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)   # split/unbind in loop headers
 
-    def sink(path, func, args, frames):
+    def sink(path, func, args, kwargs, frames):
         site = forward_sites.get(path)
         if site is None:
             return
@@ -213,6 +243,10 @@ def _discover_once(model, example_inputs, example_kwargs):
             return
         for f, line, fn in frames[start:]:
             for loop in _loops_in_file(f):
+                if loop.header_contains(SourceLoc(f, line, fn)):
+                    cut = _cut_info(func, args, kwargs)
+                    if cut is not None:
+                        cuts[(path, loop)].append(cut)
                 if loop.contains(SourceLoc(f, line, fn)):
                     key = (path, loop)
                     cand = found.get(key)
@@ -232,6 +266,16 @@ def _discover_once(model, example_inputs, example_kwargs):
     finally:
         for h in hooks:
             h.remove()
+    for key, seen in cuts.items():
+        if key in found:
+            for cut in seen:
+                if isinstance(cut[0], str):     # a fixed number of pieces: no chunk size
+                    found[key].fixed_cuts.append(cut)
+                    continue
+                size, length, starts = cut
+                found[key].chunk_sizes.add(size)
+                found[key].slice_lengths.add(length)
+                found[key].slice_starts.update(starts)
     # keep, per module, the outermost loop (nested loops such as Newton–Schulz live inside it)
     per_module: dict[str, list[LoopCandidate]] = defaultdict(list)
     for cand in found.values():

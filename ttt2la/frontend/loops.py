@@ -35,6 +35,11 @@ class LoopSite:
         return (frame.file == self.file and frame.function == self.function
                 and self.body_start <= frame.line <= self.body_end)
 
+    def header_contains(self, frame: SourceLoc) -> bool:
+        """Whether ``frame`` runs the loop statement itself (``for x in xs.split(C)``)."""
+        return (frame.file == self.file and frame.function == self.function
+                and self.line <= frame.line < self.body_start)
+
     def statement_index(self, line: int) -> int | None:
         """Which statement directly in the loop body holds ``line`` (None when none does)."""
         for i, (lo, hi) in enumerate(self.statements):

@@ -387,6 +387,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
     if seq_len is None or not any(seq_len in x.shape[1:] for x in tensors):
         seq_len = next((n for n in sorted(lengths, reverse=True)
                         if any(n in x.shape[1:] for x in tensors)), None)
+    _refuse_fixed_cuts(cand, seq_len)
     layout = _layout(flat, seq_len, batch)
     layout.signature = CallSignature.of(cand.args, cand.kwargs)
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
@@ -404,6 +405,18 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         except Exception as e:            # the layer's own code rejected these shapes
             failures.append((plan, e))
     raise _probe_failure(cand, failures, C, seq_len)
+
+
+def _refuse_fixed_cuts(cand: LoopCandidate, seq_len: int | None) -> None:
+    """A loop statement iterating ``x.chunk(n)`` or ``x.tensor_split(n)`` pieces of the sequence
+    cuts a fixed number of pieces that grow with the length: no chunks of a fixed size."""
+    for op, pieces, length in cand.fixed_cuts:
+        if length == seq_len:
+            raise UnsupportedTTTError(
+                f"the loop at {cand.loop.src} iterates over the {pieces} pieces `{op}({pieces})` "
+                f"cuts the sequence into: a fixed number of pieces, each longer as the sequence "
+                f"grows, so its iterations are no chunks of a fixed size. Cut chunks of C tokens "
+                f"with `.split(C, dim)` (or slice `x[:, s:s + C]`) instead.")
 
 
 def _chunk_sizes(cand: LoopCandidate, flat: list, layout: InputLayout, in_spec, batch: int,

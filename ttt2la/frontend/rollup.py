@@ -38,7 +38,7 @@ from ..errors import UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, StateSpec,
                   StreamSpec, TTTProgram, memory_order, reshape_views)
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
-from .source_names import assigned_name, state_names, stream_name, unique
+from .source_names import PIECE_NAME, assigned_name, state_names, stream_name, unique
 
 aten = torch.ops.aten
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
@@ -712,7 +712,7 @@ def _stream_placeholders(inputs: Inputs, states: States, body: torch.fx.Graph, e
         loc = s.meta.get(SRC)
         k = per_line.get(loc, 0)
         per_line[loc] = k + 1
-        name = unique(stream_name(loc, k, on_line[loc]) or "x", taken)
+        name = unique(s.meta.get(PIECE_NAME) or stream_name(loc, k, on_line[loc]) or "x", taken)
         ph = body.placeholder(name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
         env[s] = ph

@@ -110,6 +110,42 @@ def assigned_name(src: SourceLoc | None) -> str | None:
     return "_".join(names) if names else None
 
 
+#: Node meta: the name a loop statement binds a ``split``/``unbind`` piece to (``split_pieces``).
+PIECE_NAME = "ttt2la_piece_name"
+
+
+@functools.lru_cache(maxsize=256)
+def _for_statements(file: str) -> tuple[ast.For, ...]:
+    """Every ``for`` statement of a source file."""
+    lines = linecache.getlines(file)
+    try:
+        tree = ast.parse("".join(lines)) if lines else None
+    except SyntaxError:
+        return ()
+    return tuple(n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree else ()
+
+
+def loop_targets(src: SourceLoc | None) -> list[str] | None:
+    """The names a ``for`` statement's header binds, one per sequence it iterates together:
+    ``[qc, kc]`` for ``for qc, kc in zip(q.split(C, 1), k.split(C, 1))``, ``[x_t]`` for
+    ``for x_t in x.unbind(1)`` (an ``enumerate`` around either is looked through)."""
+    if src is None:
+        return None
+    held = [st for st in _for_statements(src.file)
+            if st.lineno <= src.line <= (st.iter.end_lineno or st.lineno)]
+    if not held:
+        return None
+    stmt = max(held, key=lambda st: st.lineno)
+    target, seq = stmt.target, stmt.iter
+    if isinstance(seq, ast.Call) and isinstance(seq.func, ast.Name) and seq.func.id == "enumerate" \
+            and isinstance(target, ast.Tuple) and len(target.elts) == 2 and seq.args:
+        target, seq = target.elts[1], seq.args[0]
+    zipped = isinstance(seq, ast.Call) and isinstance(seq.func, ast.Name) and seq.func.id == "zip"
+    elements = target.elts if zipped and isinstance(target, ast.Tuple) else [target]
+    names = [e.id if isinstance(e, ast.Name) else None for e in elements]
+    return names if all(names) else None
+
+
 def stream_name(loc: SourceLoc | None, k: int, n: int) -> str | None:
     """The name of the ``k``-th of ``n`` streams sliced on one line: the sliced tensor's name
     (``q[:, s:e]``) when the line names one per stream, else the name it is assigned to
