@@ -91,6 +91,22 @@ def test_additive_update_is_identity_and_parallel():
     analysis.require_schedule("parallel")
 
 
+def test_a_product_whose_added_term_alone_reads_the_state_is_additive():
+    """``baddbmm(W, kᵀ, v)`` is ``W + kᵀv``; with ``beta`` it scales the state: a gate."""
+    def fused(W, k, v, q):
+        return (torch.baddbmm(W, k.transpose(-1, -2), v, alpha=0.5),), (q @ W,)
+
+    def scaled(W, k, v, q):
+        return (torch.baddbmm(W, k.transpose(-1, -2), v, beta=0.9),), (q @ W,)
+
+    def through_the_state(W, k, v, q):
+        return (torch.baddbmm(W, k.transpose(-1, -2), k @ W),), (q @ W,)
+    assert self_class(single_state(fused)) == Dep.IDENTITY
+    assert analyze(single_state(fused)).schedule == "parallel"
+    assert self_class(single_state(scaled)) == Dep.SCALAR_AFFINE
+    assert self_class(single_state(through_the_state)) == Dep.MATRIX_AFFINE
+
+
 def test_delta_rule_is_matrix_affine_and_semi_parallel():
     def body(W, k, v, q):
         return (W + k.transpose(-1, -2) @ (v - k @ W),), (q @ W,)

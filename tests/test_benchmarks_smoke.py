@@ -361,3 +361,25 @@ def test_lact_operator_script_times_the_operator_beside_the_layers(lact_operator
     errors = [float(line.rsplit("|", 2)[1]) for line in table.splitlines()
               if line.startswith(("| converted operator", "| level 2 converted"))]
     assert len(errors) == 2 and all(e <= 1e-5 for e in errors), errors
+
+
+def test_fused_styles_benchmark_prints_every_row_with_its_error(capsys):
+    """``fused_styles.py`` on small layers: per case the layer as written, the hand-written
+    loop, the converted layer as shipped and its plan alone, each with its error against the
+    layer as written (within the fp32 bound where no Newton–Schulz runs)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import fused_styles as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    bench.print_table(list(bench.cases(True, dim=8, batch=2, length=256)), rounds=1)
+    rows = [r for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ") and not r.startswith("| case")]
+    assert [r.split("|")[2].strip() for r in rows[:4]] == [
+        "as written", "hand-written (plain arithmetic)", "converted (as shipped)",
+        "converted, plan alone"]
+    assert len(rows) == 16
+    for r in rows:
+        cells = [c.strip() for c in r.split("|")]
+        if cells[2] != "as written" and "Newton" not in cells[1]:
+            assert float(cells[6].rsplit("(", 1)[-1].rstrip(")")) <= 1e-5, r

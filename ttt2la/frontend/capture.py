@@ -118,9 +118,9 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     inputs — what loop recognition, the passes and the executors all rely on. Code that takes
     gradients with ``torch.autograd.grad`` after ``requires_grad_()`` cannot run inside the
     functionalization transform; it is traced plainly first, and that graph functionalized.
-    A few fused ops are traced as their definitions (``decompositions``: ``lerp``, ``mse_loss``),
-    and the pieces of a ``split`` or ``unbind`` that a loop reads as the slices they are
-    (``split_pieces``).
+    A few fused ops are traced as their definitions (``decompositions``: ``lerp``, ``mse_loss``,
+    and ``baddbmm``/``addmm`` inside loop bodies), and the pieces of a ``split`` or ``unbind``
+    that a loop statement cuts as the slices they are (``split_pieces``).
     """
     try:
         gm = _trace_functional(fn, args, tracing_mode)
@@ -130,7 +130,7 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
         gm = _trace_then_functionalize(fn, args, tracing_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    from .split_pieces import split_pieces_as_slices     # it reads the frames of this module
+    from .split_pieces import split_pieces_as_slices     # it imports FRAMES from here
 
     return split_pieces_as_slices(annotate_frames(gm))
 

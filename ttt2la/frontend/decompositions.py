@@ -18,8 +18,8 @@ import torch
 
 aten = torch.ops.aten
 
-#: ``reduction`` codes of the loss ops: as ``torch.nn._reduction`` numbers them.
-_NONE, _MEAN, _SUM = 0, 1, 2
+#: ``reduction`` codes of the loss ops, as ``torch.nn._reduction`` numbers them (0: none).
+_MEAN, _SUM = 1, 2
 
 
 def lerp(start, end, weight):
@@ -45,15 +45,19 @@ def mse_loss_backward(seed, x, y, reduction: int):
 
 
 def _in_loop_body() -> bool:
-    """Whether the user code calling the op being traced runs inside a loop's body."""
+    """Whether the user code calling the op being traced runs inside a loop's body. Only the
+    traced code's frames count: the walk out stops at ``capture``, which runs the trace; beyond
+    it lie the frames of whoever called ``convert`` (a script's loop, a test runner)."""
     from ..ir import SourceLoc
-    from .capture import _is_user_file
+    from . import capture
     from .loops import _loops_in_file
 
     f = sys._getframe(1)
     while f is not None:
         code = f.f_code
-        if _is_user_file(code.co_filename):
+        if code.co_filename == capture.__file__:
+            return False
+        if capture._is_user_file(code.co_filename):
             here = SourceLoc(code.co_filename, f.f_lineno, code.co_name)
             if any(loop.contains(here) for loop in _loops_in_file(code.co_filename)):
                 return True

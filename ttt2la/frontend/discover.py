@@ -107,31 +107,33 @@ def _slice_info(func, args, chunks: ChunkAxes | None = None):
     return None
 
 
-def _cut_info(func, args, kwargs):
-    """Chunk size, sequence length and chunk offsets of ``x.split(C, dim)`` (``C`` an int) or
-    ``x.unbind(dim)``: the pieces a loop statement such as ``for xc in x.split(C, 1)`` hands
-    its iterations; ``(op, pieces, length)`` for ``x.chunk(n, dim)`` and ``x.tensor_split(n,
-    dim)``, whose pieces grow with the length."""
+#: Cuts a loop statement may iterate: ``split(C)`` and ``unbind()`` hand out chunks of a fixed
+#: size (``unbind``: one token); ``chunk(n)`` and ``tensor_split(n)`` a fixed number of pieces.
+#: Each with the keyword names its size or count may be passed by.
+_CUTS = {"split": ("split_size_or_sections", "split_size"), "unbind": (),
+         "chunk": ("chunks",), "tensor_split": ("indices_or_sections", "sections")}
+FIXED_COUNT_CUTS = ("chunk", "tensor_split")
+
+
+def _cut_info(func, args, kwargs) -> tuple[str, int, int] | None:
+    """``(op, size, length)`` of a cut such as ``x.split(C, dim)`` (``size`` the chunk size; 1
+    for ``unbind``) or ``x.chunk(n, dim)`` (``size`` the number of pieces), ``length`` the size
+    of the axis cut: what a loop statement like ``for xc in x.split(C, 1)`` iterates over."""
     name = getattr(func, "__name__", "")
-    if name not in ("split", "unbind", "chunk", "tensor_split") or not args \
-            or not isinstance(args[0], torch.Tensor):
+    if name not in _CUTS or not args or not isinstance(args[0], torch.Tensor) \
+            or args[0].dim() == 0:
         return None
     x, rest = args[0], list(args[1:])
     if name == "unbind":
         size = 1
     else:
-        size = rest.pop(0) if rest else kwargs.get(
-            {"split": "split_size_or_sections", "chunk": "chunks"}.get(name, "sections"),
-            kwargs.get("split_size", kwargs.get("indices_or_sections")))
+        size = rest.pop(0) if rest else next((kwargs[k] for k in _CUTS[name] if k in kwargs), None)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             return None
     dim = rest[0] if rest else kwargs.get("dim", 0)
-    if not isinstance(dim, int) or x.dim() == 0:
+    if not isinstance(dim, int):
         return None
-    n = x.shape[dim % x.dim()]
-    if name in ("chunk", "tensor_split"):
-        return name, size, n
-    return size, n, set(range(0, n, size))
+    return name, size, x.shape[dim % x.dim()]
 
 
 #: Longest sequence an example is stretched to when it is too short to show the loop.
@@ -268,14 +270,13 @@ def _discover_once(model, example_inputs, example_kwargs):
             h.remove()
     for key, seen in cuts.items():
         if key in found:
-            for cut in seen:
-                if isinstance(cut[0], str):     # a fixed number of pieces: no chunk size
-                    found[key].fixed_cuts.append(cut)
+            for op, size, length in seen:
+                if op in FIXED_COUNT_CUTS:      # pieces that grow with the length: no chunk size
+                    found[key].fixed_cuts.append((op, size, length))
                     continue
-                size, length, starts = cut
                 found[key].chunk_sizes.add(size)
                 found[key].slice_lengths.add(length)
-                found[key].slice_starts.update(starts)
+                found[key].slice_starts.update(range(0, length, size))
     # keep, per module, the outermost loop (nested loops such as Newton–Schulz live inside it)
     per_module: dict[str, list[LoopCandidate]] = defaultdict(list)
     for cand in found.values():

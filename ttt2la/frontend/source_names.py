@@ -48,15 +48,20 @@ _SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
 
 
 @functools.lru_cache(maxsize=256)
-def _simple_statements(file: str) -> tuple[ast.stmt, ...]:
-    """Every assignment, expression and return statement of a source file (none when it
-    cannot be read or parsed)."""
+def _statements(file: str) -> tuple[ast.stmt, ...]:
+    """Every statement of a source file (none when it cannot be read or parsed)."""
     lines = linecache.getlines(file)
     try:
         tree = ast.parse("".join(lines)) if lines else None
     except SyntaxError:
         return ()
-    return tuple(n for n in ast.walk(tree) if isinstance(n, _SIMPLE)) if tree else ()
+    return tuple(n for n in ast.walk(tree) if isinstance(n, ast.stmt)) if tree else ()
+
+
+@functools.lru_cache(maxsize=256)
+def _simple_statements(file: str) -> tuple[ast.stmt, ...]:
+    """Every assignment, expression and return statement of a source file."""
+    return tuple(n for n in _statements(file) if isinstance(n, _SIMPLE))
 
 
 def _target_name(target: ast.expr) -> str | None:
@@ -114,25 +119,14 @@ def assigned_name(src: SourceLoc | None) -> str | None:
 PIECE_NAME = "ttt2la_piece_name"
 
 
-@functools.lru_cache(maxsize=256)
-def _for_statements(file: str) -> tuple[ast.For, ...]:
-    """Every ``for`` statement of a source file."""
-    lines = linecache.getlines(file)
-    try:
-        tree = ast.parse("".join(lines)) if lines else None
-    except SyntaxError:
-        return ()
-    return tuple(n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree else ()
-
-
 def loop_targets(src: SourceLoc | None) -> list[str] | None:
     """The names a ``for`` statement's header binds, one per sequence it iterates together:
     ``[qc, kc]`` for ``for qc, kc in zip(q.split(C, 1), k.split(C, 1))``, ``[x_t]`` for
     ``for x_t in x.unbind(1)`` (an ``enumerate`` around either is looked through)."""
     if src is None:
         return None
-    held = [st for st in _for_statements(src.file)
-            if st.lineno <= src.line <= (st.iter.end_lineno or st.lineno)]
+    held = [st for st in _statements(src.file) if isinstance(st, ast.For)
+            and st.lineno <= src.line <= (st.iter.end_lineno or st.lineno)]
     if not held:
         return None
     stmt = max(held, key=lambda st: st.lineno)

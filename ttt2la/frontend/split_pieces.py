@@ -10,6 +10,7 @@ to that reader's line. Values and layouts are unchanged.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -38,60 +39,52 @@ def _piece_views(node: torch.fx.Node) -> list[tuple] | None:
     """For a cut op, one ``(op, dim, *bounds)`` per piece: ``slice.Tensor`` bounds or the
     ``select.int`` index; None for any other node."""
     if node.op != "call_function" or (node.target not in _SPLITS and node.target not in _UNBINDS) \
-            or not isinstance(node.args[0], torch.fx.Node):
+            or not isinstance(node.args[0], torch.fx.Node) or node.args[0].meta.get("val") is None:
         return None
-    val = node.args[0].meta.get("val")
-    if val is None:
-        return None
-    if node.target in _SPLITS:
-        size_at, dim_at = _SPLITS[node.target]
-        sizes = node.args[size_at]
-        dim = node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim", 0)
-        dim %= val.dim()
-        n = val.shape[dim]
-        if isinstance(sizes, int):
-            sizes = [min(sizes, n - s) for s in range(0, n, sizes)] if sizes > 0 else None
-        if sizes is None:
+    val = node.args[0].meta["val"]
+    size_at, dim_at = _SPLITS.get(node.target, (None, _UNBINDS.get(node.target)))
+    dim = node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim", 0)
+    dim %= val.dim()
+    n = val.shape[dim]
+    if size_at is None:
+        return [(aten.select.int, dim, i) for i in range(n)]
+    sizes = node.args[size_at]
+    if isinstance(sizes, int):
+        if sizes <= 0:
             return None
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [(aten.slice.Tensor, dim, s, s + c) for s, c in zip(starts, sizes)]
-    if node.target in _UNBINDS:
-        dim_at = _UNBINDS[node.target]
-        dim = (node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim", 0))
-        dim %= val.dim()
-        return [(aten.select.int, dim, i) for i in range(val.shape[dim])]
-    return None
+        sizes = [min(sizes, n - s) for s in range(0, n, sizes)]
+    starts = itertools.accumulate(sizes, initial=0)
+    return [(aten.slice.Tensor, dim, s, s + c) for s, c in zip(starts, sizes)]
 
 
-def _piece_names(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
-    """Cut op -> the name its loop statement binds each piece to, where the statement binds
+def _cuts_in_loop_statements(gm: torch.fx.GraphModule) -> list[tuple]:
+    """``(cut, piece views, loops whose statement makes it, piece name)`` for every cut op a
+    loop statement makes; the name is the one the statement binds each piece to, where it binds
     one name per cut it iterates (``for qc, kc in zip(q.split(C), k.split(C))``)."""
-    in_statement: dict = {}
+    found, per_loop = [], {}
     for node in gm.graph.nodes:
-        if _piece_views(node) is not None:
-            for loop in _loops(node, LoopSite.header_contains):
-                in_statement.setdefault(loop, []).append(node)
+        views = _piece_views(node)
+        headers = _loops(node, LoopSite.header_contains) if views is not None else set()
+        if headers:
+            found.append((node, views, headers))
+            for loop in headers:
+                per_loop.setdefault(loop, []).append(node)
     names = {}
-    for loop, cuts in in_statement.items():
+    for loop, cuts in per_loop.items():
         targets = loop_targets(loop.src)
         if targets is not None and len(targets) == len(cuts):
             names.update(zip(cuts, targets))
-    return names
+    return [(node, views, headers, names.get(node)) for node, views, headers in found]
 
 
 def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Rewrite, in place, every piece of a ``split``/``unbind`` in a loop statement that the
     loop's body reads as the slice it is, at its first reader (``gm`` annotated with frames)."""
+    cuts = _cuts_in_loop_statements(gm)
+    if not cuts:
+        return gm
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    names = _piece_names(gm)
-    changed = False
-    for node in list(gm.graph.nodes):
-        views = _piece_views(node)
-        if views is None:
-            continue
-        headers = _loops(node, LoopSite.header_contains)
-        if not headers:
-            continue
+    for node, views, headers, name in cuts:
         for piece in list(node.users):
             if piece.target is not operator.getitem or not piece.users:
                 continue
@@ -103,16 +96,14 @@ def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 view = gm.graph.call_function(op, (node.args[0], dim, *bounds))
             view.meta = {**piece.meta, FRAMES: first.meta.get(FRAMES, ()),
                          SRC: first.meta.get(SRC), "stack_trace": first.meta.get("stack_trace")}
-            if node in names:
-                view.meta[PIECE_NAME] = names[node]
+            if name is not None:
+                view.meta[PIECE_NAME] = name
             piece.replace_all_uses_with(view)
             gm.graph.erase_node(piece)
-            changed = True
         if not node.users:
             gm.graph.erase_node(node)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
+    gm.graph.lint()
+    gm.recompile()
     return gm
 
 

@@ -1,5 +1,6 @@
 """Reference TTT layers written the way their authors write them; the recognizer's test material."""
 from .delta_memory import DeltaMemoryLayer
+from .fused_styles import BaddbmmMuonLayer, LerpMomentumLayer, SplitZipLayer, UnbindDeltaLayer
 from .gated_memory import GatedChunkMemory
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
@@ -25,7 +26,8 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["DeltaMemoryLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
+__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "LerpMomentumLayer", "SplitZipLayer",
+           "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
            "LaCTPublishedLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
            "ViTTTClosedFormBlock", "MemoryState", "TitansLinearMemory", "TitansMLPMemory",

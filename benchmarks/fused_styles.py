@@ -1,0 +1,129 @@
+"""CPU timings of layers whose loop statement cuts the sequence or whose update is a fused op,
+converted, against the layer as written and the same function written by hand in plain
+arithmetic (slices, ``+``, ``*``), side by side.
+
+    python benchmarks/fused_styles.py [--quick] [--rounds N] [--threads N]
+
+The layers are ``ttt2la.zoo.fused_styles``: ``split`` chunks with a ``baddbmm`` update, a
+per-token delta rule over ``unbind`` pieces from ``F.mse_loss``, ``lerp`` momentum and Muon's
+``baddbmm`` Newton–Schulz; 64 features at B = 4. Rows of a case run interleaved in one process
+(``ttt2la.timing``): medians, spread, ratios as medians of per-round ratios against the layer as
+written; the converted rows as shipped (the plan raced against the code as written) and the plan
+alone, each with its error against the layer as written.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import ttt2la
+from matrix_affine_memories import SHIPPED, _Forced, _forward_error, _ran, arguments
+from ttt2la.as_written import CALLS_TO_DECIDE
+from ttt2la.timing import time_side_by_side
+from ttt2la.zoo.fused_styles import (BaddbmmMuonLayer, LerpMomentumLayer, SplitZipLayer,
+                                     UnbindDeltaLayer)
+
+DIM, BATCH = 64, 4
+
+
+def split_zip_by_hand(layer: SplitZipLayer, x):
+    """``SplitZipLayer`` as a slicing loop: ``W + 0.1 kᵀ(v ⊙ lr)``."""
+    q, k, v = layer.proj(x).chunk(3, dim=-1)
+    k, lr = F.silu(k), F.softplus(layer.lr(x))
+    W, C, outs = layer.W0.repeat(x.shape[0], 1, 1), layer.c, []
+    for s in range(0, x.shape[1], C):
+        outs.append(q[:, s:s + C] @ W)
+        W = W + 0.1 * (k[:, s:s + C].mT @ (v[:, s:s + C] * lr[:, s:s + C]))
+    return torch.cat(outs, 1)
+
+
+def delta_by_hand(layer: UnbindDeltaLayer, x):
+    """``UnbindDeltaLayer`` with its gradient written out: ``S − ½ kᵀ(kS − v)`` per token."""
+    q, k, v = layer.proj(x).chunk(3, dim=-1)
+    k = F.normalize(k, dim=-1)
+    S, ys = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+    for t in range(x.shape[1]):
+        kt = k[:, t:t + 1]
+        S = S - 0.5 * kt.mT @ (kt @ S - v[:, t:t + 1])
+        ys.append((q[:, t:t + 1] @ S)[:, 0])
+    return torch.stack(ys, 1)
+
+
+def lerp_by_hand(layer: LerpMomentumLayer, x):
+    """``LerpMomentumLayer`` with its momentum written out: ``0.75 m + 0.25 kᵀv``."""
+    q, k, v = layer.proj(x).chunk(3, dim=-1)
+    W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+    m, C, outs = torch.zeros_like(W), layer.c, []
+    for s in range(0, x.shape[1], C):
+        outs.append(q[:, s:s + C] @ W)
+        m = 0.75 * m + 0.25 * (k[:, s:s + C].mT @ v[:, s:s + C])
+        W = W + m
+    return torch.cat(outs, 1)
+
+
+def muon_by_hand(layer: BaddbmmMuonLayer, x):
+    """``BaddbmmMuonLayer`` with Newton–Schulz's products and sums apart."""
+    q, k, v = layer.proj(x).chunk(3, dim=-1)
+    W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+    C, outs = layer.c, []
+    for s in range(0, x.shape[1], C):
+        outs.append(q[:, s:s + C] @ W)
+        G = k[:, s:s + C].mT @ v[:, s:s + C]
+        X = G / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        for _ in range(3):
+            A = X @ X.mT
+            X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
+        W = W + X
+    return torch.cat(outs, 1)
+
+
+def cases(quick: bool, dim: int = DIM, batch: int = BATCH, length: int | None = None):
+    """(name, layer, hand-written function, input) of every case."""
+    g = torch.Generator().manual_seed(0)
+    length = length or (512 if quick else 2048)
+    torch.manual_seed(0)
+    yield (f"split chunks, baddbmm update, chunk 64, L={length}", SplitZipLayer(dim, 64),
+           split_zip_by_hand, torch.randn(batch, length, dim, generator=g))
+    yield (f"unbind tokens, mse_loss delta rule, L={length // 2}", UnbindDeltaLayer(dim),
+           delta_by_hand, torch.randn(batch, length // 2, dim, generator=g))
+    yield (f"lerp momentum, chunk 64, L={length}", LerpMomentumLayer(dim, 64), lerp_by_hand,
+           torch.randn(batch, length, dim, generator=g))
+    yield (f"baddbmm Newton–Schulz (3 steps), chunk 64, L={length}", BaddbmmMuonLayer(dim, 64),
+           muon_by_hand, torch.randn(batch, length, dim, generator=g))
+
+
+def print_table(cases, rounds: int) -> None:
+    """Convert each case's layer at level 0 and print its rows side by side (markdown)."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, forward under "
+          "no_grad")
+    print("| case | row | ms (median) | spread | vs as written | plan that ran (error) |")
+    print("|---|---|---|---|---|---|")
+    for name, layer, by_hand, x in cases:
+        fast = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
+        rows = {"as written": lambda t, layer=layer: layer(t),
+                "hand-written (plain arithmetic)": lambda t, f=by_hand, m=layer: f(m, t),
+                SHIPPED: _Forced(fast, None, race=True),
+                "converted, plan alone": _Forced(fast, None)}
+        timings = time_side_by_side(rows, (x,), rounds=rounds, max_seconds=30.0,
+                                    warmup=CALLS_TO_DECIDE)
+        for row, timing in timings.items():
+            plan = "" if row == "as written" else f"{_forward_error(rows, row, x):.1e}"
+            if row in (SHIPPED, "converted, plan alone"):
+                plan = f"{_ran(fast, x, row)} ({plan})"
+            ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
+            print(f"| {name} | {row} | {timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | "
+                  f"{plan} |", flush=True)
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
+    args = parser.parse_args()
+    if args.backward:
+        parser.error("--backward: this script times forwards only")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_table(cases(args.quick), args.rounds)
+
+
+if __name__ == "__main__":
+    main()
