@@ -239,6 +239,40 @@ MUTATIONS = [
         "whole_chunks_unrestricted", "a layer converted from a loop over whole chunks takes any length",
         (("ttt2la/frontend/recognize.py", "        if L % self.length_unit:", "        if False:"),),
         ("tests/test_whole_chunk_loops.py",), "refused_naming_the_loop"),
+    Mutation(
+        "step_scale_dropped", "the block op drops the step's factor after Newton–Schulz",
+        (("ttt2la/runtime/block.py",
+          "        delta = delta * step_scale[:, :n].transpose(1, 2)[..., None, None]",
+          "        delta = delta * 1"),),
+        ("tests/test_runtime_block.py",), "step_scale"),
+    Mutation(
+        "step_scale_fold_shifted", "the step's factor folded into the values one chunk late",
+        (("ttt2la/runtime/block.py", ".repeat_interleave(C, dim=1)[:, :T]",
+          ".repeat_interleave(C, dim=1).roll(C, 1)[:, :T]"),),
+        ("tests/test_runtime_block.py",), "step_scale"),
+    Mutation(
+        "affine_constants_dropped", "an update's constant factors read as 1 (0.75·m read as m)",
+        (("ttt2la/lowering/affine_update.py",
+          "    return ((float(x), ()),) if not isinstance(x, torch.fx.Node) else ((1.0, (x,)),)",
+          "    return ((1.0, ()),) if not isinstance(x, torch.fx.Node) else ((1.0, (x,)),)"),),
+        ("tests/test_lift_affine.py",), ""),
+    Mutation(
+        "affine_difference_added", "``a − b`` read as ``a + b`` in an update (lerp's ``g − m``)",
+        (("ttt2la/lowering/affine_update.py",
+          "        sign = 1.0 if n.target is aten.add.Tensor else -1.0",
+          "        sign = 1.0"),),
+        ("tests/test_lift_affine.py",), ""),
+    Mutation(
+        "affine_factor_left_aligned", "a per-chunk coefficient's axes aligned from the left",
+        (("ttt2la/lowering/affine_update.py",
+          "v.reshape(v.shape[0], *([1] * pad), *v.shape[1:])",
+          "v.reshape(v.shape[0], *v.shape[1:], *([1] * pad))"),),
+        ("tests/test_lift_affine.py",), ""),
+    Mutation(
+        "placeholder_named_unlike_node", "a body's arguments named unlike their nodes (fx binds "
+        "a state ``W`` where a weight ``w`` was meant)",
+        (("ttt2la/ir.py", "    ph.target = ph.name\n", ""),),
+        ("tests/test_state_names.py",), "case"),
 ]
 
 

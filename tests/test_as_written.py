@@ -1,11 +1,11 @@
-"""An exact conversion whose plan loops over the chunks races it against the user's own code on
-its first calls without gradients at each shape, and keeps the faster.
+"""An exact conversion whose plan can lose to the user's own code (a loop over the chunks, the
+block op) races the two on its first calls without gradients at each shape, and keeps the faster.
 
 The clock is the test's: the user's forward and the plan each advance it by a drawn cost when they
 run, so which side wins is known. Every call's output must be the source's, whichever side ran;
 the user's forward must run exactly when the race's protocol says (plan first, then the code as
-written, alternating, then the winner alone); plans on a runtime op, calls with gradients, lossy
-conversions, forced paths and the switch never race.
+written, alternating, then the winner alone); plans on the token-causal op, calls with
+gradients, lossy conversions, forced paths and the switch never race.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ttt2la.cli import ran_plans
 from ttt2la.converted import is_converted
 from ttt2la.lowering.scan_choice import scanning
 from ttt2la.testing import rel_rms_error
-from ttt2la.zoo import GatedChunkMemory, LaCTFoldedLayer
+from ttt2la.zoo import GatedChunkMemory, LaCTFoldedLayer, PerTokenTTTLayer
 
 #: 4 heads of 48 features at batch 1: 9,216 state elements, so the plan loops over the chunks.
 LOOPING = dict(d_model=192, num_heads=4, chunk=8)
@@ -34,17 +34,17 @@ class Costs:
     """A clock the two sides advance: ``plan`` and ``written`` seconds per call, counting the
     user's forward calls."""
 
-    def __init__(self, monkeypatch, conv, plan: float, written: float):
+    def __init__(self, monkeypatch, conv, plan: float, written: float, cls=GatedChunkMemory):
         self.now, self.written_calls = 0.0, 0
         monkeypatch.setattr(as_written, "_clock", lambda: self.now)
-        forward = GatedChunkMemory.forward
+        forward = cls.forward
 
         def counted(module, *args, **kwargs):
             self.now += written
             self.written_calls += 1
             return forward(module, *args, **kwargs)
 
-        monkeypatch.setattr(GatedChunkMemory, "forward", counted)
+        monkeypatch.setattr(cls, "forward", counted)
         state = conv._ttt2la
         for B in (1, 2):
             state.loop_for(B).register_forward_pre_hook(lambda *_: self._tick(plan))
@@ -126,15 +126,33 @@ def test_calls_with_gradients_never_race(monkeypatch):
     assert not conv._ttt2la.as_written.races
 
 
-def test_a_plan_on_a_runtime_op_never_races(monkeypatch):
+def test_a_plan_on_the_block_op_races_and_keeps_the_faster(monkeypatch):
     x0 = torch.randn(1, 16, ON_THE_OP["d_model"])
-    _layer, conv = _converted(ON_THE_OP, x0)
-    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0)
+    layer, conv = _converted(ON_THE_OP, x0)
     x = torch.randn(1, 32, ON_THE_OP["d_model"])
+    with torch.no_grad():
+        want = layer(x)
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0)
     with race_as_written(True), torch.no_grad():
         for _ in range(CALLS_TO_DECIDE + 2):
-            conv(x)
+            assert rel_rms_error(conv(x), want) <= 1e-5
     assert "block_linear_attention" in conv._ttt2la.loop_for(1).plan.implementation
+    assert conv._ttt2la.as_written.races[(1, 32, torch.float32)].winner == WRITTEN
+    assert costs.written_calls == _expected_written_calls(CALLS_TO_DECIDE + 2, WRITTEN)
+
+
+def test_a_plan_on_the_token_causal_op_never_races(monkeypatch):
+    """A per-token loop lowered onto ``chunk_linear_attention`` replaces one step per token:
+    its source is never the faster, and racing it would cost slow calls at every new shape."""
+    torch.manual_seed(0)
+    layer = PerTokenTTTLayer(16, 2)
+    with race_as_written(True):
+        conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(1, 16, 16),))
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0, cls=PerTokenTTTLayer)
+    with race_as_written(True), torch.no_grad():
+        for _ in range(CALLS_TO_DECIDE + 2):
+            conv(torch.randn(1, 32, 16))
+    assert "chunk_linear_attention" in conv._ttt2la.loop_for(1).plan.implementation
     assert costs.written_calls == 0
 
 

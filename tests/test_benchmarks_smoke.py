@@ -378,8 +378,15 @@ def test_fused_styles_benchmark_prints_every_row_with_its_error(capsys):
     assert [r.split("|")[2].strip() for r in rows[:4]] == [
         "as written", "hand-written (plain arithmetic)", "converted (as shipped)",
         "converted, plan alone"]
-    assert len(rows) == 16
+    assert len(rows) == 20
     for r in rows:
         cells = [c.strip() for c in r.split("|")]
         if cells[2] != "as written" and "Newton" not in cells[1]:
             assert float(cells[6].rsplit("(", 1)[-1].rstrip(")")) <= 1e-5, r
+    # a training step: as written and converted, the error over the parameter gradients
+    bench.print_table(list(bench.cases(True, dim=8, batch=2, length=128))[:1], rounds=1,
+                      backward=True)
+    rows = [r for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ") and not r.startswith("| case")]
+    assert [r.split("|")[2].strip() for r in rows] == ["as written", "converted (as shipped)"]
+    assert float(rows[1].split("|")[6].rsplit("(", 1)[-1].split(")")[0]) <= 1e-5, rows[1]

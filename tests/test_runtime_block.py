@@ -42,7 +42,7 @@ from ttt2la.testing import (CRITERION_SAMPLES, TOLERANCE, CountOps, no_worse_tha
 
 ORDERS = ("exclusive", "inclusive", "full")
 LR_KINDS = ("none", "token", "feature")
-TENSOR_OPTIONS = ("lr", "momentum", "weight_norm", "decay", "initial_state")
+TENSOR_OPTIONS = ("lr", "momentum", "weight_norm", "decay", "step_scale", "initial_state")
 
 # Newton–Schulz schedules, written out here on purpose (not imported from the package).
 MUON_TRIPLE = (3.4445, -4.7750, 2.0315)
@@ -104,15 +104,15 @@ def hand_newton_schulz(M, triples, eps, dtype, form="published"):
 
 def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
                muon_steps=0, ns_coefficients=None, ns_eps=1e-7, ns_dtype=None,
-               weight_norm=None, decay=None, initial_state=None, output_final_state=False,
-               dtype=None, form="published"):
+               weight_norm=None, decay=None, step_scale=None, initial_state=None,
+               output_final_state=False, dtype=None, form="published"):
     """LaCT's rule as a plain loop over chunks, in ``dtype`` throughout (default: the inputs');
     Newton–Schulz iterates in ``ns_dtype`` when given (``form`` as ``hand_newton_schulz``);
-    ``decay`` multiplies the state before each chunk's step."""
+    ``decay`` multiplies the state before each chunk's step, ``step_scale`` the step."""
     dtype = dtype or v.dtype
     cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
-    q, k, val, lr, momentum, weight_norm, decay = map(
-        cast, (phi_q, phi_k, v, lr, momentum, weight_norm, decay))
+    q, k, val, lr, momentum, weight_norm, decay, step_scale = map(
+        cast, (phi_q, phi_k, v, lr, momentum, weight_norm, decay, step_scale))
     B, T, H, Dk = k.shape
     Dv = val.shape[-1]
     C = T if order == "full" else chunk_size
@@ -135,6 +135,8 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
         step = M
         if triples:
             step = hand_newton_schulz(M, triples, ns_eps, ns_dtype or dtype, form)
+        if step_scale is not None:
+            step = step * step_scale[:, j, :, None, None]
         W = (W if decay is None else decay[:, j, :, None, None] * W) + step
         if weight_norm is not None:
             W = W / (W.square().sum(dim=-2, keepdim=True).sqrt() + 1e-5) * weight_norm[:, :, None, :]
@@ -144,7 +146,7 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
 
 
 def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, weight_norm,
-              initial_state, dtype, ns_dtype=None, decay=False):
+              initial_state, dtype, ns_dtype=None, decay=False, step=False):
     """Random inputs for one call: the positional tensors and the keyword options."""
     g = torch.Generator().manual_seed(seed)
 
@@ -164,6 +166,7 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, w
         momentum=rand(B, n, H, low=0.3, high=0.9) if momentum else None,
         weight_norm=rand(B, H, Dv, low=0.5, high=1.5) if weight_norm else None,
         decay=rand(B, n, H, low=0.2, high=1.0) if decay else None,
+        step_scale=rand(B, n, H, low=-1.2, high=1.2) if step else None,
         initial_state=rand(B, H, Dk, Dv) if initial_state else None,
     )
     return tensors, options
@@ -253,7 +256,7 @@ case = st.fixed_dictionaries(dict(
     momentum=st.booleans(), schedule=st.sampled_from(sorted(SCHEDULES)),
     ns_bf16=st.booleans(), weight_norm=st.booleans(), initial_state=st.booleans(),
     final=st.booleans(), seed=st.integers(0, 2**31 - 1), t_frac=st.floats(0.0, 1.0),
-    decay=st.booleans()))
+    decay=st.booleans(), step=st.booleans()))
 
 
 def _draw(c, dtype):
@@ -272,7 +275,7 @@ def _draw(c, dtype):
                      momentum=c["momentum"], schedule=c["schedule"],
                      weight_norm=c["weight_norm"], initial_state=c["initial_state"] or c["weight_norm"],
                      dtype=dtype, ns_dtype=torch.bfloat16 if c["ns_bf16"] else None,
-                     decay=c.get("decay", False))
+                     decay=c.get("decay", False), step=c.get("step", False))
 
 
 @settings(max_examples=50, deadline=None)
@@ -502,6 +505,7 @@ def test_triton_package_is_used_when_it_supports_the_call(monkeypatch):
     dict(momentum=torch.rand(1, 7, 1)),
     dict(decay=torch.rand(1, 2, 1)),
     dict(decay=torch.rand(1, 3)),
+    dict(step_scale=torch.rand(1, 2, 1)),
     dict(lr=torch.rand(1, 6, 1, 2, 2)),
     dict(weight_norm=torch.rand(1, 1, 3)),
     dict(initial_state=torch.rand(1, 1, 2, 3)),
@@ -533,6 +537,24 @@ def test_decay_with_every_other_option_fp32(order, momentum, schedule, weight_no
                          momentum=momentum, schedule=schedule, weight_norm=weight_norm,
                          initial_state=initial_state or weight_norm, dtype=torch.float32,
                          decay=True)
+    assert_precise(torch_op, make, True, seed)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("momentum,schedule,weight_norm,decay", [
+    (False, "none", False, False), (True, "none", False, False), (False, "muon5", False, True),
+    (True, "lact5", False, False), (False, "none", True, True), (True, "muon1", True, False)])
+def test_step_scale_with_every_other_option_fp32(order, momentum, schedule, weight_norm, decay):
+    """``W_j = γ_j W_{j-1} + s_j NS(M_j)`` (Muon's rate after the orthogonalisation, any sign),
+    on a ragged sequence; the factors' own gradient is judged with the others. Without
+    Newton–Schulz and momentum the op folds ``s_j`` into the values, and that too must agree."""
+    options = (order, momentum, schedule, weight_norm, decay)
+    seed = zlib.crc32(repr(("step",) + options).encode())
+
+    def make(seed):
+        return make_case(seed, B=2, T=11, H=2, Dk=5, Dv=3, C=2, order=order, lr_kind="token",
+                         momentum=momentum, schedule=schedule, weight_norm=weight_norm,
+                         initial_state=True, dtype=torch.float32, decay=decay, step=True)
     assert_precise(torch_op, make, True, seed)
 
 

@@ -162,3 +162,34 @@ def test_the_report_names_dict_held_states_by_their_keys():
     report = converted.ttt2la_report.layers[0]
     assert sorted(s.name for s in report.states) == ["keys_to_values", "slow_copy"]
     assert "keys_to_values" in report.to_markdown()
+
+
+class CaseClashLayer(nn.Module):
+    """A fast weight ``W`` beside a value named ``w`` from a loop-invariant weight: in fx's
+    snake-case naming both want the node name ``w``."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.P = nn.Parameter(torch.randn(d, d) / d)
+
+    def forward(self, x):
+        W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for s in range(0, x.shape[1], 4):
+            xc = x[:, s:s + 4]
+            w = torch.tanh(xc @ self.P.T)
+            outs.append(w @ W)
+            W = W + xc.mT @ w
+        return torch.cat(outs, 1)
+
+
+def test_names_that_differ_only_in_case_keep_their_own_values():
+    """Each body input is bound to its own value, however fx renames its node: before, the
+    generated code read the state ``W`` where the body meant the weight named ``w``."""
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = CaseClashLayer()
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    assert [s.name for s in converted.ttt2la_report.layers[0].states] == ["W"]
+    assert_same_function(converted, layer, [torch.randn(3, 20, 8)])

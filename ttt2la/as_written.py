@@ -1,14 +1,18 @@
 """The code as written, raced against the plan: an exact conversion computes the user's own
-function, so where its plan still loops over the chunks in Python the layer times both on its
-first calls at each shape and keeps the faster.
+function, so where its plan could lose to the user's loop the layer times both on its first
+calls at each shape and keeps the faster.
 
-Such a plan runs the user's per-chunk ops as a traced graph, and on a CPU it can lose a few
-percent to the same loop written by hand: its graph dispatches more per chunk, and its
-chunk-major copies of whole sequences are fresh memory the allocator faults in on every call.
+A plan that still loops over the chunks runs the user's per-chunk ops as a traced graph, and on
+a CPU it can lose a few percent to the same loop written by hand: its graph dispatches more per
+chunk, and its chunk-major copies of whole sequences are fresh memory the allocator faults in on
+every call. The block op can lose too, where chunks are as long as the features are wide and
+no Newton–Schulz runs: the source's loop runs the same products, and the op's per-chunk states
+are memory the loop never writes.
 Only calls that record no autograd graph race: with gradients the converted loop's backward
 beats the user's slicing (1.4–6.4× in ``docs/benchmarks.md``), so a forward timed alone would
-choose wrongly. Plans on a runtime op never race, nor CUDA tensors, calls under a compiler,
-stateful calls, or a path forced with ``scan_choice.scanning``. Each call runs one side only
+choose wrongly. Plans on the token-causal and delta-rule ops (which replace a loop over every
+token) never race, nor CUDA tensors, calls under a compiler, stateful calls, or a path forced
+with ``scan_choice.scanning``. Each call runs one side only
 (the plan after the user's code only where that raised, which ends the race), so the race adds
 no work beyond timing.
 """
@@ -99,11 +103,11 @@ class AsWritten:
     races: dict[tuple, Race] = field(default_factory=dict)
 
     def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],
-             plan_loops: Callable[[], bool], runs: dict, shape: str):
+             plan_may_lose: Callable[[], bool], runs: dict, shape: str):
         """Run this call on the side the race at ``key`` gives it, timing it while the race
-        runs; ``plan_loops()`` says, after the plan's first call, whether it looped over the
-        chunks (else the plan wins at once). A decided race for the code as written is recorded
-        in ``runs`` under ``shape``."""
+        runs; ``plan_may_lose()`` says, after the plan's first call, whether what it ran can lose
+        to the code as written (else the plan wins at once). A decided race for the code as
+        written is recorded in ``runs`` under ``shape``."""
         race = self.races.setdefault(key, Race())
         side = race.next_side()
         if race.winner is not None:
@@ -117,7 +121,7 @@ class AsWritten:
             race.winner = PLAN        # the plan ran at this shape: it is the layer's answer
             return plan()
         race.record(side, _clock() - start)
-        if race.calls == 1 and not plan_loops():
+        if race.calls == 1 and not plan_may_lose():
             race.winner = PLAN
         if race.winner == WRITTEN:
             runs[shape] = f"as written: the user's own loop ran faster ({race.describe()})"

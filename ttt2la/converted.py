@@ -154,7 +154,7 @@ class ConvertedState:
         dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
         written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         return self.as_written.call(
-            (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.loops_over_chunks,
+            (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
             self.runs, AsWritten.shape(B, L))
 
     def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,

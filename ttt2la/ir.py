@@ -292,6 +292,16 @@ def reshape_views(graph: torch.fx.Graph) -> torch.fx.Graph:
     return graph
 
 
+def placeholder(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
+    """A placeholder for ``name`` whose argument is named like its node. fx names nodes in snake
+    case (a state ``W`` becomes node ``w``, a later input ``w`` node ``w_1``) and its generated
+    code binds each argument to its node's name in order (``w = W; w_1 = w``), so an argument
+    named unlike its node can read another's value."""
+    ph = graph.placeholder(name)
+    ph.target = ph.name
+    return ph
+
+
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of ``graph`` whose nodes can be rewritten; metadata is shared, not deep-copied
     (it holds fake tensors, which are costly to copy and never mutated)."""
@@ -329,7 +339,7 @@ def describe_node(node: torch.fx.Node) -> str:
     return f"{target} at {src}" if src is not None else target
 
 
-__all__ = [
+__all__ = ["placeholder", 
     "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
     "inverse_order", "with_memory_order", "ancestors", "loop_interface", "bind_loop_args",

@@ -35,7 +35,7 @@ import torch.fx
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, StateSpec,
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, placeholder, InvariantSpec, OutputSpec, StateSpec,
                   StreamSpec, TTTProgram, memory_order, reshape_views)
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 from .source_names import PIECE_NAME, assigned_name, state_names, stream_name, unique
@@ -652,7 +652,7 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
     state_names = {spec.name for spec in state_specs}
     for a in states.invariants:
         name = unique(_invariant_name(a, inputs.hoisted, state_names), taken)
-        ph = body.placeholder(name)
+        ph = placeholder(body, name)
         ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
         env[a] = ph
         val = a.meta["val"]
@@ -713,7 +713,7 @@ def _stream_placeholders(inputs: Inputs, states: States, body: torch.fx.Graph, e
         k = per_line.get(loc, 0)
         per_line[loc] = k + 1
         name = unique(s.meta.get(PIECE_NAME) or stream_name(loc, k, on_line[loc]) or "x", taken)
-        ph = body.placeholder(name)
+        ph = placeholder(body, name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
         env[s] = ph
         specs.append(StreamSpec(name, source=states.invariants.index(stream.source),
@@ -823,7 +823,7 @@ def state_input(body: torch.fx.Graph, node: torch.fx.Node, updated: torch.fx.Nod
                 env: dict) -> StateSpec:
     """A state placeholder of ``body`` standing for ``node`` (recorded in ``env``), and its spec;
     ``updated`` computes the state's next value (the line the report names)."""
-    ph = body.placeholder(name)
+    ph = placeholder(body, name)
     ph.meta.update(val=node.meta.get("val"), **{KIND: "state", NAME: name})
     env[node] = ph
     val = node.meta["val"]

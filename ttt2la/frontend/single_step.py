@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, InvariantSpec, OutputSpec, StreamSpec,
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, placeholder, InvariantSpec, OutputSpec, StreamSpec,
                   TTTProgram, memory_order)
 from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
                          shortest_length)
@@ -406,7 +406,7 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
     streams, stream_phs = [], {}
     for a in sources:
         name = unique(assigned_name(a.meta.get(SRC)) or a.name, taken)
-        ph = body.placeholder(name)
+        ph = placeholder(body, name)
         ph.meta.update(val=cut.val(a) if cut else a.meta.get("val"),
                        **{KIND: "stream", NAME: name})
         stream_phs[a] = ph
@@ -415,7 +415,7 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
     for a in externals:
         base = assigned_name(a.meta.get(SRC)) or a.name
         name = unique(f"{base}_all" if a in stream_phs else base, taken)
-        ph = body.placeholder(name)
+        ph = placeholder(body, name)
         val = cut.val(a) if cut and a in stream_phs else a.meta["val"]
         ph.meta.update(val=val, **{KIND: "invariant", NAME: name})
         env[a] = stream_phs.get(a, ph)

@@ -454,6 +454,12 @@ class Plan:
         chunk)? Such a plan can lose to the user's own loop (``ttt2la.as_written``)."""
         return self.schedule == "recurrent" or bool(self._sequential_names())
 
+    @property
+    def raced(self) -> bool:
+        """Can the last call's plan lose to the code as written, so that an exact layer races
+        the two (``ttt2la.as_written``)? Where it looped over the chunks."""
+        return self.loops_over_chunks
+
     def _sequential_names(self) -> list[str]:
         """The states the last call updated chunk after chunk."""
         scanned = self._scanned_states()

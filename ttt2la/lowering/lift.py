@@ -44,6 +44,7 @@ from ..ir import TTTProgram, ancestors, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
+from .affine_update import ONE, Polynomial, affine_in, evaluate, factors_of, is_factor, per_matrix
 from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
 from .executors import extract, require_inert_padding
 from .specialize import SpecializedGraph
@@ -140,8 +141,7 @@ def contraction(n, state_dep: set) -> _Contraction | None:
             if sb[-1] == 1 and sa[-2] == 1 and sb[-2] > 1 and sa[-1] > 1:
                 return _Contraction(b, a, [], True)
         for x, s in ((a, b), (b, a)):
-            ss = _shape(s)
-            if len(ss) < 2 or ss[-2:] == (1, 1):
+            if is_factor(s, state_dep):
                 inner = contraction(x, state_dep)
                 if inner is not None:
                     inner.scales.append(s)
@@ -194,7 +194,13 @@ class LiftedProgram:
     feature_outputs: list = field(default_factory=list)
     post_boundary: list = field(default_factory=list)
     weight_norm: torch.fx.Node | None = None              # the target norms, when normalised
-    decayed: bool = False              # W' = γ·W + Δ: the features end with the decay γ
+    # per-chunk coefficients, polynomials over the ``factors`` that end the features (indices):
+    # momentum's α, the decay γ of ``W' = γ·W + s·T(M)`` and the step's factor s after the
+    # transform (None: no momentum, γ = 1, s = 1)
+    alpha: tuple | None = None
+    gamma: tuple | None = None
+    step: tuple | None = None
+    factors: int = 0
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
@@ -208,9 +214,9 @@ class LiftedProgram:
         return 0 if self.newton_schulz is None else self.newton_schulz.steps
 
     @property
-    def chunk_coefficients(self) -> int:
-        """How many per-chunk coefficients end the features: momentum's α, the decay γ."""
-        return (self.m is not None) + self.decayed
+    def decayed(self) -> bool:
+        """``W' = γ·W + Δ`` with a decay ``γ`` other than 1."""
+        return self.gamma is not None
 
     def resized(self, program: TTTProgram) -> "LiftedProgram":
         """The same lifting of ``program``, a re-sized copy of this one's body (same nodes in the
@@ -258,17 +264,19 @@ def find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
 
 @dataclass
 class _Update:
-    """What ``lift`` reads off the final state's update ``W' = γ·W + T(M')`` (see ``_update``)."""
+    """What ``lift`` reads off the final state's update ``W' = γ·W + s·T(M')`` (see ``_update``)."""
 
     w: int                              # index of the final state
     m: int | None                       # index of the momentum state
     frozen: list                        # states the loop no longer changes (read as invariants)
     state_dep: set                      # nodes that depend on a live state
     norm: WeightNorm | None             # ``W' = norm(W + Δ)·n`` when normalised
-    delta: torch.fx.Node                # Δ
-    alpha: torch.fx.Node | None         # the momentum coefficient of ``M' = α·M + G``
-    g: torch.fx.Node | None             # G
-    gamma: torch.fx.Node | None = None  # the state's decay, one factor per matrix and chunk
+    delta: torch.fx.Node                # T(M'): Δ before its factor
+    step: Polynomial = ONE              # s: the factor Δ is added with
+    gamma: Polynomial = ONE             # the state's decay, one factor per matrix and chunk
+    alpha: Polynomial | None = None     # the momentum coefficient of ``M' = α·M + g_scale·G``
+    g: torch.fx.Node | None = None      # G
+    g_scale: Polynomial = ONE
 
 
 def _states(program: TTTProgram):
@@ -293,69 +301,47 @@ def _states(program: TTTProgram):
     return w, m, frozen
 
 
-def _momentum(m_in, m_out, delta, state_dep):
-    """``(α, G)`` of ``M' = α·M + G`` feeding ``delta``, or ``None``."""
-    if m_out.target is not aten.add.Tensor or m_out not in ancestors(delta):
-        return None
-    found = None
-    for x, y in (m_out.args, m_out.args[::-1]):
-        if isinstance(x, torch.fx.Node) and x.target is aten.mul.Tensor:
-            p, q = x.args
-            if strip(p) is m_in and isinstance(q, torch.fx.Node) and q not in state_dep:
-                found = q, y
-            elif strip(q) is m_in and isinstance(p, torch.fx.Node) and p not in state_dep:
-                found = p, y
+def _descendants(program: TTTProgram, sources) -> set:
+    """``sources`` and every node computed from one of them."""
+    found = set(sources)
+    for n in program.body.graph.nodes:
+        if any(a in found for a in n.all_input_nodes):
+            found.add(n)
     return found
 
 
-def _decay(x, w_in, state_dep: set):
-    """``x`` as ``γ·W``: ``(γ,)`` for a state-independent factor per matrix (``[..., 1, 1]``),
-    ``(None,)`` for ``W`` itself, ``None`` otherwise."""
-    if strip(x) is w_in:
-        return (None,)
-    if not isinstance(x, torch.fx.Node) or x.target is not aten.mul.Tensor:
-        return None
-    for p, q in (x.args, x.args[::-1]):
-        if (strip(p) is w_in and isinstance(q, torch.fx.Node) and q not in state_dep
-                and len(_shape(q)) >= 2 and _shape(q)[-2:] == (1, 1)):
-            return (q,)
-    return None
+def _accumulated(program, state_in, out, state_dep):
+    """``(a, s, t)`` of ``out = a·state_in + s·t`` (one state-free term ``t``, ``a`` not 0: the
+    state is carried), or ``None``."""
+    form = affine_in(out, state_in, _descendants(program, [state_in]), state_dep, strip)
+    found = None if form is None or not form.coefficient else form.single_term(state_dep, strip)
+    return None if found is None else (form.coefficient, *found)
 
 
 def _update(program: TTTProgram) -> _Update | None:
-    """The final state's update read off the body: ``W' = γ·W + Δ`` (or ``norm(γ·W + Δ)·n``,
-    which the op runs chunk after chunk; ``γ`` a decay per chunk or 1), through momentum
-    ``M' = α·M + G`` when there is one."""
+    """The final state's update read off the body as ``W' = γ·W + s·Δ`` however it is written
+    (or ``norm(γ·W + s·Δ)·n``, which the op runs chunk after chunk; ``γ``, ``s`` factors per
+    chunk or 1), through momentum ``M' = α·M + G`` when there is one (``affine_update``)."""
     found = _states(program)
     if found is None:
         return None
     w, m, frozen = found
     ins, outs = program.state_inputs(), program.state_outputs()
-    live = [ins[i] for i in range(len(ins)) if i not in frozen]
-    state_dep = set()
-    for n in program.body.graph.nodes:
-        if n in live or any(a in state_dep for a in n.all_input_nodes):
-            state_dep.add(n)
-    w_in, w_out = ins[w], outs[w]
-    norm = match_weight_norm(w_out)
-    w_sum = w_out if norm is None else norm.sum
-    if w_sum.target is not aten.add.Tensor:
+    state_dep = _descendants(program, [ins[i] for i in range(len(ins)) if i not in frozen])
+    norm = match_weight_norm(outs[w])
+    read = _accumulated(program, ins[w], outs[w] if norm is None else norm.sum, state_dep)
+    if read is None:
         return None
-    delta = gamma = None
-    for x, y in (w_sum.args, w_sum.args[::-1]):
-        found = _decay(x, w_in, state_dep)
-        if found is not None:
-            (gamma,), delta = found, y
-            break
-    if not isinstance(delta, torch.fx.Node) or w_in in ancestors(delta):
-        return None
-    alpha = g = None
+    gamma, step, delta = read
+    up = _Update(w, m, frozen, state_dep, norm, delta, step, gamma)
     if m is not None:
-        found = _momentum(ins[m], outs[m], delta, state_dep)
-        if found is None:
+        if outs[m] not in ancestors(delta):
             return None
-        alpha, g = found
-    return _Update(w, m, frozen, state_dep, norm, delta, alpha, g, gamma)
+        momentum = _accumulated(program, ins[m], outs[m], state_dep)
+        if momentum is None:
+            return None
+        up.alpha, up.g_scale, up.g = momentum
+    return up
 
 
 def _increment(program: TTTProgram, up: _Update):
@@ -365,7 +351,10 @@ def _increment(program: TTTProgram, up: _Update):
     increment's scale, not to the transform."""
     if up.g is not None:
         con = contraction(up.g, up.state_dep)
-        return None if con is None else (con, program.state_outputs()[up.m])
+        if con is None or len(up.g_scale) != 1:
+            return None
+        _scale_by(con, up.g_scale)
+        return con, program.state_outputs()[up.m]
     candidates = [n for n in ancestors(up.delta)
                   if n.target in (aten.bmm.default, aten.mul.Tensor, aten.neg.default,
                                   aten.div.Tensor)]
@@ -422,9 +411,22 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     # the orthogonalisation, read from the graph and confirmed by one evaluation
     per_token = any(s.per_token for s in program.streams)
     ns = _read_transform(transform, _shape(transform_root), shapes, up.delta)
-    if ns is False or (per_token and (ns is not None or up.gamma is not None)):
+    if ns is False:
+        return None
+    # with nothing between the increment and the step, the step's factor scales the increment
+    # (not a factor per chunk after momentum: s_j·M_j is no momentum recursion)
+    if ns is None and len(up.step) == 1 and (up.m is None or not up.step[0][1]):
+        _scale_by(contraction, up.step)
+        up.step = ONE
+    if per_token and (ns is not None or up.gamma != ONE or up.step != ONE):
         return None
     return _assemble(program, up, contraction, read, transposed, ns, per_token)
+
+
+def _scale_by(con: _Contraction, p: Polynomial) -> None:
+    """Multiply the contraction's scales by ``p``, one monomial (a constant times factors)."""
+    (c, fs), = p
+    con.scales.extend([*([c] if c != 1.0 else []), *fs])
 
 
 def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token):
@@ -437,9 +439,12 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
         if isinstance(c, float):
             constant_scale *= c
     node_scales = [c for c in contraction.scales if not isinstance(c, float)]
+    coefficients = (up.alpha, None if up.gamma == ONE else up.gamma,
+                    None if up.step == ONE else up.step)
+    factors = factors_of(*(p for p in coefficients if p is not None))
+    alpha, gamma, step = (None if p is None else _indexed(p, factors) for p in coefficients)
     feat_outputs = [read.args[0] if not transposed else read.args[1], contraction.left,
-                    contraction.right, *node_scales] + [c for c in (up.alpha, up.gamma)
-                                                        if c is not None]
+                    contraction.right, *node_scales, *factors]
     feature_boundary = [*streams, *invariants]
     post_boundary = [read, *streams, *invariants]
     try:
@@ -452,8 +457,13 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
                            ns, features, feature_inputs, post, post_inputs, read,
                            constant_scale, feature_boundary, feat_outputs, post_boundary,
                            weight_norm=None if up.norm is None else up.norm.target,
-                           decayed=up.gamma is not None)
+                           alpha=alpha, gamma=gamma, step=step, factors=len(factors))
     return _whole_sequence(lifted)
+
+
+def _indexed(p: Polynomial, factors: list) -> tuple:
+    """``p`` over the positions of its factors in ``factors`` (which survive a re-sizing)."""
+    return tuple((c, tuple(factors.index(f) for f in fs)) for c, fs in p)
 
 
 def _runtime_weight_norm(norm: WeightNorm, transposed: bool, state_dep: set) -> bool:
@@ -543,14 +553,6 @@ def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape:
     return ns if float((got - ref).norm() / ref.norm()) < 1e-9 else False
 
 
-def per_matrix(c: torch.Tensor, batch: tuple) -> torch.Tensor:
-    """Per-chunk scalars ``[N, ..., 1, 1]`` that broadcast over the state's batch axes (a rate
-    per head given as ``[1, H, 1, 1]``) as one per matrix, ``[N, *batch, 1, 1]``."""
-    if c.dim() == len(batch) + 3 and c.shape[-2:] == (1, 1):
-        return c.expand(c.shape[0], *batch, 1, 1)
-    return c
-
-
 def _bind(program: TTTProgram, streams: dict, invariants, states0) -> tuple[dict, dict]:
     """Every body input by node, and its ``vmap`` dim: ``streams`` (chunk-major, dim 0), the
     invariants and the states the loop no longer changes (read as constants, unbatched)."""
@@ -602,6 +604,15 @@ class LiftedPlan:
         return self.looped
 
     @property
+    def raced(self) -> bool:
+        """Can the last call's plan lose to the code as written (``ttt2la.as_written``)? On the
+        block op it can: a loop over chunks as long as the features are wide runs the same
+        products as the op, and on a CPU the op's states of every chunk cost it 0.73–0.98× the
+        source's eager loop (``docs/benchmarks.md``). Token-causal ops replace a loop over every
+        token and do not race."""
+        return self.looped or self.lifted.kind == "block"
+
+    @property
     def implementation(self) -> str:
         if self.looped:
             return f"{self.loop.implementation}, not {self.op}: a loop over chunks pays here"
@@ -627,24 +638,31 @@ class LiftedPlan:
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
         return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
 
-    def _per_chunk(self, coefficients, b: int):
-        """``(momentum, decay)`` as the block op takes them, ``[b, N, 1]`` or None, from the
-        per-chunk coefficients that end the features (``[N, ...]``, one per matrix)."""
+    def _per_chunk(self, factors: list, b: int, N: int, like: torch.Tensor, w_batch) -> dict:
+        """The block op's per-chunk coefficients (``momentum``, ``decay``, ``step_scale``), each
+        ``[b, N, 1]``, from the factors that end the features (``[N, ...]`` each)."""
         lp = self.lifted
-        found = [c.reshape(-1, b).transpose(0, 1).unsqueeze(-1) for c in coefficients]
-        momentum = found.pop(0) if lp.m is not None else None
-        return momentum, (found.pop(0) if lp.decayed else None)
+        values = dict(enumerate(factors))
+        # a constant keeps the precision the code's own arithmetic gives it (fp32 opmath)
+        like = like.new_empty(N, dtype=torch.promote_types(like.dtype, torch.float32))
+        found = {}
+        for name, p in (("momentum", lp.alpha), ("decay", lp.gamma), ("step_scale", lp.step)):
+            if p is not None:
+                c = evaluate(p, values, like, tuple(w_batch))
+                found[name] = c.reshape(N, b).transpose(0, 1).unsqueeze(-1)
+        return found
 
-    def _run_op(self, phi_q, phi_k, value, s0, momentum, lr=None, values=None, decay=None):
+    def _run_op(self, phi_q, phi_k, value, s0, per_chunk: dict, lr=None, values=None):
         lp = self.lifted
         if lp.kind == "block":
             ns = lp.newton_schulz
             options = dict(chunk_size=lp.program.chunk_size, order=lp.program.order,
-                           momentum=momentum, initial_state=s0, output_final_state=True)
+                           momentum=per_chunk.get("momentum"), initial_state=s0,
+                           output_final_state=True)
             if lr is not None:
                 options["lr"] = lr
-            if decay is not None:
-                options["decay"] = decay
+            # options a backend may not take are passed only when set (dispatch.py)
+            options.update((k, v) for k, v in per_chunk.items() if k != "momentum")
             if lp.weight_norm is not None:      # [.., Dv, 1] or [.., 1, Dv] -> [b, 1, Dv]
                 options["weight_norm"] = values[lp.weight_norm].reshape(s0.shape[0], 1, -1)
             if ns is not None:
@@ -681,7 +699,7 @@ class LiftedPlan:
         b = feats[1][0, ..., 0, 0].numel()
         # fold every batch-like dim (batch, heads) into one: [N, b, rows, cols]
         q_side, left, right = (f.reshape(N, b, *f.shape[-2:]) for f in feats[:3])
-        n_scales = len(feats) - 3 - lp.chunk_coefficients
+        n_scales = len(feats) - 3 - lp.factors
         scales = feats[3:3 + n_scales]
         if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
             phi_q = q_side.transpose(-1, -2)
@@ -699,10 +717,9 @@ class LiftedPlan:
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
 
         s0 = self._initial(states0, b)
-        momentum, decay = self._per_chunk([per_matrix(c, w_batch)
-                                           for c in feats[3 + n_scales:]], b)
-        o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, momentum,
-                                  decay=decay, values=values)
+        per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, w_batch)
+        o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk,
+                                  values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
         read = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
@@ -756,15 +773,14 @@ class LiftedPlan:
             phi_q, phi_k, value = q_side, left.transpose(-1, -2), right
         T = phi_k.shape[-2]
         w_batch = states0[lp.w].shape[:-2]
-        chunk_level = [per_matrix(c, w_batch)
-                       for c in self._chunk_level(states0, invariants, layout)]
-        cut = len(chunk_level) - lp.chunk_coefficients
-        momentum, decay = self._per_chunk(chunk_level[cut:], b)
-        rate = per_token_rate(chunk_level[:cut], b, prog.chunk_size, T)
+        chunk_level = self._chunk_level(states0, invariants, layout)
+        cut = len(chunk_level) - lp.factors
+        per_chunk = self._per_chunk(chunk_level[cut:], b, layout.n_chunks, value, w_batch)
+        rate = per_token_rate([per_matrix(c, w_batch) for c in chunk_level[:cut]], b,
+                              prog.chunk_size, T)
         value = self._scaled(value)
         o, s_final = self._run_op(phi_q.unsqueeze(2), phi_k.unsqueeze(2), value.unsqueeze(2),
-                                  self._initial(states0, b), momentum,
-                                  lr=rate, values=values, decay=decay)
+                                  self._initial(states0, b), per_chunk, lr=rate, values=values)
         read = o.squeeze(2).reshape(*batch, T, o.shape[-1])
         if lp.transposed:
             read = read.transpose(-1, -2)
@@ -786,8 +802,12 @@ class LiftedPlan:
         streams = {n: chunk_stream(invariants[spec.source], spec, layout).contiguous()
                    for n, spec in zip(prog.stream_inputs(), prog.streams) if n in inputs}
         values, dims = _bind(prog, streams, invariants, states0)
-        return list(vmap(lp.chunk_features, in_dims=tuple(dims[n] for n in inputs))(
-            *(values[n] for n in inputs)))
+        in_dims = tuple(dims[n] for n in inputs)
+        args = [values[n] for n in inputs]
+        if all(d is None for d in in_dims):   # from parameters alone (a fixed decay per head)
+            return [c.unsqueeze(0).expand(layout.n_chunks, *c.shape)
+                    for c in lp.chunk_features(*args)]
+        return list(vmap(lp.chunk_features, in_dims=in_dims)(*args))
 
 
 __all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "contraction", "find_read",

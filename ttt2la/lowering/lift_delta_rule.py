@@ -480,8 +480,8 @@ class DeltaRulePlan(DeltaScanPlan):
     #: its logarithm)
     op_backend = "torch"
     check_decay = True
-    #: one call of the runtime op, never a loop over the chunks in the plan
-    loops_over_chunks = False
+    #: one call of the runtime op replacing a loop over every token: never a loop, never raced
+    loops_over_chunks = raced = False
 
     @property
     def implementation(self) -> str:

@@ -520,8 +520,8 @@ class SingleStepPlan:
         self.program, self.parts, self.backend = program, parts, backend
         self.body = rewritten(program.body, parts, backend)
 
-    #: a single step: one chunk, no loop over chunks
-    loops_over_chunks = False
+    #: a single step: one chunk, no loop over chunks, nothing to race
+    loops_over_chunks = raced = False
 
     @property
     def implementation(self) -> str:

@@ -198,18 +198,22 @@ def _scan_rows(factors, f, initial, scan=blocked_scan):
     return S.view(B, H, n, Dk, Dv)
 
 
-def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, decay=None):
+def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, decay=None,
+                 step_scale=None):
     """States after every update, ``[B, H, n, Dk, Dv]``, from the increments ``G``; ``decay
-    [B, N, H]`` multiplies the state before each chunk's update (None: 1)."""
+    [B, N, H]`` multiplies the state before each chunk's update, ``step_scale [B, N, H]`` each
+    chunk's step after Newton–Schulz (None: 1)."""
     n = G.shape[2]
     M = G
     gamma = None if decay is None else decay[:, :n].transpose(1, 2)     # [B, H, n]
     if momentum is not None and n > 1:
         factors = momentum[:, :n].transpose(1, 2)
-        if not schedule and weight_norm is None and gamma is None:
+        if not schedule and weight_norm is None and gamma is None and step_scale is None:
             return _scan_rows(factors, G, W0, summed_scan)   # momentum then the sum: one map
         M = _scan_rows(factors, G, None)
     delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
+    if step_scale is not None:
+        delta = delta * step_scale[:, :n].transpose(1, 2)[..., None, None]
     if weight_norm is not None:
         return _semi_parallel_states(delta, W0, weight_norm, gamma)
     if n == 1:
@@ -232,7 +236,7 @@ def block_group(n: int, C: int, Dk: int, Dv: int, *, order, momentum, schedule,
 def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                                  momentum=None, muon_steps=0, ns_coefficients=None,
                                  ns_eps=NS_EPS, ns_dtype=None, weight_norm=None, decay=None,
-                                 initial_state=None, output_final_state=False):
+                                 step_scale=None, initial_state=None, output_final_state=False):
     """Chunk-parallel block linear attention; same contract as ``naive_block_linear_attention``.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``; exact (up to rounding)
@@ -243,7 +247,7 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
                            initial_state=initial_state, ns_coefficients=ns_coefficients,
-                           decay=decay)
+                           decay=decay, step_scale=step_scale)
     schedule = ns_schedule(muon_steps, ns_coefficients)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
@@ -252,10 +256,13 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     shift = 1 if order == "exclusive" else 0
     W0 = None if initial_state is None else initial_state.to(dt)
     cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
+    u = effective_value(v.to(dt), cast(lr))
+    if step_scale is not None and not schedule and momentum is None:
+        # nothing between the increment and the step: s_j φ(K_j)ᵀU_j = φ(K_j)ᵀ(s_j U_j)
+        per_token = step_scale.to(dt).repeat_interleave(C, dim=1)[:, :T]
+        u, step_scale = u * per_token.unsqueeze(-1), None
     group = block_group(n, C, Dk, Dv, order=order, momentum=momentum, schedule=schedule,
                         weight_norm=weight_norm)
-
-    u = effective_value(v.to(dt), cast(lr))
 
     if group > 1:
         o, final = grouped_block_linear_attention(
@@ -267,7 +274,7 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         G = ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
         states = chunk_states(G, momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
                               ns_dtype=ns_dtype, weight_norm=cast(weight_norm), W0=W0,
-                              decay=cast(decay))
+                              decay=cast(decay), step_scale=cast(step_scale))
         final = states[:, :, -1]
     else:
         states = phi_k.new_empty(B, H, 0, Dk, Dv, dtype=dt)

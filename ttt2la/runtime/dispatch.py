@@ -88,13 +88,14 @@ def _run(op: str, tensors, options, backend: str):
 
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                            momentum=None, muon_steps=0, ns_coefficients=None, ns_eps=NS_EPS,
-                           ns_dtype=None, weight_norm=None, decay=None, initial_state=None,
-                           output_final_state=False, backend="auto"):
+                           ns_dtype=None, weight_norm=None, decay=None, step_scale=None,
+                           initial_state=None, output_final_state=False, backend="auto"):
     """LaCT-style block TTT as linear attention (see ``naive_block_linear_attention``).
 
     Newton–Schulz is data: ``ns_coefficients`` (one ``(a, b, c)`` for all ``muon_steps`` steps,
     or one per step), ``ns_eps`` and the iteration dtype ``ns_dtype``. ``decay [B, N, H]``
-    multiplies the state before each chunk's update (a gated memory's ``W ← γ W + Δ``).
+    multiplies the state before each chunk's update (a gated memory's ``W ← γ W + Δ``),
+    ``step_scale [B, N, H]`` each chunk's step after Newton–Schulz (Muon's ``W ← W + η NS(M)``).
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
     """
@@ -102,8 +103,9 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
                    muon_steps=muon_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
                    ns_dtype=ns_dtype, weight_norm=weight_norm, initial_state=initial_state,
                    output_final_state=output_final_state)
-    if decay is not None:       # a backend without the option is never asked to run it
-        options["decay"] = decay
+    for name, factor in (("decay", decay), ("step_scale", step_scale)):
+        if factor is not None:  # a backend without the option is never asked to run it
+            options[name] = factor
     return _run("block", (phi_q, phi_k, v), options, backend)
 
 

@@ -73,7 +73,8 @@ def ns_schedule(muon_steps: int = 0, ns_coefficients=None) -> tuple[tuple[float,
 
 
 def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon_steps,
-                       weight_norm, initial_state, ns_coefficients=None, decay=None) -> int:
+                       weight_norm, initial_state, ns_coefficients=None, decay=None,
+                       step_scale=None) -> int:
     """Validate the block op's arguments and return the number of chunks ``N``."""
     op = "block_linear_attention"
     _require(order in ORDERS, op, f"order must be one of {ORDERS}, got {order!r}")
@@ -100,11 +101,12 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
         _require(_shape(momentum) == (B, n, H), op,
                  f"momentum must hold one coefficient per chunk, [B, N, H] = {(B, n, H)} "
                  f"(N = ceil({T} / {chunk_size})), got {_shape(momentum)}")
-    if decay is not None:
-        count = "1 for the full order" if order == "full" else f"ceil({T} / {chunk_size})"
-        _require(_shape(decay) == (B, n, H), op,
-                 f"decay must hold one factor per chunk, [B, N, H] = {(B, n, H)} "
-                 f"(N = {count}), got {_shape(decay)}")
+    count = "1 for the full order" if order == "full" else f"ceil({T} / {chunk_size})"
+    for name, factor in (("decay", decay), ("step_scale", step_scale)):
+        if factor is not None:
+            _require(_shape(factor) == (B, n, H), op,
+                     f"{name} must hold one factor per chunk, [B, N, H] = {(B, n, H)} "
+                     f"(N = {count}), got {_shape(factor)}")
     if weight_norm is not None:
         _require(_shape(weight_norm) == (B, H, Dv), op,
                  f"weight_norm must be [B, H, Dv] = {(B, H, Dv)}, got {_shape(weight_norm)}")
@@ -172,12 +174,13 @@ def _normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                                  momentum=None, muon_steps=0, ns_coefficients=None,
                                  ns_eps=NS_EPS, ns_dtype=None, weight_norm=None, decay=None,
-                                 initial_state=None, output_final_state=False):
+                                 step_scale=None, initial_state=None, output_final_state=False):
     """LaCT's chunked TTT-as-linear-attention, one chunk at a time (the reference).
 
     Chunk ``j`` of ``C`` tokens adds ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)``, through momentum
-    (``M_j = α_j M_{j-1} + G_j``) and Muon (``muon_steps`` Newton–Schulz steps), to the state
-    decayed by ``decay`` (``W_j = γ_j W_{j-1} + Δ_j``; ``[B, N, H]``, None: 1);
+    (``M_j = α_j M_{j-1} + G_j``) and Muon (``muon_steps`` Newton–Schulz steps), times the step's
+    factor ``s_j`` (``step_scale [B, N, H]``, None: 1; Muon's rate after the orthogonalisation),
+    to the state decayed by ``decay`` (``W_j = γ_j W_{j-1} + s_j Δ_j``; ``[B, N, H]``, None: 1);
     ``weight_norm`` rescales every state column to its target norm after each update.
     Newton–Schulz follows ``ns_schedule(muon_steps, ns_coefficients)``, normalises by
     ``‖M‖_F + ns_eps`` and iterates in ``ns_dtype`` (default: the accumulation dtype; a
@@ -190,7 +193,7 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
                            initial_state=initial_state, ns_coefficients=ns_coefficients,
-                           decay=decay)
+                           decay=decay, step_scale=step_scale)
     schedule = ns_schedule(muon_steps, ns_coefficients)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
@@ -214,6 +217,8 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
             else:
                 M = G
             delta = naive_newton_schulz(M, schedule, ns_eps, ns_dtype) if schedule else M
+            if step_scale is not None:
+                delta = step_scale[:, j].to(dt)[..., None, None] * delta
             if decay is not None:
                 W = decay[:, j].to(dt)[..., None, None] * W
             W = W + delta
