@@ -109,3 +109,37 @@ def test_multiply_adds_split_inside_loop_bodies_only():
     assert aten.addmm.default in ops(outside)
     inner = ops(inside)
     assert aten.addmm.default not in inner and aten.mm.default in inner
+
+
+class NarrowLayer(nn.Module):
+    """Chunks by ``narrow`` over whole chunks (``range(L // C)``), tokens by ``select``."""
+
+    def __init__(self, per_token: bool, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.per_token, self.c = per_token, 1 if per_token else chunk
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for i in range(x.shape[1] // self.c):
+            if self.per_token:
+                qc, kc, vc = (t.select(1, i).unsqueeze(1) for t in (q, k, v))
+            else:
+                qc, kc, vc = (torch.narrow(t, 1, i * self.c, self.c) for t in (q, k, v))
+            W = W + 0.5 * kc.mT @ vc
+            outs.append(qc @ W)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_narrow_and_select_cut_the_sequence_like_slices(per_token):
+    """Before, discovery saw no slice in such a loop, traced it at a length with one iteration
+    and refused it; now ``narrow``/``select`` with int arguments count as the slices they are."""
+    torch.manual_seed(0)
+    layer = NarrowLayer(per_token)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    assert conv.ttt2la_report.exact
+    for B, L in ((1, 4), (3, 20)):
+        assert_same_function(conv, layer, torch.randn(B, L, 8))

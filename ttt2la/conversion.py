@@ -251,6 +251,13 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
     """
     args, kwargs = _layer_inputs(rl)
     got = run_module(converted, args, kwargs)
+    if got.shape != ref.shape:
+        raise ConversionError(
+            f"the converted {rl.path or 'model'} ({rl.program.loop_src}) returns a "
+            f"{tuple(got.shape)} output where the layer as written returns {tuple(ref.shape)} on "
+            "the example inputs. This is a bug in ttt2la's lowering — please report it with the "
+            "model; meanwhile convert with backend='naive' (the recurrent reference) or a lower "
+            "level.")
     result = {"inputs": f"example, shape {tuple(args[0].shape) if args else ()}",
               "rel_rms_error": rel_rms_error(got, ref)}
     if not exact:

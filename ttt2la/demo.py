@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .as_written import CALLS_TO_DECIDE
 from .errors import ConversionError, LevelNotImplementedError
 from .passes.base import MAX_LEVEL, passes_for_level
 from .testing import rel_rms_error
@@ -224,8 +225,10 @@ def run_demo(size: DemoSize, out: Console, err: Console, progress_factory, markd
     inputs = (sequences[:, :-1],)
     live = {row.name: row.model for row in rows if row.model is not None}
     with progress_factory(err) as progress:
+        # warm-up long enough for any race against the code as written to be decided
         timings = measure_timings(live, inputs, inputs[0].numel(), repeats=size.repeats,
-                                  max_seconds=size.max_seconds, progress=progress)
+                                  max_seconds=size.max_seconds, warmup=CALLS_TO_DECIDE,
+                                  progress=progress)
     plans = {name: _plan(ran_plans(m, inputs[0].shape[0])) for name, m in live.items()}
     shape = f"{inputs[0].shape[0]}x{inputs[0].shape[1]}"
     out.print(comparison_table(rows, timings, plans, unigram_loss(sequences), shape,

@@ -82,9 +82,25 @@ def _forward_site(module: torch.nn.Module) -> tuple[str, str, int, int] | None:
     return os.path.abspath(code.co_filename), code.co_name, start, start + len(lines)
 
 
+def _narrowed(func, args):
+    """``(size, length, offset)`` of ``x.narrow(dim, start, size)`` / ``x.select(dim, t)`` (as
+    methods or ``torch.`` functions) with int arguments, else ``None``."""
+    name = getattr(func, "__name__", "")
+    if name not in ("narrow", "select") or len(args) < 3 or not isinstance(args[0], torch.Tensor) \
+            or args[0].dim() == 0 or not all(isinstance(a, int) for a in args[1:]):
+        return None
+    x, dim, start = args[0], args[1] % args[0].dim(), args[2]
+    size = args[3] if name == "narrow" and len(args) > 3 else 1
+    return size, x.shape[dim], start % x.shape[dim]
+
+
 def _slice_info(func, args, chunks: ChunkAxes | None = None):
-    """Chunk size, sequence length and offset of ``x[..., a:b]`` / ``x[..., t]`` on a tensor,
-    or of ``x[i]`` on a pre-chunked ``[N, …, K, …]`` tensor (``prechunked``)."""
+    """Chunk size, sequence length and offset of ``x[..., a:b]`` / ``x[..., t]`` (or their
+    ``narrow`` / ``select`` spellings) on a tensor, or of ``x[i]`` on a pre-chunked
+    ``[N, …, K, …]`` tensor (``prechunked``)."""
+    narrowed = _narrowed(func, args)
+    if narrowed is not None:
+        return narrowed
     if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
         return None
     chunked = chunks.indexed(func, args) if chunks is not None else None

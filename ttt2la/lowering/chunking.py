@@ -114,7 +114,7 @@ def assemble_output(chunks: torch.Tensor | Sequence[torch.Tensor], spec: OutputS
     """Join ``[N, *chunk output]`` along ``spec.axis`` and cut the padding back to ``L``. A list
     of the ``N`` chunk outputs (a loop's) is joined in one copy, with no stacked tensor first,
     laid out in ``spec.memory_order`` where it can be (``_joined_in_order``)."""
-    if spec.per_token or layout.per_token:
+    if spec.per_token:                  # one token per iteration, stacked on a new axis
         if isinstance(chunks, torch.Tensor):
             return chunks.movedim(0, spec.axis % chunks.dim())
         return torch.stack(list(chunks), dim=spec.axis % (chunks[0].dim() + 1))
