@@ -339,9 +339,9 @@ def describe_node(node: torch.fx.Node) -> str:
     return f"{target} at {src}" if src is not None else target
 
 
-__all__ = ["placeholder", 
+__all__ = [
     "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
-    "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "memory_order",
-    "inverse_order", "with_memory_order", "ancestors", "loop_interface", "bind_loop_args",
-    "params_and_buffers", "ShapeTemplate", "SizeReader",
+    "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "placeholder",
+    "memory_order", "inverse_order", "with_memory_order", "ancestors", "loop_interface",
+    "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader",
 ]
