@@ -3,6 +3,7 @@ on the command line (a ``ConversionError`` subclass from the API), and nothing i
 from __future__ import annotations
 
 import json
+import re
 import os
 import pickle
 
@@ -322,6 +323,18 @@ def test_example_inputs_that_are_not_finite(bad):
                  lambda: ttt2la.inspect(layer, example_inputs=(x,), show=False)):
         with pytest.raises(ttt2la.InvalidInputError,
                            match=r"example input #0 holds 1 NaN or infinite value"):
+            call()
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 32), (0, 32, 32)])
+def test_example_inputs_with_an_empty_axis(shape):
+    """An empty example (no tokens, no batch) is refused by name, not a ZeroDivisionError from
+    the probe's resizing."""
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    for call in (lambda: ttt2la.convert(layer, level=1, example_inputs=(torch.randn(shape),)),
+                 lambda: ttt2la.inspect(layer, example_inputs=(torch.randn(shape),), show=False)):
+        with pytest.raises(ttt2la.InvalidInputError,
+                           match=re.escape(f"example input #0 has shape {shape}, an empty axis")):
             call()
 
 

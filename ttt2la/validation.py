@@ -27,7 +27,7 @@ class InvalidInputError(ConversionError, ValueError):
 def check_call(model, level=None, example_inputs=None, example_kwargs=None, backend=None, *,
                run: bool = True) -> None:
     """Everything ``convert`` (with ``level`` and ``backend``) or ``inspect`` (without) needs of
-    its arguments: a module, a level 0–6, a known backend, finite example inputs and — with
+    its arguments: a module, a level 0–6, a known backend, finite non-empty example inputs and — with
     ``run`` — a model that runs on them (see ``check_runs``)."""
     check_model(model)
     if level is not None or backend is not None:
@@ -79,9 +79,15 @@ def _arguments(example_inputs, example_kwargs) -> tuple[tuple, dict]:
 
 
 def check_finite(example_inputs, example_kwargs=None) -> None:
-    """Refuse example inputs with NaN or inf: the conversion is checked on them."""
+    """Refuse example inputs with NaN or inf, or with an empty axis: the conversion traces the
+    model on them and is checked on them."""
     args, kwargs = _arguments(example_inputs, example_kwargs)
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.numel() == 0 and leaf.dim() > 0:
+            raise InvalidInputError(
+                f"example input {input_name(path)} has shape {tuple(leaf.shape)}, an empty axis; "
+                "ttt2la traces the model on its example inputs and checks the conversion on "
+                "them, which needs at least one token: pass a sequence of a few chunks")
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
                 not bool(torch.isfinite(leaf).all()):
             bad = int((~torch.isfinite(leaf)).sum())
