@@ -172,8 +172,8 @@ MUTATIONS = [
     Mutation(
         "decay_dropped_by_lift", "the lifted plan drops a decayed state's factor per chunk",
         (("ttt2la/lowering/lift.py",
-          "        return momentum, (found.pop(0) if lp.decayed else None)",
-          "        return momentum, None"),),
+          '("decay", lp.gamma), ("step_scale", lp.step)):',
+          '("decay", None), ("step_scale", lp.step)):'),),
         ("tests/test_lift_decay.py",), "equals_its_loop or plain_decayed"),
     Mutation(
         "race_with_gradients", "a call that records gradients races the plan against the code "
