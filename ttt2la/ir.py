@@ -326,6 +326,15 @@ def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def descendants(graph: torch.fx.Graph, sources) -> set[torch.fx.Node]:
+    """``sources`` and every node of ``graph`` computed from one of them."""
+    found = set(sources)
+    for n in graph.nodes:
+        if any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
 def node_src(node: torch.fx.Node) -> SourceLoc | None:
     return node.meta.get(SRC)
 
@@ -342,6 +351,6 @@ def describe_node(node: torch.fx.Node) -> str:
 __all__ = [
     "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "placeholder",
-    "memory_order", "inverse_order", "with_memory_order", "ancestors", "loop_interface",
+    "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",
     "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader",
 ]

@@ -123,7 +123,7 @@ def affine_in(node, state: torch.fx.Node, reads: set, state_dep: set, strip) -> 
     if n.target in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2:
         x, y = recurse(args[0]), recurse(args[1])
         alpha = n.kwargs.get("alpha", 1)
-        if x is None or y is None or not is_factor(alpha, set()):
+        if x is None or y is None or not _constant(alpha):
             return None
         sign = 1.0 if n.target is aten.add.Tensor else -1.0
         return _sum(x, _scaled(y, as_polynomial(sign * float(alpha))))

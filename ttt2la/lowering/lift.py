@@ -40,7 +40,7 @@ from torch.func import vmap
 from ..analysis.op_vocabulary import RELAYOUT_TARGETS
 from ..analysis.rules import match_newton_schulz
 from ..errors import UnsupportedTTTError
-from ..ir import TTTProgram, ancestors, reshape_views
+from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
@@ -301,19 +301,10 @@ def _states(program: TTTProgram):
     return w, m, frozen
 
 
-def _descendants(program: TTTProgram, sources) -> set:
-    """``sources`` and every node computed from one of them."""
-    found = set(sources)
-    for n in program.body.graph.nodes:
-        if any(a in found for a in n.all_input_nodes):
-            found.add(n)
-    return found
-
-
 def _accumulated(program, state_in, out, state_dep):
     """``(a, s, t)`` of ``out = a·state_in + s·t`` (one state-free term ``t``, ``a`` not 0: the
     state is carried), or ``None``."""
-    form = affine_in(out, state_in, _descendants(program, [state_in]), state_dep, strip)
+    form = affine_in(out, state_in, descendants(program.body.graph, [state_in]), state_dep, strip)
     found = None if form is None or not form.coefficient else form.single_term(state_dep, strip)
     return None if found is None else (form.coefficient, *found)
 
@@ -327,7 +318,8 @@ def _update(program: TTTProgram) -> _Update | None:
         return None
     w, m, frozen = found
     ins, outs = program.state_inputs(), program.state_outputs()
-    state_dep = _descendants(program, [ins[i] for i in range(len(ins)) if i not in frozen])
+    state_dep = descendants(program.body.graph,
+                            [ins[i] for i in range(len(ins)) if i not in frozen])
     norm = match_weight_norm(outs[w])
     read = _accumulated(program, ins[w], outs[w] if norm is None else norm.sum, state_dep)
     if read is None:

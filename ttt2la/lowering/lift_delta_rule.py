@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis
 from ..errors import UnsupportedTTTError
-from ..ir import TTTProgram, ancestors, reshape_views
+from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime.delta_rule import DELTA_CHUNK_SIZE, delta_rule
 from .chunking import assemble_outputs, chunk_layout, chunk_stream
 from .executors import extract, shape_only
@@ -183,10 +183,7 @@ def _reads(program: TTTProgram, t: int):
     ``[Dv, Dk]`` one (right)."""
     ins, outs = program.state_inputs(), program.state_outputs()
     state = outs[t] if program.order == "inclusive" else ins[t]
-    state_dep = {ins[t]}
-    for n in program.body.graph.nodes:
-        if any(a in state_dep for a in n.all_input_nodes):
-            state_dep.add(n)
+    state_dep = descendants(program.body.graph, [ins[t]])
     for n in program.body.graph.nodes:
         if n.target is not aten.bmm.default:
             continue

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..analysis.op_vocabulary import (RELAYOUT_TARGETS, RESHAPE_TARGETS, SLICE_TARGETS,
                                       UPDATE_STEPS, calls, op_name)
 from ..errors import UnsupportedTTTError
-from ..ir import KIND, TTTProgram, ancestors, copy_graph
+from ..ir import KIND, TTTProgram, ancestors, copy_graph, descendants
 from ..runtime.bidirectional import bidirectional_linear_attention, window_offsets
 from .chunking import assemble_outputs, chunk_streams
 from .lift import contraction, find_read, strip
@@ -153,12 +153,10 @@ def _step(program: TTTProgram, t: int, live_dep: set):
 
 
 def _live_dependents(program: TTTProgram) -> set:
+    """Every node computed from a state the loop changes."""
     ins, outs = program.state_inputs(), program.state_outputs()
-    dep = {ins[i] for i in range(len(ins)) if outs[i] is not ins[i]}
-    for n in program.body.graph.nodes:
-        if any(a in dep for a in n.all_input_nodes):
-            dep.add(n)
-    return dep
+    return descendants(program.body.graph,
+                       [ins[i] for i in range(len(ins)) if outs[i] is not ins[i]])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ..analysis.op_vocabulary import (ACTIVATIONS, ADDITIVE, CASTS, KNOWN_NONLIN
                                      MATRIX_PRODUCTS, SCALINGS, SLICES)
 from ..analysis.roles import VIEW_OPS, final_products, kernel_parameters, peel_views
 from ..errors import ConversionError, UnsupportedTTTError
-from ..ir import NAME, SRC, TTTProgram, ancestors, describe_node
+from ..ir import NAME, SRC, TTTProgram, ancestors, describe_node, descendants
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
 MAP_ATTR = "collapse_mlp_map"        # the body attribute holding M in Θ's layout
@@ -67,20 +67,11 @@ class Kernel:
 
 # -- finding the kernel ----------------------------------------------------------------------
 
-def _reached(program: TTTProgram, seeds: set) -> set[torch.fx.Node]:
-    """``seeds`` and every node computed from them."""
-    reached = set()
-    for n in program.body.graph.nodes:
-        if n in seeds or any(a in reached for a in n.all_input_nodes):
-            reached.add(n)
-    return reached
-
-
 def streamed_nodes(program: TTTProgram) -> set[torch.fx.Node]:
     """Nodes computed from the chunk streams (keys, queries, values ...)."""
     inv = program.invariant_inputs()
     seeds = set(program.stream_inputs()) | {inv[s.source] for s in program.streams}
-    return _reached(program, seeds)
+    return descendants(program.body.graph, seeds)
 
 
 def nonlinear_ops(core: torch.fx.Node, streamed: set, order: dict) -> list[torch.fx.Node]:
@@ -183,7 +174,7 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
     streamed = streamed_nodes(program)
     theta = kernel_parameters(program)
     params = kernel_candidates(program)
-    theta_dep = _reached(program, params)
+    theta_dep = descendants(program.body.graph, params)
     cores = list(dict.fromkeys(peel_views(f.phi) for f in finals))
     states = set(program.state_inputs())
     bends = [n for c in cores for n in nonlinear_ops(c, streamed, order)]
@@ -499,7 +490,7 @@ class CollapseMLP(Pass):
         """No activation of a product of stream data with Θ may remain: that would be a kernel
         the rewrite did not recognise, still running beside the collapsed one."""
         params = kernel_candidates(program)
-        theta_dep, streamed = _reached(program, params), streamed_nodes(program)
+        theta_dep, streamed = descendants(program.body.graph, params), streamed_nodes(program)
         for n in program.body.graph.nodes:
             if n.op == "call_function" and op_name(n) in ACTIVATIONS and n in theta_dep \
                     and n in streamed:
