@@ -273,6 +273,24 @@ MUTATIONS = [
         "a state ``W`` where a weight ``w`` was meant)",
         (("ttt2la/ir.py", "    ph.target = ph.name\n", ""),),
         ("tests/test_state_names.py",), "case"),
+    Mutation(
+        "summed_product_transposed", "a product summed over an axis is rewritten with its "
+        "matrix operand laid out transposed",
+        (("ttt2la/frontend/summed_products.py",
+          "rows = _laid_out(a, (self.batch, self.a_own, self.summed), self.b_own)",
+          "rows = _laid_out(a, (self.batch, self.summed, self.a_own), self.b_own)"),),
+        ("tests/test_summed_products.py", "tests/test_fla_reference_styles.py"), ""),
+    Mutation(
+        "log_of_a_signed_decay", "a per-token decay is taken as a log decay without checking it "
+        "is positive",
+        (("ttt2la/lowering/lift.py", "return bool((decay > 0).all())", "return True"),),
+        ("tests/test_fla_reference_styles.py",), "decay_without"),
+    Mutation(
+        "streams_named_breadth_first", "streams named from their line breadth first, not in the "
+        "order Python reads it",
+        (("ttt2la/frontend/source_names.py", "return [name for _, _, name in sorted(found)]",
+          "return [name for _, _, name in found]"),),
+        ("tests/test_fla_reference_styles.py",), "named_in_the_order"),
 ]
 
 

@@ -390,3 +390,26 @@ def test_fused_styles_benchmark_prints_every_row_with_its_error(capsys):
             if r.startswith("| ") and not r.startswith("| case")]
     assert [r.split("|")[2].strip() for r in rows] == ["as written", "converted (as shipped)"]
     assert float(rows[1].split("|")[6].rsplit("(", 1)[-1].split(")")[0]) <= 1e-5, rows[1]
+
+
+def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
+    """``fla_reference.py`` on small layers: every recurrence as written, by hand with matmuls,
+    converted as shipped and its plan alone, each within the fp32 bound of the layer as
+    written (the hand-written loops compute the same function)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import fla_reference as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    bench.print_table(list(bench.cases(True, dim=16, heads=2, batch=2, length=40)), rounds=1)
+    rows = [r for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ") and not r.startswith("| case")]
+    assert len(rows) == 16
+    for r in rows:
+        cells = [c.strip() for c in r.split("|")]
+        if cells[2] != "as written":
+            assert float(cells[6].rsplit("(", 1)[-1].rstrip(")")) <= 1e-5, r
+    plans = {r.split("|")[1].strip().split(",")[0]: r.split("|")[6] for r in rows
+             if "plan alone" in r}
+    assert "chunk_linear_attention" in plans["retention"]
+    assert "delta_rule" in plans["gated_delta"]

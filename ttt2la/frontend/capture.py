@@ -119,8 +119,9 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     gradients with ``torch.autograd.grad`` after ``requires_grad_()`` cannot run inside the
     functionalization transform; it is traced plainly first, and that graph functionalized.
     A few fused ops are traced as their definitions (``decompositions``: ``lerp``, ``mse_loss``,
-    and ``baddbmm``/``addmm`` inside loop bodies), and the pieces of a ``split`` or ``unbind``
-    that a loop statement cuts as the slices they are (``split_pieces``).
+    and ``baddbmm``/``addmm`` inside loop bodies), the pieces of a ``split`` or ``unbind``
+    that a loop statement cuts as the slices they are (``split_pieces``), and products summed
+    over an axis in a loop body as the matmuls they are (``summed_products``).
     """
     try:
         gm = _trace_functional(fn, args, tracing_mode)
@@ -130,9 +131,10 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
         gm = _trace_then_functionalize(fn, args, tracing_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    from .split_pieces import split_pieces_as_slices     # it imports FRAMES from here
+    from .split_pieces import split_pieces_as_slices     # they import FRAMES from here
+    from .summed_products import summed_products_as_matmuls
 
-    return split_pieces_as_slices(annotate_frames(gm))
+    return summed_products_as_matmuls(split_pieces_as_slices(annotate_frames(gm)))
 
 
 def _trace_functional(fn, args, tracing_mode: str) -> torch.fx.GraphModule:

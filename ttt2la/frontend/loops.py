@@ -89,6 +89,26 @@ def node_frames(node: torch.fx.Node) -> tuple[SourceLoc, ...]:
     return node.meta.get(FRAMES, ())
 
 
+def loops_of(node: torch.fx.Node, where=LoopSite.contains, outer: int = 0) -> set[LoopSite]:
+    """The loops whose body (or, with ``LoopSite.header_contains``, whose statement) holds one
+    of ``node``'s frames, the ``outer`` outermost frames left out."""
+    return {loop for f in node_frames(node)[outer:]
+            for loop in _loops_in_file(f.file) if where(loop, f)}
+
+
+def caller_depth(gm: torch.fx.GraphModule) -> int:
+    """How many outermost frames every op of ``gm`` shares: the stack that called the traced
+    code (a script's or a test runner's loop around the call is no loop of the code)."""
+    chains = [node_frames(n) for n in gm.graph.nodes if n.op == "call_function"]
+    chains = [c for c in chains if c]
+    if not chains:
+        return 0
+    depth = 0
+    while all(len(c) > depth + 1 and c[depth] == chains[0][depth] for c in chains):
+        depth += 1
+    return depth
+
+
 def loop_depth(node: torch.fx.Node, loop: LoopSite) -> int | None:
     """Index of the frame through which ``node`` is inside ``loop`` (None when it is not)."""
     for depth, frame in enumerate(node_frames(node)):
@@ -181,6 +201,5 @@ def _split_at_marker(nodes: list[torch.fx.Node], depth: int,
     return [nodes[a:b] for a, b in zip(starts, starts[1:])]
 
 
-__all__ = ["LoopSite", "find_loops", "loop_depth", "split_iterations", "count_iterations",
-           "iteration_key",
-           "node_frames"]
+__all__ = ["LoopSite", "caller_depth", "find_loops", "loop_depth", "loops_of", "split_iterations",
+           "count_iterations", "iteration_key", "node_frames"]

@@ -704,21 +704,34 @@ def _state_placeholders(u: Unrolled, states: States, body: torch.fx.Graph, env: 
 
 def _stream_placeholders(inputs: Inputs, states: States, body: torch.fx.Graph, env: dict,
                          taken: set) -> list[StreamSpec]:
-    """One placeholder per stream, named after the tensor it slices."""
+    """One placeholder per stream, named after the tensor it slices; the same slice taken twice
+    (``k[:, i, :, None]`` and ``k[:, i].unsqueeze(-1)``) is one stream, so the body reads one
+    value where the code reads one."""
     specs = []
     per_line: dict = {}
+    seen: dict = {}
     on_line = Counter(s.meta.get(SRC) for s in inputs.streams)
     for s, stream in inputs.streams.items():
+        same = (stream.source, stream.axis, stream.per_token)
+        if same in seen and _same_slice(seen[same].meta.get("val"), s.meta.get("val")):
+            env[s] = seen[same]
+            continue
         loc = s.meta.get(SRC)
         k = per_line.get(loc, 0)
         per_line[loc] = k + 1
         name = unique(s.meta.get(PIECE_NAME) or stream_name(loc, k, on_line[loc]) or "x", taken)
         ph = placeholder(body, name)
         ph.meta.update(val=s.meta.get("val"), **{KIND: "stream", NAME: name})
-        env[s] = ph
+        env[s] = seen[same] = ph
         specs.append(StreamSpec(name, source=states.invariants.index(stream.source),
                                 axis=stream.axis, per_token=stream.per_token))
     return specs
+
+
+def _same_slice(a, b) -> bool:
+    """Two slices of one source along one axis, as the trace saw them: same shape and layout."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 # -- phase 6: the outer graph -----------------------------------------------------------------

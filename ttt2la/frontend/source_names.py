@@ -234,22 +234,28 @@ def _assigning_frames(out: torch.fx.Node, depth: int) -> list[tuple[tuple, tuple
 
 
 def _sliced_names(src: SourceLoc | None) -> list[str]:
-    """The variables a line indexes, in order: ``qi = q[:, i:i+C]; ki = k[...]`` -> [q, k]."""
+    """The variables a line reads by indexing, in the order it reads them (left to right, as
+    Python evaluates): ``y = (v[:, i] - p) * b[:, i]`` -> [v, b]; ``o[:, i] = q[:, i] @ S`` ->
+    [q] (a subscript assigned to is written, not read)."""
     if src is None or not src.code:
         return []
     try:
         tree = ast.parse(src.code.strip().rstrip(":"))
     except SyntaxError:
         return []
-    names = []
+    found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript):
+        if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Store):
             value = node.value
-            if isinstance(value, ast.Name):
-                names.append(value.id)
-            elif isinstance(value, ast.Attribute):
-                names.append(value.attr)
-    return names
+            name = value.id if isinstance(value, ast.Name) else \
+                value.attr if isinstance(value, ast.Attribute) else None
+            if name is not None:
+                moving = any(isinstance(n, ast.Name) for n in ast.walk(node.slice))
+                found.append(((node.lineno, node.col_offset), moving, name))
+    # a stream's index moves with the loop (``k[:, i]``); ``decay[None, :]`` only reshapes
+    if sum(moving for _, moving, _ in found) >= 1:
+        found = [f for f in found if f[1]]
+    return [name for _, _, name in sorted(found)]
 
 
 def unique(name: str, taken: set[str]) -> str:

@@ -18,7 +18,7 @@ import torch.fx
 
 from ..ir import SRC
 from .capture import FRAMES
-from .loops import LoopSite, _loops_in_file, node_frames
+from .loops import LoopSite, loops_of
 from .source_names import PIECE_NAME, loop_targets
 
 aten = torch.ops.aten
@@ -26,13 +26,6 @@ aten = torch.ops.aten
 #: Where each cut op keeps its size (or sizes) and its dimension.
 _SPLITS = {aten.split.Tensor: (1, 2), aten.split_with_sizes.default: (1, 2)}
 _UNBINDS = {aten.unbind.int: 1}
-
-
-def _loops(node: torch.fx.Node, where=LoopSite.contains) -> set[LoopSite]:
-    """The loops whose body (or, with ``LoopSite.header_contains``, whose statement) holds
-    one of ``node``'s frames."""
-    return {loop for f in node_frames(node)
-            for loop in _loops_in_file(f.file) if where(loop, f)}
 
 
 def _piece_views(node: torch.fx.Node) -> list[tuple] | None:
@@ -64,7 +57,7 @@ def _cuts_in_loop_statements(gm: torch.fx.GraphModule) -> list[tuple]:
     found, per_loop = [], {}
     for node in gm.graph.nodes:
         views = _piece_views(node)
-        headers = _loops(node, LoopSite.header_contains) if views is not None else set()
+        headers = loops_of(node, LoopSite.header_contains) if views is not None else set()
         if headers:
             found.append((node, views, headers))
             for loop in headers:
@@ -89,7 +82,7 @@ def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if piece.target is not operator.getitem or not piece.users:
                 continue
             first = min(piece.users, key=order.__getitem__)
-            if not _loops(first) & headers:
+            if not loops_of(first) & headers:
                 continue
             op, dim, *bounds = views[piece.args[1]]
             with gm.graph.inserting_before(first):

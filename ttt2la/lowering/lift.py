@@ -7,7 +7,8 @@ optionally through momentum and Newton–Schulz — it is lifted onto the runtim
 
 * ``block_linear_attention`` (LaCT's chunk form, with ``momentum`` and ``muon_steps``, and a
   state decayed once per chunk, ``W' = γ W + Δ``, as gated memories decay it) for chunked loops;
-* ``chunk_linear_attention`` (token-causal) for per-token loops.
+* ``chunk_linear_attention`` (token-causal) for per-token loops, with a state decayed once per
+  token (``S' = γ S + kᵀv``, as retention and gated linear attention decay it) as its log decay.
 
 Lifting extracts from the body the per-chunk subgraphs that compute φ(Q), φ(K), the effective
 value, the momentum coefficient and the output post-processing, batches them over chunks, and
@@ -49,7 +50,7 @@ from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_stream
 from .executors import extract, require_inert_padding
 from .specialize import SpecializedGraph
 from .precision import promoted
-from .scan_choice import decayed_op_pays, scanning
+from .scan_choice import decayed_op_pays, forced, scanning
 from .weight_norm import WeightNorm, match_weight_norm
 from .whole_sequence import (drop_identity_views, free_chunk_sizes, per_token_rate, stream_axes,
                              token_local)
@@ -59,7 +60,8 @@ aten = torch.ops.aten
 
 #: Moves of axes that ``strip`` peels off where the chain they are part of only reshapes.
 AXIS_MOVES = frozenset({aten.permute.default, aten.transpose.int, aten.unsqueeze.default,
-                        aten.squeeze.dim, aten.squeeze.default, aten.t.default})
+                        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                        aten.t.default})
 
 
 def strip(n):
@@ -410,7 +412,9 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if ns is None and len(up.step) == 1 and (up.m is None or not up.step[0][1]):
         _scale_by(contraction, up.step)
         up.step = ONE
-    if per_token and (ns is not None or up.gamma != ONE or up.step != ONE):
+    # a per-token decay runs as the token-causal op's log decay; a step factor left after the
+    # fold above (Newton–Schulz) has no per-token form
+    if per_token and (ns is not None or up.step != ONE):
         return None
     return _assemble(program, up, contraction, read, transposed, ns, per_token)
 
@@ -545,6 +549,12 @@ def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape:
     return ns if float((got - ref).norm() / ref.norm()) < 1e-9 else False
 
 
+def _positive(decay: torch.Tensor) -> bool:
+    """Whether every per-token decay has a log: the token-causal op takes ``log γ``."""
+    with torch.no_grad():
+        return bool((decay > 0).all())
+
+
 def _bind(program: TTTProgram, streams: dict, invariants, states0) -> tuple[dict, dict]:
     """Every body input by node, and its ``vmap`` dim: ``streams`` (chunk-major, dim 0), the
     invariants and the states the loop no longer changes (read as constants, unbatched)."""
@@ -607,7 +617,9 @@ class LiftedPlan:
     @property
     def implementation(self) -> str:
         if self.looped:
-            return f"{self.loop.implementation}, not {self.op}: a loop over chunks pays here"
+            why = ("a loop over chunks pays here" if self.lifted.kind == "block"
+                   else "a decay <= 0 has no log decay")
+            return f"{self.loop.implementation}, not {self.op}: {why}"
         backends = self.ran or [self.backend]
         return f"{self.op}[{'|'.join(backends)}]"
 
@@ -662,7 +674,7 @@ class LiftedPlan:
                                ns_eps=ns.eps, ns_dtype=ns.iteration_dtype(phi_k, value))
             op, fn = "block", block_linear_attention
         else:
-            options = dict(initial_state=s0, output_final_state=True)
+            options = dict(initial_state=s0, output_final_state=True, **per_chunk)
             op, fn = "chunk", chunk_linear_attention
         try:
             chosen = select_backend(op, phi_q, phi_k, value, backend=self.backend, **options)
@@ -677,10 +689,10 @@ class LiftedPlan:
         return fn(phi_q, phi_k, value, backend=chosen, **options)
 
     def __call__(self, states0: Sequence[torch.Tensor], invariants: Sequence[torch.Tensor]):
-        self.looped = self.loop is not None and not decayed_op_pays(states0[self.lifted.w])
+        self.looped = (self.lifted.kind == "block" and self.loop is not None
+                       and not decayed_op_pays(states0[self.lifted.w]))
         if self.looped:
-            with scanning(False):
-                return self.loop(states0, invariants)
+            return self._run_loop(states0, invariants)
         if self.lifted.whole_sequence:
             return self._whole(states0, invariants)
         lp = self.lifted
@@ -710,6 +722,10 @@ class LiftedPlan:
 
         s0 = self._initial(states0, b)
         per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, w_batch)
+        if lp.kind == "chunk" and "decay" in per_chunk:
+            if not _positive(per_chunk["decay"]):
+                return self._run_loop(states0, invariants)
+            per_chunk = {"log_decay": per_chunk["decay"].log()}
         o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk,
                                   values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
@@ -725,6 +741,20 @@ class LiftedPlan:
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
         return outputs, self._finals(states0, s_final)
+
+    def _run_loop(self, states0, invariants):
+        """The generic plan of the same program, looping over the chunks where it scans."""
+        if self.loop is None:               # an explicit Triton backend has no generic plan
+            raise UnsupportedTTTError(
+                f"the loop of {self.lifted.program.module_path or 'the model'} "
+                f"({self.lifted.program.loop_src}) decays its state by a factor <= 0 in this "
+                "call, which chunk_linear_attention cannot take as a log decay, and "
+                f"backend={self.backend!r} runs no other plan; use backend='auto' or 'torch'")
+        self.looped = True
+        # on the block op the loop is chosen because looping pays; a per-token program's
+        # generic plan keeps its own cost rules
+        with scanning(False if self.lifted.kind == "block" else forced()):
+            return self.loop(states0, invariants)
 
     def _scaled(self, value: torch.Tensor) -> torch.Tensor:
         """The effective value times the increment's constant factor (signs, fixed rates)."""

@@ -45,8 +45,8 @@ def _liftable(lifted, used: set[int], zero_init: set[int] | None) -> bool:
 
 def _loop_for(lifted, program: TTTProgram, analysis: Analysis, schedule: str, backend: str):
     """The generic plan a decayed lifted state runs where a loop over the chunks pays
-    (``scan_choice.decayed_op_pays``); None for other lifts and for an explicit Triton backend,
-    which never runs the generic schedule."""
+    (``scan_choice.decayed_op_pays``) or, per token, where a decay <= 0 has no log; None for
+    other lifts and for an explicit Triton backend, which never runs the generic schedule."""
     if not lifted.decayed or backend == "triton":
         return None
     return lower(program, analysis, backend="torch", schedule=schedule)

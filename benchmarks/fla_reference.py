@@ -1,0 +1,78 @@
+"""CPU timings of recurrences written as flash-linear-attention's reference loops
+(``ttt2la.zoo.FlaReferenceLayer``), converted, against the layer as written and the same
+recurrence written by hand with matmuls, side by side.
+
+    python benchmarks/fla_reference.py [--quick] [--rounds N] [--threads N] [--backward]
+
+Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA;
+no op takes it: the generic plan) and the gated delta rule; 4 heads, 256 features, B = 2,
+L = 1024 (``--quick``: 256). Rows run interleaved in one process (``ttt2la.timing``): medians,
+spread, ratios as medians of per-round ratios against the layer as written, every converted row
+with the plan that ran and its error against the layer as written.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fused_styles import print_table
+from matrix_affine_memories import arguments
+from ttt2la.zoo.fla_reference import RULES, FlaReferenceLayer
+
+DIM, HEADS, BATCH = 256, 4, 2
+
+
+def by_hand(layer: FlaReferenceLayer, x):
+    """The layer's recurrence as a token loop of batched matmuls (``q_t S``, ``k_tᵀ v_t``)."""
+    B, T, _ = x.shape
+    H = layer.num_heads
+    q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in layer.qkv(x).chunk(3, -1))
+    q = q * q.shape[-1] ** -0.5
+    K = q.shape[-1]
+    if layer.rule == "retention":
+        decay = (1 - 2 ** (-5.0 - torch.arange(H, dtype=x.dtype)))[None, :, None, None]
+        decay = decay.expand(B, H, T, 1, 1)
+    elif layer.rule == "scalar_gate":
+        decay = F.logsigmoid(layer.gate(x) + 4).transpose(1, 2).exp()[..., None, None]
+    elif layer.rule == "vector_gate":
+        g = F.logsigmoid(layer.gate(x) + 4).view(B, T, H, K).transpose(1, 2) / 16
+        decay = g.exp()[..., None]
+    else:
+        b, a = layer.gate(x).transpose(1, 2).chunk(2, 1)
+        beta, decay = torch.sigmoid(b), F.logsigmoid(a + 3).exp()[..., None, None]
+        k = F.normalize(k, dim=-1)
+    S = x.new_zeros(B, H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        kt, vt = k[:, :, t, :, None], v[:, :, t, None, :]
+        S = decay[:, :, t] * S
+        if layer.rule == "gated_delta":
+            vt = (vt - kt.mT @ S) * beta[:, :, t, None, None]
+        S = S + kt @ vt
+        outs.append(q[:, :, t, None, :] @ S)
+    o = torch.cat(outs, 2)
+    return layer.out(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
+          length: int | None = None):
+    """(name, layer, hand-written function, input) of every case."""
+    g = torch.Generator().manual_seed(0)
+    length = length or (256 if quick else 1024)
+    for rule in RULES:
+        torch.manual_seed(0)
+        yield (f"{rule}, {heads} heads x {dim // heads}, L={length}",
+               FlaReferenceLayer(dim, heads, rule), by_hand,
+               torch.randn(batch, length, dim, generator=g))
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_table(cases(args.quick), args.rounds, args.backward)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Recurrences written as flash-linear-attention's reference loops (``zoo.fla_reference``): states
+read and corrected by broadcasting and summing, outputs written into a buffer, a decay per head,
+per token or per key channel.
+
+Each converts exactly (outputs and every parameter gradient within the fp32 tolerance, ≤ 1e-10 in
+float64) onto the op its recurrence is: retention and the scalar gate onto the token-causal op
+with a log decay, the gated delta rule onto ``delta_rule``; a decay per key channel, which no op
+takes, keeps the generic plan. A decay that is not positive in a call has no log: that call runs
+the generic plan and the report says so.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ttt2la
+from equivalence import assert_same_function
+from ttt2la.frontend.source_names import _sliced_names
+from ttt2la.ir import SourceLoc
+from ttt2la.zoo import FlaReferenceLayer
+from ttt2la.zoo.fla_reference import RULES
+
+OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
+       "vector_gate": "torch.vmap(parallel)", "gated_delta": "delta_rule"}
+
+
+def _layer(rule, dtype=torch.float32, d=16, heads=2):
+    torch.manual_seed(0)
+    return FlaReferenceLayer(d, heads, rule).to(dtype)
+
+
+def _converted(layer, d=16, dtype=torch.float32):
+    return ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 19, d, dtype=dtype),))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_each_recurrence_runs_on_its_op(rule):
+    conv = _converted(_layer(rule))
+    layer, = conv.ttt2la_report.layers
+    assert layer.runtime.startswith(OPS[rule]), layer.runtime
+    assert layer.exact
+
+
+@settings(max_examples=6, deadline=None)
+@given(rule=st.sampled_from(RULES), B=st.integers(1, 3), L=st.integers(1, 70),
+       heads=st.sampled_from([1, 2, 4]))
+def test_reference_loops_convert_exactly_fp32(rule, B, L, heads):
+    layer = _layer(rule, heads=heads)
+    conv = _converted(layer)
+    assert_same_function(conv, layer, torch.randn(B, L, 16))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_reference_loops_convert_exactly_float64(rule):
+    layer = _layer(rule, torch.float64)
+    conv = _converted(layer, dtype=torch.float64)
+    assert_same_function(conv, layer, torch.randn(2, 45, 16, dtype=torch.float64), tol=1e-10)
+
+
+class SignedGate(nn.Module):
+    """A per-token decay ``tanh(·)``, negative for some tokens: it has no log decay."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.g = nn.Linear(d, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        g = torch.tanh(self.g(x))
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            S = g[:, t, :, None] * S + k[:, t, :, None] @ v[:, t, None, :]
+            outs.append(q[:, t, None] @ S)
+        return torch.cat(outs, 1)
+
+
+def test_a_decay_without_a_log_runs_the_generic_plan_for_that_call():
+    torch.manual_seed(0)
+    layer = SignedGate()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    x = torch.randn(2, 30, 8)
+    assert_same_function(conv, layer, x)
+    assert "a decay <= 0 has no log decay" in report.runs["batch 2"]
+    with torch.no_grad():                      # every gate positive: the op runs
+        for m in (layer, conv):
+            m.g.weight.zero_()
+            m.g.bias.fill_(1.0)
+    assert_same_function(conv, layer, x)
+    assert report.runs["batch 2"].startswith("chunk_linear_attention")
+
+
+def test_a_decay_without_a_log_is_refused_by_an_explicit_triton_backend():
+    """``backend="triton"`` runs no generic plan: the call says why instead of answering."""
+    from ttt2la.lowering.lift import LiftedPlan, lift
+    from ttt2la.conversion import _prepare, recognize
+
+    torch.manual_seed(0)
+    rl, = recognize(SignedGate(), (torch.randn(2, 12, 8),))[0]
+    lifted = lift(_prepare(rl, 0).program)
+    assert lifted is not None and lifted.kind == "chunk" and lifted.decayed
+    plan = LiftedPlan(lifted, backend="triton")
+    with pytest.raises(ttt2la.UnsupportedTTTError, match="factor <= 0"):
+        plan._run_loop([], [])
+
+
+@pytest.mark.parametrize("code,names", [
+    ("y = (v[:, :, i] - p) * beta[:, :, i, None]", ["v", "beta"]),
+    ("o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2)", ["q"]),
+    ("S = S * decay[None, :, None, None] + k[:, :, i, :, None] * v[:, :, i, None, :]",
+     ["k", "v"]),
+    ("qi, ki = q[:, s:s + C], k[:, s:s + C]", ["q", "k"]),
+])
+def test_streams_are_named_in_the_order_the_line_reads_them(code, names):
+    """Left to right as Python evaluates, not breadth first; a subscript written to and one that
+    only reshapes (its index has no variable) slice no stream."""
+    assert _sliced_names(SourceLoc("f.py", 1, "forward", code)) == names
+
+
+def test_the_same_slice_taken_twice_is_one_stream():
+    """``k[:, :, i, :, None]`` and ``k[:, :, i].unsqueeze(-1)`` are one value: the delta rule's
+    key is read once, which is what lets its reading find ``kkᵀ``."""
+    conv = _converted(_layer("gated_delta"))
+    layer, = conv.ttt2la_report.layers
+    names = [s.split(",")[0] for s in layer.streams]
+    assert sorted(names) == sorted(set(names)) == ["beta", "g", "k", "q", "v"], layer.streams

@@ -1,0 +1,89 @@
+"""Products summed over an axis read as the matmuls they are (``frontend.summed_products``): the
+rewrite computes what ``(a * b).sum(dims)`` computes for every broadcast it takes, leaves alone
+what is no product of matrices, and touches loop bodies only."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from ttt2la.frontend.capture import trace
+from ttt2la.frontend.summed_products import SummedProduct, summed_product
+
+aten = torch.ops.aten
+
+
+@st.composite
+def broadcasts(draw):
+    """Two operand shapes of one rank and the axes summed: every axis is shared, one operand's
+    own (the other has 1 there) or, where summed, shared."""
+    rank = draw(st.integers(2, 5))
+    sa, sb, summed = [], [], []
+    for i in range(rank):
+        kind = draw(st.sampled_from(["batch", "a", "b", "sum"]))
+        n = draw(st.integers(1, 4)) if kind in ("batch", "sum") else draw(st.integers(2, 4))
+        sa.append(1 if kind == "b" else n)
+        sb.append(1 if kind == "a" else n)
+        if kind == "sum":
+            summed.append(i)
+    drop = draw(st.integers(0, rank - 1))           # fewer leading axes on one side
+    if all(s == 1 for s in sa[:drop]):
+        sa = sa[drop:]
+    return sa, sb, summed, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=broadcasts())
+def test_the_matmul_computes_the_summed_product(case):
+    sa, sb, summed, keepdim = case
+    a = torch.randn(sa, dtype=torch.float64)
+    b = torch.randn(sb, dtype=torch.float64)
+    if not summed:
+        return
+    want = (a * b).sum(summed, keepdim=keepdim)
+    r = max(len(sa), len(sb))
+    pa, pb = [1] * (r - len(sa)) + sa, [1] * (r - len(sb)) + sb
+    a_own = tuple(i for i in range(r) if pa[i] > 1 and pb[i] == 1)
+    b_own = tuple(i for i in range(r) if pb[i] > 1 and pa[i] == 1)
+    batch = tuple(i for i in range(r) if i not in (*summed, *a_own, *b_own))
+    got = SummedProduct(None, None, r, batch, a_own, b_own, tuple(summed), keepdim)(a, b)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _sums(fn, *args):
+    gm = trace(fn, *args)
+    return [n for n in gm.graph.nodes if n.target is aten.sum.dim_IntList], gm
+
+
+def test_dot_products_sums_of_squares_and_one_sided_sums_are_not_products_of_matrices():
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+
+    def f(x, y):
+        return (x * y).sum(-1), (x * x).sum(-1), (x[..., None] * y[:, :, None]).sum(-1)
+
+    sums, _ = _sums(f, x, y)
+    assert len(sums) == 3 and all(summed_product(n) is None for n in sums)
+
+
+class Reads(nn.Module):
+    """A state read by a broadcast product in a loop; the same pattern outside it."""
+
+    def forward(self, q, S):
+        before = (q[:, 0, :, None] * S).sum(-2)
+        outs = []
+        for t in range(q.shape[1]):
+            outs.append((q[:, t, :, None] * S).sum(-2))
+            S = S + 0.1
+        return before, torch.stack(outs, 1)
+
+
+def test_only_loop_bodies_are_rewritten():
+    q, S = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    gm = trace(Reads(), q, S)
+    sums = [n for n in gm.graph.nodes if n.target is aten.sum.dim_IntList]
+    bmms = [n for n in gm.graph.nodes if n.target is aten.bmm.default]
+    assert len(sums) == 1 and len(bmms) == 3          # the read before the loop stays as written
+    for got, want in zip(gm(q, S), Reads()(q, S)):
+        torch.testing.assert_close(got, want)

@@ -1,0 +1,153 @@
+"""Products summed over an axis, read as the matrix products they are.
+
+``(q[..., :, None] * S).sum(-2)`` is ``q S`` and ``(S * k[..., None]).sum(-2)`` is ``k S``:
+flash-linear-attention's reference loops and many hand-written recurrences read (and correct) a
+state by broadcasting a vector against it and summing. Traced, that is a ``mul`` and a ``sum``,
+which the analysis does not take for a product: the state's read is not found, its role is not
+``final``, and the loop keeps the generic plan. Inside a loop body, every product of two
+different tensors summed over axes both have, beside an axis only one of them has (the
+broadcast that makes it a product of matrices, not a dot), is rewritten as the batched matmul
+it computes, between relayouts. Values agree up to the rounding of the summation order.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.node import map_arg
+
+from ..ir import SRC
+from .capture import FRAMES
+from .loops import caller_depth, loops_of
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class SummedProduct:
+    """``sum(a * b, summed)`` as one batched matmul. Axes are those of the broadcast product
+    (rank ``rank``): ``batch`` both operands have and are kept, ``a_own`` and ``b_own`` only one
+    has (the other broadcasts along them), ``summed`` both have and are summed. ``a`` is laid
+    out ``[batch, a_own, summed]``, ``b`` ``[batch, summed, b_own]``, one ``bmm`` multiplies
+    them, and the result is laid back out in the product's order without the summed axes (kept
+    as units with ``keepdim``). An axis is placed by its kind, whatever its size."""
+
+    a: torch.fx.Node | None
+    b: torch.fx.Node | None
+    rank: int
+    batch: tuple[int, ...]
+    a_own: tuple[int, ...]
+    b_own: tuple[int, ...]
+    summed: tuple[int, ...]
+    keepdim: bool
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a = a[(None,) * (self.rank - a.dim())] if a.dim() < self.rank else a
+        b = b[(None,) * (self.rank - b.dim())] if b.dim() < self.rank else b
+        sizes = [max(m, n) for m, n in zip(a.shape, b.shape)]
+        rows = _laid_out(a, (self.batch, self.a_own, self.summed), self.b_own)
+        cols = _laid_out(b, (self.batch, self.summed, self.b_own), self.a_own)
+        order = [*self.batch, *self.a_own, *self.b_own]
+        y = torch.bmm(rows, cols).reshape([sizes[i] for i in order])
+        kept = sorted(order)
+        if order != kept:
+            y = y.permute([order.index(i) for i in kept])
+        if self.keepdim:
+            for d in self.summed:
+                y = y.unsqueeze(d)
+        return y
+
+
+def _laid_out(x: torch.Tensor, groups: tuple, units: tuple[int, ...]) -> torch.Tensor:
+    """``x`` permuted to its three groups of axes (then the unit axes it broadcasts along) and
+    reshaped to one axis per group."""
+    perm = [i for g in groups for i in g] + list(units)
+    shape = [1, 1, 1]
+    for j, g in enumerate(groups):
+        for i in g:
+            shape[j] *= x.shape[i]
+    if perm != list(range(x.dim())):
+        x = x.permute(perm)
+    return x.reshape(shape)
+
+
+def _shape(n) -> tuple[int, ...] | None:
+    val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def summed_product(node: torch.fx.Node) -> SummedProduct | None:
+    """``node`` read as a summed product of two tensors of one dtype, or None when it is not
+    one or is no product of matrices (a dot product, a sum of squares, a sum over an axis only
+    one operand has)."""
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList or node.kwargs:
+        return None
+    prod, dims = node.args[0], node.args[1]
+    keepdim = len(node.args) > 2 and bool(node.args[2])
+    if not isinstance(prod, torch.fx.Node) or prod.target is not aten.mul.Tensor \
+            or len(prod.users) != 1 or prod.kwargs or not dims:
+        return None
+    a, b = prod.args
+    sa, sb, sy = _shape(a), _shape(b), _shape(prod)
+    if sa is None or sb is None or sy is None or a is b or not sa or not sb \
+            or a.meta["val"].dtype != b.meta["val"].dtype:
+        return None
+    r = len(sy)
+    pa, pb = (1,) * (r - len(sa)) + sa, (1,) * (r - len(sb)) + sb
+    summed = tuple(sorted({d % r for d in dims}))
+    a_own = tuple(i for i in range(r) if pa[i] > 1 and pb[i] == 1)
+    b_own = tuple(i for i in range(r) if pb[i] > 1 and pa[i] == 1)
+    if set(summed) & set(a_own + b_own) or not any(pa[d] > 1 for d in summed) \
+            or not (a_own or b_own):
+        return None
+    batch = tuple(i for i in range(r) if i not in summed + a_own + b_own)
+    return SummedProduct(a, b, r, batch, a_own, b_own, summed, keepdim)
+
+
+def _val(n: torch.fx.Node):
+    return n.meta["val"]
+
+
+def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, found: SummedProduct) -> None:
+    """Replace ``node`` by the traced matmul, its nodes attributed to ``node``'s source."""
+    # the trace of a reshape depends on the layout (a view where strides allow it, else a copy)
+    example = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(),
+                                   dtype=n.meta["val"].dtype).zero_() for n in (found.a, found.b)]
+    sub = make_fx(found, tracing_mode="fake")(*example)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    before = set(gm.graph.nodes)
+    with gm.graph.inserting_before(node):
+        y = gm.graph.graph_copy(sub.graph, dict(zip(placeholders, (found.a, found.b))))
+    meta = {k: node.meta[k] for k in (FRAMES, SRC, "stack_trace") if k in node.meta}
+    # values in the trace's own fake mode, as every other node holds them
+    mode = detect_fake_mode([found.a.meta["val"], found.b.meta["val"]])
+    with mode if mode is not None else contextlib.nullcontext():
+        for n in [n for n in gm.graph.nodes if n not in before]:
+            n.meta = {**meta, "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
+    prod = node.args[0]
+    node.replace_all_uses_with(y)
+    gm.graph.erase_node(node)
+    gm.graph.erase_node(prod)
+
+
+def summed_products_as_matmuls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrite, in place, every summed product of matrices inside a loop body as the batched
+    matmul it is (``gm`` annotated with frames)."""
+    changed = False
+    outer = caller_depth(gm)
+    for node in list(gm.graph.nodes):
+        found = summed_product(node)
+        if found is not None and loops_of(node, outer=outer):
+            _inline(gm, node, found)
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+__all__ = ["SummedProduct", "summed_product", "summed_products_as_matmuls"]

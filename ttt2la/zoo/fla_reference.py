@@ -1,0 +1,105 @@
+"""Recurrences written the way flash-linear-attention writes its reference loops.
+
+Each kernel of that library ships a ``naive`` recurrence: a function over ``[B, H, T, D]``
+tensors that walks the tokens, decays and writes a state ``S [B, H, K, V]`` by broadcasting
+(``k[..., None] * v[..., None, :]``), reads it the same way (``(q[..., None] * S).sum(-2)``)
+and writes each token's output into a buffer allocated before the loop (``o[:, :, i] = …``).
+The functions here are written in that style for four recurrences:
+
+* ``retention`` — a fixed decay per head, ``1 − 2^(−5−h)`` (RetNet);
+* ``scalar_gate`` — a data-dependent decay per head and token, ``exp(g_t)`` with ``g_t ≤ 0``
+  (gated retention, Mamba-2's scalar gate);
+* ``vector_gate`` — a decay per key channel, ``exp(g_t)`` with ``g_t [K]`` (GLA): no runtime
+  op takes it, so it keeps the generic plan;
+* ``gated_delta`` — the gated delta rule: decay, then correct the value the state predicts for
+  the key by ``β_t`` (Gated DeltaNet).
+
+``FlaReferenceLayer`` wraps one of them with projections, the way a model calls the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta")
+
+
+def retention_recurrence(q, k, v):
+    """``S_t = γ_h S_{t-1} + k_tᵀ v_t``, ``o_t = q_t S_t`` with RetNet's decay per head."""
+    B, H, T, K = q.shape
+    decay = 1 - 2 ** (-5.0 - torch.arange(H, dtype=q.dtype, device=q.device))
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(T):
+        S = S * decay[None, :, None, None] + k[:, :, i, :, None] * v[:, :, i, None, :]
+        o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2)
+    return o
+
+
+def gated_recurrence(q, k, v, g):
+    """``S_t = exp(g_t) ⊙ S_{t-1} + k_tᵀ v_t``: ``g [B, H, T]`` decays whole heads, ``g [B, H,
+    T, K]`` each key channel (broadcast over the value axis)."""
+    B, H, T, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(T):
+        gate = g[:, :, i].exp()
+        gate = gate[..., None] if g.dim() == 4 else gate[..., None, None]
+        S = S * gate + k[:, :, i].unsqueeze(-1) * v[:, :, i].unsqueeze(-2)
+        o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2)
+    return o
+
+
+def gated_delta_recurrence(q, k, v, beta, g):
+    """``S_t = α_t S_{t-1} + β_t k_tᵀ (v_t − k_t α_t S_{t-1})``, ``α_t = exp(g_t)``."""
+    B, H, T, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(T):
+        S = S * g[:, :, i].exp()[..., None, None]
+        predicted = (S * k[:, :, i, :, None]).sum(-2)
+        correction = (v[:, :, i] - predicted) * beta[:, :, i, None]
+        S = S + k[:, :, i].unsqueeze(-1) * correction.unsqueeze(-2)
+        o[:, :, i] = torch.einsum("bhk,bhkv->bhv", q[:, :, i], S)
+    return o
+
+
+class FlaReferenceLayer(nn.Module):
+    """Multi-head token mixer running one reference recurrence (``rule``, one of ``RULES``):
+    projections to heads, the recurrence, heads merged and projected out."""
+
+    def __init__(self, d_model: int = 64, num_heads: int = 4, rule: str = "scalar_gate"):
+        super().__init__()
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.rule, self.num_heads = rule, num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        gates = {"scalar_gate": num_heads, "vector_gate": d_model, "gated_delta": 2 * num_heads}
+        self.gate = nn.Linear(d_model, gates[rule]) if rule in gates else None
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, d_model] -> [B, T, d_model]."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q = q * q.shape[-1] ** -0.5
+        if self.rule == "retention":
+            o = retention_recurrence(q, k, v)
+        elif self.rule == "scalar_gate":
+            o = gated_recurrence(q, k, v, F.logsigmoid(self.gate(x) + 4).transpose(1, 2))
+        elif self.rule == "vector_gate":
+            g = F.logsigmoid(self.gate(x) + 4).view(B, T, H, -1).transpose(1, 2) / 16
+            o = gated_recurrence(q, k, v, g)
+        else:
+            b, a = self.gate(x).transpose(1, 2).chunk(2, 1)
+            o = gated_delta_recurrence(q, F.normalize(k, dim=-1), v, torch.sigmoid(b),
+                                       F.logsigmoid(a + 3))
+        return self.out(o.transpose(1, 2).reshape(B, T, -1))
+
+
+__all__ = ["FlaReferenceLayer", "RULES", "gated_delta_recurrence", "gated_recurrence",
+           "retention_recurrence"]
