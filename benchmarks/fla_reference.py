@@ -30,7 +30,7 @@ def by_hand(layer: FlaReferenceLayer, x):
     q = q * q.shape[-1] ** -0.5
     K = q.shape[-1]
     if layer.rule == "retention":
-        decay = (1 - 2 ** (-5.0 - torch.arange(H, dtype=x.dtype)))[None, :, None, None]
+        decay = (1 - 2 ** (-5.0 - torch.arange(H, dtype=x.dtype)))[None, :, None, None, None]
         decay = decay.expand(B, H, T, 1, 1)
     elif layer.rule == "scalar_gate":
         decay = F.logsigmoid(layer.gate(x) + 4).transpose(1, 2).exp()[..., None, None]
