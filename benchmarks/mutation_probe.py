@@ -286,6 +286,11 @@ MUTATIONS = [
         (("ttt2la/lowering/lift.py", "return bool((decay > 0).all())", "return True"),),
         ("tests/test_fla_reference_styles.py",), "decay_without"),
     Mutation(
+        "generic_plan_runs_read_products", "a loop kept on the generic plan runs the products "
+        "the matchers read as matmuls (a one-row bmm per token) instead of the code's own",
+        (("ttt2la/lowering/executors.py", "as_written = written(program)", "as_written = program"),),
+        ("tests/test_fla_reference_styles.py",), "own_products"),
+    Mutation(
         "streams_named_breadth_first", "streams named from their line breadth first, not in the "
         "order Python reads it",
         (("ttt2la/frontend/source_names.py", "return [name for _, _, name in sorted(found)]",

@@ -129,3 +129,18 @@ def test_the_same_slice_taken_twice_is_one_stream():
     layer, = conv.ttt2la_report.layers
     names = [s.split(",")[0] for s in layer.streams]
     assert sorted(names) == sorted(set(names)) == ["beta", "g", "k", "q", "v"], layer.streams
+
+
+def test_a_loop_kept_on_the_generic_plan_runs_the_code_s_own_products():
+    """The products read as matmuls are for the matchers: a loop that lifts onto no op (a gate
+    per key channel) runs ``sum(a * b)`` as written, not a one-row ``bmm`` per token."""
+    from ttt2la.converted import is_converted
+    from ttt2la.ir import SUMMED_PRODUCT
+
+    conv = _converted(_layer("vector_gate"))
+    state = next(m._ttt2la for m in conv.modules() if is_converted(m))
+    traced = state.program.body.graph
+    assert any(SUMMED_PRODUCT in n.meta for n in traced.nodes)
+    body = state.loop_for(2).plan.program.body.graph
+    assert not any(n.target is torch.ops.aten.bmm.default for n in body.nodes)
+    assert sum(n.target is torch.ops.aten.sum.dim_IntList for n in body.nodes) == 1

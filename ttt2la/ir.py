@@ -79,6 +79,13 @@ import torch.fx
 KIND = "ttt2la_kind"
 NAME = "ttt2la_name"
 SRC = "ttt2la_src"
+#: A product summed over an axis that the frontend rewrote as a ``bmm`` for the matchers
+#: (``frontend/summed_products.py``): the chain it became, on every node of it; which operand a
+#: node reads (0: ``a``, 1: ``b``); the summed axes (from the right) and ``keepdim``, on the
+#: chain's result. ``lowering/written_products.py`` puts the code's own ops back from them.
+PRODUCT_CHAIN = "ttt2la_product_chain"
+PRODUCT_OPERAND = "ttt2la_product_operand"
+SUMMED_PRODUCT = "ttt2la_summed_product"
 LOOP_MODULE = "ttt_loop"      # the submodule the outer graph calls in the place of the loop
 
 StateRole = Literal["final", "theta", "momentum", "other"]
@@ -349,7 +356,8 @@ def describe_node(node: torch.fx.Node) -> str:
 
 
 __all__ = [
-    "KIND", "NAME", "SRC", "LOOP_MODULE", "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
+    "KIND", "NAME", "SRC", "PRODUCT_CHAIN", "PRODUCT_OPERAND", "SUMMED_PRODUCT", "LOOP_MODULE",
+    "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "placeholder",
     "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",
     "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader",

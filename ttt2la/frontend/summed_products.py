@@ -8,10 +8,17 @@ which the analysis does not take for a product: the state's read is not found, i
 different tensors summed over axes both have, beside an axis only one of them has (the
 broadcast that makes it a product of matrices, not a dot), is rewritten as the batched matmul
 it computes, between relayouts. Values agree up to the rounding of the summation order.
+
+The rewrite is for reading: a loop that lifts onto a runtime op never runs these products. A
+loop that keeps the generic plan runs its body token by token, where a ``bmm`` of one row costs
+more than the product and sum it replaced (twice the training step of a gated linear attention
+on a CPU), so every rewritten product is tagged (``ir.SUMMED_PRODUCT``) and the generic plan
+is built on the code's own ops (``lowering/written_products.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +27,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
-from ..ir import SRC
+from ..ir import PRODUCT_CHAIN, PRODUCT_OPERAND, SRC, SUMMED_PRODUCT
 from .capture import FRAMES
 from .loops import caller_depth, loops_of
 
@@ -108,6 +115,9 @@ def summed_product(node: torch.fx.Node) -> SummedProduct | None:
     return SummedProduct(a, b, r, batch, a_own, b_own, summed, keepdim)
 
 
+_chains = itertools.count()
+
+
 def _val(n: torch.fx.Node):
     return n.meta["val"]
 
@@ -128,6 +138,13 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, found: SummedProduct)
     with mode if mode is not None else contextlib.nullcontext():
         for n in [n for n in gm.graph.nodes if n not in before]:
             n.meta = {**meta, "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
+    chain = next(_chains)
+    for n in [n for n in gm.graph.nodes if n not in before]:
+        n.meta[PRODUCT_CHAIN] = chain
+        for i, x in enumerate((found.a, found.b)):
+            if x in n.all_input_nodes:
+                n.meta[PRODUCT_OPERAND] = i
+    y.meta[SUMMED_PRODUCT] = (tuple(d - found.rank for d in found.summed), found.keepdim)
     prod = node.args[0]
     node.replace_all_uses_with(y)
     gm.graph.erase_node(node)

@@ -38,6 +38,7 @@ from .chunking import ChunkLayout, assemble_outputs, chunk_streams
 from .lean_calls import lean_calls
 from .loop_expansions import expansions, expansions_pay
 from .scan_choice import affine_scan_pays
+from .written_products import written
 
 SCHEDULES = ("parallel", "semi-parallel", "recurrent")
 _Value = tuple[torch.Tensor, bool]          # a tensor and whether it has a leading chunk axis
@@ -714,10 +715,13 @@ def lower(program: TTTProgram, analysis: Analysis | None = None, backend: str = 
         raise UnsupportedTTTError(
             f"Backend {backend!r} has no generic lowering: generic loop bodies run with torch "
             f"(vmap over chunks); use backend='torch' or 'auto'.")
+    if analysis is not None and analysis.program.body.graph is not program.body.graph:
+        raise ValueError("the analysis belongs to a different program; call analyze(program)")
+    as_written = written(program)            # the generic plan runs the code's own products
+    if as_written is not program:
+        program, analysis = as_written, None
     if analysis is None:
         analysis = analyze(program)
-    elif analysis.program.body.graph is not program.body.graph:
-        raise ValueError("the analysis belongs to a different program; call analyze(program)")
     schedule = schedule or analysis.schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")

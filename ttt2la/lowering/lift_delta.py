@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 from torch.func import jvp, vmap
 
-from ..analysis.associativity import Analysis
+from ..analysis.associativity import Analysis, analyze
 from ..analysis.dependence import Dep
 from ..ir import TTTProgram
 from ..runtime import matrix_affine_scan
 from ..testing import rel_rms_error
 from .executors import Plan, _call_batched
 from .scan_choice import forced, scanning
+from .written_products import written
 
 SIDES = ("left", "right")
 
@@ -289,6 +290,9 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
     exact = lift_delta_rule(program, analysis, schedule, carried[0] if carried else None)
     if exact is not None:
         return exact
+    as_written = written(program)            # the scan runs the code's own products
+    if as_written is not program:
+        program, analysis = as_written, analyze(as_written)
     analysis.require_schedule(schedule)
     plan = DeltaScanPlan(program, analysis, schedule)
     plan.sides.update({t: side for t, side in (sides or {}).items()
