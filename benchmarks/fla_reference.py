@@ -5,7 +5,9 @@ recurrence written by hand with matmuls, side by side.
     python benchmarks/fla_reference.py [--quick] [--rounds N] [--threads N] [--backward]
 
 Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA;
-no op takes it: the generic plan) and the gated delta rule; 4 heads, 256 features, B = 2,
+no op takes it: the generic plan), the gated delta rule, and a per-token TTT layer that reads
+its fast weight before each token writes it (``zoo.PerTokenTTTLayer(read="before")``, its step a
+``torch.compile``d function run eagerly); 4 heads, 256 features, B = 2,
 L = 1024 (``--quick``: 256). Rows run interleaved in one process (``ttt2la.timing``): medians,
 spread, ratios as medians of per-round ratios against the layer as written, every converted row
 with the plan that ran and its error against the layer as written.
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from fused_styles import print_table
 from matrix_affine_memories import arguments
+from ttt2la.zoo import PerTokenTTTLayer
 from ttt2la.zoo.fla_reference import RULES, FlaReferenceLayer
 
 DIM, HEADS, BATCH = 256, 4, 2
@@ -54,9 +57,23 @@ def by_hand(layer: FlaReferenceLayer, x):
     return layer.out(o.transpose(1, 2).reshape(B, T, -1))
 
 
+def read_first_by_hand(layer: PerTokenTTTLayer, x):
+    """``PerTokenTTTLayer(read="before")`` as one loop: read ``W``, then write the token."""
+    B, L, _ = x.shape
+    q, k, v = layer.qkv(x).view(B, L, 3, layer.num_heads, layer.head_dim).unbind(dim=2)
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    eta = F.softplus(layer.lr_proj(x) + layer.base_lr_inv)
+    W, outs = layer.w0.unsqueeze(0).expand(B, -1, -1, -1), []
+    for t in range(L):
+        outs.append((q[:, t, :, None, :] @ W)[:, :, 0])
+        W = W + eta[:, t, :, None, None] * (k[:, t, :, :, None] @ v[:, t, :, None, :])
+    return layer.o_proj(torch.stack(outs, 1).reshape(B, L, -1))
+
+
 def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
           length: int | None = None):
-    """(name, layer, hand-written function, input) of every case."""
+    """(name, layer, hand-written function, input) of every case: each reference recurrence,
+    then a per-token TTT layer that reads its fast weight before each token writes it."""
     g = torch.Generator().manual_seed(0)
     length = length or (256 if quick else 1024)
     for rule in RULES:
@@ -64,6 +81,10 @@ def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
         yield (f"{rule}, {heads} heads x {dim // heads}, L={length}",
                FlaReferenceLayer(dim, heads, rule), by_hand,
                torch.randn(batch, length, dim, generator=g))
+    torch.manual_seed(0)
+    yield (f"per-token TTT read before write, {heads} heads x {dim // heads}, L={length}",
+           PerTokenTTTLayer(dim, heads, read="before"), read_first_by_hand,
+           torch.randn(batch, length, dim, generator=g))
 
 
 def main() -> None:
@@ -71,6 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.compiler.set_stance("force_eager")      # the per-token step as written, eagerly
     print_table(cases(args.quick), args.rounds, args.backward)
 
 

@@ -291,6 +291,26 @@ MUTATIONS = [
         (("ttt2la/lowering/executors.py", "as_written = written(program)", "as_written = program"),),
         ("tests/test_fla_reference_styles.py",), "own_products"),
     Mutation(
+        "read_first_unshifted", "a per-token loop that reads before its update runs the "
+        "token-causal op on unshifted keys (each token reads its own write)",
+        (("ttt2la/lowering/lift.py", "self._run_op(phi_q, later(phi_k, 0.0), later(value, 0.0)",
+          "self._run_op(phi_q, phi_k, value"),),
+        ("tests/test_fla_reference_styles.py", "tests/test_stream_exclusive.py"), ""),
+    Mutation(
+        "read_first_last_update_dropped", "a read-before-update loop's last update is not "
+        "applied to the state it returns",
+        (("ttt2la/lowering/lift.py", 'if self.lifted.program.last_chunk == "update":',
+          "if False:"),),
+        ("tests/test_fla_reference_styles.py",), "read_before"),
+    Mutation(
+        "iteration_start_fixed_offset", "an iteration cut from a one-statement loop starts a "
+        "fixed number of ops before its marker, into the previous iteration where dead code "
+        "removed leading ops",
+        (("ttt2la/frontend/loops.py",
+          "while start > starts[-1] + 1 and prefix[keys[start - 1]] > 0:",
+          "while start > starts[-1] + 1 and start > at - marker_pos:"),),
+        ("tests/test_convert.py",), "per_token_layer_is_parallel"),
+    Mutation(
         "streams_named_breadth_first", "streams named from their line breadth first, not in the "
         "order Python reads it",
         (("ttt2la/frontend/source_names.py", "return [name for _, _, name in sorted(found)]",

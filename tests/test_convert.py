@@ -226,11 +226,14 @@ def test_variant2_layer_converts_exactly_with_both_passes_already_satisfied(styl
     _assert_equal(conv, layer, torch.randn(3, 45, 16))
 
 
-@pytest.mark.parametrize("L,lr", [(1, True), (4096, True), (37, False)])
-def test_per_token_layer_is_parallel_and_exact_at_level0(L, lr):
-    # lr=False: a constant step size 0.3, a constant factor of every increment
+@pytest.mark.parametrize("L,lr,read", [(1, True, "after"), (4096, True, "after"),
+                                        (37, False, "after"), (1, True, "before"),
+                                        (300, True, "before")])
+def test_per_token_layer_is_parallel_and_exact_at_level0(L, lr, read):
+    # lr=False: a constant step size 0.3, a constant factor of every increment; read="before":
+    # each token reads the fast weight before its own write (the op on shifted keys and values)
     torch.manual_seed(0)
-    layer = PerTokenTTTLayer(32, 2, lr=lr, base_lr=1.0 if lr else 0.3)
+    layer = PerTokenTTTLayer(32, 2, lr=lr, base_lr=1.0 if lr else 0.3, read=read)
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 24, 32),))
     report = conv.ttt2la_report.layers[0]
     assert report.schedule == "parallel" and report.exact and report.reducible

@@ -144,3 +144,42 @@ def test_a_loop_kept_on_the_generic_plan_runs_the_code_s_own_products():
     body = state.loop_for(2).plan.program.body.graph
     assert not any(n.target is torch.ops.aten.bmm.default for n in body.nodes)
     assert sum(n.target is torch.ops.aten.sum.dim_IntList for n in body.nodes) == 1
+
+
+class RetrieveThenStore(nn.Module):
+    """Per token: read the memory with the query, then decay it by a gate and store the token
+    (``o_t = q_t S_{t-1}``, ``S_t = γ_t S_{t-1} + k_tᵀ v_t``); the memory after the last token
+    is returned beside the outputs, so the last update is live."""
+
+    def __init__(self, d=8, gated=True):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.g = nn.Linear(d, 1) if gated else None
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            outs.append(q[:, t, None] @ S)
+            if self.g is not None:
+                S = torch.sigmoid(self.g(x[:, t]))[:, :, None] * S
+            S = S + k[:, t, :, None] * v[:, t, None, :]
+        return torch.cat(outs, 1) + S.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_read_before_the_update_runs_on_the_token_causal_op(gated):
+    """The op reads after each update; a loop reading before it runs as the op on keys and
+    values one token later, its last update applied after (the returned memory sees it)."""
+    torch.manual_seed(0)
+    layer = RetrieveThenStore(gated=gated)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    assert (report.order, report.last_chunk) == ("exclusive", "update")
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 1, 8), torch.randn(3, 37, 8)])
+    layer64 = RetrieveThenStore(gated=gated).double()
+    conv64 = ttt2la.convert(layer64, level=0,
+                            example_inputs=(torch.randn(2, 12, 8, dtype=torch.float64),))
+    assert_same_function(conv64, layer64, torch.randn(2, 29, 8, dtype=torch.float64), tol=1e-10)

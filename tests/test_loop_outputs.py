@@ -34,6 +34,8 @@ FP32 = TOLERANCE[torch.float32]
 LAYERS = {
     "inline": (lambda **kw: PerTokenInlineTTTLayer(12, 3, **kw), 12, 0, "parallel"),
     "compiled-step": (lambda **kw: PerTokenTTTLayer(8, 2, **kw), 8, 0, "parallel"),
+    "compiled-step-read-before": (lambda **kw: PerTokenTTTLayer(8, 2, read="before", **kw), 8, 0,
+                                  "parallel"),
     "delta": (lambda **kw: DeltaMemoryLayer(8, 2, **kw), 8, 0, "semi-parallel"),
     "delta-gated-before": (lambda **kw: DeltaMemoryLayer(12, 3, decay=True, read="before",
                                                          grad="func", **kw),
@@ -90,7 +92,8 @@ def test_converted_buffer_layer_equals_the_layer_as_written(name, batch, length,
 
 
 @pytest.mark.parametrize("name, lengths", [("inline", (256, 4096)), ("delta", (64 * 4, 64 * 32)),
-                                           ("lact", (4 * 16 + 3, 4 * 256 + 3))])
+                                           ("lact", (4 * 16 + 3, 4 * 256 + 3)),
+                                           ("compiled-step-read-before", (256, 4096))])
 def test_the_buffer_adds_no_ops_that_grow_with_length(name, lengths):
     """Outside the runtime ops the converted layer dispatches the same ops at both lengths."""
     _, conv = converted(name)

@@ -186,18 +186,27 @@ def _split_by_statement(nodes: list[torch.fx.Node], loop: LoopSite) -> list[list
 
 def _split_at_marker(nodes: list[torch.fx.Node], depth: int,
                      n_iter: int | None) -> list[list[torch.fx.Node]]:
-    """The first op key that occurs exactly ``n_iter`` times marks where each iteration begins
-    (at the same offset inside every iteration). Without ``n_iter``, the most common occurrence
-    count of the keys is taken for it."""
+    """The first op key that occurs exactly ``n_iter`` times marks each iteration; an iteration
+    begins at the ops before its marker that the first iteration runs before its own (the
+    first iteration's prefix, as a multiset, walked back from the marker), so a last
+    iteration whose leading ops dead code removed (the token's key and value selected for an
+    update nobody reads) does not reach back into the one before it. Without ``n_iter``, the
+    most common occurrence count of the keys is taken for it."""
     keys = [iteration_key(n, depth) for n in nodes]
     counts = Counter(keys)
     if n_iter is None or n_iter not in counts.values():
         n_iter = Counter(counts.values()).most_common(1)[0][0]
     marker_pos = next(i for i, k in enumerate(keys) if counts[k] == n_iter)
     marker = keys[marker_pos]
-    starts = [i - marker_pos for i, k in enumerate(keys) if k == marker]
-    starts[0] = 0
-    starts = [max(s, 0) for s in starts] + [len(nodes)]
+    starts = [0]
+    for at in [i for i, k in enumerate(keys) if k == marker][1:]:
+        prefix = Counter(keys[:marker_pos])
+        start = at
+        while start > starts[-1] + 1 and prefix[keys[start - 1]] > 0:
+            prefix[keys[start - 1]] -= 1
+            start -= 1
+        starts.append(start)
+    starts.append(len(nodes))
     return [nodes[a:b] for a, b in zip(starts, starts[1:])]
 
 

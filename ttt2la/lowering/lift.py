@@ -295,12 +295,17 @@ def _states(program: TTTProgram):
         return None
     m = others[0] if others else None
     per_token = any(s.per_token for s in program.streams)
-    if (program.order, program.last_chunk) not in (("exclusive", "apply_only"),
-                                                    ("inclusive", "update")):
-        return None
-    if per_token and (program.order != "inclusive" or m is not None):
+    # the token-causal op reads after each update; a read before it is the same op on the
+    # keys and values shifted by one token (``LiftedPlan._read_first``), either tail
+    tails = PER_TOKEN_TAILS if per_token else BLOCK_TAILS
+    if (program.order, program.last_chunk) not in tails or (per_token and m is not None):
         return None
     return w, m, frozen
+
+
+#: The orders and last chunks a lifted loop may have: the block op's, and per token any.
+BLOCK_TAILS = (("exclusive", "apply_only"), ("inclusive", "update"))
+PER_TOKEN_TAILS = BLOCK_TAILS + (("exclusive", "update"),)
 
 
 def _accumulated(program, state_in, out, state_dep):
@@ -726,8 +731,11 @@ class LiftedPlan:
             if not _positive(per_chunk["decay"]):
                 return self._run_loop(states0, invariants)
             per_chunk = {"log_decay": per_chunk["decay"].log()}
-        o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk,
-                                  values=values)
+        if lp.kind == "chunk" and prog.order == "exclusive":
+            o, s_final = self._read_first(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk)
+        else:
+            o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk,
+                                      values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
         read = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
@@ -741,6 +749,25 @@ class LiftedPlan:
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
         return outputs, self._finals(states0, s_final)
+
+    def _read_first(self, phi_q, phi_k, value, s0, per_token: dict):
+        """A per-token loop that reads the state before each token's update, ``o_t = q_t
+        S_{t-1}``, on the token-causal op, which reads after it: the same op on keys, values
+        and log decays shifted one token later (the first token's zero key and zero log decay
+        leave ``S_0`` as it is), so the op's ``S_t`` is the loop's ``S_{t-1}``. Its final
+        state is the loop's after the last update but one; the last (``last_chunk ==
+        "update"``) is applied here."""
+        def later(x, pad: float):
+            first = torch.full_like(x[:, :1], pad)
+            return torch.cat([first, x[:, :-1]], 1)
+
+        shifted = {name: later(g, 0.0) for name, g in per_token.items()}
+        o, s_final = self._run_op(phi_q, later(phi_k, 0.0), later(value, 0.0), s0, shifted)
+        if self.lifted.program.last_chunk == "update":
+            if "log_decay" in per_token:
+                s_final = per_token["log_decay"][:, -1, :, None, None].exp() * s_final
+            s_final = s_final + phi_k[:, -1, :, :, None] * value[:, -1, :, None, :]
+        return o, s_final
 
     def _run_loop(self, states0, invariants):
         """The generic plan of the same program, looping over the chunks where it scans."""

@@ -1,7 +1,9 @@
 """Per-token test-time training with a linear fast weight and a dot-product binding loss.
 
 Every token first writes itself into the fast weight (one gradient step on ``-<k_t W, v_t>``), then the
-query of the same token reads it: ``W_t = W_{t-1} + eta_t k_t^T v_t``, ``o_t = q_t W_t``.
+query of the same token reads it: ``W_t = W_{t-1} + eta_t k_t^T v_t``, ``o_t = q_t W_t``; or, with
+``read="before"``, the query reads the fast weight before the token writes (retrieve, then store:
+``o_t = q_t W_{t-1}``).
 """
 from __future__ import annotations
 
@@ -20,17 +22,32 @@ def ttt_step(W, q_t, k_t, v_t, eta_t):
     return W, o_t
 
 
+@torch.compile(dynamic=False)
+def ttt_read_then_step(W, q_t, k_t, v_t, eta_t):
+    """One token read before it writes: ``o_t = q_t W``, then ``W + eta_t k_tᵀ v_t``."""
+    o_t = (q_t.unsqueeze(-2) @ W).squeeze(-2)
+    W = W + eta_t[..., None, None] * (k_t.unsqueeze(-1) * v_t.unsqueeze(-2))
+    return W, o_t
+
+
+STEPS = {"after": ttt_step, "before": ttt_read_then_step}
+
+
 class PerTokenTTTLayer(nn.Module):
     """Multi-head linear TTT layer updated token by token (update, then read).
 
     With ``lr=True`` the step size of each head is ``softplus(lr_proj(x) + softplus^-1(base_lr))`` per
     token; otherwise it is the constant ``base_lr``. ``outputs="buffer"`` writes every token's output into a
     tensor allocated before the scan (``o[:, t] = o_t``) instead of stacking a list after it.
+    ``read="before"`` reads the fast weight before each token's update instead of after it.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, lr: bool = True, base_lr: float = 1.0,
-                 outputs: str = "list"):
+                 outputs: str = "list", read: str = "after"):
         super().__init__()
+        if read not in STEPS:
+            raise ValueError(f"read must be one of {sorted(STEPS)}, got {read!r}")
+        self.step = STEPS[read]
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         if outputs not in ("list", "buffer"):
@@ -56,11 +73,11 @@ class PerTokenTTTLayer(nn.Module):
         if self.outputs == "buffer":
             o = torch.empty_like(q)
             for t in range(L):
-                W, o[:, t] = ttt_step(W, q[:, t], k[:, t], v[:, t], eta[:, t])
+                W, o[:, t] = self.step(W, q[:, t], k[:, t], v[:, t], eta[:, t])
             return o
         outs = []
         for t in range(L):
-            W, o_t = ttt_step(W, q[:, t], k[:, t], v[:, t], eta[:, t])
+            W, o_t = self.step(W, q[:, t], k[:, t], v[:, t], eta[:, t])
             outs.append(o_t)
         return torch.stack(outs, dim=1)
 
