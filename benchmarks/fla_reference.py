@@ -5,12 +5,14 @@ recurrence written by hand with matmuls, side by side.
     python benchmarks/fla_reference.py [--quick] [--rounds N] [--threads N] [--backward]
 
 Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA;
-no op takes it: the generic plan), the gated delta rule, and a per-token TTT layer that reads
-its fast weight before each token writes it (``zoo.PerTokenTTTLayer(read="before")``, its step a
-``torch.compile``d function run eagerly); 4 heads, 256 features, B = 2,
-L = 1024 (``--quick``: 256). Rows run interleaved in one process (``ttt2la.timing``): medians,
-spread, ratios as medians of per-round ratios against the layer as written, every converted row
-with the plan that ran and its error against the layer as written.
+no op takes it: the generic plan), the gated delta rule, Mamba-2's recurrence as its minimal
+reference steps it (state value-first, read by a sum over its last axis), and a per-token TTT
+layer that reads its fast weight before each token writes it
+(``zoo.PerTokenTTTLayer(read="before")``, its ``torch.compile``d step run eagerly); 4 heads,
+256 features, B = 2, L = 1024 (``--quick``: 256). Rows run interleaved in one process
+(``ttt2la.timing``): medians, spread, ratios as medians of per-round ratios against the layer
+as written, every converted row with the plan that ran and its error against the layer as
+written.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ def by_hand(layer: FlaReferenceLayer, x):
     """The layer's recurrence as a token loop of batched matmuls (``q_t S``, ``k_tᵀ v_t``)."""
     B, T, _ = x.shape
     H = layer.num_heads
+    if layer.rule == "ssd":
+        return ssd_by_hand(layer, x)
     q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in layer.qkv(x).chunk(3, -1))
     q = q * q.shape[-1] ** -0.5
     K = q.shape[-1]
@@ -55,6 +59,20 @@ def by_hand(layer: FlaReferenceLayer, x):
         outs.append(q[:, :, t, None, :] @ S)
     o = torch.cat(outs, 2)
     return layer.out(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def ssd_by_hand(layer: FlaReferenceLayer, x):
+    """Mamba-2's recurrence with matmuls: ``h ← e^{ΔA} h + (Δx)ᵀ B``, ``y = h Cᵀ``."""
+    B, T, _ = x.shape
+    C, Bk, xs = (t.view(B, T, layer.num_heads, -1) for t in layer.qkv(x).chunk(3, -1))
+    dt, A = F.softplus(layer.gate(x)), -torch.exp(layer.A_log)
+    h = x.new_zeros(B, layer.num_heads, xs.shape[-1], Bk.shape[-1])
+    ys = []
+    for t in range(T):
+        h = torch.exp(dt[:, t] * A)[..., None, None] * h \
+            + (dt[:, t, :, None] * xs[:, t]).unsqueeze(-1) @ Bk[:, t].unsqueeze(-2)
+        ys.append((h @ C[:, t].unsqueeze(-1))[..., 0])
+    return layer.out(torch.stack(ys, 1).reshape(B, T, -1))
 
 
 def read_first_by_hand(layer: PerTokenTTTLayer, x):

@@ -24,7 +24,8 @@ from ttt2la.zoo import FlaReferenceLayer
 from ttt2la.zoo.fla_reference import RULES
 
 OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
-       "vector_gate": "torch.vmap(parallel)", "gated_delta": "delta_rule"}
+       "vector_gate": "torch.vmap(parallel)", "gated_delta": "delta_rule",
+       "ssd": "chunk_linear_attention"}
 
 
 def _layer(rule, dtype=torch.float32, d=16, heads=2):

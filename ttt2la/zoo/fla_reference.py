@@ -4,7 +4,7 @@ Each kernel of that library ships a ``naive`` recurrence: a function over ``[B, 
 tensors that walks the tokens, decays and writes a state ``S [B, H, K, V]`` by broadcasting
 (``k[..., None] * v[..., None, :]``), reads it the same way (``(q[..., None] * S).sum(-2)``)
 and writes each token's output into a buffer allocated before the loop (``o[:, :, i] = …``).
-The functions here are written in that style for four recurrences:
+The functions here are written in that style for five recurrences:
 
 * ``retention`` — a fixed decay per head, ``1 − 2^(−5−h)`` (RetNet);
 * ``scalar_gate`` — a data-dependent decay per head and token, ``exp(g_t)`` with ``g_t ≤ 0``
@@ -12,7 +12,10 @@ The functions here are written in that style for four recurrences:
 * ``vector_gate`` — a decay per key channel, ``exp(g_t)`` with ``g_t [K]`` (GLA): no runtime
   op takes it, so it keeps the generic plan;
 * ``gated_delta`` — the gated delta rule: decay, then correct the value the state predicts for
-  the key by ``β_t`` (Gated DeltaNet).
+  the key by ``β_t`` (Gated DeltaNet);
+* ``ssd`` — Mamba-2's recurrence as its minimal reference steps it: a state ``h [B, H, P, N]``
+  laid out value-first, decayed by ``exp(Δ_t A)``, written ``(Δ_t x_t) ⊗ B_t`` and read by
+  summing ``h ⊙ C_t`` over its last axis.
 
 ``FlaReferenceLayer`` wraps one of them with projections, the way a model calls the reference.
 """
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta")
+RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta", "ssd")
 
 
 def retention_recurrence(q, k, v):
@@ -65,6 +68,19 @@ def gated_delta_recurrence(q, k, v, beta, g):
     return o
 
 
+def ssd_recurrence(x, dt, A, B, C):
+    """``h_t = exp(Δ_t A) h_{t-1} + (Δ_t x_t) ⊗ B_t``, ``y_t = Σ_n h_t[..., n] C_t[n]``:
+    ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, H, N]``."""
+    batch, T, H, P = x.shape
+    h = x.new_zeros(batch, H, P, B.shape[-1])
+    ys = []
+    for t in range(T):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        h = h * decay + (dt[:, t, :, None] * x[:, t])[..., :, None] * B[:, t, :, None, :]
+        ys.append((h * C[:, t, :, None, :]).sum(-1))
+    return torch.stack(ys, 1)
+
+
 class FlaReferenceLayer(nn.Module):
     """Multi-head token mixer running one reference recurrence (``rule``, one of ``RULES``):
     projections to heads, the recurrence, heads merged and projected out."""
@@ -77,14 +93,20 @@ class FlaReferenceLayer(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.rule, self.num_heads = rule, num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        gates = {"scalar_gate": num_heads, "vector_gate": d_model, "gated_delta": 2 * num_heads}
+        gates = {"scalar_gate": num_heads, "vector_gate": d_model, "gated_delta": 2 * num_heads,
+                 "ssd": num_heads}
         self.gate = nn.Linear(d_model, gates[rule]) if rule in gates else None
+        self.A_log = nn.Parameter(torch.zeros(num_heads)) if rule == "ssd" else None
         self.out = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]."""
         B, T, _ = x.shape
         H = self.num_heads
+        if self.rule == "ssd":                    # C, B and x: query, key and value
+            C, Bk, xs = (t.view(B, T, H, -1) for t in self.qkv(x).chunk(3, -1))
+            y = ssd_recurrence(xs, F.softplus(self.gate(x)), -torch.exp(self.A_log), Bk, C)
+            return self.out(y.reshape(B, T, -1))
         q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         q = q * q.shape[-1] ** -0.5
         if self.rule == "retention":
@@ -102,4 +124,4 @@ class FlaReferenceLayer(nn.Module):
 
 
 __all__ = ["FlaReferenceLayer", "RULES", "gated_delta_recurrence", "gated_recurrence",
-           "retention_recurrence"]
+           "retention_recurrence", "ssd_recurrence"]
