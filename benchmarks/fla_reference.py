@@ -6,7 +6,8 @@ recurrence written by hand with matmuls, side by side.
 
 Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA;
 no op takes it: the generic plan), the gated delta rule, Mamba-2's recurrence as its minimal
-reference steps it (state value-first, read by a sum over its last axis), and a per-token TTT
+reference steps it (state value-first, read by a sum over its last axis), linear attention with
+its normaliser (two memories: the generic plan, raced against its source), and a per-token TTT
 layer that reads its fast weight before each token writes it
 (``zoo.PerTokenTTTLayer(read="before")``, its ``torch.compile``d step run eagerly); 4 heads,
 256 features, B = 2, L = 1024 (``--quick``: 256). Rows run interleaved in one process
@@ -33,6 +34,8 @@ def by_hand(layer: FlaReferenceLayer, x):
     H = layer.num_heads
     if layer.rule == "ssd":
         return ssd_by_hand(layer, x)
+    if layer.rule == "normalised":
+        return normalised_by_hand(layer, x)
     q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in layer.qkv(x).chunk(3, -1))
     q = q * q.shape[-1] ** -0.5
     K = q.shape[-1]
@@ -57,6 +60,22 @@ def by_hand(layer: FlaReferenceLayer, x):
             vt = (vt - kt.mT @ S) * beta[:, :, t, None, None]
         S = S + kt @ vt
         outs.append(q[:, :, t, None, :] @ S)
+    o = torch.cat(outs, 2)
+    return layer.out(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def normalised_by_hand(layer: FlaReferenceLayer, x):
+    """Normalised linear attention with matmuls: ``q S / (q z + ε)``."""
+    B, T, _ = x.shape
+    q, k, v = (t.view(B, T, layer.num_heads, -1).transpose(1, 2)
+               for t in layer.qkv(x).chunk(3, -1))
+    q, k = F.elu(q * q.shape[-1] ** -0.5) + 1, F.elu(k) + 1
+    S, z, outs = x.new_zeros(B, layer.num_heads, k.shape[-1], v.shape[-1]), 0, []
+    for t in range(T):
+        S = S + k[:, :, t, :, None] @ v[:, :, t, None, :]
+        z = z + k[:, :, t, :, None]
+        qt = q[:, :, t, None, :]
+        outs.append(qt @ S / (qt @ z + 1e-6))
     o = torch.cat(outs, 2)
     return layer.out(o.transpose(1, 2).reshape(B, T, -1))
 

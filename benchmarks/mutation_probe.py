@@ -311,6 +311,12 @@ MUTATIONS = [
           "while start > starts[-1] + 1 and start > at - marker_pos:"),),
         ("tests/test_convert.py",), "per_token_layer_is_parallel"),
     Mutation(
+        "scanning_generic_plan_never_races", "a generic plan that prefix-sums every chunk's "
+        "states is not raced against the code as written (it can run at a fifth of its speed)",
+        (("ttt2la/lowering/executors.py", "        attention's, ran at 0.17-0.23x its token loop on a CPU).\"\"\"\n        return True",
+          "        attention's, ran at 0.17-0.23x its token loop on a CPU).\"\"\"\n        return self.loops_over_chunks"),),
+        ("tests/test_as_written.py",), "generic_plan_that_scans"),
+    Mutation(
         "streams_named_breadth_first", "streams named from their line breadth first, not in the "
         "order Python reads it",
         (("ttt2la/frontend/source_names.py", "return [name for _, _, name in sorted(found)]",

@@ -13,6 +13,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from hypothesis import given, settings, strategies as st
 
 import ttt2la
@@ -207,3 +209,43 @@ def test_the_conversions_checks_and_a_copy_start_no_race(monkeypatch):
     assert conv._ttt2la.as_written.races[(1, 32, torch.float32)].winner == WRITTEN
     again = copy.deepcopy(conv)
     assert not again._ttt2la.as_written.races
+
+
+class NormalisedLinearAttention(nn.Module):
+    """Causal linear attention with its normaliser, token by token: two memories (``S`` and the
+    keys' sum ``z``), so no runtime op takes it and the generic plan prefix-sums both."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = (F.elu(t) + 1 for t in self.qkv(x).chunk(3, -1))
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        z = x.new_zeros(x.shape[0], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            S = S + k[:, t, :, None] * v[:, t, None, :]
+            z = z + k[:, t]
+            outs.append((q[:, t, None] @ S)[:, 0] / ((q[:, t] * z).sum(-1, keepdim=True) + 1e-6))
+        return torch.stack(outs, 1)
+
+
+def test_a_generic_plan_that_scans_races_and_keeps_the_faster(monkeypatch):
+    """A generic plan that does not loop (every token's memories prefix-summed at once) can
+    lose to the user's loop by far: it races like a looping one."""
+    torch.manual_seed(0)
+    layer = NormalisedLinearAttention()
+    with race_as_written(True):
+        conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(1, 12, 8),))
+    x = torch.randn(1, 32, 8)
+    with torch.no_grad():
+        want = layer(x)
+    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0, cls=NormalisedLinearAttention)
+    with race_as_written(True), torch.no_grad():
+        for _ in range(CALLS_TO_DECIDE + 2):
+            assert rel_rms_error(conv(x), want) <= 1e-5
+    plan = conv._ttt2la.loop_for(1).plan
+    assert plan.implementation == "torch.vmap(parallel)" and not plan.loops_over_chunks
+    assert conv._ttt2la.as_written.races[(1, 32, torch.float32)].winner == WRITTEN
+    assert costs.written_calls == _expected_written_calls(CALLS_TO_DECIDE + 2, WRITTEN)

@@ -25,7 +25,7 @@ from ttt2la.zoo.fla_reference import RULES
 
 OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
        "vector_gate": "torch.vmap(parallel)", "gated_delta": "delta_rule",
-       "ssd": "chunk_linear_attention"}
+       "ssd": "chunk_linear_attention", "normalised": "torch.vmap(parallel)"}
 
 
 def _layer(rule, dtype=torch.float32, d=16, heads=2):

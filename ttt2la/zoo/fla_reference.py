@@ -4,7 +4,7 @@ Each kernel of that library ships a ``naive`` recurrence: a function over ``[B, 
 tensors that walks the tokens, decays and writes a state ``S [B, H, K, V]`` by broadcasting
 (``k[..., None] * v[..., None, :]``), reads it the same way (``(q[..., None] * S).sum(-2)``)
 and writes each token's output into a buffer allocated before the loop (``o[:, :, i] = …``).
-The functions here are written in that style for five recurrences:
+The functions here are written in that style for six recurrences:
 
 * ``retention`` — a fixed decay per head, ``1 − 2^(−5−h)`` (RetNet);
 * ``scalar_gate`` — a data-dependent decay per head and token, ``exp(g_t)`` with ``g_t ≤ 0``
@@ -15,7 +15,9 @@ The functions here are written in that style for five recurrences:
   the key by ``β_t`` (Gated DeltaNet);
 * ``ssd`` — Mamba-2's recurrence as its minimal reference steps it: a state ``h [B, H, P, N]``
   laid out value-first, decayed by ``exp(Δ_t A)``, written ``(Δ_t x_t) ⊗ B_t`` and read by
-  summing ``h ⊙ C_t`` over its last axis.
+  summing ``h ⊙ C_t`` over its last axis;
+* ``normalised`` — linear attention with its normaliser (``φ = elu + 1``): a second memory, the
+  keys' running sum, divides each read. Two memories are no runtime op's: the generic plan.
 
 ``FlaReferenceLayer`` wraps one of them with projections, the way a model calls the reference.
 """
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta", "ssd")
+RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta", "ssd", "normalised")
 
 
 def retention_recurrence(q, k, v):
@@ -65,6 +67,20 @@ def gated_delta_recurrence(q, k, v, beta, g):
         correction = (v[:, :, i] - predicted) * beta[:, :, i, None]
         S = S + k[:, :, i].unsqueeze(-1) * correction.unsqueeze(-2)
         o[:, :, i] = torch.einsum("bhk,bhkv->bhv", q[:, :, i], S)
+    return o
+
+
+def normalised_recurrence(q, k, v, eps: float = 1e-6):
+    """``o_t = φ(q_t) S_t / (φ(q_t)·z_t + ε)``, ``S_t = Σ φ(k)ᵀv``, ``z_t = Σ φ(k)``."""
+    q, k = F.elu(q) + 1, F.elu(k) + 1
+    B, H, T, K = q.shape
+    S, z = q.new_zeros(B, H, K, v.shape[-1]), q.new_zeros(B, H, K)
+    o = torch.zeros_like(v)
+    for i in range(T):
+        S = S + k[:, :, i, :, None] * v[:, :, i, None, :]
+        z = z + k[:, :, i]
+        o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2) / \
+            ((q[:, :, i] * z).sum(-1, keepdim=True) + eps)
     return o
 
 
@@ -111,6 +127,8 @@ class FlaReferenceLayer(nn.Module):
         q = q * q.shape[-1] ** -0.5
         if self.rule == "retention":
             o = retention_recurrence(q, k, v)
+        elif self.rule == "normalised":
+            o = normalised_recurrence(q, k, v)
         elif self.rule == "scalar_gate":
             o = gated_recurrence(q, k, v, F.logsigmoid(self.gate(x) + 4).transpose(1, 2))
         elif self.rule == "vector_gate":
@@ -124,4 +142,4 @@ class FlaReferenceLayer(nn.Module):
 
 
 __all__ = ["FlaReferenceLayer", "RULES", "gated_delta_recurrence", "gated_recurrence",
-           "retention_recurrence", "ssd_recurrence"]
+           "normalised_recurrence", "retention_recurrence", "ssd_recurrence"]
