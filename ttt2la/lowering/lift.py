@@ -82,25 +82,38 @@ def strip(n):
 def _only_reshapes(source, n: torch.fx.Node) -> bool:
     """Whether the chain of one-input relayouts from ``source`` to ``n`` gives every element
     of ``source`` the place ``reshape`` would: the chain replayed on ``arange``."""
-    chain = []
-    node = n
+    found = replayed(n, source)
+    if found is None:
+        return False
+    x, y = found
+    return (tuple(y.shape) == tuple(n.meta["val"].shape)
+            and torch.equal(y.reshape(-1), x.reshape(-1)))
+
+
+def replayed(n, source, targets=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, y)``: ``arange`` in ``source``'s traced shape, and ``y`` the same elements through
+    the chain of one-input ops (reading only constants besides, of ``targets`` where given)
+    from ``source`` to ``n``, replayed — where every element lands; None when ``n`` is no such
+    chain of ``source`` or the replay fails."""
+    chain, node = [], n
     while node is not source:
-        if any(isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
-            return False
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function" \
+                or (targets is not None and node.target not in targets) or any(
+                    isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
         chain.append(node)
         node = node.args[0]
     if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
-        return False
+        return None
     shape = tuple(source.meta["val"].shape)
     x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
     y = x
     try:
-        for node in reversed(chain):
-            y = node.target(y, *node.args[1:], **node.kwargs)
+        for op in reversed(chain):
+            y = op.target(y, *op.args[1:], **op.kwargs)
     except Exception:
-        return False
-    return (tuple(y.shape) == tuple(n.meta["val"].shape)
-            and torch.equal(y.reshape(-1), x.reshape(-1)))
+        return None
+    return x, y
 
 
 def _shape(n: torch.fx.Node) -> tuple:
@@ -860,4 +873,4 @@ class LiftedPlan:
 
 
 __all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "contraction", "find_read",
-           "strip"]
+           "replayed", "strip"]

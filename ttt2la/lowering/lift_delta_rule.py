@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime.delta_rule import DELTA_CHUNK_SIZE, delta_rule
 from .chunking import assemble_outputs, chunk_layout, chunk_stream
 from .executors import extract, shape_only
+from .lift import replayed
 from .lift_delta import DeltaScanPlan, scanned_groups
 from .precision import promoted, relative_error
 
@@ -167,23 +167,10 @@ def _relayout_of(n, state: torch.fx.Node) -> bool | None:
     base, swapped = _relayout(n)
     if base is state:
         return swapped
-    chain, node = [], n
-    while isinstance(node, torch.fx.Node) and node is not state:
-        if node.op != "call_function" or node.target not in _MOVES or any(
-                isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
-            return None
-        chain.append(node)
-        node = node.args[0]
-    if node is not state or "val" not in n.meta:
+    found = replayed(n, state, _MOVES)
+    if found is None:
         return None
-    shape = tuple(state.meta["val"].shape)
-    x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
-    y = x
-    try:
-        for op in reversed(chain):
-            y = op.target(y, *op.args[1:], **op.kwargs)
-    except (RuntimeError, TypeError, ValueError, IndexError):
-        return None
+    x, y = found
     for swapped, folded in ((False, x), (True, x.transpose(-1, -2))):
         if y.shape[-2:] == folded.shape[-2:] and y.numel() == folded.numel() \
                 and torch.equal(y.reshape(-1), folded.reshape(-1)):
