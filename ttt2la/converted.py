@@ -167,7 +167,7 @@ class ConvertedState:
                 f"layer (or None), got {type(state).__name__}")
         flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
-        if self.streamable is None:
+        if self.streamable is None and L > 0:    # no tokens to probe with: the call refuses
             self.streamable = streaming_problem(self, module, flat) or ""
         if self.streamable:
             raise StreamingError(
