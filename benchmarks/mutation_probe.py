@@ -288,12 +288,13 @@ MUTATIONS = [
     Mutation(
         "generic_plan_runs_read_products", "a loop kept on the generic plan runs the products "
         "the matchers read as matmuls (a one-row bmm per token) instead of the code's own",
-        (("ttt2la/lowering/executors.py", "as_written = written(program)", "as_written = program"),),
+        (("ttt2la/lowering/executors.py", "program, analysis = written(program, analysis)",
+          "pass"),),
         ("tests/test_fla_reference_styles.py",), "own_products"),
     Mutation(
         "read_first_unshifted", "a per-token loop that reads before its update runs the "
         "token-causal op on unshifted keys (each token reads its own write)",
-        (("ttt2la/lowering/lift.py", "self._run_op(phi_q, later(phi_k, 0.0), later(value, 0.0)",
+        (("ttt2la/lowering/lift.py", "self._run_op(phi_q, later(phi_k), later(value)",
           "self._run_op(phi_q, phi_k, value"),),
         ("tests/test_fla_reference_styles.py", "tests/test_stream_exclusive.py"), ""),
     Mutation(

@@ -198,9 +198,10 @@ def _split_at_marker(nodes: list[torch.fx.Node], depth: int,
         n_iter = Counter(counts.values()).most_common(1)[0][0]
     marker_pos = next(i for i, k in enumerate(keys) if counts[k] == n_iter)
     marker = keys[marker_pos]
+    first_prefix = Counter(keys[:marker_pos])
     starts = [0]
     for at in [i for i, k in enumerate(keys) if k == marker][1:]:
-        prefix = Counter(keys[:marker_pos])
+        prefix = first_prefix.copy()
         start = at
         while start > starts[-1] + 1 and prefix[keys[start - 1]] > 0:
             prefix[keys[start - 1]] -= 1

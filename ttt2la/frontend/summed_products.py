@@ -135,15 +135,14 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, found: SummedProduct)
     meta = {k: node.meta[k] for k in (FRAMES, SRC, "stack_trace") if k in node.meta}
     # values in the trace's own fake mode, as every other node holds them
     mode = detect_fake_mode([found.a.meta["val"], found.b.meta["val"]])
+    chain = next(_chains)
     with mode if mode is not None else contextlib.nullcontext():
         for n in [n for n in gm.graph.nodes if n not in before]:
-            n.meta = {**meta, "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
-    chain = next(_chains)
-    for n in [n for n in gm.graph.nodes if n not in before]:
-        n.meta[PRODUCT_CHAIN] = chain
-        for i, x in enumerate((found.a, found.b)):
-            if x in n.all_input_nodes:
-                n.meta[PRODUCT_OPERAND] = i
+            n.meta = {**meta, PRODUCT_CHAIN: chain,
+                      "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
+            for i, x in enumerate((found.a, found.b)):
+                if x in n.all_input_nodes:
+                    n.meta[PRODUCT_OPERAND] = i
     y.meta[SUMMED_PRODUCT] = (tuple(d - found.rank for d in found.summed), found.keepdim)
     prod = node.args[0]
     node.replace_all_uses_with(y)

@@ -720,9 +720,8 @@ def lower(program: TTTProgram, analysis: Analysis | None = None, backend: str = 
             f"(vmap over chunks); use backend='torch' or 'auto'.")
     if analysis is not None and analysis.program.body.graph is not program.body.graph:
         raise ValueError("the analysis belongs to a different program; call analyze(program)")
-    as_written = written(program)            # the generic plan runs the code's own products
-    if as_written is not program:
-        program, analysis = as_written, None
+    # the generic plan runs the code's own products
+    program, analysis = written(program, analysis)
     if analysis is None:
         analysis = analyze(program)
     schedule = schedule or analysis.schedule

@@ -770,12 +770,11 @@ class LiftedPlan:
         leave ``S_0`` as it is), so the op's ``S_t`` is the loop's ``S_{t-1}``. Its final
         state is the loop's after the last update but one; the last (``last_chunk ==
         "update"``) is applied here."""
-        def later(x, pad: float):
-            first = torch.full_like(x[:, :1], pad)
-            return torch.cat([first, x[:, :-1]], 1)
+        def later(x):
+            return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
 
-        shifted = {name: later(g, 0.0) for name, g in per_token.items()}
-        o, s_final = self._run_op(phi_q, later(phi_k, 0.0), later(value, 0.0), s0, shifted)
+        shifted = {name: later(g) for name, g in per_token.items()}
+        o, s_final = self._run_op(phi_q, later(phi_k), later(value), s0, shifted)
         if self.lifted.program.last_chunk == "update":
             if "log_decay" in per_token:
                 s_final = per_token["log_decay"][:, -1, :, None, None].exp() * s_final

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.func import jvp, vmap
 
-from ..analysis.associativity import Analysis, analyze
+from ..analysis.associativity import Analysis
 from ..analysis.dependence import Dep
 from ..ir import TTTProgram
 from ..runtime import matrix_affine_scan
@@ -290,9 +290,7 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
     exact = lift_delta_rule(program, analysis, schedule, carried[0] if carried else None)
     if exact is not None:
         return exact
-    as_written = written(program)            # the scan runs the code's own products
-    if as_written is not program:
-        program, analysis = as_written, analyze(as_written)
+    program, analysis = written(program, analysis)     # the scan runs the code's own products
     analysis.require_schedule(schedule)
     plan = DeltaScanPlan(program, analysis, schedule)
     plan.sides.update({t: side for t, side in (sides or {}).items()

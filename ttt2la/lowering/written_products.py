@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..analysis.associativity import Analysis, analyze
 from ..ir import PRODUCT_CHAIN, PRODUCT_OPERAND, SRC, SUMMED_PRODUCT, TTTProgram
 
 aten = torch.ops.aten
@@ -50,15 +51,16 @@ def products_as_written(graph: torch.fx.Graph) -> bool:
     return changed
 
 
-def written(program: TTTProgram) -> TTTProgram:
-    """``program``, or a copy of it running the code's own products where it has rewritten
-    ones."""
+def written(program: TTTProgram, analysis: Analysis | None = None
+            ) -> tuple[TTTProgram, Analysis | None]:
+    """``(program, analysis)`` unchanged, or, where the program has rewritten products, a copy
+    running the code's own and that copy's analysis: what a generic plan is built on."""
     if not any(SUMMED_PRODUCT in n.meta for n in program.body.graph.nodes):
-        return program
+        return program, analysis
     copy = program.clone()
     products_as_written(copy.body.graph)
     copy.body.recompile()
-    return copy
+    return copy, analyze(copy)
 
 
 __all__ = ["products_as_written", "written"]
