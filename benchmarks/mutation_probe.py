@@ -323,6 +323,38 @@ MUTATIONS = [
         (("ttt2la/frontend/source_names.py", "return [name for _, _, name in sorted(found)]",
           "return [name for _, _, name in found]"),),
         ("tests/test_fla_reference_styles.py",), "named_in_the_order"),
+    Mutation(
+        "channel_decay_between_off_by_one", "the sub-chunks between a key and a query sub-chunk "
+        "include the query's own (a decay per key channel counted twice)",
+        (("ttt2la/runtime/channel_decay.py", "return torch.cat([closed, Z[..., :-1, :, :]], dim=-3)",
+          "return torch.cat([closed, Z[..., 1:, :, :]], dim=-3)"),),
+        ("tests/test_runtime_chunk.py",), "per_channel_takes_each_path"),
+    Mutation(
+        "channel_decay_exact_transposed", "the exact per-channel decay inside a sub-chunk reads "
+        "its segment sums transposed",
+        (("ttt2la/runtime/channel_decay.py", "decays = segment_sums(g.transpose(-1, -2)).exp()",
+          "decays = segment_sums(g.transpose(-1, -2)).exp().mT"),),
+        ("tests/test_runtime_chunk.py",), "per_channel_takes_each_path and strong"),
+    Mutation(
+        "channel_decay_rows_unscanned", "chunk-boundary states decayed per head (the first "
+        "channel's factor) instead of per key channel",
+        (("ttt2la/runtime/channel_decay.py",
+          "states = blocked_scan(decay.transpose(1, 2).reshape(R * Dk, n), rows, init)",
+          "states = blocked_scan(decay[..., :1].expand(R, n, Dk).transpose(1, 2)"
+          ".reshape(R * Dk, n), rows, init)"),),
+        ("tests/test_runtime_chunk.py",), "random_shapes_and_options_fp32"),
+    Mutation(
+        "key_decay_on_value_axis", "a decay per value channel taken for one per key channel",
+        (("ttt2la/lowering/lift.py",
+          "if decay_axis is not None and decay_axis != (-1 if transposed else -2):",
+          "if decay_axis is False:"),),
+        ("tests/test_fla_reference_styles.py",), "per_value_channel"),
+    Mutation(
+        "read_first_key_decay_last", "a read-before loop's last update decays its state per "
+        "head (the first key channel's decay) instead of per key channel",
+        (("ttt2la/lowering/lift.py", "s_final = last.reshape(*last.shape[:2], -1, 1).exp() * s_final",
+          "s_final = last.reshape(*last.shape[:2], -1, 1)[:, :, :1].exp() * s_final"),),
+        ("tests/test_fla_reference_styles.py",), "per_key_channel and before"),
 ]
 
 

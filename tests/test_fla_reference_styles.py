@@ -3,10 +3,11 @@ read and corrected by broadcasting and summing, outputs written into a buffer, a
 per token or per key channel.
 
 Each converts exactly (outputs and every parameter gradient within the fp32 tolerance, ≤ 1e-10 in
-float64) onto the op its recurrence is: retention and the scalar gate onto the token-causal op
-with a log decay, the gated delta rule onto ``delta_rule``; a decay per key channel, which no op
-takes, keeps the generic plan. A decay that is not positive in a call has no log: that call runs
-the generic plan and the report says so.
+float64) onto the op its recurrence is: retention, the scalar gate and the gate per key channel
+onto the token-causal op with a log decay (per head, per key channel), the gated delta rule onto
+``delta_rule``; a decay per value channel, which no op takes, keeps the generic plan. A decay
+that is not positive in a call has no log: that call runs the generic plan and the report says
+so.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ttt2la.zoo import FlaReferenceLayer
 from ttt2la.zoo.fla_reference import RULES
 
 OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
-       "vector_gate": "torch.vmap(parallel)", "gated_delta": "delta_rule",
+       "vector_gate": "chunk_linear_attention", "gated_delta": "delta_rule",
        "ssd": "chunk_linear_attention", "normalised": "torch.vmap(parallel)"}
 
 
@@ -132,13 +133,83 @@ def test_the_same_slice_taken_twice_is_one_stream():
     assert sorted(names) == sorted(set(names)) == ["beta", "g", "k", "q", "v"], layer.streams
 
 
+class ChannelGate(nn.Module):
+    """GLA's recurrence with its gate per key channel or per value channel, the state laid out
+    key-first (``[K, V]``, as flash-linear-attention's reference) or value-first (``[V, K]``,
+    as Mamba-2's), read before each token's write (the final memory returned too) or after."""
+
+    def __init__(self, d=8, heads=2, axis="key", layout="key_first", read="after"):
+        super().__init__()
+        self.heads, self.axis, self.layout, self.read = heads, axis, layout, read
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        g = torch.nn.functional.logsigmoid(self.gate(x) + 2).view(B, T, self.heads, -1)
+        g = g.transpose(1, 2)
+        key_first = self.layout == "key_first"
+        S = x.new_zeros(B, self.heads, k.shape[-1], v.shape[-1])
+        if not key_first:
+            S = S.transpose(-1, -2)
+        o = torch.zeros_like(v)
+        for i in range(T):
+            if self.read == "before":
+                o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2) if key_first else \
+                    (S * q[:, :, i, None, :]).sum(-1)
+            gate = g[:, :, i].exp()
+            per_row = (self.axis == "key") == key_first
+            S = S * (gate[..., None] if per_row else gate[..., None, :])
+            S = S + (k[:, :, i, :, None] * v[:, :, i, None, :] if key_first
+                     else v[:, :, i, :, None] * k[:, :, i, None, :])
+            if self.read == "after":
+                o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2) if key_first else \
+                    (S * q[:, :, i, None, :]).sum(-1)
+        y = o.transpose(1, 2).reshape(B, T, d)
+        # read first, the memory after the last token is returned too: the last write is live
+        return y if self.read == "after" else y + S.sum((1, 2, 3))[:, None, None]
+
+
+@pytest.mark.parametrize("layout", ["key_first", "value_first"])
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_a_gate_per_key_channel_runs_on_the_token_causal_op(layout, read):
+    """Whichever way the state is laid out and whenever it is read, a decay along its key axis
+    is the op's log decay per key channel: fp32 within 1e-5, float64 within 1e-10."""
+    torch.manual_seed(0)
+    layer = ChannelGate(layout=layout, read=read)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 1, 8), torch.randn(3, 70, 8)])
+    layer64 = ChannelGate(layout=layout, read=read).double()
+    conv64 = ttt2la.convert(layer64, level=0,
+                            example_inputs=(torch.randn(2, 12, 8, dtype=torch.float64),))
+    assert_same_function(conv64, layer64, torch.randn(2, 41, 8, dtype=torch.float64), tol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["key_first", "value_first"])
+def test_a_gate_per_value_channel_keeps_the_generic_plan(layout):
+    """A decay along the value axis is no log decay of the op, which decays the rows it reads
+    keys against: exact on the generic plan instead."""
+    torch.manual_seed(0)
+    layer = ChannelGate(axis="value", layout=layout)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    assert not report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, torch.randn(2, 30, 8))
+
+
 def test_a_loop_kept_on_the_generic_plan_runs_the_code_s_own_products():
     """The products read as matmuls are for the matchers: a loop that lifts onto no op (a gate
-    per key channel) runs ``sum(a * b)`` as written, not a one-row ``bmm`` per token."""
+    per value channel) runs ``sum(a * b)`` as written, not a one-row ``bmm`` per token."""
     from ttt2la.converted import is_converted
     from ttt2la.ir import SUMMED_PRODUCT
 
-    conv = _converted(_layer("vector_gate"))
+    torch.manual_seed(0)
+    conv = ttt2la.convert(ChannelGate(axis="value"), level=0,
+                          example_inputs=(torch.randn(2, 12, 8),))
     state = next(m._ttt2la for m in conv.modules() if is_converted(m))
     traced = state.program.body.graph
     assert any(SUMMED_PRODUCT in n.meta for n in traced.nodes)

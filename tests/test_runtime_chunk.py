@@ -22,14 +22,16 @@ def hand_recurrence(q, k, v, *, chunk_size=None, log_decay=None, scale=None, ini
          else initial_state)
     outs = []
     for t in range(T):
-        if log_decay is not None:
-            S = S * log_decay[:, t].exp()[:, :, None, None]
+        if log_decay is not None:   # one factor per head, or per key channel (a row of S)
+            S = S * log_decay[:, t].exp().reshape(B, H, -1, 1)
         S = S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
         outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))
     o = torch.stack(outs, dim=1)
     return (o if scale is None else scale * o), (S if output_final_state else None)
 
 TENSOR_OPTIONS = ("log_decay", "initial_state")
+DECAY_SHAPE = {True: lambda B, T, H, Dk: (B, T, H), "head": lambda B, T, H, Dk: (B, T, H),
+               "channel": lambda B, T, H, Dk: (B, T, H, Dk)}
 
 
 def make_case(seed, *, B, T, H, Dk, Dv, C, decay, scale, initial_state, dtype):
@@ -38,8 +40,10 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, decay, scale, initial_state, dtype):
     tensors = tuple(x.to(dtype) for x in (rand(B, T, H, Dk), rand(B, T, H, Dk), rand(B, T, H, Dv)))
     options = dict(
         chunk_size=C, scale=scale,
-        # log-sigmoid of a normal: decays between ~0.05 and ~1, as gated linear attention uses
-        log_decay=torch.nn.functional.logsigmoid(rand(B, T, H) + 2).to(dtype) if decay else None,
+        # log-sigmoid of a normal: decays between ~0.05 and ~1, as gated linear attention uses;
+        # per head, or per key channel (GLA)
+        log_decay=(torch.nn.functional.logsigmoid(rand(*DECAY_SHAPE[decay](B, T, H, Dk)) + 2)
+                   .to(dtype) if decay else None),
         initial_state=rand(B, H, Dk, Dv).to(dtype) if initial_state else None,
     )
     return tensors, options
@@ -76,7 +80,8 @@ def assert_matches_reference(tensors, options, output_final_state, seed):
 
 case = st.fixed_dictionaries(dict(
     B=st.integers(1, 2), H=st.integers(1, 3), Dk=st.integers(1, 9), Dv=st.integers(1, 9),
-    C=st.integers(1, 8), decay=st.booleans(), scale=st.sampled_from([None, 0.37]),
+    C=st.integers(1, 8), decay=st.sampled_from([False, "head", "channel"]),
+    scale=st.sampled_from([None, 0.37]),
     initial_state=st.booleans(), final=st.booleans(), seed=st.integers(0, 2**31 - 1),
     t_frac=st.floats(0.0, 1.0)))
 
@@ -117,7 +122,7 @@ def test_naive_reference_matches_the_hand_written_recurrence(c):
 
 
 @pytest.mark.parametrize("T,C", [(1, 4), (4, 4), (5, 4), (8, 4), (3, 64), (37, 8)])
-@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("decay", [False, "head", "channel"])
 def test_edge_lengths_against_reference(T, C, decay):
     """T < C, T = C, T = C + 1, T = 2C, ragged, with a non-power-of-two feature size."""
     tensors, options = make_case(T * C, B=2, T=T, H=2, Dk=6, Dv=5, C=C, decay=decay, scale=0.5,
@@ -147,14 +152,58 @@ def test_strong_decay_over_a_long_sequence():
     assert rel_rms_error(final, final_ref) < TOLERANCE[torch.float32]
 
 
+#: Log decays per key channel whose chunks take each path of ``channel_decay``: mild (factored
+#: over the chunk), medium (sub-chunks, each factored), strong (sub-chunks, exact inside).
+CHANNEL_STRENGTHS = {"mild": (0.01, []), "medium": (0.3, ["_sub_chunked", "_factored"]),
+                     "strong": (3.0, ["_sub_chunked", "_exact"])}
+
+
+@pytest.mark.parametrize("strength", list(CHANNEL_STRENGTHS))
+@pytest.mark.parametrize("T,C", [(64, 64), (150, 64), (97, 32), (40, 20), (13, 64)])
+def test_decay_per_channel_takes_each_path_exactly(T, C, strength, monkeypatch):
+    """Every path of the per-channel algorithm against the token-by-token recurrence (fp32
+    within 1e-5 of float64, gradients included); a spy confirms the path taken."""
+    import ttt2la.runtime.channel_decay as channel_decay
+    rate, path = CHANNEL_STRENGTHS[strength]
+    called = []
+    for name in ("_factored", "_sub_chunked", "_exact"):
+        fn = getattr(channel_decay, name)
+        monkeypatch.setattr(channel_decay, name,
+                            lambda *a, _fn=fn, _name=name: called.append(_name) or _fn(*a))
+    tensors, options = make_case(T + C, B=2, T=T, H=2, Dk=6, Dv=5, C=C, decay=False, scale=None,
+                                 initial_state=True, dtype=torch.float32)
+    g = torch.Generator().manual_seed(T)
+    options["log_decay"] = -rate * torch.rand(2, T, 2, 6, generator=g) * 2
+    assert_matches_reference(tensors, options, True, T)
+    if T >= 32 or strength == "mild":
+        assert sorted(set(called)) == sorted(path), called
+
+
+def test_strong_decay_per_channel_over_a_long_sequence():
+    """As the per-head test below: log decays per channel from -0.001 to -40 (one channel nearly
+    constant, one forgetting at once) stay exact and finite over 2048 tokens."""
+    B, T, H, D = 1, 2048, 2, 5
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    log_decay = -torch.logspace(-3, 1.6, D) * torch.rand(B, T, H, D, generator=g)
+    o, final = chunk_linear_attention(q, k, v, log_decay=log_decay, output_final_state=True)
+    o_ref, final_ref = hand_recurrence(q.double(), k.double(), v.double(),
+                                       log_decay=log_decay.double(), output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+    assert rel_rms_error(o, o_ref) < TOLERANCE[torch.float32]
+    assert rel_rms_error(final, final_ref) < TOLERANCE[torch.float32]
+
+
 def test_chunk_size_does_not_change_the_result():
     tensors, options = make_case(5, B=1, T=50, H=2, Dk=3, Dv=7, C=1, decay=True, scale=None,
                                  initial_state=True, dtype=torch.float64)
-    outs = [chunk_linear_attention(*tensors, **(options | dict(chunk_size=C)),
-                                   output_final_state=True) for C in (1, 7, 16, 50, 64)]
-    for o, final in outs[1:]:
-        assert rel_rms_error(o, outs[0][0]) < TOLERANCE[torch.float64]
-        assert rel_rms_error(final, outs[0][1]) < TOLERANCE[torch.float64]
+    per_channel = options["log_decay"].unsqueeze(-1).expand(1, 50, 2, 3) * torch.rand(3)
+    for decay in (options["log_decay"], per_channel):
+        outs = [chunk_linear_attention(*tensors, **(options | dict(chunk_size=C, log_decay=decay)),
+                                       output_final_state=True) for C in (1, 7, 16, 50, 64)]
+        for o, final in outs[1:]:
+            assert rel_rms_error(o, outs[0][0]) < TOLERANCE[torch.float64]
+            assert rel_rms_error(final, outs[0][1]) < TOLERANCE[torch.float64]
 
 
 def test_scale_defaults_to_one():
@@ -180,6 +229,7 @@ def test_named_for_the_report():
 @pytest.mark.parametrize("bad", [
     dict(chunk_size=0),
     dict(log_decay=torch.zeros(1, 6, 2)),
+    dict(log_decay=torch.zeros(1, 6, 1, 3)),
     dict(initial_state=torch.zeros(1, 1, 3, 2)),
 ])
 def test_malformed_arguments_raise_conversion_errors(bad):
@@ -195,7 +245,8 @@ def ops_for(chunks, decay):
     B, H, D, C = 1, 2, 3, 2
     T = chunks * C
     x = [torch.randn(B, T, H, D, requires_grad=True) for _ in range(3)]
-    g = (torch.nn.functional.logsigmoid(torch.randn(B, T, H)).requires_grad_() if decay
+    shape = (B, T, H, D) if decay == "channel" else (B, T, H)
+    g = (torch.nn.functional.logsigmoid(torch.randn(shape)).requires_grad_() if decay
          else None)
     with CountOps() as counter:
         o, final = chunk_linear_attention(x[0], x[1], x[2], chunk_size=C, log_decay=g,
@@ -204,7 +255,7 @@ def ops_for(chunks, decay):
     return counter.count
 
 
-@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("decay", [False, "head", "channel"])
 def test_dispatched_ops_grow_at_most_logarithmically_with_chunks(decay):
     """16 → 256 → 4096 chunks: one more level of the log-depth state scan per 16×, nothing more
     (a loop over chunks would add at least 240, then 3840 ops)."""

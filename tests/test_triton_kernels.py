@@ -442,6 +442,7 @@ def test_supports_accepts_what_the_kernels_implement():
     ("malformed order", "block", dict(order="sideways")),
     ("unknown op", "attention", {}),
     ("block option on the token op", "chunk", dict(order="inclusive")),
+    ("decay per key channel is torch-only", "chunk", dict(log_decay=-torch.rand(1, 6, 2, 4))),
 ])
 def test_supports_refuses_what_the_kernels_do_not_implement(why, op, change):
     change = dict(change)
@@ -449,6 +450,8 @@ def test_supports_refuses_what_the_kernels_do_not_implement(why, op, change):
     options.update({k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in change.items()})
     if op == "chunk":
         options.pop("chunk_size")
+        if "order" not in change:
+            options.pop("order")
     assert not kernels.supports(op, *tensors, **options), why
 
 

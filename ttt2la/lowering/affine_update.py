@@ -94,12 +94,32 @@ def _constant(x) -> bool:
 def is_factor(x, state_dep: set) -> bool:
     """A constant, or a state-free node holding one number per matrix (``[..., 1, 1]``, a
     scalar, a ``[1]``)."""
+    return _factor_shape(x, state_dep) == (1, 1)
+
+
+def is_vector_factor(x, state_dep: set) -> bool:
+    """``is_factor``, or a state-free node holding one number per row or per column of each
+    matrix (``[..., d, 1]`` or ``[..., 1, d]``): a decay per key channel (GLA's gate)."""
+    shape = _factor_shape(x, state_dep)
+    return shape is not None and 1 in shape
+
+
+def _factor_shape(x, state_dep: set) -> tuple | None:
+    """The last two sizes of a state-free value (``(1, 1)`` for a constant), else ``None``."""
     if _constant(x):
-        return True
+        return (1, 1)
     if not isinstance(x, torch.fx.Node) or x in state_dep or "val" not in x.meta:
-        return False
+        return None
     shape = tuple(x.meta["val"].shape)
-    return all(d == 1 for d in shape[-2:])
+    return ((1, 1) + shape)[-2:]
+
+
+def vector_axis(p: Polynomial) -> int | bool | None:
+    """The matrix axis (-2: rows, -1: columns) along which ``p``'s factors vary (``is_vector_factor``),
+    ``None`` when each holds one number per matrix, ``False`` when they vary along both."""
+    axes = {-2 if shape[0] > 1 else -1 for _, fs in p for f in fs
+            if (shape := _factor_shape(f, set())) != (1, 1)}
+    return None if not axes else (axes.pop() if len(axes) == 1 else False)
 
 
 def as_polynomial(x) -> Polynomial:
@@ -107,10 +127,12 @@ def as_polynomial(x) -> Polynomial:
     return ((float(x), ()),) if not isinstance(x, torch.fx.Node) else ((1.0, (x,)),)
 
 
-def affine_in(node, state: torch.fx.Node, reads: set, state_dep: set, strip) -> Affine | None:
+def affine_in(node, state: torch.fx.Node, reads: set, state_dep: set, strip,
+              factor=is_factor) -> Affine | None:
     """``node`` as ``a·state + Σ c_i·t_i``, or ``None``. ``reads`` holds the nodes computed from
     ``state`` (what must be taken apart), ``state_dep`` those computed from any live state (what
-    no factor may be); ``strip`` peels relayouts that keep a value's elements where they are."""
+    no factor may be); ``strip`` peels relayouts that keep a value's elements where they are;
+    ``factor`` says what may multiply (``is_factor``, or ``is_vector_factor``)."""
     if not isinstance(node, torch.fx.Node):
         return None
     if strip(node) is state:
@@ -119,7 +141,7 @@ def affine_in(node, state: torch.fx.Node, reads: set, state_dep: set, strip) -> 
         return Affine((), ((ONE, node),))
     n = strip(node)
     args = n.args
-    recurse = lambda x: affine_in(x, state, reads, state_dep, strip)  # noqa: E731
+    recurse = lambda x: affine_in(x, state, reads, state_dep, strip, factor)  # noqa: E731
     if n.target in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2:
         x, y = recurse(args[0]), recurse(args[1])
         alpha = n.kwargs.get("alpha", 1)
@@ -132,7 +154,7 @@ def affine_in(node, state: torch.fx.Node, reads: set, state_dep: set, strip) -> 
         return None if x is None else _scaled(x, as_polynomial(-1.0))
     if n.target is aten.mul.Tensor and len(args) == 2:
         for x, f in (args, args[::-1]):
-            if isinstance(x, torch.fx.Node) and x in reads and is_factor(f, state_dep):
+            if isinstance(x, torch.fx.Node) and x in reads and factor(f, state_dep):
                 form = recurse(x)
                 return None if form is None else _scaled(form, as_polynomial(f))
         return None
@@ -147,26 +169,29 @@ def factors_of(*polynomials: Polynomial) -> list[torch.fx.Node]:
     return list(dict.fromkeys(f for p in polynomials for _, fs in p for f in fs))
 
 
-def per_matrix(v: torch.Tensor, batch: tuple) -> torch.Tensor:
+def per_matrix(v: torch.Tensor, batch: tuple, matrix: tuple = (1, 1)) -> torch.Tensor:
     """Per-chunk values ``[N, ...]`` holding one number per matrix, as ``[N, *batch, 1, 1]``: the
     value's own axes right-aligned against the state's, as the code broadcast them (a rate per
-    head ``[H, 1, 1]`` beside ``[B, H, d, d]`` states)."""
+    head ``[H, 1, 1]`` beside ``[B, H, d, d]`` states); ``matrix`` the trailing sizes of values
+    per row (``(d, 1)``) or per column (``(1, d)``)."""
     pad = len(batch) + 3 - v.dim()
-    return v.reshape(v.shape[0], *([1] * pad), *v.shape[1:]).expand(v.shape[0], *batch, 1, 1)
+    return v.reshape(v.shape[0], *([1] * pad), *v.shape[1:]).expand(v.shape[0], *batch, *matrix)
 
 
-def evaluate(p: Polynomial, values: dict, like: torch.Tensor, batch: tuple) -> torch.Tensor:
-    """``p`` per chunk, ``[N, *batch, 1, 1]``, from the factor ``values`` (by key, each ``[N, ...]``
-    as computed chunk by chunk, broadcast by ``per_matrix``), in ``like``'s dtype and device;
-    ``N`` is ``like``'s first axis."""
+def evaluate(p: Polynomial, values: dict, like: torch.Tensor, batch: tuple,
+             matrix: tuple = (1, 1)) -> torch.Tensor:
+    """``p`` per chunk, ``[N, *batch, *matrix]``, from the factor ``values`` (by key, each
+    ``[N, ...]`` as computed chunk by chunk, broadcast by ``per_matrix``), in ``like``'s dtype
+    and device; ``N`` is ``like``'s first axis."""
     total = like.new_zeros(())
     for c, fs in p:
         term = like.new_full((), c)
         for f in fs:
-            term = term * per_matrix(values[f], batch)
+            term = term * per_matrix(values[f], batch, matrix)
         total = total + term
-    return total.to(like.dtype).expand(like.shape[0], *batch, 1, 1)
+    return total.to(like.dtype).expand(like.shape[0], *batch, *matrix)
 
 
 __all__ = ["Affine", "Monomial", "Polynomial", "ONE", "affine_in", "as_polynomial",
-           "evaluate", "factors_of", "is_factor", "per_matrix", "plus", "times"]
+           "evaluate", "factors_of", "is_factor", "is_vector_factor", "per_matrix", "plus",
+           "times", "vector_axis"]

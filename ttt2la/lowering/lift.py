@@ -45,7 +45,8 @@ from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
-from .affine_update import ONE, Polynomial, affine_in, evaluate, factors_of, is_factor, per_matrix
+from .affine_update import (ONE, Polynomial, affine_in, evaluate, factors_of, is_factor,
+                            is_vector_factor, per_matrix, vector_axis)
 from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
 from .executors import extract, require_inert_padding
 from .specialize import SpecializedGraph
@@ -216,6 +217,8 @@ class LiftedProgram:
     gamma: tuple | None = None
     step: tuple | None = None
     factors: int = 0
+    # a per-token decay per key channel: the state's axis it varies along (None: per matrix)
+    decay_axis: int | None = None
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
@@ -321,10 +324,11 @@ BLOCK_TAILS = (("exclusive", "apply_only"), ("inclusive", "update"))
 PER_TOKEN_TAILS = BLOCK_TAILS + (("exclusive", "update"),)
 
 
-def _accumulated(program, state_in, out, state_dep):
+def _accumulated(program, state_in, out, state_dep, factor=is_factor):
     """``(a, s, t)`` of ``out = a·state_in + s·t`` (one state-free term ``t``, ``a`` not 0: the
-    state is carried), or ``None``."""
-    form = affine_in(out, state_in, descendants(program.body.graph, [state_in]), state_dep, strip)
+    state is carried), or ``None``; ``factor`` says what ``a`` may hold (``affine_in``)."""
+    form = affine_in(out, state_in, descendants(program.body.graph, [state_in]), state_dep, strip,
+                     factor)
     found = None if form is None or not form.coefficient else form.single_term(state_dep, strip)
     return None if found is None else (form.coefficient, *found)
 
@@ -341,10 +345,15 @@ def _update(program: TTTProgram) -> _Update | None:
     state_dep = descendants(program.body.graph,
                             [ins[i] for i in range(len(ins)) if i not in frozen])
     norm = match_weight_norm(outs[w])
-    read = _accumulated(program, ins[w], outs[w] if norm is None else norm.sum, state_dep)
+    # per token, the state may decay per key channel (the token-causal op's log decay per key)
+    per_token = any(s.per_token for s in program.streams)
+    read = _accumulated(program, ins[w], outs[w] if norm is None else norm.sum, state_dep,
+                        is_vector_factor if per_token and norm is None else is_factor)
     if read is None:
         return None
     gamma, step, delta = read
+    if vector_axis(step) is not None or vector_axis(gamma) is False:
+        return None
     up = _Update(w, m, frozen, state_dep, norm, delta, step, gamma)
     if m is not None:
         if outs[m] not in ancestors(delta):
@@ -430,11 +439,15 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if ns is None and len(up.step) == 1 and (up.m is None or not up.step[0][1]):
         _scale_by(contraction, up.step)
         up.step = ONE
-    # a per-token decay runs as the token-causal op's log decay; a step factor left after the
-    # fold above (Newton–Schulz) has no per-token form
+    # a per-token decay runs as the token-causal op's log decay (per key channel: along the
+    # state's key axis); a step factor left after the fold above has no per-token form
     if per_token and (ns is not None or up.step != ONE):
         return None
-    return _assemble(program, up, contraction, read, transposed, ns, per_token)
+    decay_axis = vector_axis(up.gamma)
+    if decay_axis is not None and decay_axis != (-1 if transposed else -2):
+        return None
+    lifted = _assemble(program, up, contraction, read, transposed, ns, per_token)
+    return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)
 
 
 def _scale_by(con: _Contraction, p: Polynomial) -> None:
@@ -660,17 +673,25 @@ class LiftedPlan:
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
         return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
 
-    def _per_chunk(self, factors: list, b: int, N: int, like: torch.Tensor, w_batch) -> dict:
+    def _per_chunk(self, factors: list, b: int, N: int, like: torch.Tensor, w_shape) -> dict:
         """The block op's per-chunk coefficients (``momentum``, ``decay``, ``step_scale``), each
-        ``[b, N, 1]``, from the factors that end the features (``[N, ...]`` each)."""
+        ``[b, N, 1]``, from the factors that end the features (``[N, ...]`` each); a decay per
+        key channel ``[b, N, 1, Dk]``."""
         lp = self.lifted
         values = dict(enumerate(factors))
         # a constant keeps the precision the code's own arithmetic gives it (fp32 opmath)
         like = like.new_empty(N, dtype=torch.promote_types(like.dtype, torch.float32))
+        w_batch = tuple(w_shape[:-2])
         found = {}
         for name, p in (("momentum", lp.alpha), ("decay", lp.gamma), ("step_scale", lp.step)):
-            if p is not None:
-                c = evaluate(p, values, like, tuple(w_batch))
+            if p is None:
+                continue
+            if name == "decay" and lp.decay_axis is not None:
+                matrix = (w_shape[-2], 1) if lp.decay_axis == -2 else (1, w_shape[-1])
+                c = evaluate(p, values, like, w_batch, matrix)
+                found[name] = c.reshape(N, b, 1, -1).transpose(0, 1)
+            else:
+                c = evaluate(p, values, like, w_batch)
                 found[name] = c.reshape(N, b).transpose(0, 1).unsqueeze(-1)
         return found
 
@@ -739,7 +760,7 @@ class LiftedPlan:
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
 
         s0 = self._initial(states0, b)
-        per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, w_batch)
+        per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, states0[lp.w].shape)
         if lp.kind == "chunk" and "decay" in per_chunk:
             if not _positive(per_chunk["decay"]):
                 return self._run_loop(states0, invariants)
@@ -776,8 +797,9 @@ class LiftedPlan:
         shifted = {name: later(g) for name, g in per_token.items()}
         o, s_final = self._run_op(phi_q, later(phi_k), later(value), s0, shifted)
         if self.lifted.program.last_chunk == "update":
-            if "log_decay" in per_token:
-                s_final = per_token["log_decay"][:, -1, :, None, None].exp() * s_final
+            if "log_decay" in per_token:             # [b, H] or [b, H, Dk] -> [b, H, ·, 1]
+                last = per_token["log_decay"][:, -1]
+                s_final = last.reshape(*last.shape[:2], -1, 1).exp() * s_final
             s_final = s_final + phi_k[:, -1, :, :, None] * value[:, -1, :, None, :]
         return o, s_final
 
@@ -836,7 +858,8 @@ class LiftedPlan:
         w_batch = states0[lp.w].shape[:-2]
         chunk_level = self._chunk_level(states0, invariants, layout)
         cut = len(chunk_level) - lp.factors
-        per_chunk = self._per_chunk(chunk_level[cut:], b, layout.n_chunks, value, w_batch)
+        per_chunk = self._per_chunk(chunk_level[cut:], b, layout.n_chunks, value,
+                                    states0[lp.w].shape)
         rate = per_token_rate([per_matrix(c, w_batch) for c in chunk_level[:cut]], b,
                               prog.chunk_size, T)
         value = self._scaled(value)

@@ -24,8 +24,9 @@ import torch
 
 import torch.nn.functional as F
 
+from ttt2la.runtime.channel_decay import chunk_length, intra_chunk_channel_decay, scan_rows
 from ttt2la.runtime.naive import check_chunk_inputs, compute_dtype, final_state_dtype
-from ttt2la.runtime.scan import blocked_scan
+from ttt2la.runtime.scan import blocked_scan, segment_sums
 
 
 def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
@@ -34,18 +35,6 @@ def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
     if pad > 0:
         x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
     return x.reshape(x.shape[0], n, chunk_size, *x.shape[2:])
-
-
-def segment_sums(g: torch.Tensor) -> torch.Tensor:
-    """``Z[..., t, i] = Σ_{i<l≤t} g_l`` for ``t ≥ i`` (−inf above the diagonal), from ``g [..., C]``.
-
-    Summed directly (a cumulative sum over ``t`` of ``g_t`` masked to ``t > i``), never as a
-    difference of two cumulative sums.
-    """
-    C = g.shape[-1]
-    later = torch.ones(C, C, dtype=torch.bool, device=g.device).triu(1)  # [i, t]: t > i
-    sums = torch.cumsum(g.unsqueeze(-2).masked_fill(~later, 0.0), dim=-1)  # [..., i, t]
-    return sums.mT.masked_fill(later, -math.inf)  # [..., t, i]; later[t, i]: i > t
 
 
 def _head_major(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
@@ -98,17 +87,21 @@ def torch_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    C = min(chunk_size, T)
+    per_channel = log_decay is not None and log_decay.dim() == 4
+    C = chunk_length(chunk_size, T) if per_channel else min(chunk_size, T)
     n = math.ceil(T / C)
     qc, kc, vc = (_head_major(x.to(dt), n, C) for x in (q, k, v))   # [B·H, n, C, D]
     g = None if log_decay is None else _head_major(log_decay.to(dt), n, C)
-    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    o, increments, q_read, decay = _intra_chunk(qc, kc, vc, g, causal)
-
     S0 = None if initial_state is None else initial_state.to(dt).reshape(B * H, Dk, Dv)
-    states = blocked_scan(decay, increments.reshape(B * H, n, Dk * Dv),
-                          None if S0 is None else S0.reshape(B * H, Dk * Dv))
-    states = states.view(B * H, n, Dk, Dv)
+    if per_channel:
+        o, increments, q_read, decay = intra_chunk_channel_decay(qc, kc, vc, g)
+        states = scan_rows(decay, increments, S0)
+    else:
+        causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        o, increments, q_read, decay = _intra_chunk(qc, kc, vc, g, causal)
+        states = blocked_scan(decay, increments.reshape(B * H, n, Dk * Dv),
+                              None if S0 is None else S0.reshape(B * H, Dk * Dv))
+        states = states.view(B * H, n, Dk, Dv)
     # chunk j reads the state left by chunks < j, added in place (a matmul's backward does
     # not read its result): no concatenation of the initial state to the states
     if n > 1:

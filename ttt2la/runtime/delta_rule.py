@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from ttt2la.runtime.chunk import segment_sums, split_chunks
+from ttt2la.runtime.chunk import split_chunks
+from ttt2la.runtime.scan import segment_sums
 from ttt2la.runtime.matrix_affine_scan import METHODS, matrix_affine_scan
 from ttt2la.runtime.naive import RuntimeInputError, compute_dtype, final_state_dtype
 

@@ -131,8 +131,9 @@ def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state) -> None
     _require(isinstance(chunk_size, int) and chunk_size >= 1, op,
              f"chunk_size must be a positive int, got {chunk_size!r}")
     if log_decay is not None:
-        _require(_shape(log_decay) == (B, T, H), op,
-                 f"log_decay must be [B, T, H] = {(B, T, H)}, got {_shape(log_decay)}")
+        _require(_shape(log_decay) in ((B, T, H), (B, T, H, Dk)), op,
+                 f"log_decay must be [B, T, H] = {(B, T, H)} (per head) or [B, T, H, Dk] = "
+                 f"{(B, T, H, Dk)} (per key channel), got {_shape(log_decay)}")
     if initial_state is not None:
         _require(_shape(initial_state) == (B, H, Dk, Dv), op,
                  f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, Dv)}, "
@@ -250,7 +251,7 @@ def naive_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     outputs = []
     for t in range(T):
         if log_decay is not None:
-            S = torch.exp(log_decay[:, t].to(dt))[..., None, None] * S
+            S = torch.exp(log_decay[:, t].to(dt)).reshape(B, H, -1, 1) * S
         S = S + k[:, t, :, :, None] * vv[:, t, :, None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     o = torch.stack(outputs, dim=1)

@@ -21,6 +21,8 @@ Three forms, all differentiable through autograd:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ttt2la.runtime.naive import compute_dtype
@@ -80,6 +82,18 @@ def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
     else:
         S.baddbmm_(through.reshape(N * m, s, 1), entering.reshape(N * m, 1, X))
     return S.reshape(N, m * s, X)[:, :n]
+
+
+def segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """``Z[..., t, i] = Σ_{i<l≤t} g_l`` for ``t ≥ i`` (−inf above the diagonal), from ``g [..., C]``.
+
+    Summed directly (a cumulative sum over ``t`` of ``g_t`` masked to ``t > i``), never as a
+    difference of two cumulative sums.
+    """
+    C = g.shape[-1]
+    later = torch.ones(C, C, dtype=torch.bool, device=g.device).triu(1)  # [i, t]: t > i
+    sums = torch.cumsum(g.unsqueeze(-2).masked_fill(~later, 0.0), dim=-1)  # [..., i, t]
+    return sums.mT.masked_fill(later, -math.inf)  # [..., t, i]; later[t, i]: i > t
 
 
 def summed_scan(a: torch.Tensor, f: torch.Tensor,
@@ -237,5 +251,5 @@ def _auto_method(a: torch.Tensor, f: torch.Tensor, dim: int) -> str:
     return "sequential" if f.shape[dim] <= SEQUENTIAL_MAX_STEPS else "doubling"
 
 
-__all__ = ["affine_scan", "summed_scan", "affine_scan_blocked", "affine_scan_sequential", "affine_scan_doubling",
+__all__ = ["affine_scan", "summed_scan", "segment_sums", "affine_scan_blocked", "affine_scan_sequential", "affine_scan_doubling",
            "blocked_scan", "prefix_sum", "SCAN_BLOCK"]

@@ -9,8 +9,7 @@ The functions here are written in that style for six recurrences:
 * ``retention`` — a fixed decay per head, ``1 − 2^(−5−h)`` (RetNet);
 * ``scalar_gate`` — a data-dependent decay per head and token, ``exp(g_t)`` with ``g_t ≤ 0``
   (gated retention, Mamba-2's scalar gate);
-* ``vector_gate`` — a decay per key channel, ``exp(g_t)`` with ``g_t [K]`` (GLA): no runtime
-  op takes it, so it keeps the generic plan;
+* ``vector_gate`` — a decay per key channel, ``exp(g_t)`` with ``g_t [K]`` (GLA);
 * ``gated_delta`` — the gated delta rule: decay, then correct the value the state predicts for
   the key by ``β_t`` (Gated DeltaNet);
 * ``ssd`` — Mamba-2's recurrence as its minimal reference steps it: a state ``h [B, H, P, N]``
