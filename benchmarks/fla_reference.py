@@ -118,6 +118,15 @@ def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
         yield (f"{rule}, {heads} heads x {dim // heads}, L={length}",
                FlaReferenceLayer(dim, heads, rule), by_hand,
                torch.randn(batch, length, dim, generator=g))
+    # the gate per key channel made stronger by its bias: about e^-0.4 per token (chunks of 64
+    # split into sub-chunks, each factored) and e^-1.6 (sub-chunks exact per channel)
+    for strength, bias in (("medium", -10.0), ("strong", -30.0)):
+        torch.manual_seed(0)
+        layer = FlaReferenceLayer(dim, heads, "vector_gate")
+        with torch.no_grad():
+            layer.gate.bias.add_(bias)
+        yield (f"vector_gate, {strength} decay, {heads} heads x {dim // heads}, L={length}",
+               layer, by_hand, torch.randn(batch, length, dim, generator=g))
     torch.manual_seed(0)
     yield (f"per-token TTT read before write, {heads} heads x {dim // heads}, L={length}",
            PerTokenTTTLayer(dim, heads, read="before"), read_first_by_hand,

@@ -339,9 +339,9 @@ MUTATIONS = [
         "channel_decay_rows_unscanned", "chunk-boundary states decayed per head (the first "
         "channel's factor) instead of per key channel",
         (("ttt2la/runtime/channel_decay.py",
-          "states = blocked_scan(decay.transpose(1, 2).reshape(R * Dk, n), rows, init)",
+          "states = blocked_scan(decay.transpose(1, 2).reshape(R * Dk, n), rows, init,",
           "states = blocked_scan(decay[..., :1].expand(R, n, Dk).transpose(1, 2)"
-          ".reshape(R * Dk, n), rows, init)"),),
+          ".reshape(R * Dk, n), rows, init,"),),
         ("tests/test_runtime_chunk.py",), "random_shapes_and_options_fp32"),
     Mutation(
         "key_decay_on_value_axis", "a decay per value channel taken for one per key channel",
@@ -355,6 +355,32 @@ MUTATIONS = [
         (("ttt2la/lowering/lift.py", "s_final = last.reshape(*last.shape[:2], -1, 1).exp() * s_final",
           "s_final = last.reshape(*last.shape[:2], -1, 1)[:, :, :1].exp() * s_final"),),
         ("tests/test_fla_reference_styles.py",), "per_key_channel and before"),
+    Mutation(
+        "companion_decay_unchecked", "a second memory decayed by its own gate taken for a "
+        "value column of the first",
+        (("ttt2la/lowering/shared_keys.py",
+          "return ours.shape == theirs.shape and relative_error(ours - theirs, theirs) < 1e-12",
+          "return True"),),
+        ("tests/test_fla_reference_styles.py",), "second_memory"),
+    Mutation(
+        "companion_column_unscaled", "a second memory written with c times the key rides as a "
+        "column of ones",
+        (("ttt2la/lowering/shared_keys.py", "found.append(Companion(i, step[0][0], reader,",
+          "found.append(Companion(i, 1.0, reader,"),),
+        ("tests/test_fla_reference_styles.py",), "value_column"),
+    Mutation(
+        "sub_chunks_never_shrink", "a decay per key channel too strong to factor over 16 "
+        "tokens keeps sub-chunks of 16 (computed exactly, about 7x the cost)",
+        (("ttt2la/runtime/channel_decay.py", "for s in (SUB, SUB // 2, SUB // 4):",
+          "for s in (SUB,):"),),
+        ("tests/test_runtime_chunk.py",), "sub_chunks_shrink"),
+    Mutation(
+        "companion_final_state_dropped", "a companion memory's final state is not returned "
+        "(a read-before loop's last write to it lost)",
+        (("ttt2la/lowering/lift.py",
+          "finals[c.index] = s_final[..., Dv + j].reshape(states0[c.index].shape)",
+          "finals[c.index] = torch.zeros_like(states0[c.index])"),),
+        ("tests/test_fla_reference_styles.py",), "value_column"),
 ]
 
 

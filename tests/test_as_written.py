@@ -212,21 +212,22 @@ def test_the_conversions_checks_and_a_copy_start_no_race(monkeypatch):
 
 
 class NormalisedLinearAttention(nn.Module):
-    """Causal linear attention with its normaliser, token by token: two memories (``S`` and the
-    keys' sum ``z``), so no runtime op takes it and the generic plan prefix-sums both."""
+    """Causal linear attention with a normaliser of its own keys ``u``, token by token: two
+    memories (``S`` and ``z``, the sum of ``u``, not of the keys, so ``z`` is no column of
+    ``S``): no runtime op takes it and the generic plan prefix-sums both."""
 
     def __init__(self, d=8):
         super().__init__()
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.qkv = nn.Linear(d, 4 * d, bias=False)
 
     def forward(self, x):
-        q, k, v = (F.elu(t) + 1 for t in self.qkv(x).chunk(3, -1))
+        q, k, v, u = (F.elu(t) + 1 for t in self.qkv(x).chunk(4, -1))
         S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
         z = x.new_zeros(x.shape[0], x.shape[-1])
         outs = []
         for t in range(x.shape[1]):
             S = S + k[:, t, :, None] * v[:, t, None, :]
-            z = z + k[:, t]
+            z = z + u[:, t]
             outs.append((q[:, t, None] @ S)[:, 0] / ((q[:, t] * z).sum(-1, keepdim=True) + 1e-6))
         return torch.stack(outs, 1)
 

@@ -26,7 +26,7 @@ from ttt2la.zoo.fla_reference import RULES
 
 OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
        "vector_gate": "chunk_linear_attention", "gated_delta": "delta_rule",
-       "ssd": "chunk_linear_attention", "normalised": "torch.vmap(parallel)"}
+       "ssd": "chunk_linear_attention", "normalised": "chunk_linear_attention"}
 
 
 def _layer(rule, dtype=torch.float32, d=16, heads=2):
@@ -255,3 +255,151 @@ def test_a_read_before_the_update_runs_on_the_token_causal_op(gated):
     conv64 = ttt2la.convert(layer64, level=0,
                             example_inputs=(torch.randn(2, 12, 8, dtype=torch.float64),))
     assert_same_function(conv64, layer64, torch.randn(2, 29, 8, dtype=torch.float64), tol=1e-10)
+
+
+class NormalisedMemory(nn.Module):
+    """Linear attention with its normaliser, ``o = q S / (q·z + ε)``, written per token with a
+    second memory ``z`` of keys: decayed like ``S`` (``decay="shared"``), by its own gate
+    (``"own"``) or not at all; laid out key-first or value-first; read after or before each
+    token's write (the final memories then returned too); ``z`` written ``column`` times the
+    key and read with the query (or, ``z_read="k"``, with the key)."""
+
+    def __init__(self, d=8, decay="none", layout="key_first", read="after", column=1.0,
+                 z_read="q"):
+        super().__init__()
+        self.decay, self.layout, self.read, self.column, self.z_read = \
+            decay, layout, read, column, z_read
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, 2)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+        gates = torch.sigmoid(self.gate(x) + 2)
+        key_first = self.layout == "key_first"
+        S, z = x.new_zeros(B, d, d), x.new_zeros(B, d)
+        o = torch.zeros_like(v)
+        for t in range(T):
+            if self.read == "before":
+                o[:, t] = self._read(S, z, q[:, t], k[:, t], key_first)
+            if self.decay != "none":
+                S = S * gates[:, t, 0, None, None]
+                z = z * gates[:, t, 0 if self.decay == "shared" else 1, None]
+            S = S + (k[:, t, :, None] * v[:, t, None, :] if key_first
+                     else v[:, t, :, None] * k[:, t, None, :])
+            z = z + self.column * k[:, t]
+            if self.read == "after":
+                o[:, t] = self._read(S, z, q[:, t], k[:, t], key_first)
+        return o if self.read == "after" else o + S.sum((1, 2))[:, None, None] + z.sum(1)[:, None, None]
+
+    def _read(self, S, z, q, k, key_first):
+        num = (q[:, :, None] * S).sum(-2) if key_first else (S * q[:, None, :]).sum(-1)
+        den = ((q if self.z_read == "q" else k) * z).sum(-1, keepdim=True)
+        return num / (den + 1e-3)
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(decay="shared"), dict(layout="value_first"), dict(read="before"),
+    dict(read="before", decay="shared", layout="value_first"), dict(column=0.5)])
+def test_a_normaliser_rides_the_token_causal_op_as_a_value_column(options):
+    """The keys' running sum is one more column of the state with values 1 (or the constant it
+    is written with): one op, exact in fp32 and float64, the report naming the column."""
+    torch.manual_seed(0)
+    layer = NormalisedMemory(**options)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert report.runtime.endswith("z as value columns"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 1, 8), torch.randn(3, 50, 8)])
+    layer64 = NormalisedMemory(**options).double()
+    conv64 = ttt2la.convert(layer64, level=0,
+                            example_inputs=(torch.randn(2, 12, 8, dtype=torch.float64),))
+    assert_same_function(conv64, layer64, torch.randn(2, 33, 8, dtype=torch.float64), tol=1e-10)
+
+
+@pytest.mark.parametrize("options", [dict(decay="own"), dict(z_read="k")])
+def test_a_second_memory_unlike_the_first_keeps_the_generic_plan(options):
+    """A second memory decayed by its own gate, or read with another vector than the query,
+    is not a column of the first: exact on the generic plan."""
+    torch.manual_seed(0)
+    layer = NormalisedMemory(**options)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    assert "chunk_linear_attention" not in report.runtime, report.runtime
+    assert_same_function(conv, layer, torch.randn(2, 30, 8))
+
+
+@pytest.mark.parametrize("layer", [lambda: FlaReferenceLayer(16, 2, "normalised"),
+                                   lambda: NormalisedMemory(16, decay="shared")])
+def test_a_value_column_memory_streams(layer):
+    """Fed in pieces, the converted layer carries the companion memory with the first: the
+    pieces give the whole sequence's outputs."""
+    from equivalence import in_pieces
+
+    torch.manual_seed(0)
+    layer = layer()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    x = torch.randn(2, 29, 16)
+    with torch.no_grad():
+        got, state = in_pieces(conv, x, [1, 2, 9, 20])
+        ref = layer(x)
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+    assert state.tokens == 29
+
+
+def gla_reference(q, k, v, gk, initial_state=None, output_final_state=False):
+    """GLA's recurrence as flash-linear-attention's reference functions take it: inputs cast to
+    fp32, the query scaled inside the loop, an optional initial state added into the zero
+    state, the final state returned on request."""
+    dtype = q.dtype
+    q, k, v, gk = (t.float() for t in (q, k, v, gk))
+    B, H, T, K = q.shape
+    scale = K ** -0.5
+    h = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
+    if initial_state is not None:
+        h += initial_state.float()
+    o = torch.zeros_like(v)
+    for i in range(T):
+        kv = k[:, :, i][..., None] * v[:, :, i][..., None, :]
+        h = h * gk[:, :, i].exp()[..., None] + kv
+        o[:, :, i] = ((q[:, :, i] * scale)[..., None] * h).sum(-2)
+    return o.to(dtype), (h if output_final_state else None)
+
+
+class GLAWithState(nn.Module):
+    """A GLA token mixer that takes and returns the recurrent state, as a decoding model does."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(d, 4 * d, bias=False)
+
+    def forward(self, x, state):
+        B, T, d = x.shape
+        q, k, v, g = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                      for t in self.proj(x).chunk(4, -1))
+        o, h = gla_reference(q, k, v, torch.nn.functional.logsigmoid(g) / 16,
+                             initial_state=state, output_final_state=True)
+        return o.transpose(1, 2).reshape(B, T, d), h
+
+
+def test_a_gla_reference_with_an_initial_and_a_final_state_runs_on_the_token_causal_op():
+    """The state passed in and returned: converted with both, on the op, exact at other batch
+    sizes and lengths, outputs, the returned state and every gradient."""
+    torch.manual_seed(0)
+    layer = GLAWithState()
+    conv = ttt2la.convert(layer, level=0,
+                          example_inputs=(torch.randn(2, 12, 16), torch.randn(2, 2, 8, 8)))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    for B, L in ((1, 1), (3, 70)):
+        x, s0 = torch.randn(B, L, 16), torch.randn(B, 2, 8, 8)
+        grads = []
+        for m in (conv, layer):
+            inputs = [x.clone().requires_grad_(), s0.clone().requires_grad_()]
+            o, h = m(*inputs)
+            loss = (o * torch.sin(o.detach() * 0 + 1.3)).sum() + (h * 0.7).sum()
+            grads.append([o, h, *torch.autograd.grad(loss, [*inputs, *m.parameters()])])
+        for a, b in zip(*grads):
+            assert float((a - b).norm() / b.norm()) < 1e-5

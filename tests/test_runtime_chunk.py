@@ -155,7 +155,19 @@ def test_strong_decay_over_a_long_sequence():
 #: Log decays per key channel whose chunks take each path of ``channel_decay``: mild (factored
 #: over the chunk), medium (sub-chunks, each factored), strong (sub-chunks, exact inside).
 CHANNEL_STRENGTHS = {"mild": (0.01, []), "medium": (0.3, ["_sub_chunked", "_factored"]),
+                     "steep": (0.8, ["_sub_chunked", "_factored"]),
                      "strong": (3.0, ["_sub_chunked", "_exact"])}
+
+
+@pytest.mark.parametrize("rate,tiles", [(0.01, (64, 16)), (0.3, (64, 16)), (0.7, (32, 8)),
+                                        (1.5, (16, 4)), (3.0, (16, 4))])
+def test_sub_chunks_shrink_until_their_decay_factors(rate, tiles):
+    """The largest sub-chunk over which no channel decays by more than e^-8 (16, 8 or 4
+    tokens), four of them to a chunk when shorter than 16; exact sub-chunks of 4 beyond."""
+    from ttt2la.runtime.channel_decay import tiles as chosen
+    g = torch.full((1, 256, 2, 3), -rate)
+    assert chosen(g, 64) == tiles
+    assert chosen(g[:, :10], 64) == (10, 10)             # one chunk, one sub-chunk
 
 
 @pytest.mark.parametrize("strength", list(CHANNEL_STRENGTHS))

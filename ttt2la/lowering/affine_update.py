@@ -94,17 +94,17 @@ def _constant(x) -> bool:
 def is_factor(x, state_dep: set) -> bool:
     """A constant, or a state-free node holding one number per matrix (``[..., 1, 1]``, a
     scalar, a ``[1]``)."""
-    return _factor_shape(x, state_dep) == (1, 1)
+    return factor_shape(x, state_dep) == (1, 1)
 
 
 def is_vector_factor(x, state_dep: set) -> bool:
     """``is_factor``, or a state-free node holding one number per row or per column of each
     matrix (``[..., d, 1]`` or ``[..., 1, d]``): a decay per key channel (GLA's gate)."""
-    shape = _factor_shape(x, state_dep)
+    shape = factor_shape(x, state_dep)
     return shape is not None and 1 in shape
 
 
-def _factor_shape(x, state_dep: set) -> tuple | None:
+def factor_shape(x, state_dep: set) -> tuple | None:
     """The last two sizes of a state-free value (``(1, 1)`` for a constant), else ``None``."""
     if _constant(x):
         return (1, 1)
@@ -118,7 +118,7 @@ def vector_axis(p: Polynomial) -> int | bool | None:
     """The matrix axis (-2: rows, -1: columns) along which ``p``'s factors vary (``is_vector_factor``),
     ``None`` when each holds one number per matrix, ``False`` when they vary along both."""
     axes = {-2 if shape[0] > 1 else -1 for _, fs in p for f in fs
-            if (shape := _factor_shape(f, set())) != (1, 1)}
+            if (shape := factor_shape(f, set())) != (1, 1)}
     return None if not axes else (axes.pop() if len(axes) == 1 else False)
 
 
@@ -193,5 +193,5 @@ def evaluate(p: Polynomial, values: dict, like: torch.Tensor, batch: tuple,
 
 
 __all__ = ["Affine", "Monomial", "Polynomial", "ONE", "affine_in", "as_polynomial",
-           "evaluate", "factors_of", "is_factor", "is_vector_factor", "per_matrix", "plus",
-           "times", "vector_axis"]
+           "evaluate", "factor_shape", "factors_of", "is_factor", "is_vector_factor", "per_matrix",
+           "plus", "times", "vector_axis"]

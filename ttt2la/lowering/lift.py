@@ -52,6 +52,7 @@ from .executors import extract, require_inert_padding
 from .specialize import SpecializedGraph
 from .precision import promoted
 from .scan_choice import decayed_op_pays, forced, scanning
+from .shared_keys import Companion, companions
 from .weight_norm import WeightNorm, match_weight_norm
 from .whole_sequence import (drop_identity_views, free_chunk_sizes, per_token_rate, stream_axes,
                              token_local)
@@ -219,6 +220,8 @@ class LiftedProgram:
     factors: int = 0
     # a per-token decay per key channel: the state's axis it varies along (None: per matrix)
     decay_axis: int | None = None
+    # memories written with the final state's keys, riding as value columns (``shared_keys``)
+    companions: tuple[Companion, ...] = ()
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
@@ -258,6 +261,8 @@ class LiftedProgram:
         resized = dataclasses.replace(self, program=program, features=features,
                                       feature_inputs=feature_inputs, post=post,
                                       post_inputs=post_inputs, read=at[self.read],
+                                      companions=tuple(dataclasses.replace(c, read=at[c.read])
+                                                       for c in self.companions),
                                       feature_boundary=mapped(self.feature_boundary),
                                       feature_outputs=mapped(self.feature_outputs),
                                       post_boundary=mapped(self.post_boundary),
@@ -287,6 +292,7 @@ class _Update:
     w: int                              # index of the final state
     m: int | None                       # index of the momentum state
     frozen: list                        # states the loop no longer changes (read as invariants)
+    others: list                        # other live states: companions, if anything
     state_dep: set                      # nodes that depend on a live state
     norm: WeightNorm | None             # ``W' = norm(W + Δ)·n`` when normalised
     delta: torch.fx.Node                # T(M'): Δ before its factor
@@ -298,8 +304,9 @@ class _Update:
 
 
 def _states(program: TTTProgram):
-    """``(w, m, frozen)``: one final state, at most one live momentum state beside it, in an
-    order and tail the runtime ops have; else ``None``."""
+    """``(w, m, frozen, others)``: one final state, at most one live momentum state beside it
+    or, per token, other live states (companions, if they are: ``shared_keys``), in an order
+    and tail the runtime ops have; else ``None``."""
     roles = [s.role for s in program.states]
     if roles.count("final") != 1 or len(program.outputs) != 1:
         return None
@@ -307,16 +314,17 @@ def _states(program: TTTProgram):
     frozen = [i for i in range(len(roles)) if outs[i] is ins[i]]
     w = roles.index("final")
     others = [i for i in range(len(roles)) if i != w and i not in frozen]
-    if len(others) > 1 or (others and roles[others[0]] != "momentum"):
-        return None
-    m = others[0] if others else None
     per_token = any(s.per_token for s in program.streams)
+    m = others[0] if len(others) == 1 and roles[others[0]] == "momentum" else None
+    others = [i for i in others if i != m]
+    if others and not per_token:
+        return None
     # the token-causal op reads after each update; a read before it is the same op on the
     # keys and values shifted by one token (``LiftedPlan._read_first``), either tail
     tails = PER_TOKEN_TAILS if per_token else BLOCK_TAILS
     if (program.order, program.last_chunk) not in tails or (per_token and m is not None):
         return None
-    return w, m, frozen
+    return w, m, frozen, others
 
 
 #: The orders and last chunks a lifted loop may have: the block op's, and per token any.
@@ -340,7 +348,7 @@ def _update(program: TTTProgram) -> _Update | None:
     found = _states(program)
     if found is None:
         return None
-    w, m, frozen = found
+    w, m, frozen, others = found
     ins, outs = program.state_inputs(), program.state_outputs()
     state_dep = descendants(program.body.graph,
                             [ins[i] for i in range(len(ins)) if i not in frozen])
@@ -354,7 +362,7 @@ def _update(program: TTTProgram) -> _Update | None:
     gamma, step, delta = read
     if vector_axis(step) is not None or vector_axis(gamma) is False:
         return None
-    up = _Update(w, m, frozen, state_dep, norm, delta, step, gamma)
+    up = _Update(w, m, frozen, others, state_dep, norm, delta, step, gamma)
     if m is not None:
         if outs[m] not in ancestors(delta):
             return None
@@ -446,7 +454,14 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     decay_axis = vector_axis(up.gamma)
     if decay_axis is not None and decay_axis != (-1 if transposed else -2):
         return None
-    lifted = _assemble(program, up, contraction, read, transposed, ns, per_token)
+    riders = ()
+    if up.others:
+        key, query = ((contraction.right, read.args[1]) if transposed
+                      else (contraction.left, read.args[0]))
+        riders = companions(program, up.others, up, key, query, not transposed, _accumulated)
+        if riders is None:
+            return None
+    lifted = _assemble(program, up, contraction, read, transposed, ns, per_token, riders)
     return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)
 
 
@@ -456,7 +471,7 @@ def _scale_by(con: _Contraction, p: Polynomial) -> None:
     con.scales.extend([*([c] if c != 1.0 else []), *fs])
 
 
-def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token):
+def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token, riders=()):
     """The ``LiftedProgram``: the feature and post-processing subgraphs cut from the body."""
     streams = program.stream_inputs()
     ins = program.state_inputs()
@@ -473,7 +488,7 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
     feat_outputs = [read.args[0] if not transposed else read.args[1], contraction.left,
                     contraction.right, *node_scales, *factors]
     feature_boundary = [*streams, *invariants]
-    post_boundary = [read, *streams, *invariants]
+    post_boundary = [read, *(c.read for c in riders), *streams, *invariants]
     try:
         features, feature_inputs = extract(program.body, feature_boundary, feat_outputs)
         y = program.chunk_outputs()[0]
@@ -484,7 +499,8 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
                            ns, features, feature_inputs, post, post_inputs, read,
                            constant_scale, feature_boundary, feat_outputs, post_boundary,
                            weight_norm=None if up.norm is None else up.norm.target,
-                           alpha=alpha, gamma=gamma, step=step, factors=len(factors))
+                           alpha=alpha, gamma=gamma, step=step, factors=len(factors),
+                           companions=tuple(riders))
     return _whole_sequence(lifted)
 
 
@@ -642,8 +658,9 @@ class LiftedPlan:
         block op it can: a loop over chunks as long as the features are wide runs the same
         products as the op, and on a CPU the op's states of every chunk cost it 0.73–0.98× the
         source's eager loop (``docs/benchmarks.md``). Token-causal ops replace a loop over every
-        token and do not race."""
-        return self.looped or self.lifted.kind == "block"
+        token and do not race, except with a decay per key channel: where it is strong the op
+        builds its attention per channel, elementwise, at about the source's speed."""
+        return self.looped or self.lifted.kind == "block" or self.lifted.decay_axis is not None
 
     @property
     def implementation(self) -> str:
@@ -652,7 +669,9 @@ class LiftedPlan:
                    else "a decay <= 0 has no log decay")
             return f"{self.loop.implementation}, not {self.op}: {why}"
         backends = self.ran or [self.backend]
-        return f"{self.op}[{'|'.join(backends)}]"
+        riders = [self.lifted.program.states[c.index].name for c in self.lifted.companions]
+        columns = f", {', '.join(riders)} as value columns" if riders else ""
+        return f"{self.op}[{'|'.join(backends)}]{columns}"
 
     def resized(self, program: TTTProgram, loop=None) -> "LiftedPlan":
         """This plan for ``program``, the body re-sized to another batch size (``loop``: its
@@ -755,6 +774,8 @@ class LiftedPlan:
         for s in scales:                         # a scalar per matrix and chunk
             value = value * per_matrix(s, w_batch).reshape(N, b, 1, 1)
         value = self._scaled(value)
+        Dv = value.shape[-1]
+        value = self._with_columns(value)
 
         def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
@@ -771,18 +792,29 @@ class LiftedPlan:
             o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk,
                                       values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
-        read = o.transpose(-1, -2) if lp.transposed else o
+        reads = {c.read: o[..., Dv + j].reshape(N, *c.read_shape(states0[c.index]))
+                 for j, c in enumerate(lp.companions)}
+        o = o[..., :Dv]
+        reads[lp.read] = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
         for n in lp.post_inputs:
-            if n is lp.read:
-                post_args.append(read)
+            if n in reads:
+                post_args.append(reads[n])
                 post_dims.append(0)
             else:
                 post_args.append(values[n])
                 post_dims.append(dims[n])
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
-        return outputs, self._finals(states0, s_final)
+        return outputs, self._finals(states0, s_final, Dv)
+
+    def _with_columns(self, value: torch.Tensor) -> torch.Tensor:
+        """The values widened by one constant column per companion memory (``shared_keys``)."""
+        riders = self.lifted.companions
+        if not riders:
+            return value
+        columns = torch.tensor([c.column for c in riders], dtype=value.dtype, device=value.device)
+        return torch.cat([value, columns.expand(*value.shape[:-1], len(riders))], dim=-1)
 
     def _read_first(self, phi_q, phi_k, value, s0, per_token: dict):
         """A per-token loop that reads the state before each token's update, ``o_t = q_t
@@ -821,21 +853,29 @@ class LiftedPlan:
         """The effective value times the increment's constant factor (signs, fixed rates)."""
         return value if self.lifted.scale == 1.0 else value * self.lifted.scale
 
-    def _finals(self, states0, s_final: torch.Tensor) -> list:
+    def _finals(self, states0, s_final: torch.Tensor, Dv: int | None = None) -> list:
         """The program's final states: the runtime's ``[b, 1, Dk, Dv]`` state in the layout of
-        the traced one; the other states are not returned (momentum starts and ends unread)."""
+        the traced one, each companion from its column (past ``Dv``); the other states are not
+        returned (momentum starts and ends unread)."""
         lp = self.lifted
         s_final = s_final.squeeze(1)
-        w_final = s_final.transpose(-1, -2) if lp.transposed else s_final
         finals = [None] * len(lp.program.states)
+        for j, c in enumerate(lp.companions):
+            finals[c.index] = s_final[..., Dv + j].reshape(states0[c.index].shape)
+        if lp.companions:
+            s_final = s_final[..., :Dv]
+        w_final = s_final.transpose(-1, -2) if lp.transposed else s_final
         finals[lp.w] = w_final.reshape(states0[lp.w].shape)
         return finals
 
     def _initial(self, states0, b: int) -> torch.Tensor:
-        """The final state's initial value as the runtime takes it, ``[b, 1, Dk, Dv]``."""
+        """The final state's initial value as the runtime takes it, ``[b, 1, Dk, Dv]``, each
+        companion's beside it as one more column."""
         lp = self.lifted
         w0 = states0[lp.w].reshape(b, *states0[lp.w].shape[-2:])
-        return (w0.transpose(-1, -2) if lp.transposed else w0).unsqueeze(1)
+        w0 = w0.transpose(-1, -2) if lp.transposed else w0
+        columns = [states0[c.index].reshape(b, -1, 1).to(w0.dtype) for c in lp.companions]
+        return torch.cat([w0, *columns], dim=-1).unsqueeze(1) if columns else w0.unsqueeze(1)
 
     def _whole(self, states0, invariants):
         """The plan with token-local features and post-processing run once over the whole

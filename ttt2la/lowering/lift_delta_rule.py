@@ -42,7 +42,7 @@ from .chunking import assemble_outputs, chunk_layout, chunk_stream
 from .executors import extract, shape_only
 from .lift import replayed
 from .lift_delta import DeltaScanPlan, scanned_groups
-from .precision import promoted, relative_error
+from .precision import promoted, relative_error, samples
 
 aten = torch.ops.aten
 
@@ -225,18 +225,6 @@ def _reads(program: TTTProgram, t: int):
 # random inputs and float64 evaluation
 
 
-def _samples(nodes: list[torch.fx.Node], n: int, seed: int) -> list[torch.Tensor] | None:
-    """``n`` random float64 values of every node (its traced shape, a leading sample axis)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for node in nodes:
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
-            return None
-        out.append(torch.randn((n, *val.shape), generator=gen, dtype=torch.float64))
-    return out
-
-
 def _matrices(update, state: torch.Tensor, side: str) -> torch.Tensor:
     """``A`` of ``update(S) = A S + B`` (left) or ``S A + B`` (right), ``[..., r, r]``: the
     derivative at zero along the basis states ``E_{i0}`` (its columns) or ``E_{0i}`` (rows)."""
@@ -417,7 +405,7 @@ def _fit_pieces(program, t, frontier, boundary, state_shape, side, batch, dk, dv
     update_fn, update_inputs = extract(program.body, [s_in, *frontier], [s_out])
     update_fn = promoted(update_fn)
     n = SAMPLES
-    sampled = _samples(front_inputs, n, seed=0)
+    sampled = samples(front_inputs, n, seed=0)
     if sampled is None:
         return
     values = [v.double() for v in vmap(front_fn)(*sampled)]
@@ -560,7 +548,7 @@ def _confirmed(match: DeltaRuleMatch) -> bool:
     ins = prog.state_inputs()
     n = SAMPLES
     placeholders = prog.placeholders()
-    sampled = _samples(placeholders, n, seed=1)
+    sampled = samples(placeholders, n, seed=1)
     if sampled is None:
         return False
     got_state, got_out = [], []

@@ -42,7 +42,7 @@ def as_dtype(values, dtype: torch.dtype = torch.float64):
             else v for v in values]
 
 
-__all__ = ["promoted", "as_dtype", "relative_error"]
+__all__ = ["promoted", "as_dtype", "relative_error", "samples"]
 
 
 def relative_error(err: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,3 +50,14 @@ def relative_error(err: torch.Tensor, ref: torch.Tensor) -> float:
     is not): how the lifts judge a piece read off a graph against the graph's own values."""
     return float(err.norm() / ref.norm().clamp_min(1e-300))
 
+
+def samples(nodes: list[torch.fx.Node], n: int, seed: int) -> list[torch.Tensor] | None:
+    """``n`` random float64 values of every node (its traced shape, a leading sample axis)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for node in nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            return None
+        out.append(torch.randn((n, *val.shape), generator=gen, dtype=torch.float64))
+    return out

@@ -8,17 +8,18 @@ decay. Inside a chunk the weight of token ``i`` in token ``t``'s read is then
 * **mild** chunks (no channel decays by more than ``exp(-MILD)`` over a chunk): the decay factors
   into the queries' ``exp`` of their prefix and the keys' ``exp`` of minus theirs (at most
   ``exp(MILD)``), and the attention is one product, as with a decay per head;
-* otherwise in **sub-chunks** of ``SUB`` tokens, as flash-linear-attention's GLA kernels do.
-  Between sub-chunks (keys of ``r`` before queries of ``p``) the decay splits at the boundary
-  before ``p``: the queries times ``exp`` of their prefix inside ``p``, the keys times ``exp`` of
-  their suffix inside ``r`` and of the sub-chunks between — sums of the log decays themselves,
-  never differences of cumulative sums, so nothing cancels or overflows; pairs ``r ≥ p`` are −∞
-  before ``exp``. Inside a sub-chunk the decay is factored again where it is mild, else
-* **exact**: the ``[Dk, SUB, SUB]`` segment sums per channel, elementwise (about 7× the cost of
-  the factored forms on a CPU).
+* otherwise in **sub-chunks**, as flash-linear-attention's GLA kernels do: 16 tokens, or 8 or 4
+  where the decay over 16 or 8 is stronger than ``exp(-MILD)`` (``tiles``). Between sub-chunks
+  (keys of ``r`` before queries of ``p``) the decay splits at the boundary before ``p``: the
+  queries times ``exp`` of their prefix inside ``p``, the keys times ``exp`` of their suffix
+  inside ``r`` and of the sub-chunks between — sums of the log decays themselves, never
+  differences of cumulative sums, so nothing cancels or overflows; pairs ``r ≥ p`` are −∞ before
+  ``exp``. Inside a sub-chunk the decay factors again, unless even 4 tokens decay more, then
+* **exact**: the ``[Dk, 4, 4]`` segment sums per channel, elementwise.
 
 Across chunks the states scan with one factor per row of the state (``blocked_scan`` over
-``B·H·Dk`` rows). The choice between the forms reads the decays' minimum: one sync per call.
+``B·H·Dk`` rows, in blocks of ``ROW_SCAN_BLOCK`` chunks). The choices read the decays' minimum:
+a few syncs per call.
 """
 from __future__ import annotations
 
@@ -33,13 +34,33 @@ SUB = 16
 #: The largest total log decay per channel of a sub-chunk whose decay is factored (see
 #: ``_inside_sub_chunks``).
 MILD = 8.0
+#: Chunks per block of the scan over state rows (see ``scan_rows``).
+ROW_SCAN_BLOCK = 16
 
 
-def chunk_length(chunk_size: int, T: int) -> int:
-    """The chunk the per-channel algorithm runs: ``min(chunk_size, T)`` rounded up to whole
-    sub-chunks (the chunk size is a tile, not part of the result)."""
-    C = min(chunk_size, T)
-    return C if C <= SUB else math.ceil(C / SUB) * SUB
+def tiles(log_decay: torch.Tensor, chunk_size: int) -> tuple[int, int]:
+    """``(chunk, sub_chunk)`` for log decays ``[B, T, H, Dk]``: the largest sub-chunk of
+    ``SUB``, ``SUB/2``, ``SUB/4`` tokens over which no channel decays by more than
+    ``exp(-MILD)`` (its decay then factors: one product), in chunks of ``chunk_size`` rounded up
+    to whole sub-chunks, or of four sub-chunks when they are shorter than ``SUB`` (the keys are
+    scaled once per pair of sub-chunks in a chunk). Where even ``SUB/4`` tokens decay more, the
+    sub-chunks of ``SUB/4`` are computed exactly. The chunk size is a tile, not part of the
+    result."""
+    C = min(chunk_size, log_decay.shape[1])
+    if C <= SUB:
+        return C, C
+    for s in (SUB, SUB // 2, SUB // 4):
+        if _mild(_window_totals(log_decay, s)):
+            break
+    return (math.ceil(C / s) * s if s == SUB else min(math.ceil(C / s), 4) * s), s
+
+
+def _window_totals(g: torch.Tensor, s: int) -> torch.Tensor:
+    """The log decays ``[B, T, ...]`` summed over windows of ``s`` tokens from the first."""
+    pad = -g.shape[1] % s
+    if pad:
+        g = torch.nn.functional.pad(g, [0, 0] * (g.dim() - 2) + [0, pad])
+    return g.reshape(g.shape[0], -1, s, *g.shape[2:]).sum(dim=2)
 
 
 def _suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
@@ -96,11 +117,10 @@ def _mild(totals: torch.Tensor) -> bool:
     return float(totals.detach().min()) >= -MILD
 
 
-def _sub_chunked(q, k, g):
-    """``[R, n, C, C]``: causal attention inside chunks whose decay is strong, in sub-chunks
-    (see the module's docstring)."""
+def _sub_chunked(q, k, g, s: int):
+    """``[R, n, C, C]``: causal attention inside chunks whose decay is strong, in sub-chunks of
+    ``s`` tokens (see the module's docstring)."""
     R, n, C, Dk = k.shape
-    s = min(C, SUB)
     m = C // s
     qs, ks, gs = (x.reshape(R, n, m, s, Dk) for x in (q, k, g))
     inside = gs.cumsum(dim=-2)                          # Σ_{start of p ≤ l ≤ t} g_l
@@ -114,12 +134,12 @@ def _sub_chunked(q, k, g):
     return attn.reshape(R, n, C, C)
 
 
-def intra_chunk_channel_decay(q, k, v, g):
+def intra_chunk_channel_decay(q, k, v, g, sub: int):
     """In-chunk attention, chunk increments, decayed queries and chunk decay for log decays
     per key channel, all heads and chunks at once.
 
-    ``q, k [R, n, C, Dk]``, ``v [R, n, C, Dv]``, ``g [R, n, C, Dk]``, ``C`` a multiple of ``SUB``
-    or at most ``SUB`` (``chunk_length``). Returns ``(o_intra [R, n, C, Dv], increment [R, n,
+    ``q, k [R, n, C, Dk]``, ``v [R, n, C, Dv]``, ``g [R, n, C, Dk]``, ``C`` a multiple of the
+    sub-chunk ``sub`` (``tiles``). Returns ``(o_intra [R, n, C, Dv], increment [R, n,
     Dk, Dv], q_read [R, n, C, Dk], decay [R, n, Dk])``: the same parts as the per-head path of
     ``chunk.py``. Chunks that all decay mildly (``MILD``) factor their decay over the whole
     chunk; otherwise the attention is built in sub-chunks.
@@ -132,7 +152,7 @@ def intra_chunk_channel_decay(q, k, v, g):
         attn, decay = _causal(q_read, keys), total.exp()
         increment = (keys * decay.unsqueeze(-2)).mT @ v
     else:
-        attn, decay = _sub_chunked(q, k, g), total.exp()
+        attn, decay = _sub_chunked(q, k, g, sub), total.exp()
         increment = (k * _suffix_sums(g, -2).exp()).mT @ v
     return attn @ v, increment, q_read, decay
 
@@ -145,8 +165,8 @@ def scan_rows(decay: torch.Tensor, increments: torch.Tensor,
     R, n, Dk, Dv = increments.shape
     rows = increments.permute(0, 2, 1, 3).reshape(R * Dk, n, Dv)
     init = None if initial is None else initial.reshape(R * Dk, Dv)
-    states = blocked_scan(decay.transpose(1, 2).reshape(R * Dk, n), rows, init)
+    states = blocked_scan(decay.transpose(1, 2).reshape(R * Dk, n), rows, init, ROW_SCAN_BLOCK)
     return states.reshape(R, Dk, n, Dv).permute(0, 2, 1, 3).contiguous()
 
 
-__all__ = ["SUB", "chunk_length", "intra_chunk_channel_decay", "scan_rows"]
+__all__ = ["SUB", "tiles", "intra_chunk_channel_decay", "scan_rows"]

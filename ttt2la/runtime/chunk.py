@@ -24,7 +24,7 @@ import torch
 
 import torch.nn.functional as F
 
-from ttt2la.runtime.channel_decay import chunk_length, intra_chunk_channel_decay, scan_rows
+from ttt2la.runtime.channel_decay import intra_chunk_channel_decay, scan_rows, tiles
 from ttt2la.runtime.naive import check_chunk_inputs, compute_dtype, final_state_dtype
 from ttt2la.runtime.scan import blocked_scan, segment_sums
 
@@ -88,13 +88,13 @@ def torch_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     per_channel = log_decay is not None and log_decay.dim() == 4
-    C = chunk_length(chunk_size, T) if per_channel else min(chunk_size, T)
+    C, sub = tiles(log_decay, chunk_size) if per_channel else (min(chunk_size, T), None)
     n = math.ceil(T / C)
     qc, kc, vc = (_head_major(x.to(dt), n, C) for x in (q, k, v))   # [B·H, n, C, D]
     g = None if log_decay is None else _head_major(log_decay.to(dt), n, C)
     S0 = None if initial_state is None else initial_state.to(dt).reshape(B * H, Dk, Dv)
     if per_channel:
-        o, increments, q_read, decay = intra_chunk_channel_decay(qc, kc, vc, g)
+        o, increments, q_read, decay = intra_chunk_channel_decay(qc, kc, vc, g, sub)
         states = scan_rows(decay, increments, S0)
     else:
         causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()

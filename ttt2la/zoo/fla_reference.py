@@ -16,7 +16,7 @@ The functions here are written in that style for six recurrences:
   laid out value-first, decayed by ``exp(Δ_t A)``, written ``(Δ_t x_t) ⊗ B_t`` and read by
   summing ``h ⊙ C_t`` over its last axis;
 * ``normalised`` — linear attention with its normaliser (``φ = elu + 1``): a second memory, the
-  keys' running sum, divides each read. Two memories are no runtime op's: the generic plan.
+  keys' running sum, divides each read.
 
 ``FlaReferenceLayer`` wraps one of them with projections, the way a model calls the reference.
 """
