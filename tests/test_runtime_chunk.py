@@ -159,15 +159,17 @@ CHANNEL_STRENGTHS = {"mild": (0.01, []), "medium": (0.3, ["_sub_chunked", "_fact
                      "strong": (3.0, ["_sub_chunked", "_exact"])}
 
 
-@pytest.mark.parametrize("rate,tiles", [(0.01, (64, 16)), (0.3, (64, 16)), (0.7, (32, 8)),
-                                        (1.5, (16, 4)), (3.0, (16, 4))])
-def test_sub_chunks_shrink_until_their_decay_factors(rate, tiles):
+@pytest.mark.parametrize("rate,tiles,short", [
+    (0.01, (64, 16), (10, 10)), (0.3, (64, 16), (10, 10)), (0.7, (32, 8), (10, 10)),
+    (0.9, (32, 8), (16, 8)), (1.5, (32, 4), (12, 4)), (3.0, (32, 4), (12, 4))])
+def test_sub_chunks_shrink_until_their_decay_factors(rate, tiles, short):
     """The largest sub-chunk over which no channel decays by more than e^-8 (16, 8 or 4
-    tokens), four of them to a chunk when shorter than 16; exact sub-chunks of 4 beyond."""
+    tokens), chunks of 32 tokens when shorter than 16; exact sub-chunks of 4 beyond. Ten
+    tokens are one sub-chunk where that is mild, else shrink the same way."""
     from ttt2la.runtime.channel_decay import tiles as chosen
     g = torch.full((1, 256, 2, 3), -rate)
     assert chosen(g, 64) == tiles
-    assert chosen(g[:, :10], 64) == (10, 10)             # one chunk, one sub-chunk
+    assert chosen(g[:, :10], 64) == short
 
 
 @pytest.mark.parametrize("strength", list(CHANNEL_STRENGTHS))

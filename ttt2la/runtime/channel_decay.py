@@ -34,25 +34,29 @@ SUB = 16
 #: The largest total log decay per channel of a sub-chunk whose decay is factored (see
 #: ``_inside_sub_chunks``).
 MILD = 8.0
+#: The chunk when sub-chunks are shorter than ``SUB`` (see ``tiles``): measured faster than 16
+#: or 64 tokens for sub-chunks of 4 and 8 (B = 2, 4 heads of 64, T = 1024, 2 cores).
+SHORT_CHUNK = 32
 #: Chunks per block of the scan over state rows (see ``scan_rows``).
 ROW_SCAN_BLOCK = 16
 
 
 def tiles(log_decay: torch.Tensor, chunk_size: int) -> tuple[int, int]:
-    """``(chunk, sub_chunk)`` for log decays ``[B, T, H, Dk]``: the largest sub-chunk of
-    ``SUB``, ``SUB/2``, ``SUB/4`` tokens over which no channel decays by more than
+    """``(chunk, sub_chunk)`` for log decays ``[B, T, H, Dk]``: the largest sub-chunk of at most
+    ``SUB``, ``SUB/2`` or ``SUB/4`` tokens over which no channel decays by more than
     ``exp(-MILD)`` (its decay then factors: one product), in chunks of ``chunk_size`` rounded up
-    to whole sub-chunks, or of four sub-chunks when they are shorter than ``SUB`` (the keys are
-    scaled once per pair of sub-chunks in a chunk). Where even ``SUB/4`` tokens decay more, the
-    sub-chunks of ``SUB/4`` are computed exactly. The chunk size is a tile, not part of the
-    result."""
+    to whole sub-chunks, or of at most ``SHORT_CHUNK`` tokens when they are shorter than ``SUB``.
+    Where even ``SUB/4`` tokens decay more, the sub-chunks of ``SUB/4`` are computed exactly.
+    The chunk size is a tile, not part of the result."""
     C = min(chunk_size, log_decay.shape[1])
-    if C <= SUB:
-        return C, C
-    for s in (SUB, SUB // 2, SUB // 4):
+    first = min(C, SUB)
+    sizes = [first, *(s for s in (SUB // 2, SUB // 4) if s < first)]
+    for s in sizes:
         if _mild(_window_totals(log_decay, s)):
             break
-    return (math.ceil(C / s) * s if s == SUB else min(math.ceil(C / s), 4) * s), s
+    if s == first:
+        return (C if C <= SUB else math.ceil(C / s) * s), s
+    return min(math.ceil(C / s) * s, SHORT_CHUNK), s
 
 
 def _window_totals(g: torch.Tensor, s: int) -> torch.Tensor:
