@@ -5,9 +5,11 @@ People write the same momentum or decay many ways: ``β·m + g``, ``m·β + (1 �
 reads any of them off the traced graph as one coefficient ``a`` and the state-free terms ``t_i``,
 each coefficient a sum of monomials ``c · Π f`` over constants ``c`` and *factors* ``f``:
 state-independent values holding one number per matrix (``[..., 1, 1]``), so that ``a·S`` is a
-scalar per matrix, which is what the runtime's per-chunk coefficients take. Anything else that
-reads the state (a product of two state-dependent values, a factor per row) is not affine in
-this sense and gives ``None``; so does a constant added to the state, which no runtime op takes.
+scalar per matrix, which is what the runtime's per-chunk coefficients take — or, where the
+caller asks (``factor=is_vector_factor``), one number per row or column, the token-causal op's
+decay per key channel. Anything else that reads the state (a product of two state-dependent
+values) is not affine in this sense and gives ``None``; so does a constant added to the state,
+which no runtime op takes.
 """
 from __future__ import annotations
 
