@@ -403,3 +403,36 @@ def test_a_gla_reference_with_an_initial_and_a_final_state_runs_on_the_token_cau
             grads.append([o, h, *torch.autograd.grad(loss, [*inputs, *m.parameters()])])
         for a, b in zip(*grads):
             assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+class FixedChannelDecay(nn.Module):
+    """RetNet's fixed decay made one per key channel: a parameter, the same at every token."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.decay_logit = nn.Parameter(torch.randn(heads, d // heads) + 3)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        decay = torch.sigmoid(self.decay_logit)
+        S = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        o = torch.zeros_like(v)
+        for i in range(T):
+            S = S * decay[None, :, :, None] + k[:, :, i, :, None] * v[:, :, i, None, :]
+            o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2)
+        return o.transpose(1, 2).reshape(B, T, d)
+
+
+def test_a_fixed_decay_per_key_channel_runs_on_the_token_causal_op():
+    """A decay from parameters alone (no token stream) is the op's log decay per key channel at
+    every token, its gradient reaching the parameter."""
+    torch.manual_seed(0)
+    layer = FixedChannelDecay()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 2, 16), torch.randn(3, 70, 16)])
