@@ -88,11 +88,12 @@ def _between(G: torch.Tensor) -> torch.Tensor:
     return torch.cat([closed, Z[..., :-1, :, :]], dim=-3)
 
 
-def _factored(q, k, prefix):
+def _factored(q_scaled, k, prefix):
     """``[..., t, i]``: causal attention with the decay factored into the queries' ``exp`` of
-    their prefix and the keys' ``exp`` of minus theirs — exact up to rounding where the decay
-    over the block is at most ``exp(MILD)``, else the keys' factors would overflow."""
-    return _causal(q * prefix.exp(), k * (-prefix).exp())
+    their prefix (``q_scaled``, already applied) and the keys' ``exp`` of minus theirs — exact up
+    to rounding where the decay over the block is at most ``exp(MILD)``, else the keys' factors
+    would overflow."""
+    return _causal(q_scaled, k * (-prefix).exp())
 
 
 def _causal(q, k):
@@ -102,10 +103,13 @@ def _causal(q, k):
     return (q @ k.mT).masked_fill(~causal, 0.0)
 
 
-def _inside_sub_chunks(qs, ks, gs, inside):
+def _inside_sub_chunks(q_scaled, qs, ks, gs, inside):
     """``[R, n, m, t, i]``: each sub-chunk's own causal attention with its decay per channel:
-    factored where every sub-chunk is mild, else exact."""
-    return _factored(qs, ks, inside) if _mild(inside[..., -1, :]) else _exact(qs, ks, gs)
+    factored where every sub-chunk is mild (``q_scaled``: the queries times ``exp`` of
+    ``inside``), else exact."""
+    if _mild(inside[..., -1, :]):
+        return _factored(q_scaled, ks, inside)
+    return _exact(qs, ks, gs)
 
 
 def _exact(q, k, g):
@@ -131,9 +135,10 @@ def _sub_chunked(q, k, g, s: int):
     # keys scaled per query sub-chunk p: by their suffix in r, by the sub-chunks between
     between = _between(inside[..., -1, :]).exp()        # [R, n, p, r, Dk], 0 for r ≥ p
     keys = (ks * _suffix_sums(gs, -2).exp()).unsqueeze(2) * between.unsqueeze(-2)
-    attn = (qs * inside.exp()) @ keys.reshape(R, n, m, m * s, Dk).mT     # [R, n, p, s, C]
+    q_scaled = qs * inside.exp()
+    attn = q_scaled @ keys.reshape(R, n, m, m * s, Dk).mT               # [R, n, p, s, C]
     attn = attn.reshape(R, n, m, s, m, s)
-    attn.diagonal(dim1=2, dim2=4).add_(_inside_sub_chunks(qs, ks, gs, inside)
+    attn.diagonal(dim1=2, dim2=4).add_(_inside_sub_chunks(q_scaled, qs, ks, gs, inside)
                                        .permute(0, 1, 3, 4, 2))
     return attn.reshape(R, n, C, C)
 
