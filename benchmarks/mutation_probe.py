@@ -371,8 +371,9 @@ MUTATIONS = [
     Mutation(
         "sub_chunks_never_shrink", "a decay per key channel too strong to factor over 16 "
         "tokens keeps sub-chunks of 16 (computed exactly, about 7x the cost)",
-        (("ttt2la/runtime/channel_decay.py", "for s in (SUB, SUB // 2, SUB // 4):",
-          "for s in (SUB,):"),),
+        (("ttt2la/runtime/channel_decay.py",
+          "sizes = [first, *(s for s in (SUB // 2, SUB // 4) if s < first)]",
+          "sizes = [first]"),),
         ("tests/test_runtime_chunk.py",), "sub_chunks_shrink"),
     Mutation(
         "companion_final_state_dropped", "a companion memory's final state is not returned "
