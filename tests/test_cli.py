@@ -130,6 +130,18 @@ def test_bench_times_a_memory_and_its_conversion(name, capsys):
     assert "level 0" in out and "0.00e+00" in out, out
 
 
+@pytest.mark.parametrize("name", ["gla", "normalised-attention"])
+def test_bench_times_a_reference_recurrence_on_the_token_causal_op(name, capsys):
+    """``bench`` on a recurrence written as flash-linear-attention's reference loop: the plan
+    that ran is the token-causal op, its error within the fp32 bound."""
+    assert main(["bench", "--zoo", name, "--length", "32", "--levels", "0", "--repeats", "3",
+                 "--max-seconds", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "level 0" in line)
+    assert "chunk_linear_attention" in row, out
+    assert float(row.split("│")[-2]) <= 1e-5, row
+
+
 @pytest.mark.parametrize("name", ["lact-lm", "lact-layer", "lact-variant2"])
 def test_zoo_lact_models_run_on_their_inputs(name):
     model = build_zoo_model(name)

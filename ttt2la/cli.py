@@ -104,6 +104,13 @@ def _titans_linear_memory() -> torch.nn.Module:
     return TitansLinearMemory(64, 16, momentum=True)
 
 
+def _fla_reference(rule: str) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        from .zoo import FlaReferenceLayer
+        return FlaReferenceLayer(256, 4, rule)
+    return build
+
+
 def _per_token_layer() -> torch.nn.Module:
     from .zoo import PerTokenTTTLayer
     return PerTokenTTTLayer(64, 4)
@@ -137,6 +144,14 @@ ZOO: dict[str, ZooModel] = {
     "titans-linear": ZooModel("a Titans-like linear memory with momentum and weight decay "
                               "(dim 64, chunk 16)",
                               _titans_linear_memory, _features(64), length=512, chunk_size=16),
+    "gla": ZooModel("gated linear attention, a gate per key channel, token by token as "
+                    "flash-linear-attention's reference loop writes it (4 heads of 64)",
+                    _fla_reference("vector_gate"), _features(256), length=512, chunk_size=1),
+    "normalised-attention": ZooModel("linear attention with its normaliser (elu + 1 features, "
+                                     "a second memory of the keys), token by token (4 heads "
+                                     "of 64)",
+                                     _fla_reference("normalised"), _features(256), length=512,
+                                     chunk_size=1),
 }
 
 
