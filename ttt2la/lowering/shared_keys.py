@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ..ir import TTTProgram, ancestors, descendants
-from .affine_update import factor_shape
+from .affine_update import evaluate, factor_shape
 from .executors import extract
 from .precision import promoted, relative_error, samples
 
@@ -105,28 +105,22 @@ def _same_values(program: TTTProgram, term: torch.fx.Node, key: torch.fx.Node) -
 
 def _same_decay(program: TTTProgram, up, gamma, state: torch.fx.Node, transposed: bool) -> bool:
     """Whether the companion ``state`` (``[..., Dk]``) decays as the final state's rows do:
-    both coefficients evaluated on random inputs as ``[..., Dk, 1]``."""
+    both coefficients evaluated on random inputs as ``[..., Dk, 1]`` (``affine_update.evaluate``,
+    one sample)."""
     factors = list(dict.fromkeys(f for p in (up.gamma, gamma) for _, fs in p for f in fs))
     got = _evaluated(program, _boundary(program), factors) if factors else []
     if got is None:
         return False
-    values = dict(zip(factors, got))
-    w_shape = tuple(program.state_inputs()[up.w].meta["val"].shape)
-    ours = _polynomial(up.gamma, values, w_shape, lambda v: v)
-    ours = ours[..., :1, :].mT if transposed else ours[..., :1]
-    theirs = _polynomial(gamma, values, (*state.meta["val"].shape, 1), lambda v: v.unsqueeze(-1))
+    one = torch.zeros(1, dtype=torch.float64)
+    *batch, rows, cols = program.state_inputs()[up.w].meta["val"].shape
+    keys = cols if transposed else rows
+    ours = evaluate(up.gamma, {f: v.unsqueeze(0) for f, v in zip(factors, got)}, one,
+                    tuple(batch), (1, keys) if transposed else (keys, 1))
+    ours = ours.mT if transposed else ours
+    z_batch = tuple(state.meta["val"].shape[:-1])
+    theirs = evaluate(gamma, {f: v.unsqueeze(0).unsqueeze(-1) for f, v in zip(factors, got)},
+                      one, z_batch, (keys, 1))
     return ours.shape == theirs.shape and relative_error(ours - theirs, theirs) < 1e-12
-
-
-def _polynomial(p, values: dict, shape: tuple, aligned) -> torch.Tensor:
-    """``p``'s value broadcast to ``shape`` (each factor through ``aligned`` first)."""
-    total = torch.zeros(shape, dtype=torch.float64)
-    for c, fs in p:
-        term = torch.full(shape, c, dtype=torch.float64)
-        for f in fs:
-            term = term * aligned(values[f])
-        total = total + term
-    return total
 
 
 def _reader(program: TTTProgram, state: torch.fx.Node, up, query: torch.fx.Node,
