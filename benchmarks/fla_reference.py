@@ -3,11 +3,14 @@
 recurrence written by hand with matmuls, side by side.
 
     python benchmarks/fla_reference.py [--quick] [--rounds N] [--threads N] [--backward]
+                                       [--only NAME]
 
 Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA;
 no op takes it: the generic plan), the gated delta rule, Mamba-2's recurrence as its minimal
 reference steps it (state value-first, read by a sum over its last axis), linear attention with
-its normaliser (two memories: the generic plan, raced against its source), and a per-token TTT
+its normaliser (two memories: the generic plan, raced against its source), RWKV-6's time mixing
+(a decay per key channel, the state read before each write plus the token's own product
+weighted by a bonus), and a per-token TTT
 layer that reads its fast weight before each token writes it
 (``zoo.PerTokenTTTLayer(read="before")``, its ``torch.compile``d step run eagerly); 4 heads,
 256 features, B = 2, L = 1024 (``--quick``: 256). Rows run interleaved in one process
@@ -36,6 +39,8 @@ def by_hand(layer: FlaReferenceLayer, x):
         return ssd_by_hand(layer, x)
     if layer.rule == "normalised":
         return normalised_by_hand(layer, x)
+    if layer.rule == "rwkv6":
+        return rwkv6_by_hand(layer, x)
     q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in layer.qkv(x).chunk(3, -1))
     q = q * q.shape[-1] ** -0.5
     K = q.shape[-1]
@@ -76,6 +81,22 @@ def normalised_by_hand(layer: FlaReferenceLayer, x):
         z = z + k[:, :, t, :, None]
         qt = q[:, :, t, None, :]
         outs.append(qt @ S / (qt @ z + 1e-6))
+    o = torch.cat(outs, 2)
+    return layer.out(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def rwkv6_by_hand(layer: FlaReferenceLayer, x):
+    """RWKV-6's time mixing with matmuls: ``o_t = r_t S + ((r_t ⊙ u)·k_t) v_t``, then the write."""
+    B, T, _ = x.shape
+    H = layer.num_heads
+    r, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in layer.qkv(x).chunk(3, -1))
+    r = r * r.shape[-1] ** -0.5
+    decay = torch.exp(-torch.exp(layer.gate(x).view(B, T, H, -1).transpose(1, 2) - 4))
+    own = ((r * layer.bonus[None, :, None]) * k).sum(-1, keepdim=True) * v
+    S, outs = x.new_zeros(B, H, k.shape[-1], v.shape[-1]), []
+    for t in range(T):
+        outs.append(r[:, :, t, None, :] @ S + own[:, :, t, None])
+        S = decay[:, :, t, :, None] * S + k[:, :, t, :, None] @ v[:, :, t, None, :]
     o = torch.cat(outs, 2)
     return layer.out(o.transpose(1, 2).reshape(B, T, -1))
 
@@ -135,11 +156,14 @@ def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
 
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", metavar="TEXT",
+                        help="only the cases whose name starts with TEXT (e.g. rwkv6)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.compiler.set_stance("force_eager")      # the per-token step as written, eagerly
-    print_table(cases(args.quick), args.rounds, args.backward)
+    chosen = [c for c in cases(args.quick) if c[0].startswith(args.only)]
+    print_table(chosen, args.rounds, args.backward)
 
 
 if __name__ == "__main__":

@@ -369,6 +369,36 @@ MUTATIONS = [
           "found.append(Companion(i, 1.0, reader,"),),
         ("tests/test_fla_reference_styles.py",), "value_column"),
     Mutation(
+        "bonus_dropped", "a state read plus the token's own product lifted without its term",
+        (("ttt2la/lowering/lift.py", "        if term:\n            o = o + bonus_read(",
+          "        if False:\n            o = o + bonus_read("),),
+        ("tests/test_bonus.py",), "rwkv6"),
+    Mutation(
+        "bonus_constant_lost", "the term's constant factor (0.5, a sign) dropped",
+        (("ttt2la/lowering/bonus.py", "row_w = phi_q.new_ones(()) * bonus.constant",
+          "row_w = phi_q.new_ones(())"),),
+        ("tests/test_bonus.py",), "every_weight"),
+    Mutation(
+        "bonus_weights_on_the_other_axis", "a term weighted per key channel weighted per "
+        "value channel instead (the state key-first)",
+        (("ttt2la/lowering/bonus.py",
+          "key, value = (left * row_w).transpose(-1, -2), right * col_w",
+          "key, value = left.transpose(-1, -2), right * col_w * row_w.transpose(-1, -2)"),),
+        ("tests/test_bonus.py",), "every_weight"),
+    Mutation(
+        "bonus_read_not_final", "a state read plus a term not taken for a read of the state "
+        "(RWKV's loop kept on the generic plan)",
+        (("ttt2la/analysis/roles.py",
+          "                s = plus_term(program, dep, mine) if s is None else s\n", ""),),
+        ("tests/test_bonus.py",), "rwkv6"),
+    Mutation(
+        "summed_product_matrix_permuted", "a matrix written before the vector it is read "
+        "with laid out transposed (the read of ``S * q`` not found)",
+        (("ttt2la/frontend/summed_products.py",
+          "    if _reads_matrix_permuted(a_own, b_own, summed):",
+          "    if False:"),),
+        ("tests/test_summed_products.py",), "either"),
+    Mutation(
         "sub_chunks_never_shrink", "a decay per key channel too strong to factor over 16 "
         "tokens keeps sub-chunks of 16 (computed exactly, about 7x the cost)",
         (("ttt2la/runtime/channel_decay.py",

@@ -130,7 +130,7 @@ def test_bench_times_a_memory_and_its_conversion(name, capsys):
     assert "level 0" in out and "0.00e+00" in out, out
 
 
-@pytest.mark.parametrize("name", ["gla", "normalised-attention"])
+@pytest.mark.parametrize("name", ["gla", "normalised-attention", "rwkv6"])
 def test_bench_times_a_reference_recurrence_on_the_token_causal_op(name, capsys):
     """``bench`` on a recurrence written as flash-linear-attention's reference loop: the plan
     that ran is the token-causal op, its error within the fp32 bound."""

@@ -26,7 +26,8 @@ from ttt2la.zoo.fla_reference import RULES
 
 OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
        "vector_gate": "chunk_linear_attention", "gated_delta": "delta_rule",
-       "ssd": "chunk_linear_attention", "normalised": "chunk_linear_attention"}
+       "ssd": "chunk_linear_attention", "normalised": "chunk_linear_attention",
+       "rwkv6": "chunk_linear_attention"}
 
 
 def _layer(rule, dtype=torch.float32, d=16, heads=2):

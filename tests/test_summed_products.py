@@ -87,3 +87,59 @@ def test_only_loop_bodies_are_rewritten():
     assert len(sums) == 1 and len(bmms) == 3          # the read before the loop stays as written
     for got, want in zip(gm(q, S), Reads()(q, S)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_matrix_times_a_vector_reads_the_matrix_as_stored_on_either_side():
+    """``q[..., None] * S`` and ``S * q[..., None]`` are one product: the matrix goes to the side
+    of the ``bmm`` that reads it as it lies (``[summed, own]`` on the right, ``[own, summed]``
+    on the left), so the state's read has one form for the analysis, with no relayout copy."""
+    q, S, P = torch.randn(2, 4), torch.randn(2, 4, 5), torch.randn(2, 5, 4)
+
+    def f(q, S, P):
+        return ((q[..., None] * S).sum(-2), (S * q[..., None]).sum(-2),
+                (P * q[:, None, :]).sum(-1), (q[:, None, :] * P).sum(-1))
+
+    sums, gm = _sums(f, q, S, P)
+    _, s_in, p_in = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = [summed_product(n) for n in sums]
+    key_first, key_first_swapped, value_first, value_first_swapped = found
+    for prod in (key_first, key_first_swapped):       # S [4, 5], summed over its rows
+        assert prod.b is s_in and prod.a_own == () and prod.b_own == (2,)
+    for prod in (value_first, value_first_swapped):   # P [5, 4], summed over its columns
+        assert prod.a is p_in and prod.a_own == (1,) and prod.b_own == ()
+    run = torch.fx.Interpreter(gm, garbage_collect_values=False)
+    run.run(q, S, P)
+    for prod, n in zip(found, sums):
+        torch.testing.assert_close(prod(run.env[prod.a], run.env[prod.b]), run.env[n])
+
+
+class StateFirstRead(nn.Module):
+    """A linear-attention loop that writes the state first in its read, ``(S * q).sum``."""
+
+    def __init__(self, d=8, state_first=True):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.state_first = state_first
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            qt = q[:, t, :, None]
+            outs.append((S * qt).sum(-2) if self.state_first else (qt * S).sum(-2))
+        return torch.stack(outs, 1)
+
+
+def test_a_read_lifts_whichever_operand_is_written_first():
+    import ttt2la
+    from equivalence import assert_same_function
+
+    for state_first in (True, False):
+        torch.manual_seed(0)
+        layer = StateFirstRead(state_first=state_first)
+        conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+        report, = conv.ttt2la_report.layers
+        assert report.runtime.startswith("chunk_linear_attention"), (state_first, report.runtime)
+        assert_same_function(conv, layer, torch.randn(3, 40, 8))

@@ -152,6 +152,10 @@ ZOO: dict[str, ZooModel] = {
                                      "of 64)",
                                      _fla_reference("normalised"), _features(256), length=512,
                                      chunk_size=1),
+    "rwkv6": ZooModel("RWKV-6's time mixing: a decay per key channel, the state read before "
+                      "each token's write plus the token's own product weighted by a bonus, "
+                      "token by token (4 heads of 64)",
+                      _fla_reference("rwkv6"), _features(256), length=512, chunk_size=1),
 }
 
 

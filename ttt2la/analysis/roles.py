@@ -73,6 +73,22 @@ def state_valued(program: TTTProgram, dep: Dependence, operand) -> int | None:
     return None
 
 
+def plus_term(program: TTTProgram, dep: Dependence, operand) -> int | None:
+    """The state of an operand that is a state plus a term no state feeds (``S + u ⊙ kᵀv``,
+    RWKV's bonus for the current token): a product with it is the state's product plus the
+    term's, so the state is read linearly, as a final layer is; else ``None``."""
+    base = peel_views(operand)
+    if not isinstance(base, torch.fx.Node) or op_name(base) != "add" or len(base.args) != 2 \
+            or base.kwargs:
+        return None
+    for x, term in (base.args, base.args[::-1]):
+        if isinstance(term, torch.fx.Node) and not dep.states_of(term):
+            s = state_valued(program, dep, x)
+            if s is not None:
+                return s
+    return None
+
+
 def _reads_state(program: TTTProgram, node, s: int) -> bool:
     """Whether ``node`` reads state ``s`` other than through another state's new value: data
     read through a kernel Θ stepped before it is read (update, then apply) depend on ``W`` only
@@ -113,6 +129,7 @@ def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[F
             hit = False
             for mine, other in (ops, ops[::-1]):
                 s = state_valued(program, dep, mine)
+                s = plus_term(program, dep, mine) if s is None else s
                 if s is not None and dep.reads_streams(other) and not _reads_state(program, other, s):
                     found.setdefault((s, node), FinalProduct(s, node, other))
                     hit = True

@@ -112,7 +112,22 @@ def summed_product(node: torch.fx.Node) -> SummedProduct | None:
             or not (a_own or b_own):
         return None
     batch = tuple(i for i in range(r) if i not in summed + a_own + b_own)
+    if _reads_matrix_permuted(a_own, b_own, summed):
+        a, b, a_own, b_own = b, a, b_own, a_own
     return SummedProduct(a, b, r, batch, a_own, b_own, summed, keepdim)
+
+
+def _reads_matrix_permuted(a_own: tuple, b_own: tuple, summed: tuple) -> bool:
+    """Whether the product of a matrix and a vector (one operand has axes of its own, the other
+    none) would lay the matrix out against its stored order: the left operand of a ``bmm`` is
+    read ``[own, summed]``, the right ``[summed, own]``. The product commutes, so the matrix
+    takes the side its layout reads as stored — ``S * q[..., None]`` and ``q[..., None] * S``
+    both read ``S`` as it lies, and the analysis sees one form of a state's read."""
+    if bool(a_own) == bool(b_own):
+        return False
+    own = a_own or b_own
+    own_first = max(own) < min(summed)
+    return own_first != bool(a_own)
 
 
 _chains = itertools.count()

@@ -45,6 +45,7 @@ from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
+from .bonus import Bonus, bonus_of, bonus_read, state_plus_term
 from .affine_update import (ONE, Polynomial, affine_in, evaluate, factors_of, is_factor,
                             is_vector_factor, per_matrix, vector_axis)
 from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
@@ -130,21 +131,21 @@ class _Contraction:
     outer: bool                # an elementwise outer product (one token) rather than a bmm
 
 
-def contraction(n, state_dep: set) -> _Contraction | None:
+def contraction(n, state_dep: set, factor=is_factor) -> _Contraction | None:
     """``n`` as a sum over tokens of outer products (a bmm, or a broadcast product of a column
-    and a row), possibly times scalars per matrix."""
+    and a row), possibly times scalars per matrix (``factor``: or what else it admits)."""
     n = strip(n)
     if not isinstance(n, torch.fx.Node) or n in state_dep:
         return None
     if n.target is aten.bmm.default:
         return _Contraction(n.args[0], n.args[1], [], False)
     if n.target is aten.neg.default:
-        inner = contraction(n.args[0], state_dep)
+        inner = contraction(n.args[0], state_dep, factor)
         if inner is not None:
             inner.scales.append(-1.0)
         return inner
     if n.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(n.args[1], (int, float)):
-        inner = contraction(n.args[0], state_dep)
+        inner = contraction(n.args[0], state_dep, factor)
         if inner is not None:
             inner.scales.append(float(n.args[1]) if n.target is aten.mul.Tensor
                                 else 1.0 / float(n.args[1]))
@@ -158,8 +159,8 @@ def contraction(n, state_dep: set) -> _Contraction | None:
             if sb[-1] == 1 and sa[-2] == 1 and sb[-2] > 1 and sa[-1] > 1:
                 return _Contraction(b, a, [], True)
         for x, s in ((a, b), (b, a)):
-            if is_factor(s, state_dep):
-                inner = contraction(x, state_dep)
+            if factor(s, state_dep):
+                inner = contraction(x, state_dep, factor)
                 if inner is not None:
                     inner.scales.append(s)
                     return inner
@@ -222,6 +223,8 @@ class LiftedProgram:
     decay_axis: int | None = None
     # memories written with the final state's keys, riding as value columns (``shared_keys``)
     companions: tuple[Companion, ...] = ()
+    # a term the loop adds to the state where it reads it (``bonus``), its features last
+    bonus: Bonus | None = None
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
@@ -271,18 +274,24 @@ class LiftedProgram:
         return _split_features(resized) if self.whole_sequence else resized
 
 
-def find_read(program: TTTProgram, w_ref: set, state_dep_other: set):
-    """``(bmm, transposed)``: the product that reads the state (one of ``w_ref``) against an
-    operand no other live state feeds, ``transposed`` when the state is its left operand;
-    ``(None, None)`` when there is none."""
+def find_read(program: TTTProgram, w_ref: set, state_dep_other: set, state_dep=None):
+    """``(bmm, transposed, term)``: the product that reads the state (one of ``w_ref``) against
+    an operand no other live state feeds, ``transposed`` when the state is its left operand;
+    ``(None, None, None)`` when there is none. With ``state_dep`` (what live states feed) the
+    state may be read plus a term none of them feeds (``bonus``): that term, else ``None``."""
     for n in program.body.graph.nodes:
-        if n.target is aten.bmm.default:
-            a, b = strip(n.args[0]), strip(n.args[1])
-            if b in w_ref and n.args[0] not in state_dep_other:
-                return n, False
-            if a in w_ref and n.args[1] not in state_dep_other:
-                return n, True
-    return None, None
+        if n.target is not aten.bmm.default:
+            continue
+        for transposed, mine, other in ((False, n.args[1], n.args[0]),
+                                        (True, n.args[0], n.args[1])):
+            if other in state_dep_other:
+                continue
+            if strip(mine) in w_ref:
+                return n, transposed, None
+            plus = None if state_dep is None else state_plus_term(mine, w_ref, state_dep, strip)
+            if plus is not None:
+                return n, transposed, plus[1]
+    return None, None, None
 
 
 @dataclass
@@ -423,7 +432,7 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     found = None if up is None else _increment(program, up)
     if found is None:
         return None
-    contraction, transform_root = found
+    increment, transform_root = found
     try:
         transform, _ = extract(program.body, [transform_root], [up.delta])
     except RuntimeError:
@@ -431,21 +440,23 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     # the read: o = φ(Q) W (W right) or W φ(Q)ᵀ (W left)
     ins, outs = program.state_inputs(), program.state_outputs()
     w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w]}
-    read, transposed = find_read(program, w_ref, up.state_dep - w_ref)
-    shapes = None if read is None else _consistent_shapes(program, up, contraction, read)
-    if shapes is None:
+    per_token = any(s.per_token for s in program.streams)
+    read, transposed, term = find_read(program, w_ref, up.state_dep - w_ref,
+                                       up.state_dep if per_token else None)
+    shapes = None if read is None else _consistent_shapes(program, up, increment, read)
+    bonus = None if term is None else bonus_of(term, up.state_dep, contraction)
+    if shapes is None or (term is not None and bonus is None):
         return None
     if up.norm is not None and not _runtime_weight_norm(up.norm, transposed, up.state_dep):
         return None
     # the orthogonalisation, read from the graph and confirmed by one evaluation
-    per_token = any(s.per_token for s in program.streams)
     ns = _read_transform(transform, _shape(transform_root), shapes, up.delta)
     if ns is False:
         return None
     # with nothing between the increment and the step, the step's factor scales the increment
     # (not a factor per chunk after momentum: s_j·M_j is no momentum recursion)
     if ns is None and len(up.step) == 1 and (up.m is None or not up.step[0][1]):
-        _scale_by(contraction, up.step)
+        _scale_by(increment, up.step)
         up.step = ONE
     # a per-token decay runs as the token-causal op's log decay (per key channel: along the
     # state's key axis); a step factor left after the fold above has no per-token form
@@ -456,12 +467,12 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         return None
     riders = ()
     if up.others:
-        key, query = ((contraction.right, read.args[1]) if transposed
-                      else (contraction.left, read.args[0]))
+        key, query = ((increment.right, read.args[1]) if transposed
+                      else (increment.left, read.args[0]))
         riders = companions(program, up.others, up, key, query, not transposed, _accumulated)
         if riders is None:
             return None
-    lifted = _assemble(program, up, contraction, read, transposed, ns, per_token, riders)
+    lifted = _assemble(program, up, increment, read, transposed, ns, per_token, riders, bonus)
     return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)
 
 
@@ -471,7 +482,8 @@ def _scale_by(con: _Contraction, p: Polynomial) -> None:
     con.scales.extend([*([c] if c != 1.0 else []), *fs])
 
 
-def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token, riders=()):
+def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token, riders=(),
+              bonus=None):
     """The ``LiftedProgram``: the feature and post-processing subgraphs cut from the body."""
     streams = program.stream_inputs()
     ins = program.state_inputs()
@@ -486,7 +498,7 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
     factors = factors_of(*(p for p in coefficients if p is not None))
     alpha, gamma, step = (None if p is None else _indexed(p, factors) for p in coefficients)
     feat_outputs = [read.args[0] if not transposed else read.args[1], contraction.left,
-                    contraction.right, *node_scales, *factors]
+                    contraction.right, *node_scales, *factors, *(bonus[1] if bonus else ())]
     feature_boundary = [*streams, *invariants]
     post_boundary = [read, *(c.read for c in riders), *streams, *invariants]
     try:
@@ -500,7 +512,7 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
                            constant_scale, feature_boundary, feat_outputs, post_boundary,
                            weight_norm=None if up.norm is None else up.norm.target,
                            alpha=alpha, gamma=gamma, step=step, factors=len(factors),
-                           companions=tuple(riders))
+                           companions=tuple(riders), bonus=bonus[0] if bonus else None)
     return _whole_sequence(lifted)
 
 
@@ -671,7 +683,8 @@ class LiftedPlan:
         backends = self.ran or [self.backend]
         riders = [self.lifted.program.states[c.index].name for c in self.lifted.companions]
         columns = f", {', '.join(riders)} as value columns" if riders else ""
-        return f"{self.op}[{'|'.join(backends)}]{columns}"
+        bonus = ", plus each token's own term" if self.lifted.bonus is not None else ""
+        return f"{self.op}[{'|'.join(backends)}]{columns}{bonus}"
 
     def resized(self, program: TTTProgram, loop=None) -> "LiftedPlan":
         """This plan for ``program``, the body re-sized to another batch size (``loop``: its
@@ -761,6 +774,7 @@ class LiftedPlan:
         b = feats[1][0, ..., 0, 0].numel()
         # fold every batch-like dim (batch, heads) into one: [N, b, rows, cols]
         q_side, left, right = (f.reshape(N, b, *f.shape[-2:]) for f in feats[:3])
+        feats, term = self._bonus_features(feats)
         n_scales = len(feats) - 3 - lp.factors
         scales = feats[3:3 + n_scales]
         if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
@@ -795,6 +809,8 @@ class LiftedPlan:
         reads = {c.read: o[..., Dv + j].reshape(N, *c.read_shape(states0[c.index]))
                  for j, c in enumerate(lp.companions)}
         o = o[..., :Dv]
+        if term:
+            o = o + bonus_read(lp.bonus, phi_q, term, states0[lp.w].shape, lp.transposed)
         reads[lp.read] = o.transpose(-1, -2) if lp.transposed else o
         post_args, post_dims = [], []
         for n in lp.post_inputs:
@@ -807,6 +823,13 @@ class LiftedPlan:
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
         return outputs, self._finals(states0, s_final, Dv)
+
+    def _bonus_features(self, feats) -> tuple[list, list]:
+        """The features without the bonus term's, and the term's (``bonus``; none: empty)."""
+        bonus = self.lifted.bonus
+        if bonus is None:
+            return list(feats), []
+        return list(feats[:-bonus.outputs]), list(feats[-bonus.outputs:])
 
     def _with_columns(self, value: torch.Tensor) -> torch.Tensor:
         """The values widened by one constant column per companion memory (``shared_keys``)."""

@@ -4,7 +4,7 @@ Each kernel of that library ships a ``naive`` recurrence: a function over ``[B, 
 tensors that walks the tokens, decays and writes a state ``S [B, H, K, V]`` by broadcasting
 (``k[..., None] * v[..., None, :]``), reads it the same way (``(q[..., None] * S).sum(-2)``)
 and writes each token's output into a buffer allocated before the loop (``o[:, :, i] = …``).
-The functions here are written in that style for six recurrences:
+The functions here are written in that style for seven recurrences:
 
 * ``retention`` — a fixed decay per head, ``1 − 2^(−5−h)`` (RetNet);
 * ``scalar_gate`` — a data-dependent decay per head and token, ``exp(g_t)`` with ``g_t ≤ 0``
@@ -16,7 +16,9 @@ The functions here are written in that style for six recurrences:
   laid out value-first, decayed by ``exp(Δ_t A)``, written ``(Δ_t x_t) ⊗ B_t`` and read by
   summing ``h ⊙ C_t`` over its last axis;
 * ``normalised`` — linear attention with its normaliser (``φ = elu + 1``): a second memory, the
-  keys' running sum, divides each read.
+  keys' running sum, divides each read;
+* ``rwkv6`` — RWKV-6's time mixing: a decay per key channel and token, the state read before the
+  token is written, plus the token's own product weighted per key channel by a learnt bonus ``u``.
 
 ``FlaReferenceLayer`` wraps one of them with projections, the way a model calls the reference.
 """
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta", "ssd", "normalised")
+RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta", "ssd", "normalised", "rwkv6")
 
 
 def retention_recurrence(q, k, v):
@@ -83,6 +85,19 @@ def normalised_recurrence(q, k, v, eps: float = 1e-6):
     return o
 
 
+def rwkv6_recurrence(r, k, v, w, u):
+    """``o_t = r_t (S_{t-1} + diag(u) k_tᵀ v_t)``, then ``S_t = diag(exp(w_t)) S_{t-1} + k_tᵀ v_t``:
+    ``w [B, H, T, K]`` log decays per key channel, ``u [H, K]`` the bonus of the current token."""
+    B, H, T, K = r.shape
+    S = r.new_zeros(B, H, K, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(T):
+        kv = k[:, :, i, :, None] * v[:, :, i, None, :]
+        o[:, :, i] = ((S + u[None, :, :, None] * kv) * r[:, :, i, :, None]).sum(-2)
+        S = S * w[:, :, i].exp()[..., None] + kv
+    return o
+
+
 def ssd_recurrence(x, dt, A, B, C):
     """``h_t = exp(Δ_t A) h_{t-1} + (Δ_t x_t) ⊗ B_t``, ``y_t = Σ_n h_t[..., n] C_t[n]``:
     ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, ``B, C [B, T, H, N]``."""
@@ -109,9 +124,11 @@ class FlaReferenceLayer(nn.Module):
         self.rule, self.num_heads = rule, num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         gates = {"scalar_gate": num_heads, "vector_gate": d_model, "gated_delta": 2 * num_heads,
-                 "ssd": num_heads}
+                 "ssd": num_heads, "rwkv6": d_model}
         self.gate = nn.Linear(d_model, gates[rule]) if rule in gates else None
         self.A_log = nn.Parameter(torch.zeros(num_heads)) if rule == "ssd" else None
+        self.bonus = nn.Parameter(0.5 * torch.randn(num_heads, d_model // num_heads)) \
+            if rule == "rwkv6" else None
         self.out = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,6 +147,9 @@ class FlaReferenceLayer(nn.Module):
             o = normalised_recurrence(q, k, v)
         elif self.rule == "scalar_gate":
             o = gated_recurrence(q, k, v, F.logsigmoid(self.gate(x) + 4).transpose(1, 2))
+        elif self.rule == "rwkv6":              # decays about e^-0.02 per token and channel
+            w = -torch.exp(self.gate(x).view(B, T, H, -1).transpose(1, 2) - 4)
+            o = rwkv6_recurrence(q, k, v, w, self.bonus)
         elif self.rule == "vector_gate":
             g = F.logsigmoid(self.gate(x) + 4).view(B, T, H, -1).transpose(1, 2) / 16
             o = gated_recurrence(q, k, v, g)
@@ -141,4 +161,4 @@ class FlaReferenceLayer(nn.Module):
 
 
 __all__ = ["FlaReferenceLayer", "RULES", "gated_delta_recurrence", "gated_recurrence",
-           "normalised_recurrence", "retention_recurrence", "ssd_recurrence"]
+           "normalised_recurrence", "retention_recurrence", "rwkv6_recurrence", "ssd_recurrence"]
