@@ -157,3 +157,41 @@ def test_a_term_that_is_no_token_s_outer_product_keeps_the_generic_plan(term):
     conv, runtime = _runtime(layer)
     assert "chunk_linear_attention" not in runtime, runtime
     assert_same_function(conv, layer, torch.randn(2, 20, 8))
+
+
+class FixedDecayBonus(nn.Module):
+    """RWKV-5's spelling: a decay per head and key channel from parameters alone, the query
+    scaled inside the loop, the read's product and its sum in two statements."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.rkv = nn.Linear(d, 3 * d, bias=False)
+        self.time_decay = nn.Parameter(torch.randn(heads, d // heads))
+        self.time_first = nn.Parameter(torch.randn(heads, d // heads))
+
+    def forward(self, x):
+        B, T, d = x.shape
+        r, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.rkv(x).chunk(3, -1))
+        w = torch.exp(-torch.exp(self.time_decay))
+        h = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        o = torch.zeros_like(v)
+        for i in range(T):
+            q_i = r[:, :, i, :] * (d // self.heads) ** -0.5
+            kv_i = k[:, :, i, :, None] * v[:, :, i, None, :]
+            o_i = (h + self.time_first[None, ..., None] * kv_i) * q_i[..., None]
+            o[:, :, i] = o_i.sum(-2)
+            h = h * w[None, ..., None] + kv_i
+        return o.transpose(1, 2).reshape(B, T, d)
+
+
+def test_rwkv5_s_spelling_runs_on_the_op():
+    """A fixed decay per key channel with the bonus, the read summed in its own statement: on
+    the op, exact, the decay's and the bonus's gradients included."""
+    torch.manual_seed(0)
+    layer = FixedDecayBonus()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime == "chunk_linear_attention[torch], plus each token's own term"
+    assert_same_function(conv, layer, [torch.randn(1, 3, 16), torch.randn(3, 50, 16)])

@@ -437,3 +437,37 @@ def test_a_fixed_decay_per_key_channel_runs_on_the_token_causal_op():
     report, = conv.ttt2la_report.layers
     assert report.runtime.startswith("chunk_linear_attention"), report.runtime
     assert_same_function(conv, layer, [torch.randn(1, 2, 16), torch.randn(3, 70, 16)])
+
+
+class ForgetGateKeys(nn.Module):
+    """HGRN2's recurrence: a forget gate per channel decays the state, and its complement is the
+    key, ``h' = diag(f) h + (1 − f)ᵀ v``."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, g, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.proj(x).chunk(3, -1))
+        g = torch.nn.functional.logsigmoid(g + 3)
+        k = 1 - g.exp()
+        h = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        o = torch.zeros_like(v)
+        for t in range(T):
+            h = g[:, :, t].exp()[..., None] * h + k[:, :, t, :, None] * v[:, :, t, None, :]
+            o[:, :, t] = (q[:, :, t, :, None] * h).sum(-2)
+        return o.transpose(1, 2).reshape(B, T, d)
+
+
+def test_keys_made_from_the_forget_gate_run_on_the_token_causal_op():
+    """The key a function of the gate that decays the state: still the op with a log decay per
+    key channel, exact, the gate's gradient through both."""
+    torch.manual_seed(0)
+    layer = ForgetGateKeys()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 2, 16), torch.randn(3, 50, 16)])
