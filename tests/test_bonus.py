@@ -195,3 +195,42 @@ def test_rwkv5_s_spelling_runs_on_the_op():
     report, = conv.ttt2la_report.layers
     assert report.runtime == "chunk_linear_attention[torch], plus each token's own term"
     assert_same_function(conv, layer, [torch.randn(1, 3, 16), torch.randn(3, 50, 16)])
+
+
+class SpelledBonus(nn.Module):
+    """The bonus written with ``einsum`` or with ``@`` (the token's product a ``bmm`` of a
+    column and a row), the read of a list of outputs stacked after the loop."""
+
+    def __init__(self, d=16, heads=2, spelling="einsum"):
+        super().__init__()
+        self.heads, self.spelling = heads, spelling
+        self.proj = nn.Linear(d, 4 * d, bias=False)
+        self.u = nn.Parameter(torch.randn(heads, d // heads))
+
+    def forward(self, x):
+        B, T, d = x.shape
+        r, k, v, w = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                      for t in self.proj(x).chunk(4, -1))
+        w = -torch.exp(w - 3)
+        S = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        outs = []
+        for t in range(T):
+            rt, kt, vt = r[:, :, t], k[:, :, t], v[:, :, t]
+            if self.spelling == "einsum":
+                kv = torch.einsum("bhk,bhv->bhkv", kt, vt)
+                outs.append(torch.einsum("bhk,bhkv->bhv", rt, S + self.u[None, :, :, None] * kv))
+            else:
+                kv = kt.unsqueeze(-1) @ vt.unsqueeze(-2)
+                outs.append((rt.unsqueeze(-2) @ (S + self.u.unsqueeze(-1) * kv)).squeeze(-2))
+            S = torch.exp(w[:, :, t]).unsqueeze(-1) * S + kv
+        return torch.stack(outs, 2).transpose(1, 2).reshape(B, T, d)
+
+
+@pytest.mark.parametrize("spelling", ["einsum", "matmul"])
+def test_the_term_written_with_einsum_or_matmul_runs_on_the_op(spelling):
+    torch.manual_seed(0)
+    layer = SpelledBonus(spelling=spelling)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime == "chunk_linear_attention[torch], plus each token's own term"
+    assert_same_function(conv, layer, torch.randn(2, 41, 16))

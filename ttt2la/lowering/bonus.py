@@ -50,9 +50,10 @@ def state_plus_term(operand, w_ref: set, state_dep: set, strip):
 
 def bonus_of(term: torch.fx.Node, state_dep: set, contraction) -> tuple[Bonus, list] | None:
     """The ``Bonus`` a term is and the feature nodes it reads (column, row, node factors), when
-    it is one token's outer product times factors (``contraction`` reads it); else ``None``."""
+    it is one token's outer product (broadcast, or a ``bmm`` of a column and a row) times
+    factors (``contraction`` reads it); else ``None``."""
     con = contraction(term, state_dep, is_vector_factor)
-    if con is None or not con.outer:
+    if con is None or not (con.outer or _one_token(con.left)):
         return None
     constant, nodes = 1.0, []
     for s in con.scales:
@@ -61,6 +62,12 @@ def bonus_of(term: torch.fx.Node, state_dep: set, contraction) -> tuple[Bonus, l
         else:
             constant *= s
     return Bonus(constant, len(nodes)), [con.left, con.right, *nodes]
+
+
+def _one_token(left: torch.fx.Node) -> bool:
+    """Whether a ``bmm``'s left operand ``[b, rows, T]`` holds one token: an outer product."""
+    val = left.meta.get("val") if isinstance(left, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == 1
 
 
 def bonus_read(bonus: Bonus, phi_q: torch.Tensor, features: list, w_shape: tuple,
