@@ -399,6 +399,24 @@ MUTATIONS = [
           "    if False:"),),
         ("tests/test_summed_products.py",), "either"),
     Mutation(
+        "token_step_dropped", "a per-token loop's step factor (lerp's 1 - a) not applied to "
+        "its values",
+        (("ttt2la/lowering/lift.py",
+          "value = value * per_chunk.pop(\"step_scale\").transpose(0, 1).unsqueeze(-1)",
+          "per_chunk.pop(\"step_scale\")"),),
+        ("tests/test_cut_and_fused_styles.py",), "fused_op_runs"),
+    Mutation(
+        "addcmul_value_dropped", "addcmul read through its definition without its value factor",
+        (("ttt2la/frontend/decompositions.py",
+          "return input + (ab if value == 1 else ab * value)", "return input + ab"),),
+        ("tests/test_cut_and_fused_styles.py",), "fused_op_runs"),
+    Mutation(
+        "read_after_relayout_missed", "a state read after its update through a view of the "
+        "update's result not found (the loop kept generic)",
+        (("ttt2la/lowering/lift.py", "else {outs[up.w], strip(outs[up.w])}",
+          "else {outs[up.w]}"),),
+        ("tests/test_cut_and_fused_styles.py",), "fused_op_runs"),
+    Mutation(
         "sub_chunks_never_shrink", "a decay per key channel too strong to factor over 16 "
         "tokens keeps sub-chunks of 16 (computed exactly, about 7x the cost)",
         (("ttt2la/runtime/channel_decay.py",

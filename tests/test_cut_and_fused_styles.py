@@ -143,3 +143,65 @@ def test_narrow_and_select_cut_the_sequence_like_slices(per_token):
     assert conv.ttt2la_report.exact
     for B, L in ((1, 4), (3, 20)):
         assert_same_function(conv, layer, torch.randn(B, L, 8))
+
+
+class FusedTokenUpdate(nn.Module):
+    """A per-token memory decayed by a gate per head and token, its update written with one
+    fused op: ``addcmul(a·S, k, v)``, ``lerp(kᵀv, S, a)`` (the step ``1 − a``), ``baddbmm`` on
+    the heads flattened and viewed back, or ``addcdiv`` (the value divided by a positive
+    norm); read with ``matmul`` into a buffer."""
+
+    def __init__(self, d=16, heads=2, mode="addcmul"):
+        super().__init__()
+        self.heads, self.mode = heads, mode
+        self.proj = nn.Linear(d, 4 * d, bias=False)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v, g = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                      for t in self.proj(x).chunk(4, -1))
+        a = torch.sigmoid(g.mean(-1) + 3)
+        S = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        o = x.new_empty(B, self.heads, T, d // self.heads)
+        for t in range(T):
+            qt, kt, vt, at = q[:, :, t], k[:, :, t], v[:, :, t], a[:, :, t, None, None]
+            col, row = kt.unsqueeze(-1), vt.unsqueeze(-2)
+            if self.mode == "addcmul":
+                S = torch.addcmul(S * at, col, row, value=0.5)
+            elif self.mode == "addcdiv":
+                S = torch.addcdiv(S * at, col, 1 + row.abs() + 0 * col)
+            elif self.mode == "lerp":
+                S = torch.lerp(col * row, S, at)
+            else:
+                S = torch.baddbmm((S * at).flatten(0, 1), col.flatten(0, 1),
+                                  row.flatten(0, 1)).view_as(S)
+            o[:, :, t] = torch.matmul(qt.unsqueeze(-2), S).squeeze(-2)
+        return o.transpose(1, 2).reshape(B, T, d)
+
+
+@pytest.mark.parametrize("mode", ["addcmul", "lerp", "baddbmm"])
+def test_a_per_token_update_written_with_one_fused_op_runs_on_the_token_causal_op(mode):
+    """Each fused op is read through its definition; ``lerp``'s step ``1 − a`` scales each
+    token's values; the state read after a ``baddbmm`` is a view of its result: all on the op,
+    exact."""
+    layer = FusedTokenUpdate(mode=mode)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(3, 40, 16)])
+
+
+def test_an_update_divided_elementwise_is_read_through_addcdiv_and_stays_exact():
+    """``addcdiv`` is decomposed too (the loop body holds its ``div``, no fused op); the
+    quotient of the key's column by a value-dependent matrix is no outer product, so the loop
+    keeps the generic plan, exact."""
+    from ttt2la.converted import is_converted
+
+    layer = FusedTokenUpdate(mode="addcdiv")
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert "chunk_linear_attention" not in report.runtime, report.runtime
+    body = next(m._ttt2la for m in conv.modules() if is_converted(m)).program.body.graph
+    targets = {n.target for n in body.nodes}
+    assert torch.ops.aten.div.Tensor in targets and torch.ops.aten.addcdiv.default not in targets
+    assert_same_function(conv, layer, torch.randn(2, 30, 16))

@@ -3,8 +3,9 @@
 ``torch.lerp(m, g, β)`` is ``m + β (g − m)``: an affine map of a momentum ``m``. ``F.mse_loss``
 is a mean (or sum) of squares, and its backward ``2 (x − y) / N`` times the seed: for ``x = kW``
 the delta rule's gradient, affine in ``W``. Inside a loop body, ``torch.baddbmm(W, kᵀ, v,
-alpha=η)`` is ``W + η·kᵀv``, an additive update, and Muon's ``baddbmm(A, A, A, beta=b, alpha=c)``
-a step of Newton–Schulz. Traced as single aten ops they are opaque to the dependence analysis and
+alpha=η)`` is ``W + η·kᵀv``, an additive update, ``torch.addcmul(γ·S, k[..., None], v[..., None, :])``
+the same written elementwise, and Muon's ``baddbmm(A, A, A, beta=b, alpha=c)`` a step of
+Newton–Schulz. Traced as single aten ops they are opaque to the dependence analysis and
 the matchers, which must then take them for nonlinear and refuse updates that are affine. Each
 definition is the one the op documents, with the gradient autograd gives it; values agree up to
 rounding (the fused kernels round differently). Multiply-adds outside loops (every ``nn.Linear``
@@ -78,6 +79,17 @@ def _multiply_add(product):
     return decomposed
 
 
+def _pointwise_add(combine):
+    """``input + value·combine(a, b)`` inside a loop body (``addcmul``, ``addcdiv``); the fused
+    op elsewhere."""
+    def decomposed(input, a, b, *, value=1):
+        if not _in_loop_body():
+            return NotImplemented
+        ab = combine(a, b)
+        return input + (ab if value == 1 else ab * value)
+    return decomposed
+
+
 #: The table ``make_fx`` traces with: each overload to the definition above.
 DECOMPOSITIONS = {
     aten.lerp.Scalar: lerp,
@@ -86,6 +98,8 @@ DECOMPOSITIONS = {
     aten.mse_loss_backward.default: mse_loss_backward,
     aten.baddbmm.default: _multiply_add(torch.bmm),
     aten.addmm.default: _multiply_add(torch.mm),
+    aten.addcmul.default: _pointwise_add(torch.mul),
+    aten.addcdiv.default: _pointwise_add(torch.div),
 }
 
 __all__ = ["DECOMPOSITIONS", "lerp", "mse_loss", "mse_loss_backward"]

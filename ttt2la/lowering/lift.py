@@ -439,7 +439,9 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         return None
     # the read: o = φ(Q) W (W right) or W φ(Q)ᵀ (W left)
     ins, outs = program.state_inputs(), program.state_outputs()
-    w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w]}
+    # the state read after its update may be a relayout of the update (``baddbmm`` on flattened
+    # heads, viewed back), which ``strip`` sees through
+    w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w], strip(outs[up.w])}
     per_token = any(s.per_token for s in program.streams)
     read, transposed, term = find_read(program, w_ref, up.state_dep - w_ref,
                                        up.state_dep if per_token else None)
@@ -459,8 +461,9 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         _scale_by(increment, up.step)
         up.step = ONE
     # a per-token decay runs as the token-causal op's log decay (per key channel: along the
-    # state's key axis); a step factor left after the fold above has no per-token form
-    if per_token and (ns is not None or up.step != ONE):
+    # state's key axis); a step factor left after the fold above (``lerp``'s ``1 − a``) scales
+    # each token's values
+    if per_token and ns is not None:
         return None
     decay_axis = vector_axis(up.gamma)
     if decay_axis is not None and decay_axis != (-1 if transposed else -2):
@@ -789,13 +792,15 @@ class LiftedPlan:
             value = value * per_matrix(s, w_batch).reshape(N, b, 1, 1)
         value = self._scaled(value)
         Dv = value.shape[-1]
+        per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, states0[lp.w].shape)
+        if lp.kind == "chunk" and "step_scale" in per_chunk:    # per token: each token's values
+            value = value * per_chunk.pop("step_scale").transpose(0, 1).unsqueeze(-1)
         value = self._with_columns(value)
 
         def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
 
         s0 = self._initial(states0, b)
-        per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, states0[lp.w].shape)
         if lp.kind == "chunk" and "decay" in per_chunk:
             if not _positive(per_chunk["decay"]):
                 return self._run_loop(states0, invariants)
