@@ -417,6 +417,18 @@ MUTATIONS = [
           "else {outs[up.w]}"),),
         ("tests/test_cut_and_fused_styles.py",), "fused_op_runs"),
     Mutation(
+        "flipped_read_missed", "a read through the state's transpose not found (einsum with "
+        "the state first kept generic)",
+        (("ttt2la/lowering/lift.py", "                      flips=per_token)",
+          "                      flips=False)"),),
+        ("tests/test_lift.py",), "through_the_state_s_transpose"),
+    Mutation(
+        "flipped_read_query_unflipped", "a read through the state's transpose takes its query "
+        "in the state's own layout",
+        (("ttt2la/lowering/lift.py", "        return self.transposed != self.flipped",
+          "        return self.transposed"),),
+        ("tests/test_lift.py",), "through_the_state_s_transpose"),
+    Mutation(
         "sub_chunks_never_shrink", "a decay per key channel too strong to factor over 16 "
         "tokens keeps sub-chunks of 16 (computed exactly, about 7x the cost)",
         (("ttt2la/runtime/channel_decay.py",

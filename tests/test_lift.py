@@ -223,3 +223,60 @@ def test_lact_bf16_cast_and_compiled_helper_lift_in_bf16(dtype):
         mine, theirs = rel_rms_error(conv(x), ref64), rel_rms_error(layer(x), ref64)
         assert theirs > 0
         assert mine <= 2 * theirs + 1e-6
+
+
+class FlippedRead(nn.Module):
+    """A per-token memory read through its transpose: ``einsum("bhkv,bhk->bhv", S, q)`` (the
+    state written first) or ``S.mT @ q``, the state key-first or value-first, decayed per key
+    channel, read after or before each write."""
+
+    def __init__(self, d=16, heads=2, spelling="einsum", layout="key_first", read="after"):
+        super().__init__()
+        self.heads, self.spelling, self.layout, self.read = heads, spelling, layout, read
+        self.proj = nn.Linear(d, 4 * d, bias=False)
+
+    def _read(self, S, q):
+        key_first = self.layout == "key_first"
+        if self.spelling == "einsum":
+            return torch.einsum("bhkv,bhk->bhv" if key_first else "bhvk,bhk->bhv", S, q)
+        M = S.mT if key_first else S                     # [V, K] either way
+        return (M @ q.unsqueeze(-1)).squeeze(-1) if key_first else \
+            (q.unsqueeze(-2) @ M.mT).squeeze(-2)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v, g = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                      for t in self.proj(x).chunk(4, -1))
+        a = torch.sigmoid(g + 3)
+        key_first = self.layout == "key_first"
+        S = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        outs = []
+        for t in range(T):
+            if self.read == "before":
+                outs.append(self._read(S, q[:, :, t]))
+            at, kt, vt = a[:, :, t], k[:, :, t], v[:, :, t]
+            if key_first:
+                S = S * at[..., :, None] + kt[..., :, None] * vt[..., None, :]
+            else:
+                S = S * at[..., None, :] + vt[..., :, None] * kt[..., None, :]
+            if self.read == "after":
+                outs.append(self._read(S, q[:, :, t]))
+        return torch.stack(outs, 2).transpose(1, 2).reshape(B, T, d)
+
+
+@pytest.mark.parametrize("spelling,layout,read", [
+    ("einsum", "key_first", "after"), ("einsum", "value_first", "before"),
+    ("matmul", "key_first", "before"), ("matmul", "value_first", "after")])
+def test_a_read_through_the_state_s_transpose_runs_on_the_token_causal_op(spelling, layout,
+                                                                          read):
+    """The read's operand is the state's transpose: the query and the read take the other
+    layout's form, the state, its decay per key channel and its updates keep their own: on the
+    op, exact."""
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = FlippedRead(spelling=spelling, layout=layout, read=read)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])

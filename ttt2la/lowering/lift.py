@@ -225,6 +225,9 @@ class LiftedProgram:
     companions: tuple[Companion, ...] = ()
     # a term the loop adds to the state where it reads it (``bonus``), its features last
     bonus: Bonus | None = None
+    # the read multiplies the state's transpose (``Read.flipped``): the query and the read
+    # are laid out as the other layout's (per token only)
+    flipped: bool = False
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
     token_features: torch.fx.GraphModule | None = None    # -> (q_side, left, right)
@@ -236,6 +239,11 @@ class LiftedProgram:
     @property
     def muon_steps(self) -> int:
         return 0 if self.newton_schulz is None else self.newton_schulz.steps
+
+    @property
+    def query_column(self) -> bool:
+        """The query is the read's right operand (a column), the read ``Wᵀ``-shaped."""
+        return self.transposed != self.flipped
 
     @property
     def decayed(self) -> bool:
@@ -274,11 +282,25 @@ class LiftedProgram:
         return _split_features(resized) if self.whole_sequence else resized
 
 
-def find_read(program: TTTProgram, w_ref: set, state_dep_other: set, state_dep=None):
-    """``(bmm, transposed, term)``: the product that reads the state (one of ``w_ref``) against
-    an operand no other live state feeds, ``transposed`` when the state is its left operand;
-    ``(None, None, None)`` when there is none. With ``state_dep`` (what live states feed) the
-    state may be read plus a term none of them feeds (``bonus``): that term, else ``None``."""
+@dataclass(frozen=True)
+class Read:
+    """The product that reads the state: ``node`` (a ``bmm``), ``transposed`` when the state
+    is its left operand, ``term`` a term added to the state where it is read (``bonus``), and
+    ``flipped`` when the operand is the state's transpose (``einsum("bkv,bk->bv", S, q)``,
+    ``S.mT @ q``): the read of a state laid out the other way."""
+
+    node: torch.fx.Node | None
+    transposed: bool = False
+    term: torch.fx.Node | None = None
+    flipped: bool = False
+
+
+def find_read(program: TTTProgram, w_ref: set, state_dep_other: set, state_dep=None,
+              flips: bool = False) -> Read:
+    """The product that reads the state (one of ``w_ref``) against an operand no other live
+    state feeds (``Read(None)`` when there is none). With ``state_dep`` (what live states feed)
+    the state may be read plus a term none of them feeds; with ``flips`` through its
+    transpose."""
     for n in program.body.graph.nodes:
         if n.target is not aten.bmm.default:
             continue
@@ -287,11 +309,33 @@ def find_read(program: TTTProgram, w_ref: set, state_dep_other: set, state_dep=N
             if other in state_dep_other:
                 continue
             if strip(mine) in w_ref:
-                return n, transposed, None
+                return Read(n, transposed)
+            if flips and _transpose_of(mine, w_ref):
+                return Read(n, transposed, flipped=True)
             plus = None if state_dep is None else state_plus_term(mine, w_ref, state_dep, strip)
             if plus is not None:
-                return n, transposed, plus[1]
-    return None, None, None
+                return Read(n, transposed, plus[1])
+    return Read(None)
+
+
+def _transpose_of(n, w_ref: set) -> bool:
+    """Whether ``n`` is a state of ``w_ref`` with its last two axes swapped, through relayouts
+    (replayed: every element lands where the transpose puts it)."""
+    source = n
+    while isinstance(source, torch.fx.Node) and source not in w_ref and (
+            source.target in RELAYOUT_TARGETS or source.target in AXIS_MOVES):
+        source = source.args[0]
+    if source not in w_ref or source is n:
+        return False
+    found = replayed(n, source)
+    if found is None:
+        return False
+    x, y = found
+    if x.dim() < 2:
+        return False
+    flipped = x.transpose(-1, -2)
+    return y.numel() == flipped.numel() and y.shape[-2:] == flipped.shape[-2:] and \
+        torch.equal(y.reshape(-1), flipped.reshape(-1))
 
 
 @dataclass
@@ -443,8 +487,12 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     # heads, viewed back), which ``strip`` sees through
     w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w], strip(outs[up.w])}
     per_token = any(s.per_token for s in program.streams)
-    read, transposed, term = find_read(program, w_ref, up.state_dep - w_ref,
-                                       up.state_dep if per_token else None)
+    found = find_read(program, w_ref, up.state_dep - w_ref, up.state_dep if per_token else None,
+                      flips=per_token)
+    read, term, flipped = found.node, found.term, found.flipped
+    # the state's layout: transposed when it is the read's left operand, or its transpose the
+    # right one
+    transposed = found.transposed != flipped
     shapes = None if read is None else _consistent_shapes(program, up, increment, read)
     bonus = None if term is None else bonus_of(term, up.state_dep, contraction)
     if shapes is None or (term is not None and bonus is None):
@@ -469,13 +517,16 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if decay_axis is not None and decay_axis != (-1 if transposed else -2):
         return None
     riders = ()
+    if up.others and flipped:
+        return None
     if up.others:
         key, query = ((increment.right, read.args[1]) if transposed
                       else (increment.left, read.args[0]))
         riders = companions(program, up.others, up, key, query, not transposed, _accumulated)
         if riders is None:
             return None
-    lifted = _assemble(program, up, increment, read, transposed, ns, per_token, riders, bonus)
+    lifted = _assemble(program, up, increment, read, transposed, ns, per_token, riders, bonus,
+                       flipped)
     return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)
 
 
@@ -486,7 +537,7 @@ def _scale_by(con: _Contraction, p: Polynomial) -> None:
 
 
 def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token, riders=(),
-              bonus=None):
+              bonus=None, flipped=False):
     """The ``LiftedProgram``: the feature and post-processing subgraphs cut from the body."""
     streams = program.stream_inputs()
     ins = program.state_inputs()
@@ -500,7 +551,7 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
                     None if up.step == ONE else up.step)
     factors = factors_of(*(p for p in coefficients if p is not None))
     alpha, gamma, step = (None if p is None else _indexed(p, factors) for p in coefficients)
-    feat_outputs = [read.args[0] if not transposed else read.args[1], contraction.left,
+    feat_outputs = [read.args[1] if transposed != flipped else read.args[0], contraction.left,
                     contraction.right, *node_scales, *factors, *(bonus[1] if bonus else ())]
     feature_boundary = [*streams, *invariants]
     post_boundary = [read, *(c.read for c in riders), *streams, *invariants]
@@ -515,7 +566,8 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
                            constant_scale, feature_boundary, feat_outputs, post_boundary,
                            weight_norm=None if up.norm is None else up.norm.target,
                            alpha=alpha, gamma=gamma, step=step, factors=len(factors),
-                           companions=tuple(riders), bonus=bonus[0] if bonus else None)
+                           companions=tuple(riders), bonus=bonus[0] if bonus else None,
+                           flipped=flipped)
     return _whole_sequence(lifted)
 
 
@@ -780,11 +832,10 @@ class LiftedPlan:
         feats, term = self._bonus_features(feats)
         n_scales = len(feats) - 3 - lp.factors
         scales = feats[3:3 + n_scales]
+        phi_q = q_side.transpose(-1, -2) if lp.query_column else q_side
         if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
-            phi_q = q_side.transpose(-1, -2)
             phi_k, value = right, left.transpose(-1, -2)
         else:
-            phi_q = q_side
             phi_k, value = left.transpose(-1, -2), right
         T = phi_k.shape[-2]
         w_batch = states0[lp.w].shape[:-2]
@@ -816,7 +867,7 @@ class LiftedPlan:
         o = o[..., :Dv]
         if term:
             o = o + bonus_read(lp.bonus, phi_q, term, states0[lp.w].shape, lp.transposed)
-        reads[lp.read] = o.transpose(-1, -2) if lp.transposed else o
+        reads[lp.read] = o.transpose(-1, -2) if lp.query_column else o
         post_args, post_dims = [], []
         for n in lp.post_inputs:
             if n in reads:
@@ -962,5 +1013,5 @@ class LiftedPlan:
         return list(vmap(lp.chunk_features, in_dims=in_dims)(*args))
 
 
-__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "contraction", "find_read",
-           "replayed", "strip"]
+__all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "Read", "contraction",
+           "find_read", "replayed", "strip"]

@@ -211,7 +211,8 @@ def _linear_part(program: TTTProgram, t: int, live_dep: set) -> Part | None:
     scale = sign * math.prod(con.scales) * math.prod(c for c in terms if isinstance(c, float))
     terms = tuple(f for f in terms if not isinstance(f, float))
     w_out = program.state_outputs()[t]
-    read, transposed, _ = find_read(program, {w_out}, live_dep - {w_out})
+    found = find_read(program, {w_out}, live_dep - {w_out})
+    read, transposed = found.node, found.transposed
     if read is None:
         return None
     shapes = [_shape(n) for n in (con.left, con.right, read, *read.args)]
