@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton kernels against their recurrent forms, the torch runtime and flash-linear-attention.
 
-Five sections (``--sections``, a comma list of a, b, c, d, e; all by default), every time the median of several
+Six sections (``--sections``, a comma list of a, b, c, d, e, f; all by default), every time the median of several
 runs timed with CUDA events after warm-up runs (with the interquartile range of the runs as % of the median),
 forward and forward + backward:
 
@@ -22,6 +22,9 @@ forward and forward + backward:
 (e) Tile tuning: the increment and read kernels, the block op at the shape of (a) and the chunk op at the shape
     of (b), each with its default tiles and then with ``TTT2LA_TUNE_KERNELS`` on (the first call's time, which
     includes the tuning, and the configurations chosen are in the note).
+(f) Token-causal linear attention with a decay per key channel (GLA's gate, ``logsigmoid(·)/16``) at the
+    shape of (b): the torch runtime (no Triton kernel takes such a decay) against fla's ``chunk_gla`` when it
+    imports.
 
 FLOPs are counted analytically, matmuls only (see ``block_flops``/``chunk_flops``); the backward counts the
 matmuls it performs, recomputation included (Newton–Schulz alone in (c): 3× its forward, no recomputation).
@@ -521,13 +524,19 @@ def profile_layers(layers: LaCTLayers, directory: str, *, iterations: int = 3) -
 
 # ----------------------------------------------------------------------------- (b) token-causal
 
-def section_chunk(rows, *, B, T, H, D):
+def section_chunk(rows, *, B, T, H, D, per_channel: bool = False):
+    """Section (b), or with ``per_channel`` (f): the token-causal op against fla's kernel for its decay."""
     from ttt2la.runtime import triton as kernels
 
-    section = f"(b) token-causal, per-head decay: B={B} T={T} H={H} D={D} bf16"
+    section = (f"(f) token-causal, a decay per key channel: B={B} T={T} H={H} D={D} bf16" if per_channel
+               else f"(b) token-causal, per-head decay: B={B} T={T} H={H} D={D} bf16")
+    fla_name = "fla chunk_gla" if per_channel else "fla chunk_simple_gla"
     g = torch.Generator(device=DEVICE).manual_seed(1)
     q, k, v = (torch.randn(B, T, H, D, generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    log_decay = F.logsigmoid(torch.randn(B, T, H, generator=g, device=DEVICE) + 3)
+    if per_channel:
+        log_decay = F.logsigmoid(torch.randn(B, T, H, D, generator=g, device=DEVICE) + 4) / 16
+    else:
+        log_decay = F.logsigmoid(torch.randn(B, T, H, generator=g, device=DEVICE) + 3)
     scale = D ** -0.5
     reference = {}
     flops = dict(B=B, T=T, H=H, K=D, V=D)
@@ -537,6 +546,9 @@ def section_chunk(rows, *, B, T, H, D):
             return lambda a, b, c, d: chunk_linear_attention(a, b, c, log_decay=d, scale=scale, backend="torch")
         if which == "triton":
             return lambda a, b, c, d: kernels.chunk_linear_attention(a, b, c, log_decay=d, scale=scale)
+        if per_channel:
+            from fla.ops.gla import chunk_gla
+            return lambda a, b, c, d: chunk_gla(a, b, c, g=d, scale=scale)
         from fla.ops.simple_gla import chunk_simple_gla
         return lambda a, b, c, d: chunk_simple_gla(a, b, c, g=d, scale=scale)
 
@@ -560,16 +572,17 @@ def section_chunk(rows, *, B, T, H, D):
         return measure
 
     try:
-        import fla.ops.simple_gla  # noqa: F401
+        importlib.import_module("fla.ops.gla" if per_channel else "fla.ops.simple_gla")
         have_fla = True
     except Exception as exc:  # fla absent (no wheels shipped) or broken on this stack
         have_fla = False
-        rows.append(Row(section, "fla chunk_simple_gla", "-", note=f"skipped, fla not importable: {exc}"))
+        rows.append(Row(section, fla_name, "-", note=f"skipped, fla not importable: {exc}"))
     for passes, make in (("fwd", forward), ("fwd+bwd", training)):
         _attempt(rows, Row(section, "torch runtime", passes), make("torch"))
-        _attempt(rows, Row(section, "Triton chunk op", passes), make("triton"))
+        if not per_channel:
+            _attempt(rows, Row(section, "Triton chunk op", passes), make("triton"))
         if have_fla:
-            _attempt(rows, Row(section, "fla chunk_simple_gla", passes), make("fla"))
+            _attempt(rows, Row(section, fla_name, passes), make("fla"))
 
 
 # ----------------------------------------------------------------------------- (c) dominant matmuls
@@ -755,8 +768,8 @@ def main(argv=None):
                         help="cuda; cpu only smoke-tests the script (TRITON_INTERPRET=1, --size tiny)")
     parser.add_argument("--budget-seconds", type=float, default=math.inf,
                         help="rows that would start later than this are recorded as skipped")
-    parser.add_argument("--sections", default="a,b,c,d,e", type=sections,
-                        help="comma list of the sections to run, of a,b,c,d,e (default all)")
+    parser.add_argument("--sections", default="a,b,c,d,e,f", type=sections,
+                        help="comma list of the sections to run, of a,b,c,d,e,f (default all)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after the table, write torch.profiler tables of the level-2 converted layer and of "
                              "variant 2 as written (shape of (d)), forward and forward + backward, to DIR")
@@ -796,8 +809,10 @@ def main(argv=None):
             section_matmuls(rows, **lact)
         elif section == "d":
             layers = lact_layers(rows, lact)
-        else:
+        elif section == "e":
             section_tuning(rows, lact=lact, causal=causal)
+        else:
+            section_chunk(rows, **causal, per_channel=True)
     print(rows.flush(done=True))
     print(f"written to {out} ({elapsed()})", flush=True)
     if args.profile:
@@ -812,11 +827,11 @@ def main(argv=None):
 
 
 def sections(text: str) -> list[str]:
-    """``--sections``: a comma list of a, b, c, d, e, run in alphabetical order whatever the order given."""
+    """``--sections``: a comma list of a, b, c, d, e, f, run in alphabetical order whatever the order given."""
     names = {name.strip().lower() for name in text.split(",") if name.strip()}
-    unknown = names - set("abcde")
+    unknown = names - set("abcdef")
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"sections are a comma list of a,b,c,d,e; got {text!r}")
+        raise argparse.ArgumentTypeError(f"sections are a comma list of a,b,c,d,e,f; got {text!r}")
     return sorted(names)
 
 

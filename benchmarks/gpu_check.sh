@@ -48,7 +48,7 @@ timeout 60 "$PY" -m pip install --quiet --no-index --no-deps benchmarks/wheels/*
     || echo "installing the shipped wheels failed: the fla comparison will be skipped"
 
 say "benchmark (results: $RESULTS_DIR/gpu-$STAMP.md, rewritten after every row)"
-timeout 240 "$PY" benchmarks/gpu_bench.py --sections a,b,c,d --budget-seconds 180 \
+timeout 240 "$PY" benchmarks/gpu_bench.py --sections a,b,c,d,f --budget-seconds 180 \
     --out "$RESULTS_DIR/gpu-$STAMP.md"
 bench_status=$?
 [ "$bench_status" -eq 0 ] || { echo "benchmark FAILED or timed out (exit $bench_status)"; status=1; }

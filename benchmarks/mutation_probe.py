@@ -419,7 +419,7 @@ MUTATIONS = [
     Mutation(
         "flipped_read_missed", "a read through the state's transpose not found (einsum with "
         "the state first kept generic)",
-        (("ttt2la/lowering/lift.py", "                      flips=per_token)",
+        (("ttt2la/lowering/lift.py", "                      flips=True)",
           "                      flips=False)"),),
         ("tests/test_lift.py",), "through_the_state_s_transpose"),
     Mutation(

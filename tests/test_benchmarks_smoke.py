@@ -254,8 +254,8 @@ def test_a_timed_training_step_does_three_times_the_forward_products(throughput,
 
 def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     """``gpu_bench.py`` runs where a GPU is scarce: its smoke mode (Triton's interpreter, the tiniest
-    shapes) must run the token-causal and tile-tuning sections and write a row for each measurement,
-    none of them failed."""
+    shapes) must run the token-causal sections (a decay per head, per key channel) and tile tuning and
+    write a row for each measurement, none of them failed."""
     pytest.importorskip("triton", reason="triton is not installed")
     import os
     import subprocess
@@ -263,7 +263,7 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     out = tmp_path / "gpu.md"
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_bench.py"), "--device", "cpu",
-                          "--size", "tiny", "--sections", "b,e", "--out", str(out)],
+                          "--size", "tiny", "--sections", "b,e,f", "--out", str(out)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| (")]
@@ -273,6 +273,8 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     assert sum("tuned tiles" in r for r in tuning) == 6
     assert all("the default tiles ran" in r for r in tuning if "tuned tiles" in r)
     assert sum("Triton chunk op" in r for r in rows) == 2
+    per_channel = [r for r in rows if r.startswith("| (f)") and "torch runtime" in r]
+    assert len(per_channel) == 2 and all(r.split("|")[4].strip() != "-" for r in per_channel)
 
 
 def test_delta_rule_memory_benchmark_compares_outputs_and_gradients():

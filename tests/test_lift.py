@@ -280,3 +280,41 @@ def test_a_read_through_the_state_s_transpose_runs_on_the_token_causal_op(spelli
     report, = conv.ttt2la_report.layers
     assert report.runtime.startswith("chunk_linear_attention"), report.runtime
     assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
+
+
+class FlippedBlockRead(nn.Module):
+    """Chunked linear attention (apply, then update) whose chunk reads the state through its
+    transpose: ``(S.mT @ q.mT).mT`` key-first, ``q @ S.mT`` value-first."""
+
+    def __init__(self, d=16, heads=2, chunk=8, layout="key_first"):
+        super().__init__()
+        self.heads, self.chunk, self.layout = heads, chunk, layout
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.proj(x).chunk(3, -1))
+        S = x.new_zeros(B, self.heads, d // self.heads, d // self.heads)
+        outs = []
+        for s in range(0, T, self.chunk):
+            qc, kc, vc = (t[:, :, s:s + self.chunk] for t in (q, k, v))
+            if self.layout == "key_first":
+                outs.append((S.mT @ qc.mT).mT)
+                S = S + kc.mT @ vc
+            else:
+                outs.append(qc @ S.mT)
+                S = S + vc.mT @ kc
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B, T, d)
+
+
+@pytest.mark.parametrize("layout", ["key_first", "value_first"])
+def test_a_chunk_read_through_the_state_s_transpose_runs_on_the_block_op(layout):
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = FlippedBlockRead(layout=layout)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 32, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("block_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 8, 16), torch.randn(3, 40, 16)])

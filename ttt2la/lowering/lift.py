@@ -226,7 +226,7 @@ class LiftedProgram:
     # a term the loop adds to the state where it reads it (``bonus``), its features last
     bonus: Bonus | None = None
     # the read multiplies the state's transpose (``Read.flipped``): the query and the read
-    # are laid out as the other layout's (per token only)
+    # are laid out as the other layout's
     flipped: bool = False
     # token-local features and post-processing run once over whole sequences (``whole_sequence``)
     whole_sequence: bool = False
@@ -488,7 +488,7 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     w_ref = {ins[up.w]} if program.order == "exclusive" else {outs[up.w], strip(outs[up.w])}
     per_token = any(s.per_token for s in program.streams)
     found = find_read(program, w_ref, up.state_dep - w_ref, up.state_dep if per_token else None,
-                      flips=per_token)
+                      flips=True)
     read, term, flipped = found.node, found.term, found.flipped
     # the state's layout: transposed when it is the read's left operand, or its transpose the
     # right one
@@ -590,7 +590,7 @@ def _split_features(lp: LiftedProgram) -> LiftedProgram:
     prog = lp.program
     token, token_inputs = extract(prog.body, lp.feature_boundary, lp.feature_outputs[:3])
     post, post_inputs = extract(prog.body, lp.post_boundary, [prog.chunk_outputs()[0]])
-    read_axis = (-1 if lp.transposed else -2) % lp.read.meta["val"].dim()
+    read_axis = (-1 if lp.query_column else -2) % lp.read.meta["val"].dim()
     for gm, inputs, axes in ((token, token_inputs, stream_axes(prog, token_inputs)),
                              (post, post_inputs, {lp.read: read_axis,
                                                   **stream_axes(prog, post_inputs)})):
@@ -621,7 +621,7 @@ def _whole_sequence(lp: LiftedProgram) -> LiftedProgram:
         split = _split_features(lp)
     except RuntimeError:
         return lp
-    q_axis = -1 if lp.transposed else -2
+    q_axis = -1 if lp.query_column else -2
     if not token_local(split.token_features, split.token_feature_inputs,
                        stream_axes(prog, split.token_feature_inputs), (q_axis, -1, -2),
                        prog.chunk_size):
@@ -969,10 +969,11 @@ class LiftedPlan:
         batch = q_side.shape[:-2]
         b = left[..., 0, 0].numel()
         q_side, left, right = (f.reshape(b, *f.shape[-2:]) for f in (q_side, left, right))
+        phi_q = q_side.transpose(-1, -2) if lp.query_column else q_side
         if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
-            phi_q, phi_k, value = q_side.transpose(-1, -2), right, left.transpose(-1, -2)
+            phi_k, value = right, left.transpose(-1, -2)
         else:
-            phi_q, phi_k, value = q_side, left.transpose(-1, -2), right
+            phi_k, value = left.transpose(-1, -2), right
         T = phi_k.shape[-2]
         w_batch = states0[lp.w].shape[:-2]
         chunk_level = self._chunk_level(states0, invariants, layout)
@@ -985,7 +986,7 @@ class LiftedPlan:
         o, s_final = self._run_op(phi_q.unsqueeze(2), phi_k.unsqueeze(2), value.unsqueeze(2),
                                   self._initial(states0, b), per_chunk, lr=rate, values=values)
         read = o.squeeze(2).reshape(*batch, T, o.shape[-1])
-        if lp.transposed:
+        if lp.query_column:
             read = read.transpose(-1, -2)
         values[lp.read] = read
         (y,) = self._whole_post(*(values[n] for n in lp.post_inputs))
