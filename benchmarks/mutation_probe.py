@@ -429,6 +429,13 @@ MUTATIONS = [
           "        return self.transposed"),),
         ("tests/test_lift.py",), "through_the_state_s_transpose"),
     Mutation(
+        "one_token_slices_on_the_block_op", "a loop over slices of one token runs the block op "
+        "at chunks of one (0.89x its source where the token-causal op runs 4x)",
+        (("ttt2la/lowering/lift.py",
+          "    token_causal = per_token or (program.chunk_size == 1 and ns is None and up.m is None",
+          "    token_causal = per_token or (False and ns is None and up.m is None"),),
+        ("tests/test_lift.py",), "one_token"),
+    Mutation(
         "sub_chunks_never_shrink", "a decay per key channel too strong to factor over 16 "
         "tokens keeps sub-chunks of 16 (computed exactly, about 7x the cost)",
         (("ttt2la/runtime/channel_decay.py",

@@ -318,3 +318,61 @@ def test_a_chunk_read_through_the_state_s_transpose_runs_on_the_block_op(layout)
     report, = conv.ttt2la_report.layers
     assert report.runtime.startswith("block_linear_attention"), report.runtime
     assert_same_function(conv, layer, [torch.randn(1, 8, 16), torch.randn(3, 40, 16)])
+
+
+class OneTokenSlices(nn.Module):
+    """A fast weight stored as ``nn.Linear`` stores its weight (``[out, in]``) and stepped token
+    by token over slices of one token (``q[:, t:t + 1]``), decayed by a gate per token; read
+    before or after each update; with ``momentum``, a momentum buffer between them."""
+
+    def __init__(self, d=16, read="before", momentum=False):
+        super().__init__()
+        self.read, self.momentum = read, momentum
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, 1)
+        self.W0 = nn.Parameter(0.1 * torch.randn(d, d))
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        a = torch.sigmoid(self.gate(x) + 3)
+        W, M = self.W0.expand(B, d, d), x.new_zeros(B, d, d)
+        outs = []
+        for t in range(T):
+            qt, kt, vt, at = q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1]
+            if self.read == "before":
+                outs.append(qt @ W.transpose(1, 2))
+            step = vt.transpose(1, 2) @ kt
+            if self.momentum:
+                M = 0.5 * M + step
+                step = M
+            W = at * W + 0.1 * step
+            if self.read == "after":
+                outs.append(qt @ W.transpose(1, 2))
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("read", ["before", "after"])
+def test_a_loop_over_slices_of_one_token_runs_on_the_token_causal_op(read):
+    """Slices of one token are a per-token loop: on ``chunk_linear_attention`` (its decay as
+    the log decay), not the block op at chunks of one, exact."""
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = OneTokenSlices(read=read)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
+
+
+def test_slices_of_one_token_with_momentum_keep_the_block_op():
+    """Momentum has no token-causal form: the block op at chunks of one token, exact."""
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = OneTokenSlices(momentum=True)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("block_linear_attention"), report.runtime
+    assert_same_function(conv, layer, torch.randn(2, 30, 16))

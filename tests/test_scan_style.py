@@ -160,15 +160,16 @@ def test_scan_linear_layer_converts_exactly_at_levels_0_to_2(B, H, f, K, n, r):
 
 def test_mini_batches_of_one_token_laid_out_first_are_still_a_scan():
     """``xs[i]`` of ``[N, B, H, 1, f]`` (mini-batch size 1): the unit split is a cut into
-    mini-batches, lowered onto the block op like any other size; a unit axis that a per-token
-    loop indexes in place (one head's ``view(B, L, 1, D)``) is not (``test_delta_lowering``)."""
+    mini-batches, lowered onto a runtime op like any other size — mini-batches of one token are
+    token by token, so onto the token-causal op; a unit axis that a per-token loop indexes in
+    place (one head's ``view(B, L, 1, D)``) is not a cut (``test_delta_lowering``)."""
     torch.manual_seed(5)
     layer = _randomised(ScanLinearTTTLayer(8, 2, 1))
     x = torch.randn(2, 9, 8)
     converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
     report = converted.ttt2la_report.layers[0]
     assert report.exact and report.chunk_size == 1
-    assert report.runtime.startswith("block_linear_attention"), report.runtime
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
     assert_same_function(converted, layer, [x, torch.randn(1, 4, 8)])
 
 

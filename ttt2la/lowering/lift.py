@@ -525,7 +525,11 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
         riders = companions(program, up.others, up, key, query, not transposed, _accumulated)
         if riders is None:
             return None
-    lifted = _assemble(program, up, increment, read, transposed, ns, per_token, riders, bonus,
+    # a loop over slices of one token (``q[:, t:t + 1]``) runs token by token: the token-causal
+    # op, not the block op at chunks of one, where nothing but a decay comes with the update
+    token_causal = per_token or (program.chunk_size == 1 and ns is None and up.m is None
+                                 and up.norm is None)
+    lifted = _assemble(program, up, increment, read, transposed, ns, token_causal, riders, bonus,
                        flipped)
     return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)
 
