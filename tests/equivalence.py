@@ -37,6 +37,27 @@ def assert_same_function(converted, reference, xs, tol: float = FP32, seed: int 
             assert err <= tol, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
 
 
+def converted_onto(layer, op: str, example=(2, 12, 16), dtype=torch.float32):
+    """``layer`` converted at level 0 on a random example of shape ``example``, its plan checked
+    to run ``op`` (the report's runtime starts with it); the converted layer."""
+    import ttt2la
+
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(*example, dtype=dtype),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith(op), report.runtime
+    return conv
+
+
+def assert_streams(conv, layer, x, cuts=(1, 2, 9, 20)):
+    """Fed in pieces cut at ``cuts``, ``conv`` gives ``layer``'s outputs on the whole of ``x``
+    (fp32 bound) and carries the state over every token."""
+    with torch.no_grad():
+        got, state = in_pieces(conv, x, cuts)
+        ref = layer(x)
+    assert rel_rms_error(got, ref) <= FP32
+    assert state.tokens == x.shape[1]
+
+
 def in_pieces(conv, x, cuts):
     """The converted layer run piece by piece (cut at ``cuts``), outputs joined, final state."""
     bounds = [0, *sorted(set(cuts)), x.shape[1]]

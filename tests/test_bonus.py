@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ttt2la
-from equivalence import assert_same_function, in_pieces
+from equivalence import assert_same_function, assert_streams, converted_onto
 from ttt2la.zoo import FlaReferenceLayer
 
 WEIGHTS = ("key", "value", "head", "constant")
@@ -103,13 +103,7 @@ def test_rwkv6_s_recurrence_streams():
     to each token, the state carries the rest."""
     torch.manual_seed(0)
     layer = FlaReferenceLayer(16, 2, "rwkv6")
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    x = torch.randn(2, 29, 16)
-    with torch.no_grad():
-        got, state = in_pieces(conv, x, [1, 2, 9, 20])
-        ref = layer(x)
-    assert float((got - ref).norm() / ref.norm()) < 1e-5
-    assert state.tokens == 29
+    assert_streams(converted_onto(layer, "chunk_linear_attention"), layer, torch.randn(2, 29, 16))
 
 
 @pytest.mark.parametrize("layout", ["key_first", "value_first"])
@@ -191,9 +185,7 @@ def test_rwkv5_s_spelling_runs_on_the_op():
     the op, exact, the decay's and the bonus's gradients included."""
     torch.manual_seed(0)
     layer = FixedDecayBonus()
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime == "chunk_linear_attention[torch], plus each token's own term"
+    conv = converted_onto(layer, "chunk_linear_attention[torch], plus each token's own term")
     assert_same_function(conv, layer, [torch.randn(1, 3, 16), torch.randn(3, 50, 16)])
 
 
@@ -230,7 +222,5 @@ class SpelledBonus(nn.Module):
 def test_the_term_written_with_einsum_or_matmul_runs_on_the_op(spelling):
     torch.manual_seed(0)
     layer = SpelledBonus(spelling=spelling)
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime == "chunk_linear_attention[torch], plus each token's own term"
+    conv = converted_onto(layer, "chunk_linear_attention[torch], plus each token's own term")
     assert_same_function(conv, layer, torch.randn(2, 41, 16))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ttt2la
-from equivalence import assert_same_function
+from equivalence import assert_same_function, converted_onto
 from ttt2la.frontend.source_names import _sliced_names
 from ttt2la.ir import SourceLoc
 from ttt2la.zoo import FlaReferenceLayer
@@ -336,17 +336,11 @@ def test_a_second_memory_unlike_the_first_keeps_the_generic_plan(options):
 def test_a_value_column_memory_streams(layer):
     """Fed in pieces, the converted layer carries the companion memory with the first: the
     pieces give the whole sequence's outputs."""
-    from equivalence import in_pieces
+    from equivalence import assert_streams
 
     torch.manual_seed(0)
     layer = layer()
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    x = torch.randn(2, 29, 16)
-    with torch.no_grad():
-        got, state = in_pieces(conv, x, [1, 2, 9, 20])
-        ref = layer(x)
-    assert float((got - ref).norm() / ref.norm()) < 1e-5
-    assert state.tokens == 29
+    assert_streams(converted_onto(layer, "chunk_linear_attention"), layer, torch.randn(2, 29, 16))
 
 
 def gla_reference(q, k, v, gk, initial_state=None, output_final_state=False):
@@ -433,10 +427,8 @@ def test_a_fixed_decay_per_key_channel_runs_on_the_token_causal_op():
     every token, its gradient reaching the parameter."""
     torch.manual_seed(0)
     layer = FixedChannelDecay()
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
-    assert_same_function(conv, layer, [torch.randn(1, 2, 16), torch.randn(3, 70, 16)])
+    assert_same_function(converted_onto(layer, "chunk_linear_attention"), layer,
+                         [torch.randn(1, 2, 16), torch.randn(3, 70, 16)])
 
 
 class ForgetGateKeys(nn.Module):
@@ -467,7 +459,5 @@ def test_keys_made_from_the_forget_gate_run_on_the_token_causal_op():
     key channel, exact, the gate's gradient through both."""
     torch.manual_seed(0)
     layer = ForgetGateKeys()
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
-    assert_same_function(conv, layer, [torch.randn(1, 2, 16), torch.randn(3, 50, 16)])
+    assert_same_function(converted_onto(layer, "chunk_linear_attention"), layer,
+                         [torch.randn(1, 2, 16), torch.randn(3, 50, 16)])

@@ -272,14 +272,11 @@ def test_a_read_through_the_state_s_transpose_runs_on_the_token_causal_op(spelli
     """The read's operand is the state's transpose: the query and the read take the other
     layout's form, the state, its decay per key channel and its updates keep their own: on the
     op, exact."""
-    from equivalence import assert_same_function
+    from equivalence import assert_same_function, converted_onto
 
     torch.manual_seed(0)
     layer = FlippedRead(spelling=spelling, layout=layout, read=read)
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
-    assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
+    assert_same_function(converted_onto(layer, "chunk_linear_attention"), layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
 
 
 class FlippedBlockRead(nn.Module):
@@ -310,14 +307,11 @@ class FlippedBlockRead(nn.Module):
 
 @pytest.mark.parametrize("layout", ["key_first", "value_first"])
 def test_a_chunk_read_through_the_state_s_transpose_runs_on_the_block_op(layout):
-    from equivalence import assert_same_function
+    from equivalence import assert_same_function, converted_onto
 
     torch.manual_seed(0)
     layer = FlippedBlockRead(layout=layout)
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 32, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("block_linear_attention"), report.runtime
-    assert_same_function(conv, layer, [torch.randn(1, 8, 16), torch.randn(3, 40, 16)])
+    assert_same_function(converted_onto(layer, "block_linear_attention", (2, 32, 16)), layer, [torch.randn(1, 8, 16), torch.randn(3, 40, 16)])
 
 
 class OneTokenSlices(nn.Module):
@@ -356,23 +350,17 @@ class OneTokenSlices(nn.Module):
 def test_a_loop_over_slices_of_one_token_runs_on_the_token_causal_op(read):
     """Slices of one token are a per-token loop: on ``chunk_linear_attention`` (its decay as
     the log decay), not the block op at chunks of one, exact."""
-    from equivalence import assert_same_function
+    from equivalence import assert_same_function, converted_onto
 
     torch.manual_seed(0)
     layer = OneTokenSlices(read=read)
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
-    assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
+    assert_same_function(converted_onto(layer, "chunk_linear_attention"), layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
 
 
 def test_slices_of_one_token_with_momentum_keep_the_block_op():
     """Momentum has no token-causal form: the block op at chunks of one token, exact."""
-    from equivalence import assert_same_function
+    from equivalence import assert_same_function, converted_onto
 
     torch.manual_seed(0)
     layer = OneTokenSlices(momentum=True)
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
-    report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("block_linear_attention"), report.runtime
-    assert_same_function(conv, layer, torch.randn(2, 30, 16))
+    assert_same_function(converted_onto(layer, "block_linear_attention"), layer, torch.randn(2, 30, 16))
