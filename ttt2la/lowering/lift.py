@@ -45,9 +45,9 @@ from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
 from ..runtime.dispatch import select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
-from .bonus import Bonus, bonus_of, bonus_read, state_plus_term
 from .affine_update import (ONE, Polynomial, affine_in, evaluate, factors_of, is_factor,
                             is_vector_factor, per_matrix, vector_axis)
+from .bonus import Bonus, bonus_of, bonus_read, state_plus_term
 from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
 from .executors import extract, require_inert_padding
 from .specialize import SpecializedGraph
@@ -836,11 +836,7 @@ class LiftedPlan:
         feats, term = self._bonus_features(feats)
         n_scales = len(feats) - 3 - lp.factors
         scales = feats[3:3 + n_scales]
-        phi_q = q_side.transpose(-1, -2) if lp.query_column else q_side
-        if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
-            phi_k, value = right, left.transpose(-1, -2)
-        else:
-            phi_k, value = left.transpose(-1, -2), right
+        phi_q, phi_k, value = self._operands(q_side, left, right)
         T = phi_k.shape[-2]
         w_batch = states0[lp.w].shape[:-2]
         for s in scales:                         # a scalar per matrix and chunk
@@ -883,6 +879,17 @@ class LiftedPlan:
         (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
         outputs = assemble_outputs(prog, [y], layout)
         return outputs, self._finals(states0, s_final, Dv)
+
+    def _operands(self, q_side, left, right):
+        """``(φ(Q), φ(K), value)`` in the op's layout (tokens before features) from the read's
+        query operand and the increment's two: the query as the read takes it (a column where
+        ``query_column``), keys and values as the state is laid out (``Wᵀ``: φ(K) = right,
+        value = leftᵀ)."""
+        lp = self.lifted
+        phi_q = q_side.transpose(-1, -2) if lp.query_column else q_side
+        if lp.transposed:
+            return phi_q, right, left.transpose(-1, -2)
+        return phi_q, left.transpose(-1, -2), right
 
     def _bonus_features(self, feats) -> tuple[list, list]:
         """The features without the bonus term's, and the term's (``bonus``; none: empty)."""
@@ -973,11 +980,7 @@ class LiftedPlan:
         batch = q_side.shape[:-2]
         b = left[..., 0, 0].numel()
         q_side, left, right = (f.reshape(b, *f.shape[-2:]) for f in (q_side, left, right))
-        phi_q = q_side.transpose(-1, -2) if lp.query_column else q_side
-        if lp.transposed:                        # state Wᵀ: φ(K) = right, value = leftᵀ
-            phi_k, value = right, left.transpose(-1, -2)
-        else:
-            phi_k, value = left.transpose(-1, -2), right
+        phi_q, phi_k, value = self._operands(q_side, left, right)
         T = phi_k.shape[-2]
         w_batch = states0[lp.w].shape[:-2]
         chunk_level = self._chunk_level(states0, invariants, layout)
