@@ -148,6 +148,14 @@ def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
             layer.gate.bias.add_(bias)
         yield (f"vector_gate, {strength} decay, {heads} heads x {dim // heads}, L={length}",
                layer, by_hand, torch.randn(batch, length, dim, generator=g))
+    # RWKV-6 with its decays spread as its initialisation spreads them: from e^-0.0025 to
+    # e^-0.37 per token across each head's channels (chunks of 64 split into sub-chunks of 16)
+    torch.manual_seed(0)
+    layer = FlaReferenceLayer(dim, heads, "rwkv6")
+    with torch.no_grad():
+        layer.gate.bias.copy_(torch.linspace(-2.0, 3.0, dim // heads).repeat(heads))
+    yield (f"rwkv6, decays spread as initialised, {heads} heads x {dim // heads}, L={length}",
+           layer, by_hand, torch.randn(batch, length, dim, generator=g))
     torch.manual_seed(0)
     yield (f"per-token TTT read before write, {heads} heads x {dim // heads}, L={length}",
            PerTokenTTTLayer(dim, heads, read="before"), read_first_by_hand,
