@@ -85,12 +85,21 @@ def strip(n):
 def _only_reshapes(source, n: torch.fx.Node) -> bool:
     """Whether the chain of one-input relayouts from ``source`` to ``n`` gives every element
     of ``source`` the place ``reshape`` would: the chain replayed on ``arange``."""
+    return _lands_as(n, source, lambda x: x, exact_shape=True)
+
+
+def _lands_as(n, source, arranged, exact_shape: bool = False) -> bool:
+    """Whether the chain of one-input relayouts from ``source`` to ``n``, replayed on
+    ``arange``, puts every element where ``arranged`` of the source does (in the same order;
+    ``n`` of the traced shape with ``exact_shape``, else the same last two sizes)."""
     found = replayed(n, source)
     if found is None:
         return False
     x, y = found
-    return (tuple(y.shape) == tuple(n.meta["val"].shape)
-            and torch.equal(y.reshape(-1), x.reshape(-1)))
+    want = arranged(x)
+    shape = tuple(y.shape) == tuple(n.meta["val"].shape) if exact_shape else \
+        y.numel() == want.numel() and tuple(y.shape[-2:]) == tuple(want.shape[-2:])
+    return shape and torch.equal(y.reshape(-1), want.reshape(-1))
 
 
 def replayed(n, source, targets=None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -325,17 +334,10 @@ def _transpose_of(n, w_ref: set) -> bool:
     while isinstance(source, torch.fx.Node) and source not in w_ref and (
             source.target in RELAYOUT_TARGETS or source.target in AXIS_MOVES):
         source = source.args[0]
-    if source not in w_ref or source is n:
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if source not in w_ref or source is n or not isinstance(val, torch.Tensor) or val.dim() < 2:
         return False
-    found = replayed(n, source)
-    if found is None:
-        return False
-    x, y = found
-    if x.dim() < 2:
-        return False
-    flipped = x.transpose(-1, -2)
-    return y.numel() == flipped.numel() and y.shape[-2:] == flipped.shape[-2:] and \
-        torch.equal(y.reshape(-1), flipped.reshape(-1))
+    return _lands_as(n, source, lambda x: x.transpose(-1, -2))
 
 
 @dataclass
