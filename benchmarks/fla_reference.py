@@ -5,13 +5,14 @@ recurrence written by hand with matmuls, side by side.
     python benchmarks/fla_reference.py [--quick] [--rounds N] [--threads N] [--backward]
                                        [--only NAME]
 
-Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA;
-no op takes it: the generic plan), the gated delta rule, Mamba-2's recurrence as its minimal
-reference steps it (state value-first, read by a sum over its last axis), linear attention with
-its normaliser (two memories: the generic plan, raced against its source), RWKV-6's time mixing
-(a decay per key channel, the state read before each write plus the token's own product
-weighted by a bonus), and a per-token TTT
-layer that reads its fast weight before each token writes it
+Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA),
+the gated delta rule, Mamba-2's recurrence as its minimal reference steps it (state value-first,
+read by a sum over its last axis), linear attention with its normaliser (a second memory, run as
+value columns of the first), RWKV-6's time mixing (a decay per key channel, the state read before
+each write plus the token's own product weighted by a bonus), the chunk forms of the gated
+references (``zoo.FlaChunkReferenceLayer``: in-chunk attention written out, the state decayed once
+per chunk, per head or per key channel; no hand-written row, the layer is that form), and a
+per-token TTT layer that reads its fast weight before each token writes it
 (``zoo.PerTokenTTTLayer(read="before")``, its ``torch.compile``d step run eagerly); 4 heads,
 256 features, B = 2, L = 1024 (``--quick``: 256). Rows run interleaved in one process
 (``ttt2la.timing``): medians, spread, ratios as medians of per-round ratios against the layer
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from fused_styles import print_table
 from matrix_affine_memories import arguments
-from ttt2la.zoo import PerTokenTTTLayer
+from ttt2la.zoo import FlaChunkReferenceLayer, PerTokenTTTLayer
+from ttt2la.zoo.fla_chunk_reference import CHUNK_RULES
 from ttt2la.zoo.fla_reference import RULES, FlaReferenceLayer
 
 DIM, HEADS, BATCH = 256, 4, 2
@@ -156,6 +158,15 @@ def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
         layer.gate.bias.copy_(torch.linspace(-2.0, 3.0, dim // heads).repeat(heads))
     yield (f"rwkv6, decays spread as initialised, {heads} heads x {dim // heads}, L={length}",
            layer, by_hand, torch.randn(batch, length, dim, generator=g))
+    # the chunk form of the references: in-chunk attention built by the layer, the state decayed
+    # once per chunk (the block op with its decay), chunks of 64 (shorter for short sequences);
+    # the layer is its own
+    # hand-written form
+    for rule in CHUNK_RULES:
+        torch.manual_seed(0)
+        yield (f"{rule}, chunk form, {heads} heads x {dim // heads}, L={length}",
+               FlaChunkReferenceLayer(dim, heads, rule, min(64, length // 4)), None,
+               torch.randn(batch, length, dim, generator=g))
     torch.manual_seed(0)
     yield (f"per-token TTT read before write, {heads} heads x {dim // heads}, L={length}",
            PerTokenTTTLayer(dim, heads, read="before"), read_first_by_hand,

@@ -133,6 +133,8 @@ def print_table(cases, rounds: int, backward: bool = False) -> None:
                     "hand-written (plain arithmetic)": lambda t, f=by_hand, m=layer: f(m, t),
                     SHIPPED: _Forced(fast, None, race=True),
                     "converted, plan alone": _Forced(fast, None)}
+            if by_hand is None:                 # the layer as written is the hand-written form
+                del rows["hand-written (plain arithmetic)"]
             error = _forward_error
         timings = time_side_by_side(rows, (x,), rounds=rounds, max_seconds=30.0,
                                     no_grad=not backward, warmup=CALLS_TO_DECIDE)

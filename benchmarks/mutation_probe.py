@@ -449,6 +449,27 @@ MUTATIONS = [
           "finals[c.index] = s_final[..., Dv + j].reshape(states0[c.index].shape)",
           "finals[c.index] = torch.zeros_like(states0[c.index])"),),
         ("tests/test_fla_reference_styles.py",), "value_column"),
+    Mutation(
+        "row_decay_as_one_factor", "a decay per state row scanned as one factor per matrix "
+        "(its first row's) in the block op",
+        (("ttt2la/runtime/block.py",
+          "    if factors is not None and factors.dim() == 4:\n",
+          "    if factors is not None and factors.dim() == 4:\n        factors = factors[..., 0]\n"
+          "    if False:\n"),),
+        ("tests/test_runtime_block.py",), "decay_with_every_other_option"),
+    Mutation(
+        "row_decay_rows_misplaced", "the per-row scan's states put back with rows and chunks "
+        "swapped within each head",
+        (("ttt2la/runtime/block.py", "return S.view(B, H, Dk, n, Dv).transpose(2, 3)",
+          "return S.view(B, H, n, Dk, Dv)"),),
+        ("tests/test_runtime_block.py",), "decay_with_every_other_option"),
+    Mutation(
+        "row_decay_not_lifted", "a chunk loop's decay per key channel kept off the block op "
+        "(the generic plan, as before)",
+        (("ttt2la/lowering/lift.py", "                        is_vector_factor if norm is None else is_factor)",
+          "                        is_vector_factor if norm is None and any(s.per_token for s in "
+          "program.streams) else is_factor)"),),
+        ("tests/test_fla_chunk_reference.py", "tests/test_lift_decay.py"), "lifts"),
 ]
 
 

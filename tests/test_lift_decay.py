@@ -4,9 +4,10 @@ The layers are gated memories written in the style of published gated linear-att
 heads as an axis and the products as ``torch.einsum``, whose trace moves unit axes in and out
 around every product (``zoo.GatedChunkMemory``). The lifted layer must equal the layer's own
 loop in float64 (relative RMS ≤ 1e-10, outputs and every gradient) on the op and on the loop
-over chunks its cost rule falls back to; look-alikes — a decay read from the state, one factor
-per row instead of per matrix, an increment transposed by its einsum — must not be lifted as
-the decayed rule and must still convert exactly.
+over chunks its cost rule falls back to. One factor per row of the state (a gate per key channel)
+lifts too, the op decaying each row; look-alikes — a decay read from the state, one factor per
+column (a value channel), an increment transposed by its einsum — must not be lifted as the
+decayed rule and must still convert exactly.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class ChunkMemory(nn.Module):
                 g = torch.sigmoid(W.square().sum((-2, -1), keepdim=True))
             elif self.kind == "row_gate":       # one factor per row of the state
                 g = torch.sigmoid(k[:, :, s:e].mean(-2))[..., None]       # [B, h, dh, 1]
+            elif self.kind == "column_gate":    # one factor per column of the state
+                g = torch.sigmoid(k[:, :, s:e].mean(-2))[..., None, :]    # [B, h, 1, dh]
             step = ("bhnd,bhne->bhed" if self.kind == "transposed" else "bhnd,bhne->bhde")
             W = g * W + torch.einsum(step, k[:, :, s:e], v[:, :, s:e])
         return torch.cat(outs, dim=2).transpose(1, 2).reshape(B, -1, D)
@@ -119,14 +122,71 @@ def test_a_plain_decayed_memory_lifts():
         _assert_matches(conv, layer, B, L, 8)
 
 
-@pytest.mark.parametrize("kind", ["state_gate", "row_gate", "transposed"])
+def test_a_decay_per_state_row_lifts():
+    """One factor per row of the state and chunk: the op's decay per key channel, on the op
+    and on the loop over chunks."""
+    layer, conv = _converted(lambda: ChunkMemory("row_gate"), "row_gate", 8, 4)
+    plan = _plan(conv, 2)
+    assert isinstance(plan, LiftedPlan) and plan.lifted.decayed
+    assert plan.lifted.decay_axis == -2
+    for op in (True, False):
+        with scan_choice.scanning(op):
+            for B, L in ((1, 4), (2, 20)):
+                _assert_matches(conv, layer, B, L, 8)
+
+
+class RowDecayMomentum(nn.Module):
+    """A memory with momentum, optionally orthogonalised (two Newton–Schulz steps), decayed per
+    row of the state (a gate per key channel) before each chunk's step."""
+
+    def __init__(self, muon: bool, d=8, heads=2, chunk=4):
+        super().__init__()
+        self.h, self.dh, self.chunk, self.muon = heads, d // heads, chunk, muon
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.gate = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, L, D = x.shape
+        heads = lambda t: t.view(B, L, self.h, self.dh).transpose(1, 2)   # noqa: E731
+        q, k, v = heads(self.q(x)), heads(F.normalize(self.k(x), dim=-1)), heads(self.v(x))
+        gate = heads(torch.sigmoid(self.gate(x)))
+        W = torch.zeros(B, self.h, self.dh, self.dh, dtype=x.dtype)
+        M = torch.zeros_like(W)
+        outs = []
+        for s in range(0, L, self.chunk):
+            e = s + self.chunk
+            outs.append(q[:, :, s:e] @ W)
+            M = 0.9 * M + k[:, :, s:e].mT @ v[:, :, s:e]
+            step = M
+            if self.muon:
+                X = M / (M.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+                for _ in range(2):
+                    A = X @ X.mT
+                    X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+                step = X
+            W = gate[:, :, s:e].mean(-2)[..., None] * W + step
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, D)
+
+
+@pytest.mark.parametrize("muon", [False, True])
+def test_a_decay_per_state_row_lifts_with_momentum_and_newton_schulz(muon):
+    layer, conv = _converted(lambda: RowDecayMomentum(muon), ("row_momentum", muon), 8, 4)
+    plan = _plan(conv, 2)
+    assert isinstance(plan, LiftedPlan) and plan.lifted.decay_axis == -2
+    assert (plan.lifted.newton_schulz is not None) == muon
+    with scan_choice.scanning(True):
+        for B, L in ((1, 4), (3, 28)):
+            _assert_matches(conv, layer, B, L, 8)
+
+
+@pytest.mark.parametrize("kind", ["state_gate", "column_gate", "transposed"])
 def test_look_alikes_are_not_lifted_as_decayed_and_stay_exact(kind):
-    """A decay that reads the state, one factor per row, or an increment ``Vᵀ K`` written by
+    """A decay that reads the state, one factor per column, or an increment ``Vᵀ K`` written by
     the einsum where the read takes ``Kᵀ V``: each converts, none as the decayed block rule
     computing something else."""
     layer, conv = _converted(lambda: ChunkMemory(kind), kind, 8, 4)
     plan = _plan(conv, 2)
     assert not (isinstance(plan, LiftedPlan) and plan.lifted.decayed
-                and kind in ("state_gate", "row_gate"))
+                and kind in ("state_gate", "column_gate"))
     for B, L in ((1, 8), (2, 20)):
         _assert_matches(conv, layer, B, L, 8)

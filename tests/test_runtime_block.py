@@ -108,7 +108,8 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
                output_final_state=False, dtype=None, form="published"):
     """LaCT's rule as a plain loop over chunks, in ``dtype`` throughout (default: the inputs');
     Newton–Schulz iterates in ``ns_dtype`` when given (``form`` as ``hand_newton_schulz``);
-    ``decay`` multiplies the state before each chunk's step, ``step_scale`` the step."""
+    ``decay`` multiplies the state (or each of its rows) before each chunk's step,
+    ``step_scale`` the step."""
     dtype = dtype or v.dtype
     cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
     q, k, val, lr, momentum, weight_norm, decay, step_scale = map(
@@ -137,7 +138,9 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
             step = hand_newton_schulz(M, triples, ns_eps, ns_dtype or dtype, form)
         if step_scale is not None:
             step = step * step_scale[:, j, :, None, None]
-        W = (W if decay is None else decay[:, j, :, None, None] * W) + step
+        if decay is not None:       # per matrix, or per state row ([B, N, H, Dk])
+            W = (decay[:, j, :, :, None] if decay.dim() == 4 else decay[:, j, :, None, None]) * W
+        W = W + step
         if weight_norm is not None:
             W = W / (W.square().sum(dim=-2, keepdim=True).sqrt() + 1e-5) * weight_norm[:, :, None, :]
         if order != "exclusive":
@@ -147,7 +150,8 @@ def hand_block(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momen
 
 def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, weight_norm,
               initial_state, dtype, ns_dtype=None, decay=False, step=False):
-    """Random inputs for one call: the positional tensors and the keyword options."""
+    """Random inputs for one call: the positional tensors and the keyword options (``decay``:
+    False, True for one factor per matrix and chunk, ``"row"`` for one per state row)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, low=None, high=None):
@@ -165,7 +169,8 @@ def make_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, schedule, w
             "feature": rand(B, T, H, Dv, low=0.1, high=1.0)}[lr_kind],
         momentum=rand(B, n, H, low=0.3, high=0.9) if momentum else None,
         weight_norm=rand(B, H, Dv, low=0.5, high=1.5) if weight_norm else None,
-        decay=rand(B, n, H, low=0.2, high=1.0) if decay else None,
+        decay=(None if not decay else rand(B, n, H, *((Dk,) if decay == "row" else ()),
+                                           low=0.2, high=1.0)),
         step_scale=rand(B, n, H, low=-1.2, high=1.2) if step else None,
         initial_state=rand(B, H, Dk, Dv) if initial_state else None,
     )
@@ -505,6 +510,7 @@ def test_triton_package_is_used_when_it_supports_the_call(monkeypatch):
     dict(momentum=torch.rand(1, 7, 1)),
     dict(decay=torch.rand(1, 2, 1)),
     dict(decay=torch.rand(1, 3)),
+    dict(decay=torch.rand(1, 3, 1, 3)),
     dict(step_scale=torch.rand(1, 2, 1)),
     dict(lr=torch.rand(1, 6, 1, 2, 2)),
     dict(weight_norm=torch.rand(1, 1, 3)),
@@ -525,18 +531,20 @@ def test_malformed_arguments_raise_conversion_errors(bad):
     (False, "none", False), (True, "none", False), (False, "muon5", False),
     (True, "lact5", False), (False, "none", True), (True, "muon1", True)])
 @pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
 def test_decay_with_every_other_option_fp32(order, momentum, schedule, weight_norm,
-                                            initial_state):
+                                            initial_state, per_row):
     """``W_j = γ_j W_{j-1} + Δ_j`` through momentum, Newton–Schulz and the weight norm, on a
-    ragged sequence; the decay's own gradient is judged with the others."""
+    ragged sequence, with one decay per matrix or one per state row (a gate per key channel);
+    the decay's own gradient is judged with the others."""
     options = (order, momentum, schedule, weight_norm, initial_state)
-    seed = zlib.crc32(repr(("decay",) + options).encode())
+    seed = zlib.crc32(repr(("decay",) + options + (("row",) if per_row else ())).encode())
 
     def make(seed):
         return make_case(seed, B=2, T=11, H=2, Dk=5, Dv=3, C=2, order=order, lr_kind="token",
                          momentum=momentum, schedule=schedule, weight_norm=weight_norm,
                          initial_state=initial_state or weight_norm, dtype=torch.float32,
-                         decay=True)
+                         decay="row" if per_row else True)
     assert_precise(torch_op, make, True, seed)
 
 

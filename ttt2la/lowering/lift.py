@@ -408,10 +408,10 @@ def _update(program: TTTProgram) -> _Update | None:
     state_dep = descendants(program.body.graph,
                             [ins[i] for i in range(len(ins)) if i not in frozen])
     norm = match_weight_norm(outs[w])
-    # per token, the state may decay per key channel (the token-causal op's log decay per key)
-    per_token = any(s.per_token for s in program.streams)
+    # the state may decay per key channel: the token-causal op's log decay per key, the block
+    # op's decay per state row
     read = _accumulated(program, ins[w], outs[w] if norm is None else norm.sum, state_dep,
-                        is_vector_factor if per_token and norm is None else is_factor)
+                        is_vector_factor if norm is None else is_factor)
     if read is None:
         return None
     gamma, step, delta = read

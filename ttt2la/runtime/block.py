@@ -176,22 +176,35 @@ def normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return W / (norms + WEIGHT_NORM_EPS) * target.unsqueeze(-2)
 
 
+def _on_states(gamma: torch.Tensor) -> torch.Tensor:
+    """Decays ``[B, H, n]`` (per matrix) or ``[B, H, n, Dk]`` (per state row) broadcast
+    against states ``[B, H, n, Dk, Dv]``."""
+    return gamma[..., None] if gamma.dim() == 4 else gamma[..., None, None]
+
+
 def _semi_parallel_states(delta, W0, weight_norm, decay):
     """``W_j = norm(γ_j W_{j-1} + Δ_j)`` chunk after chunk over axis 2 of ``[B, H, n, Dk, Dv]``
-    (``decay [B, H, n]`` holds the ``γ_j``, or is None)."""
+    (``decay [B, H, n]`` or ``[B, H, n, Dk]`` holds the ``γ_j``, or is None)."""
     W = W0
     states = []
+    gamma = None if decay is None else _on_states(decay)
     for j, d in enumerate(delta.unbind(2)):
-        if W is not None and decay is not None:
-            W = decay[:, :, j, None, None] * W
+        if W is not None and gamma is not None:
+            W = gamma[:, :, j] * W
         W = normalise_columns(d if W is None else W + d, weight_norm)
         states.append(W)
     return torch.stack(states, dim=2)
 
 
 def _scan_rows(factors, f, initial, scan=blocked_scan):
-    """``scan`` over axis 2 of ``f [B, H, n, Dk, Dv]`` (``factors [B, H, n]`` or None)."""
+    """``scan`` over axis 2 of ``f [B, H, n, Dk, Dv]`` (``factors [B, H, n]`` or None; ``[B,
+    H, n, Dk]``: one factor per state row, each row its own scan)."""
     B, H, n, Dk, Dv = f.shape
+    if factors is not None and factors.dim() == 4:
+        rows = f.transpose(2, 3).reshape(B * H * Dk, n, Dv)
+        S = scan(factors.transpose(2, 3).reshape(B * H * Dk, n), rows,
+                 None if initial is None else initial.reshape(B * H * Dk, Dv))
+        return S.view(B, H, Dk, n, Dv).transpose(2, 3)
     S = scan(None if factors is None else factors.reshape(B * H, n),
              f.reshape(B * H, n, Dk * Dv),
              None if initial is None else initial.reshape(B * H, Dk * Dv))
@@ -201,11 +214,11 @@ def _scan_rows(factors, f, initial, scan=blocked_scan):
 def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, decay=None,
                  step_scale=None):
     """States after every update, ``[B, H, n, Dk, Dv]``, from the increments ``G``; ``decay
-    [B, N, H]`` multiplies the state before each chunk's update, ``step_scale [B, N, H]`` each
-    chunk's step after Newton–Schulz (None: 1)."""
+    [B, N, H]`` (or ``[B, N, H, Dk]``, per state row) multiplies the state before each chunk's
+    update, ``step_scale [B, N, H]`` each chunk's step after Newton–Schulz (None: 1)."""
     n = G.shape[2]
     M = G
-    gamma = None if decay is None else decay[:, :n].transpose(1, 2)     # [B, H, n]
+    gamma = None if decay is None else decay[:, :n].transpose(1, 2)     # [B, H, n(, Dk)]
     if momentum is not None and n > 1:
         factors = momentum[:, :n].transpose(1, 2)
         if not schedule and weight_norm is None and gamma is None and step_scale is None:
@@ -220,15 +233,17 @@ def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, de
         if W0 is None:
             return delta
         first = W0.unsqueeze(2)
-        return delta + (first if gamma is None else gamma[..., None, None] * first)
+        return delta + (first if gamma is None else _on_states(gamma) * first)
     return _scan_rows(gamma, delta, W0)
 
 
 def block_group(n: int, C: int, Dk: int, Dv: int, *, order, momentum, schedule,
-                weight_norm) -> int:
+                weight_norm, decay=None) -> int:
     """Chunks per group the torch op runs (1: the state form): groups only for a state that is
-    a decayed sum of increments (no momentum, Newton–Schulz or weight norm)."""
-    if order == "full" or momentum is not None or schedule or weight_norm is not None:
+    a sum of increments decayed per matrix (no momentum, Newton–Schulz, weight norm or decay
+    per state row)."""
+    if order == "full" or momentum is not None or schedule or weight_norm is not None \
+            or (decay is not None and decay.dim() == 4):
         return 1
     return group_chunks(C, Dk, Dv, n)
 
@@ -262,7 +277,7 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         per_token = step_scale.to(dt).repeat_interleave(C, dim=1)[:, :T]
         u, step_scale = u * per_token.unsqueeze(-1), None
     group = block_group(n, C, Dk, Dv, order=order, momentum=momentum, schedule=schedule,
-                        weight_norm=weight_norm)
+                        weight_norm=weight_norm, decay=decay)
 
     if group > 1:
         o, final = grouped_block_linear_attention(

@@ -102,11 +102,15 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
                  f"momentum must hold one coefficient per chunk, [B, N, H] = {(B, n, H)} "
                  f"(N = ceil({T} / {chunk_size})), got {_shape(momentum)}")
     count = "1 for the full order" if order == "full" else f"ceil({T} / {chunk_size})"
-    for name, factor in (("decay", decay), ("step_scale", step_scale)):
-        if factor is not None:
-            _require(_shape(factor) == (B, n, H), op,
-                     f"{name} must hold one factor per chunk, [B, N, H] = {(B, n, H)} "
-                     f"(N = {count}), got {_shape(factor)}")
+    if step_scale is not None:
+        _require(_shape(step_scale) == (B, n, H), op,
+                 f"step_scale must hold one factor per chunk, [B, N, H] = {(B, n, H)} "
+                 f"(N = {count}), got {_shape(step_scale)}")
+    if decay is not None:
+        _require(_shape(decay) in ((B, n, H), (B, n, H, Dk)), op,
+                 f"decay must hold one factor per chunk, [B, N, H] = {(B, n, H)}, or one per "
+                 f"chunk and key channel, [B, N, H, Dk] = {(B, n, H, Dk)} (N = {count}), "
+                 f"got {_shape(decay)}")
     if weight_norm is not None:
         _require(_shape(weight_norm) == (B, H, Dv), op,
                  f"weight_norm must be [B, H, Dv] = {(B, H, Dv)}, got {_shape(weight_norm)}")
@@ -181,7 +185,8 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     Chunk ``j`` of ``C`` tokens adds ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)``, through momentum
     (``M_j = α_j M_{j-1} + G_j``) and Muon (``muon_steps`` Newton–Schulz steps), times the step's
     factor ``s_j`` (``step_scale [B, N, H]``, None: 1; Muon's rate after the orthogonalisation),
-    to the state decayed by ``decay`` (``W_j = γ_j W_{j-1} + s_j Δ_j``; ``[B, N, H]``, None: 1);
+    to the state decayed by ``decay`` (``W_j = γ_j W_{j-1} + s_j Δ_j``; ``[B, N, H]``, or
+    ``[B, N, H, Dk]`` for a decay per key channel, each row of the state its own; None: 1);
     ``weight_norm`` rescales every state column to its target norm after each update.
     Newton–Schulz follows ``ns_schedule(muon_steps, ns_coefficients)``, normalises by
     ``‖M‖_F + ns_eps`` and iterates in ``ns_dtype`` (default: the accumulation dtype; a
@@ -220,8 +225,9 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
             delta = naive_newton_schulz(M, schedule, ns_eps, ns_dtype) if schedule else M
             if step_scale is not None:
                 delta = step_scale[:, j].to(dt)[..., None, None] * delta
-            if decay is not None:
-                W = decay[:, j].to(dt)[..., None, None] * W
+            if decay is not None:       # per matrix [B, H] or per state row [B, H, Dk]
+                d = decay[:, j].to(dt)
+                W = (d[..., None] if d.dim() == 3 else d[..., None, None]) * W
             W = W + delta
             if weight_norm is not None:
                 W = _normalise_columns(W, weight_norm.to(dt))

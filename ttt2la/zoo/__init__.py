@@ -1,5 +1,6 @@
 """Reference TTT layers written the way their authors write them; the recognizer's test material."""
 from .delta_memory import DeltaMemoryLayer
+from .fla_chunk_reference import FlaChunkReferenceLayer
 from .fla_reference import FlaReferenceLayer
 from .fused_styles import BaddbmmMuonLayer, LerpMomentumLayer, SplitZipLayer, UnbindDeltaLayer
 from .gated_memory import GatedChunkMemory
@@ -28,7 +29,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaReferenceLayer", "LerpMomentumLayer", "SplitZipLayer",
+__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "LerpMomentumLayer", "SplitZipLayer",
            "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
            "LaCTPublishedLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",

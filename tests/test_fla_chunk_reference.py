@@ -1,0 +1,103 @@
+"""Gated linear attention written chunk by chunk (``zoo.fla_chunk_reference``): the state read
+before each chunk, the in-chunk attention built by the layer, the state decayed per head or per
+key channel and given the chunk's keys and values.
+
+Both rules lift onto ``block_linear_attention`` with their decay — one factor per head and
+chunk, or one per key channel (a row of the state) and chunk — and convert exactly (outputs
+and every gradient within the fp32 bound, ≤ 1e-10 in float64) on the op and on the loop over
+chunks the CPU's cost rule falls back to. A decay per value channel (a column of the state) is
+no decay the op takes: the generic plan, exact.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from equivalence import assert_same_function, converted_onto
+from ttt2la.lowering import LiftedPlan, scan_choice
+from ttt2la.zoo import FlaChunkReferenceLayer
+from ttt2la.zoo.fla_chunk_reference import CHUNK_RULES
+
+F64 = 1e-10
+D, HEADS, CHUNK = 16, 2, 4
+
+
+def _plan(conv, B):
+    state = next(m._ttt2la for m in conv.modules() if hasattr(m, "_ttt2la"))
+    return state.loop_for(B).plan
+
+
+_cache: dict = {}
+
+
+def _converted(rule, dtype=torch.float32):
+    if (rule, dtype) not in _cache:
+        torch.manual_seed(0)
+        layer = FlaChunkReferenceLayer(D, HEADS, rule, CHUNK).to(dtype)
+        _cache[rule, dtype] = layer, converted_onto(layer, "block_linear_attention",
+                                                    (2, 6 * CHUNK, D), dtype)
+    return _cache[rule, dtype]
+
+
+@pytest.mark.parametrize("rule,axis", [("simple_gla", None), ("gla", -2)])
+def test_each_rule_lifts_with_its_decay(rule, axis):
+    """Per head: one factor per matrix; per key channel: one per row of the state."""
+    _, conv = _converted(rule)
+    plan = _plan(conv, 2)
+    assert isinstance(plan, LiftedPlan) and plan.lifted.decayed
+    assert plan.lifted.decay_axis == axis
+
+
+@settings(max_examples=8, deadline=None)
+@given(rule=st.sampled_from(CHUNK_RULES), B=st.integers(1, 3), chunks=st.integers(1, 9),
+       op=st.booleans())
+def test_chunked_references_convert_exactly_float64(rule, B, chunks, op):
+    """On the op (forced) and on the loop over chunks; the plan that ran is the one forced."""
+    layer, conv = _converted(rule, torch.float64)
+    x = torch.randn(B, CHUNK * chunks, D, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(B * chunks))
+    with scan_choice.scanning(op):
+        assert_same_function(conv, layer, x, tol=F64)
+        assert _plan(conv, B).looped == (not op)
+
+
+@pytest.mark.parametrize("rule", CHUNK_RULES)
+def test_chunked_references_convert_exactly_fp32(rule):
+    layer, conv = _converted(rule)
+    with scan_choice.scanning(True):
+        assert_same_function(conv, layer, [torch.randn(2, 8 * CHUNK, D),
+                                           torch.randn(3, 3 * CHUNK, D)])
+
+
+class ValueChannelDecay(nn.Module):
+    """The chunked GLA loop with the decay on the state's columns (value channels) instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.gate = nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, HEADS, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        g = torch.nn.functional.logsigmoid(self.gate(x)).view(B, T, HEADS, -1).transpose(1, 2)
+        S = q.new_zeros(B, HEADS, D // HEADS, D // HEADS)
+        outs = []
+        for s in range(0, T, CHUNK):
+            outs.append(q[:, :, s:s + CHUNK] @ S)
+            last = g[:, :, s:s + CHUNK].sum(-2).exp()                 # [B, H, Dv]
+            S = S * last[:, :, None, :] + k[:, :, s:s + CHUNK].mT @ v[:, :, s:s + CHUNK]
+        return torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, D)
+
+
+def test_a_decay_per_value_channel_keeps_the_generic_plan():
+    torch.manual_seed(0)
+    layer = ValueChannelDecay().double()
+    conv = converted_onto(layer, "torch.vmap", (2, 6 * CHUNK, D), torch.float64)
+    plan = _plan(conv, 2)
+    assert not isinstance(plan, LiftedPlan)
+    assert_same_function(conv, layer, [torch.randn(2, 5 * CHUNK, D, dtype=torch.float64)],
+                         tol=F64)
