@@ -3,11 +3,13 @@
 A catalogue of wrong calls of a converted layer — an optional mask passed when the layer was
 converted without one (or left out, or ``None``, when it was converted with one), a mask of
 the wrong rank or length, extra or unknown arguments, inputs of the wrong rank or width, another
-value of a plain Python argument the conversion built in — and of wrong arguments to
-``convert`` and ``inspect``. Each wrong call of the converted layer either raises the very error
-class the original layer raises on it, or a ``ConversionError`` that names the input and says
-what the layer was converted for; a call the original accepts is never answered with another
-output.
+value of a plain Python argument the conversion built in, an input the layer's own code
+rejects (another dtype than the weights, an empty axis a reshape cannot infer) — and of wrong
+arguments to ``convert`` and ``inspect``. Each wrong call of the converted layer raises a
+``ConversionError`` that names the input or the user's line that failed and says what the
+layer was converted for; where the layer as written fails on the call with another error, the
+converted layer's error is also of that class. A call the original accepts is never answered
+with another output.
 """
 from __future__ import annotations
 
@@ -90,11 +92,12 @@ def test_a_wrong_call_is_the_original_error_or_a_conversion_error(memories, how,
     if error is None:
         assert original_error is None, f"the original raised {original_error!r}"
         assert _same_outputs(want, got)
-    elif isinstance(error, ttt2la.ConversionError):
-        assert "converted for" in str(error), str(error)
     else:
-        assert original_error is not None and type(error) is type(original_error), \
-            f"{type(error).__name__}: {error} (the original: {original_error!r})"
+        assert isinstance(error, ttt2la.ConversionError), f"{type(error).__name__}: {error}"
+        assert "converted for" in str(error), str(error)
+        if isinstance(error, ttt2la.RejectedCallError):
+            assert original_error is not None and isinstance(error, type(original_error)), \
+                f"{type(error).__name__}: {error} (the original: {original_error!r})"
 
 
 def test_the_message_names_the_input_and_what_to_pass(memories):
@@ -125,6 +128,50 @@ def test_a_built_in_python_value_is_checked_not_silently_reused():
     assert _same_outputs(block(x, gain=2.0), converted(x, gain=2.0))
     with pytest.raises(ttt2la.UnsupportedShapeError, match="2.0 it was converted with"):
         converted(x, gain=3.0)
+
+
+class Heads(torch.nn.Module):
+    """A per-token memory whose heads are split by a reshape that infers its last size."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, 2, -1) for t in self.qkv(x).chunk(3, -1))
+        S = x.new_zeros(B, 2, D // 2, D // 2)
+        outs = []
+        for t in range(T):
+            S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1).reshape(B, T, D)
+
+
+REJECTED = [("bf16 input, fp32 weights", _x(B, L, D, dtype=torch.bfloat16)),
+            ("an empty batch", _x(0, L, D)), ("an empty sequence", _x(B, 0, D))]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("name,x", REJECTED, ids=[r[0] for r in REJECTED])
+def test_a_call_the_layers_own_code_rejects_names_its_line(name, x, streaming):
+    """The error says which line of the layer failed and what the layer was converted for; it
+    is also the class the layer as written raises, and chains that error."""
+    torch.manual_seed(0)
+    layer = Heads()
+    converted = ttt2la.convert(layer, level=0, example_inputs=(_x(B, L, D),))
+    with pytest.raises(RuntimeError) as original:
+        layer(x)
+    with pytest.raises(ttt2la.RejectedCallError) as refused:
+        if streaming:
+            converted(x, return_ttt_state=True)
+        else:
+            converted(x)
+    error = refused.value
+    assert isinstance(error, RuntimeError) and isinstance(error.__cause__, RuntimeError)
+    assert error.where is not None and "test_call_errors.py" in error.where
+    assert "t.view(B, T, 2, -1)" in str(error) and "converted for" in str(error)
+    assert str(original.value).splitlines()[0] in str(error)
 
 
 WRONG_ARGUMENTS = [

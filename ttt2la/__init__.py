@@ -13,8 +13,8 @@ from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpoint
                                 WeightMismatchError)
 from .conversion import convert, inspect
 from .errors import (AlreadyConvertedError, ConversionError, LevelNotImplementedError,
-                     NonReducibleError, PlanFallbackError, StreamingError, UnsupportedShapeError,
-                     UnsupportedTTTError)
+                     NonReducibleError, PlanFallbackError, RejectedCallError, StreamingError,
+                     UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 from .stream import Stream, TTTState
 from .sweep import SweepReport, sweep
@@ -27,4 +27,4 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
-           "AlreadyConvertedError", "race_as_written", "__version__"]
+           "AlreadyConvertedError", "RejectedCallError", "race_as_written", "__version__"]

@@ -31,6 +31,7 @@ from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_a
 from .locality import streaming_problem
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
+from .rejected_call import rejected
 from .stream import StreamCall, TTTState, advance, stateful_plan
 
 
@@ -149,13 +150,27 @@ class ConvertedState:
         B, L = (int(n) for n in self.layout.sizes(flat))
         gm = self.outer_for(B, L)
         plan = lambda: gm(params_and_buffers(module), *flat)   # noqa: E731
-        if self.as_written is None or not races(module, flat):
-            return plan()
-        dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
-        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
-        return self.as_written.call(
-            (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
-            self.runs, AsWritten.shape(B, L))
+        try:
+            if self.as_written is None or not races(module, flat):
+                return plan()
+            dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
+            written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+            return self.as_written.call(
+                (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
+                self.runs, AsWritten.shape(B, L))
+        except Exception as e:
+            raise self._rejected(e, gm, [params_and_buffers(module), *flat]) from e
+
+    def _rejected(self, error: Exception, gm, inputs: list) -> Exception:
+        """What to raise for ``error`` from running ``gm``: a ``ConversionError`` as it is, any
+        other error as the ``RejectedCallError`` naming the user's line (``rejected_call``)."""
+        layout = self.layout
+        signature = getattr(layout, "signature", None)
+        expected = "" if signature is None else signature.describe(layout.batch_axis,
+                                                                    layout.token_axis)
+        return rejected(error, gm, inputs, path=self.program.module_path,
+                        loop_src=str(self.program.loop_src), implementation=self.implementation,
+                        expected=expected)
 
     def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       state: TTTState | None) -> tuple[Any, TTTState]:
@@ -167,8 +182,12 @@ class ConvertedState:
                 f"layer (or None), got {type(state).__name__}")
         flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
-        if self.streamable is None and L > 0:    # no tokens to probe with: the call refuses
-            self.streamable = streaming_problem(self, module, flat) or ""
+        if self.streamable is None and L > 0 and B > 0:   # else nothing to probe with
+            try:
+                self.streamable = streaming_problem(self, module, flat) or ""
+            except Exception as e:              # the probe runs the layer's code on this call
+                raise self._rejected(e, self.outer_for(B, L),
+                                     [params_and_buffers(module), *flat]) from e
         if self.streamable:
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} cannot carry its fast-weight "
@@ -181,6 +200,8 @@ class ConvertedState:
         loop.stream_call = call
         try:
             y = gm(params_and_buffers(module), *flat)
+        except Exception as e:
+            raise self._rejected(e, gm, [params_and_buffers(module), *flat]) from e
         finally:
             loop.stream_call = None
         return y, call.state_out

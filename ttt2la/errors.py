@@ -48,3 +48,14 @@ class StreamingError(ConversionError):
 
 class AlreadyConvertedError(ConversionError):
     """The model handed to ``convert`` or ``inspect`` is already a converted model."""
+
+
+class RejectedCallError(ConversionError):
+    """The layer's own code, run inside the converted layer, failed on a call: an input of
+    another dtype than the weights, an empty axis a reshape cannot infer. The layer as written
+    fails on it too. The error raised is also an instance of the original error's class, which
+    is chained as its ``__cause__``; ``where`` is the user source line that failed."""
+
+    def __init__(self, message: str, *, where: str | None = None):
+        super().__init__(message)
+        self.where = where

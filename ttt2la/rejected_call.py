@@ -1,0 +1,86 @@
+"""A call the layer's own code fails on, raised as a ``ConversionError`` that points at the line.
+
+A converted layer runs the user's code around the loop (and inside it) as traced graphs. A call
+that code cannot take — an input of another dtype than the weights, an empty axis a reshape with
+``-1`` cannot infer — fails inside a graph, where torch's message names a generated line, not
+the user's. ``rejected`` re-runs the failing graph node by node (only once it has failed) to find
+the op that raised, and returns a ``RejectedCallError`` naming the user's source line, what the
+layer was converted for and what to do. The error is also an instance of the original error's
+class (a ``RuntimeError`` stays one to an ``except RuntimeError``), chained as its cause.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from .errors import ConversionError, RejectedCallError
+from .ir import LOOP_MODULE, node_src
+
+_CLASSES: dict[type, type] = {}
+
+
+class _Locate(torch.fx.Interpreter):
+    """Runs a graph, remembering the node that is running."""
+
+    node: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node):
+        self.node = n
+        return super().run_node(n)
+
+
+def failing_node(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.Node | None:
+    """The node of ``gm`` that raises on ``inputs`` (None when the re-run does not fail)."""
+    locate = _Locate(gm)
+    try:
+        with torch.no_grad():
+            locate.run(*inputs)
+    except Exception:
+        return locate.node
+    return None
+
+
+def _dual_class(cls: type) -> type:
+    """``RejectedCallError`` that is also a ``cls``: cached, one per original class."""
+    dual = _CLASSES.get(cls)
+    if dual is None:
+        try:
+            dual = type(f"Rejected{cls.__name__}", (RejectedCallError, cls), {})
+        except TypeError:                    # a class that cannot be a second base
+            dual = RejectedCallError
+        _CLASSES[cls] = dual
+    return dual
+
+
+def _where(node: torch.fx.Node | None, loop_src: str,
+           implementation: str) -> tuple[str, str, bool]:
+    """``(where, what, own)``: the line the failing node came from, how to name it, and whether
+    it is the layer's own code outside the loop (which the converted layer runs as written)."""
+    if node is not None and node.op == "call_module" and node.target == LOOP_MODULE:
+        return loop_src, f"in the loop at {loop_src} (run as {implementation})", False
+    src = None if node is None else node_src(node)
+    if src is None:
+        return "", "in the converted layer", False
+    return src.at(), f"at {src.at()}", True
+
+
+def rejected(error: Exception, gm: torch.fx.GraphModule, inputs: list, *, path: str,
+             loop_src: str, implementation: str, expected: str) -> Exception:
+    """The error to raise for ``error``, raised by ``gm(*inputs)``: itself when it is already a
+    ``ConversionError``, else a ``RejectedCallError`` of its class naming where it failed."""
+    if isinstance(error, ConversionError):
+        return error
+    where, what, own = _where(failing_node(gm, inputs), loop_src, implementation)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    why = ("That line is the layer's own code, which the converted layer runs as written, so the "
+           "layer as written fails on this call too." if own else
+           "The loop's body is the layer's own code; if the layer as written runs this call, "
+           "the conversion is at fault: report it with this message.")
+    converted_for = f" It was converted for calls with {expected}." if expected else ""
+    message = (f"the converted {path or 'layer'} failed on this call {what}: "
+               f"{type(error).__name__}: {first}. {why}{converted_for} Pass inputs the layer as "
+               f"written accepts (the dtype of its weights, no empty axis its reshapes infer).")
+    return _dual_class(type(error))(message, where=where or None)
+
+
+__all__ = ["rejected", "failing_node"]
