@@ -470,6 +470,30 @@ MUTATIONS = [
           "                        is_vector_factor if norm is None and any(s.per_token for s in "
           "program.streams) else is_factor)"),),
         ("tests/test_fla_chunk_reference.py", "tests/test_lift_decay.py"), "lifts"),
+    Mutation(
+        "rejected_call_loses_its_class", "a call the layer's own code rejects raised as a "
+        "ConversionError that is no longer the original error's class",
+        (("ttt2la/rejected_call.py", "    return _dual_class(type(error))(message, where=where or None)",
+          "    return RejectedCallError(message, where=where or None)"),),
+        ("tests/test_call_errors.py",), "rejects"),
+    Mutation(
+        "rejected_call_unlocated", "a call the layer's own code rejects, without the line "
+        "that failed",
+        (("ttt2la/rejected_call.py", "    where, what, own = _where(failing_node(gm, inputs),",
+          "    where, what, own = _where(None,"),),
+        ("tests/test_call_errors.py",), "rejects"),
+    Mutation(
+        "ns_culprit_unrecognised", "a nonlinearity inside a Newton–Schulz iteration not "
+        "recognised as one (the final layer refused by the theorem, or a crash)",
+        (("ttt2la/analysis/associativity.py",
+          "if m is not None and culprit in ancestors(m.output) - ancestors(m.input) | {m.input}:",
+          "if m is not None and culprit in ancestors(m.input) - ancestors(m.input):"),),
+        ("tests/test_zoo_published.py",), "squared_error"),
+    Mutation(
+        "ns_remedy_lost", "a state refused through its increment's Newton–Schulz names no pass "
+        "that removes it",
+        (("ttt2la/passes/remove_muon.py", '    removes = "increment_transform"\n', ""),),
+        ("tests/test_zoo_published.py",), "squared_error"),
 ]
 
 

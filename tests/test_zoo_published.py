@@ -187,7 +187,8 @@ def test_the_operator_submodule_gets_heads_folded_by_the_caller():
 
 def _reference(layer: LaCTPublishedLayer, x: torch.Tensor) -> torch.Tensor:
     """The published layer's math, head by head and chunk by chunk, with the fast-weight gradient
-    taken by autograd and Newton–Schulz written from its five literal triples (float64)."""
+    of its inner loss (the binding score, or the squared error) taken by autograd and
+    Newton–Schulz written from its five literal triples (float64)."""
     ttt = layer.ttt
     Bsz, L, _ = x.shape
     C = ttt.chunk_size
@@ -227,7 +228,10 @@ def _reference(layer: LaCTPublishedLayer, x: torch.Tensor) -> torch.Tensor:
                 Wd = [w.detach().requires_grad_(True) for w in W]
                 grads = []
                 for i in range(3):       # each matrix's lr weights its own binding score
-                    score = (mlp(Wd, k[b, s:e, h]) * v[b, s:e, h] * lr[b, s:e, h, i:i + 1]).sum()
+                    fk, vs = mlp(Wd, k[b, s:e, h]), v[b, s:e, h]
+                    # ascend <f(k), v>, or descend 0.5 ||f(k) - v||^2
+                    fit = fk * vs if ttt.inner_loss == "dot" else -0.5 * (fk - vs).square()
+                    score = (fit * lr[b, s:e, h, i:i + 1]).sum()
                     grads.append(torch.autograd.grad(score, Wd[i], create_graph=False)[0])
                 for i in range(3):
                     if i != 1 and not ttt.update_theta:
@@ -246,8 +250,9 @@ def _reference(layer: LaCTPublishedLayer, x: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=12, deadline=None)
-@given(switches=st.fixed_dictionaries({k: st.booleans() for k in
-                                       ("update_theta", "weight_norm", "momentum", "muon")}),
+@given(switches=st.fixed_dictionaries({**{k: st.booleans() for k in
+                                          ("update_theta", "weight_norm", "momentum", "muon")},
+                                       "inner_loss": st.sampled_from(["dot", "mse"])}),
        B=st.integers(1, 2), C=st.integers(2, 5), data=st.data())
 def test_layer_matches_a_reference_written_with_autograd(switches, B, C, data):
     L = data.draw(st.integers(1, 4 * C + 3), label="L")
@@ -317,3 +322,51 @@ def test_a_compiled_variant_with_bf16_newton_schulz_converts_exactly():
             errors["original"].append(rel_rms_error(layer(xs.float()), ref))
     ok, got, bound = no_worse_than_original(errors["converted"], errors["original"])
     assert ok, (got, bound)
+
+
+# -- the authors' squared-error variant: a delta rule, refused where it must be ------------------
+
+def _mse(muon: bool, **variant) -> LaCTPublishedLayer:
+    torch.manual_seed(5)
+    return LaCTPublishedLayer(H * D, H, CHUNK["fp64"], base_lr=0.3, muon=muon,
+                              ns_dtype=torch.float64, inner_loss="mse", **variant).double()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_squared_error_with_muon_names_newton_schulz_and_its_remedy(level):
+    """Trained on ``0.5‖f(k) − v‖²``, the final layer's step reads the final layer, and Muon
+    orthogonalises it: its normalisation makes the update nonlinear in the state. The refusal
+    names that line and ``remove_muon`` as the pass that removes it; ``strict=False`` runs the
+    loop recurrently, exactly."""
+    layer = _mse(True)
+    x = torch.randn(2, 5 * CHUNK["fp64"], H * D, dtype=torch.float64)
+    with pytest.raises(ttt2la.NonReducibleError) as refused:
+        ttt2la.convert(layer, level=level, example_inputs=(x,))
+    error = refused.value
+    assert error.state == "w1" and "orthogonalize" in error.where
+    assert "remove_muon (level >= 6)" in error.remedy
+    kept = ttt2la.convert(layer, level=level, example_inputs=(x,), strict=False)
+    assert kept.ttt2la_report.layers[0].schedule == "recurrent"
+    variant = _mse(True, **VARIANT[level])
+    variant.load_state_dict(layer.state_dict())
+    assert rel_rms_error(kept(x), variant(x)) <= TOLERANCE[torch.float64]
+
+
+def test_a_squared_error_without_muon_converts_exactly_at_level_2():
+    """Without Muon the squared error's step is affine in the state (a delta rule over chunks):
+    level 2 converts it, equal to variant 2 run by its own loop, outputs and every gradient."""
+    layer = _mse(False)
+    variant = _mse(False, **VARIANT[2])
+    variant.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 5 * CHUNK["fp64"], H * D, dtype=torch.float64)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    for xs in (x, torch.randn(3, 3 * CHUNK["fp64"] + 2, H * D, dtype=torch.float64)):
+        got, ref = _outputs_and_grads(converted, xs), _outputs_and_grads(variant, xs)
+        _compare(got, ref, _within(TOLERANCE[torch.float64]))
+
+
+def _within(tol: float):
+    """A ``_compare`` bound: every error at most ``tol``."""
+    def bound(name, error):
+        assert error <= tol, f"{name}: {error:.3g}"
+    return bound

@@ -165,12 +165,16 @@ def _recurrent_blocker(program: TTTProgram, dep: Dependence, t: int,
                f"depends nonlinearly on {through} through {_where(d.culprit)}, so its chunk "
                f"updates do not compose associatively.")
     roles = {program.states[i].role for i in members}
-    kind = "theta_update" if "theta" in roles else "state_norm" if _is_norm(d.culprit) else ""
+    kind = ("theta_update" if "theta" in roles else
+            "increment_transform" if _in_newton_schulz(d.culprit, out) else
+            "state_norm" if _is_norm(d.culprit) else "")
     return Blocker(t, d.culprit, message, _remedy(kind, "recurrent"), "recurrent", kind)
 
 
 _WHAT_IT_DOES = {"theta_update": "so the kernel weights Θ stop being updated",
-                 "state_norm": "to remove the state normalisation"}
+                 "state_norm": "to remove the state normalisation",
+                 "increment_transform": "to replace the Newton–Schulz orthogonalisation of an "
+                                        "increment that reads the state by a scale"}
 
 
 def _remedy(kind: str, schedule: str) -> str:
@@ -198,7 +202,7 @@ def _in_newton_schulz(culprit: torch.fx.Node, out: torch.fx.Node) -> bool:
         if node.op != "call_function" or op_name(node) not in ("add", "_to_copy", "view"):
             continue
         m = match_newton_schulz(node)
-        if m is not None and culprit in ancestors(m.node) - ancestors(m.input) | {m.input}:
+        if m is not None and culprit in ancestors(m.output) - ancestors(m.input) | {m.input}:
             return True
     return False
 

@@ -202,6 +202,7 @@ class RemoveMuon(Pass):
     name = "remove_muon"
     step = 6
     exact = False
+    removes = "increment_transform"
 
     def run(self, program: TTTProgram, context: PassContext) -> PassResult:
         """Make every transform of an increment its input times its calibration scale."""

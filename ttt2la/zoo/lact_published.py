@@ -12,7 +12,10 @@ weights and tiles them over the folded batch.
 The simplified variants are switches of the same operator, written as the released variant code
 writes them: ``use_mlp=False`` feeds the queries and keys straight into ``w1`` (a single linear
 fast weight; ``w0`` and ``w2`` stay in the autograd graph at zero weight), and ``use_lr=False``
-keeps the per-token rates in the graph but pins them to 1.
+keeps the per-token rates in the graph but pins them to 1. ``inner_loss="mse"`` trains the fast
+weights on ``0.5‖f(k) − v‖²`` instead of the binding score ``−⟨f(k), v⟩``, as the authors'
+variant code does: the step follows ``v − f(k)`` where it followed ``v``, so it depends on the
+fast weights it changes (a delta rule, not linear attention).
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ def block_causal_swiglu_ttt(
     ns_dtype: torch.dtype = torch.bfloat16,
     use_mlp: bool = True,
     use_lr: bool = True,
+    inner_loss: str = "dot",
 ) -> torch.Tensor:
     """Shifted block-causal test-time training of a SwiGLU fast-weight MLP.
 
@@ -96,6 +100,7 @@ def block_causal_swiglu_ttt(
     mean over its tokens). Returns the output [b, l, d].
     use_mlp=False: only w1 [b, d, d] is used and trained, read straight from q and k (dh = d).
     use_lr=False: every step size is 1.
+    inner_loss="mse": the loss 0.5‖f(k) − v‖², whose step follows v − f(k).
     """
     if not use_mlp:
         update_theta = False
@@ -142,8 +147,11 @@ def block_causal_swiglu_ttt(
             pre_up = torch.bmm(w2, kc.transpose(1, 2))       # [b, dh, c]
             act = F.silu(pre_gate, inplace=False)
             hid = act * pre_up
-
-            # backward of the binding score <f(k), v>, by hand
+        if inner_loss == "mse":
+            # 0.5‖f(k) − v‖²: the step follows v − f(k) where the binding score's follows v
+            vc = vc - torch.bmm(w1, hid)                     # [b, d, c]
+        if use_mlp:
+            # backward of the loss, by hand
             d_hid = torch.bmm(w1.transpose(1, 2), vc)        # [b, dh, c]
             d_up = d_hid * act
             d_pre_gate = silu_grad(d_hid * pre_up, pre_gate)
@@ -203,9 +211,12 @@ class SwiGLUFastWeights(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, inter_dim: int, chunk_size: int, *,
                  update_theta: bool = True, weight_norm: bool = True, muon: bool = True,
                  muon_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, mlp: bool = True,
-                 per_token_lr: bool = True):
+                 per_token_lr: bool = True, inner_loss: str = "dot"):
         super().__init__()
+        if inner_loss not in ("dot", "mse"):
+            raise ValueError(f"inner_loss must be 'dot' or 'mse', got {inner_loss!r}")
         self.num_heads = num_heads
+        self.inner_loss = inner_loss
         self.chunk_size = chunk_size
         self.update_theta, self.weight_norm = update_theta, weight_norm
         self.use_muon, self.muon_steps, self.ns_dtype = muon, muon_steps, ns_dtype
@@ -227,7 +238,7 @@ class SwiGLUFastWeights(nn.Module):
             chunk_size=self.chunk_size, use_muon=self.use_muon, momentum=momentum,
             update_theta=self.update_theta, weight_norm=self.weight_norm,
             muon_steps=self.muon_steps, ns_dtype=self.ns_dtype, use_mlp=self.use_mlp,
-            use_lr=self.use_lr)
+            use_lr=self.use_lr, inner_loss=self.inner_loss)
 
 
 class LaCTPublishedLayer(nn.Module):
@@ -240,7 +251,7 @@ class LaCTPublishedLayer(nn.Module):
 
     def __init__(self, d_model, num_heads, chunk_size, *, inter_dim=None, update_theta=True,
                  weight_norm=True, momentum=True, muon=True, base_lr=1e-2, muon_steps=5,
-                 ns_dtype=torch.bfloat16, mlp=True, per_token_lr=True):
+                 ns_dtype=torch.bfloat16, mlp=True, per_token_lr=True, inner_loss="dot"):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -258,7 +269,8 @@ class LaCTPublishedLayer(nn.Module):
         self.ttt = SwiGLUFastWeights(num_heads, self.head_dim, inter_dim or self.head_dim,
                                      chunk_size, update_theta=update_theta,
                                      weight_norm=weight_norm, muon=muon, muon_steps=muon_steps,
-                                     ns_dtype=ns_dtype, mlp=mlp, per_token_lr=per_token_lr)
+                                     ns_dtype=ns_dtype, mlp=mlp, per_token_lr=per_token_lr,
+                                     inner_loss=inner_loss)
         self.ttt_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
