@@ -494,6 +494,20 @@ MUTATIONS = [
         "that removes it",
         (("ttt2la/passes/remove_muon.py", '    removes = "increment_transform"\n', ""),),
         ("tests/test_zoo_published.py",), "squared_error"),
+    Mutation(
+        "training_mode_ignored", "a layer whose code differs in training mode runs its "
+        "evaluation-mode graphs in training mode (dropout silently skipped)",
+        (("ttt2la/converted.py", "        if module.training and self.training_dependence:\n"
+          "            return self._in_training(",
+          "        if False:\n            return self._in_training("),),
+        ("tests/test_training_mode.py",), "dropout"),
+    Mutation(
+        "traced_in_training_mode", "convert traces a layer in the mode it comes in (dropout's "
+        "random mask traced, the exactness check failing as a bug)",
+        (("ttt2la/conversion.py", "    with evaluating(target, pristine):",
+          "    with contextlib.nullcontext():"),
+         ("ttt2la/conversion.py", "import copy\n", "import contextlib\nimport copy\n")),
+        ("tests/test_training_mode.py",), "dropout"),
 ]
 
 

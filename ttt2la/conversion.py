@@ -39,6 +39,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .testing import rel_rms_error, tolerance
+from .training_mode import evaluating, training_dependence
 from .validation import check_call, check_runs
 
 _PROBE_LENGTHS = (64, 512, 4096)
@@ -438,13 +439,27 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
     pristine = copy.deepcopy(model) if inplace else model
     target = model if inplace else copy.deepcopy(model)
+    with evaluating(target, pristine):      # every module's own mode restored on return
+        return _convert(pristine, target, level, example_inputs, calibration, backend, strict,
+                        example_kwargs, folds)
+
+
+def _convert(pristine, target, level, example_inputs, calibration, backend, strict,
+             example_kwargs, folds) -> torch.nn.Module:
+    """``convert`` on ``target`` in evaluation mode (``training_mode``)."""
     check_runs(target, example_inputs, example_kwargs)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
+    modes = [training_dependence(rl.candidate.module, rl.candidate.args, rl.candidate.kwargs)
+             for rl in layers]
     calibrations = _calibrations(target, layers, calibration, example_kwargs)
     built = [_convert_layer(rl, cal, level, folds, backend, strict)
              for rl, cal in zip(layers, calibrations)]
-    for layer in built:
+    for layer, mode in zip(built, modes):
+        if mode:
+            layer.notes.append(f"converted for evaluation mode: {mode}; in training mode it "
+                               + ("runs as written" if layer.exact else "refuses to run"))
         if layer.state is not None:
+            layer.state.training_dependence = mode
             install(layer.rl.candidate.module, layer.state)
     reports, drifts = [], []
     for layer in built:
@@ -524,7 +539,8 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
     """
     require_unconverted(model)
     check_call(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
-    layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
+    with evaluating(model):
+        layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     reports = []
     for rl in layers:
         program = rl.program.clone()

@@ -33,6 +33,7 @@ from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .rejected_call import rejected
 from .stream import StreamCall, TTTState, advance, stateful_plan
+from .training_mode import evaluating, training_dependence
 
 
 class LoopModule(torch.nn.Module):
@@ -101,6 +102,7 @@ class ConvertedState:
     streamable: str | None = None       # why the layer cannot carry state ("" if it can)
     recipe: "Recipe | None" = None      # how to build it again (pickling)
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
+    training_dependence: str = ""       # how the layer's code differs in training mode, if it does
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -148,18 +150,36 @@ class ConvertedState:
         flat = _flat_inputs(args, kwargs)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = (int(n) for n in self.layout.sizes(flat))
+        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        if module.training and self.training_dependence:
+            return self._in_training(written, B, L)
         gm = self.outer_for(B, L)
         plan = lambda: gm(params_and_buffers(module), *flat)   # noqa: E731
         try:
             if self.as_written is None or not races(module, flat):
                 return plan()
             dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
-            written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
             return self.as_written.call(
                 (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
                 self.runs, AsWritten.shape(B, L))
         except Exception as e:
             raise self._rejected(e, gm, [params_and_buffers(module), *flat]) from e
+
+    def _in_training(self, written, B: int, L: int):
+        """A call in training mode of a layer whose code differs there (``training_mode``): its
+        graphs hold the evaluation-mode function, so an exact conversion runs the code as
+        written (and says so in the report's runs); a lossy one computes another function,
+        whose training-mode form was never derived, and refuses."""
+        where = f"{self.program.module_path or 'this layer'} (the loop at {self.program.loop_src})"
+        if self.as_written is None:
+            raise UnsupportedTTTError(
+                f"{where} was converted for evaluation mode, and {self.training_dependence}: "
+                "its lossy conversion has no training-mode form. Call .eval() on it, or convert "
+                "a layer whose code does not depend on the mode (dropout or batch norm outside "
+                "the layer that owns the loop).")
+        self.runs[f"batch {B}, length {L}, training mode"] = (
+            f"as written: converted for evaluation mode, and {self.training_dependence}")
+        return written()
 
     def _rejected(self, error: Exception, gm, inputs: list) -> Exception:
         """What to raise for ``error`` from running ``gm``: a ``ConversionError`` as it is, any
@@ -182,6 +202,11 @@ class ConvertedState:
                 f"layer (or None), got {type(state).__name__}")
         flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
+        if module.training and self.training_dependence:
+            raise StreamingError(
+                f"{self.program.module_path or 'this layer'} was converted for evaluation mode, "
+                f"and {self.training_dependence}: a state carried between calls runs the "
+                "converted graphs only. Call .eval() on it to decode.")
         if self.streamable is None and L > 0 and B > 0:   # else nothing to probe with
             try:
                 self.streamable = streaming_problem(self, module, flat) or ""
@@ -259,7 +284,8 @@ def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: 
     submodules), converted again from ``recipe`` — the same trace, passes and plan."""
     module = cls.__new__(cls)
     module.__setstate__(attributes)
-    state = _replay(module, recipe)
+    with evaluating(module):                # traced as ``convert`` traced it
+        state = _replay(module, recipe)
     state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
     install(module, state)
     return module
@@ -288,6 +314,7 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
         device)
     state.recipe = recipe
     state.as_written = AsWritten() if exact else None
+    state.training_dependence = training_dependence(module, recipe.args, recipe.kwargs)
     return state
 
 

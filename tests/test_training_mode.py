@@ -1,0 +1,168 @@
+"""A layer whose code differs in training mode (dropout, batch norm) converts as it comes.
+
+``nn.Module`` starts in training mode, where dropout draws a random mask no rewrite can reproduce
+draw for draw. ``convert`` traces and checks every layer in evaluation mode and leaves every
+module's mode as it found it; a layer whose output differs in training mode says so in its
+report, runs its code as written in training mode when its conversion is exact (the same draws
+as the original), and refuses training mode when it is lossy. A layer whose code does not depend
+on the mode runs its converted graphs in both.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.zoo import LaCTFoldedLayer, LaCTPublishedLayer
+
+FP32 = TOLERANCE[torch.float32]
+D = 16
+
+
+class Dropped(nn.Module):
+    """A per-token memory with dropout on its keys (inside the loop) or on its output."""
+
+    def __init__(self, inside: bool, norm: bool = False):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.drop = nn.Dropout(0.2)
+        self.inside = inside
+        self.norm = nn.BatchNorm1d(D) if norm else None
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for t in range(x.shape[1]):
+            kt = self.drop(k[:, t]) if self.inside else k[:, t]
+            S = S + kt[:, :, None] * v[:, t, None, :]
+            outs.append((q[:, t, :, None] * S).sum(1))
+        y = torch.stack(outs, 1)
+        if self.norm is not None:
+            y = self.norm(y.transpose(1, 2)).transpose(1, 2)
+        return y if self.inside else self.drop(y)
+
+
+def _layer_report(conv):
+    layer, = conv.ttt2la_report.layers
+    return layer
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_layer_with_dropout_converts_in_training_mode(inside):
+    torch.manual_seed(0)
+    layer = Dropped(inside)                                 # training mode, as constructed
+    x = torch.randn(2, 12, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    assert layer.training and conv.training and conv.drop.training
+    report = _layer_report(conv)
+    assert report.runtime.startswith("chunk_linear_attention")
+    assert any("converted for evaluation mode" in n and "drop (Dropout)" in n
+               for n in report.notes), report.notes
+    conv.eval()
+    layer.eval()
+    assert rel_rms_error(conv(x), layer(x)) <= FP32
+    assert "training mode" not in " ".join(report.runs)
+    conv.train()
+    layer.train()
+    torch.manual_seed(1)
+    got = conv(x)
+    torch.manual_seed(1)
+    want = layer(x)
+    assert torch.equal(got, want)                           # the same draws: the code as written
+    assert any("training mode" in shape and ran.startswith("as written")
+               for shape, ran in report.runs.items()), report.runs
+
+
+def test_a_layer_without_mode_dependence_runs_its_graphs_in_training_mode():
+    torch.manual_seed(0)
+    layer = Dropped(False)
+    layer.drop.p = 0.0                      # dropout of nothing: the same in both modes
+    x = torch.randn(2, 12, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    assert conv._ttt2la.training_dependence == ""
+    assert conv.training
+    assert rel_rms_error(conv(x), layer(x)) <= FP32
+    assert not any("training mode" in shape for shape in _layer_report(conv).runs)
+
+
+def test_batch_norm_statistics_are_left_as_they_were():
+    torch.manual_seed(0)
+    layer = Dropped(True, norm=True)
+    layer.drop.p = 0.0
+    before = {n: b.clone() for n, b in layer.named_buffers()}
+    x = torch.randn(2, 12, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,), inplace=True)
+    assert "norm (BatchNorm1d)" in conv._ttt2la.training_dependence
+    for name, b in conv.named_buffers():
+        assert torch.equal(b, before[name]), name
+
+
+def test_a_streaming_call_in_training_mode_is_refused():
+    torch.manual_seed(0)
+    conv = ttt2la.convert(Dropped(True), level=0, example_inputs=(torch.randn(2, 12, D),))
+    with pytest.raises(ttt2la.StreamingError, match="evaluation mode"):
+        conv(torch.randn(2, 5, D), return_ttt_state=True)
+    conv.eval()
+    y, state = conv(torch.randn(2, 5, D), return_ttt_state=True)
+    assert state.tokens == 5
+
+
+class DroppedLaCT(LaCTFoldedLayer):
+    """A LaCT layer (its chunk loop in its own forward) with dropout on its output."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+def test_a_lossy_conversion_refuses_training_mode_and_runs_in_evaluation_mode():
+    torch.manual_seed(0)
+    layer = DroppedLaCT(8, 2, 4, muon=False)
+    x = torch.randn(2, 16, 8)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert not conv.ttt2la_report.exact
+    with pytest.raises(ttt2la.UnsupportedTTTError, match="evaluation mode.*Dropout"):
+        conv(x)
+    conv.eval()
+    assert conv(x).shape == x.shape
+
+
+def test_dropout_outside_the_layer_that_owns_the_loop_is_no_concern():
+    """LaCT's published layer hands its loop to an operator submodule: dropout in the layer
+    around it runs as written, in either mode."""
+
+    class Around(LaCTPublishedLayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, hidden_states):
+            return self.drop(super().forward(hidden_states))
+
+    torch.manual_seed(0)
+    layer = Around(8, 2, 4, muon=False)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 8),))
+    assert conv.ttt._ttt2la.training_dependence == ""
+    assert conv(torch.randn(2, 16, 8)).shape == (2, 16, 8)        # training mode, converted
+
+
+def test_a_pickled_layer_keeps_its_mode_dependence():
+    torch.manual_seed(0)
+    layer = Dropped(False)
+    x = torch.randn(2, 12, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    again = pickle.loads(pickle.dumps(conv))
+    assert again._ttt2la.training_dependence == conv._ttt2la.training_dependence != ""
+    assert again.training
+    torch.manual_seed(3)
+    got = again(x)
+    torch.manual_seed(3)
+    assert torch.equal(got, layer(x))
