@@ -166,3 +166,17 @@ def test_a_pickled_layer_keeps_its_mode_dependence():
     got = again(x)
     torch.manual_seed(3)
     assert torch.equal(got, layer(x))
+
+
+def test_a_sweep_on_calibration_alone_traces_on_it_and_times_evaluation_mode():
+    """Calibration inputs are model inputs: without ``example_inputs`` they are the example
+    too. The lossy levels of a layer with dropout refuse training mode, so the sweep times
+    every row in evaluation mode, and leaves the model in the mode it found it."""
+    torch.manual_seed(0)
+    layer = DroppedLaCT(8, 2, 4, muon=False)
+    report = ttt2la.sweep(layer, calibration=(torch.randn(2, 16, 8),), levels=[0, 2],
+                          time_budget=1.0)
+    rows = {r.label: r for r in report.rows}
+    assert rows["level 2"].runtime.startswith("block_linear_attention")
+    assert all(r.tokens_per_s and r.tokens_per_s > 0 for r in report.rows)
+    assert layer.training

@@ -429,10 +429,13 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     ``strict=True`` raises ``NonReducibleError`` when a loop is not reducible at ``level``;
     ``strict=False`` keeps such loops on the recurrent executor and says so in the report.
     ``calibration`` (model inputs, like ``example_inputs``) is what lossy steps fold from and
-    measure their drift on; ``folds`` (``{layer path: {pass name: constants}}``, as a previous
-    report recorded them) replays folds without calibration data.
+    measure their drift on, and the example too when ``example_inputs`` is not given; ``folds``
+    (``{layer path: {pass name: constants}}``, as a previous report recorded them) replays
+    folds without calibration data.
     """
     require_unconverted(model)
+    if example_inputs is None and calibration is not None:
+        example_inputs = calibration                # model inputs as well: trace on them
     check_call(model, level, example_inputs, example_kwargs, backend, run=False)
     check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):

@@ -21,6 +21,7 @@ from .as_written import CALLS_TO_DECIDE
 from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
+from .training_mode import evaluating
 
 SWEEP_VERSION = 1
 
@@ -172,6 +173,8 @@ def sweep(model: torch.nn.Module, calibration=None, *, example_inputs=None,
     drift and buys in throughput (see the module docstring). ``model`` is not modified."""
     from .conversion import convert
 
+    if example_inputs is None and calibration is not None:
+        example_inputs = calibration                # model inputs as well: trace on them
     levels = list(range(MAX_LEVEL + 1)) if levels is None else list(levels)
     for level in levels:
         if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
@@ -218,7 +221,8 @@ def _time_levels(model, converted: dict, paths: list[str], example_inputs, examp
     from .conversion import _as_tuple, _layer_inputs, recognize
 
     # the layers' inputs as recognition recorded them on the example (the traces are cached)
-    layers, inputs, _notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
+    with evaluating(model):
+        layers, inputs, _notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     recorded = {rl.path: _layer_inputs(rl) for rl in layers}
     x = _as_tuple(inputs)[0]
     tokens = int(x.shape[0] * x.shape[1]) if x.dim() >= 2 else int(x.numel())
@@ -227,8 +231,9 @@ def _time_levels(model, converted: dict, paths: list[str], example_inputs, examp
     runs.update({level: _ttt_layers(m, paths, recorded) for level, m in converted.items()})
     say(f"timing {len(runs)} rows side by side")
     # warm-up long enough for any race against the code as written to be decided (as_written)
-    timings = time_side_by_side(runs, (x,), units=tokens, max_seconds=budget, rounds=9,
-                                warmup=CALLS_TO_DECIDE)
+    with evaluating(original, *converted.values()):     # inference, as the levels were checked
+        timings = time_side_by_side(runs, (x,), units=tokens, max_seconds=budget, rounds=9,
+                                    warmup=CALLS_TO_DECIDE)
     out = {key: (t.rate, t.spread()) for key, t in timings.items()}
     out["tokens"] = tokens
     return out
