@@ -9,7 +9,9 @@ buffer costs no per-token work: outside the runtime ops, the converted layer dis
 same ops at two lengths.
 A buffer of another dtype than its outputs casts them, as the layer does. A buffer the loop
 also reads, or one longer than the outputs written into it, is refused with a message that
-names the line and says what to write instead.
+names the line and says what to write instead. So is a loop that runs twice in one call (a helper
+called per direction, each run's outputs stacked on their own), and the layout the message asks
+for — one submodule per run — converts.
 """
 from __future__ import annotations
 
@@ -159,3 +161,56 @@ def test_a_buffer_that_is_not_only_the_outputs_is_refused_naming_the_line(how, l
     msg = str(e.value)
     assert f"test_loop_outputs.py:{line}" in msg, msg
     assert "`o`" in msg and says in msg and "torch.stack" in msg, msg
+
+
+class Scan(nn.Module):
+    """A per-token memory over the tokens it is given."""
+
+    def forward(self, q, k, v):
+        return scan(q, k, v)
+
+
+def scan(q, k, v):
+    S = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
+    outs = []
+    for t in range(q.shape[1]):
+        S = S + k[:, t, :, None] * v[:, t, None, :]
+        outs.append(torch.einsum("bk,bkv->bv", q[:, t], S))
+    return torch.stack(outs, 1)                             # <- each run's own stack
+
+
+class BothWays(nn.Module):
+    """The memory run left to right and right to left in one call: by one helper called twice,
+    or (``modules=True``) by one submodule per direction."""
+
+    def __init__(self, modules: bool, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(2 * d, d, bias=False)
+        self.ways = nn.ModuleList([Scan(), Scan()]) if modules else None
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        right, left = self.ways or (scan, scan)
+        forth = right(q, k, v)
+        back = left(q.flip(1), k.flip(1), v.flip(1)).flip(1)
+        return self.o(torch.cat([forth, back], -1))
+
+
+def test_a_loop_run_twice_in_one_call_is_refused_with_what_to_do():
+    torch.manual_seed(0)
+    with pytest.raises(ConversionError) as refused:
+        ttt2la.convert(BothWays(False), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    text = str(refused.value)
+    assert "ran 2 times in one call" in text and "its own submodule" in text
+    assert "each run's own stack" in text                   # the line of each run's stack
+
+
+def test_one_submodule_per_run_converts_exactly():
+    torch.manual_seed(0)
+    layer = BothWays(True)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    assert [r.module_path for r in conv.ttt2la_report.layers] == ["ways.0", "ways.1"]
+    assert all(r.runtime.startswith("chunk_linear_attention") for r in conv.ttt2la_report.layers)
+    x = torch.randn(3, 17, 8)
+    assert rel_rms_error(conv(x), layer(x)) <= TOLERANCE[torch.float32]

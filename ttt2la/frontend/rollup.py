@@ -576,12 +576,33 @@ def _check_buffer_shape(u: Unrolled, buf: Buffer, collector: torch.fx.Node,
             f"list and `torch.cat`/`torch.stack` them after the loop (loop at {u.loop.src}).")
 
 
+def _refuse_repeated_runs(u: Unrolled, per_iter: list, collectors: set) -> None:
+    """Outputs gathered by several ``cat``/``stack`` ops, each joining a run of consecutive
+    iterations: the loop ran more than once in one call (a helper called per direction, per
+    image, per layer). Refused with what to do; anything else falls through."""
+    runs = sorted(([per_iter.index(p) for p in c.args[0] if p in per_iter] for c in collectors
+                   if c.target in (aten.cat.default, aten.stack.default)), key=min)
+    flat = [i for run in runs for i in run]
+    if len(runs) != len(collectors) or flat != list(range(len(per_iter))):
+        return
+    where = "; ".join(_where(c) for c in sorted(collectors, key=lambda c: min(
+        per_iter.index(p) for p in c.args[0] if p in per_iter)))
+    raise u.fail(
+        f"the loop ran {len(runs)} times in one call of its module (each run's outputs joined "
+        f"by its own cat/stack: {where}), as a helper called once per direction or per input "
+        "does. ttt2la converts one run of a loop per call of the module that owns it: give each "
+        "run its own submodule (one module per direction, each calling the helper once), and "
+        "each is converted on its own.")
+
+
 def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
     """The ``cat``/``stack`` after the loop that joins every iteration's output (one more
     piece after them is the peeled last chunk), its axis and that piece (or None)."""
     per_iter = [u.in_iteration(j).get(out_node) for j in range(u.n_iter)]
     per_iter = [p for p in per_iter if p is not None]
     collectors = {x for po in per_iter for x in po.users if x not in u.in_loop}
+    if len(collectors) > 1:
+        _refuse_repeated_runs(u, per_iter, collectors)
     if len(collectors) != 1:
         raise u.fail("chunk outputs are not gathered by a single cat/stack or buffer after the "
                      "loop")
