@@ -112,15 +112,22 @@ def test_a_streaming_call_in_training_mode_is_refused():
     assert state.tokens == 5
 
 
-class DroppedLaCT(LaCTFoldedLayer):
-    """A LaCT layer (its chunk loop in its own forward) with dropout on its output."""
+def with_output_dropout(layer_class: type) -> type:
+    """``layer_class`` with dropout on its output, in its own forward."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.drop = nn.Dropout(0.1)
+    class WithDropout(layer_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.drop = nn.Dropout(0.1)
 
-    def forward(self, x):
-        return self.drop(super().forward(x))
+        def forward(self, x):
+            return self.drop(super().forward(x))
+
+    return WithDropout
+
+
+#: A LaCT layer whose chunk loop is in its own forward, with dropout on its output.
+DroppedLaCT = with_output_dropout(LaCTFoldedLayer)
 
 
 def test_a_lossy_conversion_refuses_training_mode_and_runs_in_evaluation_mode():
@@ -139,16 +146,8 @@ def test_dropout_outside_the_layer_that_owns_the_loop_is_no_concern():
     """LaCT's published layer hands its loop to an operator submodule: dropout in the layer
     around it runs as written, in either mode."""
 
-    class Around(LaCTPublishedLayer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.drop = nn.Dropout(0.1)
-
-        def forward(self, hidden_states):
-            return self.drop(super().forward(hidden_states))
-
     torch.manual_seed(0)
-    layer = Around(8, 2, 4, muon=False)
+    layer = with_output_dropout(LaCTPublishedLayer)(8, 2, 4, muon=False)
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 8),))
     assert conv.ttt._ttt2la.training_dependence == ""
     assert conv(torch.randn(2, 16, 8)).shape == (2, 16, 8)        # training mode, converted
