@@ -23,22 +23,22 @@ MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
 
 
 @contextlib.contextmanager
-def evaluating(*models: nn.Module):
-    """Every module of ``models`` in evaluation mode inside the block, each module's own
-    ``training`` flag restored after it (a model may mix modes on purpose)."""
+def in_mode(*models: nn.Module, training: bool):
+    """Every module of ``models`` in training (or evaluation) mode inside the block, each
+    module's own ``training`` flag restored after it (a model may mix modes on purpose)."""
     saved = [(m, m.training) for model in models for m in model.modules()]
     try:
         for model in models:
-            model.eval()
+            model.train(training)
         yield
     finally:
         for m, flag in saved:
             m.training = flag
 
 
-def _set_mode(module: nn.Module, training: bool) -> None:
-    for m in module.modules():
-        m.training = training
+def evaluating(*models: nn.Module):
+    """``in_mode(*models, training=False)``: how a conversion traces and checks."""
+    return in_mode(*models, training=False)
 
 
 def training_dependence(module: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -46,21 +46,18 @@ def training_dependence(module: nn.Module, args: tuple, kwargs: dict) -> str:
     evaluation mode (run once in each, eagerly, without gradients, the random generators and
     buffers left as they were), else what differs: its mode-dependent submodules, its own code,
     or a failure in training mode."""
-    saved = [(m, m.training) for m in module.modules()]
     buffers = [(b, b.clone()) for b in module.buffers()]    # batch norm's running statistics
     outputs = []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), \
                 torch.compiler.set_stance("force_eager"):
             for training in (True, False):
-                _set_mode(module, training)
-                outputs.append(pytree.tree_leaves(module(*args, **kwargs)))
+                with in_mode(module, training=training):
+                    outputs.append(pytree.tree_leaves(module(*args, **kwargs)))
     except Exception as e:                   # e.g. batch norm on a batch of one, in training
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"it fails on its example in training mode ({type(e).__name__}: {first})"
     finally:
-        for m, flag in saved:
-            m.training = flag
         with torch.no_grad():
             for b, before in buffers:
                 b.copy_(before)
@@ -77,4 +74,4 @@ def training_dependence(module: nn.Module, args: tuple, kwargs: dict) -> str:
     return "its output differs in training mode (its own code reads `self.training`)"
 
 
-__all__ = ["evaluating", "training_dependence", "MODE_DEPENDENT"]
+__all__ = ["in_mode", "evaluating", "training_dependence", "MODE_DEPENDENT"]
