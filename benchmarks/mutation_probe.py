@@ -508,6 +508,12 @@ MUTATIONS = [
           "    with contextlib.nullcontext():"),
          ("ttt2la/conversion.py", "import copy\n", "import contextlib\nimport copy\n")),
         ("tests/test_training_mode.py",), "dropout"),
+    Mutation(
+        "compiled_training_mode_ignored", "under torch.compile a mode-dependent layer runs its "
+        "evaluation-mode graphs in training mode",
+        (("ttt2la/converted.py", "        if torch.compiler.is_compiling() and not kwargs and not in_training \\\n",
+          "        if torch.compiler.is_compiling() and not kwargs \\\n"),),
+        ("tests/test_training_mode.py",), "compile"),
 ]
 
 

@@ -179,3 +179,21 @@ def test_a_sweep_on_calibration_alone_traces_on_it_and_times_evaluation_mode():
     assert rows["level 2"].runtime.startswith("block_linear_attention")
     assert all(r.tokens_per_s and r.tokens_per_s > 0 for r in report.rows)
     assert layer.training
+
+
+def test_under_torch_compile_training_mode_still_runs_the_code_as_written():
+    """Compiled, the converted layer enters the graph as one call of its evaluation-mode
+    graphs; in training mode a mode-dependent layer takes its code as written instead."""
+    torch.manual_seed(0)
+    layer = Dropped(False)
+    x = torch.randn(2, 12, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    # the suite runs compiled code eagerly (conftest.py); compile for real here
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        dropped = (torch.compile(conv, backend="eager")(x) == 0).float().mean()
+        assert 0.1 < dropped < 0.3                          # dropout's 0.2 of the outputs
+        conv.eval()
+        layer.eval()
+        torch._dynamo.reset()
+        assert rel_rms_error(torch.compile(conv, backend="eager")(x), layer(x)) <= FP32

@@ -248,7 +248,8 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
     ``(output, state_after)`` (``ttt2la.stream``)."""
     if ttt_state is None and not return_ttt_state:
-        if torch.compiler.is_compiling() and not kwargs \
+        in_training = self.training and self._ttt2la.training_dependence
+        if torch.compiler.is_compiling() and not kwargs and not in_training \
                 and all(isinstance(a, torch.Tensor) for a in args):
             return self._ttt2la_compiled(*params_and_buffers(self).values(), *args)
         return self._ttt2la(self, args, kwargs)
