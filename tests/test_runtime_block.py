@@ -261,7 +261,7 @@ case = st.fixed_dictionaries(dict(
     momentum=st.booleans(), schedule=st.sampled_from(sorted(SCHEDULES)),
     ns_bf16=st.booleans(), weight_norm=st.booleans(), initial_state=st.booleans(),
     final=st.booleans(), seed=st.integers(0, 2**31 - 1), t_frac=st.floats(0.0, 1.0),
-    decay=st.booleans(), step=st.booleans()))
+    decay=st.sampled_from([False, True, "row"]), step=st.booleans()))
 
 
 def _draw(c, dtype):
