@@ -514,6 +514,19 @@ MUTATIONS = [
         (("ttt2la/converted.py", "        if torch.compiler.is_compiling() and not kwargs and not in_training \\\n",
           "        if torch.compiler.is_compiling() and not kwargs \\\n"),),
         ("tests/test_training_mode.py",), "compile"),
+    Mutation(
+        "collapse_promise_on_theta_free_kernels", "collapse_mlp's postcondition also demands a "
+        "linear map of keys weighted by their decay (no Θ), failing chunked GLA at level 3",
+        (("ttt2la/passes/collapse_mlp.py",
+          "            if (reads_theta and nonlinear_ops(core, streamed, order)) or",
+          "            if (nonlinear_ops(core, streamed, order)) or"),),
+        ("tests/test_fla_chunk_reference.py",), "every_level"),
+    Mutation(
+        "broken_promise_escapes_raw", "a pass's failed postcondition escapes as a bare "
+        "AssertionError",
+        (("ttt2la/passes/base.py", "        except AssertionError as e:         # a broken promise",
+          "        except ZeroDivisionError as e:      # a broken promise"),),
+        ("tests/test_passes.py",), "promise"),
 ]
 
 

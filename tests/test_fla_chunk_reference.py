@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import ttt2la
 from equivalence import assert_same_function, converted_onto
 from ttt2la.lowering import LiftedPlan, scan_choice
 from ttt2la.zoo import FlaChunkReferenceLayer
@@ -101,3 +102,17 @@ def test_a_decay_per_value_channel_keeps_the_generic_plan():
     assert not isinstance(plan, LiftedPlan)
     assert_same_function(conv, layer, [torch.randn(2, 5 * CHUNK, D, dtype=torch.float64)],
                          tol=F64)
+
+
+@pytest.mark.parametrize("rule", CHUNK_RULES)
+def test_every_level_converts_exactly_with_nothing_to_simplify(rule):
+    """No Θ, no weight norm, no MLP kernel, no per-token rate, momentum or Muon: every step
+    finds nothing to do (the keys weighted by their decay are no MLP of Θ for collapse_mlp),
+    and every level is the layer itself on the op."""
+    layer, _ = _converted(rule)
+    x = torch.randn(2, 6 * CHUNK, D)
+    for level in range(7):
+        conv = ttt2la.convert(layer, level=level, example_inputs=(x,))
+        report, = conv.ttt2la_report.layers
+        assert report.exact and report.runtime.startswith("block_linear_attention"), level
+        assert_same_function(conv, layer, x)

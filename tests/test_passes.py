@@ -394,3 +394,21 @@ def test_a_view_shaped_by_another_value_is_not_replayed():
     gm = torch.fx.symbolic_trace(lambda x, y: torch.ops.aten.expand_as(x, y))
     (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert not _replayed(node)
+
+
+def test_a_pass_that_breaks_its_promise_raises_a_conversion_error(monkeypatch):
+    """A postcondition that fails is ttt2la's bug: said as a ``ConversionError`` naming the
+    pass and the level to fall back to, never a bare ``AssertionError``."""
+    import ttt2la
+    from ttt2la.passes.freeze_theta import FreezeTheta
+    from ttt2la.zoo import LaCTFoldedLayer
+
+    def broken(self, program):
+        raise AssertionError("a Θ update left behind")
+
+    monkeypatch.setattr(FreezeTheta, "ensures", broken)
+    torch.manual_seed(0)
+    layer = LaCTFoldedLayer(8, 2, 4, muon=False)
+    with pytest.raises(ConversionError, match="freeze_theta.*a Θ update left behind.*"
+                                                     "level <= 0"):
+        ttt2la.convert(layer, level=1, example_inputs=(torch.randn(2, 16, 8),))

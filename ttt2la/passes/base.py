@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch.fx
 
-from ..errors import LevelNotImplementedError
+from ..errors import ConversionError, LevelNotImplementedError
 from ..ir import TTTProgram
 
 PassStatus = Literal["applied", "already_satisfied", "not_applicable"]
@@ -84,7 +84,14 @@ class Pass:
         context = context if isinstance(context, PassContext) else PassContext(context)
         self.requires(program)
         result = self.run(program, context)
-        self.ensures(program)
+        try:
+            self.ensures(program)
+        except AssertionError as e:         # a broken promise is ttt2la's bug, said as one
+            raise ConversionError(
+                f"{self.name} (step {self.step}) left {program.module_path or 'the model'} "
+                f"({program.loop_src}) without the property it promises: {e}. This is a bug in "
+                f"ttt2la — please report it with the model; convert at level <= {self.step - 1} "
+                "meanwhile.") from e
         return result
 
     def result(self, status: PassStatus, reason: str, folded: dict | None = None) -> PassResult:

@@ -501,13 +501,18 @@ class CollapseMLP(Pass):
                     "form that does not match the query path. Convert at level <= 2.")
 
     def ensures(self, program: TTTProgram) -> None:
-        """Every kernel φ left is a fixed linear map of the keys and queries."""
+        """Every kernel φ left that reads kernel parameters Θ is a fixed linear map of the keys
+        and queries, and no φ reads a state. A φ of the streams alone (keys weighted by the
+        decay left to their chunk's end, as chunked gated linear attention writes them) is no
+        MLP of Θ: this step has nothing to collapse there."""
         order = {n: i for i, n in enumerate(program.body.graph.nodes)}
         streamed = streamed_nodes(program)
         states = set(program.state_inputs())
+        params = kernel_candidates(program)
         for f in final_products(program):
             core = peel_views(f.phi)
-            if nonlinear_ops(core, streamed, order) or states & ancestors(core):
+            reads_theta = bool(params & ancestors(core))
+            if (reads_theta and nonlinear_ops(core, streamed, order)) or states & ancestors(core):
                 raise AssertionError(
                     f"collapse_mlp left a nonlinear kernel at {describe_node(core)}")
 
