@@ -527,6 +527,12 @@ MUTATIONS = [
         (("ttt2la/passes/base.py", "        except AssertionError as e:         # a broken promise",
           "        except ZeroDivisionError as e:      # a broken promise"),),
         ("tests/test_passes.py",), "promise"),
+    Mutation(
+        "constant_momentum_chunks_uncounted", "a constant momentum coefficient folded over the "
+        "chunks of the first coefficient read per chunk (none: nothing to fold)",
+        (("ttt2la/passes/remove_momentum.py",
+          "* len(sample[-1])", "* (len(sample[0]) if nodes else 0)"),),
+        ("tests/test_passes_lossy.py",), "constant_coefficient"),
 ]
 
 

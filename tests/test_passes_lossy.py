@@ -255,6 +255,18 @@ def test_remove_momentum_folds_the_mean_accumulation_factor():
     assert remove_momentum(program, context).status == "already_satisfied"
 
 
+def test_remove_momentum_with_a_constant_coefficient_counts_the_updating_chunks():
+    """``m = 0.9 m + g`` reads no coefficient per chunk: the fold still averages the
+    accumulation factor over the chunks that update (three of four here)."""
+    torch.manual_seed(0)
+    layer = ttt2la.zoo.MuonStepLayer(8, 2, 4, beta=0.9)
+    conv = ttt2la.convert(layer, level=5, example_inputs=(torch.randn(2, 16, 8),))
+    step, = [p for p in conv.ttt2la_report.layers[0].passes if p.name == "remove_momentum"]
+    assert step.status == "applied"
+    factors = [sum(0.9 ** (j - i) for j in range(i, 3)) for i in range(3)]
+    assert list(step.folded.values()) == pytest.approx([sum(factors) / 3], rel=1e-12)
+
+
 def momentum_program(alpha_expr):
     def body(W, M, k, v, q, alpha):
         a = alpha_expr(alpha.mean(dim=1, keepdim=True))

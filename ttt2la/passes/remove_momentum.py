@@ -54,7 +54,9 @@ def accumulation_factor(alphas: list[torch.Tensor]) -> torch.Tensor:
 def _calibration_factor(program: TTTProgram, context: PassContext, matches) -> dict:
     """The mean accumulation factor of every momentum state, as JSON."""
     nodes = [m.coefficient for _, m in matches if isinstance(m.coefficient, torch.fx.Node)]
-    per_sample = update_chunk_values(context.calibration, program, nodes)
+    # a constant coefficient holds no value per chunk: the first momentum's new value, computed
+    # in every updating chunk, counts them
+    per_sample = update_chunk_values(context.calibration, program, [*nodes, matches[0][1].output])
     folded = {}
     k = 0
     for i, m in matches:
@@ -63,8 +65,7 @@ def _calibration_factor(program: TTTProgram, context: PassContext, matches) -> d
             if isinstance(m.coefficient, torch.fx.Node):
                 alphas = [a.double() for a in sample[k]]
             else:
-                n = len(sample[0]) if sample else 0
-                alphas = [torch.tensor(float(m.coefficient), dtype=torch.float64)] * n
+                alphas = [torch.tensor(float(m.coefficient), dtype=torch.float64)] * len(sample[-1])
             if alphas:
                 factors.append(accumulation_factor(alphas).flatten())
         if isinstance(m.coefficient, torch.fx.Node):
