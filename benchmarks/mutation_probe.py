@@ -518,7 +518,7 @@ MUTATIONS = [
         "collapse_promise_on_theta_free_kernels", "collapse_mlp's postcondition also demands a "
         "linear map of keys weighted by their decay (no Θ), failing chunked GLA at level 3",
         (("ttt2la/passes/collapse_mlp.py",
-          "            if (reads_theta and nonlinear_ops(core, streamed, order)) or",
+          "            if (params & reads and nonlinear_ops(core, streamed, order)) or",
           "            if (nonlinear_ops(core, streamed, order)) or"),),
         ("tests/test_fla_chunk_reference.py",), "every_level"),
     Mutation(

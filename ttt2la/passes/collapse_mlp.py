@@ -511,8 +511,8 @@ class CollapseMLP(Pass):
         params = kernel_candidates(program)
         for f in final_products(program):
             core = peel_views(f.phi)
-            reads_theta = bool(params & ancestors(core))
-            if (reads_theta and nonlinear_ops(core, streamed, order)) or states & ancestors(core):
+            reads = ancestors(core)
+            if (params & reads and nonlinear_ops(core, streamed, order)) or states & reads:
                 raise AssertionError(
                     f"collapse_mlp left a nonlinear kernel at {describe_node(core)}")
 
