@@ -255,6 +255,31 @@ def test_a_converted_checkpoint_converts_again(factory_checkpoint, tmp_path, cap
     assert "1 TTT layer found" in capsys.readouterr().out
 
 
+def test_a_converted_checkpoint_converts_again_on_its_recorded_inputs(user_package,
+                                                                        factory_checkpoint,
+                                                                        tmp_path):
+    """Converted again without example flags, a directory reuses the example inputs it records
+    (this model has no embedding, so none could be guessed): the result is the model converted
+    in memory at the new level on those inputs."""
+    import ckpt_user_models
+
+    _in_memory, out = factory_checkpoint
+    again = tmp_path / "level1"
+    assert main(["convert", str(out), "--level", "1", "--out", str(again)]) == 0
+    manifest = json.loads((again / MANIFEST_NAME).read_text())
+    assert manifest["example_inputs"] == json.loads((out / MANIFEST_NAME).read_text())[
+        "example_inputs"]
+    assert manifest["level"] == 1
+    model = ttt2la.load(out).eval()
+    torch.manual_seed(5)
+    source = ckpt_user_models.build(**USER_KWARGS).eval()
+    source.load_state_dict(model.state_dict())
+    example = torch.randn(1, 48, 8, generator=torch.Generator().manual_seed(7))
+    in_memory = ttt2la.convert(source, level=1, example_inputs=(example,))
+    gen = torch.Generator().manual_seed(9)
+    assert_same_outputs(in_memory, ttt2la.load(again), [torch.randn(2, 40, 8, generator=gen)])
+
+
 # -- a Hugging Face directory ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_classes():
@@ -316,6 +341,19 @@ def test_hf_directory_round_trip_is_exact(hf_checkpoint):
     assert manifest["example_inputs"]["kind"] == "file"      # the tensors kept beside the weights
     assert (out / manifest["example_inputs"]["file"]).is_file()
     assert len(manifest["source"]["files"]) > 1          # every shard hashed
+
+
+def test_a_converted_hf_directory_converts_again_on_its_stored_inputs(hf_checkpoint, tmp_path):
+    """The example tensors kept beside the weights serve again, and are kept again."""
+    _transformers, model, _in_memory, out = hf_checkpoint
+    again = tmp_path / "level2"
+    assert main(["convert", str(out), "--level", "2", "--out", str(again)]) == 0
+    manifest = json.loads((again / MANIFEST_NAME).read_text())
+    assert manifest["example_inputs"]["kind"] == "file"
+    stored = (again / manifest["example_inputs"]["file"]).read_bytes()
+    assert stored == (out / manifest["example_inputs"]["file"]).read_bytes()
+    in_memory = ttt2la.convert(model, level=2, example_inputs=(token_ids(1, 64, seed=11),))
+    assert_same_outputs(in_memory, ttt2la.load(again), [token_ids(2, 90, seed=10)])
 
 
 def test_converted_hf_directory_is_again_a_hf_directory(hf_checkpoint):

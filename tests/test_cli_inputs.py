@@ -163,6 +163,23 @@ def test_a_config_that_is_not_a_json_object(files, tmp_path, capsys, content, sa
     assert listing(tmp_path) == {"cfg.json"}
 
 
+def test_a_config_written_inline(files, tmp_path):
+    """``--config`` takes the JSON object itself as well as a file holding it."""
+    out = tmp_path / "out"
+    argv = ["convert", str(files / "good.safetensors"), "--model", FACTORY, "--config",
+            json.dumps({**KWARGS, "tie_embeddings": False}), "--out", str(out)]
+    assert main(argv) == 0
+    manifest = Manifest.read(out)
+    assert manifest.recipe["kwargs"] == {**KWARGS, "tie_embeddings": False}
+
+
+def test_an_inline_config_that_is_not_json(files, tmp_path, capsys):
+    argv = ["convert", str(files / "good.safetensors"), "--model", FACTORY, "--config",
+            '{"d_model": 32', "--out", str(tmp_path / "out")]
+    refused(argv, capsys, "CheckpointError", "--config", "not a JSON object")
+    assert listing(tmp_path) == set()
+
+
 def test_a_state_dict_without_its_factory(files, tmp_path, capsys):
     refused(["convert", str(files / "good.safetensors"), "--out", str(tmp_path / "out")], capsys,
             "CheckpointError", "good.safetensors", "--model pkg.module:factory")

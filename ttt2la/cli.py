@@ -504,7 +504,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         check_writable(args.json, "--json")
     if getattr(args, "out", None):
         inputs = [args.checkpoint] if args.checkpoint else []
-        inputs += [p for p in (args.example_inputs, args.config) if p]
+        inputs += [p for p in (args.example_inputs, args.config) if p and not p.lstrip().startswith("{")]
         check_output_dir(Path(args.out), force=args.force, inputs=inputs)
 
 
@@ -535,7 +535,7 @@ def _open_source(args: argparse.Namespace, err: Console):
                                         "ttt2la itself; --model goes with a state dict file")
             source = open_zoo(args.zoo, args.seed)
         else:
-            kwargs = read_config(Path(args.config)) if args.config else None
+            kwargs = read_config(args.config) if args.config else None
             source = open_checkpoint(args.checkpoint, factory=args.model, kwargs=kwargs,
                                      trust_remote_code=args.trust_remote_code)
     model = source.model
@@ -546,6 +546,9 @@ def _open_source(args: argparse.Namespace, err: Console):
     elif args.zoo is not None:
         spec = {"kind": "zoo", "name": args.zoo, "batch": args.batch,
                 "length": args.length or ZOO[args.zoo].length, "seed": args.seed}
+    elif (recorded := _recorded_spec(args.checkpoint)) is not None:
+        inputs = build_inputs(recorded, Path(args.checkpoint))
+        return source, {"kind": "file"} if recorded["kind"] == "file" else recorded, inputs
     else:
         spec = _default_spec(model, args)
     return source, spec, build_inputs(spec)
@@ -555,6 +558,17 @@ def _bundled_name_as_zoo(args: argparse.Namespace) -> None:
     """``ttt2la convert lact-lm``: a bundled model's name (not a path) in place of a checkpoint."""
     if args.zoo is None and args.checkpoint in ZOO and not Path(args.checkpoint).exists():
         args.zoo, args.checkpoint = args.checkpoint, None
+
+
+def _recorded_spec(checkpoint: str) -> dict | None:
+    """The example inputs a converted checkpoint directory was converted with, reused when it is
+    converted again (at another level) without new ones."""
+    from .checkpoint import MANIFEST_NAME, Manifest
+
+    path = Path(checkpoint)
+    if not (path.is_dir() and (path / MANIFEST_NAME).is_file()):
+        return None
+    return dict(Manifest.read(path).example_inputs)
 
 
 def _default_spec(model: torch.nn.Module, args: argparse.Namespace) -> dict:
@@ -692,8 +706,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                         "directory, or a bundled model name")
     p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                    help="the function that builds the state dict's model")
-    p.add_argument("--config", metavar="JSON", help="keyword arguments for --model, as a "
-                                                     "JSON object")
+    p.add_argument("--config", metavar="JSON", help="keyword arguments for --model: a JSON "
+                   "object, inline or in a file")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a Hugging Face directory's own code (auto_map) to run")
     p.add_argument("--zoo", choices=sorted(ZOO),

@@ -106,12 +106,21 @@ def build_from_factory(spec: str, kwargs: dict) -> torch.nn.Module:
     return model.eval()
 
 
-def read_config(path: Path) -> dict:
-    """The keyword arguments stored in a JSON file (``--config``): a JSON object."""
-    path = Path(path)
-    data = read_json(path)
+def read_config(text: str | Path) -> dict:
+    """The keyword arguments of ``--config``: a JSON object written inline (``'{"dim": 64}'``)
+    or the path of a JSON file holding one."""
+    import json
+
+    if isinstance(text, str) and text.lstrip().startswith("{"):
+        where = "--config"
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise CheckpointError(f"--config {text}: not a JSON object ({e})") from e
+    else:
+        where, data = text, read_json(Path(text))
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object of keyword arguments, found a "
+        raise CheckpointError(f"{where}: expected a JSON object of keyword arguments, found a "
                               f"{type(data).__name__}")
     return data
 
