@@ -322,6 +322,22 @@ def test_ctrl_c_while_writing_leaves_nothing(files, converted, tmp_path, capsys,
 
 
 # -- the API ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["weights", "inputs"])
+def test_weights_or_inputs_on_the_meta_device(where):
+    """A model built on the meta device (shapes, no values) is refused by name, not with the
+    RuntimeError of the first value read."""
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    x = torch.randn(1, 32, 32)
+    if where == "weights":
+        layer, names = layer.to("meta"), r"LaCTFoldedLayer\.\w+"
+    else:
+        x, names = x.to("meta"), "example input #0"
+    for call in (lambda: ttt2la.convert(layer, level=1, example_inputs=(x,)),
+                 lambda: ttt2la.inspect(layer, example_inputs=(x,), show=False)):
+        with pytest.raises(ttt2la.InvalidInputError, match=f"{names}.* on the meta device"):
+            call()
+
+
 @pytest.mark.parametrize("model, says", [(None, "got None"), (lambda x: x, "got function"),
                                          ("model.pt", "got str")])
 def test_convert_and_inspect_need_a_module(model, says):

@@ -287,6 +287,19 @@ def test_bf16_runs_with_a_looser_stated_tolerance():
     assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_streams_sliced_from_one_projection(dtype):
+    """In half precision the trace keeps views its fp32 trace copies first; the chunks the loop
+    runs on are slices of one projection, laid out otherwise, and must still be read right."""
+    torch.manual_seed(0)
+    layer = LaCTHeadsLayer(8, 2, 4, muon=False, **VARIANT[2]).to(dtype)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 8, dtype=dtype),))
+    assert conv.ttt2la_report.exact
+    y = torch.randn(3, 20, 8, dtype=dtype)
+    assert conv(y).dtype == dtype
+    assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[dtype]
+
+
 def test_language_model_with_an_embedding_needs_no_example_inputs():
     torch.manual_seed(0)
     lm = TinyLaCTLM(50, 16, 2, 2, 8, update_theta=False, weight_norm=False)

@@ -34,6 +34,7 @@ def check_call(model, level=None, example_inputs=None, example_kwargs=None, back
         check_level(level)
         check_backend(backend)
     check_argument_types(example_inputs, example_kwargs)
+    check_materialized(model, example_inputs, example_kwargs)
     if example_inputs is not None or example_kwargs:
         check_finite(example_inputs, example_kwargs)
         if run:
@@ -76,6 +77,23 @@ def _arguments(example_inputs, example_kwargs) -> tuple[tuple, dict]:
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
         tuple(example_inputs if example_inputs is not None else ())
     return args, dict(example_kwargs or {})
+
+
+def check_materialized(model: torch.nn.Module, example_inputs, example_kwargs=None) -> None:
+    """Refuse weights or example inputs on the meta device: they have shapes but no values, and
+    a conversion runs the model on its example and compares values."""
+    args, kwargs = _arguments(example_inputs, example_kwargs)
+    leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+    meta = [f"example input {input_name(path)}" for path, leaf in leaves
+            if isinstance(leaf, torch.Tensor) and leaf.is_meta]
+    meta += [f"{type(model).__name__}.{name}" for name, t in
+             [*model.named_parameters(), *model.named_buffers()] if t.is_meta][:3]
+    if meta:
+        raise InvalidInputError(
+            f"{', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device (a shape "
+            "without values); ttt2la runs the model on its example inputs and compares values: "
+            "materialize the weights first (model.to_empty(device='cpu'), then load them) and "
+            "pass real tensors")
 
 
 def check_finite(example_inputs, example_kwargs=None) -> None:
@@ -166,4 +184,5 @@ def check_writable(path, what: str) -> Path:
 
 
 __all__ = ["InvalidInputError", "check_call", "check_model", "check_level", "check_backend",
-           "check_argument_types", "check_finite", "check_runs", "check_writable"]
+           "check_argument_types", "check_materialized", "check_finite", "check_runs",
+           "check_writable"]

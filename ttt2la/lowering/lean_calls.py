@@ -18,9 +18,11 @@ from ..ir import copy_graph
 aten = torch.ops.aten
 
 #: aten overloads and the torch functions that take the same arguments (positional and keyword)
-#: and run the same kernel. ``_unsafe_view`` becomes ``reshape``: a view wherever it is valid.
+#: and run the same kernel. ``view`` and ``_unsafe_view`` become ``reshape``, a view wherever one
+#: is valid: the trace chose its views for the strides it saw, and the chunks a graph runs on may
+#: be laid out otherwise (a stream sliced out of a wider projection).
 FAST_CALLS = {
-    aten.view.default: torch.Tensor.view,
+    aten.view.default: torch.Tensor.reshape,
     aten._unsafe_view.default: torch.Tensor.reshape,
     aten.reshape.default: torch.Tensor.reshape,
     aten.expand.default: torch.Tensor.expand,
