@@ -317,11 +317,12 @@ def test_a_chunk_read_through_the_state_s_transpose_runs_on_the_block_op(layout)
 class OneTokenSlices(nn.Module):
     """A fast weight stored as ``nn.Linear`` stores its weight (``[out, in]``) and stepped token
     by token over slices of one token (``q[:, t:t + 1]``), decayed by a gate per token; read
-    before or after each update; with ``momentum``, a momentum buffer between them."""
+    before or after each update; with ``momentum``, a momentum buffer between them. The
+    update's outer product is a ``matmul`` or an ``einsum`` contracting the unit token axis."""
 
-    def __init__(self, d=16, read="before", momentum=False):
+    def __init__(self, d=16, read="before", momentum=False, product="matmul"):
         super().__init__()
-        self.read, self.momentum = read, momentum
+        self.read, self.momentum, self.product = read, momentum, product
         self.proj = nn.Linear(d, 3 * d, bias=False)
         self.gate = nn.Linear(d, 1)
         self.W0 = nn.Parameter(0.1 * torch.randn(d, d))
@@ -336,7 +337,8 @@ class OneTokenSlices(nn.Module):
             qt, kt, vt, at = q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1]
             if self.read == "before":
                 outs.append(qt @ W.transpose(1, 2))
-            step = vt.transpose(1, 2) @ kt
+            step = vt.transpose(1, 2) @ kt if self.product == "matmul" else \
+                torch.einsum("bto,bti->boi", vt, kt)
             if self.momentum:
                 M = 0.5 * M + step
                 step = M
@@ -346,14 +348,16 @@ class OneTokenSlices(nn.Module):
         return torch.cat(outs, 1)
 
 
-@pytest.mark.parametrize("read", ["before", "after"])
-def test_a_loop_over_slices_of_one_token_runs_on_the_token_causal_op(read):
+@pytest.mark.parametrize("read, product", [("before", "matmul"), ("after", "matmul"),
+                                           ("before", "einsum"), ("after", "einsum")])
+def test_a_loop_over_slices_of_one_token_runs_on_the_token_causal_op(read, product):
     """Slices of one token are a per-token loop: on ``chunk_linear_attention`` (its decay as
-    the log decay), not the block op at chunks of one, exact."""
+    the log decay), not the block op at chunks of one, exact — the outer product written as a
+    matmul or as an einsum over the unit token axis (traced as a broadcast product reshaped)."""
     from equivalence import assert_same_function, converted_onto
 
     torch.manual_seed(0)
-    layer = OneTokenSlices(read=read)
+    layer = OneTokenSlices(read=read, product=product)
     assert_same_function(converted_onto(layer, "chunk_linear_attention"), layer, [torch.randn(1, 1, 16), torch.randn(3, 37, 16)])
 
 

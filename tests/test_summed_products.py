@@ -67,6 +67,30 @@ def test_dot_products_sums_of_squares_and_one_sided_sums_are_not_products_of_mat
     assert len(sums) == 3 and all(summed_product(n) is None for n in sums)
 
 
+def _reshapes(fn, *args):
+    gm = trace(fn, *args)
+    return [n for n in gm.graph.nodes if n.target in (aten.view.default, aten._unsafe_view.default)
+            and n.args[0].target is aten.mul.Tensor]
+
+
+def test_an_einsum_over_a_unit_axis_is_the_outer_product_it_computes():
+    """``einsum`` contracting an axis of size one traces as a product reshaped without it: an
+    outer product of a column and a row, unless which unit axis went is a guess (a batch of
+    one has another)."""
+    def f(v, k):
+        return torch.einsum("bto,bti->boi", v, k)
+
+    (node,) = _reshapes(f, torch.randn(2, 1, 3), torch.randn(2, 1, 4))
+    found = summed_product(node)
+    assert found is not None and found.a_own and found.b_own and not found.keepdim
+    v, k = torch.randn(2, 1, 3, dtype=torch.float64), torch.randn(2, 1, 4, dtype=torch.float64)
+    operands = {(2, 3, 1, 1): v.transpose(1, 2)[..., None], (2, 1, 4, 1): k[..., None]}
+    got = found(*(operands[tuple(x.meta["val"].shape)] for x in (found.a, found.b)))
+    torch.testing.assert_close(got, f(v, k), rtol=0, atol=0)
+    (ambiguous,) = _reshapes(f, torch.randn(1, 1, 3), torch.randn(1, 1, 4))
+    assert summed_product(ambiguous) is None
+
+
 class Reads(nn.Module):
     """A state read by a broadcast product in a loop; the same pattern outside it."""
 

@@ -91,10 +91,10 @@ def summed_product(node: torch.fx.Node) -> SummedProduct | None:
     """``node`` read as a summed product of two tensors of one dtype, or None when it is not
     one or is no product of matrices (a dot product, a sum of squares, a sum over an axis only
     one operand has)."""
-    if node.op != "call_function" or node.target is not aten.sum.dim_IntList or node.kwargs:
+    found = _summed(node)
+    if found is None:
         return None
-    prod, dims = node.args[0], node.args[1]
-    keepdim = len(node.args) > 2 and bool(node.args[2])
+    prod, dims, keepdim = found
     if not isinstance(prod, torch.fx.Node) or prod.target is not aten.mul.Tensor \
             or len(prod.users) != 1 or prod.kwargs or not dims:
         return None
@@ -108,13 +108,39 @@ def summed_product(node: torch.fx.Node) -> SummedProduct | None:
     summed = tuple(sorted({d % r for d in dims}))
     a_own = tuple(i for i in range(r) if pa[i] > 1 and pb[i] == 1)
     b_own = tuple(i for i in range(r) if pb[i] > 1 and pa[i] == 1)
-    if set(summed) & set(a_own + b_own) or not any(pa[d] > 1 for d in summed) \
-            or not (a_own or b_own):
+    # a unit axis summed is a product of matrices only between a column and a row
+    unit = not any(pa[d] > 1 for d in summed)
+    if set(summed) & set(a_own + b_own) or not (a_own or b_own) \
+            or (unit and not (a_own and b_own)):
         return None
     batch = tuple(i for i in range(r) if i not in summed + a_own + b_own)
     if _reads_matrix_permuted(a_own, b_own, summed):
         a, b, a_own, b_own = b, a, b_own, a_own
     return SummedProduct(a, b, r, batch, a_own, b_own, summed, keepdim)
+
+
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _summed(node: torch.fx.Node) -> tuple[torch.fx.Node, list[int], bool] | None:
+    """``(product, summed axes, keepdim)`` of a sum over axes, or of a reshape that drops unit
+    axes — ``torch.einsum`` contracting an axis of size one (the token of a one-token slice,
+    ``einsum("bto,bti->boi", v[:, t:t + 1], k[:, t:t + 1])``) traces as a broadcast product
+    reshaped without it. The dropped axes must be the product's only axes of size one, so that
+    which they are is not a guess."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is aten.sum.dim_IntList:
+        return node.args[0], list(node.args[1]), len(node.args) > 2 and bool(node.args[2])
+    prod = node.args[0] if node.target in _RESHAPES else None
+    sy, sv = _shape(prod), _shape(node)
+    if sy is None or sv is None:
+        return None
+    units = [i for i, n in enumerate(sy) if n == 1]
+    kept = tuple(n for i, n in enumerate(sy) if i not in units)
+    if not units or len(sv) != len(sy) - len(units) or sv != kept:
+        return None
+    return prod, units, False
 
 
 def _reads_matrix_permuted(a_own: tuple, b_own: tuple, summed: tuple) -> bool:
