@@ -72,6 +72,21 @@ def test_chunk_values_follow_the_loop(layer, example, calibration):
         assert torch.equal(values[j], expect)
 
 
+def test_lossy_levels_calibrate_a_bf16_layer_whose_chunks_are_laid_out_otherwise():
+    """ViTTT in bf16 keeps views its fp32 trace copies first; the calibration runs the loop body
+    on chunk slices laid out otherwise, and must read them (it raised 'view size is not
+    compatible'). The bf16 conversion is as close to the fp32 one as bf16 is to fp32."""
+    from ttt2la.zoo import ViTTTBlock
+
+    torch.manual_seed(0)
+    block = ViTTTBlock(8, 2, 4, 4)
+    x = torch.randn(2, 16, 8)
+    fp32 = ttt2la.convert(block, level=6, example_inputs=(x,))
+    bf16 = ttt2la.convert(block.bfloat16(), level=6, example_inputs=(x.bfloat16(),))
+    y = torch.randn(3, 16, 8)
+    assert rel_rms_error(bf16(y.bfloat16()), fp32(y)) <= 2e-2
+
+
 def test_calibration_drift_is_measured_on_the_calibration_inputs(layer, example, calibration):
     converted = ttt2la.convert(layer, level=2, example_inputs=example, calibration=calibration)
     (report,) = converted.ttt2la_report.layers

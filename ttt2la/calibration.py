@@ -17,7 +17,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .errors import ConversionError
-from .ir import LOOP_MODULE, TTTProgram
+from .ir import LOOP_MODULE, TTTProgram, layout_free
 
 MAX_SAMPLES = 4          # calibration pieces per layer: enough for means, bounded in cost
 
@@ -147,6 +147,10 @@ class _Recording(torch.fx.Interpreter):
         super().__init__(gm)
         self.wanted = {n: i for i, n in enumerate(nodes)}
         self.seen: list = [None] * len(nodes)
+
+    def call_function(self, target, args, kwargs):
+        # the chunks are slices laid out otherwise than the traced ones
+        return super().call_function(layout_free(target), args, kwargs)
 
     def run_node(self, n: torch.fx.Node):
         value = super().run_node(n)

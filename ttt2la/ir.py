@@ -288,14 +288,20 @@ def with_memory_order(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.T
     return t.permute(order).contiguous().permute(inverse_order(order))
 
 
+def layout_free(target):
+    """``target``, or ``reshape`` for a ``view``: the same values for inputs of any memory layout
+    (a trace's ``view`` assumed the traced layout). Functional graphs never write through a view,
+    so aliasing is not part of their meaning."""
+    if target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+        return torch.ops.aten.reshape.default
+    return target
+
+
 def reshape_views(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """Turn every ``view`` of ``graph`` into ``reshape``, in place: the same values for inputs of
-    any memory layout (a trace's ``view`` assumed the traced layout). Functional graphs never
-    write through a view, so aliasing is not part of their meaning."""
+    """Turn every ``view`` of ``graph`` into ``reshape``, in place (see ``layout_free``)."""
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
-                                                          torch.ops.aten._unsafe_view.default):
-            node.target = torch.ops.aten.reshape.default
+        if node.op == "call_function":
+            node.target = layout_free(node.target)
     return graph
 
 
@@ -360,5 +366,6 @@ __all__ = [
     "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "placeholder",
     "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",
-    "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader",
+    "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader", "layout_free",
+    "reshape_views",
 ]
