@@ -108,3 +108,65 @@ def test_torch_compile_fullgraph_runs_the_converted_layer(make):
             (g_eager,) = torch.autograd.grad(conv(x).square().sum(), x)
             assert rel_rms_error(g_compiled, g_eager) <= FP32
         torch._dynamo.reset()
+
+
+def _compiled_like_eager(conv, x, backend="eager"):
+    """The compiled layer's output and input gradient equal the eager ones."""
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        x = x.clone().requires_grad_()
+        y = torch.compile(conv, backend=backend)(x)
+        y = y[0] if isinstance(y, tuple) else y
+        (g,) = torch.autograd.grad(y.square().sum(), x)
+    y0 = conv(x)
+    y0 = y0[0] if isinstance(y0, tuple) else y0
+    (g0,) = torch.autograd.grad(y0.square().sum(), x)
+    assert rel_rms_error(y, y0) <= FP32 and rel_rms_error(g, g0) <= FP32
+
+
+def test_two_conversions_of_one_class_compile_each_its_own():
+    """A graph compiled for one converted layer never runs for another of the same class:
+    compiled one after the other, level 2 and level 6 of one layer each give their own output
+    (the second ran the first's graph: 136 % off)."""
+    from ttt2la.zoo import LaCTHeadsLayer
+
+    torch.manual_seed(0)
+    layer = LaCTHeadsLayer(8, 2, 4, muon=False, update_theta=False, weight_norm=False)
+    example = (torch.randn(2, 16, 8),)
+    x = torch.randn(3, 20, 8)
+    torch._dynamo.reset()
+    for level in (2, 6):
+        _compiled_like_eager(ttt2la.convert(layer, level=level, example_inputs=example), x)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", ["folded constants", "forward-mode derivatives"])
+def test_plans_that_cannot_be_traced_run_between_compiled_graphs(case):
+    """Folded constants (a lossy level) and forward-mode derivatives (Titans' affine scan)
+    cannot be traced into a compiled graph (a raw TorchRuntimeError): such a layer says why
+    and runs between graphs, as eagerly."""
+    from ttt2la.zoo import PerTokenTTTLayer, TitansLinearMemory
+
+    torch.manual_seed(0)
+    if case == "folded constants":
+        layer, level, says = PerTokenTTTLayer(8, 2), 6, "constants"
+    else:
+        layer, level, says = TitansLinearMemory(8, 4), 2, "forward-mode"
+    conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, 8),))
+    assert says in conv._ttt2la.compile_break
+    torch._dynamo.reset()
+    _compiled_like_eager(conv, torch.randn(3, 20, 8))
+    torch._dynamo.reset()
+
+
+def test_a_plan_that_traces_enters_the_compiled_graph():
+    """The exact per-token layer has no reason to break the graph: it compiles whole."""
+    from ttt2la.zoo import PerTokenTTTLayer
+
+    torch.manual_seed(0)
+    conv = ttt2la.convert(PerTokenTTTLayer(8, 2), level=2, example_inputs=(torch.randn(2, 16, 8),))
+    assert conv._ttt2la.compile_break == ""
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        y = torch.compile(conv, fullgraph=True, backend="eager")(torch.randn(3, 20, 8))
+        torch._dynamo.reset()
+    assert y.shape == (3, 20, 8)

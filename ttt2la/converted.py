@@ -10,12 +10,13 @@ user's Python loop is never run or re-traced again.
 The converted layer is an ordinary module beyond that: it continues a sequence from a previous
 call's state (``ttt_state``, see ``ttt2la.stream``), deep-copies sharing its compiled state,
 pickles as the user's class plus the ``Recipe`` that converts it again, and enters a
-``torch.compile`` graph as one call (``_compiled_entry``).
+``torch.compile`` graph as one call (``_run_in_graph``).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,7 @@ class ConvertedState:
     recipe: "Recipe | None" = None      # how to build it again (pickling)
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
     training_dependence: str = ""       # how the layer's code differs in training mode, if it does
+    compile_break: str = ""             # why torch.compile runs it between graphs (``compile_break``)
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -251,7 +253,8 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
         in_training = self.training and self._ttt2la.training_dependence
         if torch.compiler.is_compiling() and not kwargs and not in_training \
                 and all(isinstance(a, torch.Tensor) for a in args):
-            return self._ttt2la_compiled(*params_and_buffers(self).values(), *args)
+            entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph
+            return entry(self._ttt2la_key, *params_and_buffers(self).values(), *args)
         return self._ttt2la(self, args, kwargs)
     y, state = self._ttt2la.stateful_call(self, args, kwargs, ttt_state)
     return (y, state) if return_ttt_state else y
@@ -328,7 +331,7 @@ def _converted_reduce(self, protocol):
             f"this converted {type(self).__name__} has no record of how it was converted, so "
             "it cannot be pickled; convert it with ttt2la.convert")
     attributes = {k: v for k, v in self.__dict__.items()
-                  if k not in ("_ttt2la", "_ttt2la_compiled")}
+                  if k not in ("_ttt2la", "_ttt2la_key")}
     return rebuild, (original_class(type(self)), attributes, state.recipe, state.runs,
                      state.fallbacks)
 
@@ -338,7 +341,7 @@ def _converted_deepcopy(self, memo):
     new = type(self).__new__(type(self))
     memo[id(self)] = new
     new.__setstate__(copy.deepcopy(self.__dict__, memo))
-    new._ttt2la_compiled = _compiled_entry(new)
+    _register(new)
     return new
 
 
@@ -346,7 +349,7 @@ def _converted_copy(self):
     """A shallow copy like any module's (sharing parameters and the compiled state)."""
     new = type(self).__new__(type(self))
     new.__setstate__(dict(self.__dict__))
-    new._ttt2la_compiled = _compiled_entry(new)
+    _register(new)
     return new
 
 
@@ -390,30 +393,56 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
-    module._ttt2la_compiled = _compiled_entry(module)
+    state.compile_break = compile_break(state)
+    _register(module)
 
 
-def _compiled_entry(module: torch.nn.Module):
-    """The converted layer as one call that ``torch.compile`` writes into its graph as it is
-    (``allow_in_graph``) instead of reading its Python: the layer specialises graphs from
-    templates and its plans walk torch.fx graphs, which TorchDynamo does not trace. The graph
-    compiler (AOTAutograd) then traces the call's tensor ops at the shape being compiled, so
-    ``torch.compile(converted, fullgraph=True)`` sees the whole layer as tensor ops.
-    Takes the layer's parameters and buffers (in ``params_and_buffers`` order), then its
-    positional tensor inputs."""
-    ref = weakref.ref(module)
+#: Converted layers by key: a compiled graph names its layer by a key that TorchDynamo guards,
+#: so a graph compiled for one layer never runs another (a closure per layer would not do:
+#: Dynamo guards a function by its code, which every layer's closure shares).
+_LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
-    def ttt2la_converted_layer(*tensors):
-        layer = ref()
-        pb = params_and_buffers(layer)
-        n = len(pb)
-        flat = [t.contiguous() for t in tensors[n:]]
-        B, L = layer._ttt2la.layout.sizes(flat)
-        # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
-        B, L = int(B), int(L)
-        return layer._ttt2la.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
 
-    return torch.compiler.allow_in_graph(ttt2la_converted_layer)
+def _register(module: torch.nn.Module) -> None:
+    module._ttt2la_key = next(_KEYS)
+    _LAYERS[module._ttt2la_key] = module
+
+
+def _run_converted(key: int, *tensors):
+    """The converted layer ``key`` on its parameters and buffers (in ``params_and_buffers``
+    order), then its positional tensor inputs."""
+    layer = _LAYERS[key]
+    pb = params_and_buffers(layer)
+    n = len(pb)
+    flat = [t.contiguous() for t in tensors[n:]]
+    B, L = layer._ttt2la.layout.sizes(flat)
+    # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
+    B, L = int(B), int(L)
+    return layer._ttt2la.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
+
+
+#: The converted layer as one call that ``torch.compile`` writes into its graph as it is
+#: (``allow_in_graph``) instead of reading its Python: the layer specialises graphs from
+#: templates and its plans walk torch.fx graphs, which TorchDynamo does not trace. The graph
+#: compiler (AOTAutograd) then traces the call's tensor ops at the shape being compiled, so
+#: ``torch.compile(converted, fullgraph=True)`` sees the whole layer as tensor ops.
+_run_in_graph = torch.compiler.allow_in_graph(_run_converted)
+
+#: A layer whose plan cannot be traced (``compile_break``) runs between compiled graphs.
+_run_between_graphs = torch.compiler.disable(_run_converted)
+
+
+def compile_break(state: ConvertedState) -> str:
+    """Why ``torch.compile`` cannot trace the layer's plan into its graph ("" when it can):
+    tensors held in the loop's graphs (the constants the lossy passes fold) are no inputs of
+    the compiled graph, and forward-mode derivatives taken at run time do not trace. Such a
+    layer runs between compiled graphs, as it runs eagerly."""
+    if any(n.op == "get_attr" for n in state.program.body.graph.nodes):
+        return "its loop reads constants folded by the lossy passes"
+    if getattr(state.plan, "forward_ad", False):
+        return "its plan takes an affine update's coefficients by forward-mode differentiation"
+    return ""
 
 
 def is_converted(module: torch.nn.Module) -> bool:

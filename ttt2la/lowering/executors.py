@@ -440,6 +440,12 @@ class Plan:
                            and o not in frontier]
 
     @property
+    def forward_ad(self) -> bool:
+        """Whether a call takes derivatives by forward-mode differentiation (``jvp``): a
+        scalar-affine update's coefficients, which ``torch.compile`` cannot trace."""
+        return any(s.mode == "affine" for s in self._steps)
+
+    @property
     def implementation(self) -> str:
         """``"torch.vmap(semi-parallel; sequential: w1)"`` — what runs, for the report."""
         if self.schedule == "recurrent":

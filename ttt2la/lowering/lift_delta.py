@@ -112,6 +112,12 @@ class DeltaScanPlan(Plan):
             parts.append("loop fallback")
         return f"torch.vmap({'; '.join(parts)})"
 
+    @property
+    def forward_ad(self) -> bool:
+        """A matrix-affine scan reads its matrices off the update by ``jvp``, and chooses their
+        side by evaluating them."""
+        return bool(self.scanned) or super().forward_ad
+
     def _scanned_groups(self) -> list[tuple[int, ...]]:
         """The groups of states the last call scanned."""
         return [g for g in sorted(self.scanned) if self.sides.get(g[0], "left") is not None
