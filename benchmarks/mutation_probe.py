@@ -533,6 +533,48 @@ MUTATIONS = [
         (("ttt2la/passes/remove_momentum.py",
           "* len(sample[-1])", "* (len(sample[0]) if nodes else 0)"),),
         ("tests/test_passes_lossy.py",), "constant_coefficient"),
+    Mutation(
+        "compiled_layers_share_a_key", "every converted layer registered under one key, so a "
+        "compiled graph's guard cannot tell them apart",
+        (("ttt2la/converted.py", "module._ttt2la_key = next(_KEYS)", "module._ttt2la_key = 0"),),
+        ("tests/test_ordinary_module.py",), "two_conversions"),
+    Mutation(
+        "compile_break_ignored", "a plan that cannot be traced entered the compiled graph anyway",
+        (("ttt2la/converted.py",
+          "entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph",
+          "entry = _run_in_graph"),),
+        ("tests/test_ordinary_module.py",), "between_compiled_graphs"),
+    Mutation(
+        "unit_axis_einsum_unread", "an einsum over a unit axis not read as the outer product",
+        (("ttt2la/frontend/summed_products.py", "    return prod, units, False",
+          "    return None"),),
+        ("tests/test_summed_products.py", "tests/test_lift.py"), "unit_axis or one_token"),
+    Mutation(
+        "chunk_views_kept", "per-chunk graphs keep the trace's views on chunks laid out otherwise",
+        (("ttt2la/lowering/lean_calls.py", "aten.view.default: torch.Tensor.reshape",
+          "aten.view.default: torch.Tensor.view"),),
+        ("tests/test_convert.py",), "half_precision"),
+    Mutation(
+        "calibration_views_kept", "the calibration runs the body's views on chunk slices",
+        (("ttt2la/calibration.py", "return super().call_function(layout_free(target), args, kwargs)",
+          "return super().call_function(target, args, kwargs)"),),
+        ("tests/test_calibration.py",), "bf16"),
+    Mutation(
+        "meta_tensors_unchecked", "weights and inputs on the meta device reach the model",
+        (("ttt2la/validation.py", "    check_materialized(model, example_inputs, example_kwargs)\n",
+          ""),),
+        ("tests/test_cli_inputs.py",), "meta_device"),
+    Mutation(
+        "recorded_inputs_ignored", "a converted checkpoint converted again guesses its inputs",
+        (("ttt2la/cli.py", "elif (recorded := _recorded_spec(args.checkpoint)) is not None:",
+          "elif False and (recorded := _recorded_spec(args.checkpoint)) is not None:"),),
+        ("tests/test_checkpoint.py",), "recorded_inputs or stored_inputs"),
+    Mutation(
+        "inline_config_read_as_path", "--config's inline JSON object read as a file name",
+        (("ttt2la/checkpoint/recipe.py",
+          'if isinstance(text, str) and text.lstrip().startswith("{"):',
+          "if False:"),),
+        ("tests/test_cli_inputs.py",), "inline"),
 ]
 
 
