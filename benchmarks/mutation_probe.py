@@ -572,8 +572,8 @@ MUTATIONS = [
     Mutation(
         "inline_config_read_as_path", "--config's inline JSON object read as a file name",
         (("ttt2la/checkpoint/recipe.py",
-          'if isinstance(text, str) and text.lstrip().startswith("{"):',
-          "if False:"),),
+          'return isinstance(text, str) and text.lstrip().startswith("{")',
+          "return False"),),
         ("tests/test_cli_inputs.py",), "inline"),
 ]
 

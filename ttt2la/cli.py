@@ -503,8 +503,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if getattr(args, "json", None):
         check_writable(args.json, "--json")
     if getattr(args, "out", None):
+        from .checkpoint.recipe import inline_config
+
         inputs = [args.checkpoint] if args.checkpoint else []
-        inputs += [p for p in (args.example_inputs, args.config) if p and not p.lstrip().startswith("{")]
+        inputs += [p for p in (args.example_inputs, args.config) if p and not inline_config(p)]
         check_output_dir(Path(args.out), force=args.force, inputs=inputs)
 
 

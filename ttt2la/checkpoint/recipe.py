@@ -106,12 +106,17 @@ def build_from_factory(spec: str, kwargs: dict) -> torch.nn.Module:
     return model.eval()
 
 
+def inline_config(text) -> bool:
+    """Whether ``--config`` holds the JSON object itself rather than a file's path."""
+    return isinstance(text, str) and text.lstrip().startswith("{")
+
+
 def read_config(text: str | Path) -> dict:
     """The keyword arguments of ``--config``: a JSON object written inline (``'{"dim": 64}'``)
     or the path of a JSON file holding one."""
     import json
 
-    if isinstance(text, str) and text.lstrip().startswith("{"):
+    if inline_config(text):
         where = "--config"
         try:
             data = json.loads(text)
@@ -177,5 +182,6 @@ def is_hf_directory(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / HF_CONFIG).is_file()
 
 
-__all__ = ["Recipe", "resolve_factory", "build_from_factory", "read_config", "build_hf",
+__all__ = ["Recipe", "resolve_factory", "build_from_factory", "inline_config", "read_config",
+           "build_hf",
            "is_hf_directory", "HF_AUTO_CLASSES"]
