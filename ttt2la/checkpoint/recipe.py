@@ -183,5 +183,4 @@ def is_hf_directory(path: Path) -> bool:
 
 
 __all__ = ["Recipe", "resolve_factory", "build_from_factory", "inline_config", "read_config",
-           "build_hf",
-           "is_hf_directory", "HF_AUTO_CLASSES"]
+           "build_hf", "is_hf_directory", "HF_AUTO_CLASSES"]
