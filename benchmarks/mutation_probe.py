@@ -575,6 +575,11 @@ MUTATIONS = [
           'return isinstance(text, str) and text.lstrip().startswith("{")',
           "return False"),),
         ("tests/test_cli_inputs.py",), "inline"),
+    Mutation(
+        "runtime_op_under_autocast", "the runtime ops run their matmuls under the caller's autocast",
+        (("ttt2la/runtime/dispatch.py", "with torch.autocast(tensors[0].device.type, enabled=False):",
+          "with torch.autocast(tensors[0].device.type, enabled=torch.is_autocast_enabled(tensors[0].device.type)):"),),
+        ("tests/test_convert.py",), "autocast"),
 ]
 
 

@@ -300,6 +300,40 @@ def test_half_precision_streams_sliced_from_one_projection(dtype):
     assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("style", ["block op", "token-causal op, decay per key channel"])
+def test_bf16_autocast_runs_where_the_original_runs(style):
+    """Under ``torch.autocast`` the runtime ops keep their own precision (their matmuls were cast
+    one by one and met fp32 accumulators: 'Input dtypes must be the same'). Judged by the
+    project's criterion against the fp32 original: no worse than twice the original's own
+    autocast error (medians over inputs), outputs and every parameter gradient."""
+    from ttt2la.zoo import FlaReferenceLayer
+
+    torch.manual_seed(0)
+    layer = LaCTHeadsLayer(16, 2, 8, muon=False, **VARIANT[2]) if style == "block op" else \
+        FlaReferenceLayer(16, 2, "vector_gate")
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 32, 16),))
+    assert conv.ttt2la_report.exact
+
+    def run(module, x, autocast):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = module(x)
+        y.float().square().mean().backward()
+        return [y.detach().float()] + [p.grad.clone() for p in module.parameters()]
+
+    errors = {"original": [], "converted": []}
+    for seed in range(CRITERION_SAMPLES):
+        x = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(seed))
+        reference = run(layer, x, autocast=False)
+        for name, module in (("original", layer), ("converted", conv)):
+            errors[name].append([rel_rms_error(a, b) for a, b in
+                                 zip(run(module, x, autocast=True), reference)])
+    for i in range(len(errors["original"][0])):
+        ok, got, bound = no_worse_than_original([e[i] for e in errors["converted"]],
+                                                [e[i] for e in errors["original"]])
+        assert ok, (i, got, bound)
+
+
 def test_language_model_with_an_embedding_needs_no_example_inputs():
     torch.manual_seed(0)
     lm = TinyLaCTLM(50, 16, 2, 2, 8, update_theta=False, weight_norm=False)

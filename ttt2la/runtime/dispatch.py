@@ -83,7 +83,10 @@ def _run(op: str, tensors, options, backend: str):
         fn = _triton_op(op)[0]
     else:
         fn = (_TORCH if chosen == "torch" else _NAIVE)[op]
-    return fn(*tensors, **options)
+    # an op keeps its own precision (``compute_dtype``): under autocast its matmuls would be
+    # cast one by one and meet the fp32 accumulators they feed
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return fn(*tensors, **options)
 
 
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
