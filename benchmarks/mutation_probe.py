@@ -580,6 +580,24 @@ MUTATIONS = [
         (("ttt2la/runtime/dispatch.py", "with torch.autocast(tensors[0].device.type, enabled=False):",
           "with torch.autocast(tensors[0].device.type, enabled=torch.is_autocast_enabled(tensors[0].device.type)):"),),
         ("tests/test_convert.py",), "autocast"),
+    Mutation(
+        "cast_weights_run_old_graphs", "a layer cast after conversion runs the graphs built for its old weights",
+        (("ttt2la/converted.py", "if now == self.weights or not self.weights:",
+          "if True:"),),
+        ("tests/test_recast.py",), "cast"),
+    Mutation(
+        "recast_example_left_uncast", "the replay for cast weights traces on the example inputs as recorded",
+        (("ttt2la/recast.py", "dtype=dtypes.get(t.dtype, t.dtype))", "dtype=t.dtype)"),),
+        ("tests/test_recast.py",), "cast"),
+    Mutation(
+        "graphs_prepared_in_sight_of_autograd", "specialised graphs are prepared under the caller's autograd",
+        (("ttt2la/lowering/specialize.py", "        with out_of_sight():\n", "        if True:\n"),),
+        ("tests/test_ordinary_module.py",), "activation"),
+    Mutation(
+        "padding_probe_in_sight_of_autograd", "the padding probe differentiates under the caller's saved-tensor hooks",
+        (("ttt2la/preparation.py", "    with _disable_current_modes(), _without_saved_tensor_hooks(), \\\n",
+          "    with _disable_current_modes(), \\\n"),),
+        ("tests/test_ordinary_module.py", "tests/test_recast.py"), "activation or checkpointing"),
 ]
 
 

@@ -87,6 +87,22 @@ def test_converting_a_converted_model_says_it_is_converted_already(lm):
     assert type(model.blocks[0].ttt) is LaCTFoldedLayer
 
 
+def test_activation_checkpointing_recomputes_the_first_call_as_it_ran(lm):
+    """The first call at a shape prepares its graphs out of sight of autograd: activation
+    checkpointing recomputes the call on the prepared graphs and must see the tensors it saved
+    the first time (non-reentrant checkpointing counts them)."""
+    model, conv = lm
+    twin, ids = copy.deepcopy(conv), _ids(2, 13, seed=2)        # a fresh cache, a new length
+    twin.train()
+    checkpointed = torch.utils.checkpoint.checkpoint(twin, ids, use_reentrant=False)
+    checkpointed.pow(2).mean().backward()
+    reference = copy.deepcopy(model).train()
+    reference(ids).pow(2).mean().backward()
+    mine = dict(twin.named_parameters())
+    for name, p in reference.named_parameters():
+        assert rel_rms_error(mine[name].grad, p.grad) <= FP32, name
+
+
 @pytest.mark.parametrize("make", [
     lambda: LaCTFoldedLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False),
     # features chunk by chunk, the padding of a partial last chunk probed per tail length

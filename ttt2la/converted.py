@@ -30,6 +30,7 @@ from .errors import AlreadyConvertedError, ConversionError, StreamingError, Unsu
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
+from .recast import Signature, recast, weights_signature
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .rejected_call import rejected
@@ -105,6 +106,9 @@ class ConvertedState:
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
     training_dependence: str = ""       # how the layer's code differs in training mode, if it does
     compile_break: str = ""             # why torch.compile runs it between graphs (``compile_break``)
+    weights: Signature = ()             # the weights' dtypes and devices it was built for
+    variant: str = ""                   # how its ``runs`` name it, when built again (``recast``)
+    _recast: dict = field(default_factory=dict)     # signature -> the state built for it
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -115,8 +119,22 @@ class ConvertedState:
         return dataclasses.replace(
             self, runs=copy.deepcopy(self.runs, memo), fallbacks=copy.deepcopy(self.fallbacks,
                                                                                memo),
-            _outer_cache={}, _loop_cache={}, recipe=copy.deepcopy(self.recipe, memo),
+            _outer_cache={}, _loop_cache={}, _recast={},
+            recipe=copy.deepcopy(self.recipe, memo),
             as_written=None if self.as_written is None else AsWritten())
+
+    def for_weights(self, module: torch.nn.Module, tensors) -> "ConvertedState":
+        """The state to run ``module`` with its parameters and buffers ``tensors``: this one
+        for the weights it was built for, else one built again for theirs (``recast``)."""
+        now = weights_signature(tensors)
+        if now == self.weights or not self.weights:
+            return self
+        state = self._recast.get(now)
+        if state is None:
+            state = recast(module, self, now, _replay)
+            state.compile_break = compile_break(state)
+            self._recast[now] = state
+        return state
 
     @property
     def schedule(self) -> str:
@@ -133,7 +151,7 @@ class ConvertedState:
         if loop is None:
             program = dataclasses.replace(self.program.clone(), body=self.body.instantiate(B, 0))
             plan, note = plan_at(self.plan, program, strict=self.strict)
-            shape = f"batch {B}"
+            shape = f"batch {B}{self.variant}"
             if note is not None:
                 self.fallbacks[shape] = note
             loop = self._loop_cache[B] = LoopModule(program, plan, self.interface, self.runs,
@@ -148,7 +166,9 @@ class ConvertedState:
             self._outer_cache[(B, L)] = gm
         return gm
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+    def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict):
+        """``module(*args, **kwargs)`` with its parameters and buffers ``weights``
+        (``params_and_buffers``)."""
         flat = _flat_inputs(args, kwargs)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = (int(n) for n in self.layout.sizes(flat))
@@ -156,7 +176,7 @@ class ConvertedState:
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
         gm = self.outer_for(B, L)
-        plan = lambda: gm(params_and_buffers(module), *flat)   # noqa: E731
+        plan = lambda: gm(weights, *flat)   # noqa: E731
         try:
             if self.as_written is None or not races(module, flat):
                 return plan()
@@ -165,7 +185,7 @@ class ConvertedState:
                 (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
                 self.runs, AsWritten.shape(B, L))
         except Exception as e:
-            raise self._rejected(e, gm, [params_and_buffers(module), *flat]) from e
+            raise self._rejected(e, gm, [weights, *flat]) from e
 
     def _in_training(self, written, B: int, L: int):
         """A call in training mode of a layer whose code differs there (``training_mode``): its
@@ -194,7 +214,7 @@ class ConvertedState:
                         loop_src=str(self.program.loop_src), implementation=self.implementation,
                         expected=expected)
 
-    def stateful_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+    def stateful_call(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict,
                       state: TTTState | None) -> tuple[Any, TTTState]:
         """``module(*args, **kwargs)`` continuing from ``state`` (``None``: the layer's initial
         fast weights): the output for these tokens and the state after them."""
@@ -213,8 +233,7 @@ class ConvertedState:
             try:
                 self.streamable = streaming_problem(self, module, flat) or ""
             except Exception as e:              # the probe runs the layer's code on this call
-                raise self._rejected(e, self.outer_for(B, L),
-                                     [params_and_buffers(module), *flat]) from e
+                raise self._rejected(e, self.outer_for(B, L), [weights, *flat]) from e
         if self.streamable:
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} cannot carry its fast-weight "
@@ -226,9 +245,9 @@ class ConvertedState:
         call = StreamCall(state)
         loop.stream_call = call
         try:
-            y = gm(params_and_buffers(module), *flat)
+            y = gm(weights, *flat)
         except Exception as e:
-            raise self._rejected(e, gm, [params_and_buffers(module), *flat]) from e
+            raise self._rejected(e, gm, [weights, *flat]) from e
         finally:
             loop.stream_call = None
         return y, call.state_out
@@ -249,14 +268,16 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     """The converted layer; with ``return_ttt_state=True`` (or a ``ttt_state``) it continues
     the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
     ``(output, state_after)`` (``ttt2la.stream``)."""
+    weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
         in_training = self.training and self._ttt2la.training_dependence
         if torch.compiler.is_compiling() and not kwargs and not in_training \
                 and all(isinstance(a, torch.Tensor) for a in args):
             entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph
-            return entry(self._ttt2la_key, *params_and_buffers(self).values(), *args)
-        return self._ttt2la(self, args, kwargs)
-    y, state = self._ttt2la.stateful_call(self, args, kwargs, ttt_state)
+            return entry(self._ttt2la_key, *weights.values(), *args)
+        return self._ttt2la.for_weights(self, weights.values())(self, weights, args, kwargs)
+    y, state = self._ttt2la.for_weights(self, weights.values()).stateful_call(
+        self, weights, args, kwargs, ttt_state)
     return (y, state) if return_ttt_state else y
 
 
@@ -394,6 +415,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
     state.compile_break = compile_break(state)
+    state.weights = weights_signature(params_and_buffers(module).values())
     _register(module)
 
 
@@ -416,10 +438,11 @@ def _run_converted(key: int, *tensors):
     pb = params_and_buffers(layer)
     n = len(pb)
     flat = [t.contiguous() for t in tensors[n:]]
-    B, L = layer._ttt2la.layout.sizes(flat)
+    state = layer._ttt2la.for_weights(layer, tensors[:n])
+    B, L = state.layout.sizes(flat)
     # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
     B, L = int(B), int(L)
-    return layer._ttt2la.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
+    return state.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
 
 
 #: The converted layer as one call that ``torch.compile`` writes into its graph as it is

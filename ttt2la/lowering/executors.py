@@ -25,13 +25,13 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
 from torch.func import jvp, vmap
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis, analyze
 from ..analysis.op_vocabulary import (CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, TENSOR_SHAPED_FILLS,
                                       calls, op_name)
 from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram, reshape_views
+from ..preparation import out_of_sight
 from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
@@ -159,13 +159,12 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
     (``padding_problem``); the verdict is cached per tail length in ``cache``."""
     tail = int(layout.tail)            # a plain key, also when a compiler traces sizes
     if tail not in cache:
-        if any(is_fake(t) for t in (*states0, *invariants) if isinstance(t, torch.Tensor)):
-            # a compiler traces the plan (torch.compile): the probe reads numbers, so it runs
-            # outside the trace on real stand-ins; its verdict is about the body's structure
-            with _disable_current_modes():
+        # it differentiates the body, out of sight of the call (``preparation``); under a
+        # compiler's trace (torch.compile) the probe, which reads numbers, runs on real
+        # stand-ins: its verdict is about the body's structure
+        with out_of_sight(grad=True, devices=[t.device.type for t in (*states0, *invariants)]):
+            if any(is_fake(t) for t in (*states0, *invariants) if isinstance(t, torch.Tensor)):
                 states0, invariants = _stand_ins(states0), _stand_ins(invariants)
-                cache[tail] = padding_problem(program, states0, invariants, layout)
-        else:
             cache[tail] = padding_problem(program, states0, invariants, layout)
     what = cache[tail]
     if what is not None:

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.reinplace import reinplace
-from torch.utils._python_dispatch import _disable_current_modes
+from ttt2la.preparation import out_of_sight
 
 from ttt2la.lowering.planned_autograd import planned_autograd
 
@@ -135,9 +135,8 @@ class SpecializedGraph:
         return found
 
     def _specialise(self, args, records: bool):
-        # built on fake tensors, out of sight of any dispatch mode the caller runs (a counter,
-        # a profiler): what they see is the call, not its one-time preparation
-        with _disable_current_modes():
+        # built on fake tensors, out of sight of the call (``preparation``)
+        with out_of_sight():
             gm, constants = _copy(self.graph)
             every = (*args, *constants)
             gm = token_major_products(gm, every)

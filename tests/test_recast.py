@@ -1,0 +1,126 @@
+"""A converted layer cast or moved after conversion (``.float()``, ``.double()``,
+``functional_call`` with weights of another dtype) is converted again for its new weights and
+computes what the original computes with them.
+
+References: the original layer cast the same way, exact levels judged as every conversion is
+(outputs and every parameter gradient); a lossy level against a fresh conversion of the cast
+original replaying the same folds. Several of these layers failed before on a cast (fills and
+folded constants held in the plan's graphs, the precision chosen from the trace).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, TitansLinearMemory, ViTTTBlock
+
+LAYERS = {
+    "titans (affine scan, fills in its graphs)": lambda: TitansLinearMemory(8, 4),
+    # the two below as written are what level 2 makes of them: their conversions are exact
+    "vittt (vmap plan)": lambda: ViTTTBlock(8, 2, 4, 4, update_gate=False, grad_norm=False),
+    "lact heads (block op)": lambda: LaCTHeadsLayer(8, 2, 4, update_theta=False,
+                                                    weight_norm=False),
+}
+SHAPE = (2, 16, 8)
+
+
+def _out(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def _layer(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LAYERS[name]().to(dtype)
+
+
+def _x(dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _grads(module, x) -> dict[str, torch.Tensor]:
+    module.zero_grad()
+    _out(module(x)).pow(2).sum().backward()
+    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+
+CASTS = [(name, torch.float64, torch.float32) for name in LAYERS] + [
+    (next(iter(LAYERS)), torch.float32, torch.float64)]
+
+
+@pytest.mark.parametrize("name,was,now", CASTS)
+def test_a_cast_converted_layer_computes_the_cast_original(name, was, now):
+    """The same outputs as the cast original, and the same outputs and gradients as the cast
+    original converted afresh (the gradients of fp32 originals can be less exact than the
+    tolerance against themselves; the conversions' own tests judge those)."""
+    original = _layer(name, was)
+    converted = ttt2la.convert(original, level=2, example_inputs=(_x(was, 0),))
+    assert converted.ttt2la_report.exact
+    cast, reference = copy.deepcopy(converted).to(now), copy.deepcopy(original).to(now)
+    afresh = ttt2la.convert(reference, level=2, example_inputs=(_x(now, 0),))
+    x = _x(now)
+    y, y0 = _out(cast(x)), _out(reference(x))
+    assert y.dtype == y0.dtype == now
+    assert rel_rms_error(y, y0) <= TOLERANCE[now]
+    assert rel_rms_error(y, _out(afresh(x))) <= TOLERANCE[now]
+    grads, grads0 = _grads(cast, x), _grads(afresh, x)
+    assert grads.keys() == grads0.keys() == _grads(reference, x).keys()
+    for n in grads:
+        assert rel_rms_error(grads[n], grads0[n]) <= TOLERANCE[now], n
+    assert any(f"weights in {now}" in shape for shape in cast._ttt2la.runs)
+
+
+def test_a_lossy_level_cast_replays_its_folds_at_the_new_dtype():
+    torch.manual_seed(0)
+    original = LaCTFoldedLayer(8, 2, 4).double()
+    converted = ttt2la.convert(original, level=6, calibration=(_x(torch.float64, 0),))
+    assert not converted.ttt2la_report.exact
+    folds = {"": converted._ttt2la.recipe.folds}
+    assert {"collapse_mlp", "absorb_lr"} <= set(folds[""])  # a matrix and a learning rate
+    fresh = ttt2la.convert(copy.deepcopy(original).float(), level=6,
+                           example_inputs=(_x(torch.float32, 0),), folds=folds)
+    x = _x(torch.float32)
+    assert rel_rms_error(_out(copy.deepcopy(converted).float()(x)),
+                         _out(fresh(x))) <= TOLERANCE[torch.float32]
+
+
+def test_functional_call_with_weights_of_another_dtype_and_back():
+    original = _layer("titans (affine scan, fills in its graphs)", torch.float64)
+    converted = ttt2la.convert(original, level=0, example_inputs=(_x(torch.float64, 0),))
+    weights = {n: p.detach().float() * 1.1 for n, p in original.named_parameters()}
+    x = _x(torch.float32)
+    assert rel_rms_error(_out(functional_call(converted, weights, (x,))),
+                         _out(functional_call(original, weights, (x,)))) \
+        <= TOLERANCE[torch.float32]
+    x64 = _x(torch.float64)                  # its own weights again: the state it was built with
+    assert rel_rms_error(_out(converted(x64)), _out(original(x64))) <= TOLERANCE[torch.float64]
+    assert len(converted._ttt2la._recast) == 1
+    functional_call(converted, weights, (x,))
+    assert len(converted._ttt2la._recast) == 1      # built once per signature
+
+
+def test_a_cast_layer_without_a_recipe_says_how_to_convert_it():
+    original = _layer("titans (affine scan, fills in its graphs)", torch.float64)
+    converted = ttt2la.convert(original, level=0, example_inputs=(_x(torch.float64, 0),))
+    converted._ttt2la.recipe = None
+    converted.float()
+    with pytest.raises(ttt2la.UnsupportedTTTError, match="torch.float64 on cpu.*torch.float32 "
+                                                           "on cpu.*Cast the original model"):
+        converted(_x(torch.float32))
+
+
+def test_first_call_after_a_cast_inside_activation_checkpointing():
+    """The conversion runs out of sight of the call that needs it: the checkpoint's
+    recomputation saves as many tensors as its forward did, and the gradients are right."""
+    original = _layer("titans (affine scan, fills in its graphs)", torch.float64)
+    converted = ttt2la.convert(original, level=0, example_inputs=(_x(torch.float64, 0),))
+    cast, reference = copy.deepcopy(converted).float(), copy.deepcopy(original).float()
+    x, x0 = _x(torch.float32).requires_grad_(True), _x(torch.float32).requires_grad_(True)
+    y = torch.utils.checkpoint.checkpoint(cast, x, use_reentrant=False)
+    _out(y).pow(2).sum().backward()
+    _out(reference(x0)).pow(2).sum().backward()
+    assert rel_rms_error(x.grad, x0.grad) <= TOLERANCE[torch.float32]

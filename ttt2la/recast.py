@@ -1,0 +1,87 @@
+"""A converted layer whose weights were cast or moved after conversion is converted again for
+them.
+
+A conversion traces the layer at its weights' dtypes and devices, and every choice it makes
+follows from that trace: the precision the plan computes in (it follows the source), the fills
+and constants its graphs hold, the folds of the lossy passes. So graphs built for float64 on a
+CPU are wrong for the same layer after ``.float()``, ``.half()`` or ``.to("cuda")``, or called
+through ``torch.func.functional_call`` with weights of another dtype. Such a call replays the
+layer's ``Recipe`` at the weights it now has — the same trace, passes and plan as a fresh
+conversion, once per signature, like a recompile — with the recorded example inputs cast as
+the weights were cast.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import UnsupportedTTTError
+from .preparation import out_of_sight
+from .training_mode import evaluating
+
+#: What a conversion was built for: each parameter's and buffer's dtype and device, in order.
+Signature = tuple[tuple[torch.dtype, torch.device], ...]
+
+
+def weights_signature(tensors) -> Signature:
+    """The dtypes and devices of ``tensors`` (a layer's parameters and buffers, in order)."""
+    return tuple((t.dtype, t.device) for t in tensors)
+
+
+def describe(signature: Signature) -> str:
+    """``"torch.float32 on cpu"``: the weights' most common floating dtype and device."""
+    dtypes = Counter(d for d, _ in signature if d.is_floating_point)
+    devices = Counter(str(v) for _, v in signature)
+    dtype = dtypes.most_common(1)[0][0] if dtypes else "no floating weights"
+    device = devices.most_common(1)[0][0] if devices else "no device"
+    return f"{dtype} on {device}"
+
+
+def recast_recipe(recipe, was: Signature, now: Signature):
+    """``recipe`` with its example tensors cast as the weights were: a floating tensor of a
+    dtype some weights had takes the dtype most of those weights have now, and every tensor
+    moves to the device most weights are on now."""
+    moves: dict[torch.dtype, Counter] = {}
+    for (d0, _), (d1, _) in zip(was, now):
+        if d0.is_floating_point and d1.is_floating_point:
+            moves.setdefault(d0, Counter())[d1] += 1
+    dtypes = {d0: c.most_common(1)[0][0] for d0, c in moves.items()}
+    devices = Counter(v for _, v in now)
+    device = devices.most_common(1)[0][0] if devices else None
+
+    def cast(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(device=device if device is not None else t.device,
+                    dtype=dtypes.get(t.dtype, t.dtype))
+
+    args, kwargs = pytree.tree_map(cast, (tuple(recipe.args), dict(recipe.kwargs)))
+    return dataclasses.replace(recipe, args=tuple(args), kwargs=kwargs)
+
+
+def recast(module: torch.nn.Module, state, now: Signature, replay):
+    """``state`` built again for ``module``'s weights as they are now (signature ``now``) by
+    ``replay(layer, recipe)``, on a stand-in for ``module``: its own class, sharing every
+    attribute, so the user's module is never touched."""
+    from .converted import original_class
+    where = state.program.module_path or type(module).__name__
+    if state.recipe is None:
+        raise UnsupportedTTTError(
+            f"{where} was converted for weights in {describe(state.weights)} and now has "
+            f"weights in {describe(now)}, and it has no record of how it was converted, so it "
+            "cannot be converted again for them. Cast the original model, then convert it.")
+    cls = original_class(type(module))
+    stand_in = cls.__new__(cls)
+    stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
+                              if k not in ("_ttt2la", "_ttt2la_key")})
+    # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it
+    with out_of_sight(devices=[v.type for _, v in now]), evaluating(stand_in):
+        new = replay(stand_in, recast_recipe(state.recipe, state.weights, now))
+    return dataclasses.replace(new, runs=state.runs, fallbacks=state.fallbacks, weights=now,
+                               variant=f", weights in {describe(now)}")
+
+
+__all__ = ["Signature", "weights_signature", "describe", "recast_recipe", "recast"]
