@@ -598,6 +598,20 @@ MUTATIONS = [
         (("ttt2la/preparation.py", "    with _disable_current_modes(), _without_saved_tensor_hooks(), \\\n",
           "    with _disable_current_modes(), \\\n"),),
         ("tests/test_ordinary_module.py", "tests/test_recast.py"), "activation or checkpointing"),
+    Mutation(
+        "second_order_dropped", "the runtime's hand-written backwards ignore create_graph=True",
+        (("ttt2la/runtime/higher_order.py", "    return torch.is_grad_enabled()", "    return False"),),
+        ("tests/test_runtime_block.py", "tests/test_fla_chunk_reference.py"), "second_order or penalty"),
+    Mutation(
+        "second_order_inputs_unaliased", "the plain form's gradient of an input counts paths through another input",
+        (("ttt2la/runtime/higher_order.py",
+          "x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x", "x"),),
+        ("tests/test_runtime_block.py",), "second_order"),
+    Mutation(
+        "triton_second_order_unrefused", "a backward recording a graph through the Triton kernels runs first-order",
+        (("ttt2la/runtime/higher_order.py", "    if recording_graph():\n        raise",
+          "    if False:\n        raise"),),
+        ("tests/test_triton_kernels.py",), "recording_a_graph"),
 ]
 
 

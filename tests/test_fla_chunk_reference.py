@@ -116,3 +116,21 @@ def test_every_level_converts_exactly_with_nothing_to_simplify(rule):
         report, = conv.ttt2la_report.layers
         assert report.exact and report.runtime.startswith("block_linear_attention"), level
         assert_same_function(conv, layer, x)
+
+
+@pytest.mark.parametrize("rule", CHUNK_RULES)
+def test_a_gradient_penalty_through_the_converted_layer_is_the_originals(rule):
+    """Second-order gradients (``create_graph=True``, as a gradient penalty takes them) through
+    the block op with its decay equal the layer's own, float64: the op's hand-written backward
+    is differentiated through its plain form, no second-order term dropped."""
+    layer, conv = _converted(rule, torch.float64)
+    x = torch.randn(2, 6 * CHUNK, D, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(4))
+    results = []
+    for module in (conv, layer):
+        xr = x.clone().requires_grad_(True)
+        with scan_choice.scanning(True):                     # the op, not a loop over chunks
+            first, = torch.autograd.grad(module(xr).pow(2).sum(), xr, create_graph=True)
+        results.append(torch.autograd.grad(first.pow(2).sum(), [xr, *module.parameters()]))
+    for got, want in zip(*results):
+        assert ttt2la.testing.rel_rms_error(got, want) <= F64

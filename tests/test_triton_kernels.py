@@ -411,6 +411,26 @@ def test_fused_swiglu_every_option_combination(order, lr_kind, momentum, muon_st
                  momentum=momentum, muon_steps=muon_steps, initial_state=True, dtype=dtype)
 
 
+@pytest.mark.parametrize("op", ["block", "chunk", "fused_swiglu"])
+def test_a_backward_recording_a_graph_is_refused_not_silently_first_order(op):
+    """The kernels' backward is not differentiable: a gradient penalty through them would miss
+    its second-order terms, so it is refused, naming the torch backend that has them."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g).to(DEVICE).requires_grad_(True)
+               for _ in range(3))
+    if op == "fused_swiglu":
+        w0, w2 = (torch.randn(2, 4, 4, generator=g).to(DEVICE).requires_grad_(True)
+                  for _ in range(2))
+        o, _ = kernels.fused_swiglu_block_linear_attention(q, k, v, w0, w2, chunk_size=4)
+    else:
+        call = kernels.block_linear_attention if op == "block" else kernels.chunk_linear_attention
+        o, _ = call(q, k, v, chunk_size=4)
+    first = torch.autograd.grad(o.pow(2).sum(), q, retain_graph=True)[0]
+    assert torch.isfinite(first).all()                  # a plain backward runs
+    with pytest.raises(UnsupportedTTTError, match="create_graph=True.*backend='torch'"):
+        torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+
+
 def test_fused_swiglu_rejects_weights_of_the_wrong_shape():
     x = torch.randn(1, 4, 2, 6, device=DEVICE)
     with pytest.raises(ConversionError, match=r"\[H, D, Dh\]"):

@@ -75,9 +75,9 @@ class _Outputs(torch.autograd.Function):
             raise UnsupportedTTTError(
                 f"{what} of a converted layer: its backward writes into the activation memory "
                 "its forward kept, so they can be read once, and it is not differentiable "
-                "itself. Call the converted layer again for each backward, or keep this "
-                "layer's original code (convert with level 0 and strict=False) where "
-                "higher-order gradients are needed.")
+                "itself. Call the converted layer again for each backward; where "
+                "higher-order gradients are needed, run the original model (convert returns a "
+                "copy and leaves it as it was).")
         ctx.call.done = True
         ctx.call.given = frozenset(p for p, g in zip(ctx.positions, grads) if g is not None)
         return (None, None, *grads)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from ttt2la.runtime.grouped_chunks import group_chunks, grouped_block_linear_attention
+from ttt2la.runtime.higher_order import backward_as_graph, recording_graph
 from ttt2la.runtime.naive import (NS_EPS, WEIGHT_NORM_EPS, check_block_inputs, compute_dtype,
                                   effective_value, final_state_dtype, ns_schedule)
 from ttt2la.runtime.newton_schulz import newton_schulz
@@ -58,6 +59,31 @@ def _tokens(x: torch.Tensor, b: int, h: int, chunk: int, count: int, length: int
     return x[b, t0:t0 + count * length, h].view(count, length, x.shape[-1])
 
 
+def _chunked(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
+    """The first ``n`` chunks of ``x [B, T, H, D]`` as ``[B, n, C, H, D]``, a ragged last
+    chunk padded with zeros (a differentiable copy)."""
+    covered = min(n * C, x.shape[1])
+    x = torch.nn.functional.pad(x[:, :covered], (0, 0, 0, 0, 0, n * C - covered))
+    return x.reshape(x.shape[0], n, C, *x.shape[2:])
+
+
+def plain_increments(phi_k, u, n: int, C: int) -> torch.Tensor:
+    """``ChunkIncrements`` in plain differentiable ops."""
+    return torch.einsum("bjchk,bjchv->bhjkv", _chunked(phi_k, n, C), _chunked(u, n, C))
+
+
+def plain_read(phi_q, states, first, C: int, shift: int) -> torch.Tensor:
+    """``ReadStates`` in plain differentiable ops."""
+    B, T, H, _ = phi_q.shape
+    if shift:
+        head = states.new_zeros(B, H, 1, *states.shape[3:]) if first is None \
+            else first.unsqueeze(2)
+        states = torch.cat([head, states], dim=2)
+    n = states.shape[2]
+    o = torch.einsum("bjchk,bhjkv->bjchv", _chunked(phi_q, n, C), states)
+    return o.reshape(B, n * C, H, -1)[:, :T]
+
+
 class ChunkIncrements(torch.autograd.Function):
     """``G[b, h, j] = φ(K_j)ᵀ U_j`` for the first ``n`` chunks: ``[B, H, n, Dk, Dv]``."""
 
@@ -76,9 +102,11 @@ class ChunkIncrements(torch.autograd.Function):
         return G
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dG):
         phi_k, u = ctx.saved_tensors
+        if recording_graph():
+            return (*backward_as_graph(lambda k, v: plain_increments(k, v, ctx.n, ctx.C),
+                                       (phi_k, u), ctx.needs_input_grad[:2], dG), None, None)
         B, T, H, _ = phi_k.shape
         dG = dG.contiguous()
         covered = min(ctx.n * ctx.C, T)     # tokens past the increments get a zero gradient
@@ -134,10 +162,13 @@ class ReadStates(torch.autograd.Function):
         return o
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         phi_q, states, first = ctx.saved_tensors
         C, shift = ctx.C, ctx.shift
+        if recording_graph():
+            return (*backward_as_graph(lambda q, s, f: plain_read(q, s, f, C, shift),
+                                       (phi_q, states, first), ctx.needs_input_grad[:3], do),
+                    None, None)
         B, T, H, _ = phi_q.shape
         do = do.contiguous()
         dq = torch.empty_like(phi_q) if ctx.needs_input_grad[0] else None

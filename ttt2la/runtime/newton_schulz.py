@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ttt2la.runtime.higher_order import backward_as_graph, recording_graph
 from ttt2la.runtime.naive import NS_EPS, ns_schedule
 
 HALF = (torch.bfloat16, torch.float16)
@@ -30,7 +31,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=None, eps: float
     its length); matrices taller than wide are transposed for the iteration and back. The
     iteration runs in ``dtype`` (default ``G``'s; in bf16/fp16 every product accumulates in
     fp32 and every step's combination is rounded once, as compiled code does); the result has
-    ``G``'s dtype. Differentiable (a hand-written backward, not double-differentiable).
+    ``G``'s dtype. Differentiable (a hand-written backward; to second order through
+    ``higher_order``).
     """
     schedule = ns_schedule(steps, coefficients)
     tall = G.shape[-2] > G.shape[-1]
@@ -81,6 +83,14 @@ def _polynomial(A: torch.Tensor, AA: torch.Tensor, b: float, c: float) -> torch.
     return (b * wide[0] + c * wide[1]).to(A.dtype)
 
 
+def plain_quintic(X: torch.Tensor, schedule) -> torch.Tensor:
+    """``QuinticSteps`` in plain differentiable ops."""
+    for a, b, c in schedule:
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X
+
+
 class QuinticSteps(torch.autograd.Function):
     """The polynomial steps on normalised wide ``[N, m, n]`` matrices, keeping each step's
     ``X``, ``A = XXᵀ`` and ``B = bA + cA²`` for the backward (only when a gradient is wanted: in
@@ -108,9 +118,11 @@ class QuinticSteps(torch.autograd.Function):
         return X
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dY):
         kept = ctx.saved_tensors
+        if recording_graph():
+            return (*backward_as_graph(lambda X: plain_quintic(X, ctx.schedule), kept[:1],
+                                       ctx.needs_input_grad[:1], dY), None)
         dY = dY.to(kept[0].dtype).contiguous()
         for i in reversed(range(len(ctx.schedule))):
             a, b, c = ctx.schedule[i]

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ttt2la.errors import UnsupportedTTTError
+from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import NS_EPS, check_block_inputs, compute_dtype, final_state_dtype, ns_schedule
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
@@ -238,6 +239,7 @@ class ChunkIncrements(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dG):
+        refuse_graph("block_linear_attention[triton]")
         phi_k, v, lr = ctx.saved_tensors
         grads = increments_backward(dG, phi_k, v, lr, ctx.C, ctx.needs_input_grad[:3], dot_dtype=phi_k.dtype,
                                     precise=ctx.precise)
@@ -271,6 +273,7 @@ class ChunkRead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_graph("block_linear_attention[triton]")
         phi_q, states = ctx.saved_tensors
         grads = read_backward(do, phi_q, states, ctx.C, ctx.needs_input_grad[:2], dot_dtype=phi_q.dtype,
                               precise=False)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
 from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, default_warps, mm, tile, tl_dtype, total, upcast
@@ -374,6 +375,7 @@ class ChunkLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        refuse_graph("chunk_linear_attention[triton]")
         q, k, v, g, h0 = ctx.saved_tensors
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()

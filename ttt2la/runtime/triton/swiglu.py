@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ttt2la.errors import UnsupportedTTTError
+from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import (NS_EPS, RuntimeInputError, check_block_inputs, compute_dtype,
                                   final_state_dtype, ns_schedule)
 
@@ -179,6 +180,7 @@ class SwigluIncrements(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dG):
+        refuse_graph("block_linear_attention[triton, fused SwiGLU]")
         k, w0, w2, v, lr = ctx.saved_tensors
         needs = ctx.needs_input_grad
         with torch.enable_grad():
@@ -200,6 +202,7 @@ class SwigluRead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        refuse_graph("block_linear_attention[triton, fused SwiGLU]")
         q, w0, w2, states = ctx.saved_tensors
         needs = ctx.needs_input_grad
         with torch.enable_grad():
