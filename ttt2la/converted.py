@@ -30,9 +30,9 @@ from .errors import AlreadyConvertedError, ConversionError, StreamingError, Unsu
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
-from .recast import Signature, recast, weights_signature
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
+from .recast import Signature, recast, weights_signature
 from .rejected_call import rejected
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .training_mode import evaluating, training_dependence
@@ -131,7 +131,7 @@ class ConvertedState:
             return self
         state = self._recast.get(now)
         if state is None:
-            state = recast(module, self, now, _replay)
+            state = recast(module, self, now)
             state.compile_break = compile_break(state)
             self._recast[now] = state
         return state

@@ -62,11 +62,11 @@ def recast_recipe(recipe, was: Signature, now: Signature):
     return dataclasses.replace(recipe, args=tuple(args), kwargs=kwargs)
 
 
-def recast(module: torch.nn.Module, state, now: Signature, replay):
+def recast(module: torch.nn.Module, state, now: Signature):
     """``state`` built again for ``module``'s weights as they are now (signature ``now``) by
-    ``replay(layer, recipe)``, on a stand-in for ``module``: its own class, sharing every
-    attribute, so the user's module is never touched."""
-    from .converted import original_class
+    replaying its recipe, as unpickling does, on a stand-in for ``module``: its own class,
+    sharing every attribute, so the user's module is never touched."""
+    from .converted import _replay, original_class     # converted imports this module
     where = state.program.module_path or type(module).__name__
     if state.recipe is None:
         raise UnsupportedTTTError(
@@ -79,7 +79,7 @@ def recast(module: torch.nn.Module, state, now: Signature, replay):
                               if k not in ("_ttt2la", "_ttt2la_key")})
     # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it
     with out_of_sight(devices=[v.type for _, v in now]), evaluating(stand_in):
-        new = replay(stand_in, recast_recipe(state.recipe, state.weights, now))
+        new = _replay(stand_in, recast_recipe(state.recipe, state.weights, now))
     return dataclasses.replace(new, runs=state.runs, fallbacks=state.fallbacks, weights=now,
                                variant=f", weights in {describe(now)}")
 

@@ -28,9 +28,9 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.reinplace import reinplace
-from ttt2la.preparation import out_of_sight
 
 from ttt2la.lowering.planned_autograd import planned_autograd
+from ttt2la.preparation import out_of_sight
 
 aten = torch.ops.aten
 
