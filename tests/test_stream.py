@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import ttt2la
 from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, PerTokenTTTLayer, TinyLaCTLM
+from ttt2la.zoo import (LaCTFoldedLayer, LaCTHeadsLayer, PerTokenInlineTTTLayer,
+                         PerTokenTTTLayer, TinyLaCTLM)
 
 from equivalence import in_pieces, splits
 
@@ -142,6 +143,56 @@ def test_stream_decodes_a_whole_model_piece_by_piece(lm, split):
     # outside ``stream`` the model runs whole sequences as before
     with torch.no_grad():
         assert torch.equal(conv(ids), conv(ids))
+
+
+class _SharedAcrossDepth(torch.nn.Module):
+    """One TTT layer run ``runs`` times per call (weights shared across depth)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ttt = PerTokenInlineTTTLayer(D, 2)
+        self.runs = 2
+
+    def forward(self, x):
+        for _ in range(self.runs):
+            x = x + self.ttt(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def shared_across_depth():
+    torch.manual_seed(3)
+    model = _SharedAcrossDepth()
+    return model, ttt2la.convert(model, level=2, example_inputs=(torch.randn(2, 9, D),))
+
+
+@settings(max_examples=6)
+@given(split=splits(13))
+def test_a_layer_run_twice_per_call_streams_each_run_on_its_own_state(shared_across_depth,
+                                                                       split):
+    model, conv = shared_across_depth
+    B, L, cuts = split
+    x = torch.randn(B, L, D, generator=torch.Generator().manual_seed(L))
+    stream = ttt2la.Stream(conv)
+    bounds = [0, *sorted(set(cuts)), L]
+    with torch.no_grad():
+        got = torch.cat([stream(x[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+        assert rel_rms_error(got, model(x)) <= TOLERANCE[torch.float32]
+    assert set(stream.states) == {"ttt", "ttt (run 2)"}
+
+
+def test_a_layer_running_more_often_than_before_in_a_sequence_is_refused(shared_across_depth):
+    _model, conv = shared_across_depth
+    stream = ttt2la.Stream(conv)
+    with torch.no_grad():
+        stream(torch.randn(1, 3, D))
+        conv.runs = 3                   # a run more than the sequence's first piece had
+        try:
+            with pytest.raises(ttt2la.StreamingError, match="ran 3 time.* and 2 in the previous"):
+                stream(torch.randn(1, 1, D))
+        finally:
+            conv.runs = 2
+    assert set(stream.states.values()) == {None}
 
 
 def test_stream_needs_a_converted_model():

@@ -222,8 +222,10 @@ class Stream:
         logits = s.stream(next_ids)            # continues where the prompt ended
         s.reset()                              # start a new sequence
 
-    ``states`` maps each converted layer's path to its ``TTTState``. The model itself is
-    untouched: outside ``stream`` it runs whole sequences as before.
+    ``states`` maps each converted layer's path to its ``TTTState``; a layer the model runs
+    more than once per call (weights shared across depth) carries one state per run, its
+    later runs' under ``"path (run 2)"``, ``"path (run 3)"``, …. The model itself is untouched:
+    outside ``stream`` it runs whole sequences as before.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -248,10 +250,13 @@ class Stream:
                 "initial fast weights at every call, so the model cannot decode piece by piece. "
                 "Convert at a level where every layer converts.")
         self.states: dict[str, TTTState | None] = {p: None for p in self.layers}
+        self._runs: dict[str, int] = {}         # each layer's runs in the call under way
+        self._last_runs: dict[str, int] | None = None
 
     def reset(self) -> None:
         """Forget every layer's state: the next ``stream`` call starts a new sequence."""
         self.states = {p: None for p in self.layers}
+        self._last_runs = None
 
     @property
     def tokens(self) -> int:
@@ -262,28 +267,52 @@ class Stream:
     def stream(self, *args, **kwargs):
         """``model(*args, **kwargs)`` on the next piece of the sequence."""
         handles = []
+        self._runs = dict.fromkeys(self.layers, 0)
         try:
             for path, layer in self.layers.items():
                 handles.append(layer.register_forward_pre_hook(self._pre(path), with_kwargs=True))
                 handles.append(layer.register_forward_hook(self._post(path)))
-            return self.model(*args, **kwargs)
+            y = self.model(*args, **kwargs)
         finally:
             for h in handles:
                 h.remove()
+        self._check_runs()
+        return y
 
     __call__ = stream
 
+    def _key(self, path: str) -> str:
+        """Where the state of ``path``'s current run is kept."""
+        run = self._runs[path]
+        return path if run == 0 else f"{path} (run {run + 1})"
+
     def _pre(self, path: str):
         def hook(_module, args, kwargs):
-            return args, {**kwargs, "ttt_state": self.states[path], "return_ttt_state": True}
+            state = self.states.get(self._key(path))
+            return args, {**kwargs, "ttt_state": state, "return_ttt_state": True}
         return hook
 
     def _post(self, path: str):
         def hook(_module, _args, output):
             y, state = output
-            self.states[path] = state
+            self.states[self._key(path)] = state
+            self._runs[path] += 1
             return y
         return hook
+
+    def _check_runs(self) -> None:
+        """Each layer must run as often in every call of a sequence: the states of its runs are
+        matched by their order."""
+        runs, last = dict(self._runs), self._last_runs
+        self._last_runs = runs
+        changed = [p for p in runs if last is not None and runs[p] != last[p]]
+        if changed:
+            p = changed[0]
+            self.reset()
+            raise StreamingError(
+                f"{p} ran {runs[p]} time(s) in this call of the model and {last[p]} in the "
+                "previous one, so its states cannot be matched to its runs; the stream was "
+                "reset. Run every layer as often in each piece of a sequence.")
 
 
 __all__ = ["TTTState", "Stream", "StreamCall", "advance", "stateful_plan"]
