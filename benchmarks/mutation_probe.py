@@ -612,6 +612,48 @@ MUTATIONS = [
         (("ttt2la/runtime/higher_order.py", "    if recording_graph():\n        raise",
           "    if False:\n        raise"),),
         ("tests/test_triton_kernels.py",), "recording_a_graph"),
+    Mutation(
+        "submodule_hooks_ignored", "a converted layer runs its graphs while hooks are on its submodules",
+        (("ttt2la/converted.py", "    if hooked(self):\n", "    if False:\n"),),
+        ("tests/test_submodule_hooks.py",), "after_conversion or global or lossy or carrying"),
+    Mutation(
+        "hooked_layer_converted", "conversion traces a layer whose submodules carry hooks",
+        (("ttt2la/frontend/recognize.py", "    if hooks:\n        raise UnsupportedTTTError",
+          "    if False:\n        raise UnsupportedTTTError"),),
+        ("tests/test_submodule_hooks.py",), "at_conversion or in_a_model"),
+    Mutation(
+        "own_hooks_traced", "a trace runs the layer's own hooks, which then run again around it",
+        (("ttt2la/frontend/recognize.py", "        return self.layer.forward(*args, **kwargs)",
+          "        return self.layer(*args, **kwargs)"),),
+        ("tests/test_submodule_hooks.py",), "own_hooks"),
+    Mutation(
+        "renamed_weights_run_old_graphs", "a parametrization registered after conversion runs the old graphs",
+        (("ttt2la/recast.py", "    return tuple((name, t.dtype, t.device) for name, t in weights.items())",
+          "    return tuple((\"\", t.dtype, t.device) for name, t in weights.items())"),),
+        ("tests/test_submodule_hooks.py",), "parametrization"),
+    Mutation(
+        "stream_calls_shared_between_threads", "a stateful call's state is seen by plain calls on other threads",
+        (("ttt2la/converted.py", '    calls = getattr(_STREAMING, "calls", None)',
+          '    calls = getattr(_stream_calls, "shared", None)'),
+         ("ttt2la/converted.py", "        calls = _STREAMING.calls = {}", "        calls = _stream_calls.shared = {}")),
+        ("tests/test_threads.py",), "carries_state"),
+    Mutation(
+        "streaming_probe_on_the_cached_graph", "the streaming probe swaps the loop of the graph other calls run",
+        (("ttt2la/locality.py", "        gm = lean_calls(state.outer.instantiate(*B_L))",
+          "        gm = state.outer_for(*B_L)"),
+         ("ttt2la/locality.py", "        y = gm.forward(pb, *inputs)\n",
+          "        try:\n            y = gm.forward(pb, *inputs)\n        finally:\n"
+          "            setattr(gm, LOOP_MODULE, loop)\n")),
+        ("tests/test_threads.py",), "probes"),
+    Mutation(
+        "forward_ad_unserialised", "plans take forward-mode derivatives without the process's lock",
+        (("ttt2la/lowering/executors.py", "from .forward_ad import jvp\n", "from torch.func import jvp\n"),),
+        ("tests/test_threads.py",), "forward_mode"),
+    Mutation(
+        "stream_runs_share_a_state", "a layer run twice per call of a streamed model continues one state",
+        (("ttt2la/stream.py", '        return path if run == 0 else f"{path} (run {run + 1})"',
+          "        return path"),),
+        ("tests/test_stream.py",), "run_twice or more_often"),
 ]
 
 

@@ -109,7 +109,7 @@ def test_a_cast_layer_without_a_recipe_says_how_to_convert_it():
     converted._ttt2la.recipe = None
     converted.float()
     with pytest.raises(ttt2la.UnsupportedTTTError, match="torch.float64 on cpu.*torch.float32 "
-                                                           "on cpu.*Cast the original model"):
+                                                           "on cpu.*Change the original model"):
         converted(_x(torch.float32))
 
 

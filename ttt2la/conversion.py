@@ -40,7 +40,7 @@ from .report import ConversionReport, InspectionReport, LayerReport, PassRecord,
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .testing import rel_rms_error, tolerance
 from .training_mode import evaluating, training_dependence
-from .validation import check_call, check_runs
+from .validation import check_call, check_runs, copy_of
 
 _PROBE_LENGTHS = (64, 512, 4096)
 
@@ -104,11 +104,13 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
             return layers, inputs, notes
         if not inferred:
             break
-    where = "; ".join(failures) if candidates else "no module runs a Python loop"
+    if candidates:
+        raise UnsupportedTTTError(f"no test-time-training loop of {type(model).__name__} could "
+                                  f"be converted: {'; '.join(failures)}")
     raise UnsupportedTTTError(
-        f"no test-time-training loop found in {type(model).__name__} ({where}). ttt2la converts "
-        "layers whose forward (or a function it calls) loops over chunks or tokens, carrying "
-        "fast weights updated from the sequence.")
+        f"no test-time-training loop found in {type(model).__name__} (no module runs a Python "
+        "loop). ttt2la converts layers whose forward (or a function it calls) loops over chunks "
+        "or tokens, carrying fast weights updated from the sequence.")
 
 
 # -- one layer ------------------------------------------------------------------------------
@@ -440,8 +442,8 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     check_level(level)
     if backend not in ("auto", "torch", "triton", "naive"):
         raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
-    pristine = copy.deepcopy(model) if inplace else model
-    target = model if inplace else copy.deepcopy(model)
+    pristine = copy_of(model) if inplace else model
+    target = model if inplace else copy_of(model)
     with evaluating(target, pristine):      # every module's own mode restored on return
         return _convert(pristine, target, level, example_inputs, calibration, backend, strict,
                         example_kwargs, folds)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from .lowering.plan import plan_at
 from .recast import Signature, recast, weights_signature
 from .rejected_call import rejected
 from .stream import StreamCall, TTTState, advance, stateful_plan
+from .submodule_hooks import hooked, hooks_described
 from .training_mode import evaluating, training_dependence
 
 
@@ -56,7 +58,6 @@ class LoopModule(torch.nn.Module):
         self.state_names, self.invariant_names = interface
         self.runs = runs if runs is not None else {}
         self.shape = shape
-        self.stream_call = None         # a ``StreamCall`` while a stateful call runs
 
     def plan_inputs(self, args) -> tuple[dict, list, list]:
         """The loop's arguments by name, and the program's initial states and invariants."""
@@ -69,7 +70,8 @@ class LoopModule(torch.nn.Module):
 
     def forward(self, *args):
         given, states0, invariants = self.plan_inputs(args)
-        if self.stream_call is None:
+        stream_call = _stream_calls().get(id(self))
+        if stream_call is None:
             plan = self.plan
             outputs, finals = plan(states0, invariants)
         else:
@@ -77,7 +79,7 @@ class LoopModule(torch.nn.Module):
             where = f"the loop of {self.program.module_path or 'the model'} " \
                     f"({self.program.loop_src})"
             outputs, finals = advance(plan, self.program, states0, invariants,
-                                      self.stream_call, where)
+                                      stream_call, where)
         key = self.shape if plan is self.plan else f"{self.shape}, stateful"
         self.runs[key] = plan.implementation      # what ran, for the report
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
@@ -106,7 +108,7 @@ class ConvertedState:
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
     training_dependence: str = ""       # how the layer's code differs in training mode, if it does
     compile_break: str = ""             # why torch.compile runs it between graphs (``compile_break``)
-    weights: Signature = ()             # the weights' dtypes and devices it was built for
+    weights: Signature = ()             # the weights' names, dtypes and devices it was built for
     variant: str = ""                   # how its ``runs`` name it, when built again (``recast``)
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
 
@@ -123,10 +125,11 @@ class ConvertedState:
             recipe=copy.deepcopy(self.recipe, memo),
             as_written=None if self.as_written is None else AsWritten())
 
-    def for_weights(self, module: torch.nn.Module, tensors) -> "ConvertedState":
-        """The state to run ``module`` with its parameters and buffers ``tensors``: this one
-        for the weights it was built for, else one built again for theirs (``recast``)."""
-        now = weights_signature(tensors)
+    def for_weights(self, module: torch.nn.Module, weights: dict) -> "ConvertedState":
+        """The state to run ``module`` with its parameters and buffers ``weights`` (by name):
+        this one for the weights it was built for, else one built again for theirs
+        (``recast``)."""
+        now = weights_signature(weights)
         if now == self.weights or not self.weights:
             return self
         state = self._recast.get(now)
@@ -176,7 +179,9 @@ class ConvertedState:
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
         gm = self.outer_for(B, L)
-        plan = lambda: gm(weights, *flat)   # noqa: E731
+        # ``forward``, not the module call: fx's call prints the generated code of a failing
+        # line to stderr, where ``rejected`` names the user's line instead
+        plan = lambda: gm.forward(weights, *flat)   # noqa: E731
         try:
             if self.as_written is None or not races(module, flat):
                 return plan()
@@ -192,16 +197,38 @@ class ConvertedState:
         graphs hold the evaluation-mode function, so an exact conversion runs the code as
         written (and says so in the report's runs); a lossy one computes another function,
         whose training-mode form was never derived, and refuses."""
-        where = f"{self.program.module_path or 'this layer'} (the loop at {self.program.loop_src})"
         if self.as_written is None:
             raise UnsupportedTTTError(
-                f"{where} was converted for evaluation mode, and {self.training_dependence}: "
-                "its lossy conversion has no training-mode form. Call .eval() on it, or convert "
-                "a layer whose code does not depend on the mode (dropout or batch norm outside "
-                "the layer that owns the loop).")
+                f"{self._where()} was converted for evaluation mode, and "
+                f"{self.training_dependence}: its lossy conversion has no training-mode form. "
+                "Call .eval() on it, or convert a layer whose code does not depend on the mode "
+                "(dropout or batch norm outside the layer that owns the loop).")
         self.runs[f"batch {B}, length {L}, training mode"] = (
             f"as written: converted for evaluation mode, and {self.training_dependence}")
         return written()
+
+    def hooked_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, stateful: bool):
+        """A call while hooks would run on the layer's submodules (``submodule_hooks``): the
+        graphs never call those submodules, so an exact conversion runs the code as written,
+        where the hooks run (and says so in the report's runs); a lossy one computes another
+        function and refuses, as does a call carrying state between calls."""
+        found = hooks_described(module)
+        remedy = "Remove the hook to run the converted layer, or run the original model."
+        if stateful:
+            raise StreamingError(
+                f"{self._where()} cannot carry its state between calls while there is "
+                f"{found}: the converted layer never calls that submodule. {remedy}")
+        if self.as_written is None:
+            raise UnsupportedTTTError(
+                f"{self._where()} computes a simplified function (a lossy conversion) and "
+                f"there is {found}, which its graphs cannot run: they never call that "
+                f"submodule, and the code as written computes another function. {remedy}")
+        B, L = (int(n) for n in self.layout.sizes(_flat_inputs(args, kwargs)))
+        self.runs[f"batch {B}, length {L}, hooks on submodules"] = f"as written: {found}"
+        return original_class(type(module)).forward(module, *args, **kwargs)
+
+    def _where(self) -> str:
+        return f"{self.program.module_path or 'this layer'} (the loop at {self.program.loop_src})"
 
     def _rejected(self, error: Exception, gm, inputs: list) -> Exception:
         """What to raise for ``error`` from running ``gm``: a ``ConversionError`` as it is, any
@@ -243,14 +270,27 @@ class ConvertedState:
         gm = self.outer_for(B, L)
         loop = self.loop_for(B)
         call = StreamCall(state)
-        loop.stream_call = call
+        calls = _stream_calls()
+        calls[id(loop)] = call
         try:
-            y = gm(weights, *flat)
+            y = gm.forward(weights, *flat)
         except Exception as e:
             raise self._rejected(e, gm, [weights, *flat]) from e
         finally:
-            loop.stream_call = None
+            del calls[id(loop)]
         return y, call.state_out
+
+
+#: The ``StreamCall`` of every loop running a stateful call, by the loop's id, per thread: a
+#: plain call of the same layer on another thread runs the plan, never that call's state.
+_STREAMING = threading.local()
+
+
+def _stream_calls() -> dict:
+    calls = getattr(_STREAMING, "calls", None)
+    if calls is None:
+        calls = _STREAMING.calls = {}
+    return calls
 
 
 def _flat_inputs(args, kwargs) -> list:
@@ -268,6 +308,9 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     """The converted layer; with ``return_ttt_state=True`` (or a ``ttt_state``) it continues
     the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
     ``(output, state_after)`` (``ttt2la.stream``)."""
+    if hooked(self):
+        return self._ttt2la.hooked_call(self, args, kwargs,
+                                        stateful=ttt_state is not None or return_ttt_state)
     weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
         in_training = self.training and self._ttt2la.training_dependence
@@ -275,8 +318,8 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
                 and all(isinstance(a, torch.Tensor) for a in args):
             entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph
             return entry(self._ttt2la_key, *weights.values(), *args)
-        return self._ttt2la.for_weights(self, weights.values())(self, weights, args, kwargs)
-    y, state = self._ttt2la.for_weights(self, weights.values()).stateful_call(
+        return self._ttt2la.for_weights(self, weights)(self, weights, args, kwargs)
+    y, state = self._ttt2la.for_weights(self, weights).stateful_call(
         self, weights, args, kwargs, ttt_state)
     return (y, state) if return_ttt_state else y
 
@@ -415,7 +458,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
     state.compile_break = compile_break(state)
-    state.weights = weights_signature(params_and_buffers(module).values())
+    state.weights = weights_signature(params_and_buffers(module))
     _register(module)
 
 
@@ -438,11 +481,12 @@ def _run_converted(key: int, *tensors):
     pb = params_and_buffers(layer)
     n = len(pb)
     flat = [t.contiguous() for t in tensors[n:]]
-    state = layer._ttt2la.for_weights(layer, tensors[:n])
+    weights = dict(zip(pb, tensors[:n]))
+    state = layer._ttt2la.for_weights(layer, weights)
     B, L = state.layout.sizes(flat)
     # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
     B, L = int(B), int(L)
-    return state.outer_for(B, L)(dict(zip(pb, tensors[:n])), *flat)
+    return state.outer_for(B, L).forward(weights, *flat)
 
 
 #: The converted layer as one call that ``torch.compile`` writes into its graph as it is

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from .frontend.recognize import _inputs_at, params_and_buffers
 from .ir import LOOP_MODULE
+from .lowering.lean_calls import lean_calls
 from .frontend.single_step import FixedLengthLayout
 from .testing import tolerance
 
@@ -108,20 +109,18 @@ def _probe(state, module, flat, batch: int, length: int) -> str | None:
     out_axis = program.outputs[0].axis
 
     def run(B_L, inputs, reply=None):
-        gm = state.outer_for(*B_L)
-        loop = getattr(gm, LOOP_MODULE)
+        # a graph of its own: the layer's cached one may be running on another thread
+        gm = lean_calls(state.outer.instantiate(*B_L))
+        loop = state.loop_for(B_L[0])
         stand = _Stand(reply or (lambda args: loop(*args)))
         setattr(gm, LOOP_MODULE, stand)
-        try:
-            y = gm(pb, *inputs)
-        finally:
-            setattr(gm, LOOP_MODULE, loop)
+        y = gm.forward(pb, *inputs)
         return stand.seen, pytree.tree_leaves(y)
 
     unit = layout.batch_unit
     base_in = _inputs_at(flat, layout, batch, length)
     seen0, y0 = run((batch // unit, length), base_in)
-    replied = state.outer_for(batch // unit, length).get_submodule(LOOP_MODULE)(*seen0)
+    replied = state.loop_for(batch // unit)(*seen0)
     longer_in = _inputs_at(flat, layout, batch, length + 1)
     seen1, _ = run((batch // unit, length + 1), longer_in)
     for i, (a, b) in enumerate(zip(seen0, seen1)):

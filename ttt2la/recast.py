@@ -1,12 +1,13 @@
-"""A converted layer whose weights were cast or moved after conversion is converted again for
-them.
+"""A converted layer whose weights were cast, moved or renamed after conversion is converted
+again for them.
 
 A conversion traces the layer at its weights' dtypes and devices, and every choice it makes
 follows from that trace: the precision the plan computes in (it follows the source), the fills
 and constants its graphs hold, the folds of the lossy passes. So graphs built for float64 on a
 CPU are wrong for the same layer after ``.float()``, ``.half()`` or ``.to("cuda")``, or called
-through ``torch.func.functional_call`` with weights of another dtype. Such a call replays the
-layer's ``Recipe`` at the weights it now has — the same trace, passes and plan as a fresh
+through ``torch.func.functional_call`` with weights of another dtype; and graphs reading
+``o_proj.weight`` are wrong once a parametrization or a wrapping module computes that weight from
+others. Such a call replays the layer's ``Recipe`` at the weights it now has — the same trace, passes and plan as a fresh
 conversion, once per signature, like a recompile — with the recorded example inputs cast as
 the weights were cast.
 """
@@ -22,22 +23,37 @@ from .errors import UnsupportedTTTError
 from .preparation import out_of_sight
 from .training_mode import evaluating
 
-#: What a conversion was built for: each parameter's and buffer's dtype and device, in order.
-Signature = tuple[tuple[torch.dtype, torch.device], ...]
+#: What a conversion was built for: each parameter's and buffer's name, dtype and device, in
+#: order.
+Signature = tuple[tuple[str, torch.dtype, torch.device], ...]
 
 
-def weights_signature(tensors) -> Signature:
-    """The dtypes and devices of ``tensors`` (a layer's parameters and buffers, in order)."""
-    return tuple((t.dtype, t.device) for t in tensors)
+def weights_signature(weights: dict) -> Signature:
+    """The names, dtypes and devices of ``weights`` (a layer's parameters and buffers by name,
+    in ``params_and_buffers`` order)."""
+    return tuple((name, t.dtype, t.device) for name, t in weights.items())
 
 
 def describe(signature: Signature) -> str:
     """``"torch.float32 on cpu"``: the weights' most common floating dtype and device."""
-    dtypes = Counter(d for d, _ in signature if d.is_floating_point)
-    devices = Counter(str(v) for _, v in signature)
+    dtypes = Counter(d for _, d, _ in signature if d.is_floating_point)
+    devices = Counter(str(v) for _, _, v in signature)
     dtype = dtypes.most_common(1)[0][0] if dtypes else "no floating weights"
     device = devices.most_common(1)[0][0] if devices else "no device"
     return f"{dtype} on {device}"
+
+
+def described_change(was: Signature, now: Signature) -> str:
+    """The weights ``now``, against those ``was``: ``"weights in torch.float32 on cpu"``, and
+    the names added and removed when they were renamed."""
+    before, after = [name for name, *_ in was], [name for name, *_ in now]
+    if before == after:
+        return f"weights in {describe(now)}"
+    added = [n for n in after if n not in before]
+    removed = [n for n in before if n not in after]
+    parts = [f"{what} {', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
+             for what, names in (("added", added), ("removed", removed)) if names]
+    return f"weights in {describe(now)}, " + ("; ".join(parts) or "reordered")
 
 
 def recast_recipe(recipe, was: Signature, now: Signature):
@@ -45,11 +61,13 @@ def recast_recipe(recipe, was: Signature, now: Signature):
     dtype some weights had takes the dtype most of those weights have now, and every tensor
     moves to the device most weights are on now."""
     moves: dict[torch.dtype, Counter] = {}
-    for (d0, _), (d1, _) in zip(was, now):
-        if d0.is_floating_point and d1.is_floating_point:
+    before = {name: d for name, d, _ in was}
+    for name, d1, _ in now:
+        d0 = before.get(name)
+        if d0 is not None and d0.is_floating_point and d1.is_floating_point:
             moves.setdefault(d0, Counter())[d1] += 1
     dtypes = {d0: c.most_common(1)[0][0] for d0, c in moves.items()}
-    devices = Counter(v for _, v in now)
+    devices = Counter(v for _, _, v in now)
     device = devices.most_common(1)[0][0] if devices else None
 
     def cast(t):
@@ -71,17 +89,19 @@ def recast(module: torch.nn.Module, state, now: Signature):
     if state.recipe is None:
         raise UnsupportedTTTError(
             f"{where} was converted for weights in {describe(state.weights)} and now has "
-            f"weights in {describe(now)}, and it has no record of how it was converted, so it "
-            "cannot be converted again for them. Cast the original model, then convert it.")
+            f"{described_change(state.weights, now)}, and it has no record of how it was "
+            "converted, so it cannot be converted again for them. Change the original model "
+            "as you changed this one, then convert it.")
     cls = original_class(type(module))
     stand_in = cls.__new__(cls)
     stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
                               if k not in ("_ttt2la", "_ttt2la_key")})
     # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it
-    with out_of_sight(devices=[v.type for _, v in now]), evaluating(stand_in):
+    with out_of_sight(devices=[v.type for _, _, v in now]), evaluating(stand_in):
         new = _replay(stand_in, recast_recipe(state.recipe, state.weights, now))
     return dataclasses.replace(new, runs=state.runs, fallbacks=state.fallbacks, weights=now,
-                               variant=f", weights in {describe(now)}")
+                               variant=f", {described_change(state.weights, now)}")
 
 
-__all__ = ["Signature", "weights_signature", "describe", "recast_recipe", "recast"]
+__all__ = ["Signature", "weights_signature", "describe", "described_change", "recast_recipe",
+           "recast"]

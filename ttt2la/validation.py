@@ -3,6 +3,7 @@ work starts so that a bad argument is answered in one line instead of crashing d
 trace (or after a long conversion)."""
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import traceback
@@ -45,6 +46,21 @@ def check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"model must be a torch.nn.Module, got "
                                 f"{'None' if model is None else type(model).__name__}")
+
+
+def copy_of(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` (ttt2la converts a copy and leaves the user's model alone), or an
+    error saying why the model cannot be copied and what to do."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as e:
+        raise InvalidInputError(
+            f"{type(model).__name__} cannot be copied ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}), and ttt2la works on a copy of the "
+            "model, leaving it untouched. torch.nn.utils.weight_norm, spectral_norm and prune "
+            "keep a weight computed by a hook, which cannot be copied: use the "
+            "torch.nn.utils.parametrizations forms instead, or remove them before converting "
+            "(torch.nn.utils.remove_weight_norm, prune.remove).") from e
 
 
 def check_level(level) -> None:

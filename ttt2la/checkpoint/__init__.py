@@ -175,7 +175,7 @@ def load(directory, model: torch.nn.Module | None = None, *,
     version, weights whose hash or shapes do not match the manifest, or a replay that differs.
     """
     from ..conversion import convert
-    from ..validation import check_model
+    from ..validation import check_model, copy_of
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -202,7 +202,7 @@ def load(directory, model: torch.nn.Module | None = None, *,
         model = recipe.build(directory, trust_remote_code=trust_remote_code)
     else:
         check_model(model)
-        model = copy.deepcopy(model)
+        model = copy_of(model)
     from .weights import fit_weights
 
     fit_weights(model, tensors, weights)

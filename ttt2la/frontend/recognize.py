@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram, params_and_buffers
+from ..submodule_hooks import hooks_described, refusal as hooks_refusal
 from .call_signature import CallSignature
 from .capture import _no_compile, trace, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
@@ -150,11 +151,25 @@ def _inputs_at(flat: list, layout: InputLayout, B: int, L: int) -> list:
     return out
 
 
+class _Forward(torch.nn.Module):
+    """Runs ``layer.forward`` without the layer's own hooks: a converted layer's hooks run
+    around its converted forward, so a trace that ran them too would run them twice."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return self.layer.forward(*args, **kwargs)
+
+
 def layer_function(module: torch.nn.Module, in_spec) -> Callable:
-    """``f(params_and_buffers, *flat_inputs)`` calling the module functionally."""
+    """``f(params_and_buffers, *flat_inputs)`` calling the module's forward functionally."""
+    wrapped = _Forward(module)
+
     def f(pb, *flat):
         args, kwargs = pytree.tree_unflatten(list(flat), in_spec)
-        return functional_call(module, pb, args, kwargs)
+        return functional_call(wrapped, {f"layer.{k}": v for k, v in pb.items()}, args, kwargs)
     return f
 
 
@@ -293,6 +308,9 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     Layers with the same code, configuration and shapes (the blocks of one model, the same
     layer converted at several levels) are traced once: the result is cached like a compile.
     """
+    hooks = hooks_described(cand.module)
+    if hooks:
+        raise UnsupportedTTTError(hooks_refusal(_layer_name(cand), hooks))
     flat, _ = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     key = _signature(cand, flat, seq_len)
     hit = _CACHE.get(key) if key is not None else None

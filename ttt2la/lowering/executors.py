@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
-from torch.func import jvp, vmap
+from torch.func import vmap
 
 from ..analysis.associativity import Analysis, analyze
 from ..analysis.op_vocabulary import (CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, TENSOR_SHAPED_FILLS,
@@ -35,6 +35,7 @@ from ..preparation import out_of_sight
 from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
+from .forward_ad import jvp
 from .lean_calls import lean_calls
 from .loop_expansions import expansions, expansions_pay
 from .scan_choice import affine_scan_pays

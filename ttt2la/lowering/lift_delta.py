@@ -19,7 +19,7 @@ for ``[W | S]·A`` — and are scanned the same way, jointly.
 from __future__ import annotations
 
 import torch
-from torch.func import jvp, vmap
+from torch.func import vmap
 
 from ..analysis.associativity import Analysis
 from ..analysis.dependence import Dep
@@ -27,6 +27,7 @@ from ..ir import TTTProgram
 from ..runtime import matrix_affine_scan
 from ..testing import rel_rms_error
 from .executors import Plan, _call_batched
+from .forward_ad import jvp
 from .scan_choice import forced, scanning
 from .written_products import written
 

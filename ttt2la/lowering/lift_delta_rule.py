@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
-from torch.func import jvp, vmap
+from torch.func import vmap
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis
@@ -40,6 +40,7 @@ from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime.delta_rule import DELTA_CHUNK_SIZE, delta_rule
 from .chunking import assemble_outputs, chunk_layout, chunk_stream
 from .executors import extract, shape_only
+from .forward_ad import jvp
 from .lift import replayed
 from .lift_delta import DeltaScanPlan, scanned_groups
 from .precision import promoted, relative_error, samples
