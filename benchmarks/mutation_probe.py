@@ -654,6 +654,11 @@ MUTATIONS = [
         (("ttt2la/stream.py", '        return path if run == 0 else f"{path} (run {run + 1})"',
           "        return path"),),
         ("tests/test_stream.py",), "run_twice or more_often"),
+    Mutation(
+        "loop_over_blocks_probed_longer", "a loop that took no slice is run again at doubling lengths",
+        (("ttt2la/frontend/recognize.py", "    if len(cand.slice_starts) >= 2 or seq_len is None or not cand.slice_starts:",
+          "    if len(cand.slice_starts) >= 2 or seq_len is None:"),),
+        ("tests/test_frontend_styles.py",), "loop_over_blocks"),
 ]
 
 

@@ -338,3 +338,40 @@ def test_tracing_failures_name_the_layer_and_the_source_line(cls, code):
     lines, start = inspect.getsourcelines(cls)
     line = start + next(i for i, s in enumerate(lines) if code in s)
     assert f"test_frontend_styles.py:{line}" in text, text
+
+
+# -- a model's loop over its blocks -----------------------------------------------------------
+
+class _ResidualBlocks(nn.Module):
+    """A model looping over its blocks with a residual add in its own loop body: a loop, but
+    over layers, taking no chunk of the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([OneLineSliceLayer(8, 2, 4) for _ in range(3)])
+        self.lengths_seen: list[int] = []
+
+    def forward(self, x):
+        self.lengths_seen.append(x.shape[1])
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_loop_over_blocks_is_no_ttt_loop_and_is_not_run_at_longer_lengths():
+    """Its blocks convert, the report says why the model's own loop is not one, and it is
+    never run at the doubling lengths that find the chunk size of a loop shorter than its
+    example (which ran the whole model up to 4096 tokens)."""
+    model = _ResidualBlocks()
+    x = torch.randn(2, 9, 8)
+    converted = ttt2la.convert(model, level=2, example_inputs=(x,))
+    assert {layer.module_path for layer in converted.ttt2la_report.layers} == \
+        {"blocks.0", "blocks.1", "blocks.2"}
+    note, = [n for n in converted.ttt2la_report.notes if n.startswith("not converted: <model>")]
+    assert "takes no chunk or token of the sequence" in note and "test_frontend_styles.py" in note
+    seen = converted.lengths_seen + model.lengths_seen          # the copy converted, the model
+    assert seen and max(seen) <= 2 * x.shape[1]
+    with torch.no_grad():
+        converted.lengths_seen.clear()
+        assert ttt2la.testing.rel_rms_error(converted(x), model(x)) <= 1e-5

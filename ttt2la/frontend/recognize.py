@@ -410,6 +410,16 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
     layout.signature = CallSignature.of(cand.args, cand.kwargs)
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
+    try:
+        return _recognize_at_probes(cand, flat, layout, in_spec, batch, C, seq_len)
+    except UnsupportedTTTError as e:
+        if cand.slice_starts:
+            raise
+        raise UnsupportedTTTError(_takes_no_chunks(cand)) from e
+
+
+def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_len):
+    """The layer recognized at the first probe plan whose shapes its code takes."""
     fn = layer_function(cand.module, in_spec)
     failures: list[tuple[ProbePlan, Exception]] = []
     for plan in probe_plans(batch, seq_len):
@@ -423,6 +433,15 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
         except Exception as e:            # the layer's own code rejected these shapes
             failures.append((plan, e))
     raise _probe_failure(cand, failures, C, seq_len)
+
+
+def _takes_no_chunks(cand: LoopCandidate) -> str:
+    """Why a loop that took no piece of the sequence is no TTT loop (a loop over blocks)."""
+    return (f"{_layer_name(cand)}: the loop at {cand.loop.src} takes no chunk or token of the "
+            "sequence, so it carries nothing along it: a loop over blocks or over steps on the "
+            "whole sequence, not over chunks. Any TTT layer it calls is converted on its own. "
+            "(ttt2la reads the chunks a loop takes by slicing — x[:, s:e], narrow, select "
+            "—, split or unbind, or by indexing a tensor of chunks.)")
 
 
 def _refuse_fixed_cuts(cand: LoopCandidate, seq_len: int | None) -> None:
@@ -442,9 +461,11 @@ def _chunk_sizes(cand: LoopCandidate, flat: list, layout: InputLayout, in_spec, 
     """The chunk slices' sizes, from an example long enough to show two chunks.
 
     An example no longer than one chunk shows a slice of its own length, not the chunk size:
-    the layer is then run eagerly at doubling lengths until its loop slices two chunks.
+    the layer is then run eagerly at doubling lengths until its loop slices two chunks. A loop
+    that took no slice at all (a model's loop over its blocks, a step repeated on the whole
+    sequence) will take none at any length, and is not run again.
     """
-    if len(cand.slice_starts) >= 2 or seq_len is None:
+    if len(cand.slice_starts) >= 2 or seq_len is None or not cand.slice_starts:
         return cand.chunk_sizes
     length = seq_len
     while length < MAX_PROBE_LENGTH:
