@@ -255,7 +255,8 @@ def test_a_timed_training_step_does_three_times_the_forward_products(throughput,
 def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     """``gpu_bench.py`` runs where a GPU is scarce: its smoke mode (Triton's interpreter, the tiniest
     shapes) must run the token-causal sections (a decay per head, per key channel) and tile tuning and
-    write a row for each measurement, none of them failed."""
+    write a row for each measurement, none of them failed, in the order of ``--sections`` (a short GPU
+    slot measures what it needs most first)."""
     pytest.importorskip("triton", reason="triton is not installed")
     import os
     import subprocess
@@ -263,11 +264,12 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     out = tmp_path / "gpu.md"
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_bench.py"), "--device", "cpu",
-                          "--size", "tiny", "--sections", "b,e,f", "--out", str(out)],
+                          "--size", "tiny", "--sections", "f,b,e", "--out", str(out)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| (")]
     assert not any("failed:" in r for r in rows), rows
+    assert list(dict.fromkeys(r[3] for r in rows)) == ["f", "b", "e"], [r[:40] for r in rows]
     tuning = [r for r in rows if r.startswith("| (e)")]
     assert len(tuning) == 12 and all(r.split("|")[4].strip() != "-" for r in tuning)   # each timed
     assert sum("tuned tiles" in r for r in tuning) == 6
