@@ -404,3 +404,53 @@ def test_save_needs_a_converted_model_and_a_free_path(converted, tmp_path):
     with pytest.raises(ttt2la.CheckpointError, match="already exists"):
         ttt2la.save(converted, tmp_path, factory=FACTORY)
     assert listing(tmp_path) == set()
+
+
+@pytest.mark.parametrize("argument, value, says", [
+    ("strict", "False", "strict must be True or False, got 'False'"),
+    ("inplace", 1, "inplace must be True or False, got 1"),
+    ("calibration", 5, "calibration must be a tensor or a tuple of the model's positional"),
+    ("folds", [1], r"folds must be \{layer path: \{pass name: constants\}\}.*got list"),
+    ("folds", {"": "absorb_lr"}, r"folds must be .*got a dict of str to str"),
+])
+def test_convert_arguments_of_the_wrong_kind(argument, value, says):
+    """A switch that is merely truthy, calibration or folds of another form: refused by name
+    before any work, not a raw TypeError from deep inside, nor silently read as something else."""
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    with pytest.raises(ttt2la.InvalidInputError, match=says):
+        ttt2la.convert(layer, level=1, example_inputs=(torch.randn(1, 32, 32),), **{argument: value})
+
+
+@pytest.mark.parametrize("folds, says", [
+    ({"blocks.9.ttt": {"absorb_lr": {}}}, r"folds names the layer 'blocks.9.ttt', and the model's "
+                                          r"TTT layers are 'blocks.0.ttt'"),
+    ({"blocks.0.ttt": {"absorb_learning_rate": {}}}, r"name 'absorb_learning_rate', which is no "
+                                                     r"pass; the passes are freeze_theta, "),
+])
+def test_folds_naming_no_layer_or_no_pass_are_refused(folds, says):
+    """Folds for a layer or a pass that does not exist would be ignored, and the conversion would
+    measure its constants again where the user asked to replay them: refused, listing what exists."""
+    model = TinyLaCTLM(**KWARGS)
+    with pytest.raises(ttt2la.InvalidInputError, match=says):
+        ttt2la.convert(model, level=1, example_inputs=(torch.randint(0, 64, (1, 32)),), folds=folds)
+
+
+@pytest.mark.parametrize("arguments, says", [
+    (dict(levels=[9]), "levels must be integers from 0 to 6, got 9"),
+    (dict(levels="12"), "levels must be a list of integers from 0 to 6, got '12'"),
+    (dict(levels=3), "levels must be a list of integers from 0 to 6, got 3"),
+    (dict(levels=[]), "levels is empty"),
+    (dict(time_budget=-1.0), "time_budget must be a positive number of seconds, got -1.0"),
+    (dict(time_budget=float("nan")), "time_budget must be a positive number of seconds, got nan"),
+    (dict(progress=5), "progress must be a function taking a message, got int"),
+    (dict(backend="cuda"), "backend must be one of"),
+])
+def test_sweep_arguments_of_the_wrong_kind(arguments, says):
+    with pytest.raises(ttt2la.InvalidInputError, match=re.escape(says) if "(" in says else says):
+        ttt2la.sweep(LaCTFoldedLayer(32, 2, 16, muon=False),
+                     example_inputs=(torch.randn(1, 32, 32),), **arguments)
+
+
+def test_sweep_needs_a_module():
+    with pytest.raises(ttt2la.InvalidInputError, match="torch.nn.Module, got None"):
+        ttt2la.sweep(None, example_inputs=(torch.randn(1, 32, 32),))

@@ -8,6 +8,8 @@ gradient (float32, ≤ 1e-5); the hooks' own calls, counted and compared.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.utils.parametrize as parametrize
@@ -169,3 +171,19 @@ def test_a_model_that_cannot_be_copied_is_refused_with_what_to_do():
     torch.nn.utils.weight_norm(layer.o_proj)
     with pytest.raises(ttt2la.InvalidInputError, match="parametrizations"):
         ttt2la.convert(layer, level=2, example_inputs=(_x(),))
+
+
+def test_a_call_the_code_as_written_fails_on_names_the_users_line():
+    """With a hook on a submodule the layer runs its code as written; a call that code cannot take
+    (float64 inputs for float32 weights) raises a ``RejectedCallError`` that is still the original
+    class, naming the user's line and why the code ran as written — not a raw torch error."""
+    converted = ttt2la.convert(_layer(), level=2, example_inputs=(_x(),))
+    converted.o_proj.register_forward_hook(lambda _m, _a, y: y)
+    with pytest.raises(ttt2la.RejectedCallError) as info:
+        converted(_x().double())
+    assert isinstance(info.value, RuntimeError)
+    message = str(info.value)
+    assert "ran its code as written (while there is a forward hook on o_proj" in message
+    assert re.search(r"ttt_scan\.py:\d+", info.value.where), info.value.where
+    with pytest.raises(RuntimeError):            # the layer as written fails on it too
+        _layer()(_x().double())

@@ -197,3 +197,16 @@ def test_under_torch_compile_training_mode_still_runs_the_code_as_written():
         layer.eval()
         torch._dynamo.reset()
         assert rel_rms_error(torch.compile(conv, backend="eager")(x), layer(x)) <= FP32
+
+
+def test_a_call_the_code_as_written_rejects_in_training_mode_names_the_users_line():
+    """In training mode a mode-dependent layer runs its code as written; a call that code cannot
+    take is a ``RejectedCallError`` naming the user's line, as in evaluation mode."""
+    torch.manual_seed(0)
+    conv = ttt2la.convert(Dropped(inside=True), level=0, example_inputs=(torch.randn(2, 12, D),))
+    conv.train()
+    with pytest.raises(ttt2la.RejectedCallError) as info:
+        conv(torch.randn(2, 12, D, dtype=torch.float64))
+    assert isinstance(info.value, RuntimeError)
+    assert "ran its code as written (in training mode)" in str(info.value)
+    assert "test_training_mode.py:" in info.value.where, info.value.where

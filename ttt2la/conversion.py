@@ -35,12 +35,13 @@ from .frontend.shapes import fit_template
 from .ir import LOOP_MODULE, TTTProgram
 from .lowering import plan_for
 from .lowering.check import check_plan, needs_float64_reference, recurrent_reference
-from .passes import MAX_LEVEL, PassContext, PassResult, check_level, run_passes
+from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .testing import rel_rms_error, tolerance
 from .training_mode import evaluating, training_dependence
-from .validation import check_call, check_runs, copy_of
+from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
+                         check_folds_form, check_runs, copy_of)
 
 _PROBE_LENGTHS = (64, 512, 4096)
 
@@ -439,9 +440,11 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     if example_inputs is None and calibration is not None:
         example_inputs = calibration                # model inputs as well: trace on them
     check_call(model, level, example_inputs, example_kwargs, backend, run=False)
-    check_level(level)
-    if backend not in ("auto", "torch", "triton", "naive"):
-        raise ValueError(f"backend must be 'auto', 'torch', 'triton' or 'naive', got {backend!r}")
+    check_argument_types(calibration, None, "calibration")
+    check_flag(strict, "strict")
+    check_flag(inplace, "inplace")
+    check_folds_form(folds)
+    check_level(level)                      # a level whose steps are not all implemented
     pristine = copy_of(model) if inplace else model
     target = model if inplace else copy_of(model)
     with evaluating(target, pristine):      # every module's own mode restored on return
@@ -454,6 +457,7 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     """``convert`` on ``target`` in evaluation mode (``training_mode``)."""
     check_runs(target, example_inputs, example_kwargs)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
+    _check_folds_name(folds, layers)
     modes = [training_dependence(rl.candidate.module, rl.candidate.args, rl.candidate.kwargs)
              for rl in layers]
     calibrations = _calibrations(target, layers, calibration, example_kwargs)
@@ -484,6 +488,24 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
                                             strict=strict, notes=notes, loss=loss)
     return target
+
+
+def _check_folds_name(folds: dict | None, layers: list[RecognizedLayer]) -> None:
+    """Every layer and pass that ``folds`` names exists: an entry naming neither would be
+    ignored, and the conversion would measure its constants again, not replay them."""
+    paths = [rl.path for rl in layers]
+    passes = [get_pass(step).name for step in range(1, MAX_LEVEL + 1)]
+    for path, entry in (folds or {}).items():
+        if path not in paths:
+            raise InvalidInputError(
+                f"folds names the layer {path!r}, and the model's TTT layers are "
+                f"{', '.join(map(repr, paths))}: give each layer's module_path from the report "
+                "that recorded the folds.")
+        unknown = [name for name in entry if name not in passes]
+        if unknown:
+            raise InvalidInputError(
+                f"folds for {path!r} name {', '.join(map(repr, unknown))}, which is no pass; the "
+                f"passes are {', '.join(passes)}.")
 
 
 def _checked(layer: _Layer) -> dict:

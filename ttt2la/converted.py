@@ -34,7 +34,7 @@ from .locality import streaming_problem
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .recast import Signature, recast, weights_signature
-from .rejected_call import rejected
+from .rejected_call import rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .training_mode import evaluating, training_dependence
@@ -205,7 +205,7 @@ class ConvertedState:
                 "(dropout or batch norm outside the layer that owns the loop).")
         self.runs[f"batch {B}, length {L}, training mode"] = (
             f"as written: converted for evaluation mode, and {self.training_dependence}")
-        return written()
+        return self._as_written(written, "in training mode")
 
     def hooked_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, stateful: bool):
         """A call while hooks would run on the layer's submodules (``submodule_hooks``): the
@@ -225,7 +225,18 @@ class ConvertedState:
                 f"submodule, and the code as written computes another function. {remedy}")
         B, L = (int(n) for n in self.layout.sizes(_flat_inputs(args, kwargs)))
         self.runs[f"batch {B}, length {L}, hooks on submodules"] = f"as written: {found}"
-        return original_class(type(module)).forward(module, *args, **kwargs)
+        return self._as_written(
+            lambda: original_class(type(module)).forward(module, *args, **kwargs),
+            f"while there is {found}")
+
+    def _as_written(self, written, why: str):
+        """``written()``, the layer's code as written, its errors raised as a
+        ``RejectedCallError`` naming the user's line (``rejected_as_written``)."""
+        try:
+            return written()
+        except Exception as e:
+            raise rejected_as_written(e, path=self.program.module_path, why=why,
+                                      expected=self._expected()) from e
 
     def _where(self) -> str:
         return f"{self.program.module_path or 'this layer'} (the loop at {self.program.loop_src})"
@@ -233,13 +244,16 @@ class ConvertedState:
     def _rejected(self, error: Exception, gm, inputs: list) -> Exception:
         """What to raise for ``error`` from running ``gm``: a ``ConversionError`` as it is, any
         other error as the ``RejectedCallError`` naming the user's line (``rejected_call``)."""
-        layout = self.layout
-        signature = getattr(layout, "signature", None)
-        expected = "" if signature is None else signature.describe(layout.batch_axis,
-                                                                    layout.token_axis)
         return rejected(error, gm, inputs, path=self.program.module_path,
                         loop_src=str(self.program.loop_src), implementation=self.implementation,
-                        expected=expected)
+                        expected=self._expected())
+
+    def _expected(self) -> str:
+        """The calls the layer was converted for, as a message names them ("" if unknown)."""
+        layout = self.layout
+        signature = getattr(layout, "signature", None)
+        return "" if signature is None else signature.describe(layout.batch_axis,
+                                                                layout.token_axis)
 
     def stateful_call(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict,
                       state: TTTState | None) -> tuple[Any, TTTState]:

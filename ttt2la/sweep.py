@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -22,6 +22,7 @@ from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
 from .training_mode import evaluating
+from .validation import InvalidInputError, check_backend, check_call
 
 SWEEP_VERSION = 1
 
@@ -165,6 +166,23 @@ def _ttt_layers(model: torch.nn.Module, paths: list[str], inputs: dict) -> Calla
     return run
 
 
+def _levels(levels) -> list[int]:
+    """The levels to sweep: 0–6 by default, else each an integer from 0 to 6, at least one."""
+    if levels is None:
+        return list(range(MAX_LEVEL + 1))
+    if isinstance(levels, (str, bytes)) or not isinstance(levels, Iterable):
+        raise InvalidInputError(f"levels must be a list of integers from 0 to {MAX_LEVEL}, got "
+                                f"{levels!r}")
+    levels = list(levels)
+    for level in levels:
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+            raise InvalidInputError(f"levels must be integers from 0 to {MAX_LEVEL}, got "
+                                    f"{level!r}")
+    if not levels:
+        raise InvalidInputError("levels is empty: give at least one level to convert at")
+    return levels
+
+
 def sweep(model: torch.nn.Module, calibration=None, *, example_inputs=None,
           levels: Sequence[int] | None = None, backend: str = "auto", example_kwargs=None,
           time_budget: float = 30.0, progress: Callable[[str], None] | None = None
@@ -175,10 +193,16 @@ def sweep(model: torch.nn.Module, calibration=None, *, example_inputs=None,
 
     if example_inputs is None and calibration is not None:
         example_inputs = calibration                # model inputs as well: trace on them
-    levels = list(range(MAX_LEVEL + 1)) if levels is None else list(levels)
-    for level in levels:
-        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
-            raise ValueError(f"levels must be integers from 0 to {MAX_LEVEL}, got {level!r}")
+    levels = _levels(levels)
+    check_call(model, None, example_inputs, example_kwargs, run=False)
+    check_backend(backend)
+    if not (isinstance(time_budget, (int, float)) and not isinstance(time_budget, bool)
+            and time_budget > 0):                   # NaN is not > 0; infinity: no budget
+        raise InvalidInputError(f"time_budget must be a positive number of seconds, got "
+                                f"{time_budget!r}")
+    if progress is not None and not callable(progress):
+        raise InvalidInputError(f"progress must be a function taking a message, got "
+                                f"{type(progress).__name__}")
     say = progress or (lambda _msg: None)
     rows, converted = [], {}
     for level in levels:

@@ -75,18 +75,46 @@ def check_backend(backend) -> None:
                                 f"{backend!r}")
 
 
-def check_argument_types(example_inputs, example_kwargs) -> None:
-    """``example_inputs``: a tensor, a tuple or list of positional arguments, or None;
-    ``example_kwargs``: a dict of keyword arguments, or None."""
+def check_argument_types(example_inputs, example_kwargs, name: str = "example_inputs") -> None:
+    """``example_inputs`` (or the argument ``name``): a tensor, a tuple or list of positional
+    arguments, or None; ``example_kwargs``: a dict of keyword arguments, or None."""
     if example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, list)):
         hint = " (pass keyword arguments as example_kwargs)" if isinstance(example_inputs, dict) \
             else ""
         raise InvalidInputError(
-            f"example_inputs must be a tensor or a tuple of the model's positional arguments, "
+            f"{name} must be a tensor or a tuple of the model's positional arguments, "
             f"got {type(example_inputs).__name__}{hint}")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise InvalidInputError(f"example_kwargs must be a dict of the model's keyword "
                                 f"arguments, got {type(example_kwargs).__name__}")
+
+
+def check_flag(value, name: str) -> None:
+    """A switch such as ``strict`` or ``inplace``: True or False, not a value that happens to be
+    truthy (``strict="False"`` would otherwise mean strict)."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True or False, got {value!r}")
+
+
+def check_folds_form(folds) -> None:
+    """``folds``: None or ``{layer path: {pass name: constants}}`` as a report records them."""
+    if folds is None:
+        return
+    if not isinstance(folds, dict) or not all(
+            isinstance(path, str) and isinstance(entry, dict) and all(isinstance(k, str) for k in entry)
+            for path, entry in folds.items()):
+        raise InvalidInputError(
+            "folds must be {layer path: {pass name: constants}}, as a conversion report records "
+            "them (each layer's module_path: {its pass's name: its folded}), got "
+            f"{_form(folds)}")
+
+
+def _form(value) -> str:
+    if isinstance(value, dict):
+        inner = next(iter(value.items()), None)
+        return "an empty dict" if inner is None else \
+            f"a dict of {type(inner[0]).__name__} to {type(inner[1]).__name__}"
+    return type(value).__name__
 
 
 def _arguments(example_inputs, example_kwargs) -> tuple[tuple, dict]:
