@@ -189,7 +189,9 @@ def test_ttt_linear_is_refused_naming_the_layer_norm_at_every_level(cls, bias, o
         assert "freeze_theta" not in str(e)
     report = ttt2la.inspect(layer, example_inputs=(x,), show=False)
     for level in (0, 1, 2):
-        assert report.layers[0].levels[level].startswith(f"recurrent: aten.{op}")
+        verdict = report.layers[0].levels[level]
+        assert verdict.startswith(f"recurrent: aten.{op}")
+        assert verdict.count(f"ttt_linear.py:{line} ") == 1, verdict     # named once
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -554,7 +554,8 @@ def _level_verdict(rl: RecognizedLayer, level: int) -> str:
     try:
         analysis.require_reducible(level)
     except NonReducibleError as e:
-        return f"recurrent: {e.op or ''} at {e.where or '?'}".strip()
+        op, where = e.op or "", e.where or "?"
+        return f"recurrent: {op}" if op and where in op else f"recurrent: {op} at {where}"
     return "recurrent"
 
 
