@@ -21,7 +21,9 @@ forward and forward + backward:
     backpropagates the output's sum into every parameter.
 (e) Tile tuning: the increment and read kernels, the block op at the shape of (a) and the chunk op at the shape
     of (b), each with its default tiles and then with ``TTT2LA_TUNE_KERNELS`` on (the first call's time, which
-    includes the tuning, and the configurations chosen are in the note).
+    includes the tuning, and the configurations chosen are in the note); for the ops' forward + backward also
+    with one configuration per kernel site forced for every launch (the forward's choice where it has one): the
+    static defaults tuning suggests, which compose where per-launch choices may not.
 (f) Token-causal linear attention with a decay per key channel (GLA's gate, ``logsigmoid(·)/16``) at the
     shape of (b): the torch runtime (no Triton kernel takes such a decay) against fla's ``chunk_gla`` when it
     imports.
@@ -690,9 +692,11 @@ def section_tuning(rows, *, lact, causal):
                           [t.detach().requires_grad_() for t in (cq, ck, cv, log_decay)]),
          cb * ct, chunk_flops(**chunk, backward=True)),
     ]
+    forward_choice: dict[str, dict] = {}     # per case name: the forward's tuned choice per site
     try:
         for name, passes, fn, tokens, flops in cases:
             default = {}
+            tuned_here: dict = {}
 
             def measure_default(row, fn=fn, tokens=tokens, flops=flops):
                 tile_tuning.tune_kernels(False)
@@ -714,6 +718,9 @@ def section_tuning(rows, *, lact, causal):
                 row.ms = cuda_ms(fn)
                 row.tokens, row.flops = tokens, flops
                 chosen = [t for key, t in tile_tuning.CHOSEN.items() if key not in before]
+                tuned_here.update((t.site, t.chosen) for t in reversed(chosen))   # a site's first choice
+                if passes == "fwd":
+                    forward_choice[name] = dict(tuned_here)
                 if not tile_tuning.enabled():
                     row.note = "tuning is off here (Triton's interpreter): the default tiles ran"
                 elif chosen:
@@ -722,8 +729,26 @@ def section_tuning(rows, *, lact, causal):
                 else:
                     row.note = "nothing new to tune (chosen at an earlier row)"
 
+            def measure_one_per_site(row, fn=fn, tokens=tokens, flops=flops, name=name):
+                # tuning off, one configuration per site for every launch: the forward's choice where the
+                # forward launched the site, else the first this row's tuning chose -- static defaults
+                # that would compose, where per-launch tuning (the row above) did not always
+                forced = {**tuned_here, **forward_choice.get(name, {})}
+                tile_tuning.tune_kernels(False)
+                with tile_tuning.forcing(**forced):
+                    out = fn()
+                    if out is not None and default.get("o") is not None:
+                        row.error = rel_rms_error(first(out), default["o"])
+                    row.ms = cuda_ms(fn)
+                row.tokens, row.flops = tokens, flops
+                row.note = ("forced: " + "; ".join(f"{site}: {c}" for site, c in forced.items())
+                            if forced else "nothing was tuned here: the default tiles ran")
+
             _attempt(rows, Row(section, f"{name}, default tiles", passes), measure_default)
             _attempt(rows, Row(section, f"{name}, tuned tiles", passes), measure_tuned)
+            if passes == "fwd+bwd":
+                _attempt(rows, Row(section, f"{name}, tuned tiles, one per site", passes),
+                         measure_one_per_site)
     finally:
         tile_tuning.tune_kernels(None)
 

@@ -271,9 +271,10 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     assert not any("failed:" in r for r in rows), rows
     assert list(dict.fromkeys(r[3] for r in rows)) == ["f", "b", "e"], [r[:40] for r in rows]
     tuning = [r for r in rows if r.startswith("| (e)")]
-    assert len(tuning) == 12 and all(r.split("|")[4].strip() != "-" for r in tuning)   # each timed
-    assert sum("tuned tiles" in r for r in tuning) == 6
+    assert len(tuning) == 14 and all(r.split("|")[4].strip() != "-" for r in tuning)   # each timed
+    assert sum("tuned tiles," in r or "tuned tiles |" in r for r in tuning) == 8
     assert all("the default tiles ran" in r for r in tuning if "tuned tiles" in r)
+    assert sum("one per site" in r for r in tuning) == 2
     assert sum("Triton chunk op" in r for r in rows) == 2
     per_channel = [r for r in rows if r.startswith("| (f)") and "torch runtime" in r]
     assert len(per_channel) == 2 and all(r.split("|")[4].strip() != "-" for r in per_channel)
