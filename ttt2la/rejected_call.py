@@ -82,7 +82,8 @@ def rejected(error: Exception, gm: torch.fx.GraphModule, inputs: list, *, path: 
     converted_for = f" It was converted for calls with {expected}." if expected else ""
     message = (f"the converted {path or 'layer'} failed on this call {what}: "
                f"{type(error).__name__}: {first}. {why}{converted_for} Pass inputs the layer as "
-               f"written accepts (the dtype of its weights, no empty axis its reshapes infer).")
+               f"written accepts (the dtype and device of its weights, no empty axis its reshapes "
+               f"infer).")
     return _dual_class(type(error))(message, where=where or None)
 
 
@@ -98,8 +99,8 @@ def rejected_as_written(error: Exception, *, path: str, why: str, expected: str)
     message = (f"the converted {path or 'layer'} ran its code as written ({why}), and that code "
                f"failed on this call{' at ' + where if where else ''}: {type(error).__name__}: "
                f"{first}. The layer as written fails on this call too.{converted_for} Pass inputs "
-               f"the layer as written accepts (the dtype of its weights, the sizes its code "
-               f"reshapes to).")
+               f"the layer as written accepts (the dtype and device of its weights, the sizes its "
+               f"code reshapes to).")
     return _dual_class(type(error))(message, where=where or None)
 
 
