@@ -2,6 +2,7 @@
 on the command line (a ``ConversionError`` subclass from the API), and nothing is written."""
 from __future__ import annotations
 
+import copy
 import json
 import re
 import os
@@ -9,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.utils.parametrize as parametrize
 from safetensors.torch import save_file
 
 import ttt2la
@@ -401,9 +403,63 @@ def test_save_needs_a_converted_model_and_a_free_path(converted, tmp_path):
         ttt2la.save(TinyLaCTLM(**KWARGS), tmp_path / "out")
     with pytest.raises(ttt2la.InvalidInputError, match="needs the example_inputs"):
         ttt2la.save(converted, tmp_path / "out", factory=FACTORY)
-    with pytest.raises(ttt2la.CheckpointError, match="already exists"):
+    with pytest.raises(ttt2la.CheckpointError,
+                       match="directory .*: already exists; .* pass force=True to replace it"):
         ttt2la.save(converted, tmp_path, factory=FACTORY)
+    with pytest.raises(ttt2la.CheckpointError, match="factory 'nope:build': unknown factory"):
+        ttt2la.save(converted, tmp_path / "out", factory="nope:build",
+                    example_inputs=(torch.randint(0, 64, (1, 32)),))
     assert listing(tmp_path) == set()
+
+
+def test_save_refuses_a_checkpoint_load_could_not_read_back(converted, tmp_path):
+    """A parametrization registered after conversion, a config the factory does not take, or
+    one that ties weights the model holds apart, would write a checkpoint that ``load`` fails on
+    or — tied weights — reads back as another model, silently: refused before anything is
+    written."""
+    ids = torch.randint(0, 64, (1, 32))
+    config = {**KWARGS, "tie_embeddings": False}          # as the fixture was built
+    with pytest.raises(ttt2la.CheckpointError,
+                       match=r"not written, .*:TinyLaCTLM does not take the config .*unexpected "
+                             r"keyword"):
+        ttt2la.save(converted, tmp_path / "out", factory=FACTORY, config={**config, "dim": 3},
+                    example_inputs=(ids,))
+    with pytest.raises(ttt2la.CheckpointError,
+                       match=r"not written, .*tied in the model but given different values: "
+                             r"embed\.weight and lm_head\.weight"):
+        ttt2la.save(converted, tmp_path / "out", factory=FACTORY, config=KWARGS,
+                    example_inputs=(ids,))
+    layer = copy.deepcopy(converted)
+    parametrize.register_parametrization(layer.blocks[0].ttt.o_proj, "weight", _Twice())
+    with pytest.raises(ttt2la.CheckpointError,
+                       match=r"not written, since load could not read it back: .* unexpected "
+                             r"blocks\.0\.ttt\.o_proj\.parametrizations\.weight\.original.*"
+                             r"remove_parametrizations"):
+        ttt2la.save(layer, tmp_path / "out", factory=FACTORY, config=config, example_inputs=(ids,))
+    assert listing(tmp_path) == set()
+    ttt2la.save(converted, tmp_path / "out", factory=FACTORY, config=config, example_inputs=(ids,))
+    assert "out" in listing(tmp_path)
+
+
+def test_weights_a_model_ties_but_a_file_holds_apart_are_refused(tmp_path):
+    """Loading distinct embedding and output weights into a model that ties them would load one
+    of them twice: another model, without a word."""
+    from ttt2la.checkpoint.weights import fit_weights
+
+    model = TinyLaCTLM(**KWARGS)                          # ties lm_head to embed
+    tensors = {k: v.clone() for k, v in model.state_dict().items()}
+    tensors["lm_head.weight"] = tensors["embed.weight"] + 1
+    with pytest.raises(ttt2la.WeightMismatchError,
+                       match="tied in the model but given different values: embed.weight and "
+                             "lm_head.weight"):
+        fit_weights(model, tensors, tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["embed.weight"].clone()
+    fit_weights(model, tensors, tmp_path / "model.safetensors")     # the same values: fine
+
+
+class _Twice(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
 
 
 @pytest.mark.parametrize("argument, value, says", [

@@ -22,8 +22,8 @@ from .example_inputs import INPUTS_NAME, build_inputs, describe, write_inputs
 from .manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, replay_differences
 from .recipe import HF_CONFIG, Recipe
 from .source import Source, open_checkpoint, open_zoo
-from .weights import (SAFETENSORS_INDEX, SAFETENSORS_NAME, read_weight_file, sha256_file,
-                      sha256_state, unique_state, write_weights)
+from .weights import (SAFETENSORS_INDEX, SAFETENSORS_NAME, alias_groups, read_weight_file,
+                      sha256_file, sha256_state, unique_state, weight_problems, write_weights)
 from .writing import atomic_directory, check_output_dir
 
 REPORT_NAME = "report.md"
@@ -115,7 +115,7 @@ def save(converted: torch.nn.Module, directory, *, factory: str | None = None,
     if not isinstance(getattr(converted, "ttt2la_report", None), ConversionReport):
         raise InvalidInputError(f"{type(converted).__name__} was not returned by ttt2la.convert "
                                 "(it has no ttt2la_report); convert it first")
-    check_output_dir(Path(directory), force=force)
+    check_output_dir(Path(directory), force=force, name="directory")
     recipe = _recipe_for(converted, factory, config)
     if example_inputs is None and not example_kwargs:
         if not any(n.startswith("example inputs inferred") for n in converted.ttt2la_report.notes):
@@ -126,6 +126,7 @@ def save(converted: torch.nn.Module, directory, *, factory: str | None = None,
         args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
             tuple(example_inputs or ())
         spec, inputs = {"kind": "file"}, (args, example_kwargs)
+    _check_rebuilds(converted, recipe, directory)
     source = {"sha256": sha256_state(unique_state(converted)), "held_in_memory": True}
     return write_checkpoint(converted, directory, recipe=recipe, spec=spec, source=source,
                             inputs=inputs, force=force)
@@ -135,7 +136,7 @@ def _recipe_for(model: torch.nn.Module, factory: str | None, config: dict | None
     if factory is not None:
         from .recipe import resolve_factory
 
-        resolve_factory(factory)
+        resolve_factory(factory, "factory")
         return Recipe("factory", factory=factory, kwargs=dict(config or {}))
     cls = _original_class(model)
     name = f"{cls.__module__}.{cls.__qualname__}"
@@ -143,6 +144,41 @@ def _recipe_for(model: torch.nn.Module, factory: str | None, config: dict | None
         return Recipe("hf", auto_class=_hf_auto_class(model, cls), model_class=name,
                       trust_remote_code=bool(getattr(model.config, "auto_map", None)))
     return Recipe("module", model_class=name)
+
+
+def _check_rebuilds(converted: torch.nn.Module, recipe: Recipe, directory) -> None:
+    """Refuse to write a checkpoint ``load`` could not read back: the model the factory builds
+    must take the converted model's weights (a parametrization registered, or a submodule
+    changed, after it was built would not be rebuilt). Built on the meta device: shapes, no
+    memory; a factory that cannot build there is left to ``load``."""
+    if recipe.kind != "factory":
+        return
+    from .recipe import resolve_factory
+
+    build = resolve_factory(recipe.factory, "factory")
+    try:
+        with torch.device("meta"):
+            built = build(**recipe.kwargs)
+    except TypeError as e:          # the arguments: meta tensors raise no TypeError of their own
+        raise CheckpointError(
+            f"directory {directory}: not written, since load could not rebuild the model: "
+            f"{recipe.factory} does not take the config {recipe.kwargs} ({e}). Pass the keyword "
+            "arguments that build this model as config.") from e
+    except Exception:               # a factory that needs values to build: load will tell
+        return
+    if not isinstance(built, torch.nn.Module):
+        return
+    state = converted.state_dict()
+    problems = weight_problems(built, {names[0]: state[names[0]]
+                                       for names in alias_groups(converted)})
+    if problems:
+        raise CheckpointError(
+            f"directory {directory}: not written, since load could not read it back: the model "
+            f"that {recipe.factory} builds with {recipe.kwargs or 'no arguments'} does not take "
+            f"this model's weights ({'; '.join(problems)}). A parametrization registered after "
+            "the model was built is not rebuilt by the factory: remove it first "
+            "(torch.nn.utils.parametrize.remove_parametrizations(module, name)), or save with the "
+            "factory and config that build this model.")
 
 
 def _original_class(model: torch.nn.Module) -> type:

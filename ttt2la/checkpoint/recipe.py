@@ -60,7 +60,7 @@ class Recipe:
                                       f"{', '.join(sorted(ZOO))}")
             return build_zoo_model(self.name)
         if self.kind == "factory":
-            return build_from_factory(self.factory, self.kwargs)
+            return build_from_factory(self.factory, self.kwargs, "the recorded factory")
         if self.kind == "module":
             raise CheckpointError(f"no recipe records how to build {self.model_class}; pass "
                                   "the model to build (model=...)")
@@ -69,39 +69,40 @@ class Recipe:
 
 
 # -- factories ----------------------------------------------------------------------------------
-def resolve_factory(spec: str):
-    """The callable named by ``"pkg.module:attr"`` (``attr`` may be dotted)."""
+def resolve_factory(spec: str, name: str = "--model"):
+    """The callable named by ``"pkg.module:attr"`` (``attr`` may be dotted); ``name``: the
+    argument as the caller knows it (``--model``, or ``factory`` in ``ttt2la.save``)."""
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
-        raise CheckpointError(f"--model {spec!r}: expected pkg.module:factory, e.g. "
+        raise CheckpointError(f"{name} {spec!r}: expected pkg.module:factory, e.g. "
                               "mypkg.models:build_model")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
-        raise CheckpointError(f"--model {spec!r}: unknown factory, cannot import "
+        raise CheckpointError(f"{name} {spec!r}: unknown factory, cannot import "
                               f"{module_name} ({e})") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
-            raise CheckpointError(f"--model {spec!r}: unknown factory, {module_name} has no "
+            raise CheckpointError(f"{name} {spec!r}: unknown factory, {module_name} has no "
                                   f"{attr}") from e
     if not callable(obj):
-        raise CheckpointError(f"--model {spec!r}: {attr} is a {type(obj).__name__}, not a "
+        raise CheckpointError(f"{name} {spec!r}: {attr} is a {type(obj).__name__}, not a "
                               "callable that builds a model")
     return obj
 
 
-def build_from_factory(spec: str, kwargs: dict) -> torch.nn.Module:
+def build_from_factory(spec: str, kwargs: dict, name: str = "--model") -> torch.nn.Module:
     """Call the factory ``spec`` with ``kwargs`` and check it built a module."""
-    factory = resolve_factory(spec)
+    factory = resolve_factory(spec, name)
     try:
         model = factory(**kwargs)
     except Exception as e:
-        raise CheckpointError(f"--model {spec!r}: the factory failed with {kwargs or 'no'} "
+        raise CheckpointError(f"{name} {spec!r}: the factory failed with {kwargs or 'no'} "
                               f"keyword arguments: {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
-        raise CheckpointError(f"--model {spec!r}: the factory returned a "
+        raise CheckpointError(f"{name} {spec!r}: the factory returned a "
                               f"{type(model).__name__}, not a torch.nn.Module")
     return model.eval()
 

@@ -174,25 +174,40 @@ def fit_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where:
     A tied weight may be stored under any one of its names. Missing, unexpected and mis-shaped
     tensors are all listed in one ``WeightMismatchError`` naming ``where``.
     """
-    expected = model.state_dict()
-    full, missing, seen = {}, [], set()
-    for names in alias_groups(model):
-        stored = next((n for n in names if n in tensors), None)
-        if stored is None:
-            missing += names
-            continue
-        seen.update(n for n in names if n in tensors)
-        full.update((n, tensors[stored]) for n in names)
-    unexpected = sorted(set(tensors) - seen)
-    shapes = [f"{n}: file {tuple(t.shape)}, model {tuple(expected[n].shape)}"
-              for n, t in full.items() if tuple(t.shape) != tuple(expected[n].shape)]
-    problems = ([f"missing {_few(missing)}"] if missing else []) + \
-               ([f"unexpected {_few(unexpected)}"] if unexpected else []) + \
-               ([f"mis-shaped {_few(shapes)}"] if shapes else [])
+    full, problems = _fitted(model, tensors)
     if problems:
         raise WeightMismatchError(f"{where}: the weights do not fit {type(model).__name__} "
                                   f"({'; '.join(problems)})")
     model.load_state_dict(full, strict=True)
+
+
+def weight_problems(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """What keeps ``tensors`` from loading into ``model`` (shapes only): ``[]`` when they fit."""
+    return _fitted(model, tensors)[1]
+
+
+def _fitted(model: torch.nn.Module, tensors: dict) -> tuple[dict, list[str]]:
+    """``tensors`` under every name of the model's tied weights, and the missing, unexpected,
+    mis-shaped and wrongly tied ones, described (weights the model ties, given distinct, would
+    otherwise all load the first one: another model, silently)."""
+    expected = model.state_dict()
+    full, missing, seen, untied = {}, [], set(), []
+    for names in alias_groups(model):
+        present = [n for n in names if n in tensors]
+        if not present:
+            missing += names
+            continue
+        if any(not torch.equal(tensors[present[0]], tensors[n]) for n in present[1:]):
+            untied.append(" and ".join(present))
+        seen.update(present)
+        full.update((n, tensors[present[0]]) for n in names)
+    unexpected = sorted(set(tensors) - seen)
+    shapes = [f"{n}: file {tuple(t.shape)}, model {tuple(expected[n].shape)}"
+              for n, t in full.items() if tuple(t.shape) != tuple(expected[n].shape)]
+    return full, ([f"missing {_few(missing)}"] if missing else []) + \
+        ([f"unexpected {_few(unexpected)}"] if unexpected else []) + \
+        ([f"mis-shaped {_few(shapes)}"] if shapes else []) + \
+        ([f"tied in the model but given different values: {_few(untied)}"] if untied else [])
 
 
 def _few(items: list[str], n: int = 4) -> str:

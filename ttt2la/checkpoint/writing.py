@@ -13,27 +13,30 @@ from pathlib import Path
 from .errors import CheckpointError
 
 
-def check_output_dir(out: Path, *, force: bool = False, inputs=()) -> Path:
+def check_output_dir(out: Path, *, force: bool = False, inputs=(), name: str = "--out") -> Path:
     """Refuse an output path that exists (unless ``force``), that is or contains an input, or
-    whose folder cannot be written — before any work is done."""
+    whose folder cannot be written — before any work is done. ``name``: the argument as the
+    caller knows it (``--out`` on the command line, ``directory`` in ``ttt2la.save``)."""
     out = Path(out)
+    force_hint = "--force" if name.startswith("--") else "force=True"
     target = out.resolve()
     for given in inputs:
         src = Path(given).resolve()
         if target == src or target in src.parents:
-            raise CheckpointError(f"--out {out}: is the input {given}{' or holds it' * (target != src)}; "
+            raise CheckpointError(f"{name} {out}: is the input {given}{' or holds it' * (target != src)}; "
                                   "choose another output directory")
     if out.exists() and not force:
-        raise CheckpointError(f"--out {out}: already exists; choose a new path or pass --force "
-                              "to replace it")
+        raise CheckpointError(f"{name} {out}: already exists; choose a new path or pass "
+                              f"{force_hint} to replace it")
     parent = target.parent
     if not parent.is_dir():
-        raise CheckpointError(f"--out {out}: the folder {parent} does not exist")
+        raise CheckpointError(f"{name} {out}: the folder {parent} does not exist")
     try:
         probe = tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".probe")
         os.rmdir(probe)
     except OSError as e:
-        raise CheckpointError(f"--out {out}: cannot write in {parent} ({e.strerror or e})") from e
+        raise CheckpointError(f"{name} {out}: cannot write in {parent} ({e.strerror or e})") \
+            from e
     return out
 
 
