@@ -344,6 +344,45 @@ def test_tracing_failures_name_the_layer_and_the_source_line(cls, code):
 
 # -- a model's loop over its blocks -----------------------------------------------------------
 
+class AutogradStepReturned(nn.Module):
+    """``torch.autograd.grad`` after ``requires_grad_()`` on an expanded parameter, the chunks'
+    reads concatenated and returned as they are (no projection after the loop)."""
+
+    def __init__(self, loss: str, d: int = 16, heads: int = 2, chunk: int = 4):
+        super().__init__()
+        self.loss, self.H, self.D, self.C = loss, heads, d // heads, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.W0 = nn.Parameter(torch.randn(heads, self.D, self.D) * 0.1)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.H, self.D).permute(2, 0, 3, 1, 4)
+        W = self.W0.unsqueeze(0).expand(B, -1, -1, -1)
+        outs = []
+        for s in range(0, L, self.C):
+            kc, vc = k[:, :, s:s + self.C], v[:, :, s:s + self.C]
+            with torch.enable_grad():
+                W = W.requires_grad_()
+                pred = kc @ W
+                loss = (pred - vc).pow(2).sum() if self.loss == "mse" else -(pred * vc).sum()
+                (g,) = torch.autograd.grad(loss, W, create_graph=True)
+            W = W - 0.05 * g
+            outs.append(q[:, :, s:s + self.C] @ W)
+        return torch.cat(outs, dim=2).transpose(1, 2).reshape(B, L, d)
+
+
+@pytest.mark.parametrize("loss", ["mse", "dot"])
+def test_an_autograd_step_whose_reads_are_the_output_converts_exactly(loss):
+    """Traced with autograd live, the layer's graph returned its one output unflattened, which
+    the copied output spec then read as a list of its batch rows: every conversion failed."""
+    torch.manual_seed(0)
+    layer = AutogradStepReturned(loss)
+    x = torch.randn(2, 16, 16)
+    for level in (0, 2):
+        converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+        assert_same_function(converted, layer, [x, torch.randn(3, 10, 16)])
+
+
 class _ResidualBlocks(nn.Module):
     """A model looping over its blocks with a residual add in its own loop body: a loop, but
     over layers, taking no chunk of the sequence."""

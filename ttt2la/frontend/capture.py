@@ -155,7 +155,9 @@ def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModu
     flat_args = pytree.tree_leaves(args)
 
     def replay(*flat):
-        return torch.fx.Interpreter(plain).run(*flat)
+        # flat in, flat out: the outputs as ``plain``'s output node lists them, which is what the
+        # codegen copied below unflattens (an unflattened single tensor would be read as a list)
+        return torch.fx.Interpreter(plain).run(*flat, enable_io_processing=False)
 
     pure = torch.func.functionalize(replay, remove="mutations")
     with fx_traceback.preserve_node_meta():
