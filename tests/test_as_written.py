@@ -250,3 +250,47 @@ def test_a_generic_plan_that_scans_races_and_keeps_the_faster(monkeypatch):
     assert plan.implementation == "torch.vmap(parallel)" and not plan.loops_over_chunks
     assert conv._ttt2la.as_written.races[(1, 32, torch.float32)].winner == WRITTEN
     assert costs.written_calls == _expected_written_calls(CALLS_TO_DECIDE + 2, WRITTEN)
+
+
+class ChunkMeanGate(nn.Module):
+    """A decay per chunk and head from the chunk's mean token: padding a partial last chunk with
+    zeros would change its mean, so the plan cannot run such a length."""
+
+    def __init__(self, d: int = 16, heads: int = 2, chunk: int = 4):
+        super().__init__()
+        self.H, self.D, self.C = heads, d // heads, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, heads)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.H, self.D).permute(2, 0, 3, 1, 4)
+        W = x.new_zeros(B, self.H, self.D, self.D)
+        outs = []
+        for s in range(0, L, self.C):
+            a = torch.sigmoid(self.gate(x[:, s:s + self.C].mean(1)))
+            W = a[:, :, None, None] * W + k[:, :, s:s + self.C].transpose(-1, -2) @ v[:, :, s:s + self.C]
+            outs.append(q[:, :, s:s + self.C] @ W)
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, d)
+
+
+def test_a_partial_last_chunk_the_plan_cannot_pad_runs_as_written_when_exact():
+    """Every length the layer as written takes, the exact conversion takes: a partial last chunk
+    whose zero padding would change the chunk's mean runs the code as written (the report's runs
+    say so), outputs and gradients equal; a lossy conversion, which has no code as written to
+    run, raises ``PartialChunkError``."""
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = ChunkMeanGate()
+    converted = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 16),))
+    ragged = torch.randn(3, 10, 16)
+    assert_same_function(converted, layer, [ragged, torch.randn(3, 12, 16)])
+    runs = converted.ttt2la_report.layers[0].runs
+    assert runs["batch 3, length 10, partial last chunk"].startswith(
+        "as written: the plan would pad the last chunk, and the padding changes"), runs
+    assert not any("partial" in key for key in runs if "length 12" in key)
+    lossy = copy.deepcopy(converted)
+    lossy._ttt2la.as_written = None          # what a lossy conversion holds: nothing to run
+    with pytest.raises(ttt2la.PartialChunkError, match="The last chunk is partial"):
+        lossy(ragged)

@@ -13,8 +13,8 @@ from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpoint
                                 WeightMismatchError)
 from .conversion import convert, inspect
 from .errors import (AlreadyConvertedError, ConversionError, LevelNotImplementedError,
-                     NonReducibleError, PlanFallbackError, RejectedCallError, StreamingError,
-                     UnsupportedShapeError, UnsupportedTTTError)
+                     NonReducibleError, PartialChunkError, PlanFallbackError, RejectedCallError,
+                     StreamingError, UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 from .stream import Stream, TTTState
 from .sweep import SweepReport, sweep
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInputError",
            "CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
            "NonReducibleError", "UnsupportedTTTError",
-           "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "ConversionReport",
+           "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "PartialChunkError",
+           "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
            "AlreadyConvertedError", "RejectedCallError", "race_as_written", "__version__"]

@@ -27,7 +27,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .as_written import AsWritten, races
-from .errors import AlreadyConvertedError, ConversionError, StreamingError, UnsupportedTTTError
+from .errors import (AlreadyConvertedError, ConversionError, PartialChunkError, StreamingError,
+                     UnsupportedTTTError)
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
@@ -189,6 +190,13 @@ class ConvertedState:
             return self.as_written.call(
                 (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
                 self.runs, AsWritten.shape(B, L))
+        except PartialChunkError as e:
+            if self.as_written is None:
+                raise
+            self.runs[f"batch {B}, length {L}, partial last chunk"] = (
+                f"as written: the plan would pad the last chunk, and the padding changes {e.what}")
+            return self._as_written(written, "its last chunk is partial, where the plan's zero "
+                                             f"padding would change {e.what}")
         except Exception as e:
             raise self._rejected(e, gm, [weights, *flat]) from e
 

@@ -15,6 +15,16 @@ class PlanFallbackError(UnsupportedTTTError):
     to run another one in its place."""
 
 
+class PartialChunkError(UnsupportedTTTError):
+    """A call whose last chunk is partial, where padding it with zeros would change the result
+    (a mean over the chunk, attention across its tokens): the plan cannot run it. An exact
+    conversion runs its code as written for such a call instead; a lossy one raises this."""
+
+    def __init__(self, message: str, *, what: str = ""):
+        super().__init__(message)
+        self.what = what        # what the padding would change, in words
+
+
 class UnsupportedShapeError(ConversionError):
     """A converted layer was called at a shape its conversion does not cover (the layer's own
     code ran only at some batch sizes when it was traced)."""

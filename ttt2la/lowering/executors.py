@@ -29,7 +29,7 @@ from torch.func import vmap
 from ..analysis.associativity import Analysis, analyze
 from ..analysis.op_vocabulary import (CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, TENSOR_SHAPED_FILLS,
                                       calls, op_name)
-from ..errors import UnsupportedTTTError
+from ..errors import PartialChunkError, UnsupportedTTTError
 from ..ir import TTTProgram, reshape_views
 from ..preparation import out_of_sight
 from ..runtime import affine_scan, prefix_sum
@@ -156,7 +156,7 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
 
 def require_inert_padding(program: TTTProgram, states0, invariants, layout: ChunkLayout,
                           cache: dict[int, str | None]) -> None:
-    """Raise ``UnsupportedTTTError`` when a partial last chunk's zero padding is not inert
+    """Raise ``PartialChunkError`` when a partial last chunk's zero padding is not inert
     (``padding_problem``); the verdict is cached per tail length in ``cache``."""
     tail = int(layout.tail)            # a plain key, also when a compiler traces sizes
     if tail not in cache:
@@ -171,12 +171,12 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
     if what is not None:
         c = layout.chunk_size
         hint = " or an apply-only last chunk" if program.last_chunk == "update" else ""
-        raise UnsupportedTTTError(
+        raise PartialChunkError(
             f"The last chunk is partial (L = {layout.length} with chunk size {c}: "
             f"{layout.tail} real token(s) padded with {c - layout.tail} zero(s)), and the "
             f"zero padding changes {what} — the padded tokens are not inert (a mean over the "
             f"chunk, attention across its tokens, or a bias on an empty token). Use a length "
-            f"that is a multiple of {c}{hint}.")
+            f"that is a multiple of {c}{hint}.", what=what)
 
 
 def _stand_ins(values) -> list:
