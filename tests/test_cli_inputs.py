@@ -510,3 +510,36 @@ def test_sweep_arguments_of_the_wrong_kind(arguments, says):
 def test_sweep_needs_a_module():
     with pytest.raises(ttt2la.InvalidInputError, match="torch.nn.Module, got None"):
         ttt2la.sweep(None, example_inputs=(torch.randn(1, 32, 32),))
+
+
+class _GradOnlyInTraining(torch.nn.Module):
+    """An inner gradient by ``torch.autograd.grad`` of a fast weight derived from a parameter,
+    with no ``enable_grad``/``requires_grad_`` of its own: it runs only while gradients are
+    recorded, and fails under ``torch.no_grad()``."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.kv = torch.nn.Linear(d, 2 * d, bias=False)
+        self.W0 = torch.nn.Parameter(torch.zeros(d, d))
+
+    def forward(self, x):
+        k, v = self.kv(x).chunk(2, -1)
+        W = self.W0.expand(x.shape[0], -1, -1)
+        outs = []
+        for s in range(0, x.shape[1], 4):
+            kc, vc = k[:, s:s + 4], v[:, s:s + 4]
+            (g,) = torch.autograd.grad(-(kc @ W * vc).sum(), W, create_graph=True)
+            W = W - g
+            outs.append(kc @ W)
+        return torch.cat(outs, 1)
+
+
+def test_a_layer_whose_inner_gradient_needs_the_callers_grad_mode_is_told_what_to_do():
+    layer = _GradOnlyInTraining()
+    x = torch.randn(2, 8, 8)
+    layer(x)                                      # runs while gradients are recorded
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=r"does not require grad and does not have a grad_fn\. The model runs here without gradients, "
+                             r"as inference under torch\.no_grad\(\) does.*torch\.enable_grad\(\) "
+                             r"with requires_grad_\(\)"):
+        ttt2la.convert(layer, level=0, example_inputs=(x,))

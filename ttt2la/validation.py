@@ -176,8 +176,22 @@ def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> N
         raise InvalidInputError(
             f"{type(model).__name__} fails on the example inputs ({shapes}){_where(e)}: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            " — pass inputs the model accepts (dtype, width, token ids below the vocabulary "
-            "size)") from e
+            + (NEEDS_GRAD_MODE if needs_grad_mode(e) else
+               " — pass inputs the model accepts (dtype, width, token ids below the vocabulary "
+               "size)")) from e
+
+
+#: What to do when a layer's inner gradient works only while the caller records gradients.
+NEEDS_GRAD_MODE = (
+    ". The model runs here without gradients, as inference under torch.no_grad() does, and its "
+    "torch.autograd.grad then finds nothing that requires grad: take the inner gradient under "
+    "torch.enable_grad() with requires_grad_() on the fast weight, or with torch.func.grad, so "
+    "the layer runs in either mode")
+
+
+def needs_grad_mode(e: BaseException) -> bool:
+    """Whether ``e`` is autograd's error for a gradient of something that records none."""
+    return isinstance(e, RuntimeError) and "does not require grad" in str(e)
 
 
 def input_name(path, whole: str = "?") -> str:
