@@ -153,6 +153,25 @@ def squares_offsets(W, q, k, v, lr):
     return torch.cat(outs, dim=1), W
 
 
+def chunks_in_reverse(W, q, k, v, lr):
+    outs = []
+    for i in reversed(range(4)):
+        qi = q[:, 2 * i:2 * i + 2]
+        outs.append(qi @ W)
+        W = W * lr
+    return torch.cat(outs, dim=1), W
+
+
+def a_rate_per_chunk_made_before_the_loop(W, q, k, v, lr):
+    rates = lr.reshape(-1, 1).expand(-1, 4)          # one rate per chunk: [1, n]
+    outs = []
+    for i in range(4):
+        qi = q[:, 2 * i:2 * i + 2]
+        outs.append(qi @ W)
+        W = W * rates[:, i]
+    return torch.cat(outs, dim=1), W
+
+
 def two_chunk_sizes(W, q, k, v, lr):
     outs = []
     for i in range(3):
@@ -294,7 +313,27 @@ def test_a_constant_that_changes_between_iterations_is_refused():
 
 def test_an_offset_that_does_not_move_by_a_chunk_is_refused():
     _gm, _ph, u = _traced(squares_offsets, 10)
-    with pytest.raises(UnsupportedTTTError, match="neither a chunk slice nor carried state"):
+    with pytest.raises(UnsupportedTTTError,
+                       match=r"aten\.slice\.Tensor at .*test_rollup_phases\.py:\d+ in "
+                             r"squares_offsets changes between iterations, and is neither the "
+                             r"next chunk or token"):
+        classify_inputs(u)
+
+
+def test_a_loop_over_chunks_in_reverse_is_refused_saying_how_to_run_it_forward():
+    _gm, _ph, u = _traced(chunks_in_reverse, 8)
+    with pytest.raises(UnsupportedTTTError,
+                       match=r"in chunks_in_reverse reads the sequence's chunks in reverse order "
+                             r".*x\.flip\(1\)") as info:
+        classify_inputs(u)
+    assert "%" not in str(info.value)             # no graph node's repr
+
+
+def test_a_value_per_chunk_made_before_the_loop_is_refused_saying_where_to_make_it():
+    _gm, _ph, u = _traced(a_rate_per_chunk_made_before_the_loop, 8)
+    with pytest.raises(UnsupportedTTTError,
+                       match=r"aten\.select\.int at .* takes one row per iteration beside chunks "
+                             r"of 2 tokens: .*Compute it inside the loop from the chunk"):
         classify_inputs(u)
 
 

@@ -35,8 +35,8 @@ import torch.fx
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, placeholder, InvariantSpec, OutputSpec, StateSpec,
-                  StreamSpec, TTTProgram, memory_order, reshape_views)
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
+                  OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
 from .source_names import PIECE_NAME, assigned_name, state_names, stream_name, unique
 
@@ -229,12 +229,10 @@ def classify_inputs(u: Unrolled) -> Inputs:
             continue
         stream = _chunk_slice(n, u.to2[n])
         if stream is None:
-            raise u.fail(f"iteration input {n.format_node()} changes between iterations in a "
-                         "way that is neither a chunk slice nor carried state")
+            raise u.fail(_not_a_stream(n, u.to2[n]))
         chunk = next(iter(streams.values())).chunk if streams else None
         if chunk not in (None, stream.chunk):
-            raise u.fail("the loop mixes per-token and per-chunk slicing" if stream.per_token
-                         else f"streams are sliced with chunk sizes {chunk} and {stream.chunk}")
+            raise u.fail(_mixed_streams(n, stream, streams))
         streams[n] = stream
     if not streams:
         raise u.fail("no chunk streams: the loop does not slice the sequence")
@@ -262,6 +260,35 @@ def _equal_constants(gm: torch.fx.GraphModule, a: torch.fx.Node, b) -> bool:
     return (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
             and ta.shape == tb.shape and ta.dtype == tb.dtype and ta.device == tb.device
             and bool(torch.equal(ta, tb)))
+
+
+def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node) -> str:
+    """Why iteration input ``n`` (``n2`` the next iteration's) is refused, and what to do."""
+    what = describe_node(n)
+    if n.target in SLICE_TARGETS and n2.args[0] is n.args[0] and \
+            isinstance(n.args[2], int) and isinstance(n2.args[2], int) and n2.args[2] < n.args[2]:
+        return (f"{what} reads the sequence's chunks in reverse order (a scan from its end): "
+                "ttt2la converts loops that walk the sequence forward. Flip the sequence before "
+                "the loop and its outputs after (x.flip(1)), so that the loop runs forward")
+    return (f"{what} changes between iterations, and is neither the next chunk or token of the "
+            "sequence nor a state carried from the last iteration")
+
+
+def _mixed_streams(n: torch.fx.Node, stream: ChunkStream,
+                   streams: dict[torch.fx.Node, ChunkStream]) -> str:
+    """Why stream ``n``, whose step differs from the earlier ``streams``', is refused, and what
+    to do."""
+    first, earlier = next(iter(streams.items()))
+    rows = [(m, s) for m, s in ((n, stream), (first, earlier)) if s.per_token]
+    if rows:
+        (row, _), = rows[:1]
+        chunk = max(stream.chunk, earlier.chunk)
+        return (f"{describe_node(row)} takes one row per iteration beside chunks of {chunk} "
+                "tokens: a value per chunk computed before the loop (a gate or rate per chunk), "
+                "which ttt2la cannot line up with the chunks' tokens. Compute it inside the loop "
+                "from the chunk (e.g. gate(x[:, s:e].mean(1))), or give it one value per token")
+    return (f"streams are sliced with chunk sizes {earlier.chunk} and {stream.chunk} "
+            f"({describe_node(first)} and {describe_node(n)})")
 
 
 def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> ChunkStream | None:
