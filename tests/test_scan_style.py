@@ -85,6 +85,41 @@ def test_split_axis_finds_the_one_axis_split_into_chunks():
     assert split_axis((2, 2, 2, 1), (2, 2, 1, 2, 1)) is None        # axis 1 or 2: ambiguous
     assert split_axis((2, 2, 2, 1), (2, 2, 1, 2, 1), axis=2) == (2, 2)
     assert split_axis((2, 12), (2, 12, 1, 1)) is None
+    # the sequence and the features split in one view: [B, L, H·D] -> [B, N, K, H, D]
+    assert split_axis((2, 32, 32), (2, 4, 8, 2, 16)) == (1, 8)
+    assert split_axis((2, 32, 96), (2, 4, 8, 3, 2, 16), axis=1) == (1, 8)
+    assert split_axis((2, 32, 96), (2, 4, 8, 3, 2, 15)) is None        # the features do not fit
+
+
+class OneViewChunks(torch.nn.Module):
+    """Mini-batches cut by one view that splits the sequence and the heads together,
+    ``[B, L, H·D] -> [B, N, K, H, D]``, moved mini-batch first, taken as ``q[i]`` in the loop."""
+
+    def __init__(self, d: int = 16, heads: int = 2, chunk: int = 4):
+        super().__init__()
+        self.H, self.D, self.C = heads, d // heads, chunk
+        self.q, self.k, self.v = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        B, L, d = x.shape
+        n = L // self.C
+        q, k, v = (p(x).view(B, n, self.C, self.H, self.D).permute(1, 0, 3, 2, 4)
+                   for p in (self.q, self.k, self.v))
+        W = x.new_zeros(B, self.H, self.D, self.D)
+        outs = []
+        for i in range(n):
+            qc, kc, vc = q[i], k[i], v[i]
+            W = W + 0.1 * kc.transpose(-1, -2) @ vc
+            outs.append(qc @ W)
+        return torch.stack(outs, 0).permute(1, 0, 3, 2, 4).reshape(B, L, d)
+
+
+def test_mini_batches_cut_by_one_view_of_sequence_and_heads_convert_exactly():
+    torch.manual_seed(0)
+    layer = OneViewChunks()
+    converted = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 16),))
+    assert converted.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+    assert_same_function(converted, layer, [torch.randn(3, 12, 16), torch.randn(1, 32, 16)])
 
 
 def test_discovery_reads_the_mini_batch_size_from_the_reshape():

@@ -44,13 +44,20 @@ _COPIES = (aten.clone.default, aten.alias.default)
 
 def split_axis(before, after, axis: int | None = None) -> tuple[int, int] | None:
     """``(a, K)`` when ``after`` is ``before`` with axis ``a`` (``axis`` when given) split into
-    ``(N, K)``; ``None`` when it is not, or when more than one axis could be the split one."""
+    ``(N, K)`` — the axes after it may be regrouped in the same view (``view(B, N, K, 3, H, D)``
+    of ``[B, L, 3·H·D]``); ``None`` when it is not, or when more than one axis could be the
+    split one."""
     before, after = list(before), list(after)
-    if len(after) != len(before) + 1:
+    if len(after) <= len(before) or (axis is not None and axis >= len(before)):
         return None
-    hits = [(a, after[a + 1]) for a in (range(len(before)) if axis is None else [axis])
-            if after[:a] == before[:a] and after[a + 2:] == before[a + 1:]
-            and after[a] * after[a + 1] == before[a]]
+    axes = range(len(before)) if axis is None else [axis]
+    if len(after) == len(before) + 1:
+        hits = [(a, after[a + 1]) for a in axes if after[:a] == before[:a]
+                and after[a] * after[a + 1] == before[a] and after[a + 2:] == before[a + 1:]]
+    else:                           # the axes after the split regrouped too
+        hits = [(a, after[a + 1]) for a in axes if a + 1 < len(before)
+                and after[:a] == before[:a] and after[a] * after[a + 1] == before[a]
+                and math.prod(after[a + 2:]) == math.prod(before[a + 1:])]
     return hits[0] if len(hits) == 1 else None
 
 
@@ -84,7 +91,7 @@ class ChunkAxes:
             return
         name = getattr(func, "__name__", "")
         x = args[0]
-        if name in ("reshape", "view") and out.dim() == x.dim() + 1:
+        if name in ("reshape", "view") and out.dim() > x.dim():
             found = split_axis(x.shape, out.shape)
             if found is not None:
                 self._mark(out, found[0], found[1])
@@ -216,8 +223,8 @@ def _rewrite_stream(graph: torch.fx.Graph, sel: torch.fx.Node, found) -> torch.f
     base, offset = _folded_slice(t, axis)
     count = _shape(steps[0])[axis]
     start = offset + (sel.args[2] % count) * size
-    one = _shape(t)
-    one[axis:axis + 1] = [1, size]
+    one = _shape(steps[0])               # the split's shape, with one chunk
+    one[axis] = 1
     with graph.inserting_before(sel):
         chunk = _emit(graph, aten.slice.Tensor, (base, axis, start, start + size), sel.meta)
         split = _emit(graph, aten.view.default, (chunk, one), sel.meta)

@@ -438,10 +438,12 @@ def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_le
 def _takes_no_chunks(cand: LoopCandidate) -> str:
     """Why a loop that took no piece of the sequence is no TTT loop (a loop over blocks)."""
     return (f"{_layer_name(cand)}: the loop at {cand.loop.src} takes no chunk or token of the "
-            "sequence, so it carries nothing along it: a loop over blocks or over steps on the "
-            "whole sequence, not over chunks. Any TTT layer it calls is converted on its own. "
-            "(ttt2la reads the chunks a loop takes by slicing — x[:, s:e], narrow, select "
-            "—, split or unbind, or by indexing a tensor of chunks.)")
+            "sequence that ttt2la can read, so it carries nothing along it that ttt2la can see: "
+            "a loop over blocks or over steps on the whole sequence, not over chunks. Any TTT "
+            "layer it calls is converted on its own. (ttt2la reads the chunks a loop takes by "
+            "slicing — x[:, s:e], narrow, select —, by split or unbind of the sequence in the "
+            "loop statement, or by xs[i] in the loop's body, xs the sequence reshaped to "
+            "[N, ..., K, ...] chunks.)")
 
 
 def _refuse_fixed_cuts(cand: LoopCandidate, seq_len: int | None) -> None:
