@@ -659,6 +659,33 @@ MUTATIONS = [
         (("ttt2la/frontend/recognize.py", "    if len(cand.slice_starts) >= 2 or seq_len is None or not cand.slice_starts:",
           "    if len(cand.slice_starts) >= 2 or seq_len is None:"),),
         ("tests/test_frontend_styles.py",), "loop_over_blocks"),
+    Mutation(
+        "as_written_errors_raw", "a call run as written raises the code's raw error",
+        (("ttt2la/converted.py", "        except Exception as e:\n            raise rejected_as_written(",
+          "        except ConversionError as e:\n            raise rejected_as_written("),),
+        ("tests/test_submodule_hooks.py", "tests/test_training_mode.py"), "as_written_fails or as_written_rejects"),
+    Mutation(
+        "folds_for_unknown_layers_ignored", "folds naming no layer of the model are ignored",
+        (("ttt2la/conversion.py", "        if path not in paths:\n", "        if path not in paths and False:\n"),),
+        ("tests/test_cli_inputs.py",), "naming_no_layer"),
+    Mutation(
+        "tied_weights_loaded_apart", "distinct weights a model ties load one of them twice",
+        (("ttt2la/checkpoint/weights.py", "            untied.append(\" and \".join(present))", "            pass"),),
+        ("tests/test_cli_inputs.py",), "tie or read_back"),
+    Mutation(
+        "autograd_trace_output_unflattened", "a graph traced with autograd live returns its output unflattened",
+        (("ttt2la/frontend/capture.py", "run(*flat, enable_io_processing=False)", "run(*flat)"),),
+        ("tests/test_frontend_styles.py",), "autograd_step"),
+    Mutation(
+        "partial_chunk_refused_when_exact", "an exact conversion refuses a partial last chunk its source runs",
+        (("ttt2la/converted.py", "        except PartialChunkError as e:\n            if self.as_written is None:",
+          "        except PartialChunkError as e:\n            if True:"),),
+        ("tests/test_as_written.py",), "partial"),
+    Mutation(
+        "one_view_split_unread", "a view splitting the sequence and the heads together is no chunk split",
+        (("ttt2la/frontend/prechunked.py", "    else:                           # the axes after the split regrouped too\n        hits = [",
+          "    else:                           # the axes after the split regrouped too\n        hits = [] and ["),),
+        ("tests/test_scan_style.py",), "split_axis or one_view"),
 ]
 
 

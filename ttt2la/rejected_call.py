@@ -10,9 +10,6 @@ class (a ``RuntimeError`` stays one to an ``except RuntimeError``), chained as i
 """
 from __future__ import annotations
 
-import os
-import traceback
-
 import torch
 import torch.fx
 
@@ -93,28 +90,17 @@ def rejected_as_written(error: Exception, *, path: str, why: str, expected: str)
     class naming the user's line it came from."""
     if isinstance(error, ConversionError):
         return error
-    where = _user_line(error.__traceback__)
+    from .frontend.capture import user_frame
+
+    at = user_frame(error) or ""
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     converted_for = f" It was converted for calls with {expected}." if expected else ""
     message = (f"the converted {path or 'layer'} ran its code as written ({why}), and that code "
-               f"failed on this call{' at ' + where if where else ''}: {type(error).__name__}: "
+               f"failed on this call{' at ' + at if at else ''}: {type(error).__name__}: "
                f"{first}. The layer as written fails on this call too.{converted_for} Pass inputs "
                f"the layer as written accepts (the dtype and device of its weights, the sizes its "
                f"code reshapes to).")
-    return _dual_class(type(error))(message, where=where or None)
-
-
-def _user_line(tb) -> str:
-    """``file:line`` of the innermost frame of ``tb`` in the user's code: outside torch and
-    outside ttt2la's own machinery (its zoo of layers counts as user code)."""
-    own = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    zoo = os.path.join(os.path.dirname(__file__), "zoo")
-    where = ""
-    for frame, line in traceback.walk_tb(tb):
-        name = os.path.abspath(frame.f_code.co_filename)
-        if name.startswith(zoo) or not name.startswith(own):
-            where = f"{name}:{line}"
-    return where
+    return _dual_class(type(error))(message, where=at.split(" (`")[0] or None)
 
 
 __all__ = ["rejected", "rejected_as_written", "failing_node"]
