@@ -686,6 +686,16 @@ MUTATIONS = [
         (("ttt2la/frontend/prechunked.py", "    else:                           # the axes after the split regrouped too\n        hits = [",
           "    else:                           # the axes after the split regrouped too\n        hits = [] and ["),),
         ("tests/test_scan_style.py",), "split_axis or one_view"),
+    Mutation(
+        "chunk_index_first_axis_only", "a chunk indexed on a pre-chunked tensor's second axis reports one token",
+        (("ttt2la/frontend/prechunked.py", "        if at is None or at[0] != known[0]:",
+          "        if at is None or at[0] != known[0] or known[0] != 0:"),),
+        ("tests/test_scan_style.py",), "taken"),
+    Mutation(
+        "prechunked_unbind_as_tokens", "unbinding a pre-chunked tensor's chunk axis reports one-token cuts",
+        (("ttt2la/frontend/discover.py", "    chunked = chunks.cut(x, dim) if name == \"unbind\" else None",
+          "    chunked = None"),),
+        ("tests/test_scan_style.py",), "taken"),
 ]
 
 

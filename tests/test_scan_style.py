@@ -294,3 +294,101 @@ def test_rates_computed_after_chunking_are_refused_naming_the_line():
     text = str(info.value)
     assert "RateAfterChunking" in text and f"test_scan_style.py:{line}" in text, text
     assert "computed after the sequence was cut into mini-batches" in text
+
+
+# -- pre-chunked streams taken in the loop statement or on another axis -------------------------
+
+class ChunksTakenBy(torch.nn.Module):
+    """Mini-batches cut by a reshape before the loop and handed out ``style``'s way: indexed on
+    the chunk axis (``q[:, i]``), selected (``q.select(1, i)``), unbound in the loop statement
+    (``zip(q.unbind(1), …)``), or the chunk-first tensors iterated themselves (``zip(q, k, v)``);
+    the loop's outputs joined by ``cat``."""
+
+    STYLES = ("index", "select", "unbind", "iterate", "enumerate")
+
+    def __init__(self, d: int, heads: int, chunk: int, style: str):
+        super().__init__()
+        self.H, self.D, self.C, self.style = heads, d // heads, chunk, style
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.W0 = torch.nn.Parameter(torch.randn(heads, self.D, self.D) / self.D ** 0.5)
+        self.lr = torch.nn.Parameter(torch.tensor(0.3))
+
+    def _chunks(self, x):
+        """(q, k, v) as ``[B, N, H, K, D]`` (chunk-first ``[N, B, H, K, D]`` to iterate)."""
+        B, L, _ = x.shape
+        n = L // self.C
+        q, k, v = (t.reshape(B, n, self.C, self.H, self.D).transpose(2, 3)
+                   for t in self.qkv(x).chunk(3, -1))
+        if self.style == "iterate":
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        return q, k, v
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self._chunks(x)
+        W = self.W0.expand(B, -1, -1, -1)
+        outs = []
+        if self.style in ("index", "select"):
+            for i in range(q.shape[1]):
+                qc, kc, vc = (q[:, i], k[:, i], v[:, i]) if self.style == "index" else \
+                    (q.select(1, i), k.select(1, i), v.select(1, i))
+                outs.append(qc @ W)
+                W = W + self.lr * kc.transpose(-1, -2) @ vc
+        elif self.style == "unbind":
+            for qc, kc, vc in zip(q.unbind(1), k.unbind(1), v.unbind(1)):
+                outs.append(qc @ W)
+                W = W + self.lr * kc.transpose(-1, -2) @ vc
+        elif self.style == "iterate":
+            for qc, kc, vc in zip(q, k, v):
+                outs.append(qc @ W)
+                W = W + self.lr * kc.transpose(-1, -2) @ vc
+        else:
+            for _, (qc, kc, vc) in enumerate(zip(q.unbind(1), k.unbind(1), v.unbind(1))):
+                outs.append(qc @ W)
+                W = W + self.lr * kc.transpose(-1, -2) @ vc
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, d)
+
+
+@pytest.mark.parametrize("style", ChunksTakenBy.STYLES)
+@settings(max_examples=2)
+@given(B=st.integers(1, 2), H=st.integers(1, 2), K=st.integers(2, 4), n=st.integers(2, 4))
+def test_chunks_taken_on_any_axis_or_in_the_loop_statement_convert_exactly(style, B, H, K, n):
+    torch.manual_seed(K + 5 * n)
+    layer = ChunksTakenBy(4 * H, H, K, style)
+    x = torch.randn(B, n * K, 4 * H)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    assert report.exact and report.chunk_size == K
+    assert report.runtime.startswith("block_linear_attention"), report.runtime
+    assert_same_function(converted, layer, [x, torch.randn(B + 1, (n + 3) * K, 4 * H),
+                                            torch.randn(1, K, 4 * H)])
+
+
+def test_discovery_reads_the_mini_batch_size_of_chunks_taken_in_the_loop_statement():
+    for style in ChunksTakenBy.STYLES:
+        (cand,) = discover(ChunksTakenBy(8, 2, 3, style), (torch.randn(2, 12, 8),))
+        assert cand.chunk_sizes == {3} and cand.slice_lengths == {12}, style
+        assert cand.slice_starts == {0, 3, 6, 9}, style
+
+
+class ChunksListedBeforeTheLoop(ChunksTakenBy):
+    """The chunks gathered in a list before the loop, which then iterates over the list."""
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self._chunks(x)
+        pieces = [(q[:, i], k[:, i], v[:, i]) for i in range(q.shape[1])]
+        W = self.W0.expand(B, -1, -1, -1)
+        outs = []
+        for qc, kc, vc in pieces:
+            outs.append(qc @ W)
+            W = W + self.lr * kc.transpose(-1, -2) @ vc
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, d)
+
+
+def test_chunks_listed_before_the_loop_are_refused_saying_where_to_take_them():
+    layer = ChunksListedBeforeTheLoop(8, 2, 3, "index")
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 8),))
+    assert "test_scan_style.py" in str(info.value)
+    assert "take the chunk inside the body" in str(info.value)

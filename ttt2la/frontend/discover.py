@@ -96,16 +96,16 @@ def _narrowed(func, args):
 
 def _slice_info(func, args, chunks: ChunkAxes | None = None):
     """Chunk size, sequence length and offset of ``x[..., a:b]`` / ``x[..., t]`` (or their
-    ``narrow`` / ``select`` spellings) on a tensor, or of ``x[i]`` on a pre-chunked
-    ``[N, …, K, …]`` tensor (``prechunked``)."""
+    ``narrow`` / ``select`` spellings) on a tensor, or of chunk ``i`` taken on the chunk axis of
+    a pre-chunked ``[…, N, …, K, …]`` tensor (``x[i]``, ``x[:, i]``; ``prechunked``)."""
+    chunked = chunks.indexed(func, args) if chunks is not None else None
+    if chunked is not None:
+        return chunked
     narrowed = _narrowed(func, args)
     if narrowed is not None:
         return narrowed
     if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
         return None
-    chunked = chunks.indexed(func, args) if chunks is not None else None
-    if chunked is not None:
-        return chunked
     x, idx = args[0], args[1]
     if not isinstance(x, torch.Tensor):
         return None
@@ -131,11 +131,12 @@ _CUTS = {"split": ("split_size_or_sections", "split_size"), "unbind": (),
 FIXED_COUNT_CUTS = ("chunk", "tensor_split")
 
 
-def _cut_info(func, args, kwargs) -> tuple[str, int, int] | None:
+def _cut_info(func, args, kwargs, chunks: ChunkAxes) -> tuple[str, int, int] | None:
     """``(op, size, length)`` of a cut such as ``x.split(C, dim)`` (``size`` the chunk size; 1
-    for ``unbind``) or ``x.chunk(n, dim)`` (``size`` the number of pieces), ``length`` the size
-    of the axis cut: what a loop statement like ``for xc in x.split(C, 1)`` iterates over."""
-    name = getattr(func, "__name__", "")
+    for ``unbind``, ``K`` for the chunks of a pre-chunked ``x``) or ``x.chunk(n, dim)`` (``size``
+    the number of pieces), ``length`` the size of the axis cut (in tokens): what a loop
+    statement like ``for xc in x.split(C, 1)`` or ``for xc in x`` iterates over."""
+    name = getattr(func, "__name__", "")        # ``for xc in x`` arrives as ``x.unbind(0)``
     if name not in _CUTS or not args or not isinstance(args[0], torch.Tensor) \
             or args[0].dim() == 0:
         return None
@@ -149,6 +150,9 @@ def _cut_info(func, args, kwargs) -> tuple[str, int, int] | None:
     dim = rest[0] if rest else kwargs.get("dim", 0)
     if not isinstance(dim, int):
         return None
+    chunked = chunks.cut(x, dim) if name == "unbind" else None
+    if chunked is not None:
+        return (name, *chunked)
     return name, size, x.shape[dim % x.dim()]
 
 
@@ -262,7 +266,7 @@ def _discover_once(model, example_inputs, example_kwargs):
         for f, line, fn in frames[start:]:
             for loop in _loops_in_file(f):
                 if loop.header_contains(SourceLoc(f, line, fn)):
-                    cut = _cut_info(func, args, kwargs)
+                    cut = _cut_info(func, args, kwargs, chunks)
                     if cut is not None:
                         cuts[(path, loop)].append(cut)
                 if loop.contains(SourceLoc(f, line, fn)):

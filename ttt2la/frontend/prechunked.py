@@ -112,16 +112,48 @@ class ChunkAxes:
             self._mark(out, d1 if axis == d0 else d0 if axis == d1 else axis, size)
 
     def indexed(self, func, args) -> tuple[int, int, int] | None:
-        """``(K, N·K, i·K)`` for ``x[i]`` on a pre-chunked ``x`` whose chunk axis is its first:
-        the chunk size, the length and the offset a chunk slice of the sequence would report."""
-        if getattr(func, "__name__", "") != "__getitem__" or len(args) < 2:
+        """``(K, N·K, i·K)`` for chunk ``i`` taken on the chunk axis of a pre-chunked ``x`` —
+        ``x[i]``, ``x[:, i]``, ``x.select(a, i)``: the chunk size, the length and the offset a
+        chunk slice of the sequence would report."""
+        name = getattr(func, "__name__", "")
+        known = self.of(args[0]) if len(args) >= 2 else None
+        if known is None:
             return None
-        known = self.of(args[0])
-        idx = args[1]
-        if known is None or not isinstance(idx, int) or known[0] != 0:
+        if name == "__getitem__":
+            at = _int_index(args[1], args[0].dim())
+        elif name == "select" and len(args) >= 3 and all(isinstance(a, int) for a in args[1:3]):
+            at = (args[1] % args[0].dim(), args[2])
+        else:
             return None
-        count = args[0].shape[0]
-        return known[1], count * known[1], (idx % count) * known[1]
+        if at is None or at[0] != known[0]:
+            return None
+        count = args[0].shape[known[0]]
+        return known[1], count * known[1], (at[1] % count) * known[1]
+
+    def cut(self, x, dim: int) -> tuple[int, int] | None:
+        """``(K, N·K)`` when ``x.unbind(dim)`` (or iterating ``x``, ``dim`` 0) hands out the
+        chunks of a pre-chunked ``x``: its chunk size and the length of the sequence."""
+        known = self.of(x)
+        if known is None or dim % x.dim() != known[0]:
+            return None
+        return known[1], x.shape[known[0]] * known[1]
+
+
+def _int_index(idx, rank: int) -> tuple[int, int] | None:
+    """``(axis, i)`` for an index that takes element ``i`` of one axis and whole slices before
+    it (``i``, ``(slice(None), i)``, ``(..., i, slice(None))``); None for any other index."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    dim = 0
+    for pos, item in enumerate(idx):
+        if item is Ellipsis:
+            dim = rank - (len(idx) - 1 - pos)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            return dim, item
+        elif isinstance(item, slice) and item == slice(None):
+            dim += 1
+        else:
+            return None
+    return None
 
 
 # -- the traced graph -------------------------------------------------------------------------

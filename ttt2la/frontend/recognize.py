@@ -442,8 +442,10 @@ def _takes_no_chunks(cand: LoopCandidate) -> str:
             "a loop over blocks or over steps on the whole sequence, not over chunks. Any TTT "
             "layer it calls is converted on its own. (ttt2la reads the chunks a loop takes by "
             "slicing — x[:, s:e], narrow, select —, by split or unbind of the sequence in the "
-            "loop statement, or by xs[i] in the loop's body, xs the sequence reshaped to "
-            "[N, ..., K, ...] chunks.)")
+            "loop statement, or, xs the sequence reshaped to [..., N, ..., K, ...] chunks, by "
+            "xs[i] or xs[:, i] in the loop's body or by xs.unbind(axis of N), or xs itself, "
+            "iterated in the loop statement. A generator or list of chunks made outside the "
+            "loop's body is none of these: take the chunk inside the body.)")
 
 
 def _refuse_fixed_cuts(cand: LoopCandidate, seq_len: int | None) -> None:
