@@ -696,6 +696,15 @@ MUTATIONS = [
         (("ttt2la/frontend/discover.py", "    chunked = chunks.cut(x, dim) if name == \"unbind\" else None",
           "    chunked = None"),),
         ("tests/test_scan_style.py",), "taken"),
+    Mutation(
+        "slice_copy_kept", "a functionalized slice assignment keeps its copy, which torch cannot differentiate",
+        (("ttt2la/frontend/capture.py", "    gm = slice_assignments_as_values(gm)\n", "    gm = gm\n"),),
+        ("tests/test_slice_assignments.py",), "leave_no_copy or generic_with_the_gradients"),
+    Mutation(
+        "select_write_vmapped", "a loop body's select_scatter is run vmapped as written",
+        (("ttt2la/frontend/rollup.py", "    select_writes_as_slice_writes(body)     # run vmapped: see slice_assignments",
+          "    pass"),),
+        ("tests/test_slice_assignments.py",), "generic_with_the_gradients"),
 ]
 
 

@@ -114,7 +114,8 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     """``make_fx(fn)(*args)`` with user frames on every node and compilation disabled.
 
     The trace is functionalized (in-place writes such as ``out[:, i:i+C] = y`` become
-    ``slice_scatter``) and dead code is removed, so that every node is a pure function of its
+    ``slice_scatter``, the ``copy`` in them read as the value written: ``slice_assignments``)
+    and dead code is removed, so that every node is a pure, differentiable function of its
     inputs — what loop recognition, the passes and the executors all rely on. Code that takes
     gradients with ``torch.autograd.grad`` after ``requires_grad_()`` cannot run inside the
     functionalization transform; it is traced plainly first, and that graph functionalized.
@@ -129,10 +130,13 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
         if "requires_grad_" not in str(e):
             raise
         gm = _trace_then_functionalize(fn, args, tracing_mode)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+    from .slice_assignments import slice_assignments_as_values
     from .split_pieces import split_pieces_as_slices     # they import FRAMES from here
     from .summed_products import summed_products_as_matmuls
+
+    gm = slice_assignments_as_values(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
     return summed_products_as_matmuls(split_pieces_as_slices(annotate_frames(gm)))
 

@@ -38,6 +38,7 @@ from ..errors import UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
 from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
+from .slice_assignments import select_writes_as_slice_writes
 from .source_names import PIECE_NAME, assigned_name, state_names, stream_name, unique
 
 aten = torch.ops.aten
@@ -711,6 +712,7 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
         env[n] = new
     body.output(tuple(env[o] for o in states.carried.values()) + (env[out_node],))
     _materialize_shape_only(body)
+    select_writes_as_slice_writes(body)     # run vmapped: see slice_assignments
     body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
     out_axis = tail.axis if tail.axis >= 0 else \
         tail.axis + out_node.meta["val"].dim() + int(tail.stacked)

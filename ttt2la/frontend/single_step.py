@@ -38,6 +38,7 @@ from .capture import trace, user_frame
 from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
                         _layout, layer_function, params_and_buffers)
 from .rollup import RolledLoop, _contiguous_inputs, _materialize_shape_only, state_input
+from .slice_assignments import select_writes_as_slice_writes
 from .source_names import assigned_name, state_names, unique
 from .shapes import fit_template
 
@@ -435,6 +436,7 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
                     out_node.meta)
     body.output(tuple(env[s] for s in states_out) + (out,))
     _materialize_shape_only(body)
+    select_writes_as_slice_writes(body)     # run vmapped: see slice_assignments
     body.eliminate_dead_code()
     body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
     return body_gm, state_specs, streams, inv_specs
