@@ -705,6 +705,16 @@ MUTATIONS = [
         (("ttt2la/frontend/rollup.py", "    select_writes_as_slice_writes(body)     # run vmapped: see slice_assignments",
           "    pass"),),
         ("tests/test_slice_assignments.py",), "generic_with_the_gradients"),
+    Mutation(
+        "busiest_loop_chosen", "the loop with the most ops is taken over the one that walks the sequence",
+        (("ttt2la/frontend/discover.py", "        cands.sort(key=lambda c: (-max(c.slice_lengths, default=0), -c.ops))",
+          "        cands.sort(key=lambda c: -c.ops)"),),
+        ("tests/test_scan_style.py",), "mini_batches_is_chosen"),
+    Mutation(
+        "weights_traced_without_grad", "a layer's weights are traced as tensors that do not require grad",
+        (("ttt2la/frontend/recognize.py", "    return {k: v.detach().requires_grad_(v.requires_grad)",
+          "    return {k: v.detach().requires_grad_(False)"),),
+        ("tests/test_frontend_styles.py",), "weight_that_requires"),
 ]
 
 

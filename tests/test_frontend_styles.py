@@ -383,6 +383,43 @@ def test_an_autograd_step_whose_reads_are_the_output_converts_exactly(loss):
         assert_same_function(converted, layer, [x, torch.randn(3, 10, 16)])
 
 
+class AutogradOfAWeight(nn.Module):
+    """Titans' style: the loop under ``enable_grad``, ``autograd.grad`` of fast weights made
+    from a parameter — they require grad because the parameter does, no ``requires_grad_()``."""
+
+    def __init__(self, d: int = 16, chunk: int = 4):
+        super().__init__()
+        self.C = chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.W0 = nn.Parameter(torch.randn(d, d) * d ** -0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        outs = []
+        with torch.enable_grad():
+            W = self.W0.expand(x.shape[0], -1, -1)
+            for s in range(0, x.shape[1], self.C):
+                kc, vc = k[:, s:s + self.C], v[:, s:s + self.C]
+                outs.append(q[:, s:s + self.C] @ W)
+                loss = 0.5 * ((kc @ W - vc) ** 2).sum()
+                (g,) = torch.autograd.grad(loss, W, create_graph=True)
+                W = W - 0.1 * g
+        return torch.cat(outs, 1)
+
+
+def test_an_autograd_step_on_a_weight_that_requires_grad_converts():
+    """It runs eagerly because the parameter requires grad; the trace passes it so and records
+    the step with autograd live (it failed every probe shape, "does not require grad", with
+    advice to let the layer run at other lengths)."""
+    torch.manual_seed(0)
+    layer = AutogradOfAWeight()
+    x = torch.randn(2, 16, 16)
+    for level in (0, 2):
+        converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+        assert converted.ttt2la_report.layers[0].exact
+        assert_same_function(converted, layer, [x, torch.randn(3, 10, 16)])
+
+
 class _ResidualBlocks(nn.Module):
     """A model looping over its blocks with a residual add in its own loop body: a loop, but
     over layers, taking no chunk of the sequence."""

@@ -392,3 +392,42 @@ def test_chunks_listed_before_the_loop_are_refused_saying_where_to_take_them():
         ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 8),))
     assert "test_scan_style.py" in str(info.value)
     assert "take the chunk inside the body" in str(info.value)
+
+
+class ChunkwiseDeltaReference(torch.nn.Module):
+    """DeltaNet in the style of flash-linear-attention's chunkwise reference: the UT transform
+    of every mini-batch solved by a loop over a mini-batch's positions, then the loop over
+    mini-batches. The loop over positions runs more iterations; the loop over mini-batches is
+    the one that walks the sequence."""
+
+    def __init__(self, d: int = 8, chunk: int = 8):
+        super().__init__()
+        self.C = chunk
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        n, C = L // self.C, self.C
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k, v = (t.reshape(B, n, C, d) for t in (q, torch.nn.functional.normalize(k, dim=-1), v))
+        a = -(k @ k.transpose(-1, -2)).tril(-1)
+        for i in range(1, C):
+            a[..., i, :i] = a[..., i, :i] + (a[..., i, :, None].clone() * a[..., :, :i].clone()).sum(-2)
+        u = (a + torch.eye(C)) @ v
+        S = x.new_zeros(B, d, d)
+        outs = []
+        for i in range(n):
+            outs.append(q[:, i] @ S)
+            S = S + k[:, i].transpose(-1, -2) @ u[:, i]
+        return torch.cat(outs, 1)
+
+
+def test_the_loop_over_mini_batches_is_chosen_over_a_longer_loop_inside_one():
+    """Refused for what it is — a per-mini-batch matrix computed before the loop — naming the
+    remedy, not for the lengths its position loop was probed at."""
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(ChunkwiseDeltaReference(), level=2,
+                       example_inputs=(torch.randn(2, 32, 8),))
+    message = str(info.value)
+    assert "computed after the sequence was cut into mini-batches" in message, message
+    assert "inside the loop" in message and "u = (a + torch.eye(C)) @ v" in message

@@ -117,17 +117,18 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     ``slice_scatter``, the ``copy`` in them read as the value written: ``slice_assignments``)
     and dead code is removed, so that every node is a pure, differentiable function of its
     inputs — what loop recognition, the passes and the executors all rely on. Code that takes
-    gradients with ``torch.autograd.grad`` after ``requires_grad_()`` cannot run inside the
-    functionalization transform; it is traced plainly first, and that graph functionalized.
+    gradients with ``torch.autograd.grad`` (after ``requires_grad_()``, or of weights that
+    require grad, passed so in ``args``) cannot run inside the functionalization transform; it is
+    traced plainly first, with autograd live, and that graph functionalized.
     A few fused ops are traced as their definitions (``decompositions``: ``lerp``, ``mse_loss``,
     and ``baddbmm``/``addmm`` inside loop bodies), the pieces of a ``split`` or ``unbind``
     that a loop statement cuts as the slices they are (``split_pieces``), and products summed
     over an axis in a loop body as the matmuls they are (``summed_products``).
     """
     try:
-        gm = _trace_functional(fn, args, tracing_mode)
+        gm = _trace_functional(fn, _detached(args), tracing_mode)
     except RuntimeError as e:
-        if "requires_grad_" not in str(e):
+        if not any(why in str(e) for why in _NEEDS_AUTOGRAD):
             raise
         gm = _trace_then_functionalize(fn, args, tracing_mode)
     from .slice_assignments import slice_assignments_as_values
@@ -139,6 +140,16 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     gm.recompile()
 
     return summed_products_as_matmuls(split_pieces_as_slices(annotate_frames(gm)))
+
+
+#: What torch says when code takes gradients in a trace that does not record them: a
+#: ``requires_grad_()`` inside functionalization, an ``autograd.grad`` of a weight or input.
+_NEEDS_AUTOGRAD = ("requires_grad_", "does not require grad")
+
+
+def _detached(args):
+    """``args`` with every tensor detached: the functional trace records no gradients."""
+    return pytree.tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, args)
 
 
 def _trace_functional(fn, args, tracing_mode: str) -> torch.fx.GraphModule:

@@ -297,13 +297,16 @@ def _discover_once(model, example_inputs, example_kwargs):
                 found[key].chunk_sizes.add(size)
                 found[key].slice_lengths.add(length)
                 found[key].slice_starts.update(range(0, length, size))
-    # keep, per module, the outermost loop (nested loops such as Newton–Schulz live inside it)
+    # keep, per module, the loop that walks the longest stretch of the sequence (a loop over
+    # one chunk's positions, such as a UT transform solved row by row before the loop over
+    # chunks, walks a chunk), and among those the outermost (nested loops such as
+    # Newton–Schulz live inside it)
     per_module: dict[str, list[LoopCandidate]] = defaultdict(list)
     for cand in found.values():
         per_module[cand.path].append(cand)
     out = []
     for path, cands in per_module.items():
-        cands.sort(key=lambda c: -c.ops)
+        cands.sort(key=lambda c: (-max(c.slice_lengths, default=0), -c.ops))
         out.append(cands[0])
     out.sort(key=lambda c: c.path.count("."))
     return out, captured

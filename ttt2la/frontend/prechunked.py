@@ -399,7 +399,9 @@ def _refuse_chunked_computations(graph: torch.fx.Graph, in_loop: set) -> None:
             "and ttt2la cannot read its mini-batches there (it reads reshapes of whole "
             "sequences, and elementwise ops, permutes and row-wise matrix products of them). "
             "Compute that tensor on the whole sequence ([B, ..., L, ...]) and reshape it into "
-            "mini-batches with the others.")
+            "mini-batches with the others, or, where it mixes the tokens of a mini-batch (a "
+            "matrix per mini-batch, such as a UT transform's), compute it inside the loop from "
+            "the mini-batch the loop takes.")
 
 
 def _loop_nodes(graph: torch.fx.Graph, loop: LoopSite) -> set[torch.fx.Node]:

@@ -163,6 +163,13 @@ class _Forward(torch.nn.Module):
         return self.layer.forward(*args, **kwargs)
 
 
+def traced_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers as a trace takes them: detached, each still requiring
+    grad where it does, for code that takes ``torch.autograd.grad`` of a weight (``capture``)."""
+    return {k: v.detach().requires_grad_(v.requires_grad)
+            for k, v in params_and_buffers(module).items()}
+
+
 def layer_function(module: torch.nn.Module, in_spec) -> Callable:
     """``f(params_and_buffers, *flat_inputs)`` calling the module's forward functionally."""
     wrapped = _Forward(module)
@@ -175,7 +182,7 @@ def layer_function(module: torch.nn.Module, in_spec) -> Callable:
 
 def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     inputs = _inputs_at(flat, layout, B, L)
-    pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+    pb = traced_weights(cand.module)
     try:
         gm = trace(fn, pb, *inputs)
     except ConversionError:
@@ -239,7 +246,7 @@ class _ShapeDependent(UnsupportedTTTError):
 def _run_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> None:
     """Run the layer eagerly at (B, L): far cheaper than a trace when the shape is rejected."""
     inputs = _inputs_at(flat, layout, B, L)
-    pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+    pb = traced_weights(cand.module)
     with torch.no_grad(), _no_compile():
         fn(pb, *inputs)
 

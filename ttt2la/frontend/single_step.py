@@ -36,7 +36,8 @@ from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths
 from .call_signature import CallSignature
 from .capture import trace, user_frame
 from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
-                        _layout, layer_function, params_and_buffers)
+                        _layout, layer_function, params_and_buffers,
+                        traced_weights)
 from .rollup import RolledLoop, _contiguous_inputs, _materialize_shape_only, state_input
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import assigned_name, state_names, unique
@@ -513,7 +514,7 @@ class _Step:
     def __init__(self, cand, flat, in_spec, layout) -> None:
         self.cand, self.flat, self.in_spec, self.layout = cand, flat, in_spec, layout
         self.fn = layer_function(cand.module, in_spec)
-        self.pb = {k: v.detach() for k, v in params_and_buffers(cand.module).items()}
+        self.pb = traced_weights(cand.module)
         self.n_params = len(pytree.tree_leaves(self.pb))
         self.layer = _layer_name(cand)
 
