@@ -453,3 +453,37 @@ def test_a_loop_over_blocks_is_no_ttt_loop_and_is_not_run_at_longer_lengths():
     with torch.no_grad():
         converted.lengths_seen.clear()
         assert ttt2la.testing.rel_rms_error(converted(x), model(x)) <= 1e-5
+
+
+class InnerLossReturned(nn.Module):
+    """A loop that keeps each chunk's inner loss beside its read (``grad_and_value``)."""
+
+    def __init__(self, d: int = 16, chunk: int = 4):
+        super().__init__()
+        self.C = chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.W0 = nn.Parameter(torch.randn(d, d) * d ** -0.5)
+
+    @staticmethod
+    def score(W, k, v):
+        return -((k @ W) * v).sum()
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = self.W0.expand(x.shape[0], -1, -1)
+        outs, losses = [], []
+        for s in range(0, x.shape[1], self.C):
+            g, inner = torch.func.grad_and_value(self.score)(W, k[:, s:s + self.C],
+                                                             v[:, s:s + self.C])
+            W = W - 0.1 * g
+            outs.append(q[:, s:s + self.C] @ W)
+            losses.append(inner)
+        return torch.cat(outs, 1), torch.stack(losses).mean()
+
+
+def test_a_second_per_chunk_output_is_refused_naming_both_and_what_to_do():
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(InnerLossReturned(), level=2, example_inputs=(torch.randn(2, 16, 16),))
+    message = str(info.value)
+    assert "2 values of each iteration are used after the loop" in message, message
+    assert message.count("test_frontend_styles.py") >= 3 and "Drop the others" in message

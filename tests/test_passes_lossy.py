@@ -691,3 +691,47 @@ def test_calibration_without_an_updating_chunk_is_refused():
     run_level(program, 4, PassContext(cal, {"absorb_lr": {"lr": [[[[0.5]], [[0.25]]]]}}))
     with pytest.raises(ttt2la.ConversionError, match="no constant for lr"):
         run_level(program, 4, PassContext(None, {"absorb_lr": {"eta": 0.5}}))
+
+
+class RateInTheLoss(torch.nn.Module):
+    """Titans' style: a per-token rate weighting the inner loss, the step taken by
+    ``torch.autograd.grad`` — the rate reaches the update through the loss's backward, beside
+    the loss value the trace computes and leaves unread. ``rate`` fixes it to a constant."""
+
+    def __init__(self, d: int = 16, chunk: int = 4, rate: float | None = None):
+        super().__init__()
+        self.C, self.rate = chunk, rate
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.lr = torch.nn.Linear(d, 1)
+        self.W0 = torch.nn.Parameter(torch.randn(d, d) * d ** -0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        lr = torch.sigmoid(self.lr(x)).squeeze(-1) * 0.1
+        if self.rate is not None:
+            lr = torch.full_like(lr, self.rate)
+        outs = []
+        with torch.enable_grad():
+            W = self.W0.expand(x.shape[0], -1, -1)
+            for s in range(0, x.shape[1], self.C):
+                kc, vc, lc = k[:, s:s + self.C], v[:, s:s + self.C], lr[:, s:s + self.C]
+                outs.append(q[:, s:s + self.C] @ W)
+                W = W.requires_grad_()
+                loss = (((kc @ W - vc) ** 2).sum(-1) * lc).sum()
+                (g,) = torch.autograd.grad(loss, W, create_graph=True)
+                W = W - g
+        return torch.cat(outs, 1)
+
+
+def test_absorb_lr_folds_a_rate_that_weights_the_inner_loss():
+    torch.manual_seed(0)
+    layer = RateInTheLoss()
+    x = torch.randn(2, 16, 16)
+    converted = ttt2la.convert(layer, level=4, example_inputs=(x,))
+    (result,) = [p for p in converted.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
+    assert result.status == "applied", result.reason
+    hand = RateInTheLoss(rate=result.folded["lr"])
+    hand.load_state_dict(layer.state_dict())
+    x2 = torch.randn(3, 11, 16)
+    with torch.no_grad():
+        assert rel_rms_error(converted(x2), hand(x2)) <= FP32

@@ -508,8 +508,20 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
     if not outs:
         raise u.fail("no iteration output is used after the loop")
     if len(outs) != 1:
-        raise u.fail("more than one per-chunk output")
+        named = "; ".join(_named(n) for n in outs)
+        raise u.fail(
+            f"{len(outs)} values of each iteration are used after the loop ({named}), where "
+            "ttt2la converts loops with one per-chunk output beside the states they carry. Drop "
+            "the others from the layer you convert (an inner loss kept for logging can come from "
+            "the original layer, run on a sample), or leave this layer unconverted")
     return outs[0]
+
+
+def _named(node: torch.fx.Node) -> str:
+    """```losses``` (``aten.sum.default at f.py:12``): a body value by the name its line gives
+    it, and its op."""
+    name = assigned_name(node.meta.get(SRC))
+    return f"`{name}` ({describe_node(node)})" if name else describe_node(node)
 
 
 # -- phase 4: order and the peeled last chunk -------------------------------------------------

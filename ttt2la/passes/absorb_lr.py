@@ -34,11 +34,12 @@ _ELEMENTWISE = ADDITIVE | SCALINGS | ELEMENTWISE_FUNCTIONS | COPIES
 _EXCLUDED_ROLES = {"q", "k", "momentum"}
 
 
-def _value_chain(stream: torch.fx.Node) -> torch.fx.Node:
-    """The last node of the stream-only elementwise chain that starts at ``stream``."""
+def _value_chain(stream: torch.fx.Node, live: set) -> torch.fx.Node:
+    """The last node of the stream-only elementwise chain that starts at ``stream`` (users
+    outside ``live``, which the graph's output does not depend on, aside)."""
     node = stream
-    while len(node.users) == 1:
-        (user,) = node.users
+    while len(users := [u for u in node.users if u in live]) == 1:
+        (user,) = users
         if user.op != "call_function" or op_name(user) not in _ELEMENTWISE \
                 or node_shape(user) != node_shape(node):
             break
@@ -53,17 +54,34 @@ def _value_chain(stream: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _readers(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
-    """``(operand, op)`` for every non-view op reading ``node`` through view ops."""
+def _live(program: TTTProgram) -> set[torch.fx.Node]:
+    """The body's nodes its outputs depend on: not the loss value a traced ``autograd.grad``
+    computes beside its gradient and leaves unread."""
+    return ancestors(program.body.graph.output_node())
+
+
+def _readers(node: torch.fx.Node, live: set | None = None) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(operand, op)`` for every non-view op reading ``node`` through view ops (in ``live``,
+    when given)."""
     found, stack = [], [node]
     while stack:
         n = stack.pop()
         for user in n.users:
+            if live is not None and user not in live:
+                continue
             if user.op == "call_function" and op_name(user) in VIEW_OPS:
                 stack.append(user)
             else:
                 found.append((n, user))
     return found
+
+
+def _unexpanded(node: torch.fx.Node) -> torch.fx.Node:
+    """``node`` before the ``expand`` ops that broadcast it explicitly (as a traced backward
+    broadcasts a per-token weight of the loss over the features)."""
+    while node.op == "call_function" and op_name(node) == "expand":
+        node = node.args[0]
+    return node
 
 
 def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
@@ -73,7 +91,7 @@ def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
     if args.count(operand) != 1:
         return False
     other = args[1] if args[0] is operand else args[0]
-    mine, theirs = node_shape(operand), node_shape(other)
+    mine, theirs = node_shape(_unexpanded(operand)), node_shape(other)
     if mine is None or theirs is None or not mine or not theirs:
         return False
     if mine[-1] != 1 or theirs[-1] <= 1:
@@ -90,9 +108,9 @@ def _update_nodes(program: TTTProgram) -> set[torch.fx.Node]:
                          if isinstance(o, torch.fx.Node) and o is not i))
 
 
-def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node]) -> bool:
+def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node], live: set) -> bool:
     """Every reader of ``value`` is a product on the way to an update, where it is a factor."""
-    readers = _readers(value)
+    readers = _readers(value, live)
     return bool(readers) and all(
         op.op == "call_function" and op_name(op) == "mul" and op in updates
         and _broadcasts_as_factor(operand, op) for operand, op in readers)
@@ -100,14 +118,14 @@ def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node]) -> bool:
 
 def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
     """``(stream index, value node)`` of every learning-rate stream (see the module docstring)."""
-    updates = _update_nodes(program)
+    updates, live = _update_nodes(program), _live(program)
     found = []
     for i, stream in enumerate(program.stream_inputs()):
         spec = program.streams[i] if i < len(program.streams) else None
         if spec is None or spec.role in _EXCLUDED_ROLES or not stream.users:
             continue
-        value = _value_chain(stream)
-        if _scales_updates(value, updates):
+        value = _value_chain(stream, live)
+        if _scales_updates(value, updates, live):
             found.append((i, value))
     return found
 
@@ -115,10 +133,11 @@ def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
 def constant_rates(program: TTTProgram) -> list[str]:
     """Loop invariants (not stream sources) that scale an update the way a learning rate does:
     a rate constant over the tokens, such as a learned one per head."""
-    updates = _update_nodes(program)
+    updates, live = _update_nodes(program), _live(program)
     sources = {s.source for s in program.streams}
     return [program.invariants[i].name for i, node in enumerate(program.invariant_inputs())
-            if i not in sources and node.users and _scales_updates(_value_chain(node), updates)]
+            if i not in sources and node.users
+            and _scales_updates(_value_chain(node, live), updates, live)]
 
 
 def where(value: torch.fx.Node) -> str:
@@ -185,8 +204,10 @@ class AbsorbLr(Pass):
             ins, outs = program.state_inputs(), program.state_outputs()
             if not any(o is not i for i, o in zip(ins, outs)):
                 return self.result("not_applicable", "the loop updates no carried state")
-            return self.result("already_satisfied", "no per-token learning rate scales a state "
-                                                    "update: the rate is a constant of the code")
+            return self.result("already_satisfied", "no stream or loop invariant scales a state "
+                                                    "update as a per-token factor: the rate, if "
+                                                    "any, is a constant of the code or no factor "
+                                                    "of the update")
         exact_lrs = [(i, v, c) for i, v in lrs if (c := constant_value(v)) is not None]
         data_lrs = [(i, v) for i, v in lrs if constant_value(v) is None]
         done = []
