@@ -725,6 +725,11 @@ MUTATIONS = [
         (("ttt2la/passes/absorb_lr.py", "    mine, theirs = node_shape(_unexpanded(operand)), node_shape(other)",
           "    mine, theirs = node_shape(operand), node_shape(other)"),),
         ("tests/test_passes_lossy.py",), "weights_the_inner_loss"),
+    Mutation(
+        "nested_loop_unnamed", "a stream refused inside a loop nested in the TTT loop is not said to be",
+        (("ttt2la/frontend/rollup.py", "    if nested:\n        return (f\"{what} is taken inside",
+          "    if False:\n        return (f\"{what} is taken inside"),),
+        ("tests/test_frontend_styles.py",), "loop_over_heads_inside"),
 ]
 
 

@@ -487,3 +487,37 @@ def test_a_second_per_chunk_output_is_refused_naming_both_and_what_to_do():
     message = str(info.value)
     assert "2 values of each iteration are used after the loop" in message, message
     assert message.count("test_frontend_styles.py") >= 3 and "Drop the others" in message
+
+
+class HeadLoopInsideTokenLoop(nn.Module):
+    """Per-token linear attention with a loop over heads inside the loop over tokens, laid
+    out head first, one state per head in a list (flash-linear-attention's loop-per-head
+    reference style)."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.H = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.H, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        S = [x.new_zeros(B, d // self.H, d // self.H) for _ in range(self.H)]
+        o = torch.zeros_like(v)
+        for t in range(T):
+            for h in range(self.H):
+                S[h] = S[h] + k[:, h, t, :, None] * v[:, h, t, None, :]
+                o[:, h, t] = (q[:, h, t, :, None] * S[h]).sum(1)
+        return o.transpose(1, 2).reshape(B, T, d)
+
+
+def test_a_loop_over_heads_inside_the_token_loop_is_refused_naming_it_and_what_to_do():
+    """It was refused as a loop reading the sequence in reverse, which it does not."""
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(HeadLoopInsideTokenLoop(), level=2, example_inputs=(torch.randn(2, 8, 16),))
+    message = str(info.value)
+    lines, start = inspect.getsourcelines(HeadLoopInsideTokenLoop.forward)
+    inner = start + next(i for i, line in enumerate(lines) if "for h in range" in line)
+    assert f"test_frontend_styles.py:{inner} in forward, which runs inside the TTT loop" \
+        in message, message
+    assert "Vectorise the inner loop" in message and "reverse" not in message

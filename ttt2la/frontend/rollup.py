@@ -37,7 +37,8 @@ from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
-from .loops import LoopSite, count_iterations, iteration_key, loop_depth, split_iterations
+from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of,
+                    split_iterations)
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import PIECE_NAME, assigned_name, state_names, stream_name, unique
 
@@ -230,7 +231,7 @@ def classify_inputs(u: Unrolled) -> Inputs:
             continue
         stream = _chunk_slice(n, u.to2[n])
         if stream is None:
-            raise u.fail(_not_a_stream(n, u.to2[n]))
+            raise u.fail(_not_a_stream(n, u.to2[n], u.loop))
         chunk = next(iter(streams.values())).chunk if streams else None
         if chunk not in (None, stream.chunk):
             raise u.fail(_mixed_streams(n, stream, streams))
@@ -263,9 +264,20 @@ def _equal_constants(gm: torch.fx.GraphModule, a: torch.fx.Node, b) -> bool:
             and bool(torch.equal(ta, tb)))
 
 
-def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node) -> str:
-    """Why iteration input ``n`` (``n2`` the next iteration's) is refused, and what to do."""
+def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
+    """Why iteration input ``n`` (``n2`` the next iteration's) of ``loop`` is refused, and what
+    to do."""
     what = describe_node(n)
+    nested = sorted((inner for inner in loops_of(n) if inner != loop and inner.file == loop.file
+                     and inner.function == loop.function
+                     and loop.body_start <= inner.line <= loop.body_end),
+                    key=lambda inner: inner.line)
+    if nested:
+        return (f"{what} is taken inside the loop at {nested[0].src}, which runs inside the TTT "
+                "loop (over heads or rows, one slice each), so the TTT loop's iterations differ "
+                "in more than the chunk or token they take, and ttt2la cannot line them up. "
+                "Vectorise the inner loop: take every head at once (`k[:, :, t]`, the heads a "
+                "batch axis) and keep one state with a heads axis")
     if n.target in SLICE_TARGETS and n2.args[0] is n.args[0] and \
             isinstance(n.args[2], int) and isinstance(n2.args[2], int) and n2.args[2] < n.args[2]:
         return (f"{what} reads the sequence's chunks in reverse order (a scan from its end): "
