@@ -9,6 +9,7 @@ every parameter gradient within the fp32 tolerance.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -521,3 +522,11 @@ def test_a_loop_over_heads_inside_the_token_loop_is_refused_naming_it_and_what_t
     assert f"test_frontend_styles.py:{inner} in forward, which runs inside the TTT loop" \
         in message, message
     assert "Vectorise the inner loop" in message and "reverse" not in message
+
+
+def test_a_layer_traced_with_autograd_live_converts_without_torch_deprecation_noise():
+    """Copying the traced graph's code generator trips a ``LeafSpec`` deprecation inside
+    torch, which every such conversion printed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        ttt2la.convert(AutogradOfAWeight(), level=2, example_inputs=(torch.randn(2, 16, 16),))

@@ -315,13 +315,18 @@ def placeholder(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
     return ph
 
 
+def quiet_deepcopy(obj):
+    """``copy.deepcopy(obj)``, without the deprecation warning torch itself trips when it copies
+    the pytree spec a ``make_fx`` graph's code generator holds."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(obj)
+
+
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of ``graph`` whose nodes can be rewritten; metadata is shared, not deep-copied
     (it holds fake tensors, which are costly to copy and never mutated)."""
-    with warnings.catch_warnings():
-        # copying the pytree spec of a make_fx graph trips a deprecation inside torch itself
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        new = copy.deepcopy(graph)   # fx copies node by node; meta dicts are copied shallowly
+    new = quiet_deepcopy(graph)   # fx copies node by node; meta dicts are copied shallowly
     for old_node, new_node in zip(graph.nodes, new.nodes):
         new_node.meta = dict(old_node.meta)
     return new

@@ -9,7 +9,6 @@ The frames are what the loop recognizer uses to tell loop iterations apart.
 from __future__ import annotations
 
 import contextlib
-import copy
 import linecache
 import os
 import re
@@ -20,7 +19,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ir import SRC, SourceLoc
+from ..ir import SRC, SourceLoc, quiet_deepcopy
 from .decompositions import DECOMPOSITIONS
 from .shape_values import shape_only_values
 from .trace_guards import no_numpy
@@ -177,7 +176,7 @@ def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModu
     pure = torch.func.functionalize(replay, remove="mutations")
     with fx_traceback.preserve_node_meta():
         gm = make_fx(pure, tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*flat_args)
-    gm.graph._codegen = copy.deepcopy(plain.graph._codegen)
+    gm.graph._codegen = quiet_deepcopy(plain.graph._codegen)
     gm.recompile()
     return gm
 
