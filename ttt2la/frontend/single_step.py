@@ -36,8 +36,7 @@ from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths
 from .call_signature import CallSignature
 from .capture import trace, user_frame
 from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _layer_name,
-                        _layout, layer_function, params_and_buffers,
-                        traced_weights)
+                        _layout, layer_function, traced_weights)
 from .rollup import RolledLoop, _contiguous_inputs, _materialize_shape_only, state_input
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import assigned_name, state_names, unique

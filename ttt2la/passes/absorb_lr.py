@@ -60,7 +60,8 @@ def _live(program: TTTProgram) -> set[torch.fx.Node]:
     return ancestors(program.body.graph.output_node())
 
 
-def _readers(node: torch.fx.Node, live: set | None = None) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+def _readers(node: torch.fx.Node,
+             live: set | None = None) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """``(operand, op)`` for every non-view op reading ``node`` through view ops (in ``live``,
     when given)."""
     found, stack = [], [node]
