@@ -115,7 +115,7 @@ def test_traced_slice_assignments_leave_no_copy_and_keep_their_values():
                                  DeltaRuleChunks])
 @settings(max_examples=2)
 @given(B=st.integers(1, 3), n=st.integers(2, 4), r=st.integers(0, 3))
-def test_layers_assigning_into_slices_convert_exactly_and_train(cls, B, n, r):
+def test_layers_assigning_into_slices_convert_exactly_gradients_included(cls, B, n, r):
     torch.manual_seed(n + 4 * r)
     layer = cls()
     x = torch.randn(B, n * 4 + r, 8)
