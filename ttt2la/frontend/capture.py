@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir import SRC, SourceLoc, quiet_deepcopy
+from ..validation import needs_grad_mode
 from .decompositions import DECOMPOSITIONS
 from .shape_values import shape_only_values
 from .trace_guards import no_numpy
@@ -127,8 +128,8 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     try:
         gm = _trace_functional(fn, _detached(args), tracing_mode)
     except RuntimeError as e:
-        if not any(why in str(e) for why in _NEEDS_AUTOGRAD):
-            raise
+        if "requires_grad_" not in str(e) and not needs_grad_mode(e):
+            raise       # neither ``requires_grad_()`` nor ``autograd.grad`` in functionalization
         gm = _trace_then_functionalize(fn, args, tracing_mode)
     from .slice_assignments import slice_assignments_as_values
     from .split_pieces import split_pieces_as_slices     # they import FRAMES from here
@@ -139,11 +140,6 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     gm.recompile()
 
     return summed_products_as_matmuls(split_pieces_as_slices(annotate_frames(gm)))
-
-
-#: What torch says when code takes gradients in a trace that does not record them: a
-#: ``requires_grad_()`` inside functionalization, an ``autograd.grad`` of a weight or input.
-_NEEDS_AUTOGRAD = ("requires_grad_", "does not require grad")
 
 
 def _detached(args):
