@@ -64,6 +64,14 @@ def _where(node: torch.fx.Node | None, loop_src: str,
     return src.at(), f"at {src.at()}", True
 
 
+def _told(error: Exception, expected: str) -> tuple[str, str]:
+    """The first line of ``error``'s message, and the sentence naming the calls the layer was
+    converted for (``expected``; "" when unknown)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return first, f" It was converted for calls with {expected}." if expected else ""
+
+
 def rejected(error: Exception, gm: torch.fx.GraphModule, inputs: list, *, path: str,
              loop_src: str, implementation: str, expected: str) -> Exception:
     """The error to raise for ``error``, raised by ``gm(*inputs)``: itself when it is already a
@@ -71,12 +79,11 @@ def rejected(error: Exception, gm: torch.fx.GraphModule, inputs: list, *, path: 
     if isinstance(error, ConversionError):
         return error
     where, what, own = _where(failing_node(gm, inputs), loop_src, implementation)
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    first, converted_for = _told(error, expected)
     why = ("That line is the layer's own code, which the converted layer runs as written, so the "
            "layer as written fails on this call too." if own else
            "The loop's body is the layer's own code; if the layer as written runs this call, "
            "the conversion is at fault: report it with this message.")
-    converted_for = f" It was converted for calls with {expected}." if expected else ""
     message = (f"the converted {path or 'layer'} failed on this call {what}: "
                f"{type(error).__name__}: {first}. {why}{converted_for} Pass inputs the layer as "
                f"written accepts (the dtype and device of its weights, no empty axis its reshapes "
@@ -93,8 +100,7 @@ def rejected_as_written(error: Exception, *, path: str, why: str, expected: str)
     from .frontend.capture import user_frame
 
     at = user_frame(error) or ""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    converted_for = f" It was converted for calls with {expected}." if expected else ""
+    first, converted_for = _told(error, expected)
     message = (f"the converted {path or 'layer'} ran its code as written ({why}), and that code "
                f"failed on this call{' at ' + at if at else ''}: {type(error).__name__}: "
                f"{first}. The layer as written fails on this call too.{converted_for} Pass inputs "
