@@ -158,3 +158,30 @@ def test_the_device_timer_runs_the_launch_and_takes_the_median(monkeypatch):
     launch = functools.partial(ran.append, config(4, 2, BK=32))
     assert tile_tuning._time(launch) == 1.25
     assert ran == [config(4, 2, BK=32)] and seen.get("return_mode") == "median"
+
+
+@pytest.mark.parametrize("dtype, decay_grad, settled", [("bfloat16", True, True), ("bfloat16", False, False),
+                                                        ("float32", True, False)])
+def test_settled_defaults_launch_where_timing_settled_them(monkeypatch, dtype, decay_grad, settled):
+    """The chunk op's backward launches its timed half-precision defaults with the decay's gradient, and the
+    defaults derived from the tile caps everywhere else (fp32, or no decay gradient)."""
+    import torch
+
+    from ttt2la.runtime import triton as kernels
+    from ttt2la.runtime.triton import chunk
+
+    defaults = {}
+    real_launch = chunk.launch
+
+    def recording_launch(site, key, options, run):
+        defaults[site] = options[0]
+        return real_launch(site, key, options, run)
+
+    monkeypatch.setattr(chunk, "launch", recording_launch)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(1, 20, 1, 64, dtype=dt, requires_grad=True) for _ in range(3))
+    log_decay = (-torch.rand(1, 20, 1)).requires_grad_(decay_grad)
+    kernels.chunk_linear_attention(q, k, v, log_decay=log_decay, scale=0.125)[0].float().sum().backward()
+    for site, timed in chunk.SETTLED_HALF_BACKWARD.items():
+        assert (defaults[site] == timed) == settled, (site, defaults[site])
+    assert defaults["chunk.states"] == chunk.feature_configs(64, 64, dt)[0]   # the forward keeps its defaults

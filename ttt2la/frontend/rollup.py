@@ -530,8 +530,7 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
 
 
 def _named(node: torch.fx.Node) -> str:
-    """A body value by the name its line gives it, and its op: ``\`losses\` (aten.sum.default
-    at f.py:12)``."""
+    """A body value by the name its line gives it, and its op, as "`losses` (aten.sum.default at f.py:12)"."""
     name = assigned_name(node.meta.get(SRC))
     return f"`{name}` ({describe_node(node)})" if name else describe_node(node)
 
