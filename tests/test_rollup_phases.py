@@ -162,6 +162,14 @@ def chunks_in_reverse(W, q, k, v, lr):
     return torch.cat(outs, dim=1), W
 
 
+def tokens_in_reverse(W, q, k, v, lr):
+    outs = []
+    for t in range(7, -1, -1):
+        outs.append(q[:, t] @ W)
+        W = W * lr
+    return torch.stack(outs, dim=1), W
+
+
 def a_rate_per_chunk_made_before_the_loop(W, q, k, v, lr):
     rates = lr.reshape(-1, 1).expand(-1, 4)          # one rate per chunk: [1, n]
     outs = []
@@ -327,6 +335,14 @@ def test_a_loop_over_chunks_in_reverse_is_refused_saying_how_to_run_it_forward()
                              r".*x\.flip\(1\)") as info:
         classify_inputs(u)
     assert "%" not in str(info.value)             # no graph node's repr
+
+
+def test_a_loop_over_tokens_in_reverse_is_refused_saying_how_to_run_it_forward():
+    _gm, _ph, u = _traced(tokens_in_reverse, 8)
+    with pytest.raises(UnsupportedTTTError,
+                       match=r"aten\.select\.int at .* in tokens_in_reverse reads the sequence's "
+                             r"chunks in reverse order .*x\.flip\(1\)"):
+        classify_inputs(u)
 
 
 def test_a_value_per_chunk_made_before_the_loop_is_refused_saying_where_to_make_it():

@@ -386,12 +386,15 @@ class ChunksListedBeforeTheLoop(ChunksTakenBy):
         return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, d)
 
 
-def test_chunks_listed_before_the_loop_are_refused_saying_where_to_take_them():
+def test_chunks_listed_before_the_loop_convert_exactly():
+    """Each listed mini-batch is read by one iteration, in order: they are the loop's chunks."""
+    torch.manual_seed(0)
     layer = ChunksListedBeforeTheLoop(8, 2, 3, "index")
-    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
-        ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 8),))
-    assert "test_scan_style.py" in str(info.value)
-    assert "take the chunk inside the body" in str(info.value)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 8),))
+    report = converted.ttt2la_report.layers[0]
+    assert report.exact and report.chunk_size == 3
+    assert report.runtime.startswith("block_linear_attention"), report.runtime
+    assert_same_function(converted, layer, [torch.randn(3, 21, 8), torch.randn(1, 3, 8)])
 
 
 class ChunkwiseDeltaReference(torch.nn.Module):

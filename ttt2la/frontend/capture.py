@@ -122,8 +122,9 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     traced plainly first, with autograd live, and that graph functionalized.
     A few fused ops are traced as their definitions (``decompositions``: ``lerp``, ``mse_loss``,
     and ``baddbmm``/``addmm`` inside loop bodies), the pieces of a ``split`` or ``unbind``
-    that a loop statement cuts as the slices they are (``split_pieces``), and products summed
-    over an axis in a loop body as the matmuls they are (``summed_products``).
+    that a loop statement cuts as the slices they are (``split_pieces``), products summed
+    over an axis in a loop body as the matmuls they are (``summed_products``), and a matmul of
+    one row by one column there as the dot product it is (``dot_products``).
     """
     try:
         gm = _trace_functional(fn, _detached(args), tracing_mode)
@@ -131,6 +132,7 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
         if "requires_grad_" not in str(e) and not needs_grad_mode(e):
             raise       # neither ``requires_grad_()`` nor ``autograd.grad`` in functionalization
         gm = _trace_then_functionalize(fn, args, tracing_mode)
+    from .dot_products import dot_products_as_sums
     from .slice_assignments import slice_assignments_as_values
     from .split_pieces import split_pieces_as_slices     # they import FRAMES from here
     from .summed_products import summed_products_as_matmuls
@@ -139,7 +141,7 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     gm.graph.eliminate_dead_code()
     gm.recompile()
 
-    return summed_products_as_matmuls(split_pieces_as_slices(annotate_frames(gm)))
+    return dot_products_as_sums(summed_products_as_matmuls(split_pieces_as_slices(annotate_frames(gm))))
 
 
 def _detached(args):

@@ -20,8 +20,10 @@ from torch.overrides import TorchFunctionMode
 from ..ir import SourceLoc
 from ..errors import ConversionError, UnsupportedTTTError
 from .capture import _is_user_file, _no_compile, user_frame
+from .cut_pieces import CutPieces
 from .loops import LoopSite, _loops_in_file
 from .prechunked import ChunkAxes
+from .split_pieces import runs_a_generator
 
 
 @dataclass
@@ -56,14 +58,17 @@ def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, stack, sink, chunks: ChunkAxes):
+    def __init__(self, stack, sink, chunks: ChunkAxes, pieces: CutPieces):
         super().__init__()
-        self.stack, self.sink, self.chunks = stack, sink, chunks
+        self.stack, self.sink, self.chunks, self.pieces = stack, sink, chunks, pieces
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.stack:
             self.sink(self.stack[-1], func, args, kwargs or {}, _user_frames())
         out = func(*args, **(kwargs or {}))
+        self.pieces.note(_cut_info(func, args, kwargs or {}, self.chunks), out)
+        if args:
+            self.pieces.note_slice(_slice_info(func, args, self.chunks), args[0], out)
         self.chunks.note(func, args, kwargs or {}, out)
         return out
 
@@ -249,7 +254,7 @@ def _discover_once(model, example_inputs, example_kwargs):
     forward_sites = {p: _forward_site(m) for m, p in paths.items()}
     found: dict[tuple[str, LoopSite], LoopCandidate] = {}
     by_path = {p: m for m, p in paths.items()}
-    chunks = ChunkAxes()
+    chunks, pieces = ChunkAxes(), CutPieces()
     cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)   # split/unbind in loop headers
 
     def sink(path, func, args, kwargs, frames):
@@ -263,14 +268,18 @@ def _discover_once(model, example_inputs, example_kwargs):
                 start = i
         if start is None:
             return
-        for f, line, fn in frames[start:]:
-            for loop in _loops_in_file(f):
-                if loop.header_contains(SourceLoc(f, line, fn)):
+        user = [SourceLoc(f, line, fn) for f, line, fn in frames[start:]]
+        for at, inner in zip(user, user[1:] + [None]):
+            for loop in _loops_in_file(at.file):
+                # a generator the loop statement iterates runs once per iteration, as the body does
+                lazily = inner is not None and runs_a_generator(inner)
+                if loop.header_contains(at) and not lazily:
                     cut = _cut_info(func, args, kwargs, chunks)
                     if cut is not None:
                         cuts[(path, loop)].append(cut)
-                if loop.contains(SourceLoc(f, line, fn)):
+                if loop.contains(at) or (lazily and loop.header_contains(at)):
                     key = (path, loop)
+                    pieces.read(key, args)
                     cand = found.get(key)
                     if cand is None:
                         a, k = captured[path]
@@ -283,11 +292,16 @@ def _discover_once(model, example_inputs, example_kwargs):
                         cand.slice_starts.add(info[2])
 
     try:
-        with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks):
+        with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks, pieces):
             model(*example_inputs, **(example_kwargs or {}))
     finally:
         for h in hooks:
             h.remove()
+    for key, cand in found.items():
+        for size, length, start in pieces.chunks(key):   # a cut made before the loop
+            cand.chunk_sizes.add(size)
+            cand.slice_lengths.add(length)
+            cand.slice_starts.add(start)
     for key, seen in cuts.items():
         if key in found:
             for op, size, length in seen:

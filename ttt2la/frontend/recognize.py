@@ -451,8 +451,10 @@ def _takes_no_chunks(cand: LoopCandidate) -> str:
             "slicing — x[:, s:e], narrow, select —, by split or unbind of the sequence in the "
             "loop statement, or, xs the sequence reshaped to [..., N, ..., K, ...] chunks, by "
             "xs[i] or xs[:, i] in the loop's body or by xs.unbind(axis of N), or xs itself, "
-            "iterated in the loop statement. A generator or list of chunks made outside the "
-            "loop's body is none of these: take the chunk inside the body.)")
+            "iterated in the loop statement; pieces or slices made before the loop when the "
+            "body reads them one per iteration, in order; values a generator in the loop "
+            "statement yields. Chunks read in another order, from the end say, are none of "
+            "these: take each chunk inside the body, walking the sequence forward.)")
 
 
 def _refuse_fixed_cuts(cand: LoopCandidate, seq_len: int | None) -> None:

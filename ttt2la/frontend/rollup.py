@@ -278,7 +278,7 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
                 "in more than the chunk or token they take, and ttt2la cannot line them up. "
                 "Vectorise the inner loop: take every head at once (`k[:, :, t]`, the heads a "
                 "batch axis) and keep one state with a heads axis")
-    if n.target in SLICE_TARGETS and n2.args[0] is n.args[0] and \
+    if n.target in (*SLICE_TARGETS, *SELECT_TARGETS) and n2.args[0] is n.args[0] and \
             isinstance(n.args[2], int) and isinstance(n2.args[2], int) and n2.args[2] < n.args[2]:
         return (f"{what} reads the sequence's chunks in reverse order (a scan from its end): "
                 "ttt2la converts loops that walk the sequence forward. Flip the sequence before "

@@ -7,10 +7,21 @@ iteration (``x[:, s:s+C]``, ``x[:, t]``). A piece is exactly such a view, so eve
 made in a loop statement that the loop's body reads is rewritten as its slice (``split``) or
 selection (``unbind``) of the tensor that was cut, placed before its first reader and attributed
 to that reader's line. Values and layouts are unchanged.
+
+The same holds for a cut made before the loop (``chunks = zip(*(t.split(C, 1) for t in (q, k,
+v)))``, ``qs = q.split(C, 1)`` read as ``qs[i]``) when the loop's body reads its pieces one after
+another, each piece done with before the next is read, as one piece per iteration is; pieces
+every iteration reads (heads cut before a loop over chunks) are left as they are. And values a
+generator in the loop statement makes as the loop asks for them (``for qc, kc in ((q[:, i:i+C],
+k[:, i:i+C]) for i in range(0, L, C))``, or a generator function that yields chunks) are made
+once per iteration: they are attributed to the line of the body that first reads them.
 """
 from __future__ import annotations
 
+import ast
+import functools
 import itertools
+import linecache
 import operator
 
 import torch
@@ -18,7 +29,7 @@ import torch.fx
 
 from ..ir import SRC
 from .capture import FRAMES
-from .loops import LoopSite, loops_of
+from .loops import LoopSite, _loops_in_file, caller_depth, loops_of
 from .source_names import PIECE_NAME, loop_targets
 
 aten = torch.ops.aten
@@ -70,13 +81,82 @@ def _cuts_in_loop_statements(gm: torch.fx.GraphModule) -> list[tuple]:
     return [(node, views, headers, names.get(node)) for node, views, headers in found]
 
 
+def _one_per_iteration(pieces: list[torch.fx.Node], order: dict, made: torch.fx.Node,
+                       outer: int) -> set[LoopSite]:
+    """The loops whose body reads ``pieces`` (in their order) one after another, made outside
+    them by ``made``: at least two pieces read, each one's first reader in the body, and every
+    reader of a piece before the first reader of the next (empty when they are not so read)."""
+    if len(pieces) < 2:
+        return set()
+    spans = [(min(order[u] for u in p.users), max(order[u] for u in p.users)) for p in pieces]
+    if any(last >= spans[i + 1][0] for i, (_, last) in enumerate(spans[:-1])):
+        return set()
+    loops = set.intersection(*(loops_of(min(p.users, key=order.__getitem__), outer=outer)
+                               for p in pieces))
+    return loops - loops_of(made, outer=outer)
+
+
+def _cuts_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> list[tuple]:
+    """``(cut, piece views, loops, None)`` for every cut made outside the loop statements whose
+    pieces a loop's body reads one per iteration (``_one_per_iteration``)."""
+    found = []
+    for node in gm.graph.nodes:
+        views = _piece_views(node)
+        if views is None or loops_of(node, LoopSite.header_contains):
+            continue
+        read = sorted((p for p in node.users if p.target is operator.getitem and p.users),
+                      key=lambda p: p.args[1])
+        loops = _one_per_iteration(read, order, node, outer)
+        if loops:
+            found.append((node, views, loops, None))
+    return found
+
+
+def _slices_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> None:
+    """Move every slice made before a loop whose body reads the slices of one tensor one per
+    iteration (``[(q[:, i:i+C], ...) for i in range(0, L, C)]``, then ``for qc, ... in``) to
+    its first reader, attributed to that reader's line, as if the body took it."""
+    families: dict[tuple, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.target in (aten.slice.Tensor, aten.select.int) and node.users and len(node.args) >= 3 \
+                and isinstance(node.args[0], torch.fx.Node) and not loops_of(node, outer=outer):
+            size = node.args[3] - node.args[2] if node.target is aten.slice.Tensor and len(node.args) > 3 \
+                else 1
+            families.setdefault((node.args[0], node.args[1], node.target, size), []).append(node)
+    for (source, *_), slices in families.items():
+        slices.sort(key=lambda n: n.args[2])
+        loops = _one_per_iteration(slices, order, source, outer)
+        for node in slices if loops else ():
+            first = min(node.users, key=order.__getitem__)
+            with gm.graph.inserting_before(first):
+                moved = gm.graph.call_function(node.target, node.args, node.kwargs)
+            moved.meta = {**node.meta, FRAMES: first.meta.get(FRAMES, ()), SRC: first.meta.get(SRC),
+                          "stack_trace": first.meta.get("stack_trace")}
+            node.replace_all_uses_with(moved)
+            gm.graph.erase_node(node)
+
+
 def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Rewrite, in place, every piece of a ``split``/``unbind`` in a loop statement that the
-    loop's body reads as the slice it is, at its first reader (``gm`` annotated with frames)."""
-    cuts = _cuts_in_loop_statements(gm)
-    if not cuts:
-        return gm
+    """Rewrite, in place, every piece of a ``split``/``unbind`` in a loop statement, or made
+    before a loop that reads one piece per iteration, as the slice it is, at its first reader;
+    move slices made before such a loop to their first reader; then attribute what a generator
+    in a loop statement makes to its first reader's line (``gm`` annotated with frames)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    outer = caller_depth(gm)      # the frames that called the traced code hold no loop of it
+    cuts = _cuts_in_loop_statements(gm) + _cuts_before_loops(gm, order, outer)
+    if cuts:
+        _rewrite_pieces(gm, cuts, order)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    _slices_before_loops(gm, order, outer)
+    _attribute_generated_values(gm, outer)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewrite_pieces(gm: torch.fx.GraphModule, cuts: list[tuple], order: dict) -> None:
+    """Each piece the loops of ``cuts`` read replaced by its slice, placed before its first
+    reader and attributed to that reader's line."""
     for node, views, headers, name in cuts:
         for piece in list(node.users):
             if piece.target is not operator.getitem or not piece.users:
@@ -95,9 +175,65 @@ def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             gm.graph.erase_node(piece)
         if not node.users:
             gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
-__all__ = ["split_pieces_as_slices"]
+def _attribute_generated_values(gm: torch.fx.GraphModule, outer: int) -> None:
+    """Give every value a generator in a loop statement makes, as the loop asks for it, the
+    frames of its first reader (from the last node back, so a chain of such values follows the
+    body's reader); cuts stay where they are made (their pieces are read as slices above)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function" or not node.users or _piece_views(node) is not None \
+                or not _made_by_a_loop_statements_generator(node, outer):
+            continue
+        first = min(node.users, key=order.__getitem__)
+        frames = first.meta.get(FRAMES, ())
+        if frames and loops_of(first, outer=outer):
+            node.meta[FRAMES], node.meta[SRC] = frames, first.meta.get(SRC)
+
+
+def _made_by_a_loop_statements_generator(node: torch.fx.Node, outer: int) -> bool:
+    """Whether one of ``node``'s frames runs a loop statement and the next one a generator
+    (a generator expression, or a function that yields) that the statement iterates."""
+    frames = node.meta.get(FRAMES, ())[outer:]
+    return any(_runs_a_loop_statement(f) and runs_a_generator(g) for f, g in zip(frames, frames[1:]))
+
+
+def _runs_a_loop_statement(frame) -> bool:
+    return any(loop.header_contains(frame) for loop in _loops_in_file(frame.file))
+
+
+def runs_a_generator(frame) -> bool:
+    """Whether ``frame`` runs in a generator: a generator expression, or a function of that
+    name whose body yields."""
+    return frame.function == "<genexpr>" or any(name == frame.function and lo <= frame.line <= hi
+               for name, lo, hi in _generator_functions(frame.file))
+
+
+@functools.lru_cache(maxsize=256)
+def _generator_functions(file: str) -> tuple[tuple[str, int, int], ...]:
+    """``(name, first line, last line)`` of every function of ``file`` whose own body yields."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(file)))
+    except SyntaxError:
+        return ()
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                isinstance(n, (ast.Yield, ast.YieldFrom)) for n in _own_nodes(fn)):
+            found.append((fn.name, fn.lineno, fn.end_lineno or fn.lineno))
+    return tuple(found)
+
+
+def _own_nodes(fn: ast.AST):
+    """The nodes of a function's body, nested functions and lambdas left out."""
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        yield n
+        stack.extend(ast.iter_child_nodes(n))
+
+
+__all__ = ["split_pieces_as_slices", "runs_a_generator"]

@@ -10,6 +10,7 @@ most twice as far from it as the recurrent executor is, plus 1e-6.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from typing import Sequence
 
@@ -57,7 +58,11 @@ def needs_float64_reference(program: TTTProgram, dtype: torch.dtype) -> bool:
 
 def judge(got: torch.Tensor, ref: torch.Tensor, exact64: torch.Tensor | None) -> dict:
     """One comparison: with ``exact64`` (a float64 evaluation) the precision criterion, else the
-    dtype's tolerance on ``rel_rms_error(got, ref)``."""
+    dtype's tolerance on ``rel_rms_error(got, ref)``. A plan whose output has another shape than
+    the loop's is wrong whatever its values: not ok."""
+    if got.shape != ref.shape:
+        return {"rel_rms_error": math.inf, "ok": False,
+                "shape": f"{tuple(got.shape)} where the loop gives {tuple(ref.shape)}"}
     err = rel_rms_error(got, ref)
     if exact64 is None:
         tol = tolerance(ref.dtype)

@@ -999,7 +999,7 @@ class LiftedPlan:
             read = read.transpose(-1, -2)
         values[lp.read] = read
         (y,) = self._whole_post(*(values[n] for n in lp.post_inputs))
-        return [y], self._finals(states0, s_final)
+        return [_stacked_chunks(y, prog, layout)], self._finals(states0, s_final)
 
     def _chunk_level(self, states0, invariants, layout) -> list[torch.Tensor]:
         """The chunk-level features (scales, momentum coefficient), ``[N, ...]``, computed chunk
@@ -1022,6 +1022,17 @@ class LiftedPlan:
                     for c in lp.chunk_features(*args)]
         return list(vmap(lp.chunk_features, in_dims=in_dims)(*args))
 
+
+
+def _stacked_chunks(y: torch.Tensor, program: TTTProgram, layout) -> torch.Tensor:
+    """The whole-sequence output ``y`` as the loop assembles it: where the loop stacks whole
+    chunks on a new axis (``torch.stack(outs, 1)`` of pre-chunked mini-batches), the token axis
+    cut into ``[N, C]`` there; otherwise ``y`` itself."""
+    spec = program.outputs[0]
+    if not spec.per_token or any(s.per_token for s in program.streams):
+        return y
+    axis = spec.axis % (y.dim() + 1)
+    return y.unflatten(axis, (layout.n_chunks, layout.chunk_size))
 
 __all__ = ["lift", "LiftedProgram", "LiftedPlan", "NewtonSchulz", "Read", "contraction",
            "find_read", "replayed", "strip"]
