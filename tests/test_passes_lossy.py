@@ -698,9 +698,9 @@ class RateInTheLoss(torch.nn.Module):
     ``torch.autograd.grad`` — the rate reaches the update through the loss's backward, beside
     the loss value the trace computes and leaves unread. ``rate`` fixes it to a constant."""
 
-    def __init__(self, d: int = 16, chunk: int = 4, rate: float | None = None):
+    def __init__(self, d: int = 16, chunk: int = 4, rate: float | None = None, loss: str = "sum"):
         super().__init__()
-        self.C, self.rate = chunk, rate
+        self.C, self.rate, self.loss = chunk, rate, loss
         self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
         self.lr = torch.nn.Linear(d, 1)
         self.W0 = torch.nn.Parameter(torch.randn(d, d) * d ** -0.5)
@@ -715,23 +715,39 @@ class RateInTheLoss(torch.nn.Module):
             W = self.W0.expand(x.shape[0], -1, -1)
             for s in range(0, x.shape[1], self.C):
                 kc, vc, lc = k[:, s:s + self.C], v[:, s:s + self.C], lr[:, s:s + self.C]
+                if self.loss == "computed":       # the rate projected from the chunk, in the loop
+                    lc = torch.sigmoid(self.lr(x[:, s:s + self.C])).squeeze(-1) * 0.1
                 outs.append(q[:, s:s + self.C] @ W)
                 W = W.requires_grad_()
-                loss = (((kc @ W - vc) ** 2).sum(-1) * lc).sum()
+                err = (kc @ W - vc) ** 2
+                # a mean's backward divides the broadcast rate by the features' count
+                loss = ((err.mean(-1) if self.loss == "mean" else err.sum(-1)) * lc).sum()
                 (g,) = torch.autograd.grad(loss, W, create_graph=True)
                 W = W - g
         return torch.cat(outs, 1)
 
 
-def test_absorb_lr_folds_a_rate_that_weights_the_inner_loss():
+@pytest.mark.parametrize("loss", ["sum", "mean"])
+def test_absorb_lr_folds_a_rate_that_weights_the_inner_loss(loss):
     torch.manual_seed(0)
-    layer = RateInTheLoss()
+    layer = RateInTheLoss(loss=loss)
     x = torch.randn(2, 16, 16)
     converted = ttt2la.convert(layer, level=4, example_inputs=(x,))
     (result,) = [p for p in converted.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
     assert result.status == "applied", result.reason
-    hand = RateInTheLoss(rate=result.folded["lr"])
+    hand = RateInTheLoss(rate=result.folded["lr"], loss=loss)
     hand.load_state_dict(layer.state_dict())
     x2 = torch.randn(3, 11, 16)
     with torch.no_grad():
         assert rel_rms_error(converted(x2), hand(x2)) <= FP32
+
+
+def test_absorb_lr_says_it_leaves_a_rate_computed_in_the_loop():
+    """A rate the body projects from its chunk is no stream: not folded, and the report says so
+    (naming where it is read) instead of calling the step already satisfied."""
+    torch.manual_seed(0)
+    layer = RateInTheLoss(loss="computed")
+    converted = ttt2la.convert(layer, level=4, example_inputs=(torch.randn(2, 16, 16),))
+    (result,) = [p for p in converted.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
+    assert result.status == "not_applicable", result.reason
+    assert "computed in the loop body" in result.reason and "test_passes_lossy.py:" in result.reason

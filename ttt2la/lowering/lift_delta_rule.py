@@ -397,11 +397,25 @@ def _built(program, t, side, key, value, atoms, combined, read, query, post, pos
                           features, feature_inputs, post, post_inputs)
 
 
+def _made_from(frontier: list[torch.fx.Node], depth: int = 3) -> list[torch.fx.Node]:
+    """The values ``depth`` ops or fewer behind the frontier, nearest first: where the scalars
+    of a product the update reads (``β`` of ``β k``) are found."""
+    found, layer = [], list(frontier)
+    for _ in range(depth):
+        layer = [a for n in layer for a in n.all_input_nodes if a not in frontier and a not in found]
+        layer = list(dict.fromkeys(layer))
+        found += layer
+    return found
+
+
 def _fit_pieces(program, t, frontier, boundary, state_shape, side, batch, dk, dv):
     """Every reading ``(key, value, atoms, (α, β, v-scale))`` of the update that fits it on
-    random tokens."""
+    random tokens. The coefficients are products of the frontier's per-token scalars, or, where
+    those do not fit, also of the scalars the frontier is made from (``(β k)ᵀ(v − k S)`` reads
+    ``β k``, not ``β``)."""
     s_in, s_out = program.state_inputs()[t], program.state_outputs()[t]
-    front_fn, front_inputs = extract(program.body, boundary, frontier)
+    nearby = _made_from(frontier)
+    front_fn, front_inputs = extract(program.body, boundary, frontier + nearby)
     front_fn = promoted(front_fn)
     update_fn, update_inputs = extract(program.body, [s_in, *frontier], [s_out])
     update_fn = promoted(update_fn)
@@ -409,8 +423,9 @@ def _fit_pieces(program, t, frontier, boundary, state_shape, side, batch, dk, dv
     sampled = samples(front_inputs, n, seed=0)
     if sampled is None:
         return
-    values = [v.double() for v in vmap(front_fn)(*sampled)]
-    by_node = dict(zip(frontier, values))
+    evaluated = [v.double() for v in vmap(front_fn)(*sampled)]
+    values = evaluated[:len(frontier)]
+    by_node = dict(zip(frontier + nearby, evaluated))
     state = torch.zeros((n, *state_shape), dtype=torch.float64)
 
     def update(S, *front):
@@ -422,23 +437,25 @@ def _fit_pieces(program, t, frontier, boundary, state_shape, side, batch, dk, dv
     A = A.reshape(n * batch, dk, dk)
     B = (B if side == "left" else B.mT).reshape(n * batch, dk, dv)
     depends = set(boundary)
-    atoms = [node for node, x in by_node.items()
-             if x[0].numel() in (1, batch) and ancestors(node) & depends]
-    if len(atoms) > MAX_ATOMS:
-        return
-    atom_values = [by_node[node].reshape(n, -1).expand(n, batch).reshape(-1) for node in atoms]
+    scalars = [node for node, x in by_node.items()
+               if x[0].numel() in (1, batch) and ancestors(node) & depends]
+    own = [node for node in scalars if node in frontier]
     keys = _candidates(values, n, batch, dk)
     vals = _candidates(values, n, batch, dv)
-    for ki, a, c in _fit_keys(A, [k for _, k in keys]):
-        if float(c.abs().max()) == 0.0:
-            continue                                 # no forgetting: not a delta rule
-        for vi, b in _fit_values(B, keys[ki][1], [v for _, v in vals]):
-            coefficients = [_fit_coefficient(x, atom_values) for x in (a, b, c)]
-            if any(x is None for x in coefficients):
-                continue
-            combined = _combined(*coefficients)
-            if combined is not None:
-                yield frontier[keys[ki][0]], frontier[vals[vi][0]], atoms, combined
+    for atoms in dict.fromkeys((tuple(own), tuple(scalars))):
+        if len(atoms) > MAX_ATOMS:
+            continue
+        atom_values = [by_node[node].reshape(n, -1).expand(n, batch).reshape(-1) for node in atoms]
+        for ki, a, c in _fit_keys(A, [k for _, k in keys]):
+            if float(c.abs().max()) == 0.0:
+                continue                                 # no forgetting: not a delta rule
+            for vi, b in _fit_values(B, keys[ki][1], [v for _, v in vals]):
+                coefficients = [_fit_coefficient(x, atom_values) for x in (a, b, c)]
+                if any(x is None for x in coefficients):
+                    continue
+                combined = _combined(*coefficients)
+                if combined is not None:
+                    yield frontier[keys[ki][0]], frontier[vals[vi][0]], list(atoms), combined
 
 
 # ---------------------------------------------------------------------------------------------

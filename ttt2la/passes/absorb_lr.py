@@ -40,18 +40,21 @@ def _value_chain(stream: torch.fx.Node, live: set) -> torch.fx.Node:
     node = stream
     while len(users := [u for u in node.users if u in live]) == 1:
         (user,) = users
-        if user.op != "call_function" or op_name(user) not in _ELEMENTWISE \
-                or node_shape(user) != node_shape(node):
-            break
-        others = [a for a in user.all_input_nodes if a is not node]
-        scalar_args = [a for a in (*user.args, *user.kwargs.values())
-                       if not isinstance(a, torch.fx.Node)]
-        if any(constant_value(a) is None for a in others) or not all(
-                isinstance(a, (int, float, bool, torch.dtype, torch.device, torch.layout,
-                               torch.memory_format, type(None))) for a in scalar_args):
+        if not _with_constants(user, node) or node_shape(user) != node_shape(node):
             break
         node = user
     return node
+
+
+def _with_constants(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``user`` is an elementwise op of ``node`` and constants (``softplus(lr)``, ``lr / 32``)."""
+    if user.op != "call_function" or op_name(user) not in _ELEMENTWISE:
+        return False
+    others = [a for a in user.all_input_nodes if a is not node]
+    scalar_args = [a for a in (*user.args, *user.kwargs.values()) if not isinstance(a, torch.fx.Node)]
+    return all(constant_value(a) is not None for a in others) and all(
+        isinstance(a, (int, float, bool, torch.dtype, torch.device, torch.layout,
+                       torch.memory_format, type(None))) for a in scalar_args)
 
 
 def _live(program: TTTProgram) -> set[torch.fx.Node]:
@@ -60,17 +63,19 @@ def _live(program: TTTProgram) -> set[torch.fx.Node]:
     return ancestors(program.body.graph.output_node())
 
 
-def _readers(node: torch.fx.Node,
-             live: set | None = None) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+def _readers(node: torch.fx.Node, live: set | None = None, through_constants: bool = False
+             ) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """``(operand, op)`` for every non-view op reading ``node`` through view ops (in ``live``,
-    when given)."""
+    when given), and with ``through_constants`` through elementwise ops with constants too
+    (a traced backward divides a broadcast rate by the mean's count)."""
     found, stack = [], [node]
     while stack:
         n = stack.pop()
         for user in n.users:
             if live is not None and user not in live:
                 continue
-            if user.op == "call_function" and op_name(user) in VIEW_OPS:
+            if user.op == "call_function" and (op_name(user) in VIEW_OPS or (
+                    through_constants and _with_constants(user, n))):
                 stack.append(user)
             else:
                 found.append((n, user))
@@ -79,9 +84,11 @@ def _readers(node: torch.fx.Node,
 
 def _unexpanded(node: torch.fx.Node) -> torch.fx.Node:
     """``node`` before the ``expand`` ops that broadcast it explicitly (as a traced backward
-    broadcasts a per-token weight of the loss over the features)."""
-    while node.op == "call_function" and op_name(node) == "expand":
-        node = node.args[0]
+    broadcasts a per-token weight of the loss over the features), and the elementwise ops with
+    constants after them."""
+    while node.op == "call_function" and (op_name(node) == "expand" or (
+            node.all_input_nodes and _with_constants(node, node.all_input_nodes[0]))):
+        node = node.all_input_nodes[0]
     return node
 
 
@@ -111,7 +118,7 @@ def _update_nodes(program: TTTProgram) -> set[torch.fx.Node]:
 
 def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node], live: set) -> bool:
     """Every reader of ``value`` is a product on the way to an update, where it is a factor."""
-    readers = _readers(value, live)
+    readers = _readers(value, live, through_constants=True)
     return bool(readers) and all(
         op.op == "call_function" and op_name(op) == "mul" and op in updates
         and _broadcasts_as_factor(operand, op) for operand, op in readers)
@@ -139,6 +146,36 @@ def constant_rates(program: TTTProgram) -> list[str]:
     return [program.invariants[i].name for i, node in enumerate(program.invariant_inputs())
             if i not in sources and node.users
             and _scales_updates(_value_chain(node, live), updates, live)]
+
+
+def computed_rates(program: TTTProgram) -> list[torch.fx.Node]:
+    """Per-token factors of an update that the loop body computes from its streams through more
+    than elementwise ops with constants (TTT-Linear's learned rate ``x_i · w``, projected per
+    mini-batch): rates this pass does not fold. The first node of each such factor's chain."""
+    updates, live = _update_nodes(program), _live(program)
+    state_dep = set().union(*(_descendants(i) for i in program.state_inputs()))
+    streams = set(program.stream_inputs())
+    found = []
+    for node in program.body.graph.nodes:
+        if node.op != "call_function" or node in state_dep or node not in live \
+                or op_name(node) in VIEW_OPS or not (ancestors(node) & streams):
+            continue
+        shape = node_shape(node)
+        if not shape or shape[-1] != 1 or any(a in found for a in node.all_input_nodes):
+            continue
+        if _scales_updates(_value_chain(node, live), updates, live):
+            found.append(node)
+    return found
+
+
+def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
 
 
 def where(value: torch.fx.Node) -> str:
@@ -205,6 +242,15 @@ class AbsorbLr(Pass):
             ins, outs = program.state_inputs(), program.state_outputs()
             if not any(o is not i for i, o in zip(ins, outs)):
                 return self.result("not_applicable", "the loop updates no carried state")
+            computed = computed_rates(program)
+            if computed:
+                return self.result(
+                    "not_applicable",
+                    f"the per-token rate at {', '.join(describe_node(n) for n in computed)} is "
+                    "computed in the loop body from its inputs, and absorb_lr folds rates that "
+                    "are streams (or elementwise maps of them): left unchanged, so this level "
+                    "keeps the per-token rate. Compute the rate before the loop on the whole "
+                    "sequence and slice it per chunk as the keys are sliced, to have it folded")
             return self.result("already_satisfied", "no stream or loop invariant scales a state "
                                                     "update as a per-token factor: the rate, if "
                                                     "any, is a constant of the code or no factor "
