@@ -2,7 +2,7 @@
 # First contact with an NVIDIA GPU that may be lent for minutes only, possibly without network:
 # the benchmark first (every row written to the results directory as soon as it is measured),
 # the sections whose figures are owed first ((b): the chunk op's backward with the tiles run 3 of
-# 2026-12-04 settled, 5.39 ms expected against 6.87), then the rest, the slow whole-layer compiles last,
+# 2026-12-04 settled, against 6.87 ms before), then the rest, the slow whole-layer compiles last,
 # then the slow full Triton kernel tests with the time that is left.
 #
 #   bash benchmarks/gpu_check.sh RESULTS_DIR        # RESULTS_DIR is created if missing

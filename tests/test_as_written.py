@@ -292,5 +292,7 @@ def test_a_partial_last_chunk_the_plan_cannot_pad_runs_as_written_when_exact():
     assert not any("partial" in key for key in runs if "length 12" in key)
     lossy = copy.deepcopy(converted)
     lossy._ttt2la.as_written = None          # what a lossy conversion holds: nothing to run
-    with pytest.raises(ttt2la.PartialChunkError, match="The last chunk is partial"):
+    with pytest.raises(ttt2la.PartialChunkError, match="The last chunk is partial") as refused:
         lossy(ragged)
+    assert "test_as_written.py:" in (refused.value.where or "") and refused.value.where in \
+        str(refused.value)

@@ -177,6 +177,66 @@ def test_a_call_the_layers_own_code_rejects_names_its_line(name, x, streaming, c
     assert str(original.value).splitlines()[0] in str(error)
 
 
+class MiniBatches(torch.nn.Module):
+    """A scan-style layer: the sequence viewed as ``[B, N, K, D]`` mini-batches, which only a
+    length that is a multiple of ``K`` allows (the converted loop reads the sequence unchunked,
+    so such a call fails inside it rather than at the view)."""
+
+    K = 4
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T // self.K, self.K, D) for t in self.qkv(x).chunk(3, -1))
+        W = x.new_zeros(B, D, D)
+        outs = []
+        for i in range(T // self.K):
+            outs.append(q[:, i] @ W)
+            W = W + k[:, i].mT @ v[:, i]
+        return torch.stack(outs, 1).reshape(B, T, D)
+
+
+def test_a_call_the_loop_fails_on_is_answered_by_the_code_as_written():
+    """Where the converted loop fails, the layer as written decides: its own error, naming its
+    line, where it fails too."""
+    torch.manual_seed(0)
+    layer = MiniBatches()
+    converted = ttt2la.convert(layer, level=0, example_inputs=(_x(B, 16, D),))
+    x = _x(1, 10, D)
+    with pytest.raises(RuntimeError) as original:
+        layer(x)
+    with pytest.raises(ttt2la.RejectedCallError) as refused:
+        converted(x)
+    error = refused.value
+    assert isinstance(error, RuntimeError) and "test_call_errors.py" in (error.where or "")
+    assert "t.view(B, T // self.K, self.K, D)" in str(error)
+    assert str(original.value).splitlines()[0] in str(error)
+
+
+def test_where_only_the_loop_fails_the_output_is_the_code_as_written_with_a_warning(monkeypatch):
+    """A call the converted loop fails on but the layer as written runs (a conversion fault) is
+    answered by the code as written, the same function; a warning and the report's runs say so."""
+    torch.manual_seed(0)
+    layer = MiniBatches()
+    converted = ttt2la.convert(layer, level=0, example_inputs=(_x(B, 16, D),))
+    from ttt2la.converted import LoopModule
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a fault of the converted loop")
+
+    monkeypatch.setattr(LoopModule, "forward", broken)
+    x = _x(3, 12, D)
+    with pytest.warns(RuntimeWarning, match="a fault of the converted loop"):
+        got = converted(x)
+    with torch.no_grad():
+        assert rel_rms_error(got, layer(x)) <= TOLERANCE[torch.float32]
+    assert any("the loop failed" in key for key in converted.ttt2la_report.layers[0].runs), \
+        converted.ttt2la_report.layers[0].runs
+
+
 WRONG_ARGUMENTS = [
     ("inputs a dict", {"x": torch.randn(B, L, D)}, None),
     ("inputs a generator", (t for t in [torch.randn(B, L, D)]), None),

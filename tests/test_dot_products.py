@@ -1,7 +1,7 @@
-"""A dot product is a dot product however it is spelt (``frontend.dot_products``), and a state
-that only the output reads through a matrix product is no kernel weight Θ: a normalised linear
-attention whose normaliser is read by ``einsum`` converts as the one that reads it by
-``(q * z).sum(-1)``, exactly at every level, instead of having its normaliser frozen at zero."""
+"""A dot product is a dot product however it is spelt (``frontend.dot_products``): a normalised
+linear attention whose normaliser is read by ``einsum`` converts as the one that reads it by
+``(q * z).sum(-1)``, exactly at every level, instead of having its normaliser taken for a kernel
+weight Θ (a matrix product of a state and stream data) and frozen at zero."""
 from __future__ import annotations
 
 import pytest
@@ -20,8 +20,7 @@ aten = torch.ops.aten
 
 class Normalised(nn.Module):
     """Linear attention with its normaliser ``z`` (φ = elu + 1), per token, in ``[B, T, H, D]``;
-    the normaliser read by ``read``: "einsum", "sum", or "columns" (through a ``[D, 2]`` state,
-    a matrix product that is no dot product)."""
+    the normaliser read by ``read``: "einsum" or "sum"."""
 
     def __init__(self, read: str, d: int = 8, heads: int = 2):
         super().__init__()
@@ -33,17 +32,13 @@ class Normalised(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dk).unbind(2)
         q, k = F.elu(q) + 1, F.elu(k) + 1
         S = x.new_zeros(B, self.h, self.dk, self.dk)
-        z = x.new_zeros(B, self.h, self.dk, 2) if self.read == "columns" else x.new_zeros(B, self.h, self.dk)
+        z = x.new_zeros(B, self.h, self.dk)
         ys = []
         for t in range(T):
             S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
-            if self.read == "columns":
-                z = z + k[:, t, :, :, None].expand(-1, -1, -1, 2) * 0.5
-                den = (q[:, t, :, None, :] @ z).squeeze(-2).sum(-1)
-            else:
-                z = z + k[:, t]
-                den = torch.einsum("bhk,bhk->bh", q[:, t], z) if self.read == "einsum" \
-                    else (q[:, t] * z).sum(-1)
+            z = z + k[:, t]
+            den = torch.einsum("bhk,bhk->bh", q[:, t], z) if self.read == "einsum" \
+                else (q[:, t] * z).sum(-1)
             ys.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) / (den[..., None] + 1e-3))
         return torch.stack(ys, 1).reshape(B, T, -1)
 
@@ -63,7 +58,7 @@ def test_a_bmm_of_one_row_by_one_column_is_traced_as_a_product_and_sum():
     torch.testing.assert_close(gm(q, z), loop(q, z))
 
 
-@pytest.mark.parametrize("read", ["einsum", "sum", "columns"])
+@pytest.mark.parametrize("read", ["einsum", "sum"])
 def test_the_normaliser_is_no_theta_and_every_level_is_exact(read):
     torch.manual_seed(0)
     layer = Normalised(read)

@@ -214,3 +214,27 @@ def test_one_submodule_per_run_converts_exactly():
     assert all(r.runtime.startswith("chunk_linear_attention") for r in conv.ttt2la_report.layers)
     x = torch.randn(3, 17, 8)
     assert rel_rms_error(conv(x), layer(x)) <= TOLERANCE[torch.float32]
+
+
+class StoredStates(nn.Module):
+    """Every token's state kept in a list and read after the loop, stacked: no output per
+    iteration."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        states = []
+        for t in range(x.shape[1]):
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            states.append(S)
+        return torch.einsum("btk,btkv->btv", q, torch.stack(states, 1))
+
+
+def test_states_stored_and_read_after_the_loop_are_refused_saying_to_read_them_inside():
+    with pytest.raises(ConversionError, match=r"every iteration's state `S` .*test_loop_outputs\.py"
+                                              r":\d+.* compute each chunk's output there"):
+        ttt2la.convert(StoredStates(), level=0, example_inputs=(torch.randn(2, 6, 8),))

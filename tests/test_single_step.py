@@ -112,3 +112,39 @@ def test_remove_muon_takes_the_gradient_normalisation_out_at_level_6():
     assert passes["remove_muon"].status == "applied"
     assert "W1's increment" in passes["remove_muon"].reason
     assert "taps's increment" in passes["remove_muon"].reason
+
+
+class EinsumStep(torch.nn.Module):
+    """One gradient step of per-head fast weights over the whole sequence, its products written
+    as ``einsum`` over ``[B, N, H, d]`` tokens, then every token reads the stepped weights."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.H, self.d = heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.W1 = torch.nn.Parameter(torch.randn(heads, self.d, self.d) * self.d ** -0.5)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.H, self.d).unbind(2)
+        W = self.W1.unsqueeze(0).expand(B, -1, -1, -1).clone().requires_grad_(True)
+        with torch.enable_grad():
+            loss = -(torch.einsum("bnhd,bhde->bnhe", k, W) * v).sum() / N
+            g, = torch.autograd.grad(loss, W, create_graph=True)
+        return torch.einsum("bnhd,bhde->bnhe", q, W - g).reshape(B, N, C)
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_a_single_step_never_runs_on_an_op_that_reads_tokens_in_order(level):
+    """Every token reads the weights stepped on all of them: the step keeps its one-chunk plan
+    where it is not lifted onto the bidirectional op, never a causal one (which read each token
+    before the later ones were stepped on, and failed the lowering's check)."""
+    torch.manual_seed(0)
+    layer = EinsumStep()
+    x = torch.randn(2, 12, 16)
+    converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+    report, = converted.ttt2la_report.layers
+    assert converted.ttt2la_report.exact
+    assert not report.runtime.startswith(("chunk_linear_attention", "block_linear_attention")), \
+        report.runtime
+    assert_same_function(converted, layer, x)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 import ttt2la
@@ -110,6 +111,23 @@ def tuple_in_one_variable(wa, wb, q, k, v):
     return torch.cat(outs, 1)
 
 
+def _dict_step(p, x):
+    qi, ki, vi = x
+    p = pytree.tree_map(lambda w: w + ki.mT @ vi, p)
+    return p, qi @ p["fast_a"] + qi @ p["fast_b"]
+
+
+def scanned_dict(wa, wb, q, k, v):
+    """A dict of fast weights made by a literal, carried through ``carry, y = step(carry, x)``:
+    the tuple's names are the carry and the step's output, not the states'."""
+    carry = {"fast_a": wa * 1.0, "fast_b": wb * 1.0}
+    outs = []
+    for s in range(0, q.shape[1], C):
+        carry, y = _dict_step(carry, (q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]))
+        outs.append(y)
+    return torch.cat(outs, 1)
+
+
 def _state_names(fn) -> list[str]:
     g = torch.Generator().manual_seed(0)
     wa, wb = (torch.randn(2, 3, 3, generator=g) for _ in range(2))
@@ -128,6 +146,7 @@ def _state_names(fn) -> list[str]:
     (dict_call, ["fast_a", "fast_b"]),
     (helper_for_each, ["wa", "wb"]),
     (tuple_in_one_variable, ["w0", "w1"]),
+    (scanned_dict, ["fast_a", "fast_b"]),
 ])
 def test_each_state_is_named_after_its_own_variable(fn, names):
     assert sorted(_state_names(fn)) == names

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from .locality import streaming_problem
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .recast import Signature, recast, weights_signature
-from .rejected_call import rejected, rejected_as_written
+from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .training_mode import evaluating, training_dependence
@@ -198,7 +199,22 @@ class ConvertedState:
             return self._as_written(written, "its last chunk is partial, where the plan's zero "
                                              f"padding would change {e.what}")
         except Exception as e:
+            if self.as_written is not None and not isinstance(e, ConversionError) \
+                    and fails_in_loop(gm, [weights, *flat]):
+                return self._loop_failed(e, written, B, L)
             raise self._rejected(e, gm, [weights, *flat]) from e
+
+    def _loop_failed(self, error: Exception, written, B: int, L: int):
+        """A call an exact conversion's loop fails on: the code as written decides. Where it
+        fails too, its own error is raised, naming its line; where it runs, its output is the
+        answer (the function is the same), with a warning and the report's runs saying so."""
+        first = (str(error).strip().splitlines() or [""])[0]
+        why = f"the converted loop failed on this call ({type(error).__name__}: {first})"
+        out = self._as_written(written, why)
+        self.runs[f"batch {B}, length {L}, the loop failed"] = f"as written: {why}"
+        warnings.warn(f"ttt2la: {self._where()}: {why}; ran the layer as written, which takes it. "
+                      "Please report this call with the model.", RuntimeWarning, stacklevel=3)
+        return out
 
     def _in_training(self, written, B: int, L: int):
         """A call in training mode of a layer whose code differs there (``training_mode``): its

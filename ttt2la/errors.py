@@ -20,9 +20,10 @@ class PartialChunkError(UnsupportedTTTError):
     (a mean over the chunk, attention across its tokens): the plan cannot run it. An exact
     conversion runs its code as written for such a call instead; a lossy one raises this."""
 
-    def __init__(self, message: str, *, what: str = ""):
+    def __init__(self, message: str, *, what: str = "", where: str | None = None):
         super().__init__(message)
         self.what = what        # what the padding would change, in words
+        self.where = where      # the loop's source line
 
 
 class UnsupportedShapeError(ConversionError):

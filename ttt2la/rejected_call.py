@@ -40,6 +40,13 @@ def failing_node(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.Node | None
     return None
 
 
+def fails_in_loop(gm: torch.fx.GraphModule, inputs: list) -> bool:
+    """Whether ``gm(*inputs)`` fails in its converted loop rather than in the layer's own code
+    around it."""
+    node = failing_node(gm, inputs)
+    return node is not None and node.op == "call_module" and node.target == LOOP_MODULE
+
+
 def _dual_class(cls: type) -> type:
     """``RejectedCallError`` that is also a ``cls``: cached, one per original class."""
     dual = _CLASSES.get(cls)
@@ -109,4 +116,4 @@ def rejected_as_written(error: Exception, *, path: str, why: str, expected: str)
     return _dual_class(type(error))(message, where=at.split(" (`")[0] or None)
 
 
-__all__ = ["rejected", "rejected_as_written", "failing_node"]
+__all__ = ["rejected", "rejected_as_written", "failing_node", "fails_in_loop"]

@@ -195,10 +195,8 @@ def _state_of_node(program: TTTProgram, node) -> int | None:
 
 def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduct]) -> set[int]:
     """States that parameterise the kernel φ: read on a φ path of the output, or multiplied with
-    stream data where a state's update reads the product (``k·W0ᵀ`` inside the increment), other
-    than the final ones. A product that only the output reads is a read of the state, not a
-    kernel: a normaliser ``q·z`` spelt as an ``einsum`` (a batched matmul) is no Θ, as it is not
-    spelt ``(q * z).sum(-1)``."""
+    stream data anywhere in the body (``k·W0ᵀ`` inside the increment), other than the final
+    ones."""
     final = {f.state for f in finals}
     theta: set[int] = set()
     for f in finals:
@@ -206,11 +204,9 @@ def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduc
             s = _state_of_node(program, n)
             if s is not None and s not in final:
                 theta.add(s)
-    updating = set().union(*(ancestors(new) for new, old in
-                             zip(program.state_outputs(), program.state_inputs()) if new is not old))
     for node in program.body.graph.nodes:
         ops = matmul_operands(node)
-        if ops is None or node not in updating:
+        if ops is None:
             continue
         for mine, other in (ops, ops[::-1]):
             s = state_valued(program, dep, mine)

@@ -40,7 +40,8 @@ from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, Inva
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of,
                     split_iterations)
 from .slice_assignments import select_writes_as_slice_writes
-from .source_names import PIECE_NAME, assigned_name, state_names, stream_name, unique
+from .source_names import (PIECE_NAME, assigned_name, keyed_initial_names, state_names,
+                           stream_name, unique)
 
 aten = torch.ops.aten
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
@@ -518,6 +519,14 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
     outs = [n for n in states.body_nodes
             if any(x not in u.in_loop for x in n.users) and n not in state_outs]
     if not outs:
+        stored = [n for n in state_outs if any(x not in u.in_loop for x in n.users)]
+        if stored:
+            raise u.fail(
+                f"no iteration output is used after the loop, but every iteration's state "
+                f"{_named(stored[0])} is: the code after the loop reads the stored states "
+                "(a list of them, stacked). ttt2la converts loops that read their state inside "
+                "the loop: compute each chunk's output there from the state (o = q S) and "
+                "collect the outputs instead of the states")
         raise u.fail("no iteration output is used after the loop")
     if len(outs) != 1:
         named = "; ".join(_named(n) for n in outs)
@@ -770,7 +779,10 @@ def _state_placeholders(u: Unrolled, states: States, body: torch.fx.Graph, env: 
     producers = list(states.carried)
     firsts = [assigned_name(states.initial[p].meta.get(SRC))
               if isinstance(states.initial.get(p), torch.fx.Node) else None for p in producers]
-    guessed = state_names([states.carried[p] for p in producers], u.depth, firsts)
+    initials = [states.initial.get(p) if isinstance(states.initial.get(p), torch.fx.Node) else None
+                for p in producers]
+    guessed = state_names([states.carried[p] for p in producers], u.depth, firsts,
+                          keyed_initial_names(initials))
     return [state_input(body, p, states.carried[p], unique(guessed[i] or f"state{i}", taken),
                         env) for i, p in enumerate(producers)]
 

@@ -91,10 +91,9 @@ def _assigned_names(src: SourceLoc | None) -> list[str] | None:
     return None
 
 
-def _held_names(src: SourceLoc | None) -> list[str] | None:
-    """The names a line assigns, where one variable holds several values by name: the keys
-    of ``state = {"W1": ..., "W2": ...}`` (or ``dict(W1=..., W2=...)``), else
-    ``_assigned_names``."""
+def _dict_keys(src: SourceLoc | None) -> list[str] | None:
+    """The keys of the dict literal a line assigns to one variable: ``state = {"W1": ...,
+    "W2": ...}`` or ``dict(W1=..., W2=...)`` (None for any other line)."""
     stmt = _statement(src)
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
             and isinstance(stmt.targets[0], ast.Name):
@@ -107,7 +106,34 @@ def _held_names(src: SourceLoc | None) -> list[str] | None:
             keys = [kw.arg for kw in value.keywords]
         if keys and all(isinstance(k, str) and k.isidentifier() for k in keys):
             return keys
-    return _assigned_names(src)
+    return None
+
+
+def _held_names(src: SourceLoc | None) -> list[str] | None:
+    """The names a line assigns, where one variable holds several values by name: the keys
+    of a dict literal (``_dict_keys``), else ``_assigned_names``."""
+    return _dict_keys(src) or _assigned_names(src)
+
+
+def keyed_initial_names(initials: list[torch.fx.Node | None]) -> list[str | None]:
+    """Each state's key where a dict literal's entries make the initial values (``params =
+    {"W": ..., "b": ...}``): the literal's keys in the order it computes its entries, when it
+    makes as many of the states as it has keys; None elsewhere."""
+    lines: dict[tuple, list[int]] = {}
+    for i, n in enumerate(initials):
+        src = n.meta.get(SRC) if isinstance(n, torch.fx.Node) else None
+        stmt, start = _statement_at(src)
+        if stmt is not None:
+            lines.setdefault((src.file, start), []).append(i)
+    names: list[str | None] = [None] * len(initials)
+    present = [n for n in initials if n is not None]
+    order = {n: k for k, n in enumerate(present[0].graph.nodes)} if present else {}
+    for members in lines.values():
+        keys = _dict_keys(initials[members[0]].meta.get(SRC))
+        if keys and len(keys) == len(members):
+            for i, key in zip(sorted(members, key=lambda i: order.get(initials[i], 0)), keys):
+                names[i] = key
+    return names
 
 
 def assigned_name(src: SourceLoc | None) -> str | None:
@@ -153,8 +179,8 @@ def stream_name(loc: SourceLoc | None, k: int, n: int) -> str | None:
     return sliced[k] if k < len(sliced) else assigned_name(loc)
 
 
-def state_names(outs: list[torch.fx.Node], depth: int,
-                 first: list[str | None]) -> list[str | None]:
+def state_names(outs: list[torch.fx.Node], depth: int, first: list[str | None],
+                keyed: list[str | None] | None = None) -> list[str | None]:
     """A name per carried state, from the statement that assigns its new value.
 
     The innermost frame that assigns a name gives it, unless it gives the same name to
@@ -164,8 +190,10 @@ def state_names(outs: list[torch.fx.Node], depth: int,
     ...)``) or by a dict literal (``state = {"W": ..., "b": ...}``) takes the name its initial
     value was assigned to when that is one of the line's (``first``), else the element at its
     place when the states that line assigns are as many as its names (their values are
-    computed in the line's order).
+    computed in the line's order). States whose initial values a dict literal makes take its
+    keys (``keyed``) where the lines that update them would number them or name them by place.
     """
+    keyed = keyed or [None] * len(outs)
     chains = [_assigning_frames(out, depth) for out in outs]
     level, shared = _distinguishing_frames(chains)
     order = {n: k for k, n in enumerate(outs[0].graph.nodes)} if outs else {}
@@ -180,12 +208,16 @@ def state_names(outs: list[torch.fx.Node], depth: int,
         else:
             tuples.setdefault((*place, got), []).append(i)
     for members in shared.values():
+        if len(members) > 1 and _by_key(members, keyed, names):
+            continue
         if len(members) > 1 and all(names[i] == names[members[0]] for i in members):
             members.sort(key=lambda i: order.get(outs[i], 0))
             for k, i in enumerate(members):
                 names[i] = f"{names[i]}{k}"
     for (_f, _l, got), members in tuples.items():
         members.sort(key=lambda i: order.get(outs[i], 0))
+        if _by_key(members, keyed, names):
+            continue
         if all(first[i] in got for i in members) and \
                 len({first[i] for i in members}) == len(members):
             for i in members:
@@ -197,6 +229,16 @@ def state_names(outs: list[torch.fx.Node], depth: int,
             for i in members:
                 names[i] = "_".join(got)
     return names
+
+
+def _by_key(members: list[int], keyed: list[str | None], names: list[str | None]) -> bool:
+    """Name ``members`` by their dict keys when each has one and they differ; whether done."""
+    keys = [keyed[i] for i in members]
+    if any(k is None for k in keys) or len(set(keys)) != len(keys):
+        return False
+    for i, key in zip(members, keys):
+        names[i] = key
+    return True
 
 
 def _distinguishing_frames(chains: list[list]) -> tuple[list[int], dict[tuple, list[int]]]:
@@ -267,4 +309,4 @@ def unique(name: str, taken: set[str]) -> str:
     return name
 
 
-__all__ = ["assigned_name", "stream_name", "state_names", "unique"]
+__all__ = ["assigned_name", "keyed_initial_names", "stream_name", "state_names", "unique"]

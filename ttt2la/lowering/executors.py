@@ -171,12 +171,14 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
     if what is not None:
         c = layout.chunk_size
         hint = " or an apply-only last chunk" if program.last_chunk == "update" else ""
+        where = str(program.loop_src) if program.loop_src else None
         raise PartialChunkError(
             f"The last chunk is partial (L = {layout.length} with chunk size {c}: "
             f"{layout.tail} real token(s) padded with {c - layout.tail} zero(s)), and the "
-            f"zero padding changes {what} — the padded tokens are not inert (a mean over the "
-            f"chunk, attention across its tokens, or a bias on an empty token). Use a length "
-            f"that is a multiple of {c}{hint}.", what=what)
+            f"zero padding changes {what} in the loop"
+            f"{f' at {where}' if where else ''} — the padded tokens are not inert (a mean over "
+            f"the chunk, attention across its tokens, or a bias on an empty token). Use a length "
+            f"that is a multiple of {c}{hint}.", what=what, where=where)
 
 
 def _stand_ins(values) -> list:

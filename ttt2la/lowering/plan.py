@@ -79,7 +79,9 @@ def plan_for(program: TTTProgram, analysis: Analysis | None = None, *, backend: 
         single = lift_single_step(program, backend)
         if single is not None:
             return single
-    if schedule in ("parallel", "semi-parallel"):
+    # a single step reads every token with the stepped weights (one chunk of all the tokens):
+    # the token-causal and block ops, which read each chunk before later ones, never run it
+    if schedule in ("parallel", "semi-parallel") and not program.single_step:
         lifted = lift(program)
         # semi-parallel programs lift only when the op's weight norm is what is sequential
         if lifted is not None and _liftable(lifted, set(used), zero_init) and \

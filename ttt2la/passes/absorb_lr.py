@@ -163,9 +163,23 @@ def computed_rates(program: TTTProgram) -> list[torch.fx.Node]:
         shape = node_shape(node)
         if not shape or shape[-1] != 1 or any(a in found for a in node.all_input_nodes):
             continue
-        if _scales_updates(_value_chain(node, live), updates, live):
+        if program.chunk_size > 1 and program.chunk_size not in shape[:-1]:
+            continue            # one number per chunk (a momentum gate's mean), not per token
+        value = _value_chain(node, live)
+        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):
             found.append(node)
     return found
+
+
+def _scales_a_state(program: TTTProgram, value: torch.fx.Node, live: set) -> bool:
+    """Whether ``value`` multiplies a carried state itself (a decay or momentum coefficient, not
+    a rate of the new data)."""
+    views = set(program.state_inputs())
+    for n in program.body.graph.nodes:
+        if n.op == "call_function" and op_name(n) in VIEW_OPS and n.args and n.args[0] in views:
+            views.add(n)
+    return any(a in views for operand, op in _readers(value, live, through_constants=True)
+               for a in op.all_input_nodes if a is not operand)
 
 
 def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:

@@ -272,13 +272,14 @@ def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
     return g.view(B, n, chunk, H).cumsum(2).view(B, n * chunk, H)[:, :T].contiguous()
 
 
-#: Half-precision defaults of the backward kernels that timing settled (H200, bf16, K = V = 128, chunks of 64, a
-#: decay with its gradient; ``docs/benchmarks.md``): launched together they made the op's forward + backward
-#: 1.28x faster than the defaults derived from register counts (6.91 -> 5.39 ms), where the forward kernels'
-#: derived defaults timed fastest as they were. Launches without the decay's gradient were not timed and keep
-#: the derived defaults.
-SETTLED_HALF_BACKWARD = {"chunk.states_bwd": config(8, 3, BK=64, BV=64), "chunk.dqk": config(4, 3, BK=64, BV=32),
-                         "chunk.dv": config(8, 3, BK=32, BV=64)}
+#: Half-precision defaults of backward kernels that timing settled (H200, bf16, K = V = 128, chunks of 64, a
+#: decay with its gradient; ``docs/benchmarks.md``): launched together with ``chunk.dqk`` at BK=64 BV=32 (4 warps,
+#: 3 stages) they made the op's forward + backward 1.28x faster than the defaults derived from register counts
+#: (6.91 -> 5.39 ms), where the forward kernels' derived defaults timed fastest as they were. That ``chunk.dqk``
+#: tiling spills 280 bytes in the compile check without the JIT's hints (``ahead_of_time``), so it keeps its
+#: derived default until a device run times it alone. Launches without the decay's gradient were not timed
+#: and keep the derived defaults.
+SETTLED_HALF_BACKWARD = {"chunk.states_bwd": config(8, 3, BK=64, BV=64), "chunk.dv": config(8, 3, BK=32, BV=64)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,10 +364,9 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
         return dg
 
     # With a decay this kernel also holds the [BT, BT] score-gradient products: narrower key tiles keep it
-    # from spilling (ahead_of_time, sm_90) in fp32; in half precision timing settled narrower value tiles.
+    # from spilling (ahead_of_time, sm_90).
     dg = launch("chunk.dqk", shape_key(q, K, V, chunk, g is not None, want_dg),
-                feature_configs(K, V, q.dtype, 32 if want_dg else 64, chunk, tile(K, 64, q.dtype),
-                                settled=settled.get("chunk.dqk")), run_dqk)
+                feature_configs(K, V, q.dtype, 32 if want_dg else 64, chunk, tile(K, 64, q.dtype)), run_dqk)
 
     def run_dv(c):
         grid = (NT, triton.cdiv(V, c["BV"]), B * H)
