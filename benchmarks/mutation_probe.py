@@ -730,6 +730,94 @@ MUTATIONS = [
         (("ttt2la/frontend/rollup.py", "    if nested:\n        return (f\"{what} is taken inside",
           "    if False:\n        return (f\"{what} is taken inside"),),
         ("tests/test_frontend_styles.py",), "loop_over_heads_inside"),
+    Mutation(
+        "pieces_any_order", "pieces of a cut made before the loop count as chunks whatever order the body reads them in",
+        (("ttt2la/frontend/split_pieces.py",
+          "    if any(last >= spans[i + 1][0] for i, (_, last) in enumerate(spans[:-1])):\n        return set()",
+          "    pass"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "every_iteration_reads"),
+    Mutation(
+        "generated_values_in_the_header", "values a generator in the loop statement yields keep the statement's line",
+        (("ttt2la/frontend/split_pieces.py", "        if frames and loops_of(first, outer=outer):",
+          "        if False:"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "lifts_onto and generator"),
+    Mutation(
+        "slices_before_the_loop_stay", "slices made before the loop are not moved to their reader",
+        (("ttt2la/frontend/split_pieces.py", "    _slices_before_loops(gm, order, outer)\n", ""),),
+        ("tests/test_chunks_made_before_the_loop.py",), "lifts_onto and list_of_slices"),
+    Mutation(
+        "stacked_chunks_joined", "the whole-sequence plan returns a stacked chunk-first output as a sequence",
+        (("ttt2la/lowering/lift.py", "    if not spec.per_token or any(s.per_token for s in program.streams):\n        return y",
+          "    if True:\n        return y"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "lifts_onto and pre_chunked"),
+    Mutation(
+        "plan_shape_unchecked", "the lowering's check compares outputs of different shapes by value",
+        (("ttt2la/lowering/check.py", "    if got.shape != ref.shape:", "    if False:"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "another_shape"),
+    Mutation(
+        "dot_product_as_bmm", "a bmm of one row by one column stays a matrix product",
+        (("ttt2la/frontend/dot_products.py", "    return (n, k) if rows == 1 and cols == 1", "    return (n, k) if rows == 0 and cols == 1"),),
+        ("tests/test_dot_products.py",), ""),
+    Mutation(
+        "delta_rule_frontier_scalars_only", "the delta rule's coefficients are fitted to the frontier's own scalars only",
+        (("ttt2la/lowering/lift_delta_rule.py", "    nearby = _made_from(frontier)\n", "    nearby = []\n"),),
+        ("tests/test_delta_lowering.py",), "other_ways and beta-key"),
+    Mutation(
+        "rate_divided_after_broadcast", "a rate divided by a constant after its broadcast is not read as a factor",
+        (("ttt2la/passes/absorb_lr.py", "    readers = _readers(value, live, through_constants=True)",
+          "    readers = _readers(value, live)"),),
+        ("tests/test_passes_lossy.py",), "weights_the_inner_loss and mean"),
+    Mutation(
+        "computed_rate_unsaid", "a rate computed in the loop body is reported as a satisfied step",
+        (("ttt2la/passes/absorb_lr.py", "            computed = computed_rates(program)", "            computed = []"),),
+        ("tests/test_passes_lossy.py",), "computed_in_the_loop"),
+    Mutation(
+        "momentum_gate_as_rate", "a per-chunk momentum gate is taken for a rate computed in the loop",
+        (("ttt2la/passes/absorb_lr.py", "        if program.chunk_size > 1 and program.chunk_size not in shape[:-1]:\n            continue",
+          "        pass"),
+         ("ttt2la/passes/absorb_lr.py",
+          "        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):\n            found.append(node)",
+          "        if _scales_updates(value, updates, live):\n            found.append(node)")),
+        ("tests/test_zoo_variants.py",), "converts_exactly_at_its_level and folded-4"),
+    Mutation(
+        "single_step_lifted_causally", "a single step may lift onto the token-causal or block op",
+        (("ttt2la/lowering/plan.py", "    if schedule in (\"parallel\", \"semi-parallel\") and not program.single_step:",
+          "    if schedule in (\"parallel\", \"semi-parallel\"):"),),
+        ("tests/test_single_step.py",), "reads_tokens_in_order"),
+    Mutation(
+        "loop_failure_not_written", "a call the converted loop fails on is not answered by the code as written",
+        (("ttt2la/converted.py", "                    and fails_in_loop(gm, [weights, *flat]):", "                    and False:"),),
+        ("tests/test_call_errors.py",), "loop_fails or only_the_loop"),
+    Mutation(
+        "dict_keys_ignored", "states made by a dict literal are named by the line that updates them",
+        (("ttt2la/frontend/source_names.py", "    if any(k is None for k in keys) or len(set(keys)) != len(keys):",
+          "    if True:"),),
+        ("tests/test_state_names.py",), "scanned_dict"),
+    Mutation(
+        "reversed_tokens_unsaid", "tokens selected in reverse order are not said to be read in reverse",
+        (("ttt2la/frontend/rollup.py", "    if n.target in (*SLICE_TARGETS, *SELECT_TARGETS) and n2.args[0] is n.args[0] and \\",
+          "    if n.target in SLICE_TARGETS and n2.args[0] is n.args[0] and \\"),),
+        ("tests/test_rollup_phases.py",), "tokens_in_reverse"),
+    Mutation(
+        "partial_chunk_nowhere", "PartialChunkError does not name the loop",
+        (("ttt2la/lowering/executors.py", "        where = str(program.loop_src) if program.loop_src else None",
+          "        where = None"),),
+        ("tests/test_as_written.py",), "partial"),
+    Mutation(
+        "decay_taken_for_a_rate", "a stream that decays the state is folded as a learning rate",
+        (("ttt2la/passes/absorb_lr.py",
+          "        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):\n            found.append((i, value))",
+          "        if _scales_updates(value, updates, live):\n            found.append((i, value))"),),
+        ("tests/test_passes_lossy.py",), "leaves_the_decay"),
+    Mutation(
+        "rate_on_the_key_unread", "a rate that scales the key's column is not read as a per-token factor",
+        (("ttt2la/passes/absorb_lr.py", "    if not any(a == 1 and b > 1 for a, b in pairs):",
+          "    if theirs[-1] <= 1:"),),
+        ("tests/test_passes_lossy.py",), "leaves_the_decay"),
+    Mutation(
+        "settled_tiles_unused", "the chunk op's backward launches its derived tiles where timing settled others",
+        (("ttt2la/runtime/triton/chunk.py", "    settled = SETTLED_HALF_BACKWARD if want_dg else {}", "    settled = {}"),),
+        ("tests/test_tile_tuning.py",), "settled"),
 ]
 
 

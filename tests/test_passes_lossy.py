@@ -751,3 +751,37 @@ def test_absorb_lr_says_it_leaves_a_rate_computed_in_the_loop():
     (result,) = [p for p in converted.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
     assert result.status == "not_applicable", result.reason
     assert "computed in the loop body" in result.reason and "test_passes_lossy.py:" in result.reason
+
+
+class DecayAndRate(torch.nn.Module):
+    """A gated memory per token with a learning rate: ``S ← α_t S + η_t k_tᵀ v_t``. The decay
+    ``α`` forgets; only ``η`` is a learning rate."""
+
+    def __init__(self, d: int = 8, rate_on_the_key: bool = False):
+        super().__init__()
+        self.rate_on_the_key = rate_on_the_key
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.gates = torch.nn.Linear(d, 2)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        alpha, eta = torch.sigmoid(self.gates(x) + 2).unbind(-1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            if self.rate_on_the_key:        # (η k)ᵀ v: the rate scales the key's column first
+                step = eta[:, t, None, None] * k[:, t, :, None] * v[:, t, None, :]
+            else:
+                step = eta[:, t, None, None] * (k[:, t, :, None] * v[:, t, None, :])
+            S = alpha[:, t, None, None] * S + step
+            outs.append((q[:, t, None, :] @ S)[:, 0])
+        return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("rate_on_the_key", [False, True])
+def test_absorb_lr_folds_the_rate_and_leaves_the_decay(rate_on_the_key):
+    torch.manual_seed(0)
+    converted = ttt2la.convert(DecayAndRate(rate_on_the_key=rate_on_the_key), level=4,
+                               example_inputs=(torch.randn(2, 8, 8),))
+    (result,) = [p for p in converted.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
+    assert result.status == "applied" and set(result.folded) == {"eta"}, (result.status, result.folded)

@@ -5,7 +5,8 @@ elementwise ops with constant operands, such as ``softplus(lr)`` or ``lr * 0.0 +
 per-token scalar factor of a state update: every reader is an elementwise product, on the way
 to a state update, in which it broadcasts over the other operand's trailing (feature) axis
 (``η_t · v_t``, ``φ(k_t)ᵀ · η_t``, ``η_t · k_tᵀv_t``). Streams the roles name ``q``, ``k`` or
-``momentum`` are never taken for one.
+``momentum`` are never taken for one, nor a factor of the state itself (a decay ``α_t ⊙ S``,
+GLA's gate, gated DeltaNet's ``α``): a forgetting gate is no learning rate.
 
 Each learning-rate value is replaced by a constant: its calibration mean over the rows of the
 loop (axis 0: the batch, or batch × heads when the heads are folded into it), the tokens and the
@@ -93,20 +94,21 @@ def _unexpanded(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
-    """``operand`` is a per-token scalar factor in ``mul``: size 1 on the other operand's
-    trailing axis, and every axis it has of its own the other operand has too."""
+    """``operand`` is a per-token scalar factor in ``mul``: size 1 on its trailing (feature)
+    axis, broadcast over some axis of the other operand (its features: ``η · v``, or a key's
+    column ``η · kᵀ``), and every axis it has of its own the other operand has too."""
     args = [a for a in mul.args[:2]]
     if args.count(operand) != 1:
         return False
     other = args[1] if args[0] is operand else args[0]
     mine, theirs = node_shape(_unexpanded(operand)), node_shape(other)
-    if mine is None or theirs is None or not mine or not theirs:
+    if mine is None or theirs is None or not mine or not theirs or mine[-1] != 1:
         return False
-    if mine[-1] != 1 or theirs[-1] <= 1:
+    pairs = list(zip(reversed(mine), reversed(theirs)))
+    if not any(a == 1 and b > 1 for a, b in pairs):
         return False
-    for a, b in zip(reversed(mine), reversed(theirs)):
-        if a > 1 and a != b:
-            return False
+    if any(a > 1 and a != b for a, b in pairs):
+        return False
     return len(mine) <= len(theirs) or all(s == 1 for s in mine[: len(mine) - len(theirs)])
 
 
@@ -133,7 +135,7 @@ def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
         if spec is None or spec.role in _EXCLUDED_ROLES or not stream.users:
             continue
         value = _value_chain(stream, live)
-        if _scales_updates(value, updates, live):
+        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):
             found.append((i, value))
     return found
 
