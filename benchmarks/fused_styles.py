@@ -4,7 +4,8 @@ hand in plain arithmetic (slices, ``+``, ``*``), side by side.
 
     python benchmarks/fused_styles.py [--quick] [--rounds N] [--threads N] [--backward]
 
-The layers are ``ttt2la.zoo.fused_styles``: ``split`` chunks with a ``baddbmm`` update, a
+The layers are ``ttt2la.zoo.fused_styles``: ``split`` chunks with a ``baddbmm`` update (cut in the
+loop statement, or before the loop: a list of the pieces, a generator of slices), a
 per-token delta rule over ``unbind`` pieces from ``F.mse_loss``, ``lerp`` momentum and Muon's
 ``baddbmm`` Newton–Schulz; and ``ttt2la.zoo.MuonStepLayer``, momentum then ``W − lr·NS(m)``;
 64 features at B = 4. Rows of a case run interleaved in one process
@@ -23,8 +24,8 @@ from matrix_affine_memories import (SHIPPED, _Forced, _forward_error, _gradient_
                                     _TrainingStep, arguments)
 from ttt2la.as_written import CALLS_TO_DECIDE
 from ttt2la.timing import time_side_by_side
-from ttt2la.zoo.fused_styles import (BaddbmmMuonLayer, LerpMomentumLayer, SplitZipLayer,
-                                     UnbindDeltaLayer)
+from ttt2la.zoo.fused_styles import (BaddbmmMuonLayer, LerpMomentumLayer, ListedChunksLayer,
+                                     SplitZipLayer, UnbindDeltaLayer)
 from ttt2la.zoo.muon_step import MuonStepLayer
 
 DIM, BATCH = 64, 4
@@ -106,6 +107,11 @@ def cases(quick: bool, dim: int = DIM, batch: int = BATCH, length: int | None = 
     torch.manual_seed(0)
     yield (f"split chunks, baddbmm update, chunk 64, L={length}", SplitZipLayer(dim, 64),
            split_zip_by_hand, torch.randn(batch, length, dim, generator=g))
+    for how in ("list", "generator"):
+        torch.manual_seed(0)
+        yield (f"split chunks made before the loop ({how}), chunk 64, L={length}",
+               ListedChunksLayer(dim, 64, how), split_zip_by_hand,
+               torch.randn(batch, length, dim, generator=g))
     yield (f"unbind tokens, mse_loss delta rule, L={length // 2}", UnbindDeltaLayer(dim),
            delta_by_hand, torch.randn(batch, length // 2, dim, generator=g))
     yield (f"lerp momentum, chunk 64, L={length}", LerpMomentumLayer(dim, 64), lerp_by_hand,

@@ -16,6 +16,7 @@ from torch import nn
 
 import ttt2la
 from equivalence import assert_same_function
+from ttt2la.testing import rel_rms_error
 from ttt2la.zoo.fused_styles import (BaddbmmMuonLayer, LerpMomentumLayer, SplitZipLayer,
                                      UnbindDeltaLayer)
 
@@ -205,3 +206,21 @@ def test_an_update_divided_elementwise_is_read_through_addcdiv_and_stays_exact()
     targets = {n.target for n in body.nodes}
     assert torch.ops.aten.div.Tensor in targets and torch.ops.aten.addcdiv.default not in targets
     assert_same_function(conv, layer, torch.randn(2, 30, 16))
+
+
+@pytest.mark.parametrize("how", ["list", "generator"])
+def test_chunks_made_before_the_loop_are_the_split_layer(how):
+    """The zoo's chunks made before the loop compute ``SplitZipLayer``'s function, lifted as it is."""
+    from ttt2la.zoo import ListedChunksLayer
+
+    torch.manual_seed(0)
+    split = SplitZipLayer()
+    layer = ListedChunksLayer(how=how)
+    layer.load_state_dict(split.state_dict())
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    assert conv.ttt2la_report.exact
+    assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+    x = torch.randn(3, 13, 8)
+    with torch.no_grad():
+        assert rel_rms_error(layer(x), split(x)) <= 1e-6
+    assert_same_function(conv, layer, [x, torch.randn(1, 4, 8)])

@@ -2,7 +2,8 @@
 from .delta_memory import DeltaMemoryLayer
 from .fla_chunk_reference import FlaChunkReferenceLayer
 from .fla_reference import FlaReferenceLayer
-from .fused_styles import BaddbmmMuonLayer, LerpMomentumLayer, SplitZipLayer, UnbindDeltaLayer
+from .fused_styles import (BaddbmmMuonLayer, LerpMomentumLayer, ListedChunksLayer, SplitZipLayer,
+                           UnbindDeltaLayer)
 from .gated_memory import GatedChunkMemory
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
@@ -29,7 +30,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "LerpMomentumLayer", "SplitZipLayer",
+__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
            "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
            "LaCTPublishedLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",

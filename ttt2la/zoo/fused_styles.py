@@ -36,6 +36,32 @@ class SplitZipLayer(nn.Module):
         return torch.cat(outs, 1)
 
 
+class ListedChunksLayer(SplitZipLayer):
+    """``SplitZipLayer``'s function with its chunks made before the loop: a list of the
+    ``split`` pieces zipped (``how="list"``), or a generator of slices the loop statement
+    iterates (``how="generator"``)."""
+
+    def __init__(self, dim: int = 8, chunk: int = 4, how: str = "list"):
+        super().__init__(dim, chunk)
+        if how not in ("list", "generator"):
+            raise ValueError(f"how must be 'list' or 'generator', got {how!r}")
+        self.how = how
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        streams = (q, F.silu(k), v, F.softplus(self.lr(x)))
+        if self.how == "list":
+            chunks = list(zip(*(t.split(self.c, 1) for t in streams)))
+        else:
+            chunks = (tuple(t[:, s:s + self.c] for t in streams) for s in range(0, x.shape[1], self.c))
+        W = self.W0.repeat(x.shape[0], 1, 1)
+        outs = []
+        for qc, kc, vc, lc in chunks:
+            outs.append(torch.bmm(qc, W))
+            W = torch.baddbmm(W, kc.transpose(1, 2), vc * lc, alpha=0.1)
+        return torch.cat(outs, 1)
+
+
 class UnbindDeltaLayer(nn.Module):
     """A per-token delta rule over ``unbind`` pieces, its gradient from ``F.mse_loss``."""
 
