@@ -25,7 +25,7 @@ from ..analysis.dependence import node_shape, op_name
 from ..analysis.op_vocabulary import ADDITIVE, COPIES, ELEMENTWISE_FUNCTIONS, SCALINGS
 from ..analysis.roles import VIEW_OPS
 from ..analysis.rules import constant_value
-from ..ir import TTTProgram, ancestors, describe_node
+from ..ir import TTTProgram, ancestors, describe_node, descendants
 from .base import Pass, PassContext, PassResult, register
 from .folding import folded_constant, replace_with_constant, resolve_folds, update_chunk_values
 
@@ -155,7 +155,7 @@ def computed_rates(program: TTTProgram) -> list[torch.fx.Node]:
     than elementwise ops with constants (TTT-Linear's learned rate ``x_i · w``, projected per
     mini-batch): rates this pass does not fold. The first node of each such factor's chain."""
     updates, live = _update_nodes(program), _live(program)
-    state_dep = set().union(*(_descendants(i) for i in program.state_inputs()))
+    state_dep = descendants(program.body.graph, program.state_inputs())
     streams = set(program.stream_inputs())
     found = []
     for node in program.body.graph.nodes:
@@ -182,16 +182,6 @@ def _scales_a_state(program: TTTProgram, value: torch.fx.Node, live: set) -> boo
             views.add(n)
     return any(a in views for operand, op in _readers(value, live, through_constants=True)
                for a in op.all_input_nodes if a is not operand)
-
-
-def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return seen
 
 
 def where(value: torch.fx.Node) -> str:
