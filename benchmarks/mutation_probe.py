@@ -716,11 +716,6 @@ MUTATIONS = [
           "    return {k: v.detach().requires_grad_(False)"),),
         ("tests/test_frontend_styles.py",), "weight_that_requires"),
     Mutation(
-        "dead_loss_reads_the_rate", "the loss value a traced autograd.grad leaves unread counts as a reader of the rate",
-        (("ttt2la/passes/absorb_lr.py", "    while len(users := [u for u in node.users if u in live]) == 1:",
-          "    while len(users := list(node.users)) == 1:"),),
-        ("tests/test_passes_lossy.py",), "weights_the_inner_loss"),
-    Mutation(
         "expanded_rate_no_factor", "a rate broadcast by an explicit expand is not read as a per-token factor",
         (("ttt2la/passes/absorb_lr.py", "    mine, theirs = node_shape(_unexpanded(operand)), node_shape(other)",
           "    mine, theirs = node_shape(operand), node_shape(other)"),),
