@@ -270,9 +270,9 @@ def _discover_once(model, example_inputs, example_kwargs):
             return
         user = [SourceLoc(f, line, fn) for f, line, fn in frames[start:]]
         for at, inner in zip(user, user[1:] + [None]):
+            # a generator the loop statement iterates runs once per iteration, as the body does
+            lazily = inner is not None and runs_a_generator(inner)
             for loop in _loops_in_file(at.file):
-                # a generator the loop statement iterates runs once per iteration, as the body does
-                lazily = inner is not None and runs_a_generator(inner)
                 if loop.header_contains(at) and not lazily:
                     cut = _cut_info(func, args, kwargs, chunks)
                     if cut is not None:

@@ -10,16 +10,13 @@ the rounding of the summation order.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch.fx.node import map_arg
 
 from ..ir import PRODUCT_CHAIN, SRC
 from .capture import FRAMES
 from .loops import caller_depth, loops_of
+from .summed_products import give_values
 
 aten = torch.ops.aten
 
@@ -55,11 +52,7 @@ def dot_products_as_sums(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                                             (gm.graph.call_function(aten.mul.Tensor, (rows, cols)), [1], True))
             dot = gm.graph.call_function(aten.view.default, (summed, [n, 1, 1]))
         meta = {key: node.meta[key] for key in (FRAMES, SRC, "stack_trace") if key in node.meta}
-        mode = detect_fake_mode([a.meta["val"], b.meta["val"]])
-        with mode if mode is not None else contextlib.nullcontext():
-            for new in [x for x in gm.graph.nodes if x not in before]:
-                new.meta = {**meta, "val": new.target(*map_arg(new.args, lambda x: x.meta["val"]),
-                                                      **map_arg(new.kwargs, lambda x: x.meta["val"]))}
+        give_values([x for x in gm.graph.nodes if x not in before], meta, (a, b))
         node.replace_all_uses_with(dot)
         gm.graph.erase_node(node)
         changed = True

@@ -163,6 +163,16 @@ def _val(n: torch.fx.Node):
     return n.meta["val"]
 
 
+def give_values(nodes: list[torch.fx.Node], meta: dict, operands) -> None:
+    """Nodes inserted into a trace: each gets ``meta`` and its value, computed from its inputs'
+    in the trace's own fake mode (the one ``operands``' values hold), as every other node holds
+    them."""
+    mode = detect_fake_mode([x.meta["val"] for x in operands])
+    with mode if mode is not None else contextlib.nullcontext():
+        for n in nodes:
+            n.meta = {**meta, "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
+
+
 def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, found: SummedProduct) -> None:
     """Replace ``node`` by the traced matmul, its nodes attributed to ``node``'s source."""
     # the trace of a reshape depends on the layout (a view where strides allow it, else a copy)
@@ -174,16 +184,12 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, found: SummedProduct)
     with gm.graph.inserting_before(node):
         y = gm.graph.graph_copy(sub.graph, dict(zip(placeholders, (found.a, found.b))))
     meta = {k: node.meta[k] for k in (FRAMES, SRC, "stack_trace") if k in node.meta}
-    # values in the trace's own fake mode, as every other node holds them
-    mode = detect_fake_mode([found.a.meta["val"], found.b.meta["val"]])
-    chain = next(_chains)
-    with mode if mode is not None else contextlib.nullcontext():
-        for n in [n for n in gm.graph.nodes if n not in before]:
-            n.meta = {**meta, PRODUCT_CHAIN: chain,
-                      "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
-            for i, x in enumerate((found.a, found.b)):
-                if x in n.all_input_nodes:
-                    n.meta[PRODUCT_OPERAND] = i
+    added = [n for n in gm.graph.nodes if n not in before]
+    give_values(added, {**meta, PRODUCT_CHAIN: next(_chains)}, (found.a, found.b))
+    for n in added:
+        for i, x in enumerate((found.a, found.b)):
+            if x in n.all_input_nodes:
+                n.meta[PRODUCT_OPERAND] = i
     y.meta[SUMMED_PRODUCT] = (tuple(d - found.rank for d in found.summed), found.keepdim)
     prod = node.args[0]
     node.replace_all_uses_with(y)
