@@ -738,7 +738,7 @@ MUTATIONS = [
         ("tests/test_chunks_made_before_the_loop.py",), "lifts_onto and generator"),
     Mutation(
         "slices_before_the_loop_stay", "slices made before the loop are not moved to their reader",
-        (("ttt2la/frontend/split_pieces.py", "    _slices_before_loops(gm, order, outer)\n", ""),),
+        (("ttt2la/frontend/split_pieces.py", "    moved = _slices_before_loops(gm, order, outer)\n", "    moved = False\n"),),
         ("tests/test_chunks_made_before_the_loop.py",), "lifts_onto and list_of_slices"),
     Mutation(
         "stacked_chunks_joined", "the whole-sequence plan returns a stacked chunk-first output as a sequence",
@@ -771,7 +771,7 @@ MUTATIONS = [
         (("ttt2la/passes/absorb_lr.py", "        if program.chunk_size > 1 and program.chunk_size not in shape[:-1]:\n            continue",
           "        pass"),
          ("ttt2la/passes/absorb_lr.py",
-          "        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):\n            found.append(node)",
+          "        if _scales_updates(value, updates, live) and not _scales_a_state(value, live, states):\n            found.append(node)",
           "        if _scales_updates(value, updates, live):\n            found.append(node)")),
         ("tests/test_zoo_variants.py",), "converts_exactly_at_its_level and folded-4"),
     Mutation(
@@ -801,7 +801,7 @@ MUTATIONS = [
     Mutation(
         "decay_taken_for_a_rate", "a stream that decays the state is folded as a learning rate",
         (("ttt2la/passes/absorb_lr.py",
-          "        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):\n            found.append((i, value))",
+          "        if _scales_updates(value, updates, live) and not _scales_a_state(value, live, states):\n            found.append((i, value))",
           "        if _scales_updates(value, updates, live):\n            found.append((i, value))"),),
         ("tests/test_passes_lossy.py",), "leaves_the_decay"),
     Mutation(

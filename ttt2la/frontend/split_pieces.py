@@ -112,10 +112,18 @@ def _cuts_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> lis
     return found
 
 
-def _slices_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> None:
+def _at_reader(meta: dict, reader: torch.fx.Node) -> dict:
+    """``meta`` of a value moved to ``reader``: attributed to that reader's line."""
+    return {**meta, FRAMES: reader.meta.get(FRAMES, ()), SRC: reader.meta.get(SRC),
+            "stack_trace": reader.meta.get("stack_trace")}
+
+
+def _slices_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> bool:
     """Move every slice made before a loop whose body reads the slices of one tensor one per
     iteration (``[(q[:, i:i+C], ...) for i in range(0, L, C)]``, then ``for qc, ... in``) to
-    its first reader, attributed to that reader's line, as if the body took it."""
+    its first reader, attributed to that reader's line, as if the body took it; whether any
+    moved."""
+    moved_any = False
     families: dict[tuple, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.target in (aten.slice.Tensor, aten.select.int) and node.users and len(node.args) >= 3 \
@@ -130,10 +138,11 @@ def _slices_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> N
             first = min(node.users, key=order.__getitem__)
             with gm.graph.inserting_before(first):
                 moved = gm.graph.call_function(node.target, node.args, node.kwargs)
-            moved.meta = {**node.meta, FRAMES: first.meta.get(FRAMES, ()), SRC: first.meta.get(SRC),
-                          "stack_trace": first.meta.get("stack_trace")}
+            moved.meta = _at_reader(node.meta, first)
             node.replace_all_uses_with(moved)
             gm.graph.erase_node(node)
+            moved_any = True
+    return moved_any
 
 
 def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -147,10 +156,11 @@ def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if cuts:
         _rewrite_pieces(gm, cuts, order)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    _slices_before_loops(gm, order, outer)
-    _attribute_generated_values(gm, outer)
-    gm.graph.lint()
-    gm.recompile()
+    moved = _slices_before_loops(gm, order, outer)
+    _attribute_generated_values(gm, outer)        # frames only: the code is unchanged
+    if cuts or moved:
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 
@@ -167,8 +177,7 @@ def _rewrite_pieces(gm: torch.fx.GraphModule, cuts: list[tuple], order: dict) ->
             op, dim, *bounds = views[piece.args[1]]
             with gm.graph.inserting_before(first):
                 view = gm.graph.call_function(op, (node.args[0], dim, *bounds))
-            view.meta = {**piece.meta, FRAMES: first.meta.get(FRAMES, ()),
-                         SRC: first.meta.get(SRC), "stack_trace": first.meta.get("stack_trace")}
+            view.meta = _at_reader(piece.meta, first)
             if name is not None:
                 view.meta[PIECE_NAME] = name
             piece.replace_all_uses_with(view)
@@ -189,7 +198,7 @@ def _attribute_generated_values(gm: torch.fx.GraphModule, outer: int) -> None:
         first = min(node.users, key=order.__getitem__)
         frames = first.meta.get(FRAMES, ())
         if frames and loops_of(first, outer=outer):
-            node.meta[FRAMES], node.meta[SRC] = frames, first.meta.get(SRC)
+            node.meta = _at_reader(node.meta, first)
 
 
 def _made_by_a_loop_statements_generator(node: torch.fx.Node, outer: int) -> bool:

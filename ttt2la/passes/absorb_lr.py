@@ -128,14 +128,14 @@ def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node], live: set
 
 def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
     """``(stream index, value node)`` of every learning-rate stream (see the module docstring)."""
-    updates, live = _update_nodes(program), _live(program)
+    updates, live, states = _update_nodes(program), _live(program), _state_views(program)
     found = []
     for i, stream in enumerate(program.stream_inputs()):
         spec = program.streams[i] if i < len(program.streams) else None
         if spec is None or spec.role in _EXCLUDED_ROLES or not stream.users:
             continue
         value = _value_chain(stream, live)
-        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):
+        if _scales_updates(value, updates, live) and not _scales_a_state(value, live, states):
             found.append((i, value))
     return found
 
@@ -154,13 +154,13 @@ def computed_rates(program: TTTProgram) -> list[torch.fx.Node]:
     """Per-token factors of an update that the loop body computes from its streams through more
     than elementwise ops with constants (TTT-Linear's learned rate ``x_i · w``, projected per
     mini-batch): rates this pass does not fold. The first node of each such factor's chain."""
-    updates, live = _update_nodes(program), _live(program)
+    updates, live, states = _update_nodes(program), _live(program), _state_views(program)
     state_dep = descendants(program.body.graph, program.state_inputs())
-    streams = set(program.stream_inputs())
+    stream_dep = descendants(program.body.graph, program.stream_inputs())
     found = []
     for node in program.body.graph.nodes:
         if node.op != "call_function" or node in state_dep or node not in live \
-                or op_name(node) in VIEW_OPS or not (ancestors(node) & streams):
+                or op_name(node) in VIEW_OPS or node not in stream_dep:
             continue
         shape = node_shape(node)
         if not shape or shape[-1] != 1 or any(a in found for a in node.all_input_nodes):
@@ -168,19 +168,24 @@ def computed_rates(program: TTTProgram) -> list[torch.fx.Node]:
         if program.chunk_size > 1 and program.chunk_size not in shape[:-1]:
             continue            # one number per chunk (a momentum gate's mean), not per token
         value = _value_chain(node, live)
-        if _scales_updates(value, updates, live) and not _scales_a_state(program, value, live):
+        if _scales_updates(value, updates, live) and not _scales_a_state(value, live, states):
             found.append(node)
     return found
 
 
-def _scales_a_state(program: TTTProgram, value: torch.fx.Node, live: set) -> bool:
-    """Whether ``value`` multiplies a carried state itself (a decay or momentum coefficient, not
-    a rate of the new data)."""
+def _state_views(program: TTTProgram) -> set[torch.fx.Node]:
+    """The carried states' inputs and the views of them."""
     views = set(program.state_inputs())
     for n in program.body.graph.nodes:
         if n.op == "call_function" and op_name(n) in VIEW_OPS and n.args and n.args[0] in views:
             views.add(n)
-    return any(a in views for operand, op in _readers(value, live, through_constants=True)
+    return views
+
+
+def _scales_a_state(value: torch.fx.Node, live: set, states: set) -> bool:
+    """Whether ``value`` multiplies a carried state itself (``states``: ``_state_views``): a
+    decay or momentum coefficient, not a rate of the new data."""
+    return any(a in states for operand, op in _readers(value, live, through_constants=True)
                for a in op.all_input_nodes if a is not operand)
 
 
