@@ -328,21 +328,15 @@ def test_an_offset_that_does_not_move_by_a_chunk_is_refused():
         classify_inputs(u)
 
 
-def test_a_loop_over_chunks_in_reverse_is_refused_saying_how_to_run_it_forward():
-    _gm, _ph, u = _traced(chunks_in_reverse, 8)
+@pytest.mark.parametrize("fn,op", [(chunks_in_reverse, "slice.Tensor"), (tokens_in_reverse, "select.int")],
+                         ids=["chunks_in_reverse", "tokens_in_reverse"])
+def test_a_loop_in_reverse_is_refused_saying_how_to_run_it_forward(fn, op):
+    _gm, _ph, u = _traced(fn, 8)
     with pytest.raises(UnsupportedTTTError,
-                       match=r"in chunks_in_reverse reads the sequence's chunks in reverse order "
-                             r".*x\.flip\(1\)") as info:
+                       match=rf"aten\.{op} at .* in {fn.__name__} reads the sequence's chunks in "
+                             r"reverse order .*x\.flip\(1\)") as info:
         classify_inputs(u)
     assert "%" not in str(info.value)             # no graph node's repr
-
-
-def test_a_loop_over_tokens_in_reverse_is_refused_saying_how_to_run_it_forward():
-    _gm, _ph, u = _traced(tokens_in_reverse, 8)
-    with pytest.raises(UnsupportedTTTError,
-                       match=r"aten\.select\.int at .* in tokens_in_reverse reads the sequence's "
-                             r"chunks in reverse order .*x\.flip\(1\)"):
-        classify_inputs(u)
 
 
 def test_a_value_per_chunk_made_before_the_loop_is_refused_saying_where_to_make_it():
