@@ -442,20 +442,21 @@ def _fit_pieces(program, t, frontier, boundary, state_shape, side, batch, dk, dv
     own = [node for node in scalars if node in frontier]
     keys = _candidates(values, n, batch, dk)
     vals = _candidates(values, n, batch, dv)
+    # the key and value fits do not depend on the atoms: found once for both atom sets
+    fits = [(ki, a, c, vi, b) for ki, a, c in _fit_keys(A, [k for _, k in keys])
+            if float(c.abs().max()) != 0.0                # no forgetting: not a delta rule
+            for vi, b in _fit_values(B, keys[ki][1], [v for _, v in vals])]
     for atoms in dict.fromkeys((tuple(own), tuple(scalars))):
         if len(atoms) > MAX_ATOMS:
             continue
         atom_values = [by_node[node].reshape(n, -1).expand(n, batch).reshape(-1) for node in atoms]
-        for ki, a, c in _fit_keys(A, [k for _, k in keys]):
-            if float(c.abs().max()) == 0.0:
-                continue                                 # no forgetting: not a delta rule
-            for vi, b in _fit_values(B, keys[ki][1], [v for _, v in vals]):
-                coefficients = [_fit_coefficient(x, atom_values) for x in (a, b, c)]
-                if any(x is None for x in coefficients):
-                    continue
-                combined = _combined(*coefficients)
-                if combined is not None:
-                    yield frontier[keys[ki][0]], frontier[vals[vi][0]], list(atoms), combined
+        for ki, a, c, vi, b in fits:
+            coefficients = [_fit_coefficient(x, atom_values) for x in (a, b, c)]
+            if any(x is None for x in coefficients):
+                continue
+            combined = _combined(*coefficients)
+            if combined is not None:
+                yield frontier[keys[ki][0]], frontier[vals[vi][0]], list(atoms), combined
 
 
 # ---------------------------------------------------------------------------------------------
