@@ -25,8 +25,8 @@ forward and forward + backward:
     with one configuration per kernel site forced for every launch (the forward's choice where it has one): the
     static defaults tuning suggests, which compose where per-launch choices may not.
 (f) Token-causal linear attention with a decay per key channel (GLA's gate, ``logsigmoid(·)/16``) at the
-    shape of (b): the torch runtime (no Triton kernel takes such a decay) against fla's ``chunk_gla`` when it
-    imports.
+    shape of (b): the torch runtime and the Triton kernels (``runtime/triton/channel_decay.py``) against fla's
+    ``chunk_gla`` when it imports.
 
 FLOPs are counted analytically, matmuls only (see ``block_flops``/``chunk_flops``); the backward counts the
 matmuls it performs, recomputation included (Newton–Schulz alone in (c): 3× its forward, no recomputation).
@@ -581,8 +581,7 @@ def section_chunk(rows, *, B, T, H, D, per_channel: bool = False):
         rows.append(Row(section, fla_name, "-", note=f"skipped, fla not importable: {exc}"))
     for passes, make in (("fwd", forward), ("fwd+bwd", training)):
         _attempt(rows, Row(section, "torch runtime", passes), make("torch"))
-        if not per_channel:
-            _attempt(rows, Row(section, "Triton chunk op", passes), make("triton"))
+        _attempt(rows, Row(section, "Triton chunk op", passes), make("triton"))
         if have_fla:
             _attempt(rows, Row(section, fla_name, passes), make("fla"))
 

@@ -104,12 +104,16 @@ def assert_matches(fn, reference, tensors, options, output_final_state, seed, lo
 
 # ----------------------------------------------------------------------------- token-causal op
 
-def chunk_case(seed, *, B, T, H, Dk, Dv, decay, scale, initial_state, dtype):
+def chunk_case(seed, *, B, T, H, Dk, Dv, decay, scale, initial_state, dtype, strength=1.0):
+    """``decay``: ``False``, ``True``/``"head"`` (one per head) or ``"channel"`` (one per key channel, GLA's
+    gate); ``strength`` scales the log decays' spread and size (gates that shut for a token, then reopen)."""
     g = torch.Generator().manual_seed(seed)
     tensors = tuple(_rand(g, B, T, H, D).to(dtype) for D in (Dk, Dk, Dv))
+    shape = (B, T, H, Dk) if decay == "channel" else (B, T, H)
     options = dict(
         scale=scale,
-        log_decay=torch.nn.functional.logsigmoid(_rand(g, B, T, H) + 2).to(dtype) if decay else None,
+        log_decay=(strength * torch.nn.functional.logsigmoid(strength * _rand(g, *shape) + 2)).to(dtype)
+        if decay else None,
         initial_state=_rand(g, B, H, Dk, Dv).to(dtype) if initial_state else None)
     return tensors, options
 
@@ -122,6 +126,8 @@ def check_chunk(seed, chunk_size, final, **case):
 
 @pytest.mark.parametrize("T,Dk,Dv,chunk_size,decay,initial_state,final,dtype", [
     (37, 20, 24, 16, True, True, True, torch.float32),      # ragged last chunk, D not a power of two
+    (37, 20, 24, 32, "channel", True, True, torch.float32),  # a decay per key channel, two sub-chunks
+    (70, 18, 9, 64, "channel", False, True, torch.bfloat16),  # four sub-chunks, the last chunk ragged
     (1, 16, 8, 64, True, True, True, torch.float32),        # a single token
     (5, 7, 3, 64, False, False, True, torch.float32),       # T < chunk, tiny features, no decay
     (70, 30, 17, 16, True, True, True, torch.bfloat16),     # five chunks, the last ragged
@@ -135,8 +141,9 @@ def test_chunk_op_matches_reference(T, Dk, Dv, chunk_size, decay, initial_state,
 
 chunk_shapes = st.fixed_dictionaries(dict(
     B=st.integers(1, 2), T=st.integers(1, 80), H=st.integers(1, 2), Dk=st.integers(1, 40), Dv=st.integers(1, 40),
-    chunk_size=st.sampled_from([16, 32, 64]), decay=st.booleans(), initial_state=st.booleans(),
-    final=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 2**31 - 1)))
+    chunk_size=st.sampled_from([16, 32, 64]), decay=st.sampled_from([False, "head", "channel"]),
+    initial_state=st.booleans(), final=st.booleans(), scale=st.sampled_from([None, 0.5]),
+    seed=st.integers(0, 2**31 - 1)))
 
 
 def with_enough_elements(dtype, case):
@@ -189,10 +196,20 @@ def test_chunk_decay_gradient_has_no_long_range_cancellation():
                 dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("strength", [6.0, 40.0])
+def test_gates_that_shut_and_reopen_keep_every_digit(strength):
+    """Log decays per key channel down to ``−40·strength`` for single tokens, near 0 between them: the weights
+    of the open spans after a shut gate are as exact as with mild decays (fp32, every gradient within 1e-5;
+    exponents taken as differences of the chunk's cumulative sums lost 1e-4 here)."""
+    check_chunk(13, 32, True, B=1, T=70, H=2, Dk=16, Dv=16, decay="channel", scale=0.5, initial_state=True,
+                dtype=torch.float32, strength=strength)
+
+
 @full_only
-def test_chunk_op_at_kernel_tile_sizes():
+@pytest.mark.parametrize("decay", ["head", "channel"])
+def test_chunk_op_at_kernel_tile_sizes(decay):
     """Features spanning two 64-wide tiles and 64-token chunks, as on a GPU."""
-    check_chunk(12, 64, True, B=2, T=200, H=2, Dk=96, Dv=80, decay=True, scale=0.1, initial_state=True,
+    check_chunk(12, 64, True, B=2, T=200, H=2, Dk=96, Dv=80, decay=decay, scale=0.1, initial_state=True,
                 dtype=torch.bfloat16)
 
 
@@ -324,6 +341,24 @@ def test_chunk_op_is_right_with_every_tuning_candidate(dtype):
                         dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=full_only)])
+def test_channel_decay_is_right_with_every_tuning_candidate(dtype):
+    """Every tiling that tuning may pick for the kernels of a decay per key channel, on features that span
+    two tiles, with two sub-chunks per chunk."""
+    from ttt2la.runtime.triton.channel_decay import key_configs
+    from ttt2la.runtime.triton.chunk import feature_configs
+    Dk, Dv = (36, 40) if dtype == torch.bfloat16 else (20, 24)
+    features = feature_configs(Dk, Dv, dtype)
+    sites = {"chunk.states": features, "chunk.states_bwd": features, "channel.output": features,
+             "channel.dv": features, "channel.dqkg": feature_configs(Dk, Dv, dtype, 32),
+             "channel.scores_bwd": feature_configs(Dv, Dv, dtype), "channel.attention": key_configs(Dk, dtype),
+             "channel.dqk_intra": key_configs(Dk, dtype)}
+    for forced in _forcing_each_tiling(sites):
+        with forced:
+            check_chunk(24, 32, True, B=1, T=37, H=1, Dk=Dk, Dv=Dv, decay="channel", scale=0.3,
+                        initial_state=True, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_op_is_right_with_every_tuning_candidate(dtype):
     """Every tiling that tuning may pick for the block op's increments and reads, forward and backward
@@ -450,6 +485,7 @@ def test_supports_accepts_what_the_kernels_implement():
     assert kernels.supports("block", *tensors, **options)
     assert kernels.supports("block_linear_attention", *tensors, lr=torch.rand(1, 6, 2, device=DEVICE), **options)
     assert kernels.supports("chunk", *tensors, log_decay=-torch.rand(1, 6, 2, device=DEVICE))
+    assert kernels.supports("chunk", *tensors, log_decay=-torch.rand(1, 6, 2, 4, device=DEVICE))
     w = torch.randn(2, 4, 5, device=DEVICE)
     assert kernels.supports("fused_swiglu", *tensors, w, w, **options)
 
@@ -462,7 +498,7 @@ def test_supports_accepts_what_the_kernels_implement():
     ("malformed order", "block", dict(order="sideways")),
     ("unknown op", "attention", {}),
     ("block option on the token op", "chunk", dict(order="inclusive")),
-    ("decay per key channel is torch-only", "chunk", dict(log_decay=-torch.rand(1, 6, 2, 4))),
+    ("decay per key channel of the wrong width", "chunk", dict(log_decay=-torch.rand(1, 6, 2, 3))),
 ])
 def test_supports_refuses_what_the_kernels_do_not_implement(why, op, change):
     change = dict(change)
@@ -526,7 +562,7 @@ def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend")
     code = ("from ttt2la.runtime.triton.ahead_of_time import check\n"
             "import torch\n"
-            "names = None if {full} else {{'_dqk_bwd_kernel', '_swiglu_increments_kernel'}}\n"
+            "names = None if {full} else {{'_dqk_bwd_kernel', '_swiglu_increments_kernel', '_dqk_intra_kernel'}}\n"
             "rows = check(dtypes=(torch.bfloat16,), kernels=names)\n"
             "print(len(rows), max(r.spill_bytes or 0 for r in rows))").format(full=FULL)
     count, spills = map(int, _python(code).split())

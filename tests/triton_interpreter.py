@@ -19,7 +19,7 @@ def import_kernels() -> None:
     if not ON_GPU:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        for name in ("chunk", "block", "swiglu", "tile_tuning"):
+        for name in ("chunk", "channel_decay", "block", "swiglu", "tile_tuning"):
             importlib.import_module(f"ttt2la.runtime.triton.{name}")
     finally:
         if previous is None:

@@ -13,8 +13,14 @@ def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None
                            output_final_state=False):
     """Token-causal linear attention ``o_t = scale · q_t S_t``, ``S_t = exp(log_decay_t) S_{t-1} + k_tᵀ v_t``.
 
-    Chunk-parallel Triton kernels (``chunk.py``); contract of ``ttt2la.runtime.chunk_linear_attention``.
+    Chunk-parallel Triton kernels: ``chunk.py`` for a decay per head ``[B, T, H]`` (or none),
+    ``channel_decay.py`` for one per key channel ``[B, T, H, Dk]``; contract of
+    ``ttt2la.runtime.chunk_linear_attention``.
     """
+    if log_decay is not None and log_decay.dim() == 4:
+        from .channel_decay import channel_decay_linear_attention
+        return channel_decay_linear_attention(q, k, v, chunk_size=chunk_size, log_decay=log_decay, scale=scale,
+                                              initial_state=initial_state, output_final_state=output_final_state)
     from .chunk import chunk_linear_attention as op
     return op(q, k, v, chunk_size=chunk_size, log_decay=log_decay, scale=scale, initial_state=initial_state,
               output_final_state=output_final_state)

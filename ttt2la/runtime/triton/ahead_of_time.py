@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import _common, block, chunk, swiglu, tile_tuning
+from . import _common, block, channel_decay, chunk, swiglu, tile_tuning
 
 _POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
             torch.int32: "*i32", torch.int64: "*i64"}
@@ -69,7 +69,7 @@ def recording():
     launches: list[Launch] = []
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(tile_tuning, "enabled", lambda: False))
-        for module in (chunk, block, swiglu):
+        for module in (chunk, channel_decay, block, swiglu):
             for name, value in vars(module).copy().items():
                 if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                     stack.enter_context(mock.patch.object(module, name, _Recorder(value, launches)))
@@ -142,6 +142,10 @@ def record_all(dtype: torch.dtype, *, B=1, T=300, H=2, D=128, Dv=128, C=64, Dh=N
         chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, True)
         chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, False)
         chunk.chunk_backward(x, x, y, None, None, y, None, 1.0, bt, False, False)
+        sums = channel_decay.DecaySums(*(_meta(B, T, H, D, dtype=f32) for _ in channel_decay.DecaySums._fields))
+        _, _, A = channel_decay.channel_forward(x, x, y, sums, h0, 1.0, bt, True)
+        for want_dg in (True, False):
+            channel_decay.channel_backward(x, x, y, sums, h0, A, y, h0, 1.0, bt, True, want_dg)
         for scale in (None, lr_t, lr_f):
             block.chunk_increments(x, y, n, C, scale=scale)
             block.chunk_increments(x, y, n, C, scale=scale, split_y=True)

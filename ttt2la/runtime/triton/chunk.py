@@ -54,12 +54,29 @@ def _chunk_decay(g, i_b, i_h, i_t, T, H, BT: tl.constexpr):
 
 
 @triton.jit
-def _states_fwd_kernel(k, v, g, h0, h, ht, T,
+def _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT: tl.constexpr):
+    """``_chunk_decay`` for log decays per key channel ``[B, T, H, K]``: a ``[BT, BK]`` tile of the chunk's
+    cumulative log decays in channels ``o_k`` (padding rows repeat the last) and the last row."""
+    o_t = tl.arange(0, BT)
+    m_t = i_t * BT + o_t < T
+    m_k = o_k < K
+    base = token_base(g, i_b, i_h, i_t * BT, T, H, K)
+    g_last = tl.load(base + (tl.minimum(BT, T - i_t * BT) - 1) * H * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_g = tl.load(base + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+    return tl.where(m_t[:, None], b_g.to(tl.float32), g_last[None, :]), g_last
+
+
+@triton.jit
+def _states_fwd_kernel(k, v, g, gs, h0, h, ht, T,
                        H, K, V,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                       DT: tl.constexpr, UPCAST: tl.constexpr):
-    """Sequential over chunks: writes ``h[b, h, j]``, the state before chunk ``j``, and the final state."""
+                       DT: tl.constexpr, UPCAST: tl.constexpr, CHANNEL: tl.constexpr):
+    """Sequential over chunks: writes ``h[b, h, j]``, the state before chunk ``j``, and the final state.
+
+    ``CHANNEL``: the decay is per key channel (a row of the state); ``g`` holds the chunk's inclusive prefix
+    sums of the log decays and ``gs`` its exclusive suffix sums, each summed directly, never a difference.
+    """
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = cdiv(T, BT)
@@ -77,9 +94,15 @@ def _states_fwd_kernel(k, v, g, h0, h, ht, T,
         b_k = load_tile(token_base(k, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
         b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
-            b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
-            b_h *= tl.exp(g_last)
-            b_k = b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]
+            if CHANNEL:
+                _, g_lastc = _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+                b_h *= tl.exp(g_lastc)[:, None]
+                b_k = b_k.to(tl.float32) * tl.exp(load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t,
+                                                            o_k, H, K))
+            else:
+                b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+                b_h *= tl.exp(g_last)
+                b_k = b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]
         b_h += mm(tl.trans(b_k), b_v, DT, UPCAST)
     if STORE_FINAL:
         tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
@@ -126,8 +149,9 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
                        H, K, V,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                       DT: tl.constexpr, UPCAST: tl.constexpr):
-    """Reverse over chunks: writes ``dh[b, h, j]``, the gradient of the state after chunk ``j``, and ``dh0``."""
+                       DT: tl.constexpr, UPCAST: tl.constexpr, CHANNEL: tl.constexpr):
+    """Reverse over chunks: writes ``dh[b, h, j]``, the gradient of the state after chunk ``j``, and ``dh0``
+    (``CHANNEL``: as in ``_states_fwd_kernel``)."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = cdiv(T, BT)
@@ -146,9 +170,14 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
         b_q = load_tile(token_base(q, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
         b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
-            b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
-            b_dh *= tl.exp(g_last)
-            b_q = b_q.to(tl.float32) * tl.exp(b_g)[:, None]
+            if CHANNEL:
+                b_gc, g_lastc = _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+                b_dh *= tl.exp(g_lastc)[:, None]
+                b_q = b_q.to(tl.float32) * tl.exp(b_gc)
+            else:
+                b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+                b_dh *= tl.exp(g_last)
+                b_q = b_q.to(tl.float32) * tl.exp(b_g)[:, None]
         b_dh += scale * mm(tl.trans(b_q), b_do, DT, UPCAST)
     if STORE_DH0:
         tl.store(dh0 + i_bh.to(tl.int64) * K * V + p_kv, b_dh, mask=m_kv)
@@ -264,12 +293,13 @@ def chunk_tile(chunk_size: int, dtype: torch.dtype) -> int:
 
 
 def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Cumulative sum of ``log_decay`` ``[B, T, H]`` within each chunk of ``chunk`` tokens, in fp32."""
-    B, T, H = log_decay.shape
+    """Cumulative sum of ``log_decay`` ``[B, T, H]`` (or ``[B, T, H, K]``) within each chunk of ``chunk``
+    tokens, in fp32."""
+    B, T, *rest = log_decay.shape
     n = triton.cdiv(T, chunk)
-    g = torch.zeros(B, n * chunk, H, dtype=torch.float32, device=log_decay.device)
+    g = torch.zeros(B, n * chunk, *rest, dtype=torch.float32, device=log_decay.device)
     g[:, :T] = log_decay
-    return g.view(B, n, chunk, H).cumsum(2).view(B, n * chunk, H)[:, :T].contiguous()
+    return g.view(B, n, chunk, *rest).cumsum(2).view(B, n * chunk, *rest)[:, :T].contiguous()
 
 
 #: Half-precision defaults of backward kernels that timing settled (H200, bf16, K = V = 128, chunks of 64, a
@@ -299,7 +329,11 @@ def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others
     return tuple(candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)}))
 
 
-def _states(k, v, g, h0, chunk, want_final, states_dtype):
+def states(k, v, g, h0, chunk, want_final, states_dtype, gs=None):
+    """The state before every chunk ``[B, H, NT, K, V]`` (``states_dtype``) and the fp32 final state (or
+    ``None``). ``g``: the chunks' cumulative log decays per head ``[B, T, H]``, or per key channel
+    ``[B, T, H, K]`` with ``gs`` their exclusive suffix sums (see ``_states_fwd_kernel``)."""
+    channel = gs is not None
     B, T, H, K = k.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk)
@@ -308,20 +342,40 @@ def _states(k, v, g, h0, chunk, want_final, states_dtype):
 
     def run(c):
         grid = (triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), B * H)
-        _states_fwd_kernel[grid](k, v, g, h0, h, ht, T, H, K, V, chunk, c["BK"], c["BV"],
+        _states_fwd_kernel[grid](k, v, g, gs, h0, h, ht, T, H, K, V, chunk, c["BK"], c["BV"],
                                  g is not None, h0 is not None, want_final,
-                                 tl_dtype(k.dtype), upcast(k.dtype), **c.options)
+                                 tl_dtype(k.dtype), upcast(k.dtype), channel, **c.options)
 
-    key = shape_key(k, states_dtype, K, V, chunk, g is not None, h0 is not None, want_final)
+    key = shape_key(k, states_dtype, K, V, chunk, g is not None, h0 is not None, want_final, channel)
     launch("chunk.states", key, feature_configs(K, V, k.dtype), run)
     return h, ht
+
+
+def state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype, settled=None, channel=False):
+    """The gradient of the state after every chunk ``[B, H, NT, K, V]`` (``states_dtype``) and of the initial
+    state (fp32, or ``None``), walking the chunks in reverse; ``channel``: ``g`` holds the chunks' inclusive
+    prefix sums of log decays per key channel ``[B, T, H, K]``."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    dh = q.new_empty(B, H, triton.cdiv(T, chunk), K, V, dtype=states_dtype)
+    dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if want_dh0 else None
+
+    def run(c):
+        grid = (triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), B * H)
+        _states_bwd_kernel[grid](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+                                 g is not None, dht is not None, want_dh0, tl_dtype(q.dtype), upcast(q.dtype),
+                                 channel, **c.options)
+
+    key = shape_key(q, states_dtype, K, V, chunk, g is not None, dht is not None, want_dh0, channel)
+    launch("chunk.states_bwd", key, feature_configs(K, V, q.dtype, 64, chunk, settled=settled), run)
+    return dh, dh0
 
 
 def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
     """Forward pass on contiguous inputs: returns ``o`` and the fp32 final state (or ``None``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    h, ht = _states(k, v, g, h0, chunk, want_final, k.dtype)
+    h, ht = states(k, v, g, h0, chunk, want_final, k.dtype)
     o = torch.empty_like(v)
 
     def run(c):
@@ -342,18 +396,10 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
     want_dg = want_dg and g is not None
     # fp32 states here: the decay gradient reads them outside the matmuls.
     states_dtype = torch.float32 if want_dg else q.dtype
-    h, _ = _states(k, v, g, h0, chunk, False, states_dtype)
-    dh = q.new_empty(B, H, NT, K, V, dtype=states_dtype)
-    dh0 = q.new_empty(B, H, K, V, dtype=torch.float32) if want_dh0 else None
-
-    def run_states(c):
-        grid = (triton.cdiv(K, c["BK"]), triton.cdiv(V, c["BV"]), B * H)
-        _states_bwd_kernel[grid](q, do, g, dht, dh, dh0, scale, T, H, K, V, chunk, c["BK"], c["BV"],
-                                 g is not None, dht is not None, want_dh0, DT, UP, **c.options)
-
+    h, _ = states(k, v, g, h0, chunk, False, states_dtype)
     settled = SETTLED_HALF_BACKWARD if want_dg else {}
-    launch("chunk.states_bwd", shape_key(q, states_dtype, K, V, chunk, g is not None, dht is not None, want_dh0),
-           feature_configs(K, V, q.dtype, 64, chunk, settled=settled.get("chunk.states_bwd")), run_states)
+    dh, dh0 = state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype,
+                              settled.get("chunk.states_bwd"))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def run_dqk(c):

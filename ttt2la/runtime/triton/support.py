@@ -22,7 +22,7 @@ OP_NAMES = {
     "fused_swiglu_block_linear_attention": "fused_swiglu_block_linear_attention",
 }
 
-_MODULES = {"chunk_linear_attention": "chunk", "block_linear_attention": "block",
+_MODULES = {"chunk_linear_attention": "channel_decay", "block_linear_attention": "block",
             "fused_swiglu_block_linear_attention": "swiglu"}
 
 _OPTIONS = {
@@ -74,9 +74,6 @@ def _devices_ok(tensors) -> bool:
 def _check_arguments(op, main, options) -> bool:
     if op == "chunk_linear_attention":
         q, k, v = main
-        log_decay = options.get("log_decay")
-        if log_decay is not None and log_decay.dim() != 3:   # a decay per key channel: torch only
-            return False
         check_chunk_inputs(q, k, v, chunk_size=options.get("chunk_size", 64), log_decay=options.get("log_decay"),
                            initial_state=options.get("initial_state"))
         return True
