@@ -813,6 +813,35 @@ MUTATIONS = [
         "settled_tiles_unused", "the chunk op's backward launches its derived tiles where timing settled others",
         (("ttt2la/runtime/triton/chunk.py", "    settled = SETTLED_HALF_BACKWARD if want_dg else {}", "    settled = {}"),),
         ("tests/test_tile_tuning.py",), "settled"),
+    Mutation(
+        "head_decay_as_difference", "the chunk kernel's in-chunk decay mask from differences of cumulative sums",
+        (("ttt2la/runtime/triton/chunk.py", "        b_a *= tl.exp(_chunk_segments(gr, i_b, i_h, i_t, T, H, BT))",
+          "        b_a *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))"),),
+        ("tests/test_triton_kernels.py",), "gates and head"),
+    Mutation(
+        "suffix_as_difference", "the chunks' suffix sums of log decays as the total minus the prefix",
+        (("ttt2la/runtime/triton/chunk.py", "later.flip(2).cumsum(2).flip(2)",
+          "(w.sum(2, keepdim=True) - w.cumsum(2))"),),
+        ("tests/test_triton_kernels.py",), "gates and channel"),
+    Mutation(
+        "between_counts_the_keys", "the decay between sub-chunks also counts the keys' own sub-chunk",
+        (("ttt2la/runtime/triton/channel_decay.py",
+          "                b_between = _between(sp, i_b, i_h, i_t, i_r + 1, i_p,",
+          "                b_between = _between(sp, i_b, i_h, i_t, i_r, i_p,"),),
+        ("tests/test_triton_kernels.py",), "matches_reference and channel"),
+    Mutation(
+        "key_diagonal_decays_itself", "a key's own token decays it in the in-chunk key gradient",
+        (("ttt2la/runtime/triton/channel_decay.py", "tl.where(o_c[:, None] < j,", "tl.where(o_c[:, None] <= j,"),),
+        ("tests/test_triton_kernels.py",), "matches_reference and channel"),
+    Mutation(
+        "channel_dg_counts_own_key", "the per-channel decay gradient counts each key's own state term",
+        (("ttt2la/runtime/triton/channel_decay.py", "cumulative(inter_k, 0, False) - inter_k",
+          "cumulative(inter_k, 0, False)"),),
+        ("tests/test_triton_kernels.py",), "matches_reference and channel"),
+    Mutation(
+        "channel_state_decays_columns", "the state between chunks decays per value column, not per key row",
+        (("ttt2la/runtime/triton/chunk.py", "b_h *= tl.exp(g_lastc)[:, None]", "b_h *= tl.exp(g_lastc)[None, :]"),),
+        ("tests/test_triton_kernels.py",), "matches_reference and channel"),
 ]
 
 

@@ -134,7 +134,7 @@ def record_all(dtype: torch.dtype, *, B=1, T=300, H=2, D=128, Dv=128, C=64, Dh=N
     n = triton.cdiv(T, C)
     states = _meta(B, n, H, D, Dv, dtype=_common.accumulator(dtype))
     with recording() as launches:
-        g = _meta(B, T, H, dtype=f32)
+        g = chunk.Spans(*(_meta(B, T, H, dtype=f32) for _ in chunk.Spans._fields))
         h0 = _meta(B, H, D, Dv, dtype=f32)
         bt = chunk.chunk_tile(64, dtype)
         chunk.chunk_forward(x, x, y, g, h0, 1.0, bt, True)

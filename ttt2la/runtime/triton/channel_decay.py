@@ -34,8 +34,8 @@ from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
 from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, default_warps, mm, tile, tl_dtype, total, upcast
-from .chunk import (_channel_chunk_decay, chunk_tile, feature_configs, load_tile, state_gradients, states,
-                    store_tile, token_base)
+from .chunk import (_channel_chunk_decay, chunk_tile, feature_configs, load_tile, padded_decays, state_gradients,
+                    states, store_tile, token_base, window_spans)
 from .tile_tuning import candidates, config, launch, shape_key, sides_up_to
 
 #: Tokens per sub-chunk: the blocks of the in-chunk attention, the smallest side ``tl.dot`` takes.
@@ -43,30 +43,20 @@ BC = 16
 
 
 class DecaySums(NamedTuple):
-    """Sums of the log decays ``[B, T, H, K]`` (fp32) the kernels read, each summed over its own span."""
+    """The chunk's ``Spans`` and the same sums inside each sub-chunk of ``BC`` tokens, ``[B, T, H, K]``."""
 
-    log_decay: torch.Tensor     # g_t itself
-    prefix: torch.Tensor        # Σ g over the chunk up to t, inclusive
-    suffix: torch.Tensor        # Σ g over the chunk after t
-    sub_prefix: torch.Tensor    # the same inside t's sub-chunk of BC tokens
+    log_decay: torch.Tensor
+    prefix: torch.Tensor
+    suffix: torch.Tensor
+    sub_prefix: torch.Tensor
     sub_suffix: torch.Tensor
-
-
-def _spans(g: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive prefix and exclusive suffix sums of ``g [B, n·length, ...]`` within windows of ``length``."""
-    w = g.reshape(g.shape[0], -1, length, *g.shape[2:])
-    later = torch.cat([w[:, :, 1:], torch.zeros_like(w[:, :, :1])], dim=2)
-    return w.cumsum(2).reshape(g.shape), later.flip(2).cumsum(2).flip(2).reshape(g.shape)
 
 
 def decay_sums(log_decay: torch.Tensor, chunk: int) -> DecaySums:
     """The ``DecaySums`` of ``log_decay [B, T, H, K]`` for chunks of ``chunk`` tokens (a multiple of ``BC``)."""
-    B, T = log_decay.shape[:2]
-    g = torch.zeros(B, triton.cdiv(T, chunk) * chunk, *log_decay.shape[2:], dtype=torch.float32,
-                    device=log_decay.device)
-    g[:, :T] = log_decay
-    sums = (g, *_spans(g, chunk), *_spans(g, BC))
-    return DecaySums(*(x[:, :T].contiguous() for x in sums))
+    g = padded_decays(log_decay, chunk)
+    T = log_decay.shape[1]
+    return DecaySums(*(x[:, :T].contiguous() for x in (g, *window_spans(g, chunk), *window_spans(g, BC))))
 
 
 @triton.jit
@@ -371,7 +361,7 @@ def channel_forward(q, k, v, d: DecaySums, h0, scale, chunk, want_final):
     (kept for the backward)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    h, ht = states(k, v, d.prefix, h0, chunk, want_final, k.dtype, gs=d.suffix)
+    h, ht = states(k, v, d, h0, chunk, want_final, k.dtype)
     A = _attention(q, k, d, chunk)
     o = torch.empty_like(v)
 
@@ -432,8 +422,8 @@ def channel_backward(q, k, v, d: DecaySums, h0, A, do, dht, scale, chunk, want_d
     V = v.shape[-1]
     # fp32 states: the decay gradient reads them outside the matmuls
     states_dtype = torch.float32 if want_dg else q.dtype
-    h, _ = states(k, v, d.prefix, h0, chunk, False, states_dtype, gs=d.suffix)
-    dh, dh0 = state_gradients(q, do, d.prefix, dht, scale, chunk, want_dh0, states_dtype, channel=True)
+    h, _ = states(k, v, d, h0, chunk, False, states_dtype)
+    dh, dh0 = state_gradients(q, do, d, dht, scale, chunk, want_dh0, states_dtype)
     dA = _score_gradients(v, do, scale, chunk)
     dv = _value_gradients(k, d, A, do, dh, scale, chunk)
     dq_intra, dk_intra = _intra_gradients(q, k, d, dA, chunk)

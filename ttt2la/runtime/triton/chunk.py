@@ -11,6 +11,7 @@ and int32 offsets within the tile; int64 offsets per element cost about 1.5× th
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,6 +55,24 @@ def _chunk_decay(g, i_b, i_h, i_t, T, H, BT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_suffix(gs, i_b, i_h, i_t, T, H, BT: tl.constexpr):
+    """The chunk's exclusive suffix sums of the log decays per head, ``Σ_{t<l≤last} g_l`` (0 past ``T``)."""
+    o_t = tl.arange(0, BT)
+    base = token_base(gs, i_b, i_h, i_t * BT, T, H, 1)
+    return tl.load(base + o_t * H, mask=i_t * BT + o_t < T, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _chunk_segments(gr, i_b, i_h, i_t, T, H, BT: tl.constexpr):
+    """``[BT, BT]``: ``Σ_{i<l≤t} g_l`` at ``[t, i]`` for ``t > i``, else 0: per-head log decays summed over
+    each pair's own span (a masked cumulative sum), never a difference of two cumulative sums."""
+    o_t = tl.arange(0, BT)
+    base = token_base(gr, i_b, i_h, i_t * BT, T, H, 1)
+    b_g = tl.load(base + o_t * H, mask=i_t * BT + o_t < T, other=0.).to(tl.float32)
+    return cumulative(tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.), 0, False)
+
+
+@triton.jit
 def _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT: tl.constexpr):
     """``_chunk_decay`` for log decays per key channel ``[B, T, H, K]``: a ``[BT, BK]`` tile of the chunk's
     cumulative log decays in channels ``o_k`` (padding rows repeat the last) and the last row."""
@@ -74,8 +93,8 @@ def _states_fwd_kernel(k, v, g, gs, h0, h, ht, T,
                        DT: tl.constexpr, UPCAST: tl.constexpr, CHANNEL: tl.constexpr):
     """Sequential over chunks: writes ``h[b, h, j]``, the state before chunk ``j``, and the final state.
 
-    ``CHANNEL``: the decay is per key channel (a row of the state); ``g`` holds the chunk's inclusive prefix
-    sums of the log decays and ``gs`` its exclusive suffix sums, each summed directly, never a difference.
+    ``g`` holds the chunk's inclusive prefix sums of the log decays and ``gs`` its exclusive suffix sums, each
+    summed directly, never a difference; ``CHANNEL``: the decay is per key channel (a row of the state).
     """
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -100,16 +119,16 @@ def _states_fwd_kernel(k, v, g, gs, h0, h, ht, T,
                 b_k = b_k.to(tl.float32) * tl.exp(load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t,
                                                             o_k, H, K))
             else:
-                b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
+                _, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
                 b_h *= tl.exp(g_last)
-                b_k = b_k.to(tl.float32) * tl.exp(g_last - b_g)[:, None]
+                b_k = b_k.to(tl.float32) * tl.exp(_chunk_suffix(gs, i_b, i_h, i_t, T, H, BT))[:, None]
         b_h += mm(tl.trans(b_k), b_v, DT, UPCAST)
     if STORE_FINAL:
         tl.store(ht + i_bh.to(tl.int64) * K * V + p_kv, b_h, mask=m_kv)
 
 
 @triton.jit
-def _output_fwd_kernel(q, k, v, g, h, o, scale, T,
+def _output_fwd_kernel(q, k, v, g, gr, h, o, scale, T,
                        H, K, V,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -137,7 +156,7 @@ def _output_fwd_kernel(q, k, v, g, h, o, scale, T,
     if USE_G:
         b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
         b_o *= tl.exp(b_g)[:, None]
-        b_a *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
+        b_a *= tl.exp(_chunk_segments(gr, i_b, i_h, i_t, T, H, BT))
     b_a = tl.where(causal, b_a, 0.)
     b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
     b_o = (b_o + mm(b_a, b_v, DT, UPCAST)) * scale
@@ -184,7 +203,7 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
 
 
 @triton.jit
-def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
+def _dqk_bwd_kernel(q, k, v, g, gs, gr, h, do, dh, dq, dk, dg, scale, T,
                     H, K, V,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     USE_G: tl.constexpr, STORE_DG: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -228,8 +247,8 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
     if USE_G:
         b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
         b_dq *= tl.exp(b_g)[:, None]
-        b_dk *= tl.exp(g_last - b_g)[:, None]
-        b_ds *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))
+        b_dk *= tl.exp(_chunk_suffix(gs, i_b, i_h, i_t, T, H, BT))[:, None]
+        b_ds *= tl.exp(_chunk_segments(gr, i_b, i_h, i_t, T, H, BT))
     b_ds = tl.where(causal, b_ds, 0.) * scale
     if STORE_DG:
         inter_q = total(b_q.to(tl.float32) * b_dq, 1)
@@ -247,7 +266,7 @@ def _dqk_bwd_kernel(q, k, v, g, h, do, dh, dq, dk, dg, scale, T,
 
 
 @triton.jit
-def _dv_bwd_kernel(q, k, g, do, dh, dv, scale, T,
+def _dv_bwd_kernel(q, k, gs, gr, do, dh, dv, scale, T,
                    H, K, V,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    USE_G: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -273,9 +292,8 @@ def _dv_bwd_kernel(q, k, g, do, dh, dv, scale, T,
         b_a += mm(b_k, tl.trans(b_q), DT, UPCAST)
     anticausal = o_t[:, None] <= o_t[None, :]
     if USE_G:
-        b_g, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
-        b_dv *= tl.exp(g_last - b_g)[:, None]
-        b_a *= tl.exp(tl.where(anticausal, b_g[None, :] - b_g[:, None], 0.))
+        b_dv *= tl.exp(_chunk_suffix(gs, i_b, i_h, i_t, T, H, BT))[:, None]
+        b_a *= tl.exp(tl.trans(_chunk_segments(gr, i_b, i_h, i_t, T, H, BT)))
     b_a = tl.where(anticausal, b_a, 0.) * scale
     b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
     b_dv += mm(b_a, b_do, DT, UPCAST)
@@ -292,14 +310,37 @@ def chunk_tile(chunk_size: int, dtype: torch.dtype) -> int:
     return max(16, min(cap, 1 << (max(int(chunk_size), 1).bit_length() - 1)))
 
 
-def local_cumsum(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Cumulative sum of ``log_decay`` ``[B, T, H]`` (or ``[B, T, H, K]``) within each chunk of ``chunk``
-    tokens, in fp32."""
-    B, T, *rest = log_decay.shape
-    n = triton.cdiv(T, chunk)
-    g = torch.zeros(B, n * chunk, *rest, dtype=torch.float32, device=log_decay.device)
+class Spans(NamedTuple):
+    """Sums of the log decays ``[B, T, H]`` or ``[B, T, H, K]`` (fp32) the kernels read, each summed over its
+    own span: an exponent that is a difference of two cumulative sums loses the digits of the larger (a gate
+    that shut earlier in the chunk costs the open span after it its precision)."""
+
+    log_decay: torch.Tensor     # g_t itself
+    prefix: torch.Tensor        # Σ g over the chunk up to t, inclusive
+    suffix: torch.Tensor        # Σ g over the chunk after t
+
+
+def window_spans(g: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive prefix and exclusive suffix sums of ``g [B, n·length, ...]`` within windows of ``length``."""
+    w = g.reshape(g.shape[0], -1, length, *g.shape[2:])
+    later = torch.cat([w[:, :, 1:], torch.zeros_like(w[:, :, :1])], dim=2)
+    return w.cumsum(2).reshape(g.shape), later.flip(2).cumsum(2).flip(2).reshape(g.shape)
+
+
+def padded_decays(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``log_decay`` in fp32, zero-padded to whole chunks."""
+    B, T = log_decay.shape[:2]
+    g = torch.zeros(B, triton.cdiv(T, chunk) * chunk, *log_decay.shape[2:], dtype=torch.float32,
+                    device=log_decay.device)
     g[:, :T] = log_decay
-    return g.view(B, n, chunk, *rest).cumsum(2).view(B, n * chunk, *rest)[:, :T].contiguous()
+    return g
+
+
+def decay_spans(log_decay: torch.Tensor, chunk: int) -> Spans:
+    """The ``Spans`` of ``log_decay`` for chunks of ``chunk`` tokens."""
+    g = padded_decays(log_decay, chunk)
+    T = log_decay.shape[1]
+    return Spans(*(x[:, :T].contiguous() for x in (g, *window_spans(g, chunk))))
 
 
 #: Half-precision defaults of backward kernels that timing settled (H200, bf16, K = V = 128, chunks of 64, a
@@ -329,11 +370,11 @@ def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others
     return tuple(candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)}))
 
 
-def states(k, v, g, h0, chunk, want_final, states_dtype, gs=None):
+def states(k, v, d: Spans | None, h0, chunk, want_final, states_dtype):
     """The state before every chunk ``[B, H, NT, K, V]`` (``states_dtype``) and the fp32 final state (or
-    ``None``). ``g``: the chunks' cumulative log decays per head ``[B, T, H]``, or per key channel
-    ``[B, T, H, K]`` with ``gs`` their exclusive suffix sums (see ``_states_fwd_kernel``)."""
-    channel = gs is not None
+    ``None``); ``d``: the log decays' spans, per head or per key channel, or ``None``."""
+    channel = d is not None and d.prefix.dim() == 4
+    g, gs = (None, None) if d is None else (d.prefix, d.suffix)
     B, T, H, K = k.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk)
@@ -351,10 +392,11 @@ def states(k, v, g, h0, chunk, want_final, states_dtype, gs=None):
     return h, ht
 
 
-def state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype, settled=None, channel=False):
+def state_gradients(q, do, d: Spans | None, dht, scale, chunk, want_dh0, states_dtype, settled=None):
     """The gradient of the state after every chunk ``[B, H, NT, K, V]`` (``states_dtype``) and of the initial
-    state (fp32, or ``None``), walking the chunks in reverse; ``channel``: ``g`` holds the chunks' inclusive
-    prefix sums of log decays per key channel ``[B, T, H, K]``."""
+    state (fp32, or ``None``), walking the chunks in reverse; ``d`` as in ``states``."""
+    channel = d is not None and d.prefix.dim() == 4
+    g = None if d is None else d.prefix
     B, T, H, K = q.shape
     V = do.shape[-1]
     dh = q.new_empty(B, H, triton.cdiv(T, chunk), K, V, dtype=states_dtype)
@@ -371,41 +413,43 @@ def state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype, settled
     return dh, dh0
 
 
-def chunk_forward(q, k, v, g, h0, scale, chunk, want_final):
+def chunk_forward(q, k, v, d: Spans | None, h0, scale, chunk, want_final):
     """Forward pass on contiguous inputs: returns ``o`` and the fp32 final state (or ``None``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    h, ht = states(k, v, g, h0, chunk, want_final, k.dtype)
+    h, ht = states(k, v, d, h0, chunk, want_final, k.dtype)
     o = torch.empty_like(v)
+    g, gr = (None, None) if d is None else (d.prefix, d.log_decay)
 
     def run(c):
         grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)
-        _output_fwd_kernel[grid](q, k, v, g, h, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+        _output_fwd_kernel[grid](q, k, v, g, gr, h, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                                  g is not None, tl_dtype(q.dtype), upcast(q.dtype), **c.options)
 
     launch("chunk.output", shape_key(q, K, V, chunk, g is not None), feature_configs(K, V, k.dtype, 64, chunk), run)
     return o, ht
 
 
-def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
+def chunk_backward(q, k, v, d: Spans | None, h0, do, dht, scale, chunk, want_dh0, want_dg):
     """Backward pass: ``dq, dk, dv``, ``d log_decay`` (fp32, or None) and ``dh0`` (fp32, or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk)
     DT, UP = tl_dtype(q.dtype), upcast(q.dtype)
-    want_dg = want_dg and g is not None
+    want_dg = want_dg and d is not None
     # fp32 states here: the decay gradient reads them outside the matmuls.
     states_dtype = torch.float32 if want_dg else q.dtype
-    h, _ = states(k, v, g, h0, chunk, False, states_dtype)
+    h, _ = states(k, v, d, h0, chunk, False, states_dtype)
     settled = SETTLED_HALF_BACKWARD if want_dg else {}
-    dh, dh0 = state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype,
+    dh, dh0 = state_gradients(q, do, d, dht, scale, chunk, want_dh0, states_dtype,
                               settled.get("chunk.states_bwd"))
+    g, gs, gr = (None, None, None) if d is None else (d.prefix, d.suffix, d.log_decay)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def run_dqk(c):
         NKq = triton.cdiv(K, c["BK"])
         dg = q.new_empty(NKq, B, T, H, dtype=torch.float32) if want_dg else None
-        _dqk_bwd_kernel[(NT, NKq, B * H)](q, k, v, g, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk,
+        _dqk_bwd_kernel[(NT, NKq, B * H)](q, k, v, g, gs, gr, h, do, dh, dq, dk, dg, scale, T, H, K, V, chunk,
                                           c["BK"], c["BV"], g is not None, want_dg, DT, UP, **c.options)
         return dg
 
@@ -416,7 +460,7 @@ def chunk_backward(q, k, v, g, h0, do, dht, scale, chunk, want_dh0, want_dg):
 
     def run_dv(c):
         grid = (NT, triton.cdiv(V, c["BV"]), B * H)
-        _dv_bwd_kernel[grid](q, k, g, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+        _dv_bwd_kernel[grid](q, k, gs, gr, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                              g is not None, DT, UP, **c.options)
 
     launch("chunk.dv", shape_key(q, K, V, chunk, g is not None),
@@ -430,9 +474,9 @@ class ChunkLinearAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_decay, initial_state, scale, chunk, output_final_state):
         q, k, v, initial_state = contiguous(q, k, v, initial_state)
-        g = local_cumsum(log_decay, chunk) if log_decay is not None else None
-        o, ht = chunk_forward(q, k, v, g, initial_state, scale, chunk, output_final_state)
-        ctx.save_for_backward(q, k, v, g, initial_state)
+        d = decay_spans(log_decay, chunk) if log_decay is not None else None
+        o, ht = chunk_forward(q, k, v, d, initial_state, scale, chunk, output_final_state)
+        ctx.save_for_backward(q, k, v, initial_state, *(d or ()))
         ctx.scale, ctx.chunk = scale, chunk
         ctx.decay_dtype = None if log_decay is None else log_decay.dtype
         return o, ht
@@ -440,11 +484,11 @@ class ChunkLinearAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         refuse_graph("chunk_linear_attention[triton]")
-        q, k, v, g, h0 = ctx.saved_tensors
+        q, k, v, h0, *d = ctx.saved_tensors
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         need_h0 = h0 is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dlog_decay, dh0 = chunk_backward(q, k, v, g, h0, do, dht, ctx.scale, ctx.chunk, need_h0,
+        dq, dk, dv, dlog_decay, dh0 = chunk_backward(q, k, v, Spans(*d) if d else None, h0, do, dht, ctx.scale, ctx.chunk, need_h0,
                                                      ctx.needs_input_grad[3])
         if dlog_decay is not None:
             dlog_decay = dlog_decay.to(ctx.decay_dtype)
