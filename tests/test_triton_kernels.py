@@ -328,6 +328,22 @@ def _forcing_each_tiling(sites):
         yield tile_tuning.forcing(**{site: tile_tuning.Config(t[i % len(t)], 4, 2) for site, t in tilings.items()})
 
 
+@pytest.mark.parametrize("rule", ["scalar_gate", "vector_gate"])
+def test_a_converted_gated_layer_runs_its_decay_on_the_kernels(rule):
+    """End to end: flash-linear-attention's reference loop with a gate per head or per key channel, converted
+    with ``backend="triton"``, runs on the kernels and is the layer's function (outputs and every parameter
+    gradient, fp32), at a length that leaves the last chunk ragged."""
+    import ttt2la
+    from equivalence import assert_same_function
+    from ttt2la.zoo import FlaReferenceLayer
+    torch.manual_seed(0)
+    layer = FlaReferenceLayer(16, 2, rule).to(DEVICE)
+    conv = ttt2la.convert(layer, level=2, backend="triton", example_inputs=(torch.randn(2, 19, 16, device=DEVICE),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention[triton]"), report.runtime
+    assert_same_function(conv, layer, torch.randn(2, 37, 16, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_op_is_right_with_every_tuning_candidate(dtype):
     """Every tiling that tuning may pick for the chunk op's five kernels, on features that span two tiles."""

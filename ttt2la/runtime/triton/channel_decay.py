@@ -34,7 +34,7 @@ from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
 from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, default_warps, mm, tile, tl_dtype, total, upcast
-from .chunk import (_channel_chunk_decay, chunk_tile, feature_configs, load_tile, padded_decays, state_gradients,
+from .chunk import (channel_chunk_decay, chunk_tile, feature_configs, load_tile, padded_decays, state_gradients,
                     states, store_tile, token_base, window_spans)
 from .tile_tuning import candidates, config, launch, shape_key, sides_up_to
 
@@ -116,7 +116,7 @@ def _attention_fwd_kernel(q, k, g, sp, ss, A, T,
     ``i > t``), every key sub-chunk of its chunk (see the module's docstring)."""
     i_tc, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    NC: tl.constexpr = BT // BC
+    NC = BT // BC
     i_t, i_p = i_tc // NC, i_tc % NC
     t0 = i_t * BT + i_p * BC
     o_c = tl.arange(0, BC)
@@ -155,7 +155,7 @@ def _output_fwd_kernel(q, v, g, h, A, o, scale, T,
     for i_k in range(0, cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
-        b_g, _ = _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+        b_g, _ = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
                       other=0.)
         b_o += mm(b_q.to(tl.float32) * tl.exp(b_g), b_h, DT, UPCAST)
@@ -247,7 +247,7 @@ def _key_grad_intra(q, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
     """``[BC, BK]``: ``Σ_{t≥i} dA_ti q_tc exp(Σ_{i<l≤t} g_lc)`` for the keys of sub-chunk ``i_p``: later query
     sub-chunks split at ``i_p``'s end, the diagonal one query at a time from the first."""
-    NC: tl.constexpr = BT // BC
+    NC = BT // BC
     o_c = tl.arange(0, BC)
     t0 = i_t * BT + i_p * BC
     b_dk = tl.full([BC, BK], 0., tl.float32)
@@ -278,7 +278,7 @@ def _dqk_intra_kernel(q, k, g, sp, ss, dA, dq, dk, T,
     """One sub-chunk × key tile: the in-chunk parts of ``dq`` (as queries) and ``dk`` (as keys), fp32."""
     i_tc, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NC: tl.constexpr = BT // BC
+    NC = BT // BC
     i_t, i_p = i_tc // NC, i_tc % NC
     t0 = i_t * BT + i_p * BC
     o_c = tl.arange(0, BC)
@@ -317,7 +317,7 @@ def _dqkg_bwd_kernel(q, k, v, g, gs, h, do, dh, dq_intra, dk_intra, dq, dk, dg, 
         b_dk += mm(b_v, tl.trans(b_dh), DT, UPCAST)
         if STORE_DG:
             b_hdh += total(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-    b_g, g_last = _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+    b_g, g_last = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
     b_dq *= scale * tl.exp(b_g)
     b_dk *= tl.exp(load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K))
     b_dqi = load_tile(token_base(dq_intra, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)

@@ -4,6 +4,9 @@
 once to produce the state at every chunk boundary, then every chunk computes its output in parallel from that
 state plus a masked intra-chunk attention. The backward pass recomputes the boundary states (cheaper than storing
 them), walks the chunks in reverse for the state gradients, and assembles the decay gradient chunk by chunk.
+Every exponent of the decay is a sum of log decays over its own span (``Spans``; the in-chunk mask a masked
+cumulative sum per pair), never a difference of two cumulative sums, which would cost the open span after a gate
+that shut earlier in the chunk its digits.
 
 Addressing: each program forms scalar int64 base pointers (token ``t0`` of its batch and head, its chunk's state)
 and int32 offsets within the tile; int64 offsets per element cost about 1.5× the registers.
@@ -73,7 +76,7 @@ def _chunk_segments(gr, i_b, i_h, i_t, T, H, BT: tl.constexpr):
 
 
 @triton.jit
-def _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT: tl.constexpr):
+def channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT: tl.constexpr):
     """``_chunk_decay`` for log decays per key channel ``[B, T, H, K]``: a ``[BT, BK]`` tile of the chunk's
     cumulative log decays in channels ``o_k`` (padding rows repeat the last) and the last row."""
     o_t = tl.arange(0, BT)
@@ -114,7 +117,7 @@ def _states_fwd_kernel(k, v, g, gs, h0, h, ht, T,
         b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
             if CHANNEL:
-                _, g_lastc = _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+                _, g_lastc = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
                 b_h *= tl.exp(g_lastc)[:, None]
                 b_k = b_k.to(tl.float32) * tl.exp(load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t,
                                                             o_k, H, K))
@@ -190,7 +193,7 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
         b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
             if CHANNEL:
-                b_gc, g_lastc = _channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+                b_gc, g_lastc = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
                 b_dh *= tl.exp(g_lastc)[:, None]
                 b_q = b_q.to(tl.float32) * tl.exp(b_gc)
             else:
