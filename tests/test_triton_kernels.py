@@ -216,7 +216,10 @@ def test_chunk_op_at_kernel_tile_sizes(decay):
 
 # ----------------------------------------------------------------------------- block op
 
-def block_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps, initial_state, dtype):
+def block_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps, initial_state, dtype,
+               decay=False, step=False):
+    """``decay``: ``False``, ``True`` (one factor per chunk and head) or ``"row"`` (one per state row);
+    ``step``: a ``step_scale`` per chunk and head."""
     g = torch.Generator().manual_seed(seed)
     n = 1 if order == "full" else math.ceil(T / C)
     tensors = tuple(_rand(g, B, T, H, D).to(dtype) for D in (Dk, Dk, Dv))
@@ -226,6 +229,10 @@ def block_case(seed, *, B, T, H, Dk, Dv, C, order, lr_kind, momentum, muon_steps
             "feature": _rand(g, B, T, H, Dv, low=0.1, high=1.0).to(dtype)}[lr_kind],
         momentum=_rand(g, B, n, H, low=0.3, high=0.9).to(dtype) if momentum else None,
         initial_state=_rand(g, B, H, Dk, Dv).to(dtype) if initial_state else None)
+    if decay:
+        options["decay"] = _rand(g, B, n, H, *((Dk,) if decay == "row" else ()), low=0.5, high=1.0).to(dtype)
+    if step:
+        options["step_scale"] = _rand(g, B, n, H, low=-1.2, high=1.2).to(dtype)
     return tensors, options
 
 
@@ -235,6 +242,19 @@ def check_block(seed, final, **case):
     if options["muon_steps"]:
         lows = tuple((lambda form: lambda *a, **k: hand_block(*a, form=form, **k))(form) for form in NS_FORMS)
     assert_matches(kernels.block_linear_attention, hand_block, tensors, options, final, seed, lows)
+
+
+@pytest.mark.parametrize("order,momentum,muon_steps,decay,step,dtype", [
+    ("exclusive", True, 5, True, True, torch.float32),        # a gated memory stepped by Muon at a rate
+    ("inclusive", False, 0, "row", False, torch.float32),     # GLA written chunk by chunk
+    ("exclusive", True, 0, "row", True, torch.bfloat16),
+    ("inclusive", False, 5, False, True, torch.bfloat16),
+])
+def test_block_op_with_a_decay_or_a_step_scale(order, momentum, muon_steps, decay, step, dtype):
+    """The state's decay (per matrix or per state row) and the step's scale between chunks, against the plain
+    loop: outputs, final state and every gradient, the factors' own included."""
+    check_block(31, True, B=2, T=29, H=2, Dk=12, Dv=10, C=8, order=order, lr_kind="token", momentum=momentum,
+                muon_steps=muon_steps, initial_state=True, dtype=dtype, decay=decay, step=step)
 
 
 # Every order, lr kind and dtype; momentum, Muon and the initial state in most; chunks shorter than the
@@ -328,20 +348,30 @@ def _forcing_each_tiling(sites):
         yield tile_tuning.forcing(**{site: tile_tuning.Config(t[i % len(t)], 4, 2) for site, t in tilings.items()})
 
 
-@pytest.mark.parametrize("rule", ["scalar_gate", "vector_gate"])
-def test_a_converted_gated_layer_runs_its_decay_on_the_kernels(rule):
-    """End to end: flash-linear-attention's reference loop with a gate per head or per key channel, converted
-    with ``backend="triton"``, runs on the kernels and is the layer's function (outputs and every parameter
-    gradient, fp32), at a length that leaves the last chunk ragged."""
+def _gated_layer(kind):
+    from ttt2la.zoo import FlaChunkReferenceLayer, FlaReferenceLayer, GatedChunkMemory
+    torch.manual_seed(0)
+    if kind == "gated memory":
+        return GatedChunkMemory(16, 2, chunk=8), "block_linear_attention[triton]", 32
+    if kind == "gla by chunks":
+        return FlaChunkReferenceLayer(16, 2, "gla", chunk_size=8), "block_linear_attention[triton]", 32
+    return FlaReferenceLayer(16, 2, kind), "chunk_linear_attention[triton]", 37
+
+
+@pytest.mark.parametrize("kind", ["scalar_gate", "vector_gate", "gated memory", "gla by chunks"])
+def test_a_converted_gated_layer_runs_its_decay_on_the_kernels(kind):
+    """End to end: gated layers converted with ``backend="triton"`` run on the kernels and are the layer's
+    function (outputs and every parameter gradient, fp32): flash-linear-attention's reference loops with a
+    gate per head or per key channel (a ragged last chunk) on the token-causal op, a memory gated per chunk
+    and GLA written chunk by chunk (a decay per state row) on the block op."""
     import ttt2la
     from equivalence import assert_same_function
-    from ttt2la.zoo import FlaReferenceLayer
-    torch.manual_seed(0)
-    layer = FlaReferenceLayer(16, 2, rule).to(DEVICE)
-    conv = ttt2la.convert(layer, level=2, backend="triton", example_inputs=(torch.randn(2, 19, 16, device=DEVICE),))
+    layer, op, length = _gated_layer(kind)
+    layer = layer.to(DEVICE)
+    conv = ttt2la.convert(layer, level=2, backend="triton", example_inputs=(torch.randn(2, 16, 16, device=DEVICE),))
     report, = conv.ttt2la_report.layers
-    assert report.runtime.startswith("chunk_linear_attention[triton]"), report.runtime
-    assert_same_function(conv, layer, torch.randn(2, 37, 16, device=DEVICE))
+    assert report.runtime.startswith(op), report.runtime
+    assert_same_function(conv, layer, torch.randn(2, length, 16, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -505,6 +535,9 @@ def test_supports_accepts_what_the_kernels_implement():
     assert kernels.supports("chunk", *tensors, log_decay=-torch.rand(1, 6, 2, 4, device=DEVICE))
     w = torch.randn(2, 4, 5, device=DEVICE)
     assert kernels.supports("fused_swiglu", *tensors, w, w, **options)
+    decay = torch.rand(1, 2, 2, device=DEVICE)      # the inclusive order's two chunks of 4
+    assert kernels.supports("block", *tensors, decay=decay, step_scale=decay, **options)
+    assert not kernels.supports("fused_swiglu", *tensors, w, w, decay=decay, **options)
 
 
 @pytest.mark.parametrize("why,op,change", [

@@ -28,8 +28,8 @@ def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None
 
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
                            muon_steps=0, ns_coefficients=None, ns_eps=1e-7, ns_dtype=None, weight_norm=None,
-                           initial_state=None, output_final_state=False):
-    """LaCT's block update as linear attention (increments, momentum, Muon, prefix sum, reads).
+                           decay=None, step_scale=None, initial_state=None, output_final_state=False):
+    """LaCT's block update as linear attention (increments, momentum, Muon, a decay, prefix sum, reads).
 
     Token-level matmuls in Triton (``block.py``); contract of ``ttt2la.runtime.block_linear_attention``
     without ``weight_norm``.
@@ -37,7 +37,8 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
     from .block import block_linear_attention as op
     return op(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr, momentum=momentum,
               muon_steps=muon_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps, ns_dtype=ns_dtype,
-              weight_norm=weight_norm, initial_state=initial_state, output_final_state=output_final_state)
+              weight_norm=weight_norm, decay=decay, step_scale=step_scale, initial_state=initial_state,
+              output_final_state=output_final_state)
 
 
 def fused_swiglu_block_linear_attention(q, k, v, w0, w2, **block_kwargs):

@@ -21,6 +21,7 @@ import triton.language as tl
 from ttt2la.errors import UnsupportedTTTError
 from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import NS_EPS, check_block_inputs, compute_dtype, final_state_dtype, ns_schedule
+from ttt2la.runtime.block import chunk_states
 from ttt2la.runtime.newton_schulz import newton_schulz
 from ttt2la.runtime.scan import affine_scan, prefix_sum
 
@@ -280,15 +281,23 @@ class ChunkRead(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def read_states(M, *, order, n, momentum, schedule, ns_eps, ns_dtype, initial_state, dtype):
+def read_states(M, *, order, n, momentum, schedule, ns_eps, ns_dtype, initial_state, dtype, decay=None,
+                step_scale=None):
     """From the increments ``M`` ``[B, n_update, H, Dk, Dv]``: the state every chunk reads and the final state.
 
     Runs momentum, Newton–Schulz (``schedule``, iterated in ``ns_dtype``, default ``dtype``) and the prefix
-    sum in torch (chunk-level, differentiable).
+    sum in torch (chunk-level, differentiable); with a ``decay`` or ``step_scale``, the torch op's
+    ``chunk_states`` on the same increments.
     """
     B, n_update, H, Dk, Dv = M.shape
     W0 = None if initial_state is None else initial_state.to(dtype)
-    if n_update > 0:
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    if n_update > 0 and (decay is not None or step_scale is not None):
+        states = chunk_states(M.transpose(1, 2), momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
+                              ns_dtype=ns_dtype, weight_norm=None, W0=W0, decay=cast(decay),
+                              step_scale=cast(step_scale)).transpose(1, 2)
+        final = states[:, -1]
+    elif n_update > 0:
         if momentum is not None and n_update > 1:
             M = affine_scan(momentum[:, :n_update].to(dtype)[..., None, None], M, dim=1)
         delta = newton_schulz(M, 0, schedule, ns_eps, dtype=ns_dtype) if schedule else M
@@ -305,18 +314,19 @@ def read_states(M, *, order, n, momentum, schedule, ns_eps, ns_dtype, initial_st
 
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None, momentum=None,
                            muon_steps=0, ns_coefficients=None, ns_eps=NS_EPS, ns_dtype=None, weight_norm=None,
-                           initial_state=None, output_final_state=False):
+                           decay=None, step_scale=None, initial_state=None, output_final_state=False):
     """LaCT's block TTT update as linear attention, token-level matmuls in Triton; contract of the torch op.
 
     ``G_j = φ(K_j)ᵀ(lr ⊙ V_j)``, ``M_j = α_j M_{j-1} + G_j``, ``W_j = W_{j-1} + NS(M_j)``; ``order`` says which
-    state chunk ``j`` reads. ``weight_norm`` is not implemented here (``supports`` says so). Half-precision
+    state chunk ``j`` reads; ``decay`` and ``step_scale`` as in the torch op (applied between chunks, in torch).
+    ``weight_norm`` is not implemented here (``supports`` says so). Half-precision
     inputs use tensor-core matmuls, keeping the operands Newton–Schulz is sensitive to at about 16 bits.
     Precision follows the inputs: fp32 stays fp32, Newton–Schulz iterates in ``ns_dtype``.
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
     """
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr, momentum=momentum,
                            muon_steps=muon_steps, weight_norm=weight_norm, initial_state=initial_state,
-                           ns_coefficients=ns_coefficients)
+                           ns_coefficients=ns_coefficients, decay=decay, step_scale=step_scale)
     schedule = ns_schedule(muon_steps, ns_coefficients)
     if weight_norm is not None:
         raise UnsupportedTTTError(
@@ -328,7 +338,8 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
     dtype = compute_dtype(v.dtype)
     M = ChunkIncrements.apply(phi_k, v, lr, n_update, C, bool(schedule))
     states, final = read_states(M, order=order, n=n, momentum=momentum, schedule=schedule, ns_eps=ns_eps,
-                                ns_dtype=ns_dtype, initial_state=initial_state, dtype=dtype)
+                                ns_dtype=ns_dtype, initial_state=initial_state, dtype=dtype, decay=decay,
+                                step_scale=step_scale)
     o = ChunkRead.apply(phi_q, states, C, v.dtype)
     final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
     return o, final

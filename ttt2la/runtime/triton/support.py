@@ -27,10 +27,11 @@ _MODULES = {"chunk_linear_attention": "channel_decay", "block_linear_attention":
 
 _OPTIONS = {
     "chunk_linear_attention": {"chunk_size", "log_decay", "scale", "initial_state", "output_final_state"},
-    "block_linear_attention": {"chunk_size", "order", "lr", "momentum", "muon_steps", "ns_coefficients",
-                               "ns_eps", "ns_dtype", "weight_norm", "initial_state", "output_final_state"},
+    "fused_swiglu_block_linear_attention": {"chunk_size", "order", "lr", "momentum", "muon_steps",
+                                            "ns_coefficients", "ns_eps", "ns_dtype", "weight_norm", "initial_state",
+                                            "output_final_state"},
 }
-_OPTIONS["fused_swiglu_block_linear_attention"] = _OPTIONS["block_linear_attention"]
+_OPTIONS["block_linear_attention"] = _OPTIONS["fused_swiglu_block_linear_attention"] | {"decay", "step_scale"}
 
 #: Dtypes of the sequence tensors (and SwiGLU weights) the kernels are tested for.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -79,7 +80,8 @@ def _check_arguments(op, main, options) -> bool:
         return True
     if options.get("weight_norm") is not None or options.get("order", "exclusive") not in ORDERS:
         return False
-    block_options = {key: options.get(key) for key in ("lr", "momentum", "weight_norm", "initial_state")}
+    block_options = {key: options.get(key) for key in ("lr", "momentum", "weight_norm", "initial_state", "decay",
+                                                       "step_scale")}
     if op == "fused_swiglu_block_linear_attention":
         q, k, v, w0, w2 = main
         if q.dim() != 4 or q.shape != k.shape or w0.dim() != 3 or w0.shape != w2.shape \
