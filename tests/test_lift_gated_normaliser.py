@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ttt2la
-from equivalence import assert_same_function
+from equivalence import assert_same_function, assert_streams, converted_onto
 from ttt2la.zoo import MLSTMLayer
 from ttt2la.zoo.mlstm import GATE_PLACES
 
@@ -138,3 +138,11 @@ def test_a_normaliser_of_the_memorys_keys_is_a_column_whatever_its_gate(normalis
     report, = conv.ttt2la_report.layers
     assert report.runtime == COLUMN, report.runtime
     assert_same_function(conv, layer, [torch.randn(1, 1, 16), torch.randn(2, 30, 16)])
+
+
+def test_the_gated_normaliser_streams():
+    """Fed in pieces, the converted layer carries the normaliser with the memory: the pieces
+    give the whole sequence's outputs."""
+    torch.manual_seed(0)
+    layer = MLSTMLayer(16, 2)
+    assert_streams(converted_onto(layer, "chunk_linear_attention"), layer, torch.randn(2, 29, 16))
