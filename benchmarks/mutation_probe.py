@@ -365,8 +365,8 @@ MUTATIONS = [
     Mutation(
         "companion_column_unscaled", "a second memory written with c times the key rides as a "
         "column of ones",
-        (("ttt2la/lowering/shared_keys.py", "found.append(Companion(i, step[0][0], reader,",
-          "found.append(Companion(i, 1.0, reader,"),),
+        (("ttt2la/lowering/shared_keys.py", "found.append(Companion(i, column, reader, units))",
+          "found.append(Companion(i, ((1.0, column[0][1]),), reader, units))"),),
         ("tests/test_fla_reference_styles.py",), "value_column"),
     Mutation(
         "bonus_dropped", "a state read plus the token's own product lifted without its term",
@@ -842,6 +842,35 @@ MUTATIONS = [
         "channel_state_decays_columns", "the state between chunks decays per value column, not per key row",
         (("ttt2la/runtime/triton/chunk.py", "b_h *= tl.exp(g_lastc)[:, None]", "b_h *= tl.exp(g_lastc)[None, :]"),),
         ("tests/test_triton_kernels.py",), "matches_reference and channel"),
+    Mutation(
+        "gated_column_unchecked", "a normaliser's first column candidate taken without comparing "
+        "its product with the key to the loop's increment",
+        (("ttt2la/lowering/shared_keys.py",
+          "relative_error(ours - increment.reshape(-1), increment.reshape(-1)) < 1e-12:",
+          "True:"),),
+        ("tests/test_lift_gated_normaliser.py",), "unlike_the_memory"),
+    Mutation(
+        "gated_column_unpeeled", "the input gate is not peeled off a normaliser's term as its "
+        "column value",
+        (("ttt2la/lowering/shared_keys.py", "found.append(times(found[-1], as_polynomial(f)))",
+          "found.append(found[-1])"),),
+        ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
+    Mutation(
+        "gated_increment_with_state", "a normaliser's increment evaluated with its memory "
+        "random, not zero",
+        (("ttt2la/lowering/shared_keys.py", "zeros={state})", "zeros=set())"),),
+        ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
+    Mutation(
+        "gated_column_tokens_shifted", "a gated column's values run one token late",
+        (("ttt2la/lowering/lift.py", ".reshape(N, b, 1, 1).expand(*value.shape[:-1], 1) for c in riders]",
+          ".reshape(N, b, 1, 1).roll(1, 0).expand(*value.shape[:-1], 1) for c in riders]"),),
+        ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
+    Mutation(
+        "vector_factor_left_aligned", "per_matrix aligns a memory vector's factor as a matrix's "
+        "(two trailing axes)",
+        (("ttt2la/lowering/affine_update.py", "pad = len(batch) + 1 + len(matrix) - v.dim()",
+          "pad = len(batch) + 3 - v.dim()"),),
+        ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
 ]
 
 

@@ -175,8 +175,8 @@ def per_matrix(v: torch.Tensor, batch: tuple, matrix: tuple = (1, 1)) -> torch.T
     """Per-chunk values ``[N, ...]`` holding one number per matrix, as ``[N, *batch, 1, 1]``: the
     value's own axes right-aligned against the state's, as the code broadcast them (a rate per
     head ``[H, 1, 1]`` beside ``[B, H, d, d]`` states); ``matrix`` the trailing sizes of values
-    per row (``(d, 1)``) or per column (``(1, d)``)."""
-    pad = len(batch) + 3 - v.dim()
+    per row (``(d, 1)``) or per column (``(1, d)``), or ``(1,)`` beside a state of vectors."""
+    pad = len(batch) + 1 + len(matrix) - v.dim()
     return v.reshape(v.shape[0], *([1] * pad), *v.shape[1:]).expand(v.shape[0], *batch, *matrix)
 
 

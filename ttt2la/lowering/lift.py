@@ -555,8 +555,10 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
     node_scales = [c for c in contraction.scales if not isinstance(c, float)]
     coefficients = (up.alpha, None if up.gamma == ONE else up.gamma,
                     None if up.step == ONE else up.step)
-    factors = factors_of(*(p for p in coefficients if p is not None))
+    # the companions' column values end the factors: per token, like the decay
+    factors = factors_of(*(p for p in coefficients if p is not None), *(c.column for c in riders))
     alpha, gamma, step = (None if p is None else _indexed(p, factors) for p in coefficients)
+    riders = [dataclasses.replace(c, column=_indexed(c.column, factors)) for c in riders]
     feat_outputs = [read.args[1] if transposed != flipped else read.args[0], contraction.left,
                     contraction.right, *node_scales, *factors, *(bonus[1] if bonus else ())]
     feature_boundary = [*streams, *invariants]
@@ -848,7 +850,7 @@ class LiftedPlan:
         per_chunk = self._per_chunk(list(feats[3 + n_scales:]), b, N, value, states0[lp.w].shape)
         if lp.kind == "chunk" and "step_scale" in per_chunk:    # per token: each token's values
             value = value * per_chunk.pop("step_scale").transpose(0, 1).unsqueeze(-1)
-        value = self._with_columns(value)
+        value = self._with_columns(value, feats[3 + n_scales:], states0)
 
         def flat(x):                             # [N, b, T, d] -> [b, N*T, 1, d]
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
@@ -900,13 +902,18 @@ class LiftedPlan:
             return list(feats), []
         return list(feats[:-bonus.outputs]), list(feats[-bonus.outputs:])
 
-    def _with_columns(self, value: torch.Tensor) -> torch.Tensor:
-        """The values widened by one constant column per companion memory (``shared_keys``)."""
+    def _with_columns(self, value: torch.Tensor, factors: list, states0) -> torch.Tensor:
+        """The values ``[N, b, T, Dv]`` widened by one column per companion memory
+        (``shared_keys``): its constant, or its per-token product of ``factors`` (``[N, ...]``
+        each, one number per memory)."""
         riders = self.lifted.companions
         if not riders:
             return value
-        columns = torch.tensor([c.column for c in riders], dtype=value.dtype, device=value.device)
-        return torch.cat([value, columns.expand(*value.shape[:-1], len(riders))], dim=-1)
+        N, b = value.shape[:2]
+        values = dict(enumerate(factors))
+        columns = [evaluate(c.column, values, value, tuple(states0[c.index].shape[:-1]), (1,))
+                   .reshape(N, b, 1, 1).expand(*value.shape[:-1], 1) for c in riders]
+        return torch.cat([value, *columns], dim=-1)
 
     def _read_first(self, phi_q, phi_k, value, s0, per_token: dict):
         """A per-token loop that reads the state before each token's update, ``o_t = q_t

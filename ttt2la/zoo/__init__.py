@@ -9,6 +9,7 @@ from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
 from .lact_published import LaCTPublishedLayer
 from .lm import LACT_STYLES, TinyLaCTLM
+from .mlstm import MLSTMLayer
 from .muon_step import MuonStepLayer
 from .per_token import PerTokenTTTLayer
 from .per_token_inline import PerTokenInlineTTTLayer
@@ -32,7 +33,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 __all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
            "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
-           "LaCTPublishedLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
+           "LaCTPublishedLayer", "MLSTMLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
            "ViTTTClosedFormBlock", "MemoryState", "TitansLinearMemory", "TitansMLPMemory",
            "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
