@@ -822,12 +822,17 @@ MUTATIONS = [
         "suffix_as_difference", "the chunks' suffix sums of log decays as the total minus the prefix",
         (("ttt2la/runtime/triton/chunk.py", "later.flip(2).cumsum(2).flip(2)",
           "(w.sum(2, keepdim=True) - w.cumsum(2))"),),
+        ("tests/test_triton_kernels.py",), "gates and head"),
+    Mutation(
+        "channel_suffix_as_difference", "the kernels' suffix sums of log decays per channel as the total minus the prefix",
+        (("ttt2la/runtime/triton/chunk.py", "return cumulative(b_g, 0, False), cumulative(later, 0, True), total(b_g, 0)",
+          "return cumulative(b_g, 0, False), total(b_g, 0)[None, :] - cumulative(b_g, 0, False), total(b_g, 0)"),),
         ("tests/test_triton_kernels.py",), "gates and channel"),
     Mutation(
         "between_counts_the_keys", "the decay between sub-chunks also counts the keys' own sub-chunk",
         (("ttt2la/runtime/triton/channel_decay.py",
-          "                b_between = _between(sp, i_b, i_h, i_t, i_r + 1, i_p,",
-          "                b_between = _between(sp, i_b, i_h, i_t, i_r, i_p,"),),
+          "                b_between = _between(g, i_b, i_h, i_t, i_r + 1, i_p,",
+          "                b_between = _between(g, i_b, i_h, i_t, i_r, i_p,"),),
         ("tests/test_triton_kernels.py",), "matches_reference and channel"),
     Mutation(
         "key_diagonal_decays_itself", "a key's own token decays it in the in-chunk key gradient",

@@ -142,10 +142,10 @@ def record_all(dtype: torch.dtype, *, B=1, T=300, H=2, D=128, Dv=128, C=64, Dh=N
         chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, True)
         chunk.chunk_backward(x, x, y, g, h0, y, h0, 1.0, bt, True, False)
         chunk.chunk_backward(x, x, y, None, None, y, None, 1.0, bt, False, False)
-        sums = channel_decay.DecaySums(*(_meta(B, T, H, D, dtype=f32) for _ in channel_decay.DecaySums._fields))
-        _, _, A = channel_decay.channel_forward(x, x, y, sums, h0, 1.0, bt, True)
+        gk = _meta(B, T, H, D, dtype=f32)
+        _, _, A = channel_decay.channel_forward(x, x, y, gk, h0, 1.0, bt, True)
         for want_dg in (True, False):
-            channel_decay.channel_backward(x, x, y, sums, h0, A, y, h0, 1.0, bt, True, want_dg)
+            channel_decay.channel_backward(x, x, y, gk, h0, A, y, h0, 1.0, bt, True, want_dg)
         for scale in (None, lr_t, lr_f):
             block.chunk_increments(x, y, n, C, scale=scale)
             block.chunk_increments(x, y, n, C, scale=scale, split_y=True)

@@ -11,9 +11,10 @@ longer one product of ``q`` and ``k``, so the chunk's attention ``A [T, BT]`` is
   at most 1, so nothing overflows, and the block is one matmul;
 * keys in the queries' own sub-chunk: the decays summed pair by pair, one key at a time.
 
-Every exponent is a sum of log decays over the span it stands for, summed directly (``decay_sums``), never a
-difference of two cumulative sums: a gate that closed earlier in the chunk (a large cumulative sum) would
-otherwise cost the weights of the open span after it their digits.
+Every exponent is a sum of log decays over the span it stands for, summed in the kernels from the log decays
+themselves (``chunk.window_spans``), never a difference of two cumulative sums: a gate that closed earlier in
+the chunk (a large cumulative sum) would otherwise cost the weights of the open span after it their digits.
+Nothing but the log decays is read or kept for the backward besides the chunks' attention.
 
 The backward builds ``dA = scale · do vᵀ`` the same way, gets ``dq``/``dk`` inside the chunk from it by the
 same two splits, and assembles the decay gradient chunk-locally: for token ``s`` and channel ``c``,
@@ -24,7 +25,6 @@ whole sequence.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -34,29 +34,12 @@ from ttt2la.runtime.higher_order import refuse_graph
 from ttt2la.runtime.naive import check_chunk_inputs, final_state_dtype
 
 from ._common import HALF_DTYPES, cdiv, contiguous, cumulative, default_warps, mm, tile, tl_dtype, total, upcast
-from .chunk import (channel_chunk_decay, chunk_tile, feature_configs, load_tile, padded_decays, state_gradients,
-                    states, store_tile, token_base, window_spans)
+from .chunk import (chunk_tile, decay_rows, feature_configs, load_tile, state_gradients, states, store_tile,
+                    token_base, window_spans)
 from .tile_tuning import candidates, config, launch, shape_key, sides_up_to
 
 #: Tokens per sub-chunk: the blocks of the in-chunk attention, the smallest side ``tl.dot`` takes.
 BC = 16
-
-
-class DecaySums(NamedTuple):
-    """The chunk's ``Spans`` and the same sums inside each sub-chunk of ``BC`` tokens, ``[B, T, H, K]``."""
-
-    log_decay: torch.Tensor
-    prefix: torch.Tensor
-    suffix: torch.Tensor
-    sub_prefix: torch.Tensor
-    sub_suffix: torch.Tensor
-
-
-def decay_sums(log_decay: torch.Tensor, chunk: int) -> DecaySums:
-    """The ``DecaySums`` of ``log_decay [B, T, H, K]`` for chunks of ``chunk`` tokens (a multiple of ``BC``)."""
-    g = padded_decays(log_decay, chunk)
-    T = log_decay.shape[1]
-    return DecaySums(*(x[:, :T].contiguous() for x in (g, *window_spans(g, chunk), *window_spans(g, BC))))
 
 
 @triton.jit
@@ -76,17 +59,11 @@ def _token_row(x, i_b, i_h, t, T, H, D, o_d):
 
 
 @triton.jit
-def _sub_total(sp, i_b, i_h, t0, T, H, K, o_k, BC: tl.constexpr):
-    """The log decays summed over the sub-chunk starting at ``t0`` (its last token's prefix)."""
-    return _token_row(sp, i_b, i_h, tl.minimum(t0 + BC, T) - 1, T, H, K, o_k)
-
-
-@triton.jit
-def _between(sp, i_b, i_h, i_t, first, last, T, H, K, o_k, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+def _between(g, i_b, i_h, i_t, first, last, T, H, K, o_k, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """``[BK]``: the log decays summed over sub-chunks ``first … last − 1`` of chunk ``i_t``."""
     b_between = tl.full([BK], 0., tl.float32)
     for i_q in range(first, last):
-        b_between += _sub_total(sp, i_b, i_h, i_t * BT + i_q * BC, T, H, K, o_k, BC)
+        b_between += total(decay_rows(g, i_b, i_h, i_t * BT + i_q * BC, BC, T, H, K, o_k, BC, 0), 0)
     return b_between
 
 
@@ -108,7 +85,7 @@ def _diagonal_scores(b_q, k, g, i_b, i_h, t0, T, H, K, o_k, BC: tl.constexpr, BK
 
 
 @triton.jit
-def _attention_fwd_kernel(q, k, g, sp, ss, A, T,
+def _attention_fwd_kernel(q, k, g, A, T,
                           H, K,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -127,10 +104,10 @@ def _attention_fwd_kernel(q, k, g, sp, ss, A, T,
             o_k = i_k * BK + tl.arange(0, BK)
             b_q, _ = _sub_chunk(q, i_b, i_h, t0, T, H, K, o_k, BC)
             if i_r < i_p:
-                b_spq, _ = _sub_chunk(sp, i_b, i_h, t0, T, H, K, o_k, BC)
+                b_spq, _, _ = window_spans(g, i_b, i_h, t0, T, H, K, o_k, BC)
                 b_k, _ = _sub_chunk(k, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
-                b_ssk, _ = _sub_chunk(ss, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
-                b_between = _between(sp, i_b, i_h, i_t, i_r + 1, i_p, T, H, K, o_k, BT, BC, BK)
+                _, b_ssk, _ = window_spans(g, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
+                b_between = _between(g, i_b, i_h, i_t, i_r + 1, i_p, T, H, K, o_k, BT, BC, BK)
                 b_a += mm(b_q * tl.exp(b_spq), tl.trans(b_k * tl.exp(b_ssk + b_between[None, :])), DT, UPCAST)
             elif i_r == i_p:
                 b_a += _diagonal_scores(b_q, k, g, i_b, i_h, t0, T, H, K, o_k, BC, BK)
@@ -155,7 +132,7 @@ def _output_fwd_kernel(q, v, g, h, A, o, scale, T,
     for i_k in range(0, cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
-        b_g, _ = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+        b_g, _, _ = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
                       other=0.)
         b_o += mm(b_q.to(tl.float32) * tl.exp(b_g), b_h, DT, UPCAST)
@@ -186,7 +163,7 @@ def _score_grad_kernel(v, do, dA, scale, T,
 
 
 @triton.jit
-def _dv_bwd_kernel(k, gs, A, do, dh, dv, scale, T,
+def _dv_bwd_kernel(k, g, A, do, dh, dv, scale, T,
                    H, K, V,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -203,7 +180,7 @@ def _dv_bwd_kernel(k, gs, A, do, dh, dv, scale, T,
     for i_k in range(0, cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = load_tile(k_base, o_t, m_t, o_k, H, K)
-        b_gs = load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
+        _, b_gs, _ = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
         b_dh = tl.load(dh_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
                        other=0.)
         b_dv += mm(b_k.to(tl.float32) * tl.exp(b_gs), b_dh, DT, UPCAST)
@@ -214,7 +191,7 @@ def _dv_bwd_kernel(k, gs, A, do, dh, dv, scale, T,
 
 
 @triton.jit
-def _query_grad_intra(k, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
+def _query_grad_intra(k, g, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
     """``[BC, BK]``: ``Σ_{i≤t} dA_ti k_ic exp(Σ_{i<l≤t} g_lc)`` for the queries of sub-chunk ``i_p``: earlier
     key sub-chunks split at ``i_p``'s start, the diagonal one key at a time from the last."""
@@ -225,11 +202,11 @@ def _query_grad_intra(k, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
     b_dq = tl.full([BC, BK], 0., tl.float32)
     for i_r in range(0, i_p):
         b_k, _ = _sub_chunk(k, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
-        b_ssk, _ = _sub_chunk(ss, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
-        b_between = _between(sp, i_b, i_h, i_t, i_r + 1, i_p, T, H, K, o_k, BT, BC, BK)
+        _, b_ssk, _ = window_spans(g, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
+        b_between = _between(g, i_b, i_h, i_t, i_r + 1, i_p, T, H, K, o_k, BT, BC, BK)
         b_da = load_tile(da_base + i_r * BC, o_c, m_q, o_c, H, BT)
         b_dq += mm(b_da, b_k * tl.exp(b_ssk + b_between[None, :]), DT, UPCAST)
-    b_spq, _ = _sub_chunk(sp, i_b, i_h, t0, T, H, K, o_k, BC)
+    b_spq, _, _ = window_spans(g, i_b, i_h, t0, T, H, K, o_k, BC)
     b_dq *= tl.exp(b_spq)
     b_acc = tl.full([BC, BK], 0., tl.float32)          # Σ_{j<l≤t} g_l for rows t ≥ j
     for jj in range(0, BC):
@@ -243,7 +220,7 @@ def _query_grad_intra(k, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
 
 
 @triton.jit
-def _key_grad_intra(q, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
+def _key_grad_intra(q, g, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
     """``[BC, BK]``: ``Σ_{t≥i} dA_ti q_tc exp(Σ_{i<l≤t} g_lc)`` for the keys of sub-chunk ``i_p``: later query
     sub-chunks split at ``i_p``'s end, the diagonal one query at a time from the first."""
@@ -253,12 +230,12 @@ def _key_grad_intra(q, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
     b_dk = tl.full([BC, BK], 0., tl.float32)
     for i_r in range(i_p + 1, NC):
         b_q, m_r = _sub_chunk(q, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
-        b_spq, _ = _sub_chunk(sp, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
-        b_between = _between(sp, i_b, i_h, i_t, i_p + 1, i_r, T, H, K, o_k, BT, BC, BK)
+        b_spq, _, _ = window_spans(g, i_b, i_h, i_t * BT + i_r * BC, T, H, K, o_k, BC)
+        b_between = _between(g, i_b, i_h, i_t, i_p + 1, i_r, T, H, K, o_k, BT, BC, BK)
         b_da = load_tile(token_base(dA, i_b, i_h, i_t * BT + i_r * BC, T, H, BT) + i_p * BC, o_c, m_r, o_c,
                          H, BT)
         b_dk += mm(tl.trans(b_da), b_q * tl.exp(b_spq + b_between[None, :]), DT, UPCAST)
-    b_ssk, _ = _sub_chunk(ss, i_b, i_h, t0, T, H, K, o_k, BC)
+    _, b_ssk, _ = window_spans(g, i_b, i_h, t0, T, H, K, o_k, BC)
     b_dk *= tl.exp(b_ssk)
     da_base = token_base(dA, i_b, i_h, t0, T, H, BT) + i_p * BC
     b_acc = tl.full([BC, BK], 0., tl.float32)          # Σ_{i<l≤j} g_l for rows i ≤ j
@@ -271,7 +248,7 @@ def _key_grad_intra(q, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k,
 
 
 @triton.jit
-def _dqk_intra_kernel(q, k, g, sp, ss, dA, dq, dk, T,
+def _dqk_intra_kernel(q, k, g, dA, dq, dk, T,
                       H, K,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                       DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -283,14 +260,14 @@ def _dqk_intra_kernel(q, k, g, sp, ss, dA, dq, dk, T,
     t0 = i_t * BT + i_p * BC
     o_c = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
-    b_dq = _query_grad_intra(k, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k, BT, BC, BK, DT, UPCAST)
-    b_dk = _key_grad_intra(q, g, sp, ss, dA, i_b, i_h, i_t, i_p, T, H, K, o_k, BT, BC, BK, DT, UPCAST)
+    b_dq = _query_grad_intra(k, g, dA, i_b, i_h, i_t, i_p, T, H, K, o_k, BT, BC, BK, DT, UPCAST)
+    b_dk = _key_grad_intra(q, g, dA, i_b, i_h, i_t, i_p, T, H, K, o_k, BT, BC, BK, DT, UPCAST)
     store_tile(token_base(dq, i_b, i_h, t0, T, H, K), b_dq, o_c, t0 + o_c < T, o_k, H, K)
     store_tile(token_base(dk, i_b, i_h, t0, T, H, K), b_dk, o_c, t0 + o_c < T, o_k, H, K)
 
 
 @triton.jit
-def _dqkg_bwd_kernel(q, k, v, g, gs, h, do, dh, dq_intra, dk_intra, dq, dk, dg, scale, T,
+def _dqkg_bwd_kernel(q, k, v, g, h, do, dh, dq_intra, dk_intra, dq, dk, dg, scale, T,
                      H, K, V,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      STORE_DG: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -317,9 +294,9 @@ def _dqkg_bwd_kernel(q, k, v, g, gs, h, do, dh, dq_intra, dk_intra, dq, dk, dg, 
         b_dk += mm(b_v, tl.trans(b_dh), DT, UPCAST)
         if STORE_DG:
             b_hdh += total(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-    b_g, g_last = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+    b_g, b_suffix, g_last = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
     b_dq *= scale * tl.exp(b_g)
-    b_dk *= tl.exp(load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K))
+    b_dk *= tl.exp(b_suffix)
     b_dqi = load_tile(token_base(dq_intra, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
     b_dki = load_tile(token_base(dk_intra, i_b, i_h, i_t * BT, T, H, K), o_t, m_t, o_k, H, K)
     if STORE_DG:
@@ -342,32 +319,32 @@ def key_configs(K: int, dtype: torch.dtype) -> tuple:
     return tuple(candidates(config(default_warps(BK, BC), 2, BK=BK), {"BK": sides_up_to(K, sides)}))
 
 
-def _attention(q, k, d: DecaySums, chunk):
+def _attention(q, k, g, chunk):
     """The chunks' in-chunk attention ``A [B, T, H, chunk]`` (fp32, zero above the diagonal)."""
     B, T, H, K = q.shape
     A = q.new_empty(B, T, H, chunk, dtype=torch.float32)
 
     def run(c):
         grid = (triton.cdiv(T, chunk) * (chunk // BC), B * H)
-        _attention_fwd_kernel[grid](q, k, d.log_decay, d.sub_prefix, d.sub_suffix, A, T, H, K, chunk, BC, c["BK"],
+        _attention_fwd_kernel[grid](q, k, g, A, T, H, K, chunk, BC, c["BK"],
                                     tl_dtype(q.dtype), upcast(q.dtype), **c.options)
 
     launch("channel.attention", shape_key(q, K, chunk), key_configs(K, q.dtype), run)
     return A
 
 
-def channel_forward(q, k, v, d: DecaySums, h0, scale, chunk, want_final):
-    """Forward pass on contiguous inputs: ``o``, the fp32 final state (or ``None``) and the in-chunk attention
-    (kept for the backward)."""
+def channel_forward(q, k, v, g, h0, scale, chunk, want_final):
+    """Forward pass on contiguous inputs (``g`` the log decays ``[B, T, H, K]``): ``o``, the fp32 final state
+    (or ``None``) and the in-chunk attention (kept for the backward)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    h, ht = states(k, v, d, h0, chunk, want_final, k.dtype)
-    A = _attention(q, k, d, chunk)
+    h, ht = states(k, v, g, h0, chunk, want_final, k.dtype)
+    A = _attention(q, k, g, chunk)
     o = torch.empty_like(v)
 
     def run(c):
         grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)
-        _output_fwd_kernel[grid](q, v, d.prefix, h, A, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+        _output_fwd_kernel[grid](q, v, g, h, A, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                                  tl_dtype(q.dtype), upcast(q.dtype), **c.options)
 
     launch("channel.output", shape_key(q, K, V, chunk), feature_configs(K, V, q.dtype, 64, chunk), run)
@@ -387,52 +364,52 @@ def _score_gradients(v, do, scale, chunk):
     return dA
 
 
-def _value_gradients(k, d: DecaySums, A, do, dh, scale, chunk):
+def _value_gradients(k, g, A, do, dh, scale, chunk):
     B, T, H, K = k.shape
     V = do.shape[-1]
     dv = torch.empty_like(do)
 
     def run(c):
         grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)
-        _dv_bwd_kernel[grid](k, d.suffix, A, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
+        _dv_bwd_kernel[grid](k, g, A, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
                              tl_dtype(k.dtype), upcast(k.dtype), **c.options)
 
     launch("channel.dv", shape_key(k, K, V, chunk), feature_configs(K, V, k.dtype, 64, chunk), run)
     return dv
 
 
-def _intra_gradients(q, k, d: DecaySums, dA, chunk):
+def _intra_gradients(q, k, g, dA, chunk):
     """The in-chunk parts of ``dq`` and ``dk`` (fp32)."""
     B, T, H, K = q.shape
     dq, dk = (torch.empty_like(q, dtype=torch.float32) for _ in range(2))
 
     def run(c):
         grid = (triton.cdiv(T, chunk) * (chunk // BC), triton.cdiv(K, c["BK"]), B * H)
-        _dqk_intra_kernel[grid](q, k, d.log_decay, d.sub_prefix, d.sub_suffix, dA, dq, dk, T, H, K, chunk, BC,
+        _dqk_intra_kernel[grid](q, k, g, dA, dq, dk, T, H, K, chunk, BC,
                                 c["BK"], tl_dtype(q.dtype), upcast(q.dtype), **c.options)
 
     launch("channel.dqk_intra", shape_key(q, K, chunk), key_configs(K, q.dtype), run)
     return dq, dk
 
 
-def channel_backward(q, k, v, d: DecaySums, h0, A, do, dht, scale, chunk, want_dh0, want_dg):
+def channel_backward(q, k, v, g, h0, A, do, dht, scale, chunk, want_dh0, want_dg):
     """Backward pass: ``dq, dk, dv``, ``d log_decay`` ``[B, T, H, K]`` (fp32, or None) and ``dh0`` (fp32, or
     None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     # fp32 states: the decay gradient reads them outside the matmuls
     states_dtype = torch.float32 if want_dg else q.dtype
-    h, _ = states(k, v, d, h0, chunk, False, states_dtype)
-    dh, dh0 = state_gradients(q, do, d, dht, scale, chunk, want_dh0, states_dtype)
+    h, _ = states(k, v, g, h0, chunk, False, states_dtype)
+    dh, dh0 = state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype)
     dA = _score_gradients(v, do, scale, chunk)
-    dv = _value_gradients(k, d, A, do, dh, scale, chunk)
-    dq_intra, dk_intra = _intra_gradients(q, k, d, dA, chunk)
+    dv = _value_gradients(k, g, A, do, dh, scale, chunk)
+    dq_intra, dk_intra = _intra_gradients(q, k, g, dA, chunk)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty_like(d.prefix) if want_dg else None
+    dg = torch.empty_like(g, dtype=torch.float32) if want_dg else None
 
     def run(c):
         grid = (triton.cdiv(T, chunk), triton.cdiv(K, c["BK"]), B * H)
-        _dqkg_bwd_kernel[grid](q, k, v, d.prefix, d.suffix, h, do, dh, dq_intra, dk_intra, dq, dk, dg, scale, T,
+        _dqkg_bwd_kernel[grid](q, k, v, g, h, do, dh, dq_intra, dk_intra, dq, dk, dg, scale, T,
                                H, K, V, chunk, c["BK"], c["BV"], want_dg, tl_dtype(q.dtype), upcast(q.dtype),
                                **c.options)
 
@@ -442,25 +419,24 @@ def channel_backward(q, k, v, d: DecaySums, h0, A, do, dht, scale, chunk, want_d
 
 class ChannelDecayLinearAttention(torch.autograd.Function):
     """Autograd wrapper: the kernels above; the boundary states are recomputed in the backward, the in-chunk
-    attention kept from the forward."""
+    attention kept from the forward (with the inputs, all it keeps)."""
 
     @staticmethod
     def forward(ctx, q, k, v, log_decay, initial_state, scale, chunk, output_final_state):
-        q, k, v, initial_state = contiguous(q, k, v, initial_state)
-        d = decay_sums(log_decay, chunk)
-        o, ht, A = channel_forward(q, k, v, d, initial_state, scale, chunk, output_final_state)
-        ctx.save_for_backward(q, k, v, initial_state, A, *d)
+        q, k, v, g, initial_state = contiguous(q, k, v, log_decay, initial_state)
+        o, ht, A = channel_forward(q, k, v, g, initial_state, scale, chunk, output_final_state)
+        ctx.save_for_backward(q, k, v, g, initial_state, A)
         ctx.scale, ctx.chunk, ctx.decay_dtype = scale, chunk, log_decay.dtype
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         refuse_graph("chunk_linear_attention[triton]")
-        q, k, v, h0, A, *d = ctx.saved_tensors
+        q, k, v, g, h0, A = ctx.saved_tensors
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
         need_h0 = h0 is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dg, dh0 = channel_backward(q, k, v, DecaySums(*d), h0, A, do, dht, ctx.scale, ctx.chunk, need_h0,
+        dq, dk, dv, dg, dh0 = channel_backward(q, k, v, g, h0, A, do, dht, ctx.scale, ctx.chunk, need_h0,
                                                ctx.needs_input_grad[3])
         return (dq, dk, dv, None if dg is None else dg.to(ctx.decay_dtype),
                 None if dh0 is None else dh0.to(h0.dtype), None, None, None)

@@ -76,16 +76,23 @@ def _chunk_segments(gr, i_b, i_h, i_t, T, H, BT: tl.constexpr):
 
 
 @triton.jit
-def channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT: tl.constexpr):
-    """``_chunk_decay`` for log decays per key channel ``[B, T, H, K]``: a ``[BT, BK]`` tile of the chunk's
-    cumulative log decays in channels ``o_k`` (padding rows repeat the last) and the last row."""
-    o_t = tl.arange(0, BT)
-    m_t = i_t * BT + o_t < T
-    m_k = o_k < K
-    base = token_base(g, i_b, i_h, i_t * BT, T, H, K)
-    g_last = tl.load(base + (tl.minimum(BT, T - i_t * BT) - 1) * H * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_g = tl.load(base + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-    return tl.where(m_t[:, None], b_g.to(tl.float32), g_last[None, :]), g_last
+def decay_rows(g, i_b, i_h, t0, n, T, H, K, o_k, N: tl.constexpr, SHIFT: tl.constexpr):
+    """``[N, BK]``: the log decays per key channel ``[B, T, H, K]`` of tokens ``t0 + i + SHIFT`` in channels
+    ``o_k``, in fp32, zero where ``i + SHIFT`` leaves the window of ``n`` tokens from ``t0`` or passes ``T``."""
+    rows = tl.arange(0, N) + SHIFT
+    m = (rows < n) & (t0 + rows < T)
+    return tl.load(token_base(g, i_b, i_h, t0, T, H, K) + rows[:, None] * (H * K) + o_k[None, :],
+                   mask=m[:, None] & (o_k[None, :] < K), other=0.).to(tl.float32)
+
+
+@triton.jit
+def window_spans(g, i_b, i_h, t0, T, H, K, o_k, N: tl.constexpr):
+    """Sums of the log decays per key channel over the window of ``N`` tokens from ``t0``, each over its own
+    span, never a difference of two: ``(inclusive prefix [N, BK], exclusive suffix [N, BK], total [BK])``
+    (rows past ``T`` count as zero)."""
+    b_g = decay_rows(g, i_b, i_h, t0, N, T, H, K, o_k, N, 0)
+    later = decay_rows(g, i_b, i_h, t0, N, T, H, K, o_k, N, 1)
+    return cumulative(b_g, 0, False), cumulative(later, 0, True), total(b_g, 0)
 
 
 @triton.jit
@@ -96,8 +103,9 @@ def _states_fwd_kernel(k, v, g, gs, h0, h, ht, T,
                        DT: tl.constexpr, UPCAST: tl.constexpr, CHANNEL: tl.constexpr):
     """Sequential over chunks: writes ``h[b, h, j]``, the state before chunk ``j``, and the final state.
 
-    ``g`` holds the chunk's inclusive prefix sums of the log decays and ``gs`` its exclusive suffix sums, each
-    summed directly, never a difference; ``CHANNEL``: the decay is per key channel (a row of the state).
+    Per head, ``g`` holds the chunk's inclusive prefix sums of the log decays and ``gs`` its exclusive suffix
+    sums, each summed directly, never a difference. ``CHANNEL``: ``g`` holds log decays per key channel (a row
+    of the state) themselves, summed here (``window_spans``).
     """
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -117,10 +125,9 @@ def _states_fwd_kernel(k, v, g, gs, h0, h, ht, T,
         b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
             if CHANNEL:
-                _, g_lastc = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+                _, b_suffix, g_lastc = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
                 b_h *= tl.exp(g_lastc)[:, None]
-                b_k = b_k.to(tl.float32) * tl.exp(load_tile(token_base(gs, i_b, i_h, i_t * BT, T, H, K), o_t, m_t,
-                                                            o_k, H, K))
+                b_k = b_k.to(tl.float32) * tl.exp(b_suffix)
             else:
                 _, g_last = _chunk_decay(g, i_b, i_h, i_t, T, H, BT)
                 b_h *= tl.exp(g_last)
@@ -193,7 +200,7 @@ def _states_bwd_kernel(q, do, g, dht, dh, dh0, scale, T,
         b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
         if USE_G:
             if CHANNEL:
-                b_gc, g_lastc = channel_chunk_decay(g, i_b, i_h, i_t, T, H, K, o_k, BT)
+                b_gc, _, g_lastc = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
                 b_dh *= tl.exp(g_lastc)[:, None]
                 b_q = b_q.to(tl.float32) * tl.exp(b_gc)
             else:
@@ -314,36 +321,24 @@ def chunk_tile(chunk_size: int, dtype: torch.dtype) -> int:
 
 
 class Spans(NamedTuple):
-    """Sums of the log decays ``[B, T, H]`` or ``[B, T, H, K]`` (fp32) the kernels read, each summed over its
-    own span: an exponent that is a difference of two cumulative sums loses the digits of the larger (a gate
-    that shut earlier in the chunk costs the open span after it its precision)."""
+    """Sums of per-head log decays ``[B, T, H]`` (fp32) the kernels read, each summed over its own span: an
+    exponent that is a difference of two cumulative sums loses the digits of the larger (a gate that shut
+    earlier in the chunk costs the open span after it its precision)."""
 
     log_decay: torch.Tensor     # g_t itself
     prefix: torch.Tensor        # Σ g over the chunk up to t, inclusive
     suffix: torch.Tensor        # Σ g over the chunk after t
 
 
-def window_spans(g: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive prefix and exclusive suffix sums of ``g [B, n·length, ...]`` within windows of ``length``."""
-    w = g.reshape(g.shape[0], -1, length, *g.shape[2:])
-    later = torch.cat([w[:, :, 1:], torch.zeros_like(w[:, :, :1])], dim=2)
-    return w.cumsum(2).reshape(g.shape), later.flip(2).cumsum(2).flip(2).reshape(g.shape)
-
-
-def padded_decays(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``log_decay`` in fp32, zero-padded to whole chunks."""
-    B, T = log_decay.shape[:2]
-    g = torch.zeros(B, triton.cdiv(T, chunk) * chunk, *log_decay.shape[2:], dtype=torch.float32,
-                    device=log_decay.device)
-    g[:, :T] = log_decay
-    return g
-
-
 def decay_spans(log_decay: torch.Tensor, chunk: int) -> Spans:
-    """The ``Spans`` of ``log_decay`` for chunks of ``chunk`` tokens."""
-    g = padded_decays(log_decay, chunk)
-    T = log_decay.shape[1]
-    return Spans(*(x[:, :T].contiguous() for x in (g, *window_spans(g, chunk))))
+    """The ``Spans`` of per-head log decays ``[B, T, H]`` for chunks of ``chunk`` tokens."""
+    B, T, H = log_decay.shape
+    g = torch.zeros(B, triton.cdiv(T, chunk) * chunk, H, dtype=torch.float32, device=log_decay.device)
+    g[:, :T] = log_decay
+    w = g.view(B, -1, chunk, H)
+    later = torch.cat([w[:, :, 1:], torch.zeros_like(w[:, :, :1])], dim=2)
+    prefix, suffix = w.cumsum(2), later.flip(2).cumsum(2).flip(2)
+    return Spans(*(x.reshape(B, -1, H)[:, :T].contiguous() for x in (w, prefix, suffix)))
 
 
 #: Half-precision defaults of backward kernels that timing settled (H200, bf16, K = V = 128, chunks of 64, a
@@ -373,11 +368,12 @@ def feature_configs(K: int, V: int, dtype: torch.dtype, k_cap: int = 64, *others
     return tuple(candidates(default, {"BK": sides_up_to(K, sides), "BV": sides_up_to(V, sides)}))
 
 
-def states(k, v, d: Spans | None, h0, chunk, want_final, states_dtype):
+def states(k, v, d: Spans | torch.Tensor | None, h0, chunk, want_final, states_dtype):
     """The state before every chunk ``[B, H, NT, K, V]`` (``states_dtype``) and the fp32 final state (or
-    ``None``); ``d``: the log decays' spans, per head or per key channel, or ``None``."""
-    channel = d is not None and d.prefix.dim() == 4
-    g, gs = (None, None) if d is None else (d.prefix, d.suffix)
+    ``None``); ``d``: the log decays' ``Spans`` per head, the log decays per key channel ``[B, T, H, K]``
+    themselves, or ``None``."""
+    channel = isinstance(d, torch.Tensor)
+    g, gs = (d, None) if channel else (None, None) if d is None else (d.prefix, d.suffix)
     B, T, H, K = k.shape
     V = v.shape[-1]
     NT = triton.cdiv(T, chunk)
@@ -395,11 +391,11 @@ def states(k, v, d: Spans | None, h0, chunk, want_final, states_dtype):
     return h, ht
 
 
-def state_gradients(q, do, d: Spans | None, dht, scale, chunk, want_dh0, states_dtype, settled=None):
+def state_gradients(q, do, d: Spans | torch.Tensor | None, dht, scale, chunk, want_dh0, states_dtype, settled=None):
     """The gradient of the state after every chunk ``[B, H, NT, K, V]`` (``states_dtype``) and of the initial
     state (fp32, or ``None``), walking the chunks in reverse; ``d`` as in ``states``."""
-    channel = d is not None and d.prefix.dim() == 4
-    g = None if d is None else d.prefix
+    channel = isinstance(d, torch.Tensor)
+    g = d if channel else None if d is None else d.prefix
     B, T, H, K = q.shape
     V = do.shape[-1]
     dh = q.new_empty(B, H, triton.cdiv(T, chunk), K, V, dtype=states_dtype)
