@@ -876,6 +876,20 @@ MUTATIONS = [
         (("ttt2la/lowering/affine_update.py", "pad = len(batch) + 1 + len(matrix) - v.dim()",
           "pad = len(batch) + 3 - v.dim()"),),
         ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
+    Mutation(
+        "one_wide_slices_not_tokens", "a loop over one-wide token slices (x[:, t:t+1]) is not "
+        "read as a per-token loop, so the delta rule stays on the generic plan",
+        (("ttt2la/ir.py",
+          "        return all(per_token) or (self.chunk_size == 1 and not any(per_token))",
+          "        return all(per_token)"),),
+        ("tests/test_folded_delta.py",), "boundaries"),
+    Mutation(
+        "one_wide_probe_gains_an_axis", "the delta rule's confirmation adds a token axis to a "
+        "one-wide slice, which already has one",
+        (("ttt2la/lowering/lift_delta_rule.py",
+          "            invs[spec.source] = x.unsqueeze(spec.axis) if spec.per_token else x",
+          "            invs[spec.source] = x.unsqueeze(spec.axis)"),),
+        ("tests/test_folded_delta.py",), "value_computed_in_the_loop"),
 ]
 
 

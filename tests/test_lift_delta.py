@@ -6,6 +6,7 @@ gradient for every length from 1 to 5·C+7, and its op count grows with the chun
 scan's depth."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -21,7 +22,7 @@ from test_executors import inputs_for, make_program
 from ttt2la.analysis import analyze
 from ttt2la.lowering import lower
 from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta, scan_pays, scanning
-from ttt2la.testing import TOLERANCE, rel_rms_error, training_step_ops
+from ttt2la.testing import TOLERANCE, no_worse_than_original, rel_rms_error, training_step_ops
 
 D = 6
 
@@ -86,15 +87,32 @@ def outputs_and_grads(model, x):
 def test_delta_rule_layer_converts_exactly(which, batch, t_frac, seed):
     chunk, decay, transposed = LAYERS[which]
     layer, fast = converted(chunk, decay, transposed)
-    assert "matrix-affine scan" in str(fast.ttt2la_report.to_dict()), fast.ttt2la_report
+    runtime = fast.ttt2la_report.to_dict()["layers"][0]["runtime"]
+    # one-token slices s:s+1 are the per-token delta rule: its chunked op, not the generic scan
+    op = "delta_rule[torch](" if chunk == 1 else "matrix-affine scan"
+    assert op in runtime, runtime
     T = 1 + round(t_frac * (5 * chunk + 6))  # 1 .. 5·C + 7
     x = torch.randn(batch, T, D, generator=torch.Generator().manual_seed(seed))
+    _assert_exact_or_conditioned(layer, fast, x)
+
+
+def _assert_exact_or_conditioned(layer, fast, x):
+    """Output and every parameter gradient of ``fast`` within the fp32 bound of ``layer``'s; one
+    beyond it only where the function amplifies rounding (one token whose query is nearly
+    orthogonal to its key cancels in the value's gradient), judged by the precision criterion:
+    no further from a float64 evaluation than twice the layer's own fp32 error, plus 1e-6."""
     y_ref, g_ref = outputs_and_grads(layer, x)
     y, g = outputs_and_grads(fast, x)
-    tol = TOLERANCE[torch.float32]
-    assert rel_rms_error(y, y_ref) <= tol, rel_rms_error(y, y_ref)
-    for name, grad in g_ref.items():
-        assert rel_rms_error(g[name], grad) <= tol, (name, rel_rms_error(g[name], grad))
+    got, want = {"output": y, **g}, {"output": y_ref, **g_ref}
+    far = [n for n in want if rel_rms_error(got[n], want[n]) > TOLERANCE[torch.float32]]
+    if not far:
+        return
+    y64, g64 = outputs_and_grads(copy.deepcopy(layer).double(), x.double())
+    exact = {"output": y64, **g64}
+    for name in far:
+        ok, err, bound = no_worse_than_original([rel_rms_error(got[name], exact[name])],
+                                                [rel_rms_error(want[name], exact[name])])
+        assert ok, (name, rel_rms_error(got[name], want[name]), err, bound)
 
 
 def _count(fast, chunks):
@@ -118,9 +136,10 @@ shapes = st.fixed_dictionaries(dict(
     n_len=st.integers(min_value=1, max_value=27), seed=st.integers(0, 3)))
 
 
-def _assert_scan_equals_the_loop(program, plan, n_len: int, seed: int):
-    """``plan`` scans ``W`` and equals the recurrent loop at length ``n_len``: outputs, final
-    states and the gradients of states and invariants."""
+def _assert_scan_equals_the_loop(program, plan, n_len: int, seed: int,
+                                 op: str = "matrix-affine scan: W"):
+    """``plan`` scans ``W`` (its implementation names ``op``) and equals the recurrent loop at
+    length ``n_len``: outputs, final states and the gradients of states and invariants."""
     assert isinstance(plan, DeltaScanPlan)
     results = []
     for run in (plan, lower(program, None, schedule="recurrent")):
@@ -130,7 +149,7 @@ def _assert_scan_equals_the_loop(program, plan, n_len: int, seed: int):
         loss = sum((o * torch.cos(torch.arange(o.numel()).view(o.shape))).sum()
                    for o in [*outputs, *finals])
         results.append([*outputs, *finals, *torch.autograd.grad(loss, leaves, allow_unused=True)])
-    assert "matrix-affine scan: W" in plan.implementation, plan.implementation
+    assert op in plan.implementation, plan.implementation
     for got, want in zip(*results):
         if want is None:
             assert got is None or not got.abs().any()
@@ -147,7 +166,11 @@ def test_scan_plan_matches_the_recurrent_loop_on_hand_built_programs(s):
     program = make_program("delta_rule", s["B"], s["d"], s["C"], s["inclusive"], s["last_chunk"])
     analysis = analyze(program)
     plan = lift_delta(program, analysis, analysis.schedule)
-    _assert_scan_equals_the_loop(program, plan, s["n_len"], s["seed"])
+    # chunks of one token are tokens: the per-token delta rule's chunked op runs them, in every
+    # order it takes (not an update-then-read loop whose last update is dead)
+    on_the_op = s["C"] == 1 and not (s["inclusive"] and s["last_chunk"] == "apply_only")
+    op = "delta_rule[torch](W" if on_the_op else "matrix-affine scan: W"
+    _assert_scan_equals_the_loop(program, plan, s["n_len"], s["seed"], op)
 
 
 def test_a_map_on_neither_side_runs_the_sequential_pass():
@@ -206,7 +229,10 @@ def test_the_scan_reads_rectangular_maps_exactly(dk, dv, transposed, chunk, n_le
     program = _rectangular_program(dk, dv, transposed, chunk)
     analysis = analyze(program)
     plan = lift_delta(program, analysis, analysis.schedule)
-    _assert_scan_equals_the_loop(program, plan, n_len, 0)
+    # chunks of one token are the per-token delta rule, on its op (a key of one feature is a
+    # scalar decay, no delta rule)
+    op = "delta_rule[torch](W" if chunk == 1 and dk > 1 else "matrix-affine scan: W"
+    _assert_scan_equals_the_loop(program, plan, n_len, 0, op)
 
 
 def test_on_a_cpu_the_scan_runs_only_where_it_beats_the_loop():

@@ -180,6 +180,16 @@ class TTTProgram:
     notes: list[str] = field(default_factory=list)
     single_step: bool = False              # one update over all tokens, then every token reads
 
+    @property
+    def one_token(self) -> bool:
+        """Whether every iteration reads one token of each stream: selected (``per_token``, its
+        token axis removed) or sliced one wide (``x[:, t:t+1]``, a chunk of one token that keeps
+        a unit token axis). Either is the per-token recurrence; only the layout differs."""
+        if not self.streams or self.single_step:
+            return False
+        per_token = [s.per_token for s in self.streams]
+        return all(per_token) or (self.chunk_size == 1 and not any(per_token))
+
     # -- body plumbing shared by passes, analysis and executors --------------------------
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.body.graph.nodes if n.op == "placeholder"]

@@ -7,7 +7,10 @@ computed from the token alone. That is the gated delta rule
 ``S_t = α_t (I − β_t k_tᵀ k_t) S_{t-1} + β_t k_tᵀ v'_t`` with ``α = a``, ``β = c / a`` and
 ``v' = (a b / c) v`` — which the runtime's ``delta_rule`` runs chunk by chunk (UT form inside a
 chunk, a log-depth scan of ``[Dk, Dk]`` maps across chunks) instead of carrying a ``[Dk, Dk]``
-map per token through the generic matrix-affine scan.
+map per token through the generic matrix-affine scan. A loop that slices its tokens one wide
+(``k[:, t:t + 1]``, heads folded into the batch for ``torch.bmm``) is such a loop too: a chunk of
+one token is the token, its unit token axis kept (``TTTProgram.one_token``); its streams are cut
+and its outputs joined as chunks of one.
 
 What the loop computes is read from the graph and confirmed numerically, never assumed:
 
@@ -326,9 +329,10 @@ def _candidates(values: list[torch.Tensor], n: int, batch: int, size: int):
 
 
 def match_delta_rule(program: TTTProgram, analysis: Analysis) -> DeltaRuleMatch | None:
-    """The per-token loop of ``program`` read as the gated delta rule, or None (see the module
-    docstring: read from the graph, then confirmed in float64)."""
-    if not program.streams or not all(s.per_token for s in program.streams):
+    """The per-token loop of ``program`` (tokens selected or sliced one wide) read as the gated
+    delta rule, or None (see the module docstring: read from the graph, then confirmed in
+    float64)."""
+    if not program.one_token:
         return None
     if (program.order, program.last_chunk) not in (("inclusive", "update"),
                                                     ("exclusive", "apply_only"),
@@ -578,10 +582,11 @@ def _confirmed(match: DeltaRuleMatch) -> bool:
         states0 = [args[placeholders.index(i)] for i in ins]
         invariants = [args[placeholders.index(i)] for i in prog.invariant_inputs()]
         streams = [args[placeholders.index(i)] for i in prog.stream_inputs()]
-        # one token: each stream source is the token itself, on its token axis
+        # one token: each stream source is the token itself, on its token axis (a one-wide
+        # slice kept that axis; a selected token gets it back)
         invs = list(invariants)
         for spec, x in zip(prog.streams, streams):
-            invs[spec.source] = x.unsqueeze(spec.axis)
+            invs[spec.source] = x.unsqueeze(spec.axis) if spec.per_token else x
         outs, finals = probe(states0, invs)
         got_out.append(outs[0].squeeze(prog.outputs[0].axis))
         got_state.append(finals[match.state])

@@ -2,6 +2,7 @@
 from .delta_memory import DeltaMemoryLayer
 from .fla_chunk_reference import FlaChunkReferenceLayer
 from .fla_reference import FlaReferenceLayer
+from .folded_delta import FoldedDeltaLayer
 from .fused_styles import (BaddbmmMuonLayer, LerpMomentumLayer, ListedChunksLayer, SplitZipLayer,
                            UnbindDeltaLayer)
 from .gated_memory import GatedChunkMemory
@@ -31,7 +32,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
+__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "FoldedDeltaLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
            "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
            "LaCTPublishedLayer", "MLSTMLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
