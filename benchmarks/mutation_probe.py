@@ -890,6 +890,19 @@ MUTATIONS = [
           "            invs[spec.source] = x.unsqueeze(spec.axis) if spec.per_token else x",
           "            invs[spec.source] = x.unsqueeze(spec.axis)"),),
         ("tests/test_folded_delta.py",), "value_computed_in_the_loop"),
+    Mutation(
+        "partial_chunk_numbers_unseen", "numbers that depend on the chunk's length are not looked for in the trace",
+        (("ttt2la/frontend/rollup.py",
+          "    program.partial_chunk = length_dependent_number(u.in_iteration(u.n_iter - 1))\n", ""),),
+        ("tests/test_as_written.py",), "mean_over_the_chunk"),
+    Mutation(
+        "partial_chunk_divisor_unseen", "a divisor that differs in the partial chunk is not compared",
+        (("ttt2la/frontend/partial_chunk.py", "if ours != theirs and len(ours) == len(theirs):", "if False:"),),
+        ("tests/test_as_written.py",), "mean_over_the_chunk"),
+    Mutation(
+        "partial_chunk_mean_unseen", "a mean over fewer elements in the partial chunk is not compared",
+        (("ttt2la/frontend/partial_chunk.py", "if ours is not None and ours != theirs:", "if False:"),),
+        ("tests/test_as_written.py",), "mean_over_the_chunk"),
 ]
 
 

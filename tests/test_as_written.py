@@ -296,3 +296,55 @@ def test_a_partial_last_chunk_the_plan_cannot_pad_runs_as_written_when_exact():
         lossy(ragged)
     assert "test_as_written.py:" in (refused.value.where or "") and refused.value.where in \
         str(refused.value)
+
+
+class MeanLossStep(nn.Module):
+    """A chunked TTT step on an inner loss averaged over the chunk (``F.mse_loss``'s default, a
+    ``.mean()``, a sum divided by the token count, or a step size from the chunk's mean key
+    norm): the gradient of a mean holds
+    ``1 / (C·D)``, a number the traced body keeps as a constant, where the code as written
+    divides a partial chunk of ``r`` tokens by ``r·D``."""
+
+    def __init__(self, loss: str, d: int = 16, chunk: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.W0 = nn.Parameter(torch.randn(d, d) * d ** -0.5)
+        self.C, self.loss = chunk, loss
+
+    def step(self, W, k, v):
+        if self.loss == "mse_loss":
+            return torch.func.grad(lambda w: F.mse_loss(k @ w, v))(W)
+        if self.loss == "mean":
+            return torch.func.grad(lambda w: -((k @ w) * v).mean())(W)
+        if self.loss == "sum over the count":
+            return torch.func.grad(lambda w: ((k @ w - v) ** 2).sum() / k.shape[1])(W)
+        rate = 1.0 / (1.0 + k.pow(2).sum(-1).mean(-1))          # a forward mean, not a gradient
+        return -rate[:, None, None] * k.transpose(1, 2) @ v
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k = F.normalize(k, dim=-1)
+        W = self.W0.expand(x.shape[0], -1, -1)
+        outs = []
+        for s in range(0, x.shape[1], self.C):
+            W = W - self.step(W, k[:, s:s + self.C], v[:, s:s + self.C])
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("loss", ["mse_loss", "mean", "sum over the count", "mean step size"])
+def test_a_mean_over_the_chunk_is_never_padded(loss):
+    """A number the code derives from the chunk's length (a mean's divisor, in its gradient or in
+    the forward pass) makes zero padding change the partial last chunk: those lengths run as
+    written, exactly, the report saying why and where; whole chunks run the plan."""
+    from equivalence import assert_same_function
+
+    torch.manual_seed(0)
+    layer = MeanLossStep(loss)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 32, 16),))
+    assert_same_function(converted, layer, [torch.randn(2, T, 16) for T in (32, 45, 5, 1)])
+    runs = converted.ttt2la_report.layers[0].runs
+    for T in (45, 5, 1):
+        assert "the chunk's length" in runs[f"batch 2, length {T}, partial last chunk"], runs
+        assert "test_as_written.py:" in runs[f"batch 2, length {T}, partial last chunk"], runs
+    assert not any("partial" in key for key in runs if "length 32" in key)

@@ -197,7 +197,7 @@ def test_chunk_decay_gradient_has_no_long_range_cancellation():
 
 
 @pytest.mark.parametrize("decay", ["head", "channel"])
-@pytest.mark.parametrize("strength", [6.0, 40.0])
+@pytest.mark.parametrize("strength", [6.0, 15.0, 40.0])
 def test_gates_that_shut_and_reopen_keep_every_digit(decay, strength):
     """Log decays down to about ``−6·strength²`` for single tokens, near 0 between them: the weights of the
     open spans after a shut gate are as exact as with mild decays (fp32, every gradient within 1e-5;

@@ -179,6 +179,7 @@ class TTTProgram:
     function: str = ""                     # function that holds the loop
     notes: list[str] = field(default_factory=list)
     single_step: bool = False              # one update over all tokens, then every token reads
+    partial_chunk: str = ""                # what a partial chunk computes unlike a padded one
 
     @property
     def one_token(self) -> bool:

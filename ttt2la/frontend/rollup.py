@@ -37,6 +37,7 @@ from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
+from .partial_chunk import length_dependent_number
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of,
                     split_iterations)
 from .slice_assignments import select_writes_as_slice_writes
@@ -122,6 +123,7 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     out_node = chunk_output(u, states)
     tail = order_and_tail(u, inputs, states, out_node)
     program = extract_body(u, inputs, states, out_node, tail, module_path)
+    program.partial_chunk = length_dependent_number(u.in_iteration(u.n_iter - 1))
     rewrite_outer(u, inputs, states, tail)
     program.notes.extend(states.notes)
     return RolledLoop(program=program, outer=gm, n_iterations=u.n_iter, tail=tail.peeled,

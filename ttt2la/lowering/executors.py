@@ -159,6 +159,8 @@ def require_inert_padding(program: TTTProgram, states0, invariants, layout: Chun
     """Raise ``PartialChunkError`` when a partial last chunk's zero padding is not inert
     (``padding_problem``); the verdict is cached per tail length in ``cache``."""
     tail = int(layout.tail)            # a plain key, also when a compiler traces sizes
+    if program.partial_chunk:
+        cache[tail] = program.partial_chunk
     if tail not in cache:
         # it differentiates the body, out of sight of the call (``preparation``); under a
         # compiler's trace (torch.compile) the probe, which reads numbers, runs on real

@@ -1,0 +1,73 @@
+"""Numbers of the loop body that depend on how many tokens a chunk holds.
+
+A partial last chunk runs the body padded with zero tokens to the full chunk. Padding is inert
+for sums over the chunk's tokens, and ``padding_problem`` probes the body for the terms it moves
+(a mean in the forward pass, attention across the tokens). One kind it cannot see: a number the
+code derives from the chunk's length, such as the ``1 / (C·D)`` in the gradient of a mean loss
+(``F.mse_loss``, ``.mean()`` under ``torch.func.grad``). The traced body holds it as a constant,
+so no probe of the body moves it, yet the code as written divides a partial chunk of ``r`` tokens
+by ``r·D``. The trace shows it: the probe length leaves the loop's last iteration partial, and
+there the same arithmetic op carries another number than in a whole chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir import SRC
+
+aten = torch.ops.aten
+
+#: Pointwise arithmetic whose number arguments are values, never positions or sizes.
+ARITHMETIC = {aten.div.Scalar, aten.div.Tensor, aten.mul.Scalar, aten.mul.Tensor, aten.add.Scalar,
+              aten.add.Tensor, aten.sub.Scalar, aten.sub.Tensor, aten.rsub.Scalar,
+              aten.true_divide.Scalar, aten.pow.Tensor_Scalar, aten.addcmul.default,
+              aten.addcdiv.default}
+#: Reductions that divide by the number of elements they reduce.
+AVERAGES = {"mean", "var", "std", "var_mean", "std_mean"}
+
+
+def _numbers(node: torch.fx.Node) -> list:
+    return [a for a in (*node.args, *node.kwargs.values())
+            if isinstance(a, (int, float)) and not isinstance(a, bool)]
+
+
+def _reduced_sizes(node: torch.fx.Node) -> tuple | None:
+    """The sizes a mean (or variance) reduces over, or ``None`` for other ops."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in AVERAGES:
+        return None
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) \
+        else range(val.dim())
+    return tuple(int(val.shape[d]) for d in dims)
+
+
+def _differs(node: torch.fx.Node, last: torch.fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if node.op == "call_function" and node.target in ARITHMETIC:
+        ours, theirs = _numbers(node), _numbers(last)
+        if ours != theirs and len(ours) == len(theirs):
+            return f"{name} by {ours[0]:g} in a whole chunk, by {theirs[0]:g} in the partial one"
+    ours, theirs = _reduced_sizes(node), _reduced_sizes(last)
+    if ours is not None and ours != theirs:
+        return f"a {name} over {ours} elements in a whole chunk, over {theirs} in the partial one"
+    return ""
+
+
+def length_dependent_number(whole: dict[torch.fx.Node, torch.fx.Node]) -> str:
+    """What the partial last iteration computes with another number than a whole chunk, or ``""``.
+
+    ``whole`` maps a whole chunk's nodes (iteration 1) to the same ops of the loop's last
+    iteration, which the probe length leaves partial.
+    """
+    for node, last in whole.items():
+        found = _differs(node, last)
+        if found:
+            where = node.meta.get(SRC)
+            return (f"a number the code derives from the chunk's length ({found}"
+                    f"{f' at {where}' if where else ''}: a mean's divisor, say)")
+    return ""
+
+
+__all__ = ["length_dependent_number", "ARITHMETIC"]
