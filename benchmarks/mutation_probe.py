@@ -819,7 +819,7 @@ MUTATIONS = [
           "        b_a *= tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.))"),),
         ("tests/test_triton_kernels.py",), "gates and head"),
     Mutation(
-        "suffix_as_difference", "the chunks' suffix sums of log decays as the total minus the prefix",
+        "suffix_as_difference", "the chunks' suffix sums of per-head log decays as the total minus the prefix",
         (("ttt2la/runtime/triton/chunk.py", "later.flip(2).cumsum(2).flip(2)",
           "(w.sum(2, keepdim=True) - w.cumsum(2))"),),
         ("tests/test_triton_kernels.py",), "gates and head"),
