@@ -903,6 +903,13 @@ MUTATIONS = [
         "partial_chunk_mean_unseen", "a mean over fewer elements in the partial chunk is not compared",
         (("ttt2la/frontend/partial_chunk.py", "if ours is not None and ours != theirs:", "if False:"),),
         ("tests/test_as_written.py",), "mean_over_the_chunk"),
+    Mutation(
+        "normaliser_denominator_unwalked", "the output path stops at a division's denominator, so a normaliser is taken for Θ",
+        (("ttt2la/analysis/roles.py",
+          'if name == "div":               # a normaliser\'s memory is read in the denominator\n'
+          "            stack.extend(node.all_input_nodes)",
+          'if name == "div":\n            stack.append(node.args[0])'),),
+        ("tests/test_fla_reference_styles.py",), "chunked_normaliser"),
 ]
 
 

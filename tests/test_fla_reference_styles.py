@@ -461,3 +461,44 @@ def test_keys_made_from_the_forget_gate_run_on_the_token_causal_op():
     layer = ForgetGateKeys()
     assert_same_function(converted_onto(layer, "chunk_linear_attention"), layer,
                          [torch.randn(1, 2, 16), torch.randn(3, 50, 16)])
+
+
+class ChunkedNormalisedAttention(nn.Module):
+    """Causal linear attention with its normaliser, written chunk by chunk: the state read before
+    each chunk plus the chunk's masked attention, over the normaliser ``z`` read as ``q·z`` in the
+    denominator, ``z`` then given the chunk's summed keys (ELU + 1 features)."""
+
+    def __init__(self, d: int = 16, chunk: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.C = chunk
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+        S, z = x.new_zeros(B, D, D), x.new_zeros(B, D)
+        outs = []
+        for i in range(0, T, self.C):
+            qc, kc, vc = q[:, i:i + self.C], k[:, i:i + self.C], v[:, i:i + self.C]
+            n = qc.shape[1]
+            A = (qc @ kc.transpose(1, 2)).tril()[:, :n, :n]
+            outs.append((qc @ S + A @ vc) / (qc @ z[:, :, None] + A.sum(-1, keepdim=True)))
+            S = S + kc.transpose(1, 2) @ vc
+            z = z + kc.sum(1)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_a_chunked_normaliser_is_a_memory_not_a_kernel_weight(level):
+    """The normaliser read in the denominator is a memory beside the state (a final fast weight),
+    never a kernel weight Θ that ``freeze_theta`` would freeze: every level is exact, outputs and
+    every gradient, at a length with a partial last chunk too."""
+    torch.manual_seed(0)
+    layer = ChunkedNormalisedAttention()
+    conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 32, 16),))
+    report, = conv.ttt2la_report.layers
+    roles = {s.name: s.role for s in report.states}
+    assert roles == {"S": "final", "z": "final"}, roles
+    assert report.exact
+    assert_same_function(conv, layer, [torch.randn(2, 32, 16), torch.randn(1, 29, 16)])

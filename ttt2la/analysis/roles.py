@@ -111,7 +111,8 @@ def _reads_state(program: TTTProgram, node, s: int) -> bool:
 def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[FinalProduct]:
     """Products ``φ · W`` reached from the chunk outputs through linear ops only.
 
-    The walk goes back from every chunk output through views, sums and elementwise products and
+    The walk goes back from every chunk output through views, sums, elementwise products and both
+    sides of a division (linear attention's normaliser is a memory read in the denominator) and
     stops at nonlinear ops; a matmul with a state operand and a stream-dependent other operand
     is a final product, and its other operand is the kernel feature ``φ`` (not walked into).
     """
@@ -137,8 +138,8 @@ def final_products(program: TTTProgram, dep: Dependence | None = None) -> list[F
                 stack.extend(ops)
             continue
         name = op_name(node)
-        if name == "div":
-            stack.append(node.args[0])
+        if name == "div":               # a normaliser's memory is read in the denominator
+            stack.extend(node.all_input_nodes)
         elif name in OUTPUT_PATH_LINEAR:
             stack.extend(node.all_input_nodes)
     return list(found.values())
