@@ -910,6 +910,20 @@ MUTATIONS = [
           "            stack.extend(node.all_input_nodes)",
           'if name == "div":\n            stack.append(node.args[0])'),),
         ("tests/test_fla_reference_styles.py",), "chunked_normaliser"),
+    Mutation(
+        "stream_probe_pads_partial_chunks", "the streaming probe never retries at whole chunks where the plan cannot pad",
+        (("ttt2la/locality.py", "        except PartialChunkError:       # the plan pads no partial chunk of this loop",
+          "        except ZeroDivisionError:"),),
+        ("tests/test_fla_reference_styles.py",), "streams_in_whole_chunks"),
+    Mutation(
+        "untraced_length_runs_the_graphs", "a call at a length the layer could not be traced at runs the graphs",
+        (("ttt2la/converted.py", '        untraced = getattr(self.layout, "untraced_length", lambda _: "")(L)\n',
+          '        untraced = ""\n'),),
+        ("tests/test_whole_chunk_loops.py",), "could_not_be_traced"),
+    Mutation(
+        "untraced_remainder_accepted", "every remainder is taken for the one the layer was traced at",
+        (("ttt2la/frontend/recognize.py", "        if L % C == r:\n", "        if True:\n"),),
+        ("tests/test_whole_chunk_loops.py",), "could_not_be_traced"),
 ]
 
 

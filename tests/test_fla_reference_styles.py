@@ -502,3 +502,20 @@ def test_a_chunked_normaliser_is_a_memory_not_a_kernel_weight(level):
     assert roles == {"S": "final", "z": "final"}, roles
     assert report.exact
     assert_same_function(conv, layer, [torch.randn(2, 32, 16), torch.randn(1, 29, 16)])
+
+
+def test_a_layer_whose_padding_is_not_inert_streams_in_whole_chunks():
+    """The streaming probe runs the plan at whole chunks where it cannot pad a partial one (the
+    chunked normaliser divides 0 by 0 on a padded query): pieces of whole chunks, carried from
+    call to call, give the whole sequence's outputs."""
+    torch.manual_seed(0)
+    layer = ChunkedNormalisedAttention()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 32, 16),))
+    x = torch.randn(2, 32, 16)
+    with torch.no_grad():
+        state, pieces = None, []
+        for s in range(0, 32, 8):
+            y, state = conv(x[:, s:s + 8], ttt_state=state, return_ttt_state=True)
+            pieces.append(y)
+        whole = layer(x)
+    assert torch.allclose(torch.cat(pieces, 1), whole, rtol=1e-5, atol=1e-6)

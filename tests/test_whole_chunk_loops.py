@@ -74,3 +74,43 @@ def test_a_loop_over_every_chunk_is_not_restricted():
     converted = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 8),))
     assert not any("whole chunks" in note for note in converted.ttt2la_report.layers[0].notes)
     assert_same_function(converted, layer, [torch.randn(2, 18, 8), torch.randn(1, 5, 8)])
+
+
+class ReshapedToTheLength(nn.Module):
+    """A loop over whole chunks whose outputs are reshaped to the call's length: the code as
+    written fails at any other length (``reshape(B, L, -1)`` of fewer tokens), so the probe's usual
+    lengths fail and the layer is traced at lengths keeping its example's remainder."""
+
+    def __init__(self, d: int = 16, chunk: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.C = chunk
+
+    def forward(self, x):
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for i in range(L // self.C):
+            s = slice(i * self.C, (i + 1) * self.C)
+            S = 0.9 * S + k[:, s].transpose(1, 2) @ v[:, s]
+            outs.append(q[:, s] @ S)
+        return torch.cat(outs, 1).reshape(B, L, -1)
+
+
+def test_a_length_the_code_could_not_be_traced_at_runs_as_written_or_is_refused():
+    """Lengths with the example's remainder run the plan, exactly; another length never runs the
+    graphs (they hold no such length): an exact conversion runs the code as written, whose own
+    error names its line, and a lossy one refuses saying which lengths it takes."""
+    torch.manual_seed(0)
+    layer = ReshapedToTheLength()
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 32, 16),))
+    (report,) = converted.ttt2la_report.layers
+    assert report.exact and any("converted for lengths leaving 0" in n for n in report.notes)
+    assert_same_function(converted, layer, [torch.randn(2, 32, 16), torch.randn(1, 48, 16)])
+    with pytest.raises(ttt2la.ConversionError, match="test_whole_chunk_loops.py:") as failed:
+        converted(torch.randn(1, 20, 16))
+    assert "leaves 4 token(s) after the last whole chunk of 8" in str(failed.value)
+    converted._ttt2la.as_written = None          # what a lossy conversion holds: nothing to run
+    with pytest.raises(UnsupportedShapeError, match="traced at lengths leaving 0 only"):
+        converted(torch.randn(1, 20, 16))

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from .as_written import AsWritten, races
 from .errors import (AlreadyConvertedError, ConversionError, PartialChunkError, StreamingError,
-                     UnsupportedTTTError)
+                     UnsupportedShapeError, UnsupportedTTTError)
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
@@ -180,6 +180,9 @@ class ConvertedState:
         written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
+        untraced = getattr(self.layout, "untraced_length", lambda _: "")(L)
+        if untraced:
+            return self._at_untraced_length(untraced, written, B, L)
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
@@ -203,6 +206,17 @@ class ConvertedState:
                     and fails_in_loop(gm, [weights, *flat]):
                 return self._loop_failed(e, written, B, L)
             raise self._rejected(e, gm, [weights, *flat]) from e
+
+    def _at_untraced_length(self, why: str, written, B: int, L: int):
+        """A call at a length the layer could not be traced at: an exact conversion runs the code
+        as written (which raises its own error where it fails, naming its line); a lossy one
+        refuses."""
+        if self.as_written is None:
+            raise UnsupportedShapeError(
+                f"{self._where()} was called at {why}. Call it at the lengths it was traced at, or "
+                "convert it again with example inputs of the length you call it with.")
+        self.runs[f"batch {B}, length {L}, untraced length"] = f"as written: {why}"
+        return self._as_written(written, f"at {why}")
 
     def _loop_failed(self, error: Exception, written, B: int, L: int):
         """A call an exact conversion's loop fails on: the code as written decides. Where it

@@ -18,6 +18,7 @@ import operator
 import torch
 import torch.utils._pytree as pytree
 
+from .errors import PartialChunkError
 from .frontend.recognize import _inputs_at, params_and_buffers
 from .ir import LOOP_MODULE
 from .lowering.lean_calls import lean_calls
@@ -93,14 +94,26 @@ def streaming_problem(state, module: torch.nn.Module, flat: list) -> str | None:
                 "reads (a single-step TTT layer): there is no sequence to continue")
     program, layout = state.program, state.layout
     C = 1 if any(s.per_token for s in program.streams) else program.chunk_size
-    length = 2 * C + 3
     x = flat[layout.ref]
     batch = x.shape[layout.batch_axis[layout.ref]]
     with torch.no_grad():
-        return _probe(state, module, flat, batch, length)
+        try:
+            return _probe(state, module, flat, batch, 2 * C + 3, 1)
+        except PartialChunkError:       # the plan pads no partial chunk of this loop
+            return _probe(state, module, flat, batch, *_whole_chunks(flat, C))
 
 
-def _probe(state, module, flat, batch: int, length: int) -> str | None:
+def _whole_chunks(flat: list, C: int) -> tuple[int, int]:
+    """Two probe lengths of whole chunks, ``(m·C, C)`` for the length and the step to the
+    longer one, both unlike every size of the inputs (so the outputs' token axes are found)."""
+    sizes = {int(n) for t in flat if isinstance(t, torch.Tensor) for n in t.shape}
+    m = 2
+    while m * C in sizes or (m + 1) * C in sizes:
+        m += 1
+    return m * C, C
+
+
+def _probe(state, module, flat, batch: int, length: int, step: int) -> str | None:
     layout, program = state.layout, state.program
     pb = params_and_buffers(module)
     names = state.interface[0] + state.interface[1]
@@ -121,8 +134,8 @@ def _probe(state, module, flat, batch: int, length: int) -> str | None:
     base_in = _inputs_at(flat, layout, batch, length)
     seen0, y0 = run((batch // unit, length), base_in)
     replied = state.loop_for(batch // unit)(*seen0)
-    longer_in = _inputs_at(flat, layout, batch, length + 1)
-    seen1, _ = run((batch // unit, length + 1), longer_in)
+    longer_in = _inputs_at(flat, layout, batch, length + step)
+    seen1, _ = run((batch // unit, length + step), longer_in)
     for i, (a, b) in enumerate(zip(seen0, seen1)):
         if i not in axes and _differs(a, b):
             kind = "initial state" if i < n_states else "loop input"

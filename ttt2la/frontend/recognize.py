@@ -62,6 +62,21 @@ class InputLayout:
     path: str = ""
     why: str = ""                       # the probe failure that restricted the batch sizes
     signature: CallSignature | None = None      # the example call, checked on every call
+    traced_rest: tuple[int, int] | None = None  # (C, r): traced only at lengths L % C == r
+    length_why: str = ""                # the probe failure that restricted the lengths
+
+    def untraced_length(self, L: int) -> str:
+        """Why length ``L`` is not one the layer was traced at, or ``""``: a layer whose own code
+        failed at the usual probe lengths was traced at lengths with its example's remainder
+        modulo the chunk only, so the converted graphs hold no other."""
+        if self.traced_rest is None:
+            return ""
+        C, r = self.traced_rest
+        if L % C == r:
+            return ""
+        return (f"length {L} leaves {L % C} token(s) after the last whole chunk of {C}, where the "
+                f"layer was traced at lengths leaving {r} only: its own code failed at the "
+                f"others ({self.length_why})")
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         if self.signature is not None:
@@ -528,6 +543,14 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
                      f"lengths that are multiples of {C}")
         layout = dataclasses.replace(layout, length_unit=C, loop_src=cand.loop.src,
                                      path=cand.path)
+    elif plan.structured and seq_len is not None:
+        usual = next((e for p, e in failures if not p.structured), None)
+        if usual is not None:
+            notes.append(f"the layer's own code failed at lengths leaving another remainder "
+                         f"modulo its chunk of {C} ({_first_line(usual)}); converted for lengths "
+                         f"leaving {seq_len % C}")
+            layout = dataclasses.replace(layout, traced_rest=(C, seq_len % C), path=cand.path,
+                                         loop_src=cand.loop.src, length_why=_first_line(usual))
     if cand.probe_length is not None:
         notes.append(f"the example (length {seq_len}) is too short to run the loop; it was found "
                      f"by running the model at length {cand.probe_length}")
