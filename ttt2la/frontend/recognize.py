@@ -63,7 +63,7 @@ class InputLayout:
     why: str = ""                       # the probe failure that restricted the batch sizes
     signature: CallSignature | None = None      # the example call, checked on every call
     traced_rest: tuple[int, int] | None = None  # (C, r): traced only at lengths L % C == r
-    length_why: str = ""                # the probe failure that restricted the lengths
+    rest_why: str = ""                  # the probe failure that restricted the lengths
 
     def untraced_length(self, L: int) -> str:
         """Why length ``L`` is not one the layer was traced at, or ``""``: a layer whose own code
@@ -76,7 +76,7 @@ class InputLayout:
             return ""
         return (f"length {L} leaves {L % C} token(s) after the last whole chunk of {C}, where the "
                 f"layer was traced at lengths leaving {r} only: its own code failed at the "
-                f"others ({self.length_why})")
+                f"others ({self.rest_why})")
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         if self.signature is not None:
@@ -550,7 +550,7 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
                          f"modulo its chunk of {C} ({_first_line(usual)}); converted for lengths "
                          f"leaving {seq_len % C}")
             layout = dataclasses.replace(layout, traced_rest=(C, seq_len % C), path=cand.path,
-                                         loop_src=cand.loop.src, length_why=_first_line(usual))
+                                         loop_src=cand.loop.src, rest_why=_first_line(usual))
     if cand.probe_length is not None:
         notes.append(f"the example (length {seq_len}) is too short to run the loop; it was found "
                      f"by running the model at length {cand.probe_length}")
