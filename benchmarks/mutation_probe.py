@@ -924,6 +924,11 @@ MUTATIONS = [
         "untraced_remainder_accepted", "every remainder is taken for the one the layer was traced at",
         (("ttt2la/frontend/recognize.py", "        if L % C == r:\n", "        if True:\n"),),
         ("tests/test_whole_chunk_loops.py",), "could_not_be_traced"),
+    Mutation(
+        "second_loop_unnamed", "the code around a loop that differs with the length is named by an empty path",
+        (("ttt2la/frontend/recognize.py", 'what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")',
+          'what=f"code around the loop of {cand.path}")'),),
+        ("tests/test_tracing_failures.py",), "two_loops"),
 ]
 
 

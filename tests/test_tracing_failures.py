@@ -232,3 +232,45 @@ def test_numpy_is_usable_again_after_a_refused_trace():
     with pytest.raises(ttt2la.ConversionError):
         ttt2la.convert(NumpyStep(), level=2, example_inputs=(torch.randn(2, 11, 6),))
     assert np.asarray(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+class TwoPasses(nn.Module):
+    """Two different loops over the sequence in one forward (gated slot attention's two passes):
+    the second reads the first's outputs."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    @staticmethod
+    def scan(q, k, v):
+        S = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
+        out = []
+        for t in range(q.shape[1]):
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            out.append((q[:, t, None] @ S).squeeze(1))
+        return torch.stack(out, 1)
+
+    @staticmethod
+    def read(q, k, v):
+        S = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
+        out = []
+        for t in range(q.shape[1]):
+            S = S + k[:, t, :, None] * v[:, t, None, :]
+            out.append((q[:, t, None] @ S).squeeze(1))
+        return torch.stack(out, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.read(q, k, self.scan(q, k, v).softmax(-1))
+
+
+def test_two_loops_over_the_sequence_are_refused_naming_the_loop_and_the_fix():
+    """The refusal names the loop it tried (its line, the layer) and says what converts: one loop
+    per module call, each in a submodule of its own."""
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(TwoPasses(), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    message = str(refused.value)
+    assert "the loop at tests/test_tracing_failures.py:" in message or \
+        "test_tracing_failures.py:" in message.split("the loop at", 1)[-1], message
+    assert "in TwoPasses" in message and "a submodule of its own" in message, message

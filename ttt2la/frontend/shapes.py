@@ -126,7 +126,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
         raise UnsupportedTTTError(
             f"the {what} has a different number of ops at different lengths or batch sizes "
             f"({len(n0)}, {len(nL)}, {len(nB)}){_first_difference(n0, nL, nB)}: its code "
-            "branches on the input shape (or loops over a size)")
+            "branches on the input shape, or loops over a size (a second loop over the sequence "
+            "does: one loop per module call converts, so put each loop in a submodule of its own)")
     slots: dict = {}
     for i, (a, b, c) in enumerate(zip(n0, nL, nB)):
         if (a.op, a.target) != (b.op, b.target) or (a.op, a.target) != (c.op, c.target):
