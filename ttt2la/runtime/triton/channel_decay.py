@@ -115,31 +115,36 @@ def _attention_fwd_kernel(q, k, g, A, T,
 
 
 @triton.jit
-def _output_fwd_kernel(q, v, g, h, A, o, scale, T,
-                       H, K, V,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       DT: tl.constexpr, UPCAST: tl.constexpr):
-    """One chunk × value tile: ``o = scale·((q ⊙ exp(G)) h_j + A v)``."""
+def _chunk_read_kernel(x, y, g, s, A, out, scale, T,
+                 H, K, V,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 BACKWARD: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
+    """One chunk × value tile of a read through the state and the chunk's attention: the output,
+    ``scale·((q ⊙ exp(prefix)) h_j + A v)`` (``x, y, s = q, v, h``), or with ``BACKWARD`` the
+    values' gradient, ``(k ⊙ exp(suffix)) dh_j + scale · Aᵀ do`` (``x, y, s = k, do, dh``)."""
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = cdiv(T, BT)
     o_t = tl.arange(0, BT)
     m_t = i_t * BT + o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
-    q_base = token_base(q, i_b, i_h, i_t * BT, T, H, K)
-    h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    x_base = token_base(x, i_b, i_h, i_t * BT, T, H, K)
+    s_base = s + (i_bh.to(tl.int64) * NT + i_t) * K * V
     b_o = tl.full([BT, BV], 0., tl.float32)
     for i_k in range(0, cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = load_tile(q_base, o_t, m_t, o_k, H, K)
-        b_g, _, _ = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
-        b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
+        b_x = load_tile(x_base, o_t, m_t, o_k, H, K)
+        b_prefix, b_suffix, _ = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
+        b_s = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
                       other=0.)
-        b_o += mm(b_q.to(tl.float32) * tl.exp(b_g), b_h, DT, UPCAST)
+        b_o += mm(b_x.to(tl.float32) * tl.exp(b_suffix if BACKWARD else b_prefix), b_s, DT, UPCAST)
     b_a = load_tile(token_base(A, i_b, i_h, i_t * BT, T, H, BT), o_t, m_t, o_t, H, BT)
-    b_v = load_tile(token_base(v, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
-    b_o = (b_o + mm(b_a, b_v, DT, UPCAST)) * scale
-    store_tile(token_base(o, i_b, i_h, i_t * BT, T, H, V), b_o, o_t, m_t, o_v, H, V)
+    b_y = load_tile(token_base(y, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
+    if BACKWARD:
+        b_o += mm(tl.trans(b_a), b_y, DT, UPCAST) * scale
+    else:
+        b_o = (b_o + mm(b_a, b_y, DT, UPCAST)) * scale
+    store_tile(token_base(out, i_b, i_h, i_t * BT, T, H, V), b_o, o_t, m_t, o_v, H, V)
 
 
 @triton.jit
@@ -160,34 +165,6 @@ def _score_grad_kernel(v, do, dA, scale, T,
         b_da += mm(b_do, tl.trans(b_v), DT, UPCAST)
     b_da = tl.where(o_t[:, None] >= o_t[None, :], b_da * scale, 0.)
     store_tile(token_base(dA, i_b, i_h, i_t * BT, T, H, BT), b_da, o_t, m_t, o_t, H, BT)
-
-
-@triton.jit
-def _dv_bwd_kernel(k, g, A, do, dh, dv, scale, T,
-                   H, K, V,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   DT: tl.constexpr, UPCAST: tl.constexpr):
-    """One chunk × value tile: ``dv = (k ⊙ exp(suffix)) dh_j + scale · Aᵀ do``."""
-    i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = cdiv(T, BT)
-    o_t = tl.arange(0, BT)
-    m_t = i_t * BT + o_t < T
-    o_v = i_v * BV + tl.arange(0, BV)
-    k_base = token_base(k, i_b, i_h, i_t * BT, T, H, K)
-    dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    b_dv = tl.full([BT, BV], 0., tl.float32)
-    for i_k in range(0, cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = load_tile(k_base, o_t, m_t, o_k, H, K)
-        _, b_gs, _ = window_spans(g, i_b, i_h, i_t * BT, T, H, K, o_k, BT)
-        b_dh = tl.load(dh_base + o_k[:, None] * V + o_v[None, :], mask=(o_k[:, None] < K) & (o_v[None, :] < V),
-                       other=0.)
-        b_dv += mm(b_k.to(tl.float32) * tl.exp(b_gs), b_dh, DT, UPCAST)
-    b_a = load_tile(token_base(A, i_b, i_h, i_t * BT, T, H, BT), o_t, m_t, o_t, H, BT)
-    b_do = load_tile(token_base(do, i_b, i_h, i_t * BT, T, H, V), o_t, m_t, o_v, H, V)
-    b_dv += mm(tl.trans(b_a), b_do, DT, UPCAST) * scale
-    store_tile(token_base(dv, i_b, i_h, i_t * BT, T, H, V), b_dv, o_t, m_t, o_v, H, V)
 
 
 @triton.jit
@@ -333,22 +310,28 @@ def _attention(q, k, g, chunk):
     return A
 
 
-def channel_forward(q, k, v, g, h0, scale, chunk, want_final):
-    """Forward pass on contiguous inputs (``g`` the log decays ``[B, T, H, K]``): ``o``, the fp32 final state
-    (or ``None``) and the in-chunk attention (kept for the backward)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    h, ht = states(k, v, g, h0, chunk, want_final, k.dtype)
-    A = _attention(q, k, g, chunk)
-    o = torch.empty_like(v)
+def _read(x, y, g, s, A, scale, chunk, backward: bool):
+    """``_chunk_read_kernel``'s output ``[B, T, H, V]``: the op's output, or the values' gradient."""
+    B, T, H, K = x.shape
+    V = y.shape[-1]
+    out = torch.empty_like(y)
 
     def run(c):
         grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)
-        _output_fwd_kernel[grid](q, v, g, h, A, o, scale, T, H, K, V, chunk, c["BK"], c["BV"],
-                                 tl_dtype(q.dtype), upcast(q.dtype), **c.options)
+        _chunk_read_kernel[grid](x, y, g, s, A, out, scale, T, H, K, V, chunk, c["BK"], c["BV"], backward,
+                           tl_dtype(x.dtype), upcast(x.dtype), **c.options)
 
-    launch("channel.output", shape_key(q, K, V, chunk), feature_configs(K, V, q.dtype, 64, chunk), run)
-    return o, ht, A
+    site = "channel.dv" if backward else "channel.output"
+    launch(site, shape_key(x, K, V, chunk), feature_configs(K, V, x.dtype, 64, chunk), run)
+    return out
+
+
+def channel_forward(q, k, v, g, h0, scale, chunk, want_final):
+    """Forward pass on contiguous inputs (``g`` the log decays ``[B, T, H, K]``): ``o``, the fp32 final state
+    (or ``None``) and the in-chunk attention (kept for the backward)."""
+    h, ht = states(k, v, g, h0, chunk, want_final, k.dtype)
+    A = _attention(q, k, g, chunk)
+    return _read(q, v, g, h, A, scale, chunk, False), ht, A
 
 
 def _score_gradients(v, do, scale, chunk):
@@ -362,20 +345,6 @@ def _score_gradients(v, do, scale, chunk):
 
     launch("channel.scores_bwd", shape_key(v, V, chunk), feature_configs(V, V, v.dtype, 64, chunk), run)
     return dA
-
-
-def _value_gradients(k, g, A, do, dh, scale, chunk):
-    B, T, H, K = k.shape
-    V = do.shape[-1]
-    dv = torch.empty_like(do)
-
-    def run(c):
-        grid = (triton.cdiv(T, chunk), triton.cdiv(V, c["BV"]), B * H)
-        _dv_bwd_kernel[grid](k, g, A, do, dh, dv, scale, T, H, K, V, chunk, c["BK"], c["BV"],
-                             tl_dtype(k.dtype), upcast(k.dtype), **c.options)
-
-    launch("channel.dv", shape_key(k, K, V, chunk), feature_configs(K, V, k.dtype, 64, chunk), run)
-    return dv
 
 
 def _intra_gradients(q, k, g, dA, chunk):
@@ -402,7 +371,7 @@ def channel_backward(q, k, v, g, h0, A, do, dht, scale, chunk, want_dh0, want_dg
     h, _ = states(k, v, g, h0, chunk, False, states_dtype)
     dh, dh0 = state_gradients(q, do, g, dht, scale, chunk, want_dh0, states_dtype)
     dA = _score_gradients(v, do, scale, chunk)
-    dv = _value_gradients(k, g, A, do, dh, scale, chunk)
+    dv = _read(k, do, g, dh, A, scale, chunk, True)
     dq_intra, dk_intra = _intra_gradients(q, k, g, dA, chunk)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g, dtype=torch.float32) if want_dg else None
