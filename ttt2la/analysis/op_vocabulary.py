@@ -83,6 +83,12 @@ SCALINGS = frozenset({"mul", "div", "neg"})
 #: How a fast weight is stepped in a single-step layer: ``W + Δ`` or ``W - Δ``.
 UPDATE_STEPS = frozenset({"add", "sub"})
 
+#: Pointwise arithmetic whose number arguments are values, never positions or sizes.
+ARITHMETIC = ADDITIVE | SCALINGS | frozenset({"true_divide", "pow", "addcmul", "addcdiv"})
+
+#: Reductions that divide by the number of elements they reduce.
+AVERAGES = frozenset({"mean", "var", "std", "var_mean", "std_mean"})
+
 #: Linear maps of their data operand(s) that do not keep its layout: selections, strided and
 #: index views, triangles and diagonals, padding, masking, reductions by sum, splits, and
 #: ``copy``/``copy_`` (whose value is the source, their *second* argument, broadcast).

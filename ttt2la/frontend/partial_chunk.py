@@ -13,17 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..analysis.op_vocabulary import ARITHMETIC, AVERAGES, op_name
 from ..ir import SRC
-
-aten = torch.ops.aten
-
-#: Pointwise arithmetic whose number arguments are values, never positions or sizes.
-ARITHMETIC = {aten.div.Scalar, aten.div.Tensor, aten.mul.Scalar, aten.mul.Tensor, aten.add.Scalar,
-              aten.add.Tensor, aten.sub.Scalar, aten.sub.Tensor, aten.rsub.Scalar,
-              aten.true_divide.Scalar, aten.pow.Tensor_Scalar, aten.addcmul.default,
-              aten.addcdiv.default}
-#: Reductions that divide by the number of elements they reduce.
-AVERAGES = {"mean", "var", "std", "var_mean", "std_mean"}
 
 
 def _numbers(node: torch.fx.Node) -> list:
@@ -33,7 +24,7 @@ def _numbers(node: torch.fx.Node) -> list:
 
 def _reduced_sizes(node: torch.fx.Node) -> tuple | None:
     """The sizes a mean (or variance) reduces over, or ``None`` for other ops."""
-    if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in AVERAGES:
+    if node.op != "call_function" or op_name(node) not in AVERAGES:
         return None
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(val, torch.Tensor):
@@ -44,8 +35,10 @@ def _reduced_sizes(node: torch.fx.Node) -> tuple | None:
 
 
 def _differs(node: torch.fx.Node, last: torch.fx.Node) -> str:
-    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    if node.op == "call_function" and node.target in ARITHMETIC:
+    if node.op != "call_function":
+        return ""
+    name = op_name(node)
+    if name in ARITHMETIC:
         ours, theirs = _numbers(node), _numbers(last)
         if ours != theirs and len(ours) == len(theirs):
             return f"{name} by {ours[0]:g} in a whole chunk, by {theirs[0]:g} in the partial one"
@@ -70,4 +63,4 @@ def length_dependent_number(whole: dict[torch.fx.Node, torch.fx.Node]) -> str:
     return ""
 
 
-__all__ = ["length_dependent_number", "ARITHMETIC"]
+__all__ = ["length_dependent_number"]
