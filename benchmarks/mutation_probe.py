@@ -917,8 +917,8 @@ MUTATIONS = [
         ("tests/test_fla_reference_styles.py",), "streams_in_whole_chunks"),
     Mutation(
         "untraced_length_runs_the_graphs", "a call at a length the layer could not be traced at runs the graphs",
-        (("ttt2la/converted.py", '        untraced = getattr(self.layout, "untraced_length", lambda _: "")(L)\n',
-          '        untraced = ""\n'),),
+        (("ttt2la/converted.py", "        untraced = self.layout.untraced_length(L)\n        if untraced:\n            return",
+          '        untraced = ""\n        if untraced:\n            return'),),
         ("tests/test_whole_chunk_loops.py",), "could_not_be_traced"),
     Mutation(
         "untraced_remainder_accepted", "every remainder is taken for the one the layer was traced at",

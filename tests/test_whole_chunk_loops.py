@@ -111,6 +111,8 @@ def test_a_length_the_code_could_not_be_traced_at_runs_as_written_or_is_refused(
     with pytest.raises(ttt2la.ConversionError, match="test_whole_chunk_loops.py:") as failed:
         converted(torch.randn(1, 20, 16))
     assert "leaves 4 token(s) after the last whole chunk of 8" in str(failed.value)
+    with pytest.raises(UnsupportedShapeError, match="cannot carry its fast-weight state"):
+        converted(torch.randn(1, 20, 16), return_ttt_state=True)    # no code as written carries state
     converted._ttt2la.as_written = None          # what a lossy conversion holds: nothing to run
     with pytest.raises(UnsupportedShapeError, match="traced at lengths leaving 0 only"):
         converted(torch.randn(1, 20, 16))

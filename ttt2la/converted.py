@@ -180,7 +180,7 @@ class ConvertedState:
         written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
-        untraced = getattr(self.layout, "untraced_length", lambda _: "")(L)
+        untraced = self.layout.untraced_length(L)
         if untraced:
             return self._at_untraced_length(untraced, written, B, L)
         gm = self.outer_for(B, L)
@@ -303,6 +303,11 @@ class ConvertedState:
                 f"layer (or None), got {type(state).__name__}")
         flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
+        untraced = self.layout.untraced_length(L)
+        if untraced:                    # the code as written carries no state between calls
+            raise UnsupportedShapeError(
+                f"{self._where()} cannot carry its fast-weight state through a call at {untraced}: "
+                "call it with pieces of the lengths it was traced at.")
         if module.training and self.training_dependence:
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} was converted for evaluation mode, "
