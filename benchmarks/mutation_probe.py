@@ -867,8 +867,7 @@ MUTATIONS = [
         ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
     Mutation(
         "gated_column_tokens_shifted", "a gated column's values run one token late",
-        (("ttt2la/lowering/lift.py", ".reshape(N, b, 1, 1).expand(*value.shape[:-1], 1) for c in riders]",
-          ".reshape(N, b, 1, 1).roll(1, 0).expand(*value.shape[:-1], 1) for c in riders]"),),
+        (("ttt2la/lowering/lift.py", "(1,)).reshape(N, b, 1, 1)\n", "(1,)).reshape(N, b, 1, 1).roll(1, 0)\n"),),
         ("tests/test_lift_gated_normaliser.py",), "rides_the_token_causal_op"),
     Mutation(
         "vector_factor_left_aligned", "per_matrix aligns a memory vector's factor as a matrix's "
@@ -929,6 +928,27 @@ MUTATIONS = [
         (("ttt2la/frontend/recognize.py", 'what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")',
           'what=f"code around the loop of {cand.path}")'),),
         ("tests/test_tracing_failures.py",), "two_loops"),
+    Mutation(
+        "block_column_read_shifted", "over whole sequences, a chunk loop's normaliser is read from the state's last value column",
+        (("ttt2la/lowering/lift.py", "values[c.read] = o[..., Dv + j]", "values[c.read] = o[..., Dv - 1 + j]"),),
+        ("tests/test_chunked_normaliser.py",), "rides_the_block_op"),
+    Mutation(
+        "chunk_column_read_shifted", "chunk by chunk, a normaliser is read from the state's first value column",
+        (("ttt2la/lowering/lift.py", "reads = {c.read: o[..., Dv + j]", "reads = {c.read: o[..., j]"),),
+        ("tests/test_chunked_normaliser.py",), "rides_the_block_op"),
+    Mutation(
+        "constant_column_of_ones", "a constant value column is always ones, whatever the normaliser's factor",
+        (("ttt2la/lowering/lift.py", "column = value.new_full((), sum(k for k, _ in c.column))",
+          "column = value.new_full((), 1.0)"),),
+        ("tests/test_chunked_normaliser.py",), "constant_column"),
+    Mutation(
+        "column_beside_a_rate", "a chunk loop's normaliser rides the op beside a rate per chunk, which the op applies to it too",
+        (("ttt2la/lowering/lift.py", "and all(isinstance(c, float) for c in increment.scales)", "and True"),),
+        ("tests/test_chunked_normaliser.py",), "unlike_the_state"),
+    Mutation(
+        "invariant_named_by_trace", "an invariant a helper's unnamed line computes is named by the trace (unsqueeze_4)",
+        (("ttt2la/frontend/rollup.py", "or _named_source(n) or a.name", "or a.name"),),
+        ("tests/test_state_names.py",), "named_after_what_it_views"),
 ]
 
 

@@ -2,11 +2,12 @@
 before each chunk, the in-chunk attention built by the layer, the state decayed per head or per
 key channel and given the chunk's keys and values.
 
-Both rules lift onto ``block_linear_attention`` with their decay — one factor per head and
+The gated rules lift onto ``block_linear_attention`` with their decay — one factor per head and
 chunk, or one per key channel (a row of the state) and chunk — and convert exactly (outputs
 and every gradient within the fp32 bound, ≤ 1e-10 in float64) on the op and on the loop over
-chunks the CPU's cost rule falls back to. A decay per value channel (a column of the state) is
-no decay the op takes: the generic plan, exact.
+chunks the CPU's cost rule falls back to; linear attention's normaliser rides the op as a value
+column. A decay per value channel (a column of the state) is no decay the op takes: the
+generic plan, exact.
 """
 from __future__ import annotations
 
@@ -52,17 +53,27 @@ def test_each_rule_lifts_with_its_decay(rule, axis):
     assert plan.lifted.decay_axis == axis
 
 
+def test_the_normaliser_rides_the_op_as_a_value_column():
+    """``z`` is the column of ones under the state's keys: one op call, no decay."""
+    _, conv = _converted("linear_attn")
+    report, = conv.ttt2la_report.layers
+    assert report.runtime == "block_linear_attention[torch], z as value columns", report.runtime
+    assert not _plan(conv, 2).lifted.decayed
+
+
 @settings(max_examples=8, deadline=None)
 @given(rule=st.sampled_from(CHUNK_RULES), B=st.integers(1, 3), chunks=st.integers(1, 9),
        op=st.booleans())
 def test_chunked_references_convert_exactly_float64(rule, B, chunks, op):
-    """On the op (forced) and on the loop over chunks; the plan that ran is the one forced."""
+    """On the op (forced) and, for a decayed state, on the loop over chunks; the plan that ran
+    is the one forced (an undecayed state always runs the op)."""
     layer, conv = _converted(rule, torch.float64)
     x = torch.randn(B, CHUNK * chunks, D, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(B * chunks))
     with scan_choice.scanning(op):
         assert_same_function(conv, layer, x, tol=F64)
-        assert _plan(conv, B).looped == (not op)
+        plan = _plan(conv, B)
+        assert plan.looped == (not op and plan.lifted.decayed)
 
 
 @pytest.mark.parametrize("rule", CHUNK_RULES)

@@ -212,3 +212,34 @@ def test_names_that_differ_only_in_case_keep_their_own_values():
     converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
     assert [s.name for s in converted.ttt2la_report.layers[0].states] == ["W"]
     assert_same_function(converted, layer, [torch.randn(3, 20, 8)])
+
+
+def decayed_step(S, k, v, g):
+    return g.unsqueeze(-1) * S + k.unsqueeze(-1) * v.unsqueeze(-2)
+
+
+class HelperGatedMemory(nn.Module):
+    """A gate computed before the loop and viewed inside a helper whose line binds no name."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.decay = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        g = torch.sigmoid(self.decay)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            S = decayed_step(S, k[:, t], v[:, t], g)
+            outs.append((q[:, t, :, None] * S).sum(-2))
+        return torch.stack(outs, 1)
+
+
+def test_an_invariant_a_helper_computes_is_named_after_what_it_views():
+    """The rule names the gate ``g`` the helper views, never a trace name (``unsqueeze_4``)."""
+    torch.manual_seed(0)
+    conv = ttt2la.convert(HelperGatedMemory(), level=2, example_inputs=(torch.randn(2, 12, 8),))
+    state, = conv.ttt2la_report.layers[0].states
+    assert state.update_rule == "S' = g·S + k⊙v", state.update_rule

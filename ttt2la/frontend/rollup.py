@@ -772,7 +772,16 @@ def _invariant_name(a: torch.fx.Node, hoisted: set, state_names: set[str]) -> st
         if len(ins) != 1:
             break
         n = ins[0]
-    return assigned_name(a.meta.get(SRC)) or a.name
+    return assigned_name(a.meta.get(SRC)) or _named_source(n) or a.name
+
+
+def _named_source(n: torch.fx.Node) -> str | None:
+    """For a value whose line binds no name (a helper's ``return g.unsqueeze(-1) * S``), the
+    name of the one named tensor it is computed from (``g``), not the trace's ``unsqueeze_4``."""
+    names = {name for x in _input_nodes(n) if isinstance(x.meta.get("val"), torch.Tensor)
+             and (name := assigned_name(x.meta.get(SRC)) or
+                  (x.target.rsplit(".", 1)[-1] if x.op == "get_attr" else None))}
+    return names.pop() if len(names) == 1 else None
 
 
 def _state_placeholders(u: Unrolled, states: States, body: torch.fx.Graph, env: dict,

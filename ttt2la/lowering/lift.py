@@ -360,26 +360,33 @@ class _Update:
 
 def _states(program: TTTProgram):
     """``(w, m, frozen, others)``: one final state, at most one live momentum state beside it
-    or, per token, other live states (companions, if they are: ``shared_keys``), in an order
-    and tail the runtime ops have; else ``None``."""
+    or other live states (companions, if they are: ``shared_keys``), in an order and tail the
+    runtime ops have; else ``None``."""
     roles = [s.role for s in program.states]
-    if roles.count("final") != 1 or len(program.outputs) != 1:
-        return None
     ins, outs = program.state_inputs(), program.state_outputs()
+    w = _matrix_final(program)
+    if w is None or len(program.outputs) != 1:
+        return None
     frozen = [i for i in range(len(roles)) if outs[i] is ins[i]]
-    w = roles.index("final")
     others = [i for i in range(len(roles)) if i != w and i not in frozen]
     per_token = any(s.per_token for s in program.streams)
     m = others[0] if len(others) == 1 and roles[others[0]] == "momentum" else None
     others = [i for i in others if i != m]
-    if others and not per_token:
-        return None
     # the token-causal op reads after each update; a read before it is the same op on the
     # keys and values shifted by one token (``LiftedPlan._read_first``), either tail
     tails = PER_TOKEN_TAILS if per_token else BLOCK_TAILS
     if (program.order, program.last_chunk) not in tails or (per_token and m is not None):
         return None
     return w, m, frozen, others
+
+
+def _matrix_final(program: TTTProgram) -> int | None:
+    """The final state the op runs: the only one, or of several (a normaliser read by a matrix
+    product, ``Q z``, is final too) the one larger than every other."""
+    finals = [i for i, s in enumerate(program.states) if s.role == "final"]
+    sizes = {i: program.state_inputs()[i].meta["val"].numel() for i in finals}
+    largest = [i for i in finals if sizes[i] == max(sizes.values(), default=0)]
+    return largest[0] if len(largest) == 1 else None
 
 
 #: The orders and last chunks a lifted loop may have: the block op's, and per token any.
@@ -519,12 +526,15 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if decay_axis is not None and decay_axis != (-1 if transposed else -2):
         return None
     riders = ()
-    if up.others and flipped:
+    if up.others and (flipped or not (per_token or _plain_block(up, increment, ns))):
         return None
     if up.others:
         key, query = ((increment.right, read.args[1]) if transposed
                       else (increment.left, read.args[0]))
-        riders = companions(program, up.others, up, key, query, not transposed, _accumulated)
+        # a chunk's key feature holds its tokens along the contraction's axis
+        tokens = None if per_token else (-2 if transposed else -1)
+        riders = companions(program, up.others, up, key, query, not transposed, _accumulated,
+                            tokens)
         if riders is None:
             return None
     # a loop over slices of one token (``q[:, t:t + 1]``) runs token by token: the token-causal
@@ -534,6 +544,15 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     lifted = _assemble(program, up, increment, read, transposed, ns, token_causal, riders, bonus,
                        flipped)
     return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)
+
+
+def _plain_block(up: _Update, increment: _Contraction, ns) -> bool:
+    """Whether a chunk loop's update leaves value columns beside its values untouched: no
+    orthogonalisation, norm or momentum mixing the whole state, no factor on the increment but
+    constants (the block op scales every column by a rate; a constant scales the values before
+    the columns join them)."""
+    return ns is None and up.norm is None and up.m is None and up.step == ONE \
+        and all(isinstance(c, float) for c in increment.scales)
 
 
 def _scale_by(con: _Contraction, p: Polynomial) -> None:
@@ -600,7 +619,7 @@ def _split_features(lp: LiftedProgram) -> LiftedProgram:
     post, post_inputs = extract(prog.body, lp.post_boundary, [prog.chunk_outputs()[0]])
     read_axis = (-1 if lp.query_column else -2) % lp.read.meta["val"].dim()
     for gm, inputs, axes in ((token, token_inputs, stream_axes(prog, token_inputs)),
-                             (post, post_inputs, {lp.read: read_axis,
+                             (post, post_inputs, {lp.read: read_axis, **_column_reads(lp),
                                                   **stream_axes(prog, post_inputs)})):
         # whole sequences arrive in the layout the user's code made them, not as traced, and
         # at any length: the no-op views a trace bakes the chunk's sizes into go, and the
@@ -634,12 +653,18 @@ def _whole_sequence(lp: LiftedProgram) -> LiftedProgram:
                        stream_axes(prog, split.token_feature_inputs), (q_axis, -1, -2),
                        prog.chunk_size):
         return lp
-    post_axes = {lp.read: q_axis, **stream_axes(prog, lp.post_inputs)}
+    post_axes = {lp.read: q_axis, **_column_reads(lp), **stream_axes(prog, lp.post_inputs)}
     out_axis = prog.outputs[0].axis % prog.chunk_outputs()[0].meta["val"].dim()
     if not token_local(split.whole_post, lp.post_inputs, post_axes, (out_axis,),
                        prog.chunk_size):
         return lp
     return split
+
+
+def _column_reads(lp: LiftedProgram) -> dict:
+    """Each companion's read by its token axis: after its state's batch axes."""
+    states = lp.program.state_inputs()
+    return {c.read: states[c.index].meta["val"].dim() - 1 for c in lp.companions}
 
 
 def _read_transform(transform: torch.fx.GraphModule, in_shape: tuple, mat_shape: tuple,
@@ -866,7 +891,8 @@ class LiftedPlan:
             o, s_final = self._run_op(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk,
                                       values=values)
         o = o.reshape(b, N, T, o.shape[-1]).permute(1, 0, 2, 3)
-        reads = {c.read: o[..., Dv + j].reshape(N, *c.read_shape(states0[c.index]))
+        tokens = T if lp.kind == "block" else None
+        reads = {c.read: o[..., Dv + j].reshape(N, *c.read_shape(states0[c.index], tokens))
                  for j, c in enumerate(lp.companions)}
         o = o[..., :Dv]
         if term:
@@ -909,10 +935,16 @@ class LiftedPlan:
         riders = self.lifted.companions
         if not riders:
             return value
-        N, b = value.shape[:2]
         values = dict(enumerate(factors))
-        columns = [evaluate(c.column, values, value, tuple(states0[c.index].shape[:-1]), (1,))
-                   .reshape(N, b, 1, 1).expand(*value.shape[:-1], 1) for c in riders]
+        columns = []
+        for c in riders:
+            if any(fs for _, fs in c.column):        # per token: [N, b, 1, 1]
+                N, b = value.shape[:2]
+                column = evaluate(c.column, values, value, tuple(states0[c.index].shape[:-1]),
+                                  (1,)).reshape(N, b, 1, 1)
+            else:                                   # a constant, in any layout of the values
+                column = value.new_full((), sum(k for k, _ in c.column))
+            columns.append(column.expand(*value.shape[:-1], 1))
         return torch.cat([value, *columns], dim=-1)
 
     def _read_first(self, phi_q, phi_k, value, s0, per_token: dict):
@@ -999,14 +1031,19 @@ class LiftedPlan:
         rate = per_token_rate([per_matrix(c, w_batch) for c in chunk_level[:cut]], b,
                               prog.chunk_size, T)
         value = self._scaled(value)
+        Dv = value.shape[-1]
+        value = self._with_columns(value, [], states0)
         o, s_final = self._run_op(phi_q.unsqueeze(2), phi_k.unsqueeze(2), value.unsqueeze(2),
                                   self._initial(states0, b), per_chunk, lr=rate, values=values)
-        read = o.squeeze(2).reshape(*batch, T, o.shape[-1])
+        o = o.squeeze(2)
+        for j, c in enumerate(lp.companions):
+            values[c.read] = o[..., Dv + j].reshape(c.read_shape(states0[c.index], T))
+        read = o[..., :Dv].reshape(*batch, T, Dv)
         if lp.query_column:
             read = read.transpose(-1, -2)
         values[lp.read] = read
         (y,) = self._whole_post(*(values[n] for n in lp.post_inputs))
-        return [_stacked_chunks(y, prog, layout)], self._finals(states0, s_final)
+        return [_stacked_chunks(y, prog, layout)], self._finals(states0, s_final, Dv)
 
     def _chunk_level(self, states0, invariants, layout) -> list[torch.Tensor]:
         """The chunk-level features (scales, momentum coefficient), ``[N, ...]``, computed chunk

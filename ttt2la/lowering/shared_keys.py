@@ -16,7 +16,9 @@ a state beside the final one is a *companion* when, per token,
 * the loop reads it only through ``q·z`` with the final state's query (confirmed the same way).
 
 The op then runs once on values widened by one column ``c_t`` per companion; each companion's read
-and final state are its columns of the op's output and final state.
+and final state are its columns of the op's output and final state. A loop over chunks (linear
+attention written chunk by chunk, ``z' = z + Σ_chunk k``, read ``Q_chunk z``) is the same on the
+block op with a constant column: its increment is the chunk's keys summed, times the column.
 """
 from __future__ import annotations
 
@@ -46,19 +48,24 @@ class Companion:
     read: torch.fx.Node
     units: int = 1
 
-    def read_shape(self, state: torch.Tensor) -> tuple:
-        """The read's shape beside a state of the run's batch size."""
-        return (*state.shape[:-1], *(1,) * self.units)
+    def read_shape(self, state: torch.Tensor, tokens: int | None = None) -> tuple:
+        """The read's shape beside a state of the run's batch size (a chunk loop's: ``tokens``
+        queries, then axes of size 1)."""
+        if tokens is None:
+            return (*state.shape[:-1], *(1,) * self.units)
+        return (*state.shape[:-1], tokens, *(1,) * (self.units - 1))
 
 
 def companions(program: TTTProgram, others: list, up, key: torch.fx.Node,
-               query: torch.fx.Node, query_rows: bool, accumulated) -> list[Companion] | None:
+               query: torch.fx.Node, query_rows: bool, accumulated,
+               tokens: int | None = None) -> list[Companion] | None:
     """A ``Companion`` for each state of ``others`` (indices), or ``None`` when one is not.
 
     ``up`` is the final state's update (its decay ``gamma``, ``state_dep``), ``key`` / ``query``
     the nodes of its key feature and of its query (``query_rows``: tokens along the query's
     rows, as the op's ``φ(Q)`` takes them, else along its columns), ``accumulated`` lift's
-    reading of a state's update as ``(γ, s, term)``.
+    reading of a state's update as ``(γ, s, term)``; ``tokens``, in a loop over chunks, the
+    key feature's axis of the chunk's tokens (a constant column only).
     """
     ins, outs = program.state_inputs(), program.state_outputs()
     found = []
@@ -72,11 +79,13 @@ def companions(program: TTTProgram, others: list, up, key: torch.fx.Node,
         gamma, step, term = read
         if len(step) != 1 or not _same_decay(program, up, gamma, ins[i], not query_rows):
             return None
-        column = _column(program, ins[i], outs[i], _peelings(step, term, up.state_dep), key)
+        candidates = _peelings(step, term, up.state_dep) if tokens is None else [step]
+        column = _column(program, ins[i], outs[i], candidates, key, tokens)
         if column is None:
             return None
         state = outs[i] if program.order == "inclusive" else ins[i]
-        reader = _reader(program, state, up, query, query_rows)
+        reader = _reader(program, state, up, query, query_rows,
+                         None if tokens is None else program.chunk_size)
         if reader is None:
             return None
         units = reader.meta["val"].dim() - (state.meta["val"].dim() - 1)
@@ -139,14 +148,19 @@ def _per_memory(f, x, state_dep: set) -> bool:
 
 
 def _column(program: TTTProgram, state: torch.fx.Node, out: torch.fx.Node,
-            candidates: list[Polynomial], key: torch.fx.Node) -> Polynomial | None:
+            candidates: list[Polynomial], key: torch.fx.Node,
+            tokens: int | None = None) -> Polynomial | None:
     """The first of ``candidates`` whose product with the key feature is the companion's
     increment — ``out`` evaluated with ``state`` zero on random inputs, element for element,
-    the column broadcast over the memory as the op's values will be — else ``None``."""
-    if any(len(c) != 1 for c in candidates):
+    the column broadcast over the memory as the op's values will be (a chunk's keys summed
+    along ``tokens`` first) — else ``None``."""
+    if any(len(c) != 1 for c in candidates) or \
+            (tokens is not None and any(fs for (_, fs), in candidates)):
         return None
     factors = list(dict.fromkeys(f for (_, fs), in candidates for f in fs))
     got = _evaluated(program, [*_boundary(program), state], [out, key, *factors], zeros={state})
+    if got is not None and tokens is not None and got[1].dim() >= 2:
+        got[1] = got[1].sum(tokens)
     if got is None or got[0].numel() != got[1].numel():
         return None
     increment, keys, values = got[0], got[1], {f: v.unsqueeze(0) for f, v in zip(factors, got[2:])}
@@ -185,14 +199,15 @@ def _same_decay(program: TTTProgram, up, gamma, state: torch.fx.Node, transposed
 
 
 def _reader(program: TTTProgram, state: torch.fx.Node, up, query: torch.fx.Node,
-            query_rows: bool) -> torch.fx.Node | None:
+            query_rows: bool, tokens: int | None = None) -> torch.fx.Node | None:
     """The first node reading ``state`` (and no other live state) that equals the query times
-    the state as a column, ``q z``, laid out as the state's batch axes then axes of size 1 —
-    through which alone the loop's output reads the state (a dot product's flattened heads,
-    ``[B·H, 1]``, are passed over for the view that restores them)."""
+    the state as a column, ``q z``, laid out as the state's batch axes (a chunk loop's:
+    then its ``tokens`` queries) then axes of size 1 — through which alone the loop's output
+    reads the state (a dot product's flattened heads, ``[B·H, 1]``, are passed over for the
+    view that restores them)."""
     mine = descendants(program.body.graph, [state]) | ancestors(state) | {state}
     others = up.state_dep - mine
-    batch = tuple(state.meta["val"].shape[:-1])
+    batch = tuple(state.meta["val"].shape[:-1]) + (() if tokens is None else (tokens,))
     for n in program.body.graph.nodes:
         if n.op != "call_function" or state not in ancestors(n) or n in others \
                 or any(a in others for a in ancestors(n)) or not _batch_laid(n, batch):

@@ -11,11 +11,15 @@ chunk's end. Two rules here:
   the in-chunk decays are the matrix ``exp(G_t − G_i)`` masked to ``i ≤ t``;
 * ``gla`` — one log decay per key channel and token (GLA); the in-chunk decay is factored into
   the queries (``q ⊙ exp(G)``) and the keys (``k ⊙ exp(−G)``), which keeps to fp32's range for
-  the chunk sizes and gates GLA uses (``logsigmoid / 16``).
+  the chunk sizes and gates GLA uses (``logsigmoid / 16``);
+* ``linear_attn`` — linear attention with its normaliser (positive features ``elu + 1``): the
+  output divided by ``q·z``, the chunk's own masked attention summed beside it, where ``z``
+  gains the chunk's summed keys as the state gains its keys and values.
 
 ``FlaChunkReferenceLayer`` wraps one with projections. The loop's state decays once per chunk,
 per head or per key channel, and gains the chunk's keys and values: ``block_linear_attention``
-with its decay, the in-chunk attention computed as the layer writes it.
+with its decay, the in-chunk attention computed as the layer writes it; the normaliser rides the
+op as one more value column of ones.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CHUNK_RULES = ("simple_gla", "gla")
+CHUNK_RULES = ("simple_gla", "gla", "linear_attn")
 
 
 def simple_gla_chunks(q, k, v, g, chunk_size: int):
@@ -60,6 +64,25 @@ def gla_chunks(q, k, v, g, chunk_size: int):
     return torch.cat(outs, dim=2)
 
 
+def linear_attn_chunks(q, k, v, chunk_size: int, eps: float = 1e-6):
+    """``o = (q S + A v) / (q·z + A 1 + ε)`` chunk by chunk, ``A`` the chunk's causal attention
+    of positive features, ``z`` the keys summed so far."""
+    S = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])
+    z = q.new_zeros(*q.shape[:2], q.shape[-1])                        # [B, H, K]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    outs = []
+    for s in range(0, q.shape[2], chunk_size):
+        qc, kc, vc = q[:, :, s:s + chunk_size], k[:, :, s:s + chunk_size], v[:, :, s:s + chunk_size]
+        n = qc.shape[2]
+        attn = (qc @ kc.mT) * causal[:n, :n]
+        num = qc @ S + attn @ vc
+        den = qc @ z.unsqueeze(-1) + attn.sum(-1, keepdim=True) + eps
+        outs.append(num / den)
+        S = S + kc.mT @ vc
+        z = z + kc.sum(2)
+    return torch.cat(outs, dim=2)
+
+
 class FlaChunkReferenceLayer(nn.Module):
     """Projections around one chunked reference: ``qkv``, a gate, the rule, ``o_proj``."""
 
@@ -70,9 +93,10 @@ class FlaChunkReferenceLayer(nn.Module):
             raise ValueError(f"rule must be one of {CHUNK_RULES}, got {rule!r}")
         self.rule, self.num_heads, self.chunk_size = rule, num_heads, chunk_size
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
-        self.gate = nn.Linear(hidden_size, hidden_size if rule == "gla" else num_heads)
-        with torch.no_grad():
-            self.gate.bias.fill_(4.0)
+        if rule != "linear_attn":
+            self.gate = nn.Linear(hidden_size, hidden_size if rule == "gla" else num_heads)
+            with torch.no_grad():
+                self.gate.bias.fill_(4.0)
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
 
     def forward(self, x):
@@ -80,7 +104,9 @@ class FlaChunkReferenceLayer(nn.Module):
         H = self.num_heads
         q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         q = q * q.shape[-1] ** -0.5
-        if self.rule == "gla":
+        if self.rule == "linear_attn":
+            o = linear_attn_chunks(F.elu(q) + 1, F.elu(k) + 1, v, self.chunk_size)
+        elif self.rule == "gla":
             g = (F.logsigmoid(self.gate(x)) / 16).view(B, T, H, -1).transpose(1, 2)
             o = gla_chunks(q, k, v, g, self.chunk_size)
         else:
@@ -89,4 +115,5 @@ class FlaChunkReferenceLayer(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, D))
 
 
-__all__ = ["CHUNK_RULES", "FlaChunkReferenceLayer", "gla_chunks", "simple_gla_chunks"]
+__all__ = ["CHUNK_RULES", "FlaChunkReferenceLayer", "gla_chunks", "linear_attn_chunks",
+           "simple_gla_chunks"]
