@@ -511,7 +511,7 @@ MUTATIONS = [
     Mutation(
         "compiled_training_mode_ignored", "under torch.compile a mode-dependent layer runs its "
         "evaluation-mode graphs in training mode",
-        (("ttt2la/converted.py", "        if torch.compiler.is_compiling() and not kwargs and not in_training \\\n",
+        (("ttt2la/converted.py", "        if torch.compiler.is_compiling() and not kwargs and not as_written \\\n",
           "        if torch.compiler.is_compiling() and not kwargs \\\n"),),
         ("tests/test_training_mode.py",), "compile"),
     Mutation(
@@ -949,6 +949,18 @@ MUTATIONS = [
         "invariant_named_by_trace", "an invariant a helper's unnamed line computes is named by the trace (unsqueeze_4)",
         (("ttt2la/frontend/rollup.py", "or _named_source(n) or a.name", "or a.name"),),
         ("tests/test_state_names.py",), "named_after_what_it_views"),
+    Mutation(
+        "detach_unseen", "a detach of the fast weights in the trace is not looked for",
+        (("ttt2la/gradient_stops.py", "if n.target in (aten.detach.default, aten.alias.default) and n.args[0] in state_dep:", "if False:"),),
+        ("tests/test_gradient_stops.py",), ""),
+    Mutation(
+        "gradient_stop_ignored", "a call recording gradients runs the plan though the loop stops some",
+        (("ttt2la/converted.py", "        if self.gradient_stop and records_gradients(module, flat):\n            return", "        if False:\n            return"),),
+        ("tests/test_gradient_stops.py",), "runs_as_written"),
+    Mutation(
+        "unseen_stop_unchecked", "the loop run as traced is never differentiated against the layer",
+        (("ttt2la/gradient_stops.py", "    if err <= tolerance(dtype):", "    if True:"),),
+        ("tests/test_gradient_stops.py",), "runs_as_written"),
 ]
 
 

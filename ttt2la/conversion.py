@@ -17,6 +17,7 @@ evaluation of the same function: the plan may be at most twice as far from it as
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from .lowering.check import check_plan, needs_float64_reference, recurrent_refer
 from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
+from .gradient_stops import detached_state, unseen_stop
 from .testing import rel_rms_error, tolerance
 from .training_mode import evaluating, training_dependence
 from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
@@ -270,18 +272,39 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
     if state is not None and needs_float64_reference(state.program, ref.dtype):
         with torch.compiler.set_stance("force_eager"):
             eager_ref = run_module(original, args, kwargs)
-        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        loop = state.loop_for(state.layout.sizes(flat)[0])
-        plan, loop.plan = loop.plan, recurrent_reference(loop.program)
-        try:
+        with _as_traced(state, args, kwargs):
             err = rel_rms_error(run_module(converted, args, kwargs), eager_ref)
-        finally:
-            loop.plan = plan
-            state.runs.pop(loop.shape, None)      # not a run of the converted layer
         result["program_rel_rms_error"] = err
     result["tolerance"] = tolerance(ref.dtype)
     result["ok"] = bool(err <= result["tolerance"])
     return result
+
+
+@contextmanager
+def _as_traced(state: ConvertedState, args: tuple, kwargs: dict):
+    """Within the block the converted layer runs its rewritten loop as traced (the recurrent
+    executor: the user's ops in the user's order) at the example's batch size, not its plan."""
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    loop = state.loop_for(state.layout.sizes(flat)[0])
+    plan, loop.plan = loop.plan, recurrent_reference(loop.program)
+    try:
+        yield
+    finally:
+        loop.plan = plan
+        state.runs.pop(loop.shape, None)      # not a run of the converted layer
+
+
+def _gradient_stop(layer: "_Layer") -> str:
+    """Where the layer's loop stops gradients its plan would pass (``gradient_stops``): a
+    detach of the fast weights in the trace, or — for an exact conversion, whose function is
+    the layer's — gradients of the loop run as traced that differ from the layer's own."""
+    rl, state = layer.rl, layer.state
+    found = detached_state(rl.program)
+    if found or state is None or not layer.exact:
+        return found
+    args, kwargs = _layer_inputs(rl)
+    with torch.compiler.set_stance("force_eager"), _as_traced(state, args, kwargs):
+        return unseen_stop(layer.original, rl.candidate.module, args, kwargs)
 
 
 def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
@@ -473,6 +496,7 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     reports, drifts = [], []
     for layer in built:
         check = _checked(layer)
+        _record_gradient_stop(layer)
         drifts.append({} if layer.exact else _step_drifts(layer, level))
         reports.append((layer, check))
     loss = None
@@ -523,6 +547,19 @@ def _checked(layer: _Layer) -> dict:
             "applied pass is exact; this is a bug in ttt2la — please report it with the "
             "model. Use strict=False at a lower level meanwhile.")
     return check
+
+
+def _record_gradient_stop(layer: _Layer) -> None:
+    """Keep where the layer's loop stops gradients on its state and recipe, and say in the
+    report what calls recording gradients do."""
+    stop = "" if layer.state is None else _gradient_stop(layer)
+    if not stop:
+        return
+    layer.state.gradient_stop = stop
+    if layer.state.recipe is not None:
+        layer.state.recipe.gradient_stop = stop
+    layer.notes.append(f"gradients: {stop}; calls that record gradients "
+                       + ("run as written" if layer.exact else "are refused"))
 
 
 def _finished_report(layer: _Layer, check: dict, drifts: dict) -> LayerReport:

@@ -28,6 +28,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .as_written import AsWritten, races
+from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ConversionError, PartialChunkError, StreamingError,
                      UnsupportedShapeError, UnsupportedTTTError)
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
@@ -109,6 +110,7 @@ class ConvertedState:
     recipe: "Recipe | None" = None      # how to build it again (pickling)
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
     training_dependence: str = ""       # how the layer's code differs in training mode, if it does
+    gradient_stop: str = ""             # where the loop stops gradients the plan would pass
     compile_break: str = ""             # why torch.compile runs it between graphs (``compile_break``)
     weights: Signature = ()             # the weights' names, dtypes and devices it was built for
     variant: str = ""                   # how its ``runs`` name it, when built again (``recast``)
@@ -180,6 +182,8 @@ class ConvertedState:
         written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
+        if self.gradient_stop and records_gradients(module, flat):
+            return self._stopped_gradients(written, B, L)
         untraced = self.layout.untraced_length(L)
         if untraced:
             return self._at_untraced_length(untraced, written, B, L)
@@ -245,6 +249,19 @@ class ConvertedState:
             f"as written: converted for evaluation mode, and {self.training_dependence}")
         return self._as_written(written, "in training mode")
 
+    def _stopped_gradients(self, written, B: int, L: int):
+        """A call that records gradients of a layer whose loop stops some (``gradient_stops``):
+        the plan would pass them, so an exact conversion runs the code as written, and a lossy
+        one, whose function has no such code, refuses."""
+        if self.as_written is None:
+            raise UnsupportedTTTError(
+                f"{self._where()} stops gradients inside its loop ({self.gradient_stop}), which "
+                "its lossy conversion does not keep. Call it under torch.no_grad(), or remove "
+                "the stop from the layer and convert it again.")
+        self.runs[f"batch {B}, length {L}, gradients"] = (
+            f"as written: {self.gradient_stop}, which the plan would pass")
+        return self._as_written(written, "recording gradients the loop stops")
+
     def hooked_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, stateful: bool):
         """A call while hooks would run on the layer's submodules (``submodule_hooks``): the
         graphs never call those submodules, so an exact conversion runs the code as written,
@@ -308,6 +325,11 @@ class ConvertedState:
             raise UnsupportedShapeError(
                 f"{self._where()} cannot carry its fast-weight state through a call at {untraced}: "
                 "call it with pieces of the lengths it was traced at.")
+        if self.gradient_stop and records_gradients(module, flat):
+            raise StreamingError(
+                f"{self.program.module_path or 'this layer'} stops gradients inside its loop "
+                f"({self.gradient_stop}), which a state carried between calls does not keep. "
+                "Stream it under torch.no_grad(), or run whole sequences.")
         if module.training and self.training_dependence:
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} was converted for evaluation mode, "
@@ -370,8 +392,9 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
                                         stateful=ttt_state is not None or return_ttt_state)
     weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
-        in_training = self.training and self._ttt2la.training_dependence
-        if torch.compiler.is_compiling() and not kwargs and not in_training \
+        as_written = self.training and self._ttt2la.training_dependence or \
+            self._ttt2la.gradient_stop and records_gradients(self, list(args))
+        if torch.compiler.is_compiling() and not kwargs and not as_written \
                 and all(isinstance(a, torch.Tensor) for a in args):
             entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph
             return entry(self._ttt2la_key, *weights.values(), *args)
@@ -387,7 +410,8 @@ class Recipe:
     travel (pickling: the traced graphs hold fake tensors): the layer's path in its model,
     the level, backend and strictness, the folded constants of lossy passes
     (``{pass name: constants}``, replayed without calibration data) and the layer's example
-    inputs as the conversion captured them."""
+    inputs as the conversion captured them, and where its loop stops gradients (found by the
+    conversion's check, which is not run again)."""
 
     path: str
     level: int
@@ -396,6 +420,7 @@ class Recipe:
     folds: dict
     args: tuple
     kwargs: dict
+    gradient_stop: str = ""
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -440,6 +465,7 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     state.recipe = recipe
     state.as_written = AsWritten() if exact else None
     state.training_dependence = training_dependence(module, recipe.args, recipe.kwargs)
+    state.gradient_stop = recipe.gradient_stop
     return state
 
 

@@ -1,0 +1,123 @@
+"""Gradients a loop stops are kept: the converted layer never lets through what the layer stops.
+
+Truncated backpropagation through the inner loop (``W.detach()`` between chunks), an update under
+``torch.no_grad()``, ``.data`` or ``torch.autograd.grad`` without ``create_graph=True`` leave the
+outputs as they are and change the gradients; the plans compose the state with autograd through
+every chunk. Each stop is found at conversion (a detach by its line; the others by the loop run
+as traced, differentiated against the layer), the report says so, and an exact conversion runs
+calls that record gradients as written — outputs and every gradient the layer's own — and calls
+without gradients on its plan. A lossy conversion refuses calls that record gradients, and a
+detach of the streams alone, which the plans keep, is no stop.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import ttt2la
+from equivalence import assert_same_function
+from ttt2la.errors import StreamingError, UnsupportedTTTError
+
+D, C = 8, 4
+STOPS = ("detach_state", "no_grad_update", "data", "no_create_graph")
+
+
+class StoppedMemory(nn.Module):
+    """A fast weight updated chunk by chunk, its gradient stopped as ``how`` says; ``rate``
+    gives each token a learnt step size (absorbed by the lossy ``absorb_lr``)."""
+
+    def __init__(self, how: str, rate: bool = False):
+        super().__init__()
+        self.how, self.rate = how, rate
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.lr = nn.Linear(D, 1)
+        self.W0 = nn.Parameter(torch.randn(D, D) * 0.1)
+
+    def _step(self, W, kc, vc, eta):
+        if self.how == "detach_state":
+            return W.detach() + kc.mT @ (eta * vc)
+        if self.how == "detach_values":
+            return W + kc.mT @ (eta * vc).detach()
+        if self.how == "no_grad_update":
+            with torch.no_grad():
+                return W + kc.mT @ (eta * vc)
+        if self.how == "data":
+            return W + (kc.mT @ (eta * vc)).data
+        with torch.enable_grad():                   # no_create_graph: a loss's gradient step
+            Wg = W if W.grad_fn is not None else W.detach().requires_grad_()
+            loss = -((kc @ Wg) * (eta * vc)).sum()
+            g, = torch.autograd.grad(loss, Wg, create_graph=False)
+        return W - g
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        eta = torch.sigmoid(self.lr(x)) if self.rate else torch.full_like(x[..., :1], 0.1)
+        W = self.W0.expand(B, D, D)
+        ys = []
+        for s in range(0, T, C):
+            ys.append(q[:, s:s + C] @ W)
+            W = self._step(W, k[:, s:s + C], v[:, s:s + C], eta[:, s:s + C])
+        return torch.cat(ys, 1)
+
+
+def _converted(how, level=2, rate=False):
+    torch.manual_seed(0)
+    layer = StoppedMemory(how, rate)
+    return layer, ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+
+
+@pytest.mark.parametrize("how", STOPS)
+def test_a_stopped_gradient_runs_as_written_when_recording_gradients(how):
+    layer, conv = _converted(how)
+    report, = conv.ttt2la_report.layers
+    assert report.exact
+    assert any(n.startswith("gradients:") and "run as written" in n for n in report.notes), \
+        report.notes
+    assert_same_function(conv, layer, [torch.randn(2, 16, D), torch.randn(3, 30, D)])
+    assert any(k.endswith("gradients") and v.startswith("as written") for k, v in
+               report.runs.items()), report.runs
+    with torch.no_grad():                        # no gradients to stop: the plan
+        x = torch.randn(2, 16, D)
+        assert torch.allclose(conv(x), layer(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_detach_is_named_by_its_line():
+    _, conv = _converted("detach_state")
+    note, = [n for n in conv.ttt2la_report.layers[0].notes if n.startswith("gradients:")]
+    assert "W.detach()" in note and "test_gradient_stops.py:" in note, note
+
+
+def test_a_detach_of_the_streams_alone_is_no_stop():
+    """The plans compute the streams' features with the layer's own ops, detach included."""
+    layer, conv = _converted("detach_values")
+    report, = conv.ttt2la_report.layers
+    assert not any(n.startswith("gradients:") for n in report.notes), report.notes
+    assert_same_function(conv, layer, [torch.randn(2, 16, D)])
+    assert not any(k.endswith("gradients") for k in report.runs), report.runs
+
+
+def test_a_lossy_conversion_refuses_to_record_the_gradients_it_does_not_stop():
+    _, conv = _converted("detach_state", level=4, rate=True)
+    report, = conv.ttt2la_report.layers
+    assert not report.exact
+    x = torch.randn(2, 16, D)
+    with pytest.raises(UnsupportedTTTError, match="stops gradients inside its loop"):
+        conv(x)
+    with torch.no_grad():
+        assert conv(x).shape == x.shape
+
+
+def test_the_stop_survives_pickling_and_streaming_refuses_gradients():
+    layer, conv = _converted("no_grad_update")
+    again = pickle.loads(pickle.dumps(conv))
+    assert again._ttt2la.gradient_stop == conv._ttt2la.gradient_stop != ""
+    assert_same_function(again, layer, [torch.randn(2, 16, D)])
+    with pytest.raises(StreamingError, match="stops gradients"):
+        conv(torch.randn(2, 8, D), return_ttt_state=True)
+    with torch.no_grad():
+        y, _state = conv(torch.randn(2, 8, D), return_ttt_state=True)
+    assert y.shape == (2, 8, D)

@@ -1,0 +1,101 @@
+"""Gradients a loop stops, which a converted plan would let through.
+
+A loop may stop gradients on its fast weights while its outputs stay the same: ``W.detach()``
+between chunks (truncated backpropagation through the inner loop), an update under
+``torch.no_grad()``, ``.data``, or ``torch.autograd.grad`` without ``create_graph=True``. The
+runtime ops and the generic scans compose the state chunk after chunk with autograd through every
+step, so their gradients would differ from the layer's while the outputs match. A stop is found
+two ways: a ``detach`` the trace recorded on a value that depends on a state (named by its line),
+and, for the stops a trace made without gradients cannot record, the rewritten loop run as
+written differentiated against the layer itself on the example inputs. A converted layer with a
+stop runs the code as written for calls that record gradients when it is exact, and refuses them
+when it is lossy (``converted.ConvertedState``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from .ir import SRC, TTTProgram, descendants
+from .testing import rel_rms_error, tolerance
+
+aten = torch.ops.aten
+
+#: What a stop the trace cannot see may be, for messages.
+UNSEEN_STOPS = ("a torch.no_grad() block, .data, or torch.autograd.grad without "
+                "create_graph=True")
+
+
+def detached_state(program: TTTProgram) -> str:
+    """Where the loop body detaches a value that depends on a state (``"W.detach() at
+    file:line"``), or ``""``: a detach of the streams alone runs in the plans' features as
+    written, one on the state's path is lost when the plan composes the states."""
+    graph = program.body.graph
+    state_dep = descendants(graph, program.state_inputs())
+    for n in graph.nodes:
+        if n.target in (aten.detach.default, aten.alias.default) and n.args[0] in state_dep:
+            src = n.meta.get(SRC)
+            return "a detach of the fast weights" + (
+                f" at {src.short_file}:{src.line} (`{src.code.strip()}`)" if src else "")
+    return ""
+
+
+def records_gradients(module: torch.nn.Module, flat: list) -> bool:
+    """Whether a call builds an autograd graph: gradients enabled and a parameter or an input
+    that requires them."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(p.requires_grad for p in module.parameters()) or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+
+
+def gradient_difference(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
+                        kwargs: dict) -> tuple[str, float, torch.dtype]:
+    """The worst relative RMS difference between the two modules' gradients of one random
+    projection of their first outputs, over their parameters and floating inputs, whose it is,
+    and the original output's dtype."""
+    (want, dtype), (got, _) = (_gradients(m, args, kwargs) for m in (original, converted))
+    name, worst = "", 0.0
+    for n, w in want.items():
+        g = got.get(n)
+        err = rel_rms_error(g, w) if g is not None and g.shape == w.shape else float("inf")
+        if err > worst:
+            name, worst = n, err
+    return name, worst, dtype
+
+
+def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict, torch.dtype]:
+    """``{name: gradient}`` of ``(output · r).sum()`` for a fixed random ``r``, and the
+    output's dtype."""
+    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    inputs = {i: t.detach().clone().requires_grad_() for i, t in enumerate(leaves)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    call_args, call_kwargs = pytree.tree_unflatten(
+        [inputs.get(i, t) for i, t in enumerate(leaves)], tree)
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    with torch.enable_grad():
+        out = module(*call_args, **call_kwargs)
+        out = next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        r = torch.randn(out.shape, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64).to(out)
+        wrt = {**{f"input {i}": t for i, t in inputs.items()}, **params}
+        got = torch.autograd.grad((out * r).sum(), list(wrt.values()), allow_unused=True)
+    return ({n: torch.zeros_like(x) if g is None else g for (n, x), g in zip(wrt.items(), got)},
+            out.dtype)
+
+
+def unseen_stop(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
+                kwargs: dict) -> str:
+    """A stop the trace could not record, or ``""``: ``converted`` runs the rewritten loop as
+    written (the user's ops in the user's order), so beyond the dtype's tolerance its gradients
+    differ from the layer's only where the layer stopped them."""
+    name, err, dtype = gradient_difference(original, converted, args, kwargs)
+    if err <= tolerance(dtype):
+        return ""
+    return (f"the gradient of {name} through the traced loop differs from the layer's own by a "
+            f"relative RMS error of {err:.1e}: the loop stops gradients where its trace cannot "
+            f"see it ({UNSEEN_STOPS})")
+
+
+__all__ = ["UNSEEN_STOPS", "detached_state", "gradient_difference", "records_gradients",
+           "unseen_stop"]
