@@ -100,8 +100,9 @@ def test_a_detach_of_the_streams_alone_is_no_stop():
     assert not any(k.endswith("gradients") for k in report.runs), report.runs
 
 
-def test_a_lossy_conversion_refuses_to_record_the_gradients_it_does_not_stop():
-    _, conv = _converted("detach_state", level=4, rate=True)
+@pytest.mark.parametrize("how", ["detach_state", "no_grad_update"])
+def test_a_lossy_conversion_refuses_to_record_the_gradients_it_does_not_stop(how):
+    _, conv = _converted(how, level=4, rate=True)
     report, = conv.ttt2la_report.layers
     assert not report.exact
     x = torch.randn(2, 16, D)

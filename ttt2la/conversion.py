@@ -296,15 +296,26 @@ def _as_traced(state: ConvertedState, args: tuple, kwargs: dict):
 
 def _gradient_stop(layer: "_Layer") -> str:
     """Where the layer's loop stops gradients its plan would pass (``gradient_stops``): a
-    detach of the fast weights in the trace, or — for an exact conversion, whose function is
-    the layer's — gradients of the loop run as traced that differ from the layer's own."""
+    detach of the fast weights in the trace, or gradients of the loop run as traced that
+    differ from the layer's own — the converted layer's loop when exact, else the loop as
+    recognized, before any pass, on a copy of the layer."""
     rl, state = layer.rl, layer.state
     found = detached_state(rl.program)
-    if found or state is None or not layer.exact:
+    if found or state is None:
         return found
+    converted = rl.candidate.module
+    if not layer.exact:
+        try:
+            state, *_ = _build_state(rl, 0, None, "torch", False, _device(converted, rl))
+        except ConversionError:
+            return ""
+        if state is None:
+            return ""
+        converted = copy.deepcopy(layer.original)
+        install(converted, state)
     args, kwargs = _layer_inputs(rl)
     with torch.compiler.set_stance("force_eager"), _as_traced(state, args, kwargs):
-        return unseen_stop(layer.original, rl.candidate.module, args, kwargs)
+        return unseen_stop(layer.original, converted, args, kwargs)
 
 
 def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
