@@ -961,6 +961,11 @@ MUTATIONS = [
         "unseen_stop_unchecked", "the loop run as traced is never differentiated against the layer",
         (("ttt2la/gradient_stops.py", "    if err <= tolerance(dtype):", "    if True:"),),
         ("tests/test_gradient_stops.py",), "runs_as_written"),
+    Mutation(
+        "rate_behind_the_ones", "a rate a traced backward multiplies into the loss's ones is read only as the first operand",
+        (("ttt2la/passes/absorb_lr.py", "        elif len(varying) == 1 and _with_constants(node, varying[0]):",
+          "        elif len(varying) == 1 and varying[0] is node.all_input_nodes[0] and _with_constants(node, varying[0]):"),),
+        ("tests/test_passes_lossy.py",), "weights_the_inner_loss"),
 ]
 
 

@@ -720,14 +720,19 @@ class RateInTheLoss(torch.nn.Module):
                 outs.append(q[:, s:s + self.C] @ W)
                 W = W.requires_grad_()
                 err = (kc @ W - vc) ** 2
-                # a mean's backward divides the broadcast rate by the features' count
-                loss = ((err.mean(-1) if self.loss == "mean" else err.sum(-1)) * lc).sum()
+                # a mean's backward divides the broadcast rate by the features' count; a rate
+                # broadcast over the features first reaches the update through the backward's
+                # ones times the rate
+                if self.loss == "weighted":
+                    loss = (lc[..., None] * err).sum()
+                else:
+                    loss = ((err.mean(-1) if self.loss == "mean" else err.sum(-1)) * lc).sum()
                 (g,) = torch.autograd.grad(loss, W, create_graph=True)
                 W = W - g
         return torch.cat(outs, 1)
 
 
-@pytest.mark.parametrize("loss", ["sum", "mean"])
+@pytest.mark.parametrize("loss", ["sum", "mean", "weighted"])
 def test_absorb_lr_folds_a_rate_that_weights_the_inner_loss(loss):
     torch.manual_seed(0)
     layer = RateInTheLoss(loss=loss)

@@ -86,10 +86,16 @@ def _readers(node: torch.fx.Node, live: set | None = None, through_constants: bo
 def _unexpanded(node: torch.fx.Node) -> torch.fx.Node:
     """``node`` before the ``expand`` ops that broadcast it explicitly (as a traced backward
     broadcasts a per-token weight of the loss over the features), and the elementwise ops with
-    constants after them."""
-    while node.op == "call_function" and (op_name(node) == "expand" or (
-            node.all_input_nodes and _with_constants(node, node.all_input_nodes[0]))):
-        node = node.all_input_nodes[0]
+    constants after them (whichever operand the constant is: a traced backward multiplies the
+    loss's broadcast ones by the weight)."""
+    while node.op == "call_function":
+        varying = [a for a in node.all_input_nodes if constant_value(a) is None]
+        if op_name(node) == "expand":
+            node = node.all_input_nodes[0]
+        elif len(varying) == 1 and _with_constants(node, varying[0]):
+            node = varying[0]
+        else:
+            return node
     return node
 
 
