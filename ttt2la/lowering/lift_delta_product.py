@@ -80,18 +80,18 @@ class DeltaProductMatch:
 
 
 def cuts(program: TTTProgram, t: int) -> list[torch.fx.Node]:
-    """The values, in graph order, that every path from state ``t`` to its new state goes
-    through (both ends included): where the update can be split into consecutive steps."""
+    """The values of the state's shape, in graph order, that every path from state ``t`` to its
+    new state goes through (both ends included): where the update can be split into steps."""
     s_in, s_out = program.state_inputs()[t], program.state_outputs()[t]
     reads = {s_in}
     for n in program.body.graph.nodes:
         if not shape_only(n) and any(a in reads for a in n.all_input_nodes):
             reads.add(n)
-    numel = s_in.meta["val"].numel()
+    shape = s_in.meta["val"].shape
     found = []
     for n in program.body.graph.nodes:
         val = n.meta.get("val")
-        if n in reads and isinstance(val, torch.Tensor) and val.numel() == numel \
+        if n in reads and isinstance(val, torch.Tensor) and val.shape == shape \
                 and (n is s_in or n is s_out or not _bypassed(s_in, s_out, n, reads)):
             found.append(n)
     return found if found and found[-1] is s_out else []
@@ -160,7 +160,10 @@ def _one_step(program, ends, state_shape, side, batch, dk, dv):
         return None
     found = _fit_pieces(program, ends, frontier, _boundary(program), state_shape, side, batch,
                         dk, dv)
-    return next(iter(found), None)
+    try:
+        return next(iter(found), None)
+    except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
+        return None                    # a run the probes cannot evaluate is not a step
 
 
 def _steps(points: list[torch.fx.Node], fit) -> list[tuple] | None:
