@@ -966,6 +966,25 @@ MUTATIONS = [
         (("ttt2la/passes/absorb_lr.py", "        elif len(varying) == 1 and _with_constants(node, varying[0]):",
           "        elif len(varying) == 1 and varying[0] is node.all_input_nodes[0] and _with_constants(node, varying[0]):"),),
         ("tests/test_passes_lossy.py",), "weights_the_inner_loss"),
+    Mutation(
+        "product_read_at_first_step", "the expanded sequence is read at each token's first step, not its last",
+        (("ttt2la/lowering/lift_delta_product.py",
+          'first = n - 1 if self.program.order == "inclusive" else 0', "first = 0"),),
+        ("tests/test_delta_product.py",), "chunk_boundaries"),
+    Mutation(
+        "product_keys_not_interleaved", "the steps' keys are laid out step-major, not interleaved token by token",
+        (("ttt2la/lowering/lift_delta_product.py", "fold(torch.stack(ks, 1))", "fold(torch.stack(ks, 0))"),),
+        ("tests/test_delta_product.py",), "chunk_boundaries"),
+    Mutation(
+        "product_decay_first_step_only", "a decay read for a later step of the token is dropped",
+        (("ttt2la/lowering/lift_delta_product.py",
+          "decays.append(None if step.decay.one else step.decay(atoms, like))",
+          "decays.append(None if step.decay.one or decays else step.decay(atoms, like))"),),
+        ("tests/test_delta_product.py",), "every_expanded_token"),
+    Mutation(
+        "product_last_token_written", "a read-then-write loop's last token is written into the expanded rule",
+        (("ttt2la/lowering/lift_delta_product.py", "        keep[-1] = 0.0\n", ""),),
+        ("tests/test_delta_product.py",), "unrolled"),
 ]
 
 

@@ -284,17 +284,24 @@ def lift_delta(program: TTTProgram, analysis: Analysis, schedule: str,
                sides: dict | None = None) -> DeltaScanPlan | None:
     """The delta-rule plan for ``program`` on ``schedule``, or ``None`` when no group of its
     states is matrix-affine in its members: a per-token loop that is exactly the (gated) delta
-    rule runs on the chunked ``delta_rule`` op (``lift_delta_rule``), any other such group on
-    the matrix-affine scan. Raises ``NonReducibleError`` when the program does
+    rule runs on the chunked ``delta_rule`` op (``lift_delta_rule``), as does one of several
+    delta-rule steps a token over its expanded sequence (``lift_delta_product``), any other
+    such group on the matrix-affine scan. Raises ``NonReducibleError`` when the program does
     not allow ``schedule``. ``sides``: what a plan of the same body at another batch size
     already read off it — each group's side, or the delta-rule match of a per-token loop —
     (structural, so carried over: a later call, even one a compiler traces with fake tensors,
     need not probe again)."""
     if schedule != "semi-parallel" or not scanned_states(analysis):
         return None
-    from .lift_delta_rule import DeltaRuleMatch, lift_delta_rule  # builds on this module
-    carried = [m for m in (sides or {}).values() if isinstance(m, DeltaRuleMatch)]
-    exact = lift_delta_rule(program, analysis, schedule, carried[0] if carried else None)
+    from .lift_delta_product import DeltaProductMatch, lift_delta_product  # build on this
+    from .lift_delta_rule import DeltaRuleMatch, lift_delta_rule
+    carried = next((m for m in (sides or {}).values()
+                    if isinstance(m, (DeltaRuleMatch, DeltaProductMatch))), None)
+    exact = None
+    if not isinstance(carried, DeltaProductMatch):
+        exact = lift_delta_rule(program, analysis, schedule, carried)
+    if exact is None and not isinstance(carried, DeltaRuleMatch):  # several steps a token
+        exact = lift_delta_product(program, analysis, schedule, carried)
     if exact is not None:
         return exact
     program, analysis = written(program, analysis)     # the scan runs the code's own products

@@ -191,7 +191,13 @@ def _boundary(program: TTTProgram) -> list[torch.fx.Node]:
 
 def _frontier(program: TTTProgram, t: int) -> list[torch.fx.Node] | None:
     """The state-free values the update of state ``t`` reads (None when it reads no state)."""
-    s_in, s_out = program.state_inputs()[t], program.state_outputs()[t]
+    return frontier_between(program, program.state_inputs()[t], program.state_outputs()[t])
+
+
+def frontier_between(program: TTTProgram, s_in: torch.fx.Node,
+                     s_out: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The state-free values the body reads on its way from ``s_in`` to ``s_out`` (None when
+    ``s_out`` does not read ``s_in``): one update, or one step of several within a token."""
     reads = {s_in}
     for n in program.body.graph.nodes:
         if not shape_only(n) and any(a in reads for a in n.all_input_nodes):
@@ -382,8 +388,9 @@ def _match_with_read(program, t, frontier, boundary, state_shape, read, query, s
         return None
     reshape_views(post.graph)
     post.recompile()
-    for key, value, atoms, combined in _fit_pieces(program, t, frontier, boundary, state_shape,
-                                                   side, batch, dk, dv):
+    ends = program.state_inputs()[t], program.state_outputs()[t]
+    for key, value, atoms, combined in _fit_pieces(program, ends, frontier, boundary,
+                                                   state_shape, side, batch, dk, dv):
         match = _built(program, t, side, key, value, atoms, combined, read, query, post,
                        post_inputs)
         if _confirmed(match):
@@ -412,12 +419,12 @@ def _made_from(frontier: list[torch.fx.Node], depth: int = 3) -> list[torch.fx.N
     return found
 
 
-def _fit_pieces(program, t, frontier, boundary, state_shape, side, batch, dk, dv):
-    """Every reading ``(key, value, atoms, (α, β, v-scale))`` of the update that fits it on
-    random tokens. The coefficients are products of the frontier's per-token scalars, or, where
-    those do not fit, also of the scalars the frontier is made from (``(β k)ᵀ(v − k S)`` reads
-    ``β k``, not ``β``)."""
-    s_in, s_out = program.state_inputs()[t], program.state_outputs()[t]
+def _fit_pieces(program, ends, frontier, boundary, state_shape, side, batch, dk, dv):
+    """Every reading ``(key, value, atoms, (α, β, v-scale))`` of the way ``ends = (s_in,
+    s_out)`` (the state's whole update, or one step of it) that fits it on random tokens. The
+    coefficients are products of the frontier's per-token scalars, or, where those do not fit,
+    also of the scalars the frontier is made from (``(β k)ᵀ(v − k S)`` reads ``β k``, not ``β``)."""
+    s_in, s_out = ends
     nearby = _made_from(frontier)
     front_fn, front_inputs = extract(program.body, boundary, frontier + nearby)
     front_fn = promoted(front_fn)
@@ -546,26 +553,32 @@ class DeltaRulePlan(DeltaScanPlan):
         if m.side == "right":
             s0 = s0.mT
         apply_only = prog.last_chunk == "apply_only" and self.final_update_dead
-        q, k, v, beta, decay = _op_inputs(m, feats, L, b, apply_only, self.check_decay)
-        o, final = delta_rule(q, k, v, beta, decay=decay, chunk_size=self.chunk_size,
-                              initial_state=s0.unsqueeze(1), output_final_state=True,
-                              order=prog.order, backend=self.op_backend)
-        read = o.squeeze(2).transpose(0, 1)                     # [L, b, Dv]
+        read, final = self.run_op(feats, L, b, s0, apply_only)
         read = read.unsqueeze(-2) if m.side == "left" else read.unsqueeze(-1)
         values[m.read], dims[m.read] = read, 0
         (y,) = vmap(m.post, in_dims=tuple(dims[n] for n in m.post_inputs))(
             *(values[n] for n in m.post_inputs))
-        final = final.squeeze(1)
         if m.side == "right":
             final = final.mT
         finals = list(states0)
         finals[m.state] = final.reshape(states0[m.state].shape)
         return assemble_outputs(prog, [y], layout), finals
 
+    def run_op(self, feats: list[torch.Tensor], L: int, b: int, s0: torch.Tensor,
+               apply_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op run on every token's features: the reads ``[L, b, Dv]`` and the final state
+        ``[b, Dk, Dv]``."""
+        q, k, v, beta, decay = _op_inputs(self.match, feats, L, b, apply_only, self.check_decay)
+        o, final = delta_rule(q, k, v, beta, decay=decay, chunk_size=self.chunk_size,
+                              initial_state=s0.unsqueeze(1), output_final_state=True,
+                              order=self.program.order, backend=self.op_backend)
+        return o.squeeze(2).transpose(0, 1), final.squeeze(1)
 
-def _confirmed(match: DeltaRuleMatch) -> bool:
+
+def _confirmed(match: DeltaRuleMatch, probe: type | None = None) -> bool:
     """The body, evaluated in float64 on fresh random states and tokens, equals the delta rule
-    built from the match — the state after the token and the token's output."""
+    built from the match — the state after the token and the token's output. ``probe``: the
+    plan class that runs the match on one token (``_Probe`` when None)."""
     prog = match.program
     body = promoted(prog.body)
     ins = prog.state_inputs()
@@ -575,7 +588,7 @@ def _confirmed(match: DeltaRuleMatch) -> bool:
     if sampled is None:
         return False
     got_state, got_out = [], []
-    probe = _Probe(match)
+    probe = (probe or _Probe)(match)
     want = vmap(lambda *a: body(*a))(*sampled)
     for j in range(n):
         args = [x[j] for x in sampled]

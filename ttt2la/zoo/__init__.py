@@ -1,5 +1,6 @@
 """Reference TTT layers written the way their authors write them; the recognizer's test material."""
 from .delta_memory import DeltaMemoryLayer
+from .delta_product import DeltaProductLayer
 from .fla_chunk_reference import FlaChunkReferenceLayer
 from .fla_reference import FlaReferenceLayer
 from .folded_delta import FoldedDeltaLayer
@@ -32,7 +33,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
     return LACT_STYLES[style](**with_variant(variant, kw))
 
 
-__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "FoldedDeltaLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
+__all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "DeltaProductLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "FoldedDeltaLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
            "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
            "LaCTPublishedLayer", "MLSTMLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
