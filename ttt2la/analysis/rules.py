@@ -217,9 +217,30 @@ def _is_gram(node, x: torch.fx.Node) -> bool:
     return ops is not None and all(peel_views(o) is x for o in ops)
 
 
+def _scaled_gram(node, x: torch.fx.Node) -> float | None:
+    """``k`` when ``node`` is ``k·(X Xᵀ)`` written as a product of two views of ``x``, either
+    scaled by a constant (``0.5 * X @ X.mT`` is ``(0.5 X) Xᵀ``)."""
+    ops = _matmul_operands(node)
+    if ops is None:
+        return None
+    k = 1.0
+    for o in ops:
+        scaled = _constant_factor(peel_views(o))
+        if scaled is not None:
+            o, k = scaled[0], k * scaled[1]
+        if peel_views(o) is not x:
+            return None
+    return k
+
+
 def _poly_coefficients(poly, x: torch.fx.Node) -> tuple[float, float] | None:
-    """``(b, c)`` when ``poly`` is ``b·A + c·A²`` with ``A`` the Gram matrix of ``x``."""
+    """``(b, c)`` when ``poly`` is ``b·A + c·A²`` with ``A`` the Gram matrix of ``x`` (a bare
+    ``A`` or ``b·A``: ``c = 0``)."""
     poly = peel_views(poly)
+    scaled = _constant_factor(poly)
+    b = _scaled_gram(poly, x) if scaled is None else _scaled_gram(scaled[0], x)
+    if b is not None:
+        return b * (1.0 if scaled is None else scaled[1]), 0.0
     if not isinstance(poly, torch.fx.Node) or op_name(poly) != "add" \
             or poly.kwargs.get("alpha", 1) != 1:
         return None
@@ -250,17 +271,22 @@ def _poly_coefficients(poly, x: torch.fx.Node) -> tuple[float, float] | None:
 
 
 def _newton_schulz_step(node) -> tuple[torch.fx.Node, tuple | None] | None:
-    """``(X, (a, b, c))`` when ``node`` is ``a·X + B·X`` (or ``X·B``), ``B`` a polynomial of
-    ``X`` alone; the triple is ``None`` when ``B`` is not ``bA + cA²``."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or op_name(node) != "add":
+    """``(X, (a, b, c))`` when ``node`` is ``a·X ± k·(B·X)`` (or ``X·B``), ``B`` a polynomial of
+    ``X`` alone (the classic cubic step ``1.5 X − 0.5 X Xᵀ X`` too); the triple is ``None`` when
+    ``B`` is not ``bA + cA²``."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" \
+            or op_name(node) not in ("add", "sub") or len(node.args) < 2:
         return None
     u, w = node.args[0], node.args[1]
-    for lin, poly in ((u, w), (w, u)):
+    sign = (-1.0 if op_name(node) == "sub" else 1.0) * node.kwargs.get("alpha", 1)
+    for lin, poly, lin_sign, poly_sign in ((u, w, 1.0, sign), (w, u, sign, 1.0)):
         scaled = _constant_factor(lin)
         if scaled is None or not isinstance(poly, torch.fx.Node):
             continue
-        x, a = peel_views(scaled[0]), scaled[1]
-        mm = peel_views(poly)
+        x, a = peel_views(scaled[0]), lin_sign * scaled[1]
+        outer = _constant_factor(peel_views(poly))
+        k = poly_sign * (1.0 if outer is None else outer[1])
+        mm = peel_views(poly if outer is None else outer[0])
         if not calls(mm, MATMULS):
             continue
         positions = MATMULS[op_name(mm)].operands
@@ -268,7 +294,7 @@ def _newton_schulz_step(node) -> tuple[torch.fx.Node, tuple | None] | None:
         for mine, other in (ops, ops[::-1]):
             if peel_views(mine) is x and _only_through(other, x):
                 bc = _poly_coefficients(other, x)
-                return x, None if bc is None else (a, *bc)
+                return x, None if bc is None else (a, k * bc[0], k * bc[1])
     return None
 
 
@@ -290,9 +316,14 @@ def _frobenius_eps(start) -> tuple[torch.fx.Node, float] | None:
         return None
     ord_ = den.args[1] if len(den.args) > 1 else den.kwargs.get("ord", 2)
     dims = den.args[2] if len(den.args) > 2 else den.kwargs.get("dim")
-    rank = len(node_shape(x) or ())
+    shape, normed = node_shape(x) or (), node_shape(den.args[0]) or ()
+    rank = len(shape)
+    # the norm over the last two dimensions, or over the last of ``x.flatten(-2)``
+    flattened = len(normed) == rank - 1 and rank >= 2 and \
+        tuple(normed) == (*shape[:-2], shape[-2] * shape[-1])
+    want = [rank - 2] if flattened else [rank - 2, rank - 1]
     if ord_ != 2 or dims is None or rank < 2 \
-            or sorted(d % rank for d in dims) != [rank - 2, rank - 1]:
+            or sorted(d % len(normed or shape) for d in dims) != want:
         return None
     return x, eps
 
