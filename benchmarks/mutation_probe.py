@@ -949,6 +949,25 @@ MUTATIONS = [
         "invariant_named_by_trace", "an invariant a helper's unnamed line computes is named by the trace (unsqueeze_4)",
         (("ttt2la/frontend/rollup.py", "or _named_source(n) or a.name", "or a.name"),),
         ("tests/test_state_names.py",), "named_after_what_it_views"),
+    Mutation(
+        "per_head_beta_unseen", "a constant of the body with one number per row is no coefficient of the delta rule",
+        (("ttt2la/lowering/lift_delta_rule.py", "or _per_row_constant(node, x, depends, batch)]", "or False]"),),
+        ("tests/test_lossy_levels_on_ops.py",), "run_on_the_delta_rule_op and zoo-4"),
+    Mutation(
+        "per_head_beta_first_row", "a per-row coefficient is read from its first row for every row",
+        (("ttt2la/lowering/lift_delta_rule.py", "atoms = [x.reshape(L, -1).expand(L, b) for x in atoms]",
+          "atoms = [x.reshape(L, -1)[:, :1].expand(L, b) for x in atoms]"),),
+        ("tests/test_lossy_levels_on_ops.py",), "run_on_the_delta_rule_op and naive-4"),
+    Mutation(
+        "padding_gradient_never_compared", "any target the padding moves is taken as a sum of the padded tokens",
+        (("ttt2la/lowering/executors.py", "return math.isfinite(diff) and diff <= tolerance(y.dtype) * size",
+          "return True"),),
+        ("tests/test_lossy_levels_on_ops.py",), "padding_probe"),
+    Mutation(
+        "padding_average_taken_as_sum", "a body that averages over the chunk is taken as a sum of its tokens",
+        (("ttt2la/lowering/executors.py", "if any(calls(n, AVERAGES) for n in program.body.graph.nodes):",
+          "if False:"),),
+        ("tests/test_lossy_levels_on_ops.py",), "padding_probe"),
 ]
 
 
