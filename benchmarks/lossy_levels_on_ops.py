@@ -22,7 +22,8 @@ from ttt2la.zoo import FlaReferenceLayer
 
 
 class BiasedFastWeight(nn.Module):
-    """``f(x) = x W + b`` per head, both stepped per chunk of 4; returns the outputs."""
+    """``f(x) = x W + b`` per head, both stepped per chunk of 4; returns the outputs and the
+    final ``(W, b)`` (so the last chunk's update is live)."""
 
     def __init__(self, d=16, heads=2, chunk=4):
         super().__init__()
@@ -44,12 +45,18 @@ class BiasedFastWeight(nn.Module):
             ys.append(qc @ W + b)
             W = W + 0.1 * kc.transpose(-1, -2) @ vc
             b = b + 0.1 * vc.sum(2, keepdim=True)
-        return torch.cat(ys, 2).transpose(1, 2).reshape(B, T, d)
+        return torch.cat(ys, 2).transpose(1, 2).reshape(B, T, d), (W, b)
+
+
+def _tensors(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _tensors(o)]
 
 
 def _plan(conv) -> str:
     runs = conv.ttt2la_report.layers[0].runs
-    return "; ".join(f"{k}: {v[:60]}" for k, v in runs.items())
+    return "; ".join(f"{k}: {v[:90]}" for k, v in runs.items())
 
 
 def _time(models: dict, x: torch.Tensor, rounds: int) -> None:
@@ -57,7 +64,7 @@ def _time(models: dict, x: torch.Tensor, rounds: int) -> None:
 
     def step(m):
         def call(inp):
-            m(inp).sum().backward()
+            sum(t.sum() for t in _tensors(m(inp))).backward()
         return call
 
     bwd = time_side_by_side({k: step(m) for k, m in models.items()}, (x,), rounds=rounds,
