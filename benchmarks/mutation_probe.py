@@ -985,6 +985,37 @@ MUTATIONS = [
         "product_last_token_written", "a read-then-write loop's last token is written into the expanded rule",
         (("ttt2la/lowering/lift_delta_product.py", "        keep[-1] = 0.0\n", ""),),
         ("tests/test_delta_product.py",), "unrolled"),
+    Mutation(
+        "per_head_beta_unseen", "a constant of the body with one number per row is no coefficient of the delta rule",
+        (("ttt2la/lowering/lift_delta_rule.py", "or _per_row_constant(node, x, depends, batch)]", "or False]"),),
+        ("tests/test_lossy_levels_on_ops.py",), "run_on_the_delta_rule_op and zoo-4"),
+    Mutation(
+        "per_head_beta_first_row", "a per-row coefficient is read from its first row for every row",
+        (("ttt2la/lowering/lift_delta_rule.py", "atoms = [x.reshape(L, -1).expand(L, b) for x in atoms]",
+          "atoms = [x.reshape(L, -1)[:, :1].expand(L, b) for x in atoms]"),),
+        ("tests/test_lossy_levels_on_ops.py",), "run_on_the_delta_rule_op and naive-4"),
+    Mutation(
+        "padding_gradient_never_compared", "any target the padding moves is taken as a sum of the padded tokens",
+        (("ttt2la/lowering/executors.py", "return math.isfinite(diff) and diff <= tolerance(y.dtype) * size",
+          "return True"),),
+        ("tests/test_lossy_levels_on_ops.py",), "padding_probe"),
+    Mutation(
+        "padding_average_taken_as_sum", "a body that averages over the chunk is taken as a sum of its tokens",
+        (("ttt2la/lowering/executors.py", "if any(calls(n, AVERAGES) for n in program.body.graph.nodes):",
+          "if False:"),),
+        ("tests/test_lossy_levels_on_ops.py",), "padding_probe"),
+    Mutation(
+        "ns_difference_step_unread", "a Newton–Schulz step written as a difference (1.5 X − 0.5 X Xᵀ X) is no step",
+        (("ttt2la/analysis/rules.py", 'or op_name(node) not in ("add", "sub") or len(node.args) < 2:', 'or op_name(node) != "add" or len(node.args) < 2:'),),
+        ("tests/test_newton_schulz_spellings.py",), ""),
+    Mutation(
+        "ns_gram_factor_dropped", "the constant on a Gram matrix's first factor is dropped from the schedule",
+        (("ttt2la/analysis/rules.py", "            o, k = scaled[0], k * scaled[1]", "            o = scaled[0]"),),
+        ("tests/test_newton_schulz_spellings.py",), "lifts_with_its_schedule"),
+    Mutation(
+        "flattened_norm_unread", "a Frobenius norm taken over x.flatten(-2) is not read, so its epsilon is unknown",
+        (("ttt2la/analysis/rules.py", "    want = [rank - 2] if flattened else [rank - 2, rank - 1]", "    want = [rank - 2, rank - 1]"),),
+        ("tests/test_newton_schulz_spellings.py",), "lifts_with_its_schedule"),
 ]
 
 

@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.func import vmap
 
 from ..analysis.associativity import Analysis, analyze
-from ..analysis.op_vocabulary import (CONSTANT_FILLS, FILL_VALUE_ARGUMENTS, TENSOR_SHAPED_FILLS,
-                                      calls, op_name)
+from ..analysis.op_vocabulary import (AVERAGES, CONSTANT_FILLS, FILL_VALUE_ARGUMENTS,
+                                      TENSOR_SHAPED_FILLS, calls, op_name)
 from ..errors import PartialChunkError, UnsupportedTTTError
 from ..ir import TTTProgram, reshape_views
 from ..preparation import out_of_sight
@@ -142,8 +142,10 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
     Probes the body at random states and tokens: the padded tokens must not move, to first
     order, the real tokens' outputs nor (when the last chunk updates) any state-out. This finds
     chunk means (a momentum gate averaged over the chunk), attention across the chunk's tokens
-    and value terms of an MSE loss with a biased kernel; a padded token that enters linearly
-    through a single stream (a running key sum) is reported too, conservatively. Random tokens
+    and value terms of an MSE loss with a biased kernel. A padded token that enters only as a
+    term linear in it with fixed coefficients (a running sum of a stream) moves a target too,
+    yet zeros add nothing: such a target, its padding's gradient the same on other random states
+    and tokens (``_added_linearly``), is inert. Random tokens
     that make the body non-finite are retried as positive values; a probe that stays
     non-finite reports a problem rather than guess.
     """
@@ -201,7 +203,9 @@ def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: 
         x = torch.randn(shape, generator=gen, device=like.device, dtype=torch.float32)
         return (x.abs() + 0.1 if positive else x).to(like.dtype)
 
-    with torch.inference_mode(False), torch.enable_grad():
+    def targets_at(random_pads: bool):
+        """The body on random states and real tokens, its padded tokens zeros (or random):
+        ``(targets, reals, pads)``, the targets ``(what, value)`` the padding must not move."""
         invs = [x.detach().clone() for x in invariants]
         states = [randn(s.shape, s) if s.is_floating_point() else s.detach().clone()
                   for s in states0]
@@ -213,7 +217,8 @@ def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: 
             shape[axis] = tail
             real = randn(shape, src)
             shape[axis] = c - tail
-            pad = torch.zeros(shape, dtype=src.dtype, device=src.device)
+            pad = randn(shape, src) if random_pads and src.is_floating_point() else \
+                torch.zeros(shape, dtype=src.dtype, device=src.device)
             if src.is_floating_point():
                 real.requires_grad_(True)
                 pad.requires_grad_(True)
@@ -221,7 +226,7 @@ def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: 
                 pads.append(pad)
             chunks.append(torch.cat([real, pad], dim=axis))
         if not pads:
-            return None
+            return [], reals, pads
         res = program.body(*states, *chunks, *invs)
         n_s = len(program.states)
         targets = []
@@ -232,20 +237,51 @@ def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: 
             if isinstance(y, torch.Tensor) and y.dim() > 0:
                 targets.append((f"the chunk output {spec.name}",
                                 y.narrow(spec.axis % y.dim(), 0, tail)))
-        for what, y in targets:
-            if not isinstance(y, torch.Tensor) or not y.requires_grad:
-                continue
+        return [(what, y) for what, y in targets
+                if isinstance(y, torch.Tensor) and y.requires_grad], reals, pads
+
+    def pad_gradients(y, u, reals, pads):
+        grads = torch.autograd.grad((y * u).sum(), pads + reals, allow_unused=True,
+                                    retain_graph=True)
+        return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, pads + reals)]
+
+    with torch.inference_mode(False), torch.enable_grad():
+        targets, reals, pads = targets_at(random_pads=False)
+        if not pads:
+            return None
+        for k, (what, y) in enumerate(targets):
             u = randn(y.shape, y)
-            grads = torch.autograd.grad((y * u).sum(), pads + reals, allow_unused=True,
-                                        retain_graph=True)
-            norms = [0.0 if g is None else float(g.double().norm()) for g in grads]
+            grads = pad_gradients(y, u, reals, pads)
+            norms = [float(g.double().norm()) for g in grads]
             pad_norm = sum(v * v for v in norms[:len(pads)]) ** 0.5
             ref = sum(v * v for v in norms[len(pads):]) ** 0.5
             if not (math.isfinite(pad_norm) and math.isfinite(ref)):
                 return "non-finite"
             if pad_norm > tolerance(y.dtype) * ref or (ref == 0 and pad_norm > 0):
-                return what
+                if not _added_linearly(program, y, grads[:len(pads)], u, targets_at,
+                                       pad_gradients, k):
+                    return what
     return None
+
+
+def _added_linearly(program: TTTProgram, y: torch.Tensor, grads: list[torch.Tensor],
+                    u: torch.Tensor, targets_at, pad_gradients, k: int) -> bool:
+    """Whether the padded tokens enter target ``k`` (``y``, its padding's gradients ``grads``
+    along ``u``) only as a term linear in them with fixed coefficients — ``b + η Σ_t v_t``, a sum
+    of a stream over the chunk's tokens: the gradient along the padding is the same on other
+    random states and real tokens, with random padded tokens, so zeros add nothing. Never for a
+    body that averages (``mean``, ``var``) what it reads: an average over the chunk is linear in
+    its tokens too, and its divisor counts the padding."""
+    if any(calls(n, AVERAGES) for n in program.body.graph.nodes):
+        return False
+    targets, reals, pads = targets_at(random_pads=True)
+    other = targets[k][1]
+    if other.shape != y.shape:
+        return False
+    again = pad_gradients(other, u, reals, pads)[:len(pads)]
+    diff = sum(float((a - b).double().norm()) ** 2 for a, b in zip(grads, again)) ** 0.5
+    size = sum(float(a.double().norm()) ** 2 for a in grads) ** 0.5
+    return math.isfinite(diff) and diff <= tolerance(y.dtype) * size
 
 
 # --------------------------------------------------------------------------------------------

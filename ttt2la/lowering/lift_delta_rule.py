@@ -18,7 +18,8 @@ What the loop computes is read from the graph and confirmed numerically, never a
   scalars; which is which is found on a few random tokens in float64: the update's matrix
   ``A`` (its derivative along basis states) must be ``a I − c kkᵀ`` for one frontier vector
   ``k``, its constant part ``B`` must be ``kᵀ (b v)`` for one frontier vector ``v``, and each of
-  ``a, b, c`` a constant times a product of frontier scalars (powers −1, 0 or 1);
+  ``a, b, c`` a constant times a product of frontier scalars (powers −1, 0 or 1), per token or
+  constants of the body with one number per row (a rate per head a lossy pass wrote in);
 * the output must read the state through one matmul with a state-free query (``q S``, ``S qᵀ``
   and their transposed forms), the code after it taken as it is;
 * then the whole body, evaluated in float64 on fresh random inputs and states, must equal the
@@ -419,6 +420,19 @@ def _made_from(frontier: list[torch.fx.Node], depth: int = 3) -> list[torch.fx.N
     return found
 
 
+def _per_row_constant(node: torch.fx.Node, x: torch.Tensor, depends: set, batch: int) -> bool:
+    """Whether ``node`` is a constant of the body (it reads nothing the loop is given) holding
+    one number per row of the state that differs between rows: a per-head rate a lossy pass
+    wrote in (absorb_lr's calibration mean per head). It is evaluated, not read off the graph;
+    one number for every row is a plain scale of the fit instead."""
+    if x[0].numel() != batch or batch < 2 or ancestors(node) & depends:
+        return False
+    rows = x.reshape(x.shape[0], batch)          # [samples, rows]
+    same_in_every_sample = bool((rows == rows[:1]).all())
+    differs_between_rows = bool((rows[0] != rows[0, 0]).any())
+    return same_in_every_sample and differs_between_rows
+
+
 def _fit_pieces(program, ends, frontier, boundary, state_shape, side, batch, dk, dv):
     """Every reading ``(key, value, atoms, (α, β, v-scale))`` of the way ``ends = (s_in,
     s_out)`` (the state's whole update, or one step of it) that fits it on random tokens. The
@@ -449,7 +463,8 @@ def _fit_pieces(program, ends, frontier, boundary, state_shape, side, batch, dk,
     B = (B if side == "left" else B.mT).reshape(n * batch, dk, dv)
     depends = set(boundary)
     scalars = [node for node, x in by_node.items()
-               if x[0].numel() in (1, batch) and ancestors(node) & depends]
+               if (x[0].numel() in (1, batch) and ancestors(node) & depends)
+               or _per_row_constant(node, x, depends, batch)]
     own = [node for node in scalars if node in frontier]
     keys = _candidates(values, n, batch, dk)
     vals = _candidates(values, n, batch, dv)
