@@ -1016,6 +1016,22 @@ MUTATIONS = [
         "flattened_norm_unread", "a Frobenius norm taken over x.flatten(-2) is not read, so its epsilon is unknown",
         (("ttt2la/analysis/rules.py", "    want = [rank - 2] if flattened else [rank - 2, rank - 1]", "    want = [rank - 2, rank - 1]"),),
         ("tests/test_newton_schulz_spellings.py",), "lifts_with_its_schedule"),
+    Mutation(
+        "lerp_momentum_unread", "a momentum spelt with torch.lerp is not read as a momentum",
+        (("ttt2la/analysis/rules.py", "    lerp = _lerp_momentum(output, state)\n", "    lerp = None\n"),),
+        ("tests/test_passes_lossy.py",), "every_spelling"),
+    Mutation(
+        "lerp_weight_swapped", "lerp(M, G, w) is read with the weight on the momentum",
+        (("ttt2la/analysis/rules.py", "(start, end, 1.0 - w, w)):", "(start, end, w, 1.0 - w)):"),),
+        ("tests/test_passes_lossy.py",), "every_spelling"),
+    Mutation(
+        "momentum_factors_unfolded", "a momentum scaled twice in a row (a copy, then in place) keeps only its last factor",
+        (("ttt2la/analysis/rules.py", "            return inner * alpha", "            return alpha"),),
+        ("tests/test_passes_lossy.py",), "every_spelling"),
+    Mutation(
+        "in_place_state_unnamed", "a state updated by in-place calls on its own line is numbered, not named",
+        (("ttt2la/frontend/source_names.py", "        name = _updated_in_place(stmt.value)", "        name = None"),),
+        ("tests/test_passes_lossy.py",), "every_spelling"),
 ]
 
 

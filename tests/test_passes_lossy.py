@@ -790,3 +790,53 @@ def test_absorb_lr_folds_the_rate_and_leaves_the_decay(rate_on_the_key):
                                example_inputs=(torch.randn(2, 8, 8),))
     (result,) = [p for p in converted.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
     assert result.status == "applied" and set(result.folded) == {"eta"}, (result.status, result.folded)
+
+
+class MomentumSpellings(torch.nn.Module):
+    """One EMA momentum ``m' = 0.8 m + 0.2 g`` spelt four ways: a sum, ``lerp`` from the
+    increment or from the momentum, and a copy updated in place."""
+
+    def __init__(self, spelling: str, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.spelling, self.C = spelling, chunk
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        m = torch.zeros_like(W)
+        outs = []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(q[:, s:s + self.C] @ W)
+            g = k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            if self.spelling == "sum":
+                m = 0.8 * m + 0.2 * g
+            elif self.spelling == "lerp_from_g":
+                m = torch.lerp(g, m, 0.8)
+            elif self.spelling == "lerp_from_m":
+                m = torch.lerp(m, g, 0.2)
+            else:
+                m = m * 1.0
+                m.mul_(0.8).add_(0.2 * g)
+            W = W + 0.1 * m
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("spelling", ["lerp_from_g", "lerp_from_m", "in_place"])
+def test_remove_momentum_reads_every_spelling_of_one_momentum(spelling):
+    """Each spelling is the sum's function, and level 5 removes its momentum as it removes the
+    sum's: the same fold, the same converted layer."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8)
+    base, other = MomentumSpellings("sum"), MomentumSpellings(spelling)
+    other.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        assert rel_rms_error(other(x), base(x)) <= FP32
+    convs = [ttt2la.convert(m, level=5, example_inputs=(x,)) for m in (base, other)]
+    results = [{p.name: p for p in c.ttt2la_report.layers[0].passes}["remove_momentum"]
+               for c in convs]
+    assert [r.status for r in results] == ["applied", "applied"], results[1].reason
+    assert results[1].folded == pytest.approx(results[0].folded)
+    x2 = torch.randn(3, 13, 8)
+    with torch.no_grad():
+        assert rel_rms_error(convs[1](x2), convs[0](x2)) <= FP32

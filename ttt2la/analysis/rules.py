@@ -407,8 +407,9 @@ def constant_value(node) -> float | None:
 @dataclass(frozen=True)
 class MomentumMatch:
     """``output`` is the momentum update ``M' = α·M + sign·G`` of the state read at ``state``:
-    ``coefficient`` is α (a node or a number), ``increment`` is G and ``sign`` ±1 (``β·M - g``
-    written as a descent step); neither α nor G reads ``state``."""
+    ``coefficient`` is α (a node or a number), ``increment`` is G and ``sign`` a constant (±1
+    for ``β·M - g`` written as a descent step, ``1 − w`` or ``w`` for a ``lerp`` with a constant
+    weight); neither α nor G reads ``state``."""
 
     output: torch.fx.Node
     state: torch.fx.Node
@@ -418,21 +419,49 @@ class MomentumMatch:
 
 
 def _decay_coefficient(decayed, state: torch.fx.Node):
-    """α when ``decayed`` is ``α·M`` (either order) of the state-in ``state``, else ``None``."""
+    """α when ``decayed`` is ``α·M`` (either order) of the state-in ``state``, else ``None``;
+    constant factors in a row fold into one (``m = m * 1.0; m.mul_(0.9)``)."""
     if not isinstance(decayed, torch.fx.Node) or op_name(decayed) != "mul":
         return None
     p, q = decayed.args[0], decayed.args[1]
     for m, alpha in ((p, q), (q, p)):
-        if peel_views(m) is state and not _depends_on(alpha, state) \
-                and (isinstance(alpha, torch.fx.Node) or
-                     (isinstance(alpha, (int, float)) and not isinstance(alpha, bool))):
+        if _depends_on(alpha, state) or not (isinstance(alpha, torch.fx.Node) or (
+                isinstance(alpha, (int, float)) and not isinstance(alpha, bool))):
+            continue
+        if peel_views(m) is state:
             return alpha
+        inner = _decay_coefficient(peel_views(m), state)
+        if isinstance(inner, (int, float)) and isinstance(alpha, (int, float)):
+            return inner * alpha
+    return None
+
+
+def _lerp_momentum(output, state: torch.fx.Node) -> MomentumMatch | None:
+    """``torch.lerp`` with a constant weight ``w`` between the state and an increment, as the
+    trace decomposes it (``start + w·(end − start)``): ``lerp(G, M, w) = w·M + (1 − w)·G`` and
+    ``lerp(M, G, w) = (1 − w)·M + w·G``."""
+    if not isinstance(output, torch.fx.Node) or op_name(output) != "add" \
+            or output.kwargs.get("alpha", 1) != 1:
+        return None
+    for start, scaled in (output.args[:2], output.args[1::-1]):
+        found = _constant_factor(scaled)
+        if found is None or op_name(found[0]) != "sub" or found[0].args[1] is not start:
+            continue
+        end, w = found[0].args[0], found[1]
+        for m, g, alpha, scale in ((end, start, w, 1.0 - w), (start, end, 1.0 - w, w)):
+            if peel_views(m) is state and isinstance(g, torch.fx.Node) \
+                    and not _depends_on(g, state):
+                return MomentumMatch(output, state, float(alpha), g, float(scale))
     return None
 
 
 def match_momentum(output, state: torch.fx.Node) -> MomentumMatch | None:
     """Recognise ``M' = α·M ± G`` (either operand order of a sum) ending at ``output`` for the
-    state-in node ``state``; α and G must not depend on ``state``."""
+    state-in node ``state``, or a ``lerp`` between them with a constant weight; α and G must not
+    depend on ``state``."""
+    lerp = _lerp_momentum(output, state)
+    if lerp is not None:
+        return lerp
     if not isinstance(output, torch.fx.Node) or output.op != "call_function" \
             or op_name(output) not in ("add", "sub") or output.kwargs.get("alpha", 1) != 1:
         return None

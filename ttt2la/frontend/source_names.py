@@ -88,7 +88,20 @@ def _assigned_names(src: SourceLoc | None) -> list[str] | None:
             return names if names and all(names) else None
         name = _target_name(target)
         return [name] if name else None
+    if isinstance(stmt, ast.Expr):
+        name = _updated_in_place(stmt.value)
+        return [name] if name else None
     return None
+
+
+def _updated_in_place(call: ast.expr) -> str | None:
+    """The variable a chain of in-place method calls updates: ``m`` for ``m.mul_(0.9).add_(g)``
+    (every method's name ends in ``_``), else ``None``."""
+    seen = False
+    while isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) \
+            and call.func.attr.endswith("_") and not call.func.attr.startswith("_"):
+        call, seen = call.func.value, True
+    return _target_name(call) if seen else None
 
 
 def _dict_keys(src: SourceLoc | None) -> list[str] | None:
