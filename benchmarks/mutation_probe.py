@@ -541,7 +541,7 @@ MUTATIONS = [
     Mutation(
         "compile_break_ignored", "a plan that cannot be traced entered the compiled graph anyway",
         (("ttt2la/converted.py",
-          "entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph",
+          "entry = _RUN_BETWEEN_GRAPHS[reason] if reason else _run_in_graph",
           "entry = _run_in_graph"),),
         ("tests/test_ordinary_module.py",), "between_compiled_graphs"),
     Mutation(
