@@ -949,6 +949,24 @@ MUTATIONS = [
         "invariant_named_by_trace", "an invariant a helper's unnamed line computes is named by the trace (unsqueeze_4)",
         (("ttt2la/frontend/rollup.py", "or _named_source(n) or a.name", "or a.name"),),
         ("tests/test_state_names.py",), "named_after_what_it_views"),
+    Mutation(
+        "offset_start_unsaid", "a loop that starts at token 1 is refused as reading neither a token nor a state",
+        (("ttt2la/frontend/rollup.py", "    offset = _offset_start(n, n2)", "    offset = None"),),
+        ("tests/test_refusal_messages.py",), "starts_at_an_offset"),
+    Mutation(
+        "strided_reads_one_step", "a read of n tokens per iteration is looked for one token further in the next iteration, not n",
+        (("ttt2la/frontend/unlike_iterations.py", "!= [s + m * width for s in starts]",
+          "!= [s + width for s in starts]"),),
+        ("tests/test_refusal_messages.py",), "read_at_a_stride"),
+    Mutation(
+        "index_if_later_iterations_unread", "an `if` on the index is looked for in the first unlike iteration only, so a reset that kills the update before it is called control flow",
+        (("ttt2la/frontend/rollup.py", "index_branch(iters, 2, depth, loop, later=True)",
+          "index_branch(iters, 2, depth, loop, later=False)"),),
+        ("tests/test_refusal_messages.py",), "if_on_the_loop_index"),
+    Mutation(
+        "state_shape_batch_only", "a state of another layer with the same names is taken for a batch change",
+        (("ttt2la/stream.py", "if len(held) == len(needed) and held[1:] == needed[1:]:", "if True:"),),
+        ("tests/test_refusal_messages.py",), "another_layer"),
 ]
 
 

@@ -82,3 +82,122 @@ def test_an_empty_sequence_returns_what_the_layer_as_written_returns():
     converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
     x = torch.randn(2, 0, 8)
     assert converted(x).shape == layer(x).shape == (2, 0, 8)
+
+
+class FromTokenOne(TokenMemory):
+    """Token 0 handled before the loop, the loop from 1 (`range(1, T)`)."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = k[:, 0, :, None] * v[:, 0, None, :]
+        outs = [(q[:, 0, :, None] * S).sum(1)]
+        for t in range(1, x.shape[1]):  # <- loop
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            outs.append((q[:, t, :, None] * S).sum(1))
+        return torch.stack(outs, 1)
+
+
+class FromChunkOne(TokenMemory):
+    """Chunk 0 handled before the loop, the loop over chunks from the second."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = k[:, :4].mT @ v[:, :4]
+        outs = [q[:, :4] @ S]
+        for s in range(4, x.shape[1], 4):  # <- loop
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].mT @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("cls,start,remedy", [
+    (FromTokenOne, "starts at token 1", "`for t in range(T)`"),
+    (FromChunkOne, "starts at chunk 1 (token 4)", "`for s in range(0, T, 4)`")],
+    ids=["token", "chunk"])
+def test_a_loop_that_starts_at_an_offset_is_named_so(cls, start, remedy):
+    """A loop from the second token or chunk, the first handled before it: the refusal says
+    where the loop starts and to write one loop from 0, the state starting from zeros."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(cls(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert f"the loop at tests/{HERE}:{_line_of(cls.forward, '# <- loop')}" in message, message
+    assert start in message and remedy in message, message
+    assert "initial value (zeros)" in message, message
+
+
+class TwoTokensPerStep(TokenMemory):
+    """Two tokens of one sequence per iteration, read by index (`k[:, i * 2 + j]`)."""
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k2 = torch.cat([k, k.flip(1)], -1).reshape(B, 2 * T, D)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for i in range(T):
+            for j in range(2):
+                kj = k2[:, i * 2 + j]  # <- named
+                S = 0.9 * S + kj[:, :, None] * v[:, i, None, :]
+            outs.append((q[:, i, :, None] * S).sum(1))
+        return torch.stack(outs, 1)
+
+
+def test_a_sequence_read_at_a_stride_is_named_so():
+    """Several tokens of one sequence per iteration: the refusal names the read, not control
+    flow, and says to view the sequence with an axis for them and read `k[:, i, j]`."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(TwoTokensPerStep(), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    message = str(refused.value)
+    assert "control flow" not in message, message
+    assert f"{HERE}:{_line_of(TwoTokensPerStep.forward)}" in message, message
+    assert "reads 2 tokens of one sequence by index" in message, message
+    assert "k.view(B, T, 2, ...)" in message and "k[:, i, j]" in message, message
+
+
+class UpdateEveryFewTokens(TokenMemory):
+    """Every token reads the memory; the memory takes the last 4 tokens every 4 tokens."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        acc = torch.zeros_like(S)
+        outs = []
+        for t in range(x.shape[1]):
+            outs.append((q[:, t, :, None] * S).sum(1))
+            acc = acc + k[:, t, :, None] * v[:, t, None, :]
+            if (t + 1) % 4 == 0:  # <- named
+                S = S + 0.5 * acc
+                acc = torch.zeros_like(acc)
+        return torch.stack(outs, 1)
+
+
+class ResetEveryFewChunks(TokenMemory):
+    """A chunk loop whose memory starts over every third chunk."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for i, s in enumerate(range(0, x.shape[1], 4)):
+            if i % 3 == 0:  # <- named
+                S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].mT @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("cls,variable", [(UpdateEveryFewTokens, "t"), (ResetEveryFewChunks, "i")],
+                         ids=["update every C tokens", "reset every R chunks"])
+def test_an_if_on_the_loop_index_is_named_so(cls, variable):
+    """Iterations whose ops depend on their index through a Python `if`: the refusal names
+    that `if` and its variable, not data-dependent control flow, and says what converts."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(cls(), level=0, example_inputs=(torch.randn(2, 24, 8),))
+    message = str(refused.value)
+    assert "data-dependent" not in message and "submodule" not in message, message
+    assert f"{HERE}:{_line_of(cls.forward)}" in message, message
+    assert f"tests the loop variable `{variable}`" in message, message
+    assert "for s in range(0, T, C)" in message, message
