@@ -967,6 +967,11 @@ MUTATIONS = [
         "state_shape_batch_only", "a state of another layer with the same names is taken for a batch change",
         (("ttt2la/stream.py", "if len(held) == len(needed) and held[1:] == needed[1:]:", "if True:"),),
         ("tests/test_refusal_messages.py",), "another_layer"),
+    Mutation(
+        "empty_sequence_runs_the_graphs", "a call of no tokens runs the converted graphs instead of the layer as written",
+        (("ttt2la/converted.py", "            return self._at_length_zero(written, B)",
+          "            pass"),),
+        ("tests/test_refusal_messages.py",), "empty"),
 ]
 
 

@@ -201,3 +201,32 @@ def test_an_if_on_the_loop_index_is_named_so(cls, variable):
     assert f"{HERE}:{_line_of(cls.forward)}" in message, message
     assert f"tests the loop variable `{variable}`" in message, message
     assert "for s in range(0, T, C)" in message, message
+
+
+def test_an_empty_piece_of_a_stateful_call_is_refused_naming_the_layer():
+    """A stateful call with no tokens has nothing to continue its state with: the refusal
+    names the layer's loop and says to skip the call."""
+    torch.manual_seed(0)
+    layer = BufferedTokenMemory(8)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    with pytest.raises(ttt2la.StreamingError) as refused:
+        converted(torch.randn(2, 0, 8), return_ttt_state=True)
+    message = str(refused.value)
+    assert f"{HERE}:" in message and "empty sequence (length 0)" in message, message
+    assert "Skip the call" in message, message
+
+
+def test_an_empty_sequence_under_a_lossy_conversion_is_refused_naming_the_layer():
+    """A lossy conversion does not run the layer as written: at length 0 it refuses, naming the
+    layer's loop and what to do."""
+    from ttt2la.zoo import PerTokenTTTLayer
+
+    torch.manual_seed(0)
+    converted = ttt2la.convert(PerTokenTTTLayer(8, 2), level=6,
+                               example_inputs=(torch.randn(2, 16, 8),))
+    assert converted._ttt2la.as_written is None         # lossy
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(torch.randn(2, 0, 8))
+    message = str(refused.value)
+    assert "the loop at" in message and "empty sequence (length 0)" in message, message
+    assert "Skip the call" in message, message

@@ -233,6 +233,16 @@ class ConvertedState:
                                             "runs no iteration"
         return self._as_written(written, "at length 0 (an empty sequence)")
 
+    def _refuse_empty_piece(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """A stateful call with no tokens: the layer's own error where its code fails on an
+        empty sequence (naming its line), else a refusal naming the layer."""
+        self._as_written(lambda: original_class(type(module)).forward(module, *args, **kwargs),
+                         "at length 0 (an empty sequence)")
+        raise StreamingError(
+            f"{self._where()} was called with an empty sequence (length 0) and asked to carry "
+            "its state: there are no tokens to continue it with. Skip the call for an empty "
+            "piece (the state stays as it was), or pass at least one token.")
+
     def _loop_failed(self, error: Exception, written, B: int, L: int):
         """A call an exact conversion's loop fails on: the code as written decides. Where it
         fails too, its own error is raised, naming its line; where it runs, its output is the
@@ -328,6 +338,8 @@ class ConvertedState:
                 f"{self.program.module_path or 'this layer'} was converted for evaluation mode, "
                 f"and {self.training_dependence}: a state carried between calls runs the "
                 "converted graphs only. Call .eval() on it to decode.")
+        if L == 0:
+            self._refuse_empty_piece(module, args, kwargs)
         if self.streamable is None and L > 0 and B > 0:   # else nothing to probe with
             try:
                 self.streamable = streaming_problem(self, module, flat) or ""
