@@ -41,9 +41,9 @@ from .partial_chunk import length_dependent_number
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of,
                     split_iterations)
 from .slice_assignments import select_writes_as_slice_writes
-from .unlike_iterations import index_branch, strided_reads
 from .source_names import (PIECE_NAME, assigned_name, keyed_initial_names, state_names,
                            stream_name, unique)
+from .unlike_iterations import index_branch, strided_reads
 
 aten = torch.ops.aten
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
