@@ -541,7 +541,7 @@ MUTATIONS = [
     Mutation(
         "compile_break_ignored", "a plan that cannot be traced entered the compiled graph anyway",
         (("ttt2la/converted.py",
-          "entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph",
+          "entry = _RUN_BETWEEN_GRAPHS[reason] if reason else _run_in_graph",
           "entry = _run_in_graph"),),
         ("tests/test_ordinary_module.py",), "between_compiled_graphs"),
     Mutation(
@@ -1032,6 +1032,29 @@ MUTATIONS = [
         "in_place_state_unnamed", "a state updated by in-place calls on its own line is numbered, not named",
         (("ttt2la/frontend/source_names.py", "        name = _updated_in_place(stmt.value)", "        name = None"),),
         ("tests/test_passes_lossy.py",), "every_spelling"),
+    Mutation(
+        "offset_start_unsaid", "a loop that starts at token 1 is refused as reading neither a token nor a state",
+        (("ttt2la/frontend/rollup.py", "    offset = _offset_start(n, n2)", "    offset = None"),),
+        ("tests/test_refusal_messages.py",), "starts_at_an_offset"),
+    Mutation(
+        "strided_reads_one_step", "a read of n tokens per iteration is looked for one token further in the next iteration, not n",
+        (("ttt2la/frontend/unlike_iterations.py", "!= [s + m * width for s in starts]",
+          "!= [s + width for s in starts]"),),
+        ("tests/test_refusal_messages.py",), "read_at_a_stride"),
+    Mutation(
+        "index_if_later_iterations_unread", "an `if` on the index is looked for in the first unlike iteration only, so a reset that kills the update before it is called control flow",
+        (("ttt2la/frontend/rollup.py", "index_branch(iters, 2, depth, loop, later=True)",
+          "index_branch(iters, 2, depth, loop, later=False)"),),
+        ("tests/test_refusal_messages.py",), "if_on_the_loop_index"),
+    Mutation(
+        "state_shape_batch_only", "a state of another layer with the same names is taken for a batch change",
+        (("ttt2la/stream.py", "if len(held) == len(needed) and held[1:] == needed[1:]:", "if True:"),),
+        ("tests/test_refusal_messages.py",), "another_layer"),
+    Mutation(
+        "empty_sequence_runs_the_graphs", "a call of no tokens runs the converted graphs instead of the layer as written",
+        (("ttt2la/converted.py", "            return self._at_length_zero(written, B)",
+          "            pass"),),
+        ("tests/test_refusal_messages.py",), "empty"),
 ]
 
 

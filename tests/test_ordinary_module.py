@@ -186,3 +186,20 @@ def test_a_plan_that_traces_enters_the_compiled_graph():
         y = torch.compile(conv, fullgraph=True, backend="eager")(torch.randn(3, 20, 8))
         torch._dynamo.reset()
     assert y.shape == (3, 20, 8)
+
+
+def test_fullgraph_compilation_of_a_layer_between_graphs_says_why():
+    """``fullgraph=True`` on a layer that runs between compiled graphs is refused by TorchDynamo
+    with the reason the layer cannot be traced and what to do instead."""
+    from ttt2la.zoo import TitansLinearMemory
+
+    torch.manual_seed(0)
+    conv = ttt2la.convert(TitansLinearMemory(8, 4), level=2, example_inputs=(torch.randn(2, 16, 8),))
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported) as refused:
+            torch.compile(conv, fullgraph=True, backend="eager")(torch.randn(3, 20, 8))
+        torch._dynamo.reset()
+    message = str(refused.value)
+    assert "forward-mode differentiation" in message, message
+    assert "without fullgraph=True" in message, message

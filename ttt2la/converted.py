@@ -21,7 +21,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -187,6 +187,8 @@ class ConvertedState:
         untraced = self.layout.untraced_length(L)
         if untraced:
             return self._at_untraced_length(untraced, written, B, L)
+        if L == 0:
+            return self._at_length_zero(written, B)
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
@@ -221,6 +223,29 @@ class ConvertedState:
                 "convert it again with example inputs of the length you call it with.")
         self.runs[f"batch {B}, length {L}, untraced length"] = f"as written: {why}"
         return self._as_written(written, f"at {why}")
+
+    def _at_length_zero(self, written, B: int):
+        """A call of no tokens, where the loop never runs: an exact conversion returns what the
+        code as written returns (its own error, naming its line, where it fails); a lossy one,
+        whose simplified function the code as written does not compute, refuses."""
+        if self.as_written is None:
+            raise UnsupportedShapeError(
+                f"{self._where()} was called with an empty sequence (length 0), where its loop "
+                "runs no iteration; a lossy conversion does not run the layer as written. Skip "
+                "the call for an empty sequence, or call it with at least one token.")
+        self.runs[f"batch {B}, length 0"] = "as written: an empty sequence, where the loop " \
+                                            "runs no iteration"
+        return self._as_written(written, "at length 0 (an empty sequence)")
+
+    def _refuse_empty_piece(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """A stateful call with no tokens: the layer's own error where its code fails on an
+        empty sequence (naming its line), else a refusal naming the layer."""
+        self._as_written(lambda: original_class(type(module)).forward(module, *args, **kwargs),
+                         "at length 0 (an empty sequence)")
+        raise StreamingError(
+            f"{self._where()} was called with an empty sequence (length 0) and asked to carry "
+            "its state: there are no tokens to continue it with. Skip the call for an empty "
+            "piece (the state stays as it was), or pass at least one token.")
 
     def _loop_failed(self, error: Exception, written, B: int, L: int):
         """A call an exact conversion's loop fails on: the code as written decides. Where it
@@ -335,6 +360,8 @@ class ConvertedState:
                 f"{self.program.module_path or 'this layer'} was converted for evaluation mode, "
                 f"and {self.training_dependence}: a state carried between calls runs the "
                 "converted graphs only. Call .eval() on it to decode.")
+        if L == 0:
+            self._refuse_empty_piece(module, args, kwargs)
         if self.streamable is None and L > 0 and B > 0:   # else nothing to probe with
             try:
                 self.streamable = streaming_problem(self, module, flat) or ""
@@ -396,7 +423,8 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
             self._ttt2la.gradient_stop and records_gradients(self, list(args))
         if torch.compiler.is_compiling() and not kwargs and not as_written \
                 and all(isinstance(a, torch.Tensor) for a in args):
-            entry = _run_between_graphs if self._ttt2la.compile_break else _run_in_graph
+            reason = self._ttt2la.compile_break
+            entry = _RUN_BETWEEN_GRAPHS[reason] if reason else _run_in_graph
             return entry(self._ttt2la_key, *weights.values(), *args)
         return self._ttt2la.for_weights(self, weights)(self, weights, args, kwargs)
     y, state = self._ttt2la.for_weights(self, weights).stateful_call(
@@ -579,8 +607,21 @@ def _run_converted(key: int, *tensors):
 #: ``torch.compile(converted, fullgraph=True)`` sees the whole layer as tensor ops.
 _run_in_graph = torch.compiler.allow_in_graph(_run_converted)
 
-#: A layer whose plan cannot be traced (``compile_break``) runs between compiled graphs.
-_run_between_graphs = torch.compiler.disable(_run_converted)
+#: A layer whose plan cannot be traced (``compile_break``) runs between compiled graphs, by
+#: the reason it cannot be traced: ``torch.compile(..., fullgraph=True)`` refuses such a layer
+#: with a message that carries the reason (``_between_graphs``).
+_RUN_BETWEEN_GRAPHS: dict[str, Callable] = {}
+
+
+def _between_graphs(reason: str) -> Callable:
+    """The converted layer as a call ``torch.compile`` runs between graphs, refused under
+    ``fullgraph=True`` with ``reason`` (why it cannot be traced) and what to do instead."""
+    if reason not in _RUN_BETWEEN_GRAPHS:
+        _RUN_BETWEEN_GRAPHS[reason] = torch.compiler.disable(_run_converted, reason=(
+            f"ttt2la: this converted layer cannot be traced into a compiled graph: {reason}. "
+            "Compile it without fullgraph=True: it then runs eagerly between the compiled "
+            "graphs"))
+    return _RUN_BETWEEN_GRAPHS[reason]
 
 
 def compile_break(state: ConvertedState) -> str:
@@ -588,11 +629,14 @@ def compile_break(state: ConvertedState) -> str:
     tensors held in the loop's graphs (the constants the lossy passes fold) are no inputs of
     the compiled graph, and forward-mode derivatives taken at run time do not trace. Such a
     layer runs between compiled graphs, as it runs eagerly."""
+    reason = ""
     if any(n.op == "get_attr" for n in state.program.body.graph.nodes):
-        return "its loop reads constants folded by the lossy passes"
-    if getattr(state.plan, "forward_ad", False):
-        return "its plan takes an affine update's coefficients by forward-mode differentiation"
-    return ""
+        reason = "its loop reads constants folded by the lossy passes"
+    elif getattr(state.plan, "forward_ad", False):
+        reason = "its plan takes an affine update's coefficients by forward-mode differentiation"
+    if reason:
+        _between_graphs(reason)
+    return reason
 
 
 def is_converted(module: torch.nn.Module) -> bool:

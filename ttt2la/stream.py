@@ -102,11 +102,20 @@ def _check_compatible(state: TTTState, program: TTTProgram, states0, where: str)
             "layer the state it returned, or ttt_state=None to start over.")
     for name, v, s0 in zip(names, state.values, states0):
         if v.shape != s0.shape:
-            raise StreamingError(
-                f"the ttt_state passed to {where} holds {name} of shape {tuple(v.shape)}, but "
-                f"this call needs {tuple(s0.shape)}: the batch size changed between calls. "
-                "Continue a state at the batch size it was made with, or start over with "
-                "ttt_state=None.")
+            raise StreamingError(_shape_mismatch(name, tuple(v.shape), tuple(s0.shape), where))
+
+
+def _shape_mismatch(name: str, held: tuple, needed: tuple, where: str) -> str:
+    """Why a state ``held`` cannot continue where this call needs ``needed``: the batch size
+    alone changed (the sizes after the first agree), or the state is another layer's."""
+    found = (f"the ttt_state passed to {where} holds {name} of shape {held}, but this call "
+             f"needs {needed}")
+    if len(held) == len(needed) and held[1:] == needed[1:]:
+        return (f"{found}: the batch size changed between calls. Continue a state at the batch "
+                "size it was made with, or start over with ttt_state=None.")
+    return (f"{found}: it holds the shapes of another layer whose state has the same names "
+            "(its sizes differ beyond the batch). Pass each layer the ttt_state that layer "
+            "returned, or start over with ttt_state=None.")
 
 
 def _open_tail(program: TTTProgram, length: int, where: str) -> int:

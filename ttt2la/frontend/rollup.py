@@ -43,6 +43,7 @@ from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import (PIECE_NAME, assigned_name, keyed_initial_names, state_names,
                            stream_name, unique)
+from .unlike_iterations import index_branch, strided_reads
 
 aten = torch.ops.aten
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
@@ -183,15 +184,33 @@ def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
         raise _fail(f"the loop ran {len(iters)} iteration(s) at the traced shape; at least 3 "
                     "are needed to tell carried state from streams", loop)
     I0, I1, I2 = iters[0], iters[1], iters[2]
-    if [iteration_key(n, depth) for n in I1] != [iteration_key(n, depth) for n in I2]:
+    keys1 = [iteration_key(n, depth) for n in I1]
+    if keys1 != [iteration_key(n, depth) for n in I2]:
+        why = strided_reads(loop_nodes, depth, loop) or \
+            (index_branch(iters, 2, depth, loop, later=True) if len(iters) > 3 else None)
+        if why:
+            raise _fail(why, loop)
         if len(iters) == 3:         # iteration 2 is also the last one
             raise _fail("the loop ran 3 iterations at the traced length and the last one runs "
                         "other ops than the one before", loop, TooFewIterations)
         raise _fail("iterations 1 and 2 run different ops; data-dependent control flow inside "
                     "the loop is not supported", loop)
+    _same_ops_between(iters, keys1, depth, loop)
     return Unrolled(gm, loop, depth, order, set(loop_nodes), order[loop_nodes[0]], iters,
                     to2=dict(zip(I1, I2)),
                     to0={v: k for k, v in _align(I0, I1, depth).items()})
+
+
+def _same_ops_between(iters: list[list[torch.fx.Node]], keys1: list, depth: int,
+                      loop: LoopSite) -> None:
+    """Refuse a loop whose iterations between the second and the last run other ops than the
+    second because of a Python ``if`` on the loop's index (an update every C tokens)."""
+    for j in range(3, len(iters) - 1):
+        if [iteration_key(n, depth) for n in iters[j]] != keys1:
+            why = index_branch(iters, j, depth, loop)
+            if why:
+                raise _fail(why, loop)
+            return
 
 
 # -- phase 1: inputs --------------------------------------------------------------------------
@@ -286,8 +305,51 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
         return (f"{what} reads the sequence's chunks in reverse order (a scan from its end): "
                 "ttt2la converts loops that walk the sequence forward. Flip the sequence before "
                 "the loop and its outputs after (x.flip(1)), so that the loop runs forward")
+    offset = _offset_start(n, n2)
+    if offset:
+        return _starts_at_offset(what, offset, loop)
     return (f"{what} changes between iterations, and is neither the next chunk or token of the "
             "sequence nor a state carried from the last iteration")
+
+
+def _offset_start(n: torch.fx.Node, n2: torch.fx.Node) -> tuple[int, int] | None:
+    """``(offset, step)`` when ``n`` and its next-iteration copy ``n2`` take consecutive
+    tokens or chunks of one tensor, ``offset`` tokens later than iteration 1 would from a loop
+    starting at the sequence's first token (``range(1, T)``, token 0 handled before it)."""
+    src = n.args[0]
+    if n2.args[0] is not src or len(n.args) < 3 or len(n2.args) < 3:
+        return None
+    if n.target in SELECT_TARGETS and isinstance(n.args[2], int) and \
+            isinstance(n2.args[2], int) and n2.args[2] == n.args[2] + 1 and n.args[2] > 1:
+        return n.args[2] - 1, 1
+    if n.target in SLICE_TARGETS and len(n.args) >= 4 and len(n2.args) >= 4 and \
+            all(isinstance(a, int) for a in (*n.args[2:4], *n2.args[2:4])):
+        c = n2.args[2] - n.args[2]
+        if c > 0 and n.args[3] - n.args[2] == c == n2.args[3] - n2.args[2] and n.args[2] > c:
+            return n.args[2] - c, c
+    return None
+
+
+def _starts_at_offset(what: str, offset: tuple[int, int], loop: LoopSite) -> str:
+    """The refusal of a loop whose iterations take the sequence ``offset`` tokens late, and the
+    loop from 0 to write instead."""
+    tokens, step = offset
+    if step == 1:
+        unit, read, start, first = "token", f"token {tokens + 1}", f"token {tokens}", "token 0"
+        written, whole = f"range({tokens}, T)", "for t in range(T)"
+    else:
+        unit, read = "chunk", f"the chunk at tokens {tokens + step}:{tokens + 2 * step}"
+        start = f"chunk {tokens // step} (token {tokens})" if tokens % step == 0 \
+            else f"token {tokens}"
+        first = f"the first {tokens} tokens"
+        written, whole = f"range({tokens}, T, {step})", f"for s in range(0, T, {step})"
+    return (f"{what} reads {read} of the sequence in the loop's second iteration: the loop at "
+            f"{loop.src} starts at {start}, not at the sequence's start (`{written}` "
+            f"with {first} handled before the loop, or a read that far ahead of the loop's "
+            f"index). ttt2la converts loops whose first iteration takes the sequence's first "
+            f"{unit}. Write one loop from 0 over every {unit} (`{whole}`), its state "
+            f"starting from its initial value (zeros), and {first} handled by the loop like the "
+            "others")
 
 
 def _mixed_streams(n: torch.fx.Node, stream: ChunkStream,

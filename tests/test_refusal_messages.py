@@ -1,0 +1,232 @@
+"""Refusals that name what was found, the user's line and what converts instead: a loop that
+starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
+to another layer, a call at length 0."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import ttt2la
+
+HERE = "test_refusal_messages.py"
+
+
+def _line_of(fn, marker: str = "# <- named") -> int:
+    """The line of ``fn``'s source that ends with ``marker``."""
+    lines, start = inspect.getsourcelines(fn)
+    (i,) = [i for i, line in enumerate(lines) if line.rstrip().endswith(marker)]
+    return start + i
+
+
+class TokenMemory(nn.Module):
+    """A decayed outer-product memory read per token; ``d`` sets the state's shape."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for t in range(x.shape[1]):
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            outs.append((q[:, t, :, None] * S).sum(1))
+        return torch.stack(outs, 1)
+
+
+def test_a_state_of_another_layer_at_the_same_batch_is_named_so():
+    """A state whose sizes differ beyond the batch is another layer's, not a batch change."""
+    torch.manual_seed(0)
+    wide = ttt2la.convert(TokenMemory(8), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    narrow = ttt2la.convert(TokenMemory(6), level=0, example_inputs=(torch.randn(2, 12, 6),))
+    _, state = wide(torch.randn(2, 5, 8), return_ttt_state=True)
+    with pytest.raises(ttt2la.StreamingError) as refused:
+        narrow(torch.randn(2, 5, 6), ttt_state=state)
+    message = str(refused.value)
+    assert "batch size changed" not in message, message
+    assert "another layer" in message and "(2, 8, 8)" in message, message
+    assert "Pass each layer the ttt_state that layer returned" in message, message
+
+
+def test_a_state_at_another_batch_size_is_still_named_so():
+    """A state whose sizes differ in the batch alone: the batch size changed."""
+    torch.manual_seed(0)
+    layer = ttt2la.convert(TokenMemory(8), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    _, state = layer(torch.randn(2, 5, 8), return_ttt_state=True)
+    with pytest.raises(ttt2la.StreamingError, match="the batch size changed"):
+        layer(torch.randn(3, 5, 8), ttt_state=state)
+
+
+class BufferedTokenMemory(TokenMemory):
+    """The same memory writing its outputs into a buffer: at length 0 it returns an empty one."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        o = torch.zeros_like(v)
+        for t in range(x.shape[1]):
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            o[:, t] = (q[:, t, :, None] * S).sum(1)
+        return o
+
+
+def test_an_empty_sequence_returns_what_the_layer_as_written_returns():
+    """At length 0 the loop runs no iteration: an exact conversion returns the layer's own
+    output for it (an empty sequence of outputs)."""
+    torch.manual_seed(0)
+    layer = BufferedTokenMemory(8)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    x = torch.randn(2, 0, 8)
+    assert converted(x).shape == layer(x).shape == (2, 0, 8)
+
+
+class FromTokenOne(TokenMemory):
+    """Token 0 handled before the loop, the loop from 1 (`range(1, T)`)."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = k[:, 0, :, None] * v[:, 0, None, :]
+        outs = [(q[:, 0, :, None] * S).sum(1)]
+        for t in range(1, x.shape[1]):  # <- loop
+            S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+            outs.append((q[:, t, :, None] * S).sum(1))
+        return torch.stack(outs, 1)
+
+
+class FromChunkOne(TokenMemory):
+    """Chunk 0 handled before the loop, the loop over chunks from the second."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = k[:, :4].mT @ v[:, :4]
+        outs = [q[:, :4] @ S]
+        for s in range(4, x.shape[1], 4):  # <- loop
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].mT @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("cls,start,remedy", [
+    (FromTokenOne, "starts at token 1", "`for t in range(T)`"),
+    (FromChunkOne, "starts at chunk 1 (token 4)", "`for s in range(0, T, 4)`")],
+    ids=["token", "chunk"])
+def test_a_loop_that_starts_at_an_offset_is_named_so(cls, start, remedy):
+    """A loop from the second token or chunk, the first handled before it: the refusal says
+    where the loop starts and to write one loop from 0, the state starting from zeros."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(cls(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert f"the loop at tests/{HERE}:{_line_of(cls.forward, '# <- loop')}" in message, message
+    assert start in message and remedy in message, message
+    assert "initial value (zeros)" in message, message
+
+
+class TwoTokensPerStep(TokenMemory):
+    """Two tokens of one sequence per iteration, read by index (`k[:, i * 2 + j]`)."""
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k2 = torch.cat([k, k.flip(1)], -1).reshape(B, 2 * T, D)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for i in range(T):
+            for j in range(2):
+                kj = k2[:, i * 2 + j]  # <- named
+                S = 0.9 * S + kj[:, :, None] * v[:, i, None, :]
+            outs.append((q[:, i, :, None] * S).sum(1))
+        return torch.stack(outs, 1)
+
+
+def test_a_sequence_read_at_a_stride_is_named_so():
+    """Several tokens of one sequence per iteration: the refusal names the read, not control
+    flow, and says to view the sequence with an axis for them and read `k[:, i, j]`."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(TwoTokensPerStep(), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    message = str(refused.value)
+    assert "control flow" not in message, message
+    assert f"{HERE}:{_line_of(TwoTokensPerStep.forward)}" in message, message
+    assert "reads 2 tokens of one sequence by index" in message, message
+    assert "k.view(B, T, 2, ...)" in message and "k[:, i, j]" in message, message
+
+
+class UpdateEveryFewTokens(TokenMemory):
+    """Every token reads the memory; the memory takes the last 4 tokens every 4 tokens."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        acc = torch.zeros_like(S)
+        outs = []
+        for t in range(x.shape[1]):
+            outs.append((q[:, t, :, None] * S).sum(1))
+            acc = acc + k[:, t, :, None] * v[:, t, None, :]
+            if (t + 1) % 4 == 0:  # <- named
+                S = S + 0.5 * acc
+                acc = torch.zeros_like(acc)
+        return torch.stack(outs, 1)
+
+
+class ResetEveryFewChunks(TokenMemory):
+    """A chunk loop whose memory starts over every third chunk."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for i, s in enumerate(range(0, x.shape[1], 4)):
+            if i % 3 == 0:  # <- named
+                S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].mT @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("cls,variable", [(UpdateEveryFewTokens, "t"), (ResetEveryFewChunks, "i")],
+                         ids=["update every C tokens", "reset every R chunks"])
+def test_an_if_on_the_loop_index_is_named_so(cls, variable):
+    """Iterations whose ops depend on their index through a Python `if`: the refusal names
+    that `if` and its variable, not data-dependent control flow, and says what converts."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(cls(), level=0, example_inputs=(torch.randn(2, 24, 8),))
+    message = str(refused.value)
+    assert "data-dependent" not in message and "submodule" not in message, message
+    assert f"{HERE}:{_line_of(cls.forward)}" in message, message
+    assert f"tests the loop variable `{variable}`" in message, message
+    assert "for s in range(0, T, C)" in message, message
+
+
+def test_an_empty_piece_of_a_stateful_call_is_refused_naming_the_layer():
+    """A stateful call with no tokens has nothing to continue its state with: the refusal
+    names the layer's loop and says to skip the call."""
+    torch.manual_seed(0)
+    layer = BufferedTokenMemory(8)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    with pytest.raises(ttt2la.StreamingError) as refused:
+        converted(torch.randn(2, 0, 8), return_ttt_state=True)
+    message = str(refused.value)
+    assert f"{HERE}:" in message and "empty sequence (length 0)" in message, message
+    assert "Skip the call" in message, message
+
+
+def test_an_empty_sequence_under_a_lossy_conversion_is_refused_naming_the_layer():
+    """A lossy conversion does not run the layer as written: at length 0 it refuses, naming the
+    layer's loop and what to do."""
+    from ttt2la.zoo import PerTokenTTTLayer
+
+    torch.manual_seed(0)
+    converted = ttt2la.convert(PerTokenTTTLayer(8, 2), level=6,
+                               example_inputs=(torch.randn(2, 16, 8),))
+    assert converted._ttt2la.as_written is None         # lossy
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(torch.randn(2, 0, 8))
+    message = str(refused.value)
+    assert "the loop at" in message and "empty sequence (length 0)" in message, message
+    assert "Skip the call" in message, message
