@@ -949,6 +949,22 @@ MUTATIONS = [
         "invariant_named_by_trace", "an invariant a helper's unnamed line computes is named by the trace (unsqueeze_4)",
         (("ttt2la/frontend/rollup.py", "or _named_source(n) or a.name", "or a.name"),),
         ("tests/test_state_names.py",), "named_after_what_it_views"),
+    Mutation(
+        "batch_constant_runs_the_graphs", "a call at a batch size other than the one a number of the traced code holds runs the graphs",
+        (("ttt2la/converted.py", "if other_batch and self.as_written is not None:",
+          "if other_batch and self.as_written is None:"),
+         ("ttt2la/frontend/recognize.py", "if self.untraced_batch(flat_inputs):", "if False:")),
+        ("tests/test_size_constants.py",), "exact_at_every_batch_size or run_as_written"),
+    Mutation(
+        "chunk_count_untraced", "no trace one chunk longer: a number of the chunk count goes unseen",
+        (("ttt2la/frontend/recognize.py", "rolled_N = None if plan.structured else",
+          "rolled_N = None if True else"),),
+        ("tests/test_size_constants.py",), "refused_naming_the_line and chunks"),
+    Mutation(
+        "iteration_numbers_unseen", "a number of the loop index is rolled up as iteration 1's",
+        (("ttt2la/frontend/rollup.py", "refuse_iteration_numbers(u.in_iteration(2), loop.src)",
+          "refuse_iteration_numbers({}, loop.src)"),),
+        ("tests/test_size_constants.py",), "loop_index"),
 ]
 
 
