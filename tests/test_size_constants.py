@@ -174,3 +174,33 @@ def test_the_remedy_a_tensor_of_the_length_converts_exactly():
     conv = _converted(layer)
     assert_same_function(conv, layer, [torch.randn(2, 16, D), torch.randn(3, 32, D),
                                        torch.randn(1, 7, D)])
+
+
+class BatchMeanStep(nn.Module):
+    """One gradient step over all tokens (no loop) of a loss divided by ``N·B`` as a float: the
+    step's number moves with the batch size (and, not affinely, the length stays fixed)."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.H, self.d = heads, dim // heads
+        self.proj = nn.Linear(dim, 3 * dim)
+        self.W1 = nn.Parameter(torch.randn(heads, self.d, self.d) * self.d ** -0.5)
+
+    def forward(self, x):
+        B, N, W = x.shape
+        q, k, v = self.proj(x).reshape(B, N, 3, self.H, self.d).unbind(2)
+        F1 = self.W1.unsqueeze(0).expand(B, -1, -1, -1).clone().requires_grad_(True)
+        with torch.enable_grad():
+            loss = -(torch.einsum("bnhd,bhde->bnhe", k, F1) * v).sum() / (N * float(B))
+            g, = torch.autograd.grad(loss, F1, create_graph=True)
+        return torch.einsum("bnhd,bhde->bnhe", q, F1 - 0.5 * g).reshape(B, N, W)
+
+
+def test_a_single_step_with_a_number_of_the_batch_size_is_exact_at_every_batch_size():
+    torch.manual_seed(4)
+    layer = BatchMeanStep()
+    conv = _converted(layer, T=12)
+    assert_same_function(conv, layer, [torch.randn(B, 12, 16) for B in (1, 2, 3, 4)])
+    runs = conv.ttt2la_report.to_dict()["layers"][0]["runs"]
+    assert "batch 3, length 12, untraced batch size" in runs, runs
+    assert "depends on the batch size" in runs["batch 3, length 12, untraced batch size"], runs
