@@ -146,17 +146,25 @@ def test_a_mean_loss_over_the_batch_is_exact_at_every_batch_size_and_length(mean
         assert torch.allclose(conv(x), layer(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rate,moves", [
-    (lambda B, T: 1.0 / T, "length"),
-    (lambda B, T: 1.0 / math.sqrt(T), "length"),
-    (lambda B, T: 1.0 / math.ceil(T / C), "number of chunks"),
-], ids=["1/T", "1/sqrt(T)", "1/chunks"])
-def test_a_step_of_the_length_is_refused_naming_the_line(rate, moves):
+@pytest.mark.parametrize("rate,moves,line", [
+    (lambda B, T: 1.0 / T, "length", "S = S + step"),
+    (lambda B, T: 1.0 / math.sqrt(T), "length", "S = S + step"),
+    (lambda B, T: 1.0 / math.ceil(T / C), "number of chunks", "S = S + step"),
+    (lambda B, T: torch.tensor(1.0 / T), "length", "torch.tensor(1.0 / T)"),
+], ids=["1/T", "1/sqrt(T)", "1/chunks", "tensor(1/T)"])
+def test_a_step_of_the_length_is_refused_naming_the_line(rate, moves, line):
     with pytest.raises(UnsupportedTTTError) as e:
         _converted(ChunkRule(rate))
     msg = str(e.value)
     assert f"depends on the {moves}" in msg and "test_size_constants.py:" in msg, msg
-    assert "S = S + step" in msg and "as a tensor" in msg and "bug" not in msg, msg
+    assert line in msg and "as a tensor" in msg and "bug" not in msg, msg
+
+
+def test_a_tensor_made_from_the_batch_size_is_exact_at_every_batch_size():
+    torch.manual_seed(5)
+    layer = ChunkRule(lambda B, T: torch.tensor(1.0 / B))
+    assert_same_function(_converted(layer), layer,
+                         [torch.randn(B, T, D) for B, T in ((1, 16), (2, 13), (3, 9))])
 
 
 @pytest.mark.parametrize("strict", [True, False])

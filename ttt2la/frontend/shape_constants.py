@@ -33,7 +33,7 @@ class ShapeConstant:
 
     node: torch.fx.Node
     moves: tuple[str, ...]
-    values: dict[str, float]
+    values: dict[str, object]
 
     @property
     def with_length(self) -> bool:
@@ -43,9 +43,17 @@ class ShapeConstant:
         """What was found and where, in words."""
         src = self.node.meta.get(SRC)
         where = f" at {src.at()}" if src is not None else ""
-        seen = ", ".join(f"{v:.6g} at {k}" for k, v in self.values.items())
+        seen = ", ".join(f"{_shown(v)} at {k}" for k, v in self.values.items())
         return (f"a number that depends on the {' and the '.join(self.moves)}{where}: "
                 f"{seen}")
+
+
+def _shown(value) -> str:
+    """A float, or a tensor constant's values (a list), as a message shows it."""
+    if isinstance(value, list):
+        return f"{value[0]:.6g}" if len(value) == 1 else \
+            f"a tensor constant [{', '.join(f'{v:.4g}' for v in value[:4])}{', …' if len(value) > 4 else ''}]"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def _floats(args, path=()):
@@ -60,20 +68,30 @@ def _floats(args, path=()):
             yield from _floats(a, path + (k,))
 
 
-def _differing(ref: torch.fx.Graph, others: dict[str, torch.fx.Graph]):
-    """``(node, {name: (value, other value)})`` for each float of ``ref`` another graph of the
+def _values(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict:
+    """The numbers ``node`` carries: its float arguments by path, or the tensor constant it
+    reads (a ``torch.tensor(1 / B)`` is baked into the trace as one), as a list."""
+    if node.op == "get_attr":
+        t = getattr(gm, node.target, None)
+        return {(): t.detach().flatten().tolist()} if isinstance(t, torch.Tensor) and \
+            t.numel() <= 64 and t.is_floating_point() else {}
+    return dict(_floats((node.args, node.kwargs)))
+
+
+def _differing(ref: torch.fx.GraphModule, others: dict[str, torch.fx.GraphModule]):
+    """``(node, {name: (value, other value)})`` for each number of ``ref`` another graph of the
     same ops holds with another value; graphs of other ops are skipped (the fit refuses them)."""
-    ref_nodes = list(ref.nodes)
-    lists = {k: list(g.nodes) for k, g in others.items()}
+    ref_nodes = list(ref.graph.nodes)
+    lists = {k: list(g.graph.nodes) for k, g in others.items()}
     lists = {k: ns for k, ns in lists.items() if len(ns) == len(ref_nodes) and all(
         (a.op, a.target) == (b.op, b.target) for a, b in zip(ref_nodes, ns))}
     for i, node in enumerate(ref_nodes):
-        mine = dict(_floats((node.args, node.kwargs)))
+        mine = _values(ref, node)
         if not mine:
             continue
         moved = {}
         for name, ns in lists.items():
-            theirs = dict(_floats((ns[i].args, ns[i].kwargs)))
+            theirs = _values(others[name], ns[i])
             changed = [(v, theirs.get(p)) for p, v in mine.items() if theirs.get(p) != v]
             if changed:
                 moved[name] = changed[0]
@@ -85,7 +103,7 @@ def shape_constant(ref, others: dict, labels: dict[str, str]) -> ShapeConstant |
     """The first float of the graph ``ref`` that moves with a size in ``others`` (the same graph
     traced at other shapes, by the size that moved: "batch size", "length", "number of chunks"),
     or ``None``; ``labels`` names each trace's shape for the message."""
-    for node, moved in _differing(ref.graph, {k: g.graph for k, g in others.items()}):
+    for node, moved in _differing(ref, others):
         values = {labels["ref"]: next(iter(moved.values()))[0]}
         values.update({labels[k]: v[1] for k, v in moved.items()})
         return ShapeConstant(node, tuple(moved), values)
@@ -108,7 +126,8 @@ def refuse_shape_constants(rolled, others: dict, labels: dict[str, str], where: 
                 "number as a constant, so the converted layer would use the traced one at every "
                 "length. Compute it as a tensor from the input before the loop (for example "
                 "`x.new_full((), T).rsqrt()` or `x.new_ones(()) / T` rather than "
-                "`1 / math.sqrt(T)`), which the converted layer reads at each call, or make it "
+                "`1 / math.sqrt(T)` or `torch.tensor(1 / T)`, which a trace bakes in), which the "
+                "converted layer computes at each call, or make it "
                 "a constant of the layer.")
         raise BatchConstant(
             f"the {part} of {where} computes with {found.describe()} (a mean over the batch "
