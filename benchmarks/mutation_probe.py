@@ -1055,6 +1055,22 @@ MUTATIONS = [
         (("ttt2la/converted.py", "            return self._at_length_zero(written, B)",
           "            pass"),),
         ("tests/test_refusal_messages.py",), "empty"),
+    Mutation(
+        "batch_constant_runs_the_graphs", "a call at a batch size other than the one a number of the traced code holds runs the graphs",
+        (("ttt2la/converted.py", "if other_batch and self.as_written is not None:",
+          "if other_batch and self.as_written is None:"),
+         ("ttt2la/frontend/recognize.py", "if self.untraced_batch(flat_inputs):", "if False:")),
+        ("tests/test_size_constants.py",), "exact_at_every_batch_size or run_as_written"),
+    Mutation(
+        "chunk_count_untraced", "no trace one chunk longer: a number of the chunk count goes unseen",
+        (("ttt2la/frontend/recognize.py", "rolled_N = None if plan.structured else",
+          "rolled_N = None if True else"),),
+        ("tests/test_size_constants.py",), "refused_naming_the_line and chunks"),
+    Mutation(
+        "iteration_numbers_unseen", "a number of the loop index is rolled up as iteration 1's",
+        (("ttt2la/frontend/rollup.py", "refuse_iteration_numbers(u.in_iteration(2), loop.src)",
+          "refuse_iteration_numbers({}, loop.src)"),),
+        ("tests/test_size_constants.py",), "loop_index"),
 ]
 
 

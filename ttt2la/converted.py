@@ -158,7 +158,7 @@ class ConvertedState:
         if loop is None:
             program = dataclasses.replace(self.program.clone(), body=self.body.instantiate(B, 0))
             plan, note = plan_at(self.plan, program, strict=self.strict)
-            shape = f"batch {B}{self.variant}"
+            shape = f"batch {self._batch(B)}{self.variant}"
             if note is not None:
                 self.fallbacks[shape] = note
             loop = self._loop_cache[B] = LoopModule(program, plan, self.interface, self.runs,
@@ -177,9 +177,12 @@ class ConvertedState:
         """``module(*args, **kwargs)`` with its parameters and buffers ``weights``
         (``params_and_buffers``)."""
         flat = _flat_inputs(args, kwargs)
+        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        other_batch = getattr(self.layout, "untraced_batch", lambda flat: "")(flat)
+        if other_batch and self.as_written is not None:
+            return self._at_untraced_batch(other_batch, written, flat)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = (int(n) for n in self.layout.sizes(flat))
-        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
         if self.gradient_stop and records_gradients(module, flat):
@@ -199,11 +202,11 @@ class ConvertedState:
             dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
             return self.as_written.call(
                 (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
-                self.runs, AsWritten.shape(B, L))
+                self.runs, AsWritten.shape(self._batch(B), L))
         except PartialChunkError as e:
             if self.as_written is None:
                 raise
-            self.runs[f"batch {B}, length {L}, partial last chunk"] = (
+            self.runs[f"batch {self._batch(B)}, length {L}, partial last chunk"] = (
                 f"as written: the plan would pad the last chunk, and the padding changes {e.what}")
             return self._as_written(written, "its last chunk is partial, where the plan's zero "
                                              f"padding would change {e.what}")
@@ -221,7 +224,17 @@ class ConvertedState:
             raise UnsupportedShapeError(
                 f"{self._where()} was called at {why}. Call it at the lengths it was traced at, or "
                 "convert it again with example inputs of the length you call it with.")
-        self.runs[f"batch {B}, length {L}, untraced length"] = f"as written: {why}"
+        self.runs[f"batch {self._batch(B)}, length {L}, untraced length"] = f"as written: {why}"
+        return self._as_written(written, f"at {why}")
+
+    def _at_untraced_batch(self, why: str, written, flat: list):
+        """A call at a batch size other than the one a number of the traced code was derived
+        from: an exact conversion runs the code as written (a lossy one is refused by
+        ``sizes``)."""
+        layout = self.layout
+        x = flat[layout.ref]
+        B, L = x.shape[layout.batch_axis[layout.ref]], x.shape[layout.token_axis[layout.ref]]
+        self.runs[f"batch {B}, length {L}, untraced batch size"] = f"as written: {why}"
         return self._as_written(written, f"at {why}")
 
     def _at_length_zero(self, written, B: int):
@@ -254,7 +267,7 @@ class ConvertedState:
         first = (str(error).strip().splitlines() or [""])[0]
         why = f"the converted loop failed on this call ({type(error).__name__}: {first})"
         out = self._as_written(written, why)
-        self.runs[f"batch {B}, length {L}, the loop failed"] = f"as written: {why}"
+        self.runs[f"batch {self._batch(B)}, length {L}, the loop failed"] = f"as written: {why}"
         warnings.warn(f"ttt2la: {self._where()}: {why}; ran the layer as written, which takes it. "
                       "Please report this call with the model.", RuntimeWarning, stacklevel=3)
         return out
@@ -270,7 +283,7 @@ class ConvertedState:
                 f"{self.training_dependence}: its lossy conversion has no training-mode form. "
                 "Call .eval() on it, or convert a layer whose code does not depend on the mode "
                 "(dropout or batch norm outside the layer that owns the loop).")
-        self.runs[f"batch {B}, length {L}, training mode"] = (
+        self.runs[f"batch {self._batch(B)}, length {L}, training mode"] = (
             f"as written: converted for evaluation mode, and {self.training_dependence}")
         return self._as_written(written, "in training mode")
 
@@ -304,7 +317,7 @@ class ConvertedState:
                 f"there is {found}, which its graphs cannot run: they never call that "
                 f"submodule, and the code as written computes another function. {remedy}")
         B, L = (int(n) for n in self.layout.sizes(_flat_inputs(args, kwargs)))
-        self.runs[f"batch {B}, length {L}, hooks on submodules"] = f"as written: {found}"
+        self.runs[f"batch {self._batch(B)}, length {L}, hooks on submodules"] = f"as written: {found}"
         return self._as_written(
             lambda: original_class(type(module)).forward(module, *args, **kwargs),
             f"while there is {found}")
@@ -317,6 +330,10 @@ class ConvertedState:
         except Exception as e:
             raise rejected_as_written(e, path=self.program.module_path, why=why,
                                       expected=self._expected()) from e
+
+    def _batch(self, B: int) -> int:
+        """The batch size a call of ``B`` batch units has, as the report names it."""
+        return B * getattr(self.layout, "batch_unit", 1)
 
     def _where(self) -> str:
         return f"{self.program.module_path or 'this layer'} (the loop at {self.program.loop_src})"

@@ -37,6 +37,7 @@ from .prechunked import unchunk_streams
 from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
                      roll_up)
+from .shape_constants import BatchConstant, refuse_shape_constants
 from .shapes import GraphTemplate, fit_template
 
 B0, B1 = 2, 3
@@ -64,6 +65,7 @@ class InputLayout:
     signature: CallSignature | None = None      # the example call, checked on every call
     traced_rest: tuple[int, int] | None = None  # (C, r): traced only at lengths L % C == r
     rest_why: str = ""                  # the probe failure that restricted the lengths
+    batch_constant: str = ""            # a number of the batch size the traced code holds
 
     def untraced_length(self, L: int) -> str:
         """Why length ``L`` is not one the layer was traced at, or ``""``: a layer whose own code
@@ -78,6 +80,17 @@ class InputLayout:
                 f"layer was traced at lengths leaving {r} only: its own code failed at the "
                 f"others ({self.rest_why})")
 
+    def untraced_batch(self, flat_inputs: list) -> str:
+        """Why the call's batch size is not the one a number of the traced code was derived
+        from (``shape_constants``), or ``""``."""
+        if not self.batch_constant:
+            return ""
+        x = flat_inputs[self.ref]
+        B = x.shape[self.batch_axis[self.ref]]
+        return "" if B == self.batch_unit else \
+            f"batch size {B}, where the layer was traced at batch size {self.batch_unit} only: " \
+            f"{self.batch_constant}"
+
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         if self.signature is not None:
             self.signature.check(flat_inputs, self.batch_axis, self.token_axis, self.ref,
@@ -85,6 +98,12 @@ class InputLayout:
         x = flat_inputs[self.ref]
         B, L = x.shape[self.batch_axis[self.ref]], x.shape[self.token_axis[self.ref]]
         unit = self.batch_unit
+        if self.untraced_batch(flat_inputs):
+            raise UnsupportedShapeError(
+                f"the converted {self.path or 'model'} was called at batch size {B}, but it was "
+                f"converted for batch size {unit} only: {self.batch_constant}. Convert it again "
+                "with example inputs of the batch size you call it with, or compute that number "
+                "as a tensor from the input before the loop.")
         if (self.fixed_batch and B != unit) or B % unit:
             accepted = f"batch size {unit} only" if self.fixed_batch else \
                 f"batch sizes that are multiples of {unit}"
@@ -445,11 +464,13 @@ def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_le
     fn = layer_function(cand.module, in_spec)
     failures: list[tuple[ProbePlan, Exception]] = []
     for plan in probe_plans(batch, seq_len):
+        if not plan.fixed and any(isinstance(e, BatchConstant) for _, e in failures):
+            continue                      # only the example's batch size holds its number
         try:
             with _quiet_fake_tensors():
                 return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
         except ConversionError as e:
-            if not isinstance(e, (_ShapeDependent, LengthDependent)):
+            if not isinstance(e, (_ShapeDependent, LengthDependent, BatchConstant)):
                 raise                     # what the loop does is unsupported at any shape
             failures.append((plan, e))
         except Exception as e:            # the layer's own code rejected these shapes
@@ -532,6 +553,14 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
         rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
     rolled_B = rolled if plan.fixed else _roll_at(cand, fn, flat, layout, plan.unit * b1, L0)
     rolled_L = _roll_at(cand, fn, flat, layout, plan.unit * b0, L1)
+    # one chunk more: a number of the chunk count (1 / N) moves where one token more does not
+    rolled_N = None if plan.structured else _roll_at(cand, fn, flat, layout, plan.unit * b0,
+                                                     L0 + C)
+    refuse_shape_constants(
+        rolled, {"length": rolled_L, "batch size": rolled_B, "number of chunks": rolled_N},
+        {"ref": f"batch {plan.unit * b0}, length {L0}", "length": f"length {L1}",
+         "batch size": f"batch {plan.unit * b1}", "number of chunks": f"length {L0 + C}"},
+        f"{_layer_name(cand)} (the loop at {cand.loop.src})")
     try:
         outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
                              B1=b1, what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")
@@ -554,7 +583,12 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     if cand.probe_length is not None:
         notes.append(f"the example (length {seq_len}) is too short to run the loop; it was found "
                      f"by running the model at length {cand.probe_length}")
-    if plan.unit > 1 or plan.fixed:
+    batch_constant = next((e for _, e in failures if isinstance(e, BatchConstant)), None)
+    if batch_constant is not None:
+        notes.append(f"converted for batch size {plan.unit} only: {batch_constant}")
+        layout = dataclasses.replace(layout, batch_unit=plan.unit, fixed_batch=True,
+                                     path=cand.path, batch_constant=str(batch_constant))
+    elif plan.unit > 1 or plan.fixed:
         first = failures[0]
         why = f"at {first[0].describe(C, seq_len)}: {_first_line(first[1])}"
         accepted = f"batch size {plan.unit} only" if plan.fixed else \

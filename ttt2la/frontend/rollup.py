@@ -37,6 +37,7 @@ from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS
 from ..errors import UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
+from .iteration_numbers import refuse_iteration_numbers
 from .partial_chunk import length_dependent_number
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of,
                     split_iterations)
@@ -119,6 +120,8 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     into a ``TTTProgram``; ``gm`` becomes the outer graph, rewritten in place (the caller passes
     a copy). Each phase below reads the ones before it and refuses what it cannot explain."""
     u = unroll(gm, loop, depth)
+    if u.n_iter > 3:            # with three, iteration 2 is the last, which may be partial
+        refuse_iteration_numbers(u.in_iteration(2), loop.src)
     inputs = classify_inputs(u)
     states = split_buffer(u, inputs, carried_states(u, inputs))
     out_node = chunk_output(u, states)

@@ -40,6 +40,7 @@ from .recognize import (InputLayout, RecognizedLayer, _first_line, _inputs_at, _
 from .rollup import RolledLoop, _contiguous_inputs, _materialize_shape_only, state_input
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import assigned_name, state_names, unique
+from .shape_constants import BatchConstant, refuse_shape_constants
 from .shapes import fit_template
 
 aten = torch.ops.aten
@@ -504,7 +505,7 @@ def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
     try:
         return _any_length(step, layout, b0, b1, unit, fixed, seq_len)
     except FixedLength as why:
-        return _fixed_length(step, layout, b0, b1, unit, fixed, seq_len, str(why))
+        return _fixed_length(step, layout, b0, b1, unit, fixed, seq_len, str(why), batch)
 
 
 class _Step:
@@ -609,10 +610,21 @@ def _placeholder(graph: torch.fx.Graph, key) -> torch.fx.Node:
     return next(n for n in phs if n.meta.get(NAME, n.name) == key)
 
 
-def _fixed_length(step: _Step, layout, b0, b1, unit, fixed, L0, why: str) -> RecognizedLayer:
-    """The step converted for the example's length ``L0`` only: one chunk of ``L0`` tokens."""
+def _fixed_length(step: _Step, layout, b0, b1, unit, fixed, L0, why: str,
+                  batch: int) -> RecognizedLayer:
+    """The step converted for the example's length ``L0`` only: one chunk of ``L0`` tokens; for
+    the example's ``batch`` only where a number of the step moves with the batch size."""
     rolled = step.at(unit * b0, L0, whole=False)
     rolled_B = rolled if fixed else step.at(unit * b1, L0, whole=False)
+    try:
+        refuse_shape_constants(rolled, {"batch size": rolled_B},
+                               {"ref": f"batch {unit * b0}", "batch size": f"batch {unit * b1}"},
+                               step.layer)
+    except BatchConstant as e:          # only the example's batch size holds the number
+        b0, b1, unit, fixed = 1, 2, batch, True
+        rolled = rolled_B = step.at(batch, L0, whole=False)
+        layout = dataclasses.replace(layout, batch_unit=unit, fixed_batch=True,
+                                     path=step.cand.path, batch_constant=str(e))
     outer = fit_template(rolled.outer, rolled.outer, rolled_B.outer, B0=b0, L0=L0,
                          L1=L0 + 1, B1=b1, what=f"code around the step of {step.cand.path}")
     single = SingleStepLayout(**{f.name: getattr(layout, f.name)
