@@ -794,7 +794,7 @@ def test_absorb_lr_folds_the_rate_and_leaves_the_decay(rate_on_the_key):
 
 class MomentumSpellings(torch.nn.Module):
     """One EMA momentum ``m' = 0.8 m + 0.2 g`` spelt four ways: a sum, ``lerp`` from the
-    increment or from the momentum, and a copy updated in place."""
+    increment or from the momentum, and a scaled copy updated in place (``2 · 0.4 = 0.8``)."""
 
     def __init__(self, spelling: str, d: int = 8, chunk: int = 4):
         super().__init__()
@@ -815,9 +815,9 @@ class MomentumSpellings(torch.nn.Module):
                 m = torch.lerp(g, m, 0.8)
             elif self.spelling == "lerp_from_m":
                 m = torch.lerp(m, g, 0.2)
-            else:
-                m = m * 1.0
-                m.mul_(0.8).add_(0.2 * g)
+            else:                           # a scaled copy, then scaled again in place
+                m = m * 2.0
+                m.mul_(0.4).add_(0.2 * g)
             W = W + 0.1 * m
         return torch.cat(outs, 1)
 
