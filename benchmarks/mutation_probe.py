@@ -1032,6 +1032,10 @@ MUTATIONS = [
         "in_place_state_unnamed", "a state updated by in-place calls on its own line is numbered, not named",
         (("ttt2la/frontend/source_names.py", "        name = _updated_in_place(stmt.value)", "        name = None"),),
         ("tests/test_passes_lossy.py",), "every_spelling"),
+    Mutation(
+        "input_free_identity_sampled", "an invariant made from no input (torch.eye before the loop) is sampled at random by the delta rule's fit",
+        (("ttt2la/lowering/lift_delta_rule.py", "value = node.meta.get(INPUT_FREE)", "value = None"),),
+        ("tests/test_delta_spellings.py",), "householder"),
 ]
 
 
