@@ -1071,6 +1071,10 @@ MUTATIONS = [
         (("ttt2la/frontend/rollup.py", "refuse_iteration_numbers(u.in_iteration(2), loop.src)",
           "refuse_iteration_numbers({}, loop.src)"),),
         ("tests/test_size_constants.py",), "loop_index"),
+    Mutation(
+        "input_free_identity_sampled", "an invariant made from no input (torch.eye before the loop) is sampled at random by the delta rule's fit",
+        (("ttt2la/lowering/lift_delta_rule.py", "value = node.meta.get(INPUT_FREE)", "value = None"),),
+        ("tests/test_delta_spellings.py",), "householder"),
 ]
 
 

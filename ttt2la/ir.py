@@ -87,6 +87,10 @@ PRODUCT_CHAIN = "ttt2la_product_chain"
 PRODUCT_OPERAND = "ttt2la_product_operand"
 SUMMED_PRODUCT = "ttt2la_summed_product"
 LOOP_MODULE = "ttt_loop"      # the submodule the outer graph calls in the place of the loop
+#: On an invariant's placeholder: its value, float64, when the code before the loop computes it
+#: from no input at all (``I = torch.eye(d)``) — the same tensor on every call, which a lift
+#: that evaluates the body on random inputs uses instead of a random one.
+INPUT_FREE = "ttt2la_input_free"
 
 StateRole = Literal["final", "theta", "momentum", "other"]
 
@@ -379,6 +383,7 @@ def describe_node(node: torch.fx.Node) -> str:
 
 __all__ = [
     "KIND", "NAME", "SRC", "PRODUCT_CHAIN", "PRODUCT_OPERAND", "SUMMED_PRODUCT", "LOOP_MODULE",
+    "INPUT_FREE",
     "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "placeholder",
     "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",

@@ -31,11 +31,12 @@ from typing import NamedTuple
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
+from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
 from .iteration_numbers import refuse_iteration_numbers
 from .partial_chunk import length_dependent_number
@@ -802,6 +803,9 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
         name = unique(_invariant_name(a, inputs.hoisted, state_names), taken)
         ph = placeholder(body, name)
         ph.meta.update(val=a.meta.get("val"), **{KIND: "invariant", NAME: name})
+        value = _input_free_value(a)
+        if value is not None:
+            ph.meta[INPUT_FREE] = value
         env[a] = ph
         val = a.meta["val"]
         inv_specs.append(InvariantSpec(name, tuple(val.shape), val.dtype))
@@ -822,6 +826,25 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
         chunk_size=inputs.first.chunk, order=tail.order, last_chunk=tail.last_chunk,
         module_path=module_path, loop_src=u.loop.src, function=u.loop.function,
     )
+
+
+#: Ops whose value depends on their arguments alone, evaluated for ``_input_free_value``.
+_INPUT_FREE_OPS = frozenset({torch.ops.aten.eye.default, torch.ops.aten.eye.m})
+
+
+def _input_free_value(a: torch.fx.Node) -> torch.Tensor | None:
+    """The value (float64, on the CPU) of an invariant the code before the loop makes from
+    Python numbers alone (``torch.eye(d)``), or None: any other invariant may differ between
+    calls."""
+    if a.op != "call_function" or a.target not in _INPUT_FREE_OPS or a.all_input_nodes:
+        return None
+    kwargs = {k: v for k, v in a.kwargs.items() if k not in ("device", "pin_memory", "layout")}
+    kwargs["dtype"] = torch.float64
+    with unset_fake_temporarily():
+        try:
+            return a.target(*a.args, **kwargs)
+        except (RuntimeError, TypeError):
+            return None
 
 
 def _invariant_name(a: torch.fx.Node, hoisted: set, state_names: set[str]) -> str:

@@ -20,6 +20,10 @@ What the loop computes is read from the graph and confirmed numerically, never a
   ``k``, its constant part ``B`` must be ``kᵀ (b v)`` for one frontier vector ``v``, and each of
   ``a, b, c`` a constant times a product of frontier scalars (powers −1, 0 or 1), per token or
   constants of the body with one number per row (a rate per head a lossy pass wrote in);
+  where the frontier's own vectors do not fit (a Householder transition reads ``I − β kkᵀ``,
+  fla's identity-plus-low-rank form ``β v``), key, value and scalars are also looked for a few
+  ops behind it, and an invariant made from no input (``I = torch.eye(d)`` before the loop)
+  takes its traced value instead of a random one;
 * the output must read the state through one matmul with a state-free query (``q S``, ``S qᵀ``
   and their transposed forms), the code after it taken as it is;
 * then the whole body, evaluated in float64 on fresh random inputs and states, must equal the
@@ -40,7 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis
 from ..errors import UnsupportedTTTError
-from ..ir import TTTProgram, ancestors, descendants, reshape_views
+from ..ir import INPUT_FREE, TTTProgram, ancestors, descendants, reshape_views
 from ..runtime.delta_rule import DELTA_CHUNK_SIZE, delta_rule
 from .chunking import assemble_outputs, chunk_layout, chunk_stream
 from .executors import extract, shape_only
@@ -58,6 +62,9 @@ SAMPLES = 6
 FIT_TOLERANCE = 1e-8
 #: At most this many frontier scalars are combined into a coefficient (3**n products tried).
 MAX_ATOMS = 6
+#: How many ops behind the frontier a key, value or scalar is looked for when the frontier's
+#: own do not fit (a Householder transition reads ``I − β kkᵀ``, four ops from ``β``).
+FAR = 6
 
 #: One-input ops that only move elements: what ``_relayout_of`` replays.
 _MOVES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -253,6 +260,20 @@ def _matrices(update, state: torch.Tensor, side: str) -> torch.Tensor:
     return moved[..., 0].movedim(0, -1) if side == "left" else moved[..., 0, :].movedim(0, -2)
 
 
+def _sampled(nodes: list[torch.fx.Node], n: int, seed: int) -> list[torch.Tensor] | None:
+    """``samples`` of ``nodes``, but an invariant made from no input (``I = torch.eye(d)``
+    before the loop, ``INPUT_FREE``) takes its own value in every sample: it is the same
+    tensor on every call, and the update ``(I − β kkᵀ) S`` is a delta rule only with it."""
+    sampled = samples(nodes, n, seed)
+    if sampled is None:
+        return None
+    for i, node in enumerate(nodes):
+        value = node.meta.get(INPUT_FREE)
+        if value is not None and tuple(value.shape) == tuple(sampled[i].shape[1:]):
+            sampled[i] = value.to(sampled[i].dtype).expand_as(sampled[i]).clone()
+    return sampled
+
+
 # ---------------------------------------------------------------------------------------------
 # fitting the pieces
 
@@ -437,20 +458,30 @@ def _fit_pieces(program, ends, frontier, boundary, state_shape, side, batch, dk,
     """Every reading ``(key, value, atoms, (α, β, v-scale))`` of the way ``ends = (s_in,
     s_out)`` (the state's whole update, or one step of it) that fits it on random tokens. The
     coefficients are products of the frontier's per-token scalars, or, where those do not fit,
-    also of the scalars the frontier is made from (``(β k)ᵀ(v − k S)`` reads ``β k``, not ``β``)."""
+    also of the scalars the frontier is made from (``(β k)ᵀ(v − k S)`` reads ``β k``, not ``β``).
+    Key and value are frontier vectors; where none fit, they and the scalars are also looked for
+    up to ``FAR`` ops behind the frontier: a Householder transition ``(I − β kkᵀ) S + β kᵀv``
+    reads the matrices, not ``k``, ``v`` or ``β``, and the identity-plus-low-rank form
+    ``S + kᵀ(β v) + (β k)ᵀ(−k S)`` reads ``β v``, not ``v``."""
     s_in, s_out = ends
     nearby = _made_from(frontier)
-    front_fn, front_inputs = extract(program.body, boundary, frontier + nearby)
+    # nearest first, starting with ``nearby``; only values computed from the loop's inputs
+    outside = {x for x in program.body.graph.nodes if x.op == "placeholder"} - set(boundary)
+    far = nearby + [x for x in _made_from(frontier, FAR)[len(nearby):]
+                    if x not in outside and not (ancestors(x) & outside)
+                    and isinstance(x.meta.get("val"), torch.Tensor)]
+    nodes = frontier + far
+    front_fn, front_inputs = extract(program.body, boundary, nodes)
     front_fn = promoted(front_fn)
     update_fn, update_inputs = extract(program.body, [s_in, *frontier], [s_out])
     update_fn = promoted(update_fn)
     n = SAMPLES
-    sampled = samples(front_inputs, n, seed=0)
+    sampled = _sampled(front_inputs, n, seed=0)
     if sampled is None:
         return
     evaluated = [v.double() for v in vmap(front_fn)(*sampled)]
     values = evaluated[:len(frontier)]
-    by_node = dict(zip(frontier + nearby, evaluated))
+    by_node = dict(zip(nodes, evaluated))
     state = torch.zeros((n, *state_shape), dtype=torch.float64)
 
     def update(S, *front):
@@ -462,27 +493,43 @@ def _fit_pieces(program, ends, frontier, boundary, state_shape, side, batch, dk,
     A = A.reshape(n * batch, dk, dk)
     B = (B if side == "left" else B.mT).reshape(n * batch, dk, dv)
     depends = set(boundary)
-    scalars = [node for node, x in by_node.items()
-               if (x[0].numel() in (1, batch) and ancestors(node) & depends)
-               or _per_row_constant(node, x, depends, batch)]
+
+    every = [node for node, x in by_node.items()
+             if (x[0].numel() in (1, batch) and ancestors(node) & depends)
+             or _per_row_constant(node, x, depends, batch)]
+    near = set(frontier + nearby)
+    scalars = [node for node in every if node in near]
     own = [node for node in scalars if node in frontier]
-    keys = _candidates(values, n, batch, dk)
-    vals = _candidates(values, n, batch, dv)
-    # the key and value fits do not depend on the atoms: found once for both atom sets
+    distinct = []                # the scalars up to FAR behind, each value once (nearest kept)
+    for node in every:
+        x = by_node[node].reshape(n, -1).expand(n, batch)
+        if not any(torch.equal(x, by_node[m].reshape(n, -1).expand(n, batch)) for m in distinct):
+            distinct.append(node)
+    keys = _candidates(evaluated, n, batch, dk)
+    vals = _candidates(evaluated, n, batch, dv)
+    # the key and value fits do not depend on the atoms: found once for every atom set
     fits = [(ki, a, c, vi, b) for ki, a, c in _fit_keys(A, [k for _, k in keys])
             if float(c.abs().max()) != 0.0                # no forgetting: not a delta rule
             for vi, b in _fit_values(B, keys[ki][1], [v for _, v in vals])]
-    for atoms in dict.fromkeys((tuple(own), tuple(scalars))):
-        if len(atoms) > MAX_ATOMS:
-            continue
-        atom_values = [by_node[node].reshape(n, -1).expand(n, batch).reshape(-1) for node in atoms]
-        for ki, a, c, vi, b in fits:
-            coefficients = [_fit_coefficient(x, atom_values) for x in (a, b, c)]
-            if any(x is None for x in coefficients):
+    in_frontier = lambda fit: keys[fit[0]][0] < len(frontier) and vals[fit[3]][0] < len(frontier)  # noqa: E731
+    near_sets = list(dict.fromkeys((tuple(own), tuple(scalars))))
+    for first in (True, False):     # the frontier's key and value first, as they always were
+        for atoms in near_sets if first else list(dict.fromkeys([*near_sets, tuple(distinct)])):
+            if len(atoms) > MAX_ATOMS:
                 continue
-            combined = _combined(*coefficients)
-            if combined is not None:
-                yield frontier[keys[ki][0]], frontier[vals[vi][0]], list(atoms), combined
+            atom_values = [by_node[node].reshape(n, -1).expand(n, batch).reshape(-1)
+                           for node in atoms]
+            for fit in fits:
+                tried = in_frontier(fit) and atoms in near_sets
+                if (first and not in_frontier(fit)) or (not first and tried):
+                    continue
+                ki, a, c, vi, b = fit
+                coefficients = [_fit_coefficient(x, atom_values) for x in (a, b, c)]
+                if any(x is None for x in coefficients):
+                    continue
+                combined = _combined(*coefficients)
+                if combined is not None:
+                    yield nodes[keys[ki][0]], nodes[vals[vi][0]], list(atoms), combined
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,7 +646,7 @@ def _confirmed(match: DeltaRuleMatch, probe: type | None = None) -> bool:
     ins = prog.state_inputs()
     n = SAMPLES
     placeholders = prog.placeholders()
-    sampled = samples(placeholders, n, seed=1)
+    sampled = _sampled(placeholders, n, seed=1)
     if sampled is None:
         return False
     got_state, got_out = [], []
