@@ -678,8 +678,8 @@ MUTATIONS = [
         ("tests/test_frontend_styles.py",), "autograd_step"),
     Mutation(
         "partial_chunk_refused_when_exact", "an exact conversion refuses a partial last chunk its source runs",
-        (("ttt2la/converted.py", "        except PartialChunkError as e:\n            if self.as_written is None:",
-          "        except PartialChunkError as e:\n            if True:"),),
+        (("ttt2la/converted.py", "        except PartialChunkError as e:\n            return self._written_instead(",
+          "        except PartialChunkError as e:\n            raise\n            return self._written_instead("),),
         ("tests/test_as_written.py",), "partial"),
     Mutation(
         "one_view_split_unread", "a view splitting the sequence and the heads together is no chunk split",

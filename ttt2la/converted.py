@@ -204,12 +204,11 @@ class ConvertedState:
                 (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
                 self.runs, AsWritten.shape(self._batch(B), L))
         except PartialChunkError as e:
-            if self.as_written is None:
-                raise
-            self.runs[f"batch {self._batch(B)}, length {L}, partial last chunk"] = (
-                f"as written: the plan would pad the last chunk, and the padding changes {e.what}")
-            return self._as_written(written, "its last chunk is partial, where the plan's zero "
-                                             f"padding would change {e.what}")
+            return self._written_instead(
+                written, B, L, "partial last chunk",
+                f"the plan would pad the last chunk, and the padding changes {e.what}",
+                f"its last chunk is partial, where the plan's zero padding would change {e.what}",
+                refusal=e)
         except Exception as e:
             if self.as_written is not None and not isinstance(e, ConversionError) \
                     and fails_in_loop(gm, [weights, *flat]):
@@ -220,12 +219,10 @@ class ConvertedState:
         """A call at a length the layer could not be traced at: an exact conversion runs the code
         as written (which raises its own error where it fails, naming its line); a lossy one
         refuses."""
-        if self.as_written is None:
-            raise UnsupportedShapeError(
-                f"{self._where()} was called at {why}. Call it at the lengths it was traced at, or "
-                "convert it again with example inputs of the length you call it with.")
-        self.runs[f"batch {self._batch(B)}, length {L}, untraced length"] = f"as written: {why}"
-        return self._as_written(written, f"at {why}")
+        return self._written_instead(written, B, L, "untraced length", why, f"at {why}",
+                                     refusal=UnsupportedShapeError(
+            f"{self._where()} was called at {why}. Call it at the lengths it was traced at, or "
+            "convert it again with example inputs of the length you call it with."))
 
     def _at_untraced_batch(self, why: str, written, flat: list):
         """A call at a batch size other than the one a number of the traced code was derived
@@ -277,28 +274,25 @@ class ConvertedState:
         graphs hold the evaluation-mode function, so an exact conversion runs the code as
         written (and says so in the report's runs); a lossy one computes another function,
         whose training-mode form was never derived, and refuses."""
-        if self.as_written is None:
-            raise UnsupportedTTTError(
+        return self._written_instead(
+            written, B, L, "training mode",
+            f"converted for evaluation mode, and {self.training_dependence}", "in training mode",
+            refusal=UnsupportedTTTError(
                 f"{self._where()} was converted for evaluation mode, and "
                 f"{self.training_dependence}: its lossy conversion has no training-mode form. "
                 "Call .eval() on it, or convert a layer whose code does not depend on the mode "
-                "(dropout or batch norm outside the layer that owns the loop).")
-        self.runs[f"batch {self._batch(B)}, length {L}, training mode"] = (
-            f"as written: converted for evaluation mode, and {self.training_dependence}")
-        return self._as_written(written, "in training mode")
+                "(dropout or batch norm outside the layer that owns the loop)."))
 
     def _stopped_gradients(self, written, B: int, L: int):
         """A call that records gradients of a layer whose loop stops some (``gradient_stops``):
         the plan would pass them, so an exact conversion runs the code as written, and a lossy
         one, whose function has no such code, refuses."""
-        if self.as_written is None:
-            raise UnsupportedTTTError(
+        return self._written_instead(
+            written, B, L, "gradients", f"{self.gradient_stop}, which the plan would pass",
+            "recording gradients the loop stops", refusal=UnsupportedTTTError(
                 f"{self._where()} stops gradients inside its loop ({self.gradient_stop}), which "
                 "its lossy conversion does not keep. Call it under torch.no_grad(), or remove "
-                "the stop from the layer and convert it again.")
-        self.runs[f"batch {B}, length {L}, gradients"] = (
-            f"as written: {self.gradient_stop}, which the plan would pass")
-        return self._as_written(written, "recording gradients the loop stops")
+                "the stop from the layer and convert it again."))
 
     def hooked_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, stateful: bool):
         """A call while hooks would run on the layer's submodules (``submodule_hooks``): the
@@ -321,6 +315,17 @@ class ConvertedState:
         return self._as_written(
             lambda: original_class(type(module)).forward(module, *args, **kwargs),
             f"while there is {found}")
+
+    def _written_instead(self, written, B: int, L: int, case: str, note: str, why: str,
+                         refusal: Exception):
+        """A call the plan cannot take as the code does: an exact conversion runs the code as
+        written, the report's runs saying so (``case`` names the call, ``note`` what the plan
+        would do; ``why`` goes into the code's own errors); a lossy one, whose function the code
+        does not compute, raises ``refusal``."""
+        if self.as_written is None:
+            raise refusal
+        self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {note}"
+        return self._as_written(written, why)
 
     def _as_written(self, written, why: str):
         """``written()``, the layer's code as written, its errors raised as a

@@ -23,16 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis
 from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram, reshape_views
 from ..runtime.delta_rule import delta_rule
 from .executors import extract, shape_only
-from .lift_delta import scanned_groups
 from .lift_delta_rule import (Coefficient, DeltaRulePlan, _boundary, _confirmed, _fit_pieces,
-                              _Probe, _reads, frontier_between)
+                              _Probe, _reads, frontier_between, one_state_match)
 
 #: At most this many steps per token are read (each cut tried as a step's end costs one fit).
 MAX_STEPS = 16
@@ -114,21 +112,7 @@ def _bypassed(s_in, s_out, n, reads) -> bool:
 def match_delta_product(program: TTTProgram, analysis: Analysis) -> DeltaProductMatch | None:
     """The per-token loop of ``program`` read as several delta-rule steps a token (see the
     module docstring), or None; the same preconditions as ``match_delta_rule``."""
-    if not program.one_token or len(program.outputs) != 1:
-        return None
-    if (program.order, program.last_chunk) not in (("inclusive", "update"),
-                                                    ("exclusive", "apply_only"),
-                                                    ("exclusive", "update")):
-        return None
-    ins, outs = program.state_inputs(), program.state_outputs()
-    live = [i for i in range(len(ins)) if outs[i] is not ins[i]]
-    if len(live) != 1 or (live[0],) not in {g for g in scanned_groups(analysis) if len(g) == 1}:
-        return None
-    with _disable_current_modes(), torch.no_grad():
-        try:
-            return _match(program, live[0])
-        except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
-            return None                # a body the probes cannot run: the generic plan
+    return one_state_match(program, analysis, _match)
 
 
 def _match(program: TTTProgram, t: int) -> DeltaProductMatch | None:

@@ -360,13 +360,19 @@ def match_delta_rule(program: TTTProgram, analysis: Analysis) -> DeltaRuleMatch 
     """The per-token loop of ``program`` (tokens selected or sliced one wide) read as the gated
     delta rule, or None (see the module docstring: read from the graph, then confirmed in
     float64)."""
-    if not program.one_token:
-        return None
-    if (program.order, program.last_chunk) not in (("inclusive", "update"),
-                                                    ("exclusive", "apply_only"),
-                                                    ("exclusive", "update")):
-        return None
-    if len(program.outputs) != 1:
+    return one_state_match(program, analysis, _match)
+
+
+#: The orders and last chunks of the per-token loops the delta-rule op runs.
+DELTA_TAILS = (("inclusive", "update"), ("exclusive", "apply_only"), ("exclusive", "update"))
+
+
+def one_state_match(program: TTTProgram, analysis: Analysis, match):
+    """``match(program, t)`` for a per-token loop with one output and one live state ``t``
+    that the analysis scans alone, run on real tensors (the probes evaluate the body); None
+    for any other loop, or a body the probes cannot run (the generic plan)."""
+    if not program.one_token or len(program.outputs) != 1 \
+            or (program.order, program.last_chunk) not in DELTA_TAILS:
         return None
     groups = [g for g in scanned_groups(analysis) if len(g) == 1]
     ins, outs = program.state_inputs(), program.state_outputs()
@@ -375,7 +381,7 @@ def match_delta_rule(program: TTTProgram, analysis: Analysis) -> DeltaRuleMatch 
         return None
     with _disable_current_modes(), torch.no_grad():
         try:
-            return _match(program, live[0])
+            return match(program, live[0])
         except (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError):
             return None                # a body the probes cannot run: the generic plan
 
