@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from ..analysis.op_vocabulary import ARITHMETIC, op_name
+from ..analysis.op_vocabulary import op_name
 from ..errors import UnsupportedTTTError
 from ..ir import SRC
-
-
-def _numbers(node: torch.fx.Node) -> list:
-    return [a for a in (*node.args, *node.kwargs.values())
-            if isinstance(a, (int, float)) and not isinstance(a, bool)]
+from .partial_chunk import other_numbers
 
 
 def iteration_number(second: dict[torch.fx.Node, torch.fx.Node]) -> str:
     """How an arithmetic op of iteration 1 carries another number in iteration 2, where, or
     ``""``; ``second`` maps iteration 1's nodes to the same ops of iteration 2."""
     for node, other in second.items():
-        if node.op != "call_function" or op_name(node) not in ARITHMETIC:
-            continue
-        ours, theirs = _numbers(node), _numbers(other)
-        if ours != theirs and len(ours) == len(theirs):
-            src = node.meta.get(SRC)
+        numbers = other_numbers(node, other)
+        if numbers is not None:
+            (ours, theirs), src = numbers, node.meta.get(SRC)
             where = f" at {src.at()}" if src is not None else ""
             return (f"{op_name(node)} by {ours[0]:g} in iteration 1 and by {theirs[0]:g} in "
                     f"iteration 2{where}")

@@ -22,6 +22,15 @@ def _numbers(node: torch.fx.Node) -> list:
             if isinstance(a, (int, float)) and not isinstance(a, bool)]
 
 
+def other_numbers(node: torch.fx.Node, other: torch.fx.Node) -> tuple[list, list] | None:
+    """``(node's numbers, other's)`` when the arithmetic op ``node`` carries other numbers than
+    the same op ``other`` of another iteration (positions and sizes aside), else ``None``."""
+    if node.op != "call_function" or op_name(node) not in ARITHMETIC:
+        return None
+    ours, theirs = _numbers(node), _numbers(other)
+    return (ours, theirs) if ours != theirs and len(ours) == len(theirs) else None
+
+
 def _reduced_sizes(node: torch.fx.Node) -> tuple | None:
     """The sizes a mean (or variance) reduces over, or ``None`` for other ops."""
     if node.op != "call_function" or op_name(node) not in AVERAGES:
@@ -38,10 +47,10 @@ def _differs(node: torch.fx.Node, last: torch.fx.Node) -> str:
     if node.op != "call_function":
         return ""
     name = op_name(node)
-    if name in ARITHMETIC:
-        ours, theirs = _numbers(node), _numbers(last)
-        if ours != theirs and len(ours) == len(theirs):
-            return f"{name} by {ours[0]:g} in a whole chunk, by {theirs[0]:g} in the partial one"
+    numbers = other_numbers(node, last)
+    if numbers is not None:
+        return f"{name} by {numbers[0][0]:g} in a whole chunk, by {numbers[1][0]:g} in the " \
+            "partial one"
     ours, theirs = _reduced_sizes(node), _reduced_sizes(last)
     if ours is not None and ours != theirs:
         return f"a {name} over {ours} elements in a whole chunk, over {theirs} in the partial one"
@@ -63,4 +72,4 @@ def length_dependent_number(whole: dict[torch.fx.Node, torch.fx.Node]) -> str:
     return ""
 
 
-__all__ = ["length_dependent_number"]
+__all__ = ["length_dependent_number", "other_numbers"]
