@@ -1075,6 +1075,18 @@ MUTATIONS = [
         "input_free_identity_sampled", "an invariant made from no input (torch.eye before the loop) is sampled at random by the delta rule's fit",
         (("ttt2la/lowering/lift_delta_rule.py", "value = node.meta.get(INPUT_FREE)", "value = None"),),
         ("tests/test_delta_spellings.py",), "householder"),
+    Mutation(
+        "padding_constant_unchecked", "a constant each padded token adds is not looked for at conversion",
+        (("ttt2la/conversion.py", "    found = _padding(layer)\n", "    found = \"\"\n"),),
+        ("tests/test_padded_chunk.py",), "constant_per_padded_token or lossy_conversion_refuses"),
+    Mutation(
+        "padding_verdict_left_on_built_loops", "loops built before the padding check keep padding partial chunks",
+        (("ttt2la/converted.py", "        self._loop_cache.clear()\n        self._outer_cache.clear()\n", ""),),
+        ("tests/test_padded_chunk.py",), "constant_per_padded_token"),
+    Mutation(
+        "padding_probe_failure_raw", "a padding probe the body cannot run escapes as a raw RuntimeError",
+        (("ttt2la/lowering/executors.py", "        except RuntimeError as e:       # a body whose shapes", "        except ZeroDivisionError as e:       # a body whose shapes"),),
+        ("tests/test_padded_chunk.py",), "cannot_run"),
 ]
 
 

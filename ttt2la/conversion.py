@@ -40,6 +40,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, r
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .gradient_stops import detached_state, unseen_stop
+from .padded_chunk import padding_changes
 from .testing import rel_rms_error, tolerance
 from .training_mode import evaluating, training_dependence
 from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
@@ -297,25 +298,29 @@ def _as_traced(state: ConvertedState, args: tuple, kwargs: dict):
 def _gradient_stop(layer: "_Layer") -> str:
     """Where the layer's loop stops gradients its plan would pass (``gradient_stops``): a
     detach of the fast weights in the trace, or gradients of the loop run as traced that
-    differ from the layer's own — the converted layer's loop when exact, else the loop as
-    recognized, before any pass, on a copy of the layer."""
-    rl, state = layer.rl, layer.state
-    found = detached_state(rl.program)
-    if found or state is None:
+    differ from the layer's own (``_exact_twin``)."""
+    found = detached_state(layer.rl.program)
+    if found or layer.state is None:
         return found
-    converted = rl.candidate.module
-    if not layer.exact:
-        try:
-            state, *_ = _build_state(rl, 0, None, "torch", False, _device(converted, rl))
-        except ConversionError:
-            return ""
-        if state is None:
-            return ""
-        converted = copy.deepcopy(layer.original)
-        install(converted, state)
-    args, kwargs = _layer_inputs(rl)
+    twin = layer.exact_twin()
+    if twin is None:
+        return ""
+    state, converted = twin
+    args, kwargs = _layer_inputs(layer.rl)
     with torch.compiler.set_stance("force_eager"), _as_traced(state, args, kwargs):
         return unseen_stop(layer.original, converted, args, kwargs)
+
+
+def _padding(layer: "_Layer") -> str:
+    """What zeros padded to a partial last chunk change in the layer (``padded_chunk``), judged
+    on its exact twin (``_exact_twin``)."""
+    twin = None if layer.state is None else layer.exact_twin()
+    if twin is None:
+        return ""
+    state, converted = twin
+    with torch.compiler.set_stance("force_eager"):
+        return padding_changes(layer.original, converted, state, *_layer_inputs(layer.rl),
+                               _as_traced)
 
 
 def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
@@ -371,6 +376,26 @@ class _Layer:
     exact: bool
     backend: str
     _at_step: dict = field(default_factory=dict)
+
+    def exact_twin(self) -> "tuple[ConvertedState, torch.nn.Module] | None":
+        """The layer converted exactly, for checks against the code as written: the converted
+        layer itself when its conversion is exact, else a copy of the original converted at
+        level 0 (None where level 0 does not convert); built once."""
+        if "twin" not in self._at_step:
+            twin = None
+            if self.exact:
+                twin = self.state, self.rl.candidate.module
+            else:
+                try:
+                    state, *_ = _build_state(self.rl, 0, None, "torch", False, self.device)
+                except ConversionError:
+                    state = None
+                if state is not None:
+                    converted = copy.deepcopy(self.original)
+                    install(converted, state)
+                    twin = state, converted
+            self._at_step["twin"] = twin
+        return self._at_step["twin"]
 
     def state_at(self, step: int, unfolded: "Prepared | None" = None):
         """The converted state after steps 1..``step`` (of the unfolded run, if given); the
@@ -508,6 +533,7 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     for layer in built:
         check = _checked(layer)
         _record_gradient_stop(layer)
+        _record_padding(layer)
         drifts.append({} if layer.exact else _step_drifts(layer, level))
         reports.append((layer, check))
     loss = None
@@ -558,6 +584,20 @@ def _checked(layer: _Layer) -> dict:
             "applied pass is exact; this is a bug in ttt2la — please report it with the "
             "model. Use strict=False at a lower level meanwhile.")
     return check
+
+
+def _record_padding(layer: _Layer) -> None:
+    """Keep what zero padding of a partial last chunk changes (``_padding``) on the layer's
+    program, its plans and its recipe, so calls with a partial chunk run as written (exact
+    conversions) or are refused (lossy ones), and say so in the report."""
+    found = _padding(layer)
+    if not found:
+        return
+    layer.state.refuse_padding(found)
+    if layer.state.recipe is not None:
+        layer.state.recipe.partial_chunk = found
+    layer.notes.append(f"partial last chunk: zero padding changes {found}; calls with one "
+                       + ("run as written" if layer.exact else "are refused"))
 
 
 def _record_gradient_stop(layer: _Layer) -> None:

@@ -143,6 +143,13 @@ class ConvertedState:
             self._recast[now] = state
         return state
 
+    def refuse_padding(self, why: str) -> None:
+        """Run no partial last chunk padded with zeros (``padded_chunk``): its program says
+        ``why``, and the loops built from the program before are built again from it."""
+        self.program.partial_chunk = why
+        self._loop_cache.clear()
+        self._outer_cache.clear()
+
     @property
     def schedule(self) -> str:
         return self.plan.schedule
@@ -471,6 +478,7 @@ class Recipe:
     args: tuple
     kwargs: dict
     gradient_stop: str = ""
+    partial_chunk: str = ""     # what zero padding of a partial last chunk changes
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -516,6 +524,8 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     state.as_written = AsWritten() if exact else None
     state.training_dependence = training_dependence(module, recipe.args, recipe.kwargs)
     state.gradient_stop = recipe.gradient_stop
+    if recipe.partial_chunk:
+        state.refuse_padding(recipe.partial_chunk)
     return state
 
 

@@ -150,7 +150,11 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
     non-finite reports a problem rather than guess.
     """
     for positive in (False, True):
-        verdict = _probe_padding(program, states0, invariants, layout, positive)
+        try:
+            verdict = _probe_padding(program, states0, invariants, layout, positive)
+        except RuntimeError as e:       # a body whose shapes the padded chunk does not fit
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return f"a probe of the padded chunk, which the loop's body could not run ({first})"
         if verdict != "non-finite":
             return verdict
     return "a probe of the padded chunk, which was not finite"
