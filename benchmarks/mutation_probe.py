@@ -1087,6 +1087,22 @@ MUTATIONS = [
         "padding_probe_failure_raw", "a padding probe the body cannot run escapes as a raw RuntimeError",
         (("ttt2la/lowering/executors.py", "        except RuntimeError as e:       # a body whose shapes", "        except ZeroDivisionError as e:       # a body whose shapes"),),
         ("tests/test_padded_chunk.py",), "cannot_run"),
+    Mutation(
+        "hoisted_ops_after_the_loop_counted", "ops after the loop on fixed weights alone are compared with the loop's apply step, not its hoisted ops",
+        (("ttt2la/frontend/rollup.py", "    ours = [n for n in tail_nodes if n in moving and n.target not in sliced]", "    ours = [n for n in tail_nodes if n.target not in sliced]"),),
+        ("tests/test_peeled_apply.py",), "converts_with_heads_as_an_axis"),
+    Mutation(
+        "peeled_apply_values_unmatched", "a last output after the loop is matched by its ops alone, not the values they read",
+        (("ttt2la/frontend/rollup.py", "            not all(same.op(a, b) for a, b in zip(ours, theirs)):", "            not all(True for a, b in zip(ours, theirs)):"),),
+        ("tests/test_peeled_apply.py",), "other_values"),
+    Mutation(
+        "failed_piece_half_advances", "a stream call that fails in a later layer keeps the states the earlier layers advanced",
+        (("ttt2la/stream.py", "            self.states = before\n", ""),),
+        ("tests/test_stream.py",), "advances_no_layer"),
+    Mutation(
+        "grad_mode_retry_skipped", "a model that fails only without gradients is told to pass other inputs",
+        (("ttt2la/validation.py", "needs_grad_mode(e) or _runs_with_gradients(model, args, kwargs)", "needs_grad_mode(e)"),),
+        ("tests/test_cli_inputs.py",), "only_with_gradients"),
 ]
 
 

@@ -543,3 +543,33 @@ def test_a_layer_whose_inner_gradient_needs_the_callers_grad_mode_is_told_what_t
                              r"as inference under torch\.no_grad\(\) does.*torch\.enable_grad\(\) "
                              r"with requires_grad_\(\)"):
         ttt2la.convert(layer, level=0, example_inputs=(x,))
+
+
+class _FastWeightMadeToRequireGrad(_GradOnlyInTraining):
+    """The fast weight made to require grad inside ``enable_grad`` only where it already can:
+    without gradients its expand of ``W0`` requires none, and ``autograd.grad`` fails with
+    another message than "does not require grad"."""
+
+    def forward(self, x):
+        k, v = self.kv(x).chunk(2, -1)
+        W = self.W0.expand(x.shape[0], -1, -1)
+        outs = []
+        for s in range(0, x.shape[1], 4):
+            kc, vc = k[:, s:s + 4], v[:, s:s + 4]
+            with torch.enable_grad():
+                Wg = W if W.requires_grad else W.detach().requires_grad_()
+                (g,) = torch.autograd.grad(-(kc @ W * vc).sum(), Wg, create_graph=True)
+            W = W - g
+            outs.append(kc @ W)
+        return torch.cat(outs, 1)
+
+
+def test_a_layer_that_runs_only_with_gradients_is_told_so_whatever_its_error():
+    layer = _FastWeightMadeToRequireGrad()
+    x = torch.randn(2, 8, 8)
+    layer(x)
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=r"The model runs here without gradients, as inference under "
+                             r"torch\.no_grad\(\) does") as refused:
+        ttt2la.convert(layer, level=0, example_inputs=(x,))
+    assert "pass inputs the model accepts" not in str(refused.value)

@@ -145,6 +145,31 @@ def test_stream_decodes_a_whole_model_piece_by_piece(lm, split):
         assert torch.equal(conv(ids), conv(ids))
 
 
+def test_a_piece_that_fails_in_a_later_layer_advances_no_layer(lm):
+    """The first block has run on the piece when the second fails: the stream keeps every
+    layer where the previous piece ended, and the next pieces equal the whole sequence."""
+    model, conv = lm
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(5))
+    stream = ttt2la.Stream(conv)
+
+    def refuse(_module, _args):
+        raise ValueError("this piece is refused")
+
+    with torch.no_grad():
+        ref = model(ids)
+        first = stream.stream(ids[:, :5])
+        handle = conv.blocks[1].ttt.register_forward_pre_hook(refuse)
+        try:
+            with pytest.raises(ValueError, match="refused") as failed:
+                stream.stream(ids[:, 5:8])
+        finally:
+            handle.remove()
+        assert stream.tokens == 5 and all(v.tokens == 5 for v in stream.states.values())
+        assert any("no layer's state advanced" in n for n in failed.value.__notes__)
+        rest = stream.stream(ids[:, 5:])
+    assert rel_rms_error(torch.cat([first, rest], 1), ref) <= TOLERANCE[torch.float32]
+
+
 class _SharedAcrossDepth(torch.nn.Module):
     """One TTT layer run ``runs`` times per call (weights shared across depth)."""
 

@@ -274,14 +274,22 @@ class Stream:
         return 0 if first is None else first.tokens
 
     def stream(self, *args, **kwargs):
-        """``model(*args, **kwargs)`` on the next piece of the sequence."""
+        """``model(*args, **kwargs)`` on the next piece of the sequence. A call that fails
+        advances nothing: layers that ran before the failing one keep the states they had, so
+        the stream stays where the previous piece ended."""
         handles = []
         self._runs = dict.fromkeys(self.layers, 0)
+        before = dict(self.states)
         try:
             for path, layer in self.layers.items():
                 handles.append(layer.register_forward_pre_hook(self._pre(path), with_kwargs=True))
                 handles.append(layer.register_forward_hook(self._post(path)))
             y = self.model(*args, **kwargs)
+        except BaseException as e:
+            self.states = before
+            e.add_note("ttt2la.Stream: no layer's state advanced; the stream is where the "
+                       "previous piece ended.")
+            raise
         finally:
             for h in handles:
                 h.remove()

@@ -175,10 +175,22 @@ def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> N
             (f" and {len(leaves) - 8} more" if len(leaves) > 8 else "")
         raise InvalidInputError(
             f"{type(model).__name__} fails on the example inputs ({shapes}){_where(e)}: "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            + (NEEDS_GRAD_MODE if needs_grad_mode(e) else
-               " — pass inputs the model accepts (dtype, width, token ids below the vocabulary "
-               "size)")) from e
+            f"{type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0].rstrip('.') if str(e).strip() else ''}"
+            + (NEEDS_GRAD_MODE if needs_grad_mode(e) or _runs_with_gradients(model, args, kwargs)
+               else " — pass inputs the model accepts (dtype, width, token ids below the "
+               "vocabulary size)")) from e
+
+
+def _runs_with_gradients(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``model``, which failed without gradients, runs while they are recorded: then
+    its inputs are fine and its code needs gradient mode."""
+    try:
+        with torch.enable_grad(), torch.compiler.set_stance("force_eager"):
+            model(*args, **kwargs)
+    except Exception:
+        return False
+    return True
 
 
 #: What to do when a layer's inner gradient works only while the caller records gradients.

@@ -651,7 +651,8 @@ def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
         collector, axis, y_tail, removable = _gathered_by_cat(u, out_node)
         stacked = collector.target is aten.stack.default
     removable.add(collector)
-    tail_nodes = [] if y_tail is None else _peeled_apply(u, states, updated, out_node, y_tail)
+    tail_nodes = [] if y_tail is None else _peeled_apply(u, inputs, states, updated, out_node,
+                                                         y_tail)
     _check_count(u, inputs.first, peeled=y_tail is not None)
     return Tail("inclusive" if out_node in updated else "exclusive", truncated,
                 y_tail is not None, collector, axis, stacked, tail_nodes, removable)
@@ -746,10 +747,12 @@ def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
     return collector, axis, (extra[0] if extra else None), set()
 
 
-def _peeled_apply(u: Unrolled, states: States, updated: set, out_node: torch.fx.Node,
-                  y_tail: torch.fx.Node) -> list[torch.fx.Node]:
+def _peeled_apply(u: Unrolled, inputs: Inputs, states: States, updated: set,
+                  out_node: torch.fx.Node, y_tail: torch.fx.Node) -> list[torch.fx.Node]:
     """The code after the loop that computes the last chunk's output ``y_tail``; it must run
-    the body's apply ops (those that do not read the update), slicing aside."""
+    the body's apply ops (those that do not read the update), slicing aside. Its ops on values
+    from before the loop alone (an ``einsum``'s permute of a fixed weight) are the loop's
+    hoisted ones computed again, matched against those."""
     stack, seen = [y_tail], set()
     while stack:
         n = stack.pop()
@@ -758,15 +761,66 @@ def _peeled_apply(u: Unrolled, states: States, updated: set, out_node: torch.fx.
         seen.add(n)
         stack.extend(_input_nodes(n))
     tail_nodes = sorted(seen, key=u.order.get)
+    sliced = SLICE_TARGETS | SELECT_TARGETS
+    moving: set[torch.fx.Node] = set()      # reads the last chunk's tokens or the loop's states
+    for n in tail_nodes:
+        if n.target in sliced or any(a in u.in_loop or a in moving for a in _input_nodes(n)):
+            moving.add(n)
     apply_nodes = [n for n in states.body_nodes if n not in updated and
                    (n is out_node or _reaches(n, out_node))]
 
-    def strip(ns):
-        return [n.target for n in ns if n.target not in SLICE_TARGETS | SELECT_TARGETS]
-    if strip(tail_nodes) != strip(apply_nodes):
+    ours = [n for n in tail_nodes if n in moving and n.target not in sliced]
+    theirs = [n for n in apply_nodes if n.target not in sliced]
+    same = _SameValues(u, inputs.hoisted, sliced)
+    if [n.target for n in ours] != [n.target for n in theirs] or \
+            not all(same.op(a, b) for a, b in zip(ours, theirs)):
         raise u.fail("code after the loop computes a last output that is not the loop's own "
                      "apply step")
     return tail_nodes
+
+
+class _SameValues:
+    """Whether an op after the loop computes what an op of the loop body does: its arguments
+    are the same values — past slicing (the last chunk's tokens, a partial one's shape aside),
+    the same value from before the loop, the loop's ops matched so far (``op``), a state, or
+    loop-invariant code computed again after the loop (the same ops on the same values)."""
+
+    def __init__(self, u: Unrolled, hoisted: set, sliced: frozenset):
+        self.u, self.hoisted, self.sliced = u, hoisted, sliced
+        self.matched: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def _origin(self, n):
+        while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in self.sliced:
+            n = n.args[0]
+        return n
+
+    def op(self, ours: torch.fx.Node, theirs: torch.fx.Node) -> bool:
+        ok = self._args(ours, theirs)
+        self.matched[ours] = theirs
+        return ok
+
+    def _args(self, ours: torch.fx.Node, theirs: torch.fx.Node) -> bool:
+        a = [*ours.args, *ours.kwargs.values()]
+        b = [*theirs.args, *theirs.kwargs.values()]
+        return len(a) == len(b) and list(ours.kwargs) == list(theirs.kwargs) and \
+            all(self._value(x, y) for x, y in zip(a, b))
+
+    def _value(self, x, y) -> bool:
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            return len(x) == len(y) and all(self._value(p, q) for p, q in zip(x, y))
+        if not isinstance(x, torch.fx.Node) or not isinstance(y, torch.fx.Node):
+            # sizes follow the chunk's length; every other number must be the same
+            return isinstance(x, int) and isinstance(y, int) or x == y
+        x, y = self._origin(x), self._origin(y)
+        if x is y:
+            return True
+        if x in self.matched:
+            return self.matched[x] is y
+        u = self.u
+        if x in u.in_loop and y in u.in_loop:
+            return True                     # a state: the last one, as the body reads its own
+        return (x.op == "call_function" and u.order[x] >= u.first_pos and y in self.hoisted
+                and x.target == y.target and self._args(x, y))
 
 
 def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
