@@ -1103,6 +1103,10 @@ MUTATIONS = [
         "grad_mode_retry_skipped", "a model that fails only without gradients is told to pass other inputs",
         (("ttt2la/validation.py", "needs_grad_mode(e) or _runs_with_gradients(model, args, kwargs)", "needs_grad_mode(e)"),),
         ("tests/test_cli_inputs.py",), "only_with_gradients"),
+    Mutation(
+        "narrow_state_called_a_bug", "a state stored narrower than the loop computes is reported as a bug of the lowering",
+        (("ttt2la/conversion.py", "        if narrow:\n", "        if False:\n"),),
+        ("tests/test_refusal_messages.py",), "narrower"),
 ]
 
 

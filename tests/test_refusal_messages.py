@@ -230,3 +230,40 @@ def test_an_empty_sequence_under_a_lossy_conversion_is_refused_naming_the_layer(
     message = str(refused.value)
     assert "the loop at" in message and "empty sequence (length 0)" in message, message
     assert "Skip the call" in message, message
+
+
+class NarrowState(nn.Module):
+    """Fast weights computed in float32 and stored in bfloat16 after every chunk."""
+
+    def __init__(self, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.C = chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = torch.zeros(B, D, D, dtype=torch.bfloat16)
+        outs = []
+        for s in range(0, T, self.C):
+            outs.append(q[:, s:s + self.C] @ W.float())
+            W = (W.float() + 0.1 * k[:, s:s + self.C].mT @ v[:, s:s + self.C]).bfloat16()  # <- named
+        return torch.cat(outs, 1)
+
+
+def test_a_state_stored_narrower_than_the_loop_computes_is_named_so():
+    """Not a bug of the lowering: the per-step rounding is the function, no parallel plan
+    repeats it; the message names the state, its dtype and line, and the remedies."""
+    torch.manual_seed(0)
+    layer = NarrowState()
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    msg = str(refused.value)
+    assert "keeps state W in bfloat16" in msg and "computing in float32" in msg
+    assert f"{HERE}:{_line_of(NarrowState.forward)}" in msg and "backend='naive'" in msg
+    assert "bug" not in msg
+    exact = ttt2la.convert(layer, level=0, backend="naive",
+                           example_inputs=(torch.randn(2, 16, 8),))
+    x = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        assert torch.allclose(exact(x), layer(x), rtol=0, atol=1e-6)

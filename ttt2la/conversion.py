@@ -343,6 +343,15 @@ def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
     result["plan"] = loop.plan.implementation
     if not result["ok"]:
         bad = {k: v for k, v in result.items() if isinstance(v, dict) and not v["ok"]}
+        narrow = _narrow_state(state.program)
+        if narrow:
+            raise UnsupportedTTTError(
+                f"{rl.path or 'the model'} ({state.program.loop_src}) keeps {narrow} between "
+                f"iterations: the rounding after every step is part of the function it computes, "
+                f"and a parallel plan, which never stores the state step by step, cannot repeat "
+                f"it (its plan {loop.plan.implementation} differs by {bad}). Keep the state in "
+                "the precision the loop computes in, or convert with backend='naive' to run the "
+                "loop step by step, exactly.")
         raise ConversionError(
             f"the lowered plan {loop.plan.implementation} of {rl.path or 'the model'} "
             f"({state.program.loop_src}) does not compute what the rewritten loop computes run "
@@ -350,6 +359,21 @@ def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
             "is a bug in ttt2la's lowering — please report it with the model; meanwhile "
             "convert with backend='naive' (the recurrent reference) or a lower level.")
     return result
+
+
+def _narrow_state(program) -> str:
+    """``"state W in bfloat16 (at f.py:12), computing in float32"`` for a state the loop stores
+    in a floating dtype narrower than its streams', else ``""``."""
+    streams = [program.invariants[s.source].dtype for s in program.streams]
+    wide = max((d for d in streams if d.is_floating_point), key=lambda d: torch.finfo(d).bits,
+               default=None)
+    for spec in program.states:
+        if wide is not None and spec.dtype.is_floating_point and \
+                torch.finfo(spec.dtype).bits < torch.finfo(wide).bits:
+            where = f" (written at {spec.src})" if spec.src else ""
+            return (f"state {spec.name} in {str(spec.dtype).replace('torch.', '')}{where}, "
+                    f"computing in {str(wide).replace('torch.', '')},")
+    return ""
 
 
 def _device(module: torch.nn.Module, rl: RecognizedLayer):
