@@ -1107,6 +1107,10 @@ MUTATIONS = [
         "narrow_state_called_a_bug", "a state stored narrower than the loop computes is reported as a bug of the lowering",
         (("ttt2la/conversion.py", "        if narrow:\n", "        if False:\n"),),
         ("tests/test_refusal_messages.py",), "narrower"),
+    Mutation(
+        "chunk_end_token_unnamed", "a token read once per chunk straight from the sequence gets the generic refusal",
+        (("ttt2la/frontend/rollup.py", "            n2.args[2] - n.args[2] > 1:", "            n2.args[2] - n.args[2] > 10 ** 9:"),),
+        ("tests/test_refusal_messages.py",), "once_per_chunk"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
-to another layer, a call at length 0."""
+to another layer, a call at length 0, a state stored narrower than the loop computes, a token
+read once per chunk straight from the sequence."""
 from __future__ import annotations
 
 import inspect
@@ -267,3 +268,40 @@ def test_a_state_stored_narrower_than_the_loop_computes_is_named_so():
     x = torch.randn(2, 12, 8)
     with torch.no_grad():
         assert torch.allclose(exact(x), layer(x), rtol=0, atol=1e-6)
+
+
+class ChunkEndGate(nn.Module):
+    """A memory decayed per chunk by the gate of the chunk's last token, read as
+    ``g[:, e - 1]`` (``"index"``) or ``g[:, s:e][:, -1]`` (``"slice"``)."""
+
+    def __init__(self, spelling: str, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.spelling, self.C = spelling, chunk
+        self.qkv, self.g = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 1)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        g = torch.sigmoid(self.g(x))[..., 0]
+        W = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, self.C):
+            e = min(s + self.C, T)
+            outs.append(q[:, s:e] @ W)
+            last = g[:, e - 1] if self.spelling == "index" else g[:, s:e][:, -1]  # <- named
+            W = W * last[:, None, None] + k[:, s:e].mT @ v[:, s:e]
+        return torch.cat(outs, 1)
+
+
+def test_a_token_read_once_per_chunk_from_the_sequence_is_named_with_the_spelling_that_converts():
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(ChunkEndGate("index"), level=0, example_inputs=(x,))
+    msg = str(refused.value)
+    assert "reads one token of every chunk" in msg and "4 apart" in msg
+    assert "Take the chunk first" in msg and f"{HERE}:{_line_of(ChunkEndGate.forward)}" in msg
+    layer = ChunkEndGate("slice")
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)

@@ -312,6 +312,14 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
     offset = _offset_start(n, n2)
     if offset:
         return _starts_at_offset(what, offset, loop)
+    if n.target in SELECT_TARGETS and n2.args[0] is n.args[0] and len(n.args) > 2 and \
+            isinstance(n.args[2], int) and isinstance(n2.args[2], int) and \
+            n2.args[2] - n.args[2] > 1:
+        step = n2.args[2] - n.args[2]
+        return (f"{what} reads one token of every chunk (index {n.args[2]}, then "
+                f"{n2.args[2]}: {step} apart) straight from the sequence. Take the chunk first "
+                "and index inside it — `g[:, s:e][:, -1]` for the chunk's last token, not "
+                "`g[:, e - 1]` — so the loop reads the chunk as a stream")
     return (f"{what} changes between iterations, and is neither the next chunk or token of the "
             "sequence nor a state carried from the last iteration")
 
