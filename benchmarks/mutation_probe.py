@@ -1111,6 +1111,10 @@ MUTATIONS = [
         "chunk_end_token_unnamed", "a token read once per chunk straight from the sequence gets the generic refusal",
         (("ttt2la/frontend/rollup.py", "            n2.args[2] - n.args[2] > 1:", "            n2.args[2] - n.args[2] > 10 ** 9:"),),
         ("tests/test_refusal_messages.py",), "once_per_chunk"),
+    Mutation(
+        "longer_table_unnamed", "a table longer than the sequence, read at the loop's index, gets the generic count mismatch",
+        (("ttt2la/frontend/rollup.py", "    table = _longer_table(u, inputs, peeled) if u.n_iter != expected else None\n", "    table = None\n"),),
+        ("tests/test_refusal_messages.py",), "longer_than_the_sequence"),
 ]
 
 

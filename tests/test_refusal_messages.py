@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence."""
+read once per chunk straight from the sequence, a table longer than the sequence."""
 from __future__ import annotations
 
 import inspect
@@ -302,6 +302,43 @@ def test_a_token_read_once_per_chunk_from_the_sequence_is_named_with_the_spellin
     assert "reads one token of every chunk" in msg and "4 apart" in msg
     assert "Take the chunk first" in msg and f"{HERE}:{_line_of(ChunkEndGate.forward)}" in msg
     layer = ChunkEndGate("slice")
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)
+
+
+class RateTable(nn.Module):
+    """A rate per position kept in a buffer sized for the longest sequence, read chunk by
+    chunk at the loop's index (``"in_loop"``) or sliced to the sequence before it."""
+
+    def __init__(self, where: str, d: int = 8, chunk: int = 4, longest: int = 64):
+        super().__init__()
+        self.where, self.C = where, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.register_buffer("lr_table", 1.0 / torch.sqrt(1.0 + torch.arange(longest).float()))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        table = self.lr_table if self.where == "in_loop" else self.lr_table[:T]
+        W = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, self.C):
+            lr = table[s:s + self.C][None, :, None]  # <- named
+            outs.append(q[:, s:s + self.C] @ W)
+            W = W + (k[:, s:s + self.C] * lr).mT @ v[:, s:s + self.C]
+        return torch.cat(outs, 1)
+
+
+def test_a_table_longer_than_the_sequence_is_named_with_the_slice_that_converts():
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(RateTable("in_loop"), level=0, example_inputs=(x,))
+    msg = str(refused.value)
+    assert "reads table, which has 64 rows" in msg and "`table[:T]`" in msg, msg
+    assert f"{HERE}:{_line_of(RateTable.forward)}" in msg
+    layer = RateTable("sliced")
     conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
     with torch.no_grad():
         assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)

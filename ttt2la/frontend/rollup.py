@@ -661,7 +661,7 @@ def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
     removable.add(collector)
     tail_nodes = [] if y_tail is None else _peeled_apply(u, inputs, states, updated, out_node,
                                                          y_tail)
-    _check_count(u, inputs.first, peeled=y_tail is not None)
+    _check_count(u, inputs, peeled=y_tail is not None)
     return Tail("inclusive" if out_node in updated else "exclusive", truncated,
                 y_tail is not None, collector, axis, stacked, tail_nodes, removable)
 
@@ -831,9 +831,10 @@ class _SameValues:
                 and x.target == y.target and self._args(x, y))
 
 
-def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
-    """The loop ran once per chunk of the sequence ``stream`` is sliced from (one fewer when
-    the last chunk is applied after it)."""
+def _check_count(u: Unrolled, inputs: Inputs, peeled: bool) -> None:
+    """The loop ran once per chunk of the sequence its first stream is sliced from (one fewer
+    when the last chunk is applied after it)."""
+    stream = inputs.first
     seq_len = stream.source.meta["val"].shape[stream.axis]
     n_chunks = seq_len if stream.per_token else -(-seq_len // stream.chunk)
     expected = n_chunks - 1 if peeled else n_chunks
@@ -843,10 +844,35 @@ def _check_count(u: Unrolled, stream: ChunkStream, peeled: bool) -> None:
                      f"{stream.chunk}, leaving the last {seq_len % stream.chunk} tokens out; such "
                      f"a layer converts from example inputs whose length is a multiple of "
                      f"{stream.chunk}", WholeChunksOnly)
+    table = _longer_table(u, inputs, peeled) if u.n_iter != expected else None
+    if table is not None:
+        raise u.fail(table)
     if u.n_iter != expected:
         raise u.fail(f"the loop ran {u.n_iter} iterations over {seq_len} tokens in chunks of "
                      f"{stream.chunk}; expected {expected}")
 
+
+
+def _longer_table(u: Unrolled, inputs: Inputs, peeled: bool) -> str | None:
+    """Why the loop ran fewer iterations than its first stream has chunks, where another
+    stream's tokens account for them: the first is a table longer than the sequence (rotary
+    angles, a rate per position, sized for the longest sequence), read at the loop's index."""
+    def chunks(s: ChunkStream) -> int:
+        n = s.source.meta["val"].shape[s.axis]
+        return (n if s.per_token else -(-n // s.chunk)) - (1 if peeled else 0)
+    counted = [s for s in inputs.streams.values() if chunks(s) == u.n_iter]
+    longer = [(n, s) for n, s in inputs.streams.items() if chunks(s) > u.n_iter]
+    if not counted or not longer:
+        return None
+    node, s = longer[0]
+    rows = s.source.meta["val"].shape[s.axis]
+    tokens = counted[0].source.meta["val"].shape[counted[0].axis]
+    name = stream_name(node.meta.get(SRC), 0, 1) or "the table"
+    return (f"{describe_node(node)} reads {name}, which has {rows} rows, one "
+            f"{'row' if s.per_token else 'chunk of rows'} per iteration, where the traced "
+            f"sequence has {tokens} tokens: a table sized for the longest sequence (rotary angles, a rate per "
+            f"position). Slice it to the sequence's length before the loop (`{name}[:T]`), so "
+            "the loop reads it as a stream of the sequence")
 
 # -- phase 5: the body ------------------------------------------------------------------------
 
