@@ -182,6 +182,24 @@ def window_positions(q, k, S, T, W):
     return S
 
 
+def halved_every_ten(q, k, S, T):
+    for j, s in enumerate(range(0, T, C)):
+        i = s // C                                  # the counter again: by the loop's step
+        lr = 0.1 * 0.5 ** (j // 10) if i > 0 else 0.2
+        S = S + lr * k[:, s:s + C].mT @ k[:, s:s + C]
+    return S
+
+
+def while_counter(q, k, S, T):
+    s = 0
+    while s < T:
+        S = S + k[:, s:s + C].sum()
+        if s % 64 == 0:
+            S = S * 0
+        s += C
+    return S
+
+
 @pytest.mark.parametrize("fn,origin", [
     (slices_and_bounds, None),
     (first_and_last, None),
@@ -190,6 +208,8 @@ def window_positions(q, k, S, T, W):
     (clamped_schedule, "min(t, 100)"),
     (rounded_schedule, "round(t / 1000)"),
     (membership, "t in (5, 900)"),
+    (halved_every_ten, "j // 10"),
+    (while_counter, "s % 64"),
     (ChunkMemory.forward, "j % R"),
 ], ids=lambda v: getattr(v, "__name__", v))
 def test_the_source_analysis_tells_steps_from_positions_and_ends(fn, origin):
