@@ -86,12 +86,20 @@ def index_step(loop: LoopSite, ran: frozenset[int] | None = None) -> Finding | N
     ``ran``: the lines of the loop body the traces ran ops at (a branch of the configuration
     the traces never took is not read)."""
     src = loop_source(loop)
-    if src is None:
+    if src is None or _fixed_count(src.stmt):
         return None
     roots = index_names(src)
     if not roots:
         return None
     return IndexFlow(src, {name: Index(name) for name in roots}, ran).run()
+
+
+def _fixed_count(stmt: ast.AST) -> bool:
+    """A ``for`` over ``range`` of numbers written out (``range(3)``): it runs as often at every
+    length, so the traces run all its iterations."""
+    header = getattr(stmt, "iter", None)
+    return isinstance(header, ast.Call) and call_name(header) == "range" and \
+        all(isinstance(a, ast.Constant) for a in header.args)
 
 
 def _code(file: str, line: int) -> str:
