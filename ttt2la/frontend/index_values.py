@@ -27,7 +27,7 @@ from .loops import LoopSite
 def index_names(src: LoopSource) -> set[str]:
     """The loop's index variables: ``range`` targets (in ``enumerate``, ``zip``, ``reversed``),
     ``enumerate`` counters, targets the body slices with, and counters started at a number
-    before the loop and stepped by ``+=`` in it (a ``while`` loop's included)."""
+    before the loop and stepped by a number in it (``n += C``; a ``while`` loop's included)."""
     stmt, found = src.stmt, set()
     if isinstance(stmt, ast.For):
         found |= _range_targets(stmt.target, stmt.iter)
@@ -36,7 +36,8 @@ def index_names(src: LoopSource) -> set[str]:
                if isinstance(v, ast.Constant) and type(v.value) in (int, float)}
     for node in ast.walk(stmt):
         if isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Add, ast.Sub)) \
-                and isinstance(node.target, ast.Name) and node.target.id in started:
+                and isinstance(node.target, ast.Name) and node.target.id in started \
+                and src.is_number(node.value):
             found.add(node.target.id)
     return found
 
