@@ -1115,6 +1115,29 @@ MUTATIONS = [
         "longer_table_unnamed", "a table longer than the sequence, read at the loop's index, gets the generic count mismatch",
         (("ttt2la/frontend/rollup.py", "    table = _longer_table(u, inputs, peeled) if u.n_iter != expected else None\n", "    table = None\n"),),
         ("tests/test_refusal_messages.py",), "longer_than_the_sequence"),
+    Mutation(
+        "index_steps_unread", "a value of the loop index made by a step (`j % R`, `j < 10`) is never looked for in the loop's source",
+        (("ttt2la/frontend/rollup.py", "    refuse_index_steps(loop, u.lines_run())", "    pass"),),
+        ("tests/test_index_values.py",), "beyond_the_traces"),
+    Mutation(
+        "index_modulo_not_a_step", "`%` of the loop index passes as a value that moves every iteration",
+        (("ttt2la/frontend/index_flow.py", "STEP_OPS = (ast.Mod, ast.FloorDiv,", "STEP_OPS = (ast.FloorDiv,"),),
+        ("tests/test_index_values.py",), "beyond_the_traces"),
+    Mutation(
+        "index_comparison_taken_for_an_end", "every comparison of the loop index is read as a test of the first or last iteration",
+        (("ttt2la/frontend/index_flow.py",
+          "        if isinstance(other, ast.Constant) and other.value in (0, 1):", "        if True:"),),
+        ("tests/test_index_values.py",), "beyond_the_traces or source_analysis"),
+    Mutation(
+        "index_untaken_arms_read", "a switch of the configuration is read in the arm the traces never ran, refusing a layer that never runs it",
+        (("ttt2la/frontend/index_flow.py", "            if len(live) == 1:", "            if False:"),),
+        ("tests/test_index_values.py",), "remedy or legitimate"),
+    Mutation(
+        "enumerate_counter_unread", "an `enumerate` counter is no index variable of the loop",
+        (("ttt2la/frontend/index_values.py",
+          "        first = {target.elts[0].id} if isinstance(target.elts[0], ast.Name) else set()",
+          "        first = set()"),),
+        ("tests/test_index_values.py",), "beyond_the_traces"),
 ]
 
 

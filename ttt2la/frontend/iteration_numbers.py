@@ -37,9 +37,10 @@ def refuse_iteration_numbers(second: dict, loop_src) -> None:
         raise UnsupportedTTTError(
             f"the loop at {loop_src} computes with a number that depends on the loop index "
             f"({found}): a trace holds it as a constant of each iteration, so one body cannot "
-            "run every chunk. Compute it as a tensor before the loop, one value per token or "
-            "per chunk (for example `1 / torch.arange(1, N + 1)` for the chunks' step sizes), "
-            "and read it in the loop like the keys and values.")
+            "run every chunk. Compute it before the loop as a tensor of one value per token "
+            "(for the chunks' step sizes `1 / (i + 1)`: `rate = 1 / (torch.arange(T, "
+            "device=x.device) // C + 1)`), and read it in the loop like the keys and values: "
+            "the chunk's value as `rate[s:e].amax()`, a token's as `rate[t]`.")
 
 
 __all__ = ["iteration_number", "refuse_iteration_numbers"]

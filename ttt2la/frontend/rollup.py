@@ -38,9 +38,10 @@ from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS
 from ..errors import UnsupportedTTTError
 from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
+from .index_values import refuse_index_steps
 from .iteration_numbers import refuse_iteration_numbers
 from .partial_chunk import length_dependent_number
-from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of,
+from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of, node_frames,
                     split_iterations)
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import (PIECE_NAME, assigned_name, keyed_initial_names, state_names,
@@ -121,6 +122,7 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     into a ``TTTProgram``; ``gm`` becomes the outer graph, rewritten in place (the caller passes
     a copy). Each phase below reads the ones before it and refuses what it cannot explain."""
     u = unroll(gm, loop, depth)
+    refuse_index_steps(loop, u.lines_run())
     if u.n_iter > 3:            # with three, iteration 2 is the last, which may be partial
         refuse_iteration_numbers(u.in_iteration(2), loop.src)
     inputs = classify_inputs(u)
@@ -176,6 +178,12 @@ class Unrolled:
     def fail(self, msg: str,
              kind: type[UnsupportedTTTError] = UnsupportedTTTError) -> UnsupportedTTTError:
         return _fail(msg, self.loop, kind)
+
+    def lines_run(self) -> frozenset[int]:
+        """The lines of the loop's body some traced op comes from (a helper's ops by the line
+        that calls it)."""
+        return frozenset(node_frames(n)[d].line for n in self.in_loop
+                         if (d := loop_depth(n, self.loop)) is not None)
 
 
 def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:

@@ -138,8 +138,10 @@ def index_branch(iters: list[list[torch.fx.Node]], j: int, depth: int, loop: Loo
             "some iterations and not in others. ttt2la converts loops whose iterations all run "
             "the same ops. Make the period the loop's step: for an update every C tokens, a "
             "loop over chunks of C tokens (`for s in range(0, T, C)`) that reads the chunk's "
-            "tokens and updates at the end of each chunk; for a state reset every R chunks, "
-            "one call of the layer per stretch of R chunks")
+            "tokens and updates at the end of each chunk; for a state reset every R chunks, a "
+            "product by a tensor made before the loop, one value per token (`keep = "
+            "(torch.arange(T, device=x.device) // C % R != 0).to(x.dtype)`, then `S = "
+            "keep[s:e].amax() * S`), or one call of the layer per stretch of R chunks")
 
 
 __all__ = ["strided_reads", "index_branch"]
