@@ -1138,6 +1138,10 @@ MUTATIONS = [
           "        first = {target.elts[0].id} if isinstance(target.elts[0], ast.Name) else set()",
           "        first = set()"),),
         ("tests/test_index_values.py",), "beyond_the_traces"),
+    Mutation(
+        "last_iteration_unnamed", "a last iteration that runs other ops is refused without the op, its line or the remedy",
+        (("ttt2la/frontend/rollup.py", "        raise u.fail(_last_iteration_differs(u))\n", "        raise u.fail(\"the last iteration differs from the others\")\n"),),
+        ("tests/test_refusal_messages.py",), "padding_its_own"),
 ]
 
 

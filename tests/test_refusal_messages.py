@@ -1,13 +1,14 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk."""
 from __future__ import annotations
 
 import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import ttt2la
@@ -342,3 +343,38 @@ def test_a_table_longer_than_the_sequence_is_named_with_the_slice_that_converts(
     conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
     with torch.no_grad():
         assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)
+
+
+class PadsItsLastChunk(nn.Module):
+    """A loop that pads its own partial last chunk (``if n < C``), which ttt2la does itself."""
+
+    def __init__(self, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.C = chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, self.C):
+            qc, kc, vc = q[:, s:s + self.C], k[:, s:s + self.C], v[:, s:s + self.C]
+            n = qc.shape[1]
+            if n < self.C:
+                qc = F.pad(qc, (0, 0, 0, self.C - n))  # <- named
+                kc, vc = F.pad(kc, (0, 0, 0, self.C - n)), F.pad(vc, (0, 0, 0, self.C - n))
+            W = W + kc.mT @ vc
+            outs.append((qc @ W)[:, :n])
+        return torch.cat(outs, 1)
+
+
+def test_a_loop_padding_its_own_last_chunk_is_named_so():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(PadsItsLastChunk(), level=0, example_inputs=(torch.randn(2, 14, 8),))
+    msg = str(refused.value)
+    assert "the last iteration runs other ops than the others" in msg
+    assert "from aten.constant_pad_nd.default at " in msg
+    assert f"{HERE}:{_line_of(PadsItsLastChunk.forward)} in forward on" in msg
+    assert "ttt2la pads a partial last chunk itself" in msg

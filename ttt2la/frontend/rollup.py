@@ -658,7 +658,7 @@ def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
         [iteration_key(n, u.depth) for n in u.iters[1]]
     map_last = u.in_iteration(u.n_iter - 1)
     if truncated and all(o in map_last for o in states.carried.values()):
-        raise u.fail("the last iteration differs from the others")
+        raise u.fail(_last_iteration_differs(u))
     if states.buffer is not None:
         collector, axis, y_tail, removable = _gathered_in_buffer(u, states.buffer)
         stacked = states.buffer.stacked
@@ -672,6 +672,22 @@ def order_and_tail(u: Unrolled, inputs: Inputs, states: States,
     _check_count(u, inputs, peeled=y_tail is not None)
     return Tail("inclusive" if out_node in updated else "exclusive", truncated,
                 y_tail is not None, collector, axis, stacked, tail_nodes, removable)
+
+
+def _last_iteration_differs(u: Unrolled) -> str:
+    """Why the last iteration is not the others' body with the update dropped: the first op
+    where it departs from iteration 1, its line, and what to do."""
+    last = [(iteration_key(n, u.depth), n) for n in u.iters[-1]]
+    first = [(iteration_key(n, u.depth), n) for n in u.iters[1]]
+    at = next((i for i, (a, b) in enumerate(zip(last, first)) if a[0] != b[0]),
+              min(len(last), len(first)))
+    longer = last if at < len(last) else first
+    node = longer[at][1] if at < len(longer) else None
+    where = f": from {describe_node(node)} on" if node is not None else ""
+    return ("the last iteration runs other ops than the others" + where + " — code for a "
+            "partial last chunk (padding it, an `if` on its length) or a last step of its own. "
+            "ttt2la pads a partial last chunk itself: drop that code and let the loop take the "
+            "short slice as it comes")
 
 
 def _update_dependents(states: States) -> set[torch.fx.Node]:
