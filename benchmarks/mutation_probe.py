@@ -1142,6 +1142,10 @@ MUTATIONS = [
         "last_iteration_unnamed", "a last iteration that runs other ops is refused without the op, its line or the remedy",
         (("ttt2la/frontend/rollup.py", "        raise u.fail(_last_iteration_differs(u))\n", "        raise u.fail(\"the last iteration differs from the others\")\n"),),
         ("tests/test_refusal_messages.py",), "padding_its_own"),
+    Mutation(
+        "prepended_piece_unnamed", "outputs joined after another piece get the generic order refusal",
+        (("ttt2la/frontend/rollup.py", "        if first and pieces[first:first + len(per_iter)] == per_iter:", "        if False:"),),
+        ("tests/test_refusal_messages.py",), "joined_after_another_piece"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece."""
 from __future__ import annotations
 
 import inspect
@@ -378,3 +378,39 @@ def test_a_loop_padding_its_own_last_chunk_is_named_so():
     assert "from aten.constant_pad_nd.default at " in msg
     assert f"{HERE}:{_line_of(PadsItsLastChunk.forward)} in forward on" in msg
     assert "ttt2la pads a partial last chunk itself" in msg
+
+
+class JoinedAfterAZeroRow(nn.Module):
+    """Next-token binding whose first output, a zero row, is the first piece of the list the
+    loop appends to (``"list"``), or padded onto the joined outputs (``"pad"``)."""
+
+    def __init__(self, join: str, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.join, self.C = join, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k, v, q = k[:, :-1], v[:, 1:], q[:, 1:]
+        W = x.new_zeros(B, D, D)
+        outs = [x.new_zeros(B, 1, D)] if self.join == "list" else []  # <- named
+        for s in range(0, T - 1, self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        y = torch.cat(outs, 1)
+        return y if self.join == "list" else F.pad(y, (0, 0, 1, 0))
+
+
+def test_outputs_joined_after_another_piece_are_named_with_the_join_that_converts():
+    torch.manual_seed(0)
+    x = torch.randn(2, 17, 8)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(JoinedAfterAZeroRow("list"), level=0, example_inputs=(x,))
+    msg = str(refused.value)
+    assert "the loop's outputs are joined after 1 other piece(s)" in msg
+    assert f"{HERE}:{_line_of(JoinedAfterAZeroRow.forward)}" in msg and "F.pad" in msg
+    layer = JoinedAfterAZeroRow("pad")
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)

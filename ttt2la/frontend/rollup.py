@@ -774,7 +774,15 @@ def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
     pieces = list(collector.args[0])
     extra = [p for p in pieces if p not in per_iter]
     if pieces[: len(per_iter)] != per_iter or len(extra) > 1:
-        raise u.fail("the gathered outputs are not the iterations' outputs in order")
+        first = pieces.index(per_iter[0]) if per_iter and per_iter[0] in pieces else 0
+        if first and pieces[first:first + len(per_iter)] == per_iter:
+            raise u.fail(
+                f"the loop's outputs are joined after {first} other piece(s) "
+                f"({describe_node(pieces[0])}), in one {describe_node(collector)}: join the "
+                "loop's outputs alone (torch.cat(outs, 1)) and add the other piece to the joined "
+                "output after it (torch.cat([first, joined], 1) or F.pad)")
+        raise u.fail("the gathered outputs are not the iterations' outputs in order: join "
+                     "each iteration's output, in the loop's order, in one cat or stack")
     axis = collector.args[1] if len(collector.args) > 1 else collector.kwargs.get("dim", 0)
     return collector, axis, (extra[0] if extra else None), set()
 
