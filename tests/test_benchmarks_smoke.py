@@ -410,7 +410,7 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
     bench.print_table(list(bench.cases(True, dim=16, heads=2, batch=2, length=40)), rounds=1)
     rows = [r for r in capsys.readouterr().out.splitlines()
             if r.startswith("| ") and not r.startswith("| case")]
-    assert len(rows) == 53
+    assert len(rows) == 56
     for r in rows:
         cells = [c.strip() for c in r.split("|")]
         if cells[2] != "as written":
@@ -425,3 +425,4 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
     assert "z as value columns" in plans["normalised"]
     assert "plus each token's own term" in plans["rwkv6"]
     assert "block_linear_attention" in plans["gla"] and "block_linear_attention" in plans["simple_gla"]
+    assert "block_linear_attention" in plans["gla_value"]
