@@ -550,8 +550,6 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     # op, not the block op at chunks of one, where nothing but a decay comes with the update
     token_causal = per_token or (program.chunk_size == 1 and ns is None and up.m is None
                                  and up.norm is None)
-    if token_causal and decay_axis is not None and decay_axis == (-2 if transposed else -1):
-        return None
     lifted = _assemble(program, up, increment, read, transposed, ns, token_causal, riders, bonus,
                        flipped)
     return None if lifted is None else dataclasses.replace(lifted, decay_axis=decay_axis)

@@ -118,13 +118,22 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
 
 
 def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
-                           initial_state=None, output_final_state=False, backend="auto"):
+                           value_log_decay=None, initial_state=None, output_final_state=False,
+                           backend="auto"):
     """Token-causal gated linear attention ``o_t = scale · q_t S_t`` (scale None means 1.0).
+
+    ``log_decay`` decays the state per head ``[B, T, H]`` or per key channel ``[B, T, H, Dk]``
+    (a row of ``S``); ``value_log_decay [B, T, H, Dv]`` per value channel (a column of ``S``),
+    alone or with a decay per head: a separate argument, so that a square state never leaves
+    the axis to be guessed from a shape. A backend whose ``supports`` does not name it is never
+    asked to run it: ``"auto"`` runs torch.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
     """
     options = dict(chunk_size=chunk_size, log_decay=log_decay, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state)
+    if value_log_decay is not None:
+        options["value_log_decay"] = value_log_decay
     return _run("chunk", (q, k, v), options, backend)
 
 

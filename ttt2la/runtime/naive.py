@@ -128,7 +128,8 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
     return n
 
 
-def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state) -> None:
+def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state,
+                       value_log_decay=None) -> None:
     """Validate the token-causal op's arguments."""
     op = "chunk_linear_attention"
     _require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, op,
@@ -141,6 +142,13 @@ def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state) -> None
              f"v {_shape(v)} must share [B, T, H] = {(B, T, H)} with k")
     _require(isinstance(chunk_size, int) and chunk_size >= 1, op,
              f"chunk_size must be a positive int, got {chunk_size!r}")
+    if value_log_decay is not None:
+        _require(_shape(value_log_decay) == (B, T, H, Dv), op,
+                 f"value_log_decay must be [B, T, H, Dv] = {(B, T, H, Dv)} (per value channel),"
+                 f" got {_shape(value_log_decay)}")
+        _require(log_decay is None or log_decay.dim() == 3, op,
+                 "value_log_decay (per column of the state) cannot be combined with a log decay "
+                 "per key channel (per row of the state); pass one of them")
     if log_decay is not None:
         _require(_shape(log_decay) in ((B, T, H), (B, T, H, Dk)), op,
                  f"log_decay must be [B, T, H] = {(B, T, H)} (per head) or [B, T, H, Dk] = "
@@ -251,15 +259,19 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
 
 
 def naive_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
-                                 initial_state=None, output_final_state=False):
+                                 value_log_decay=None, initial_state=None,
+                                 output_final_state=False):
     """Token-causal (gated) linear attention, one token at a time (the reference).
 
     ``S_t = exp(log_decay_t) S_{t-1} + k_tᵀ v_t`` and ``o_t = scale · q_t S_t``; ``scale=None``
-    means 1.0 (not ``D**-0.5``). ``chunk_size`` only exists to share the fast op's signature.
+    means 1.0 (not ``D**-0.5``). ``log_decay`` is per head ``[B, T, H]`` or per key channel
+    ``[B, T, H, Dk]`` (a row of ``S``); ``value_log_decay [B, T, H, Dv]`` decays each column of
+    ``S`` (``S_t = S_{t-1} exp(g_t)[None, :] + k_tᵀ v_t``), alone or after a decay per head.
+    ``chunk_size`` only exists to share the fast op's signature.
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
     """
     check_chunk_inputs(q, k, v, chunk_size=chunk_size, log_decay=log_decay,
-                       initial_state=initial_state)
+                       initial_state=initial_state, value_log_decay=value_log_decay)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
@@ -270,6 +282,8 @@ def naive_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     for t in range(T):
         if log_decay is not None:
             S = torch.exp(log_decay[:, t].to(dt)).reshape(B, H, -1, 1) * S
+        if value_log_decay is not None:
+            S = torch.exp(value_log_decay[:, t].to(dt)).reshape(B, H, 1, Dv) * S
         S = S + k[:, t, :, :, None] * vv[:, t, :, None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     o = torch.stack(outputs, dim=1)
