@@ -230,7 +230,8 @@ def value_decay_table(length: int, rounds: int, dim: int = DIM, heads: int = HEA
                 if row != "as written":
                     err = _gradient_error(rows, row, x) if train else _no_grad_error(rows, row, x)
                     model = generic if row == "generic plan" else lifted
-                    error = f"{model.ttt2la_report.layers[0].runtime} ({err:.1e})"
+                    ran = model.ttt2la_report.layers[0].runs.get(f"batch {batch}", "?")
+                    error = f"{ran} ({err:.1e})"
                 ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
                 print(f"| {name} | {'training step' if train else 'forward'} | {row} | "
                       f"{timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | {error} |",

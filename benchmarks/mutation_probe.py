@@ -363,7 +363,7 @@ MUTATIONS = [
     Mutation(
         "value_suffix_counts_own_token", "between sub-chunks, a value decayed by its own token's "
         "decay too (an inclusive suffix)",
-        (("ttt2la/runtime/value_decay.py", "values = (vs * _suffix_sums(gs, -2).exp())",
+        (("ttt2la/runtime/value_decay.py", "values = (vs * suffix_sums(gs, -2).exp())",
           "values = (vs * gs.flip(-2).cumsum(-2).flip(-2).exp())"),),
         ("tests/test_runtime_value_decay.py",), "takes_each_path and medium"),
     Mutation(

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ttt2la.runtime.channel_decay import (_between, _causal, _mild, _suffix_sums, scan_rows)
+from ttt2la.runtime.channel_decay import (causal, mild, scan_rows, sub_chunks_between,
+                                          suffix_sums)
 from ttt2la.runtime.scan import segment_sums
 
 
@@ -39,8 +40,8 @@ def _exact(attn, v, g):
 def _inside_sub_chunks(qs, ks, vs, gs, inside):
     """``[R, n, m, s, Dv]``: each sub-chunk's own causal attention with its decay per value
     channel, factored where every sub-chunk is mild, else exact."""
-    attn = _causal(qs, ks)
-    if _mild(inside[..., -1, :]):
+    attn = causal(qs, ks)
+    if mild(inside[..., -1, :]):
         return inside.exp() * (attn @ (vs * (-inside).exp()))
     return _exact(attn, vs, gs)
 
@@ -54,8 +55,8 @@ def _sub_chunked(q, k, v, g, s: int):
     vs, gs = (x.reshape(R, n, m, s, Dv) for x in (v, g))
     inside = gs.cumsum(dim=-2)                          # Σ_{start of p ≤ l ≤ t} g_l
     # values scaled per query sub-chunk p: by their suffix in r, by the sub-chunks between
-    between = _between(inside[..., -1, :]).exp()        # [R, n, p, r, Dv], 0 for r ≥ p
-    values = (vs * _suffix_sums(gs, -2).exp()).unsqueeze(2) * between.unsqueeze(-2)
+    between = sub_chunks_between(inside[..., -1, :]).exp()   # [R, n, p, r, Dv], 0 for r ≥ p
+    values = (vs * suffix_sums(gs, -2).exp()).unsqueeze(2) * between.unsqueeze(-2)
     attn = (qs @ k.unsqueeze(2).mT)                     # [R, n, p, s, C]
     o = inside.exp() * (attn @ values.reshape(R, n, m, m * s, Dv))
     o = o + _inside_sub_chunks(qs, ks, vs, gs, inside)
@@ -74,13 +75,13 @@ def intra_chunk_value_decay(q, k, v, g, sub: int):
     prefix = g.cumsum(dim=-2)                           # Σ_{l≤t} g_l within the chunk
     total = prefix[..., -1, :]
     read_scale, decay = prefix.exp(), total.exp()
-    if _mild(total):                    # the values' factors also give the increment's decays
+    if mild(total):                    # the values' factors also give the increment's decays
         values = v * (-prefix).exp()
-        o = read_scale * (_causal(q, k) @ values)
+        o = read_scale * (causal(q, k) @ values)
         increment = k.mT @ (values * decay.unsqueeze(-2))
     else:
         o = _sub_chunked(q, k, v, g, sub)
-        increment = k.mT @ (v * _suffix_sums(g, -2).exp())
+        increment = k.mT @ (v * suffix_sums(g, -2).exp())
     return o, increment, read_scale, decay
 
 
