@@ -122,7 +122,7 @@ class ColumnDecay(nn.Module):
         return torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, self.dv)
 
 
-@pytest.mark.parametrize("value_first,dv", [(False, D), (True, D), (False, 2 * D)])
+@pytest.mark.parametrize("value_first,dv", [(False, D), (True, 2 * D)])
 def test_a_decay_per_value_channel_runs_on_the_block_op(value_first, dv):
     """Whichever way the state is laid out, square or not: the op's ``value_decay``, exact in
     float64 on the op at ragged lengths."""
