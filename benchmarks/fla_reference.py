@@ -3,29 +3,39 @@
 recurrence written by hand with matmuls, side by side.
 
     python benchmarks/fla_reference.py [--quick] [--rounds N] [--threads N] [--backward]
-                                       [--only NAME]
+                                       [--only NAME] [--value-decay]
 
 Retention (a decay per head), a scalar gate per head and token, a gate per key channel (GLA),
-the gated delta rule, Mamba-2's recurrence as its minimal reference steps it (state value-first,
+a gate per value channel (a column of the state, fla's ``gv``), the gated delta rule, Mamba-2's recurrence as its minimal reference steps it (state value-first,
 read by a sum over its last axis), linear attention with its normaliser (a second memory, run as
 value columns of the first), RWKV-6's time mixing (a decay per key channel, the state read before
 each write plus the token's own product weighted by a bonus), the chunk forms of the gated
 references (``zoo.FlaChunkReferenceLayer``: in-chunk attention written out, the state decayed once
-per chunk, per head or per key channel; no hand-written row, the layer is that form), and a
+per chunk, per head, per key channel or per value channel; no hand-written row, the layer is that
+form), and a
 per-token TTT layer that reads its fast weight before each token writes it
 (``zoo.PerTokenTTTLayer(read="before")``, its ``torch.compile``d step run eagerly); 4 heads,
 256 features, B = 2, L = 1024 (``--quick``: 256). Rows run interleaved in one process
 (``ttt2la.timing``): medians, spread, ratios as medians of per-round ratios against the layer
 as written, every converted row with the plan that ran and its error against the layer as
-written.
+written. ``--value-decay``: the layers decayed per value channel only, as written, on the generic
+plan (converted with the lift switched off, as before the ops took that decay) and lifted
+(``value_decay`` / ``value_log_decay``, the op forced), a forward and a training step each.
 """
 from __future__ import annotations
+
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
+import ttt2la
 from fused_styles import print_table
-from matrix_affine_memories import arguments
+from matrix_affine_memories import _gradient_error, _TrainingStep, arguments
+from ttt2la.lowering import plan as plan_module
+from ttt2la.lowering.scan_choice import scanning
+from ttt2la.testing import rel_rms_error
+from ttt2la.timing import time_side_by_side
 from ttt2la.zoo import FlaChunkReferenceLayer, PerTokenTTTLayer
 from ttt2la.zoo.fla_chunk_reference import CHUNK_RULES
 from ttt2la.zoo.fla_reference import RULES, FlaReferenceLayer
@@ -54,6 +64,9 @@ def by_hand(layer: FlaReferenceLayer, x):
     elif layer.rule == "vector_gate":
         g = F.logsigmoid(layer.gate(x) + 4).view(B, T, H, K).transpose(1, 2) / 16
         decay = g.exp()[..., None]
+    elif layer.rule == "value_gate":
+        g = F.logsigmoid(layer.gate(x) + 4).view(B, T, H, -1).transpose(1, 2) / 16
+        decay = g.exp()[..., None, :]
     else:
         b, a = layer.gate(x).transpose(1, 2).chunk(2, 1)
         beta, decay = torch.sigmoid(b), F.logsigmoid(a + 3).exp()[..., None, None]
@@ -173,14 +186,76 @@ def cases(quick: bool, dim: int = DIM, heads: int = HEADS, batch: int = BATCH,
            torch.randn(batch, length, dim, generator=g))
 
 
+class _Plan:
+    """A converted layer called with its op forced (``op``: the scan chosen, not a loop over
+    chunks) or its cost rule deciding, never raced against the code as written; with
+    ``train``, one training step (``_TrainingStep``)."""
+
+    def __init__(self, layer, op: bool | None, train: bool):
+        self.layer, self.op = layer, op
+        self.step = _TrainingStep(layer) if train else None
+
+    def __call__(self, x):
+        with scanning(self.op), ttt2la.race_as_written(False):
+            return self.layer(x) if self.step is None else self.step(x)
+
+    def grads(self) -> dict:
+        return self.step.grads()
+
+
+def value_decay_table(length: int, rounds: int, dim: int = DIM, heads: int = HEADS,
+                      batch: int = BATCH) -> None:
+    """The layers decayed per value channel: as written, the generic plan, the lifted op; a
+    forward under no_grad and a training step, rows interleaved (``ttt2la.timing``)."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")
+    print("| case | pass | row | ms (median) | spread | vs as written | plan (error) |")
+    print("|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for name, layer in ((f"value_gate, per token, {heads} heads x {dim // heads}, L={length}",
+                         FlaReferenceLayer(dim, heads, "value_gate")),
+                        (f"gla_value, chunk form, {heads} heads x {dim // heads}, L={length}",
+                         FlaChunkReferenceLayer(dim, heads, "gla_value", min(64, length // 4)))):
+        x = torch.randn(batch, length, dim, generator=g)
+        lifted = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
+        with mock.patch.object(plan_module, "lift", lambda program: None):
+            generic = ttt2la.convert(layer, level=0, example_inputs=(x[:1, :256],))
+        for train in (False, True):
+            written = _TrainingStep(layer) if train else (lambda t, m=layer: m(t))
+            rows = {"as written": written, "generic plan": _Plan(generic, None, train),
+                    "lifted": _Plan(lifted, True, train)}
+            timings = time_side_by_side(rows, (x,), rounds=rounds, max_seconds=60.0,
+                                        no_grad=not train, warmup=2)
+            for row, timing in timings.items():
+                error = ""
+                if row != "as written":
+                    err = _gradient_error(rows, row, x) if train else _no_grad_error(rows, row, x)
+                    model = generic if row == "generic plan" else lifted
+                    ran = model.ttt2la_report.layers[0].runs.get(f"batch {batch}", "?")
+                    error = f"{ran} ({err:.1e})"
+                ratio = timing.speedup_over(timings["as written"]) if row != "as written" else ""
+                print(f"| {name} | {'training step' if train else 'forward'} | {row} | "
+                      f"{timing.median * 1e3:.1f} | {timing.spread()} | {ratio} | {error} |",
+                      flush=True)
+
+
+def _no_grad_error(rows, row, x) -> float:
+    with torch.no_grad():
+        return rel_rms_error(rows[row](x), rows["as written"](x))
+
+
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", metavar="TEXT",
                         help="only the cases whose name starts with TEXT (e.g. rwkv6)")
+    parser.add_argument("--value-decay", action="store_true",
+                        help="the layers decayed per value channel: as written, generic, lifted")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.compiler.set_stance("force_eager")      # the per-token step as written, eagerly
+    if args.value_decay:
+        value_decay_table(256 if args.quick else 1024, args.rounds)
+        return
     chosen = [c for c in cases(args.quick) if c[0].startswith(args.only)]
     print_table(chosen, args.rounds, args.backward)
 

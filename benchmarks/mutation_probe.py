@@ -346,9 +346,39 @@ MUTATIONS = [
     Mutation(
         "key_decay_on_value_axis", "a decay per value channel taken for one per key channel",
         (("ttt2la/lowering/lift.py",
-          "if decay_axis is not None and decay_axis != (-1 if transposed else -2):",
-          "if decay_axis is False:"),),
+          "return self.decay_axis is not None and self.decay_axis == (-2 if self.transposed else -1)",
+          "return False"),),
         ("tests/test_fla_reference_styles.py",), "per_value_channel"),
+    Mutation(
+        "value_decay_scanned_per_row", "the block op's decay per value channel scanned as one per "
+        "key channel (the states' rows)",
+        (("ttt2la/runtime/block.py", "if columns and factors is not None and factors.dim() == 4:",
+          "if False:"),),
+        ("tests/test_runtime_value_decay.py",), "block_op_decays_columns_float64"),
+    Mutation(
+        "value_read_unscaled", "the token-causal op's read of the previous chunks' state not "
+        "decayed per value channel inside the chunk",
+        (("ttt2la/runtime/chunk.py", "reads * read_scale.reshape(-1, C, Dv)[1:]", "reads"),),
+        ("tests/test_runtime_value_decay.py",), "chunk_op_decays_columns_float64"),
+    Mutation(
+        "value_suffix_counts_own_token", "between sub-chunks, a value decayed by its own token's "
+        "decay too (an inclusive suffix)",
+        (("ttt2la/runtime/value_decay.py", "values = (vs * suffix_sums(gs, -2).exp())",
+          "values = (vs * gs.flip(-2).cumsum(-2).flip(-2).exp())"),),
+        ("tests/test_runtime_value_decay.py",), "takes_each_path and medium"),
+    Mutation(
+        "value_exact_transposed", "a strong sub-chunk's exact decays per value channel transposed",
+        (("ttt2la/runtime/value_decay.py",
+          "decays = segment_sums(g.transpose(-1, -2)).exp()               # [..., Dv, t, i]",
+          "decays = segment_sums(g.transpose(-1, -2)).exp().mT"),),
+        ("tests/test_runtime_value_decay.py",), "takes_each_path and strong"),
+    Mutation(
+        "read_first_value_decay_on_rows", "a read-before loop's last update decays its state's "
+        "rows by the decay per value channel",
+        (("ttt2la/lowering/lift.py",
+          'per_token["value_log_decay"][:, -1].unsqueeze(-2).exp()',
+          'per_token["value_log_decay"][:, -1].unsqueeze(-1).exp()'),),
+        ("tests/test_fla_reference_styles.py",), "per_value_channel and before"),
     Mutation(
         "read_first_key_decay_last", "a read-before loop's last update decays its state per "
         "head (the first key channel's decay) instead of per key channel",

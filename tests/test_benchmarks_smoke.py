@@ -398,6 +398,28 @@ def test_fused_styles_benchmark_prints_every_row_with_its_error(capsys):
     assert float(rows[1].split("|")[6].rsplit("(", 1)[-1].split(")")[0]) <= 1e-5, rows[1]
 
 
+def test_fla_reference_value_decay_table_runs_generic_and_lifted(capsys):
+    """``fla_reference.py --value-decay`` on small layers: as written, the generic plan and the
+    lifted op, forward and training step, each converted row within the fp32 bound."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import fla_reference as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    bench.value_decay_table(16, 1, dim=8, heads=2, batch=1)
+    rows = [r for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ") and not r.startswith("| case")]
+    assert len(rows) == 12
+    for r in rows:
+        cells = [c.strip() for c in r.split("|")]
+        if cells[3] == "generic plan":
+            assert "linear_attention" not in cells[7], r
+        elif cells[3] == "lifted":
+            assert "_linear_attention[torch]" in cells[7], r
+        if cells[3] != "as written":
+            assert float(cells[7].rsplit("(", 1)[-1].rstrip(")")) <= 1e-5, r
+
+
 def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
     """``fla_reference.py`` on small layers: every recurrence as written, by hand with matmuls,
     converted as shipped and its plan alone, each within the fp32 bound of the layer as
@@ -410,7 +432,7 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
     bench.print_table(list(bench.cases(True, dim=16, heads=2, batch=2, length=40)), rounds=1)
     rows = [r for r in capsys.readouterr().out.splitlines()
             if r.startswith("| ") and not r.startswith("| case")]
-    assert len(rows) == 53
+    assert len(rows) == 60
     for r in rows:
         cells = [c.strip() for c in r.split("|")]
         if cells[2] != "as written":
@@ -422,6 +444,8 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
     assert "chunk_linear_attention" in plans["per-token TTT read before write"]
     assert "chunk_linear_attention" in plans["ssd"]
     assert "chunk_linear_attention" in plans["vector_gate"]          # the strong decay's
+    assert "chunk_linear_attention" in plans["value_gate"]
     assert "z as value columns" in plans["normalised"]
     assert "plus each token's own term" in plans["rwkv6"]
     assert "block_linear_attention" in plans["gla"] and "block_linear_attention" in plans["simple_gla"]
+    assert "block_linear_attention" in plans["gla_value"]

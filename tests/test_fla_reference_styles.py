@@ -1,13 +1,13 @@
 """Recurrences written as flash-linear-attention's reference loops (``zoo.fla_reference``): states
 read and corrected by broadcasting and summing, outputs written into a buffer, a decay per head,
-per token or per key channel.
+per token, per key channel or per value channel.
 
 Each converts exactly (outputs and every parameter gradient within the fp32 tolerance, ≤ 1e-10 in
-float64) onto the op its recurrence is: retention, the scalar gate and the gate per key channel
-onto the token-causal op with a log decay (per head, per key channel), the gated delta rule onto
-``delta_rule``; a decay per value channel, which no op takes, keeps the generic plan. A decay
-that is not positive in a call has no log: that call runs the generic plan and the report says
-so.
+float64) onto the op its recurrence is: retention, the scalar gate and the gates per key or value
+channel onto the token-causal op with a log decay (per head, per key channel, or its
+``value_log_decay``), the gated delta rule onto ``delta_rule``; a state multiplied on the right by
+a whole matrix is no decay per column and keeps the generic plan. A decay that is not positive in
+a call has no log: that call runs the generic plan and the report says so.
 """
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ import ttt2la
 from equivalence import assert_same_function, converted_onto
 from ttt2la.frontend.source_names import _sliced_names
 from ttt2la.ir import SourceLoc
+from ttt2la.lowering import LiftedPlan
 from ttt2la.zoo import FlaReferenceLayer
 from ttt2la.zoo.fla_reference import RULES
 
 OPS = {"retention": "chunk_linear_attention", "scalar_gate": "chunk_linear_attention",
-       "vector_gate": "chunk_linear_attention", "gated_delta": "delta_rule",
+       "vector_gate": "chunk_linear_attention", "value_gate": "chunk_linear_attention",
+       "gated_delta": "delta_rule",
        "ssd": "chunk_linear_attention", "normalised": "chunk_linear_attention",
        "rwkv6": "chunk_linear_attention"}
 
@@ -137,13 +139,17 @@ def test_the_same_slice_taken_twice_is_one_stream():
 class ChannelGate(nn.Module):
     """GLA's recurrence with its gate per key channel or per value channel, the state laid out
     key-first (``[K, V]``, as flash-linear-attention's reference) or value-first (``[V, K]``,
-    as Mamba-2's), read before each token's write (the final memory returned too) or after."""
+    as Mamba-2's), read before each token's write (the final memory returned too) or after;
+    ``axis="matrix"``: the key-first state multiplied on the right by a learnt matrix instead,
+    which mixes its columns (no decay per column); ``axis="both"``: decayed per row and per
+    column by the same gate (an outer product, no decay along one axis)."""
 
     def __init__(self, d=8, heads=2, axis="key", layout="key_first", read="after"):
         super().__init__()
         self.heads, self.axis, self.layout, self.read = heads, axis, layout, read
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.gate = nn.Linear(d, d)
+        self.mix = nn.Parameter(0.9 * torch.eye(d // heads) + 0.01) if axis == "matrix" else None
 
     def forward(self, x):
         B, T, d = x.shape
@@ -162,7 +168,11 @@ class ChannelGate(nn.Module):
                     (S * q[:, :, i, None, :]).sum(-1)
             gate = g[:, :, i].exp()
             per_row = (self.axis == "key") == key_first
-            S = S * (gate[..., None] if per_row else gate[..., None, :])
+            if self.axis == "both":
+                S = S * gate[..., None] * gate[..., None, :]
+            else:
+                S = S @ self.mix if self.mix is not None else \
+                    S * (gate[..., None] if per_row else gate[..., None, :])
             S = S + (k[:, :, i, :, None] * v[:, :, i, None, :] if key_first
                      else v[:, :, i, :, None] * k[:, :, i, None, :])
             if self.read == "after":
@@ -191,26 +201,57 @@ def test_a_gate_per_key_channel_runs_on_the_token_causal_op(layout, read):
 
 
 @pytest.mark.parametrize("layout", ["key_first", "value_first"])
-def test_a_gate_per_value_channel_keeps_the_generic_plan(layout):
-    """A decay along the value axis is no log decay of the op, which decays the rows it reads
-    keys against: exact on the generic plan instead."""
+@pytest.mark.parametrize("read", ["after", "before"])
+def test_a_gate_per_value_channel_runs_on_the_token_causal_op(layout, read):
+    """A decay along the state's value axis, however it is laid out and read, is the op's
+    ``value_log_decay``: fp32 within 1e-5, float64 within 1e-10."""
     torch.manual_seed(0)
-    layer = ChannelGate(axis="value", layout=layout)
+    layer = ChannelGate(axis="value", layout=layout, read=read)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention"), report.runtime
+    assert _plan(conv).lifted.decays_values
+    assert_same_function(conv, layer, [torch.randn(1, 1, 8), torch.randn(3, 70, 8)])
+    layer64 = ChannelGate(axis="value", layout=layout, read=read).double()
+    conv64 = ttt2la.convert(layer64, level=0,
+                            example_inputs=(torch.randn(2, 12, 8, dtype=torch.float64),))
+    assert_same_function(conv64, layer64, torch.randn(2, 41, 8, dtype=torch.float64), tol=1e-10)
+
+
+def test_a_state_mixed_by_a_matrix_on_the_right_keeps_the_generic_plan():
+    """``S @ M`` mixes the state's columns: no decay per value channel, exact on the generic
+    plan."""
+    torch.manual_seed(0)
+    layer = ChannelGate(axis="matrix")
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
     report, = conv.ttt2la_report.layers
     assert not report.runtime.startswith("chunk_linear_attention"), report.runtime
     assert_same_function(conv, layer, torch.randn(2, 30, 8))
 
 
+def test_an_explicit_triton_backend_is_refused_at_convert_time_for_value_channels():
+    """No Triton kernel takes ``value_log_decay``: converting with ``backend="triton"`` says so."""
+    with pytest.raises(ttt2la.UnsupportedTTTError, match="chunk_linear_attention.*triton"):
+        ttt2la.convert(ChannelGate(axis="value"), level=0, backend="triton",
+                       example_inputs=(torch.randn(2, 12, 8),))
+
+
+def _plan(conv, B=2):
+    state = next(m._ttt2la for m in conv.modules() if hasattr(m, "_ttt2la"))
+    return state.loop_for(B).plan
+
+
 def test_a_loop_kept_on_the_generic_plan_runs_the_code_s_own_products():
     """The products read as matmuls are for the matchers: a loop that lifts onto no op (a gate
-    per value channel) runs ``sum(a * b)`` as written, not a one-row ``bmm`` per token."""
+    per key and per value channel at once) runs ``sum(a * b)`` as written, not a one-row
+    ``bmm`` per token."""
     from ttt2la.converted import is_converted
     from ttt2la.ir import SUMMED_PRODUCT
 
     torch.manual_seed(0)
-    conv = ttt2la.convert(ChannelGate(axis="value"), level=0,
+    conv = ttt2la.convert(ChannelGate(axis="both"), level=0,
                           example_inputs=(torch.randn(2, 12, 8),))
+    assert not isinstance(_plan(conv), LiftedPlan)
     state = next(m._ttt2la for m in conv.modules() if is_converted(m))
     traced = state.program.body.graph
     assert any(SUMMED_PRODUCT in n.meta for n in traced.nodes)

@@ -5,9 +5,9 @@ heads as an axis and the products as ``torch.einsum``, whose trace moves unit ax
 around every product (``zoo.GatedChunkMemory``). The lifted layer must equal the layer's own
 loop in float64 (relative RMS ≤ 1e-10, outputs and every gradient) on the op and on the loop
 over chunks its cost rule falls back to. One factor per row of the state (a gate per key channel)
-lifts too, the op decaying each row; look-alikes — a decay read from the state, one factor per
-column (a value channel), an increment transposed by its einsum — must not be lifted as the
-decayed rule and must still convert exactly.
+lifts too, the op decaying each row, and one per column (a gate per value channel), the op's
+``value_decay``; look-alikes — a decay read from the state, an increment transposed by its
+einsum — must not be lifted as the decayed rule and must still convert exactly.
 """
 from __future__ import annotations
 
@@ -122,13 +122,15 @@ def test_a_plain_decayed_memory_lifts():
         _assert_matches(conv, layer, B, L, 8)
 
 
-def test_a_decay_per_state_row_lifts():
-    """One factor per row of the state and chunk: the op's decay per key channel, on the op
-    and on the loop over chunks."""
-    layer, conv = _converted(lambda: ChunkMemory("row_gate"), "row_gate", 8, 4)
+@pytest.mark.parametrize("kind,axis", [("row_gate", -2), ("column_gate", -1)])
+def test_a_decay_per_state_row_or_column_lifts(kind, axis):
+    """One factor per row (column) of the state and chunk: the op's decay per key (value)
+    channel, on the op and on the loop over chunks."""
+    layer, conv = _converted(lambda: ChunkMemory(kind), kind, 8, 4)
     plan = _plan(conv, 2)
     assert isinstance(plan, LiftedPlan) and plan.lifted.decayed
-    assert plan.lifted.decay_axis == -2
+    assert plan.lifted.decay_axis == axis
+    assert plan.lifted.decays_values == (kind == "column_gate")
     for op in (True, False):
         with scan_choice.scanning(op):
             for B, L in ((1, 4), (2, 20)):
@@ -137,11 +139,12 @@ def test_a_decay_per_state_row_lifts():
 
 class RowDecayMomentum(nn.Module):
     """A memory with momentum, optionally orthogonalised (two Newton–Schulz steps), decayed per
-    row of the state (a gate per key channel) before each chunk's step."""
+    row of the state (a gate per key channel; ``columns``: per column, a value channel) before
+    each chunk's step."""
 
-    def __init__(self, muon: bool, d=8, heads=2, chunk=4):
+    def __init__(self, muon: bool, d=8, heads=2, chunk=4, columns=False):
         super().__init__()
-        self.h, self.dh, self.chunk, self.muon = heads, d // heads, chunk, muon
+        self.h, self.dh, self.chunk, self.muon, self.columns = heads, d // heads, chunk, muon, columns
         self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.gate = nn.Linear(d, d)
 
@@ -164,29 +167,30 @@ class RowDecayMomentum(nn.Module):
                     A = X @ X.mT
                     X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
                 step = X
-            W = gate[:, :, s:e].mean(-2)[..., None] * W + step
+            g = gate[:, :, s:e].mean(-2)
+            W = (g[..., None, :] if self.columns else g[..., None]) * W + step
         return torch.cat(outs, 2).transpose(1, 2).reshape(B, L, D)
 
 
-@pytest.mark.parametrize("muon", [False, True])
-def test_a_decay_per_state_row_lifts_with_momentum_and_newton_schulz(muon):
-    layer, conv = _converted(lambda: RowDecayMomentum(muon), ("row_momentum", muon), 8, 4)
+@pytest.mark.parametrize("muon,columns", [(False, False), (True, False), (True, True)])
+def test_a_decay_per_state_row_lifts_with_momentum_and_newton_schulz(muon, columns):
+    layer, conv = _converted(lambda: RowDecayMomentum(muon, columns=columns),
+                             ("row_momentum", muon, columns), 8, 4)
     plan = _plan(conv, 2)
-    assert isinstance(plan, LiftedPlan) and plan.lifted.decay_axis == -2
+    assert isinstance(plan, LiftedPlan) and plan.lifted.decay_axis == (-1 if columns else -2)
     assert (plan.lifted.newton_schulz is not None) == muon
     with scan_choice.scanning(True):
         for B, L in ((1, 4), (3, 28)):
             _assert_matches(conv, layer, B, L, 8)
 
 
-@pytest.mark.parametrize("kind", ["state_gate", "column_gate", "transposed"])
+@pytest.mark.parametrize("kind", ["state_gate", "transposed"])
 def test_look_alikes_are_not_lifted_as_decayed_and_stay_exact(kind):
-    """A decay that reads the state, one factor per column, or an increment ``Vᵀ K`` written by
-    the einsum where the read takes ``Kᵀ V``: each converts, none as the decayed block rule
-    computing something else."""
+    """A decay that reads the state, or an increment ``Vᵀ K`` written by the einsum where the
+    read takes ``Kᵀ V``: each converts, none as the decayed block rule computing something
+    else."""
     layer, conv = _converted(lambda: ChunkMemory(kind), kind, 8, 4)
     plan = _plan(conv, 2)
-    assert not (isinstance(plan, LiftedPlan) and plan.lifted.decayed
-                and kind in ("state_gate", "column_gate"))
+    assert not (isinstance(plan, LiftedPlan) and plan.lifted.decayed and kind == "state_gate")
     for B, L in ((1, 8), (2, 20)):
         _assert_matches(conv, layer, B, L, 8)

@@ -228,7 +228,8 @@ class LiftedProgram:
     gamma: tuple | None = None
     step: tuple | None = None
     factors: int = 0
-    # a per-token decay per key channel: the state's axis it varies along (None: per matrix)
+    # a decay per key or value channel: the traced state's axis it varies along (None: per
+    # matrix); which channel that is depends on the layout (``decays_values``)
     decay_axis: int | None = None
     # memories written with the final state's keys, riding as value columns (``shared_keys``)
     companions: tuple[Companion, ...] = ()
@@ -253,6 +254,12 @@ class LiftedProgram:
     def query_column(self) -> bool:
         """The query is the read's right operand (a column), the read ``Wᵀ``-shaped."""
         return self.transposed != self.flipped
+
+    @property
+    def decays_values(self) -> bool:
+        """The decay varies along the state's value axis: one factor per column of the runtime
+        state (the ops' ``value_decay`` / ``value_log_decay``), not per row."""
+        return self.decay_axis is not None and self.decay_axis == (-2 if self.transposed else -1)
 
     @property
     def decayed(self) -> bool:
@@ -517,13 +524,15 @@ def lift(program: TTTProgram) -> LiftedProgram | None:
     if ns is None and len(up.step) == 1 and (up.m is None or not up.step[0][1]):
         _scale_by(increment, up.step)
         up.step = ONE
-    # a per-token decay runs as the token-causal op's log decay (per key channel: along the
-    # state's key axis); a step factor left after the fold above (``lerp``'s ``1 − a``) scales
-    # each token's values
+    # a per-token decay runs as the token-causal op's log decay (per key or value channel: a
+    # row or a column of the op's state); a step factor left after the fold above (``lerp``'s
+    # ``1 − a``) scales each token's values
     if per_token and ns is not None:
         return None
     decay_axis = vector_axis(up.gamma)
-    if decay_axis is not None and decay_axis != (-1 if transposed else -2):
+    # value columns and a bonus term share the decay per row or matrix only
+    if decay_axis is not None and decay_axis == (-2 if transposed else -1) \
+            and (up.others or term is not None):
         return None
     riders = ()
     if up.others and (flipped or not (per_token or _plain_block(up, increment, ns))):
@@ -796,7 +805,7 @@ class LiftedPlan:
     def _per_chunk(self, factors: list, b: int, N: int, like: torch.Tensor, w_shape) -> dict:
         """The block op's per-chunk coefficients (``momentum``, ``decay``, ``step_scale``), each
         ``[b, N, 1]``, from the factors that end the features (``[N, ...]`` each); a decay per
-        key channel ``[b, N, 1, Dk]``."""
+        key channel ``[b, N, 1, Dk]``, one per value channel ``value_decay [b, N, 1, Dv]``."""
         lp = self.lifted
         values = dict(enumerate(factors))
         # a constant keeps the precision the code's own arithmetic gives it (fp32 opmath)
@@ -809,6 +818,7 @@ class LiftedPlan:
             if name == "decay" and lp.decay_axis is not None:
                 matrix = (w_shape[-2], 1) if lp.decay_axis == -2 else (1, w_shape[-1])
                 c = evaluate(p, values, like, w_batch, matrix)
+                name = "value_decay" if lp.decays_values else name
                 found[name] = c.reshape(N, b, 1, -1).transpose(0, 1)
             else:
                 c = evaluate(p, values, like, w_batch)
@@ -881,10 +891,11 @@ class LiftedPlan:
             return x.permute(1, 0, 2, 3).reshape(b, N * T, 1, x.shape[-1])
 
         s0 = self._initial(states0, b)
-        if lp.kind == "chunk" and "decay" in per_chunk:
-            if not _positive(per_chunk["decay"]):
+        decay = per_chunk.get("value_decay", per_chunk.get("decay"))
+        if lp.kind == "chunk" and decay is not None:
+            if not _positive(decay):
                 return self._run_loop(states0, invariants)
-            per_chunk = {"log_decay": per_chunk["decay"].log()}
+            per_chunk = {("value_log_decay" if lp.decays_values else "log_decay"): decay.log()}
         if lp.kind == "chunk" and prog.order == "exclusive":
             o, s_final = self._read_first(flat(phi_q), flat(phi_k), flat(value), s0, per_chunk)
         else:
@@ -963,6 +974,8 @@ class LiftedPlan:
             if "log_decay" in per_token:             # [b, H] or [b, H, Dk] -> [b, H, ·, 1]
                 last = per_token["log_decay"][:, -1]
                 s_final = last.reshape(*last.shape[:2], -1, 1).exp() * s_final
+            if "value_log_decay" in per_token:       # [b, H, Dv] -> [b, H, 1, Dv]
+                s_final = per_token["value_log_decay"][:, -1].unsqueeze(-2).exp() * s_final
             s_final = s_final + phi_k[:, -1, :, :, None] * value[:, -1, :, None, :]
         return o, s_final
 

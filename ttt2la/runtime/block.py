@@ -207,18 +207,22 @@ def normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return W / (norms + WEIGHT_NORM_EPS) * target.unsqueeze(-2)
 
 
-def _on_states(gamma: torch.Tensor) -> torch.Tensor:
-    """Decays ``[B, H, n]`` (per matrix) or ``[B, H, n, Dk]`` (per state row) broadcast
-    against states ``[B, H, n, Dk, Dv]``."""
-    return gamma[..., None] if gamma.dim() == 4 else gamma[..., None, None]
+def _on_states(gamma: torch.Tensor, columns: bool = False) -> torch.Tensor:
+    """Decays ``[B, H, n]`` (per matrix), ``[B, H, n, Dk]`` (per state row) or, with
+    ``columns``, ``[B, H, n, Dv]`` (per state column) broadcast against states
+    ``[B, H, n, Dk, Dv]``."""
+    if gamma.dim() == 3:
+        return gamma[..., None, None]
+    return gamma[..., None, :] if columns else gamma[..., None]
 
 
-def _semi_parallel_states(delta, W0, weight_norm, decay):
+def _semi_parallel_states(delta, W0, weight_norm, decay, columns=False):
     """``W_j = norm(γ_j W_{j-1} + Δ_j)`` chunk after chunk over axis 2 of ``[B, H, n, Dk, Dv]``
-    (``decay [B, H, n]`` or ``[B, H, n, Dk]`` holds the ``γ_j``, or is None)."""
+    (``decay [B, H, n]``, ``[B, H, n, Dk]`` or, with ``columns``, ``[B, H, n, Dv]`` holds the
+    ``γ_j``, or is None)."""
     W = W0
     states = []
-    gamma = None if decay is None else _on_states(decay)
+    gamma = None if decay is None else _on_states(decay, columns)
     for j, d in enumerate(delta.unbind(2)):
         if W is not None and gamma is not None:
             W = gamma[:, :, j] * W
@@ -227,9 +231,12 @@ def _semi_parallel_states(delta, W0, weight_norm, decay):
     return torch.stack(states, dim=2)
 
 
-def _scan_rows(factors, f, initial, scan=blocked_scan):
+def _scan_rows(factors, f, initial, scan=blocked_scan, columns=False):
     """``scan`` over axis 2 of ``f [B, H, n, Dk, Dv]`` (``factors [B, H, n]`` or None; ``[B,
-    H, n, Dk]``: one factor per state row, each row its own scan)."""
+    H, n, Dk]``: one factor per state row, each row its own scan; with ``columns``, ``[B, H,
+    n, Dv]``: one per state column, each a row of the transposed states)."""
+    if columns and factors is not None and factors.dim() == 4:
+        return _scan_rows(factors, f.mT, None if initial is None else initial.mT, scan).mT
     B, H, n, Dk, Dv = f.shape
     if factors is not None and factors.dim() == 4:
         rows = f.transpose(2, 3).reshape(B * H * Dk, n, Dv)
@@ -243,13 +250,17 @@ def _scan_rows(factors, f, initial, scan=blocked_scan):
 
 
 def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, decay=None,
-                 step_scale=None):
+                 step_scale=None, value_decay=None):
     """States after every update, ``[B, H, n, Dk, Dv]``, from the increments ``G``; ``decay
-    [B, N, H]`` (or ``[B, N, H, Dk]``, per state row) multiplies the state before each chunk's
-    update, ``step_scale [B, N, H]`` each chunk's step after Newton–Schulz (None: 1)."""
+    [B, N, H]`` (or ``[B, N, H, Dk]``, per state row) and ``value_decay [B, N, H, Dv]`` (per
+    state column) multiply the state before each chunk's update, ``step_scale [B, N, H]`` each
+    chunk's step after Newton–Schulz (None: 1)."""
     n = G.shape[2]
     M = G
-    gamma = None if decay is None else decay[:, :n].transpose(1, 2)     # [B, H, n(, Dk)]
+    columns = value_decay is not None
+    if columns:                         # a decay per matrix folds into the one per column
+        decay = value_decay if decay is None else value_decay * decay.unsqueeze(-1)
+    gamma = None if decay is None else decay[:, :n].transpose(1, 2)     # [B, H, n(, D)]
     if momentum is not None and n > 1:
         factors = momentum[:, :n].transpose(1, 2)
         if not schedule and weight_norm is None and gamma is None and step_scale is None:
@@ -259,22 +270,22 @@ def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, de
     if step_scale is not None:
         delta = delta * step_scale[:, :n].transpose(1, 2)[..., None, None]
     if weight_norm is not None:
-        return _semi_parallel_states(delta, W0, weight_norm, gamma)
+        return _semi_parallel_states(delta, W0, weight_norm, gamma, columns)
     if n == 1:
         if W0 is None:
             return delta
         first = W0.unsqueeze(2)
-        return delta + (first if gamma is None else _on_states(gamma) * first)
-    return _scan_rows(gamma, delta, W0)
+        return delta + (first if gamma is None else _on_states(gamma, columns) * first)
+    return _scan_rows(gamma, delta, W0, columns=columns)
 
 
 def block_group(n: int, C: int, Dk: int, Dv: int, *, order, momentum, schedule,
-                weight_norm, decay=None) -> int:
+                weight_norm, decay=None, value_decay=None) -> int:
     """Chunks per group the torch op runs (1: the state form): groups only for a state that is
     a sum of increments decayed per matrix (no momentum, Newton–Schulz, weight norm or decay
-    per state row)."""
+    per state row or column)."""
     if order == "full" or momentum is not None or schedule or weight_norm is not None \
-            or (decay is not None and decay.dim() == 4):
+            or (decay is not None and decay.dim() == 4) or value_decay is not None:
         return 1
     return group_chunks(C, Dk, Dv, n)
 
@@ -282,7 +293,8 @@ def block_group(n: int, C: int, Dk: int, Dv: int, *, order, momentum, schedule,
 def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                                  momentum=None, muon_steps=0, ns_coefficients=None,
                                  ns_eps=NS_EPS, ns_dtype=None, weight_norm=None, decay=None,
-                                 step_scale=None, initial_state=None, output_final_state=False):
+                                 step_scale=None, value_decay=None, initial_state=None,
+                                 output_final_state=False):
     """Chunk-parallel block linear attention; same contract as ``naive_block_linear_attention``.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``; exact (up to rounding)
@@ -293,7 +305,7 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
                            initial_state=initial_state, ns_coefficients=ns_coefficients,
-                           decay=decay, step_scale=step_scale)
+                           decay=decay, step_scale=step_scale, value_decay=value_decay)
     schedule = ns_schedule(muon_steps, ns_coefficients)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
@@ -308,7 +320,7 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         per_token = step_scale.to(dt).repeat_interleave(C, dim=1)[:, :T]
         u, step_scale = u * per_token.unsqueeze(-1), None
     group = block_group(n, C, Dk, Dv, order=order, momentum=momentum, schedule=schedule,
-                        weight_norm=weight_norm, decay=decay)
+                        weight_norm=weight_norm, decay=decay, value_decay=value_decay)
 
     if group > 1:
         o, final = grouped_block_linear_attention(
@@ -320,7 +332,8 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         G = ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
         states = chunk_states(G, momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
                               ns_dtype=ns_dtype, weight_norm=cast(weight_norm), W0=W0,
-                              decay=cast(decay), step_scale=cast(step_scale))
+                              decay=cast(decay), step_scale=cast(step_scale),
+                              value_decay=cast(value_decay))
         final = states[:, :, -1]
     else:
         states = phi_k.new_empty(B, H, 0, Dk, Dv, dtype=dt)

@@ -52,7 +52,7 @@ def tiles(log_decay: torch.Tensor, chunk_size: int) -> tuple[int, int]:
     first = min(C, SUB)
     sizes = [first, *(s for s in (SUB // 2, SUB // 4) if s < first)]
     for s in sizes:
-        if _mild(_window_totals(log_decay, s)):
+        if mild(_window_totals(log_decay, s)):
             break
     if s == first:
         return (C if C <= SUB else math.ceil(C / s) * s), s
@@ -67,7 +67,7 @@ def _window_totals(g: torch.Tensor, s: int) -> torch.Tensor:
     return g.reshape(g.shape[0], -1, s, *g.shape[2:]).sum(dim=2)
 
 
-def _suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
+def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
     """``Σ_{l>i} g_l`` along ``dim`` (exclusive), summed from the end, not as a difference."""
     later = torch.cat([g.narrow(dim, 1, g.shape[dim] - 1),
                        torch.zeros_like(g.narrow(dim, 0, 1))], dim=dim)
@@ -80,7 +80,7 @@ def _segments(g: torch.Tensor) -> torch.Tensor:
     return segment_sums(g.transpose(-1, -2)).permute(*range(g.dim() - 2), -2, -1, -3)
 
 
-def _between(G: torch.Tensor) -> torch.Tensor:
+def sub_chunks_between(G: torch.Tensor) -> torch.Tensor:
     """``[..., p, r, Dk]``: ``Σ_{r<q<p} G_q`` (the sub-chunks strictly between) for ``r < p``,
     −inf for ``r ≥ p``, from the sub-chunks' totals ``G [..., m, Dk]``."""
     Z = _segments(G)                                    # Z[p', r] = Σ_{r<q≤p'} G_q, p' ≥ r
@@ -93,21 +93,21 @@ def _factored(q_scaled, k, prefix):
     their prefix (``q_scaled``, already applied) and the keys' ``exp`` of minus theirs — exact up
     to rounding where the decay over the block is at most ``exp(MILD)``, else the keys' factors
     would overflow."""
-    return _causal(q_scaled, k * (-prefix).exp())
+    return causal(q_scaled, k * (-prefix).exp())
 
 
-def _causal(q, k):
+def causal(q, k):
     """``q kᵀ`` with the pairs ``i > t`` zeroed."""
     C = q.shape[-2]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    return (q @ k.mT).masked_fill(~causal, 0.0)
+    mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    return (q @ k.mT).masked_fill(~mask, 0.0)
 
 
 def _inside_sub_chunks(q_scaled, qs, ks, gs, inside):
     """``[R, n, m, t, i]``: each sub-chunk's own causal attention with its decay per channel:
     factored where every sub-chunk is mild (``q_scaled``: the queries times ``exp`` of
     ``inside``), else exact."""
-    if _mild(inside[..., -1, :]):
+    if mild(inside[..., -1, :]):
         return _factored(q_scaled, ks, inside)
     return _exact(qs, ks, gs)
 
@@ -120,7 +120,7 @@ def _exact(q, k, g):
     return weighted.sum(dim=-3)
 
 
-def _mild(totals: torch.Tensor) -> bool:
+def mild(totals: torch.Tensor) -> bool:
     """Whether every block decays by at most ``exp(MILD)`` in every channel (one sync)."""
     return float(totals.detach().min()) >= -MILD
 
@@ -133,8 +133,8 @@ def _sub_chunked(q, k, g, s: int):
     qs, ks, gs = (x.reshape(R, n, m, s, Dk) for x in (q, k, g))
     inside = gs.cumsum(dim=-2)                          # Σ_{start of p ≤ l ≤ t} g_l
     # keys scaled per query sub-chunk p: by their suffix in r, by the sub-chunks between
-    between = _between(inside[..., -1, :]).exp()        # [R, n, p, r, Dk], 0 for r ≥ p
-    keys = (ks * _suffix_sums(gs, -2).exp()).unsqueeze(2) * between.unsqueeze(-2)
+    between = sub_chunks_between(inside[..., -1, :]).exp()   # [R, n, p, r, Dk], 0 for r ≥ p
+    keys = (ks * suffix_sums(gs, -2).exp()).unsqueeze(2) * between.unsqueeze(-2)
     q_scaled = qs * inside.exp()
     attn = q_scaled @ keys.reshape(R, n, m, m * s, Dk).mT               # [R, n, p, s, C]
     attn = attn.reshape(R, n, m, s, m, s)
@@ -156,13 +156,13 @@ def intra_chunk_channel_decay(q, k, v, g, sub: int):
     prefix = g.cumsum(dim=-2)                           # Σ_{l≤t} g_l within the chunk
     total = prefix[..., -1, :]
     q_read = q * prefix.exp()
-    if _mild(total):                    # the keys' factors also give the increment's decays
+    if mild(total):                    # the keys' factors also give the increment's decays
         keys = k * (-prefix).exp()
-        attn, decay = _causal(q_read, keys), total.exp()
+        attn, decay = causal(q_read, keys), total.exp()
         increment = (keys * decay.unsqueeze(-2)).mT @ v
     else:
         attn, decay = _sub_chunked(q, k, g, sub), total.exp()
-        increment = (k * _suffix_sums(g, -2).exp()).mT @ v
+        increment = (k * suffix_sums(g, -2).exp()).mT @ v
     return attn @ v, increment, q_read, decay
 
 
@@ -178,4 +178,5 @@ def scan_rows(decay: torch.Tensor, increments: torch.Tensor,
     return states.reshape(R, Dk, n, Dv).permute(0, 2, 1, 3).contiguous()
 
 
-__all__ = ["SUB", "tiles", "intra_chunk_channel_decay", "scan_rows"]
+__all__ = ["SUB", "tiles", "intra_chunk_channel_decay", "scan_rows", "causal", "mild",
+           "sub_chunks_between", "suffix_sums"]

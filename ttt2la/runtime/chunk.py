@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ttt2la.runtime.channel_decay import intra_chunk_channel_decay, scan_rows, tiles
 from ttt2la.runtime.naive import check_chunk_inputs, compute_dtype, final_state_dtype
 from ttt2la.runtime.scan import blocked_scan, segment_sums
+from ttt2la.runtime.value_decay import intra_chunk_value_decay, scan_columns
 
 
 def split_chunks(x: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
@@ -76,24 +77,34 @@ def _reads_of_previous(q_read: torch.Tensor, states: torch.Tensor) -> torch.Tens
 
 
 def torch_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
-                                 initial_state=None, output_final_state=False):
+                                 value_log_decay=None, initial_state=None,
+                                 output_final_state=False):
     """Chunked token-causal linear attention; same contract as ``naive_chunk_linear_attention``.
 
-    ``scale=None`` means 1.0 (not ``D**-0.5``). Returns
-    ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
+    ``scale=None`` means 1.0 (not ``D**-0.5``). A decay per key channel runs in
+    ``channel_decay.py``, one per value channel (``value_log_decay``, a decay per head added to
+    it) in ``value_decay.py``. Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
     """
     check_chunk_inputs(q, k, v, chunk_size=chunk_size, log_decay=log_decay,
-                       initial_state=initial_state)
+                       initial_state=initial_state, value_log_decay=value_log_decay)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
+    per_value = value_log_decay is not None
+    if per_value:
+        log_decay = value_log_decay if log_decay is None else \
+            value_log_decay + log_decay.unsqueeze(-1)
     per_channel = log_decay is not None and log_decay.dim() == 4
     C, sub = tiles(log_decay, chunk_size) if per_channel else (min(chunk_size, T), None)
     n = math.ceil(T / C)
     qc, kc, vc = (_head_major(x.to(dt), n, C) for x in (q, k, v))   # [B·H, n, C, D]
     g = None if log_decay is None else _head_major(log_decay.to(dt), n, C)
     S0 = None if initial_state is None else initial_state.to(dt).reshape(B * H, Dk, Dv)
-    if per_channel:
+    read_scale = None                   # per value channel: a chunk's read scaled per column
+    if per_value:
+        o, increments, read_scale, decay = intra_chunk_value_decay(qc, kc, vc, g, sub)
+        states, q_read = scan_columns(decay, increments, S0), qc
+    elif per_channel:
         o, increments, q_read, decay = intra_chunk_channel_decay(qc, kc, vc, g, sub)
         states = scan_rows(decay, increments, S0)
     else:
@@ -105,9 +116,12 @@ def torch_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     # chunk j reads the state left by chunks < j, added in place (a matmul's backward does
     # not read its result): no concatenation of the initial state to the states
     if n > 1:
-        o.view(-1, C, Dv)[1:] += _reads_of_previous(q_read, states)
+        reads = _reads_of_previous(q_read, states)
+        o.view(-1, C, Dv)[1:] += reads if read_scale is None else \
+            reads * read_scale.reshape(-1, C, Dv)[1:]
     if S0 is not None:
-        o[:, 0] += q_read[:, 0] @ S0
+        first = q_read[:, 0] @ S0
+        o[:, 0] += first if read_scale is None else first * read_scale[:, 0]
     if scale is not None:
         o = o * scale
     o = o.reshape(B, H, n * C, Dv)[:, :, :T].movedim(1, 2)

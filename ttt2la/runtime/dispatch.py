@@ -92,13 +92,17 @@ def _run(op: str, tensors, options, backend: str):
 def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                            momentum=None, muon_steps=0, ns_coefficients=None, ns_eps=NS_EPS,
                            ns_dtype=None, weight_norm=None, decay=None, step_scale=None,
-                           initial_state=None, output_final_state=False, backend="auto"):
+                           value_decay=None, initial_state=None, output_final_state=False,
+                           backend="auto"):
     """LaCT-style block TTT as linear attention (see ``naive_block_linear_attention``).
 
     Newton–Schulz is data: ``ns_coefficients`` (one ``(a, b, c)`` for all ``muon_steps`` steps,
     or one per step), ``ns_eps`` and the iteration dtype ``ns_dtype``. ``decay [B, N, H]``
     multiplies the state before each chunk's update (a gated memory's ``W ← γ W + Δ``),
     ``step_scale [B, N, H]`` each chunk's step after Newton–Schulz (Muon's ``W ← W + η NS(M)``).
+    ``decay [B, N, H, Dk]`` decays each row of the state (a key channel), ``value_decay [B, N,
+    H, Dv]`` each column (a value channel; with ``decay`` per matrix at most). A backend whose
+    ``supports`` does not name an option is never asked to run it: ``"auto"`` runs torch.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
     """
@@ -106,20 +110,30 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
                    muon_steps=muon_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
                    ns_dtype=ns_dtype, weight_norm=weight_norm, initial_state=initial_state,
                    output_final_state=output_final_state)
-    for name, factor in (("decay", decay), ("step_scale", step_scale)):
+    for name, factor in (("decay", decay), ("step_scale", step_scale),
+                         ("value_decay", value_decay)):
         if factor is not None:  # a backend without the option is never asked to run it
             options[name] = factor
     return _run("block", (phi_q, phi_k, v), options, backend)
 
 
 def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
-                           initial_state=None, output_final_state=False, backend="auto"):
+                           value_log_decay=None, initial_state=None, output_final_state=False,
+                           backend="auto"):
     """Token-causal gated linear attention ``o_t = scale · q_t S_t`` (scale None means 1.0).
+
+    ``log_decay`` decays the state per head ``[B, T, H]`` or per key channel ``[B, T, H, Dk]``
+    (a row of ``S``); ``value_log_decay [B, T, H, Dv]`` per value channel (a column of ``S``),
+    alone or with a decay per head: a separate argument, so that a square state never leaves
+    the axis to be guessed from a shape. A backend whose ``supports`` does not name it is never
+    asked to run it: ``"auto"`` runs torch.
 
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``, computed by ``backend``.
     """
     options = dict(chunk_size=chunk_size, log_decay=log_decay, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state)
+    if value_log_decay is not None:
+        options["value_log_decay"] = value_log_decay
     return _run("chunk", (q, k, v), options, backend)
 
 

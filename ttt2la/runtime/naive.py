@@ -74,7 +74,7 @@ def ns_schedule(muon_steps: int = 0, ns_coefficients=None) -> tuple[tuple[float,
 
 def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon_steps,
                        weight_norm, initial_state, ns_coefficients=None, decay=None,
-                       step_scale=None) -> int:
+                       step_scale=None, value_decay=None) -> int:
     """Validate the block op's arguments and return the number of chunks ``N``."""
     op = "block_linear_attention"
     _require(order in ORDERS, op, f"order must be one of {ORDERS}, got {order!r}")
@@ -111,6 +111,13 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
                  f"decay must hold one factor per chunk, [B, N, H] = {(B, n, H)}, or one per "
                  f"chunk and key channel, [B, N, H, Dk] = {(B, n, H, Dk)} (N = {count}), "
                  f"got {_shape(decay)}")
+    if value_decay is not None:
+        _require(_shape(value_decay) == (B, n, H, Dv), op,
+                 f"value_decay must hold one factor per chunk and value channel, [B, N, H, Dv] "
+                 f"= {(B, n, H, Dv)} (N = {count}), got {_shape(value_decay)}")
+        _require(decay is None or decay.dim() == 3, op,
+                 "value_decay (per column of the state) cannot be combined with a decay per "
+                 "key channel (per row of the state); pass one of them")
     if weight_norm is not None:
         _require(_shape(weight_norm) == (B, H, Dv), op,
                  f"weight_norm must be [B, H, Dv] = {(B, H, Dv)}, got {_shape(weight_norm)}")
@@ -121,7 +128,8 @@ def check_block_inputs(phi_q, phi_k, v, *, chunk_size, order, lr, momentum, muon
     return n
 
 
-def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state) -> None:
+def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state,
+                       value_log_decay=None) -> None:
     """Validate the token-causal op's arguments."""
     op = "chunk_linear_attention"
     _require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, op,
@@ -134,6 +142,13 @@ def check_chunk_inputs(q, k, v, *, chunk_size, log_decay, initial_state) -> None
              f"v {_shape(v)} must share [B, T, H] = {(B, T, H)} with k")
     _require(isinstance(chunk_size, int) and chunk_size >= 1, op,
              f"chunk_size must be a positive int, got {chunk_size!r}")
+    if value_log_decay is not None:
+        _require(_shape(value_log_decay) == (B, T, H, Dv), op,
+                 f"value_log_decay must be [B, T, H, Dv] = {(B, T, H, Dv)} (per value channel),"
+                 f" got {_shape(value_log_decay)}")
+        _require(log_decay is None or log_decay.dim() == 3, op,
+                 "value_log_decay (per column of the state) cannot be combined with a log decay "
+                 "per key channel (per row of the state); pass one of them")
     if log_decay is not None:
         _require(_shape(log_decay) in ((B, T, H), (B, T, H, Dk)), op,
                  f"log_decay must be [B, T, H] = {(B, T, H)} (per head) or [B, T, H, Dk] = "
@@ -179,7 +194,8 @@ def _normalise_columns(W: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
                                  momentum=None, muon_steps=0, ns_coefficients=None,
                                  ns_eps=NS_EPS, ns_dtype=None, weight_norm=None, decay=None,
-                                 step_scale=None, initial_state=None, output_final_state=False):
+                                 step_scale=None, value_decay=None, initial_state=None,
+                                 output_final_state=False):
     """LaCT's chunked TTT-as-linear-attention, one chunk at a time (the reference).
 
     Chunk ``j`` of ``C`` tokens adds ``G_j = φ(K_j)ᵀ (lr ⊙ V_j)``, through momentum
@@ -187,6 +203,8 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     factor ``s_j`` (``step_scale [B, N, H]``, None: 1; Muon's rate after the orthogonalisation),
     to the state decayed by ``decay`` (``W_j = γ_j W_{j-1} + s_j Δ_j``; ``[B, N, H]``, or
     ``[B, N, H, Dk]`` for a decay per key channel, each row of the state its own; None: 1);
+    ``value_decay [B, N, H, Dv]`` decays each column of the state by its own factor, after
+    ``decay`` (which is then per matrix or None: the two per-channel decays are exclusive);
     ``weight_norm`` rescales every state column to its target norm after each update.
     Newton–Schulz follows ``ns_schedule(muon_steps, ns_coefficients)``, normalises by
     ``‖M‖_F + ns_eps`` and iterates in ``ns_dtype`` (default: the accumulation dtype; a
@@ -199,7 +217,7 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     n = check_block_inputs(phi_q, phi_k, v, chunk_size=chunk_size, order=order, lr=lr,
                            momentum=momentum, muon_steps=muon_steps, weight_norm=weight_norm,
                            initial_state=initial_state, ns_coefficients=ns_coefficients,
-                           decay=decay, step_scale=step_scale)
+                           decay=decay, step_scale=step_scale, value_decay=value_decay)
     schedule = ns_schedule(muon_steps, ns_coefficients)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = phi_k.shape
@@ -228,6 +246,8 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
             if decay is not None:       # per matrix [B, H] or per state row [B, H, Dk]
                 d = decay[:, j].to(dt)
                 W = (d[..., None] if d.dim() == 3 else d[..., None, None]) * W
+            if value_decay is not None:     # per state column [B, H, Dv]
+                W = value_decay[:, j].to(dt)[..., None, :] * W
             W = W + delta
             if weight_norm is not None:
                 W = _normalise_columns(W, weight_norm.to(dt))
@@ -239,15 +259,19 @@ def naive_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
 
 
 def naive_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
-                                 initial_state=None, output_final_state=False):
+                                 value_log_decay=None, initial_state=None,
+                                 output_final_state=False):
     """Token-causal (gated) linear attention, one token at a time (the reference).
 
     ``S_t = exp(log_decay_t) S_{t-1} + k_tᵀ v_t`` and ``o_t = scale · q_t S_t``; ``scale=None``
-    means 1.0 (not ``D**-0.5``). ``chunk_size`` only exists to share the fast op's signature.
+    means 1.0 (not ``D**-0.5``). ``log_decay`` is per head ``[B, T, H]`` or per key channel
+    ``[B, T, H, Dk]`` (a row of ``S``); ``value_log_decay [B, T, H, Dv]`` decays each column of
+    ``S`` (``S_t = S_{t-1} exp(g_t)[None, :] + k_tᵀ v_t``), alone or after a decay per head.
+    ``chunk_size`` only exists to share the fast op's signature.
     Returns ``(o [B, T, H, Dv], final_state [B, H, Dk, Dv] or None)``.
     """
     check_chunk_inputs(q, k, v, chunk_size=chunk_size, log_decay=log_decay,
-                       initial_state=initial_state)
+                       initial_state=initial_state, value_log_decay=value_log_decay)
     dt = compute_dtype(v.dtype)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
@@ -258,6 +282,8 @@ def naive_chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scal
     for t in range(T):
         if log_decay is not None:
             S = torch.exp(log_decay[:, t].to(dt)).reshape(B, H, -1, 1) * S
+        if value_log_decay is not None:
+            S = torch.exp(value_log_decay[:, t].to(dt)).reshape(B, H, 1, Dv) * S
         S = S + k[:, t, :, :, None] * vv[:, t, :, None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     o = torch.stack(outputs, dim=1)

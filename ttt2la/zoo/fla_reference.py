@@ -4,12 +4,14 @@ Each kernel of that library ships a ``naive`` recurrence: a function over ``[B, 
 tensors that walks the tokens, decays and writes a state ``S [B, H, K, V]`` by broadcasting
 (``k[..., None] * v[..., None, :]``), reads it the same way (``(q[..., None] * S).sum(-2)``)
 and writes each token's output into a buffer allocated before the loop (``o[:, :, i] = …``).
-The functions here are written in that style for seven recurrences:
+The functions here are written in that style for eight recurrences:
 
 * ``retention`` — a fixed decay per head, ``1 − 2^(−5−h)`` (RetNet);
 * ``scalar_gate`` — a data-dependent decay per head and token, ``exp(g_t)`` with ``g_t ≤ 0``
   (gated retention, Mamba-2's scalar gate);
 * ``vector_gate`` — a decay per key channel, ``exp(g_t)`` with ``g_t [K]`` (GLA);
+* ``value_gate`` — a decay per value channel, ``exp(g_t)`` with ``g_t [V]`` on the state's columns
+  (flash-linear-attention's ``gv``, the second pass of gated slot attention);
 * ``gated_delta`` — the gated delta rule: decay, then correct the value the state predicts for
   the key by ``β_t`` (Gated DeltaNet);
 * ``ssd`` — Mamba-2's recurrence as its minimal reference steps it: a state ``h [B, H, P, N]``
@@ -28,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RULES = ("retention", "scalar_gate", "vector_gate", "gated_delta", "ssd", "normalised", "rwkv6")
+RULES = ("retention", "scalar_gate", "vector_gate", "value_gate", "gated_delta", "ssd",
+         "normalised", "rwkv6")
 
 
 def retention_recurrence(q, k, v):
@@ -53,6 +56,18 @@ def gated_recurrence(q, k, v, g):
         gate = g[:, :, i].exp()
         gate = gate[..., None] if g.dim() == 4 else gate[..., None, None]
         S = S * gate + k[:, :, i].unsqueeze(-1) * v[:, :, i].unsqueeze(-2)
+        o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2)
+    return o
+
+
+def value_gated_recurrence(q, k, v, g):
+    """``S_t = S_{t-1} ⊙ exp(g_t)[None, :] + k_tᵀ v_t``: ``g [B, H, T, V]`` decays each value
+    channel, a column of the state (broadcast over the key axis)."""
+    B, H, T, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(T):
+        S = S * g[:, :, i, None, :].exp() + k[:, :, i, :, None] * v[:, :, i, None, :]
         o[:, :, i] = (q[:, :, i, :, None] * S).sum(-2)
     return o
 
@@ -123,7 +138,8 @@ class FlaReferenceLayer(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.rule, self.num_heads = rule, num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        gates = {"scalar_gate": num_heads, "vector_gate": d_model, "gated_delta": 2 * num_heads,
+        gates = {"scalar_gate": num_heads, "vector_gate": d_model, "value_gate": d_model,
+                 "gated_delta": 2 * num_heads,
                  "ssd": num_heads, "rwkv6": d_model}
         self.gate = nn.Linear(d_model, gates[rule]) if rule in gates else None
         self.A_log = nn.Parameter(torch.zeros(num_heads)) if rule == "ssd" else None
@@ -153,6 +169,9 @@ class FlaReferenceLayer(nn.Module):
         elif self.rule == "vector_gate":
             g = F.logsigmoid(self.gate(x) + 4).view(B, T, H, -1).transpose(1, 2) / 16
             o = gated_recurrence(q, k, v, g)
+        elif self.rule == "value_gate":
+            g = F.logsigmoid(self.gate(x) + 4).view(B, T, H, -1).transpose(1, 2) / 16
+            o = value_gated_recurrence(q, k, v, g)
         else:
             b, a = self.gate(x).transpose(1, 2).chunk(2, 1)
             o = gated_delta_recurrence(q, F.normalize(k, dim=-1), v, torch.sigmoid(b),
@@ -161,4 +180,5 @@ class FlaReferenceLayer(nn.Module):
 
 
 __all__ = ["FlaReferenceLayer", "RULES", "gated_delta_recurrence", "gated_recurrence",
-           "normalised_recurrence", "retention_recurrence", "rwkv6_recurrence", "ssd_recurrence"]
+           "normalised_recurrence", "retention_recurrence", "rwkv6_recurrence", "ssd_recurrence",
+           "value_gated_recurrence"]
