@@ -1176,6 +1176,10 @@ MUTATIONS = [
         "prepended_piece_unnamed", "outputs joined after another piece get the generic order refusal",
         (("ttt2la/frontend/rollup.py", "        if first and pieces[first:first + len(per_iter)] == per_iter:", "        if False:"),),
         ("tests/test_refusal_messages.py",), "joined_after_another_piece"),
+    Mutation(
+        "heads_around_tokens_unnamed", "a loop over heads around the token loop gets the generic no-output refusal",
+        (("ttt2la/frontend/rollup.py", "        nested = _nested_loops(u.iters[1], u.loop)\n", "        nested = []\n"),),
+        ("tests/test_refusal_messages.py",), "heads_around_the_token_loop"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token loop."""
 from __future__ import annotations
 
 import inspect
@@ -414,3 +414,34 @@ def test_outputs_joined_after_another_piece_are_named_with_the_join_that_convert
     conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
     with torch.no_grad():
         assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)
+
+
+class HeadsAroundTheTokens(nn.Module):
+    """Each head's memory run in turn: a loop over heads around the loop over the tokens."""
+
+    def __init__(self, d: int = 8, heads: int = 2):
+        super().__init__()
+        self.h, self.dh = heads, d // heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.dh).unbind(2)
+        heads = []
+        for h in range(self.h):
+            W = x.new_zeros(B, self.dh, self.dh)
+            ys = []
+            for t in range(T):  # <- named
+                W = W + k[:, t, h, :, None] * v[:, t, h, None, :]
+                ys.append(torch.einsum("bk,bkv->bv", q[:, t, h], W))
+            heads.append(torch.stack(ys, 1))
+        return torch.cat(heads, -1)
+
+
+def test_a_loop_over_heads_around_the_token_loop_is_named_so():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(HeadsAroundTheTokens(), level=0, example_inputs=(torch.randn(2, 9, 8),))
+    msg = str(refused.value)
+    assert "which runs the loop at " in msg and "a loop over heads (or rows)" in msg
+    assert f"{HERE}:{_line_of(HeadsAroundTheTokens.forward)}" in msg and "batch axis" in msg

@@ -302,10 +302,7 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
     """Why iteration input ``n`` (``n2`` the next iteration's) of ``loop`` is refused, and what
     to do."""
     what = describe_node(n)
-    nested = sorted((inner for inner in loops_of(n) if inner != loop and inner.file == loop.file
-                     and inner.function == loop.function
-                     and loop.body_start <= inner.line <= loop.body_end),
-                    key=lambda inner: inner.line)
+    nested = _nested_loops([n], loop)
     if nested:
         return (f"{what} is taken inside the loop at {nested[0].src}, which runs inside the TTT "
                 "loop (over heads or rows, one slice each), so the TTT loop's iterations differ "
@@ -330,6 +327,16 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
                 "`g[:, e - 1]` — so the loop reads the chunk as a stream")
     return (f"{what} changes between iterations, and is neither the next chunk or token of the "
             "sequence nor a state carried from the last iteration")
+
+
+def _nested_loops(nodes, loop: LoopSite) -> list:
+    """The loops inside ``loop``'s body (same function, within its lines) that ``nodes`` run
+    in, innermost last by line."""
+    return sorted({inner for n in nodes for inner in loops_of(n)
+                   if inner != loop and inner.file == loop.file
+                   and inner.function == loop.function
+                   and loop.body_start <= inner.line <= loop.body_end},
+                  key=lambda inner: inner.line)
 
 
 def _offset_start(n: torch.fx.Node, n2: torch.fx.Node) -> tuple[int, int] | None:
@@ -611,6 +618,14 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
                 "(a list of them, stacked). ttt2la converts loops that read their state inside "
                 "the loop: compute each chunk's output there from the state (o = q S) and "
                 "collect the outputs instead of the states")
+        nested = _nested_loops(u.iters[1], u.loop)
+        if nested:
+            raise u.fail(
+                f"no iteration output is used after the loop, which runs the loop at "
+                f"{nested[0].src} once per iteration: a loop over heads (or rows) around the "
+                "loop over the sequence. ttt2la converts the loop over the sequence: make the "
+                "heads a batch axis of one loop over the tokens (`k[:, t]` with every head, "
+                "one state with a heads axis)")
         raise u.fail("no iteration output is used after the loop")
     if len(outs) != 1:
         named = "; ".join(_named(n) for n in outs)
