@@ -528,10 +528,12 @@ class _GradOnlyInTraining(torch.nn.Module):
         outs = []
         for s in range(0, x.shape[1], 4):
             kc, vc = k[:, s:s + 4], v[:, s:s + 4]
-            (g,) = torch.autograd.grad(-(kc @ W * vc).sum(), W, create_graph=True)
-            W = W - g
+            W = W - self.inner_gradient(lambda W: -(kc @ W * vc).sum(), W)
             outs.append(kc @ W)
         return torch.cat(outs, 1)
+
+    def inner_gradient(self, loss_of, W):
+        return torch.autograd.grad(loss_of(W), W, create_graph=True)[0]
 
 
 def test_a_layer_whose_inner_gradient_needs_the_callers_grad_mode_is_told_what_to_do():
@@ -550,18 +552,10 @@ class _FastWeightMadeToRequireGrad(_GradOnlyInTraining):
     without gradients its expand of ``W0`` requires none, and ``autograd.grad`` fails with
     another message than "does not require grad"."""
 
-    def forward(self, x):
-        k, v = self.kv(x).chunk(2, -1)
-        W = self.W0.expand(x.shape[0], -1, -1)
-        outs = []
-        for s in range(0, x.shape[1], 4):
-            kc, vc = k[:, s:s + 4], v[:, s:s + 4]
-            with torch.enable_grad():
-                Wg = W if W.requires_grad else W.detach().requires_grad_()
-                (g,) = torch.autograd.grad(-(kc @ W * vc).sum(), Wg, create_graph=True)
-            W = W - g
-            outs.append(kc @ W)
-        return torch.cat(outs, 1)
+    def inner_gradient(self, loss_of, W):
+        with torch.enable_grad():
+            Wg = W if W.requires_grad else W.detach().requires_grad_()
+            return torch.autograd.grad(loss_of(W), Wg, create_graph=True)[0]
 
 
 def test_a_layer_that_runs_only_with_gradients_is_told_so_whatever_its_error():

@@ -234,13 +234,17 @@ def test_an_empty_sequence_under_a_lossy_conversion_is_refused_naming_the_layer(
     assert "Skip the call" in message, message
 
 
-class NarrowState(nn.Module):
-    """Fast weights computed in float32 and stored in bfloat16 after every chunk."""
+class _ChunkLayer(nn.Module):
+    """A chunked layer's projections: ``q, k, v`` of width ``d``, chunks of ``chunk`` tokens."""
 
     def __init__(self, d: int = 8, chunk: int = 4):
         super().__init__()
         self.C = chunk
         self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+
+class NarrowState(_ChunkLayer):
+    """Fast weights computed in float32 and stored in bfloat16 after every chunk."""
 
     def forward(self, x):
         B, T, D = x.shape
@@ -271,14 +275,13 @@ def test_a_state_stored_narrower_than_the_loop_computes_is_named_so():
         assert torch.allclose(exact(x), layer(x), rtol=0, atol=1e-6)
 
 
-class ChunkEndGate(nn.Module):
+class ChunkEndGate(_ChunkLayer):
     """A memory decayed per chunk by the gate of the chunk's last token, read as
     ``g[:, e - 1]`` (``"index"``) or ``g[:, s:e][:, -1]`` (``"slice"``)."""
 
-    def __init__(self, spelling: str, d: int = 8, chunk: int = 4):
-        super().__init__()
-        self.spelling, self.C = spelling, chunk
-        self.qkv, self.g = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 1)
+    def __init__(self, spelling: str, d: int = 8):
+        super().__init__(d)
+        self.spelling, self.g = spelling, nn.Linear(d, 1)
 
     def forward(self, x):
         B, T, D = x.shape
@@ -308,14 +311,13 @@ def test_a_token_read_once_per_chunk_from_the_sequence_is_named_with_the_spellin
         assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)
 
 
-class RateTable(nn.Module):
+class RateTable(_ChunkLayer):
     """A rate per position kept in a buffer sized for the longest sequence, read chunk by
     chunk at the loop's index (``"in_loop"``) or sliced to the sequence before it."""
 
-    def __init__(self, where: str, d: int = 8, chunk: int = 4, longest: int = 64):
+    def __init__(self, where: str, longest: int = 64):
         super().__init__()
-        self.where, self.C = where, chunk
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.where = where
         self.register_buffer("lr_table", 1.0 / torch.sqrt(1.0 + torch.arange(longest).float()))
 
     def forward(self, x):
@@ -345,13 +347,8 @@ def test_a_table_longer_than_the_sequence_is_named_with_the_slice_that_converts(
         assert torch.allclose(conv(x), layer(x), rtol=0, atol=1e-5)
 
 
-class PadsItsLastChunk(nn.Module):
+class PadsItsLastChunk(_ChunkLayer):
     """A loop that pads its own partial last chunk (``if n < C``), which ttt2la does itself."""
-
-    def __init__(self, d: int = 8, chunk: int = 4):
-        super().__init__()
-        self.C = chunk
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
 
     def forward(self, x):
         B, T, D = x.shape
@@ -380,14 +377,13 @@ def test_a_loop_padding_its_own_last_chunk_is_named_so():
     assert "ttt2la pads a partial last chunk itself" in msg
 
 
-class JoinedAfterAZeroRow(nn.Module):
+class JoinedAfterAZeroRow(_ChunkLayer):
     """Next-token binding whose first output, a zero row, is the first piece of the list the
     loop appends to (``"list"``), or padded onto the joined outputs (``"pad"``)."""
 
-    def __init__(self, join: str, d: int = 8, chunk: int = 4):
+    def __init__(self, join: str):
         super().__init__()
-        self.join, self.C = join, chunk
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.join = join
 
     def forward(self, x):
         B, T, D = x.shape
