@@ -38,6 +38,7 @@ from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
                      roll_up)
 from .shape_constants import BatchConstant, refuse_shape_constants
+from .chunk_counts import ChunkCountCheck
 from .shapes import GraphTemplate, fit_template
 
 B0, B1 = 2, 3
@@ -562,8 +563,12 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
          "batch size": f"batch {plan.unit * b1}", "number of chunks": f"length {L0 + C}"},
         f"{_layer_name(cand)} (the loop at {cand.loop.src})")
     try:
+        # one chunk more checks every size, and fits those of the chunk count (padded chunks)
+        longer = None if rolled_N is None else ChunkCountCheck(
+            C, rolled_N.outer, lambda L: _roll_at(cand, fn, flat, layout, plan.unit * b0, L).outer)
         outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
-                             B1=b1, what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")
+                             B1=b1, what=f"code around the loop at {cand.loop.src} in "
+                             f"{_layer_name(cand)}", longer=longer)
     except UnsupportedTTTError as e:
         raise _ShapeDependent(str(e)) from e
     notes = []
