@@ -105,3 +105,11 @@ def test_uses_of_the_length_in_the_source():
     assert found == {"computes the chunk size C from", "sets the chunk size from"}
     loop = inspect.getsourcelines(Branch.forward)[1] + 8
     assert [v.what for v in length_values(file, loop, (1, -2, 3))] == ["branches on"]
+
+
+def test_streamed_piece_of_an_untraced_length_is_refused():
+    torch.manual_seed(0)
+    layer = Branch(capped)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, D),))
+    with pytest.raises(UnsupportedShapeError, match=r"length 5.*if T < 12"):
+        conv(torch.randn(1, 5, D), return_ttt_state=True)

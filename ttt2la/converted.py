@@ -393,6 +393,13 @@ class ConvertedState:
             raise UnsupportedShapeError(
                 f"{self._where()} cannot carry its fast-weight state through a call at {untraced}: "
                 "call it with pieces of the lengths it was traced at.")
+        vouching = self.length_vouching
+        if vouching is not None and not vouching.lengths.get(L):
+            raise UnsupportedShapeError(
+                f"{self._where()} cannot carry its fast-weight state through a call at length "
+                f"{L}: its code computes Python values of the length ({vouching.what}), so a "
+                "piece of another length may run another function. Call it with pieces of the "
+                "lengths it was traced at.")
         if self.gradient_stop and records_gradients(module, flat):
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} stops gradients inside its loop "
@@ -677,6 +684,9 @@ def compile_break(state: ConvertedState) -> str:
         reason = "its loop reads constants folded by the lossy passes"
     elif getattr(state.plan, "forward_ad", False):
         reason = "its plan takes an affine update's coefficients by forward-mode differentiation"
+    elif state.length_vouching is not None:
+        reason = ("its code computes Python values of the length, and each new length is "
+                  "checked against the code as written (or refused) when it is called")
     if reason:
         _between_graphs(reason)
     return reason
