@@ -1180,6 +1180,29 @@ MUTATIONS = [
         "heads_around_tokens_unnamed", "a loop over heads around the token loop gets the generic no-output refusal",
         (("ttt2la/frontend/rollup.py", "        nested = _nested_loops(u.iters[1], u.loop)\n", "        nested = []\n"),),
         ("tests/test_refusal_messages.py",), "heads_around_the_token_loop"),
+    Mutation(
+        "chunk_count_sizes_unchecked", "the template around the loop is not checked at one chunk more, so the sizes of a padded sequence's chunk count stay the traced ones",
+        (("ttt2la/frontend/recognize.py", "longer = None if rolled_N is None else ChunkCountCheck(",
+          "longer = None if True else ChunkCountCheck("),),
+        ("tests/test_padded_chunk_views.py",), "every_length"),
+    Mutation(
+        "chunk_count_floor", "the chunk count of a padded sequence taken as floor(L/C) rather than ceil(L/C)",
+        (("ttt2la/frontend/shapes.py", "N = -(-L // self.chunk)", "N = L // self.chunk"),),
+        ("tests/test_padded_chunk_views.py",), "every_length"),
+    Mutation(
+        "length_values_unvouched", "a layer whose code computes Python values of the length runs the plan at every length, unchecked",
+        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):",
+          "if vouching is not None and False:"),),
+        ("tests/test_length_values.py",), "branch or capped or lossy"),
+    Mutation(
+        "length_check_trusts_the_plan", "a new length's check keeps the plan without comparing it with the code as written",
+        (("ttt2la/length_vouching.py", "agree = mine is not None and _same(mine, theirs)",
+          "agree = mine is not None"),),
+        ("tests/test_length_values.py",), "branch or capped"),
+    Mutation(
+        "chunk_size_moves_unrefused", "a chunk size that differs between probe lengths is not refused",
+        (("ttt2la/frontend/recognize.py", "if len(set(sizes.values())) < 2:", "if True:"),),
+        ("tests/test_length_values.py",), "chunk_size_of_the_length"),
 ]
 
 

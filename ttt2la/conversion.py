@@ -40,6 +40,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, r
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .gradient_stops import detached_state, unseen_stop
+from .length_vouching import vouching
 from .padded_chunk import padding_changes
 from .testing import rel_rms_error, tolerance
 from .training_mode import evaluating, training_dependence
@@ -217,7 +218,14 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
                     used=used, zero_init=zero_init, device=device)
     interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
-                           plan=plan, interface=interface, strict=strict)
+                           plan=plan, interface=interface, strict=strict,
+                           length_vouching=vouching(rl))
+    if state.length_vouching is not None:
+        notes.append(f"its code computes Python values of the length "
+                     f"({state.length_vouching.what}): converted for the lengths it was traced "
+                     "at; " + ("each other length is checked once against the code as written, "
+                               "which runs where they differ" if exact else
+                               "other lengths are refused"))
     return state, analysis, notes, exact
 
 

@@ -115,6 +115,7 @@ class ConvertedState:
     weights: Signature = ()             # the weights' names, dtypes and devices it was built for
     variant: str = ""                   # how its ``runs`` name it, when built again (``recast``)
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
+    length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -203,6 +204,11 @@ class ConvertedState:
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
         plan = lambda: gm.forward(weights, *flat)   # noqa: E731
+        vouching = self.length_vouching
+        if vouching is not None and not vouching.lengths.get(L):
+            unvouched = self._unvouched_length(vouching, plan, written, B, L)
+            if unvouched is not None:
+                return unvouched()
         try:
             if self.as_written is None or not races(module, flat):
                 return plan()
@@ -230,6 +236,21 @@ class ConvertedState:
                                      refusal=UnsupportedShapeError(
             f"{self._where()} was called at {why}. Call it at the lengths it was traced at, or "
             "convert it again with example inputs of the length you call it with."))
+
+    def _unvouched_length(self, vouching, plan, written, B: int, L: int):
+        """At a length the traces do not vouch for (the code computes Python values of the
+        length): ``None`` where the plan was checked to agree with the code as written there,
+        else what to run instead (the code as written; a lossy conversion refuses)."""
+        if self.as_written is None:
+            raise vouching.refusal(self._where(), L)
+        if vouching.check(L, plan, written):
+            self.runs.setdefault(f"batch {self._batch(B)}, length {L}, length values",
+                                 "plan: checked against the code as written at this length")
+            return None
+        return lambda: self._written_instead(
+            written, B, L, "length values",
+            f"its code computes {vouching.what}, and the plan differs from it at this length",
+            f"at length {L}, where its code computes {vouching.what}", refusal=None)
 
     def _at_untraced_batch(self, why: str, written, flat: list):
         """A call at a batch size other than the one a number of the traced code was derived
@@ -379,6 +400,13 @@ class ConvertedState:
             raise UnsupportedShapeError(
                 f"{self._where()} cannot carry its fast-weight state through a call at {untraced}: "
                 "call it with pieces of the lengths it was traced at.")
+        vouching = self.length_vouching
+        if vouching is not None and not vouching.lengths.get(L):
+            raise UnsupportedShapeError(
+                f"{self._where()} cannot carry its fast-weight state through a call at length "
+                f"{L}: its code computes Python values of the length ({vouching.what}), so a "
+                "piece of another length may run another function. Call it with pieces of the "
+                "lengths it was traced at.")
         if self.gradient_stop and records_gradients(module, flat):
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} stops gradients inside its loop "
@@ -666,6 +694,9 @@ def compile_break(state: ConvertedState) -> str:
         reason = "its loop reads constants folded by the lossy passes"
     elif getattr(state.plan, "forward_ad", False):
         reason = "its plan takes an affine update's coefficients by forward-mode differentiation"
+    elif state.length_vouching is not None:
+        reason = ("its code computes Python values of the length, and each new length is "
+                  "checked against the code as written (or refused) when it is called")
     if reason:
         _between_graphs(reason)
     return reason

@@ -38,6 +38,8 @@ from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
                      roll_up)
 from .shape_constants import BatchConstant, refuse_shape_constants
+from .chunk_counts import ChunkCountCheck
+from .length_values import describe, length_values
 from .shapes import GraphTemplate, fit_template
 
 B0, B1 = 2, 3
@@ -556,14 +558,20 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     # one chunk more: a number of the chunk count (1 / N) moves where one token more does not
     rolled_N = None if plan.structured else _roll_at(cand, fn, flat, layout, plan.unit * b0,
                                                      L0 + C)
+    refuse_chunk_from_length(cand, {L: r for L, r in ((L0, rolled), (L1, rolled_L),
+                                                      (L0 + C, rolled_N)) if r is not None})
     refuse_shape_constants(
         rolled, {"length": rolled_L, "batch size": rolled_B, "number of chunks": rolled_N},
         {"ref": f"batch {plan.unit * b0}, length {L0}", "length": f"length {L1}",
          "batch size": f"batch {plan.unit * b1}", "number of chunks": f"length {L0 + C}"},
         f"{_layer_name(cand)} (the loop at {cand.loop.src})")
     try:
+        # one chunk more checks every size, and fits those of the chunk count (padded chunks)
+        longer = None if rolled_N is None else ChunkCountCheck(
+            C, rolled_N.outer, lambda L: _roll_at(cand, fn, flat, layout, plan.unit * b0, L).outer)
         outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
-                             B1=b1, what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")
+                             B1=b1, longer=longer,
+                             what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")
     except UnsupportedTTTError as e:
         raise _ShapeDependent(str(e)) from e
     notes = []
@@ -599,6 +607,24 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
                                      path=cand.path, why=why)
     return RecognizedLayer(cand.path, cand, rolled, rolled_L, rolled_B, layout, in_spec, outer,
                            L0, L1, b0, b1, notes)
+
+
+def refuse_chunk_from_length(cand: LoopCandidate, rolled: dict[int, RolledLoop]) -> None:
+    """Raise when the loop takes chunks of another size at another probe length: its chunk
+    size is a function of the length, which no fixed-chunk plan computes."""
+    sizes = {L: r.program.chunk_size for L, r in rolled.items()}
+    if len(set(sizes.values())) < 2:
+        return
+    loop = cand.loop
+    flat = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))[0]
+    ranks = [x.dim() for x in flat if isinstance(x, torch.Tensor)]
+    found = describe(length_values(loop.file, loop.line, (1, -2, max(ranks, default=3))))
+    seen = ", ".join(f"{C} at length {L}" for L, C in sorted(sizes.items()))
+    raise UnsupportedTTTError(
+        f"{_layer_name(cand)}: the loop at {loop.src} takes chunks of another size at each "
+        f"length ({seen}){f': {found}' if found else ''}. A converted loop runs chunks of one "
+        "size at every length: make the chunk size a constant of the layer (pad the sequence "
+        "to a multiple of it, or let the last chunk be partial).")
 
 
 def _first_line(e: Exception) -> str:

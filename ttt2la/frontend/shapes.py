@@ -11,6 +11,7 @@ converted model never unrolls the user's loop again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -18,22 +19,32 @@ import torch.fx
 from ..errors import UnsupportedTTTError
 from ..ir import SRC, copy_graph
 
+if TYPE_CHECKING:
+    from .chunk_counts import ChunkCountCheck
+
 
 @dataclass(frozen=True)
 class SizeExpr:
-    """``a + b·B + c·L + e·B·L``."""
+    """``a + b·B + c·L + e·B·L + n·N + f·B·N``, ``N = ceil(L / chunk)`` the number of chunks a
+    sequence padded to a multiple of ``chunk`` holds (``chunk_counts``)."""
 
     a: int
     b: int = 0
     c: int = 0
     e: int = 0
+    n: int = 0
+    f: int = 0
+    chunk: int = 1
 
     def __call__(self, B: int, L: int) -> int:
-        return self.a + self.b * B + self.c * L + self.e * B * L
+        N = -(-L // self.chunk)
+        return self.a + self.b * B + self.c * L + self.e * B * L + self.n * N + self.f * B * N
 
     def __str__(self) -> str:
         terms = [f"{k}{'' if v == 1 else f'*{v}'}" if k else str(v)
-                 for k, v in (("", self.a), ("B", self.b), ("L", self.c), ("B*L", self.e)) if v]
+                 for k, v in (("", self.a), ("B", self.b), ("L", self.c), ("B*L", self.e),
+                              (f"ceil(L/{self.chunk})", self.n),
+                              (f"B*ceil(L/{self.chunk})", self.f)) if v]
         return " + ".join(terms) or "0"
 
 
@@ -119,8 +130,11 @@ def _first_difference(*graphs: list[torch.fx.Node]) -> str:
 
 
 def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.fx.GraphModule,
-                 *, B0: int, L0: int, L1: int, B1: int, what: str) -> GraphTemplate:
-    """Fit a ``GraphTemplate`` from the same graph traced at (B0,L0), (B0,L1) and (B1,L0)."""
+                 *, B0: int, L0: int, L1: int, B1: int, what: str,
+                 longer: ChunkCountCheck | None = None) -> GraphTemplate:
+    """Fit a ``GraphTemplate`` from the same graph traced at (B0,L0), (B0,L1) and (B1,L0);
+    with ``longer``, check every size at one chunk more and fit the sizes of the chunk count
+    (``chunk_counts``)."""
     n0, nL, nB = (list(g.graph.nodes) for g in (g0, gL, gB))
     if not (len(n0) == len(nL) == len(nB)):
         raise UnsupportedTTTError(
@@ -156,6 +170,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
                         f"an affine function of batch size and length ({v0}, {vL}, {vB} at "
                         f"B,L = ({B0},{L0}), ({B0},{L1}), ({B1},{L0}))")
                 slots[(i, where, path)] = expr
+    if longer is not None:
+        slots = longer.refit(n0, nL, nB, slots, B0=B0, L0=L0, L1=L1, B1=B1, what=what)
     return GraphTemplate(g0, slots)
 
 

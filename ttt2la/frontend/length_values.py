@@ -1,0 +1,274 @@
+"""Python values the layer's code computes from the call's length, read off its source.
+
+The converted layer generalises over lengths from traces at a few probe lengths. A Python value
+of the length that branches (``if T < 20:``), clamps (``min(8, T // 2)``), or sets the chunk size
+(``range(0, T, C)`` with ``C`` a function of ``T``) can take another value at a length the probes
+never showed, where the traces say nothing. Here the source of the function that holds the loop
+is read with ``ast``: names bound from the length (``B, T, D = x.shape`` at the token axis,
+``x.size(1)``, ``x.shape[1]``) and every name computed from them are followed through the
+statements before the loop, and each use that can change the structure is returned with its
+line, so the converted layer can vouch for other lengths by checking them (``converted.py``)
+and a refusal can name the line.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+
+#: what a length is called where a shape of another rank than the input's is unpacked
+_LENGTH_NAMES = {"T", "L", "N", "S", "seq_len", "seqlen", "length", "num_tokens", "n_tokens"}
+
+#: functions whose value of an integer is no affine function of it (nor a chunk count)
+_NONLINEAR = {"sqrt", "log", "log2", "exp", "pow", "isqrt"}
+
+
+@dataclass(frozen=True)
+class LengthValue:
+    """One use of a value of the length that the probe traces cannot vouch for."""
+
+    file: str
+    line: int
+    code: str
+    what: str               # "branches on", "clamps", …
+
+    def describe(self) -> str:
+        return f"`{self.code}` at {self.file}:{self.line} {self.what} the length"
+
+
+@functools.lru_cache(maxsize=256)
+def _function_at(file: str, line: int) -> ast.FunctionDef | None:
+    """The innermost function definition of ``file`` that holds ``line``."""
+    try:
+        with open(file) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                node.lineno <= line <= (node.end_lineno or node.lineno):
+            if best is None or node.lineno > best.lineno:
+                best = node
+    return best
+
+
+def _length_source(expr: ast.expr, axes: tuple[int, ...]) -> bool:
+    """``x.shape[i]`` or ``x.size(i)`` with ``i`` a token axis (``axes[:2]``)."""
+    axes = axes[:2]
+    if isinstance(expr, ast.Subscript) and _is_shape(expr.value):
+        return isinstance(expr.slice, ast.Constant) and expr.slice.value in axes
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and \
+            expr.func.attr == "size" and len(expr.args) == 1:
+        arg = expr.args[0]
+        return isinstance(arg, ast.Constant) and arg.value in axes
+    return False
+
+
+def _is_shape(expr: ast.expr) -> bool:
+    """``x.shape`` or ``x.size()``."""
+    if isinstance(expr, ast.Attribute) and expr.attr == "shape":
+        return True
+    return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and \
+        expr.func.attr == "size" and not expr.args
+
+
+def _derives(expr: ast.AST, derived: set[str], axes: tuple[int, ...], me: str = "") -> bool:
+    """Is ``expr`` a Python number computed from the length: a source, a name bound from one,
+    arithmetic, comparisons and calls of plain functions (``int``, ``min``, ``math.ceil``, a
+    method of the layer ``me``) on one? A tensor op (``x.view(B, T, D)``) is not followed: the
+    traces see what it makes at every length."""
+    if isinstance(expr, ast.Name):
+        return expr.id in derived and expr.id not in _looping(derived)
+    if any(isinstance(n, ast.Name) and n.id in _looping(derived) for n in ast.walk(expr)):
+        return False                    # a value of the iteration: the traces unroll it
+    if _length_source(expr, axes):
+        return True
+    parts: list = []
+    if isinstance(expr, (ast.BinOp,)):
+        parts = [expr.left, expr.right]
+    elif isinstance(expr, ast.UnaryOp):
+        parts = [expr.operand]
+    elif isinstance(expr, ast.BoolOp):
+        parts = expr.values
+    elif isinstance(expr, ast.Compare):
+        parts = [expr.left, *expr.comparators]
+    elif isinstance(expr, ast.IfExp):
+        parts = [expr.test, expr.body, expr.orelse]
+    elif isinstance(expr, (ast.Tuple, ast.List)):
+        parts = expr.elts
+    elif isinstance(expr, ast.Call) and _plain_call(expr, me):
+        parts = [*expr.args, *(k.value for k in expr.keywords)]
+    return any(_derives(p, derived, axes, me) for p in parts)
+
+
+class _Derived(set):
+    """Names bound from the length, with ``looping``: the targets of the loops that hold the
+    loop (their values per iteration are unrolled in the traces)."""
+
+    looping: set
+    where: dict                         # name -> the line that binds it from the length
+
+
+def _looping(derived: set) -> set:
+    return getattr(derived, "looping", set())
+
+
+def _plain_call(call: ast.Call, me: str) -> bool:
+    """A call of a plain function (``int(…)``, ``helper(…)``), of ``math`` or of the layer's own
+    method (``self.chunk(T)``): not a tensor op."""
+    f = call.func
+    if isinstance(f, ast.Name):
+        return True
+    return isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and \
+        f.value.id in ("math", me)
+
+
+def _bind(stmt: ast.stmt, derived: set[str], axes: tuple[int, ...], me: str) -> None:
+    """Add the names ``stmt`` binds from the length to ``derived`` (those it binds from an
+    iteration's values to ``derived.looping``)."""
+    looping = _looping(derived)
+    if looping and any(isinstance(n, ast.Name) and n.id in looping for n in ast.walk(stmt)):
+        for target in getattr(stmt, "targets", [getattr(stmt, "target", None)]):
+            if target is not None:
+                looping |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        return
+    if isinstance(stmt, ast.Assign):
+        value = stmt.value
+        for target in stmt.targets:
+            if isinstance(target, ast.Tuple) and _is_shape(value):
+                n = len(target.elts)
+                for i, elt in enumerate(target.elts):
+                    if isinstance(elt, ast.Name) and (
+                            (i in axes or i - n in axes) if n == axes[-1] else
+                            elt.id in _LENGTH_NAMES):
+                        derived.add(elt.id)
+            elif _derives(value, derived, axes, me):
+                names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+                derived |= names
+                derived.where.update(dict.fromkeys(names, stmt.lineno))
+    elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) and stmt.value is not None \
+            and _derives(stmt.value, derived, axes, me) and isinstance(stmt.target, ast.Name):
+        derived.add(stmt.target.id)
+
+
+def _uses(stmt: ast.stmt, derived: set[str], axes, me: str) -> list[tuple[ast.AST, str]]:
+    """The nodes of ``stmt`` that branch on, clamp or take a nonlinear function of the length
+    (an ``if``'s test only: its body is followed statement by statement)."""
+    of = lambda e: _derives(e, derived, axes, me)   # noqa: E731
+    found = []
+    if isinstance(stmt, (ast.If, ast.While)):
+        guard = isinstance(stmt, ast.If) and not stmt.orelse and \
+            all(isinstance(b, ast.Raise) for b in stmt.body)
+        if of(stmt.test) and not guard:     # a guard that raises changes no structure
+            found.append((stmt.test, "branches on"))
+        roots = [stmt.test]
+    else:
+        roots = [stmt]
+    for node in (n for r in roots for n in ast.walk(r)):
+        if isinstance(node, ast.IfExp) and of(node.test):
+            found.append((node, "branches on"))
+        elif isinstance(node, ast.Call) and _plain_call(node, me) and of(node):
+            name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            if name in ("min", "max"):
+                found.append((node, "clamps"))
+            elif name in _NONLINEAR:
+                found.append((node, "takes a nonlinear function of"))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and of(node):
+            found.append((node, "takes a power of"))
+    return found
+
+
+def _chunk_step(loop: ast.stmt, derived: set[str], axes, me: str) -> ast.AST | None:
+    """The step of ``range(start, stop, step)`` (or the size of ``split``) in the loop
+    statement, where it reads the length."""
+    if not isinstance(loop, ast.For):
+        return None
+    it = loop.iter
+    if isinstance(it, ast.Call):
+        name = it.func.id if isinstance(it.func, ast.Name) else \
+            it.func.attr if isinstance(it.func, ast.Attribute) else ""
+        size = it.args[2] if name == "range" and len(it.args) == 3 else \
+            it.args[0] if name == "split" and it.args else None
+        if size is not None and _derives(size, derived, axes, me):
+            return size
+    return None
+
+
+def length_values(file: str, loop_line: int, axes: tuple[int, ...]) -> list[LengthValue]:
+    """The uses of a value of the length in the function holding the loop at
+    ``file:loop_line``, before the loop and in the loop statement. ``axes``: the input's token
+    axis, counted from the front and from the back, then its rank (a shape of that rank
+    unpacked gives the length at the token axis; another rank, at a name like ``T``)."""
+    fn = _function_at(file, loop_line)
+    if fn is None:
+        return []
+    lines = _source_lines(file)
+    derived = _Derived()
+    derived.looping, derived.where = set(), {}
+    out: dict[int, LengthValue] = {}
+
+    me = fn.args.args[0].arg if fn.args.args else ""
+
+    def walk(body: list[ast.stmt]) -> bool:
+        """Follow ``body`` up to the loop statement; ``True`` once it is reached."""
+        for stmt in body:
+            end = stmt.end_lineno or stmt.lineno
+            if stmt.lineno >= loop_line:
+                step = _chunk_step(stmt, derived, axes, me) if stmt.lineno == loop_line \
+                    else None
+                if step is not None:
+                    bound = derived.where.get(step.id) if isinstance(step, ast.Name) else None
+                    if bound is not None:
+                        out.setdefault(bound, _value(file, lines, bound,
+                                                     f"computes the chunk size {step.id} from"))
+                    out.setdefault(step.lineno, _value(file, lines, step,
+                                                       "sets the chunk size from"))
+                return True
+            if isinstance(stmt, (ast.For, ast.While)):
+                if end >= loop_line:            # the loop is nested in this one
+                    if isinstance(stmt, ast.For):
+                        derived.looping |= {n.id for n in ast.walk(stmt.target)
+                                            if isinstance(n, ast.Name)}
+                    return walk(stmt.body)
+                continue
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            for node, what in _uses(stmt, derived, axes, me):
+                out.setdefault(node.lineno, _value(file, lines, node, what))
+            if isinstance(stmt, ast.If):
+                if walk(stmt.body) or walk(stmt.orelse):
+                    return True
+            elif isinstance(stmt, (ast.With, ast.Try)):
+                if walk(stmt.body):
+                    return True
+            elif not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                _bind(stmt, derived, axes, me)
+        return False
+
+    walk(fn.body)
+    return sorted(out.values(), key=lambda v: v.line)
+
+
+def _value(file: str, lines: tuple[str, ...], node, what: str) -> LengthValue:
+    """The use at ``node`` (or at the line ``node``)."""
+    line = node if isinstance(node, int) else node.lineno
+    code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    return LengthValue(file, line, code, what)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_lines(file: str) -> tuple[str, ...]:
+    try:
+        with open(file) as f:
+            return tuple(f.read().splitlines())
+    except OSError:
+        return ()
+
+
+def describe(values: list[LengthValue]) -> str:
+    """The uses in words, for a note or a refusal ("" for none)."""
+    return "; ".join(v.describe() for v in values)
+
+
+__all__ = ["LengthValue", "length_values", "describe"]
