@@ -1075,6 +1075,26 @@ MUTATIONS = [
         "input_free_identity_sampled", "an invariant made from no input (torch.eye before the loop) is sampled at random by the delta rule's fit",
         (("ttt2la/lowering/lift_delta_rule.py", "value = node.meta.get(INPUT_FREE)", "value = None"),),
         ("tests/test_delta_spellings.py",), "householder"),
+    Mutation(
+        "changed_attributes_unguarded", "a plain attribute changed after conversion (a step size, the chunk size) is not looked at: the graphs run with the value traced",
+        (("ttt2la/converted.py", "change = None if guard is None else guard.changed(self)",
+          "change = None"),),
+        ("tests/test_attribute_guard.py",), "as_written or lossy"),
+    Mutation(
+        "attribute_writes_unrefused", "a forward that assigns an attribute on its layer (a cache of its fast weights) is converted, and the write is dropped",
+        (("ttt2la/frontend/recognize.py", "    if written:                 # refused before a trace",
+          "    if False:                   # refused before a trace"),),
+        ("tests/test_side_effects.py",), "refused or as_written"),
+    Mutation(
+        "own_backward_failure_raw", "the gradient check lets the layer's own backward failure escape convert as torch's RuntimeError",
+        (("ttt2la/gradient_stops.py", "        raise own_backward_failure(e) from e", "        raise"),),
+        ("tests/test_gradient_stops.py",), "own_backward"),
+    Mutation(
+        "undifferentiable_backward_unrefused", "a converted layer whose own backward fails differentiates through its plan, gradients nobody checked",
+        (("ttt2la/converted.py",
+          "if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):",
+          "if False:"),),
+        ("tests/test_gradient_stops.py",), "own_backward"),
 ]
 
 
