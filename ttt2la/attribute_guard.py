@@ -155,7 +155,6 @@ class AttributeGuard:
                 return found
         return None
 
-
     def _compiled_changed(self, layer: torch.nn.Module) -> Change | None:
         """``changed`` as TorchDynamo traces it: each attribute read by name, which Dynamo
         guards, so a compiled graph is compiled again once one changes (tensors by identity:
@@ -211,7 +210,8 @@ def _class(m: torch.nn.Module) -> type:
 
 
 def _class_of(cls: type) -> type:
-    return cls.__bases__[0] if cls.__name__.startswith("Parametrized") else cls
+    """The class a parametrized module's class was derived from (``cls`` for any other)."""
+    return cls.__bases__[0] if cls.__module__ == parametrize.__name__ else cls
 
 
 __all__ = ["AttributeGuard", "Change", "BOOKKEEPING", "comparable", "plain_attributes",
