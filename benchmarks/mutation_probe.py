@@ -1191,8 +1191,8 @@ MUTATIONS = [
         ("tests/test_padded_chunk_views.py",), "every_length"),
     Mutation(
         "length_values_unvouched", "a layer whose code computes Python values of the length runs the plan at every length, unchecked",
-        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):",
-          "if vouching is not None and False:"),),
+        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):\n            unvouched",
+          "if vouching is not None and False:\n            unvouched"),),
         ("tests/test_length_values.py",), "branch or capped or lossy"),
     Mutation(
         "length_check_trusts_the_plan", "a new length's check keeps the plan without comparing it with the code as written",
@@ -1203,6 +1203,26 @@ MUTATIONS = [
         "chunk_size_moves_unrefused", "a chunk size that differs between probe lengths is not refused",
         (("ttt2la/frontend/recognize.py", "if len(set(sizes.values())) < 2:", "if True:"),),
         ("tests/test_length_values.py",), "chunk_size_of_the_length"),
+    Mutation(
+        "changed_attributes_unguarded", "a plain attribute changed after conversion (a step size, the chunk size) is not looked at: the graphs run with the value traced",
+        (("ttt2la/converted.py", "change = None if guard is None else guard.changed(self)",
+          "change = None"),),
+        ("tests/test_attribute_guard.py",), "as_written or lossy"),
+    Mutation(
+        "attribute_writes_unrefused", "a forward that assigns an attribute on its layer (a cache of its fast weights) is converted, and the write is dropped",
+        (("ttt2la/frontend/recognize.py", "    if written:                 # refused before a trace",
+          "    if False:                   # refused before a trace"),),
+        ("tests/test_side_effects.py",), "refused or as_written"),
+    Mutation(
+        "own_backward_failure_raw", "the gradient check lets the layer's own backward failure escape convert as torch's RuntimeError",
+        (("ttt2la/gradient_stops.py", "        raise own_backward_failure(e) from e", "        raise"),),
+        ("tests/test_gradient_stops.py",), "own_backward"),
+    Mutation(
+        "undifferentiable_backward_unrefused", "a converted layer whose own backward fails differentiates through its plan, gradients nobody checked",
+        (("ttt2la/converted.py",
+          "if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):",
+          "if False:"),),
+        ("tests/test_gradient_stops.py",), "own_backward"),
 ]
 
 

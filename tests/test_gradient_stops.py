@@ -20,6 +20,7 @@ from torch import nn
 import ttt2la
 from equivalence import assert_same_function
 from ttt2la.errors import StreamingError, UnsupportedTTTError
+from ttt2la.testing import TOLERANCE, rel_rms_error
 
 D, C = 8, 4
 STOPS = ("detach_state", "no_grad_update", "data", "no_create_graph")
@@ -122,3 +123,44 @@ def test_the_stop_survives_pickling_and_streaming_refuses_gradients():
     with torch.no_grad():
         y, _state = conv(torch.randn(2, 8, D), return_ttt_state=True)
     assert y.shape == (2, 8, D)
+
+
+class InPlaceMemory(nn.Module):
+    """Linear attention with a normaliser, both states updated in place (``S += …``): its
+    forward runs, its own backward fails (a tensor autograd saved is overwritten)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).sigmoid().chunk(3, -1)
+        S, z = x.new_zeros(x.shape[0], D, D), x.new_zeros(x.shape[0], D)
+        o = torch.zeros_like(v)
+        for t in range(x.shape[1]):
+            S += k[:, t, :, None] * v[:, t, None, :]
+            z += k[:, t]
+            o[:, t] = torch.einsum("bf,bfv->bv", q[:, t], S) / \
+                (torch.einsum("bf,bf->b", q[:, t], z)[:, None] + 1e-6)
+        return o
+
+
+def test_a_layer_whose_own_backward_fails_converts_and_refuses_the_backward():
+    torch.manual_seed(0)
+    layer, x = InPlaceMemory(), torch.randn(2, 6, D)
+    with pytest.raises(RuntimeError, match="inplace"):
+        layer(x).sum().backward()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    report, = conv.ttt2la_report.layers
+    assert any("not checked" in n and "inplace" in n for n in report.notes), report.notes
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), layer(x)) <= TOLERANCE[torch.float32]
+    y = conv(x)                                     # a forward recording gradients runs
+    assert rel_rms_error(y.detach(), layer(x).detach()) <= TOLERANCE[torch.float32]
+    with pytest.raises(UnsupportedTTTError, match="cannot be differentiated as written"):
+        y.sum().backward()
+    again = pickle.loads(pickle.dumps(conv))
+    with pytest.raises(UnsupportedTTTError, match="cannot be differentiated"):
+        again(x).sum().backward()
+    with pytest.raises(StreamingError, match="records gradients"):
+        conv(x, return_ttt_state=True)

@@ -12,9 +12,10 @@ from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)
 from .conversion import convert, inspect
-from .errors import (AlreadyConvertedError, ConversionError, LevelNotImplementedError,
-                     NonReducibleError, PartialChunkError, PlanFallbackError, RejectedCallError,
-                     StreamingError, UnsupportedShapeError, UnsupportedTTTError)
+from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
+                     LevelNotImplementedError, NonReducibleError, PartialChunkError,
+                     PlanFallbackError, RejectedCallError, SideEffectError, StreamingError,
+                     UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 from .stream import Stream, TTTState
 from .sweep import SweepReport, sweep
@@ -26,6 +27,7 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
            "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "PartialChunkError",
+           "ChangedAttributeError", "SideEffectError",
            "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
            "AlreadyConvertedError", "RejectedCallError", "race_as_written", "__version__"]

@@ -42,6 +42,7 @@ from .drift import layer_drift, lm_loss, model_with, run_module
 from .gradient_stops import detached_state, unseen_stop
 from .length_vouching import vouching
 from .padded_chunk import padding_changes
+from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
 from .training_mode import evaluating, training_dependence
 from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
@@ -96,12 +97,13 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
     for length in lengths:
         inputs = _infer_example_inputs(model, length) if inferred else _as_tuple(example_inputs)
         candidates = discover(model, inputs, example_kwargs)
-        layers, failures = [], []
+        layers, failures, refusals = [], [], []
         for cand in candidates:
             try:
                 layers.append(recognize_layer(cand, _seq_len(inputs)))
             except UnsupportedTTTError as e:
                 failures.append(f"{cand.path or '<model>'}: {e}")
+                refusals.append(e)
         if layers:
             notes += [f"not converted: {f}" for f in failures]
             if inferred:
@@ -110,12 +112,23 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
         if not inferred:
             break
     if candidates:
-        raise UnsupportedTTTError(f"no test-time-training loop of {type(model).__name__} could "
-                                  f"be converted: {'; '.join(failures)}")
+        raise _refused(f"no test-time-training loop of {type(model).__name__} could be "
+                       f"converted: {'; '.join(failures)}", refusals)
     raise UnsupportedTTTError(
         f"no test-time-training loop found in {type(model).__name__} (no module runs a Python "
         "loop). ttt2la converts layers whose forward (or a function it calls) loops over chunks "
         "or tokens, carrying fast weights updated from the sequence.")
+
+
+def _refused(message: str, refusals: list[UnsupportedTTTError]) -> UnsupportedTTTError:
+    """The error refusing every candidate: of the refusals' own class where they share one (a
+    ``SideEffectError`` stays one, with what it names), else an ``UnsupportedTTTError``."""
+    kinds = {type(e) for e in refusals}
+    if len(kinds) != 1 or kinds == {UnsupportedTTTError}:
+        return UnsupportedTTTError(message)
+    error = kinds.pop()(message)
+    error.__dict__.update(refusals[0].__dict__)
+    return error
 
 
 # -- one layer ------------------------------------------------------------------------------
@@ -634,8 +647,18 @@ def _record_padding(layer: _Layer) -> None:
 
 def _record_gradient_stop(layer: _Layer) -> None:
     """Keep where the layer's loop stops gradients on its state and recipe, and say in the
-    report what calls recording gradients do."""
-    stop = "" if layer.state is None else _gradient_stop(layer)
+    report what calls recording gradients do; for a layer whose own backward fails, that its
+    converted form refuses the backward too (``undifferentiable``)."""
+    try:
+        stop = "" if layer.state is None else _gradient_stop(layer)
+    except OwnBackwardFails as e:
+        layer.state.undifferentiable = str(e)
+        if layer.state.recipe is not None:
+            layer.state.recipe.undifferentiable = str(e)
+        layer.notes.append(f"gradients: not checked: the layer as written cannot be "
+                           f"differentiated ({e}); the converted layer refuses the backward "
+                           "too")
+        return
     if not stop:
         return
     layer.state.gradient_stop = stop

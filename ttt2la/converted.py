@@ -28,9 +28,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .as_written import AsWritten, races
+from .attribute_guard import AttributeGuard, Change
 from .gradient_stops import records_gradients
-from .errors import (AlreadyConvertedError, ConversionError, PartialChunkError, StreamingError,
-                     UnsupportedShapeError, UnsupportedTTTError)
+from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
+                     PartialChunkError, StreamingError, UnsupportedShapeError,
+                     UnsupportedTTTError)
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
@@ -41,6 +43,7 @@ from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .training_mode import evaluating, training_dependence
+from .undifferentiable import refusal, refuse_backward
 
 
 class LoopModule(torch.nn.Module):
@@ -111,11 +114,13 @@ class ConvertedState:
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
     training_dependence: str = ""       # how the layer's code differs in training mode, if it does
     gradient_stop: str = ""             # where the loop stops gradients the plan would pass
+    undifferentiable: str = ""          # how the layer as written fails when differentiated
     compile_break: str = ""             # why torch.compile runs it between graphs (``compile_break``)
     weights: Signature = ()             # the weights' names, dtypes and devices it was built for
     variant: str = ""                   # how its ``runs`` name it, when built again (``recast``)
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
     length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
+    attributes: AttributeGuard | None = None    # the layer's plain attributes at conversion
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -344,6 +349,31 @@ class ConvertedState:
             lambda: original_class(type(module)).forward(module, *args, **kwargs),
             f"while there is {found}")
 
+    def changed_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, change: Change,
+                     stateful: bool):
+        """A call after a plain attribute the layer was traced with changed
+        (``attribute_guard``): the graphs hold its old value, so an exact conversion runs the
+        code as written (and says so in the report's runs), and a lossy one, whose function the
+        code as written does not compute, refuses, as does a call carrying state."""
+        found = change.describe()
+        again = "convert the layer again to run it converted with the new value"
+        if stateful:
+            raise StreamingError(
+                f"{self._where()} cannot carry its state between calls: {found}, and its "
+                f"converted graphs hold the old value. Set it back, or {again}.")
+        if self.as_written is None:
+            raise ChangedAttributeError(
+                f"{self._where()}: {found}. Its lossy conversion was traced with the old value "
+                "and the code as written computes another function, so it cannot run. Convert "
+                "the original layer again with the new value (or set it back).",
+                attribute=change.where, then=change.then, now=change.now)
+        B, L = (int(n) for n in self.layout.sizes(_flat_inputs(args, kwargs)))
+        self.runs[f"batch {self._batch(B)}, length {L}, attribute changed"] = \
+            f"as written: {found}; {again}"
+        return self._as_written(
+            lambda: original_class(type(module)).forward(module, *args, **kwargs),
+            f"since {found}")
+
     def _written_instead(self, written, B: int, L: int, case: str, note: str, why: str,
                          refusal: Exception):
         """A call the plan cannot take as the code does: an exact conversion runs the code as
@@ -470,10 +500,33 @@ _CLASSES: dict[type, type] = {}
 def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kwargs):
     """The converted layer; with ``return_ttt_state=True`` (or a ``ttt_state``) it continues
     the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
-    ``(output, state_after)`` (``ttt2la.stream``)."""
+    ``(output, state_after)`` (``ttt2la.stream``). A layer whose own backward fails refuses a
+    backward through its output as well (``undifferentiable``)."""
+    state = self._ttt2la
+    if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):
+        where = state._where()
+        if ttt_state is not None or return_ttt_state:
+            raise StreamingError(
+                f"{where} cannot carry its state through a call that records gradients: "
+                f"{refusal(where, state.undifferentiable)}")
+        return refuse_backward(_converted_call(self, args, kwargs),
+                               refusal(where, state.undifferentiable))
+    return _converted_call(self, args, kwargs, ttt_state, return_ttt_state)
+
+
+def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
+                    return_ttt_state: bool = False):
+    """The converted layer's call: its code as written (or a refusal) while hooks are on its
+    submodules or an attribute it was traced with changed, else its plan — inside a compiled
+    graph when compiling — or a call carrying state."""
     if hooked(self):
         return self._ttt2la.hooked_call(self, args, kwargs,
                                         stateful=ttt_state is not None or return_ttt_state)
+    guard = self._ttt2la.attributes
+    change = None if guard is None else guard.changed(self)
+    if change is not None:
+        return self._ttt2la.changed_call(self, args, kwargs, change,
+                                         stateful=ttt_state is not None or return_ttt_state)
     weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
         as_written = self.training and self._ttt2la.training_dependence or \
@@ -507,6 +560,7 @@ class Recipe:
     kwargs: dict
     gradient_stop: str = ""
     partial_chunk: str = ""     # what zero padding of a partial last chunk changes
+    undifferentiable: str = ""      # how the layer's own backward fails (``undifferentiable``)
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -554,6 +608,7 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     state.gradient_stop = recipe.gradient_stop
     if recipe.partial_chunk:
         state.refuse_padding(recipe.partial_chunk)
+    state.undifferentiable = recipe.undifferentiable
     return state
 
 
@@ -628,6 +683,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
+    state.attributes = AttributeGuard.of(module)
     state.compile_break = compile_break(state)
     state.weights = weights_signature(params_and_buffers(module))
     _register(module)

@@ -26,6 +26,28 @@ class PartialChunkError(UnsupportedTTTError):
         self.where = where      # the loop's source line
 
 
+class ChangedAttributeError(UnsupportedTTTError):
+    """A plain attribute of a lossily converted layer (a step size, a chunk size, a switch)
+    changed since conversion: its graphs hold the value it was traced with, and the code as
+    written computes another function. Convert the layer again."""
+
+    def __init__(self, message: str, *, attribute: str = "", then=None, now=None):
+        super().__init__(message)
+        self.attribute = attribute      # "eta", or "blocks.0.ttt.chunk_size" from the layer
+        self.then = then                # its value at conversion
+        self.now = now                  # its value at the call
+
+
+class SideEffectError(UnsupportedTTTError):
+    """A layer's forward assigns an attribute of itself or of a submodule (a cache, a logged
+    loss): a converted layer computes its output only and would not make that write."""
+
+    def __init__(self, message: str, *, attribute: str = "", where: str | None = None):
+        super().__init__(message)
+        self.attribute = attribute
+        self.where = where              # the assignment's source line, when found
+
+
 class UnsupportedShapeError(ConversionError):
     """A converted layer was called at a shape its conversion does not cover (the layer's own
     code ran only at some batch sizes when it was traced)."""

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from .ir import SRC, TTTProgram, descendants
 from .testing import rel_rms_error, tolerance
+from .undifferentiable import own_backward_failure
 
 aten = torch.ops.aten
 
@@ -53,8 +54,13 @@ def gradient_difference(original: torch.nn.Module, converted: torch.nn.Module, a
                         kwargs: dict) -> tuple[str, float, torch.dtype]:
     """The worst relative RMS difference between the two modules' gradients of one random
     projection of their first outputs, over their parameters and floating inputs, whose it is,
-    and the original output's dtype."""
-    (want, dtype), (got, _) = (_gradients(m, args, kwargs) for m in (original, converted))
+    and the original output's dtype; ``OwnBackwardFails`` when the original cannot be
+    differentiated (``undifferentiable``)."""
+    try:
+        want, dtype = _gradients(original, args, kwargs)
+    except Exception as e:          # an in-place update of a tensor autograd saved, say
+        raise own_backward_failure(e) from e
+    got, _ = _gradients(converted, args, kwargs)
     name, worst = "", 0.0
     for n, w in want.items():
         g = got.get(n)

@@ -26,8 +26,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
+from ..errors import ConversionError, SideEffectError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram, params_and_buffers
+from ..side_effects import attribute_writes, assignment_site, refusal as side_effect_refusal
 from ..submodule_hooks import hooks_described, refusal as hooks_refusal
 from .call_signature import CallSignature
 from .capture import _no_compile, trace, user_frame
@@ -354,6 +355,11 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     hooks = hooks_described(cand.module)
     if hooks:
         raise UnsupportedTTTError(hooks_refusal(_layer_name(cand), hooks))
+    written = attribute_writes(cand.module, tuple(cand.args), dict(cand.kwargs))
+    if written:                 # refused before a trace writes fake tensors there
+        raise SideEffectError(side_effect_refusal(_layer_name(cand), cand.module, written),
+                              attribute=written[0],
+                              where=assignment_site(cand.module, written[0]) or None)
     flat, _ = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     key = _signature(cand, flat, seq_len)
     hit = _CACHE.get(key) if key is not None else None

@@ -1,0 +1,87 @@
+"""A forward that assigns attributes on its layer is refused: a converted layer would not write.
+
+A layer that stores its final fast weights on ``self`` (a decoding cache it continues from) or
+its inner loss (for logging) would, converted, keep the values from conversion: the continued
+call would compute something else. ``convert`` refuses it with a ``SideEffectError`` naming the
+attribute and the line; in a model whose other layers convert, it runs as written. A buffer
+updated in place is no such write, nor a plain value written again unchanged.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ttt2la
+from ttt2la.testing import TOLERANCE, rel_rms_error
+
+FP32 = TOLERANCE[torch.float32]
+D, C = 8, 4
+
+
+class Memory(nn.Module):
+    """A fast weight stepped per chunk; ``writes`` says what the forward also does on ``self``."""
+
+    def __init__(self, writes: str = ""):
+        super().__init__()
+        self.writes = writes
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.register_buffer("calls", torch.zeros(()))
+        self.use_cache, self.cache, self.scale = False, None, 0.5
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = self.cache if self.use_cache and self.cache is not None else x.new_zeros(
+            x.shape[0], D, D)
+        outs = []
+        for i in range(0, x.shape[1], C):
+            outs.append(q[:, i:i + C] @ W)
+            W = W + self.scale * k[:, i:i + C].transpose(1, 2) @ v[:, i:i + C]
+        if self.writes == "cache":
+            self.cache = W.detach()
+        elif self.writes == "buffer":
+            self.calls += 1
+        elif self.writes == "same value":
+            self.scale = 0.5
+        return torch.cat(outs, 1)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Memory(), Memory("cache")
+
+    def forward(self, x):
+        return self.second(x + self.first(x))
+
+
+def test_a_forward_that_stores_its_state_is_refused_naming_the_line():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.SideEffectError, match=r"`self.cache`") as e:
+        ttt2la.convert(Memory("cache"), level=0, example_inputs=(torch.randn(2, 8, D),))
+    assert e.value.attribute == "cache"
+    assert e.value.where.startswith("test_side_effects.py:") and "self.cache = W.detach()" \
+        in e.value.where
+    assert "Return the value from forward" in str(e.value)
+
+
+def test_in_a_model_the_writing_layer_runs_as_written():
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(2, 8, D)
+    conv = ttt2la.convert(model, level=0, example_inputs=(x,))
+    assert [r.module_path for r in conv.ttt2la_report.layers] == ["first"]
+    assert any("second" in n and "self.cache" in n for n in conv.ttt2la_report.notes)
+    model.second.cache = conv.second.cache = None
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), model(x)) <= FP32
+        model.second.use_cache = conv.second.use_cache = True
+        assert rel_rms_error(conv(x), model(x)) <= FP32       # continues from its own cache
+
+
+@pytest.mark.parametrize("writes", ["buffer", "same value"])
+def test_a_buffer_updated_in_place_or_a_value_written_unchanged_converts(writes):
+    torch.manual_seed(0)
+    layer, x = Memory(writes), torch.randn(2, 8, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), layer(x)) <= FP32

@@ -1,0 +1,155 @@
+"""Attributes a layer's forward assigns on itself, which a converted layer would not assign.
+
+A converted layer computes its output from its graphs and never runs the layer's Python, so a
+forward that also stores something on ``self`` — the final fast weights as a decoding cache, the
+inner loss for logging, a call counter — would lose that write: the attribute would keep the
+value it had at conversion, and code reading it (a forward continuing from ``self.cache``)
+would silently compute something else. ``attribute_writes`` runs the layer once on its example
+call and compares its attributes, and its submodules', before and after (plain values by
+value, containers changed in place included; tensors and other objects by identity: a cache of
+the same shape written again is still a write); ``refusal`` names each write, with the line
+that makes it where the source shows it, and what to do instead. In-place updates of buffers
+are no such write: the converted graphs make them.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import torch
+
+from .attribute_guard import comparable, plain_attributes, plain_value
+
+_GONE = object()
+
+
+def _snapshot(module: torch.nn.Module) -> dict[tuple[str, str], tuple]:
+    """``{(submodule path, attribute): (value, comparable value)}`` for every plain attribute,
+    buffer and parameter of ``module`` and its submodules."""
+    seen = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        held = {**plain_attributes(m), **m._buffers, **m._parameters}
+        for name, value in held.items():
+            seen[(path, name)] = (value, comparable(value))
+    return seen
+
+
+def attribute_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The attributes (``"cache"``, ``"q.last"``) that one eager call of ``module``'s forward on
+    its example inputs assigns, without gradients and with the random generators restored;
+    none when the call fails (the conversion's own runs report that)."""
+    before = _snapshot(module)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                torch.compiler.set_stance("force_eager"):
+            module.forward(*args, **kwargs)     # not its own hooks: they run on a converted layer
+    except Exception:
+        return []
+    after = _snapshot(module)
+    written = []
+    for key in {**before, **after}:
+        (was, was_kept), (now, _) = before.get(key, (_GONE, _GONE)), after.get(key, (_GONE, _GONE))
+        if now is was and (was_kept is was or _equal(now, was_kept)) or \
+                plain_value(now) and plain_value(was) and _equal(now, was_kept):
+            continue        # the same object, or a plain value written again unchanged
+        path, name = key
+        written.append(f"{path}.{name}" if path else name)
+    return written
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def refusal(layer_name: str, module: torch.nn.Module, written: list[str]) -> str:
+    """Why a layer whose forward assigns ``written`` is not converted, and what to do."""
+    where = assignment_site(module, written[0])
+    shown = ", ".join(f"`self.{w}`" for w in written[:3]) + \
+        (f" and {len(written) - 3} more" if len(written) > 3 else "")
+    return (f"{layer_name} assigns {shown} in its forward"
+            + (f" ({where})" if where else "")
+            + ". A converted layer computes its output from its own graphs and would not make "
+            "that write: the attribute would keep its value from conversion, and code reading "
+            "it would see that. Return the value from forward instead (`return y, W`) and keep "
+            "it where you call the layer, or leave this layer unconverted: in a model whose "
+            "other layers convert, it runs as written and the report's notes name it.")
+
+
+def assignment_site(module: torch.nn.Module, written: str) -> str:
+    """``"file.py:21 (`self.cache = W.detach()`)"``: the first statement outside ``__init__`` of
+    the layer's classes that assigns ``self.<written>`` (or, for a submodule's attribute, of
+    the submodule's class assigning ``self.<name>``); "" where the source does not show it."""
+    *path, name = written.split(".")
+    owners = [(module, written)]
+    if path:
+        owners.append((module.get_submodule(".".join(path)), name))
+    for owner, dotted in owners:
+        for cls in type(owner).__mro__:
+            if cls.__module__.startswith("torch.") or cls is object:
+                continue
+            found = _site_in(cls, dotted)
+            if found:
+                return found
+    return ""
+
+
+def _site_in(cls: type, dotted: str) -> str:
+    """Where a method of ``cls`` other than ``__init__`` assigns ``<self>.<dotted>``."""
+    try:
+        lines, start = inspect.getsourcelines(cls)
+        file = inspect.getsourcefile(cls) or "?"
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return ""
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__" \
+                or not fn.args.args:
+            continue
+        this = fn.args.args[0].arg
+        for node in ast.walk(fn):
+            if any(_names(t, this) == dotted for t in _targets(node)):
+                line = start + node.lineno - 1
+                code = lines[node.lineno - 1].strip()
+                return f"{file.rsplit('/', 1)[-1]}:{line} (`{code}`)"
+    return ""
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What a statement assigns: its targets (tuples unpacked), or ``setattr``'s first two
+    arguments as an attribute."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id == "setattr" and len(node.args) >= 2 \
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+        return [ast.Attribute(value=node.args[0], attr=node.args[1].value)]
+    else:
+        return []
+    flat = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets.extend(t.elts)
+        else:
+            flat.append(t)
+    return flat
+
+
+def _names(target: ast.expr, this: str) -> str | None:
+    """``"q.last"`` for ``self.q.last`` (``this`` naming the instance), else None."""
+    parts = []
+    while isinstance(target, ast.Attribute):
+        parts.append(target.attr)
+        target = target.value
+    if isinstance(target, ast.Name) and target.id == this and parts:
+        return ".".join(reversed(parts))
+    return None
+
+
+__all__ = ["attribute_writes", "assignment_site", "refusal"]
