@@ -1087,6 +1087,14 @@ MUTATIONS = [
         "padding_probe_failure_raw", "a padding probe the body cannot run escapes as a raw RuntimeError",
         (("ttt2la/lowering/executors.py", "        except RuntimeError as e:       # a body whose shapes", "        except ZeroDivisionError as e:       # a body whose shapes"),),
         ("tests/test_padded_chunk.py",), "cannot_run"),
+    Mutation(
+        "manifest_factory_trusted", "the factory a converted checkpoint's manifest names is called without the caller's trust",
+        (("ttt2la/checkpoint/trust.py", "    if trusted or is_bundled_factory(spec):\n", "    if True:\n"),),
+        ("tests/test_checkpoint.py",), "manifest_cannot_make_load_call or users_factory_in_a_manifest"),
+    Mutation(
+        "json_over_an_input", "--json is not checked against the inputs and --out",
+        (("ttt2la/checkpoint/writing.py", "        relation = _overlap(path, Path(other))\n", "        relation = \"\"\n"),),
+        ("tests/test_cli_inputs.py",), "overwrite_an_input"),
 ]
 
 
