@@ -1095,6 +1095,10 @@ MUTATIONS = [
         "json_over_an_input", "--json is not checked against the inputs and --out",
         (("ttt2la/checkpoint/writing.py", "        relation = _overlap(path, Path(other))\n", "        relation = \"\"\n"),),
         ("tests/test_cli_inputs.py",), "overwrite_an_input"),
+    Mutation(
+        "non_finite_weights_unnamed", "weights holding NaN or inf reach the conversion's check, which blames the lowering",
+        (("ttt2la/validation.py", "    if level is not None:\n        check_finite_weights(model)\n", ""),),
+        ("tests/test_call_errors.py",), "non_finite_weights"),
 ]
 
 

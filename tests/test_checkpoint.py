@@ -4,6 +4,7 @@ outputs exactly, for the bundled LM, a state dict + factory and a Hugging Face d
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import textwrap
@@ -130,6 +131,22 @@ def test_load_refuses_an_unknown_manifest_version(lm_copy):
     manifest["version"] = MANIFEST_VERSION + 1
     (lm_copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ttt2la.ManifestError, match=f"{MANIFEST_NAME}.*unknown manifest version"):
+        ttt2la.load(lm_copy)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("files", None, "files is None"), ("report", None, "report is None"),
+    ("weights", 5, "weights is 5"), ("level", "2", "level is '2'"),
+    ("files", ["../model.safetensors"], "not the name of a file"),
+    ("example_inputs", {"kind": "normal", "shape": [1, -5, 32], "dtype": "float32", "seed": 0},
+     "malformed example-input spec")])
+def test_load_refuses_a_malformed_manifest(lm_copy, field, value, says):
+    """A manifest is read, never trusted: a field of another type, a file outside the
+    directory or example inputs that cannot be built is a ``ManifestError`` naming the file."""
+    manifest = json.loads((lm_copy / MANIFEST_NAME).read_text())
+    manifest[field] = value
+    (lm_copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ttt2la.ManifestError, match=f"{MANIFEST_NAME}: .*{re.escape(says)}"):
         ttt2la.load(lm_copy)
 
 

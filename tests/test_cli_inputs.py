@@ -327,6 +327,33 @@ def test_sweep_outputs_are_written_whole_or_not_at_all(tmp_path, capsys, monkeyp
     assert (tmp_path / "x.png").read_text() == "an older plot"
 
 
+class PositionalLM(torch.nn.Module):
+    """Token ids in: an embedding plus a learned position parameter held by the model itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.pos = torch.nn.Parameter(torch.zeros(1, 1, 32))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids) + self.pos)
+
+
+def test_a_parameter_beside_the_embedding_still_takes_token_ids():
+    """``--example-shape B,L`` and inferred inputs find the embedding past a parameter the
+    model holds beside its submodules; a layer holding its own weights starts with none."""
+    from ttt2la.checkpoint.example_inputs import spec_from_shape
+    from ttt2la.embedding import first_embedding
+
+    model = PositionalLM()
+    assert first_embedding(model) is model.emb
+    assert spec_from_shape(model, (2, 32))["kind"] == "token_ids"
+    assert first_embedding(LaCTFoldedLayer(32, 2, 16)) is None
+    assert first_embedding(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Embedding(4, 4))) \
+        is None
+
+
 def test_example_inputs_the_model_fails_on(files, tmp_path, capsys):
     """Float features into a model that starts with an embedding: the model's own error."""
     line = refused(state_argv(files, files / "good.safetensors", "--example-shape", "1,32,8",

@@ -379,8 +379,8 @@ def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
     except OSError as e:
         _say(err, f"ttt2la report: cannot read {path}: {e.strerror}")
         return EXIT_REFUSED
-    except json.JSONDecodeError as e:
-        _say(err, f"ttt2la report: {path} is not JSON ({e})")
+    except ValueError as e:         # malformed JSON, or bytes that are not text
+        _say(err, f"ttt2la report: {path} is not JSON ({_one_line(e)})")
         return EXIT_REFUSED
     _print_report(out, load_report(data), args.markdown)
     return 0
@@ -805,6 +805,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ttt2la`` command; returns the process exit status."""
+    from .interrupt_at_launch import restore
+
+    restore()          # from here on, an interruption is answered below, after cleaning up
     args = build_parser().parse_args(argv)
     # piped output gets wide lines rather than tables squeezed to 80 columns
     out, err = Console(width=None if sys.stdout.isatty() else 160), Console(stderr=True)
