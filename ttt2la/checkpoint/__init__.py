@@ -90,8 +90,19 @@ def _report_markdown(report, manifest: Manifest) -> str:
              + (f", sha256 `{manifest.source['sha256']}`" if manifest.source.get("sha256") else ""),
              f"- example inputs: {describe(manifest.example_inputs)}",
              f"- ttt2la {manifest.ttt2la_version}, torch {manifest.torch_version}",
-             "- reload with `ttt2la.load(DIR)`", ""]
+             f"- reload with {_reload_hint(recipe)}", ""]
     return "\n".join(lines)
+
+
+def _reload_hint(recipe: dict) -> str:
+    """How to load this checkpoint: a factory other than a bundled model's needs the caller's
+    trust (``checkpoint.trust``)."""
+    from .trust import is_bundled_factory
+
+    if recipe.get("kind") == "factory" and not is_bundled_factory(recipe.get("factory")):
+        return (f"`ttt2la.load(DIR, factory=\"{recipe.get('factory')}\")` (or "
+                "`trust_factory=True`, `--trust-factory`)")
+    return "`ttt2la.load(DIR)`"
 
 
 # -- public API ---------------------------------------------------------------------------------
