@@ -138,6 +138,7 @@ def test_load_refuses_an_unknown_manifest_version(lm_copy):
     ("files", None, "files is None"), ("report", None, "report is None"),
     ("weights", 5, "weights is 5"), ("level", "2", "level is '2'"),
     ("files", ["../model.safetensors"], "not the name of a file"),
+    ("recipe", {"kind": "zoo", "name": ["lact-lm"]}, "malformed model recipe"),
     ("example_inputs", {"kind": "normal", "shape": [1, -5, 32], "dtype": "float32", "seed": 0},
      "malformed example-input spec")])
 def test_load_refuses_a_malformed_manifest(lm_copy, field, value, says):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, read_json
+from .errors import CheckpointError, ManifestError, read_json
 
 #: Auto classes tried, in order, for a Hugging Face directory whose ``auto_map`` or registered
 #: model type names no other.
@@ -44,9 +44,15 @@ class Recipe:
         try:
             recipe = cls(**d)
         except TypeError as e:
-            raise CheckpointError(f"{where}: malformed model recipe {d!r} ({e})") from e
+            raise ManifestError(f"{where}: malformed model recipe {d!r} ({e})") from e
+        texts = (recipe.name, recipe.factory, recipe.auto_class, recipe.model_class)
+        if not (isinstance(recipe.kind, str) and isinstance(recipe.kwargs, dict)
+                and isinstance(recipe.trust_remote_code, bool)
+                and all(t is None or isinstance(t, str) for t in texts)):
+            raise ManifestError(f"{where}: malformed model recipe {d!r} (a field of another "
+                                  "type); convert the source checkpoint again")
         if recipe.kind not in ("zoo", "factory", "hf", "module"):
-            raise CheckpointError(f"{where}: unknown model recipe kind {recipe.kind!r}")
+            raise ManifestError(f"{where}: unknown model recipe kind {recipe.kind!r}")
         return recipe
 
     def with_factory(self, factory) -> "Recipe":
