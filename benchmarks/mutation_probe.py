@@ -1223,6 +1223,18 @@ MUTATIONS = [
           "if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):",
           "if False:"),),
         ("tests/test_gradient_stops.py",), "own_backward"),
+    Mutation(
+        "manifest_factory_trusted", "the factory a converted checkpoint's manifest names is called without the caller's trust",
+        (("ttt2la/checkpoint/trust.py", "    if trusted or is_bundled_factory(spec):\n", "    if True:\n"),),
+        ("tests/test_checkpoint.py",), "manifest_cannot_make_load_call or users_factory_in_a_manifest"),
+    Mutation(
+        "json_over_an_input", "--json is not checked against the inputs and --out",
+        (("ttt2la/checkpoint/writing.py", "        relation = _overlap(path, Path(other))\n", "        relation = \"\"\n"),),
+        ("tests/test_cli_inputs.py",), "overwrite_an_input"),
+    Mutation(
+        "non_finite_weights_unnamed", "weights holding NaN or inf reach the conversion's check, which blames the lowering",
+        (("ttt2la/validation.py", "    if level is not None:\n        check_finite_weights(model)\n", ""),),
+        ("tests/test_call_errors.py",), "non_finite_weights"),
 ]
 
 

@@ -13,6 +13,8 @@ with another output.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -267,3 +269,22 @@ def test_wrong_arguments_to_convert_and_inspect_are_conversion_errors(entry, nam
             ttt2la.convert(memory, level=0, example_inputs=inputs, example_kwargs=kwargs)
         else:
             ttt2la.inspect(memory, example_inputs=inputs, example_kwargs=kwargs, show=False)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_named(value):
+    """A weight holding NaN or inf (a diverged training run) is named before any work, not
+    reported as a failed check of the lowering; an infinite buffer (a mask) is no error."""
+    from ttt2la.validation import check_finite_weights
+
+    torch.manual_seed(0)
+    layer = TitansLinearMemory(D, 4)
+    name, weight = next(iter(layer.named_parameters()))
+    with torch.no_grad():
+        weight.view(-1)[0] = value
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=rf"TitansLinearMemory\.{re.escape(name)} \(1\).*finite weights"):
+        ttt2la.convert(layer, level=0, example_inputs=(torch.randn(B, L, D),))
+    masked = torch.nn.Linear(2, 2)
+    masked.register_buffer("mask", torch.full((2, 2), float("-inf")).triu(1))
+    check_finite_weights(masked)

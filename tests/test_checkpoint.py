@@ -4,6 +4,7 @@ outputs exactly, for the bundled LM, a state dict + factory and a Hugging Face d
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import textwrap
@@ -133,6 +134,23 @@ def test_load_refuses_an_unknown_manifest_version(lm_copy):
         ttt2la.load(lm_copy)
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("files", None, "files is None"), ("report", None, "report is None"),
+    ("weights", 5, "weights is 5"), ("level", "2", "level is '2'"),
+    ("files", ["../model.safetensors"], "not the name of a file"),
+    ("recipe", {"kind": "zoo", "name": ["lact-lm"]}, "malformed model recipe"),
+    ("example_inputs", {"kind": "normal", "shape": [1, -5, 32], "dtype": "float32", "seed": 0},
+     "malformed example-input spec")])
+def test_load_refuses_a_malformed_manifest(lm_copy, field, value, says):
+    """A manifest is read, never trusted: a field of another type, a file outside the
+    directory or example inputs that cannot be built is a ``ManifestError`` naming the file."""
+    manifest = json.loads((lm_copy / MANIFEST_NAME).read_text())
+    manifest[field] = value
+    (lm_copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ttt2la.ManifestError, match=f"{MANIFEST_NAME}: .*{re.escape(says)}"):
+        ttt2la.load(lm_copy)
+
+
 def test_load_refuses_weights_whose_hash_differs(lm_copy):
     from safetensors.torch import load_file
 
@@ -161,6 +179,62 @@ def test_load_refuses_a_model_of_other_shapes(lm_copy):
 def test_load_refuses_a_missing_directory(tmp_path):
     with pytest.raises(ttt2la.CheckpointError, match="nowhere: no such directory"):
         ttt2la.load(tmp_path / "nowhere")
+
+
+# -- a factory named in a manifest runs only when the caller trusts it --------------------------
+def name_in_manifest(directory, recipe: dict) -> None:
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["recipe"] = recipe
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_manifest_cannot_make_load_call_what_it_names(lm_copy, tmp_path, capsys):
+    """A checkpoint from someone else names ``os:system`` as its factory: neither ``load`` nor
+    the commands that read a converted checkpoint call it; each says how to opt in."""
+    marker = tmp_path / "ran"
+    name_in_manifest(lm_copy, {"kind": "factory", "factory": "os:system",
+                               "kwargs": {"command": f"touch {marker}"}})
+    with pytest.raises(ttt2la.UnsafeCheckpointError,
+                       match=r"ttt2la\.json: names the factory 'os:system'.*trust_factory=True"):
+        ttt2la.load(lm_copy)
+    for argv in (["convert", str(lm_copy), "--level", "1", "--out", str(tmp_path / "out")],
+                 ["inspect", str(lm_copy)], ["generate", str(lm_copy), "--tokens", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "UnsafeCheckpointError" in err and "--trust-factory" in err, err
+        assert len(err.splitlines()) == 1, err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_users_factory_in_a_manifest_needs_trust(lm_copy):
+    name_in_manifest(lm_copy, {"kind": "factory", "factory": "ckpt_nowhere_models:build"})
+    with pytest.raises(ttt2la.UnsafeCheckpointError, match="'ckpt_nowhere_models:build'"):
+        ttt2la.load(lm_copy)
+    with pytest.raises(ttt2la.CheckpointError, match="cannot import ckpt_nowhere_models"):
+        ttt2la.load(lm_copy, trust_factory=True)        # trusted: imported (and missing here)
+
+
+@pytest.mark.parametrize("spec, bundled", [
+    ("ttt2la.zoo:TinyLaCTLM", True), ("ttt2la.zoo:lact_layer", True),
+    ("ttt2la.zoo:torch.load", False), ("ttt2la.zoo:STEPS", False), ("ttt2la.zoo.lm:torch", False),
+    ("os:system", False), ("builtins:exec", False)])
+def test_only_bundled_models_need_no_trust(spec, bundled):
+    from ttt2la.checkpoint.trust import is_bundled_factory
+
+    assert is_bundled_factory(spec) is bundled
+
+
+def test_a_manifest_cannot_grant_trust_remote_code(tmp_path):
+    """A Hugging Face recipe records that its class is the directory's own code; the caller's
+    ``trust_remote_code`` is still needed to run it."""
+    from ttt2la.checkpoint import Recipe
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "x", "auto_map": {"AutoModel": "modeling_x.X"}}))
+    recipe = Recipe("hf", auto_class="AutoModel", model_class="modeling_x.X",
+                    trust_remote_code=True)
+    with pytest.raises(ttt2la.CheckpointError, match="--trust-remote-code"):
+        recipe.build(tmp_path)
 
 
 # -- a state dict and a factory, through the command line --------------------------------------
@@ -221,7 +295,7 @@ def factory_checkpoint(user_package, tmp_path_factory):
 
 def test_factory_checkpoint_round_trip_is_exact(factory_checkpoint):
     in_memory, out = factory_checkpoint
-    loaded = ttt2la.load(out)
+    loaded = ttt2la.load(out, factory="ckpt_user_models:build")     # the recorded kwargs
     gen = torch.Generator().manual_seed(8)
     assert_same_outputs(in_memory, loaded, [torch.randn(2, 70, 8, generator=gen),
                                             torch.randn(1, 16, 8, generator=gen)])
@@ -249,9 +323,10 @@ def test_a_bundled_model_by_name(tmp_path, capsys):
 
 
 def test_a_converted_checkpoint_converts_again(factory_checkpoint, tmp_path, capsys):
-    """A converted directory is itself a checkpoint: its recipe builds the model."""
+    """A converted directory is itself a checkpoint: its recipe builds the model (a factory
+    other than a bundled model's once the caller trusts it)."""
     _in_memory, out = factory_checkpoint
-    assert main(["inspect", str(out), "--example-shape", "1,32,8"]) == 0
+    assert main(["inspect", str(out), "--example-shape", "1,32,8", "--trust-factory"]) == 0
     assert "1 TTT layer found" in capsys.readouterr().out
 
 
@@ -265,19 +340,21 @@ def test_a_converted_checkpoint_converts_again_on_its_recorded_inputs(user_packa
 
     _in_memory, out = factory_checkpoint
     again = tmp_path / "level1"
-    assert main(["convert", str(out), "--level", "1", "--out", str(again)]) == 0
+    assert main(["convert", str(out), "--level", "1", "--model", "ckpt_user_models:build",
+                 "--out", str(again)]) == 0          # the factory's kwargs: the recorded ones
     manifest = json.loads((again / MANIFEST_NAME).read_text())
     assert manifest["example_inputs"] == json.loads((out / MANIFEST_NAME).read_text())[
         "example_inputs"]
     assert manifest["level"] == 1
-    model = ttt2la.load(out).eval()
+    model = ttt2la.load(out, trust_factory=True).eval()
     torch.manual_seed(5)
     source = ckpt_user_models.build(**USER_KWARGS).eval()
     source.load_state_dict(model.state_dict())
     example = torch.randn(1, 48, 8, generator=torch.Generator().manual_seed(7))
     in_memory = ttt2la.convert(source, level=1, example_inputs=(example,))
     gen = torch.Generator().manual_seed(9)
-    assert_same_outputs(in_memory, ttt2la.load(again), [torch.randn(2, 40, 8, generator=gen)])
+    assert_same_outputs(in_memory, ttt2la.load(again, trust_factory=True),
+                        [torch.randn(2, 40, 8, generator=gen)])
 
 
 # -- a Hugging Face directory ------------------------------------------------------------------

@@ -80,6 +80,29 @@ def test_module_entry_point_runs():
     assert done.stdout.strip() == f"ttt2la {ttt2la.__version__}"
 
 
+def test_ctrl_c_while_the_command_imports_is_one_line():
+    """Ctrl-C while ``python -m ttt2la`` still imports torch, before ``main`` runs: one line,
+    exit status 2, no traceback (signalled as the package imports what follows the handler)."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(ttt2la.__file__)))]
+        + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    child = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "ttt2la", "inspect",
+                              "--zoo", "per-token"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    installed = False
+    for line in child.stderr:           # an import done after the handler's module: installed
+        if installed:
+            break
+        installed = line.rstrip().endswith("ttt2la.interrupt_at_launch")
+    child.send_signal(signal.SIGINT)
+    _out, err = child.communicate(timeout=120)
+    assert child.returncode == EXIT_UNSUPPORTED, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1].endswith("interrupted; nothing was written"), err
+
+
 # -- report files --------------------------------------------------------------------------------
 def test_report_renders_a_saved_report(tmp_path, capsys):
     path = saved_report(tmp_path)
@@ -103,6 +126,30 @@ def test_report_refuses_unreadable_files(tmp_path, capsys):
     assert "is not JSON" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.json")]) == EXIT_REFUSED
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"level": "two"}, "level is 'two', not int"), ({"strict": "yes"}, "strict is 'yes'"),
+    ({"layers": None}, "layers is None"), ({"notes": 3}, "notes is 3")])
+def test_report_refuses_fields_of_the_wrong_type(tmp_path, capsys, changes, says):
+    """A report file is read, never trusted: a field of another type is a ``ReportFormatError``
+    naming it, from the API and the command line (one line, no traceback)."""
+    from ttt2la.report import ReportFormatError, load_report
+
+    path = saved_report(tmp_path, **changes)
+    with pytest.raises(ReportFormatError, match=says):
+        load_report(json.loads(open(path).read()))
+    assert main(["report", path]) == EXIT_REFUSED
+    err = capsys.readouterr().err.strip()
+    assert "ReportFormatError" in err and says in err and len(err.splitlines()) == 1, err
+
+
+def test_report_refuses_a_binary_file(tmp_path, capsys):
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\x80\x02}q\x00X\x01\x00\x00\x00xq\x01.")
+    assert main(["report", str(binary)]) == EXIT_REFUSED
+    err = capsys.readouterr().err.strip()
+    assert "binary.json is not JSON" in err and len(err.splitlines()) == 1, err
 
 
 # -- zoo and timing ------------------------------------------------------------------------------

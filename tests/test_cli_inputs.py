@@ -265,6 +265,95 @@ def test_an_unwritable_json_path_is_refused_before_converting(files, tmp_path, c
     assert listing(tmp_path) == set()
 
 
+def test_json_that_would_overwrite_an_input_or_the_output_is_refused(files, tmp_path, capsys,
+                                                                   monkeypatch):
+    """``--json`` naming an input (the weights, by name or through a link, their config, the
+    example inputs, a file of an input directory) or a file of ``--out`` is refused before any
+    work: one line, nothing written, every input as it was."""
+    monkeypatch.setattr(ttt2la, "convert", lambda *a, **k: pytest.fail("converted anyway"))
+    monkeypatch.setattr(ttt2la, "inspect", lambda *a, **k: pytest.fail("inspected anyway"))
+    weights, config, ids = (tmp_path / n for n in ("w.safetensors", "kw.json", "ids.safetensors"))
+    weights.write_bytes((files / "good.safetensors").read_bytes())
+    config.write_bytes((files / "kwargs.json").read_bytes())
+    save_file({"0": torch.zeros(1, 32, dtype=torch.long)}, str(ids))
+    (tmp_path / "link.json").symlink_to(weights)
+    (tmp_path / "ckpt").mkdir()
+    before = {p: p.read_bytes() for p in (weights, config, ids)}
+    argv = [str(weights), "--model", FACTORY, "--config", str(config), "--example-inputs", str(ids)]
+    for command in ("convert", "inspect"):
+        for path in (weights, config, ids, tmp_path / "link.json"):
+            refused([command, *argv, "--json", str(path)], capsys, "CheckpointError",
+                     f"--json {path}: is the input")
+    out = tmp_path / "out"
+    refused(["convert", *argv, "--out", str(out), "--json", str(out / "ttt2la.json")], capsys,
+            "CheckpointError", "lies inside the --out directory")
+    refused(["convert", *argv, "--out", str(out), "--json", str(out)], capsys,
+            "CheckpointError", "is the --out directory")
+    refused(["convert", str(tmp_path / "ckpt"), "--json", str(tmp_path / "ckpt" / "r.json")],
+            capsys, "CheckpointError", "lies inside the input")
+    assert {p: p.read_bytes() for p in before} == before
+    assert listing(tmp_path) == {"w.safetensors", "kw.json", "ids.safetensors", "link.json",
+                                 "ckpt"}
+
+
+def test_sweep_outputs_are_checked_before_sweeping(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ttt2la, "sweep", lambda *a, **k: pytest.fail("swept anyway"))
+    sweep = ["sweep", "--zoo", "lact-variant2", "--levels", "0"]
+    for option in ("--json", "--plot"):
+        refused([*sweep, option, str(tmp_path / "missing" / "x")], capsys, "InvalidInputError",
+                option, "does not exist")
+    both = str(tmp_path / "x.json")
+    refused([*sweep, "--json", both, "--plot", both], capsys, "CheckpointError",
+            "--plot", "is --json")
+    assert listing(tmp_path) == set()
+
+
+def test_sweep_outputs_are_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    """A plot interrupted half-way leaves no file: outputs go through a temporary file."""
+    class Table:
+        def to_json(self):
+            return "{}"
+
+        def plot(self, path):
+            open(path, "w").write("half a plot")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ttt2la, "sweep", lambda *a, **k: Table())
+    (tmp_path / "x.png").write_text("an older plot")
+    assert main(["sweep", "--zoo", "lact-variant2", "--format", "json", "--json",
+                 str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.png")]) == EXIT_BAD_INPUT
+    assert "interrupted" in capsys.readouterr().err
+    assert listing(tmp_path) == {"x.json", "x.png"}      # no temporary file left
+    assert (tmp_path / "x.png").read_text() == "an older plot"
+
+
+class PositionalLM(torch.nn.Module):
+    """Token ids in: an embedding plus a learned position parameter held by the model itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.pos = torch.nn.Parameter(torch.zeros(1, 1, 32))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids) + self.pos)
+
+
+def test_a_parameter_beside_the_embedding_still_takes_token_ids():
+    """``--example-shape B,L`` and inferred inputs find the embedding past a parameter the
+    model holds beside its submodules; a layer holding its own weights starts with none."""
+    from ttt2la.checkpoint.example_inputs import spec_from_shape
+    from ttt2la.embedding import first_embedding
+
+    model = PositionalLM()
+    assert first_embedding(model) is model.emb
+    assert spec_from_shape(model, (2, 32))["kind"] == "token_ids"
+    assert first_embedding(LaCTFoldedLayer(32, 2, 16)) is None
+    assert first_embedding(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Embedding(4, 4))) \
+        is None
+
+
 def test_example_inputs_the_model_fails_on(files, tmp_path, capsys):
     """Float features into a model that starts with an embedding: the model's own error."""
     line = refused(state_argv(files, files / "good.safetensors", "--example-shape", "1,32,8",

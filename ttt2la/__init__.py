@@ -7,7 +7,11 @@
     ttt2la.save(converted, "out/", example_inputs=(x,), factory="pkg.mod:build")
     again = ttt2la.load("out/")
 """
-from .as_written import race_as_written
+from .interrupt_at_launch import quiet_until_main as _quiet_until_main
+
+_quiet_until_main()
+
+from .as_written import race_as_written  # noqa: E402
 from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from .drift import run_module
 from .errors import ConversionError
 from .report import ConversionReport, InspectionReport, load_report
 from .timing import Timing, time_side_by_side
-from .validation import InvalidInputError, check_writable
+from .validation import InvalidInputError
 
 #: Exit status of bad input (a command line misuse, a file that cannot be read or written, a
 #: checkpoint that does not fit its model) and of an interruption; nothing is written.
@@ -290,13 +289,7 @@ def _print_report(console: Console, report, markdown: bool) -> None:
 def _save_json(report, path: str | None, console: Console) -> None:
     """Write the report as JSON to ``path`` (through a temporary file, so never half-written)."""
     if path:
-        tmp = Path(path).with_name(f".{Path(path).name}.partial")
-        try:
-            tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _say(console, f"report written to {path}")
+        _write_text(path, json.dumps(report.to_dict(), indent=2) + "\n", console, "report ")
 
 
 def _convert_at_levels(model: torch.nn.Module, levels: Sequence[tuple[int, bool]],
@@ -386,8 +379,8 @@ def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
     except OSError as e:
         _say(err, f"ttt2la report: cannot read {path}: {e.strerror}")
         return EXIT_REFUSED
-    except json.JSONDecodeError as e:
-        _say(err, f"ttt2la report: {path} is not JSON ({e})")
+    except ValueError as e:         # malformed JSON, or bytes that are not text
+        _say(err, f"ttt2la report: {path} is not JSON ({_one_line(e)})")
         return EXIT_REFUSED
     _print_report(out, load_report(data), args.markdown)
     return 0
@@ -417,6 +410,7 @@ def cmd_sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
         return refused
     import ttt2la
 
+    _check_outputs(args)
     model = build_zoo_model(args.zoo, args.seed)
     inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
     calibration = ZOO[args.zoo].example_inputs(args.calibration_batch, args.length,
@@ -434,14 +428,21 @@ def cmd_sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.json:
         _write_text(args.json, table.to_json() + "\n", err)
     if args.plot:
-        table.plot(args.plot)
+        from .checkpoint.writing import atomic_file
+
+        with atomic_file(args.plot) as tmp:
+            table.plot(str(tmp))
         _say(err, f"plot written to {args.plot}")
     return 0
 
 
-def _write_text(path: str, text: str, console: Console) -> None:
-    Path(path).write_text(text)
-    _say(console, f"written to {path}")
+def _write_text(path: str, text: str, console: Console, what: str = "") -> None:
+    """Write ``text`` to ``path`` through a temporary file, so it is never half-written."""
+    from .checkpoint.writing import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    _say(console, f"{what}written to {path}")
 
 
 def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -452,7 +453,9 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     sampling = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     with err.status(f"loading {args.checkpoint}"):
-        model = ttt2la.load(args.checkpoint).eval()
+        model = ttt2la.load(args.checkpoint, factory=args.model,
+                            trust_factory=args.trust_factory,
+                            trust_remote_code=args.trust_remote_code).eval()
     if args.prompt_ids is not None:
         prompt = torch.tensor(args.prompt_ids)
         ids = [str(t) for t in sample_tokens(model, prompt, args.tokens, **sampling)]
@@ -496,18 +499,23 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """Refuse output paths that cannot be written before any work is done."""
-    from .checkpoint import check_output_dir
+    """Refuse output paths that cannot be written, or that would overwrite an input or another
+    output, before any work is done."""
+    from .checkpoint.recipe import inline_config
+    from .checkpoint.writing import check_output_dir, check_output_file
 
     _bundled_name_as_zoo(args)
+    inputs = [args.checkpoint] if getattr(args, "checkpoint", None) else []
+    inputs += [p for p in (getattr(args, "example_inputs", None), getattr(args, "config", None))
+               if p and not inline_config(p)]
+    out = getattr(args, "out", None)
+    if out:
+        check_output_dir(Path(out), force=args.force, inputs=inputs)
     if getattr(args, "json", None):
-        check_writable(args.json, "--json")
-    if getattr(args, "out", None):
-        from .checkpoint.recipe import inline_config
-
-        inputs = [args.checkpoint] if args.checkpoint else []
-        inputs += [p for p in (args.example_inputs, args.config) if p and not inline_config(p)]
-        check_output_dir(Path(args.out), force=args.force, inputs=inputs)
+        check_output_file(args.json, name="--json", inputs=inputs, out=out)
+    if getattr(args, "plot", None):
+        check_output_file(args.plot, name="--plot", inputs=inputs,
+                          others=[("--json", getattr(args, "json", None))])
 
 
 def _open_source(args: argparse.Namespace, err: Console):
@@ -539,7 +547,8 @@ def _open_source(args: argparse.Namespace, err: Console):
         else:
             kwargs = read_config(args.config) if args.config else None
             source = open_checkpoint(args.checkpoint, factory=args.model, kwargs=kwargs,
-                                     trust_remote_code=args.trust_remote_code)
+                                     trust_remote_code=args.trust_remote_code,
+                                     trust_factory=args.trust_factory)
     model = source.model
     if inputs_file is not None:
         return source, {"kind": "file"}, inputs_file
@@ -689,6 +698,10 @@ def _add_generate(add) -> None:
     p = add("generate", cmd_generate, "sample text from a converted language-model checkpoint "
                                       "(a directory written by `convert --out`)")
     p.add_argument("checkpoint", help="a converted checkpoint directory")
+    p.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                   help="the function that builds the model, called with the recorded keyword "
+                        "arguments (instead of trusting the factory the checkpoint names)")
+    _trust_options(p)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="def ", help="text to continue (byte-level models)")
     prompt.add_argument("--prompt-ids", type=_token_ids, default=None,
@@ -710,8 +723,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="the function that builds the state dict's model")
     p.add_argument("--config", metavar="JSON", help="keyword arguments for --model: a JSON "
                    "object, inline or in a file")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a Hugging Face directory's own code (auto_map) to run")
+    _trust_options(p)
     p.add_argument("--zoo", choices=sorted(ZOO),
                    help="a bundled model: " + "; ".join(f"{k}: {v.description}"
                                                        for k, v in ZOO.items()))
@@ -726,6 +738,16 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=_positive, default=None,
                    help=f"example sequence length (the zoo model's default, "
                         f"{DEFAULT_LENGTH} for a checkpoint)")
+
+
+def _trust_options(p: argparse.ArgumentParser) -> None:
+    """Opt-ins to run code a checkpoint names: a Hugging Face directory's own code, or the
+    factory a converted checkpoint's manifest records (never run without one of them)."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a Hugging Face directory's own code (auto_map) to run")
+    p.add_argument("--trust-factory", action="store_true",
+                   help="allow the factory a converted checkpoint's ttt2la.json names to be "
+                        "imported and called (bundled models need no opt-in)")
 
 
 def _conversion_options(p: argparse.ArgumentParser, strict: bool) -> None:
@@ -783,6 +805,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ttt2la`` command; returns the process exit status."""
+    from .interrupt_at_launch import restore
+
+    restore()          # from here on, an interruption is answered below, after cleaning up
     args = build_parser().parse_args(argv)
     # piped output gets wide lines rather than tables squeezed to 80 columns
     out, err = Console(width=None if sys.stdout.isatty() else 160), Console(stderr=True)

@@ -53,17 +53,10 @@ _PROBE_LENGTHS = (64, 512, 4096)
 
 # -- example inputs -------------------------------------------------------------------------
 
-def _first_embedding(model: torch.nn.Module) -> torch.nn.Embedding | None:
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding):
-            return m
-        if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, torch.nn.Embedding):
-            return None
-    return None
-
-
 def _infer_example_inputs(model: torch.nn.Module, length: int) -> tuple:
-    emb = _first_embedding(model)
+    from .embedding import first_embedding
+
+    emb = first_embedding(model)
     if emb is None:
         raise ConversionError(
             f"{type(model).__name__} does not start with an embedding, so ttt2la cannot guess "

@@ -243,9 +243,13 @@ class ConversionReport:
         """Rebuild a report from ``to_dict``'s output; refuses other schema versions and kinds."""
         _check_header(d, cls.kind)
         try:
-            return cls(level=int(d["level"]), backend=d["backend"], strict=bool(d["strict"]),
-                       notes=list(d.get("notes", [])), loss=d.get("loss"),
-                       layers=[LayerReport.from_dict(layer) for layer in d["layers"]])
+            return cls(level=_typed(d, "level", int, cls.kind),
+                       backend=_typed(d, "backend", str, cls.kind),
+                       strict=_typed(d, "strict", bool, cls.kind),
+                       notes=list(_typed(d, "notes", list, cls.kind, [])),
+                       loss=_typed(d, "loss", (dict, type(None)), cls.kind, None),
+                       layers=[LayerReport.from_dict(layer)
+                               for layer in _typed(d, "layers", list, cls.kind)])
         except KeyError as e:
             raise ReportFormatError(f"the conversion report has no {e} field; re-create it "
                                     "with this version of ttt2la") from e
@@ -288,8 +292,9 @@ class InspectionReport:
         """Rebuild a report from ``to_dict``'s output; refuses other schema versions and kinds."""
         _check_header(d, cls.kind)
         try:
-            return cls(layers=[LayerReport.from_dict(layer) for layer in d["layers"]],
-                       notes=list(d.get("notes", [])))
+            return cls(layers=[LayerReport.from_dict(layer)
+                               for layer in _typed(d, "layers", list, cls.kind)],
+                       notes=list(_typed(d, "notes", list, cls.kind, [])))
         except KeyError as e:
             raise ReportFormatError(f"the inspection report has no {e} field; re-create it "
                                     "with this version of ttt2la") from e
@@ -324,6 +329,22 @@ def render_text(renderable: Any, width: int = 120) -> str:
 
 
 # -- shared rendering helpers ---------------------------------------------------------------
+_MISSING = object()
+
+
+def _typed(d: dict, name: str, types, kind: str, default: Any = _MISSING) -> Any:
+    """Field ``name`` of a serialised report, refused (``ReportFormatError``) when it is not of
+    ``types``: a report from a file is read, never trusted to hold what ``to_dict`` wrote. A
+    missing field without a ``default`` raises ``KeyError``, said by the caller."""
+    value = d[name] if default is _MISSING else d.get(name, default)
+    wanted = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in wanted or not isinstance(value, wanted):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in wanted)
+        raise ReportFormatError(f"the {kind} report's {name} is {value!r}, not {names}; "
+                                "re-create it with this version of ttt2la")
+    return value
+
+
 def _check_header(d: Any, kind: str) -> None:
     if not isinstance(d, dict):
         raise ReportFormatError(f"a {kind} report must be a dict, got {type(d).__name__}")

@@ -22,7 +22,7 @@ from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
 from .training_mode import evaluating
-from .validation import InvalidInputError, check_backend, check_call
+from .validation import InvalidInputError, check_backend, check_call, check_finite_weights
 
 SWEEP_VERSION = 1
 
@@ -195,6 +195,7 @@ def sweep(model: torch.nn.Module, calibration=None, *, example_inputs=None,
         example_inputs = calibration                # model inputs as well: trace on them
     levels = _levels(levels)
     check_call(model, None, example_inputs, example_kwargs, run=False)
+    check_finite_weights(model)
     check_backend(backend)
     if not (isinstance(time_budget, (int, float)) and not isinstance(time_budget, bool)
             and time_budget > 0):                   # NaN is not > 0; infinity: no budget

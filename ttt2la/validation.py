@@ -36,6 +36,8 @@ def check_call(model, level=None, example_inputs=None, example_kwargs=None, back
         check_backend(backend)
     check_argument_types(example_inputs, example_kwargs)
     check_materialized(model, example_inputs, example_kwargs)
+    if level is not None:
+        check_finite_weights(model)
     if example_inputs is not None or example_kwargs:
         check_finite(example_inputs, example_kwargs)
         if run:
@@ -159,6 +161,27 @@ def check_finite(example_inputs, example_kwargs=None) -> None:
                 "needs finite values")
 
 
+def check_finite_weights(model: torch.nn.Module) -> None:
+    """Refuse a model whose floating-point parameters hold NaN or inf, or whose buffers hold
+    NaN (a diverged training run; an infinite buffer is a mask): the conversion is checked
+    against the original's outputs, which would be NaN too, and the failed check would
+    otherwise read as a bug in the lowering."""
+    def bad_values(t: torch.Tensor, finite: bool) -> int:
+        if not t.is_floating_point() or t.is_meta:
+            return 0
+        return int((~torch.isfinite(t) if finite else torch.isnan(t)).sum())
+    bad = [(name, n) for tensors, finite in ((model.named_parameters(), True),
+                                             (model.named_buffers(), False))
+           for name, t in tensors if (n := bad_values(t, finite))]
+    if bad:
+        named = ", ".join(f"{type(model).__name__}.{name} ({n})" for name, n in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise InvalidInputError(
+            f"the model's weights hold NaN or infinite values: {named}{more}; ttt2la compares "
+            "the converted model with the original, which needs finite weights. Load weights "
+            "from before training diverged, or repair these tensors")
+
+
 def check_runs(model: torch.nn.Module, example_inputs, example_kwargs=None) -> None:
     """Refuse example inputs the model itself fails on: one eager forward pass without
     gradients (compiled code run eagerly), so the model's own error is shown, not a trace's.
@@ -254,5 +277,6 @@ def check_writable(path, what: str) -> Path:
 
 
 __all__ = ["InvalidInputError", "check_call", "check_model", "check_level", "check_backend",
-           "check_argument_types", "check_materialized", "check_finite", "check_runs",
+           "check_argument_types", "check_materialized", "check_finite", "check_finite_weights",
+           "check_runs",
            "check_writable"]

@@ -10,7 +10,6 @@ folded, so no calibration data is needed — then checks the result against the 
 """
 from __future__ import annotations
 
-import copy
 import shutil
 
 from pathlib import Path
@@ -91,8 +90,19 @@ def _report_markdown(report, manifest: Manifest) -> str:
              + (f", sha256 `{manifest.source['sha256']}`" if manifest.source.get("sha256") else ""),
              f"- example inputs: {describe(manifest.example_inputs)}",
              f"- ttt2la {manifest.ttt2la_version}, torch {manifest.torch_version}",
-             "- reload with `ttt2la.load(DIR)`", ""]
+             f"- reload with {_reload_hint(recipe)}", ""]
     return "\n".join(lines)
+
+
+def _reload_hint(recipe: dict) -> str:
+    """How to load this checkpoint: a factory other than a bundled model's needs the caller's
+    trust (``checkpoint.trust``)."""
+    from .trust import is_bundled_factory
+
+    if recipe.get("kind") == "factory" and not is_bundled_factory(recipe.get("factory")):
+        return (f"`ttt2la.load(DIR, factory=\"{recipe.get('factory')}\")` (or "
+                "`trust_factory=True`, `--trust-factory`)")
+    return "`ttt2la.load(DIR)`"
 
 
 # -- public API ---------------------------------------------------------------------------------
@@ -201,14 +211,20 @@ def _hf_auto_class(model, cls) -> str | None:
     return None
 
 
-def load(directory, model: torch.nn.Module | None = None, *,
-         trust_remote_code: bool = False) -> torch.nn.Module:
+def load(directory, model: torch.nn.Module | None = None, *, factory=None,
+         trust_factory: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
     """Rebuild the converted model saved in ``directory`` (by ``save`` or ``ttt2la convert
     --out``): the recorded model (or a copy of ``model``, an unconverted module of the same
-    architecture), its weights, and the recorded conversion replayed and checked.
+    architecture, or what ``factory`` — ``"pkg.module:function"`` or a callable — builds with
+    the recorded keyword arguments), its weights, and the recorded conversion replayed and
+    checked.
 
-    Raises a ``CheckpointError`` naming the file for a missing file, an unknown manifest
-    version, weights whose hash or shapes do not match the manifest, or a replay that differs.
+    A factory the manifest names is called only with ``trust_factory=True`` unless it is a
+    bundled model: a checkpoint someone else made could name any function (as a Hugging Face
+    directory's own code runs only with ``trust_remote_code=True``). Raises a
+    ``CheckpointError`` naming the file for a missing file, an unknown manifest version, weights
+    whose hash or shapes do not match the manifest, a factory not trusted, or a replay that
+    differs.
     """
     from ..conversion import convert
     from ..validation import check_model, copy_of
@@ -232,10 +248,14 @@ def load(directory, model: torch.nn.Module | None = None, *,
                             f"recorded in {where}")
     if model is None:
         recipe = Recipe.from_dict(manifest.recipe, where)
-        if recipe.kind == "module":
+        if factory is not None:
+            model = recipe.with_factory(factory).build(directory, trust_factory=True)
+        elif recipe.kind == "module":
             raise CheckpointError(f"{where}: records no way to build {recipe.model_class}; pass "
                                   f"model={recipe.model_class.rsplit('.', 1)[-1]}(...) to load")
-        model = recipe.build(directory, trust_remote_code=trust_remote_code)
+        else:
+            model = recipe.build(directory, trust_remote_code=trust_remote_code,
+                                 trust_factory=trust_factory)
     else:
         check_model(model)
         model = copy_of(model)

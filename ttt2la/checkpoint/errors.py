@@ -10,8 +10,9 @@ class CheckpointError(ConversionError):
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """A pickled checkpoint would run code to load (it names something other than tensors):
-    ttt2la refuses it rather than unpickle it."""
+    """A checkpoint would run code to load: a pickle that names something other than tensors,
+    or a manifest naming a factory the caller has not trusted. ttt2la refuses it rather than
+    run that code."""
 
 
 class WeightMismatchError(CheckpointError):

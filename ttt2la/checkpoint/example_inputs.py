@@ -15,20 +15,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..embedding import first_embedding
+from .errors import CheckpointError, ManifestError
 from .weights import read_weight_file, sha256_file
 
 INPUTS_NAME = "example_inputs.safetensors"
-
-
-def first_embedding(model: torch.nn.Module) -> torch.nn.Embedding | None:
-    """The embedding the model starts with: the first module holding parameters, if it is one."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding):
-            return m
-        if any(True for _ in m.parameters(recurse=False)):
-            return None
-    return None
 
 
 def spec_from_shape(model: torch.nn.Module, shape: tuple[int, ...], seed: int = 0) -> dict:
@@ -50,7 +41,7 @@ def spec_from_shape(model: torch.nn.Module, shape: tuple[int, ...], seed: int = 
 
 def build_inputs(spec: dict, directory: Path | None = None) -> tuple[tuple | None, dict | None]:
     """``(example_inputs, example_kwargs)`` rebuilt from ``spec`` (``None`` for inferred ones)."""
-    kind = spec.get("kind")
+    kind = spec.get("kind") if isinstance(spec, dict) else None
     try:
         if kind == "inferred":
             return None, None
@@ -75,8 +66,11 @@ def build_inputs(spec: dict, directory: Path | None = None) -> tuple[tuple | Non
                 raise CheckpointError(f"{path}: the example inputs changed since they were "
                                       "recorded (sha256 differs)")
             return read_inputs(path)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"malformed example-input spec {spec!r} ({e})") from e
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        where = f"{Path(directory) / 'ttt2la.json'}: " if directory is not None else ""
+        raise (ManifestError if where else CheckpointError)(
+            f"{where}malformed example-input spec {spec!r} ({type(e).__name__}: {e}); "
+            "convert the source checkpoint again") from e
     raise CheckpointError(f"unknown example-input spec kind {kind!r}")
 
 

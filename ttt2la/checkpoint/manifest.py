@@ -55,9 +55,32 @@ class Manifest:
                                 f"ttt2la reads version {MANIFEST_VERSION}); convert the source "
                                 "checkpoint again with this version")
         try:
-            return cls(**d)
+            manifest = cls(**d)
         except TypeError as e:
             raise ManifestError(f"{where}: malformed manifest ({e})") from e
+        manifest.check_fields(where)
+        return manifest
+
+    def check_fields(self, where: Path) -> None:
+        """Refuse fields of the wrong type, and files named outside the directory: a manifest
+        from a file is read, never trusted to hold what ``to_dict`` wrote."""
+        types = {"level": int, "backend": str, "strict": bool, "recipe": dict,
+                 "example_inputs": dict, "source": dict, "weights": dict, "report": dict,
+                 "files": list}
+        for name, wanted in types.items():
+            value = getattr(self, name)
+            if not isinstance(value, wanted) or isinstance(value, bool) and wanted is not bool:
+                raise ManifestError(f"{where}: malformed manifest: {name} is {value!r}, not a "
+                                    f"{wanted.__name__}; convert the source checkpoint again")
+        weights = self.weights
+        if not (isinstance(weights.get("file"), str) and isinstance(weights.get("sha256"), str)
+                and isinstance(weights.get("tensors"), dict)):
+            raise ManifestError(f"{where}: malformed manifest: weights must record file, sha256 "
+                                f"and tensors, found {sorted(weights)}")
+        for name in [*self.files, weights["file"]]:
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise ManifestError(f"{where}: malformed manifest: {name!r} is not the name of "
+                                    "a file in the checkpoint directory")
 
     def write(self, directory: Path) -> None:
         (Path(directory) / MANIFEST_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, read_json
+from .errors import CheckpointError, ManifestError, read_json
 
 #: Auto classes tried, in order, for a Hugging Face directory whose ``auto_map`` or registered
 #: model type names no other.
@@ -44,14 +44,29 @@ class Recipe:
         try:
             recipe = cls(**d)
         except TypeError as e:
-            raise CheckpointError(f"{where}: malformed model recipe {d!r} ({e})") from e
+            raise ManifestError(f"{where}: malformed model recipe {d!r} ({e})") from e
+        texts = (recipe.name, recipe.factory, recipe.auto_class, recipe.model_class)
+        if not (isinstance(recipe.kind, str) and isinstance(recipe.kwargs, dict)
+                and isinstance(recipe.trust_remote_code, bool)
+                and all(t is None or isinstance(t, str) for t in texts)):
+            raise ManifestError(f"{where}: malformed model recipe {d!r} (a field of another "
+                                  "type); convert the source checkpoint again")
         if recipe.kind not in ("zoo", "factory", "hf", "module"):
-            raise CheckpointError(f"{where}: unknown model recipe kind {recipe.kind!r}")
+            raise ManifestError(f"{where}: unknown model recipe kind {recipe.kind!r}")
         return recipe
 
-    def build(self, directory: Path | None = None, *,
-              trust_remote_code: bool = False) -> torch.nn.Module:
-        """The model with fresh weights, in eval mode; ``directory`` holds an HF config."""
+    def with_factory(self, factory) -> "Recipe":
+        """This recipe built by the caller's ``factory`` instead: called with the recorded
+        keyword arguments when the recipe is a factory's, with none otherwise."""
+        return Recipe("factory", factory=factory,
+                      kwargs=dict(self.kwargs) if self.kind == "factory" else {})
+
+    def build(self, directory: Path | None = None, *, trust_remote_code: bool = False,
+              trust_factory: bool = False) -> torch.nn.Module:
+        """The model with fresh weights, in eval mode; ``directory`` holds the manifest (and an
+        HF config). A factory other than a bundled model's, and a Hugging Face directory's own
+        code, run only when the caller trusts them (``trust_factory``, ``trust_remote_code``):
+        what the manifest records never grants that trust (``ttt2la.checkpoint.trust``)."""
         if self.kind == "zoo":
             from ..cli import ZOO, build_zoo_model
 
@@ -60,18 +75,25 @@ class Recipe:
                                       f"{', '.join(sorted(ZOO))}")
             return build_zoo_model(self.name)
         if self.kind == "factory":
+            from .manifest import MANIFEST_NAME
+            from .trust import check_factory_trusted
+
+            where = Path(directory) / MANIFEST_NAME if directory is not None else "the recipe"
+            check_factory_trusted(self.factory, self.kwargs, where, trusted=trust_factory)
             return build_from_factory(self.factory, self.kwargs, "the recorded factory")
         if self.kind == "module":
             raise CheckpointError(f"no recipe records how to build {self.model_class}; pass "
                                   "the model to build (model=...)")
-        return build_hf(directory, trust_remote_code or self.trust_remote_code,
-                        self.auto_class)[0].eval()
+        return build_hf(directory, trust_remote_code, self.auto_class)[0].eval()
 
 
 # -- factories ----------------------------------------------------------------------------------
 def resolve_factory(spec: str, name: str = "--model"):
-    """The callable named by ``"pkg.module:attr"`` (``attr`` may be dotted); ``name``: the
-    argument as the caller knows it (``--model``, or ``factory`` in ``ttt2la.save``)."""
+    """The callable named by ``"pkg.module:attr"`` (``attr`` may be dotted), or ``spec`` itself
+    when it is a callable; ``name``: the argument as the caller knows it (``--model``, or
+    ``factory`` in ``ttt2la.save``)."""
+    if callable(spec):
+        return spec
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise CheckpointError(f"{name} {spec!r}: expected pkg.module:factory, e.g. "

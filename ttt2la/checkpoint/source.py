@@ -26,9 +26,11 @@ class Source:
 
 
 def open_checkpoint(path, *, factory: str | None = None, kwargs: dict | None = None,
-                    trust_remote_code: bool = False) -> Source:
+                    trust_remote_code: bool = False, trust_factory: bool = False) -> Source:
     """Build the model of checkpoint ``path`` and load its weights, refusing anything that does
-    not fit. The weights are read (and so checked) before any model code runs."""
+    not fit. The weights are read (and so checked) before any model code runs. A converted
+    checkpoint's recorded factory runs only when trusted (``trust_factory``, or ``factory``
+    given, which is then called with the recorded keyword arguments unless ``kwargs`` are)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
@@ -37,12 +39,18 @@ def open_checkpoint(path, *, factory: str | None = None, kwargs: dict | None = N
     info = {"path": str(path), **sha256_files(files, root)}
     tensors = read_weights(path)
     hf_dir = None
-    if factory is not None:
+    converted = path.is_dir() and (path / MANIFEST_NAME).is_file()
+    if factory is not None and converted and kwargs is None:
+        recipe = Recipe.from_dict(Manifest.read(path).recipe, path / MANIFEST_NAME)
+        recipe = recipe.with_factory(factory)
+        model = recipe.build(path, trust_factory=True)
+    elif factory is not None:
         model, recipe = build_from_factory(factory, kwargs or {}), \
             Recipe("factory", factory=factory, kwargs=dict(kwargs or {}))
-    elif path.is_dir() and (path / MANIFEST_NAME).is_file():
+    elif converted:
         recipe = Recipe.from_dict(Manifest.read(path).recipe, path / MANIFEST_NAME)
-        model = recipe.build(path, trust_remote_code=trust_remote_code)
+        model = recipe.build(path, trust_remote_code=trust_remote_code,
+                             trust_factory=trust_factory)
         hf_dir = path if recipe.kind == "hf" else None
     elif is_hf_directory(path):
         model, recipe = build_hf(path, trust_remote_code)

@@ -40,6 +40,66 @@ def check_output_dir(out: Path, *, force: bool = False, inputs=(), name: str = "
     return out
 
 
+def check_output_file(path, *, name: str, inputs=(), out=None, others=()) -> Path:
+    """Refuse an output file (``--json``, ``--plot``; ``name`` says which) that is an input or
+    lies in one (a checkpoint directory, its config, its example inputs), that is or lies in
+    the ``out`` directory written beside it, that is another output (``others``: ``(name,
+    path)`` pairs), or that cannot be written — before any work is done, so nothing is
+    overwritten and nothing half-done is thrown away."""
+    from ..validation import check_writable
+
+    path = Path(path)
+    clashes = [(f"the input {given}", given) for given in inputs]
+    clashes += [(f"the --out directory {out}", out)] if out else []
+    clashes += [(f"{other_name} {other}", other) for other_name, other in others if other]
+    for what, other in clashes:
+        relation = _overlap(path, Path(other))
+        if relation:
+            raise CheckpointError(f"{name} {path}: {relation} {what}, which writing it would "
+                                  f"overwrite; choose another path for {name}")
+    check_writable(path, name)
+    return path
+
+
+def _overlap(path: Path, other: Path) -> str:
+    """How ``path`` clashes with ``other``: ``"is"`` (the same file, by name or by link),
+    ``"lies inside"`` (a file in that directory), or ``""``."""
+    target, resolved = path.resolve(), other.resolve()
+    if target == resolved:
+        return "is"
+    if resolved in target.parents:
+        return "lies inside"
+    try:
+        return "is" if path.exists() and other.exists() and os.path.samefile(path, other) else ""
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """Yield a temporary path beside ``path`` (ending as it does, so a writer that reads the
+    format from the suffix still can); on success rename it to ``path``, on any error or
+    interruption delete it. A file that cannot be written raises a ``CheckpointError``."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.",
+                                   suffix=f".partial{path.suffix}")
+        os.close(fd)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write in {path.resolve().parent} "
+                              f"({e.strerror or e})") from e
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot write ({e.strerror or e})") from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, *, force: bool = False):
     """Yield a fresh temporary directory beside ``out``; on success rename it to ``out``
@@ -79,4 +139,4 @@ def _replace(tmp: Path, out: Path, force: bool) -> None:
         old.unlink()
 
 
-__all__ = ["check_output_dir", "atomic_directory"]
+__all__ = ["check_output_dir", "check_output_file", "atomic_file", "atomic_directory"]
