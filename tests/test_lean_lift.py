@@ -223,3 +223,30 @@ def test_lact_operator_reads_non_contiguous_sequences_without_copies(level):
     with torch.no_grad():
         assert rel_rms_error(conv(x), ref(x)) <= 1e-5
     assert y.shape == q.shape
+
+
+class _NormedKeys(torch.nn.Module):
+    """Keys layer-normed chunk by chunk inside the loop: ``native_layer_norm`` has three results
+    (the output, its mean and rstd), which the search for the chunk's token axes steps over."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, 3 * d, bias=False)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + 0.1 * self.norm(k[:, s:s + 4]).mT @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+
+def test_a_norm_inside_the_loop_runs_at_every_length():
+    torch.manual_seed(0)
+    layer = _NormedKeys()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    assert_same_function(conv, layer, [torch.randn(1, 7, 8), torch.randn(2, 33, 8)])

@@ -120,8 +120,10 @@ def drop_identity_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _token_axis_after(node: torch.fx.Node, axis: int) -> int | None:
     """Where the token axis ``axis`` of ``node``'s first input lands in its output, for the
     moves of axes and reshapes that keep it whole; None where it is merged, split or lost."""
-    src = node.args[0].meta["val"].shape
-    out = node.meta["val"].shape
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return None                 # an op of several results (a layer norm's mean and rstd)
+    src, out = src.shape, out.shape
     if node.target in (aten.clone.default, aten.alias.default, aten.contiguous.default):
         return axis
     if node.target is aten.unsqueeze.default:
