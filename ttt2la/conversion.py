@@ -20,6 +20,7 @@ import copy
 from contextlib import contextmanager
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.utils._pytree as pytree
@@ -312,11 +313,11 @@ def _as_traced(state: ConvertedState, args: tuple, kwargs: dict):
 def _gradient_stop(layer: "_Layer") -> str:
     """Where the layer's loop stops gradients its plan would pass (``gradient_stops``): a
     detach of the fast weights in the trace, or gradients of the loop run as traced that
-    differ from the layer's own (``_exact_twin``)."""
+    differ from the layer's own (``exact_twin``)."""
     found = detached_state(layer.rl.program)
     if found or layer.state is None:
         return found
-    twin = layer.exact_twin()
+    twin = layer.exact_twin
     if twin is None:
         return ""
     state, converted = twin
@@ -327,8 +328,8 @@ def _gradient_stop(layer: "_Layer") -> str:
 
 def _padding(layer: "_Layer") -> str:
     """What zeros padded to a partial last chunk change in the layer (``padded_chunk``), judged
-    on its exact twin (``_exact_twin``)."""
-    twin = None if layer.state is None else layer.exact_twin()
+    on its exact twin (``exact_twin``)."""
+    twin = None if layer.state is None else layer.exact_twin
     if twin is None:
         return ""
     state, converted = twin
@@ -415,25 +416,22 @@ class _Layer:
     backend: str
     _at_step: dict = field(default_factory=dict)
 
+    @cached_property
     def exact_twin(self) -> "tuple[ConvertedState, torch.nn.Module] | None":
         """The layer converted exactly, for checks against the code as written: the converted
         layer itself when its conversion is exact, else a copy of the original converted at
         level 0 (None where level 0 does not convert); built once."""
-        if "twin" not in self._at_step:
-            twin = None
-            if self.exact:
-                twin = self.state, self.rl.candidate.module
-            else:
-                try:
-                    state, *_ = _build_state(self.rl, 0, None, "torch", False, self.device)
-                except ConversionError:
-                    state = None
-                if state is not None:
-                    converted = copy.deepcopy(self.original)
-                    install(converted, state)
-                    twin = state, converted
-            self._at_step["twin"] = twin
-        return self._at_step["twin"]
+        if self.exact:
+            return self.state, self.rl.candidate.module
+        try:
+            state, *_ = _build_state(self.rl, 0, None, "torch", False, self.device)
+        except ConversionError:
+            return None
+        if state is None:
+            return None
+        converted = copy.deepcopy(self.original)
+        install(converted, state)
+        return state, converted
 
     def state_at(self, step: int, unfolded: "Prepared | None" = None):
         """The converted state after steps 1..``step`` (of the unfolded run, if given); the
