@@ -1239,6 +1239,14 @@ MUTATIONS = [
         "several_results_taken_for_a_tensor", "the search for a chunk's token axes reads an op of several results (a layer norm) as one tensor",
         (("ttt2la/lowering/whole_sequence.py", "    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):\n", "    if False:\n"),),
         ("tests/test_lean_lift.py",), "norm_inside_the_loop"),
+    Mutation(
+        "buffers_left_advanced", "a conversion leaves the buffers its probe runs updated in place advanced",
+        (("ttt2la/as_found.py", "            for b, before in saved:\n", "            for b, before in saved[:0]:\n"),),
+        ("tests/test_side_effects.py",), "buffers_as_they_were"),
+    Mutation(
+        "length_check_counted_as_calls", "the check of a new length against the code as written advances the layer's buffers",
+        (("ttt2la/converted.py", "            with buffers_kept(module):      # the check's runs are not the call's\n", "            if True:\n"),),
+        ("tests/test_length_values.py",), "new_length_is_not"),
 ]
 
 

@@ -113,3 +113,27 @@ def test_streamed_piece_of_an_untraced_length_is_refused():
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, D),))
     with pytest.raises(UnsupportedShapeError, match=r"length 5.*if T < 12"):
         conv(torch.randn(1, 5, D), return_ttt_state=True)
+
+
+class CountedBranch(Branch):
+    """``Branch`` counting its calls in a buffer."""
+
+    def __init__(self, rule):
+        super().__init__(rule)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_checking_a_new_length_is_not_counted_as_a_call():
+    """The check of a new length against the code as written runs both; a buffer the forward
+    updates advances once per call all the same."""
+    torch.manual_seed(0)
+    layer = CountedBranch(capped)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, D),))
+    with torch.no_grad():
+        for T in (3, 11, 3):
+            conv(torch.randn(2, T, D))
+    assert conv.calls.item() == 3

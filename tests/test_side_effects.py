@@ -85,3 +85,20 @@ def test_a_buffer_updated_in_place_or_a_value_written_unchanged_converts(writes)
     conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
     with torch.no_grad():
         assert rel_rms_error(conv(x), layer(x)) <= FP32
+
+
+def test_converting_and_inspecting_leave_the_buffers_as_they_were():
+    """A conversion runs the forward many times (traces, probes, checks); a buffer the forward
+    updates in place comes back as it was, in the model given and in the model returned."""
+    torch.manual_seed(0)
+    layer, x = Memory("buffer"), torch.randn(2, 8, D)
+    layer.calls.fill_(3)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert layer.calls.item() == conv.calls.item() == 3
+    ttt2la.inspect(layer, (x,), show=False)
+    assert layer.calls.item() == 3
+    same = ttt2la.convert(layer, level=0, example_inputs=(x,), inplace=True)
+    assert same is layer and layer.calls.item() == 3
+    with torch.no_grad():
+        conv(x)
+    assert conv.calls.item() == 4               # the converted forward still counts its calls

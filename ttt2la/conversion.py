@@ -45,7 +45,8 @@ from .length_vouching import vouching
 from .padded_chunk import padding_changes
 from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
-from .training_mode import evaluating, training_dependence
+from .as_found import as_found
+from .training_mode import training_dependence
 from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
                          check_folds_form, check_runs, copy_of)
 
@@ -542,7 +543,7 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     check_level(level)                      # a level whose steps are not all implemented
     pristine = copy_of(model) if inplace else model
     target = model if inplace else copy_of(model)
-    with evaluating(target, pristine):      # every module's own mode restored on return
+    with as_found(target, pristine):        # modes, buffers and generators restored
         return _convert(pristine, target, level, example_inputs, calibration, backend, strict,
                         example_kwargs, folds)
 
@@ -700,8 +701,8 @@ def inspect(model: torch.nn.Module, example_inputs=None, example_kwargs=None, *,
     Prints the report (``show=False`` to only return it); ``model`` is not modified.
     """
     require_unconverted(model)
-    check_call(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
-    with evaluating(model):
+    with as_found(model):
+        check_call(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
         layers, _inputs, notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     reports = []
     for rl in layers:

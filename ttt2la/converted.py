@@ -42,7 +42,8 @@ from .recast import Signature, recast, weights_signature
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
-from .training_mode import evaluating, training_dependence
+from .as_found import as_found, buffers_kept
+from .training_mode import training_dependence
 from .undifferentiable import refusal, refuse_backward
 
 
@@ -211,7 +212,8 @@ class ConvertedState:
         plan = lambda: gm.forward(weights, *flat)   # noqa: E731
         vouching = self.length_vouching
         if vouching is not None and not vouching.lengths.get(L):
-            unvouched = self._unvouched_length(vouching, plan, written, B, L)
+            with buffers_kept(module):      # the check's runs are not the call's
+                unvouched = self._unvouched_length(vouching, plan, written, B, L)
             if unvouched is not None:
                 return unvouched()
         try:
@@ -574,7 +576,7 @@ def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: 
     submodules), converted again from ``recipe`` — the same trace, passes and plan."""
     module = cls.__new__(cls)
     module.__setstate__(attributes)
-    with evaluating(module):                # traced as ``convert`` traced it
+    with as_found(module):                  # traced as ``convert`` traced it
         state = _replay(module, recipe)
     state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
     install(module, state)

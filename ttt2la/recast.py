@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from .errors import UnsupportedTTTError
 from .preparation import out_of_sight
-from .training_mode import evaluating
+from .as_found import as_found
 
 #: What a conversion was built for: each parameter's and buffer's name, dtype and device, in
 #: order.
@@ -97,7 +97,7 @@ def recast(module: torch.nn.Module, state, now: Signature):
     stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
                               if k not in ("_ttt2la", "_ttt2la_key")})
     # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it
-    with out_of_sight(devices=[v.type for _, _, v in now]), evaluating(stand_in):
+    with out_of_sight(devices=[v.type for _, _, v in now]), as_found(stand_in):
         new = _replay(stand_in, recast_recipe(state.recipe, state.weights, now))
     return dataclasses.replace(new, runs=state.runs, fallbacks=state.fallbacks, weights=now,
                                variant=f", {described_change(state.weights, now)}")

@@ -21,6 +21,7 @@ from .as_written import CALLS_TO_DECIDE
 from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
+from .as_found import as_found
 from .training_mode import evaluating
 from .validation import InvalidInputError, check_backend, check_call, check_finite_weights
 
@@ -246,7 +247,7 @@ def _time_levels(model, converted: dict, paths: list[str], example_inputs, examp
     from .conversion import _as_tuple, _layer_inputs, recognize
 
     # the layers' inputs as recognition recorded them on the example (the traces are cached)
-    with evaluating(model):
+    with as_found(model):
         layers, inputs, _notes = recognize(model, example_inputs, example_kwargs=example_kwargs)
     recorded = {rl.path: _layer_inputs(rl) for rl in layers}
     x = _as_tuple(inputs)[0]
