@@ -1247,6 +1247,10 @@ MUTATIONS = [
         "length_check_counted_as_calls", "the check of a new length against the code as written advances the layer's buffers",
         (("ttt2la/converted.py", "            with buffers_kept(module):      # the check's runs are not the call's\n", "            if True:\n"),),
         ("tests/test_length_values.py",), "new_length_is_not"),
+    Mutation(
+        "plot_library_unasked", "a sweep asked for a plot finds matplotlib missing only after its work, raw",
+        (("ttt2la/cli.py", "        plotting_library()                  # before the sweep, not after it\n", ""),),
+        ("tests/test_cli_inputs.py",), "without_matplotlib"),
 ]
 
 

@@ -308,6 +308,19 @@ def test_sweep_outputs_are_checked_before_sweeping(tmp_path, capsys, monkeypatch
     assert listing(tmp_path) == set()
 
 
+def test_a_plot_without_matplotlib_is_refused_before_sweeping(tmp_path, capsys, monkeypatch):
+    """Where matplotlib cannot be imported, ``--plot`` is refused up front, saying how to
+    install it, not after the sweep's work with a raw ImportError."""
+    import sys
+
+    monkeypatch.setattr(ttt2la, "sweep", lambda *a, **k: pytest.fail("swept anyway"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)         # import fails
+    refused(["sweep", "--zoo", "lact-variant2", "--levels", "0", "--plot",
+             str(tmp_path / "x.png")], capsys, "InvalidInputError", "matplotlib",
+            "pip install matplotlib")
+    assert listing(tmp_path) == set()
+
+
 def test_sweep_outputs_are_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
     """A plot interrupted half-way leaves no file: outputs go through a temporary file."""
     class Table:

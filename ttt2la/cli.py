@@ -516,6 +516,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if getattr(args, "plot", None):
         check_output_file(args.plot, name="--plot", inputs=inputs,
                           others=[("--json", getattr(args, "json", None))])
+        from .sweep import plotting_library
+
+        plotting_library()                  # before the sweep, not after it
 
 
 def _open_source(args: argparse.Namespace, err: Console):

@@ -17,11 +17,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from .as_found import as_found
 from .as_written import CALLS_TO_DECIDE
 from .errors import ConversionError, LevelNotImplementedError
 from .passes import MAX_LEVEL, check_level
 from .timing import time_side_by_side
-from .as_found import as_found
 from .training_mode import evaluating
 from .validation import InvalidInputError, check_backend, check_call, check_finite_weights
 
@@ -101,8 +101,7 @@ class SweepReport:
 
     def plot(self, path: str) -> None:
         """Drift and TTT-layer throughput against level, as a PNG."""
-        import matplotlib
-
+        matplotlib = plotting_library()
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -265,4 +264,17 @@ def _time_levels(model, converted: dict, paths: list[str], example_inputs, examp
     return out
 
 
-__all__ = ["sweep", "SweepReport", "SweepRow"]
+
+def plotting_library():
+    """matplotlib, or an ``InvalidInputError`` saying how to install it (asked before a sweep
+    whose plot would otherwise fail after all its work)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise InvalidInputError(
+            f"a plot needs matplotlib, which cannot be imported here ({e}); install it with "
+            "`pip install matplotlib`, or leave out the plot.") from None
+    return matplotlib
+
+
+__all__ = ["sweep", "SweepReport", "SweepRow", "plotting_library"]
