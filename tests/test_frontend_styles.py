@@ -533,3 +533,48 @@ def test_a_layer_traced_with_autograd_live_converts_without_torch_deprecation_no
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         ttt2la.convert(AutogradOfAWeight(), level=2, example_inputs=(torch.randn(2, 16, 16),))
+
+
+class HeadLoopInsideChunkLoop(nn.Module):
+    """Linear attention per chunk with a loop over heads inside the loop over chunks, one
+    state per head in a list; the heads laid out after the sequence (``q[:, s:e, h]``) or
+    before it (``q[:, h, s:e]``)."""
+
+    def __init__(self, layout: str, d: int = 16, heads: int = 2, chunk: int = 4):
+        super().__init__()
+        self.layout, self.H, self.C = layout, heads, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, d // self.H).unbind(2)
+        if self.layout == "heads_first":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        S = [x.new_zeros(B, d // self.H, d // self.H) for _ in range(self.H)]
+        outs = []
+        for s in range(0, T, self.C):
+            per_head = []
+            for h in range(self.H):
+                if self.layout == "heads_first":
+                    qh, kh, vh = q[:, h, s:s + self.C], k[:, h, s:s + self.C], v[:, h, s:s + self.C]
+                else:
+                    qh, kh, vh = q[:, s:s + self.C, h], k[:, s:s + self.C, h], v[:, s:s + self.C, h]
+                per_head.append(qh @ S[h])
+                S[h] = S[h] + kh.mT @ vh
+            outs.append(torch.stack(per_head, 2))
+        return torch.cat(outs, 1).reshape(B, T, d)
+
+
+@pytest.mark.parametrize("layout", ["heads_after", "heads_first"])
+def test_a_loop_over_heads_inside_the_chunk_loop_converts_exactly_in_either_layout(layout):
+    """Laid out head first, the heads loop was taken for the TTT loop (its ``q[:, h]`` read
+    as the loop's slice), and its two iterations were refused as too few."""
+    torch.manual_seed(0)
+    layer = HeadLoopInsideChunkLoop(layout)
+    x = torch.randn(2, 16, 16)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    lines, start = inspect.getsourcelines(HeadLoopInsideChunkLoop.forward)
+    outer = start + next(i for i, line in enumerate(lines) if "for s in range" in line)
+    assert report.exact and f"test_frontend_styles.py:{outer}" in report.loop_src, report.loop_src
+    assert_same_function(converted, layer, [x, torch.randn(3, 22, 16)])

@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token loop."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop."""
 from __future__ import annotations
 
 import inspect
@@ -434,3 +434,43 @@ def test_a_loop_over_heads_around_the_token_loop_is_named_so():
     msg = str(refused.value)
     assert "which runs the loop at " in msg and "a loop over heads (or rows)" in msg
     assert f"{HERE}:{_line_of(HeadsAroundTheTokens.forward)}" in msg and "batch axis" in msg
+
+
+class HeadsAroundTheChunks(nn.Module):
+    """Each head's memory run in turn over the chunks, the heads laid out before the sequence:
+    a loop over heads around the loop over chunks."""
+
+    def __init__(self, d: int = 16, heads: int = 4, chunk: int = 4):
+        super().__init__()
+        self.h, self.dh, self.C = heads, d // heads, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w0 = nn.Parameter(torch.randn(heads, self.dh, self.dh) * 0.1)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.h, self.dh).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, -1))
+        heads = []
+        for h in range(self.h):  # <- heads
+            W = self.w0[h].expand(B, -1, -1)
+            ys = []
+            for s in range(0, T, self.C):  # <- named
+                ys.append(q[:, h, s:s + self.C] @ W)
+                W = W + k[:, h, s:s + self.C].mT @ v[:, h, s:s + self.C]
+            heads.append(torch.cat(ys, 1))
+        return torch.stack(heads, 2).reshape(B, T, D)
+
+
+def test_a_loop_over_heads_around_the_chunk_loop_names_both_loops_in_their_places():
+    """With four heads the heads loop's message had the loops inverted (the chunk loop "inside
+    the TTT loop, over heads"), and with a per-head initial state it named a raw graph node."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(HeadsAroundTheChunks(), level=0, example_inputs=(torch.randn(2, 16, 16),))
+    msg = str(refused.value)
+    heads = _line_of(HeadsAroundTheChunks.forward, "# <- heads")
+    chunks = _line_of(HeadsAroundTheChunks.forward)
+    assert "which runs the loop at " in msg and f"{HERE}:{chunks} in forward once per" in msg, msg
+    assert f"{HERE}:{heads} in forward)" in msg, msg
+    assert "a loop over heads (or rows) around the loop over the sequence" in msg, msg
+    assert "placeholder" not in msg and "runs inside the TTT loop" not in msg, msg

@@ -58,9 +58,10 @@ def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, stack, sink, chunks: ChunkAxes, pieces: CutPieces):
+    def __init__(self, stack, sink, chunks: ChunkAxes, pieces: CutPieces, length: int | None):
         super().__init__()
         self.stack, self.sink, self.chunks, self.pieces = stack, sink, chunks, pieces
+        self.length = length
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.stack:
@@ -68,7 +69,8 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         self.pieces.note(_cut_info(func, args, kwargs or {}, self.chunks), out)
         if args:
-            self.pieces.note_slice(_slice_info(func, args, self.chunks), args[0], out)
+            self.pieces.note_slice(_slice_info(func, args, self.chunks, self.length), args[0],
+                                   out)
         self.chunks.note(func, args, kwargs or {}, out)
         return out
 
@@ -99,10 +101,14 @@ def _narrowed(func, args):
     return size, x.shape[dim], start % x.shape[dim]
 
 
-def _slice_info(func, args, chunks: ChunkAxes | None = None):
+def _slice_info(func, args, chunks: ChunkAxes | None = None, length: int | None = None):
     """Chunk size, sequence length and offset of ``x[..., a:b]`` / ``x[..., t]`` (or their
     ``narrow`` / ``select`` spellings) on a tensor, or of chunk ``i`` taken on the chunk axis of
-    a pre-chunked ``[…, N, …, K, …]`` tensor (``x[i]``, ``x[:, i]``; ``prechunked``)."""
+    a pre-chunked ``[…, N, …, K, …]`` tensor (``x[i]``, ``x[:, i]``; ``prechunked``).
+
+    An index that takes several axes (``q[:, h, s:e]``, a head and a chunk of a head-major
+    tensor) is read on the axis of the example's sequence ``length`` where one has it, else on
+    its first indexed axis."""
     chunked = chunks.indexed(func, args) if chunks is not None else None
     if chunked is not None:
         return chunked
@@ -116,16 +122,18 @@ def _slice_info(func, args, chunks: ChunkAxes | None = None):
         return None
     idx = idx if isinstance(idx, tuple) else (idx,)
     dim = 0
+    taken = []
     for item in idx:
         if item is Ellipsis:
             dim = x.dim() - (len(idx) - 1 - idx.index(Ellipsis)) - 1
         elif isinstance(item, slice):
             if isinstance(item.start, int) and isinstance(item.stop, int) and item.step in (None, 1):
-                return item.stop - item.start, x.shape[dim], item.start
+                taken.append((item.stop - item.start, x.shape[dim], item.start))
         elif isinstance(item, int):
-            return 1, x.shape[dim], item
+            taken.append((1, x.shape[dim], item))
         dim += 1
-    return None
+    on_sequence = [t for t in taken if t[1] == length]
+    return (on_sequence or taken or [None])[0]
 
 
 #: Cuts a loop statement may iterate: ``split(C)`` and ``unbind()`` hand out chunks of a fixed
@@ -255,6 +263,7 @@ def _discover_once(model, example_inputs, example_kwargs):
     found: dict[tuple[str, LoopSite], LoopCandidate] = {}
     by_path = {p: m for m, p in paths.items()}
     chunks, pieces = ChunkAxes(), CutPieces()
+    length = sequence_length(example_inputs)
     cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)   # split/unbind in loop headers
 
     def sink(path, func, args, kwargs, frames):
@@ -285,14 +294,14 @@ def _discover_once(model, example_inputs, example_kwargs):
                         a, k = captured[path]
                         cand = found[key] = LoopCandidate(path, by_path[path], loop, a, k)
                     cand.ops += 1
-                    info = _slice_info(func, args, chunks)
+                    info = _slice_info(func, args, chunks, length)
                     if info is not None:
                         cand.chunk_sizes.add(info[0])
                         cand.slice_lengths.add(info[1])
                         cand.slice_starts.add(info[2])
 
     try:
-        with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks, pieces):
+        with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks, pieces, length):
             model(*example_inputs, **(example_kwargs or {}))
     finally:
         for h in hooks:

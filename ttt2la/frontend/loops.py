@@ -139,15 +139,45 @@ def count_iterations(nodes: list[torch.fx.Node]) -> int | None:
 
     Every iteration slices its chunk (or selects its token) of loop-invariant tensors at its
     own offset, so the number of distinct offsets on one tensor is the number of iterations.
+    A slice of one head of such a tensor (``q[:, h, s:e]``, a ``select`` then a ``slice``) is
+    read on the tensor, per head. Offsets that come back after others (heads ``0, 1, 0, 1``:
+    a loop inside this one, walked again in every iteration) count only where no offsets walk
+    forward once.
     """
+    offsets = [[n.args[2] for n in group] for group in sequence_reads(nodes).values()]
+    walks = [len(set(v)) for v in offsets if walks_once(v)]
+    return max(walks or [len(set(v)) for v in offsets], default=None)
+
+
+def sequence_reads(nodes: list[torch.fx.Node],
+                   per_head: bool = True) -> dict[tuple, list[torch.fx.Node]]:
+    """The ``slice``/``select`` ops among ``nodes`` that read a tensor computed before them,
+    grouped by tensor and axis, in graph order: a slice of one head of such a tensor
+    (``q[:, h, s:e]``) is grouped per head (with ``per_head``), else with every head's."""
     inside = set(nodes)
-    offsets: dict[tuple, set] = {}
+    out: dict[tuple, list[torch.fx.Node]] = {}
     for n in nodes:
-        if n.target in (torch.ops.aten.slice.Tensor, torch.ops.aten.select.int) \
-                and isinstance(n.args[0], torch.fx.Node) and n.args[0] not in inside \
-                and len(n.args) >= 3:
-            offsets.setdefault((n.args[0], n.args[1]), set()).add(n.args[2])
-    return max((len(v) for v in offsets.values()), default=None)
+        if n.target not in (torch.ops.aten.slice.Tensor, torch.ops.aten.select.int) \
+                or len(n.args) < 3 or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        key, src = (n.args[1],), n.args[0]
+        while src in inside and src.target is torch.ops.aten.select.int and len(src.args) >= 3 \
+                and isinstance(src.args[0], torch.fx.Node):
+            key, src = (src.args[1], *((src.args[2],) if per_head else ()), *key), src.args[0]
+        if src not in inside:
+            out.setdefault((src, key), []).append(n)
+    return out
+
+
+def walks_once(seen: list) -> bool:
+    """Offsets in graph order that take each value in one run (``0, 0, 8, 8, 16``)."""
+    done: set = set()
+    for a, b in zip(seen, seen[1:]):
+        if a != b:
+            done.add(a)
+            if b in done:
+                return False
+    return True
 
 
 def split_iterations(nodes: list[torch.fx.Node], depth: int, n_iter: int | None = None,
@@ -211,5 +241,6 @@ def _split_at_marker(nodes: list[torch.fx.Node], depth: int,
     return [nodes[a:b] for a, b in zip(starts, starts[1:])]
 
 
-__all__ = ["LoopSite", "caller_depth", "find_loops", "loop_depth", "loops_of", "split_iterations",
+__all__ = ["LoopSite", "caller_depth", "find_loops", "loop_depth", "loops_of", "split_iterations", "walks_once",
+           "sequence_reads",
            "count_iterations", "iteration_key", "node_frames"]

@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedTTTError
 from ..ir import SRC
-from .loops import LoopSite, loop_depth
+from .loops import LoopSite, loop_depth, walks_once
 
 aten = torch.ops.aten
 
@@ -414,9 +414,15 @@ def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
     graph = gm.graph
     in_loop = _loop_nodes(graph, loop)
     changed = False
-    for sel in [n for n in graph.nodes if n in in_loop and n.target is aten.select.int]:
+    selects = [n for n in graph.nodes if n in in_loop and n.target is aten.select.int]
+    indices: dict[tuple, list] = {}
+    for sel in selects:
+        indices.setdefault((sel.args[0], sel.args[1]), []).append(sel.args[2])
+    for sel in selects:
         src = sel.args[0]
         if not isinstance(src, torch.fx.Node) or src in in_loop:
+            continue
+        if not walks_once(indices[(src, sel.args[1])]):     # q[:, h] of a loop over heads inside
             continue
         found = _chunked_source(src, sel.args[1] % len(_shape(src)))
         if found is not None:

@@ -37,7 +37,7 @@ from .loops import find_loops
 from .prechunked import unchunk_streams
 from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
-                     roll_up)
+                     refuse_loop_around, roll_up)
 from .shape_constants import BatchConstant, refuse_shape_constants
 from .chunk_counts import ChunkCountCheck
 from .length_values import describe, length_values
@@ -230,6 +230,8 @@ def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
     if read is not None:
         raise UnsupportedTTTError(data_dependent_message(read, _layer_name(cand)))
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
+    if loops:
+        refuse_loop_around(gm, cand.loop, L)
     if loops and unchunk_streams(gm, cand.loop):        # scan style: x[i] of [N, ..., K, ...]
         loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if not loops:

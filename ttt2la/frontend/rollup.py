@@ -42,7 +42,7 @@ from .index_values import refuse_index_steps
 from .iteration_numbers import refuse_iteration_numbers
 from .partial_chunk import length_dependent_number
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of, node_frames,
-                    split_iterations)
+                    sequence_reads, split_iterations, walks_once)
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import (PIECE_NAME, assigned_name, keyed_initial_names, state_names,
                            stream_name, unique)
@@ -263,7 +263,9 @@ def classify_inputs(u: Unrolled) -> Inputs:
         if len(a1) == len(a2) and all(_same_in_both(u, x, y, moved) for x, y in zip(a1, a2)):
             hoisted.add(n)
             continue
-        stream = _chunk_slice(n, u.to2[n])
+        src = n.args[0] if n.args else None
+        head = src in hoisted and src.target in SELECT_TARGETS      # q[:, h], then its chunks
+        stream = _chunk_slice(n, u.to2[n], u.to2.get(src) if head else None)
         if stream is None:
             raise u.fail(_not_a_stream(n, u.to2[n], u.loop))
         chunk = next(iter(streams.values())).chunk if streams else None
@@ -396,16 +398,19 @@ def _mixed_streams(n: torch.fx.Node, stream: ChunkStream,
             f"({describe_node(first)} and {describe_node(n)})")
 
 
-def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node) -> ChunkStream | None:
+def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node, src2=None) -> ChunkStream | None:
     """The stream ``n`` reads when it and its next-iteration copy ``n2`` slice one tensor at
-    offsets one chunk apart (chunk 1 at offset C, chunk 2 at 2C), or select tokens 1 and 2."""
+    offsets one chunk apart (chunk 1 at offset C, chunk 2 at 2C), or select tokens 1 and 2.
+    The tensor may be a hoisted value of the loop's body (one head, ``q[:, h]``), which the
+    next iteration computes again as ``src2``."""
     src = n.args[0]
-    if n.target in SLICE_TARGETS and n2.args[0] is src:
+    same = n2.args[0] is src or (src2 is not None and n2.args[0] is src2)
+    if n.target in SLICE_TARGETS and same:
         start1, end1, start2, end2 = n.args[2], n.args[3], n2.args[2], n2.args[3]
         c = start2 - start1
         if c > 0 and end1 - start1 == c and end2 - start2 == c and start1 == c:
             return ChunkStream(src, n.args[1], c, False)
-    if n.target in SELECT_TARGETS and n2.args[0] is src and n.args[2] == 1 and n2.args[2] == 2:
+    if n.target in SELECT_TARGETS and same and n.args[2] == 1 and n2.args[2] == 2:
         return ChunkStream(src, n.args[1], 1, True)
     return None
 
@@ -620,12 +625,8 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
                 "collect the outputs instead of the states")
         nested = _nested_loops(u.iters[1], u.loop)
         if nested:
-            raise u.fail(
-                f"no iteration output is used after the loop, which runs the loop at "
-                f"{nested[0].src} once per iteration: a loop over heads (or rows) around the "
-                "loop over the sequence. ttt2la converts the loop over the sequence: make the "
-                "heads a batch axis of one loop over the tokens (`k[:, t]` with every head, "
-                "one state with a heads axis)")
+            raise u.fail(f"no iteration output is used after the loop, which "
+                         f"{_around(nested[0])}")
         raise u.fail("no iteration output is used after the loop")
     if len(outs) != 1:
         named = "; ".join(_named(n) for n in outs)
@@ -635,6 +636,34 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
             "the others from the layer you convert (an inner loss kept for logging can come from "
             "the original layer, run on a sample), or leave this layer unconverted")
     return outs[0]
+
+
+def _around(inner: LoopSite) -> str:
+    """Why a loop that runs the loop over the sequence (``inner``) once per iteration is
+    refused, and what to write instead."""
+    return (f"runs the loop at {inner.src} once per iteration: a loop over heads (or "
+            "rows) around the loop over the sequence. ttt2la converts the loop over the "
+            "sequence: make the heads a batch axis of one loop over the tokens or chunks "
+            "(`k[:, t]` or `k[:, s:e]` with every head, one state with a heads axis)")
+
+
+def refuse_loop_around(gm: torch.fx.GraphModule, loop: LoopSite, length: int) -> None:
+    """Refuse ``loop`` when a loop inside it walks the sequence of ``length`` tokens again in
+    every iteration (a loop over heads around the loop over chunks): the same slices of one
+    tensor's token axis come back, iteration after iteration, from inside the inner loop."""
+    nodes = [n for n in gm.graph.nodes
+             if n.op == "call_function" and loop_depth(n, loop) is not None]
+    for group in sequence_reads(nodes, per_head=False).values():
+        n = group[0]
+        shape = getattr(n.args[0].meta.get("val"), "shape", None)
+        if shape is None or not isinstance(n.args[1], int) or shape[n.args[1]] != length:
+            continue
+        starts = [m.args[2] for m in group]
+        if len(set(starts)) > 1 and not walks_once(starts):
+            nested = _nested_loops(group, loop)
+            if nested:
+                raise _fail(f"the loop takes the same tokens again in every iteration, which "
+                            f"{_around(nested[0])}", loop)
 
 
 def _named(node: torch.fx.Node) -> str:
