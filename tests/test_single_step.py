@@ -148,3 +148,66 @@ def test_a_single_step_never_runs_on_an_op_that_reads_tokens_in_order(level):
     assert not report.runtime.startswith(("chunk_linear_attention", "block_linear_attention")), \
         report.runtime
     assert_same_function(converted, layer, x)
+
+
+class ImageStep(torch.nn.Module):
+    """A single step over an image given as ``[B, C, H, W]``: 1×1-conv projections, a depthwise
+    3×3 conv added to the values, the positions flattened into tokens (``view(B, heads, d, N)``),
+    and a GLU fast weight ``(q W1') ⊙ silu(q W2)`` with ``W1`` stepped once on every token
+    (with ``step_gate``, ``W2`` too: a lossy conversion at level 1)."""
+
+    def __init__(self, channels: int = 8, heads: int = 2, step_gate: bool = False):
+        super().__init__()
+        self.heads, self.d, self.step_gate = heads, channels // heads, step_gate
+        self.qkv = torch.nn.Conv2d(channels, 3 * channels, 1, bias=False)
+        self.dw = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.W1 = torch.nn.Parameter(torch.randn(heads, self.d, self.d) / self.d ** 0.5)
+        self.W2 = torch.nn.Parameter(torch.randn(heads, self.d, self.d) / self.d ** 0.5)
+
+    def forward(self, img):
+        B, C, hh, ww = img.shape
+        q, k, v = self.qkv(img).chunk(3, 1)
+        v = v + self.dw(v)
+        N = hh * ww
+        q, k, v = (t.reshape(B, self.heads, self.d, N).transpose(-1, -2) for t in (q, k, v))
+        W1, W2 = self.W1.unsqueeze(0), self.W2.unsqueeze(0)
+        gate = F.silu(k @ W2)
+        W1n = W1 + 0.5 * k.transpose(-1, -2) @ (v * gate) / N
+        if self.step_gate:
+            W2 = W2 + 0.5 * k.transpose(-1, -2) @ (v * (k @ W1) * torch.sigmoid(k @ W2)) / N
+        o = (q @ W1n) * F.silu(q @ W2)
+        return o.transpose(-1, -2).reshape(B, C, hh, ww)
+
+
+def test_an_image_step_counts_its_positions_as_tokens_and_runs_other_image_sizes_as_written():
+    """The channel axis was taken for the sequence: the note called 8 channels "tokens", and
+    every other image size was refused as a tensor ``[B, L, 4, 4]``."""
+    torch.manual_seed(0)
+    layer = ImageStep().eval()
+    x = torch.randn(2, 8, 4, 4)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    assert report.exact
+    note = next(n for n in report.notes if "single-step" in n)
+    assert "an image of 4 × 4 (axes 2, 3 of #0: 16 tokens)" in note, note
+    assert "8 tokens" not in note and "channels" not in note, note
+    for other in (torch.randn(1, 8, 3, 5), torch.randn(3, 8, 6, 6)):
+        assert rel_rms_error(converted(other), layer(other)) <= TOLERANCE[torch.float32]
+    assert converted(x).shape == x.shape
+    assert any("an image of 3 × 5" in k and v.startswith("as written") for k, v in
+               report.runs.items()), report.runs
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(torch.randn(2, 4, 4, 4))          # the channels stay the example's
+    assert "[B, 8, 4, 4]" in str(refused.value) and "L" not in str(refused.value).split("[")[1]
+
+
+def test_a_lossy_image_step_refuses_other_image_sizes_naming_them():
+    torch.manual_seed(0)
+    layer = ImageStep(step_gate=True).eval()
+    converted = ttt2la.convert(layer, level=1, example_inputs=(torch.randn(2, 8, 4, 4),))
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(torch.randn(1, 8, 3, 5))
+    msg = str(refused.value)
+    assert "called with an image of 3 × 5 (axes 2, 3 of #0: 15 tokens)" in msg, msg
+    assert "converted for an image of 4 × 4 (axes 2, 3 of #0: 16 tokens) only" in msg, msg
+    assert "test_single_step.py" in msg and "[B, L" not in msg, msg

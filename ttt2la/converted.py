@@ -195,6 +195,9 @@ class ConvertedState:
         other_batch = getattr(self.layout, "untraced_batch", lambda flat: "")(flat)
         if other_batch and self.as_written is not None:
             return self._at_untraced_batch(other_batch, written, flat)
+        other_image = getattr(self.layout, "other_image", lambda flat: "")(flat)
+        if other_image and self.as_written is not None:
+            return self._at_other_image(other_image, written, flat)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = (int(n) for n in self.layout.sizes(flat))
         if module.training and self.training_dependence:
@@ -265,9 +268,18 @@ class ConvertedState:
         ``sizes``)."""
         layout = self.layout
         x = flat[layout.ref]
-        B, L = x.shape[layout.batch_axis[layout.ref]], x.shape[layout.token_axis[layout.ref]]
+        B, L = x.shape[layout.batch_axis[layout.ref]], layout.length_of(x)
         self.runs[f"batch {B}, length {L}, untraced batch size"] = f"as written: {why}"
         return self._as_written(written, f"at {why}")
+
+    def _at_other_image(self, image: str, written, flat: list):
+        """A call of a single step over an image's positions at another image size than the
+        example's: an exact conversion runs the code as written (a lossy one is refused by
+        ``sizes``)."""
+        x = flat[self.layout.ref]
+        B = x.shape[self.layout.batch_axis[self.layout.ref]]
+        self.runs[f"batch {B}, {image}"] = f"as written: {self.layout.image_why}"
+        return self._as_written(written, f"at {image}")
 
     def _at_length_zero(self, written, B: int):
         """A call of no tokens, where the loop never runs: an exact conversion returns what the

@@ -86,6 +86,8 @@ def vouching(rl) -> LengthVouching | None:
     layout = rl.layout
     flat, _ = pytree.tree_flatten((tuple(rl.candidate.args), dict(rl.candidate.kwargs)))
     x = flat[layout.ref]
+    if layout.ref not in layout.token_axis:     # an image's positions: its size is fixed
+        return None
     axis, rank = layout.token_axis[layout.ref], x.dim()
     loop = rl.candidate.loop
     found = length_values(loop.file, loop.line, (axis, axis - rank, rank))

@@ -84,7 +84,8 @@ class CallSignature:
         B = L = None
         x = flat[ref]
         if isinstance(x, torch.Tensor) and x.dim() == self.leaves[ref].rank:
-            B, L = x.shape[batch_axis[ref]], x.shape[token_axis[ref]]
+            B = x.shape[batch_axis[ref]]
+            L = x.shape[token_axis[ref]] if ref in token_axis else None
         for i, (leaf, x) in enumerate(zip(self.leaves, flat)):
             problem = self._problem(leaf, x, batch_axis.get(i), token_axis.get(i), B, L)
             if problem:

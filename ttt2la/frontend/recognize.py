@@ -70,6 +70,10 @@ class InputLayout:
     rest_why: str = ""                  # the probe failure that restricted the lengths
     batch_constant: str = ""            # a number of the batch size the traced code holds
 
+    def length_of(self, x: torch.Tensor) -> int:
+        """The number of tokens of ``x``, the reference input of a call."""
+        return x.shape[self.token_axis[self.ref]]
+
     def untraced_length(self, L: int) -> str:
         """Why length ``L`` is not one the layer was traced at, or ``""``: a layer whose own code
         failed at the usual probe lengths was traced at lengths with its example's remainder
@@ -99,7 +103,7 @@ class InputLayout:
             self.signature.check(flat_inputs, self.batch_axis, self.token_axis, self.ref,
                                  self.path)
         x = flat_inputs[self.ref]
-        B, L = x.shape[self.batch_axis[self.ref]], x.shape[self.token_axis[self.ref]]
+        B, L = x.shape[self.batch_axis[self.ref]], self.length_of(x)
         unit = self.batch_unit
         if self.untraced_batch(flat_inputs):
             raise UnsupportedShapeError(

@@ -29,8 +29,8 @@ import torch.utils._pytree as pytree
 from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, placeholder, InvariantSpec, OutputSpec, StreamSpec,
-                  TTTProgram, memory_order)
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, node_src, placeholder, InvariantSpec, OutputSpec,
+                  StreamSpec, TTTProgram, memory_order)
 from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
                          shortest_length)
 from .call_signature import CallSignature
@@ -75,6 +75,56 @@ class SingleStepLayout(InputLayout):
                 f"{self.length_why}). Convert it again with example inputs of the length you "
                 "call it with.")
         return B, L
+
+
+@dataclass
+class ImageLayout(SingleStepLayout):
+    """A ``SingleStepLayout`` whose tokens are the positions of an image: axes ``image_axes``
+    of the reference input (``[B, C, H, W]``), which the layer flattens into one token axis.
+    It runs at the example's image size ``image_size`` only (``image_why`` says why)."""
+
+    image_axes: tuple[int, ...] = ()
+    image_size: tuple[int, ...] = ()
+    image_why: str = ""
+
+    def length_of(self, x: torch.Tensor) -> int:
+        n = 1
+        for a in self.image_axes:
+            n *= x.shape[a]
+        return n
+
+    def describe_image(self, sizes) -> str:
+        axes = ", ".join(str(a) for a in self.image_axes)
+        name = self.signature.leaves[self.ref].name if self.signature is not None \
+            else f"#{self.ref}"
+        return (f"an image of {' × '.join(str(n) for n in sizes)} (axes {axes} of {name}: "
+                f"{self.length_of_sizes(sizes)} tokens)")
+
+    @staticmethod
+    def length_of_sizes(sizes) -> int:
+        n = 1
+        for m in sizes:
+            n *= m
+        return n
+
+    def other_image(self, flat_inputs: list) -> str:
+        """The call's image, described, when its size is not the example's; else ``""``."""
+        x = flat_inputs[self.ref]
+        if not isinstance(x, torch.Tensor) or x.dim() <= max(self.image_axes):
+            return ""
+        sizes = tuple(x.shape[a] for a in self.image_axes)
+        return "" if sizes == self.image_size else self.describe_image(sizes)
+
+    def sizes(self, flat_inputs: list) -> tuple[int, int]:
+        other = self.other_image(flat_inputs)
+        if other:
+            raise UnsupportedShapeError(
+                f"the converted {self.path or 'layer'} was called with {other}, but it was "
+                f"converted for {self.describe_image(self.image_size)} only: it steps its fast "
+                f"weights once over all the positions of an image ({self.image_why}). A lossy "
+                "conversion does not run the layer as written; convert it again with example "
+                "inputs of the image size you call it with.")
+        return super().sizes(flat_inputs)
 
 
 #: the name other modules know it by
@@ -505,7 +555,69 @@ def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
     try:
         return _any_length(step, layout, b0, b1, unit, fixed, seq_len)
     except FixedLength as why:
+        image = _flattened_image(step, unit * b0, seq_len)
+        if image is not None:           # the channels were taken for tokens: an image's
+            axes, where = image
+            sizes = tuple(flat[layout.ref].shape[a] for a in axes)
+            names = ", ".join(str(a) for a in axes)
+            step.layout = layout = ImageLayout(
+                **{f.name: getattr(layout, f.name) for f in dataclasses.fields(InputLayout)
+                   if f.name != "token_axis"}, token_axis={}, image_axes=axes,
+                image_size=sizes,
+                image_why=f"its tokens are the positions of axes {names} of the input, "
+                          f"flattened at {where}, and the step was traced at the example's "
+                          "image size only")
+            return _fixed_length(step, layout, b0, b1, unit, fixed,
+                                 ImageLayout.length_of_sizes(sizes), layout.image_why, batch)
         return _fixed_length(step, layout, b0, b1, unit, fixed, seq_len, str(why), batch)
+
+
+def _flattened_image(step: "_Step", B: int, L: int) -> tuple[tuple[int, ...], str] | None:
+    """``(axes, where)`` when the layer flattens the trailing axes ``axes`` (two or more, after
+    the batch and one more axis) of its reference input into one (``x.flatten(2)``,
+    ``x.view(B, C, -1)``, ``x.reshape(B, H, D, h * w)``): an image ``[B, C, H, W]``, whose
+    tokens are its positions; ``where`` is the line of the first such reshape."""
+    x = step.flat[step.layout.ref]
+    if not isinstance(x, torch.Tensor) or x.dim() < 4:
+        return None
+    try:
+        gm = step.traced(B, L)
+    except NotSingleStep:
+        return None
+    shape = tuple(x.shape)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _RESHAPES:
+            continue
+        before, after = _shape(n.args[0]), _shape(n)
+        if before is None or after is None or len(before) != len(shape):
+            continue
+        for axes in _merged(before, after):
+            if axes[0] >= 2 and axes[-1] == len(shape) - 1 and \
+                    all(before[a] == shape[a] for a in axes):
+                return axes, str(node_src(n) or "the layer's code")
+    return None
+
+
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _merged(before: tuple, after: tuple) -> list[tuple[int, ...]]:
+    """The runs of two or more axes of ``before`` that a reshape to ``after`` merges into one
+    axis (read from where the two shapes' running products meet)."""
+    out, i, j = [], 0, 0
+    while i < len(before) and j < len(after):
+        a0, b0, p, q = i, j, before[i], after[j]
+        i, j = i + 1, j + 1
+        while p != q:
+            if p < q and i < len(before):
+                p, i = p * before[i], i + 1
+            elif q < p and j < len(after):
+                q, j = q * after[j], j + 1
+            else:
+                return out
+        if i - a0 >= 2 and j - b0 == 1:
+            out.append(tuple(range(a0, i)))
+    return out
 
 
 class _Step:
@@ -518,13 +630,18 @@ class _Step:
         self.n_params = len(pytree.tree_leaves(self.pb))
         self.layer = _layer_name(cand)
 
-    def at(self, B: int, L: int, whole: bool = True) -> RolledLoop:
-        """The step traced at batch ``B`` (in samples) and length ``L``."""
+    def traced(self, B: int, L: int) -> torch.fx.GraphModule:
+        """The layer traced at batch ``B`` (in samples) and length ``L``."""
         try:
-            gm = trace(self.fn, self.pb, *_inputs_at(self.flat, self.layout, B, L))
+            return trace(self.fn, self.pb, *_inputs_at(self.flat, self.layout, B, L))
         except Exception as e:
             raise NotSingleStep(f"{self.layer}: tracing at batch {B}, length {L} failed: "
                                 f"{_first_line(e)}") from e
+
+    def at(self, B: int, L: int, whole: bool = True) -> RolledLoop:
+        """The step traced at batch ``B`` (in samples) and length ``L`` (an image layout's
+        inputs keep their image size: ``L`` is its number of positions)."""
+        gm = self.traced(B, L)
         try:
             return single_step(gm, self.n_params, L, module_path=self.cand.path,
                                layer=self.layer, whole=whole)
@@ -627,14 +744,20 @@ def _fixed_length(step: _Step, layout, b0, b1, unit, fixed, L0, why: str,
                                      path=step.cand.path, batch_constant=str(e))
     outer = fit_template(rolled.outer, rolled.outer, rolled_B.outer, B0=b0, L0=L0,
                          L1=L0 + 1, B1=b1, what=f"code around the step of {step.cand.path}")
-    single = SingleStepLayout(**{f.name: getattr(layout, f.name)
-                                 for f in dataclasses.fields(InputLayout)}, length=L0,
-                              length_why=why)
-    single.path = step.cand.path
-    notes = [f"single-step TTT over {L0} tokens: converted for that length only ({why})"]
+    if isinstance(layout, ImageLayout):
+        single = dataclasses.replace(layout, length=L0, length_why=why, path=step.cand.path)
+        notes = [f"single-step TTT over {layout.describe_image(layout.image_size)}: converted "
+                 f"for that image size only ({why}); other image sizes run the code as written "
+                 "where the conversion is exact, and are refused where it is lossy"]
+    else:
+        single = SingleStepLayout(**{f.name: getattr(layout, f.name)
+                                     for f in dataclasses.fields(InputLayout)}, length=L0,
+                                  length_why=why)
+        single.path = step.cand.path
+        notes = [f"single-step TTT over {L0} tokens: converted for that length only ({why})"]
     return RecognizedLayer(step.cand.path, step.cand, rolled, rolled, rolled_B, single,
                            step.in_spec, outer, L0, L0 + 1, b0, b1, notes)
 
 
 __all__ = ["single_step", "recognize_single_step", "SingleStepLayout", "FixedLengthLayout",
-           "NotSingleStep"]
+           "ImageLayout", "NotSingleStep"]
