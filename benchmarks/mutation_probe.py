@@ -1251,6 +1251,18 @@ MUTATIONS = [
         "plot_library_unasked", "a sweep asked for a plot finds matplotlib missing only after its work, raw",
         (("ttt2la/cli.py", "        plotting_library()                  # before the sweep, not after it\n", ""),),
         ("tests/test_cli_inputs.py",), "without_matplotlib"),
+    Mutation(
+        "head_index_read_as_the_chunk", "a slice of one head's chunk (`q[:, h, s:e]`) read as the loop's slice on the heads axis, so the heads loop inside the chunk loop is taken for the TTT loop",
+        (("ttt2la/frontend/discover.py", "    on_sequence = [t for t in taken if t[1] == length]\n", "    on_sequence = []\n"),),
+        ("tests/test_frontend_styles.py",), "heads_inside_the_chunk_loop"),
+    Mutation(
+        "heads_loop_around_chunks_unrefused", "a loop over heads around the chunk loop is taken for the TTT loop, and its refusal names the loops inverted",
+        (("ttt2la/frontend/recognize.py", "        refuse_loop_around(gm, cand.loop, L)\n", "        pass\n"),),
+        ("tests/test_refusal_messages.py",), "around_the_chunk_loop"),
+    Mutation(
+        "image_channels_taken_for_tokens", "a single step over an image [B, C, H, W] takes its channel axis for the sequence",
+        (("ttt2la/frontend/single_step.py", "        image = _flattened_image(step, unit * b0, seq_len)\n", "        image = None\n"),),
+        ("tests/test_single_step.py",), "image"),
 ]
 
 
