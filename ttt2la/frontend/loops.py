@@ -241,6 +241,5 @@ def _split_at_marker(nodes: list[torch.fx.Node], depth: int,
     return [nodes[a:b] for a, b in zip(starts, starts[1:])]
 
 
-__all__ = ["LoopSite", "caller_depth", "find_loops", "loop_depth", "loops_of", "split_iterations", "walks_once",
-           "sequence_reads",
-           "count_iterations", "iteration_key", "node_frames"]
+__all__ = ["LoopSite", "caller_depth", "find_loops", "loop_depth", "loops_of", "split_iterations",
+           "count_iterations", "iteration_key", "node_frames", "sequence_reads", "walks_once"]
