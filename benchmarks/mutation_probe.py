@@ -534,9 +534,8 @@ MUTATIONS = [
     Mutation(
         "traced_in_training_mode", "convert traces a layer in the mode it comes in (dropout's "
         "random mask traced, the exactness check failing as a bug)",
-        (("ttt2la/conversion.py", "    with evaluating(target, pristine):",
-          "    with contextlib.nullcontext():"),
-         ("ttt2la/conversion.py", "import copy\n", "import contextlib\nimport copy\n")),
+        (("ttt2la/as_found.py", "            evaluating(*models):",
+          "            contextlib.nullcontext():"),),
         ("tests/test_training_mode.py",), "dropout"),
     Mutation(
         "compiled_training_mode_ignored", "under torch.compile a mode-dependent layer runs its "
@@ -1191,8 +1190,8 @@ MUTATIONS = [
         ("tests/test_padded_chunk_views.py",), "every_length"),
     Mutation(
         "length_values_unvouched", "a layer whose code computes Python values of the length runs the plan at every length, unchecked",
-        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):\n            unvouched",
-          "if vouching is not None and False:\n            unvouched"),),
+        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):\n            with buffers_kept",
+          "if vouching is not None and False:\n            with buffers_kept"),),
         ("tests/test_length_values.py",), "branch or capped or lossy"),
     Mutation(
         "length_check_trusts_the_plan", "a new length's check keeps the plan without comparing it with the code as written",
