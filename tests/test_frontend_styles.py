@@ -533,3 +533,59 @@ def test_a_layer_traced_with_autograd_live_converts_without_torch_deprecation_no
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         ttt2la.convert(AutogradOfAWeight(), level=2, example_inputs=(torch.randn(2, 16, 16),))
+
+
+# -- a per-token loop that projects its own token ---------------------------------------------
+
+class ProjectsItsToken(nn.Module):
+    """Gated linear attention token by token, each token projected inside the loop
+    (``self.qkv(x[:, t]).view(B, 3, H, Dh).unbind(1)``, or ``reshape``) and its read flattened
+    back to ``[B, d]`` before the output projection, also inside the loop."""
+
+    def __init__(self, d: int = 16, heads: int = 2, split: str = "view"):
+        super().__init__()
+        self.H, self.Dh, self.split = heads, d // heads, split
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, heads)
+        self.out = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        S = x.new_zeros(B, self.H, self.Dh, self.Dh)
+        ys = []
+        for t in range(L):
+            xt = x[:, t]
+            qkv = self.qkv(xt)
+            qkv = qkv.view(B, 3, self.H, self.Dh) if self.split == "view" else \
+                qkv.reshape(B, 3, self.H, self.Dh)
+            q, k, v = qkv.unbind(1)
+            a = torch.sigmoid(self.gate(xt))[..., None, None]
+            S = a * S + nn.functional.normalize(k, dim=-1)[..., :, None] * v[..., None, :]
+            ys.append(self.out(torch.einsum("bhk,bhkv->bhv", q, S).reshape(B, d)))
+        return torch.stack(ys, 1)
+
+
+_projected: dict = {}
+
+
+def _projects_its_token(split):
+    """The layer and its level-0 conversion (once per spelling)."""
+    if split not in _projected:
+        torch.manual_seed(0)
+        layer = ProjectsItsToken(split=split)
+        conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+        _projected[split] = layer, conv
+    return _projected[split]
+
+
+@pytest.mark.parametrize("split", ["view", "reshape"])
+@settings(max_examples=4, deadline=None)
+@given(B=st.integers(1, 3), L=st.integers(1, 40))
+def test_a_token_projected_inside_its_loop_converts_onto_the_token_causal_op(split, B, L):
+    """The read reaches the code after it laid out batch-major over the tokens, where the
+    trace's view of one token's contiguous read cannot apply: the converted layer runs it, and
+    equals the loop."""
+    layer, conv = _projects_its_token(split)
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention") and report.exact, report.runtime
+    assert_same_function(conv, layer, torch.randn(B, L, 16))
