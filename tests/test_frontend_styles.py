@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad
@@ -579,7 +579,7 @@ def _projects_its_token(split):
 
 
 @pytest.mark.parametrize("split", ["view", "reshape"])
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(B=st.integers(1, 3), L=st.integers(1, 40))
 def test_a_token_projected_inside_its_loop_converts_onto_the_token_causal_op(split, B, L):
     """The read reaches the code after it laid out batch-major over the tokens, where the
