@@ -1262,6 +1262,14 @@ MUTATIONS = [
         "image_channels_taken_for_tokens", "a single step over an image [B, C, H, W] takes its channel axis for the sequence",
         (("ttt2la/frontend/single_step.py", "        image = _flattened_image(step, unit * b0, seq_len)\n", "        image = None\n"),),
         ("tests/test_single_step.py",), "image"),
+    Mutation(
+        "per_token_post_views_kept", "a lifted plan's graphs run under vmap keep the trace's views, which the token-causal op's read laid out batch first refuses",
+        (("ttt2la/lowering/lift.py", "    reshape_views(gm.graph)\n    gm.recompile()\n    return gm, taken\n", "    gm.recompile()\n    return gm, taken\n"),),
+        ("tests/test_frontend_styles.py",), "projected_inside"),
+    Mutation(
+        "unordered_buffer_read_unstacked", "a scan's output buffer read back otherwise than in sequence order is left a carried tensor, so the layer is refused as using no output",
+        (("ttt2la/frontend/prechunked.py", "            if prechunked and _stacked_buffer(graph, writes, in_loop) is not None:\n", "            if False:\n"),),
+        ("tests/test_scan_style.py",), "read_back_otherwise"),
 ]
 
 

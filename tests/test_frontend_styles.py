@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad
@@ -578,3 +578,59 @@ def test_a_loop_over_heads_inside_the_chunk_loop_converts_exactly_in_either_layo
     outer = start + next(i for i, line in enumerate(lines) if "for s in range" in line)
     assert report.exact and f"test_frontend_styles.py:{outer}" in report.loop_src, report.loop_src
     assert_same_function(converted, layer, [x, torch.randn(3, 22, 16)])
+
+
+# -- a per-token loop that projects its own token ---------------------------------------------
+
+class ProjectsItsToken(nn.Module):
+    """Gated linear attention token by token, each token projected inside the loop
+    (``self.qkv(x[:, t]).view(B, 3, H, Dh).unbind(1)``, or ``reshape``) and its read flattened
+    back to ``[B, d]`` before the output projection, also inside the loop."""
+
+    def __init__(self, d: int = 16, heads: int = 2, split: str = "view"):
+        super().__init__()
+        self.H, self.Dh, self.split = heads, d // heads, split
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, heads)
+        self.out = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        S = x.new_zeros(B, self.H, self.Dh, self.Dh)
+        ys = []
+        for t in range(L):
+            xt = x[:, t]
+            qkv = self.qkv(xt)
+            qkv = qkv.view(B, 3, self.H, self.Dh) if self.split == "view" else \
+                qkv.reshape(B, 3, self.H, self.Dh)
+            q, k, v = qkv.unbind(1)
+            a = torch.sigmoid(self.gate(xt))[..., None, None]
+            S = a * S + nn.functional.normalize(k, dim=-1)[..., :, None] * v[..., None, :]
+            ys.append(self.out(torch.einsum("bhk,bhkv->bhv", q, S).reshape(B, d)))
+        return torch.stack(ys, 1)
+
+
+_projected: dict = {}
+
+
+def _projects_its_token(split):
+    """The layer and its level-0 conversion (once per spelling)."""
+    if split not in _projected:
+        torch.manual_seed(0)
+        layer = ProjectsItsToken(split=split)
+        conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 16),))
+        _projected[split] = layer, conv
+    return _projected[split]
+
+
+@pytest.mark.parametrize("split", ["view", "reshape"])
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(B=st.integers(1, 3), L=st.integers(1, 40))
+def test_a_token_projected_inside_its_loop_converts_onto_the_token_causal_op(split, B, L):
+    """The read reaches the code after it laid out batch-major over the tokens, where the
+    trace's view of one token's contiguous read cannot apply: the converted layer runs it, and
+    equals the loop."""
+    layer, conv = _projects_its_token(split)
+    report, = conv.ttt2la_report.layers
+    assert report.runtime.startswith("chunk_linear_attention") and report.exact, report.runtime
+    assert_same_function(conv, layer, torch.randn(B, L, 16))

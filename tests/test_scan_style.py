@@ -434,3 +434,87 @@ def test_the_loop_over_mini_batches_is_chosen_over_a_longer_loop_inside_one():
     message = str(info.value)
     assert "computed after the sequence was cut into mini-batches" in message, message
     assert "inside the loop" in message and "u = (a + torch.eye(C)) @ v" in message
+
+
+# -- an output buffer read back in another order --------------------------------------------------
+
+class ScanReadBackOtherwise(torch.nn.Module):
+    """The scan of TTT-Linear's published code with a linear memory: mini-batches
+    ``[N, B, H, K, f]``, a dict carry, ``η = tril(ones) · lr_s / K``, the layer-normed target
+    ``LN(v − k)``, the MSE gradient ``K W − V`` at the mini-batch's starting weights and its
+    dual form; the outputs written into a buffer (``torch.empty_like(Q)`` or
+    ``torch.empty(shape)``; ``carry, outs[i] = step(…)`` or ``carry, y = step(…); outs[i] = y``)
+    that the code after the loop reads otherwise than in sequence order: ``interleaved`` puts
+    back position ``c`` of mini-batch ``n`` at token ``c·N + n``; ``twice`` un-chunks it and
+    divides it by ``1 +`` its mean square."""
+
+    def __init__(self, d: int = 8, heads: int = 2, chunk: int = 4, read: str = "interleaved"):
+        super().__init__()
+        self.H, self.f, self.K, self.read = heads, d // heads, chunk, read
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.lr = torch.nn.Linear(d, heads)
+        self.W0 = torch.nn.Parameter(torch.randn(heads, self.f, self.f) / self.f)
+        self.ln = torch.nn.LayerNorm(self.f)
+        self.out = torch.nn.Linear(d, d, bias=False)
+
+    @staticmethod
+    def step(carry, x):
+        W = carry["W"]
+        K, V, Q, eta = x["K"], x["V"], x["Q"], x["eta"]
+        G = K @ W - V                                     # ∇ of ½‖K W − V‖² at K W
+        out = Q @ W - (eta * torch.tril(Q @ K.transpose(-1, -2))) @ G
+        return {"W": W - (eta[..., -1, :, None] * K).transpose(-1, -2) @ G}, out
+
+    def forward(self, x):
+        B, L, d = x.shape
+        H, f, C = self.H, self.f, self.K
+        N = L // C
+        q, k, v = self.qkv(x).chunk(3, -1)
+        target = self.ln(v.view(B, L, H, f) - k.view(B, L, H, f)).reshape(B, L, d)
+
+        def mini_batches(t):
+            return t.reshape(B, N, C, H, f).permute(1, 0, 3, 2, 4)          # [N, B, H, K, f]
+
+        Q, K, V = mini_batches(q), mini_batches(k), mini_batches(target)
+        lr = torch.sigmoid(self.lr(x)).reshape(B, N, C, H).permute(1, 0, 3, 2)
+        eta = torch.tril(torch.ones(C, C)) * lr[..., None, :] / C
+        carry = {"W": self.W0.expand(B, -1, -1, -1)}
+        if self.read == "interleaved":
+            outs = torch.empty_like(Q)
+            for i in range(N):
+                carry, outs[i] = self.step(carry, {"K": K[i], "V": V[i], "Q": Q[i], "eta": eta[i]})
+            o = outs.permute(1, 3, 0, 2, 4).reshape(B, L, d)
+        else:
+            outs = torch.empty(Q.shape)
+            for i in range(N):
+                carry, y = self.step(carry, {"K": K[i], "V": V[i], "Q": Q[i], "eta": eta[i]})
+                outs[i] = y
+            o = outs.permute(1, 0, 3, 2, 4).reshape(B, L, d)
+            o = o / (1 + outs.pow(2).mean())
+        return self.out(o)
+
+
+def test_a_buffer_read_back_otherwise_is_the_stack_of_the_outputs():
+    """The buffer after the loop is rewritten as ``stack`` of what each iteration writes: the
+    same value, read as written by the code after the loop."""
+    layer = ScanReadBackOtherwise()
+    x = torch.randn(2, 12, 8)
+    gm = trace(layer, x)
+    (loop, _depth), = [ld for ld in find_loops(gm) if ld[0].function == "forward"]
+    expected = gm(x)
+    assert unchunk_streams(gm, loop)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any(n.target is aten.select_scatter.default for n in ops)
+    assert sum(n.target is aten.stack.default for n in ops) == 1
+    assert rel_rms_error(gm(x), expected) <= TOL
+
+
+@pytest.mark.parametrize("read,level", [("interleaved", 0), ("twice", 2)])
+def test_a_scan_whose_buffer_is_read_back_otherwise_converts_exactly(read, level):
+    torch.manual_seed(1)
+    layer = ScanReadBackOtherwise(read=read)
+    x = torch.randn(2, 12, 8)
+    converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    assert report.exact and report.chunk_size == 4, report.runtime
+    assert_same_function(converted, layer, [x, torch.randn(3, 20, 8), torch.randn(1, 4, 8)])

@@ -16,6 +16,9 @@ the whole sequence and per-iteration outputs joined by one ``cat``:
   remainder call becomes a partial last chunk of the same sequence;
 * ``out[i] = y`` into a buffer read back through ``unchunk(out)`` becomes ``unchunk₁(y)``
   per iteration, joined by ``cat`` along the merged axis; a ``cat`` of such joins is flattened.
+  A buffer read back otherwise (its mini-batches put back in another order than the
+  sequence's, or read twice) becomes ``stack(y_i)`` along its chunk axis, the value it holds
+  after the loop, which the code after the loop reads as written.
 
 ``ChunkAxes`` is the eager counterpart: it follows the same reshapes during discovery so that
 ``x[i]`` on a pre-chunked tensor reports the chunk size ``K``, not 1.
@@ -348,6 +351,48 @@ def _rewrite_buffer(graph: torch.fx.Graph, writes: list[torch.fx.Node]) -> torch
     return cat
 
 
+def _stacked_buffer(graph: torch.fx.Graph, writes: list[torch.fx.Node],
+                    in_loop: set) -> torch.fx.Node | None:
+    """Replace the buffer after its last write by ``stack(y_i, d)``, ``y_i`` what iteration
+    ``i`` writes into slot ``i`` of axis ``d`` (every slot is written, once, in order), when no
+    written value reads the buffer; returns that ``stack`` (None: the buffer stays)."""
+    dim = writes[0].args[2]
+    chain = {writes[0].args[0], *writes}
+    last = writes[-1]
+    if not last.users or any(u in in_loop for u in last.users) \
+            or any(u not in chain for n in chain - {last} for u in n.users):
+        return None                      # a buffer the loop reads: the roll-up names the read
+    pieces = []
+    for w in writes:
+        y = w.args[1]
+        if y.target is aten.copy.default:
+            y = y.args[1]
+        if _reads_any(y, chain, in_loop):
+            return None
+        with graph.inserting_before(w.next):
+            pieces.append(_emit(graph, aten.expand.default, (y, _shape(w.args[1])), w.meta))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reader = min(last.users, key=order.__getitem__)     # the first read, after the loop
+    with graph.inserting_before(reader):
+        stack = _emit(graph, aten.stack.default, (pieces, dim), reader.meta)
+    last.replace_all_uses_with(stack)
+    return stack
+
+
+def _reads_any(node: torch.fx.Node, values: set, in_loop: set) -> bool:
+    """Whether ``node`` is computed, inside the loop, from any of ``values``."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in values:
+            return True
+        if n in seen or n not in in_loop:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _flatten_cats(graph: torch.fx.Graph, joins: set[torch.fx.Node]) -> None:
     """``cat([cat(a), cat(b)])`` along one axis -> ``cat(a + b)`` for the joins made here."""
     for node in list(graph.nodes):
@@ -434,11 +479,19 @@ def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
         rewrite_computed(graph, _computed_selects(graph, in_loop))
         in_loop = _loop_nodes(graph, loop)
         _refuse_chunked_computations(graph, in_loop)
-    joins = set()
+    joins, prechunked = set(), changed
     for w in [n for n in graph.nodes if n in in_loop and n.target is aten.select_scatter.default
               and n.args[0] not in in_loop]:
         writes = _buffer_writes(w, in_loop)
-        cat = _rewrite_buffer(graph, writes) if writes is not None else None
+        if writes is None:
+            continue
+        if _unchunked(writes[-1], writes[0].args[2]) is None:
+            # read otherwise after the loop: a buffer of the mini-batches the loop took from
+            # pre-chunked streams is their stack; any other stays for the roll-up to read
+            if prechunked and _stacked_buffer(graph, writes, in_loop) is not None:
+                changed = True
+            continue
+        cat = _rewrite_buffer(graph, writes)
         if cat is not None:
             joins.add(cat)
     if joins:

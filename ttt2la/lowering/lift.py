@@ -281,10 +281,10 @@ class LiftedProgram:
         def mapped(nodes):
             return [at[n] if isinstance(n, torch.fx.Node) else n for n in nodes]
 
-        features, feature_inputs = extract(program.body, mapped(self.feature_boundary),
-                                           mapped(self.feature_outputs))
+        features, feature_inputs = _batched(program.body, mapped(self.feature_boundary),
+                                            mapped(self.feature_outputs))
         y = program.chunk_outputs()[0]
-        post, post_inputs = extract(program.body, mapped(self.post_boundary), [y])
+        post, post_inputs = _batched(program.body, mapped(self.post_boundary), [y])
         resized = dataclasses.replace(self, program=program, features=features,
                                       feature_inputs=feature_inputs, post=post,
                                       post_inputs=post_inputs, read=at[self.read],
@@ -592,9 +592,9 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
     feature_boundary = [*streams, *invariants]
     post_boundary = [read, *(c.read for c in riders), *streams, *invariants]
     try:
-        features, feature_inputs = extract(program.body, feature_boundary, feat_outputs)
+        features, feature_inputs = _batched(program.body, feature_boundary, feat_outputs)
         y = program.chunk_outputs()[0]
-        post, post_inputs = extract(program.body, post_boundary, [y])
+        post, post_inputs = _batched(program.body, post_boundary, [y])
     except RuntimeError:
         return None
     lifted = LiftedProgram(program, "chunk" if per_token else "block", up.w, up.m, transposed,
@@ -605,6 +605,18 @@ def _assemble(program, up: _Update, contraction, read, transposed, ns, per_token
                            companions=tuple(riders), bonus=bonus[0] if bonus else None,
                            flipped=flipped)
     return _whole_sequence(lifted)
+
+
+def _batched(body: torch.fx.GraphModule, inputs, outputs):
+    """``extract`` for a graph the plan runs under ``vmap`` over every chunk (or token) at once,
+    its views made reshapes (``reshape_views``): the op's read reaches the post-processing laid
+    out batch first, tokens second (``[b, N·T, ...]`` permuted), where a view the trace recorded
+    on one token's contiguous read (``o.reshape(B, H·D)`` merging heads and features) is refused
+    for its strides; the reshape copies only there."""
+    gm, taken = extract(body, inputs, outputs)
+    reshape_views(gm.graph)
+    gm.recompile()
+    return gm, taken
 
 
 def _indexed(p: Polynomial, factors: list) -> tuple:
