@@ -304,6 +304,10 @@ def test_a_preempted_call_does_not_decide_the_race(monkeypatch):
         for _ in range(CALLS_TO_DECIDE + 2):
             assert rel_rms_error(conv(x), want) <= 1e-5
     assert plan.implementation == "torch.vmap(semi-parallel; sequential: W, S)"
+    # the plan it raced called its chunks' graph without the trace's views onto their own shape
+    ran = list(plan._at_shapes.values())
+    assert ran and not any(n.target in (torch.Tensor.expand, torch.ops.aten.expand.default)
+                           for gm in ran for n in gm.graph.nodes), [gm.code for gm in ran]
     race = conv._ttt2la.as_written.races[(4, 64, torch.float32)]
     assert race.written == pytest.approx([5.6e-3, 1.6e-3, 5.6e-3]) and race.winner == WRITTEN
     runs = conv.ttt2la_report.layers[0].runs
