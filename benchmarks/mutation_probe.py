@@ -1270,6 +1270,26 @@ MUTATIONS = [
         "unordered_buffer_read_unstacked", "a scan's output buffer read back otherwise than in sequence order is left a carried tensor, so the layer is refused as using no output",
         (("ttt2la/frontend/prechunked.py", "            if prechunked and _stacked_buffer(graph, writes, in_loop) is not None:\n", "            if False:\n"),),
         ("tests/test_scan_style.py",), "read_back_otherwise"),
+    Mutation(
+        "race_decided_by_medians", "the race against the code as written judges each side by its median call, which two preempted calls make",
+        (("ttt2la/as_written.py", "            plan, written = min(self.plan), min(self.written)\n",
+          "            plan, written = sorted(self.plan)[1], sorted(self.written)[1]\n"),),
+        ("tests/test_as_written.py",), "preempted"),
+    Mutation(
+        "input_free_identity_as_theta", "an identity made from numbers alone (a UT transform's torch.eye) is read as the kernel's weights Θ, and collapse_mlp refuses a layer with no MLP",
+        (("ttt2la/analysis/roles.py", "            if n in program.stream_inputs() or INPUT_FREE in n.meta:\n",
+          "            if n in program.stream_inputs():\n"),),
+        ("tests/test_collapse_mlp.py",), "no_mlp"),
+    Mutation(
+        "chunk_loop_views_kept", "a chunk loop calls its graph with the trace's expands and reshapes onto their input's own shape, a Python call each per chunk",
+        (("ttt2la/lowering/executors.py", "                forward, settled = at_shapes(graph, args, kept).forward, True\n",
+          "                forward, settled = graph.forward, True\n"),),
+        ("tests/test_as_written.py",), "preempted"),
+    Mutation(
+        "own_shape_views_unchecked", "every expand and reshape of a chunk's graph is dropped, onto its input's own shape or not",
+        (("ttt2la/lowering/lean_calls.py", "                and shapes.get(old.args[0]) == shapes[old]:\n",
+          "                and shapes.get(old.args[0]) is not None:\n"),),
+        ("tests/test_lean_calls.py",), "own_shape"),
 ]
 
 

@@ -468,3 +468,49 @@ def test_an_identity_kernel_converts_exactly_at_level3():
     with torch.no_grad():
         y = torch.randn(3, 13, 8)
         assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[torch.float32]
+
+
+class ChunkedDeltaRuleUT(nn.Module):
+    """DeltaNet written chunk by chunk with its UT transform: ``T = (I + tril(β k kᵀ, -1))⁻¹`` by a
+    triangular solve against ``I = torch.eye(c)``, then ``u = T(βv) - T(βk)S``. The keys' feature
+    ``T(βk)`` is a fixed map of the streams, and ``I`` a constant made from numbers alone: there
+    are no kernel weights Θ and no MLP to collapse."""
+
+    def __init__(self, d: int = 16, heads: int = 2, chunk: int = 8):
+        super().__init__()
+        self.H, self.Dh, self.C = heads, d // heads, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.b = nn.Linear(d, heads)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.H, self.Dh).permute(2, 0, 3, 1, 4)
+        k = F.normalize(k, dim=-1)
+        beta = torch.sigmoid(self.b(x)).transpose(1, 2)[..., None]
+        S = x.new_zeros(B, self.H, self.Dh, self.Dh)
+        o = torch.zeros_like(v)
+        for s in range(0, L, self.C):
+            qi, ki, vi, bi = (t[:, :, s:s + self.C] for t in (q, k, v, beta))
+            I = torch.eye(qi.shape[2], dtype=x.dtype)
+            T = torch.linalg.solve_triangular(I + torch.tril(bi * (ki @ ki.mT), -1), I,
+                                              upper=False)
+            u = T @ (bi * vi) - T @ (bi * ki) @ S
+            o[:, :, s:s + self.C] = qi @ S + torch.tril(qi @ ki.mT) @ u
+            S = S + ki.mT @ u
+        return o.transpose(1, 2).reshape(B, L, d)
+
+
+def test_a_delta_rule_with_no_mlp_converts_exactly_at_level3():
+    """The identity a triangular solve reads is no parameter Θ of the kernel: collapse_mlp has
+    nothing to do (a fixed feature map of the keys), and level 3 is level 2, exactly."""
+    torch.manual_seed(0)
+    layer = ChunkedDeltaRuleUT(d=8, heads=2, chunk=4)
+    conv = ttt2la.convert(layer, level=3, example_inputs=(torch.randn(2, 12, 8),))
+    (report,) = conv.ttt2la_report.layers
+    step3 = report.passes[2]
+    assert (step3.name, step3.status, step3.exact) == ("collapse_mlp", "not_applicable", True)
+    assert "no parameters Θ" in step3.reason and "fixed feature map" in step3.reason
+    assert report.exact
+    with torch.no_grad():
+        y = torch.randn(3, 16, 8)
+        assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[torch.float32]

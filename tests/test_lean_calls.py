@@ -6,7 +6,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ttt2la.lowering.lean_calls import FAST_CALLS, lean_calls
+from ttt2la.lowering.lean_calls import FAST_CALLS, at_shapes, lean_calls
 
 aten = torch.ops.aten
 _g = torch.Generator().manual_seed(0)
@@ -98,3 +98,46 @@ def test_arguments_the_torch_function_does_not_take_keep_the_overload():
     assert targets == [aten.expand.default, aten.add.Scalar]
     x = _r(1, 3)
     assert torch.equal(lean(x), x.expand(4, 3) + 2)
+
+
+def _views(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in (torch.Tensor.expand, torch.Tensor.reshape)]
+
+
+def test_views_onto_their_inputs_own_shape_are_dropped_at_the_calls_shapes():
+    """``k @ W`` on ``[B, H, d, d]`` memories traces as expands of each operand onto its own
+    shape, a flattening view to ``[B·H, ·, ·]`` and the product viewed back: at the call's shapes
+    the expands are no-ops and go, the flattening views stay, and the values are the same bit for
+    bit. Each set of shapes gets its own graph, and the views of another are not dropped there."""
+    gm, args = _traced()
+    lean = lean_calls(gm)
+    kept = {}
+    fewer = at_shapes(lean, args, kept)
+    assert not any(n.target is torch.Tensor.expand for n in fewer.graph.nodes), fewer.code
+    assert 0 < len(_views(fewer)) < len(_views(lean))
+    for got, want in zip(fewer(*args), gm(*args)):
+        assert torch.equal(got, want)
+    assert at_shapes(lean, args, kept) is fewer and len(kept) == 1
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.mul, (graph.call_function(torch.Tensor.reshape,
+                                                                     (x, [2, 3])), 2)))
+    flat = torch.fx.GraphModule(torch.nn.Module(), graph)
+    same, other = _r(2, 3), _r(3, 2)
+    assert _views(at_shapes(flat, [same], kept)) == []
+    assert len(_views(at_shapes(flat, [other], kept))) == 1
+    assert torch.equal(at_shapes(flat, [other], kept)(other), other.reshape(2, 3) * 2)
+
+
+def test_a_graph_that_writes_or_draws_keeps_its_views():
+    """Finding the shapes runs the graph once: one that writes in place or draws random numbers
+    is left as it is."""
+    for op, extra in ((aten.add_.Tensor, (1.0,)), (aten.bernoulli.p, (0.5,))):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        view = graph.call_function(torch.Tensor.reshape, (x, [2, 3]))
+        graph.output(graph.call_function(op, (view, *extra)))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        assert at_shapes(gm, [_r(2, 3)], {}) is gm

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..ir import TTTProgram, ancestors
+from ..ir import INPUT_FREE, TTTProgram, ancestors
 from .dependence import Dep, Dependence, analyze_dependence, node_shape
 from .op_vocabulary import (MATMULS, MATRIX_PRODUCTS, OUTPUT_PATH_LINEAR, VIEWS, calls, is_view,
                             op_name)
@@ -219,7 +219,9 @@ def kernel_states(program: TTTProgram, dep: Dependence, finals: list[FinalProduc
 
 
 def kernel_parameters(program: TTTProgram, dep: Dependence | None = None) -> list[torch.fx.Node]:
-    """Placeholders other than streams (and their source sequences) that the kernel φ reads."""
+    """Placeholders other than streams (and their source sequences) that the kernel φ reads,
+    constants the code makes from numbers alone (``torch.eye(c)``, ``INPUT_FREE``) aside: the
+    same tensor on every call, no weights of a kernel."""
     dep = dep or analyze_dependence(program)
     finals = final_products(program, dep)
     sources = {s.source for s in program.streams}
@@ -231,7 +233,7 @@ def kernel_parameters(program: TTTProgram, dep: Dependence | None = None) -> lis
                 continue
             if n in invariants and invariants.index(n) in sources:
                 continue
-            if n in program.stream_inputs():
+            if n in program.stream_inputs() or INPUT_FREE in n.meta:
                 continue
             params.append(n)
     return params

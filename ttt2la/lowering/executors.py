@@ -36,7 +36,7 @@ from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
 from .forward_ad import jvp
-from .lean_calls import lean_calls
+from .lean_calls import at_shapes, lean_calls
 from .loop_expansions import expansions, expansions_pay
 from .scan_choice import affine_scan_pays
 from .written_products import written
@@ -704,15 +704,23 @@ class Plan:
     def _chunk_loop(self, step: _StateStep, env, states0, n: int, graph, inputs):
         """Run ``graph`` once per chunk with the group's states carried (it takes them among
         ``inputs`` and returns their updates first, in the group's order): yields each chunk's
-        results. Batched inputs are split once, and the graph's code is called directly."""
+        results. Batched inputs are split once, and the graph's code is called directly, from
+        the first chunk whose states keep their shapes on without the views that leave those
+        shapes as they are (``at_shapes``)."""
         frontier_values = self._frontier_values(step, env, n)
         own = [self.program.state_inputs()[t] for t in step.states]
         state = {i: states0[t] for i, t in zip(own, step.states)}
         columns = [None if i in state else _chunks(frontier_values.get(i) or env[i], n)
                    for i in inputs]
-        forward = graph.forward
+        kept = self.__dict__.setdefault("_at_shapes", {})
+        forward, settled = graph.forward, False
         for j in range(n):
-            res = forward(*[state[i] if col is None else col[j] for i, col in zip(inputs, columns)])
+            args = [state[i] if col is None else col[j] for i, col in zip(inputs, columns)]
+            res = forward(*args)
+            if not settled and all(r.shape == state[i].shape for i, r in zip(own, res)):
+                # the states kept their shapes (an initial state may broadcast to the
+                # batch's): every later chunk is called at this one's shapes
+                forward, settled = at_shapes(graph, args, kept).forward, True
             state = dict(zip(own, res))
             yield res
 

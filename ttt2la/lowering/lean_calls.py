@@ -4,11 +4,13 @@ A loop over chunks calls the same small graph once per chunk, and for a small st
 cost of the calls is most of a step's time. A traced graph calls ``torch.ops.aten`` overloads:
 about 5 µs each from Python, against about 2.5 µs for the torch function that binds the same
 kernel. ``lean_calls`` calls each op whose torch function takes the same arguments through that
-function; the kernels, and so the values, are the same. (Expands and views onto a tensor's own
+function; the kernels, and so the values, are the same. Expands and views onto a tensor's own
 shape stay: a graph re-sized to another batch size keeps its trace's shape metadata, so which
-ones are no-ops cannot be read off it.)
+ones are no-ops cannot be read off it; ``at_shapes`` drops them for the shapes a call runs on.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.fx
@@ -79,4 +81,70 @@ def lean_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-__all__ = ["FAST_CALLS", "lean_calls"]
+#: The views ``lean_calls`` calls through the tensor's methods that, onto their input's own
+#: shape, return its elements as they are.
+_SHAPE_VIEWS = frozenset({torch.Tensor.expand, torch.Tensor.reshape})
+
+
+def at_shapes(gm: torch.fx.GraphModule, args: Sequence, kept: dict) -> torch.fx.GraphModule:
+    """``gm`` without the expands and reshapes that leave their input's shape as it is when
+    called on tensors shaped as ``args`` are: the no-ops a trace keeps (``expand(W, [B, K, V])``
+    of a ``[B, K, V]`` memory before its ``bmm``, the ``bmm``'s result viewed as itself), a
+    Python call each per chunk, which in a loop over small chunks is much of a step's time.
+    The trace's metadata cannot say which views are no-ops (``lean_calls``); a call's inputs
+    can. Built once per graph, shapes and dtypes, in ``kept``. ``gm`` itself under a compiler,
+    for a graph that writes in place or draws random numbers, and where running it on ``args``
+    fails (the call's own run then raises as it would)."""
+    if torch.compiler.is_compiling():
+        return gm
+    key = (gm, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a)
+                     for a in args))
+    lean = kept.get(key)
+    if lean is None:
+        lean = kept[key] = _without_own_shape_views(gm, args)
+    return lean
+
+
+def _without_own_shape_views(gm: torch.fx.GraphModule, args: Sequence) -> torch.fx.GraphModule:
+    nodes = list(gm.graph.nodes)
+    if any(_writes_or_draws(n) for n in nodes):
+        return gm
+    shapes: dict[torch.fx.Node, torch.Size] = {}
+
+    class _Shapes(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                shapes[n] = out.shape
+            return out
+
+    try:
+        with torch.no_grad():
+            _Shapes(gm).run(*args)
+    except Exception:
+        return gm
+    graph = copy_graph(gm.graph)
+    dropped = False
+    for old, node in zip(nodes, list(graph.nodes)):
+        if node.op == "call_function" and node.target in _SHAPE_VIEWS \
+                and isinstance(old.args[0], torch.fx.Node) and old in shapes \
+                and shapes.get(old.args[0]) == shapes[old]:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped = True
+    return torch.fx.GraphModule(gm, graph) if dropped else gm
+
+
+def _writes_or_draws(node: torch.fx.Node) -> bool:
+    """Does ``node`` write a tensor in place or draw random numbers (which running the graph
+    once more would change)?"""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+__all__ = ["FAST_CALLS", "at_shapes", "lean_calls"]

@@ -26,7 +26,7 @@ from ..analysis.op_vocabulary import (ACTIVATIONS, ADDITIVE, CASTS, KNOWN_NONLIN
                                      MATRIX_PRODUCTS, SCALINGS, SLICES)
 from ..analysis.roles import VIEW_OPS, final_products, kernel_parameters, peel_views
 from ..errors import ConversionError, UnsupportedTTTError
-from ..ir import NAME, SRC, TTTProgram, ancestors, describe_node, descendants
+from ..ir import INPUT_FREE, NAME, SRC, TTTProgram, ancestors, describe_node, descendants
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
 MAP_ATTR = "collapse_mlp_map"        # the body attribute holding M in Θ's layout
@@ -214,12 +214,13 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
 def kernel_candidates(program: TTTProgram) -> set[torch.fx.Node]:
     """Placeholders φ may read as Θ: frozen kernel states and invariants other than the
     sequences the streams are sliced from (a loop-invariant view of Θ hoisted out of the loop
-    is its own invariant, once per place it is read)."""
+    is its own invariant, once per place it is read) and constants the code makes from numbers
+    alone (``INPUT_FREE``: the identity a UT transform's triangular solve reads is no weight)."""
     inv = program.invariant_inputs()
     sources = {inv[s.source] for s in program.streams}
     ins = program.state_inputs()
     thetas = {ins[i] for i in program.states_with_role("theta")}
-    return {n for n in inv if n not in sources} | thetas
+    return {n for n in inv if n not in sources and INPUT_FREE not in n.meta} | thetas
 
 
 def _leaves(core: torch.fx.Node, params: set, theta_dep: set) -> list[torch.fx.Node]:
