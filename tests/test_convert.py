@@ -187,9 +187,10 @@ def test_level1_runs_semi_parallel_and_equals_variant1(cfg, B, chunks):
 
 @pytest.mark.parametrize("style", ["folded", "heads"])
 def test_level0_refuses_the_full_layer_and_names_the_theta_update(style):
+    # the layer and example of the non-strict test below (float64): traced once for both
     torch.manual_seed(0)
-    layer = STYLES[style](16, 2, 4)
-    x = torch.randn(2, 19, 16)
+    layer = STYLES[style](16, 2, 4).double()
+    x = torch.randn(2, 19, 16).double()
     with pytest.raises(ttt2la.NonReducibleError) as info:
         ttt2la.convert(layer, level=0, example_inputs=(x,))
     err = info.value
@@ -245,7 +246,7 @@ def test_convert_leaves_the_input_model_untouched_and_the_result_trains():
     torch.manual_seed(0)
     layer = LaCTFoldedLayer(16, 2, 4)
     before = copy.deepcopy(layer.state_dict())
-    x = torch.randn(2, 21, 16)
+    x = torch.randn(2, 19, 16)      # the shape inspect is given below: the layer is traced once for both
     out_before = layer(x).detach()
     conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
     assert type(layer) is LaCTFoldedLayer
