@@ -1251,6 +1251,25 @@ MUTATIONS = [
         "plot_library_unasked", "a sweep asked for a plot finds matplotlib missing only after its work, raw",
         (("ttt2la/cli.py", "        plotting_library()                  # before the sweep, not after it\n", ""),),
         ("tests/test_cli_inputs.py",), "without_matplotlib"),
+    Mutation(
+        "feature_graphs_planned_without_autocast", "a feature graph's copy is planned without the caller's autocast",
+        (("ttt2la/lowering/specialize.py", "with out_of_sight(autocast=autocast_state(args)):",
+          "with out_of_sight():"),),
+        ("tests/test_specialize.py",), "autocast"),
+    Mutation(
+        "feature_graphs_share_autocast_states", "a feature graph's copies are not keyed by the caller's autocast",
+        (("ttt2la/lowering/specialize.py", "return (records, autocast_state(args)) + tuple(",
+          "return (records,) + tuple("),),
+        ("tests/test_specialize.py",), "autocast"),
+    Mutation(
+        "padding_probed_without_autocast", "a partial last chunk's padding is probed without the caller's autocast",
+        (("ttt2la/lowering/executors.py", "                          autocast=autocast):",
+          "                          autocast=()):"),),
+        ("tests/test_convert.py",), "weighted_kernel"),
+    Mutation(
+        "fake_failures_logged", "a failing preparation's fake tensors log their traceback",
+        (("ttt2la/preparation.py", "    logger.addFilter(quiet)\n", "    pass\n"),),
+        ("tests/test_specialize.py",), "logging"),
 ]
 
 
