@@ -12,13 +12,13 @@ sequences on CPU, two things cost more than the arithmetic:
   existing one).
 
 ``SpecializedGraph`` rewrites a copy of the graph for each input signature (shapes, strides,
-dtypes, whether autograd records, the caller's autocast on the inputs' devices): matmuls oriented token-major where the stream lies so, and,
-when nothing is recorded for a gradient, elementwise ops writing into an intermediate that dies
-with them (torch.fx's re-inplacing pass, which never writes into a graph input or into a buffer
-a live value aliases); when a gradient is recorded, one autograd function whose forward and
-backward graphs write large results into dead buffers (``planned_autograd``). The values
-computed are the same ops' values; only the orientation of the products and where
-intermediates live change.
+dtypes, whether autograd records, the caller's autocast on the inputs' devices): matmuls oriented
+token-major where the stream lies so, and, when nothing is recorded for a gradient, elementwise ops
+writing into an intermediate that dies with them (torch.fx's re-inplacing pass, which never writes
+into a graph input or into a buffer a live value aliases); when a gradient is recorded, one
+autograd function whose forward and backward graphs write large results into dead buffers
+(``planned_autograd``). The values computed are the same ops' values; only the orientation of the
+products and where intermediates live change.
 
 The graphs are traced without autocast and run under the caller's: an op autocast casts (a
 weighted φ's ``bmm``) is cast when the graph runs, as in the code as written. Its copy is
