@@ -620,12 +620,12 @@ MUTATIONS = [
         ("tests/test_recast.py",), "cast"),
     Mutation(
         "graphs_prepared_in_sight_of_autograd", "specialised graphs are prepared under the caller's autograd",
-        (("ttt2la/lowering/specialize.py", "        with out_of_sight():\n", "        if True:\n"),),
+        (("ttt2la/lowering/specialize.py", "        with out_of_sight(autocast=autocast_state(args)):\n", "        if True:\n"),),
         ("tests/test_ordinary_module.py",), "activation"),
     Mutation(
         "padding_probe_in_sight_of_autograd", "the padding probe differentiates under the caller's saved-tensor hooks",
-        (("ttt2la/preparation.py", "    with _disable_current_modes(), _without_saved_tensor_hooks(), \\\n",
-          "    with _disable_current_modes(), \\\n"),),
+        (("ttt2la/preparation.py", "    with _disable_current_modes(), _without_saved_tensor_hooks(), _fake_failures_unlogged(), \\\n",
+          "    with _disable_current_modes(), _fake_failures_unlogged(), \\\n"),),
         ("tests/test_ordinary_module.py", "tests/test_recast.py"), "activation or checkpointing"),
     Mutation(
         "second_order_dropped", "the runtime's hand-written backwards ignore create_graph=True",
@@ -1290,6 +1290,25 @@ MUTATIONS = [
         (("ttt2la/lowering/lean_calls.py", "                and shapes.get(old.args[0]) == shapes[old]:\n",
           "                and shapes.get(old.args[0]) is not None:\n"),),
         ("tests/test_lean_calls.py",), "own_shape"),
+    Mutation(
+        "feature_graphs_planned_without_autocast", "a feature graph's copy is planned without the caller's autocast",
+        (("ttt2la/lowering/specialize.py", "with out_of_sight(autocast=autocast_state(args)):",
+          "with out_of_sight():"),),
+        ("tests/test_specialize.py",), "autocast"),
+    Mutation(
+        "feature_graphs_share_autocast_states", "a feature graph's copies are not keyed by the caller's autocast",
+        (("ttt2la/lowering/specialize.py", "return (records, autocast_state(args)) + tuple(",
+          "return (records,) + tuple("),),
+        ("tests/test_specialize.py",), "autocast"),
+    Mutation(
+        "padding_probed_without_autocast", "a partial last chunk's padding is probed without the caller's autocast",
+        (("ttt2la/lowering/executors.py", "                          autocast=autocast):",
+          "                          autocast=()):"),),
+        ("tests/test_convert.py",), "weighted_kernel"),
+    Mutation(
+        "fake_failures_logged", "a failing preparation's fake tensors log their traceback",
+        (("ttt2la/preparation.py", "    logger.addFilter(quiet)\n", "    pass\n"),),
+        ("tests/test_specialize.py",), "logging"),
 ]
 
 

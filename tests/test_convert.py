@@ -20,6 +20,7 @@ float64 conversions must equal the float64 variant within 1e-10.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -330,6 +331,48 @@ def test_bf16_autocast_runs_where_the_original_runs(style):
             errors[name].append([rel_rms_error(a, b) for a, b in
                                  zip(run(module, x, autocast=True), reference)])
     for i in range(len(errors["original"][0])):
+        ok, got, bound = no_worse_than_original([e[i] for e in errors["converted"]],
+                                                [e[i] for e in errors["original"]])
+        assert ok, (i, got, bound)
+
+
+@pytest.mark.parametrize("variant, level", [(2, 2), (0, 3)])
+def test_bf16_autocast_with_a_weighted_kernel_runs_the_plan(variant, level):
+    """A kernel φ with weights (LaCT's SwiGLU, exact at level 2; its fold, lossy at level 3)
+    under ``torch.autocast``: φ's products autocast to bf16 as in the code as written, fp32
+    weights times bf16 streams. Its graphs are planned, and a partial last chunk's padding
+    probed, under the caller's autocast (without it both met a dtype clash: the exact level ran
+    the code as written with warnings, the lossy one raised). Judged against each layer's own
+    fp32 output: no worse than twice the original's autocast error, the output and (exact)
+    every parameter gradient, with no warning and no call run as written for a failure (a
+    lossy fold's parameters take other roles, and other gradients)."""
+    from ttt2la.zoo.variants import variant_switches
+
+    torch.manual_seed(0)
+    layer = LaCTFoldedLayer(16, 2, 8, **{**variant_switches(variant), "muon": False})
+    conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 32, 16),))
+    assert conv.ttt2la_report.exact == (variant == level)
+
+    def run(module, x, autocast):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = module(x)
+        y.float().square().mean().backward()
+        return [y.detach().float()] + [p.grad.clone() for p in module.parameters()
+                                       if p.grad is not None]
+
+    errors = {"original": [], "converted": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(CRITERION_SAMPLES):
+            x = torch.randn(3, 44, 16, generator=torch.Generator().manual_seed(seed))
+            for name, module in (("original", layer), ("converted", conv)):
+                errors[name].append([rel_rms_error(a, b) for a, b in
+                                     zip(run(module, x, True), run(module, x, False))])
+    assert not caught, [str(w.message) for w in caught]
+    runs = conv.ttt2la_report.layers[0].runs
+    assert not any("failed" in key or "partial" in key for key in runs), runs
+    for i in range(len(errors["converted"][0]) if variant == level else 1):
         ok, got, bound = no_worse_than_original([e[i] for e in errors["converted"]],
                                                 [e[i] for e in errors["original"]])
         assert ok, (i, got, bound)

@@ -154,3 +154,69 @@ def test_tensor_constants_are_read_never_written():
     assert torch.equal(constant, saved)
     assert rel_rms_error(got, uses_a_constant(x)) <= tolerance(torch.float32)
     assert torch.equal(got, again)
+
+
+def _half_streams(args):
+    """``args`` with the streams (q, k, the rate) in bf16, as a caller's autocast leaves its
+    projections, and the weights in fp32."""
+    return [a.detach().to(torch.bfloat16).requires_grad_(a.requires_grad) if i < 3 else a
+            for i, a in enumerate(args)]
+
+
+def test_specialised_under_the_callers_autocast_computes_what_the_graph_does():
+    """Traced in fp32, a weighted φ runs under the caller's autocast: its products autocast to
+    bf16, fp32 weights times bf16 streams. The specialised copy is planned under the same
+    autocast (without it, its fake tensors met a dtype clash), one copy per autocast state."""
+    for requires_grad in (False, True):
+        spec = SpecializedGraph(_traced(_inputs(2, 12, 4, 6)))
+        results = []
+        for fn in (spec, spec.graph):
+            args = _half_streams(_inputs(2, 12, 4, 6, requires_grad=requires_grad))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fn(*args)
+            assert all(o.dtype == torch.bfloat16 for o in out)
+            if requires_grad:
+                sum(o.float().square().sum() for o in out).backward()
+                out = (*out, *(a.grad for a in args))
+            results.append(out)
+        for got, want in zip(*results):
+            assert rel_rms_error(got, want) <= tolerance(torch.bfloat16)
+    # the same signature with and without autocast: one copy each, computing in bf16 and fp32
+    spec = SpecializedGraph(_traced(_inputs(2, 12, 4, 6)))
+    args = _inputs(2, 12, 4, 6, requires_grad=True)
+    for autocast in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got, want = spec(*args), spec.graph(*args)
+        assert [o.dtype for o in got] == [o.dtype for o in want]
+        assert (torch.bfloat16 in [o.dtype for o in got]) == autocast
+    assert len(spec._cache) == 2
+
+
+def test_a_failing_specialisation_raises_without_logging_fake_tensor_tracebacks():
+    """A specialisation that fails (bf16 streams and fp32 weights, without autocast) raises to
+    the call, which runs the code as written naming the error; torch's fake tensors log nothing
+    of it (they logged the failing op's traceback, some 300 lines on stderr, every call)."""
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def emit(self, record):
+            self.seen.append(record)
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    records = Records()
+    logger.addHandler(records)
+    spec = SpecializedGraph(_traced(_inputs(2, 12, 4, 6)))
+    try:
+        with torch.no_grad():
+            spec(*_half_streams(_inputs(2, 12, 4, 6)))
+    except RuntimeError as e:
+        assert "dtype" in str(e) or "scalar type" in str(e)
+    else:
+        raise AssertionError("bf16 streams times fp32 weights ran without autocast")
+    finally:
+        logger.removeHandler(records)
+    assert not records.seen, [r.getMessage() for r in records.seen]

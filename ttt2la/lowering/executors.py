@@ -31,7 +31,7 @@ from ..analysis.op_vocabulary import (AVERAGES, CONSTANT_FILLS, FILL_VALUE_ARGUM
                                       TENSOR_SHAPED_FILLS, calls, op_name)
 from ..errors import PartialChunkError, UnsupportedTTTError
 from ..ir import TTTProgram, reshape_views
-from ..preparation import out_of_sight
+from ..preparation import autocast_state, out_of_sight
 from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
 from .chunking import ChunkLayout, assemble_outputs, chunk_streams
@@ -161,21 +161,26 @@ def padding_problem(program: TTTProgram, states0: Sequence[torch.Tensor],
 
 
 def require_inert_padding(program: TTTProgram, states0, invariants, layout: ChunkLayout,
-                          cache: dict[int, str | None]) -> None:
+                          cache: dict) -> None:
     """Raise ``PartialChunkError`` when a partial last chunk's zero padding is not inert
-    (``padding_problem``); the verdict is cached per tail length in ``cache``."""
+    (``padding_problem``); the verdict is cached per tail length (and autocast state) in
+    ``cache``."""
     tail = int(layout.tail)            # a plain key, also when a compiler traces sizes
+    # the body runs under the caller's autocast, and is probed as it runs: a verdict per state
+    autocast = autocast_state((*states0, *invariants))
+    key = (tail, autocast) if autocast else tail
     if program.partial_chunk:
-        cache[tail] = program.partial_chunk
-    if tail not in cache:
+        cache[key] = program.partial_chunk
+    if key not in cache:
         # it differentiates the body, out of sight of the call (``preparation``); under a
         # compiler's trace (torch.compile) the probe, which reads numbers, runs on real
         # stand-ins: its verdict is about the body's structure
-        with out_of_sight(grad=True, devices=[t.device.type for t in (*states0, *invariants)]):
+        with out_of_sight(grad=True, devices=[t.device.type for t in (*states0, *invariants)],
+                          autocast=autocast):
             if any(is_fake(t) for t in (*states0, *invariants) if isinstance(t, torch.Tensor)):
                 states0, invariants = _stand_ins(states0), _stand_ins(invariants)
-            cache[tail] = padding_problem(program, states0, invariants, layout)
-    what = cache[tail]
+            cache[key] = padding_problem(program, states0, invariants, layout)
+    what = cache[key]
     if what is not None:
         c = layout.chunk_size
         hint = " or an apply-only last chunk" if program.last_chunk == "update" else ""

@@ -12,13 +12,17 @@ sequences on CPU, two things cost more than the arithmetic:
   existing one).
 
 ``SpecializedGraph`` rewrites a copy of the graph for each input signature (shapes, strides,
-dtypes, whether autograd records): matmuls oriented token-major where the stream lies so, and,
-when nothing is recorded for a gradient, elementwise ops writing into an intermediate that dies
-with them (torch.fx's re-inplacing pass, which never writes into a graph input or into a buffer
-a live value aliases); when a gradient is recorded, one autograd function whose forward and
-backward graphs write large results into dead buffers (``planned_autograd``). The values
-computed are the same ops' values; only the orientation of the products and where
-intermediates live change.
+dtypes, whether autograd records, the caller's autocast on the inputs' devices): matmuls oriented
+token-major where the stream lies so, and, when nothing is recorded for a gradient, elementwise ops
+writing into an intermediate that dies with them (torch.fx's re-inplacing pass, which never writes
+into a graph input or into a buffer a live value aliases); when a gradient is recorded, one
+autograd function whose forward and backward graphs write large results into dead buffers
+(``planned_autograd``). The values computed are the same ops' values; only the orientation of the
+products and where intermediates live change.
+
+The graphs are traced without autocast and run under the caller's: an op autocast casts (a
+weighted φ's ``bmm``) is cast when the graph runs, as in the code as written. Its copy is
+planned under the caller's autocast too, on fake tensors of the dtypes the call computes in.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.reinplace import reinplace
 
 from ttt2la.lowering.planned_autograd import planned_autograd
-from ttt2la.preparation import out_of_sight
+from ttt2la.preparation import autocast_state, out_of_sight
 
 aten = torch.ops.aten
 
@@ -41,7 +45,7 @@ _PRODUCTS = (aten.bmm.default, aten.mm.default)
 
 
 def _signature(args, records: bool) -> tuple:
-    return (records,) + tuple(
+    return (records, autocast_state(args)) + tuple(
         (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
         for a in args)
 
@@ -135,8 +139,9 @@ class SpecializedGraph:
         return found
 
     def _specialise(self, args, records: bool):
-        # built on fake tensors, out of sight of the call (``preparation``)
-        with out_of_sight():
+        # built on fake tensors, out of sight of the call (``preparation``) but under its
+        # autocast: its casts set the dtypes the products and the in-place writes are planned for
+        with out_of_sight(autocast=autocast_state(args)):
             gm, constants = _copy(self.graph)
             every = (*args, *constants)
             gm = token_major_products(gm, every)
