@@ -48,7 +48,9 @@ def buffers_kept(*models: nn.Module):
 @contextlib.contextmanager
 def as_found(*models: nn.Module):
     """Every module of ``models`` in evaluation mode inside the block; on the way out, each
-    module's mode, every buffer's value and the random generators' states as they were."""
+    module's mode, every buffer's value and the random generators' states as they were.
+    Anything else given is left to the checks inside, which refuse it."""
+    models = tuple(m for m in models if isinstance(m, nn.Module))
     with buffers_kept(*models), torch.random.fork_rng(devices=_generator_devices()), \
             evaluating(*models):
         yield
