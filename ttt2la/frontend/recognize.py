@@ -94,6 +94,14 @@ class InputLayout:
             f"batch size {B}, where the layer was traced at batch size {self.batch_unit} only: " \
             f"{self.batch_constant}"
 
+    def spelled(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call ``(args, kwargs)`` spelled as the example was, its arguments matched to the
+        forward's parameters by name (``CallSignature.spelled``), so that its flattened inputs
+        are in the order the converted graphs take them."""
+        if self.signature is None:
+            return args, kwargs
+        return self.signature.spelled(args, kwargs, self.batch_axis, self.token_axis, self.path)
+
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         if self.signature is not None:
             self.signature.check(flat_inputs, self.batch_axis, self.token_axis, self.ref,
@@ -456,7 +464,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
                         if any(n in x.shape[1:] for x in tensors)), None)
     _refuse_fixed_cuts(cand, seq_len)
     layout = _layout(flat, seq_len, batch)
-    layout.signature = CallSignature.of(cand.args, cand.kwargs)
+    layout.signature = CallSignature.of(cand.args, cand.kwargs, cand.module)
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
     try:
