@@ -232,6 +232,27 @@ def test_a_parameter_the_example_left_out_is_checked_by_name(scaled):
             assert rel_rms_error(converted(*args, **kwargs), want) <= TOLERANCE[torch.float32]
 
 
+def test_two_layers_called_with_other_keywords_are_traced_apart():
+    """Two layers of one class, called with one value passed as two different keywords, are
+    two calls: each is traced for its own (a conversion reused across them ran one as the
+    other)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Scaled(), Scaled()
+
+        def forward(self, x):
+            return self.a(x, in_scale=2.0) + self.b(x, out_scale=2.0)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(B, 12, D)
+    converted = ttt2la.convert(model, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert rel_rms_error(converted.b(x, out_scale=2.0), model.b(x, out_scale=2.0)) <= \
+            TOLERANCE[torch.float32]
+
+
 def test_an_optional_argument_passed_at_its_default_is_the_call_converted(memories):
     """Converted without a mask, the mask passed as ``None`` (by position or keyword) is the
     same call; converted with one, the mask passed by position or keyword, in any order, is

@@ -325,8 +325,10 @@ def _config_value(v):
     raise _Uncacheable(type(v).__name__)          # a tensor (its value is baked in), an object
 
 
-def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
-    """What determines the traces of a layer: its code, configuration and tensor shapes.
+def _signature(cand: LoopCandidate, flat: list, in_spec, seq_len) -> tuple | None:
+    """What determines the traces of a layer: its code, configuration, tensor shapes and the
+    call's arguments by name (``in_spec``: one value passed as another keyword is another
+    call).
 
     Parameters and buffers are graph inputs, so their values do not matter; plain Python
     attributes (chunk size, switches, containers of them) steer the code and are part of the
@@ -346,7 +348,7 @@ def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
                     for n, t in params_and_buffers(cand.module).items())
     inputs = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor)
                    else ("value", repr(x)) for x in flat)
-    key = (type(cand.module), tuple(attrs), tensors, inputs, seq_len, cand.loop)
+    key = (type(cand.module), tuple(attrs), tensors, in_spec, inputs, seq_len, cand.loop)
     try:
         hash(key)
     except TypeError:
@@ -368,8 +370,8 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
         raise SideEffectError(side_effect_refusal(_layer_name(cand), cand.module, written),
                               attribute=written[0],
                               where=assignment_site(cand.module, written[0]) or None)
-    flat, _ = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
-    key = _signature(cand, flat, seq_len)
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    key = _signature(cand, flat, in_spec, seq_len)
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
         _CACHE.move_to_end(key)
