@@ -534,7 +534,7 @@ MUTATIONS = [
     Mutation(
         "traced_in_training_mode", "convert traces a layer in the mode it comes in (dropout's "
         "random mask traced, the exactness check failing as a bug)",
-        (("ttt2la/conversion.py", "    with evaluating(target, pristine):",
+        (("ttt2la/conversion.py", "    with as_found(target, pristine):",
           "    with contextlib.nullcontext():"),
          ("ttt2la/conversion.py", "import copy\n", "import contextlib\nimport copy\n")),
         ("tests/test_training_mode.py",), "dropout"),
@@ -1191,8 +1191,8 @@ MUTATIONS = [
         ("tests/test_padded_chunk_views.py",), "every_length"),
     Mutation(
         "length_values_unvouched", "a layer whose code computes Python values of the length runs the plan at every length, unchecked",
-        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):\n            unvouched",
-          "if vouching is not None and False:\n            unvouched"),),
+        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):\n            with buffers_kept",
+          "if vouching is not None and False:\n            with buffers_kept"),),
         ("tests/test_length_values.py",), "branch or capped or lossy"),
     Mutation(
         "length_check_trusts_the_plan", "a new length's check keeps the plan without comparing it with the code as written",
@@ -1251,6 +1251,18 @@ MUTATIONS = [
         "plot_library_unasked", "a sweep asked for a plot finds matplotlib missing only after its work, raw",
         (("ttt2la/cli.py", "        plotting_library()                  # before the sweep, not after it\n", ""),),
         ("tests/test_cli_inputs.py",), "without_matplotlib"),
+    Mutation(
+        "keywords_matched_by_position", "a call whose keywords differ from the example's by name, not number, is taken as spelled like it: its values matched by position",
+        (("ttt2la/frontend/call_signature.py", "        if len(args) == self.positional and tuple(kwargs) == self.keywords:\n", "        if len(args) == self.positional and len(kwargs) == len(self.keywords):\n"),),
+        ("tests/test_call_errors.py",), "never_taken or binds_it_to"),
+    Mutation(
+        "default_passed_refused", "a parameter the example left out, passed at its default (a mask as `None`), is refused",
+        (("ttt2la/frontend/call_signature.py", "                checks.append((got[name].source, name, then))\n", "                return f\"{name!r}, which the example did not pass\", (), ()\n"),),
+        ("tests/test_call_errors.py",), "at_its_default or left_out"),
+    Mutation(
+        "keywords_out_of_the_cache_key", "layers of one class whose calls pass one value as different keywords share one trace",
+        (("ttt2la/frontend/recognize.py", "tensors, in_spec, inputs, seq_len, cand.loop)", "tensors, inputs, seq_len, cand.loop)"),),
+        ("tests/test_call_errors.py",), "traced_apart"),
 ]
 
 
