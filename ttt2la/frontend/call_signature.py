@@ -268,8 +268,9 @@ class CallSignature:
                 "again with example inputs like this call's.")
         if len(flat) != len(self.leaves):
             raise UnsupportedShapeError(
-                f"{what} was called with {len(flat)} input(s) (arguments and keyword arguments, "
-                f"None included), but it was converted for {len(self.leaves)}. {tail}")
+                f"{what} was called with {len(flat)} input(s) (its arguments' tensors and values, "
+                f"containers' contents included), but it was converted for {len(self.leaves)}. "
+                f"{tail}")
         B = L = None
         x = flat[ref]
         if isinstance(x, torch.Tensor) and x.dim() == self.leaves[ref].rank:
