@@ -1309,6 +1309,18 @@ MUTATIONS = [
         "fake_failures_logged", "a failing preparation's fake tensors log their traceback",
         (("ttt2la/preparation.py", "    logger.addFilter(quiet)\n", "    pass\n"),),
         ("tests/test_specialize.py",), "logging"),
+    Mutation(
+        "keywords_matched_by_position", "a call whose keywords differ from the example's by name, not number, is taken as spelled like it: its values matched by position",
+        (("ttt2la/frontend/call_signature.py", "        if len(args) == self.positional and tuple(kwargs) == self.keywords:\n", "        if len(args) == self.positional and len(kwargs) == len(self.keywords):\n"),),
+        ("tests/test_call_errors.py",), "never_taken or binds_it_to"),
+    Mutation(
+        "default_passed_refused", "a parameter the example left out, passed at its default (a mask as `None`), is refused",
+        (("ttt2la/frontend/call_signature.py", "                checks.append((got[name].source, name, then))\n", "                return f\"{name!r}, which the example did not pass\", (), ()\n"),),
+        ("tests/test_call_errors.py",), "at_its_default or left_out"),
+    Mutation(
+        "keywords_out_of_the_cache_key", "layers of one class whose calls pass one value as different keywords share one trace",
+        (("ttt2la/frontend/recognize.py", "tensors, in_spec, inputs, seq_len, cand.loop)", "tensors, inputs, seq_len, cand.loop)"),),
+        ("tests/test_call_errors.py",), "traced_apart"),
 ]
 
 

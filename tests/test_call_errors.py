@@ -110,7 +110,9 @@ def test_the_message_names_the_input_and_what_to_pass(memories):
     assert "'store_mask'" in text and f"{L + 1} tokens" in text and f"has {L}" in text
     assert "'store_mask': a tensor [B, L]" in text and "#0: a tensor [B, L, 8]" in text
     plain = memories[1]["converted without a mask"]
-    with pytest.raises(ttt2la.UnsupportedShapeError, match="converted for 1"):
+    with pytest.raises(ttt2la.UnsupportedShapeError,
+                       match="'store_mask' = a tensor, but it was converted with 'store_mask' "
+                             "left at its default None"):
         plain(torch.randn(B, L, D), store_mask=MASK)
 
 
@@ -130,6 +132,193 @@ def test_a_built_in_python_value_is_checked_not_silently_reused():
     assert _same_outputs(block(x, gain=2.0), converted(x, gain=2.0))
     with pytest.raises(ttt2la.UnsupportedShapeError, match="2.0 it was converted with"):
         converted(x, gain=3.0)
+
+
+class Scaled(torch.nn.Module):
+    """A chunked linear memory with two plain Python arguments of one type, which a conversion
+    builds in: a call passing one of them in the other's place means another function."""
+
+    C = 4
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x, in_scale: float = 1.0, out_scale: float = 1.0):
+        q, k, v = self.qkv(x * in_scale).chunk(3, dim=-1)
+        W = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for s in range(0, x.shape[1], self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, 1) * out_scale
+
+
+@pytest.fixture(scope="module")
+def scaled():
+    """``Scaled`` and its conversions from a call passing both scales by keyword, and from one
+    passing ``out_scale`` only."""
+    torch.manual_seed(0)
+    layer = Scaled()
+    x = torch.randn(B, 12, D)
+    both = ttt2la.convert(layer, level=0, example_inputs=(x,),
+                          example_kwargs={"in_scale": 2.0, "out_scale": 3.0})
+    out = ttt2la.convert(layer, level=0, example_inputs=(x,), example_kwargs={"out_scale": 3.0})
+    return layer, both, out
+
+
+# the calls ``Scaled`` takes as its conversion from ``(x, in_scale=2.0, out_scale=3.0)``
+SAME_CALLS = [
+    ("keywords in the other order", lambda x: ((x,), {"out_scale": 3.0, "in_scale": 2.0})),
+    ("all positional", lambda x: ((x, 2.0, 3.0), {})),
+    ("one positional, one keyword", lambda x: ((x, 2.0), {"out_scale": 3.0})),
+    ("all keywords", lambda x: ((), {"out_scale": 3.0, "x": x, "in_scale": 2.0})),
+]
+
+
+@pytest.mark.parametrize("name,call", SAME_CALLS, ids=[c[0] for c in SAME_CALLS])
+def test_a_call_means_what_its_forward_binds_it_to(scaled, name, call):
+    """Arguments are matched to the forward's parameters by name: the same values spelled
+    another way (keywords reordered, by position, by keyword) are the same call."""
+    layer, converted = scaled[0], scaled[1]
+    x = torch.randn(3, 16, D)
+    args, kwargs = call(x)
+    with torch.no_grad():
+        want = layer(x, in_scale=2.0, out_scale=3.0)
+        assert rel_rms_error(converted(*args, **kwargs), want) <= TOLERANCE[torch.float32]
+
+
+# calls another function than the conversion's: (call, the argument the refusal names)
+OTHER_CALLS = [
+    ("scales swapped by keyword", lambda x: ((x,), {"out_scale": 2.0, "in_scale": 3.0}),
+     "'in_scale' = 3.0, but the value 2.0"),
+    ("scales swapped by position", lambda x: ((x, 3.0, 2.0), {}),
+     "'in_scale' = 3.0, but the value 2.0"),
+    ("out_scale left out", lambda x: ((x,), {"in_scale": 2.0}),
+     "'out_scale' = 1.0, but the value 3.0"),
+    ("an unknown keyword", lambda x: ((x,), {"in_scale": 2.0, "out_scale": 3.0, "scale": 1.0}),
+     "unexpected keyword argument 'scale'"),
+    ("a positional argument too many", lambda x: ((x, 2.0, 3.0, 4.0), {}),
+     "too many positional arguments"),
+]
+
+
+@pytest.mark.parametrize("name,call,named", OTHER_CALLS, ids=[c[0] for c in OTHER_CALLS])
+def test_a_keyword_is_never_taken_for_another(scaled, name, call, named):
+    """A call whose values bind to other parameters than the conversion's is refused naming
+    the parameter, whatever order or spelling its arguments come in."""
+    converted = scaled[1]
+    args, kwargs = call(torch.randn(B, 12, D))
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(*args, **kwargs)
+    assert named in str(refused.value) and "converted for" in str(refused.value), \
+        str(refused.value)
+
+
+def test_a_parameter_the_example_left_out_is_checked_by_name(scaled):
+    """Converted from ``(x, out_scale=3.0)``: ``in_scale=3.0`` is refused naming ``in_scale``
+    (its default is built in), not run as ``out_scale=3.0``; ``in_scale`` passed at its default,
+    by position or keyword, is the conversion's call."""
+    layer, converted = scaled[0], scaled[2]
+    x = torch.randn(B, 12, D)
+    with pytest.raises(ttt2la.UnsupportedShapeError,
+                       match="'in_scale' = 3.0, but it was converted with 'in_scale' left at "
+                             "its default 1.0"):
+        converted(x, in_scale=3.0)
+    with torch.no_grad():
+        want = layer(x, out_scale=3.0)
+        for args, kwargs in [((x, 1.0, 3.0), {}), ((x,), {"in_scale": 1.0, "out_scale": 3.0}),
+                             ((x,), {"out_scale": 3.0, "in_scale": 1.0})]:
+            assert rel_rms_error(converted(*args, **kwargs), want) <= TOLERANCE[torch.float32]
+
+
+def test_two_layers_called_with_other_keywords_are_traced_apart():
+    """Two layers of one class, called with one value passed as two different keywords, are
+    two calls: each is traced for its own (a conversion reused across them ran one as the
+    other)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Scaled(), Scaled()
+
+        def forward(self, x):
+            return self.a(x, in_scale=2.0) + self.b(x, out_scale=2.0)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(B, 12, D)
+    converted = ttt2la.convert(model, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert rel_rms_error(converted.b(x, out_scale=2.0), model.b(x, out_scale=2.0)) <= \
+            TOLERANCE[torch.float32]
+
+
+def test_an_optional_argument_passed_at_its_default_is_the_call_converted(memories):
+    """Converted without a mask, the mask passed as ``None`` (by position or keyword) is the
+    same call; converted with one, the mask passed by position or keyword, in any order, is
+    too."""
+    memory, converted = memories[0], memories[1]
+    x = torch.randn(B, L, D)
+    with torch.no_grad():
+        plain = memory(x)[0]
+        for args, kwargs in [((x, None), {}), ((x,), {"store_mask": None}),
+                             ((), {"store_mask": None, "x": x})]:
+            got = converted["converted without a mask"](*args, **kwargs)[0]
+            assert rel_rms_error(got, plain) <= TOLERANCE[torch.float32]
+        masked = memory(x, store_mask=MASK)[0]
+        for args, kwargs in [((x, MASK), {}), ((), {"store_mask": MASK, "x": x})]:
+            got = converted["converted with a mask"](*args, **kwargs)[0]
+            assert rel_rms_error(got, masked) <= TOLERANCE[torch.float32]
+
+
+class _Forward(torch.nn.Module):
+    """A module of a given ``forward``, for binding calls without converting anything."""
+
+
+def _signature_of(forward, args: tuple, kwargs: dict):
+    from ttt2la.frontend.call_signature import CallSignature
+
+    module = type("Layer", (_Forward,), {"forward": forward})()
+    return CallSignature.of(args, kwargs, module)
+
+
+def _spelled(signature, *args, **kwargs):
+    return signature.spelled(args, kwargs, {}, {}, "layer")
+
+
+def test_calls_are_spelled_as_the_example_through_args_and_kwargs():
+    """A forward taking ``*args`` and ``**kwargs`` binds too: values of ``*rest`` by position,
+    of ``**options`` by name; one the example did not pass there, or a missing one, is named."""
+    def forward(self, x, *rest, gain=1.0, **options):
+        return x
+
+    a, b = torch.ones(2), torch.zeros(2)
+    sig = _signature_of(forward, (a, b), {"eps": 0.5, "gain": 2.0})
+    args, kwargs = _spelled(sig, a, b, gain=2.0, eps=0.5)
+    assert args == (a, b) and list(kwargs.items()) == [("eps", 0.5), ("gain", 2.0)]
+    args, kwargs = _spelled(sig, b, a, eps=0.5, gain=2.0)
+    assert args[0] is b and args[1] is a
+    for call, named in [(((a, b), {"eps": 0.5, "gain": 2.0, "tol": 1}), "'tol' (**options)"),
+                        (((a, b), {"gain": 2.0}), "'eps' (**options)"),
+                        (((a,), {"eps": 0.5, "gain": 2.0}), "#0 of *rest"),
+                        (((a, b, b), {"eps": 0.5, "gain": 2.0}), "1 more positional")]:
+        with pytest.raises(ttt2la.UnsupportedShapeError, match=re.escape(named)):
+            _spelled(sig, *call[0], **call[1])
+
+
+def test_keywords_are_matched_by_name_where_the_forward_does_not_bind():
+    """A forward whose signature cannot bind a call (``self`` in ``*args``) keeps its positional
+    inputs as given, and still matches keywords by name, never by position."""
+    def forward(*args, **kwargs):
+        return args[1]
+
+    a = torch.ones(2)
+    sig = _signature_of(forward, (a,), {"in_scale": 2.0, "out_scale": 3.0})
+    assert sig.binding is None
+    args, kwargs = _spelled(sig, a, out_scale=3.0, in_scale=2.0)
+    assert list(kwargs.items()) == [("in_scale", 2.0), ("out_scale", 3.0)]
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="keyword argument 'scale'"):
+        _spelled(sig, a, in_scale=2.0, scale=3.0)
 
 
 class Heads(torch.nn.Module):

@@ -82,8 +82,9 @@ class LoopCalibration:
         and record what its loop receives."""
         from .frontend.recognize import _inputs_at, params_and_buffers
 
-        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
         layout = rl.layout
+        args, kwargs = layout.spelled(tuple(args), dict(kwargs))    # as the graphs take them
+        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
         B, L = layout.sizes(flat)
         unit = layout.batch_unit
         rows = rl.B0 * unit

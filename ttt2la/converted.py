@@ -501,7 +501,8 @@ def _stream_calls() -> dict:
 
 
 def _flat_inputs(args, kwargs) -> list:
-    """The call's inputs flattened, in the layout the caller gave them: the outer graph reads
+    """The call's inputs flattened (spelled as the example call, ``_converted_forward``), in
+    the memory layout the caller gave them: the outer graph reads
     any layout (the frontend makes its views reshapes), so a slice of a longer sequence is not
     copied."""
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -515,8 +516,13 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     """The converted layer; with ``return_ttt_state=True`` (or a ``ttt_state``) it continues
     the sequence ``ttt_state`` left (``None``: from the start) and, when asked, returns
     ``(output, state_after)`` (``ttt2la.stream``). A layer whose own backward fails refuses a
-    backward through its output as well (``undifferentiable``)."""
+    backward through its output as well (``undifferentiable``). A call is first spelled as the
+    example call was (``InputLayout.spelled``): its arguments matched to the forward's
+    parameters by name, in the order the converted graphs take them."""
     state = self._ttt2la
+    spelled = getattr(state.layout, "spelled", None)
+    if spelled is not None:
+        args, kwargs = spelled(args, kwargs)
     if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):
         where = state._where()
         if ttt_state is not None or return_ttt_state:

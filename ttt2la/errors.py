@@ -49,8 +49,10 @@ class SideEffectError(UnsupportedTTTError):
 
 
 class UnsupportedShapeError(ConversionError):
-    """A converted layer was called at a shape its conversion does not cover (the layer's own
-    code ran only at some batch sizes when it was traced)."""
+    """A converted layer was called at a shape, or with arguments, its conversion does not
+    cover: the layer's own code ran only at some batch sizes when it was traced, a plain Python
+    argument has another value than the one built into its graphs, or the call passes an
+    argument its forward does not take (the message names it)."""
 
 
 class NonReducibleError(ConversionError):

@@ -6,10 +6,18 @@ sequence fixed, every other value (``h``, ``w``, a flag) baked in. A call that d
 optional mask passed or left out, a tensor of another rank or width, another ``h`` — would fail
 deep inside a graph with a raw exception, or silently use the baked-in value. ``CallSignature``
 answers it first, with an ``UnsupportedShapeError`` naming the input and saying what to pass.
+
+A call means what it means to the layer's ``forward``: its arguments are bound to the forward's
+parameters by name (``spelled``), so a keyword is never taken for the one the example passed in
+its place, keywords may come in any order, an argument may be passed by position or by keyword,
+and one the example left out may be passed at its default. The call is then spelled as the
+example was — its inputs in the order the graphs take them — before it is checked leaf by leaf.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,6 +27,8 @@ from ..validation import input_name
 
 #: how many inputs a message lists before it stops
 _SHOWN = 8
+#: how many spellings of a call a signature keeps the binding of
+_PLANS = 64
 
 
 @dataclass(frozen=True)
@@ -47,21 +57,200 @@ def _same_value(a, b) -> bool:
         return False
 
 
-@dataclass(frozen=True)
+class _From:
+    """A stand-in bound in a call's place: ``(0, i)``, its ``i``-th positional argument, or
+    ``(1, key)``, its keyword argument ``key``."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: tuple) -> None:
+        self.source = source
+
+
+def _pick(source: tuple, args: tuple, kwargs: dict):
+    """The value ``source`` names in the call: a positional argument, a keyword argument or
+    (``(2, value)``) a parameter's default."""
+    kind, at = source
+    return args[at] if kind == 0 else kwargs[at] if kind == 1 else at
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+#: each class's forward signature, without ``self`` (``None`` where it cannot bind a call)
+_SIGNATURES: "weakref.WeakKeyDictionary[type, inspect.Signature | None]" = \
+    weakref.WeakKeyDictionary()
+
+
+def forward_signature(cls: type) -> inspect.Signature | None:
+    """The signature calls of ``cls`` bind to (its ``forward`` without ``self``), or ``None``
+    where it has none that can (a builtin, a forward taking ``self`` in ``*args``)."""
+    cls = cls.__dict__.get("_ttt2la_original", cls)      # the user's class, if converted
+    try:
+        return _SIGNATURES[cls]
+    except KeyError:
+        pass
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+        sig = inspect.Signature(params[1:]) if params and params[0].kind in _POSITIONAL \
+            else None
+    except (TypeError, ValueError, AttributeError):
+        sig = None
+    _SIGNATURES[cls] = sig
+    return sig
+
+
+def _slots(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """Where each argument of the call ``(args, kwargs)`` binds in ``sig``: ``(name,)`` for a
+    parameter, ``(name, i)`` for the ``i``-th value of ``*name``, ``(name, key)`` for ``key``
+    of ``**name``. Raises ``TypeError`` where the call does not bind."""
+    sig.bind(*args, **kwargs)
+    params = list(sig.parameters.values())
+    named = [p.name for p in params if p.kind in _POSITIONAL]
+    var = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    varkw = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    positional = tuple((named[i],) if i < len(named) else (var, i - len(named))
+                       for i in range(len(args)))
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    keyword = tuple((k,) if k in sig.parameters and sig.parameters[k].kind in by_name
+                    else (varkw, k) for k in kwargs)
+    return positional, keyword
+
+
+@dataclass(frozen=True, eq=False)
 class CallSignature:
-    """The leaves of the example call, in the order the converted layer's graphs take them."""
+    """The leaves of the example call, in the order the converted layer's graphs take them;
+    how the example spelled its arguments (``positional`` of them by position, then
+    ``keywords`` in their order) and, where the forward's signature binds calls, where each
+    of them binds (``slots``) and the value the example gave every other parameter
+    (``others``: its default)."""
 
     leaves: tuple[Leaf, ...]
+    positional: int = 0
+    keywords: tuple[str, ...] = ()
+    binding: inspect.Signature | None = None
+    slots: tuple = ()
+    others: tuple = ()                  # (name, the example's value) of the parameters left out
+    _plans: dict = field(default_factory=dict, repr=False)   # spelling -> ``_plan``
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> "CallSignature":
+    def of(cls, args: tuple, kwargs: dict, module: torch.nn.Module | None = None
+           ) -> "CallSignature":
         leaves = []
         for path, x in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
             if isinstance(x, torch.Tensor):
                 leaves.append(Leaf(input_name(path, "input"), x.dim(), tuple(x.shape)))
             else:
                 leaves.append(Leaf(input_name(path, "input"), value=x))
-        return cls(tuple(leaves))
+        sig = None if module is None else forward_signature(type(module))
+        slots, others = (), ()
+        if sig is not None:
+            try:
+                positional, keyword = _slots(sig, tuple(args), dict(kwargs))
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:           # the signature says otherwise than the call that ran
+                sig = None
+            else:
+                bound.apply_defaults()
+                slots = positional + keyword
+                given = {s[0] for s in slots}
+                others = tuple((name, bound.arguments[name]) for name in sig.parameters
+                               if name not in given)
+        return cls(tuple(leaves), len(args), tuple(kwargs), sig, slots, others)
+
+    def spelled(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
+                path: str = "") -> tuple[tuple, dict]:
+        """The call ``(args, kwargs)`` spelled as the example was: each argument bound to the
+        parameter it means by the forward's signature, its keywords matched by name (never by
+        position), in the example's order. Raises ``UnsupportedShapeError`` naming the
+        argument where the call passes one the example did not, leaves out one it passed, or
+        gives a parameter the example left out another value than its default."""
+        if len(args) == self.positional and tuple(kwargs) == self.keywords:
+            return args, kwargs         # the example's own spelling: nothing to bind
+        key = (len(args), tuple(kwargs))
+        plan = self._plans.get(key)
+        if plan is None:                # binding depends on the spelling, not on the values
+            plan = self._plan(*key)
+            if len(self._plans) < _PLANS:
+                self._plans[key] = plan
+        problem, sources, checks = plan
+        if not problem:
+            for source, name, then in checks:   # left out by the example: at its default
+                now = _pick(source, args, kwargs)
+                if not (now is then or not isinstance(now, torch.Tensor)
+                        and _same_value(now, then)):
+                    shown = "a tensor" if isinstance(now, torch.Tensor) else repr(now)
+                    problem = (f"{name!r} = {shown}, but it was converted with {name!r} left at "
+                               f"its default {then!r}, which is built into the converted graphs")
+                    break
+        if problem:
+            raise UnsupportedShapeError(
+                f"the converted {path or 'layer'} was called with {problem}. It was converted "
+                f"for calls with {self.describe(batch_axis, token_axis)}; call it that way, or "
+                "convert it again with example inputs like this call's.")
+        values = [_pick(source, args, kwargs) for source in sources]
+        n = self.positional
+        return tuple(values[:n]), dict(zip(self.keywords, values[n:]))
+
+    def _plan(self, n_args: int, keywords: tuple) -> tuple[str, tuple, tuple]:
+        """How a call of ``n_args`` positional arguments and ``keywords`` is spelled as the
+        example: ``(problem, sources, checks)`` — what it passes that the example's spelling
+        cannot take ("" when nothing), where each of the example's arguments comes from, and
+        the parameters the example left out that it passes (each with the example's value)."""
+        if self.binding is None:        # positional inputs as given; keywords by name
+            if n_args != self.positional:
+                return (f"{n_args} positional argument(s), where the call it was converted from "
+                        f"passed {self.positional}"), (), ()
+            for k in keywords:
+                if k not in self.keywords:
+                    return (f"the keyword argument {k!r}, which the call it was converted from "
+                            "did not pass"), (), ()
+            for k in self.keywords:
+                if k not in keywords:
+                    return (f"no keyword argument {k!r}, which the call it was converted from "
+                            "passed"), (), ()
+            return "", tuple((0, i) for i in range(n_args)) + tuple((1, k) for k in
+                                                                   self.keywords), ()
+        # bind stand-ins: each parameter's value says where the call passes it from
+        try:
+            bound = self.binding.bind(*(_From((0, i)) for i in range(n_args)),
+                                      **{k: _From((1, k)) for k in keywords})
+        except TypeError as e:
+            return f"arguments its forward does not take ({e})", (), ()
+        bound.apply_defaults()
+        got = bound.arguments
+        sources = []
+        for slot in self.slots:
+            if len(slot) == 1:
+                value = got[slot[0]]
+            else:                       # a value of ``*name`` or ``**name``
+                name, at = slot
+                held = got[name]
+                if not (at in held if isinstance(at, str) else at < len(held)):
+                    thing = f"keyword argument {at!r} (**{name})" if isinstance(at, str) else \
+                        f"positional argument #{at} of *{name}"
+                    return f"no {thing}, which the call it was converted from passed", (), ()
+                value = held[at]
+            sources.append(value.source if isinstance(value, _From) else (2, value))
+        checks = []
+        for name, then in self.others:
+            kind = self.binding.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL or \
+                    kind is inspect.Parameter.VAR_KEYWORD:
+                continue
+            if isinstance(got[name], _From):    # else its default, as in the example
+                checks.append((got[name].source, name, then))
+        for p in self.binding.parameters.values():
+            used = [s[1] for s in self.slots if len(s) == 2 and s[0] == p.name]
+            held = got.get(p.name, ())
+            if p.kind is inspect.Parameter.VAR_POSITIONAL and len(held) > len(used):
+                return (f"{len(held) - len(used)} more positional argument(s) (*{p.name}) than "
+                        "the call it was converted from"), (), ()
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                for k in held:
+                    if k not in used:
+                        return (f"the keyword argument {k!r} (**{p.name}), which the call it "
+                                "was converted from did not pass"), (), ()
+        return "", tuple(sources), tuple(checks)
 
     def describe(self, batch_axis: dict, token_axis: dict) -> str:
         shown = [leaf.describe(batch_axis.get(i), token_axis.get(i))
@@ -79,8 +268,9 @@ class CallSignature:
                 "again with example inputs like this call's.")
         if len(flat) != len(self.leaves):
             raise UnsupportedShapeError(
-                f"{what} was called with {len(flat)} input(s) (arguments and keyword arguments, "
-                f"None included), but it was converted for {len(self.leaves)}. {tail}")
+                f"{what} was called with {len(flat)} input(s) (its arguments' tensors and values, "
+                f"containers' contents included), but it was converted for {len(self.leaves)}. "
+                f"{tail}")
         B = L = None
         x = flat[ref]
         if isinstance(x, torch.Tensor) and x.dim() == self.leaves[ref].rank:
@@ -117,4 +307,4 @@ class CallSignature:
         return ""
 
 
-__all__ = ["CallSignature", "Leaf"]
+__all__ = ["CallSignature", "Leaf", "forward_signature"]

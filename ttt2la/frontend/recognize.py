@@ -98,6 +98,14 @@ class InputLayout:
             f"batch size {B}, where the layer was traced at batch size {self.batch_unit} only: " \
             f"{self.batch_constant}"
 
+    def spelled(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call ``(args, kwargs)`` spelled as the example was, its arguments matched to the
+        forward's parameters by name (``CallSignature.spelled``), so that its flattened inputs
+        are in the order the converted graphs take them."""
+        if self.signature is None:
+            return args, kwargs
+        return self.signature.spelled(args, kwargs, self.batch_axis, self.token_axis, self.path)
+
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         if self.signature is not None:
             self.signature.check(flat_inputs, self.batch_axis, self.token_axis, self.ref,
@@ -323,8 +331,10 @@ def _config_value(v):
     raise _Uncacheable(type(v).__name__)          # a tensor (its value is baked in), an object
 
 
-def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
-    """What determines the traces of a layer: its code, configuration and tensor shapes.
+def _signature(cand: LoopCandidate, flat: list, in_spec, seq_len) -> tuple | None:
+    """What determines the traces of a layer: its code, configuration, tensor shapes and the
+    call's arguments by name (``in_spec``: one value passed as another keyword is another
+    call).
 
     Parameters and buffers are graph inputs, so their values do not matter; plain Python
     attributes (chunk size, switches, containers of them) steer the code and are part of the
@@ -344,7 +354,7 @@ def _signature(cand: LoopCandidate, flat: list, seq_len) -> tuple | None:
                     for n, t in params_and_buffers(cand.module).items())
     inputs = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor)
                    else ("value", repr(x)) for x in flat)
-    key = (type(cand.module), tuple(attrs), tensors, inputs, seq_len, cand.loop)
+    key = (type(cand.module), tuple(attrs), tensors, in_spec, inputs, seq_len, cand.loop)
     try:
         hash(key)
     except TypeError:
@@ -366,8 +376,8 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
         raise SideEffectError(side_effect_refusal(_layer_name(cand), cand.module, written),
                               attribute=written[0],
                               where=assignment_site(cand.module, written[0]) or None)
-    flat, _ = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
-    key = _signature(cand, flat, seq_len)
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    key = _signature(cand, flat, in_spec, seq_len)
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -462,7 +472,7 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
                         if any(n in x.shape[1:] for x in tensors)), None)
     _refuse_fixed_cuts(cand, seq_len)
     layout = _layout(flat, seq_len, batch)
-    layout.signature = CallSignature.of(cand.args, cand.kwargs)
+    layout.signature = CallSignature.of(cand.args, cand.kwargs, cand.module)
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
     try:

@@ -536,7 +536,7 @@ def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
         layout = _layout(flat, seq_len, batch)
     except ConversionError:
         raise refusal from None
-    layout.signature = CallSignature.of(cand.args, cand.kwargs)
+    layout.signature = CallSignature.of(cand.args, cand.kwargs, cand.module)
     step = _Step(cand, flat, in_spec, layout)
     try:
         b0, b1, unit, fixed = 2, 3, 1, False
