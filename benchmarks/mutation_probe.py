@@ -1321,6 +1321,10 @@ MUTATIONS = [
         "keywords_out_of_the_cache_key", "layers of one class whose calls pass one value as different keywords share one trace",
         (("ttt2la/frontend/recognize.py", "tensors, in_spec, inputs, seq_len, cand.loop)", "tensors, inputs, seq_len, cand.loop)"),),
         ("tests/test_call_errors.py",), "traced_apart"),
+    Mutation(
+        "dict_keys_by_position", "a dict inside a call's arguments is compared and fed to the graphs by position, not by its keys",
+        (("ttt2la/frontend/call_signature.py", "        nested = paths if any(", "        nested = () if any("),),
+        ("tests/test_call_errors.py",), "dict_argument"),
 ]
 
 

@@ -477,3 +477,44 @@ def test_non_finite_weights_are_named(value):
     masked = torch.nn.Linear(2, 2)
     masked.register_buffer("mask", torch.full((2, 2), float("-inf")).triu(1))
     check_finite_weights(masked)
+
+
+class Keyed(torch.nn.Module):
+    """A chunked linear memory given extra keys and values in one dict and two numbers in
+    another: a call listing a dict's keys in another order means the same function."""
+
+    C = 4
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x, extra: dict, scales: dict):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        k, v, q = k + extra["k"], v + extra["v"], q + scales["shift"]
+        W = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for s in range(0, x.shape[1], self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        return torch.cat(outs, 1) * scales["out"]
+
+
+def test_a_dict_argument_is_read_by_its_keys_in_any_order():
+    """Its leaves were compared by position: keys and values given in the other order ran the
+    graphs with the keys as values, and swapped numbers passed for the built-in ones."""
+    torch.manual_seed(0)
+    layer, x = Keyed(), torch.randn(B, 12, D)
+    extra = {"k": torch.randn(B, 12, D), "v": torch.randn(B, 12, D)}
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x, extra, {"shift": 1.0, "out": 2.0}))
+    swapped = {"v": extra["v"], "k": extra["k"]}
+    with torch.no_grad():
+        want = layer(x, extra, {"shift": 1.0, "out": 2.0})
+        got = conv(x, swapped, {"out": 2.0, "shift": 1.0})
+        assert rel_rms_error(got, want) <= TOLERANCE[torch.float32]
+        with pytest.raises(ttt2la.UnsupportedShapeError, match=r"#2\['shift'\] = 2.0"):
+            conv(x, extra, {"out": 1.0, "shift": 2.0})
+        with pytest.raises(ttt2la.UnsupportedShapeError, match=r"no #2\['out'\]"):
+            conv(x, extra, {"shift": 1.0})
+        with pytest.raises(ttt2la.UnsupportedShapeError, match=r"#1\['q'\], which the example"):
+            conv(x, {**extra, "q": x}, {"shift": 1.0, "out": 2.0})

@@ -10,8 +10,9 @@ answers it first, with an ``UnsupportedShapeError`` naming the input and saying 
 A call means what it means to the layer's ``forward``: its arguments are bound to the forward's
 parameters by name (``spelled``), so a keyword is never taken for the one the example passed in
 its place, keywords may come in any order, an argument may be passed by position or by keyword,
-and one the example left out may be passed at its default. The call is then spelled as the
-example was — its inputs in the order the graphs take them — before it is checked leaf by leaf.
+and one the example left out may be passed at its default; a dict inside an argument is read by
+its keys, in any order. The call is then spelled as the example was — its inputs in the order
+the graphs take them — before it is checked leaf by leaf.
 """
 from __future__ import annotations
 
@@ -130,13 +131,19 @@ class CallSignature:
     binding: inspect.Signature | None = None
     slots: tuple = ()
     others: tuple = ()                  # (name, the example's value) of the parameters left out
+    nested: tuple = ()                  # the leaves' key paths, where a dict sits in an argument
+    spec: pytree.TreeSpec | None = None     # the example's structure, where ``nested``
     _plans: dict = field(default_factory=dict, repr=False)   # spelling -> ``_plan``
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict, module: torch.nn.Module | None = None
            ) -> "CallSignature":
         leaves = []
-        for path, x in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        flat, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+        paths = tuple(path for path, _ in flat)
+        nested = paths if any(isinstance(k, pytree.MappingKey) for path in paths
+                              for k in path[2:]) else ()
+        for path, x in flat:
             if isinstance(x, torch.Tensor):
                 leaves.append(Leaf(input_name(path, "input"), x.dim(), tuple(x.shape)))
             else:
@@ -155,7 +162,8 @@ class CallSignature:
                 given = {s[0] for s in slots}
                 others = tuple((name, bound.arguments[name]) for name in sig.parameters
                                if name not in given)
-        return cls(tuple(leaves), len(args), tuple(kwargs), sig, slots, others)
+        return cls(tuple(leaves), len(args), tuple(kwargs), sig, slots, others, nested,
+                   spec if nested else None)
 
     def spelled(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
                 path: str = "") -> tuple[tuple, dict]:
@@ -165,7 +173,9 @@ class CallSignature:
         argument where the call passes one the example did not, leaves out one it passed, or
         gives a parameter the example left out another value than its default."""
         if len(args) == self.positional and tuple(kwargs) == self.keywords:
-            return args, kwargs         # the example's own spelling: nothing to bind
+            # the example's own spelling: nothing to bind
+            return self._keys_as_example(args, kwargs, batch_axis, token_axis, path) \
+                if self.nested else (args, kwargs)
         key = (len(args), tuple(kwargs))
         plan = self._plans.get(key)
         if plan is None:                # binding depends on the spelling, not on the values
@@ -189,7 +199,28 @@ class CallSignature:
                 "convert it again with example inputs like this call's.")
         values = [_pick(source, args, kwargs) for source in sources]
         n = self.positional
-        return tuple(values[:n]), dict(zip(self.keywords, values[n:]))
+        args, kwargs = tuple(values[:n]), dict(zip(self.keywords, values[n:]))
+        return self._keys_as_example(args, kwargs, batch_axis, token_axis, path) \
+            if self.nested else (args, kwargs)
+
+    def _keys_as_example(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
+                         path: str) -> tuple[tuple, dict]:
+        """The call's dicts with their keys in the example's order, so that its flattened
+        inputs are the graphs' by key, not by position; raises ``UnsupportedShapeError``
+        naming the keys where the call's dicts hold others than the example's."""
+        flat = dict(pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0])
+        if flat.keys() != set(self.nested):
+            missing = [input_name(p, "input") for p in self.nested if p not in flat]
+            extra = [input_name(p, "input") for p in flat if p not in set(self.nested)]
+            said = "; ".join(filter(None, (
+                f"no {', '.join(missing[:_SHOWN])}" if missing else "",
+                f"{', '.join(extra[:_SHOWN])}, which the example did not pass" if extra
+                else "")))
+            raise UnsupportedShapeError(
+                f"the converted {path or 'layer'} was called with {said}. It was converted for "
+                f"calls with {self.describe(batch_axis, token_axis)}; call it that way, or "
+                "convert it again with example inputs like this call's.")
+        return pytree.tree_unflatten([flat[p] for p in self.nested], self.spec)
 
     def _plan(self, n_args: int, keywords: tuple) -> tuple[str, tuple, tuple]:
         """How a call of ``n_args`` positional arguments and ``keywords`` is spelled as the
