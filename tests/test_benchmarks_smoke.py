@@ -377,7 +377,7 @@ def test_fused_styles_benchmark_prints_every_row_with_its_error(capsys):
         import fused_styles as bench
     finally:
         sys.path.remove(str(BENCHMARKS))
-    cases = list(bench.cases(True, dim=8, batch=2, length=256))
+    cases = list(bench.cases(True, dim=8, batch=2, length=128))
     bench.print_table(cases, rounds=1)
     rows = [r for r in capsys.readouterr().out.splitlines()
             if r.startswith("| ") and not r.startswith("| case")]
@@ -429,7 +429,7 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
         import fla_reference as bench
     finally:
         sys.path.remove(str(BENCHMARKS))
-    bench.print_table(list(bench.cases(True, dim=16, heads=2, batch=2, length=40)), rounds=1)
+    bench.print_table(list(bench.cases(True, dim=16, heads=2, batch=2, length=32)), rounds=1)
     rows = [r for r in capsys.readouterr().out.splitlines()
             if r.startswith("| ") and not r.startswith("| case")]
     assert len(rows) == 60

@@ -180,7 +180,7 @@ def _check_chunk_draw(c, bf16):
     check_chunk(seed, chunk_size, final, dtype=dtype, **with_enough_elements(dtype, c))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(c=chunk_shapes, bf16=st.booleans())
 def test_chunk_op_random_shapes(c, bf16):
     _check_chunk_draw(c, bf16)
