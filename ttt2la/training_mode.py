@@ -46,10 +46,12 @@ def training_dependence(module: nn.Module, args: tuple, kwargs: dict) -> str:
     evaluation mode (run once in each, eagerly, without gradients, the random generators and
     buffers left as they were), else what differs: its mode-dependent submodules, its own code,
     or a failure in training mode."""
-    buffers = [(b, b.clone()) for b in module.buffers()]    # batch norm's running statistics
+    from .as_found import buffers_kept      # which builds on this module's ``evaluating``
+
     outputs = []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+        # buffers_kept: batch norm's running statistics as they were
+        with buffers_kept(module), torch.no_grad(), torch.random.fork_rng(devices=[]), \
                 torch.compiler.set_stance("force_eager"):
             for training in (True, False):
                 with in_mode(module, training=training):
@@ -57,10 +59,6 @@ def training_dependence(module: nn.Module, args: tuple, kwargs: dict) -> str:
     except Exception as e:                   # e.g. batch norm on a batch of one, in training
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"it fails on its example in training mode ({type(e).__name__}: {first})"
-    finally:
-        with torch.no_grad():
-            for b, before in buffers:
-                b.copy_(before)
     same = len(outputs[0]) == len(outputs[1]) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
         else a == b for a, b in zip(*outputs))
