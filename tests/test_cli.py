@@ -88,9 +88,12 @@ def test_ctrl_c_while_the_command_imports_is_one_line():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(ttt2la.__file__)))]
         + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    # Launched as an interactive shell launches it: Ctrl-C not ignored, whatever this test
+    # process inherited (a test runner's worker may ignore SIGINT, and children inherit that).
     child = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "ttt2la", "inspect",
                               "--zoo", "per-token"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+                             stderr=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     installed = False
     for line in child.stderr:           # an import done after the handler's module: installed
         if installed:
