@@ -9,9 +9,11 @@ The frames are what the loop recognizer uses to tell loop iterations apart.
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import re
+import sys
 from typing import Any, Callable
 
 import torch
@@ -32,6 +34,7 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_user_file(path: str) -> bool:
     if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR + os.sep + "frontend"):
         return False
@@ -41,22 +44,54 @@ def _is_user_file(path: str) -> bool:
         and "/functools.py" not in path and "/typing.py" not in path
 
 
+class _UserStack(list):
+    """The user frames of a stack, each already as ``traceback`` formats it."""
+
+    def format(self) -> list[str]:
+        return self
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _frame_line(file: str, line: int, function: str) -> str:
+    return f'  File "{file}", line {line}, in {function}\n'
+
+
+class _UserFramesOnly:
+    """Stands in for fx's ``CapturedTraceback`` while tracing: the user frames of the stack, read
+    from the live frames without their source lines (``parse_frames`` reads those once per
+    line). fx's own capture symbolizes and formats every frame, the caller's included (a test
+    runner's fifty), for every node: most of a trace's time."""
+
+    @staticmethod
+    def extract() -> "_UserFramesOnly":
+        return _UserFramesOnly()
+
+    @staticmethod
+    def summary() -> _UserStack:
+        lines = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            if _is_user_file(code.co_filename):
+                lines.append(_frame_line(code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        lines.reverse()
+        return _UserStack(lines)
+
+
 @contextlib.contextmanager
 def _all_user_frames():
-    """Make fx keep every user frame in ``node.stack_trace`` (it keeps only ``forward`` ones)."""
-    from torch.fx.proxy import TracerBase
+    """Make fx keep every user frame in ``node.stack_trace`` (it keeps only ``forward`` ones),
+    captured by ``_UserFramesOnly`` and kept as captured."""
+    import torch.fx.proxy as fx_proxy
 
-    original = TracerBase._filter_traceback_frames
-
-    def keep_user(self, summary):
-        frames = [f for f in summary if _is_user_file(f.filename)]
-        return type(summary).from_list(frames)
-
-    TracerBase._filter_traceback_frames = keep_user
+    original = fx_proxy.TracerBase._filter_traceback_frames, fx_proxy.CapturedTraceback
+    fx_proxy.TracerBase._filter_traceback_frames = lambda self, summary: summary
+    fx_proxy.CapturedTraceback = _UserFramesOnly
     try:
         yield
     finally:
-        TracerBase._filter_traceback_frames = original
+        fx_proxy.TracerBase._filter_traceback_frames, fx_proxy.CapturedTraceback = original
 
 
 @contextlib.contextmanager

@@ -85,6 +85,33 @@ def _loops_in_file(file: str) -> tuple[LoopSite, ...]:
     return tuple(found)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _loops_at(frame: SourceLoc) -> tuple[LoopSite, ...]:
+    """The loops whose body holds ``frame``'s line: every node is asked about every one of its
+    frames, and a trace's nodes share most of them."""
+    return tuple(loop for loop in _loops_in_file(frame.file) if loop.contains(frame))
+
+
+#: ``id`` of a node's frames tuple -> (the tuple, kept alive so the id stays its own; the depth
+#: of the first frame inside each loop)
+_DEPTHS: dict[int, tuple[tuple, dict]] = {}
+
+
+def _loop_depths(frames: tuple[SourceLoc, ...]) -> dict[LoopSite, int]:
+    """Each loop some frame of ``frames`` is inside, with the index of the first such frame."""
+    hit = _DEPTHS.get(id(frames))
+    if hit is not None and hit[0] is frames:
+        return hit[1]
+    depths: dict[LoopSite, int] = {}
+    for depth, frame in enumerate(frames):
+        for loop in _loops_at(frame):
+            depths.setdefault(loop, depth)
+    if len(_DEPTHS) >= 1 << 15:
+        _DEPTHS.clear()
+    _DEPTHS[id(frames)] = (frames, depths)
+    return depths
+
+
 def node_frames(node: torch.fx.Node) -> tuple[SourceLoc, ...]:
     return node.meta.get(FRAMES, ())
 
@@ -92,6 +119,8 @@ def node_frames(node: torch.fx.Node) -> tuple[SourceLoc, ...]:
 def loops_of(node: torch.fx.Node, where=LoopSite.contains, outer: int = 0) -> set[LoopSite]:
     """The loops whose body (or, with ``LoopSite.header_contains``, whose statement) holds one
     of ``node``'s frames, the ``outer`` outermost frames left out."""
+    if where is LoopSite.contains:
+        return {loop for f in node_frames(node)[outer:] for loop in _loops_at(f)}
     return {loop for f in node_frames(node)[outer:]
             for loop in _loops_in_file(f.file) if where(loop, f)}
 
@@ -99,8 +128,8 @@ def loops_of(node: torch.fx.Node, where=LoopSite.contains, outer: int = 0) -> se
 def caller_depth(gm: torch.fx.GraphModule) -> int:
     """How many outermost frames every op of ``gm`` shares: the stack that called the traced
     code (a script's or a test runner's loop around the call is no loop of the code)."""
-    chains = [node_frames(n) for n in gm.graph.nodes if n.op == "call_function"]
-    chains = [c for c in chains if c]
+    chains = {id(c): c for n in gm.graph.nodes if n.op == "call_function" and (c := node_frames(n))}
+    chains = list(chains.values())      # nodes of one line share their frames' tuple
     if not chains:
         return 0
     depth = 0
@@ -111,20 +140,16 @@ def caller_depth(gm: torch.fx.GraphModule) -> int:
 
 def loop_depth(node: torch.fx.Node, loop: LoopSite) -> int | None:
     """Index of the frame through which ``node`` is inside ``loop`` (None when it is not)."""
-    for depth, frame in enumerate(node_frames(node)):
-        if loop.contains(frame):
-            return depth
-    return None
+    return _loop_depths(node_frames(node)).get(loop)
 
 
 def find_loops(gm: torch.fx.GraphModule) -> list[tuple[LoopSite, int]]:
     """Every loop some node of ``gm`` ran inside, with its frame depth, outermost first."""
     seen: dict[LoopSite, int] = {}
-    for node in gm.graph.nodes:
-        for depth, frame in enumerate(node_frames(node)):
-            for loop in _loops_in_file(frame.file):
-                if loop.contains(frame):
-                    seen[loop] = min(seen.get(loop, depth), depth)
+    chains = {id(frames): frames for frames in map(node_frames, gm.graph.nodes)}
+    for frames in chains.values():      # nodes of one line share their frames' tuple
+        for loop, depth in _loop_depths(frames).items():
+            seen[loop] = min(seen.get(loop, depth), depth)
     return sorted(seen.items(), key=lambda kv: (kv[1], kv[0].line))
 
 
