@@ -18,7 +18,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "ye
 # The kernels use these (and ``tl.full`` for ``tl.zeros``) instead of ``tl.cdiv``/``tl.sum``/``tl.cumsum``:
 # those are ``@jit`` functions of Triton's own library, built when Triton is imported, so they cannot run in
 # the CPU interpreter unless Triton itself was imported with ``TRITON_INTERPRET=1`` (and torch imports Triton
-# early, e.g. for ``torch._dynamo``).
+# early, e.g. for ``torch._dynamo``). Sums and cumulative sums combine with Triton's own ``_sum_combine``, the
+# ``a + b`` that ``tl.sum`` and ``tl.cumsum`` pass: compiled, it is any ``a + b``; the interpreter never calls
+# it, but recognises it and sums with numpy, where it would call a combine of ours in Python once per
+# element (a scan) or per row (a reduction).
 
 @triton.jit
 def cdiv(a, b):
@@ -27,20 +30,15 @@ def cdiv(a, b):
 
 
 @triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
 def total(x, axis: tl.constexpr):
     """Sum of ``x`` along ``axis``."""
-    return tl.reduce(x, axis, _add)
+    return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
 @triton.jit
 def cumulative(x, axis: tl.constexpr, REVERSE: tl.constexpr):
     """Inclusive cumulative sum of ``x`` along ``axis`` (from the end with ``REVERSE``)."""
-    return tl.associative_scan(x, axis, _add, reverse=REVERSE)
+    return tl.associative_scan(x, axis, tl.standard._sum_combine, reverse=REVERSE)
 
 
 @triton.jit
