@@ -340,6 +340,53 @@ def test_sweep_outputs_are_written_whole_or_not_at_all(tmp_path, capsys, monkeyp
     assert (tmp_path / "x.png").read_text() == "an older plot"
 
 
+class _SweptTable:
+    """What a stubbed ``ttt2la.sweep`` returns: enough of a ``SweepReport`` to print."""
+
+    def to_json(self):
+        return "{}"
+
+
+def _record_sweep(monkeypatch) -> dict:
+    calls = {}
+
+    def sweep(model, calibration=None, **kwargs):
+        calls.update(model=model, calibration=calibration, **kwargs)
+        return _SweptTable()
+    monkeypatch.setattr(ttt2la, "sweep", sweep)
+    return calls
+
+
+def test_sweep_reads_the_model_and_inputs_as_convert_does(files, capsys, monkeypatch):
+    """``sweep`` takes ``--example-shape``, ``--model``/``--config`` and a checkpoint the way
+    ``convert`` does; its calibration data are drawn the same way, ``--calibration-batch``
+    sequences from the next seed."""
+    calls = _record_sweep(monkeypatch)
+    assert main(["sweep", "--zoo", "per-token", "--example-shape", "2,16,64",
+                 "--calibration-batch", "3", "--format", "json"]) == 0
+    assert calls["example_inputs"][0].shape == (2, 16, 64)
+    assert calls["calibration"][0].shape == (3, 16, 64)
+    assert not torch.equal(calls["calibration"][0][:2], calls["example_inputs"][0])
+    assert main(["sweep", str(files / "good.safetensors"), "--model", FACTORY, "--config",
+                 str(files / "kwargs.json"), "--example-shape", "1,32", "--format", "json"]) == 0
+    assert isinstance(calls["model"], TinyLaCTLM)
+    assert calls["example_inputs"][0].shape == (1, 32)
+    assert calls["calibration"][0].shape == (2, 32)
+
+
+@pytest.mark.parametrize("extra, error, says", [
+    (["--example-inputs", "no-such.safetensors"], "CheckpointError", "no-such.safetensors"),
+    (["--model", "no.such:factory"], "InvalidInputError", "--model no.such:factory"),
+    (["--config", "{}"], "InvalidInputError", "--config"),
+    (["--example-shape", "1,16,64", "--example-inputs", "x.safetensors"], "InvalidInputError",
+     "not both"),
+])
+def test_sweep_refuses_what_convert_refuses(extra, error, says, capsys, monkeypatch):
+    calls = _record_sweep(monkeypatch)
+    refused(["sweep", "--zoo", "per-token", *extra], capsys, error, says)
+    assert calls == {}
+
+
 class PositionalLM(torch.nn.Module):
     """Token ids in: an embedding plus a learned position parameter held by the model itself."""
 

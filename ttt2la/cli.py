@@ -275,8 +275,9 @@ def _progress(console: Console) -> Progress:
 
 
 def _say(console: Console, text: str) -> None:
-    """Print plain text: no markup, no highlighting, no wrapping (Markdown tables stay intact)."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    """Print plain text: no markup, no highlighting, no emoji codes (``pkg:factory:`` stays as
+    written), no wrapping (Markdown tables stay intact)."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
 def _print_report(console: Console, report, markdown: bool) -> None:
@@ -404,20 +405,25 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Convert a bundled model at every level and print the paper's Table 2 for it."""
-    refused = _refuse_without_zoo(args, err, "sweeping a checkpoint file")
-    if refused:
-        return refused
+    """Convert a model at every level and print the paper's Table 2 for it.
+
+    The model and its example inputs come from the same options, read the same way, as for
+    ``convert`` (a bundled model, a checkpoint with ``--model``/``--config``, ``--example-shape``,
+    ``--example-inputs``); the calibration data are drawn like the example inputs with
+    ``--calibration-batch`` sequences and the next seed, or are the example inputs themselves
+    when those come from a file."""
     import ttt2la
 
     _check_outputs(args)
-    model = build_zoo_model(args.zoo, args.seed)
-    inputs = ZOO[args.zoo].example_inputs(args.batch, args.length, args.seed)
-    calibration = ZOO[args.zoo].example_inputs(args.calibration_batch, args.length,
-                                               args.seed + 1)
+    source, spec, (inputs, kwargs) = _open_source(args, err)
+    if inputs is None:
+        raise InvalidInputError(f"{_model_name(args)}: no example inputs to sweep on; pass "
+                                "--example-shape B,L[,D] or --example-inputs FILE.safetensors")
+    calibration = _calibration_inputs(spec, args.calibration_batch)
     with err.status("sweeping") as status:
-        table = ttt2la.sweep(model, calibration, example_inputs=inputs, levels=args.levels,
-                             backend=args.backend, time_budget=args.max_seconds,
+        table = ttt2la.sweep(source.model, calibration, example_inputs=inputs,
+                             example_kwargs=kwargs, levels=args.levels, backend=args.backend,
+                             time_budget=args.max_seconds,
                              progress=lambda msg: status.update(f"sweep: {msg}"))
     if args.format == "markdown":
         out.print(table.to_markdown(), markup=False, highlight=False)
@@ -434,6 +440,22 @@ def cmd_sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
             table.plot(str(tmp))
         _say(err, f"plot written to {args.plot}")
     return 0
+
+
+def _calibration_inputs(spec: dict, batch: int) -> tuple | None:
+    """Calibration data for ``sweep``: ``batch`` sequences drawn as the example-input ``spec``
+    draws its own, from the next seed; ``None`` (the example inputs serve) for inputs read from
+    a file, which cannot be drawn again."""
+    from .checkpoint.example_inputs import build_inputs
+
+    kind = spec.get("kind")
+    if kind == "zoo":
+        spec = {**spec, "batch": batch}
+    elif kind in ("token_ids", "normal"):
+        spec = {**spec, "shape": [batch, *spec["shape"][1:]]}
+    else:
+        return None
+    return build_inputs({**spec, "seed": int(spec["seed"]) + 1})[0]
 
 
 def _write_text(path: str, text: str, console: Console, what: str = "") -> None:
@@ -474,23 +496,6 @@ def _token_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}")
-
-
-def _refuse_without_zoo(args: argparse.Namespace, err: Console, checkpoint_use: str) -> int:
-    """The exit status when the command was not given a bundled model to work on, else 0."""
-    if args.checkpoint:
-        return _unsupported(err, checkpoint_use)
-    if args.zoo is None:
-        _say(err, f"ttt2la {args.command}: name a bundled model with --zoo NAME, one of: "
-                  f"{', '.join(sorted(ZOO))}")
-        return EXIT_UNSUPPORTED
-    return 0
-
-
-def _unsupported(err: Console, what: str) -> int:
-    _say(err, f"ttt2la: {what} is not implemented yet. Use --zoo NAME to work on a bundled "
-              "model.")
-    return EXIT_UNSUPPORTED
 
 
 # -- models and inputs named on the command line ------------------------------------------------
