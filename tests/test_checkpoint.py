@@ -140,7 +140,9 @@ def test_load_refuses_an_unknown_manifest_version(lm_copy):
     ("files", ["../model.safetensors"], "not the name of a file"),
     ("recipe", {"kind": "zoo", "name": ["lact-lm"]}, "malformed model recipe"),
     ("example_inputs", {"kind": "normal", "shape": [1, -5, 32], "dtype": "float32", "seed": 0},
-     "malformed example-input spec")])
+     "malformed example-input spec"),
+    ("report", {"kind": "conversion", "version": 1, "level": 1, "backend": "torch",
+                "strict": True, "layers": [1]}, "layers[0] is int 1, not an object")])
 def test_load_refuses_a_malformed_manifest(lm_copy, field, value, says):
     """A manifest is read, never trusted: a field of another type, a file outside the
     directory or example inputs that cannot be built is a ``ManifestError`` naming the file."""

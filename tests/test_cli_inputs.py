@@ -200,6 +200,43 @@ def test_hf_remote_code_needs_trust(files, tmp_path, capsys):
     assert listing(tmp_path) == {"hf", "hf/config.json", "hf/model.safetensors", "hf/modeling.py"}
 
 
+@pytest.mark.parametrize("code, says", [
+    ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+    ("def build(:\n", "SyntaxError"),
+])
+def test_a_factory_module_that_fails_on_import(files, tmp_path, capsys, monkeypatch, code, says):
+    """A ``--model`` module whose own code fails on import (as a manifest's trusted factory
+    does too: both go through ``resolve_factory``) is one line naming it, not a traceback."""
+    (tmp_path / "failing_factory.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "failing_factory", raising=False)
+    argv = ["convert", str(files / "good.safetensors"), "--model", "failing_factory:build"]
+    refused(argv, capsys, "CheckpointError", "failing_factory", says)
+
+
+@pytest.mark.parametrize("code, says", [(None, "OSError"),
+                                        ("raise RuntimeError('broken')\n", "RuntimeError: broken")])
+def test_hf_remote_code_that_is_missing_or_fails(files, tmp_path, capsys, code, says):
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "auto_map": {"AutoModel": "modeling.M"}}))
+    (hf / "model.safetensors").write_bytes((files / "good.safetensors").read_bytes())
+    if code is not None:
+        (hf / "modeling.py").write_text(code)
+    refused(["convert", str(hf), "--trust-remote-code"], capsys, "CheckpointError",
+            "config.json", "modeling.M", says)
+
+
+def test_an_output_that_is_the_current_directory(files, tmp_path, capsys, monkeypatch):
+    """``--out . --force`` would replace the directory the command runs in: refused up front."""
+    monkeypatch.chdir(tmp_path)
+    refused(state_argv(files, files / "good.safetensors", "--force", out="."), capsys,
+            "CheckpointError", "--out .", "current directory")
+    assert listing(tmp_path) == set()
+
+
 # -- options ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", ["7", "-1", "two"])
 def test_a_level_outside_0_to_6(files, tmp_path, capsys, level):

@@ -63,3 +63,13 @@ def test_token_ids_outside_the_vocabulary_are_bad_input(checkpoint, capsys):
     assert main(["generate", str(out), "--prompt-ids", "3,999", "--tokens", "2"]) == \
         EXIT_BAD_INPUT
     assert "outside the model's vocabulary" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0(tmp_path, capsys, temperature):
+    """Refused before the checkpoint is read (so none is needed here), not deep in sampling."""
+    assert main(["generate", str(tmp_path), "--tokens", "2", "--temperature", temperature]) == \
+        EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ttt2la generate: InvalidInputError: temperature must be a finite "
+                          "number >= 0") and len(err.splitlines()) == 1, err

@@ -203,3 +203,44 @@ def test_rich_console_renders_the_report_objects():
     console.print(InspectionReport(layers=[lact_layer_report()]))
     exported = console.export_text()
     assert "freeze_theta" in exported and "1 TTT layer found" in exported
+
+
+def _paths(value, path=()):
+    """Every path into a JSON document: keys of objects, indices of lists."""
+    yield path
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from _paths(item, path + (key,))
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner,
+                                                                max_size=2),
+    max_leaves=4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), replacement=_json_values)
+def test_a_report_with_any_field_replaced_renders_or_is_refused(data, replacement):
+    """A report read from a file is checked field by field: with any field, however nested,
+    replaced by any JSON value, it either renders in every form or is refused with a
+    ``ReportFormatError`` — never another exception from deep in the rendering."""
+    import copy
+
+    base = conversion_report().to_dict()
+    paths = [p for p in _paths(base) if p]
+    path = data.draw(st.sampled_from(paths))
+    d = copy.deepcopy(base)
+    target = d
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = replacement
+    try:
+        report = load_report(json.loads(json.dumps(d)))
+    except ReportFormatError:
+        return
+    report.to_markdown()
+    render_text(report)
+    json.dumps(report.to_dict())

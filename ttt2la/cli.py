@@ -471,8 +471,9 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Sample from a converted language-model checkpoint, the fast weights carried across
     tokens (``ttt2la.Stream``)."""
     import ttt2la
-    from .generate import generate_text, sample_tokens
+    from .generate import check_temperature, generate_text, sample_tokens
 
+    check_temperature(args.temperature)             # before the checkpoint is loaded
     sampling = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     with err.status(f"loading {args.checkpoint}"):
         model = ttt2la.load(args.checkpoint, factory=args.model,

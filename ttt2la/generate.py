@@ -22,6 +22,17 @@ def _logits(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
+def check_temperature(temperature) -> None:
+    """Refuse a sampling temperature that is not a finite number >= 0 (NaN or infinity would
+    only fail deep in sampling, or sample nonsense)."""
+    import math
+
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise InvalidInputError(f"temperature must be a finite number >= 0 (0 is greedy), got "
+                                f"{temperature!r}")
+
+
 def sample_tokens(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, seed: int = 0
                   ) -> Iterator[int]:
@@ -33,8 +44,7 @@ def sample_tokens(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int, *
     if vocab is not None and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
         raise InvalidInputError(f"the prompt holds token ids outside the model's vocabulary "
                                 f"0..{vocab - 1}")
-    if temperature < 0:
-        raise InvalidInputError(f"temperature must be >= 0, got {temperature}")
+    check_temperature(temperature)
     gen = torch.Generator().manual_seed(seed)
     stream = Stream(model)
     with torch.no_grad():
@@ -80,4 +90,4 @@ def generate_text(model: torch.nn.Module, prompt: str, n_tokens: int, *,
     return "".join(out)
 
 
-__all__ = ["sample_tokens", "generate_text", "vocabulary_size"]
+__all__ = ["check_temperature", "sample_tokens", "generate_text", "vocabulary_size"]

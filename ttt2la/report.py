@@ -92,22 +92,30 @@ class LayerReport:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LayerReport":
-        """Rebuild a layer report from ``to_dict``'s output (or the same dict after a JSON round trip)."""
-        try:
-            fields = dict(d)
-            fields["states"] = [StateRecord(**s) for s in d["states"]]
-            fields["passes"] = [PassRecord(**p) for p in d["passes"]]
-            fields["streams"] = list(d["streams"])
-            fields["notes"] = list(d.get("notes", []))
-            if d.get("levels") is not None:
-                fields["levels"] = {int(k): v for k, v in d["levels"].items()}
-            return cls(**fields)
-        except (KeyError, TypeError, ValueError) as e:
-            where = d.get("module_path", "?") if isinstance(d, dict) else "?"
-            raise ReportFormatError(
-                f"the report entry for layer {where!r} is malformed ({e}); "
-                "re-create the report with this version of ttt2la") from e
+    def from_dict(cls, d: dict, where: str = "layer") -> "LayerReport":
+        """Rebuild a layer report from ``to_dict``'s output (or the same dict after a JSON round
+        trip). Every field is checked, nested ones too, so a report read from a file renders or
+        is refused with a ``ReportFormatError`` naming the field (``where``: how the caller
+        names this entry, e.g. ``layers[0]``)."""
+        where = f"{where} {d.get('module_path')!r}" \
+            if isinstance(d, dict) and isinstance(d.get("module_path"), str) else where
+        fields = _record(d, _LAYER_FIELDS, where)
+        fields["states"] = [StateRecord(**_record(s, _STATE_FIELDS, f"{where}: states[{i}]"))
+                            for i, s in enumerate(fields["states"])]
+        fields["passes"] = [PassRecord(**_record(p, _PASS_FIELDS, f"{where}: passes[{i}]"))
+                            for i, p in enumerate(fields["passes"])]
+        for name in ("streams", "notes"):
+            _items(fields, name, str, where)
+        for name in ("runs", "fallbacks"):
+            _items(fields, name, str, where, mapping=True)
+        if fields.get("levels") is not None:
+            _items(fields, "levels", str, where, mapping=True)
+            try:
+                fields["levels"] = {int(k): v for k, v in fields["levels"].items()}
+            except ValueError as e:
+                raise _malformed(where, "levels", fields["levels"],
+                                 "a mapping from level numbers") from e
+        return cls(**fields)
 
     # -- renderings -----------------------------------------------------------------------
     @property
@@ -246,10 +254,9 @@ class ConversionReport:
             return cls(level=_typed(d, "level", int, cls.kind),
                        backend=_typed(d, "backend", str, cls.kind),
                        strict=_typed(d, "strict", bool, cls.kind),
-                       notes=list(_typed(d, "notes", list, cls.kind, [])),
-                       loss=_typed(d, "loss", (dict, type(None)), cls.kind, None),
-                       layers=[LayerReport.from_dict(layer)
-                               for layer in _typed(d, "layers", list, cls.kind)])
+                       notes=_notes(d, cls.kind),
+                       loss=_loss(d, cls.kind),
+                       layers=_layers(d, cls.kind))
         except KeyError as e:
             raise ReportFormatError(f"the conversion report has no {e} field; re-create it "
                                     "with this version of ttt2la") from e
@@ -292,9 +299,8 @@ class InspectionReport:
         """Rebuild a report from ``to_dict``'s output; refuses other schema versions and kinds."""
         _check_header(d, cls.kind)
         try:
-            return cls(layers=[LayerReport.from_dict(layer)
-                               for layer in _typed(d, "layers", list, cls.kind)],
-                       notes=list(_typed(d, "notes", list, cls.kind, [])))
+            return cls(layers=_layers(d, cls.kind),
+                       notes=_notes(d, cls.kind))
         except KeyError as e:
             raise ReportFormatError(f"the inspection report has no {e} field; re-create it "
                                     "with this version of ttt2la") from e
@@ -314,7 +320,7 @@ def load_report(d: dict) -> ConversionReport | InspectionReport:
     """Rebuild whichever report ``d`` holds (its ``kind`` field says which)."""
     kinds = {cls.kind: cls for cls in (ConversionReport, InspectionReport)}
     kind = d.get("kind") if isinstance(d, dict) else None
-    if kind not in kinds:
+    if not isinstance(kind, str) or kind not in kinds:
         raise ReportFormatError(f"not a ttt2la report: its kind is {kind!r}, expected one of "
                                 f"{sorted(kinds)}")
     return kinds[kind].from_dict(d)
@@ -343,6 +349,91 @@ def _typed(d: dict, name: str, types, kind: str, default: Any = _MISSING) -> Any
         raise ReportFormatError(f"the {kind} report's {name} is {value!r}, not {names}; "
                                 "re-create it with this version of ttt2la")
     return value
+
+
+#: The fields of a serialised layer, pass and state: ``(types, default)``, ``_MISSING`` for a
+#: required field.
+_LAYER_FIELDS = {
+    "module_path": (str, _MISSING), "function": (str, _MISSING), "loop_src": (str, _MISSING),
+    "chunk_size": (int, _MISSING), "order": (str, _MISSING), "last_chunk": (str, _MISSING),
+    "states": (list, _MISSING), "streams": (list, _MISSING), "passes": (list, _MISSING),
+    "schedule": (str, _MISSING), "runtime": (str, _MISSING), "reducible": (bool, _MISSING),
+    "exact": (bool, _MISSING), "notes": (list, []), "levels": ((dict, type(None)), None),
+    "check": ((dict, type(None)), None), "runs": (dict, {}), "fallbacks": (dict, {})}
+_PASS_FIELDS = {
+    "step": (int, _MISSING), "name": (str, _MISSING), "status": (str, _MISSING),
+    "exact": (bool, _MISSING), "reason": (str, _MISSING),
+    "drift": ((dict, type(None)), None), "folded": ((dict, type(None)), None)}
+_STATE_FIELDS = {name: (str, _MISSING) for name in ("name", "role", "update_rule", "dependence")}
+
+
+def _malformed(where: str, name: str, value: Any, wanted: str) -> "ReportFormatError":
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return ReportFormatError(f"the report entry for {where} is malformed: {name} is {shown}, "
+                             f"not {wanted}; re-create the report with this version of ttt2la")
+
+
+def _record(d: Any, spec: dict, where: str) -> dict:
+    """The fields of the serialised record ``d`` checked against ``spec`` (defaults filled in);
+    a record that is not an object, a missing, unknown or mistyped field is refused."""
+    if not isinstance(d, dict):
+        raise ReportFormatError(f"the report entry for {where} is {type(d).__name__} "
+                                f"{d!r:.60}, not an object; re-create the report with this "
+                                "version of ttt2la")
+    unknown = sorted(set(d) - set(spec), key=str)
+    if unknown:
+        raise ReportFormatError(f"the report entry for {where} has unknown field(s) "
+                                f"{', '.join(map(str, unknown))}; re-create the report with "
+                                "this version of ttt2la")
+    fields = {}
+    for name, (types, default) in spec.items():
+        if name not in d and default is _MISSING:
+            raise ReportFormatError(f"the report entry for {where} has no {name} field; "
+                                    "re-create the report with this version of ttt2la")
+        value = d.get(name, default)
+        wanted = types if isinstance(types, tuple) else (types,)
+        if isinstance(value, bool) and bool not in wanted or not isinstance(value, wanted):
+            names = " or ".join("null" if t is type(None) else
+                                {"dict": "an object", "list": "a list"}.get(t.__name__, t.__name__)
+                                for t in wanted)
+            raise _malformed(where, name, value, names)
+        fields[name] = value
+    return fields
+
+
+def _items(fields: dict, name: str, types, where: str, mapping: bool = False) -> None:
+    """Refuse a list (or a mapping's values, ``mapping``) in ``fields[name]`` holding other
+    than ``types``; the list is copied."""
+    value = fields[name]
+    items = value.values() if mapping else value
+    if not all(isinstance(x, types) for x in items):
+        raise _malformed(where, name, value, "a mapping to text" if mapping else "a list of text")
+    fields[name] = dict(value) if mapping else list(value)
+
+
+def _layers(d: dict, kind: str) -> list["LayerReport"]:
+    return [LayerReport.from_dict(layer, f"layers[{i}]")
+            for i, layer in enumerate(_typed(d, "layers", list, kind))]
+
+
+def _notes(d: dict, kind: str) -> list[str]:
+    notes = _typed(d, "notes", list, kind, [])
+    if not all(isinstance(n, str) for n in notes):
+        raise ReportFormatError(f"the {kind} report's notes are {notes!r:.60}, not a list of "
+                                "text; re-create it with this version of ttt2la")
+    return list(notes)
+
+
+def _loss(d: dict, kind: str) -> dict | None:
+    loss = _typed(d, "loss", (dict, type(None)), kind, None)
+    for name, types in (("change", (int, float)), ("inputs", str)):
+        value = (loss or {}).get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise ReportFormatError(f"the {kind} report's loss {name} is {value!r:.60}, not "
+                                    f"{'a number' if name == 'change' else 'text'}; re-create "
+                                    "it with this version of ttt2la")
+    return loss
 
 
 def _check_header(d: Any, kind: str) -> None:

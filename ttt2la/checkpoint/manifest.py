@@ -72,6 +72,7 @@ class Manifest:
             if not isinstance(value, wanted) or isinstance(value, bool) and wanted is not bool:
                 raise ManifestError(f"{where}: malformed manifest: {name} is {value!r}, not a "
                                     f"{wanted.__name__}; convert the source checkpoint again")
+        self._check_report(where)
         weights = self.weights
         if not (isinstance(weights.get("file"), str) and isinstance(weights.get("sha256"), str)
                 and isinstance(weights.get("tensors"), dict)):
@@ -81,6 +82,16 @@ class Manifest:
             if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
                 raise ManifestError(f"{where}: malformed manifest: {name!r} is not the name of "
                                     "a file in the checkpoint directory")
+
+    def _check_report(self, where: Path) -> None:
+        """Refuse a recorded conversion report that does not read back as one, field by field
+        (``ConversionReport.from_dict``), so what reads its layers and passes finds them."""
+        from ..report import ConversionReport, ReportFormatError
+
+        try:
+            ConversionReport.from_dict(self.report)
+        except ReportFormatError as e:
+            raise ManifestError(f"{where}: malformed manifest: its report: {e}") from e
 
     def write(self, directory: Path) -> None:
         (Path(directory) / MANIFEST_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

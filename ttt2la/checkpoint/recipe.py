@@ -103,6 +103,10 @@ def resolve_factory(spec: str, name: str = "--model"):
     except ImportError as e:
         raise CheckpointError(f"{name} {spec!r}: unknown factory, cannot import "
                               f"{module_name} ({e})") from e
+    except Exception as e:          # the module's own code fails: a SyntaxError, a raise ...
+        raise CheckpointError(f"{name} {spec!r}: importing {module_name} failed with "
+                              f"{type(e).__name__}: {_first_line(e)}; fix the module or name "
+                              "another factory") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -194,11 +198,23 @@ def build_hf(directory: Path, trust_remote_code: bool = False,
         except (ValueError, KeyError, AttributeError) as e:
             errors.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             continue
+        except Exception as e:      # the directory's own code is missing or fails on import
+            code = f" (auto_map: {auto_map[name]})" if isinstance(auto_map, dict) and \
+                isinstance(auto_map.get(name), str) else ""
+            raise CheckpointError(f"{config_path}: building the model with {name}{code} failed "
+                                  f"with {type(e).__name__}: {_first_line(e)}; is the model's "
+                                  "code in the directory, and does it import?") from e
         cls = type(model)
         return model, Recipe("hf", auto_class=name, model_class=f"{cls.__module__}.{cls.__name__}",
                              trust_remote_code=bool(auto_map))
     raise CheckpointError(f"{config_path}: no model class for model_type "
                           f"{raw.get('model_type')!r} ({'; '.join(errors)})")
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an error's message (a remote or user module's error may run long)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def is_hf_directory(path: Path) -> bool:

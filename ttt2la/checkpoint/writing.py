@@ -25,6 +25,11 @@ def check_output_dir(out: Path, *, force: bool = False, inputs=(), name: str = "
         if target == src or target in src.parents:
             raise CheckpointError(f"{name} {out}: is the input {given}{' or holds it' * (target != src)}; "
                                   "choose another output directory")
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:
+        raise CheckpointError(f"{name} {out}: is the current directory"
+                              f"{' or holds it' * (target != here)}, which cannot be replaced; "
+                              "choose a new output directory")
     if out.exists() and not force:
         raise CheckpointError(f"{name} {out}: already exists; choose a new path or pass "
                               f"{force_hint} to replace it")
