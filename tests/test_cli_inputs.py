@@ -509,6 +509,24 @@ def test_ctrl_c_while_writing_leaves_nothing(files, converted, tmp_path, capsys,
     assert listing(tmp_path) == set()          # neither the output nor its temporary folder
 
 
+def test_ctrl_c_after_the_output_is_written_says_so(files, converted, tmp_path, capsys,
+                                                   monkeypatch):
+    """Interrupted while ``--json`` is written, after ``--out`` is complete: the message names
+    the checkpoint that was written, not "nothing was written"."""
+    import ttt2la.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ttt2la, "convert", lambda *a, **k: converted)
+    monkeypatch.setattr(cli, "_save_json", interrupted)
+    out = tmp_path / "out"
+    assert main(state_argv(files, files / "good.safetensors", "--level", "1", "--json",
+                           str(tmp_path / "r.json"), out=out)) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"ttt2la convert: interrupted after writing --out {out}; nothing else was written"
+    assert (out / "ttt2la.json").is_file() and not (tmp_path / "r.json").exists()
+
+
 # -- the API ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["weights", "inputs"])
 def test_weights_or_inputs_on_the_meta_device(where):

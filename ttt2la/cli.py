@@ -5,7 +5,8 @@ pkg.module:factory``, a converted checkpoint directory — or from the bundled z
 or the name in place of the checkpoint). ``convert --out DIR`` writes a converted checkpoint that
 ``ttt2la.load`` rebuilds. Bad input (a missing or corrupt file, weights that do not fit, an
 output path that exists ...) is answered with one line naming what and where, exit status 2,
-and nothing written; so is an interruption (Ctrl-C).
+and nothing written; so is an interruption (Ctrl-C), whose line names any output already
+written whole before it.
 """
 from __future__ import annotations
 
@@ -357,6 +358,7 @@ def cmd_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
             write_checkpoint(converted, args.out, recipe=source.recipe, spec=spec,
                              source=source.info, inputs=(inputs, kwargs), force=args.force,
                              hf_dir=source.hf_dir)
+        args.written.append(f"--out {args.out}")
         _say(err, f"converted checkpoint written to {args.out} (reload with ttt2la.load)")
     _save_json(report, args.json, err)
     return 0
@@ -433,6 +435,7 @@ def cmd_sweep(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(table)
     if args.json:
         _write_text(args.json, table.to_json() + "\n", err)
+        args.written.append(f"--json {args.json}")
     if args.plot:
         from .checkpoint.writing import atomic_file
 
@@ -818,6 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     restore()          # from here on, an interruption is answered below, after cleaning up
     args = build_parser().parse_args(argv)
+    args.written = []           # the outputs complete on disk, said if interrupted after them
     # piped output gets wide lines rather than tables squeezed to 80 columns
     out, err = Console(width=None if sys.stdout.isatty() else 160), Console(stderr=True)
     try:
@@ -829,8 +833,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(err, f"ttt2la {args.command}: {type(e).__name__}: {e}")
         return EXIT_REFUSED
     except KeyboardInterrupt:
-        _say(err, f"ttt2la {args.command}: interrupted; nothing was written")
+        _say(err, f"ttt2la {args.command}: {_interrupted(args.written)}")
         return EXIT_BAD_INPUT
+
+
+def _interrupted(written: list[str]) -> str:
+    """What an interruption left: nothing, or the outputs written whole before it (each output
+    is written atomically, so the one under way when it came was not written at all)."""
+    if not written:
+        return "interrupted; nothing was written"
+    return f"interrupted after writing {' and '.join(written)}; nothing else was written"
 
 
 def _one_line(e: BaseException) -> str:
