@@ -59,9 +59,28 @@ def test_bad_command_lines_exit_with_status_2(argv, capsys):
     assert "usage: ttt2la" in capsys.readouterr().err
 
 
-def test_report_of_a_weights_file_is_refused_with_status_2(capsys):
-    assert main(["report", "model.safetensors"]) == EXIT_UNSUPPORTED
-    assert "not a JSON report nor a converted checkpoint" in capsys.readouterr().err
+def test_report_of_a_missing_path_or_a_plain_directory_is_bad_input(tmp_path, capsys):
+    """A path that is not there, or a directory that is not a converted checkpoint: exit 2,
+    one line saying which."""
+    assert main(["report", str(tmp_path / "model.safetensors")]) == EXIT_UNSUPPORTED
+    assert "model.safetensors: no such file or directory" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == EXIT_UNSUPPORTED
+    assert "a directory without ttt2la.json" in capsys.readouterr().err
+
+
+def test_report_of_a_weights_file_is_refused(tmp_path, capsys):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x80\x00\xff not text")
+    assert main(["report", str(weights)]) == EXIT_REFUSED
+    assert "is not JSON" in capsys.readouterr().err
+
+
+def test_report_reads_a_report_under_any_file_name(tmp_path, capsys):
+    """``convert --json`` takes any file name, so ``report`` reads any file holding a report."""
+    path = tmp_path / "report.out"
+    os.rename(saved_report(tmp_path), path)
+    assert main(["report", str(path)]) == 0
+    assert "converted exactly at level 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["inspect", "convert", "bench"])
@@ -127,8 +146,6 @@ def test_report_refuses_unreadable_files(tmp_path, capsys):
     broken.write_text("{not json")
     assert main(["report", str(broken)]) == EXIT_REFUSED
     assert "is not JSON" in capsys.readouterr().err
-    assert main(["report", str(tmp_path / "missing.json")]) == EXIT_REFUSED
-    assert "cannot read" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("changes, says", [

@@ -365,25 +365,30 @@ def cmd_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Render a report saved as JSON by ``convert --json`` or ``inspect --json``, or the one in a
-    converted checkpoint directory."""
+    """Render a report saved as JSON by ``convert --json`` or ``inspect --json`` (under any file
+    name: what counts is that it reads as a report), or the one in a converted checkpoint
+    directory. A path that does not exist or cannot be read is bad input (exit status 2); a
+    file that is not JSON or not a report is refused (exit status 1)."""
     from .checkpoint import MANIFEST_NAME, Manifest
 
     path = Path(args.path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory; name a JSON report written "
+                              "by --json or a converted checkpoint directory")
     if path.is_dir():
+        if not (path / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"{path}: a directory without {MANIFEST_NAME}, so not a "
+                                  "converted checkpoint; name a JSON report written by --json "
+                                  "or a directory written by convert --out")
         _print_report(out, load_report(Manifest.read(path).report), args.markdown)
         return 0
-    if path.suffix != ".json":
-        _say(err, f"ttt2la report: {path}: not a JSON report nor a converted checkpoint "
-                  f"directory (one holding {MANIFEST_NAME})")
-        return EXIT_BAD_INPUT
     try:
         data = json.loads(path.read_text())
     except OSError as e:
-        _say(err, f"ttt2la report: cannot read {path}: {e.strerror}")
-        return EXIT_REFUSED
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
     except ValueError as e:         # malformed JSON, or bytes that are not text
-        _say(err, f"ttt2la report: {path} is not JSON ({_one_line(e)})")
+        _say(err, f"ttt2la report: {path} is not JSON ({_one_line(e)}), so neither a report "
+                  f"written by --json nor a converted checkpoint directory")
         return EXIT_REFUSED
     _print_report(out, load_report(data), args.markdown)
     return 0
