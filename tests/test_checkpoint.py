@@ -456,3 +456,30 @@ def test_lossy_levels_record_their_folds_in_the_manifest(lm_checkpoints):
         assert p.name in text
     assert [p.folded for layer in loaded.ttt2la_report.layers for p in layer.passes] == \
         [p.folded for layer in converted.ttt2la_report.layers for p in layer.passes]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_outputs_get_the_modes_the_umask_gives(tmp_path, umask):
+    """A checkpoint directory (and the files written into it, whatever their writer's own mode)
+    and a report file get the modes a plain write would under the umask, not the owner-only
+    ones of their temporary names."""
+    import os
+    import stat
+
+    from ttt2la.checkpoint.writing import atomic_directory, atomic_file
+
+    old = os.umask(umask)
+    try:
+        with atomic_directory(tmp_path / "out") as tmp:
+            fd = os.open(tmp / "weights", os.O_WRONLY | os.O_CREAT, 0o600)   # as safetensors
+            os.close(fd)
+        with atomic_file(tmp_path / "r.json") as tmp:
+            tmp.write_text("{}")
+    finally:
+        os.umask(old)
+
+    def mode(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    assert mode(tmp_path / "out") == 0o777 & ~umask
+    assert mode(tmp_path / "out" / "weights") == 0o666 & ~umask
+    assert mode(tmp_path / "r.json") == 0o666 & ~umask

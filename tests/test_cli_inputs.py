@@ -270,6 +270,25 @@ def test_an_output_path_that_is_or_holds_the_input(files, tmp_path, capsys, forc
     assert weights.read_bytes() == (files / "good.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("option", ["--out", "--json"])
+def test_an_empty_output_path_is_refused(files, tmp_path, capsys, monkeypatch, option):
+    """``--out ''`` (an unset shell variable, say) is refused, not silently skipped."""
+    monkeypatch.setattr(ttt2la, "convert", lambda *a, **k: pytest.fail("converted anyway"))
+    monkeypatch.chdir(tmp_path)
+    refused([*state_argv(files, files / "good.safetensors"), option, ""], capsys,
+            "InvalidInputError", f"{option} is empty")
+    assert listing(tmp_path) == set()
+
+
+def test_an_output_inside_the_input_directory(tmp_path, capsys, monkeypatch):
+    """``--out`` inside a checkpoint directory given as input is refused, as ``--json`` is."""
+    monkeypatch.setattr(ttt2la, "convert", lambda *a, **k: pytest.fail("converted anyway"))
+    (tmp_path / "ckpt").mkdir()
+    refused(["convert", str(tmp_path / "ckpt"), "--out", str(tmp_path / "ckpt" / "sub")],
+            capsys, "CheckpointError", "lies inside the input", str(tmp_path / "ckpt"))
+    assert listing(tmp_path) == {"ckpt"}
+
+
 def test_a_read_only_output_folder(files, tmp_path, capsys, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -519,6 +519,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
     from .checkpoint.writing import check_output_dir, check_output_file
 
     _bundled_name_as_zoo(args)
+    for option in ("out", "json", "plot"):
+        value = getattr(args, option, None)
+        if value is not None and not value.strip():
+            raise InvalidInputError(f"--{option} is empty ({value!r}); name the path to write, "
+                                    f"or leave out --{option}")
     inputs = [args.checkpoint] if getattr(args, "checkpoint", None) else []
     inputs += [p for p in (getattr(args, "example_inputs", None), getattr(args, "config", None))
                if p and not inline_config(p)]

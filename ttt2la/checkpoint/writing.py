@@ -25,6 +25,9 @@ def check_output_dir(out: Path, *, force: bool = False, inputs=(), name: str = "
         if target == src or target in src.parents:
             raise CheckpointError(f"{name} {out}: is the input {given}{' or holds it' * (target != src)}; "
                                   "choose another output directory")
+        if src in target.parents:
+            raise CheckpointError(f"{name} {out}: lies inside the input {given}, which writing "
+                                  "it would change; choose an output directory outside it")
     here = Path.cwd().resolve()
     if target == here or target in here.parents:
         raise CheckpointError(f"{name} {out}: is the current directory"
@@ -96,6 +99,7 @@ def atomic_file(path):
     tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())      # as a plain write would, not mkstemp's 0600
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -118,10 +122,34 @@ def atomic_directory(out: Path, *, force: bool = False):
                               f"({e.strerror or e})") from e
     try:
         yield tmp
+        _plain_modes(tmp)
         _replace(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _plain_modes(directory: Path) -> None:
+    """Give ``directory`` and what it holds the modes a plain ``mkdir`` and ``open`` give under
+    the umask, not the owner-only ones of ``mkdtemp`` (and of writers such as safetensors'), so
+    a checkpoint written to a shared folder is as readable as any other file there."""
+    mask = _umask()
+    for root, dirs, files in os.walk(directory):
+        for name in files:
+            file = os.path.join(root, name)
+            if not os.path.islink(file):
+                os.chmod(file, 0o666 & ~mask)
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o777 & ~mask)
+    os.chmod(directory, 0o777 & ~mask)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: there is no other way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _replace(tmp: Path, out: Path, force: bool) -> None:
