@@ -1325,6 +1325,18 @@ MUTATIONS = [
         "dict_keys_by_position", "a dict inside a call's arguments is compared and fed to the graphs by position, not by its keys",
         (("ttt2la/frontend/call_signature.py", "        nested = paths if any(", "        nested = () if any("),),
         ("tests/test_call_errors.py",), "dict_argument"),
+    Mutation(
+        "sweep_ignores_example_inputs", "sweep times and traces on its calibration data instead of the example inputs --example-shape asked for",
+        (("ttt2la/cli.py", "table = ttt2la.sweep(source.model, calibration, example_inputs=inputs,", "table = ttt2la.sweep(source.model, calibration, example_inputs=calibration,"),),
+        ("tests/test_cli_inputs.py",), "sweep_reads_the_model"),
+    Mutation(
+        "report_pass_drift_unchecked", "a saved report's pass drift of another type is let through, to fail in the rendering",
+        (("ttt2la/report.py", '"drift": ((dict, type(None)), None)', '"drift": (object, None)'),),
+        ("tests/test_report.py",), "drift_of_another_type or renders_or_is_refused"),
+    Mutation(
+        "interrupted_output_unsaid", "Ctrl-C after --out was written says nothing was written",
+        (("ttt2la/cli.py", '        args.written.append(f"--out {args.out}")\n', ""),),
+        ("tests/test_cli_inputs.py",), "ctrl_c_after_the_output"),
 ]
 
 

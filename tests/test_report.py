@@ -244,3 +244,11 @@ def test_a_report_with_any_field_replaced_renders_or_is_refused(data, replacemen
     report.to_markdown()
     render_text(report)
     json.dumps(report.to_dict())
+
+
+def test_a_pass_drift_of_another_type_is_refused_naming_it():
+    d = conversion_report().to_dict()
+    d["layers"][0]["passes"][0]["drift"] = "lots"
+    with pytest.raises(ReportFormatError, match=r"layers\[0\] 'blocks.0.ttt': passes\[0\] .*drift "
+                                                r"is 'lots', not an object or null"):
+        load_report(d)
