@@ -501,18 +501,17 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
     base = cand.probe_length or length
     ops = {}
     for at in (base, 2 * base):
-        if at == length:
-            found = [cand]
-        else:
+        top = cand if at == length else None
+        if top is None:
             args, kwargs = pytree.tree_unflatten(
                 _inputs_at(flat, layout, tensors[0].shape[0], at), in_spec)
             try:
                 found = _discover_once(cand.module, tuple(args), kwargs)[0]
             except Exception:       # the layer does not run at that length: the probes tell
                 return
-        top = next((c for c in found if c.path == ""), None)
-        if top is None:
-            return
+            top = next((c for c in found if c.path == ""), None)    # the layer itself
+            if top is None:
+                return
         ops[at] = {c.loop: c.ops for c in [top, *top.apart]}
     walking = [c for c in sliced
                if ops[2 * base].get(c.loop, 0) > ops[base].get(c.loop, c.ops)]
