@@ -369,12 +369,12 @@ class StepsPerLength(nn.Module):
         q, k, v = self.qkv(x).chunk(3, -1)
         W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
         outs = []
-        for s in range(0, x.shape[1], 4):
+        for s in range(0, x.shape[1], 4):                               # <- loop
             W = W + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
             outs.append(q[:, s:s + 4] @ W)
         y = torch.cat(outs, 1)
         for _ in range(x.shape[1] // 3):
-            y = 0.5 * y
+            y = 0.5 * y                                                 # <- grows
         return y
 
 
@@ -385,6 +385,10 @@ def test_code_around_the_loop_that_changes_with_the_length_is_named():
         ttt2la.convert(StepsPerLength(), level=0, example_inputs=(torch.randn(2, 12, 8),))
     assert type(refused.value) is ttt2la.UnsupportedTTTError
     message = str(refused.value)
-    assert "the loop at tests/test_tracing_failures.py:" in message or \
-        "test_tracing_failures.py:" in message.split("the loop at", 1)[-1], message
+    lines, start = inspect.getsourcelines(StepsPerLength.forward)
+    loop, grows = (next(start + i for i, line in enumerate(lines) if line.rstrip().endswith(m))
+                   for m in ("# <- loop", "# <- grows"))
+    assert f"the loop at tests/test_tracing_failures.py:{loop} in forward in StepsPerLength" \
+        in message, message
+    assert f"test_tracing_failures.py:{grows}" in message, message
     assert "%" not in message and "call_function" not in message, message
