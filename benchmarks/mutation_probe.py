@@ -1327,7 +1327,7 @@ MUTATIONS = [
         ("tests/test_call_errors.py",), "dict_argument"),
     Mutation(
         "second_loop_counted_once", "a loop over the sequence beside the converted one is run at the example's length only, so one that ran a single chunk there is taken for code of a fixed size",
-        (("ttt2la/frontend/recognize.py", "    for at in (base, 2 * base):", "    for at in (base, base):"),),
+        (("ttt2la/frontend/recognize.py", "    for at in (base, longer):", "    for at in (base, base):"),),
         ("tests/test_tracing_failures.py",), "second_loop_beside or two_loops_as_written"),
 ]
 

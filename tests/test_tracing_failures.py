@@ -281,19 +281,19 @@ class TwoMemories(nn.Module):
     chunks (``second="chunk"``), their outputs summed: two loops over the sequence, one after
     the other, in one call."""
 
-    def __init__(self, d: int = 8, second: str = "token"):
+    def __init__(self, d: int = 8, second: str = "token", chunk: int = 8):
         super().__init__()
         self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.second = second
+        self.second, self.chunk = second, chunk
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, -1)
         W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
         S = torch.zeros_like(W)
-        outs, ys = [], []
-        for s in range(0, x.shape[1], 8):                               # <- first
-            W = W + k[:, s:s + 8].transpose(1, 2) @ v[:, s:s + 8]
-            outs.append(q[:, s:s + 8] @ W)
+        outs, ys, C = [], [], self.chunk
+        for s in range(0, x.shape[1], C):                               # <- first
+            W = W + k[:, s:s + C].transpose(1, 2) @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
         if self.second == "token":
             for t in range(x.shape[1]):                                 # <- second
                 S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
@@ -313,15 +313,17 @@ def _marked(cls, mark: str, second: str) -> list[int]:
     return found if mark == "first" else [found[0 if second == "token" else 1]]
 
 
-@pytest.mark.parametrize("second,length", [("token", 8), ("token", 48), ("chunk", 48)])
-def test_a_second_loop_beside_the_first_is_refused_naming_both(second, length):
+@pytest.mark.parametrize("second,length,chunk", [("token", 8, 8), ("token", 48, 8),
+                                                  ("chunk", 48, 8), ("token", 8, 32)])
+def test_a_second_loop_beside_the_first_is_refused_naming_both(second, length, chunk):
     """A loop over the sequence after another, in one call, is refused naming both loops and
     what converts, whatever the example's length: an example of one chunk runs the chunk loop
     once at every probe length of the token loop, where nothing else tells the two apart, and a
-    conversion from it ran one chunk at every length (a silent wrong answer). The refusal is
-    the public class, naming source lines, never the graph's text."""
+    conversion from it ran one chunk at every length (a silent wrong answer); chunks of 32
+    still run one at twice an example of 8 tokens. The refusal is the public class, naming
+    source lines, never the graph's text."""
     with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
-        ttt2la.convert(TwoMemories(second=second), level=0,
+        ttt2la.convert(TwoMemories(second=second, chunk=chunk), level=0,
                        example_inputs=(torch.randn(2, length, 8),), strict=False)
     assert type(refused.value) is ttt2la.UnsupportedTTTError
     message = str(refused.value)

@@ -479,8 +479,9 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
     lengths gave it: where those lengths took the same number of its chunks (all of them one
     chunk, when its chunks are longer than the first loop's probes), nothing else tells, and
     the conversion would run that number at every length. A loop apart that slices the
-    sequence is run again eagerly at twice the length: one that then runs more ops walks the
-    sequence, and the layer is refused, naming both loops. One that runs as many (a loop over
+    sequence is run again eagerly at a longer length (twice the example's, or two of its
+    slices more where those are longer): one that then runs more ops walks the sequence, and
+    the layer is refused, naming both loops. One that runs as many (a loop over
     the first few tokens, over heads, over one chunk's positions) is code of a fixed size.
     """
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
@@ -499,8 +500,12 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
     except ConversionError:
         return
     base = cand.probe_length or length
+    # long enough for two more of the longest slices the loops apart took (chunks of 64 run
+    # one chunk at 8 tokens and at 16), and at least twice the example
+    chunk = max((n for c in sliced for n in c.chunk_sizes), default=1)
+    longer = max(2 * base, min(base + 2 * chunk, MAX_PROBE_LENGTH))
     ops = {}
-    for at in (base, 2 * base):
+    for at in (base, longer):
         top = cand if at == length else None
         if top is None:
             args, kwargs = pytree.tree_unflatten(
@@ -514,7 +519,7 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
                 return
         ops[at] = {c.loop: c.ops for c in [top, *top.apart]}
     walking = [c for c in sliced
-               if ops[2 * base].get(c.loop, 0) > ops[base].get(c.loop, c.ops)]
+               if ops[longer].get(c.loop, 0) > ops[base].get(c.loop, c.ops)]
     if not walking:
         return
     loops = sorted([cand.loop, *(c.loop for c in walking)], key=lambda s: (s.file, s.line))
