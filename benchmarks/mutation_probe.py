@@ -956,7 +956,7 @@ MUTATIONS = [
         "second_loop_unnamed", "the code around a loop that differs with the length is named by an empty path",
         (("ttt2la/frontend/recognize.py", 'what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")',
           'what=f"code around the loop of {cand.path}")'),),
-        ("tests/test_tracing_failures.py",), "two_loops"),
+        ("tests/test_tracing_failures.py",), "two_loops or changes_with_the_length"),
     Mutation(
         "block_column_read_shifted", "over whole sequences, a chunk loop's normaliser is read from the state's last value column",
         (("ttt2la/lowering/lift.py", "values[c.read] = o[..., Dv + j]", "values[c.read] = o[..., Dv - 1 + j]"),),
@@ -1337,6 +1337,10 @@ MUTATIONS = [
         "interrupted_output_unsaid", "Ctrl-C after --out was written says nothing was written",
         (("ttt2la/cli.py", '        args.written.append(f"--out {args.out}")\n', ""),),
         ("tests/test_cli_inputs.py",), "ctrl_c_after_the_output"),
+    Mutation(
+        "second_loop_counted_once", "a loop over the sequence beside the converted one is run at the example's length only, so one that ran a single chunk there is taken for code of a fixed size",
+        (("ttt2la/frontend/recognize.py", "    for at in (base, longer):", "    for at in (base, base):"),),
+        ("tests/test_tracing_failures.py",), "second_loop_beside or two_loops_as_written"),
 ]
 
 

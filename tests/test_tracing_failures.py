@@ -274,3 +274,123 @@ def test_two_loops_over_the_sequence_are_refused_naming_the_loop_and_the_fix():
     assert "the loop at tests/test_tracing_failures.py:" in message or \
         "test_tracing_failures.py:" in message.split("the loop at", 1)[-1], message
     assert "in TwoPasses" in message and "a submodule of its own" in message, message
+
+
+class TwoMemories(nn.Module):
+    """A memory over chunks of 8 tokens, then another over tokens (``second="token"``) or over
+    chunks (``second="chunk"``), their outputs summed: two loops over the sequence, one after
+    the other, in one call."""
+
+    def __init__(self, d: int = 8, second: str = "token", chunk: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.second, self.chunk = second, chunk
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        S = torch.zeros_like(W)
+        outs, ys, C = [], [], self.chunk
+        for s in range(0, x.shape[1], C):                               # <- first
+            W = W + k[:, s:s + C].transpose(1, 2) @ v[:, s:s + C]
+            outs.append(q[:, s:s + C] @ W)
+        if self.second == "token":
+            for t in range(x.shape[1]):                                 # <- second
+                S = 0.9 * S + k[:, t, :, None] * v[:, t, None, :]
+                ys.append((q[:, t, None] @ S).squeeze(1))
+            return torch.cat(outs, 1) + torch.stack(ys, 1)
+        for s in range(0, x.shape[1], 8):                               # <- second
+            ys.append(k[:, s:s + 8] @ S)
+            S = 0.5 * S + q[:, s:s + 8].transpose(1, 2) @ v[:, s:s + 8]
+        return torch.cat(outs, 1) + torch.cat(ys, 1)
+
+
+def _marked(cls, mark: str, second: str) -> list[int]:
+    """The lines of ``cls.forward`` marked ``# <- mark`` (the second loop of its ``second``
+    kind: the token loop comes first in the source)."""
+    lines, start = inspect.getsourcelines(cls.forward)
+    found = [start + i for i, line in enumerate(lines) if line.rstrip().endswith(f"# <- {mark}")]
+    return found if mark == "first" else [found[0 if second == "token" else 1]]
+
+
+@pytest.mark.parametrize("second,length,chunk", [("token", 8, 8), ("token", 48, 8),
+                                                  ("chunk", 48, 8), ("token", 8, 32)])
+def test_a_second_loop_beside_the_first_is_refused_naming_both(second, length, chunk):
+    """A loop over the sequence after another, in one call, is refused naming both loops and
+    what converts, whatever the example's length: an example of one chunk runs the chunk loop
+    once at every probe length of the token loop, where nothing else tells the two apart, and a
+    conversion from it ran one chunk at every length (a silent wrong answer); chunks of 32
+    still run one at twice an example of 8 tokens. The refusal is the public class, naming
+    source lines, never the graph's text."""
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(TwoMemories(second=second, chunk=chunk), level=0,
+                       example_inputs=(torch.randn(2, length, 8),), strict=False)
+    assert type(refused.value) is ttt2la.UnsupportedTTTError
+    message = str(refused.value)
+    for line in _marked(TwoMemories, "first", second) + _marked(TwoMemories, "second", second):
+        assert f"test_tracing_failures.py:{line}" in message, (line, message)
+    assert "submodule of its own" in message and "in TwoMemories" in message, message
+    assert "%" not in message and "call_function" not in message, message
+
+
+class OneLoop(nn.Module):
+    """A decayed linear memory over tokens."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        return TwoPasses.scan(*self.qkv(x).chunk(3, -1))
+
+
+def test_a_model_keeps_its_layer_of_two_loops_as_written():
+    """In a model, the layer of two loops is left as written, the other layer converted, and
+    the converted model computes the model at another length than the example's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OneLoop(), TwoMemories()).eval()
+    converted = ttt2la.convert(model, level=0, example_inputs=(torch.randn(2, 8, 8),),
+                               strict=False)
+    notes = " ".join(converted.ttt2la_report.notes)
+    assert "not converted: 1:" in notes and "in 1 (TwoMemories)" in notes, notes
+    x = torch.randn(2, 24, 8)
+    with torch.no_grad():
+        want, got = model(x), converted(x)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+class StepsPerLength(nn.Module):
+    """A chunk loop, then a step repeated once per three tokens: code around the loop whose
+    number of ops grows with the length, though it slices no token."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1])
+        outs = []
+        for s in range(0, x.shape[1], 4):                               # <- loop
+            W = W + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+            outs.append(q[:, s:s + 4] @ W)
+        y = torch.cat(outs, 1)
+        for _ in range(x.shape[1] // 3):
+            y = 0.5 * y                                                 # <- grows
+        return y
+
+
+def test_code_around_the_loop_that_changes_with_the_length_is_named():
+    """The refusal of code around the loop that runs more ops at a longer length names the
+    loop and escapes as the public class."""
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(StepsPerLength(), level=0, example_inputs=(torch.randn(2, 12, 8),))
+    assert type(refused.value) is ttt2la.UnsupportedTTTError
+    message = str(refused.value)
+    lines, start = inspect.getsourcelines(StepsPerLength.forward)
+    loop, grows = (next(start + i for i, line in enumerate(lines) if line.rstrip().endswith(m))
+                   for m in ("# <- loop", "# <- grows"))
+    assert f"the loop at tests/test_tracing_failures.py:{loop} in forward in StepsPerLength" \
+        in message, message
+    assert f"test_tracing_failures.py:{grows}" in message, message
+    assert "%" not in message and "call_function" not in message, message

@@ -21,7 +21,7 @@ import torch.fx
 
 from ..errors import UnsupportedTTTError
 from ..ir import SRC
-from .shapes import SizeExpr, _int_slots
+from .shapes import SizeExpr, _int_slots, _op
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ class ChunkCountCheck:
             if (a.op, a.target) != (b.op, b.target) and not _whole_slice(a, b):
                 raise UnsupportedTTTError(
                     f"the {what} runs different ops at length {L} than at length {L0} "
-                    f"({a.format_node()}{_at(a)}): its code branches on the length")
+                    f"({_op(a)} vs {_op(b)}{_at(a)}): its code branches on the length")
         if len(nodes) != len(n0):
             raise UnsupportedTTTError(f"the {what} has a different number of ops at length {L} "
                                       f"than at length {L0}: its code branches on the length")

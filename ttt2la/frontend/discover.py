@@ -43,6 +43,9 @@ class LoopCandidate:
     no_loop: bool = False               # no loop ran: a single test-time step, maybe
     #: ``(op, pieces, length)`` of every ``chunk(n)``/``tensor_split(n)`` the loop statement cuts
     fixed_cuts: list[tuple[str, int, int]] = field(default_factory=list)
+    #: the other loops of the module's call that no op ran inside together with this one (in
+    #: turn, neither inside the other): a second pass over the sequence, maybe, next to this
+    apart: list["LoopCandidate"] = field(default_factory=list)
 
 
 def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
@@ -265,6 +268,7 @@ def _discover_once(model, example_inputs, example_kwargs):
     chunks, pieces = ChunkAxes(), CutPieces()
     length = sequence_length(example_inputs)
     cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)   # split/unbind in loop headers
+    together: dict[tuple[str, LoopSite], set] = defaultdict(set)  # loops one op ran inside
 
     def sink(path, func, args, kwargs, frames):
         site = forward_sites.get(path)
@@ -278,6 +282,7 @@ def _discover_once(model, example_inputs, example_kwargs):
         if start is None:
             return
         user = [SourceLoc(f, line, fn) for f, line, fn in frames[start:]]
+        inside = []
         for at, inner in zip(user, user[1:] + [None]):
             # a generator the loop statement iterates runs once per iteration, as the body does
             lazily = inner is not None and runs_a_generator(inner)
@@ -288,6 +293,7 @@ def _discover_once(model, example_inputs, example_kwargs):
                         cuts[(path, loop)].append(cut)
                 if loop.contains(at) or (lazily and loop.header_contains(at)):
                     key = (path, loop)
+                    inside.append(key)
                     pieces.read(key, args)
                     cand = found.get(key)
                     if cand is None:
@@ -299,6 +305,8 @@ def _discover_once(model, example_inputs, example_kwargs):
                         cand.chunk_sizes.add(info[0])
                         cand.slice_lengths.add(info[1])
                         cand.slice_starts.add(info[2])
+        for key in inside:
+            together[key].update(inside)
 
     try:
         with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks, pieces, length):
@@ -330,6 +338,8 @@ def _discover_once(model, example_inputs, example_kwargs):
     out = []
     for path, cands in per_module.items():
         cands.sort(key=lambda c: (-max(c.slice_lengths, default=0), -c.ops))
+        near = together[(path, cands[0].loop)]
+        cands[0].apart = [c for c in cands[1:] if (path, c.loop) not in near]
         out.append(cands[0])
     out.sort(key=lambda c: c.path.count("."))
     return out, captured

@@ -386,6 +386,7 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     if cand.no_loop:
         result = recognize_single_step(cand, seq_len, _no_loop(cand))
     else:
+        refuse_second_loop(cand, seq_len)      # no single step either: refused as it is
         try:
             result = _recognize_layer(cand, seq_len)
         except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
@@ -460,16 +461,86 @@ def _quiet_fake_tensors():
         logger.disabled = before
 
 
+def _layer_length(cand: LoopCandidate, tensors: list, seq_len: int | None) -> int | None:
+    """The length of the layer's own sequence: the model's, when one of the layer's inputs has
+    an axis of it, else the longest stretch the loop sliced that an input has."""
+    if seq_len is None or not any(seq_len in x.shape[1:] for x in tensors):
+        seq_len = next((n for n in sorted(cand.slice_lengths, reverse=True)
+                        if any(n in x.shape[1:] for x in tensors)), None)
+    return seq_len
+
+
+def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
+    """Refuse a layer whose call runs a second loop over the sequence beside ``cand.loop``.
+
+    A converted layer runs one loop's plan; everything else in its call is traced once, at
+    probe lengths, as straight-line code. A second loop apart from the first (neither inside
+    the other) that walks the sequence is unrolled into that code at the iterations the probe
+    lengths gave it: where those lengths took the same number of its chunks (all of them one
+    chunk, when its chunks are longer than the first loop's probes), nothing else tells, and
+    the conversion would run that number at every length. A loop apart that slices the
+    sequence is run again eagerly at a longer length (twice the example's, or two of its
+    slices more where those are longer): one that then runs more ops walks the sequence, and
+    the layer is refused, naming both loops. One that runs as many (a loop over
+    the first few tokens, over heads, over one chunk's positions) is code of a fixed size.
+    """
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors or not cand.apart:
+        return
+    length = _layer_length(cand, tensors, seq_len)
+    if length is None:
+        return
+    sliced = [c for c in cand.apart if (cand.probe_length or length) in c.slice_lengths
+              or length in c.slice_lengths]
+    if not sliced:
+        return
+    try:
+        layout = _layout(flat, length, tensors[0].shape[0])
+    except ConversionError:
+        return
+    base = cand.probe_length or length
+    # long enough for two more of the longest slices the loops apart took (chunks of 64 run
+    # one chunk at 8 tokens and at 16), and at least twice the example
+    chunk = max((n for c in sliced for n in c.chunk_sizes), default=1)
+    longer = max(2 * base, min(base + 2 * chunk, MAX_PROBE_LENGTH))
+    ops = {}
+    for at in (base, longer):
+        top = cand if at == length else None
+        if top is None:
+            args, kwargs = pytree.tree_unflatten(
+                _inputs_at(flat, layout, tensors[0].shape[0], at), in_spec)
+            try:
+                found = _discover_once(cand.module, tuple(args), kwargs)[0]
+            except Exception:       # the layer does not run at that length: the probes tell
+                return
+            top = next((c for c in found if c.path == ""), None)    # the layer itself
+            if top is None:
+                return
+        ops[at] = {c.loop: c.ops for c in [top, *top.apart]}
+    walking = [c for c in sliced
+               if ops[longer].get(c.loop, 0) > ops[base].get(c.loop, c.ops)]
+    if not walking:
+        return
+    loops = sorted([cand.loop, *(c.loop for c in walking)], key=lambda s: (s.file, s.line))
+    named = ", ".join(f"the loop at {s.src}" for s in loops[:-1]) + \
+        f" and the loop at {loops[-1].src}"
+    raise UnsupportedTTTError(
+        f"{len(loops)} loops over the sequence run one after the other in {_layer_name(cand)}, "
+        f"in one call: {named}. ttt2la converts one loop over the sequence per module call; "
+        "the converted layer would run the others at the fixed number of iterations it was "
+        "traced with, wrong at other lengths. Put each loop in a submodule of its own (each is "
+        "then converted on its own), or keep this layer as written (in a model, ttt2la leaves "
+        "it unconverted and converts the other layers).")
+
+
 def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors:
         raise UnsupportedTTTError(f"{cand.path} takes no tensor input")
     batch = tensors[0].shape[0]
-    lengths = set(cand.slice_lengths)
-    if seq_len is None or not any(seq_len in x.shape[1:] for x in tensors):
-        seq_len = next((n for n in sorted(lengths, reverse=True)
-                        if any(n in x.shape[1:] for x in tensors)), None)
+    seq_len = _layer_length(cand, tensors, seq_len)
     _refuse_fixed_cuts(cand, seq_len)
     layout = _layout(flat, seq_len, batch)
     layout.signature = CallSignature.of(cand.args, cand.kwargs, cand.module)
@@ -658,6 +729,10 @@ def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
     """The error when no probe shape traced: the general case's own error when it is one of
     ours (it says what in the loop is unsupported), otherwise what every shape ran into."""
     first = failures[0][1]
+    if isinstance(first, _ShapeDependent):      # escapes as the public class it refines
+        err = UnsupportedTTTError(str(first))
+        err.__cause__ = first
+        return err
     if isinstance(first, ConversionError):
         return first
     shown = failures if len(failures) <= 2 else [failures[0], failures[-1]]

@@ -116,6 +116,14 @@ class GraphTemplate:
         return gm
 
 
+def _op(node: torch.fx.Node) -> str:
+    """An op named without the graph's own text: ``aten.cat.default`` (``output``, ``input``
+    for the graph's ends)."""
+    if node.op != "call_function":
+        return "input" if node.op == "placeholder" else node.op
+    return str(node.target).replace("aten::", "aten.")
+
+
 def _first_difference(*graphs: list[torch.fx.Node]) -> str:
     """`` from the op at file:line (`code`)``: the source of the first op the traces disagree
     on (empty when it has none)."""
@@ -146,9 +154,9 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
     for i, (a, b, c) in enumerate(zip(n0, nL, nB)):
         if (a.op, a.target) != (b.op, b.target) or (a.op, a.target) != (c.op, c.target):
             raise UnsupportedTTTError(
-                f"the {what} runs different ops at different shapes ({a.format_node()} vs "
-                f"{b.format_node()}){_first_difference(n0, nL, nB)}: its code branches on the "
-                "input shape")
+                f"the {what} runs different ops at different shapes "
+                f"({_op(a)} vs {_op(b if (a.op, a.target) != (b.op, b.target) else c)})"
+                f"{_first_difference(n0, nL, nB)}: its code branches on the input shape")
         for where in ("args", "kwargs"):
             xa, xb, xc = getattr(a, where), getattr(b, where), getattr(c, where)
             sa = list(_int_slots(xa))
