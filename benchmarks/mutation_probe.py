@@ -1325,6 +1325,10 @@ MUTATIONS = [
         "dict_keys_by_position", "a dict inside a call's arguments is compared and fed to the graphs by position, not by its keys",
         (("ttt2la/frontend/call_signature.py", "        nested = paths if any(", "        nested = () if any("),),
         ("tests/test_call_errors.py",), "dict_argument"),
+    Mutation(
+        "partial_chunk_probe_size_stated", "a mean over the chunk is said to run over the probe's partial chunk, whatever the call's partial chunk holds",
+        (("ttt2la/frontend/partial_chunk.py", "over fewer in a partial one", "over {theirs} in a partial one"),),
+        ("tests/test_as_written.py",), "mean_over_the_chunk"),
 ]
 
 
