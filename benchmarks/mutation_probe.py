@@ -1329,6 +1329,12 @@ MUTATIONS = [
         "partial_chunk_probe_size_stated", "a mean over the chunk is said to run over the probe's partial chunk, whatever the call's partial chunk holds",
         (("ttt2la/frontend/partial_chunk.py", "over fewer in a partial one", "over {theirs} in a partial one"),),
         ("tests/test_as_written.py",), "mean_over_the_chunk"),
+    Mutation(
+        "wrapped_argument_accepted", "an argument built otherwise than the example's (a tensor in a list) runs the graphs on its flattened inputs",
+        (("ttt2la/frontend/call_signature.py",
+          "            if all(pytree.tree_is_leaf(a) for a in args) and \\\n",
+          "            if True or all(pytree.tree_is_leaf(a) for a in args) and \\\n"),),
+        ("tests/test_call_errors.py",), "built_otherwise or wrong_call_is"),
 ]
 
 
