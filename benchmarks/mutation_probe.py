@@ -1335,6 +1335,22 @@ MUTATIONS = [
           "            if all(pytree.tree_is_leaf(a) for a in args) and \\\n",
           "            if True or all(pytree.tree_is_leaf(a) for a in args) and \\\n"),),
         ("tests/test_call_errors.py",), "built_otherwise or wrong_call_is"),
+    Mutation(
+        "exported_block_op_writes_out", "torch.export traces the block op's increments with their out= writes, which the exported program cannot run on weights that require grad",
+        (("ttt2la/runtime/block.py",
+          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if torch.compiler.is_exporting()",
+          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if False"),),
+        ("tests/test_ordinary_module.py",), "torch_export"),
+    Mutation(
+        "export_of_forward_mode_unrefused", "a plan that takes forward-mode derivatives is traced by torch.export, whose fake tensors fail on it: the refusal no longer names the reason",
+        (("ttt2la/converted.py",
+          "    if getattr(state.plan, \"forward_ad\", False):\n        return \"its plan takes an affine update's coefficients by forward-mode differentiation\"\n    return \"\"\n\n\ndef _exported_call",
+          "    return \"\"\n\n\ndef _exported_call"),),
+        ("tests/test_ordinary_module.py",), "torch_export"),
+    Mutation(
+        "export_dynamic_size_unrefused", "an export that marks the length dynamic is traced, and export's own error says only that a size was specialised",
+        (("ttt2la/converted.py", "    if symbolic and not reason:", "    if False:"),),
+        ("tests/test_ordinary_module.py",), "torch_export"),
 ]
 
 
