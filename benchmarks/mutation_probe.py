@@ -1341,6 +1341,32 @@ MUTATIONS = [
         "second_loop_counted_once", "a loop over the sequence beside the converted one is run at the example's length only, so one that ran a single chunk there is taken for code of a fixed size",
         (("ttt2la/frontend/recognize.py", "    for at in (base, longer):", "    for at in (base, base):"),),
         ("tests/test_tracing_failures.py",), "second_loop_beside or two_loops_as_written"),
+    Mutation(
+        "partial_chunk_probe_size_stated", "a mean over the chunk is said to run over the probe's partial chunk, whatever the call's partial chunk holds",
+        (("ttt2la/frontend/partial_chunk.py", "over fewer in a partial one", "over {theirs} in a partial one"),),
+        ("tests/test_as_written.py",), "mean_over_the_chunk"),
+    Mutation(
+        "wrapped_argument_accepted", "an argument built otherwise than the example's (a tensor in a list) runs the graphs on its flattened inputs",
+        (("ttt2la/frontend/call_signature.py",
+          "            if all(pytree.tree_is_leaf(a) for a in args) and \\\n",
+          "            if True or all(pytree.tree_is_leaf(a) for a in args) and \\\n"),),
+        ("tests/test_call_errors.py",), "built_otherwise or wrong_call_is"),
+    Mutation(
+        "exported_block_op_writes_out", "torch.export traces the block op's increments with their out= writes, which the exported program cannot run on weights that require grad",
+        (("ttt2la/runtime/block.py",
+          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if torch.compiler.is_exporting()",
+          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if False"),),
+        ("tests/test_ordinary_module.py",), "torch_export"),
+    Mutation(
+        "export_of_forward_mode_unrefused", "a plan that takes forward-mode derivatives is traced by torch.export, whose fake tensors fail on it: the refusal no longer names the reason",
+        (("ttt2la/converted.py",
+          "    if getattr(state.plan, \"forward_ad\", False):\n        return \"its plan takes an affine update's coefficients by forward-mode differentiation\"\n    return \"\"\n\n\ndef _exported_call",
+          "    return \"\"\n\n\ndef _exported_call"),),
+        ("tests/test_ordinary_module.py",), "torch_export"),
+    Mutation(
+        "export_dynamic_size_unrefused", "an export that marks the length dynamic is traced, and export's own error says only that a size was specialised",
+        (("ttt2la/converted.py", "    if symbolic and not reason:", "    if False:"),),
+        ("tests/test_ordinary_module.py",), "torch_export"),
 ]
 
 

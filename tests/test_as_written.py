@@ -401,7 +401,11 @@ class MeanLossStep(nn.Module):
 def test_a_mean_over_the_chunk_is_never_padded(loss):
     """A number the code derives from the chunk's length (a mean's divisor, in its gradient or in
     the forward pass) makes zero padding change the partial last chunk: those lengths run as
-    written, exactly, the report saying why and where; whole chunks run the plan."""
+    written, exactly, the report saying why and where; whole chunks run the plan. The reason
+    names the whole chunk's number and no number for the partial one: the trace's partial chunk
+    is the probe length's, not the call's (5 and 1 tokens here)."""
+    import re
+
     from equivalence import assert_same_function
 
     torch.manual_seed(0)
@@ -412,4 +416,7 @@ def test_a_mean_over_the_chunk_is_never_padded(loss):
     for T in (45, 5, 1):
         assert "the chunk's length" in runs[f"batch 2, length {T}, partial last chunk"], runs
         assert "test_as_written.py:" in runs[f"batch 2, length {T}, partial last chunk"], runs
+        partial = re.search(r"in a whole chunk, (.*?) in a partial one",
+                            runs[f"batch 2, length {T}, partial last chunk"])
+        assert partial and not re.search(r"\d", partial.group(1)), runs
     assert not any("partial" in key for key in runs if "length 32" in key)

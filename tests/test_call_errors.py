@@ -47,6 +47,8 @@ WRONG_CALLS = [
     ("input too wide", (_x(B, L, D + 1),), {}),
     ("input of integers", (_x(B, L, D, dtype=torch.long),), {}),
     ("input a list", ([[0.0] * D] * L,), {}),
+    ("input in a list", ([_x(B, L, D)],), {}),
+    ("input in a tuple", ((_x(B, L, D),),), {}),
     ("the right call", (_x(B, L, D),), {}),
     ("the right call, masked", (_x(B, L, D),), {"store_mask": MASK}),
 ]
@@ -114,6 +116,22 @@ def test_the_message_names_the_input_and_what_to_pass(memories):
                        match="'store_mask' = a tensor, but it was converted with 'store_mask' "
                              "left at its default None"):
         plain(torch.randn(B, L, D), store_mask=MASK)
+
+
+def test_an_argument_built_otherwise_than_the_example_is_refused_naming_it(memories):
+    """The graphs take a call's inputs flattened, so a tensor wrapped in a list or a tuple
+    flattened to the example's inputs and ran, where the layer's own code fails on it: the
+    converted layer names the argument, how it was built and how the example's was."""
+    converted = memories[1]["converted with a mask"]
+    x = torch.randn(B, L, D)
+    for wrapped, built in (([x], r"a list \[a tensor\]"), ((x,), r"a tuple \[a tensor\]")):
+        with pytest.raises(ttt2la.UnsupportedShapeError,
+                           match=rf"#0 = {built}, where the call it was converted from passed "
+                                 r"a tensor\. It was converted for calls with #0: a tensor"):
+            converted(wrapped, store_mask=MASK)
+    with pytest.raises(ttt2la.UnsupportedShapeError, match=r"'store_mask' = a dict \{'m': a "
+                                                           r"tensor\}, where the call it was"):
+        converted(x, store_mask={"m": MASK})
 
 
 class Gained(ViTTTClosedFormBlock):

@@ -16,7 +16,7 @@ import torch
 
 import ttt2la
 from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import LaCTFoldedLayer, ScanEtaTTTLayer, TinyLaCTLM
+from ttt2la.zoo import LaCTFoldedLayer, PerTokenTTTLayer, ScanEtaTTTLayer, TinyLaCTLM
 
 FP32 = TOLERANCE[torch.float32]
 
@@ -203,3 +203,51 @@ def test_fullgraph_compilation_of_a_layer_between_graphs_says_why():
     message = str(refused.value)
     assert "forward-mode differentiation" in message, message
     assert "without fullgraph=True" in message, message
+
+
+@pytest.mark.parametrize("make,level", [
+    (lambda: LaCTFoldedLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False), 2),
+    (lambda: PerTokenTTTLayer(8, 2), 6),
+], ids=["block op", "folded constants"])
+def test_torch_export_traces_the_converted_layer(make, level):
+    """``torch.export`` traces the plan's tensor ops at the exported shape, and the program
+    computes the layer's function: the block op's ``out=`` writes, kept in the program, failed
+    when it ran on weights that require grad (export traces the plain ops instead)."""
+    torch.manual_seed(0)
+    layer = make()
+    width = 16 if level == 2 else 8
+    x = torch.randn(2, 12, width)
+    conv = ttt2la.convert(layer, level=level, example_inputs=(x,))
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        program = torch.export.export(conv, (x,))
+    y = program.module()(x)             # with grad: the weights require it
+    assert rel_rms_error(y.detach(), conv(x).detach()) <= FP32
+    if level == 2:                      # exact
+        assert rel_rms_error(y.detach(), layer(x).detach()) <= FP32
+
+
+def test_torch_export_of_a_plan_it_cannot_trace_says_why():
+    """A plan that takes forward-mode derivatives at run time (Titans' affine scan) cannot be
+    traced by export (a raw ``AttributeError`` from its fake tensors): it is refused with the
+    reason and what to export instead."""
+    from ttt2la.zoo import TitansLinearMemory
+
+    torch.manual_seed(0)
+    conv = ttt2la.convert(TitansLinearMemory(8, 4), level=2, example_inputs=(torch.randn(2, 16, 8),))
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        with pytest.raises(ttt2la.UnsupportedExportError) as refused:
+            torch.export.export(conv, (torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert "forward-mode differentiation" in message and "Export the original" in message, message
+
+
+def test_torch_export_with_a_dynamic_length_says_why():
+    """The converted graphs are specialised per (batch, length): an export that marks the length
+    dynamic is refused saying so (export's own error said only that a size was specialised)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 8)
+    conv = ttt2la.convert(PerTokenTTTLayer(8, 2), level=2, example_inputs=(x,))
+    length = torch.export.Dim("L", min=2, max=64)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        with pytest.raises(ttt2la.UnsupportedExportError, match="static shapes"):
+            torch.export.export(conv, (x,), dynamic_shapes=(({1: length},),))

@@ -19,7 +19,7 @@ from .conversion import convert, inspect
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
                      LevelNotImplementedError, NonReducibleError, PartialChunkError,
                      PlanFallbackError, RejectedCallError, SideEffectError, StreamingError,
-                     UnsupportedShapeError, UnsupportedTTTError)
+                     UnsupportedExportError, UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
 from .stream import Stream, TTTState
 from .sweep import SweepReport, sweep
@@ -34,4 +34,4 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "ChangedAttributeError", "SideEffectError",
            "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
-           "AlreadyConvertedError", "RejectedCallError", "race_as_written", "__version__"]
+           "AlreadyConvertedError", "RejectedCallError", "UnsupportedExportError", "race_as_written", "__version__"]

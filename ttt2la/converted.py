@@ -31,8 +31,8 @@ from .as_written import AsWritten, races
 from .attribute_guard import AttributeGuard, Change
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
-                     PartialChunkError, StreamingError, UnsupportedShapeError,
-                     UnsupportedTTTError)
+                     PartialChunkError, StreamingError, UnsupportedExportError,
+                     UnsupportedShapeError, UnsupportedTTTError)
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
@@ -523,6 +523,8 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     spelled = getattr(state.layout, "spelled", None)
     if spelled is not None:
         args, kwargs = spelled(args, kwargs)
+    if torch.compiler.is_exporting():
+        return _exported_call(self, args, kwargs, ttt_state, return_ttt_state)
     if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):
         where = state._where()
         if ttt_state is not None or return_ttt_state:
@@ -532,6 +534,41 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
         return refuse_backward(_converted_call(self, args, kwargs),
                                refusal(where, state.undifferentiable))
     return _converted_call(self, args, kwargs, ttt_state, return_ttt_state)
+
+
+def export_refusal(state: "ConvertedState") -> str:
+    """Why ``torch.export`` cannot trace the layer's plan ("" when it can): forward-mode
+    derivatives taken at run time do not trace under export's fake tensors."""
+    if getattr(state.plan, "forward_ad", False):
+        return "its plan takes an affine update's coefficients by forward-mode differentiation"
+    return ""
+
+
+def _exported_call(self, args: tuple, kwargs: dict, ttt_state, return_ttt_state: bool):
+    """The converted layer traced by ``torch.export``: its plan's tensor ops at the (batch,
+    length) being exported, or an ``UnsupportedExportError`` saying why the plan cannot be
+    traced and what to export instead — never a raw error from inside export's tracing."""
+    state = self._ttt2la
+    instead = ("Export the original model instead (ttt2la.convert leaves it untouched), or run "
+               "the converted layer eagerly or under torch.compile")
+    reason = export_refusal(state)
+    symbolic = [d for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)
+                for d in x.shape if isinstance(d, torch.SymInt)]
+    if symbolic and not reason:     # export's own error would say only that a size specialised
+        reason = ("its graphs are specialised per (batch, length), and this export marks a size "
+                  "of its inputs dynamic; export it at static shapes (one program per length)")
+    if reason:
+        raise UnsupportedExportError(
+            f"torch.export cannot trace {state._where()}: {reason}. {instead}.")
+    try:
+        return _converted_call(self, args, kwargs, ttt_state, return_ttt_state)
+    except ConversionError:
+        raise
+    except Exception as e:          # export's tracing fails on an op of the plan
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UnsupportedExportError(
+            f"torch.export could not trace {state._where()}: {type(e).__name__}"
+            f"{f' ({first})' if first else ''}. {instead}.") from e
 
 
 def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,

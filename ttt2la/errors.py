@@ -81,6 +81,12 @@ class StreamingError(ConversionError):
     or batch size, or a piece ends where the layer's outputs are not final yet."""
 
 
+class UnsupportedExportError(ConversionError):
+    """``torch.export`` cannot trace this converted layer's plan (one that takes an affine
+    update's coefficients by forward-mode differentiation, or one export's tracing fails on):
+    export the original model instead, or run the converted layer eagerly or compiled."""
+
+
 class AlreadyConvertedError(ConversionError):
     """The model handed to ``convert`` or ``inspect`` is already a converted model."""
 

@@ -12,7 +12,9 @@ parameters by name (``spelled``), so a keyword is never taken for the one the ex
 its place, keywords may come in any order, an argument may be passed by position or by keyword,
 and one the example left out may be passed at its default; a dict inside an argument is read by
 its keys, in any order. The call is then spelled as the example was — its inputs in the order
-the graphs take them — before it is checked leaf by leaf.
+the graphs take them — and each argument must be built as the example's was (a tensor wrapped
+in a list flattens to the same inputs, but the layer's code reads it otherwise) before it is
+checked leaf by leaf.
 """
 from __future__ import annotations
 
@@ -47,6 +49,27 @@ class Leaf:
         dims = ["B" if a == batch_axis else "L" if a == token_axis else str(n)
                 for a, n in enumerate(self.shape)]
         return f"{self.name}: a tensor [{', '.join(dims)}]"
+
+
+class _Shown:
+    """A leaf of the example call in its place in the example's structure."""
+
+    __slots__ = ("leaf",)
+
+    def __init__(self, leaf: "Leaf") -> None:
+        self.leaf = leaf
+
+
+def _built(x) -> str:
+    """How an argument is built: a tensor, a value, or a container and what it holds."""
+    if isinstance(x, _Shown):
+        return "a tensor" if x.leaf.rank is not None else repr(x.leaf.value)
+    if pytree.tree_is_leaf(x):
+        return "a tensor" if isinstance(x, torch.Tensor) else repr(x)
+    if isinstance(x, dict):
+        return f"a {type(x).__name__} {{" + ", ".join(f"{k!r}: {_built(v)}"
+                                                  for k, v in x.items()) + "}"
+    return f"a {type(x).__name__} [" + ", ".join(_built(v) for v in x) + "]"
 
 
 def _same_value(a, b) -> bool:
@@ -133,6 +156,8 @@ class CallSignature:
     others: tuple = ()                  # (name, the example's value) of the parameters left out
     nested: tuple = ()                  # the leaves' key paths, where a dict sits in an argument
     spec: pytree.TreeSpec | None = None     # the example's structure, where ``nested``
+    structure: pytree.TreeSpec | None = None    # the example's structure, where an argument
+    #                                             is a container (a list, a tuple, a dict)
     _plans: dict = field(default_factory=dict, repr=False)   # spelling -> ``_plan``
 
     @classmethod
@@ -162,8 +187,9 @@ class CallSignature:
                 given = {s[0] for s in slots}
                 others = tuple((name, bound.arguments[name]) for name in sig.parameters
                                if name not in given)
+        containers = not all(pytree.tree_is_leaf(a) for a in (*args, *kwargs.values()))
         return cls(tuple(leaves), len(args), tuple(kwargs), sig, slots, others, nested,
-                   spec if nested else None)
+                   spec if nested else None, spec if containers else None)
 
     def spelled(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
                 path: str = "") -> tuple[tuple, dict]:
@@ -174,8 +200,10 @@ class CallSignature:
         gives a parameter the example left out another value than its default."""
         if len(args) == self.positional and tuple(kwargs) == self.keywords:
             # the example's own spelling: nothing to bind
-            return self._keys_as_example(args, kwargs, batch_axis, token_axis, path) \
-                if self.nested else (args, kwargs)
+            return self._as_structured(*(self._keys_as_example(args, kwargs, batch_axis,
+                                                               token_axis, path)
+                                         if self.nested else (args, kwargs)),
+                                       batch_axis, token_axis, path)
         key = (len(args), tuple(kwargs))
         plan = self._plans.get(key)
         if plan is None:                # binding depends on the spelling, not on the values
@@ -200,8 +228,41 @@ class CallSignature:
         values = [_pick(source, args, kwargs) for source in sources]
         n = self.positional
         args, kwargs = tuple(values[:n]), dict(zip(self.keywords, values[n:]))
-        return self._keys_as_example(args, kwargs, batch_axis, token_axis, path) \
-            if self.nested else (args, kwargs)
+        return self._as_structured(*(self._keys_as_example(args, kwargs, batch_axis, token_axis,
+                                                           path)
+                                     if self.nested else (args, kwargs)),
+                                   batch_axis, token_axis, path)
+
+    def _as_structured(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
+                       path: str) -> tuple[tuple, dict]:
+        """``(args, kwargs)``, spelled as the example, when each argument is built as the
+        example's was (a tensor, a value, or a container of as many of them); raises
+        ``UnsupportedShapeError`` naming the argument where it is not. The converted graphs
+        take the call's inputs flattened: a tensor wrapped in a list, or two lists swapped for
+        one, flattens to the example's inputs although the layer's forward reads them otherwise
+        (``x.shape`` of a list fails in the code as written)."""
+        if self.structure is None:      # the example's arguments are tensors and values
+            if all(pytree.tree_is_leaf(a) for a in args) and \
+                    all(pytree.tree_is_leaf(v) for v in kwargs.values()):
+                return args, kwargs
+        elif pytree.tree_structure((tuple(args), dict(kwargs))) == self.structure:
+            return args, kwargs
+        shown = [_Shown(leaf) for leaf in self.leaves]
+        n = self.positional
+        ex_args, ex_kwargs = pytree.tree_unflatten(shown, self.structure) \
+            if self.structure is not None else \
+            (tuple(shown[:n]), dict(zip(self.keywords, shown[n:])))
+        found = "arguments built otherwise than the example's"
+        for name, now, then in [*((f"#{i}", a, b) for i, (a, b) in enumerate(zip(args, ex_args))),
+                                *((repr(k), v, ex_kwargs.get(k)) for k, v in kwargs.items())]:
+            if pytree.tree_structure(now) != pytree.tree_structure(then):
+                found = f"{name} = {_built(now)}, where the call it was converted from passed " \
+                    f"{_built(then)}"
+                break
+        raise UnsupportedShapeError(
+            f"the converted {path or 'layer'} was called with {found}. It was converted for "
+            f"calls with {self.describe(batch_axis, token_axis)}; call it that way, or convert "
+            "it again with example inputs like this call's.")
 
     def _keys_as_example(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
                          path: str) -> tuple[tuple, dict]:

@@ -44,16 +44,19 @@ def _reduced_sizes(node: torch.fx.Node) -> tuple | None:
 
 
 def _differs(node: torch.fx.Node, last: torch.fx.Node) -> str:
+    """How ``node`` (a whole chunk's op) differs from ``last`` (the same op of the partial
+    iteration the probe length leaves), or ``""``. Only the whole chunk's number is named: the
+    partial one is the probe's, and the text is kept and shown for calls whose partial chunk
+    holds another number of tokens, where the probe's number would be wrong."""
     if node.op != "call_function":
         return ""
     name = op_name(node)
     numbers = other_numbers(node, last)
     if numbers is not None:
-        return f"{name} by {numbers[0][0]:g} in a whole chunk, by {numbers[1][0]:g} in the " \
-            "partial one"
+        return f"{name} by {numbers[0][0]:g} in a whole chunk, by another number in a partial one"
     ours, theirs = _reduced_sizes(node), _reduced_sizes(last)
     if ours is not None and ours != theirs:
-        return f"a {name} over {ours} elements in a whole chunk, over {theirs} in the partial one"
+        return f"a {name} over {ours} elements in a whole chunk, over fewer in a partial one"
     return ""
 
 

@@ -329,7 +329,10 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
         return o.to(v.dtype), final
     if n - shift > 0:
-        G = ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
+        # torch.export keeps the Function's ``out=`` writes in its program, which then cannot
+        # run on weights that require grad: export traces the same increments in plain ops
+        G = plain_increments(phi_k.to(dt), u, n - shift, C) if torch.compiler.is_exporting() \
+            else ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
         states = chunk_states(G, momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
                               ns_dtype=ns_dtype, weight_norm=cast(weight_norm), W0=W0,
                               decay=cast(decay), step_scale=cast(step_scale),
@@ -338,7 +341,8 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     else:
         states = phi_k.new_empty(B, H, 0, Dk, Dv, dtype=dt)
         final = W0 if W0 is not None else phi_k.new_zeros(B, H, Dk, Dv, dtype=dt)
-    o = ReadStates.apply(phi_q.to(dt), states, W0, C, shift)
+    o = plain_read(phi_q.to(dt), states, W0, C, shift) if torch.compiler.is_exporting() \
+        else ReadStates.apply(phi_q.to(dt), states, W0, C, shift)
     if output_final_state:
         final = (final.clone() if final is W0 else final).to(final_state_dtype(v, initial_state))
     else:
