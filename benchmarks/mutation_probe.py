@@ -1325,6 +1325,10 @@ MUTATIONS = [
         "dict_keys_by_position", "a dict inside a call's arguments is compared and fed to the graphs by position, not by its keys",
         (("ttt2la/frontend/call_signature.py", "        nested = paths if any(", "        nested = () if any("),),
         ("tests/test_call_errors.py",), "dict_argument"),
+    Mutation(
+        "lagged_state_taken_for_an_invariant", "a value made two iterations back, which the loop's second iteration reads as the one made before the loop, is taken for a loop invariant",
+        (("ttt2la/frontend/rollup.py", "                _same_later(u, n, pos, lambda j, a=a: (a,))\n", ""),),
+        ("tests/test_lagged_states.py",), "earlier_iteration or inside_a_model"),
 ]
 
 
