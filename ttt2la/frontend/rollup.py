@@ -44,8 +44,8 @@ from .partial_chunk import length_dependent_number
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of, node_frames,
                     sequence_reads, split_iterations, walks_once)
 from .slice_assignments import select_writes_as_slice_writes
-from .source_names import (PIECE_NAME, _assigned_names, assigned_name, keyed_initial_names, state_names,
-                           stream_name, unique)
+from .source_names import (PIECE_NAME, assigned_name, assigned_names, keyed_initial_names,
+                           state_names, stream_name, unique)
 from .unlike_iterations import index_branch, strided_reads
 
 aten = torch.ops.aten
@@ -530,7 +530,7 @@ def _lagged(u: Unrolled, n: torch.fx.Node, made: torch.fx.Node, lag: int, j: int
     """The refusal of body op ``n``, whose copy in iteration ``j`` reads ``made``, a value made
     ``lag`` iterations back where the loop's second iteration reads ``first`` (in words): a
     chunk-parallel plan carries each state from one iteration to the next only."""
-    names = _assigned_names(made.meta.get(SRC)) or []
+    names = assigned_names(made.meta.get(SRC))
     value = f"`{names[0]}`" if len(names) == 1 else "a value"
     back = {2: "two", 3: "three", 4: "four"}.get(lag, str(lag))
     seen = (f" (iteration {j} reads the one iteration {j - lag} made, where the loop's second "
