@@ -1367,6 +1367,10 @@ MUTATIONS = [
         "export_dynamic_size_unrefused", "an export that marks the length dynamic is traced, and export's own error says only that a size was specialised",
         (("ttt2la/converted.py", "    if symbolic and not reason:", "    if False:"),),
         ("tests/test_ordinary_module.py",), "torch_export"),
+    Mutation(
+        "lagged_state_taken_for_an_invariant", "a value made two iterations back, which the loop's second iteration reads as the one made before the loop, is taken for a loop invariant",
+        (("ttt2la/frontend/rollup.py", "                _same_later(u, n, pos, lambda j, a=a: (a,), unlike)\n", ""),),
+        ("tests/test_lagged_states.py",), "earlier_iteration or inside_a_model"),
 ]
 
 

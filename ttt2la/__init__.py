@@ -17,7 +17,8 @@ from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpoint
                                 WeightMismatchError)
 from .conversion import convert, inspect
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
-                     LevelNotImplementedError, NonReducibleError, PartialChunkError,
+                     LaggedStateError, LevelNotImplementedError, NonReducibleError,
+                     PartialChunkError,
                      PlanFallbackError, RejectedCallError, SideEffectError, StreamingError,
                      UnsupportedExportError, UnsupportedShapeError, UnsupportedTTTError)
 from .report import ConversionReport, InspectionReport
@@ -31,7 +32,7 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
            "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "PartialChunkError",
-           "ChangedAttributeError", "SideEffectError",
+           "ChangedAttributeError", "SideEffectError", "LaggedStateError",
            "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
            "AlreadyConvertedError", "RejectedCallError", "UnsupportedExportError", "race_as_written", "__version__"]

@@ -48,6 +48,21 @@ class SideEffectError(UnsupportedTTTError):
         self.where = where              # the assignment's source line, when found
 
 
+class LaggedStateError(UnsupportedTTTError):
+    """A loop reads a value made two or more iterations back (the fast weights before the last
+    update, kept as ``Wp, W = W, W + dW`` or read from a list of every state): a chunk-parallel
+    plan carries each state from one iteration to the next only, so the layer is not converted
+    and runs as written inside a model. ``where`` is the reading line (``file:line``), ``value``
+    the value read, by its name or line, and ``lag`` how many iterations back it was made."""
+
+    def __init__(self, message: str, *, where: str | None = None, value: str = "",
+                 lag: int = 2):
+        super().__init__(message)
+        self.where = where
+        self.value = value
+        self.lag = lag
+
+
 class UnsupportedShapeError(ConversionError):
     """A converted layer was called at a shape, or with arguments, its conversion does not
     cover: the layer's own code ran only at some batch sizes when it was traced, a plain Python

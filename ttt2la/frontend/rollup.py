@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
-from ..errors import UnsupportedTTTError
+from ..errors import LaggedStateError, UnsupportedTTTError
 from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
                   OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
 from .index_values import refuse_index_steps
@@ -44,8 +44,8 @@ from .partial_chunk import length_dependent_number
 from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops_of, node_frames,
                     sequence_reads, split_iterations, walks_once)
 from .slice_assignments import select_writes_as_slice_writes
-from .source_names import (PIECE_NAME, assigned_name, keyed_initial_names, state_names,
-                           stream_name, unique)
+from .source_names import (PIECE_NAME, assigned_name, assigned_names, keyed_initial_names,
+                           state_names, stream_name, unique)
 from .unlike_iterations import index_branch, strided_reads
 
 aten = torch.ops.aten
@@ -129,6 +129,8 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     states = split_buffer(u, inputs, carried_states(u, inputs))
     out_node = chunk_output(u, states)
     tail = order_and_tail(u, inputs, states, out_node)
+    if states.unlike_reads:
+        raise u.fail(states.unlike_reads[0])
     program = extract_body(u, inputs, states, out_node, tail, module_path)
     program.partial_chunk = length_dependent_number(u.in_iteration(u.n_iter - 1))
     rewrite_outer(u, inputs, states, tail)
@@ -428,6 +430,7 @@ class States:
     init_nodes: set[torch.fx.Node]                 # first-iteration code that only initialises
     notes: list[str]
     buffer: "Buffer | None" = None                 # an output written chunk by chunk
+    unlike_reads: list[str] = field(default_factory=list)  # reads later iterations do not repeat
 
 
 def carried_states(u: Unrolled, inputs: Inputs) -> States:
@@ -438,26 +441,30 @@ def carried_states(u: Unrolled, inputs: Inputs) -> States:
     carried: dict[torch.fx.Node, torch.fx.Node] = {}
     initial: dict[torch.fx.Node, object] = {}
     invariants: list[torch.fx.Node] = []
+    unlike: list[str] = []
     for n in inputs.body_nodes:
         for pos, a in enumerate(_flat_args(n)):
             if not isinstance(a, torch.fx.Node):
                 continue
             if a in inputs.hoisted:
+                _same_later(u, n, pos, lambda j, a=a: (a, u.in_iteration(j).get(a)), unlike)
                 _add(invariants, a)
             elif a in body:
                 continue
             elif a in first:
-                _carry(u, n, pos, a, carried, initial)
+                _carry(u, n, pos, a, carried, initial, unlike)
             elif u.before_loop(a):
+                _same_later(u, n, pos, lambda j, a=a: (a,), unlike)
                 _add(invariants, a)
             elif a in u.in_loop:
-                raise u.fail(f"{n.format_node()} reads a value from an iteration two steps back")
+                raise _lagged(u, n, a, 2, None, "")
             else:
-                raise u.fail(f"{n.format_node()} reads {a.format_node()}, defined after the loop")
+                raise u.fail(f"{_named(n)} reads {_named(a)}, defined after the loop")
     init_nodes, notes = _initialisations(u, inputs, initial)
     for s in inputs.streams.values():
         _add(invariants, s.source)
-    return States(inputs.body_nodes, carried, initial, invariants, init_nodes, notes)
+    return States(inputs.body_nodes, carried, initial, invariants, init_nodes, notes,
+                  unlike_reads=unlike)
 
 
 def _add(values: list, a) -> None:
@@ -466,15 +473,18 @@ def _add(values: list, a) -> None:
 
 
 def _carry(u: Unrolled, n: torch.fx.Node, pos: int, a: torch.fx.Node, carried: dict,
-           initial: dict) -> None:
+           initial: dict, unlike: list[str]) -> None:
     """Body op ``n`` reads iteration 0's ``a`` at argument ``pos``: record ``a`` as a carried
     state, its value out of iteration 1, and what iteration 0 read in its place (its start)."""
     got2 = _flat_args(u.to2[n])[pos]
+    if isinstance(got2, torch.fx.Node) and got2 in u.iters[0]:
+        raise _lagged(u, n, got2, 2, 2, "that one too")
     if not (isinstance(got2, torch.fx.Node) and got2 in u.to2):
-        raise u.fail(f"{a.format_node()} is read from the previous iteration, but the next "
-                     "iteration reads something else there")
+        raise u.fail(f"{_named(a)} is read from the previous iteration at {_where(n)}, but the "
+                     "next iteration reads something else there")
     if carried.get(a, got2) is not got2:
-        raise u.fail(f"{a.format_node()} is carried into two different values")
+        raise u.fail(f"{_named(a)} is carried into two different values")
+    _same_later(u, n, pos, lambda j: (u.in_iteration(j - 1).get(got2),), unlike)
     carried[a] = got2
     c0 = u.to0.get(n)
     v0 = ZERO if c0 is None else _flat_args(c0)[pos]
@@ -483,6 +493,69 @@ def _carry(u: Unrolled, n: torch.fx.Node, pos: int, a: torch.fx.Node, carried: d
     if a in initial and initial[a] is not ZERO and initial[a] is not v0:
         raise u.fail("a carried value starts from two different initial values")
     initial[a] = v0
+
+
+def _iteration_of(u: Unrolled, x: torch.fx.Node) -> int | None:
+    """The traced iteration whose ops include ``x``, or ``None`` (before or after the loop)."""
+    return next((j for j, ops in enumerate(u.iters) if x in ops), None)
+
+
+def _same_later(u: Unrolled, n: torch.fx.Node, pos: int, expected, unlike: list[str]) -> None:
+    """Every later traced iteration reads, at argument ``pos`` of its copy of body op ``n``, what
+    iteration 1's read stands for: ``expected(j)`` lists the values iteration ``j`` may read
+    there (``None`` entries are ignored). Iteration 1 alone cannot tell a value carried from
+    two iterations back (``Wp, W = W, W + dW``, read as ``W + Wp``) from a value made before
+    the loop, as its ``Wp`` is still the initial one; the iterations after it can, and where
+    one reads another value the loop is refused instead of converted with the first one: at once
+    where the value was made two or more iterations back, else (a second run of the loop, whose
+    first iteration reads its own initial value) by a message added to ``unlike``, raised once
+    the phases that name such loops better have run."""
+    for j in range(2, u.n_iter):
+        nj = u.in_iteration(j).get(n)
+        if nj is None:
+            continue
+        args = _flat_args(nj)
+        if pos >= len(args) or not isinstance(got := args[pos], torch.fx.Node):
+            continue
+        allowed = [x for x in expected(j) if x is not None]
+        if not allowed or any(got is x or _equal_constants(u.gm, x, got) for x in allowed):
+            continue
+        k = _iteration_of(u, got)
+        if k is not None and k < j - 1:
+            first = _flat_args(n)[pos]
+            raise _lagged(u, n, got, j - k, j, "the initial value" if u.before_loop(first)
+                          else f"{_named(first)}")
+        what = (f"the value iteration {k} made" if k is not None else
+                f"{_named(got)}, made before the loop")
+        unlike.append(f"{_where(n)} reads {_named(_flat_args(n)[pos])} in the loop's second "
+                      f"iteration and {what} in iteration {j}: the value it reads there is "
+                      "neither the same in every iteration nor the state the iteration before "
+                      "made")
+        return
+
+
+def _lagged(u: Unrolled, n: torch.fx.Node, made: torch.fx.Node, lag: int, j: int | None,
+            first: str) -> LaggedStateError:
+    """The refusal of body op ``n``, whose copy in iteration ``j`` reads ``made``, a value made
+    ``lag`` iterations back where the loop's second iteration reads ``first`` (in words): a
+    chunk-parallel plan carries each state from one iteration to the next only."""
+    names = assigned_names(made.meta.get(SRC))
+    value = f"`{names[0]}`" if len(names) == 1 else "a value"
+    back = {2: "two", 3: "three", 4: "four"}.get(lag, str(lag))
+    seen = (f" (iteration {j} reads the one iteration {j - lag} made, where the loop's second "
+            f"iteration reads {first})" if j is not None else "")
+    error = _fail(
+        f"{_where(n)} reads {value} made {back} iterations back, at {_where(made)}{seen}: the fast "
+        "weights before the last update (`Wp, W = W, W + dW`, or an earlier element of a list "
+        "of states). ttt2la carries each state from one iteration to the next only, so this "
+        "loop has no chunk-parallel form it can vouch for; keep the layer as written (inside a "
+        "model it is left unconverted and runs as written), or read only the latest state, or "
+        "carry what the read needs as a state the iteration itself makes (such as the last "
+        "update dW, reading W - dW)", u.loop, LaggedStateError)
+    src = n.meta.get(SRC)
+    error.where = f"{src.file}:{src.line}" if src is not None else None
+    error.value, error.lag = value.strip("`"), lag
+    return error
 
 
 def _initialisations(u: Unrolled, inputs: Inputs,

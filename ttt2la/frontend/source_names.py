@@ -154,6 +154,12 @@ def assigned_name(src: SourceLoc | None) -> str | None:
     return "_".join(names) if names else None
 
 
+def assigned_names(src: SourceLoc | None) -> list[str]:
+    """Each name a line assigns, in order (``[Wp, W]`` for ``Wp, W = W, W + dW``); none where
+    it assigns no plain name."""
+    return _assigned_names(src) or []
+
+
 #: Node meta: the name a loop statement binds a ``split``/``unbind`` piece to (``split_pieces``).
 PIECE_NAME = "ttt2la_piece_name"
 
