@@ -1369,7 +1369,7 @@ MUTATIONS = [
         ("tests/test_ordinary_module.py",), "torch_export"),
     Mutation(
         "lagged_state_taken_for_an_invariant", "a value made two iterations back, which the loop's second iteration reads as the one made before the loop, is taken for a loop invariant",
-        (("ttt2la/frontend/rollup.py", "                _same_later(u, n, pos, lambda j, a=a: (a,), unlike)\n", ""),),
+        (("ttt2la/frontend/rollup.py", "                _no_lag_later(u, n, pos, lambda j, a=a: (a,))\n", ""),),
         ("tests/test_lagged_states.py",), "earlier_iteration or inside_a_model"),
 ]
 

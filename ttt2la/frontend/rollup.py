@@ -129,8 +129,6 @@ def roll_up(gm: torch.fx.GraphModule, loop: LoopSite, depth: int, *,
     states = split_buffer(u, inputs, carried_states(u, inputs))
     out_node = chunk_output(u, states)
     tail = order_and_tail(u, inputs, states, out_node)
-    if states.unlike_reads:
-        raise u.fail(states.unlike_reads[0])
     program = extract_body(u, inputs, states, out_node, tail, module_path)
     program.partial_chunk = length_dependent_number(u.in_iteration(u.n_iter - 1))
     rewrite_outer(u, inputs, states, tail)
@@ -430,7 +428,6 @@ class States:
     init_nodes: set[torch.fx.Node]                 # first-iteration code that only initialises
     notes: list[str]
     buffer: "Buffer | None" = None                 # an output written chunk by chunk
-    unlike_reads: list[str] = field(default_factory=list)  # reads later iterations do not repeat
 
 
 def carried_states(u: Unrolled, inputs: Inputs) -> States:
@@ -441,20 +438,19 @@ def carried_states(u: Unrolled, inputs: Inputs) -> States:
     carried: dict[torch.fx.Node, torch.fx.Node] = {}
     initial: dict[torch.fx.Node, object] = {}
     invariants: list[torch.fx.Node] = []
-    unlike: list[str] = []
     for n in inputs.body_nodes:
         for pos, a in enumerate(_flat_args(n)):
             if not isinstance(a, torch.fx.Node):
                 continue
             if a in inputs.hoisted:
-                _same_later(u, n, pos, lambda j, a=a: (a, u.in_iteration(j).get(a)), unlike)
+                _no_lag_later(u, n, pos, lambda j, a=a: (a, u.in_iteration(j).get(a)))
                 _add(invariants, a)
             elif a in body:
                 continue
             elif a in first:
-                _carry(u, n, pos, a, carried, initial, unlike)
+                _carry(u, n, pos, a, carried, initial)
             elif u.before_loop(a):
-                _same_later(u, n, pos, lambda j, a=a: (a,), unlike)
+                _no_lag_later(u, n, pos, lambda j, a=a: (a,))
                 _add(invariants, a)
             elif a in u.in_loop:
                 raise _lagged(u, n, a, 2, None, "")
@@ -463,8 +459,7 @@ def carried_states(u: Unrolled, inputs: Inputs) -> States:
     init_nodes, notes = _initialisations(u, inputs, initial)
     for s in inputs.streams.values():
         _add(invariants, s.source)
-    return States(inputs.body_nodes, carried, initial, invariants, init_nodes, notes,
-                  unlike_reads=unlike)
+    return States(inputs.body_nodes, carried, initial, invariants, init_nodes, notes)
 
 
 def _add(values: list, a) -> None:
@@ -473,7 +468,7 @@ def _add(values: list, a) -> None:
 
 
 def _carry(u: Unrolled, n: torch.fx.Node, pos: int, a: torch.fx.Node, carried: dict,
-           initial: dict, unlike: list[str]) -> None:
+           initial: dict) -> None:
     """Body op ``n`` reads iteration 0's ``a`` at argument ``pos``: record ``a`` as a carried
     state, its value out of iteration 1, and what iteration 0 read in its place (its start)."""
     got2 = _flat_args(u.to2[n])[pos]
@@ -484,7 +479,7 @@ def _carry(u: Unrolled, n: torch.fx.Node, pos: int, a: torch.fx.Node, carried: d
                      "next iteration reads something else there")
     if carried.get(a, got2) is not got2:
         raise u.fail(f"{_named(a)} is carried into two different values")
-    _same_later(u, n, pos, lambda j: (u.in_iteration(j - 1).get(got2),), unlike)
+    _no_lag_later(u, n, pos, lambda j: (u.in_iteration(j - 1).get(got2),))
     carried[a] = got2
     c0 = u.to0.get(n)
     v0 = ZERO if c0 is None else _flat_args(c0)[pos]
@@ -500,16 +495,15 @@ def _iteration_of(u: Unrolled, x: torch.fx.Node) -> int | None:
     return next((j for j, ops in enumerate(u.iters) if x in ops), None)
 
 
-def _same_later(u: Unrolled, n: torch.fx.Node, pos: int, expected, unlike: list[str]) -> None:
-    """Every later traced iteration reads, at argument ``pos`` of its copy of body op ``n``, what
-    iteration 1's read stands for: ``expected(j)`` lists the values iteration ``j`` may read
-    there (``None`` entries are ignored). Iteration 1 alone cannot tell a value carried from
-    two iterations back (``Wp, W = W, W + dW``, read as ``W + Wp``) from a value made before
-    the loop, as its ``Wp`` is still the initial one; the iterations after it can, and where
-    one reads another value the loop is refused instead of converted with the first one: at once
-    where the value was made two or more iterations back, else (a second run of the loop, whose
-    first iteration reads its own initial value) by a message added to ``unlike``, raised once
-    the phases that name such loops better have run."""
+def _no_lag_later(u: Unrolled, n: torch.fx.Node, pos: int, expected) -> None:
+    """No later traced iteration reads, at argument ``pos`` of its copy of body op ``n``, a value
+    made two or more iterations before it, where ``expected(j)`` lists what iteration ``j`` may
+    read there (what iteration 1's read stands for; ``None`` entries are ignored). Iteration 1
+    alone cannot tell a value carried from two iterations back (``Wp, W = W, W + dW``, read as
+    ``W + Wp``) from a value made before the loop, as its ``Wp`` is still the initial one; the
+    iterations after it can, and such a loop is refused instead of converted with the first one.
+    Other reads that differ from the expected node — a stream's token or an invariant
+    recomputed in the iteration itself — are the same values by other nodes, and pass."""
     for j in range(2, u.n_iter):
         nj = u.in_iteration(j).get(n)
         if nj is None:
@@ -525,13 +519,6 @@ def _same_later(u: Unrolled, n: torch.fx.Node, pos: int, expected, unlike: list[
             first = _flat_args(n)[pos]
             raise _lagged(u, n, got, j - k, j, "the initial value" if u.before_loop(first)
                           else f"{_named(first)}")
-        what = (f"the value iteration {k} made" if k is not None else
-                f"{_named(got)}, made before the loop")
-        unlike.append(f"{_where(n)} reads {_named(_flat_args(n)[pos])} in the loop's second "
-                      f"iteration and {what} in iteration {j}: the value it reads there is "
-                      "neither the same in every iteration nor the state the iteration before "
-                      "made")
-        return
 
 
 def _lagged(u: Unrolled, n: torch.fx.Node, made: torch.fx.Node, lag: int, j: int | None,
