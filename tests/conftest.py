@@ -10,6 +10,7 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``, see docs/testing.md):
 * ``dev``: random draws with each test's own example counts, to look for new failures;
 * ``wide``: random draws with five times each test's example count, for a long exploration.
 """
+import gc
 import os
 
 import pytest
@@ -75,3 +76,13 @@ def always_scan():
 
     with scanning(True):
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def settled_heap():
+    """After each test module, what it left alive (its cached conversions, fx graphs of thousands
+    of nodes) is moved out of the garbage collector's sight: a worker runs dozens of modules, and
+    every full collection would scan all they left, making each later conversion slower."""
+    yield
+    gc.collect()
+    gc.freeze()
