@@ -491,15 +491,14 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
     length = _layer_length(cand, tensors, seq_len)
     if length is None:
         return
-    sliced = [c for c in cand.apart if (cand.probe_length or length) in c.slice_lengths
-              or length in c.slice_lengths]
+    base = cand.probe_length or length
+    sliced = [c for c in cand.apart if base in c.slice_lengths or length in c.slice_lengths]
     if not sliced:
         return
     try:
         layout = _layout(flat, length, tensors[0].shape[0])
     except ConversionError:
         return
-    base = cand.probe_length or length
     # long enough for two more of the longest slices the loops apart took (chunks of 64 run
     # one chunk at 8 tokens and at 16), and at least twice the example
     chunk = max((n for c in sliced for n in c.chunk_sizes), default=1)
