@@ -1371,6 +1371,10 @@ MUTATIONS = [
         "lagged_state_taken_for_an_invariant", "a value made two iterations back, which the loop's second iteration reads as the one made before the loop, is taken for a loop invariant",
         (("ttt2la/frontend/rollup.py", "                _no_lag_later(u, n, pos, lambda j, a=a: (a,))\n", ""),),
         ("tests/test_lagged_states.py",), "earlier_iteration or inside_a_model"),
+    Mutation(
+        "conversion_compiles_as_written", "the conversion runs the user's torch.compile-decorated functions compiled, compiling the code as written only to check against it",
+        (("ttt2la/conversion.py", '    return torch.compiler.set_stance("force_eager")\n', '    return torch.compiler.set_stance("default")\n'),),
+        ("tests/test_zoo_published.py",), "does_not_compile"),
 ]
 
 

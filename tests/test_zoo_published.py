@@ -324,6 +324,33 @@ def test_a_compiled_variant_with_bf16_newton_schulz_converts_exactly():
     assert ok, (got, bound)
 
 
+def test_conversion_does_not_compile_the_code_as_written(monkeypatch):
+    """LaCT's release compiles its operator; converting it traces and checks its eager ops, so the
+    conversion compiles nothing (an inductor compile of the operator was most of the time a
+    conversion took), while the layer as written still compiles when the user calls it."""
+    compiled = []
+
+    def recording(gm, _inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    for name in ("silu_grad", "unit_rows", "orthogonalize", "block_causal_swiglu_ttt"):
+        fn = getattr(lact_published, name)._torchdynamo_orig_callable
+        monkeypatch.setattr(lact_published, name, torch.compile(fn, backend=recording))
+    torch.manual_seed(0)
+    layer = LaCTPublishedLayer(16, 2, 8, update_theta=False, weight_norm=False).eval()
+    x = torch.randn(1, 32, 16)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+        assert compiled == []
+        with torch.no_grad():
+            layer(x)
+        assert compiled                 # the user's own calls still compile
+        torch._dynamo.reset()
+    assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+
+
 # -- the authors' squared-error variant: a delta rule, refused where it must be ------------------
 
 def _mse(muon: bool, **variant) -> LaCTPublishedLayer:
