@@ -1375,6 +1375,18 @@ MUTATIONS = [
         "conversion_compiles_as_written", "the conversion runs the user's torch.compile-decorated functions compiled, compiling the code as written only to check against it",
         (("ttt2la/conversion.py", '    return torch.compiler.set_stance("force_eager")\n', '    return torch.compiler.set_stance("default")\n'),),
         ("tests/test_zoo_published.py",), "does_not_compile"),
+    Mutation(
+        "cutting_loop_taken_for_a_second", "a loop that only appends slices of the sequence to lists is refused as a second loop over it",
+        (("ttt2la/frontend/discover.py", '                    cand.cuts_only &= getattr(func, "__name__", "") in CUTTING\n', "                    cand.cuts_only = False\n"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "appended"),
+    Mutation(
+        "cut_pieces_left_in_their_loop", "slices a loop that only cuts makes are not read as the chunks of the loop that reads them",
+        (("ttt2la/frontend/split_pieces.py", "                and not loops_of(node, outer=outer) - cutting:", "                and not loops_of(node, outer=outer):"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "appended"),
+    Mutation(
+        "laid_out_pieces_left", "a slice a loop that only cuts transposes is moved without its transpose",
+        (("ttt2la/frontend/split_pieces.py", "        chain.append(user)\n", "        break\n"),),
+        ("tests/test_chunks_made_before_the_loop.py",), "appended_transposed"),
 ]
 
 

@@ -1,7 +1,8 @@
 """Chunks cut or sliced before the loop, or made by a generator the loop statement iterates.
 
 ``zip(*(t.split(C, 1) for t in (q, k, v)))`` built before the loop, ``qs = q.split(C, 1)`` read
-as ``qs[i]``, a list of ``q[:, i:i+C]`` slices, a generator expression or a generator method in
+as ``qs[i]``, a list of ``q[:, i:i+C]`` slices (by a comprehension, or by a loop that only appends
+slices, transposed or not), a generator expression or a generator method in
 the loop statement, and a pre-chunked ``[B, N, K, d]`` sequence unbound before the loop or
 stacked back with ``torch.stack``: each converts exactly onto the runtime op, outputs and every
 gradient within the fp32 bound at other batches and lengths. Pieces every iteration reads (heads
@@ -42,6 +43,8 @@ class ChunksBeforeTheLoop(nn.Module):
         W = self.w0.expand(x.shape[0], -1, -1)
         if self.style == "pre_chunked_unbind_list":
             return self._pre_chunked(x, q, k, v, W)
+        if self.style == "appended_transposed_keys":
+            return self._transposed_keys(x, q, k, v, W)
         if self.style == "zip_of_split_generator":
             chunks = zip(*(t.split(C, 1) for t in (q, k, v)))
         elif self.style == "zip_of_split_list":
@@ -52,6 +55,10 @@ class ChunksBeforeTheLoop(nn.Module):
             chunks = ((q[:, i:i + C], k[:, i:i + C], v[:, i:i + C]) for i in range(0, x.shape[1], C))
         elif self.style == "generator_method":
             chunks = self._chunks(q, k, v)
+        elif self.style == "appended_slices":        # a loop that only cuts, then the TTT loop
+            chunks = []
+            for i in range(0, x.shape[1], C):
+                chunks.append((q[:, i:i + C], k[:, i:i + C], v[:, i:i + C]))
         else:  # "indexed_pieces"
             qs, ks, vs = q.split(C, 1), k.split(C, 1), v.split(C, 1)
             chunks = ((qs[i], ks[i], vs[i]) for i in range(len(qs)))
@@ -59,6 +66,18 @@ class ChunksBeforeTheLoop(nn.Module):
         for qc, kc, vc in chunks:
             outs.append(qc @ W)
             W = W + kc.transpose(1, 2) @ vc
+        return torch.cat(outs, 1)
+
+    def _transposed_keys(self, x, q, k, v, W):
+        qs, kts, vs = [], [], []
+        for i in range(0, x.shape[1], C):
+            qs.append(q[:, i:i + C])
+            kts.append(k[:, i:i + C].transpose(1, 2))
+            vs.append(v[:, i:i + C])
+        outs = []
+        for j in range(len(qs)):
+            outs.append(qs[j] @ W)
+            W = W + kts[j] @ vs[j]
         return torch.cat(outs, 1)
 
     def _pre_chunked(self, x, q, k, v, W):
@@ -72,7 +91,8 @@ class ChunksBeforeTheLoop(nn.Module):
 
 
 STYLES = ["zip_of_split_generator", "zip_of_split_list", "list_of_slices", "generator_of_slices",
-          "generator_method", "indexed_pieces", "pre_chunked_unbind_list"]
+          "generator_method", "indexed_pieces", "pre_chunked_unbind_list", "appended_slices",
+          "appended_transposed_keys"]
 
 
 @pytest.fixture(scope="module", params=STYLES)

@@ -46,6 +46,18 @@ class LoopCandidate:
     #: the other loops of the module's call that no op ran inside together with this one (in
     #: turn, neither inside the other): a second pass over the sequence, maybe, next to this
     apart: list["LoopCandidate"] = field(default_factory=list)
+    #: every op run inside the loop only cut, laid out or described a tensor (``CUTTING``): it
+    #: carries nothing along the sequence, and cuts it into pieces as a comprehension would
+    cuts_only: bool = True
+
+
+#: Names of the torch functions that only cut, lay out or describe a tensor: a loop that runs
+#: nothing else (``qs.append(q[:, i:i + C])``) makes pieces of the sequence for another loop.
+CUTTING = frozenset({
+    "__getitem__", "narrow", "select", "split", "split_with_sizes", "chunk", "tensor_split",
+    "unbind", "view", "reshape", "view_as", "reshape_as", "transpose", "permute", "movedim",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "contiguous", "size", "dim", "__len__",
+    "__get__", "numel", "stride"})
 
 
 def _user_frames(limit: int = 64) -> list[tuple[str, int, str]]:
@@ -300,6 +312,7 @@ def _discover_once(model, example_inputs, example_kwargs):
                         a, k = captured[path]
                         cand = found[key] = LoopCandidate(path, by_path[path], loop, a, k)
                     cand.ops += 1
+                    cand.cuts_only &= getattr(func, "__name__", "") in CUTTING
                     info = _slice_info(func, args, chunks, length)
                     if info is not None:
                         cand.chunk_sizes.add(info[0])
@@ -337,7 +350,7 @@ def _discover_once(model, example_inputs, example_kwargs):
         per_module[cand.path].append(cand)
     out = []
     for path, cands in per_module.items():
-        cands.sort(key=lambda c: (-max(c.slice_lengths, default=0), -c.ops))
+        cands.sort(key=lambda c: (c.cuts_only, -max(c.slice_lengths, default=0), -c.ops))
         near = together[(path, cands[0].loop)]
         cands[0].apart = [c for c in cands[1:] if (path, c.loop) not in near]
         out.append(cands[0])

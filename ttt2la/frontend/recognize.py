@@ -492,7 +492,8 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
     if length is None:
         return
     base = cand.probe_length or length
-    sliced = [c for c in cand.apart if base in c.slice_lengths or length in c.slice_lengths]
+    sliced = [c for c in cand.apart if not c.cuts_only
+              and (base in c.slice_lengths or length in c.slice_lengths)]
     if not sliced:
         return
     try:

@@ -118,31 +118,77 @@ def _at_reader(meta: dict, reader: torch.fx.Node) -> dict:
             "stack_trace": reader.meta.get("stack_trace")}
 
 
+#: Ops that only cut a tensor or lay it out: a loop that runs nothing else cuts the sequence
+#: into pieces for another loop, as a comprehension would.
+_CUTTING = {aten.slice.Tensor, aten.select.int, aten.view.default, aten._unsafe_view.default,
+            aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+            aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default,
+            aten.clone.default, operator.getitem, *_SPLITS, *_UNBINDS}
+
+
+def _cutting_loops(gm: torch.fx.GraphModule, outer: int) -> set[LoopSite]:
+    """The loops whose every op only cuts or lays out a tensor (``qs.append(q[:, i:i+C])``)."""
+    loops, computing = set(), set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            inside = loops_of(node, outer=outer)
+            loops |= inside
+            if node.target not in _CUTTING:
+                computing |= inside
+    return loops - computing
+
+
 def _slices_before_loops(gm: torch.fx.GraphModule, order: dict, outer: int) -> bool:
     """Move every slice made before a loop whose body reads the slices of one tensor one per
-    iteration (``[(q[:, i:i+C], ...) for i in range(0, L, C)]``, then ``for qc, ... in``) to
-    its first reader, attributed to that reader's line, as if the body took it; whether any
-    moved."""
+    iteration (``[(q[:, i:i+C], ...) for i in range(0, L, C)]``, or a loop that only appends
+    such slices to lists, then ``for qc, ... in``) to its first reader, attributed to that
+    reader's line, as if the body took it; whether any moved."""
     moved_any = False
     families: dict[tuple, list[torch.fx.Node]] = {}
+    cutting = _cutting_loops(gm, outer)
     for node in gm.graph.nodes:
         if node.target in (aten.slice.Tensor, aten.select.int) and node.users and len(node.args) >= 3 \
-                and isinstance(node.args[0], torch.fx.Node) and not loops_of(node, outer=outer):
+                and isinstance(node.args[0], torch.fx.Node) \
+                and not loops_of(node, outer=outer) - cutting:
             size = node.args[3] - node.args[2] if node.target is aten.slice.Tensor and len(node.args) > 3 \
                 else 1
             families.setdefault((node.args[0], node.args[1], node.target, size), []).append(node)
     for (source, *_), slices in families.items():
         slices.sort(key=lambda n: n.args[2])
-        loops = _one_per_iteration(slices, order, source, outer)
-        for node in slices if loops else ():
-            first = min(node.users, key=order.__getitem__)
-            with gm.graph.inserting_before(first):
-                moved = gm.graph.call_function(node.target, node.args, node.kwargs)
-            moved.meta = _at_reader(node.meta, first)
-            node.replace_all_uses_with(moved)
-            gm.graph.erase_node(node)
+        chains = [_laid_out(n, cutting, outer) for n in slices]
+        loops = _one_per_iteration([c[-1] for c in chains], order, source, outer)
+        for chain in chains if loops else ():
+            _move_to_reader(gm, chain, order)
             moved_any = True
     return moved_any
+
+
+def _laid_out(node: torch.fx.Node, cutting: set[LoopSite], outer: int) -> list[torch.fx.Node]:
+    """``node`` and the layout ops a loop that only cuts applies to it, one after another
+    (``k[:, i:i+C].transpose(1, 2)``): the piece the other loop reads is the last."""
+    chain = [node]
+    while len(chain[-1].users) == 1:
+        (user,) = chain[-1].users
+        inside = loops_of(user, outer=outer)
+        if user.target not in _CUTTING or not inside or inside - cutting:
+            break
+        chain.append(user)
+    return chain
+
+
+def _move_to_reader(gm: torch.fx.GraphModule, chain: list[torch.fx.Node], order: dict) -> None:
+    """Make ``chain`` (each node the only reader of the one before) again just before the
+    first reader of its last node, attributed to that reader's line."""
+    first = min(chain[-1].users, key=order.__getitem__)
+    made = {}
+    with gm.graph.inserting_before(first):
+        for node in chain:
+            made[node] = gm.graph.call_function(
+                node.target, torch.fx.map_arg(node.args, lambda a: made.get(a, a)), node.kwargs)
+            made[node].meta = _at_reader(node.meta, first)
+    chain[-1].replace_all_uses_with(made[chain[-1]])
+    for node in reversed(chain):
+        gm.graph.erase_node(node)
 
 
 def split_pieces_as_slices(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
