@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from ttt2la.zoo import TinyLaCTLM
-from ttt2la.zoo.trained import (WEIGHTS_DIR, decode, encode, is_held_out, load_card,
+from ttt2la.zoo.trained import (WEIGHTS_DIR, decode, encode, load_card,
                                 next_token_loss, split_stdlib, stdlib_sources, trained_char_lm,
                                 unigram_loss, validation_sequences)
 

@@ -153,7 +153,7 @@ def ref_swiglu(W, x):
 def reference_lact(layer, x, switches, muon_steps=5):
     """LaCT's output from the parameters of ``layer`` (either style) under the given switches."""
     B, L, d = x.shape
-    H, D, C = layer.num_heads, layer.head_dim, layer.chunk_size
+    H, C = layer.num_heads, layer.chunk_size
     heads = lambda t: t.reshape(B, L, H, -1).permute(0, 2, 1, 3)  # noqa: E731
     q, k, v = (heads(t) for t in layer.qkv(x).split(d, dim=-1))
     q, k = F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
