@@ -1371,6 +1371,30 @@ MUTATIONS = [
         "lagged_state_taken_for_an_invariant", "a value made two iterations back, which the loop's second iteration reads as the one made before the loop, is taken for a loop invariant",
         (("ttt2la/frontend/rollup.py", "                _no_lag_later(u, n, pos, lambda j, a=a: (a,))\n", ""),),
         ("tests/test_lagged_states.py",), "earlier_iteration or inside_a_model"),
+    Mutation(
+        "op_named_by_graph_text", "a refusal names an op of the layer's own line by the traced graph's node text instead of the torch call, file:line and code",
+        (("ttt2la/ir.py", '        return f"{what} at {src.at()}"', "        return node.format_node()"),),
+        ("tests/test_refusal_messages.py",), "value_of_the_loop or no_form or no_line"),
+    Mutation(
+        "loop_read_after_by_graph_text", "code after the loop reading a value of the loop names that value by the traced graph's node text",
+        (("ttt2la/frontend/rollup.py", 'f"inside it ({describe_op(n)}): return what',
+          'f"inside it ({n.format_node()}): return what'),),
+        ("tests/test_refusal_messages.py",), "value_of_the_loop"),
+    Mutation(
+        "length_number_by_graph_text", "a number of a single step's code that is no affine function of the length is named by the traced graph's node text",
+        (("ttt2la/frontend/any_length.py", 'f"the number {v!r} of {describe_op(n0)} in the {what} is "',
+          'f"the number {v!r} of {n0.format_node()} in the {what} is "'),),
+        ("tests/test_single_step_any_length.py",), "fixed_to_its_length"),
+    Mutation(
+        "second_step_by_graph_text", "weights a single step steps again at another length are named by the traced graph's node text",
+        (("ttt2la/frontend/single_step.py", 'f"({describe_op(stepped)}): a loop over chunks',
+          'f"({stepped.format_node()}): a loop over chunks'),),
+        ("tests/test_single_step_any_length.py",), "fixed_to_its_length"),
+    Mutation(
+        "chunk_count_size_by_graph_text", "a size of no form in the length or the number of chunks is named by the traced graph's node text",
+        (("ttt2la/frontend/chunk_counts.py", 'of {describe_op(node)} in the {what} is "',
+          'of {node.format_node()} in the {what} is "'),),
+        ("tests/test_refusal_messages.py",), "no_form"),
 ]
 
 
