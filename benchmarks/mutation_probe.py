@@ -1395,6 +1395,11 @@ MUTATIONS = [
         (("ttt2la/frontend/chunk_counts.py", 'of {describe_op(node)} in the {what} is "',
           'of {node.format_node()} in the {what} is "'),),
         ("tests/test_refusal_messages.py",), "no_form"),
+    Mutation(
+        "shape_structure_by_graph_text", "a call whose arguments change structure with the input shape is named by the traced graph's node text",
+        (("ttt2la/frontend/shapes.py", 'f"in the arguments of {describe_op(a)}")',
+          'f"in the arguments of {a.format_node()}")'),),
+        ("tests/test_refusal_messages.py",), "follow_the_length"),
 ]
 
 

@@ -534,6 +534,30 @@ def test_a_size_of_no_form_in_the_length_names_its_line():
     _no_fx_text(message)
 
 
+class ArgumentsOfTheLength(_ChunkLayer):
+    """A call after the loop whose number of arguments follows the length."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(q[:, s:s + self.C] @ W)
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+        o = torch.cat(outs, 1)
+        return o + o.new_zeros([1] * (x.shape[1] // 3)).sum()  # <- named
+
+
+def test_arguments_that_follow_the_length_name_their_line():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(ArgumentsOfTheLength(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert "changes structure with the input shape in the arguments of `Tensor.new_zeros` at " \
+        in message, message
+    assert f"{HERE}:{_line_of(ArgumentsOfTheLength.forward)} (`" in message, message
+    _no_fx_text(message)
+
+
 def test_an_op_of_no_line_of_the_layer_is_named_by_its_torch_call():
     """An op torch's or ttt2la's own code made while tracing has no line to point at: the
     refusal names the torch call and says so."""

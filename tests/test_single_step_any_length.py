@@ -141,6 +141,8 @@ class LengthDependentStep(torch.nn.Module):
             o = o * 2 if x.shape[1] % 2 else o + 2  # <- other ops
         if self.case == "squared length":
             o = o * x.shape[1] ** 2  # <- squared length
+        if self.case == "batch constant":
+            o = o * (x.shape[0] * 0.5)  # <- batch constant
         return o
 
 
@@ -148,6 +150,7 @@ class LengthDependentStep(torch.nn.Module):
     ("other ops", "runs different ops at different lengths", "`torch.mul` at "),
     ("squared length", "is not an affine function a + c·L of the length", "`torch.mul` at "),
     ("steps again", "the stepped weights are stepped again", "`torch.sub` at "),
+    ("batch constant", "the constant 1.0 of `torch.mul`", "`torch.mul` at "),
 ])
 def test_a_step_fixed_to_its_length_names_the_line_that_fixes_it(case, says, op):
     """Converted for its example length only; the call at another says why, naming the op by

@@ -127,8 +127,8 @@ def length_slots(at_b0: tuple, at_b1: tuple | None, lengths: tuple, what: str) -
             for path, v in per[("b0", 0)].items():
                 got = {k: p.get(path) for k, p in per.items()}
                 if any(g is None for g in got.values()):
-                    raise FixedLength(f"the {what} changes structure with the length at "
-                                      f"{describe_op(n0)}")
+                    raise FixedLength(f"the {what} changes structure with the length in the "
+                                      f"arguments of {describe_op(n0)}")
                 fitted = _slot(got, lengths, isinstance(v, float), at_b1 is not None)
                 if fitted == "batch-float":
                     raise FixedLength(

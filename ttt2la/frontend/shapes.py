@@ -156,12 +156,12 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
             sb, sc = dict(_int_slots(xb)), dict(_int_slots(xc))
             if len(sa) != len(sb) or len(sa) != len(sc):
                 raise UnsupportedTTTError(f"the {what} changes structure with the input shape "
-                                          f"at {describe_op(a)}")
+                                          f"in the arguments of {describe_op(a)}")
             for path, v0 in sa:
                 vL, vB = sb.get(path), sc.get(path)
                 if vL is None or vB is None:
                     raise UnsupportedTTTError(f"the {what} changes structure with the input "
-                                              f"shape at {describe_op(a)}")
+                                              f"shape in the arguments of {describe_op(a)}")
                 if v0 == vL == vB:
                     continue
                 expr = _fit(v0, vL, vB, B0, L0, L1, B1)
