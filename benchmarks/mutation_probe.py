@@ -736,7 +736,7 @@ MUTATIONS = [
         ("tests/test_slice_assignments.py",), "generic_with_the_gradients"),
     Mutation(
         "busiest_loop_chosen", "the loop with the most ops is taken over the one that walks the sequence",
-        (("ttt2la/frontend/discover.py", "        cands.sort(key=lambda c: (-max(c.slice_lengths, default=0), -c.ops))",
+        (("ttt2la/frontend/discover.py", "        cands.sort(key=lambda c: (c.cuts_only, -max(c.slice_lengths, default=0), -c.ops))",
           "        cands.sort(key=lambda c: -c.ops)"),),
         ("tests/test_scan_style.py",), "mini_batches_is_chosen"),
     Mutation(
@@ -1387,6 +1387,35 @@ MUTATIONS = [
         "laid_out_pieces_left", "a slice a loop that only cuts transposes is moved without its transpose",
         (("ttt2la/frontend/split_pieces.py", "        chain.append(user)\n", "        break\n"),),
         ("tests/test_chunks_made_before_the_loop.py",), "appended_transposed"),
+    Mutation(
+        "op_named_by_graph_text", "a refusal names an op of the layer's own line by the traced graph's node text instead of the torch call, file:line and code",
+        (("ttt2la/ir.py", '        return f"{what} at {src.at()}"', "        return node.format_node()"),),
+        ("tests/test_refusal_messages.py",), "value_of_the_loop or no_form or no_line"),
+    Mutation(
+        "loop_read_after_by_graph_text", "code after the loop reading a value of the loop names that value by the traced graph's node text",
+        (("ttt2la/frontend/rollup.py", 'f"inside it ({describe_op(n)}): return what',
+          'f"inside it ({n.format_node()}): return what'),),
+        ("tests/test_refusal_messages.py",), "value_of_the_loop"),
+    Mutation(
+        "length_number_by_graph_text", "a number of a single step's code that is no affine function of the length is named by the traced graph's node text",
+        (("ttt2la/frontend/any_length.py", 'f"the number {v!r} of {describe_op(n0)} in the {what} is "',
+          'f"the number {v!r} of {n0.format_node()} in the {what} is "'),),
+        ("tests/test_single_step_any_length.py",), "fixed_to_its_length"),
+    Mutation(
+        "second_step_by_graph_text", "weights a single step steps again at another length are named by the traced graph's node text",
+        (("ttt2la/frontend/single_step.py", 'f"({describe_op(stepped)}): a loop over chunks',
+          'f"({stepped.format_node()}): a loop over chunks'),),
+        ("tests/test_single_step_any_length.py",), "fixed_to_its_length"),
+    Mutation(
+        "chunk_count_size_by_graph_text", "a size of no form in the length or the number of chunks is named by the traced graph's node text",
+        (("ttt2la/frontend/chunk_counts.py", 'of {describe_op(node)} in the {what} is "',
+          'of {node.format_node()} in the {what} is "'),),
+        ("tests/test_refusal_messages.py",), "no_form"),
+    Mutation(
+        "shape_structure_by_graph_text", "a call whose arguments change structure with the input shape is named by the traced graph's node text",
+        (("ttt2la/frontend/shapes.py", 'f"in the arguments of {describe_op(a)}")',
+          'f"in the arguments of {a.format_node()}")'),),
+        ("tests/test_refusal_messages.py",), "follow_the_length"),
 ]
 
 

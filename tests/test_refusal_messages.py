@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
 from __future__ import annotations
 
 import inspect
@@ -474,3 +474,106 @@ def test_a_loop_over_heads_around_the_chunk_loop_names_both_loops_in_their_place
     assert f"{HERE}:{heads} in forward)" in msg, msg
     assert "a loop over heads (or rows) around the loop over the sequence" in msg, msg
     assert "placeholder" not in msg and "runs inside the TTT loop" not in msg, msg
+
+
+def _no_fx_text(message: str) -> None:
+    """The op is named as the user wrote it, not by the traced graph's own text."""
+    assert "%" not in message and "call_function" not in message, message
+    assert "num_users" not in message and "torch.ops." not in message, message
+
+
+class ReadAfterTheLoop(_ChunkLayer):
+    """Code after the loop reads ``h``, a value of the last iteration, neither a carried state
+    nor an output."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for s in range(0, x.shape[1], self.C):
+            h = k[:, s:s + self.C] @ W  # <- made
+            outs.append(q[:, s:s + self.C] @ W)
+            W = W + k[:, s:s + self.C].mT @ (v[:, s:s + self.C] - h)
+        return torch.cat(outs, 1) + h.sum()  # <- named
+
+
+def test_a_value_of_the_loop_read_after_it_is_named_by_both_lines():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(ReadAfterTheLoop(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert "code after the loop (`torch.sum` at " in message, message
+    assert f"{HERE}:{_line_of(ReadAfterTheLoop.forward)} (`" in message, message
+    assert f"{HERE}:{_line_of(ReadAfterTheLoop.forward, '# <- made')} (`" in message, message
+    assert "carried state or an output of the loop" in message, message
+    _no_fx_text(message)
+
+
+class SizeOfNoForm(_ChunkLayer):
+    """A size after the loop that is neither affine in the length nor in its number of
+    chunks: a third of the length, rounded down."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(q[:, s:s + self.C] @ W)
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+        o = torch.cat(outs, 1)
+        return o + o.new_zeros(x.shape[1] // 3).sum()  # <- named
+
+
+def test_a_size_of_no_form_in_the_length_names_its_line():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(SizeOfNoForm(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert "neither an affine function of the length nor one of the number of chunks" \
+        in message, message
+    assert "`Tensor.new_zeros` at " in message, message
+    assert f"{HERE}:{_line_of(SizeOfNoForm.forward)} (`" in message, message
+    _no_fx_text(message)
+
+
+class ArgumentsOfTheLength(_ChunkLayer):
+    """A call after the loop whose number of arguments follows the length."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(q[:, s:s + self.C] @ W)
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+        o = torch.cat(outs, 1)
+        return o + o.new_zeros([1] * (x.shape[1] // 3)).sum()  # <- named
+
+
+def test_arguments_that_follow_the_length_name_their_line():
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
+        ttt2la.convert(ArgumentsOfTheLength(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(refused.value)
+    assert "changes structure with the input shape in the arguments of `Tensor.new_zeros` at " \
+        in message, message
+    assert f"{HERE}:{_line_of(ArgumentsOfTheLength.forward)} (`" in message, message
+    _no_fx_text(message)
+
+
+def test_an_op_of_no_line_of_the_layer_is_named_by_its_torch_call():
+    """An op torch's or ttt2la's own code made while tracing has no line to point at: the
+    refusal names the torch call and says so."""
+    from ttt2la.ir import SRC, SourceLoc, describe_op, torch_name
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    ops = [graph.call_function(torch.ops.aten.mul.Tensor, (x, 2)),
+           graph.call_function(torch.ops.aten.view.default, (x, [4])),
+           graph.call_function(torch.ops.aten.slice.Tensor, (x, 0, 0, 2)),
+           graph.call_function(torch.ops.aten._to_copy.default, (x,)),
+           graph.call_function(torch.ops.aten._softmax.default, (x, 0, False))]
+    assert [torch_name(n) for n in ops] == [
+        "`torch.mul`", "`Tensor.view`", "indexing `[...]`", "`Tensor.to`",
+        "`torch.ops.aten._softmax`"]
+    assert describe_op(ops[0]) == ("`torch.mul` (made by torch's or ttt2la's own code while "
+                                   "tracing, not by a line of the layer)")
+    ops[0].meta[SRC] = SourceLoc("layer.py", 12, "forward", "y = x * 2")
+    assert describe_op(ops[0]) == "`torch.mul` at layer.py:12 (`y = x * 2`)"
+    assert describe_op(x) == "the input `x`"

@@ -10,6 +10,9 @@ anywhere and is still recognised as a single step.
 """
 from __future__ import annotations
 
+import inspect
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +118,52 @@ def test_a_layer_whose_own_code_fixes_the_length_says_so():
     text = str(refused.value)
     assert "6 tokens only" in text and "own code fails at" in text
     assert "vittt.py:" in text
+
+
+class LengthDependentStep(torch.nn.Module):
+    """One step of a weight over all tokens, with code around it that depends on the length
+    in a way no converted layer reads at another length: ``case`` picks it."""
+
+    def __init__(self, case: str, d: int = 8):
+        super().__init__()
+        self.case = case
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) * 0.1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = self.w0.unsqueeze(0)
+        W = W - 0.1 * k.mT @ (k @ W - v) / x.shape[1]
+        if self.case == "steps again" and x.shape[1] % 2:
+            W = W - 0.1 * k.mT @ (k @ W - v) / x.shape[1]  # <- steps again
+        o = q @ W
+        if self.case == "other ops":
+            o = o * 2 if x.shape[1] % 2 else o + 2  # <- other ops
+        if self.case == "squared length":
+            o = o * x.shape[1] ** 2  # <- squared length
+        if self.case == "batch constant":
+            o = o * (x.shape[0] * 0.5)  # <- batch constant
+        return o
+
+
+@pytest.mark.parametrize("case, says, op", [
+    ("other ops", "runs different ops at different lengths", "`torch.mul` at "),
+    ("squared length", "is not an affine function a + c·L of the length", "`torch.mul` at "),
+    ("steps again", "the stepped weights are stepped again", "`torch.sub` at "),
+    ("batch constant", "the constant 1.0 of `torch.mul`", "`torch.mul` at "),
+])
+def test_a_step_fixed_to_its_length_names_the_line_that_fixes_it(case, says, op):
+    """Converted for its example length only; the call at another says why, naming the op by
+    the torch call and the line of the layer that made it, not by the traced graph's text."""
+    torch.manual_seed(0)
+    converted = ttt2la.convert(LengthDependentStep(case), level=0,
+                               example_inputs=(torch.randn(2, 6, 8),))
+    with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
+        converted(torch.randn(2, 10, 8))
+    text = str(refused.value)
+    lines, start = inspect.getsourcelines(LengthDependentStep.forward)
+    (line,) = [start + i for i, s in enumerate(lines) if s.rstrip().endswith(f"# <- {case}")]
+    assert "6 tokens only" in text and says in text, text
+    assert f"{op}{__file__}:{line} (`" in text, text
+    assert not re.search(r"%\w", text), text         # the code's own `% 2` is no fx name
+    assert "call_function" not in text and "num_users" not in text, text

@@ -381,11 +381,67 @@ def describe_node(node: torch.fx.Node) -> str:
     return f"{target} at {src}" if src is not None else target
 
 
+#: Python operators as the user writes them.
+_OPERATORS = {"add": "`+`", "sub": "`-`", "mul": "`*`", "truediv": "`/`", "floordiv": "`//`",
+              "matmul": "`@`", "neg": "`-`", "pow": "`**`", "getitem": "indexing `[...]`",
+              "setitem": "an assignment `[...] =`"}
+
+#: aten ops torch has no public function or method of that name for, as the user writes them.
+_WRITTEN = {"slice": "indexing `[...]`", "index": "indexing `[...]`",
+            "index_put": "an assignment `[...] =`", "index_put_": "an assignment `[...] =`",
+            "_to_copy": "`Tensor.to`", "_unsafe_view": "`Tensor.view`",
+            "sym_size": "`Tensor.size`", "sym_numel": "`Tensor.numel`"}
+
+
+def torch_name(node: torch.fx.Node) -> str:
+    """The op ``node`` runs, as the torch call a user writes: "`torch.mul`" for
+    ``aten.mul.Tensor``, "`Tensor.view`" for ``aten.view.default``, "indexing `[...]`" for a
+    slice; the graph's inputs, attributes and submodules by their names."""
+    if node.op == "placeholder":
+        return f"the input `{node.target}`"
+    if node.op == "get_attr":
+        return f"the attribute `{node.target}`"
+    if node.op == "call_module":
+        return f"the submodule `{node.target}`"
+    if node.op == "call_method":
+        return f"`Tensor.{node.target}`"
+    if node.op != "call_function":
+        return "the output"
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    name = packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+    if packet is None and getattr(target, "__module__", None) in ("_operator", "operator"):
+        return _OPERATORS.get(name, f"`operator.{name}`")
+    if name in _WRITTEN:
+        return _WRITTEN[name]
+    if not name.startswith("_") and hasattr(torch, name):
+        return f"`torch.{name}`"
+    if not name.startswith("_") and hasattr(torch.Tensor, name):
+        return f"`Tensor.{name}`"
+    namespace = getattr(target, "namespace", None)
+    return f"`torch.ops.{namespace}.{name}`" if namespace else f"`{name}`"
+
+
+def describe_op(node: torch.fx.Node) -> str:
+    """How a refusal names an op of the user's layer: the torch call and the line that made it,
+    "`torch.mul` at lact.py:88 (`y = x * 2`)"; an op no line of the layer made (torch's or
+    ttt2la's own code made it while tracing) says so instead of pointing at a line."""
+    src = node_src(node)
+    what = torch_name(node)
+    if src is not None:
+        return f"{what} at {src.at()}"
+    if node.op != "call_function":
+        return what
+    return (f"{what} (made by torch's or ttt2la's own code while tracing, not by a line of "
+            "the layer)")
+
+
 __all__ = [
     "KIND", "NAME", "SRC", "PRODUCT_CHAIN", "PRODUCT_OPERAND", "SUMMED_PRODUCT", "LOOP_MODULE",
     "INPUT_FREE",
     "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
-    "OutputSpec", "TTTProgram", "node_src", "describe_node", "copy_graph", "placeholder",
+    "OutputSpec", "TTTProgram", "node_src", "describe_node", "describe_op", "torch_name",
+    "copy_graph", "placeholder",
     "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",
     "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader", "layout_free",
     "reshape_views",

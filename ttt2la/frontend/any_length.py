@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx
 
-from ..ir import SRC
+from ..ir import SRC, describe_op, torch_name
 
 aten = torch.ops.aten
 
@@ -70,11 +70,6 @@ def _put(args, path, value):
     return tuple(seq) if isinstance(args, tuple) else seq
 
 
-def _where(node: torch.fx.Node) -> str:
-    src = node.meta.get(SRC)
-    return f" at {src.at()}" if src is not None else ""
-
-
 def _aligned(graphs: dict, what: str) -> dict:
     """The graphs' node lists, after checking that they run the same ops in the same order."""
     nodes = {k: list(g.graph.nodes) for k, g in graphs.items()}
@@ -85,7 +80,8 @@ def _aligned(graphs: dict, what: str) -> dict:
         for a, b in zip(ref, other):
             if a.op != b.op or (a.op not in ("placeholder", "get_attr") and a.target != b.target):
                 raise FixedLength(f"the {what} runs different ops at different lengths "
-                                  f"({a.format_node()}{_where(a)})")
+                                  f"({describe_op(a)}, where another length runs "
+                                  f"{torch_name(b)})")
         if len(other) != len(ref):
             raise FixedLength(f"the {what} has a different number of ops at different lengths")
     return nodes
@@ -131,16 +127,16 @@ def length_slots(at_b0: tuple, at_b1: tuple | None, lengths: tuple, what: str) -
             for path, v in per[("b0", 0)].items():
                 got = {k: p.get(path) for k, p in per.items()}
                 if any(g is None for g in got.values()):
-                    raise FixedLength(f"the {what} changes structure with the length at "
-                                      f"{n0.format_node()}{_where(n0)}")
+                    raise FixedLength(f"the {what} changes structure with the length in the "
+                                      f"arguments of {describe_op(n0)}")
                 fitted = _slot(got, lengths, isinstance(v, float), at_b1 is not None)
                 if fitted == "batch-float":
                     raise FixedLength(
-                        f"the constant {v!r} of {n0.format_node()}{_where(n0)} in the {what} "
+                        f"the constant {v!r} of {describe_op(n0)} in the {what} "
                         "changes with the batch size")
                 if fitted is None:
                     raise FixedLength(
-                        f"the number {v!r} of {n0.format_node()}{_where(n0)} in the {what} is "
+                        f"the number {v!r} of {describe_op(n0)} in the {what} is "
                         f"not an affine function a + c·L of the length (at L = {lengths}: "
                         f"{[got[('b0', j)] for j in range(len(lengths))]})")
                 if fitted != "same":
@@ -245,7 +241,7 @@ def shortest_length(pairs: list, L0: int) -> tuple[int, str]:
                 need = min(reach, L0)
                 src = a.meta.get(SRC)
                 what = f"`{src.code}` at {src.file}:{src.line}" if src is not None else \
-                    a.format_node()
+                    describe_op(a)
                 why = (f"{what} reaches a fixed {reach} tokens into the sequence, and a "
                        "shorter one would be clamped there (another function)")
     return need, why

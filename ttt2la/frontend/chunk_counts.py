@@ -20,8 +20,8 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
-from ..ir import SRC
-from .shapes import SizeExpr, _int_slots, _op
+from ..ir import describe_op, torch_name
+from .shapes import SizeExpr, _int_slots
 
 aten = torch.ops.aten
 
@@ -46,7 +46,8 @@ class ChunkCountCheck:
             if (a.op, a.target) != (b.op, b.target) and not _whole_slice(a, b):
                 raise UnsupportedTTTError(
                     f"the {what} runs different ops at length {L} than at length {L0} "
-                    f"({_op(a)} vs {_op(b)}{_at(a)}): its code branches on the length")
+                    f"({describe_op(a)}, {torch_name(b)} at length {L}): its code branches on "
+                    "the length")
         if len(nodes) != len(n0):
             raise UnsupportedTTTError(f"the {what} has a different number of ops at length {L} "
                                       f"than at length {L0}: its code branches on the length")
@@ -158,14 +159,9 @@ def _not_affine(n0: list, key: tuple, what: str, lengths: tuple, graphs: tuple) 
     """The refusal of a size that is no function ``a + c·L + n·ceil(L/C)`` of the length."""
     node = n0[key[0]]
     seen = ", ".join(f"{_value(g, key)} at length {L}" for L, g in zip(lengths, graphs))
-    return (f"the size argument {key[2]} of {node.format_node()}{_at(node)} in the {what} is "
+    return (f"the size argument {key[2]} of {describe_op(node)} in the {what} is "
             f"neither an affine function of the length nor one of the number of chunks "
             f"({seen})")
-
-
-def _at(node: torch.fx.Node) -> str:
-    src = node.meta.get(SRC)
-    return f" at {src.at()}" if src is not None else ""
 
 
 __all__ = ["ChunkCountCheck"]

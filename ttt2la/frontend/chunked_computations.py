@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..ir import describe_op
 from .prechunked import _chunked_source, _emit, _rewrite_stream, _shape
 
 aten = torch.ops.aten
@@ -99,7 +100,7 @@ def mini_batch(graph: torch.fx.Graph, node: torch.fx.Node, d: int | None, i: int
         return _rewrite_stream(graph, sel, found)
     try:
         if node.op != "call_function":
-            raise NotRewritable(f"{node.format_node()} is not computed by an op")
+            raise NotRewritable(f"{describe_op(node)} is not computed by an op")
         return _through_op(graph, node, d, i, meta, count)
     except NotRewritable:
         if _shape(node)[d] != 1:
@@ -152,7 +153,7 @@ def _through_op(graph, node, d, i, meta, count) -> torch.fx.Node:
         sizes = list(node.args[1])
         del sizes[d]
         return _emit(graph, target, (x, sizes), meta)
-    raise NotRewritable(f"{node.format_node()} is not an op whose mini-batches are read here")
+    raise NotRewritable(f"{describe_op(node)} is not an op whose mini-batches are read here")
 
 
 def rewrite_computed(graph: torch.fx.Graph, selects: list[torch.fx.Node]

@@ -33,7 +33,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedTTTError
-from ..ir import SRC
+from ..ir import SRC, describe_op
 from .loops import LoopSite, loop_depth, walks_once
 
 aten = torch.ops.aten
@@ -417,7 +417,7 @@ def _computed_at(node: torch.fx.Node) -> str:
                                                          aten.unsqueeze.default):
         node = node.args[0]
     src = node.meta.get(SRC)
-    return src.at() if src is not None else node.format_node()
+    return src.at() if src is not None else describe_op(node)
 
 
 def _computed_selects(graph: torch.fx.Graph, in_loop: set) -> list[torch.fx.Node]:

@@ -36,8 +36,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import LaggedStateError, UnsupportedTTTError
-from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, placeholder, InvariantSpec,
-                  OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order, reshape_views)
+from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, describe_op, placeholder,
+                  InvariantSpec, OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order,
+                  reshape_views)
 from .index_values import refuse_index_steps
 from .iteration_numbers import refuse_iteration_numbers
 from .partial_chunk import length_dependent_number
@@ -642,7 +643,7 @@ def _refuse_buffer_reads(u: Unrolled, buf: Buffer, body_nodes: list[torch.fx.Nod
 def _where(n: torch.fx.Node) -> str:
     """``file:line (`code`)`` of the statement that made ``n``."""
     src = n.meta.get(SRC)
-    return src.at() if src is not None else n.format_node()
+    return src.at() if src is not None else describe_op(n)
 
 
 def _where_assigned(producer: torch.fx.Node, u: Unrolled) -> str:
@@ -1170,8 +1171,9 @@ def rewrite_outer(u: Unrolled, inputs: Inputs, states: States, tail: Tail) -> No
         if n in removable:
             if n.users and any(x not in removable for x in n.users):
                 bad = next(x for x in n.users if x not in removable)
-                raise u.fail(f"code after the loop reads {n.format_node()} from inside it "
-                             f"({bad.format_node()})")
+                raise u.fail(f"code after the loop ({describe_op(bad)}) reads a value from "
+                             f"inside it ({describe_op(n)}): return what the code after the "
+                             "loop needs as a carried state or an output of the loop")
             graph.erase_node(n)
     graph.eliminate_dead_code()
     _contiguous_inputs(graph)

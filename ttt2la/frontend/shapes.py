@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
-from ..ir import SRC, copy_graph
+from ..ir import SRC, copy_graph, describe_op, torch_name
 
 if TYPE_CHECKING:
     from .chunk_counts import ChunkCountCheck
@@ -116,14 +116,6 @@ class GraphTemplate:
         return gm
 
 
-def _op(node: torch.fx.Node) -> str:
-    """An op named without the graph's own text: ``aten.cat.default`` (``output``, ``input``
-    for the graph's ends)."""
-    if node.op != "call_function":
-        return "input" if node.op == "placeholder" else node.op
-    return str(node.target).replace("aten::", "aten.")
-
-
 def _first_difference(*graphs: list[torch.fx.Node]) -> str:
     """`` from the op at file:line (`code`)``: the source of the first op the traces disagree
     on (empty when it has none)."""
@@ -155,7 +147,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
         if (a.op, a.target) != (b.op, b.target) or (a.op, a.target) != (c.op, c.target):
             raise UnsupportedTTTError(
                 f"the {what} runs different ops at different shapes "
-                f"({_op(a)} vs {_op(b if (a.op, a.target) != (b.op, b.target) else c)})"
+                f"({torch_name(a)} vs "
+                f"{torch_name(b if (a.op, a.target) != (b.op, b.target) else c)})"
                 f"{_first_difference(n0, nL, nB)}: its code branches on the input shape")
         for where in ("args", "kwargs"):
             xa, xb, xc = getattr(a, where), getattr(b, where), getattr(c, where)
@@ -163,18 +156,18 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
             sb, sc = dict(_int_slots(xb)), dict(_int_slots(xc))
             if len(sa) != len(sb) or len(sa) != len(sc):
                 raise UnsupportedTTTError(f"the {what} changes structure with the input shape "
-                                          f"at {a.format_node()}")
+                                          f"in the arguments of {describe_op(a)}")
             for path, v0 in sa:
                 vL, vB = sb.get(path), sc.get(path)
                 if vL is None or vB is None:
                     raise UnsupportedTTTError(f"the {what} changes structure with the input "
-                                              f"shape at {a.format_node()}")
+                                              f"shape in the arguments of {describe_op(a)}")
                 if v0 == vL == vB:
                     continue
                 expr = _fit(v0, vL, vB, B0, L0, L1, B1)
                 if expr is None:
                     raise UnsupportedTTTError(
-                        f"the size argument {path} of {a.format_node()} in the {what} is not "
+                        f"the size argument {path} of {describe_op(a)} in the {what} is not "
                         f"an affine function of batch size and length ({v0}, {vL}, {vB} at "
                         f"B,L = ({B0},{L0}), ({B0},{L1}), ({B1},{L0}))")
                 slots[(i, where, path)] = expr

@@ -29,8 +29,8 @@ import torch.utils._pytree as pytree
 from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, node_src, placeholder, InvariantSpec, OutputSpec,
-                  StreamSpec, TTTProgram, memory_order)
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_op, node_src, placeholder, InvariantSpec,
+                  OutputSpec, StreamSpec, TTTProgram, memory_order)
 from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
                          shortest_length)
 from .call_signature import CallSignature
@@ -280,9 +280,10 @@ def _body_nodes(nodes, order, dep, states_in, states_out, out_node, layer) -> li
         stray = [u for u in n.users if u not in body]
         if stray:
             raise UnsupportedTTTError(
-                f"{layer}: code after the test-time step reads {n.format_node()} from inside "
-                f"it ({stray[0].format_node()}, at {stray[0].meta.get(SRC)}); ttt2la converts a "
-                "single step whose only result is what the stepped weights produce.")
+                f"{layer}: code after the test-time step ({describe_op(stray[0])}) reads a "
+                f"value from inside it ({describe_op(n)}); ttt2la converts a single step whose "
+                "only result is what the stepped weights produce: compute what the code after "
+                "it needs from the step's output, or outside the step.")
     return sorted(body, key=order.get)
 
 
@@ -345,7 +346,7 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
         raise NotSingleStep(f"{layer}: a fast weight is updated more than once")
     for stepped, _w, _d in _updates_reading(graph, dep, locals_):
         raise NotSingleStep(f"{layer}: the stepped weights are stepped again "
-                            f"({stepped.format_node()}): a loop over chunks, not a single step")
+                            f"({describe_op(stepped)}): a loop over chunks, not a single step")
     out_node = _output_node(nodes, states_out, order, length)
     if out_node is None:
         raise UnsupportedTTTError(
@@ -412,7 +413,7 @@ def _build(gm, order, dep, body_nodes, states_in, states_out, out_node, updates,
                is not None]
     if out_axis is None or not sources:
         raise UnsupportedTTTError(
-            f"{layer}: the output of the test-time step ({out_node.format_node()}) or its inputs "
+            f"{layer}: the output of the test-time step ({describe_op(out_node)}) or its inputs "
             f"have no token axis of the layer's length {length}; ttt2la reads a single step as "
             "one chunk of the whole sequence.")
 
