@@ -1416,6 +1416,18 @@ MUTATIONS = [
         (("ttt2la/frontend/shapes.py", 'f"in the arguments of {describe_op(a)}")',
           'f"in the arguments of {a.format_node()}")'),),
         ("tests/test_refusal_messages.py",), "follow_the_length"),
+    Mutation(
+        "specialised_per_shape", "feature graphs without a gradient are planned again for every new length and batch",
+        (("ttt2la/lowering/specialize.py", "        (_exact(a) if records else _layout(a)) if isinstance", "        _exact(a) if isinstance"),),
+        ("tests/test_specialize.py",), "one_specialisation or one_copy"),
+    Mutation(
+        "layout_ignores_unit_axes", "a copy planned where an axis had one element serves a call where it broadcasts",
+        (("ttt2la/lowering/specialize.py", "    axes = tuple((n == 1, s == 0, s == 1)", "    axes = tuple((False, s == 0, s == 1)"),),
+        ("tests/test_specialize.py",), "one_specialisation or one_copy"),
+    Mutation(
+        "recorded_copies_share_sizes", "a copy planned with a gradient, its buffers sized for one shape, serves another",
+        (("ttt2la/lowering/specialize.py", "        (_exact(a) if records else _layout(a)) if isinstance", "        _layout(a) if isinstance"),),
+        ("tests/test_specialize.py",), "one_specialisation or one_copy"),
 ]
 
 

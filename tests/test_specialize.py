@@ -124,14 +124,38 @@ def test_gradients_through_the_specialised_graph():
 
 
 def test_one_specialisation_per_signature_and_the_cache_is_bounded():
+    """Without a gradient one copy serves every size of a layout (a new length does not plan
+    again); with one, the buffers it reuses are sized, so every shape has its own."""
     spec = SpecializedGraph(_traced(_inputs(1, 8, 4, 4)))
     with torch.no_grad():
         first = spec.for_inputs(_inputs(1, 8, 4, 4))[0]
         assert spec.for_inputs(_inputs(1, 8, 4, 4, seed=1))[0] is first
-        assert spec.for_inputs(_inputs(1, 9, 4, 4))[0] is not first
-        for L in range(10, 10 + 2 * CACHE_SIZE):
-            spec(*_inputs(1, L, 4, 4))
+        assert spec.for_inputs(_inputs(1, 37, 4, 4))[0] is first
+        assert spec.for_inputs(_inputs(1, 9, 4, 4, transposed_q=False))[0] is not first
+        batched = spec.for_inputs(_inputs(2, 9, 4, 4))[0]        # a size-1 axis broadcasts
+        assert batched is not first and spec.for_inputs(_inputs(3, 12, 4, 4))[0] is batched
+    assert len(spec._cache) == 3
+    recorded = spec.for_inputs(_inputs(1, 8, 4, 4, requires_grad=True))[0]
+    assert spec.for_inputs(_inputs(1, 9, 4, 4, requires_grad=True))[0] is not recorded
+    for L in range(10, 10 + 2 * CACHE_SIZE):
+        spec.for_inputs(_inputs(1, L, 4, 4, requires_grad=True))
     assert len(spec._cache) == CACHE_SIZE
+
+
+@settings(max_examples=6, deadline=None)
+@given(calls=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 40), st.booleans()),
+                      min_size=2, max_size=6))
+def test_one_copy_serves_every_size_of_its_layout(calls):
+    """Calls of one specialised graph at any sequence of batches, lengths (size-1 axes included)
+    and layouts compute what the traced graph computes, each reusing the copy of its layout."""
+    spec = SpecializedGraph(_traced(_inputs(2, 16, 8, 8)))
+    for b, L, transposed_q in calls:
+        args = _inputs(b, L, 8, 8, transposed_q, seed=b * 100 + L)
+        with torch.no_grad():
+            got = spec(*args)
+        for g, w in zip(got, swiglu_features(*args)):
+            assert g.shape == w.shape
+            assert rel_rms_error(g, w) <= tolerance(torch.float32)
 
 
 def test_tensor_constants_are_read_never_written():

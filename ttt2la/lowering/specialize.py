@@ -45,9 +45,26 @@ _PRODUCTS = (aten.bmm.default, aten.mm.default)
 
 
 def _signature(args, records: bool) -> tuple:
+    """What a specialised copy depends on. Without a gradient, a tensor's sizes are not part of
+    it: the products' orientation reads which axis has unit stride, and re-inplacing reads
+    aliasing and broadcasting, which only size-1 axes change; so a copy serves every length and
+    batch of one layout, and a call at a new length does not pay for planning it again. The
+    buffers a recorded graph reuses are chosen by size, so with a gradient the sizes count."""
     return (records, autocast_state(args)) + tuple(
-        (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+        (_exact(a) if records else _layout(a)) if isinstance(a, torch.Tensor) else a
         for a in args)
+
+
+def _exact(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """``t``'s layout without its sizes: per axis whether it has one element, a zero stride (an
+    expanded axis) or a unit one, the axes from the largest stride to the smallest."""
+    axes = tuple((n == 1, s == 0, s == 1) for n, s in zip(t.shape, t.stride()))
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return axes, order, t.dtype, t.device
 
 
 def _symbolic(args) -> bool:
