@@ -1428,6 +1428,10 @@ MUTATIONS = [
         "recorded_copies_share_sizes", "a copy planned with a gradient, its buffers sized for one shape, serves another",
         (("ttt2la/lowering/specialize.py", "        (_exact(a) if records else _layout(a)) if isinstance", "        _layout(a) if isinstance"),),
         ("tests/test_specialize.py",), "one_specialisation or one_copy"),
+    Mutation(
+        "outer_made_lean_per_length", "the code around a converted loop is rewritten to call torch functions again for every new length",
+        (("ttt2la/converted.py", "            if self._lean_outer is None:    # the calls", "            if True:    # the calls"),),
+        ("tests/test_lean_calls.py",), "made_lean_once"),
 ]
 
 

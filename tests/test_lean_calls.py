@@ -141,3 +141,24 @@ def test_a_graph_that_writes_or_draws_keeps_its_views():
         graph.output(graph.call_function(op, (view, *extra)))
         gm = torch.fx.GraphModule(torch.nn.Module(), graph)
         assert at_shapes(gm, [_r(2, 3)], {}) is gm
+
+
+def test_the_code_around_a_converted_loop_is_made_lean_once_for_every_length(monkeypatch):
+    """A converted layer builds the code around its loop per length (its sizes are constants of
+    its graph); the torch functions it calls do not depend on them, so that rewrite runs once,
+    and every length computes what the layer as written does."""
+    import ttt2la
+    import ttt2la.converted as converted
+    from ttt2la.testing import rel_rms_error
+    from ttt2la.zoo import lact_layer
+
+    torch.manual_seed(0)
+    layer = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4).eval()
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(1, 16, 16),))
+    calls = []
+    monkeypatch.setattr(converted, "lean_calls", lambda gm: calls.append(gm) or lean_calls(gm))
+    with torch.no_grad(), ttt2la.race_as_written(False):
+        for L in (8, 12, 20, 24):
+            x = torch.randn(2, L, 16)
+            assert rel_rms_error(conv(x), layer(x)) <= 1e-5
+    assert calls == []      # made lean once, at the conversion's own first call

@@ -110,6 +110,7 @@ class ConvertedState:
     fallbacks: dict = field(default_factory=dict)   # "batch B" -> why another plan runs there
     _outer_cache: dict = field(default_factory=dict)
     _loop_cache: dict = field(default_factory=dict)
+    _lean_outer: ShapeTemplate | None = None    # ``outer`` calling torch functions (``lean_calls``)
     streamable: str | None = None       # why the layer cannot carry state ("" if it can)
     recipe: "Recipe | None" = None      # how to build it again (pickling)
     as_written: AsWritten | None = None  # an exact conversion's races against the user's code
@@ -182,7 +183,9 @@ class ConvertedState:
     def outer_for(self, B: int, L: int) -> torch.fx.GraphModule:
         gm = self._outer_cache.get((B, L))
         if gm is None:
-            gm = lean_calls(self.outer.instantiate(B, L))   # a copy: the template stays
+            if self._lean_outer is None:    # the calls do not depend on the sizes: once
+                self._lean_outer = self.outer.rewritten(lean_calls)
+            gm = self._lean_outer.instantiate(B, L, fresh=True)    # its loop module is per B
             setattr(gm, LOOP_MODULE, self.loop_for(B))
             self._outer_cache[(B, L)] = gm
         return gm

@@ -269,11 +269,15 @@ def params_and_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class ShapeTemplate(Protocol):
     """A traced graph made generic in the batch size and the sequence length (the frontend's
-    ``GraphTemplate``): ``gm`` as traced, ``instantiate(B, L)`` at another shape."""
+    ``GraphTemplate``): ``gm`` as traced, ``instantiate(B, L)`` at another shape (``gm`` itself
+    where no size changes, unless ``fresh``: a copy the caller may rewrite)."""
 
     gm: torch.fx.GraphModule
 
-    def instantiate(self, B: int, L: int) -> torch.fx.GraphModule: ...
+    def instantiate(self, B: int, L: int, fresh: bool = False) -> torch.fx.GraphModule: ...
+
+    def rewritten(self, rewrite) -> "ShapeTemplate":
+        """The template over ``rewrite(gm)``, a copy whose nodes stay in their places."""
 
 
 class SizeReader(Protocol):

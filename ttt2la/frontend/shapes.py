@@ -101,8 +101,8 @@ class GraphTemplate:
     def generic(self) -> bool:
         return any(e.b or e.c or e.e for e in self.slots.values())
 
-    def instantiate(self, B: int, L: int) -> torch.fx.GraphModule:
-        if not self.slots:
+    def instantiate(self, B: int, L: int, fresh: bool = False) -> torch.fx.GraphModule:
+        if not self.slots and not fresh:
             return self.gm
         graph = copy_graph(self.gm.graph)
         nodes = list(graph.nodes)
@@ -114,6 +114,13 @@ class GraphTemplate:
                 node.kwargs = _set(node.kwargs, path, expr(B, L))
         gm = torch.fx.GraphModule(self.gm, graph)
         return gm
+
+    def rewritten(self, rewrite) -> "GraphTemplate":
+        """This template over ``rewrite(gm)``: a copy of the graph whose nodes stay in their
+        places (only what they call changes), so each size is set in the same node."""
+        gm = rewrite(self.gm)
+        assert len(gm.graph.nodes) == len(self.gm.graph.nodes)
+        return GraphTemplate(gm, self.slots)
 
 
 def _first_difference(*graphs: list[torch.fx.Node]) -> str:
