@@ -1432,6 +1432,19 @@ MUTATIONS = [
         "outer_made_lean_per_length", "the code around a converted loop is rewritten to call torch functions again for every new length",
         (("ttt2la/converted.py", "            if self._lean_outer is None:    # the calls", "            if True:    # the calls"),),
         ("tests/test_lean_calls.py",), "made_lean_once"),
+    Mutation(
+        "recorded_graphs_planned_at_once", "every recorded feature graph is planned at its first call, whatever its size",
+        (("ttt2la/lowering/specialize.py", "        if _records_grad(args) and not self._planned(args):", "        if False:"),),
+        ("tests/test_specialize.py",), "planned_only or checkpointing"),
+    Mutation(
+        "small_recorded_graphs_planned", "small recorded feature graphs are planned from their second call",
+        (("ttt2la/lowering/specialize.py", "               default=0) < PLANNED_FROM_BYTES:", "               default=0) < 0:"),),
+        ("tests/test_specialize.py",), "planned_only or checkpointing"),
+    Mutation(
+        "checkpoint_recomputes_another_plan", "a checkpointed call runs the graph's own autograd in its forward and a planned copy when recomputed",
+        (("ttt2la/lowering/specialize.py", "        if key in self._cache or key in self._seen \\\n                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:",
+          "        if key in self._cache or key in self._seen:"),),
+        ("tests/test_specialize.py",), "planned_only or checkpointing"),
 ]
 
 

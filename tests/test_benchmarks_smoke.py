@@ -449,3 +449,20 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
     assert "plus each token's own term" in plans["rwkv6"]
     assert "block_linear_attention" in plans["gla"] and "block_linear_attention" in plans["simple_gla"]
     assert "block_linear_attention" in plans["gla_value"]
+
+
+def test_varying_lengths_benchmark_times_both_sides_at_fresh_lengths(capsys):
+    """``varying_lengths.py`` with a few calls: every case prints its totals over distinct
+    lengths and the cost of a first call at a new length against a later one."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import varying_lengths as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--calls", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.count("4 calls at") == 2 and out.count("first call at a new length") == 2, out

@@ -115,7 +115,7 @@ def test_recorded_gradients_match_autograd_of_a_reference(b, L, d, dh, dtype):
     ref = [a.detach().clone().requires_grad_() for a in args]
     kept = [a.detach().clone() for a in args]
     spec = SpecializedGraph(make_fx(_swiglu)(*args))
-    got, want = spec(*args), _reference_swiglu(*ref)
+    got, want = spec.specialised_call(*args), _reference_swiglu(*ref)
     seed = [torch.randn(w.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
             for w in want]
     torch.autograd.backward(got, seed)
@@ -130,13 +130,13 @@ def test_recorded_gradients_match_autograd_of_a_reference(b, L, d, dh, dtype):
 def test_recorded_graph_passes_gradcheck():
     args = _feature_inputs(2, 5, 3, 2, torch.float64)
     spec = SpecializedGraph(make_fx(_swiglu)(*args))
-    assert torch.autograd.gradcheck(lambda *a: spec(*a), args)
+    assert torch.autograd.gradcheck(lambda *a: spec.specialised_call(*a), args)
 
 
 def test_inputs_no_used_output_depends_on_get_no_gradient():
     """As autograd: φ(K) receives no gradient, so k and the rate get None, not zeros."""
     args = _feature_inputs(2, 40, 4, 3, torch.float64)
-    phi_q, _ = SpecializedGraph(make_fx(_swiglu)(*args))(*args)
+    phi_q, _ = SpecializedGraph(make_fx(_swiglu)(*args)).specialised_call(*args)
     phi_q.sum().backward()
     q_t, k, lr, w0, w2 = args
     assert k.grad is None and lr.grad is None
@@ -146,7 +146,7 @@ def test_inputs_no_used_output_depends_on_get_no_gradient():
 def test_a_second_backward_through_overwritten_activations_is_refused():
     args = _feature_inputs(2, 4096, 64, 64, torch.float32)     # 2 MB intermediates
     spec = SpecializedGraph(make_fx(_swiglu)(*args))
-    out = spec(*args)
+    out = spec.specialised_call(*args)
     seed = [torch.ones_like(o) for o in out]
     torch.autograd.backward(out, seed, retain_graph=True)
     with pytest.raises(UnsupportedTTTError, match="retain_graph=True"):
@@ -155,7 +155,7 @@ def test_a_second_backward_through_overwritten_activations_is_refused():
 
 def test_a_backward_creating_a_graph_is_refused():
     args = _feature_inputs(2, 64, 8, 8, torch.float32)
-    out = SpecializedGraph(make_fx(_swiglu)(*args))(*args)
+    out = SpecializedGraph(make_fx(_swiglu)(*args)).specialised_call(*args)
     with pytest.raises(UnsupportedTTTError, match="create_graph=True"):
         torch.autograd.grad(sum(o.sum() for o in out), args[0], create_graph=True)
 
@@ -191,5 +191,6 @@ def test_recorded_graph_allocates_fewer_large_tensors():
     args = _feature_inputs(2, 4096, 64, 64, torch.float32)
     gm = make_fx(_swiglu)(*args)
     plain = _fresh_in_forward_and_backward(gm, args)
-    planned = _fresh_in_forward_and_backward(SpecializedGraph(gm), args)
+    spec = SpecializedGraph(gm)
+    planned = _fresh_in_forward_and_backward(lambda *a: spec.specialised_call(*a), args)
     assert planned <= plain - 6, (planned, plain)

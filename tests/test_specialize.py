@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ttt2la.lowering.specialize import CACHE_SIZE, SpecializedGraph, token_major_products
+from ttt2la.lowering.specialize import (CACHE_SIZE, PLANNED_FROM_BYTES, SpecializedGraph,
+                                        token_major_products)
 from ttt2la.testing import rel_rms_error, tolerance
 
 aten = torch.ops.aten
@@ -105,7 +106,7 @@ def test_intermediates_are_reused_in_place_without_gradients_and_planned_with_th
     recorded, _ = spec.for_inputs(grad_args)
     assert not isinstance(recorded, torch.fx.GraphModule)
     saved = [a.detach().clone() for a in grad_args]
-    out = spec(*grad_args)
+    out = spec.specialised_call(*grad_args)
     torch.autograd.backward(out, [torch.ones_like(o) for o in out])
     for a, s in zip(grad_args, saved):
         assert torch.equal(a.detach(), s)
@@ -115,7 +116,7 @@ def test_gradients_through_the_specialised_graph():
     args = _inputs(2, 24, 8, 8, requires_grad=True)
     ref = [a.detach().clone().requires_grad_() for a in args]
     spec = SpecializedGraph(_traced(args))
-    got, want = spec(*args), swiglu_features(*ref)
+    got, want = spec.specialised_call(*args), swiglu_features(*ref)
     seed = [torch.randn_like(w) for w in want]
     torch.autograd.backward(got, seed)
     torch.autograd.backward(want, seed)
@@ -194,7 +195,7 @@ def test_specialised_under_the_callers_autocast_computes_what_the_graph_does():
     for requires_grad in (False, True):
         spec = SpecializedGraph(_traced(_inputs(2, 12, 4, 6)))
         results = []
-        for fn in (spec, spec.graph):
+        for fn in (spec.specialised_call, spec.graph):
             args = _half_streams(_inputs(2, 12, 4, 6, requires_grad=requires_grad))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = fn(*args)
@@ -210,7 +211,7 @@ def test_specialised_under_the_callers_autocast_computes_what_the_graph_does():
     args = _inputs(2, 12, 4, 6, requires_grad=True)
     for autocast in (True, False):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            got, want = spec(*args), spec.graph(*args)
+            got, want = spec.specialised_call(*args), spec.graph(*args)
         assert [o.dtype for o in got] == [o.dtype for o in want]
         assert (torch.bfloat16 in [o.dtype for o in got]) == autocast
     assert len(spec._cache) == 2
@@ -244,3 +245,75 @@ def test_a_failing_specialisation_raises_without_logging_fake_tensor_tracebacks(
     finally:
         logger.removeHandler(records)
     assert not records.seen, [r.getMessage() for r in records.seen]
+
+
+def _large_inputs(requires_grad=True):
+    """Streams of ``PLANNED_FROM_BYTES`` exactly (2 × 4096 × 64 fp32)."""
+    return _inputs(2, PLANNED_FROM_BYTES // (2 * 64 * 4), 64, 16, requires_grad=requires_grad)
+
+
+def test_a_recorded_graph_is_planned_only_at_large_shapes_called_again():
+    """Planning a recorded graph costs more than the calls it speeds up at small shapes and on
+    a shape called once (a length that changes call by call): it runs the graph's own autograd
+    there, and plans a large shape on its second call. Gradients are the same either way."""
+    small = _inputs(2, 24, 8, 8, requires_grad=True)
+    spec = SpecializedGraph(_traced(small))
+    for _ in range(3):
+        got = spec(*small)
+    assert not spec._cache
+    large = _large_inputs()
+    ref = [a.detach().clone().requires_grad_() for a in large]
+    seed = None
+    for call in range(2):
+        args = [a.detach().clone().requires_grad_() for a in large]
+        got = spec(*args)
+        assert len(spec._cache) == call        # planned from the second call
+        seed = seed or [torch.randn_like(g) for g in got]
+        torch.autograd.backward(got, seed)
+        want = swiglu_features(*ref)
+        torch.autograd.backward(want, seed)
+        for a, r in zip(args, ref):
+            assert rel_rms_error(a.grad, r.grad) <= tolerance(torch.float32)
+            r.grad = None
+
+
+def test_activation_checkpointing_plans_at_the_first_call():
+    """Recomputed in the backward, a checkpointed call must save what its forward saved: under
+    saved-tensor hooks a large shape is planned at once, so forward and recomputation agree."""
+    from torch.utils.checkpoint import checkpoint
+
+    large = _large_inputs()
+    spec = SpecializedGraph(_traced(large))
+    ref = [a.detach().clone().requires_grad_() for a in large]
+    out = checkpoint(lambda *a: spec(*a), *large, use_reentrant=False)
+    assert len(spec._cache) == 1
+    seed = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, seed)
+    torch.autograd.backward(swiglu_features(*ref), seed)
+    for a, r in zip(large, ref):
+        assert rel_rms_error(a.grad, r.grad) <= tolerance(torch.float32)
+
+
+def test_a_lifted_layer_differentiates_to_second_order_where_its_graphs_are_not_planned():
+    """Below ``PLANNED_FROM_BYTES`` the feature graphs run the traced ops' own autograd, so a
+    Hessian-vector product through a lifted layer (LaCT's operator on the block op) is the
+    layer's as written; where a planned copy runs, ``create_graph=True`` is refused."""
+    import ttt2la
+    from ttt2la.zoo import LaCTPublishedLayer
+
+    torch.manual_seed(0)
+    layer = LaCTPublishedLayer(16, 2, 4, update_theta=False, weight_norm=False, muon=False).eval()
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(1, 16, 16),))
+    assert conv.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+    x = torch.randn(2, 16, 16)
+
+    def hvp(m):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(m(xi).square().sum(), xi, create_graph=True)
+        (h,) = torch.autograd.grad(g.square().sum(), xi)
+        return g, h
+
+    want = hvp(layer)
+    for _ in range(2):              # the shape's second call too: these graphs are never planned
+        for got, w in zip(hvp(conv), want):
+            assert rel_rms_error(got, w) <= tolerance(torch.float32)
