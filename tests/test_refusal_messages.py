@@ -253,6 +253,15 @@ class _ChunkLayer(nn.Module):
         self.C = chunk
         self.qkv = nn.Linear(d, 3 * d, bias=False)
 
+    def _plain_loop(self, x):
+        """Plain linear attention chunk by chunk: what the layers below add code around."""
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(q[:, s:s + self.C] @ W)
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+        return torch.cat(outs, 1)
+
 
 class NarrowState(_ChunkLayer):
     """Fast weights computed in float32 and stored in bfloat16 after every chunk."""
@@ -513,12 +522,7 @@ class SizeOfNoForm(_ChunkLayer):
     chunks: a third of the length, rounded down."""
 
     def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, -1)
-        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
-        for s in range(0, x.shape[1], self.C):
-            outs.append(q[:, s:s + self.C] @ W)
-            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
-        o = torch.cat(outs, 1)
+        o = self._plain_loop(x)
         return o + o.new_zeros(x.shape[1] // 3).sum()  # <- named
 
 
@@ -538,12 +542,7 @@ class ArgumentsOfTheLength(_ChunkLayer):
     """A call after the loop whose number of arguments follows the length."""
 
     def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, -1)
-        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
-        for s in range(0, x.shape[1], self.C):
-            outs.append(q[:, s:s + self.C] @ W)
-            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
-        o = torch.cat(outs, 1)
+        o = self._plain_loop(x)
         return o + o.new_zeros([1] * (x.shape[1] // 3)).sum()  # <- named
 
 
