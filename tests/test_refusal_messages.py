@@ -526,18 +526,6 @@ class SizeOfNoForm(_ChunkLayer):
         return o + o.new_zeros(x.shape[1] // 3).sum()  # <- named
 
 
-def test_a_size_of_no_form_in_the_length_names_its_line():
-    torch.manual_seed(0)
-    with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
-        ttt2la.convert(SizeOfNoForm(), level=0, example_inputs=(torch.randn(2, 16, 8),))
-    message = str(refused.value)
-    assert "neither an affine function of the length nor one of the number of chunks" \
-        in message, message
-    assert "`Tensor.new_zeros` at " in message, message
-    assert f"{HERE}:{_line_of(SizeOfNoForm.forward)} (`" in message, message
-    _no_fx_text(message)
-
-
 class ArgumentsOfTheLength(_ChunkLayer):
     """A call after the loop whose number of arguments follows the length."""
 
@@ -546,14 +534,18 @@ class ArgumentsOfTheLength(_ChunkLayer):
         return o + o.new_zeros([1] * (x.shape[1] // 3)).sum()  # <- named
 
 
-def test_arguments_that_follow_the_length_name_their_line():
+@pytest.mark.parametrize("layer, found", [
+    (SizeOfNoForm, "neither an affine function of the length nor one of the number of chunks"),
+    (ArgumentsOfTheLength, "changes structure with the input shape in the arguments of"),
+], ids=["no_form", "follow_the_length"])
+def test_sizes_after_the_loop_of_no_form_in_the_length_name_their_line(layer, found):
     torch.manual_seed(0)
     with pytest.raises(ttt2la.UnsupportedTTTError) as refused:
-        ttt2la.convert(ArgumentsOfTheLength(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+        ttt2la.convert(layer(), level=0, example_inputs=(torch.randn(2, 16, 8),))
     message = str(refused.value)
-    assert "changes structure with the input shape in the arguments of `Tensor.new_zeros` at " \
-        in message, message
-    assert f"{HERE}:{_line_of(ArgumentsOfTheLength.forward)} (`" in message, message
+    assert found in message, message
+    assert "`Tensor.new_zeros` at " in message, message
+    assert f"{HERE}:{_line_of(layer.forward)} (`" in message, message
     _no_fx_text(message)
 
 
