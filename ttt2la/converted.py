@@ -618,6 +618,7 @@ class Recipe:
     gradient_stop: str = ""
     partial_chunk: str = ""     # what zero padding of a partial last chunk changes
     undifferentiable: str = ""      # how the layer's own backward fails (``undifferentiable``)
+    example_branch: str = ""    # how the code computes another function at the example's length
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -666,6 +667,13 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     if recipe.partial_chunk:
         state.refuse_padding(recipe.partial_chunk)
     state.undifferentiable = recipe.undifferentiable
+    if recipe.example_branch and state.length_vouching is None or \
+            recipe.example_branch and recipe.example_branch not in state.length_vouching.what:
+        from .length_vouching import unvouch_example
+        unvouch_example(state, rl, recipe.example_branch)
+    elif recipe.example_branch:
+        from .length_vouching import example_length
+        state.length_vouching.lengths[example_length(rl)] = False
     return state
 
 
