@@ -265,3 +265,36 @@ def test_branch_after_the_loop_never_gives_another_output(example, calls, kind, 
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(1, example, D),),
                           strict=strict)
     same_or_refused(conv, layer, [torch.randn(2, T, D) for T in [example, *calls]])
+
+
+@pytest.mark.parametrize("kind,example,lengths", [("loop", 18, (16, 24, 14)),
+                                                  ("step", 9, (6, 4, 12))])
+def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, lengths):
+    """The example takes the probes' branch; the source shows the branch after the loop (or the
+    step), so every other length is checked against the code as written, and those that take
+    the other branch run as written."""
+    make, line, _lengths = BRANCHED[kind]
+    torch.manual_seed(0)
+    layer = make()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, example, D),))
+    assert any(line in n and "values of the length" in n
+               for n in conv.ttt2la_report.layers[0].notes)
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in lengths])
+    import inspect
+    from ttt2la.frontend.length_values import length_values
+    file = inspect.getsourcefile(make)
+    loop, first = inspect.getsourcelines(make.forward)[1], line.split(" if")[0]
+    found = length_values(file, loop + (5 if kind == "loop" else 0), (1, -2, 3), after=True)
+    assert [v.what for v in found] == ["branches on"] and found[0].code.startswith(first)
+    assert not length_values(file, loop + (5 if kind == "loop" else 0), (1, -2, 3))
+
+
+def test_branch_at_the_example_length_survives_pickling():
+    """An unpickled layer runs the code as written at the example's length too: the recipe keeps
+    what the conversion's check found."""
+    import pickle
+    torch.manual_seed(0)
+    layer = HelperBranchAfterLoop()
+    conv = pickle.loads(pickle.dumps(ttt2la.convert(layer, level=0,
+                                                    example_inputs=(torch.randn(2, 16, D),))))
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in (16, 24, 14)])

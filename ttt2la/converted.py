@@ -667,13 +667,9 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     if recipe.partial_chunk:
         state.refuse_padding(recipe.partial_chunk)
     state.undifferentiable = recipe.undifferentiable
-    if recipe.example_branch and state.length_vouching is None or \
-            recipe.example_branch and recipe.example_branch not in state.length_vouching.what:
+    if recipe.example_branch:           # the code as written runs at the example's length
         from .length_vouching import unvouch_example
         unvouch_example(state, rl, recipe.example_branch)
-    elif recipe.example_branch:
-        from .length_vouching import example_length
-        state.length_vouching.lengths[example_length(rl)] = False
     return state
 
 
