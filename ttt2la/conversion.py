@@ -656,7 +656,7 @@ def _example_branch(layer: _Layer, ref) -> dict | None:
     rl, state = layer.rl, layer.state
     why = example_branch(rl)
     if not why and state.length_vouching is not None:
-        why = f"its code computes {state.length_vouching.what}"
+        why = state.length_vouching.what        # the lines the source shows
     if not why:
         return None
     layer.notes.append(unvouch_example(state, rl, why))

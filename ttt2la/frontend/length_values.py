@@ -8,8 +8,8 @@ is read with ``ast``: names bound from the length (``B, T, D = x.shape`` at the 
 ``x.size(1)``, ``x.shape[1]``) and every name computed from them are followed through the
 statements before the loop (and, for the converted layer's vouching, after it: a branch
 there picks the code around the loop, which the probe traces show at their lengths only), and
-each use that can change the structure is returned with its line, so the converted layer can vouch for other lengths by checking them (``converted.py``)
-and a refusal can name the line.
+each use that can change the structure is returned with its line, so the converted layer can
+vouch for other lengths by checking them (``converted.py``) and a refusal can name the line.
 """
 from __future__ import annotations
 
