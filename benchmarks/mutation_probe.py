@@ -1203,6 +1203,18 @@ MUTATIONS = [
         (("ttt2la/frontend/recognize.py", "if len(set(sizes.values())) < 2:", "if True:"),),
         ("tests/test_length_values.py",), "chunk_size_of_the_length"),
     Mutation(
+        "example_branch_called_a_bug", "a layer taking another branch at the example's length than at the probe lengths fails the conversion's check as a bug in ttt2la",
+        (("ttt2la/conversion.py", "        check = _example_branch(layer, ref) or check\n", "        pass\n"),),
+        ("tests/test_length_values.py",), "example_length_runs"),
+    Mutation(
+        "example_branch_op_unnamed", "the traces at the example's length and the probe lengths are not compared op by op, so a branch in a helper function is reported as a bug",
+        (("ttt2la/length_vouching.py", "        if a.target != e.target:\n", "        if False:\n"),),
+        ("tests/test_length_values.py",), "example_length_runs and helper"),
+    Mutation(
+        "branch_after_the_loop_unread", "a branch on the length after the loop is not read from the source, so the plan runs unchecked at lengths that take the other branch",
+        (("ttt2la/length_vouching.py", "(axis, axis - rank, rank), after=True)", "(axis, axis - rank, rank))"),),
+        ("tests/test_length_values.py",), "checked_at_other_lengths"),
+    Mutation(
         "changed_attributes_unguarded", "a plain attribute changed after conversion (a step size, the chunk size) is not looked at: the graphs run with the value traced",
         (("ttt2la/converted.py", "change = None if guard is None else guard.changed(self)",
           "change = None"),),

@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ttt2la
 from ttt2la.errors import UnsupportedShapeError, UnsupportedTTTError
@@ -137,3 +139,162 @@ def test_checking_a_new_length_is_not_counted_as_a_call():
         for T in (3, 11, 3):
             conv(torch.randn(2, T, D))
     assert conv.calls.item() == 3
+
+
+class BranchAfterLoop(nn.Module):
+    """Chunked linear attention whose code after the loop branches on the length: the probe
+    lengths (14, 15, 18) all take ``o * 2``, a multiple of 8 takes ``o + 2``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        o = torch.cat(outs, 1)
+        o = o * 2 if T % 8 else o + 2
+        return o
+
+
+def doubled_unless_eight(o, T):
+    return o * 2 if T % 8 else o + 2
+
+
+class HelperBranchAfterLoop(BranchAfterLoop):
+    """``BranchAfterLoop`` with its branch in a helper function, which the source reading of the
+    loop's function does not follow: the trace at the example's length names it."""
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        return doubled_unless_eight(torch.cat(outs, 1), T)
+
+
+class StepBranch(nn.Module):
+    """One test-time step over all tokens, whose code after the step branches on the length:
+    the probes trace lengths past 6 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+        self.W0 = nn.Parameter(torch.randn(D, D) * 0.1)
+
+    def forward(self, x):
+        N = x.shape[1]
+        q, k, v = self.proj(x).chunk(3, -1)
+        W = self.W0.unsqueeze(0) + 0.1 * k.transpose(1, 2) @ v / N
+        o = q @ W
+        o = o * 2 if x.shape[1] > 6 else o + 2
+        return o
+
+
+def same_or_refused(converted, original, xs):
+    """Each call of ``converted`` gives ``original``'s output within 1e-5 relative RMS error, or
+    is refused with a ``ConversionError`` — never another output."""
+    from ttt2la.errors import ConversionError
+    from ttt2la.testing import rel_rms_error
+    for x in xs:
+        with torch.no_grad():
+            want = original(x)
+            try:
+                got = converted(x)
+            except ConversionError:
+                continue
+        assert rel_rms_error(got, want) <= 1e-5, f"length {x.shape[1]}"
+
+
+BRANCHED = {"loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2", (16, 8, 24, 32, 12, 17)),
+            "helper": (HelperBranchAfterLoop, "return o * 2 if T % 8 else o + 2",
+                       (16, 8, 24, 12, 17)),
+            "step": (StepBranch, "o = o * 2 if x.shape[1] > 6 else o + 2", (6, 3, 5, 7, 12))}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", sorted(BRANCHED))
+def test_branch_at_the_example_length_runs_as_written_there(kind, strict):
+    """The example's length takes another branch than every probe length: the conversion names
+    the line and runs the code as written at that length (no bug reported), the plan where it
+    was checked to agree; every length gives the original's output."""
+    make, line, lengths = BRANCHED[kind]
+    torch.manual_seed(0)
+    layer = make()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, lengths[0], D),),
+                          strict=strict)
+    report = conv.ttt2la_report.layers[0]
+    note = next(n for n in report.notes if "another function at the example's length" in n)
+    assert line in note and f"length {lengths[0]}" in note
+    assert report.check["rel_rms_error"] <= 1e-5
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in lengths])
+    assert any(k.endswith(f"length {lengths[0]}, length values") and v.startswith("as written")
+               for k, v in report.runs.items())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", ["loop", "step"])
+def test_branch_at_the_example_length_in_a_model(kind, strict):
+    """Two such layers in a model: the model converts, and every length gives its output or is
+    refused."""
+    make, _line, lengths = BRANCHED[kind]
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Linear(D, D), make())
+    conv = ttt2la.convert(model, level=0, example_inputs=(torch.randn(2, lengths[0], D),),
+                          strict=strict)
+    assert conv.ttt2la_report.layers
+    same_or_refused(conv, model, [torch.randn(2, T, D) for T in lengths])
+
+
+@settings(max_examples=6, deadline=None)
+@given(example=st.integers(6, 26), calls=st.lists(st.integers(2, 40), min_size=2, max_size=4),
+       kind=st.sampled_from(["loop", "step"]), strict=st.booleans())
+def test_branch_after_the_loop_never_gives_another_output(example, calls, kind, strict):
+    """Whatever the example's length, each length branches as the code does, or is refused."""
+    make = BRANCHED[kind][0]
+    torch.manual_seed(example)
+    layer = make()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(1, example, D),),
+                          strict=strict)
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in [example, *calls]])
+
+
+@pytest.mark.parametrize("kind,example,lengths", [("loop", 18, (16, 24, 14)),
+                                                  ("step", 9, (6, 4, 12))])
+def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, lengths):
+    """The example takes the probes' branch; the source shows the branch after the loop (or the
+    step), so every other length is checked against the code as written, and those that take
+    the other branch run as written."""
+    make, line, _lengths = BRANCHED[kind]
+    torch.manual_seed(0)
+    layer = make()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, example, D),))
+    assert any(line in n and "values of the length" in n
+               for n in conv.ttt2la_report.layers[0].notes)
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in lengths])
+    import inspect
+    from ttt2la.frontend.length_values import length_values
+    file = inspect.getsourcefile(make)
+    loop, first = inspect.getsourcelines(make.forward)[1], line.split(" if")[0]
+    found = length_values(file, loop + (5 if kind == "loop" else 0), (1, -2, 3), after=True)
+    assert [v.what for v in found] == ["branches on"] and found[0].code.startswith(first)
+    assert not length_values(file, loop + (5 if kind == "loop" else 0), (1, -2, 3))
+
+
+def test_branch_at_the_example_length_survives_pickling():
+    """An unpickled layer runs the code as written at the example's length too: the recipe keeps
+    what the conversion's check found."""
+    import pickle
+    torch.manual_seed(0)
+    layer = HelperBranchAfterLoop()
+    conv = pickle.loads(pickle.dumps(ttt2la.convert(layer, level=0,
+                                                    example_inputs=(torch.randn(2, 16, D),))))
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in (16, 24, 14)])

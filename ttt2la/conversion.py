@@ -29,10 +29,10 @@ from .analysis import analyze, assign_roles
 from .analysis.op_vocabulary import fill_value
 from .as_written import AsWritten
 from .calibration import LoopCalibration, layer_inputs
-from .converted import ConvertedState, Recipe, install, require_unconverted
+from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
 from .frontend.discover import discover
-from .frontend.recognize import RecognizedLayer, recognize_layer
+from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
 from .ir import LOOP_MODULE, TTTProgram
 from .lowering import plan_for
@@ -41,7 +41,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, r
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .gradient_stops import detached_state, unseen_stop
-from .length_vouching import vouching
+from .length_vouching import example_branch, unvouch_example, vouching
 from .padded_chunk import padding_changes
 from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
@@ -319,7 +319,7 @@ def _gradient_stop(layer: "_Layer") -> str:
     if twin is None:
         return ""
     state, converted = twin
-    args, kwargs = _layer_inputs(layer.rl)
+    args, kwargs = _plan_inputs(layer.rl, state)
     with _as_traced(state, args, kwargs):
         return unseen_stop(layer.original, converted, args, kwargs)
 
@@ -331,13 +331,31 @@ def _padding(layer: "_Layer") -> str:
     if twin is None:
         return ""
     state, converted = twin
-    return padding_changes(layer.original, converted, state, *_layer_inputs(layer.rl), _as_traced)
+    return padding_changes(layer.original, converted, state, *_plan_inputs(layer.rl, state),
+                           _as_traced)
+
+
+def _plan_inputs(rl: RecognizedLayer, state: ConvertedState) -> tuple[tuple, dict]:
+    """The example inputs, or where the converted layer runs the code as written at the
+    example's length (``_example_branch``), the same inputs at the first probe length, where it
+    runs its plan: the checks of the plan run there."""
+    args, kwargs = _layer_inputs(rl)
+    held = state.length_vouching
+    if held is None:
+        return args, kwargs
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    B, L = state.layout.sizes(flat)
+    if held.lengths.get(L) is not False:
+        return args, kwargs
+    args, kwargs = pytree.tree_unflatten(
+        _inputs_at(flat, state.layout, state.layout.batch_unit * B, rl.L0), rl.in_spec)
+    return tuple(args), kwargs
 
 
 def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
     """The lowered plan against the rewritten program run recurrently, on the loop's inputs at
     the example inputs (captured from the converted layer's own run)."""
-    args, kwargs = _layer_inputs(rl)
+    args, kwargs = _plan_inputs(rl, state)
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     B, _L = state.layout.sizes(flat)
     loop = state.loop_for(B)
@@ -616,6 +634,8 @@ def _checked(layer: _Layer) -> dict:
     rl, state = layer.rl, layer.state
     ref = run_module(layer.original, *_layer_inputs(rl))
     check = _check(ref, rl.candidate.module, rl, layer.exact, state)
+    if layer.exact and state is not None and not check.get("ok", True):
+        check = _example_branch(layer, ref) or check
     if state is not None:
         check["lowering"] = _check_plan(rl, state)
     if layer.exact and not check.get("ok", True):
@@ -625,6 +645,29 @@ def _checked(layer: _Layer) -> dict:
             "applied pass is exact; this is a bug in ttt2la — please report it with the "
             "model. Use strict=False at a lower level meanwhile.")
     return check
+
+
+def _example_branch(layer: _Layer, ref) -> dict | None:
+    """The check again where the code around the loop computes another function at the
+    example's length than at the probe lengths (``example_branch``; the lines the source shows
+    computing Python values of the length, where the traces name none): the example's length is
+    left to the code as written (``unvouch_example``), which the converted layer then runs
+    there. ``None`` where neither explains the difference (the check's failure stands)."""
+    rl, state = layer.rl, layer.state
+    why = example_branch(rl)
+    if not why and state.length_vouching is not None:
+        why = state.length_vouching.what        # the lines the source shows
+    if not why:
+        return None
+    layer.notes.append(unvouch_example(state, rl, why))
+    state.compile_break = compile_break(state)
+    if state.recipe is not None:
+        state.recipe.example_branch = why
+    state.as_written = AsWritten()          # the check runs the code as written there
+    try:
+        return _check(ref, rl.candidate.module, rl, layer.exact, state)
+    finally:
+        state.as_written = None
 
 
 def _record_padding(layer: _Layer) -> None:

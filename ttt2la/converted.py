@@ -621,6 +621,7 @@ class Recipe:
     gradient_stop: str = ""
     partial_chunk: str = ""     # what zero padding of a partial last chunk changes
     undifferentiable: str = ""      # how the layer's own backward fails (``undifferentiable``)
+    example_branch: str = ""    # how the code computes another function at the example's length
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -669,6 +670,9 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     if recipe.partial_chunk:
         state.refuse_padding(recipe.partial_chunk)
     state.undifferentiable = recipe.undifferentiable
+    if recipe.example_branch:           # the code as written runs at the example's length
+        from .length_vouching import unvouch_example
+        unvouch_example(state, rl, recipe.example_branch)
     return state
 
 

@@ -7,6 +7,13 @@ trace showed. Such a layer holds the lengths it was traced or checked at (``Leng
 at any other length an exact conversion runs the plan and the code as written once, on the
 call's own inputs, and keeps the plan for that length only where the two agree (else the code as
 written runs there); a lossy one, whose function the code does not compute, refuses the length.
+
+The probes trace the code around the loop at lengths of their own, never at the example's. Where
+the conversion's check finds the plan off the code as written at the example's length,
+``example_branch`` traces the layer there and names the first op (or constant) that differs
+from the probe traces — the code takes another Python branch at that length — and
+``unvouch_example`` leaves that length to the code as written (``LengthVouching`` with the
+example's length not vouched for), instead of reporting a bug.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from .errors import UnsupportedShapeError
 from .frontend.length_values import describe, length_values
+from .ir import SRC, torch_name
 from .testing import TOLERANCE, rel_rms_error
 
 
@@ -90,11 +98,120 @@ def vouching(rl) -> LengthVouching | None:
         return None
     axis, rank = layout.token_axis[layout.ref], x.dim()
     loop = rl.candidate.loop
-    found = length_values(loop.file, loop.line, (axis, axis - rank, rank))
+    found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True)
     if not found:
         return None
     traced = {rl.L0, rl.L1, x.shape[axis]}
     return LengthVouching(describe(found), {L: True for L in traced})
 
 
-__all__ = ["LengthVouching", "vouching"]
+def example_length(rl) -> int | None:
+    """The number of tokens of the recognized layer's example (``None``: an image's)."""
+    layout = rl.layout
+    if layout.ref not in layout.token_axis:
+        return None
+    flat, _ = pytree.tree_flatten((tuple(rl.candidate.args), dict(rl.candidate.kwargs)))
+    return layout.length_of(flat[layout.ref])
+
+
+def example_branch(rl) -> str:
+    """Where the code around the loop (or the step) computes another function at the example's
+    length than at the probe lengths its converted graphs were fitted from: the code as written
+    is traced at the two probe lengths and at the example's, and the ops outside the loop are
+    compared — the first op that differs, or the first constant that is the same at both probe
+    lengths and another at the example's (``"the op at file:line (`code`) is `torch.add` at
+    length 16 and `torch.mul` at lengths 28 and 29"``); ``""`` where they agree, or the probe
+    traces differ among themselves, or the layer cannot be traced there."""
+    L = example_length(rl)
+    if L is None or L in (rl.L0, rl.L1):
+        return ""
+    try:
+        at = _outer_tracer(rl)
+        batch = rl.layout.batch_unit * rl.B0
+        n0, n1, ne = (at(batch, n) for n in (rl.L0, rl.L1, L))
+    except Exception:           # the layer does not trace there: the check's failure stands
+        return ""
+    if [n.target for n in n0] != [n.target for n in n1]:
+        return ""
+    probes = f"lengths {rl.L0} and {rl.L1}"
+    for a, e in zip(n0, ne):
+        if a.target != e.target:
+            return (f"{_where(e, a)} is {torch_name(e)} at length {L} and {torch_name(a)} "
+                    f"at {probes}")
+    if len(n0) != len(ne):
+        extra = (ne if len(ne) > len(n0) else n0)[min(len(n0), len(ne)):]
+        return (f"{_where(*extra)} runs at {'length ' + str(L) if len(ne) > len(n0) else probes}"
+                f" only ({len(ne)} ops at length {L}, {len(n0)} at {probes})")
+    for a, b, e in zip(n0, n1, ne):
+        for x, y, z in zip(_scalars(a), _scalars(b), _scalars(e)):
+            if x == y != z:
+                return f"{_where(e, a)} takes {z!r} at length {L} and {x!r} at {probes}"
+    return ""
+
+
+def _outer_tracer(rl):
+    """``at(B, L)``: the ops of the layer's code as written outside its loop (all of them, for a
+    single step), traced at batch ``B`` and length ``L``."""
+    from .converted import original_class
+    from .frontend.capture import trace
+    from .frontend.loops import loops_of
+    from .frontend.recognize import _inputs_at, traced_weights
+
+    cand = rl.candidate
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    wrapped = _Written(cand.module, original_class(type(cand.module)).forward)
+    pb = traced_weights(cand.module)
+
+    def fn(weights, *inputs):
+        args, kwargs = pytree.tree_unflatten(list(inputs), in_spec)
+        return torch.func.functional_call(
+            wrapped, {f"layer.{k}": v for k, v in weights.items()}, args, kwargs)
+
+    def at(B: int, L: int) -> list:
+        gm = trace(fn, pb, *_inputs_at(flat, rl.layout, B, L))
+        return [n for n in gm.graph.nodes
+                if n.op == "call_function" and cand.loop not in loops_of(n)]
+    return at
+
+
+class _Written(torch.nn.Module):
+    """Runs a converted layer's code as written (its original class's ``forward``)."""
+
+    def __init__(self, layer: torch.nn.Module, forward):
+        super().__init__()
+        self.layer, self._forward = layer, forward
+
+    def forward(self, *args, **kwargs):
+        return self._forward(self.layer, *args, **kwargs)
+
+
+def _where(*nodes) -> str:
+    """``the op at file:line (`code`)`` of the first of ``nodes`` with a source line."""
+    src = next((n.meta.get(SRC) for n in nodes if n.meta.get(SRC) is not None), None)
+    return f"the op at {src.at()}" if src is not None else "an op"
+
+
+def _scalars(node) -> list:
+    """The Python numbers among a node's arguments that are no sizes (floats, bools), in order."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [v for v in leaves if isinstance(v, (float, bool))]
+
+
+def unvouch_example(state, rl, why: str) -> str:
+    """Leave the example's length, where the plan is off the code as written (``why``), to the
+    code as written: the converted layer's vouching then holds the probe lengths, and checks
+    every other length once against the code as written. Returns the report's note."""
+    L = example_length(rl)
+    what = f"another function at length {L}: {why}"
+    held = state.length_vouching
+    if held is None:
+        held = state.length_vouching = LengthVouching(what, {rl.L0: True, rl.L1: True})
+    elif why not in held.what:
+        held.what = f"{held.what}; {what}"
+    held.lengths[L] = False
+    return (f"the layer's code computes another function at the example's length {L} "
+            f"than at the probe lengths {rl.L0} and {rl.L1} ({why}): the code as written runs at "
+            f"length {L}, the plan at lengths where it was checked to agree with it")
+
+
+__all__ = ["LengthVouching", "vouching", "example_branch", "example_length", "unvouch_example"]

@@ -6,9 +6,10 @@ of the length that branches (``if T < 20:``), clamps (``min(8, T // 2)``), or se
 never showed, where the traces say nothing. Here the source of the function that holds the loop
 is read with ``ast``: names bound from the length (``B, T, D = x.shape`` at the token axis,
 ``x.size(1)``, ``x.shape[1]``) and every name computed from them are followed through the
-statements before the loop, and each use that can change the structure is returned with its
-line, so the converted layer can vouch for other lengths by checking them (``converted.py``)
-and a refusal can name the line.
+statements before the loop (and, for the converted layer's vouching, after it: a branch
+there picks the code around the loop, which the probe traces show at their lengths only), and
+each use that can change the structure is returned with its line, so the converted layer can
+vouch for other lengths by checking them (``converted.py``) and a refusal can name the line.
 """
 from __future__ import annotations
 
@@ -195,11 +196,15 @@ def _chunk_step(loop: ast.stmt, derived: set[str], axes, me: str) -> ast.AST | N
     return None
 
 
-def length_values(file: str, loop_line: int, axes: tuple[int, ...]) -> list[LengthValue]:
+def length_values(file: str, loop_line: int, axes: tuple[int, ...], *,
+                  after: bool = False) -> list[LengthValue]:
     """The uses of a value of the length in the function holding the loop at
-    ``file:loop_line``, before the loop and in the loop statement. ``axes``: the input's token
-    axis, counted from the front and from the back, then its rank (a shape of that rank
-    unpacked gives the length at the token axis; another rank, at a name like ``T``)."""
+    ``file:loop_line``, before the loop and in the loop statement; with ``after``, in the
+    statements after the loop too (a branch there changes the code around the loop, which the
+    probe traces show at their lengths only). ``axes``: the input's token axis, counted from
+    the front and from the back, then its rank (a shape of that rank unpacked gives the length
+    at the token axis; another rank, at a name like ``T``). A ``loop_line`` on the function's
+    own ``def`` (a single step, which runs no loop) makes every statement one after it."""
     fn = _function_at(file, loop_line)
     if fn is None:
         return []
@@ -207,6 +212,7 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...]) -> list[Leng
     derived = _Derived()
     derived.looping, derived.where = set(), {}
     out: dict[int, LengthValue] = {}
+    loop_end = [loop_line]
 
     me = fn.args.args[0].arg if fn.args.args else ""
 
@@ -215,6 +221,8 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...]) -> list[Leng
         for stmt in body:
             end = stmt.end_lineno or stmt.lineno
             if stmt.lineno >= loop_line:
+                if stmt.lineno == loop_line:
+                    loop_end[0] = end
                 step = _chunk_step(stmt, derived, axes, me) if stmt.lineno == loop_line \
                     else None
                 if step is not None:
@@ -246,7 +254,30 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...]) -> list[Leng
                 _bind(stmt, derived, axes, me)
         return False
 
+    def rest(body: list[ast.stmt]) -> None:
+        """Follow the statements of ``body`` after the loop (those holding it: into them)."""
+        for stmt in body:
+            end = stmt.end_lineno or stmt.lineno
+            if end <= loop_end[0] or isinstance(
+                    stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if stmt.lineno > loop_end[0] and isinstance(stmt, (ast.If, ast.While)):
+                for node, what in _uses(stmt, derived, axes, me):
+                    out.setdefault(node.lineno, _value(file, lines, node, what))
+            blocks = [getattr(stmt, k, None) for k in ("body", "orelse", "finalbody")] + \
+                [h.body for h in getattr(stmt, "handlers", [])]
+            if isinstance(stmt, (ast.If, ast.While, ast.For, ast.With, ast.Try)):
+                for block in blocks:
+                    if block:
+                        rest(block)
+                continue
+            for node, what in _uses(stmt, derived, axes, me):
+                out.setdefault(node.lineno, _value(file, lines, node, what))
+            _bind(stmt, derived, axes, me)
+
     walk(fn.body)
+    if after:
+        rest(fn.body)
     return sorted(out.values(), key=lambda v: v.line)
 
 
