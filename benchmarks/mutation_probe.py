@@ -1457,6 +1457,24 @@ MUTATIONS = [
         (("ttt2la/lowering/specialize.py", "        if key in self._cache or key in self._seen \\\n                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:",
           "        if key in self._cache or key in self._seen:"),),
         ("tests/test_specialize.py",), "planned_only or checkpointing"),
+    Mutation(
+        "training_gradients_uncompared", "a layer that stops gradients only in training mode, its "
+        "outputs the same in both, is taken for mode-independent (its gradients never compared)",
+        (("ttt2la/training_mode.py", "            if _same_gradients(run(_gradients, True), evaluated):",
+          "            if True:"),),
+        ("tests/test_training_mode.py",), "gradient_stop_only"),
+    Mutation(
+        "training_note_names_idle_dropout", "the training-mode note names every dropout or batch "
+        "norm of the layer, acting or not",
+        (("ttt2la/training_mode.py", "        acting = [m for _, m in dependent if acts([m])]",
+          "        acting = [m for _, m in dependent]"),),
+        ("tests/test_training_mode.py",), "names_what_differs"),
+    Mutation(
+        "own_training_read_unnamed", "the training-mode note leaves out the layer's own read of "
+        "self.training beside a dropout that acts",
+        (("ttt2la/training_mode.py", "        own = bool(others) and acts(others)",
+          "        own = False"),),
+        ("tests/test_training_mode.py",), "names_what_differs"),
 ]
 
 

@@ -210,3 +210,104 @@ def test_a_call_the_code_as_written_rejects_in_training_mode_names_the_users_lin
     assert isinstance(info.value, RuntimeError)
     assert "ran its code as written (in training mode)" in str(info.value)
     assert "test_training_mode.py:" in info.value.where, info.value.where
+
+
+class StoppedWhileTraining(nn.Module):
+    """A chunked memory that stops gradients only in training mode: through its write keys
+    (``keys``) or through its fast weights between chunks (``tbptt``, truncated backprop). Its
+    output is the same in both modes; its gradients are not."""
+
+    def __init__(self, where: str, chunk: int = 4):
+        super().__init__()
+        self.q = nn.Linear(D, D, bias=False)
+        self.k = nn.Linear(D, D, bias=False)
+        self.v = nn.Linear(D, D, bias=False)
+        self.where, self.chunk = where, chunk
+
+    def forward(self, x):
+        q, k, v = self.q(x), nn.functional.normalize(self.k(x), dim=-1), self.v(x)
+        if self.where == "keys" and self.training:
+            k = k.detach()
+        W = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for i in range(0, x.shape[1], self.chunk):
+            outs.append(q[:, i:i + self.chunk] @ W)
+            if self.where == "tbptt" and self.training:
+                W = W.detach()
+            W = W + 0.1 * k[:, i:i + self.chunk].transpose(1, 2) @ v[:, i:i + self.chunk]
+        return torch.cat(outs, 1)
+
+
+def _gradients_of(module, x):
+    params = list(module.parameters())
+    return dict(zip([n for n, _ in module.named_parameters()], torch.autograd.grad(
+        module(x).pow(2).sum(), params, allow_unused=True)))
+
+
+@pytest.mark.parametrize("where", ["keys", "tbptt"])
+def test_a_gradient_stop_only_in_training_mode_trains_as_written(where):
+    """The outputs agree in both modes, so only the gradients show the difference: in training
+    mode the converted layer runs the code as written, with its stops; in evaluation mode, which
+    has none, its plan."""
+    torch.manual_seed(0)
+    layer = StoppedWhileTraining(where)
+    x = torch.randn(2, 12, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    report = _layer_report(conv)
+    assert report.exact
+    for training in (True, False):
+        conv.train(training)
+        layer.train(training)
+        want, got = _gradients_of(layer, x), _gradients_of(conv, x)
+        for name, w in want.items():
+            g = got[name]
+            assert (w is None) == (g is None), (training, name)
+            if w is not None:
+                assert rel_rms_error(g, w) <= FP32, (training, name)
+    note, = [n for n in report.notes if "converted for evaluation mode" in n]
+    assert "its gradients differ in training mode" in note, note
+    assert "its own code reads `self.training` at test_training_mode.py:" in note, note
+    assert any("training mode" in shape and ran.startswith("as written")
+               for shape, ran in report.runs.items()), report.runs
+    assert any(ran.startswith("block_linear_attention") for ran in report.runs.values()), \
+        report.runs                         # evaluation mode ran the plan
+
+
+class OwnBranch(nn.Module):
+    """A per-token memory that halves its step size in training mode, with a dropout of
+    ``p`` on its keys."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k = self.drop(k)
+        lr = 0.5 if self.training else 1.0
+        S = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for t in range(x.shape[1]):
+            S = S + lr * k[:, t, :, None] * v[:, t, None, :]
+            outs.append((q[:, t, :, None] * S).sum(1))
+        return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_the_training_mode_note_names_what_differs(p):
+    """A dropout of nothing does not act in training mode: the note names the layer's own read
+    of ``self.training``, and the dropout only where it drops something."""
+    torch.manual_seed(0)
+    conv = ttt2la.convert(OwnBranch(p), level=0, example_inputs=(torch.randn(2, 6, D),))
+    why = conv._ttt2la.training_dependence
+    assert why.startswith("its output differs in training mode"), why
+    assert "its own code reads `self.training` at test_training_mode.py:" in why, why
+    assert ("drop (Dropout)" in why) == (p > 0), why
+
+
+def test_a_dropout_alone_is_named_alone():
+    torch.manual_seed(0)
+    conv = ttt2la.convert(Dropped(True), level=0, example_inputs=(torch.randn(2, 12, D),))
+    why = conv._ttt2la.training_dependence
+    assert "drop (Dropout)" in why and "self.training" not in why, why
