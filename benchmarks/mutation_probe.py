@@ -1432,6 +1432,18 @@ MUTATIONS = [
         "outer_made_lean_per_length", "the code around a converted loop is rewritten to call torch functions again for every new length",
         (("ttt2la/converted.py", "            if self._lean_outer is None:    # the calls", "            if True:    # the calls"),),
         ("tests/test_lean_calls.py",), "made_lean_once"),
+    Mutation(
+        "torch_func_transforms_unseen", "a call under a torch.func transform runs the block op's autograd functions, which have no rules for it",
+        (("ttt2la/converted.py", "        return getattr(self.loop_for(B).plan, \"transform_limit\", \"\")\n", "        return \"\"\n"),),
+        ("tests/test_recast.py",), "torch_func"),
+    Mutation(
+        "iterations_split_at_top_statements_only", "a loop body of one if/elif or with statement is split only at the body's own statements, so a read and an update on one line are split by key",
+        (("ttt2la/frontend/loops.py", "            iters = _split_by_statement(nodes, loop, through_blocks=True)\n", "            iters = _split_by_statement(nodes, loop)\n"),),
+        ("tests/test_frontend_styles.py",), "one_line_update_inside"),
+    Mutation(
+        "last_iteration_by_graph_text", "a last iteration that runs other ops names the first by the traced graph's node text",
+        (("ttt2la/frontend/rollup.py", "    where = f\", the first of them {describe_op(node)}\"", "    where = f\", the first of them {describe_node(node)}\""),),
+        ("tests/test_refusal_messages.py",), "padding_its_own"),
 ]
 
 
