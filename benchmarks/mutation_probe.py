@@ -1475,6 +1475,18 @@ MUTATIONS = [
         (("ttt2la/training_mode.py", "        own = bool(others) and acts(others)",
           "        own = False"),),
         ("tests/test_training_mode.py",), "names_what_differs"),
+    Mutation(
+        "torch_func_transforms_unseen", "a call under a torch.func transform runs the block op's autograd functions, which have no rules for it",
+        (("ttt2la/converted.py", "        return getattr(self.loop_for(B).plan, \"transform_limit\", \"\")\n", "        return \"\"\n"),),
+        ("tests/test_recast.py",), "torch_func"),
+    Mutation(
+        "iterations_split_at_top_statements_only", "a loop body of one if/elif or with statement is split only at the body's own statements, so a read and an update on one line are split by key",
+        (("ttt2la/frontend/loops.py", "            iters = _split_by_statement(nodes, loop, through_blocks=True)\n", "            iters = _split_by_statement(nodes, loop)\n"),),
+        ("tests/test_frontend_styles.py",), "one_line_update_inside"),
+    Mutation(
+        "last_iteration_by_graph_text", "a last iteration that runs other ops names the first by the traced graph's node text",
+        (("ttt2la/frontend/rollup.py", "    where = f\", the first of them {describe_op(node)}\"", "    where = f\", the first of them {describe_node(node)}\""),),
+        ("tests/test_refusal_messages.py",), "padding_its_own"),
 ]
 
 

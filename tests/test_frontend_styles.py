@@ -66,6 +66,43 @@ def test_iterations_split_where_the_loop_body_starts_again():
         sum(t == torch.ops.aten.slice.Tensor for t in targets[2])
 
 
+class OneLineUpdateInABlock(nn.Module):
+    """A loop body that is one ``if``/``elif`` (or ``with``) statement, whose read and update
+    share a line: ``outs.append(qc @ W); W = W + ...``. Its ops on that line share their keys,
+    so no op marks an iteration; the body steps back inside the block, at the slices' line."""
+
+    def __init__(self, block: str, d: int = 8, C: int = 4):
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.block, self.C = block, C
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for i in range(0, x.shape[1], self.C):
+            if self.block == "if":
+                W = W * 0.5
+            elif self.block == "elif":
+                qc, kc, vc = q[:, i:i + self.C], k[:, i:i + self.C], v[:, i:i + self.C]
+                outs.append(qc @ W); W = W + 0.1 * kc.transpose(1, 2) @ vc  # noqa: E702
+            else:
+                with torch.autograd.set_grad_enabled(torch.is_grad_enabled()):
+                    qc, kc, vc = q[:, i:i + self.C], k[:, i:i + self.C], v[:, i:i + self.C]
+                    outs.append(qc @ W); W = W + 0.1 * kc.transpose(1, 2) @ vc  # noqa: E702
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("block", ["elif", "with"])
+def test_a_one_line_update_inside_a_block_converts_exactly(block):
+    torch.manual_seed(3)
+    layer = OneLineUpdateInABlock(block)
+    x = torch.randn(2, 16, 8)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    report = converted.ttt2la_report.layers[0]
+    assert report.exact and report.last_chunk == "apply_only"
+    assert_same_function(converted, layer, [x, torch.randn(3, 12, 8), torch.randn(1, 22, 8)])
+
+
 # -- exact conversions -------------------------------------------------------------------------
 
 @settings(max_examples=3)

@@ -17,7 +17,8 @@ from torch.func import functional_call
 
 import ttt2la
 from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, TitansLinearMemory, ViTTTBlock
+from ttt2la.zoo import (GatedChunkMemory, LaCTFoldedLayer, LaCTHeadsLayer, TitansLinearMemory,
+                        ViTTTBlock, lact_layer)
 
 LAYERS = {
     "titans (affine scan, fills in its graphs)": lambda: TitansLinearMemory(8, 4),
@@ -124,3 +125,72 @@ def test_first_call_after_a_cast_inside_activation_checkpointing():
     _out(y).pow(2).sum().backward()
     _out(reference(x0)).pow(2).sum().backward()
     assert rel_rms_error(x.grad, x0.grad) <= TOLERANCE[torch.float32]
+
+
+# -- torch.func transforms over a converted layer ------------------------------------------------
+
+BLOCK_OP_LAYERS = {
+    "gated memory, level 0": (lambda: GatedChunkMemory(8, 2, 4), 0),
+    "lact folded variant 2, level 2": (
+        lambda: lact_layer("folded", variant=2, d_model=8, num_heads=2, chunk_size=4), 2),
+}
+
+
+def _block_op_pair(name: str):
+    make, level = BLOCK_OP_LAYERS[name]
+    torch.manual_seed(0)
+    original = make().double()
+    converted = ttt2la.convert(original, level=level, example_inputs=(_x(torch.float64, 0),))
+    assert converted.ttt2la_report.exact
+    assert converted.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
+    return original, converted
+
+
+def _func_grads(module, x) -> dict[str, torch.Tensor]:
+    weights = {n: p.detach() for n, p in module.named_parameters()}
+    return torch.func.grad(
+        lambda w: _out(functional_call(module, w, (x,))).pow(2).mean())(weights)
+
+
+def _per_sample_grads(module, x) -> dict[str, torch.Tensor]:
+    weights = {n: p.detach() for n, p in module.named_parameters()}
+
+    def loss(w, sample):
+        return _out(functional_call(module, w, (sample[None],))).pow(2).mean()
+    return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(weights, x)
+
+
+def _jacobian(module, x) -> torch.Tensor:
+    return torch.func.jacrev(lambda inputs: _out(module(inputs)))(x)
+
+
+@pytest.mark.parametrize("name", BLOCK_OP_LAYERS)
+@pytest.mark.parametrize("transform", [_func_grads, _per_sample_grads, _jacobian],
+                         ids=["grad", "vmap_grad", "jacrev"])
+def test_torch_func_transforms_over_the_block_op_give_the_originals_gradients(name, transform):
+    """The block op's autograd Functions have no ``torch.func`` rules: under ``grad``,
+    ``vmap(grad)`` (per-sample gradients) and ``jacrev`` an exact conversion runs the code as
+    written, the same function, and says so by a warning and the report's runs."""
+    original, converted = _block_op_pair(name)
+    x = _x(torch.float64)
+    want = transform(original, x)
+    with pytest.warns(RuntimeWarning, match="under a torch.func transform"):
+        got = transform(converted, x)
+    pairs = [(got[n], want[n]) for n in want] if isinstance(want, dict) else [(got, want)]
+    assert isinstance(got, torch.Tensor) or got.keys() == want.keys()
+    for a, b in pairs:
+        assert rel_rms_error(a, b) <= 1e-5
+    assert any("torch.func transform" in key for key in converted._ttt2la.runs)
+    assert rel_rms_error(_out(converted(x)), _out(original(x))) <= TOLERANCE[torch.float64]
+
+
+def test_a_lossy_block_op_conversion_under_torch_func_is_refused_by_name():
+    """A lossy conversion computes another function than the code as written: under a
+    ``torch.func`` transform its block op cannot run, and the call is refused, naming why."""
+    torch.manual_seed(0)
+    original = LaCTHeadsLayer(8, 2, 4, update_theta=False, weight_norm=False).double()
+    converted = ttt2la.convert(original, level=6, calibration=(_x(torch.float64, 0),))
+    assert not converted.ttt2la_report.exact
+    with pytest.raises(ttt2la.UnsupportedTTTError,
+                       match=r"torch\.func transform .*block op's autograd functions"):
+        _func_grads(converted, _x(torch.float64))

@@ -380,8 +380,9 @@ def test_a_loop_padding_its_own_last_chunk_is_named_so():
         ttt2la.convert(PadsItsLastChunk(), level=0, example_inputs=(torch.randn(2, 14, 8),))
     msg = str(refused.value)
     assert "the last iteration runs other ops than the others" in msg
-    assert "from aten.constant_pad_nd.default at " in msg
-    assert f"{HERE}:{_line_of(PadsItsLastChunk.forward)} in forward on" in msg
+    assert "the first of them `F.pad` at " in msg           # the call as the layer writes it
+    assert f"{HERE}:{_line_of(PadsItsLastChunk.forward)} (`qc = F.pad(qc" in msg
+    assert "aten." not in msg and "in forward on" not in msg
     assert "ttt2la pads a partial last chunk itself" in msg
 
 

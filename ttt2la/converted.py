@@ -212,6 +212,9 @@ class ConvertedState:
             return self._at_untraced_length(untraced, written, B, L)
         if L == 0:
             return self._at_length_zero(written, B)
+        limit = self._transform_limit(B)
+        if limit:
+            return self._under_transform(limit, written, B, L)
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
@@ -317,6 +320,30 @@ class ConvertedState:
         self.runs[f"batch {self._batch(B)}, length {L}, the loop failed"] = f"as written: {why}"
         warnings.warn(f"ttt2la: {self._where()}: {why}; ran the layer as written, which takes it. "
                       "Please report this call with the model.", RuntimeWarning, stacklevel=3)
+        return out
+
+    def _transform_limit(self, B: int) -> str:
+        """Why the plan at batch size ``B`` cannot run this call, made under a ``torch.func``
+        transform (``grad``, ``vmap``, ``jacrev``, ...); "" where it can, or outside one."""
+        if not torch._C._are_functorch_transforms_active():
+            return ""
+        return getattr(self.loop_for(B).plan, "transform_limit", "")
+
+    def _under_transform(self, limit: str, written, B: int, L: int):
+        """A call under a ``torch.func`` transform of a plan whose runtime has no rules for it
+        (``limit`` says why): an exact conversion runs the code as written, which computes the
+        same function, with a warning and the report's runs saying so; a lossy one, whose
+        function the code as written does not compute, refuses."""
+        why = f"called under a torch.func transform (grad, vmap, jacrev, ...), where {limit}"
+        out = self._written_instead(
+            written, B, L, "torch.func transform", why, "under a torch.func transform",
+            refusal=UnsupportedTTTError(
+                f"{self._where()} was {why}, and its lossy conversion does not run the layer as "
+                "written. Take gradients with torch.autograd.grad or .backward() (per-sample "
+                "gradients by a loop over the samples), or convert it at an exact level."))
+        warnings.warn(f"ttt2la: {self._where()} was {why}; ran the layer as written, which "
+                      "computes the same function without the plan's speed-up.",
+                      RuntimeWarning, stacklevel=3)
         return out
 
     def _in_training(self, written, B: int, L: int):
@@ -466,6 +493,12 @@ class ConvertedState:
                 "converted graphs only. Call .eval() on it to decode.")
         if L == 0:
             self._refuse_empty_piece(module, args, kwargs)
+        limit = self._transform_limit(B)
+        if limit:
+            raise StreamingError(
+                f"{self._where()} cannot carry its fast-weight state through a call under a "
+                f"torch.func transform (grad, vmap, jacrev, ...): {limit}. Stream it outside "
+                "the transform, or run whole sequences.")
         if self.streamable is None and L > 0 and B > 0:   # else nothing to probe with
             try:
                 self.streamable = streaming_problem(self, module, flat) or ""

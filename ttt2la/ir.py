@@ -390,11 +390,13 @@ _OPERATORS = {"add": "`+`", "sub": "`-`", "mul": "`*`", "truediv": "`/`", "floor
               "matmul": "`@`", "neg": "`-`", "pow": "`**`", "getitem": "indexing `[...]`",
               "setitem": "an assignment `[...] =`"}
 
-#: aten ops torch has no public function or method of that name for, as the user writes them.
+#: aten ops torch has no public function or method of that name for (or one layers do not
+#: call: ``F.pad`` records ``constant_pad_nd``), as the user writes them.
 _WRITTEN = {"slice": "indexing `[...]`", "index": "indexing `[...]`",
             "index_put": "an assignment `[...] =`", "index_put_": "an assignment `[...] =`",
             "_to_copy": "`Tensor.to`", "_unsafe_view": "`Tensor.view`",
-            "sym_size": "`Tensor.size`", "sym_numel": "`Tensor.numel`"}
+            "sym_size": "`Tensor.size`", "sym_numel": "`Tensor.numel`",
+            "constant_pad_nd": "`F.pad`"}
 
 
 def torch_name(node: torch.fx.Node) -> str:

@@ -30,6 +30,10 @@ class LoopSite:
     body_end: int
     #: (first line, last line) of every statement directly in the loop body, in source order
     statements: tuple[tuple[int, int], ...] = ()
+    #: the same, through the blocks of ``if``/``elif``/``else``, ``with`` and ``try`` statements
+    #: (whose headers and blocks one iteration runs in source order), not into nested loops
+    #: (which run their lines again)
+    block_statements: tuple[tuple[int, int], ...] = ()
 
     def contains(self, frame: SourceLoc) -> bool:
         return (frame.file == self.file and frame.function == self.function
@@ -40,9 +44,11 @@ class LoopSite:
         return (frame.file == self.file and frame.function == self.function
                 and self.line <= frame.line < self.body_start)
 
-    def statement_index(self, line: int) -> int | None:
-        """Which statement directly in the loop body holds ``line`` (None when none does)."""
-        for i, (lo, hi) in enumerate(self.statements):
+    def statement_index(self, line: int, through_blocks: bool = False) -> int | None:
+        """Which statement directly in the loop body holds ``line`` (None when none does); with
+        ``through_blocks``, which statement of ``block_statements``."""
+        for i, (lo, hi) in enumerate(self.block_statements if through_blocks
+                                     else self.statements):
             if lo <= line <= hi:
                 return i
         return None
@@ -56,6 +62,32 @@ class LoopSite:
 def _first_line(stmt: ast.stmt) -> int:
     """A statement's first line, decorators included."""
     return min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+
+
+def _span(stmt) -> tuple[int, int]:
+    return _first_line(stmt), getattr(stmt, "end_lineno", stmt.lineno)
+
+
+def _through_blocks(body: list) -> list[tuple[int, int]]:
+    """The spans of ``body``'s statements, those of ``if``, ``with`` and ``try`` statements
+    replaced by their headers' and their blocks' statements (see ``LoopSite.block_statements``):
+    one pass through them runs the lines in source order, whichever branch it takes."""
+    spans: list[tuple[int, int]] = []
+    for stmt in body:
+        if isinstance(stmt, ast.If):
+            spans.append((stmt.lineno, stmt.test.end_lineno or stmt.lineno))
+            spans += _through_blocks(stmt.body) + _through_blocks(stmt.orelse)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            spans.append((stmt.lineno, stmt.body[0].lineno - 1))
+            spans += _through_blocks(stmt.body)
+        elif isinstance(stmt, ast.Try):
+            spans += _through_blocks(stmt.body)
+            for handler in stmt.handlers:
+                spans += _through_blocks(handler.body)
+            spans += _through_blocks(stmt.orelse) + _through_blocks(stmt.finalbody)
+        else:
+            spans.append(_span(stmt))
+    return spans
 
 
 @functools.lru_cache(maxsize=256)
@@ -76,9 +108,10 @@ def _loops_in_file(file: str) -> tuple[LoopSite, ...]:
                 fn = getattr(child, "name", "<lambda>")
             if isinstance(child, (ast.For, ast.While, ast.AsyncFor)) and function is not None:
                 body = child.body
-                stmts = tuple((_first_line(b), getattr(b, "end_lineno", b.lineno)) for b in body)
+                stmts = tuple(_span(b) for b in body)
                 found.append(LoopSite(file, function, child.lineno, body[0].lineno,
-                                      max(hi for _lo, hi in stmts), stmts))
+                                      max(hi for _lo, hi in stmts), stmts,
+                                      tuple(_through_blocks(body))))
             visit(child, fn)
 
     visit(tree, None)
@@ -221,15 +254,24 @@ def split_iterations(nodes: list[torch.fx.Node], depth: int, n_iter: int | None 
         iters = _split_by_statement(nodes, loop)
         if len(iters) > 1 and (n_iter is None or len(iters) == n_iter):
             return iters
+        if n_iter is not None and loop.block_statements != loop.statements:
+            # a body that is one ``if`` (or ``with``, ``try``) statement steps back only
+            # inside its blocks, which ops of one line can share keys across (the read and
+            # the update of ``o = q @ W; W = W + k.mT @ v``), so no marker separates them
+            iters = _split_by_statement(nodes, loop, through_blocks=True)
+            if len(iters) == n_iter:
+                return iters
     return _split_at_marker(nodes, depth, n_iter)
 
 
-def _split_by_statement(nodes: list[torch.fx.Node], loop: LoopSite) -> list[list[torch.fx.Node]]:
+def _split_by_statement(nodes: list[torch.fx.Node], loop: LoopSite,
+                        through_blocks: bool = False) -> list[list[torch.fx.Node]]:
     iters: list[list[torch.fx.Node]] = []
     previous = None
     for n in nodes:
         d = loop_depth(n, loop)
-        index = loop.statement_index(node_frames(n)[d].line) if d is not None else None
+        index = loop.statement_index(node_frames(n)[d].line, through_blocks) \
+            if d is not None else None
         if index is None:
             index = previous if previous is not None else 0
         if previous is None or index < previous:

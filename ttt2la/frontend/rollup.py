@@ -788,11 +788,11 @@ def _last_iteration_differs(u: Unrolled) -> str:
               min(len(last), len(first)))
     longer = last if at < len(last) else first
     node = longer[at][1] if at < len(longer) else None
-    where = f": from {describe_node(node)} on" if node is not None else ""
-    return ("the last iteration runs other ops than the others" + where + " — code for a "
-            "partial last chunk (padding it, an `if` on its length) or a last step of its own. "
-            "ttt2la pads a partial last chunk itself: drop that code and let the loop take the "
-            "short slice as it comes")
+    where = f", the first of them {describe_op(node)}" if node is not None else ""
+    return ("the last iteration runs other ops than the others" + where + ". That is code for "
+            "a partial last chunk (padding it, an `if` on its length) or a last step of its own: "
+            "ttt2la pads a partial last chunk itself, so drop that code and let the loop take "
+            "the short slice as it comes")
 
 
 def _update_dependents(states: States) -> set[torch.fx.Node]:

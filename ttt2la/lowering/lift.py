@@ -769,6 +769,17 @@ class LiftedPlan:
             "chunk_linear_attention"
 
     @property
+    def transform_limit(self) -> str:
+        """Why the plan cannot run under a ``torch.func`` transform ("" where it can): the block
+        op's autograd Functions and the feature graphs planned for a gradient (one autograd
+        Function each, partitioned by AOTAutograd) have no functorch rules."""
+        if self.lifted.kind == "block":
+            return "the block op's autograd functions have no torch.func rules"
+        if self.lifted.whole_sequence:
+            return "its feature graphs, planned for a gradient, have no torch.func rules"
+        return ""
+
+    @property
     def loops_over_chunks(self) -> bool:
         """Did the last call run the generic loop over the chunks instead of the op?"""
         return self.looped
