@@ -1360,8 +1360,8 @@ MUTATIONS = [
     Mutation(
         "wrapped_argument_accepted", "an argument built otherwise than the example's (a tensor in a list) runs the graphs on its flattened inputs",
         (("ttt2la/frontend/call_signature.py",
-          "            if all(pytree.tree_is_leaf(a) for a in args) and \\\n",
-          "            if True or all(pytree.tree_is_leaf(a) for a in args) and \\\n"),),
+          "            if all(type(a) in _TENSORS or pytree.tree_is_leaf(a) for a in args) and \\\n",
+          "            if True or all(type(a) in _TENSORS or pytree.tree_is_leaf(a) for a in args) and \\\n"),),
         ("tests/test_call_errors.py",), "built_otherwise or wrong_call_is"),
     Mutation(
         "exported_block_op_writes_out", "torch.export traces the block op's increments with their out= writes, which the exported program cannot run on weights that require grad",
@@ -1487,6 +1487,26 @@ MUTATIONS = [
         "last_iteration_by_graph_text", "a last iteration that runs other ops names the first by the traced graph's node text",
         (("ttt2la/frontend/rollup.py", "    where = f\", the first of them {describe_op(node)}\"", "    where = f\", the first of them {describe_node(node)}\""),),
         ("tests/test_refusal_messages.py",), "padding_its_own"),
+    Mutation(
+        "short_per_token_plans_never_race", "a plan on the token-causal or delta-rule op never races the code as written, even at lengths within the op's chunk, where the source can be faster",
+        (("ttt2la/as_written.py", '    return plan.raced or length <= getattr(plan, "races_up_to", 0)',
+          "    return plan.raced"),),
+        ("tests/test_as_written.py",), "per_token"),
+    Mutation(
+        "per_token_plans_race_past_the_chunk", "a plan on the token-causal or delta-rule op races at lengths up to two of its op's chunks, where each of the source's calls is slow",
+        (("ttt2la/as_written.py", 'length <= getattr(plan, "races_up_to", 0)',
+          'length <= 2 * getattr(plan, "races_up_to", 0)'),),
+        ("tests/test_as_written.py",), "per_token"),
+    Mutation(
+        "product_races_a_whole_chunk", "several delta-rule steps a token race up to the op's whole chunk in tokens, not the tokens that fill it",
+        (("ttt2la/lowering/lift_delta_product.py", "return self.chunk_size // len(self.match.steps)",
+          "return self.chunk_size"),),
+        ("tests/test_as_written.py",), "per_token"),
+    Mutation(
+        "weights_walked_past_an_own_walk", "a converted layer reads its weights by its own walk of the module tree where a submodule walks its members otherwise, naming them unlike named_parameters",
+        (("ttt2la/ir.py", "    if not _walks_plainly(type(m)):\n        return False\n",
+          "    if False:\n        return False\n"),),
+        ("tests/test_ordinary_module.py",), "reads_its_weights"),
 ]
 
 

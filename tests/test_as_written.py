@@ -4,8 +4,9 @@ block op) races the two on its first calls without gradients at each shape, and 
 The clock is the test's: the user's forward and the plan each advance it by a drawn cost when they
 run, so which side wins is known. Every call's output must be the source's, whichever side ran;
 the user's forward must run exactly when the race's protocol says (plan first, then the code as
-written, alternating, then the winner alone); plans on the token-causal op, calls with
-gradients, lossy conversions, forced paths and the switch never race.
+written, alternating, then the winner alone); plans on the token-causal and delta-rule ops
+race only at lengths up to their op's chunk; calls with gradients, lossy conversions, forced
+paths and the switch never race.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from ttt2la.cli import ran_plans
 from ttt2la.converted import is_converted
 from ttt2la.lowering.scan_choice import scanning
 from ttt2la.testing import rel_rms_error
-from ttt2la.zoo import GatedChunkMemory, LaCTFoldedLayer, PerTokenTTTLayer
+from ttt2la.zoo import (DeltaMemoryLayer, DeltaProductLayer, GatedChunkMemory, LaCTFoldedLayer,
+                        PerTokenTTTLayer)
 
 #: 4 heads of 48 features at batch 1: 9,216 state elements, so the plan loops over the chunks.
 LOOPING = dict(d_model=192, num_heads=4, chunk=8)
@@ -146,18 +148,55 @@ def test_a_plan_on_the_block_op_races_and_keeps_the_faster(monkeypatch):
     assert costs.written_calls == _expected_written_calls(CALLS_TO_DECIDE + 2, WRITTEN)
 
 
-def test_a_plan_on_the_token_causal_op_never_races(monkeypatch):
-    """A per-token loop lowered onto ``chunk_linear_attention`` replaces one step per token:
-    its source is never the faster, and racing it would cost slow calls at every new shape."""
+#: Layers whose per-token loop runs on a token-causal or delta-rule op, with the longest length
+#: at which they race: the op's chunk of 64 tokens (32 for two delta-rule steps a token).
+PER_TOKEN = {"chunk_linear_attention": (lambda: PerTokenTTTLayer(16, 2), 64),
+             "delta_rule": (lambda: DeltaMemoryLayer(16, 2), 64),
+             "delta_rule, 2 steps a token": (lambda: DeltaProductLayer(16, 2, 2), 32)}
+
+
+def _per_token(monkeypatch, op: str, plan: float, written: float):
+    """The layer lowered onto ``op``, converted with racing on, and a clock on which its plan
+    costs ``plan`` and its code as written ``written`` a call."""
+    make, longest = PER_TOKEN[op]
     torch.manual_seed(0)
-    layer = PerTokenTTTLayer(16, 2)
+    layer = make()
     with race_as_written(True):
         conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(1, 16, 16),))
-    costs = Costs(monkeypatch, conv, plan=2.0, written=1.0, cls=PerTokenTTTLayer)
-    with race_as_written(True), torch.no_grad():
-        for _ in range(CALLS_TO_DECIDE + 2):
-            conv(torch.randn(1, 32, 16))
-    assert "chunk_linear_attention" in conv._ttt2la.loop_for(1).plan.implementation
+    assert op.split(",")[0] in conv._ttt2la.loop_for(1).plan.implementation
+    return layer, conv, Costs(monkeypatch, conv, plan, written, cls=type(layer)), longest
+
+
+@pytest.mark.parametrize("op", PER_TOKEN)
+def test_a_per_token_plan_races_within_its_ops_chunk(monkeypatch, op):
+    """A per-token loop lowered onto one call of an op replaces one step per token, but the op
+    pads a short sequence to its chunk: up to that length the source can be the faster, so the
+    plan races, and the report names the code as written where it won."""
+    layer, conv, costs, longest = _per_token(monkeypatch, op, plan=2.0, written=1.0)
+    for L in (8, longest):
+        x = torch.randn(1, L, 16)
+        with torch.no_grad():
+            want = layer(x)
+        costs.written_calls = 0
+        with race_as_written(True), torch.no_grad():
+            for _ in range(CALLS_TO_DECIDE + 2):
+                assert rel_rms_error(conv(x), want) <= 1e-5
+        assert conv._ttt2la.as_written.races[(1, L, torch.float32)].winner == WRITTEN
+        assert costs.written_calls == _expected_written_calls(CALLS_TO_DECIDE + 2, WRITTEN)
+        said = f"- {AsWritten.shape(1, L)}: as written: the user's own loop ran faster"
+        assert said in conv.ttt2la_report.to_markdown()
+
+
+@pytest.mark.parametrize("op", PER_TOKEN)
+def test_a_per_token_plan_never_races_past_its_ops_chunk(monkeypatch, op):
+    """Past the op's chunk the plan wins by a wide margin, and a race would only cost slow
+    calls of the token loop at every new shape: the first call ends it."""
+    _layer, conv, costs, longest = _per_token(monkeypatch, op, plan=2.0, written=1.0)
+    for L in (longest + 1, 128):
+        with race_as_written(True), torch.no_grad():
+            for _ in range(CALLS_TO_DECIDE + 2):
+                conv(torch.randn(1, L, 16))
+        assert conv._ttt2la.as_written.races[(1, L, torch.float32)].winner == PLAN
     assert costs.written_calls == 0
 
 

@@ -251,3 +251,49 @@ def test_torch_export_with_a_dynamic_length_says_why():
     with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
         with pytest.raises(ttt2la.UnsupportedExportError, match="static shapes"):
             torch.export.export(conv, (x,), dynamic_shapes=(({1: length},),))
+
+
+class _Walked(torch.nn.Module):
+    """Members met twice (a shared submodule, a parameter under two names), ``None`` entries,
+    a non-persistent buffer, a parametrization and a submodule that lists its own parameters
+    otherwise than ``nn.Module`` does."""
+
+    def __init__(self, odd: bool):
+        super().__init__()
+        shared = torch.nn.Linear(3, 3)
+        self.a, self.b = shared, shared
+        self.seq = torch.nn.Sequential(torch.nn.Linear(2, 2), shared)
+        self.seq.add_module("gone", None)
+        self.p = torch.nn.Parameter(torch.zeros(1))
+        self.q = self.p
+        self.register_parameter("unset", None)
+        self.register_buffer("buf", torch.zeros(2))
+        self.register_buffer("scratch", torch.ones(1), persistent=False)
+        self.register_buffer("empty", None)
+        self.norm = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(2, 2))
+        self.bn = torch.nn.BatchNorm1d(3)
+        if odd:
+            self.odd = _Reversed()
+
+
+class _Reversed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        yield from reversed(list(super().named_modules(memo, prefix, remove_duplicate)))
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_a_converted_layer_reads_its_weights_as_named_parameters_and_buffers_name_them(odd):
+    """The weights a converted layer passes its graphs at every call are read by a walk of its
+    own (the generators cost more than the layer's checks on a small call): the same names, in
+    the same order, the same tensors, as ``named_parameters()`` then ``named_buffers()``."""
+    from ttt2la.ir import params_and_buffers
+
+    module = _Walked(odd)
+    want = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    got = params_and_buffers(module)
+    assert list(got) == list(want)
+    assert all(got[name] is want[name] for name in want)

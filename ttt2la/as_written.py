@@ -13,12 +13,17 @@ are memory the loop never writes.
 Only calls that record no autograd graph race: with gradients the converted loop's backward
 beats the user's slicing (1.4–6.4× in ``docs/benchmarks.md``), so a forward timed alone would
 choose wrongly. Plans on the token-causal and delta-rule ops (which replace a loop over every
-token) never race, nor CUDA tensors, calls under a compiler, stateful calls, or a path forced
-with ``scan_choice.scanning``. Each side is judged by its fastest timed call: on a loaded
-machine a call preempted by another process gains a time slice longer than the calls raced,
-and the median of three would be such a call wherever two were. Each call runs one side only
-(the plan after the user's code only where that raised, which ends the race), so the race adds
-no work beyond timing.
+token) race only at lengths up to their op's chunk of 64 tokens (``may_lose``): the op pads a
+shorter sequence to its chunk, so its cost is flat there (about 1.1 ms a call at 32 features on
+a CPU) while the loop's grows with every token: at 8–16 tokens the plan ran at 0.26–0.90× its
+source, at 32 at 0.65–1.38×, at one whole chunk at 0.99–2.6×, and at 80–128 tokens it never lost
+(1.0–4.7×, ``docs/design.md``). Longer calls do not race: the plan's win is certain there, and a
+race would cost several slow calls of the token loop at every new shape. CUDA tensors, calls
+under a compiler, stateful calls and a path forced with ``scan_choice.scanning`` never race.
+Each side is judged by its fastest timed call: on a loaded machine a call preempted by another
+process gains a time slice longer than the calls raced, and the median of three would be such a
+call wherever two were. Each call runs one side only (the plan after the user's code only where
+that raised, which ends the race), so the race adds no work beyond timing.
 """
 from __future__ import annotations
 
@@ -72,6 +77,13 @@ def races(module: torch.nn.Module, flat: list) -> bool:
     return True
 
 
+def may_lose(plan, length: int) -> bool:
+    """Can ``plan``'s last call, at ``length`` tokens, lose to the code as written? Where the
+    plan says so (``raced``), and on the token-causal and delta-rule ops at lengths up to the
+    op's chunk (``races_up_to``: 0 for other plans), which it pads a shorter sequence to."""
+    return plan.raced or length <= getattr(plan, "races_up_to", 0)
+
+
 @dataclass
 class Race:
     """The race at one shape: the calls so far and, once decided, the side that runs."""
@@ -110,15 +122,17 @@ class AsWritten:
     races: dict[tuple, Race] = field(default_factory=dict)
 
     def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],
-             plan_may_lose: Callable[[], bool], runs: dict, shape: str):
+             plan_may_lose: Callable[[], bool], runs: dict, shape: Callable[[], str]):
         """Run this call on the side the race at ``key`` gives it, timing it while the race
         runs; ``plan_may_lose()`` says, after the plan's first call, whether what it ran can lose
         to the code as written (else the plan wins at once). A decided race for the code as
-        written is recorded in ``runs`` under ``shape``."""
-        race = self.races.setdefault(key, Race())
+        written is recorded in ``runs`` under ``shape()``."""
+        race = self.races.get(key)
+        if race is None:
+            race = self.races[key] = Race()
+        elif race.winner is not None:       # decided: every later call at this shape
+            return plan() if race.winner == PLAN else written()
         side = race.next_side()
-        if race.winner is not None:
-            return plan() if side == PLAN else written()
         start = _clock()
         try:
             out = plan() if side == PLAN else written()
@@ -131,7 +145,7 @@ class AsWritten:
         if race.calls == 1 and not plan_may_lose():
             race.winner = PLAN
         if race.winner == WRITTEN:
-            runs[shape] = f"as written: the user's own loop ran faster ({race.describe()})"
+            runs[shape()] = f"as written: the user's own loop ran faster ({race.describe()})"
         return out
 
     @staticmethod
@@ -144,5 +158,5 @@ class AsWritten:
         return any(r.winner == WRITTEN for key, r in self.races.items() if key[0] == batch)
 
 
-__all__ = ["AsWritten", "Race", "race_as_written", "races", "ROUNDS", "CALLS_TO_DECIDE",
-           "MARGIN"]
+__all__ = ["AsWritten", "Race", "race_as_written", "races", "may_lose", "ROUNDS",
+           "CALLS_TO_DECIDE", "MARGIN"]

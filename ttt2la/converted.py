@@ -27,7 +27,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .as_written import AsWritten, races
+from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
@@ -202,7 +202,8 @@ class ConvertedState:
         if other_image and self.as_written is not None:
             return self._at_other_image(other_image, written, flat)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
-        B, L = (int(n) for n in self.layout.sizes(flat))
+        B, L = self.layout.sizes(flat)
+        B, L = int(B), int(L)
         if module.training and self.training_dependence:
             return self._in_training(written, B, L)
         if self.gradient_stop and records_gradients(module, flat):
@@ -230,8 +231,8 @@ class ConvertedState:
                 return plan()
             dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
             return self.as_written.call(
-                (B, L, dtype), plan, written, lambda: self.loop_for(B).plan.raced,
-                self.runs, AsWritten.shape(self._batch(B), L))
+                (B, L, dtype), plan, written, lambda: may_lose(self.loop_for(B).plan, L),
+                self.runs, lambda: AsWritten.shape(self._batch(B), L))
         except PartialChunkError as e:
             return self._written_instead(
                 written, B, L, "partial last chunk",
@@ -540,9 +541,16 @@ def _flat_inputs(args, kwargs) -> list:
     """The call's inputs flattened (spelled as the example call, ``_converted_forward``), in
     the memory layout the caller gave them: the outer graph reads
     any layout (the frontend makes its views reshapes), so a slice of a longer sequence is not
-    copied."""
+    copied. Plain tensors are leaves, so a call of tensors alone is its own flattening (a dict
+    flattens in its keys' order)."""
+    if all(type(a) in _LEAVES for a in args) and all(type(v) in _LEAVES for v in kwargs.values()):
+        return [*args, *kwargs.values()]
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     return flat
+
+
+#: Types ``pytree`` takes as leaves, whatever is registered: tensors and parameters.
+_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 _CLASSES: dict[type, type] = {}

@@ -263,8 +263,58 @@ def bind_loop_args(interface: tuple[list[str], list[str]],
 
 
 def params_and_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The outer graph's first argument: ``module``'s parameters, then its buffers, by name."""
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    """The outer graph's first argument: ``module``'s parameters, then its buffers, by name —
+    ``named_parameters()`` then ``named_buffers()``, read at every call of a converted layer
+    (a weight may be replaced between calls). Their generators cost a converted layer more than
+    its checks on a small call, so the same walk is written out here for modules that walk their
+    members as ``nn.Module`` does (``_walked``): pre-order, a module or tensor met again skipped,
+    ``None`` entries left out."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    if not _walked(module, "", params, buffers, set(), set(), set()):
+        return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    params.update(buffers)
+    return params
+
+
+#: What ``named_parameters`` and ``named_buffers`` walk a module tree by.
+_WALK = ("named_modules", "_named_members", "named_parameters", "named_buffers", "__hash__",
+         "__eq__")
+_PLAIN_WALK: dict[type, bool] = {}
+
+
+def _walks_plainly(cls: type) -> bool:
+    """Does ``cls`` walk its members as ``nn.Module`` does (none of ``_WALK`` overridden)?"""
+    plain = _PLAIN_WALK.get(cls)
+    if plain is None:
+        plain = _PLAIN_WALK[cls] = all(getattr(cls, name, None) is getattr(torch.nn.Module, name)
+                                       for name in _WALK)
+    return plain
+
+
+def _walked(m: torch.nn.Module, prefix: str, params: dict, buffers: dict, modules: set,
+            seen_params: set, seen_buffers: set) -> bool:
+    """Add the members of ``m`` and its submodules to ``params`` and ``buffers`` as
+    ``named_parameters`` and ``named_buffers`` name them; ``False`` where a module walks its
+    members otherwise (then the two are called instead)."""
+    if not _walks_plainly(type(m)):
+        return False
+    modules.add(id(m))
+    dot = prefix + "." if prefix else ""
+    for name, t in m._parameters.items():
+        if t is not None and id(t) not in seen_params:
+            seen_params.add(id(t))
+            params[dot + name] = t
+    for name, t in m._buffers.items():
+        if t is not None and id(t) not in seen_buffers:
+            seen_buffers.add(id(t))
+            buffers[dot + name] = t
+    for name, child in m._modules.items():
+        if child is not None and id(child) not in modules and \
+                not _walked(child, dot + name, params, buffers, modules, seen_params,
+                            seen_buffers):
+            return False
+    return True
 
 
 class ShapeTemplate(Protocol):

@@ -32,6 +32,8 @@ from ..validation import input_name
 _SHOWN = 8
 #: how many spellings of a call a signature keeps the binding of
 _PLANS = 64
+#: leaves of every pytree, told without asking its registry (plain tensors and parameters)
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 @dataclass(frozen=True)
@@ -242,8 +244,8 @@ class CallSignature:
         one, flattens to the example's inputs although the layer's forward reads them otherwise
         (``x.shape`` of a list fails in the code as written)."""
         if self.structure is None:      # the example's arguments are tensors and values
-            if all(pytree.tree_is_leaf(a) for a in args) and \
-                    all(pytree.tree_is_leaf(v) for v in kwargs.values()):
+            if all(type(a) in _TENSORS or pytree.tree_is_leaf(a) for a in args) and \
+                    all(type(v) in _TENSORS or pytree.tree_is_leaf(v) for v in kwargs.values()):
                 return args, kwargs
         elif pytree.tree_structure((tuple(args), dict(kwargs))) == self.structure:
             return args, kwargs
@@ -355,14 +357,16 @@ class CallSignature:
         """Raise ``UnsupportedShapeError`` when ``flat`` (a call's inputs, flattened) is not a
         call the converted layer's graphs can run."""
         what = f"the converted {path or 'layer'}"
-        expected = self.describe(batch_axis, token_axis)
-        tail = (f"It was converted for calls with {expected}; call it that way, or convert it "
-                "again with example inputs like this call's.")
+
+        def tail() -> str:          # built only for a message
+            return (f"It was converted for calls with {self.describe(batch_axis, token_axis)}; "
+                    "call it that way, or convert it again with example inputs like this call's.")
+
         if len(flat) != len(self.leaves):
             raise UnsupportedShapeError(
                 f"{what} was called with {len(flat)} input(s) (its arguments' tensors and values, "
                 f"containers' contents included), but it was converted for {len(self.leaves)}. "
-                f"{tail}")
+                f"{tail()}")
         B = L = None
         x = flat[ref]
         if isinstance(x, torch.Tensor) and x.dim() == self.leaves[ref].rank:
@@ -372,7 +376,7 @@ class CallSignature:
             problem = self._problem(leaf, x, batch_axis.get(i), token_axis.get(i), B, L)
             if problem:
                 raise UnsupportedShapeError(f"{what} was called with {leaf.name} {problem}. "
-                                            f"{tail}")
+                                            f"{tail()}")
 
     @staticmethod
     def _problem(leaf: Leaf, x, b_axis, t_axis, B, L) -> str:

@@ -43,7 +43,7 @@ from ..analysis.rules import match_newton_schulz
 from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram, ancestors, descendants, reshape_views
 from ..runtime import block_linear_attention, chunk_linear_attention, newton_schulz
-from ..runtime.dispatch import select_backend
+from ..runtime.dispatch import CHUNK_SIZE, select_backend
 from ..runtime.naive import NS_EPS, WEIGHT_NORM_EPS
 from .affine_update import (ONE, Polynomial, affine_in, evaluate, factors_of, is_factor,
                             is_vector_factor, per_matrix, vector_axis)
@@ -791,8 +791,17 @@ class LiftedPlan:
         products as the op, and on a CPU the op's states of every chunk cost it 0.73–0.98× the
         source's eager loop (``docs/benchmarks.md``). Token-causal ops replace a loop over every
         token and do not race, except with a decay per key channel: where it is strong the op
-        builds its attention per channel, elementwise, at about the source's speed."""
+        builds its attention per channel, elementwise, at about the source's speed (and at
+        lengths up to the op's chunk: ``races_up_to``)."""
         return self.looped or self.lifted.kind == "block" or self.lifted.decay_axis is not None
+
+    @property
+    def races_up_to(self) -> int:
+        """The length up to which a plan on the token-causal op races although it replaces a
+        step per token (``as_written.may_lose``): the op's chunk, which it pads a shorter
+        sequence to, so the plan costs one chunk's call there while the loop runs the tokens
+        there are."""
+        return CHUNK_SIZE if self.lifted.kind == "chunk" else 0
 
     @property
     def implementation(self) -> str:

@@ -252,6 +252,11 @@ class DeltaProductPlan(DeltaRulePlan):
         return (f"delta_rule[torch]({gated}{name}, {len(m.steps)} steps a token, "
                 f"chunk {self.chunk_size})")
 
+    @property
+    def races_up_to(self) -> int:
+        """The tokens that fill the op's chunk: each token is ``n`` steps of the op."""
+        return self.chunk_size // len(self.match.steps)
+
     def run_op(self, feats, L, b, s0, apply_only):
         """The op over the ``L·n`` expanded tokens; the reads of every token's own position."""
         n = len(self.match.steps)

@@ -589,8 +589,14 @@ class DeltaRulePlan(DeltaScanPlan):
     #: its logarithm)
     op_backend = "torch"
     check_decay = True
-    #: one call of the runtime op replacing a loop over every token: never a loop, never raced
+    #: one call of the runtime op replacing a loop over every token: never a loop, raced only
+    #: at lengths up to the op's chunk (``as_written.may_lose``), which it pads a shorter
+    #: sequence to
     loops_over_chunks = raced = False
+
+    @property
+    def races_up_to(self) -> int:
+        return self.chunk_size
 
     @property
     def implementation(self) -> str:

@@ -24,6 +24,8 @@ from ttt2la.runtime.naive import (NS_EPS, RuntimeInputError, naive_block_linear_
 
 BACKENDS = ("auto", "torch", "triton", "naive")
 OPS = ("block", "chunk")
+#: The token-causal op's chunk of tokens: a shorter sequence is padded to it.
+CHUNK_SIZE = 64
 
 _TORCH = {"block": torch_block_linear_attention, "chunk": torch_chunk_linear_attention}
 _NAIVE = {"block": naive_block_linear_attention, "chunk": naive_chunk_linear_attention}
@@ -117,7 +119,7 @@ def block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr
     return _run("block", (phi_q, phi_k, v), options, backend)
 
 
-def chunk_linear_attention(q, k, v, *, chunk_size=64, log_decay=None, scale=None,
+def chunk_linear_attention(q, k, v, *, chunk_size=CHUNK_SIZE, log_decay=None, scale=None,
                            value_log_decay=None, initial_state=None, output_final_state=False,
                            backend="auto"):
     """Token-causal gated linear attention ``o_t = scale · q_t S_t`` (scale None means 1.0).
