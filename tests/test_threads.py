@@ -72,9 +72,13 @@ def test_a_plain_call_while_another_thread_carries_state(name, monkeypatch):
 
     monkeypatch.setattr(ttt2la.converted, "stateful_plan", plan_and_interleave)
     with torch.no_grad():
-        y, _state = converted(x, return_ttt_state=True)
+        y, state = converted(x, return_ttt_state=True)
         assert rel_rms_error(seen[0], layer(other)) <= FP32
         assert rel_rms_error(y, layer(x)) <= FP32
+        # the state the call hands on is its own, not the other thread's final state
+        after = _x(2, 16, 3)
+        y_after = converted(after, ttt_state=state)
+        assert rel_rms_error(y_after, layer(torch.cat([x, after], 1))[:, 16:]) <= FP32
 
 
 def test_a_plain_call_while_another_thread_probes_for_streaming(monkeypatch):
