@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ttt2la
+import ttt2la.lowering.specialize
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, PerTokenTTTLayer, ScanEtaTTTLayer, TinyLaCTLM
 
@@ -87,10 +88,12 @@ def test_converting_a_converted_model_says_it_is_converted_already(lm):
     assert type(model.blocks[0].ttt) is LaCTFoldedLayer
 
 
-def test_activation_checkpointing_recomputes_the_first_call_as_it_ran(lm):
+def test_activation_checkpointing_recomputes_the_first_call_as_it_ran(lm, monkeypatch):
     """The first call at a shape prepares its graphs out of sight of autograd: activation
     checkpointing recomputes the call on the prepared graphs and must see the tensors it saved
-    the first time (non-reentrant checkpointing counts them)."""
+    the first time (non-reentrant checkpointing counts them). Its feature graphs are planned
+    whatever their size here, as large ones are (``PLANNED_FROM_BYTES``)."""
+    monkeypatch.setattr(ttt2la.lowering.specialize, "PLANNED_FROM_BYTES", 0)
     model, conv = lm
     twin, ids = copy.deepcopy(conv), _ids(2, 13, seed=2)        # a fresh cache, a new length
     twin.train()
