@@ -155,34 +155,18 @@ def _outer_tracer(rl):
     from .converted import original_class
     from .frontend.capture import trace
     from .frontend.loops import loops_of
-    from .frontend.recognize import _inputs_at, traced_weights
+    from .frontend.recognize import _inputs_at, layer_function, traced_weights
 
     cand = rl.candidate
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
-    wrapped = _Written(cand.module, original_class(type(cand.module)).forward)
+    fn = layer_function(cand.module, in_spec, original_class(type(cand.module)).forward)
     pb = traced_weights(cand.module)
-
-    def fn(weights, *inputs):
-        args, kwargs = pytree.tree_unflatten(list(inputs), in_spec)
-        return torch.func.functional_call(
-            wrapped, {f"layer.{k}": v for k, v in weights.items()}, args, kwargs)
 
     def at(B: int, L: int) -> list:
         gm = trace(fn, pb, *_inputs_at(flat, rl.layout, B, L))
         return [n for n in gm.graph.nodes
                 if n.op == "call_function" and cand.loop not in loops_of(n)]
     return at
-
-
-class _Written(torch.nn.Module):
-    """Runs a converted layer's code as written (its original class's ``forward``)."""
-
-    def __init__(self, layer: torch.nn.Module, forward):
-        super().__init__()
-        self.layer, self._forward = layer, forward
-
-    def forward(self, *args, **kwargs):
-        return self._forward(self.layer, *args, **kwargs)
 
 
 def _where(*nodes) -> str:

@@ -148,10 +148,12 @@ def _reads_training(module: nn.Module) -> str:
     """Where the code reads ``self.training``: the lines of the first ``forward`` that reads
     ``.training`` — the layer's own, else a submodule's that is not ``MODE_DEPENDENT`` — at
     file:line, or the layer's own code in general where none does."""
+    from .converted import original_class    # which builds on this module
+
     for name, m in module.named_modules():
         if isinstance(m, MODE_DEPENDENT):
             continue
-        cls = type(m).__dict__.get("_ttt2la_original", type(m))     # a converted layer's own
+        cls = original_class(type(m))             # a converted layer's own
         try:
             lines, start = inspect.getsourcelines(cls.forward)
             file = os.path.basename(inspect.getsourcefile(cls.forward) or "?")

@@ -201,14 +201,17 @@ def _inputs_at(flat: list, layout: InputLayout, B: int, L: int) -> list:
 
 
 class _Forward(torch.nn.Module):
-    """Runs ``layer.forward`` without the layer's own hooks: a converted layer's hooks run
-    around its converted forward, so a trace that ran them too would run them twice."""
+    """Runs ``layer.forward`` (or ``forward(layer, ...)``: a converted layer's code as written)
+    without the layer's own hooks: a converted layer's hooks run around its converted forward,
+    so a trace that ran them too would run them twice."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, forward: Callable | None = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self._forward = layer, forward
 
     def forward(self, *args, **kwargs):
+        if self._forward is not None:
+            return self._forward(self.layer, *args, **kwargs)
         return self.layer.forward(*args, **kwargs)
 
 
@@ -219,9 +222,11 @@ def traced_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in params_and_buffers(module).items()}
 
 
-def layer_function(module: torch.nn.Module, in_spec) -> Callable:
-    """``f(params_and_buffers, *flat_inputs)`` calling the module's forward functionally."""
-    wrapped = _Forward(module)
+def layer_function(module: torch.nn.Module, in_spec,
+                   forward: Callable | None = None) -> Callable:
+    """``f(params_and_buffers, *flat_inputs)`` calling the module's forward (or ``forward``,
+    unbound) functionally."""
+    wrapped = _Forward(module, forward)
 
     def f(pb, *flat):
         args, kwargs = pytree.tree_unflatten(list(flat), in_spec)
