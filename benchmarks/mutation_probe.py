@@ -1446,7 +1446,7 @@ MUTATIONS = [
         ("tests/test_lean_calls.py",), "made_lean_once"),
     Mutation(
         "recorded_graphs_planned_at_once", "every recorded feature graph is planned at its first call, whatever its size",
-        (("ttt2la/lowering/specialize.py", "        if _records_grad(args) and not self._planned(args):", "        if False:"),),
+        (("ttt2la/lowering/specialize.py", "        if records and not self._planned(args):", "        if False:"),),
         ("tests/test_specialize.py",), "planned_only or checkpointing"),
     Mutation(
         "small_recorded_graphs_planned", "small recorded feature graphs are planned from their second call",

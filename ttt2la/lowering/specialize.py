@@ -145,9 +145,11 @@ class SpecializedGraph:
     def __call__(self, *args):
         if _symbolic(args) or torch.compiler.is_compiling():
             return self.graph(*args)    # a compiler traces the call: it fuses and plans itself
-        if _records_grad(args) and not self._planned(args):
+        records = _records_grad(args)
+        if records and not self._planned(args):
             return self.graph(*args)    # autograd through the graph as traced
-        return self.specialised_call(*args)
+        gm, constants = self.for_inputs(args, records)
+        return gm(*args, *constants)
 
     def specialised_call(self, *args):
         """The call on the copy specialised to ``args``, whatever their size."""
@@ -170,9 +172,12 @@ class SpecializedGraph:
             self._seen.popitem(last=False)
         return False
 
-    def for_inputs(self, args) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
-        """The specialised graph for ``args`` and the constants it takes after them."""
-        records = _records_grad(args)
+    def for_inputs(self, args, records: bool | None = None
+                   ) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+        """The specialised graph for ``args`` and the constants it takes after them
+        (``records``: whether the call records a gradient, when the caller knows)."""
+        if records is None:
+            records = _records_grad(args)
         key = _signature(args, records)
         found = self._cache.get(key)
         if found is None:
