@@ -180,15 +180,18 @@ class ConvertedState:
                                                     shape)
         return loop
 
-    def outer_for(self, B: int, L: int) -> torch.fx.GraphModule:
-        gm = self._outer_cache.get((B, L))
-        if gm is None:
+    def outer_for(self, B: int, L: int):
+        """The code around the loop at ``(B, L)``: one graph per batch size (its loop module is
+        per batch size), taking the sizes of each length with the call (``sized_graph``), so a
+        new length builds nothing. ``forward(weights, *flat)`` runs it."""
+        sized = self._outer_cache.get(B)
+        if sized is None:
             if self._lean_outer is None:    # the calls do not depend on the sizes: once
                 self._lean_outer = self.outer.rewritten(lean_calls)
-            gm = self._lean_outer.instantiate(B, L, fresh=True)    # its loop module is per B
-            setattr(gm, LOOP_MODULE, self.loop_for(B))
-            self._outer_cache[(B, L)] = gm
-        return gm
+            sized = self._lean_outer.sized()
+            setattr(sized.gm, LOOP_MODULE, self.loop_for(B))
+            self._outer_cache[B] = sized
+        return sized.at(B, L)
 
     def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict):
         """``module(*args, **kwargs)`` with its parameters and buffers ``weights``

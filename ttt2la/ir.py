@@ -326,6 +326,10 @@ class ShapeTemplate(Protocol):
 
     def instantiate(self, B: int, L: int, fresh: bool = False) -> torch.fx.GraphModule: ...
 
+    def sized(self):
+        """One graph for every shape whose sizes are passed with each call: a ``SizedGraph``,
+        whose ``at(B, L)`` is that graph called at one shape (``forward``, ``inputs``)."""
+
     def rewritten(self, rewrite) -> "ShapeTemplate":
         """The template over ``rewrite(gm)``, a copy whose nodes stay in their places."""
 

@@ -30,7 +30,10 @@ class _Locate(torch.fx.Interpreter):
 
 
 def failing_node(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.Node | None:
-    """The node of ``gm`` that raises on ``inputs`` (None when the re-run does not fail)."""
+    """The node of ``gm`` that raises on ``inputs`` (None when the re-run does not fail); a
+    graph called with its sizes (``SizedCall``) is run as its graph takes them."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        gm, inputs = gm.gm, gm.inputs(inputs)
     locate = _Locate(gm)
     try:
         with torch.no_grad():

@@ -115,6 +115,11 @@ class GraphTemplate:
         gm = torch.fx.GraphModule(self.gm, graph)
         return gm
 
+    def sized(self):
+        """One graph for every shape, taking its sizes at each call (``sized_graph``)."""
+        from .sized_graph import sized_graph
+        return sized_graph(self)
+
     def rewritten(self, rewrite) -> "GraphTemplate":
         """This template over ``rewrite(gm)``: a copy of the graph whose nodes stay in their
         places (only what they call changes), so each size is set in the same node."""
