@@ -25,12 +25,20 @@ from .shapes import GraphTemplate, SizeExpr, _set
 SIZES = "ttt_sizes"
 
 
+class Sizes(tuple):
+    """A call's sizes: a tuple that ``torch.utils._pytree`` takes as one leaf (only the exact
+    ``tuple`` type is a node to it), so flattening a call's arguments — the graph's own code,
+    an interpreter re-running it — passes it whole."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class SizedCall:
     """``gm`` at one ``(B, L)``: called with the graph's own arguments, it passes ``sizes``."""
 
     gm: torch.fx.GraphModule
-    sizes: tuple[int, ...]
+    sizes: Sizes
 
     def forward(self, *args):
         return self.gm.forward(*args, self.sizes)
@@ -52,7 +60,7 @@ class SizedGraph:
         """The graph called at ``(B, L)``; immutable, so threads may share it."""
         call = self._calls.get((B, L))
         if call is None:
-            call = self._calls[(B, L)] = SizedCall(self.gm, tuple(e(B, L) for e in self.exprs))
+            call = self._calls[(B, L)] = SizedCall(self.gm, Sizes(e(B, L) for e in self.exprs))
         return call
 
 
@@ -91,4 +99,4 @@ def _take_trailing_leaf(graph: torch.fx.Graph) -> None:
     codegen.pytree_info = _PyTreeInfo([*info.orig_args, SIZES], in_spec, info.out_spec)
 
 
-__all__ = ["SizedGraph", "SizedCall", "sized_graph", "SIZES"]
+__all__ = ["SizedGraph", "SizedCall", "Sizes", "sized_graph", "SIZES"]
