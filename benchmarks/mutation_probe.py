@@ -1445,6 +1445,18 @@ MUTATIONS = [
         (("ttt2la/converted.py", "            if self._lean_outer is None:    # the calls", "            if True:    # the calls"),),
         ("tests/test_lean_calls.py",), "made_lean_once"),
     Mutation(
+        "sizes_of_another_length", "the code around a converted loop runs with the sizes of the first length its batch size was called at",
+        (("ttt2la/frontend/sized_graph.py", "        call = self._calls.get((B, L))\n",
+          "        call = self._calls.get(B)\n"),
+         ("ttt2la/frontend/sized_graph.py", "            call = self._calls[(B, L)] = ",
+          "            call = self._calls[B] = ")),
+        ("tests/test_sized_graph.py",), "any_shape"),
+    Mutation(
+        "sizes_flattened_into_items", "a call's sizes pass as a plain tuple, which re-running the graph to name a failing line flattens",
+        (("ttt2la/frontend/sized_graph.py", "SizedCall(self.gm, Sizes(e(B, L) for e in self.exprs))",
+          "SizedCall(self.gm, tuple(e(B, L) for e in self.exprs))"),),
+        ("tests/test_sized_graph.py",), "names_the_line"),
+    Mutation(
         "recorded_graphs_planned_at_once", "every recorded feature graph is planned at its first call, whatever its size",
         (("ttt2la/lowering/specialize.py", "        if records and not self._planned(args):", "        if False:"),),
         ("tests/test_specialize.py",), "planned_only or checkpointing"),

@@ -3,8 +3,9 @@
 A converted layer keeps its class (a subclass of it, so ``isinstance`` and parameter names are
 unchanged) and its parameters; only ``forward`` changes. It runs the layer's *outer graph* — the
 user's code around the loop, traced once and made shape-generic — with the loop replaced by
-``LoopModule``, which runs the rewritten program on the chosen schedule. Graphs are
-specialized per (batch, length) from templates on first use and cached, like a recompile; the
+``LoopModule``, which runs the rewritten program on the chosen schedule. The loop is specialised
+per batch size from its template on first use and cached, like a recompile; the code around it
+is one graph per batch size taking each length's sizes with the call (``sized_graph``); the
 user's Python loop is never run or re-traced again.
 
 The converted layer is an ordinary module beyond that: it continues a sequence from a previous
