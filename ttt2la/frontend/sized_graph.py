@@ -83,20 +83,20 @@ def sized_graph(template: GraphTemplate) -> SizedGraph:
             node.args = _set(node.args, path, reads[expr])
         else:
             node.kwargs = _set(node.kwargs, path, reads[expr])
-    _take_trailing_leaf(graph)
+    _take_trailing_leaf(graph, sizes.name)
     return SizedGraph(torch.fx.GraphModule(template.gm, graph), exprs)
 
 
-def _take_trailing_leaf(graph: torch.fx.Graph) -> None:
+def _take_trailing_leaf(graph: torch.fx.Graph, name: str) -> None:
     """Where the graph's code flattens its arguments (a pytree signature), add one argument, a
-    leaf, after the others: the sizes tuple, passed whole."""
+    leaf named ``name`` after the others: the sizes tuple, passed whole."""
     codegen = graph._codegen
     if not isinstance(codegen, _PyTreeCodeGen):
         return
     info = codegen.pytree_info
     args = pytree.tree_unflatten([0] * info.in_spec.num_leaves, info.in_spec)
     in_spec = pytree.tree_structure([*args, 0])
-    codegen.pytree_info = _PyTreeInfo([*info.orig_args, SIZES], in_spec, info.out_spec)
+    codegen.pytree_info = _PyTreeInfo([*info.orig_args, name], in_spec, info.out_spec)
 
 
 __all__ = ["SizedGraph", "SizedCall", "Sizes", "sized_graph", "SIZES"]
