@@ -991,6 +991,11 @@ MUTATIONS = [
         (("ttt2la/gradient_stops.py", "    if err <= tolerance(dtype):", "    if True:"),),
         ("tests/test_gradient_stops.py",), "runs_as_written"),
     Mutation(
+        "returned_state_gradients_unchecked", "gradients are compared through the first output only: a stop on a returned state alone (after the loop, or only in training mode) goes unseen",
+        (("ttt2la/gradient_stops.py", "outs = _floating_outputs(module(*call_args, **call_kwargs))",
+          "outs = _floating_outputs(module(*call_args, **call_kwargs))[:1]"),),
+        ("tests/test_gradient_stops.py", "tests/test_training_mode.py"), "returned_state"),
+    Mutation(
         "rate_behind_the_ones", "a rate a traced backward multiplies into the loss's ones is read only as the first operand",
         (("ttt2la/passes/absorb_lr.py", "        elif len(varying) == 1 and _with_constants(node, varying[0]):",
           "        elif len(varying) == 1 and varying[0] is node.all_input_nodes[0] and _with_constants(node, varying[0]):"),),
