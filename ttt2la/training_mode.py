@@ -23,6 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .original_class import original_class
+
 #: Modules known to compute differently in training mode, named when one is found.
 MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
 
@@ -150,8 +152,6 @@ def _reads_training(module: nn.Module) -> str:
     """Where the code reads ``self.training``: the lines of the first ``forward`` that reads
     ``.training`` — the layer's own, else a submodule's that is not ``MODE_DEPENDENT`` — at
     file:line, or the layer's own code in general where none does."""
-    from .converted import original_class    # which builds on this module
-
     for name, m in module.named_modules():
         if isinstance(m, MODE_DEPENDENT):
             continue
