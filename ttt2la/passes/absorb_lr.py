@@ -263,7 +263,7 @@ class AbsorbLr(Pass):
             if computed:
                 return self.result(
                     "not_applicable",
-                    f"the per-token rate at {', '.join(op_at(n) for n in computed)} is "
+                    f"the per-token rate ({', '.join(op_at(n) for n in computed)}) is "
                     "computed in the loop body from its inputs, and absorb_lr folds rates that "
                     "are streams (or elementwise maps of them): left unchanged, so this level "
                     "keeps the per-token rate. Compute the rate before the loop on the whole "
@@ -292,7 +292,7 @@ class AbsorbLr(Pass):
             place = where(value)
             constant = _constant(folded_constant(folded, name, self.name, 1.0))
             how = replace_with_constant(program, value, constant, f"lr_{name}")
-            replaced.append(f"{name} (read at {place}) by {how}")
+            replaced.append(f"{name} (read by {place}) by {how}")
         reason = "replaced the per-token learning rate " + "; ".join(replaced) + \
             _how_folded(mode, program, data_lrs)
         if done:
