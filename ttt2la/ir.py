@@ -443,8 +443,9 @@ _WRITTEN = {"slice": "indexing `[...]`", "index": "indexing `[...]`",
 
 def torch_name(node: torch.fx.Node) -> str:
     """The op ``node`` runs, as the torch call a user writes: "`torch.mul`" for
-    ``aten.mul.Tensor``, "`Tensor.view`" for ``aten.view.default``, "indexing `[...]`" for a
-    slice; the graph's inputs, attributes and submodules by their names."""
+    ``aten.mul.Tensor``, "`Tensor.view`" for ``aten.view.default``, "`F.silu`" for
+    ``aten.silu.default``, "indexing `[...]`" for a slice; the graph's inputs, attributes and
+    submodules by their names."""
     if node.op == "placeholder":
         return f"the input `{node.target}`"
     if node.op == "get_attr":
@@ -466,6 +467,8 @@ def torch_name(node: torch.fx.Node) -> str:
         return f"`torch.{name}`"
     if not name.startswith("_") and hasattr(torch.Tensor, name):
         return f"`Tensor.{name}`"
+    if not name.startswith("_") and hasattr(torch.nn.functional, name):
+        return f"`F.{name}`"
     namespace = getattr(target, "namespace", None)
     return f"`torch.ops.{namespace}.{name}`" if namespace else f"`{name}`"
 
