@@ -991,6 +991,11 @@ MUTATIONS = [
         (("ttt2la/gradient_stops.py", "    if err <= tolerance(dtype):", "    if True:"),),
         ("tests/test_gradient_stops.py",), "runs_as_written"),
     Mutation(
+        "returned_state_gradients_unchecked", "gradients are compared through the first output only: a stop on a returned state alone (after the loop, or only in training mode) goes unseen",
+        (("ttt2la/gradient_stops.py", "outs = _floating_outputs(module(*call_args, **call_kwargs))",
+          "outs = _floating_outputs(module(*call_args, **call_kwargs))[:1]"),),
+        ("tests/test_gradient_stops.py", "tests/test_training_mode.py"), "returned_state"),
+    Mutation(
         "rate_behind_the_ones", "a rate a traced backward multiplies into the loss's ones is read only as the first operand",
         (("ttt2la/passes/absorb_lr.py", "        elif len(varying) == 1 and _with_constants(node, varying[0]):",
           "        elif len(varying) == 1 and varying[0] is node.all_input_nodes[0] and _with_constants(node, varying[0]):"),),
@@ -1497,8 +1502,18 @@ MUTATIONS = [
         ("tests/test_frontend_styles.py",), "one_line_update_inside"),
     Mutation(
         "last_iteration_by_graph_text", "a last iteration that runs other ops names the first by the traced graph's node text",
-        (("ttt2la/frontend/rollup.py", "    where = f\", the first of them {describe_op(node)}\"", "    where = f\", the first of them {describe_node(node)}\""),),
+        (("ttt2la/frontend/rollup.py", "    where = f\", the first of them {describe_op(node)}\"", "    where = f\", the first of them {node.format_node()}\""),),
         ("tests/test_refusal_messages.py",), "padding_its_own"),
+    Mutation(
+        "stride_read_by_aten_name", "a stream read at a stride is named by the op's aten overload (aten.select.int) instead of the torch call and the user's line",
+        (("ttt2la/frontend/unlike_iterations.py", 'return (f"{describe_op(node)} reads {m} {what} of one sequence',
+          'return (f"{node.target} reads {m} {what} of one sequence'),),
+        ("tests/test_op_names_in_messages.py",), "stride"),
+    Mutation(
+        "nonreducible_op_by_aten_name", "a NonReducibleError and inspect's verdict name the op that blocks parallelism by its aten overload",
+        (("ttt2la/analysis/associativity.py", "op=torch_name(b.op) if b.op is not None else None,",
+          "op=str(b.op.target) if b.op is not None else None,"),),
+        ("tests/test_op_names_in_messages.py", "tests/test_analysis.py"), "state_dependent_rate or not_reducible_and_names_the_op"),
     Mutation(
         "short_per_token_plans_never_race", "a plan on the token-causal or delta-rule op never races the code as written, even at lengths within the op's chunk, where the source can be faster",
         (("ttt2la/as_written.py", '    return plan.raced or length <= getattr(plan, "races_up_to", 0)',

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pickle
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 from torch import nn
@@ -164,3 +166,61 @@ def test_a_layer_whose_own_backward_fails_converts_and_refuses_the_backward():
         again(x).sum().backward()
     with pytest.raises(StreamingError, match="records gradients"):
         conv(x, return_ttt_state=True)
+
+
+class StateStopped(nn.Module):
+    """A memory returning its output and its final fast weight, whose gradient it stops after
+    the loop where a trace cannot see it (``how``: ``.data`` or ``torch.no_grad()``): the
+    output's gradients are untouched, the returned state's are stopped."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(x.shape[0], D, D)
+        ys = []
+        for s in range(0, x.shape[1], C):
+            ys.append(q[:, s:s + C] @ W)
+            W = W + 0.1 * k[:, s:s + C].mT @ v[:, s:s + C]
+        if self.how == "data":
+            W = W.data
+        else:
+            with torch.no_grad():
+                W = W * 1.0
+        return torch.cat(ys, 1), W
+
+
+def _gradients_of_both(module, x):
+    """The gradients of a random projection of both outputs, summed, w.r.t. ``x`` and every
+    parameter (zero where unread), and the outputs."""
+    xi = x.clone().requires_grad_()
+    y, W = module(xi)
+    gen = torch.Generator().manual_seed(0)
+    loss = (y * torch.randn(y.shape, generator=gen)).sum() + (
+        (W * torch.randn(W.shape, generator=gen)).sum() if W.requires_grad else 0)
+    wrt = [xi, *module.parameters()]
+    got = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return [y, W], [torch.zeros_like(p) if g is None else g for p, g in zip(wrt, got)]
+
+
+@settings(max_examples=4, deadline=None)
+@given(how=st.sampled_from(["data", "no_grad"]), batch=st.integers(1, 3),
+       length=st.integers(1, 20))
+def test_a_stop_on_a_returned_state_alone_runs_as_written(how, batch, length):
+    """The first output's gradients agree with the loop's; the returned state's do not, and
+    that is a stop too: calls that record gradients run as written."""
+    torch.manual_seed(0)
+    layer = StateStopped(how)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, D),))
+    report, = conv.ttt2la_report.layers
+    assert any(n.startswith("gradients:") and "(output 2)" in n for n in report.notes), \
+        report.notes
+    x = torch.randn(batch, length, D)
+    (yc, Wc), gc = _gradients_of_both(conv, x)
+    (yr, Wr), gr = _gradients_of_both(layer, x)
+    assert Wc.requires_grad == Wr.requires_grad
+    for got, want in zip([yc, Wc, *gc], [yr, Wr, *gr]):
+        assert rel_rms_error(got, want) <= TOLERANCE[torch.float32]

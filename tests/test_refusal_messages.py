@@ -553,19 +553,22 @@ def test_sizes_after_the_loop_of_no_form_in_the_length_name_their_line(layer, fo
 def test_an_op_of_no_line_of_the_layer_is_named_by_its_torch_call():
     """An op torch's or ttt2la's own code made while tracing has no line to point at: the
     refusal names the torch call and says so."""
-    from ttt2la.ir import SRC, SourceLoc, describe_op, torch_name
+    from ttt2la.ir import SRC, SourceLoc, describe_op, op_at, torch_name
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     ops = [graph.call_function(torch.ops.aten.mul.Tensor, (x, 2)),
            graph.call_function(torch.ops.aten.view.default, (x, [4])),
            graph.call_function(torch.ops.aten.slice.Tensor, (x, 0, 0, 2)),
            graph.call_function(torch.ops.aten._to_copy.default, (x,)),
-           graph.call_function(torch.ops.aten._softmax.default, (x, 0, False))]
+           graph.call_function(torch.ops.aten._softmax.default, (x, 0, False)),
+           graph.call_function(torch.ops.aten.silu.default, (x,)),
+           graph.call_function(torch.ops.aten.native_layer_norm.default, (x, [4], None, None, 1e-5))]
     assert [torch_name(n) for n in ops] == [
         "`torch.mul`", "`Tensor.view`", "indexing `[...]`", "`Tensor.to`",
-        "`torch.ops.aten._softmax`"]
+        "`torch.ops.aten._softmax`", "`F.silu`", "`F.layer_norm`"]
     assert describe_op(ops[0]) == ("`torch.mul` (made by torch's or ttt2la's own code while "
                                    "tracing, not by a line of the layer)")
     ops[0].meta[SRC] = SourceLoc("layer.py", 12, "forward", "y = x * 2")
     assert describe_op(ops[0]) == "`torch.mul` at layer.py:12 (`y = x * 2`)"
+    assert op_at(ops[0]) == "`torch.mul` at layer.py:12" and op_at(ops[5]) == "`F.silu`"
     assert describe_op(x) == "the input `x`"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pickle
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 from torch import nn
@@ -311,3 +313,61 @@ def test_a_dropout_alone_is_named_alone():
     conv = ttt2la.convert(Dropped(True), level=0, example_inputs=(torch.randn(2, 12, D),))
     why = conv._ttt2la.training_dependence
     assert "drop (Dropout)" in why and "self.training" not in why, why
+
+
+class StateStoppedWhileTraining(nn.Module):
+    """A chunked memory returning its output and its final fast weight, which it detaches only
+    in training mode: the output and its gradients are the same in both modes, the returned
+    state's gradients are not."""
+
+    def __init__(self, chunk: int = 4):
+        super().__init__()
+        self.q = nn.Linear(D, D, bias=False)
+        self.k = nn.Linear(D, D, bias=False)
+        self.v = nn.Linear(D, D, bias=False)
+        self.chunk = chunk
+
+    def forward(self, x):
+        q, k, v = self.q(x), nn.functional.normalize(self.k(x), dim=-1), self.v(x)
+        W = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for i in range(0, x.shape[1], self.chunk):
+            outs.append(q[:, i:i + self.chunk] @ W)
+            W = W + 0.1 * k[:, i:i + self.chunk].transpose(1, 2) @ v[:, i:i + self.chunk]
+        if self.training:
+            W = W.detach()
+        return torch.cat(outs, 1), W
+
+
+def _gradients_of_both(module, x, seed=0):
+    """The gradients of a random projection of each of ``module(x)``'s two outputs, summed,
+    with respect to ``x`` and every parameter (zero where unread)."""
+    xi = x.clone().requires_grad_()
+    y, W = module(xi)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (y * torch.randn(y.shape, generator=gen)).sum() + (
+        (W * torch.randn(W.shape, generator=gen)).sum() if W.requires_grad else 0)
+    names = ["x", *(n for n, _ in module.named_parameters())]
+    wrt = [xi, *module.parameters()]
+    got = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, wrt, got)}
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 20))
+def test_a_stop_on_a_returned_state_only_in_training_mode_trains_as_written(batch, length):
+    """Only the second output's gradients differ between the modes: the converted layer, in
+    training mode, still trains the gradients the layer stops exactly as the layer does."""
+    torch.manual_seed(0)
+    layer = StateStoppedWhileTraining()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, D),))
+    why = conv._ttt2la.training_dependence
+    assert why.startswith("its gradients differ in training mode"), why
+    assert "its own code reads `self.training` at test_training_mode.py:" in why, why
+    x = torch.randn(batch, length, D)
+    for training in (True, False):
+        conv.train(training)
+        layer.train(training)
+        want, got = _gradients_of_both(layer, x), _gradients_of_both(conv, x)
+        for name, w in want.items():
+            assert rel_rms_error(got[name], w) <= FP32, (training, name)

@@ -736,8 +736,9 @@ def _level_verdict(rl: RecognizedLayer, level: int) -> str:
     try:
         analysis.require_reducible(level)
     except NonReducibleError as e:
-        op, where = e.op or "", e.where or "?"
-        return f"recurrent: {op}" if op and where in op else f"recurrent: {op} at {where}"
+        if not e.op:
+            return "recurrent"
+        return f"recurrent: {e.op}" + (f" at {e.where}" if e.where else "")
     return "recurrent"
 
 

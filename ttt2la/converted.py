@@ -37,6 +37,7 @@ from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionErr
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
+from .original_class import ORIGINAL, original_class
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .recast import Signature, recast, weights_signature
@@ -761,16 +762,11 @@ def converted_class(cls: type) -> type:
                    {"forward": _converted_forward, "__module__": cls.__module__,
                     "__reduce_ex__": _converted_reduce, "__deepcopy__": _converted_deepcopy,
                     "__copy__": _converted_copy,
-                    "_ttt2la_original": cls,
+                    ORIGINAL: cls,
                     "__doc__": f"{cls.__name__} whose TTT loop runs as linear attention "
                                "(converted by ttt2la)."})
         _CLASSES[cls] = new
     return new
-
-
-def original_class(cls: type) -> type:
-    """The user's class a ``Converted<cls>`` was made from (``cls`` itself otherwise)."""
-    return cls.__dict__.get("_ttt2la_original", cls)
 
 
 def require_unconverted(model: torch.nn.Module) -> None:

@@ -73,8 +73,9 @@ class UnsupportedShapeError(ConversionError):
 class NonReducibleError(ConversionError):
     """A state update is not associative at the requested level, so it cannot run in parallel.
 
-    ``op`` is the aten op that breaks associativity, ``where`` its user source location
-    (``file:line``), ``state`` the carried state it updates and ``remedy`` the pass that removes it.
+    ``op`` is the torch call that breaks associativity ("`torch.sigmoid`"), ``where`` its user
+    source location (``file:line``), ``state`` the carried state it updates and ``remedy`` the
+    pass that removes it.
     """
 
     def __init__(self, message: str, *, state: str | None = None, op: str | None = None,

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .ir import SRC, TTTProgram, descendants
-from .testing import rel_rms_error, tolerance
+from .testing import TOLERANCE, rel_rms_error, tolerance
 from .undifferentiable import own_backward_failure
 
 aten = torch.ops.aten
@@ -52,10 +52,10 @@ def records_gradients(module: torch.nn.Module, flat: list) -> bool:
 
 def gradient_difference(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
                         kwargs: dict) -> tuple[str, float, torch.dtype]:
-    """The worst relative RMS difference between the two modules' gradients of one random
-    projection of their first outputs, over their parameters and floating inputs, whose it is,
-    and the original output's dtype; ``OwnBackwardFails`` when the original cannot be
-    differentiated (``undifferentiable``)."""
+    """The worst relative RMS difference between the two modules' gradients of a random
+    projection of each of their floating outputs, over their parameters and floating inputs,
+    whose it is, and the least precise output dtype of the original; ``OwnBackwardFails`` when
+    the original cannot be differentiated (``undifferentiable``)."""
     try:
         want, dtype = _gradients(original, args, kwargs)
     except Exception as e:          # an in-place update of a tensor autograd saved, say
@@ -71,23 +71,38 @@ def gradient_difference(original: torch.nn.Module, converted: torch.nn.Module, a
 
 
 def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict, torch.dtype]:
-    """``{name: gradient}`` of ``(output · r).sum()`` for a fixed random ``r``, and the
-    output's dtype."""
+    """``{name: gradient}`` of ``(output · r).sum()`` for a fixed random ``r``, for each floating
+    output on its own (a stop may act on a returned state alone), and the dtype of the least
+    precise of them; an output that does not record gradients has zero ones."""
     leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
     inputs = {i: t.detach().clone().requires_grad_() for i, t in enumerate(leaves)
               if isinstance(t, torch.Tensor) and t.is_floating_point()}
     call_args, call_kwargs = pytree.tree_unflatten(
         [inputs.get(i, t) for i, t in enumerate(leaves)], tree)
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    wrt = {**{f"input {i}": t for i, t in inputs.items()}, **params}
     with torch.enable_grad():
-        out = module(*call_args, **call_kwargs)
-        out = next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-        r = torch.randn(out.shape, generator=torch.Generator().manual_seed(0),
-                        dtype=torch.float64).to(out)
-        wrt = {**{f"input {i}": t for i, t in inputs.items()}, **params}
-        got = torch.autograd.grad((out * r).sum(), list(wrt.values()), allow_unused=True)
-    return ({n: torch.zeros_like(x) if g is None else g for (n, x), g in zip(wrt.items(), got)},
-            out.dtype)
+        outs = _floating_outputs(module(*call_args, **call_kwargs))
+        generator = torch.Generator().manual_seed(0)
+        projections = [(o * torch.randn(o.shape, generator=generator, dtype=torch.float64)
+                        .to(o)).sum() for o in outs]
+        recording = [j for j, p in enumerate(projections) if p.requires_grad] or [0]
+        grads = {}
+        for j, projection in enumerate(projections):     # the first, where none records: raises
+            got = torch.autograd.grad(projection, list(wrt.values()), allow_unused=True,
+                                      retain_graph=j != recording[-1]) \
+                if j in recording else [None] * len(wrt)
+            of = f" (output {j + 1})" if len(outs) > 1 else ""
+            grads.update({n + of: torch.zeros_like(x) if g is None else g
+                          for (n, x), g in zip(wrt.items(), got)})
+    return grads, max((o.dtype for o in outs), key=lambda d: TOLERANCE.get(d, 0.0))
+
+
+def _floating_outputs(output) -> list:
+    """The floating tensors among ``output``'s leaves, in order (the first leaf tensor where
+    there are none: autograd then says what it cannot do)."""
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    return [t for t in tensors if t.is_floating_point()] or tensors[:1]
 
 
 def unseen_stop(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,

@@ -430,15 +430,6 @@ def node_src(node: torch.fx.Node) -> SourceLoc | None:
     return node.meta.get(SRC)
 
 
-def describe_node(node: torch.fx.Node) -> str:
-    """``aten.mul.Tensor at lact.py:88 in fn`` — how reports and errors name an op."""
-    target = getattr(node.target, "__name__", None) or str(node.target)
-    if hasattr(node.target, "_schema"):
-        target = str(node.target).replace("aten::", "aten.")
-    src = node_src(node)
-    return f"{target} at {src}" if src is not None else target
-
-
 #: Python operators as the user writes them.
 _OPERATORS = {"add": "`+`", "sub": "`-`", "mul": "`*`", "truediv": "`/`", "floordiv": "`//`",
               "matmul": "`@`", "neg": "`-`", "pow": "`**`", "getitem": "indexing `[...]`",
@@ -450,13 +441,15 @@ _WRITTEN = {"slice": "indexing `[...]`", "index": "indexing `[...]`",
             "index_put": "an assignment `[...] =`", "index_put_": "an assignment `[...] =`",
             "_to_copy": "`Tensor.to`", "_unsafe_view": "`Tensor.view`",
             "sym_size": "`Tensor.size`", "sym_numel": "`Tensor.numel`",
-            "constant_pad_nd": "`F.pad`"}
+            "constant_pad_nd": "`F.pad`", "native_layer_norm": "`F.layer_norm`",
+            "native_group_norm": "`F.group_norm`"}
 
 
 def torch_name(node: torch.fx.Node) -> str:
     """The op ``node`` runs, as the torch call a user writes: "`torch.mul`" for
-    ``aten.mul.Tensor``, "`Tensor.view`" for ``aten.view.default``, "indexing `[...]`" for a
-    slice; the graph's inputs, attributes and submodules by their names."""
+    ``aten.mul.Tensor``, "`Tensor.view`" for ``aten.view.default``, "`F.silu`" for
+    ``aten.silu.default``, "indexing `[...]`" for a slice; the graph's inputs, attributes and
+    submodules by their names."""
     if node.op == "placeholder":
         return f"the input `{node.target}`"
     if node.op == "get_attr":
@@ -478,6 +471,8 @@ def torch_name(node: torch.fx.Node) -> str:
         return f"`torch.{name}`"
     if not name.startswith("_") and hasattr(torch.Tensor, name):
         return f"`Tensor.{name}`"
+    if not name.startswith("_") and hasattr(torch.nn.functional, name):
+        return f"`F.{name}`"
     namespace = getattr(target, "namespace", None)
     return f"`torch.ops.{namespace}.{name}`" if namespace else f"`{name}`"
 
@@ -496,11 +491,19 @@ def describe_op(node: torch.fx.Node) -> str:
             "the layer)")
 
 
+def op_at(node: torch.fx.Node) -> str:
+    """``describe_op`` without the line's code, for notes and tables where a short form reads
+    better: "`torch.mul` at lact.py:88", or the torch call alone where no line made it."""
+    src = node_src(node)
+    what = torch_name(node)
+    return f"{what} at {src.short_file}:{src.line}" if src is not None else what
+
+
 __all__ = [
     "KIND", "NAME", "SRC", "PRODUCT_CHAIN", "PRODUCT_OPERAND", "SUMMED_PRODUCT", "LOOP_MODULE",
     "INPUT_FREE",
     "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
-    "OutputSpec", "TTTProgram", "node_src", "describe_node", "describe_op", "torch_name",
+    "OutputSpec", "TTTProgram", "node_src", "describe_op", "op_at", "torch_name",
     "copy_graph", "placeholder",
     "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",
     "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader", "layout_free",

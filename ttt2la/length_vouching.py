@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from .errors import UnsupportedShapeError
 from .frontend.length_values import describe, length_values
 from .ir import SRC, torch_name
+from .original_class import original_class
 from .testing import TOLERANCE, rel_rms_error
 
 
@@ -152,7 +153,6 @@ def example_branch(rl) -> str:
 def _outer_tracer(rl):
     """``at(B, L)``: the ops of the layer's code as written outside its loop (all of them, for a
     single step), traced at batch ``B`` and length ``L``."""
-    from .converted import original_class
     from .frontend.capture import trace
     from .frontend.loops import loops_of
     from .frontend.recognize import _inputs_at, layer_function, traced_weights

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedTTTError
+from .original_class import original_class
 from .preparation import out_of_sight
 from .as_found import as_found
 
@@ -84,7 +85,7 @@ def recast(module: torch.nn.Module, state, now: Signature):
     """``state`` built again for ``module``'s weights as they are now (signature ``now``) by
     replaying its recipe, as unpickling does, on a stand-in for ``module``: its own class,
     sharing every attribute, so the user's module is never touched."""
-    from .converted import _replay, original_class     # converted imports this module
+    from .converted import _replay                     # converted imports this module
     where = state.program.module_path or type(module).__name__
     if state.recipe is None:
         raise UnsupportedTTTError(

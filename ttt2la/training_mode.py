@@ -6,10 +6,11 @@ normalises by the batch — and a trace records one mode's ops only. Converting 
 rewrite can reproduce draw for draw. So ``convert`` and ``inspect`` trace and check every layer
 in evaluation mode (``evaluating``), restoring each module's own flag afterwards, and
 ``training_dependence`` asks, on the example call, whether the layer computes the same in
-training mode — its output, and where that agrees its gradients, which a stop taken only while
-training (``if self.training: W = W.detach()``) changes alone. Where it does not, a converted
-layer called in training mode does not run the evaluation-mode graphs: an exact conversion runs
-the layer as written, a lossy one refuses (``converted.ConvertedState``).
+training mode — its outputs, and where they agree the gradients of each, which a stop taken only
+while training (``if self.training: W = W.detach()``, on the output or on a returned state)
+changes alone. Where it does not, a converted layer called in training mode does not run the
+evaluation-mode graphs: an exact conversion runs the layer as written, a lossy one refuses
+(``converted.ConvertedState``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import re
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+from .original_class import original_class
 
 #: Modules known to compute differently in training mode, named when one is found.
 MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
@@ -50,10 +53,10 @@ def training_dependence(module: nn.Module, args: tuple, kwargs: dict) -> str:
     evaluation mode, else what differs and where: its mode-dependent submodules, its own code,
     or a failure in training mode. The outputs are compared first (run once in each mode,
     without gradients); where they agree, so must the gradients of a fixed random projection of
-    the output with respect to the parameters and floating inputs — a layer may stop gradients
-    only while training (``if self.training: W = W.detach()``), which the evaluation-mode graphs
-    would let through. Every run starts from the same random generator state, and the
-    generators and buffers are left as they were."""
+    each floating output with respect to the parameters and floating inputs — a layer may stop
+    gradients only while training (``if self.training: W = W.detach()``, on a returned state
+    alone too), which the evaluation-mode graphs would let through. Every run starts from the
+    same random generator state, and the generators and buffers are left as they were."""
     from .as_found import buffers_kept      # which builds on this module's ``evaluating``
 
     # buffers_kept: batch norm's running statistics as they were
@@ -122,8 +125,9 @@ def _same_outputs(a: list, b: list) -> bool:
 
 
 def _gradients(module: nn.Module, args: tuple, kwargs: dict):
-    """``gradient_stops``' gradients of a fixed random projection of the first output, or the
-    failure's type (the same in both modes where the layer cannot be differentiated at all)."""
+    """``gradient_stops``' gradients of a fixed random projection of each floating output (a
+    stop may act on a returned state alone), or the failure's type (the same in both modes where
+    the layer cannot be differentiated at all)."""
     from .gradient_stops import _gradients as gradients
     try:
         return gradients(module, args, kwargs)
@@ -148,8 +152,6 @@ def _reads_training(module: nn.Module) -> str:
     """Where the code reads ``self.training``: the lines of the first ``forward`` that reads
     ``.training`` — the layer's own, else a submodule's that is not ``MODE_DEPENDENT`` — at
     file:line, or the layer's own code in general where none does."""
-    from .converted import original_class    # which builds on this module
-
     for name, m in module.named_modules():
         if isinstance(m, MODE_DEPENDENT):
             continue

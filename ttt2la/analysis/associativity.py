@@ -22,7 +22,7 @@ import networkx as nx
 import torch.fx
 
 from ..errors import NonReducibleError
-from ..ir import TTTProgram, ancestors, describe_node, node_src
+from ..ir import TTTProgram, ancestors, describe_op, node_src, torch_name
 from .dependence import Dep, Dependence, StateDep, analyze_dependence
 from .op_vocabulary import NORMALISATION_OPS, calls, op_name
 from .rules import match_newton_schulz, match_norm, update_rules
@@ -127,8 +127,8 @@ class Analysis:
         raise NonReducibleError(
             f"{where}{loop} cannot run {how}{at}: {b.message} {b.remedy}",
             state=prog.states[b.state].name,
-            op=describe_node(b.op) if b.op is not None else None,
-            where=str(node_src(b.op)) if b.op is not None and node_src(b.op) else None,
+            op=torch_name(b.op) if b.op is not None else None,
+            where=_line(b.op),
             remedy=b.remedy)
 
 
@@ -144,12 +144,14 @@ def _is_norm(node: torch.fx.Node | None) -> bool:
         "linalg_vector_norm", "norm", "native_layer_norm", "rsqrt"))
 
 
+def _line(node: torch.fx.Node | None) -> str | None:
+    """The user's ``file:line`` that made ``node``, or ``None``."""
+    src = node_src(node) if node is not None else None
+    return f"{src.short_file}:{src.line}" if src is not None else None
+
+
 def _where(node: torch.fx.Node | None) -> str:
-    if node is None:
-        return ""
-    src = node_src(node)
-    code = f" (`{src.code}`)" if src is not None and src.code else ""
-    return f"{describe_node(node)}{code}"
+    return describe_op(node) if node is not None else ""
 
 
 def _recurrent_blocker(program: TTTProgram, dep: Dependence, t: int,

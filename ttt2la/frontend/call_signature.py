@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import UnsupportedShapeError
+from ..original_class import original_class
 from ..validation import input_name
 
 #: how many inputs a message lists before it stops
@@ -110,7 +111,7 @@ _SIGNATURES: "weakref.WeakKeyDictionary[type, inspect.Signature | None]" = \
 def forward_signature(cls: type) -> inspect.Signature | None:
     """The signature calls of ``cls`` bind to (its ``forward`` without ``self``), or ``None``
     where it has none that can (a builtin, a forward taking ``self`` in ``*args``)."""
-    cls = cls.__dict__.get("_ttt2la_original", cls)      # the user's class, if converted
+    cls = original_class(cls)                             # the user's class, if converted
     try:
         return _SIGNATURES[cls]
     except KeyError:

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import LaggedStateError, UnsupportedTTTError
-from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, describe_op, placeholder,
+from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_op, op_at, placeholder,
                   InvariantSpec, OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order,
                   reshape_views)
 from .index_values import refuse_index_steps
@@ -304,7 +304,7 @@ def _equal_constants(gm: torch.fx.GraphModule, a: torch.fx.Node, b) -> bool:
 def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
     """Why iteration input ``n`` (``n2`` the next iteration's) of ``loop`` is refused, and what
     to do."""
-    what = describe_node(n)
+    what = describe_op(n)
     nested = _nested_loops([n], loop)
     if nested:
         return (f"{what} is taken inside the loop at {nested[0].src}, which runs inside the TTT "
@@ -391,12 +391,12 @@ def _mixed_streams(n: torch.fx.Node, stream: ChunkStream,
     if rows:
         (row, _), = rows[:1]
         chunk = max(stream.chunk, earlier.chunk)
-        return (f"{describe_node(row)} takes one row per iteration beside chunks of {chunk} "
+        return (f"{describe_op(row)} takes one row per iteration beside chunks of {chunk} "
                 "tokens: a value per chunk computed before the loop (a gate or rate per chunk), "
                 "which ttt2la cannot line up with the chunks' tokens. Compute it inside the loop "
                 "from the chunk (e.g. gate(x[:, s:e].mean(1))), or give it one value per token")
     return (f"streams are sliced with chunk sizes {earlier.chunk} and {stream.chunk} "
-            f"({describe_node(first)} and {describe_node(n)})")
+            f"({describe_op(first)} and {describe_op(n)})")
 
 
 def _chunk_slice(n: torch.fx.Node, n2: torch.fx.Node, src2=None) -> ChunkStream | None:
@@ -728,9 +728,10 @@ def refuse_loop_around(gm: torch.fx.GraphModule, loop: LoopSite, length: int) ->
 
 
 def _named(node: torch.fx.Node) -> str:
-    """A body value by the name its line gives it, and its op, as "`losses` (aten.sum.default at f.py:12)"."""
+    """A body value by the name its line gives it, and its op, as "`losses` (`torch.sum` at
+    f.py:12)"."""
     name = assigned_name(node.meta.get(SRC))
-    return f"`{name}` ({describe_node(node)})" if name else describe_node(node)
+    return f"`{name}` ({op_at(node)})" if name else describe_op(node)
 
 
 # -- phase 4: order and the peeled last chunk -------------------------------------------------
@@ -883,7 +884,7 @@ def _gathered_by_cat(u: Unrolled, out_node: torch.fx.Node):
         if first and pieces[first:first + len(per_iter)] == per_iter:
             raise u.fail(
                 f"the loop's outputs are joined after {first} other piece(s) "
-                f"({describe_node(pieces[0])}), in one {describe_node(collector)}: join the "
+                f"({describe_op(pieces[0])}), in one {describe_op(collector)}: join the "
                 "loop's outputs alone (torch.cat(outs, 1)) and add the other piece to the joined "
                 "output after it (torch.cat([first, joined], 1) or F.pad)")
         raise u.fail("the gathered outputs are not the iterations' outputs in order: join "
@@ -1005,7 +1006,7 @@ def _longer_table(u: Unrolled, inputs: Inputs, peeled: bool) -> str | None:
     rows = s.source.meta["val"].shape[s.axis]
     tokens = counted[0].source.meta["val"].shape[counted[0].axis]
     name = stream_name(node.meta.get(SRC), 0, 1) or "the table"
-    return (f"{describe_node(node)} reads {name}, which has {rows} rows, one "
+    return (f"{describe_op(node)} reads {name}, which has {rows} rows, one "
             f"{'row' if s.per_token else 'chunk of rows'} per iteration, where the traced "
             f"sequence has {tokens} tokens: a table sized for the longest sequence (rotary angles, a rate per "
             f"position). Slice it to the sequence's length before the loop (`{name}[:T]`), so "

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..ir import SRC
+from ..ir import describe_op
 
 
 class NumPyDuringTrace(RuntimeError):
@@ -56,10 +56,7 @@ def data_dependent_node(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
 
 def data_dependent_message(node: torch.fx.Node, layer: str) -> str:
     """Why the layer is refused, naming the op and the line that read the data."""
-    src = node.meta.get(SRC)
-    op = str(node.target).replace("aten::", "aten.")
-    at = f" at {src.at()}" if src is not None else ""
-    return (f"{layer}: {op}{at} reads a number out of the data (`.item()`, `.tolist()`, "
+    return (f"{layer}: {describe_op(node)} reads a number out of the data (`.item()`, `.tolist()`, "
             "`nonzero`, boolean-mask indexing or `unique`), and the size or value it gives "
             "steers the computation; ttt2la traces the layer with shapes only and runs the "
             "converted layer at every shape from that trace. Compute that value from sizes or "

@@ -12,7 +12,7 @@ import linecache
 import torch.fx
 
 from ..analysis.op_vocabulary import SELECT_TARGETS, SLICE_TARGETS
-from ..ir import SourceLoc, describe_node
+from ..ir import SourceLoc, describe_op
 from .loops import LoopSite, _split_by_statement, iteration_key, loop_depth, node_frames
 
 
@@ -53,7 +53,7 @@ def strided_reads(nodes: list[torch.fx.Node], depth: int, loop: LoopSite) -> str
             continue
         node = min(taken, key=lambda p: p[0])[1]
         what = "tokens" if width == 1 else f"chunks of {width} tokens"
-        return (f"{describe_node(node)} reads {m} {what} of one sequence by index in each "
+        return (f"{describe_op(node)} reads {m} {what} of one sequence by index in each "
                 f"iteration (from token {starts[0]} in the loop's second iteration, "
                 f"{starts[0] + m * width} in its third): ttt2la converts loops that take one "
                 "token or one chunk of each sequence per iteration. View the sequence with "
@@ -134,7 +134,7 @@ def index_branch(iters: list[list[torch.fx.Node]], j: int, depth: int, loop: Loo
     where = SourceLoc(loop.file, stmt.lineno, loop.function,
                       linecache.getline(loop.file, stmt.lineno).strip())
     return (f"the loop's iterations run different ops depending on their index: the `if` at "
-            f"{where.at()} tests the loop variable `{name}`, so {describe_node(node)} runs in "
+            f"{where.at()} tests the loop variable `{name}`, so {describe_op(node)} runs in "
             "some iterations and not in others. ttt2la converts loops whose iterations all run "
             "the same ops. Make the period the loop's step: for an update every C tokens, a "
             "loop over chunks of C tokens (`for s in range(0, T, C)`) that reads the chunk's "

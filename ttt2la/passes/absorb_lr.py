@@ -25,7 +25,7 @@ from ..analysis.dependence import node_shape, op_name
 from ..analysis.op_vocabulary import ADDITIVE, COPIES, ELEMENTWISE_FUNCTIONS, SCALINGS
 from ..analysis.roles import VIEW_OPS
 from ..analysis.rules import constant_value
-from ..ir import TTTProgram, ancestors, describe_node, descendants
+from ..ir import TTTProgram, ancestors, descendants, op_at
 from .base import Pass, PassContext, PassResult, register
 from .folding import folded_constant, replace_with_constant, resolve_folds, update_chunk_values
 
@@ -199,9 +199,9 @@ def where(value: torch.fx.Node) -> str:
     """Where a learning rate is read: the value's own op, or for a bare stream its first
     reader."""
     if value.op != "placeholder":
-        return describe_node(value)
+        return op_at(value)
     readers = _readers(value)
-    return describe_node(readers[0][1]) if readers else value.name
+    return op_at(readers[0][1]) if readers else value.name
 
 
 def lr_like_streams(program: TTTProgram, found) -> list[int]:
@@ -263,7 +263,7 @@ class AbsorbLr(Pass):
             if computed:
                 return self.result(
                     "not_applicable",
-                    f"the per-token rate at {', '.join(describe_node(n) for n in computed)} is "
+                    f"the per-token rate ({', '.join(op_at(n) for n in computed)}) is "
                     "computed in the loop body from its inputs, and absorb_lr folds rates that "
                     "are streams (or elementwise maps of them): left unchanged, so this level "
                     "keeps the per-token rate. Compute the rate before the loop on the whole "
@@ -292,7 +292,7 @@ class AbsorbLr(Pass):
             place = where(value)
             constant = _constant(folded_constant(folded, name, self.name, 1.0))
             how = replace_with_constant(program, value, constant, f"lr_{name}")
-            replaced.append(f"{name} (read at {place}) by {how}")
+            replaced.append(f"{name} (read by {place}) by {how}")
         reason = "replaced the per-token learning rate " + "; ".join(replaced) + \
             _how_folded(mode, program, data_lrs)
         if done:

@@ -26,7 +26,7 @@ from ..analysis.op_vocabulary import (ACTIVATIONS, ADDITIVE, CASTS, KNOWN_NONLIN
                                      MATRIX_PRODUCTS, SCALINGS, SLICES)
 from ..analysis.roles import VIEW_OPS, final_products, kernel_parameters, peel_views
 from ..errors import ConversionError, UnsupportedTTTError
-from ..ir import INPUT_FREE, NAME, SRC, TTTProgram, ancestors, describe_node, descendants
+from ..ir import INPUT_FREE, NAME, SRC, TTTProgram, ancestors, describe_op, descendants, op_at
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
 MAP_ATTR = "collapse_mlp_map"        # the body attribute holding M in Θ's layout
@@ -186,14 +186,14 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
                       "tensor(s), no state), which folds into the projections exactly")
     found = _product(cores[0], theta_dep, streamed, order)
     if found is None:
-        what = describe_node(bends[0]) if bends else "a state"
+        what = op_at(bends[0]) if bends else "a state"
         if not theta:
             return None, (f"not_applicable: φ has no parameters Θ to collapse (a fixed feature "
                           f"map, {what})")
         raise UnsupportedTTTError(
             f"the kernel φ of {program.module_path or 'the model'} ({program.loop_src}) has no "
             f"product of the keys or queries with its parameters Θ that reaches its value "
-            f"through elementwise ops ({describe_node(cores[0])}), so collapse_mlp cannot write "
+            f"through elementwise ops ({describe_op(cores[0])}), so collapse_mlp cannot write "
             "it as one linear layer; convert at level <= 2.")
     product, pos, path = found
     memo: dict = {}
@@ -277,7 +277,7 @@ def _in_product_layout(site: Site, core_value: torch.Tensor, product_shape) -> t
     flat = index.reshape(-1)
     out[flat] = core_value.reshape(-1).to(torch.float64)
     if torch.isnan(out).any():
-        raise UnsupportedTTTError(f"the kernel φ at {describe_node(site.core)} does not cover its "
+        raise UnsupportedTTTError(f"the kernel φ ({describe_op(site.core)}) does not cover its "
                                   "linear branch's values, so collapse_mlp cannot fit it")
     return out.reshape(product_shape)
 
@@ -354,7 +354,7 @@ def _map_node(program: TTTProgram, kernel: Kernel, M: torch.Tensor) -> torch.fx.
     if rows % groups:
         raise ConversionError(
             f"collapse_mlp's folded map has {groups} groups of rows (heads), which do not tile the "
-            f"{rows} rows of Θ at {describe_node(theta_node)}; replay it on a batch of a "
+            f"{rows} rows of Θ ({describe_op(theta_node)}); replay it on a batch of a "
             "multiple of the heads, or convert again from calibration data")
     device = theta_node.meta["val"].device
     # kept in float64 and cast in the body, so a float64 evaluation of the body is exact
@@ -398,7 +398,7 @@ def _identity_map(kernel: Kernel) -> torch.Tensor:
 
 
 def _where(kernel: Kernel) -> str:
-    q = describe_node(kernel.sites[0].core)
+    q = op_at(kernel.sites[0].core)
     keys = len(kernel.sites) - 1
     return f"φ ({q}" + (f", and {keys} more place(s) on the key path)" if keys else ")")
 
@@ -462,7 +462,7 @@ class CollapseMLP(Pass):
         for node in kernel.theta:
             users = [u for u in node.users if u.op != "output"]
             if users:
-                where, name = describe_node(users[0]), node.meta.get(NAME, node.name)
+                where, name = describe_op(users[0]), node.meta.get(NAME, node.name)
                 raise UnsupportedTTTError(
                     f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"
                     f" ({program.loop_src}), but the kernel parameter {name} is still read by "
@@ -497,7 +497,7 @@ class CollapseMLP(Pass):
                     and n in streamed:
                 raise UnsupportedTTTError(
                     f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"
-                    f" ({program.loop_src}), but {describe_node(n)} still applies an activation "
+                    f" ({program.loop_src}), but {describe_op(n)} still applies an activation "
                     "to the keys or queries times kernel parameters: φ is computed there in a "
                     "form that does not match the query path. Convert at level <= 2.")
 
@@ -515,7 +515,7 @@ class CollapseMLP(Pass):
             reads = ancestors(core)
             if (params & reads and nonlinear_ops(core, streamed, order)) or states & reads:
                 raise AssertionError(
-                    f"collapse_mlp left a nonlinear kernel at {describe_node(core)}")
+                    f"collapse_mlp left a nonlinear kernel ({describe_op(core)})")
 
 
 collapse_mlp = register(CollapseMLP())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..analysis.dependence import analyze_dependence
 from ..analysis.roles import peel_views
 from ..analysis.rules import match_norm
-from ..ir import TTTProgram, describe_node
+from ..ir import TTTProgram, op_at
 from .base import Pass, PassContext, PassResult, register
 
 
@@ -44,7 +44,7 @@ class DropNorm(Pass):
             return self.result("already_satisfied", "no state update ends in a normalisation")
         removed = []
         for i, m in norms:
-            where = describe_node(m.output)
+            where = op_at(m.output)
             m.output.replace_all_uses_with(m.input)
             removed.append(f"the {m.kind} normalisation of {program.states[i].name} ({where})")
         program.recompile()

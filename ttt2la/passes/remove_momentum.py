@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ..analysis.rules import MomentumMatch, constant_value, match_momentum
-from ..ir import TTTProgram, describe_node
+from ..ir import TTTProgram, op_at
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
 
@@ -97,7 +97,7 @@ class RemoveMomentum(Pass):
         done = []
         for i, m in zero:
             done.append(f"{program.states[i].name} has the coefficient 0 "
-                        f"({describe_node(m.output)}): it is its increment")
+                        f"({op_at(m.output)}): it is its increment")
             self._replace(program, i, m, 1.0)
         folded, mode = resolve_folds(context, self.name,
                                      lambda: _calibration_factor(program, context, data)) \
@@ -106,7 +106,7 @@ class RemoveMomentum(Pass):
         for i, m in data:
             name = program.states[i].name
             factor = float(folded_constant(folded, name, self.name, 1.0))
-            removed.append(f"{name} ({describe_node(m.output)}): its increment times "
+            removed.append(f"{name} ({op_at(m.output)}): its increment times "
                            f"{factor:.6g}")
             self._replace(program, i, m, factor)
         program.recompile()

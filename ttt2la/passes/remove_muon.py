@@ -26,7 +26,7 @@ from ..analysis.dependence import node_shape, op_name
 from ..analysis.op_vocabulary import COPIES, EXPANDS, RESHAPES, SCALINGS, TRANSPOSES
 from ..analysis.roles import VIEW_OPS, peel_views
 from ..analysis.rules import match_newton_schulz, match_norm
-from ..ir import TTTProgram, ancestors, describe_node
+from ..ir import TTTProgram, ancestors, op_at
 from .base import Pass, PassContext, PassResult, register
 from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
 
@@ -217,7 +217,7 @@ class RemoveMuon(Pass):
         for k, t in enumerate(transforms):
             key = _key(program, transforms, k)
             scale = float(folded_constant(folded, key, self.name, 1.0))
-            where = describe_node(t.core)
+            where = op_at(t.core)
             new = scaled(program, t.source, scale, t.source)
             t.output.replace_all_uses_with(new)
             removed.append(f"the {t.kind} on {program.states[t.state].name}'s increment "
