@@ -1534,6 +1534,40 @@ MUTATIONS = [
         (("ttt2la/ir.py", "    if not _walks_plainly(type(m)):\n        return False\n",
           "    if False:\n        return False\n"),),
         ("tests/test_ordinary_module.py",), "reads_its_weights"),
+    Mutation(
+        "chunk_features_vmapped_through_pytrees", "a plan batches its chunk-level features with torch.func.vmap, whose pytree handling costs a short call more than the features",
+        (("ttt2la/lowering/lift.py", "        return list(flat_vmap(lp.chunk_features, in_dims, args))",
+          "        return list(torch.func.vmap(lp.chunk_features, in_dims=tuple(in_dims))(*args))"),),
+        ("tests/test_plan_per_call_work.py",), "planned_call"),
+    Mutation(
+        "body_walked_per_call", "a whole-sequence plan finds the body's inputs by walking its graph on every call",
+        (("ttt2la/lowering/lift.py", "        values, _ = _bind(self._inputs, dict(zip(self._inputs.streams,",
+          "        values, _ = _bind(BodyInputs.of(prog), dict(zip(self._inputs.streams,"),),
+        ("tests/test_plan_per_call_work.py",), "planned_call"),
+    Mutation(
+        "flat_vmap_sizes_unchecked", "flat_vmap batches inputs of different sizes along the chunk axis without saying so",
+        (("ttt2la/lowering/flat_vmap.py", "    if len(sizes) != 1:", "    if not sizes:"),
+         ("ttt2la/lowering/flat_vmap.py", "    (n,) = sizes", "    n = max(sizes)")),
+        ("tests/test_plan_per_call_work.py",), "different_sizes"),
+    Mutation(
+        "scan_masks_made_per_call", "the scans' triangular masks are made again on every call",
+        (("ttt2la/runtime/scan.py", "    if found is not None and type(like) is torch.Tensor",
+          "    if False and found is not None and type(like) is torch.Tensor"),),
+        ("tests/test_runtime_scan.py",), "transfer_masks"),
+    Mutation(
+        "scan_masks_kept_from_inference_mode", "masks first made under inference mode are kept as inference tensors, which a later call recording gradients cannot save",
+        (("ttt2la/runtime/scan.py", "    with torch.inference_mode(False):", "    with torch.no_grad():"),),
+        ("tests/test_runtime_scan.py",), "transfer_masks"),
+    Mutation(
+        "short_calls_grouped", "a short call of one or two state matrices runs the block op in groups of chunks, whose fixed cost it never repays",
+        (("ttt2la/runtime/grouped_chunks.py", "    if matrices is not None and matrices <= SHORT_CALL_MATRICES",
+          "    if matrices is not None and matrices <= 0"),),
+        ("tests/test_runtime_block.py",), "short_call"),
+    Mutation(
+        "grouped_last_factor_padded_zero", "the grouped op's exclusive last chunk and padding take a factor 0 instead of 1",
+        (("ttt2la/runtime/grouped_chunks.py", "        return F.pad(d[:, :-1], (0, m * s - n + 1), value=1.0)",
+          "        return F.pad(d[:, :-1], (0, m * s - n + 1), value=0.0)"),),
+        ("tests/test_runtime_block.py",), "groups_of_chunks"),
 ]
 
 

@@ -34,7 +34,8 @@ from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
                             naive_block_linear_attention, newton_schulz)
 from ttt2la.runtime.block import block_group
-from ttt2la.runtime.grouped_chunks import (GROUP_MAX_FEATURES, GROUP_TOKENS, group_chunks,
+from ttt2la.runtime.grouped_chunks import (GROUP_MAX_FEATURES, GROUP_TOKENS, SHORT_CALL_FACTOR,
+                                           SHORT_CALL_MATRICES, group_chunks,
                                            grouped_block_linear_attention)
 from ttt2la.runtime.naive import naive_newton_schulz
 from ttt2la.testing import (CRITERION_SAMPLES, TOLERANCE, CountOps, no_worse_than_original,
@@ -644,6 +645,44 @@ def test_the_op_groups_chunks_only_where_the_rule_says():
     assert block_group(64, 4, 16, 16, **(plain | dict(schedule=((3.0, -4.0, 2.0),)))) == 1
     assert block_group(64, 4, 16, 16, **(plain | dict(weight_norm=torch.ones(1)))) == 1
     assert block_group(1, 4, 16, 16, **(plain | dict(order="full"))) == 1
+
+
+def test_short_calls_of_few_matrices_keep_the_state_form():
+    """Grouping's fixed cost is not repaid on a short call of one or two state matrices: it
+    runs the state form below ``SHORT_CALL_FACTOR · C²`` tokens over its matrices, and groups
+    as before past that, or with more matrices."""
+    assert group_chunks(16, 32, 32, n=8, matrices=2) == 1            # 128 tokens, 2 heads
+    assert group_chunks(16, 32, 32, n=SHORT_CALL_FACTOR * 16 // 2 - 1, matrices=2) == 1
+    assert group_chunks(16, 32, 32, n=SHORT_CALL_FACTOR * 16 // 2, matrices=2) == 2
+    assert group_chunks(4, 8, 8, n=SHORT_CALL_FACTOR * 4 - 1, matrices=1) == 1
+    assert group_chunks(4, 8, 8, n=SHORT_CALL_FACTOR * 4, matrices=1) == GROUP_TOKENS // 4
+    assert group_chunks(16, 32, 32, n=8, matrices=SHORT_CALL_MATRICES + 1) == 2
+    assert group_chunks(16, 32, 32, n=8) == 2                         # matrices not known
+
+
+@pytest.mark.parametrize("order", ["exclusive", "inclusive"])
+@pytest.mark.parametrize("B,H,T", [(1, 2, 128), (2, 1, 64), (1, 1, 200)])
+def test_a_short_call_runs_the_state_form_exactly(order, B, H, T, monkeypatch):
+    """Such a call never enters the grouped form, and computes the rule as the loop does."""
+    import ttt2la.runtime.block as block_module
+
+    def grouped(*a, **k):
+        raise AssertionError("a short call of few matrices ran in groups of chunks")
+
+    monkeypatch.setattr(block_module, "grouped_block_linear_attention", grouped)
+    g = torch.Generator().manual_seed(B * 1000 + H * 100 + T)
+    C, D = 16, 32
+    x = [torch.randn(B, T, H, D, generator=g, dtype=torch.float64) for _ in range(3)]
+    n = math.ceil(T / C)
+    options = dict(chunk_size=C, order=order, decay=torch.rand(B, n, H, generator=g,
+                                                                 dtype=torch.float64) + 0.5,
+                   lr=torch.rand(B, T, H, generator=g, dtype=torch.float64),
+                   initial_state=torch.randn(B, H, D, D, generator=g, dtype=torch.float64),
+                   output_final_state=True)
+    o, final = block_linear_attention(*x, backend="torch", **options)
+    o_ref, final_ref = hand_block(*x, **options)
+    assert rel_rms_error(o, o_ref) <= TOLERANCE[torch.float64]
+    assert rel_rms_error(final, final_ref) <= TOLERANCE[torch.float64]
 
 
 @pytest.mark.parametrize("order", ["exclusive", "inclusive"])

@@ -5,7 +5,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ttt2la.runtime import affine_scan, prefix_sum
+from ttt2la.runtime.scan import _TRIANGLES, blocked_scan
 from ttt2la.testing import TOLERANCE, rel_rms_error
 
 METHODS = ("auto", "blocked", "sequential", "doubling")
@@ -118,3 +122,39 @@ def test_summed_scan_is_momentum_then_prefix_sum(n, with_initial, seed):
     want.backward(seed_grad)
     for x, x64 in zip(leaves, leaves64):
         assert rel_rms_error(x.grad, x64.grad) <= TOLERANCE[torch.float32]
+
+
+# ----------------------------------------------------------------------------- transfer masks
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_transfer_masks_are_made_once_and_serve_every_mode():
+    """The scan's triangular masks depend on the block's side alone: made once, a later call
+    dispatches none of their ops; made under inference mode they still serve a call that
+    records gradients, and a fake tensor's call (a compiler's tracing) gets masks of its own."""
+    side = 7
+    _TRIANGLES.pop((side, torch.device("cpu")), None)
+    a, f, initial = torch.rand(3, side), torch.randn(3, side, 5), torch.randn(3, 5)
+    with torch.inference_mode():
+        blocked_scan(a, f, initial)                      # makes the masks
+    with _Ops() as ops:
+        blocked_scan(a, f, initial)
+    assert "tril" not in ops.names and "ones" not in ops.names, ops.names
+    leaves = [x.clone().requires_grad_() for x in (a, f, initial)]
+    S = blocked_scan(*leaves)
+    S.square().sum().backward()
+    want = loop_reference(a.unsqueeze(-1), f, initial, 1)
+    assert rel_rms_error(S.detach().double(), want) <= TOLERANCE[torch.float32]
+    assert all(x.grad is not None for x in leaves)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(x) for x in (a, f, initial)]
+        assert blocked_scan(*fake).shape == (3, side, 5)
+    assert all(type(m) is torch.Tensor for m in _TRIANGLES[(side, torch.device("cpu"))])

@@ -32,11 +32,10 @@ import dataclasses
 import math
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.fx
-from torch.func import vmap
 
 from ..analysis.op_vocabulary import RELAYOUT_TARGETS
 from ..analysis.rules import match_newton_schulz
@@ -50,6 +49,7 @@ from .affine_update import (ONE, Polynomial, affine_in, evaluate, factors_of, is
 from .bonus import Bonus, bonus_of, bonus_read, state_plus_term
 from .chunking import assemble_outputs, chunk_layout, chunk_stream, chunk_streams
 from .executors import extract, require_inert_padding
+from .flat_vmap import flat_vmap
 from .specialize import SpecializedGraph
 from .precision import promoted
 from .scan_choice import decayed_op_pays, forced, scanning
@@ -723,13 +723,26 @@ def _positive(decay: torch.Tensor) -> bool:
         return bool((decay > 0).all())
 
 
-def _bind(program: TTTProgram, streams: dict, invariants, states0) -> tuple[dict, dict]:
+class BodyInputs(NamedTuple):
+    """The body's placeholders by kind, found once per plan: finding them walks the whole body
+    graph, which a short call paid six times."""
+
+    streams: list
+    invariants: list
+    states: list
+
+    @classmethod
+    def of(cls, program: TTTProgram) -> "BodyInputs":
+        return cls(program.stream_inputs(), program.invariant_inputs(), program.state_inputs())
+
+
+def _bind(inputs: BodyInputs, streams: dict, invariants, states0) -> tuple[dict, dict]:
     """Every body input by node, and its ``vmap`` dim: ``streams`` (chunk-major, dim 0), the
     invariants and the states the loop no longer changes (read as constants, unbatched)."""
     values, dims = dict(streams), {n: 0 for n in streams}
-    for n, v in zip(program.invariant_inputs(), invariants):
+    for n, v in zip(inputs.invariants, invariants):
         values[n], dims[n] = v, None
-    for n, v in zip(program.state_inputs(), states0):
+    for n, v in zip(inputs.states, states0):
         values.setdefault(n, v)
         dims.setdefault(n, None)
     return values, dims
@@ -754,6 +767,7 @@ class LiftedPlan:
         self.looped = False                 # whether the last call ran ``loop``
         self.ran: list[str] = []            # backends that ran, in the order first used
         self._padding_checked: dict[int, str | None] = {}
+        self._inputs = BodyInputs.of(lifted.program)
         if lifted.whole_sequence:           # specialised to each call's layout
             self._token_features = SpecializedGraph(lifted.token_features)
             self._whole_post = SpecializedGraph(lifted.whole_post)
@@ -827,12 +841,12 @@ class LiftedPlan:
         if layout.partial:
             require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
         # vmap's view rule needs each chunk laid out like the traced one: contiguous
-        values, dims = _bind(prog, dict(zip(prog.stream_inputs(),
-                                            (x.contiguous() for x in streams))),
+        values, dims = _bind(self._inputs, dict(zip(self._inputs.streams,
+                                                    (x.contiguous() for x in streams))),
                              invariants, states0)
         args = [values[n] for n in lp.feature_inputs]
         in_dims = tuple(dims[n] for n in lp.feature_inputs)
-        return vmap(lp.features, in_dims=in_dims)(*args), values, dims, layout
+        return flat_vmap(lp.features, in_dims, args), values, dims, layout
 
     def _per_chunk(self, factors: list, b: int, N: int, like: torch.Tensor, w_shape) -> dict:
         """The block op's per-chunk coefficients (``momentum``, ``decay``, ``step_scale``), each
@@ -949,7 +963,7 @@ class LiftedPlan:
             else:
                 post_args.append(values[n])
                 post_dims.append(dims[n])
-        (y,) = vmap(lp.post, in_dims=tuple(post_dims))(*post_args)
+        (y,) = flat_vmap(lp.post, post_dims, post_args)
         outputs = assemble_outputs(prog, [y], layout)
         return outputs, self._finals(states0, s_final, Dv)
 
@@ -1059,8 +1073,8 @@ class LiftedPlan:
         lp = self.lifted
         prog = lp.program
         layout = chunk_layout(prog, list(invariants))
-        values, _ = _bind(prog, dict(zip(prog.stream_inputs(),
-                                         (invariants[s.source] for s in prog.streams))),
+        values, _ = _bind(self._inputs, dict(zip(self._inputs.streams,
+                                                 (invariants[s.source] for s in prog.streams))),
                           invariants, states0)
         q_side, left, right = self._token_features(*(values[n] for n in lp.token_feature_inputs))
         batch = q_side.shape[:-2]
@@ -1102,14 +1116,14 @@ class LiftedPlan:
         inputs = lp.chunk_feature_inputs
         # only the streams these features read, each chunk laid out like the traced one
         streams = {n: chunk_stream(invariants[spec.source], spec, layout).contiguous()
-                   for n, spec in zip(prog.stream_inputs(), prog.streams) if n in inputs}
-        values, dims = _bind(prog, streams, invariants, states0)
+                   for n, spec in zip(self._inputs.streams, prog.streams) if n in inputs}
+        values, dims = _bind(self._inputs, streams, invariants, states0)
         in_dims = tuple(dims[n] for n in inputs)
         args = [values[n] for n in inputs]
         if all(d is None for d in in_dims):   # from parameters alone (a fixed decay per head)
             return [c.unsqueeze(0).expand(layout.n_chunks, *c.shape)
                     for c in lp.chunk_features(*args)]
-        return list(vmap(lp.chunk_features, in_dims=in_dims)(*args))
+        return list(flat_vmap(lp.chunk_features, in_dims, args))
 
 
 

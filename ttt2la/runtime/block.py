@@ -280,14 +280,15 @@ def chunk_states(G, *, momentum, schedule, ns_eps, ns_dtype, weight_norm, W0, de
 
 
 def block_group(n: int, C: int, Dk: int, Dv: int, *, order, momentum, schedule,
-                weight_norm, decay=None, value_decay=None) -> int:
+                weight_norm, decay=None, value_decay=None, matrices: int | None = None) -> int:
     """Chunks per group the torch op runs (1: the state form): groups only for a state that is
     a sum of increments decayed per matrix (no momentum, Newton–Schulz, weight norm or decay
-    per state row or column)."""
+    per state row or column), where ``group_chunks`` says so for ``matrices`` (batch × heads)
+    states."""
     if order == "full" or momentum is not None or schedule or weight_norm is not None \
             or (decay is not None and decay.dim() == 4) or value_decay is not None:
         return 1
-    return group_chunks(C, Dk, Dv, n)
+    return group_chunks(C, Dk, Dv, n, matrices)
 
 
 def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusive", lr=None,
@@ -320,7 +321,8 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
         per_token = step_scale.to(dt).repeat_interleave(C, dim=1)[:, :T]
         u, step_scale = u * per_token.unsqueeze(-1), None
     group = block_group(n, C, Dk, Dv, order=order, momentum=momentum, schedule=schedule,
-                        weight_norm=weight_norm, decay=decay, value_decay=value_decay)
+                        weight_norm=weight_norm, decay=decay, value_decay=value_decay,
+                        matrices=B * H)
 
     if group > 1:
         o, final = grouped_block_linear_attention(

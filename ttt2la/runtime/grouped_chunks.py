@@ -32,13 +32,23 @@ from ttt2la.runtime.scan import _transfer, blocked_scan
 #: (``docs/runtime.md``, "Groups of chunks").
 GROUP_TOKENS = 32
 GROUP_MAX_FEATURES = 32
+#: A call of at most this many state matrices (batch × heads) keeps the state form while its
+#: tokens over all matrices number fewer than ``SHORT_CALL_FACTOR · C²``: grouping's fixed cost
+#: (the masks, the scan over groups) is not repaid there, and the state form's loop over the
+#: matrices is short (``docs/runtime.md``, "Groups of chunks").
+SHORT_CALL_MATRICES = 2
+SHORT_CALL_FACTOR = 16
 
 
-def group_chunks(chunk_size: int, Dk: int, Dv: int, n: int) -> int:
-    """Chunks per group for ``n`` chunks of ``chunk_size`` tokens with ``[Dk, Dv]`` states: 1
-    (the state form) unless two or more chunks fit in ``GROUP_TOKENS`` and the features are at
-    most ``GROUP_MAX_FEATURES`` wide."""
+def group_chunks(chunk_size: int, Dk: int, Dv: int, n: int, matrices: int | None = None) -> int:
+    """Chunks per group for ``n`` chunks of ``chunk_size`` tokens with ``matrices`` ``[Dk, Dv]``
+    states (batch × heads; ``None``: not known): 1 (the state form) unless two or more chunks
+    fit in ``GROUP_TOKENS``, the features are at most ``GROUP_MAX_FEATURES`` wide, and the call
+    is not a short one of few matrices (``SHORT_CALL_MATRICES``)."""
     if min(Dk, Dv) > GROUP_MAX_FEATURES or 2 * chunk_size > GROUP_TOKENS or n < 2:
+        return 1
+    if matrices is not None and matrices <= SHORT_CALL_MATRICES \
+            and matrices * n < SHORT_CALL_FACTOR * chunk_size:
         return 1
     return min(n, GROUP_TOKENS // chunk_size)
 
@@ -49,8 +59,8 @@ def _chunk_factors(decay, BH: int, n: int, m: int, s: int, exclusive: bool, like
     if decay is None:
         return None
     d = decay.to(like.dtype).movedim(2, 1).reshape(BH, n)
-    if exclusive:
-        d = torch.cat([d[:, :-1], torch.ones_like(d[:, -1:])], dim=1)
+    if exclusive:                   # the last chunk's factor is 1, as the padding's: one pad
+        return F.pad(d[:, :-1], (0, m * s - n + 1), value=1.0).reshape(BH, m, s)
     return F.pad(d, (0, m * s - n), value=1.0).reshape(BH, m, s)
 
 
@@ -115,4 +125,5 @@ def grouped_block_linear_attention(phi_q, phi_k, u, *, chunk_size: int, order: s
     return o, states[:, -1].reshape(B, H, Dk, Dv)
 
 
-__all__ = ["grouped_block_linear_attention", "group_chunks", "GROUP_TOKENS", "GROUP_MAX_FEATURES"]
+__all__ = ["grouped_block_linear_attention", "group_chunks", "GROUP_TOKENS", "GROUP_MAX_FEATURES",
+           "SHORT_CALL_MATRICES", "SHORT_CALL_FACTOR"]

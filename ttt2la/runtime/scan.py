@@ -34,17 +34,40 @@ SEQUENTIAL_MAX_STEPS = 16
 SCAN_BLOCK = 64
 
 
+#: The boolean triangles of ``_transfer`` per (side, device), made once: they depend on the
+#: side alone, and a short call dispatched the five ops making them on every scan.
+_TRIANGLES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _triangles(s: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lower, after, above)``: ``[s, s]`` masks of ``i ≤ j``, ``i < j`` and ``i > j``
+    (``[j, i]``). Kept for plain tensors outside a compiler's tracing; fake or traced tensors
+    get their own, as a constant kept across calls must be a real tensor."""
+    key = (s, like.device)
+    found = _TRIANGLES.get(key)
+    if found is not None and type(like) is torch.Tensor and not torch.compiler.is_compiling():
+        return found
+    # outside inference mode: a kept mask is read by calls that record gradients
+    with torch.inference_mode(False):
+        lower = torch.ones(s, s, dtype=torch.bool, device=like.device).tril()
+        after = torch.ones(s, s, dtype=torch.bool, device=like.device).tril(-1)  # l > i
+        made = (lower, after, ~lower)
+    if type(like) is torch.Tensor and not torch.compiler.is_compiling() \
+            and type(lower) is torch.Tensor:
+        _TRIANGLES[key] = made
+    return made
+
+
 def _transfer(a: torch.Tensor | None, s: int, like: torch.Tensor) -> torch.Tensor:
     """``L[..., j, i] = a_{i+1} ⋯ a_j`` for ``i ≤ j`` (0 above the diagonal), from ``a [..., s]``.
 
     ``a=None`` means every factor is 1 (a prefix sum): ``L`` is the lower-triangular ones.
     """
-    lower = torch.ones(s, s, dtype=torch.bool, device=like.device).tril()
+    lower, after, above = _triangles(s, like)
     if a is None:
         return lower.to(like.dtype)
-    after = torch.ones(s, s, dtype=torch.bool, device=like.device).tril(-1)  # [l, i]: l > i
-    factors = torch.where(after, a.unsqueeze(-1), torch.ones((), dtype=a.dtype, device=a.device))
-    return torch.cumprod(factors, dim=-2).masked_fill(~lower, 0.0)
+    factors = torch.where(after, a.unsqueeze(-1), 1.0)     # a scalar 1 keeps a's dtype
+    return torch.cumprod(factors, dim=-2).masked_fill(above, 0.0)
 
 
 def blocked_scan(a: torch.Tensor | None, f: torch.Tensor,
