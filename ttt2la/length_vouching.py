@@ -99,7 +99,9 @@ def vouching(rl) -> LengthVouching | None:
         return None
     axis, rank = layout.token_axis[layout.ref], x.dim()
     loop = rl.candidate.loop
-    found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True)
+    from .converted import original_class
+    found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True,
+                          owner=original_class(type(rl.candidate.module)))
     if not found:
         return None
     traced = {rl.L0, rl.L1, x.shape[axis]}
@@ -150,14 +152,12 @@ def example_branch(rl) -> str:
     return ""
 
 
-def refuse_lossy_branch(rl, lossy: list[str]) -> None:
-    """Raise where a lossy conversion's code takes another Python branch at the example's length
-    than at the probe lengths (``example_branch``): its converted graphs, fitted from the probe
-    traces, would compute the other branch's function there, and the code as written does not
-    compute the simplified one (``lossy``: the passes that change the function)."""
-    why = example_branch(rl)
-    if not why:
-        return
+def refuse_lossy_branch(rl, lossy: list[str], why: str) -> None:
+    """Raise for a lossy conversion whose code takes another Python branch at the example's
+    length than at the probe lengths (``why``: where, from ``example_branch`` or the source):
+    its converted graphs, fitted from the probe traces, would compute the other branch's
+    function there, and the code as written does not compute the simplified one (``lossy``: the
+    passes that change the function)."""
     L, loop = example_length(rl), rl.candidate.loop
     raise UnsupportedTTTError(
         f"{rl.path or 'the model'} (the loop at {loop.src}): its code takes another Python branch "
