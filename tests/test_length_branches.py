@@ -216,7 +216,9 @@ def test_helper_lines_in_the_source():
 
 @settings(max_examples=12, deadline=None)
 @given(kind=st.sampled_from(sorted(LAYERS)), level=st.integers(0, 6),
-       example=st.integers(6, 26), calls=st.lists(st.integers(2, 40), min_size=2, max_size=4))
+       example=st.integers(6, 26) | st.sampled_from([8, 16, 24]),
+       calls=st.lists(st.integers(2, 40) | st.sampled_from([8, 16, 24, 32]), min_size=2,
+                      max_size=4))
 def test_every_call_is_the_code_function_or_refused(kind, level, example, calls):
     """Random layers, levels, example lengths and call lengths: every call gives the function
     the code computes at its length (the original at exact levels, within 1e-5 for outputs and
