@@ -369,20 +369,31 @@ def _callee(file: str, fn: ast.FunctionDef, call: ast.Call, me: str,
     if not inspect.isfunction(obj) or obj.__name__ == "<lambda>":
         return None
     code = obj.__code__
-    where = os.path.realpath(code.co_filename)
-    if any(where.startswith(root) for root in _library_roots()):
+    if _real(code.co_filename).startswith(_library_roots()):
         return None
     return _def_line(code.co_filename, obj.__name__, code.co_firstlineno)
 
 
+#: imported modules by the real path of their source, filled as ``_module_of`` looks
+_MODULES: dict = {}
+
+
 def _module_of(file: str):
     """The imported module whose source is ``file`` (``None``: none is)."""
-    want = os.path.realpath(file)
+    want = _real(file)
+    module = _MODULES.get(want)
+    if module is not None and sys.modules.get(module.__name__) is module:
+        return module
     for module in list(sys.modules.values()):
         source = getattr(module, "__file__", None)
-        if source and os.path.realpath(source) == want:
-            return module
-    return None
+        if isinstance(source, str):
+            _MODULES[_real(source)] = module
+    return _MODULES.get(want)
+
+
+@functools.lru_cache(maxsize=4096)
+def _real(path: str) -> str:
+    return os.path.realpath(path)
 
 
 @functools.lru_cache(maxsize=1)
@@ -408,6 +419,7 @@ def _class_of(file: str, fn: ast.FunctionDef) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=256)
 def _def_line(file: str, name: str, first: int) -> tuple[str, int] | None:
     """``file`` and the ``def`` line of the function ``name`` whose code starts at ``first``
     (its first decorator's line, where it has decorators)."""
