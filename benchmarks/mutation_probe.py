@@ -1212,13 +1212,34 @@ MUTATIONS = [
         (("ttt2la/conversion.py", "        check = _example_branch(layer, ref) or check\n", "        pass\n"),),
         ("tests/test_length_values.py",), "example_length_runs"),
     Mutation(
-        "example_branch_op_unnamed", "the traces at the example's length and the probe lengths are not compared op by op, so a branch in a helper function is reported as a bug",
+        "example_branch_op_unnamed", "the traces at the example's length and the probe lengths are not compared op by op, so a branch in a helper no source reading resolves is reported as a bug",
         (("ttt2la/length_vouching.py", "        if a.target != e.target:\n", "        if False:\n"),),
-        ("tests/test_length_values.py",), "example_length_runs and helper"),
+        ("tests/test_length_values.py",), "example_length_runs and hidden"),
     Mutation(
         "branch_after_the_loop_unread", "a branch on the length after the loop is not read from the source, so the plan runs unchecked at lengths that take the other branch",
-        (("ttt2la/length_vouching.py", "(axis, axis - rank, rank), after=True)", "(axis, axis - rank, rank))"),),
+        (("ttt2la/length_vouching.py", "(axis, axis - rank, rank), after=True,", "(axis, axis - rank, rank),"),),
         ("tests/test_length_values.py",), "checked_at_other_lengths"),
+    Mutation(
+        "lossy_example_branch_converted", "a lossy conversion whose code takes another Python branch at the example's length than at the probe lengths is not refused: its graphs compute the probes' branch there",
+        (("ttt2la/conversion.py", "        _refuse_lossy_branch(layer, ref)\n", "        pass\n"),),
+        ("tests/test_length_branches.py",), "other_branch_at_the_example"),
+    Mutation(
+        "lossy_branch_named_by_ops_only", "a lossy conversion off the code at the example's length is refused only where the ops around the loop differ, so a branch whose value reaches the loop converts the probes' branch",
+        (("ttt2la/conversion.py", "why = example_branch(layer.rl) or (held.what if held is not None else \"\")",
+          "why = example_branch(layer.rl)"),),
+        ("tests/test_length_branches.py",), "other_branch_at_the_example and rate"),
+    Mutation(
+        "helper_branch_unread", "the helpers the code around the loop calls are not read for uses of the length, so the plan runs unchecked at lengths where a helper takes another branch",
+        (("ttt2la/frontend/length_values.py", "        if depth < _HELPER_DEPTH:\n", "        if False:\n"),),
+        ("tests/test_length_branches.py",), "probes_branch_at_the_example or helper_lines"),
+    Mutation(
+        "helper_method_of_the_defining_class", "``self.helper(...)`` is read in the class that defines the loop's function, not in the layer's own class, so a subclass's override that branches goes unread",
+        (("ttt2la/length_vouching.py", "owner=original_class(type(rl.candidate.module)))", "owner=None)"),),
+        ("tests/test_length_branches.py",), "probes_branch_at_the_example and method"),
+    Mutation(
+        "helper_parameters_unbound", "a helper's parameters passed a value of the length are not taken as values of the length, so its branch on them goes unread",
+        (("ttt2la/frontend/length_values.py", "_read(*helper, axes, True, names, out,", "_read(*helper, axes, True, set(), out,"),),
+        ("tests/test_length_branches.py",), "probes_branch_at_the_example and helper"),
     Mutation(
         "changed_attributes_unguarded", "a plain attribute changed after conversion (a step size, the chunk size) is not looked at: the graphs run with the value traced",
         (("ttt2la/converted.py", "change = None if guard is None else guard.changed(self)",

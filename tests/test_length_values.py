@@ -3,6 +3,7 @@ may change outside the lengths the probes traced: such a layer computes the code
 every length (an exact conversion checks each new length against the code as written once) or
 refuses the length (lossy), naming the line; a chunk size that moves between probe lengths is
 refused at conversion, naming the line that derives it."""
+import functools
 import math
 
 import pytest
@@ -167,8 +168,8 @@ def doubled_unless_eight(o, T):
 
 
 class HelperBranchAfterLoop(BranchAfterLoop):
-    """``BranchAfterLoop`` with its branch in a helper function, which the source reading of the
-    loop's function does not follow: the trace at the example's length names it."""
+    """``BranchAfterLoop`` with its branch in a helper function: the source reading follows the
+    call, and the trace at the example's length names the line too."""
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -179,6 +180,26 @@ class HelperBranchAfterLoop(BranchAfterLoop):
             outs.append(q[:, s:s + 4] @ S)
             S = S + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
         return doubled_unless_eight(torch.cat(outs, 1), T)
+
+
+class HiddenBranchAfterLoop(HelperBranchAfterLoop):
+    """``HelperBranchAfterLoop`` calling its helper through a ``functools.partial`` held by the
+    layer, which no source reading resolves: only the trace at the example's length names the
+    line."""
+
+    def __init__(self):
+        super().__init__()
+        self.close = functools.partial(doubled_unless_eight)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        return self.close(torch.cat(outs, 1), T)
 
 
 class StepBranch(nn.Module):
@@ -216,6 +237,8 @@ def same_or_refused(converted, original, xs):
 
 BRANCHED = {"loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2", (16, 8, 24, 32, 12, 17)),
             "helper": (HelperBranchAfterLoop, "return o * 2 if T % 8 else o + 2",
+                       (16, 8, 24, 12, 17)),
+            "hidden": (HiddenBranchAfterLoop, "return o * 2 if T % 8 else o + 2",
                        (16, 8, 24, 12, 17)),
             "step": (StepBranch, "o = o * 2 if x.shape[1] > 6 else o + 2", (6, 3, 5, 7, 12))}
 

@@ -41,7 +41,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, r
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .gradient_stops import detached_state, unseen_stop
-from .length_vouching import example_branch, unvouch_example, vouching
+from .length_vouching import example_branch, refuse_lossy_branch, unvouch_example, vouching
 from .padded_chunk import padding_changes
 from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
@@ -633,6 +633,8 @@ def _checked(layer: _Layer) -> dict:
     rewritten loop; raises when an exact conversion does not match."""
     rl, state = layer.rl, layer.state
     ref = run_module(layer.original, *_layer_inputs(rl))
+    if not layer.exact and state is not None:   # its check measures a drift: it cannot tell
+        _refuse_lossy_branch(layer, ref)
     check = _check(ref, rl.candidate.module, rl, layer.exact, state)
     if layer.exact and state is not None and not check.get("ok", True):
         check = _example_branch(layer, ref) or check
@@ -645,6 +647,29 @@ def _checked(layer: _Layer) -> dict:
             "applied pass is exact; this is a bug in ttt2la — please report it with the "
             "model. Use strict=False at a lower level meanwhile.")
     return check
+
+
+def _refuse_lossy_branch(layer: _Layer, ref) -> None:
+    """Refuse a lossy conversion whose code takes another Python branch at the example's length
+    than at the probe lengths (``refuse_lossy_branch``). Its own check measures a drift, which
+    cannot tell; the layer's exact twin, built from the same probe traces, can: where it is off
+    the code as written at the example's length, the traces (``example_branch``) or the source
+    (the vouching's lines) name the branch."""
+    twin = layer.exact_twin
+    if twin is None:
+        return
+    state, converted = twin
+    try:
+        agrees = _check(ref, converted, layer.rl, True, state)["ok"]
+    except ConversionError:                 # another shape: another branch as well
+        agrees = False
+    if agrees:
+        return
+    held = layer.state.length_vouching
+    why = example_branch(layer.rl) or (held.what if held is not None else "")
+    if why:
+        refuse_lossy_branch(layer.rl, [r.name for r in layer.prepared.results if not r.exact],
+                            why)
 
 
 def _example_branch(layer: _Layer, ref) -> dict | None:

@@ -13,7 +13,8 @@ the conversion's check finds the plan off the code as written at the example's l
 ``example_branch`` traces the layer there and names the first op (or constant) that differs
 from the probe traces — the code takes another Python branch at that length — and
 ``unvouch_example`` leaves that length to the code as written (``LengthVouching`` with the
-example's length not vouched for), instead of reporting a bug.
+example's length not vouched for), instead of reporting a bug. A lossy conversion, whose
+function the code as written does not compute, is refused there (``refuse_lossy_branch``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import UnsupportedShapeError
+from .errors import UnsupportedShapeError, UnsupportedTTTError
 from .frontend.length_values import describe, length_values
 from .ir import SRC, torch_name
 from .original_class import original_class
@@ -99,7 +100,9 @@ def vouching(rl) -> LengthVouching | None:
         return None
     axis, rank = layout.token_axis[layout.ref], x.dim()
     loop = rl.candidate.loop
-    found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True)
+    from .converted import original_class
+    found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True,
+                          owner=original_class(type(rl.candidate.module)))
     if not found:
         return None
     traced = {rl.L0, rl.L1, x.shape[axis]}
@@ -150,6 +153,23 @@ def example_branch(rl) -> str:
     return ""
 
 
+def refuse_lossy_branch(rl, lossy: list[str], why: str) -> None:
+    """Raise for a lossy conversion whose code takes another Python branch at the example's
+    length than at the probe lengths (``why``: where, from ``example_branch`` or the source):
+    its converted graphs, fitted from the probe traces, would compute the other branch's
+    function there, and the code as written does not compute the simplified one (``lossy``: the
+    passes that change the function)."""
+    L, loop = example_length(rl), rl.candidate.loop
+    raise UnsupportedTTTError(
+        f"{rl.path or 'the model'} (the loop at {loop.src}): its code takes another Python branch "
+        f"at the example's length {L} than at the probe lengths {rl.L0} and {rl.L1} it was "
+        f"traced at ({why}). The lossy passes ({', '.join(lossy)}) change the function the code "
+        f"as written computes, and the converted graphs, fitted from the probe traces, would "
+        f"take the probes' branch at length {L}. Convert it with example inputs of a length "
+        f"that takes the probes' branch, convert it at an exact level (the code as written then "
+        f"runs at length {L}), or compute the branch from sizes that do not change.")
+
+
 def _outer_tracer(rl):
     """``at(B, L)``: the ops of the layer's code as written outside its loop (all of them, for a
     single step), traced at batch ``B`` and length ``L``."""
@@ -198,4 +218,5 @@ def unvouch_example(state, rl, why: str) -> str:
             f"length {L}, the plan at lengths where it was checked to agree with it")
 
 
-__all__ = ["LengthVouching", "vouching", "example_branch", "example_length", "unvouch_example"]
+__all__ = ["LengthVouching", "vouching", "example_branch", "example_length", "unvouch_example",
+           "refuse_lossy_branch"]

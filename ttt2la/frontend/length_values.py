@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
+import os
+import sys
 from dataclasses import dataclass
 
 #: what a length is called where a shape of another rank than the input's is unpacked
@@ -37,13 +40,21 @@ class LengthValue:
         return f"`{self.code}` at {self.file}:{self.line} {self.what} the length"
 
 
+@functools.lru_cache(maxsize=64)
+def _tree(file: str) -> ast.Module | None:
+    """The parsed source of ``file`` (``None`` where it cannot be read)."""
+    try:
+        with open(file) as f:
+            return ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=256)
 def _function_at(file: str, line: int) -> ast.FunctionDef | None:
     """The innermost function definition of ``file`` that holds ``line``."""
-    try:
-        with open(file) as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
+    tree = _tree(file)
+    if tree is None:
         return None
     best = None
     for node in ast.walk(tree):
@@ -197,24 +208,54 @@ def _chunk_step(loop: ast.stmt, derived: set[str], axes, me: str) -> ast.AST | N
 
 
 def length_values(file: str, loop_line: int, axes: tuple[int, ...], *,
-                  after: bool = False) -> list[LengthValue]:
+                  after: bool = False, owner: type | None = None) -> list[LengthValue]:
     """The uses of a value of the length in the function holding the loop at
     ``file:loop_line``, before the loop and in the loop statement; with ``after``, in the
     statements after the loop too (a branch there changes the code around the loop, which the
     probe traces show at their lengths only). ``axes``: the input's token axis, counted from
     the front and from the back, then its rank (a shape of that rank unpacked gives the length
     at the token axis; another rank, at a name like ``T``). A ``loop_line`` on the function's
-    own ``def`` (a single step, which runs no loop) makes every statement one after it."""
+    own ``def`` (a single step, which runs no loop) makes every statement one after it. The
+    plain functions and methods of the layer those statements call are read too
+    (``_helper_calls``; ``owner``: the layer's class, whose methods ``self.helper(…)`` calls):
+    a branch in a helper is the code's branch all the same."""
+    out: dict[tuple[str, int], LengthValue] = {}
+    _read(file, loop_line, axes, after, set(), out, set(), 0, True, owner)
+    return sorted(out.values(), key=lambda v: (v.file != file, v.file, v.line))
+
+
+#: how deep calls of helpers from the code around the loop are followed
+_HELPER_DEPTH = 3
+
+
+def _read(file: str, loop_line: int, axes: tuple[int, ...], after: bool, given: set[str],
+          out: dict, seen: set, depth: int, method: bool, owner: type | None) -> None:
+    """``length_values`` of one function into ``out`` (keyed by file and line), its names
+    ``given`` bound from the length already (a helper's parameters passed a value of it)."""
     fn = _function_at(file, loop_line)
     if fn is None:
-        return []
+        return
     lines = _source_lines(file)
-    derived = _Derived()
+    derived = _Derived(given)
     derived.looping, derived.where = set(), {}
-    out: dict[int, LengthValue] = {}
     loop_end = [loop_line]
 
-    me = fn.args.args[0].arg if fn.args.args else ""
+    me = fn.args.args[0].arg if fn.args.args and method else ""
+
+    def add(value: LengthValue) -> None:
+        out.setdefault((value.file, value.line), value)
+
+    def found(stmt: ast.stmt) -> None:
+        """The uses in ``stmt`` (an ``if``'s or ``while``'s test only), and in the helpers it
+        calls."""
+        for node, what in _uses(stmt, derived, axes, me):
+            add(_value(file, lines, node, what))
+        if depth < _HELPER_DEPTH:
+            for helper, names, is_method in _helper_calls(file, fn, stmt, derived, axes, me,
+                                                          owner):
+                if (helper, frozenset(names)) not in seen:
+                    seen.add((helper, frozenset(names)))
+                    _read(*helper, axes, True, names, out, seen, depth + 1, is_method, owner)
 
     def walk(body: list[ast.stmt]) -> bool:
         """Follow ``body`` up to the loop statement; ``True`` once it is reached."""
@@ -228,10 +269,8 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...], *,
                 if step is not None:
                     bound = derived.where.get(step.id) if isinstance(step, ast.Name) else None
                     if bound is not None:
-                        out.setdefault(bound, _value(file, lines, bound,
-                                                     f"computes the chunk size {step.id} from"))
-                    out.setdefault(step.lineno, _value(file, lines, step,
-                                                       "sets the chunk size from"))
+                        add(_value(file, lines, bound, f"computes the chunk size {step.id} from"))
+                    add(_value(file, lines, step, "sets the chunk size from"))
                 return True
             if isinstance(stmt, (ast.For, ast.While)):
                 if end >= loop_line:            # the loop is nested in this one
@@ -242,8 +281,7 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...], *,
                 continue
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
-            for node, what in _uses(stmt, derived, axes, me):
-                out.setdefault(node.lineno, _value(file, lines, node, what))
+            found(stmt)
             if isinstance(stmt, ast.If):
                 if walk(stmt.body) or walk(stmt.orelse):
                     return True
@@ -262,8 +300,7 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...], *,
                     stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
             if stmt.lineno > loop_end[0] and isinstance(stmt, (ast.If, ast.While)):
-                for node, what in _uses(stmt, derived, axes, me):
-                    out.setdefault(node.lineno, _value(file, lines, node, what))
+                found(stmt)
             blocks = [getattr(stmt, k, None) for k in ("body", "orelse", "finalbody")] + \
                 [h.body for h in getattr(stmt, "handlers", [])]
             if isinstance(stmt, (ast.If, ast.While, ast.For, ast.With, ast.Try)):
@@ -271,14 +308,127 @@ def length_values(file: str, loop_line: int, axes: tuple[int, ...], *,
                     if block:
                         rest(block)
                 continue
-            for node, what in _uses(stmt, derived, axes, me):
-                out.setdefault(node.lineno, _value(file, lines, node, what))
+            found(stmt)
             _bind(stmt, derived, axes, me)
 
     walk(fn.body)
     if after:
         rest(fn.body)
-    return sorted(out.values(), key=lambda v: v.line)
+
+
+def _helper_calls(file: str, fn: ast.FunctionDef, stmt: ast.stmt, derived: set[str], axes,
+                  me: str, owner: type | None) -> list[tuple[tuple[str, int], set[str], bool]]:
+    """The helpers ``stmt`` calls (in an ``if``'s or ``while``'s test only: its blocks are
+    statements of their own) whose source can be read: each as its file and ``def`` line, the
+    names of its parameters passed a value of the length, and whether it is a method."""
+    roots = [stmt.test] if isinstance(stmt, (ast.If, ast.While)) else [stmt]
+    calls = []
+    for node in (n for r in roots for n in ast.walk(r)):
+        if not (isinstance(node, ast.Call) and _plain_call(node, me)):
+            continue
+        where = _callee(file, fn, node, me, owner)
+        helper = None if where is None else _function_at(*where)
+        if helper is None:
+            continue
+        is_method = isinstance(node.func, ast.Attribute)
+        params = [a.arg for a in (*helper.args.posonlyargs, *helper.args.args)]
+        params = params[1:] if is_method else params
+        names = {p for p, a in zip(params, node.args)
+                 if not isinstance(a, ast.Starred) and _derives(a, derived, axes, me)}
+        names |= {k.arg for k in node.keywords
+                  if k.arg is not None and _derives(k.value, derived, axes, me)}
+        calls.append((where, names, is_method))
+    return calls
+
+
+def _callee(file: str, fn: ast.FunctionDef, call: ast.Call, me: str,
+            owner: type | None) -> tuple[str, int] | None:
+    """The file and ``def`` line of the function ``call`` calls: a name of the module that
+    defines ``fn``, or a method (``self.helper(…)``) of ``owner`` where ``fn`` is one of its
+    methods (a subclass's override is the one that runs), else of the class holding ``fn``;
+    ``None`` where it is no Python function of the user's code (a builtin, ``math``, torch, a
+    library)."""
+    scope = _module_of(file)
+    if scope is None:
+        return None
+    f = call.func
+    if isinstance(f, ast.Name):
+        obj = vars(scope).get(f.id)
+    elif isinstance(f, ast.Attribute) and me and f.value.id == me:
+        name = _class_of(file, fn)
+        cls = owner if owner is not None and name in {c.__name__ for c in owner.__mro__} \
+            else vars(scope).get(name) if name else None
+        obj = inspect.getattr_static(cls, f.attr, None) if isinstance(cls, type) else None
+        obj = getattr(obj, "__func__", obj)         # a staticmethod or classmethod
+    else:
+        return None
+    try:
+        obj = inspect.unwrap(obj)
+    except ValueError:
+        return None
+    if not inspect.isfunction(obj) or obj.__name__ == "<lambda>":
+        return None
+    code = obj.__code__
+    if _real(code.co_filename).startswith(_library_roots()):
+        return None
+    return _def_line(code.co_filename, obj.__name__, code.co_firstlineno)
+
+
+#: imported modules by the real path of their source, filled as ``_module_of`` looks
+_MODULES: dict = {}
+
+
+def _module_of(file: str):
+    """The imported module whose source is ``file`` (``None``: none is)."""
+    want = _real(file)
+    module = _MODULES.get(want)
+    if module is not None and sys.modules.get(module.__name__) is module:
+        return module
+    for module in list(sys.modules.values()):
+        source = getattr(module, "__file__", None)
+        if isinstance(source, str):
+            _MODULES[_real(source)] = module
+    return _MODULES.get(want)
+
+
+@functools.lru_cache(maxsize=4096)
+def _real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """Where torch, the standard library and installed packages live: code no layer's author
+    wrote, not read for helpers."""
+    import sysconfig
+
+    import torch
+    roots = {os.path.dirname(os.path.realpath(torch.__file__)),
+             os.path.realpath(sysconfig.get_paths()["stdlib"])}
+    roots |= {os.path.realpath(p) for p in sys.path if p.rstrip("/").endswith(
+        ("site-packages", "dist-packages"))}
+    return tuple(r + os.sep for r in roots)
+
+
+def _class_of(file: str, fn: ast.FunctionDef) -> str:
+    """The name of the top-level class of ``file`` whose body defines ``fn`` ("" for none)."""
+    tree = _tree(file)
+    for node in getattr(tree, "body", []):
+        if isinstance(node, ast.ClassDef) and fn in node.body:
+            return node.name
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def _def_line(file: str, name: str, first: int) -> tuple[str, int] | None:
+    """``file`` and the ``def`` line of the function ``name`` whose code starts at ``first``
+    (its first decorator's line, where it has decorators)."""
+    tree = _tree(file)
+    if tree is None:
+        return None
+    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.name == name and n.lineno >= first]
+    return (file, min(defs, key=lambda n: n.lineno).lineno) if defs else None
 
 
 def _value(file: str, lines: tuple[str, ...], node, what: str) -> LengthValue:
