@@ -120,6 +120,9 @@ class AsWritten:
     """A converted layer's races, one per shape it is called at (batch, length, dtype)."""
 
     races: dict[tuple, Race] = field(default_factory=dict)
+    #: The shapes whose race kept the code as written: a call at one of them runs the code
+    #: with the layer's guards only, before the plan's graph for the call is even fetched.
+    kept: set = field(default_factory=set)
 
     def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],
              plan_may_lose: Callable[[], bool], runs: dict, shape: Callable[[], str]):
@@ -145,6 +148,7 @@ class AsWritten:
         if race.calls == 1 and not plan_may_lose():
             race.winner = PLAN
         if race.winner == WRITTEN:
+            self.kept.add(key)
             runs[shape()] = f"as written: the user's own loop ran faster ({race.describe()})"
         return out
 

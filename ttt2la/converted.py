@@ -221,12 +221,18 @@ class ConvertedState:
         limit = self._transform_limit(B)
         if limit:
             return self._under_transform(limit, written, B, L)
+        vouching = self.length_vouching
+        vouched = vouching is None or vouching.lengths.get(L)
+        if vouched and self._kept_as_written(module, flat, B, L):
+            try:
+                return written()
+            except Exception as e:
+                return self._written_failed(e, written, weights, flat, B, L)
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
         plan = lambda: gm.forward(weights, *flat)   # noqa: E731
-        vouching = self.length_vouching
-        if vouching is not None and not vouching.lengths.get(L):
+        if not vouched:
             with buffers_kept(module):      # the check's runs are not the call's
                 unvouched = self._unvouched_length(vouching, plan, written, B, L)
             if unvouched is not None:
@@ -234,9 +240,8 @@ class ConvertedState:
         try:
             if self.as_written is None or not races(module, flat):
                 return plan()
-            dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
             return self.as_written.call(
-                (B, L, dtype), plan, written, lambda: may_lose(self.loop_for(B).plan, L),
+                _race_key(B, L, flat), plan, written, lambda: may_lose(self.loop_for(B).plan, L),
                 self.runs, lambda: AsWritten.shape(self._batch(B), L))
         except PartialChunkError as e:
             return self._written_instead(
@@ -245,10 +250,26 @@ class ConvertedState:
                 f"its last chunk is partial, where the plan's zero padding would change {e.what}",
                 refusal=e)
         except Exception as e:
-            if self.as_written is not None and not isinstance(e, ConversionError) \
-                    and fails_in_loop(gm, [weights, *flat]):
-                return self._loop_failed(e, written, B, L)
-            raise self._rejected(e, gm, [weights, *flat]) from e
+            if self.as_written is None:
+                raise self._rejected(e, gm, [weights, *flat]) from e
+            return self._written_failed(e, written, weights, flat, B, L)
+
+    def _kept_as_written(self, module: torch.nn.Module, flat: list, B: int, L: int) -> bool:
+        """Has a race kept the code as written for this call (``AsWritten.kept``)? Asked before
+        the plan's graph for the call is fetched, so that such a call runs the layer's guards
+        and the user's code, nothing of the plan."""
+        return self.as_written is not None and bool(self.as_written.kept) \
+            and races(module, flat) and _race_key(B, L, flat) in self.as_written.kept
+
+    def _written_failed(self, error: Exception, written, weights: dict, flat: list, B: int,
+                        L: int):
+        """A call of an exact conversion that raised ``error``: where the converted loop fails
+        on it too, the code as written decides (``_loop_failed``); else the error is raised,
+        named at the user's line."""
+        gm = self.outer_for(B, L)
+        if not isinstance(error, ConversionError) and fails_in_loop(gm, [weights, *flat]):
+            return self._loop_failed(error, written, B, L)
+        raise self._rejected(error, gm, [weights, *flat]) from error
 
     def _at_untraced_length(self, why: str, written, B: int, L: int):
         """A call at a length the layer could not be traced at: an exact conversion runs the code
@@ -540,6 +561,12 @@ def _stream_calls() -> dict:
     if calls is None:
         calls = _STREAMING.calls = {}
     return calls
+
+
+def _race_key(B: int, L: int, flat: list) -> tuple:
+    """The shape a race against the code as written is run at: batch, length and the dtype of
+    the first tensor input."""
+    return B, L, next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
 
 
 def _flat_inputs(args, kwargs) -> list:
