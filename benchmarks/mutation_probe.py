@@ -1568,6 +1568,16 @@ MUTATIONS = [
         (("ttt2la/runtime/grouped_chunks.py", "        return F.pad(d[:, :-1], (0, m * s - n + 1), value=1.0)",
           "        return F.pad(d[:, :-1], (0, m * s - n + 1), value=0.0)"),),
         ("tests/test_runtime_block.py",), "groups_of_chunks"),
+    Mutation(
+        "kept_shape_runs_the_full_path", "a call at a shape whose race kept the code as written gathers the weights and fetches the plan's graph before running the code",
+        (("ttt2la/converted.py", "        out = self._ttt2la.kept_call(self, args, kwargs)",
+          "        out = NOT_KEPT"),),
+        ("tests/test_as_written.py",), "kept_as_written"),
+    Mutation(
+        "kept_shape_taken_with_gradients", "a call recording gradients at a shape whose race kept the code as written runs the code, not the plan",
+        (("ttt2la/converted.py", "        if not races(module, flat) or module.training",
+          "        if False or module.training"),),
+        ("tests/test_as_written.py",), "kept_as_written"),
 ]
 
 

@@ -501,3 +501,12 @@ def test_a_shape_kept_as_written_runs_the_users_code_and_the_guards_alone(batch,
     assert rel_rms_error(got, want) <= 1e-5
     assert converted.ops == original.ops
     assert fetched == []            # nothing of the plan, its graph included, is touched
+    with pytest.MonkeyPatch.context() as mp:
+        costs = Costs(mp, conv, plan=2.0, written=1.0)
+        with race_as_written(True):
+            conv(x).sum().backward()        # with gradients: the plan, as before the race
+        assert costs.written_calls == 0
+        conv.q.register_forward_hook(lambda *_: None)
+        with race_as_written(True), torch.no_grad():
+            assert rel_rms_error(conv(x), want) <= 1e-5
+        assert f"batch {batch}, length {length}, hooks on submodules" in state.runs

@@ -221,18 +221,12 @@ class ConvertedState:
         limit = self._transform_limit(B)
         if limit:
             return self._under_transform(limit, written, B, L)
-        vouching = self.length_vouching
-        vouched = vouching is None or vouching.lengths.get(L)
-        if vouched and self._kept_as_written(module, flat, B, L):
-            try:
-                return written()
-            except Exception as e:
-                return self._written_failed(e, written, weights, flat, B, L)
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
         plan = lambda: gm.forward(weights, *flat)   # noqa: E731
-        if not vouched:
+        vouching = self.length_vouching
+        if vouching is not None and not vouching.lengths.get(L):
             with buffers_kept(module):      # the check's runs are not the call's
                 unvouched = self._unvouched_length(vouching, plan, written, B, L)
             if unvouched is not None:
@@ -254,12 +248,39 @@ class ConvertedState:
                 raise self._rejected(e, gm, [weights, *flat]) from e
             return self._written_failed(e, written, weights, flat, B, L)
 
-    def _kept_as_written(self, module: torch.nn.Module, flat: list, B: int, L: int) -> bool:
-        """Has a race kept the code as written for this call (``AsWritten.kept``)? Asked before
-        the plan's graph for the call is fetched, so that such a call runs the layer's guards
-        and the user's code, nothing of the plan."""
-        return self.as_written is not None and bool(self.as_written.kept) \
-            and races(module, flat) and _race_key(B, L, flat) in self.as_written.kept
+    def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """``module(*args, **kwargs)`` run as written where the call is at a shape whose race
+        kept the code as written (``AsWritten.kept``), else ``NOT_KEPT``. Asked before the
+        layer's weights are gathered and matched to a plan: such a call runs no part of any
+        plan, and the weights' dtypes only choose which plan would run. A call any other check
+        of ``__call__`` would send elsewhere (training, a ``torch.func`` transform, another
+        image size, a length the traces do not vouch for, a call ``sizes`` refuses) takes the
+        full path, whose report entries and errors are its own."""
+        kept = self.as_written.kept if self.as_written is not None else None
+        if not kept:
+            return NOT_KEPT
+        flat = _flat_inputs(args, kwargs)
+        layout = self.layout
+        if not races(module, flat) or module.training and self.training_dependence \
+                or torch._C._are_functorch_transforms_active() \
+                or getattr(layout, "other_image", _NO_IMAGE)(flat):
+            return NOT_KEPT
+        try:
+            B, L = layout.sizes(flat)
+        except Exception:
+            return NOT_KEPT
+        B, L = int(B), int(L)
+        vouching = self.length_vouching
+        if _race_key(B, L, flat) not in kept or vouching is not None \
+                and not vouching.lengths.get(L):
+            return NOT_KEPT
+        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        try:
+            return written()
+        except Exception as e:
+            weights = params_and_buffers(module)
+            return self.for_weights(module, weights)._written_failed(e, written, weights, flat,
+                                                                     B, L)
 
     def _written_failed(self, error: Exception, written, weights: dict, flat: list, B: int,
                         L: int):
@@ -563,6 +584,15 @@ def _stream_calls() -> dict:
     return calls
 
 
+#: What ``ConvertedState.kept_call`` returns for a call no race kept as written.
+NOT_KEPT = object()
+
+
+def _NO_IMAGE(flat: list) -> str:
+    """A layout that runs no single step over an image's positions: no other image size."""
+    return ""
+
+
 def _race_key(B: int, L: int, flat: list) -> tuple:
     """The shape a race against the code as written is run at: batch, length and the dtype of
     the first tensor input."""
@@ -660,6 +690,10 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
     if change is not None:
         return self._ttt2la.changed_call(self, args, kwargs, change,
                                          stateful=ttt_state is not None or return_ttt_state)
+    if ttt_state is None and not return_ttt_state:
+        out = self._ttt2la.kept_call(self, args, kwargs)
+        if out is not NOT_KEPT:
+            return out
     weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
         as_written = self.training and self._ttt2la.training_dependence or \
