@@ -68,13 +68,11 @@ def races(module: torch.nn.Module, flat: list) -> bool:
     CPU call in eager mode that records no autograd graph)?"""
     if not _enabled or forced() is not None or torch.compiler.is_compiling():
         return False
-    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-    if any(t.device.type != "cpu" for t in tensors):
-        return False
-    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
-                                    or any(p.requires_grad for p in module.parameters())):
-        return False
-    return True
+    grad = torch.is_grad_enabled()
+    for t in flat:          # a plain loop: every call of a kept shape asks this
+        if isinstance(t, torch.Tensor) and (not t.is_cpu or grad and t.requires_grad):
+            return False
+    return not grad or not any(p.requires_grad for p in module.parameters())
 
 
 def may_lose(plan, length: int) -> bool:

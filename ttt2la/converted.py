@@ -596,7 +596,10 @@ def _NO_IMAGE(flat: list) -> str:
 def _race_key(B: int, L: int, flat: list) -> tuple:
     """The shape a race against the code as written is run at: batch, length and the dtype of
     the first tensor input."""
-    return B, L, next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            return B, L, t.dtype
+    return B, L, None
 
 
 def _flat_inputs(args, kwargs) -> list:
