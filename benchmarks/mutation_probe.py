@@ -179,8 +179,8 @@ MUTATIONS = [
         "race_with_gradients", "a call that records gradients races the plan against the code "
         "as written (whose backward is the slower)",
         (("ttt2la/as_written.py",
-          "    if torch.is_grad_enabled() and (",
-          "    if False and ("),),
+          "    grad = torch.is_grad_enabled()",
+          "    grad = False"),),
         ("tests/test_as_written.py",), "gradients"),
     Mutation(
         "race_during_the_checks", "convert's own checks of a layer already race it, so a check "
@@ -810,7 +810,8 @@ MUTATIONS = [
         ("tests/test_single_step.py",), "reads_tokens_in_order"),
     Mutation(
         "loop_failure_not_written", "a call the converted loop fails on is not answered by the code as written",
-        (("ttt2la/converted.py", "                    and fails_in_loop(gm, [weights, *flat]):", "                    and False:"),),
+        (("ttt2la/converted.py", "        if not isinstance(error, ConversionError) and fails_in_loop(gm, [weights, *flat]):",
+                                 "        if not isinstance(error, ConversionError) and False:"),),
         ("tests/test_call_errors.py",), "loop_fails or only_the_loop"),
     Mutation(
         "dict_keys_ignored", "states made by a dict literal are named by the line that updates them",
@@ -1589,6 +1590,16 @@ MUTATIONS = [
         (("ttt2la/runtime/grouped_chunks.py", "        return F.pad(d[:, :-1], (0, m * s - n + 1), value=1.0)",
           "        return F.pad(d[:, :-1], (0, m * s - n + 1), value=0.0)"),),
         ("tests/test_runtime_block.py",), "groups_of_chunks"),
+    Mutation(
+        "kept_shape_runs_the_full_path", "a call at a shape whose race kept the code as written gathers the weights and fetches the plan's graph before running the code",
+        (("ttt2la/converted.py", "        out = self._ttt2la.kept_call(self, args, kwargs)",
+          "        out = NOT_KEPT"),),
+        ("tests/test_as_written.py",), "kept_as_written"),
+    Mutation(
+        "kept_shape_taken_with_gradients", "a call recording gradients at a shape whose race kept the code as written runs the code, not the plan",
+        (("ttt2la/converted.py", "        if not races(module, flat) or module.training",
+          "        if False or module.training"),),
+        ("tests/test_as_written.py",), "kept_as_written"),
 ]
 
 

@@ -11,11 +11,13 @@ paths and the switch never race.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings, strategies as st
 
 import ttt2la
@@ -459,3 +461,52 @@ def test_a_mean_over_the_chunk_is_never_padded(loss):
                             runs[f"batch 2, length {T}, partial last chunk"])
         assert partial and not re.search(r"\d", partial.group(1)), runs
     assert not any("partial" in key for key in runs if "length 32" in key)
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a block of code dispatches, counted by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=st.sampled_from([1, 2]), length=st.sampled_from([16, 32]))
+def test_a_shape_kept_as_written_runs_the_users_code_and_the_guards_alone(batch, length):
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    layer, conv = _converted(LOOPING, x0)
+    x = torch.randn(batch, length, LOOPING["d_model"])
+    state = conv._ttt2la
+    with pytest.MonkeyPatch.context() as mp:
+        Costs(mp, conv, plan=2.0, written=1.0)
+        with race_as_written(True), torch.no_grad():
+            for _ in range(CALLS_TO_DECIDE):
+                conv(x)
+    assert state.as_written.races[(batch, length, torch.float32)].winner == WRITTEN
+    fetched = []
+    with pytest.MonkeyPatch.context() as mp:
+        outer_for = type(state).outer_for
+        mp.setattr(type(state), "outer_for",
+                   lambda self, B, L: fetched.append((B, L)) or outer_for(self, B, L))
+        with race_as_written(True), torch.no_grad():
+            with _Ops() as original:
+                want = layer(x)
+            with _Ops() as converted:
+                got = conv(x)
+    assert rel_rms_error(got, want) <= 1e-5
+    assert converted.ops == original.ops
+    assert fetched == []            # nothing of the plan, its graph included, is touched
+    with pytest.MonkeyPatch.context() as mp:
+        costs = Costs(mp, conv, plan=2.0, written=1.0)
+        with race_as_written(True):
+            conv(x).sum().backward()        # with gradients: the plan, as before the race
+        assert costs.written_calls == 0
+        conv.q.register_forward_hook(lambda *_: None)
+        with race_as_written(True), torch.no_grad():
+            assert rel_rms_error(conv(x), want) <= 1e-5
+        assert f"batch {batch}, length {length}, hooks on submodules" in state.runs

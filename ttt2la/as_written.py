@@ -23,7 +23,10 @@ under a compiler, stateful calls and a path forced with ``scan_choice.scanning``
 Each side is judged by its fastest timed call: on a loaded machine a call preempted by another
 process gains a time slice longer than the calls raced, and the median of three would be such a
 call wherever two were. Each call runs one side only (the plan after the user's code only where
-that raised, which ends the race), so the race adds no work beyond timing.
+that raised, which ends the race), so the race adds no work beyond timing. A call at a shape
+whose race kept the code as written runs it straight after the layer's hook and attribute guards
+(``ConvertedState.kept_call``): no plan is looked up for it, and its checks, run cold after the
+user's forward, are what such a call costs beyond the original.
 """
 from __future__ import annotations
 
@@ -68,13 +71,11 @@ def races(module: torch.nn.Module, flat: list) -> bool:
     CPU call in eager mode that records no autograd graph)?"""
     if not _enabled or forced() is not None or torch.compiler.is_compiling():
         return False
-    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-    if any(t.device.type != "cpu" for t in tensors):
-        return False
-    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
-                                    or any(p.requires_grad for p in module.parameters())):
-        return False
-    return True
+    grad = torch.is_grad_enabled()
+    for t in flat:          # a plain loop: every call of a kept shape asks this
+        if isinstance(t, torch.Tensor) and (not t.is_cpu or grad and t.requires_grad):
+            return False
+    return not grad or not any(p.requires_grad for p in module.parameters())
 
 
 def may_lose(plan, length: int) -> bool:
@@ -120,6 +121,9 @@ class AsWritten:
     """A converted layer's races, one per shape it is called at (batch, length, dtype)."""
 
     races: dict[tuple, Race] = field(default_factory=dict)
+    #: The shapes whose race kept the code as written: a call at one of them runs the code
+    #: with the layer's guards only, before the plan's graph for the call is even fetched.
+    kept: set = field(default_factory=set)
 
     def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],
              plan_may_lose: Callable[[], bool], runs: dict, shape: Callable[[], str]):
@@ -145,6 +149,7 @@ class AsWritten:
         if race.calls == 1 and not plan_may_lose():
             race.winner = PLAN
         if race.winner == WRITTEN:
+            self.kept.add(key)
             runs[shape()] = f"as written: the user's own loop ran faster ({race.describe()})"
         return out
 

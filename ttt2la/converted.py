@@ -234,9 +234,8 @@ class ConvertedState:
         try:
             if self.as_written is None or not races(module, flat):
                 return plan()
-            dtype = next((t.dtype for t in flat if isinstance(t, torch.Tensor)), None)
             return self.as_written.call(
-                (B, L, dtype), plan, written, lambda: may_lose(self.loop_for(B).plan, L),
+                _race_key(B, L, flat), plan, written, lambda: may_lose(self.loop_for(B).plan, L),
                 self.runs, lambda: AsWritten.shape(self._batch(B), L))
         except PartialChunkError as e:
             return self._written_instead(
@@ -245,10 +244,53 @@ class ConvertedState:
                 f"its last chunk is partial, where the plan's zero padding would change {e.what}",
                 refusal=e)
         except Exception as e:
-            if self.as_written is not None and not isinstance(e, ConversionError) \
-                    and fails_in_loop(gm, [weights, *flat]):
-                return self._loop_failed(e, written, B, L)
-            raise self._rejected(e, gm, [weights, *flat]) from e
+            if self.as_written is None:
+                raise self._rejected(e, gm, [weights, *flat]) from e
+            return self._written_failed(e, written, weights, flat, B, L)
+
+    def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """``module(*args, **kwargs)`` run as written where the call is at a shape whose race
+        kept the code as written (``AsWritten.kept``), else ``NOT_KEPT``. Asked before the
+        layer's weights are gathered and matched to a plan: such a call runs no part of any
+        plan, and the weights' dtypes only choose which plan would run. A call any other check
+        of ``__call__`` would send elsewhere (training, a ``torch.func`` transform, another
+        image size, a length the traces do not vouch for, a call ``sizes`` refuses) takes the
+        full path, whose report entries and errors are its own."""
+        kept = self.as_written.kept if self.as_written is not None else None
+        if not kept:
+            return NOT_KEPT
+        flat = _flat_inputs(args, kwargs)
+        layout = self.layout
+        if not races(module, flat) or module.training and self.training_dependence \
+                or torch._C._are_functorch_transforms_active() \
+                or getattr(layout, "other_image", _NO_IMAGE)(flat):
+            return NOT_KEPT
+        try:
+            B, L = layout.sizes(flat)
+        except Exception:
+            return NOT_KEPT
+        B, L = int(B), int(L)
+        vouching = self.length_vouching
+        if _race_key(B, L, flat) not in kept or vouching is not None \
+                and not vouching.lengths.get(L):
+            return NOT_KEPT
+        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        try:
+            return written()
+        except Exception as e:
+            weights = params_and_buffers(module)
+            return self.for_weights(module, weights)._written_failed(e, written, weights, flat,
+                                                                     B, L)
+
+    def _written_failed(self, error: Exception, written, weights: dict, flat: list, B: int,
+                        L: int):
+        """A call of an exact conversion that raised ``error``: where the converted loop fails
+        on it too, the code as written decides (``_loop_failed``); else the error is raised,
+        named at the user's line."""
+        gm = self.outer_for(B, L)
+        if not isinstance(error, ConversionError) and fails_in_loop(gm, [weights, *flat]):
+            return self._loop_failed(error, written, B, L)
+        raise self._rejected(error, gm, [weights, *flat]) from error
 
     def _at_untraced_length(self, why: str, written, B: int, L: int):
         """A call at a length the layer could not be traced at: an exact conversion runs the code
@@ -542,6 +584,24 @@ def _stream_calls() -> dict:
     return calls
 
 
+#: What ``ConvertedState.kept_call`` returns for a call no race kept as written.
+NOT_KEPT = object()
+
+
+def _NO_IMAGE(flat: list) -> str:
+    """A layout that runs no single step over an image's positions: no other image size."""
+    return ""
+
+
+def _race_key(B: int, L: int, flat: list) -> tuple:
+    """The shape a race against the code as written is run at: batch, length and the dtype of
+    the first tensor input."""
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            return B, L, t.dtype
+    return B, L, None
+
+
 def _flat_inputs(args, kwargs) -> list:
     """The call's inputs flattened (spelled as the example call, ``_converted_forward``), in
     the memory layout the caller gave them: the outer graph reads
@@ -633,6 +693,10 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
     if change is not None:
         return self._ttt2la.changed_call(self, args, kwargs, change,
                                          stateful=ttt_state is not None or return_ttt_state)
+    if ttt_state is None and not return_ttt_state:
+        out = self._ttt2la.kept_call(self, args, kwargs)
+        if out is not NOT_KEPT:
+            return out
     weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
         as_written = self.training and self._ttt2la.training_dependence or \
