@@ -1520,9 +1520,9 @@ MUTATIONS = [
           "    if False:\n        return False\n"),),
         ("tests/test_ordinary_module.py",), "reads_its_weights"),
     Mutation(
-        "compiled_calls_skip_the_route", "under torch.compile only training-mode calls take the eager call's route; a call at another batch size, an untraced length or length 0 runs the compiled plan",
+        "compiled_calls_skip_the_route", "under torch.compile only a layer whose code differs in training mode takes the eager call's route; a call at another batch size, an untraced length or length 0 runs the compiled plan",
         (("ttt2la/converted.py", "    if instead is not None:\n        return instead()\n    reason = state.compile_break",
-          "    if instead is not None and module.training:\n        return instead()\n    reason = state.compile_break"),),
+          "    if instead is not None and state.training_dependence:\n        return instead()\n    reason = state.compile_break"),),
         ("tests/test_ordinary_module.py",), "eager_calls_route"),
     Mutation(
         "partial_chunk_compiled_in_graph", "a layer whose partial last chunk cannot be padded runs its plan inside the compiled graph, where the plan's refusal escapes raw",
