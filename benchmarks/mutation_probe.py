@@ -528,8 +528,8 @@ MUTATIONS = [
         "training_mode_ignored", "a layer whose code differs in training mode runs its "
         "evaluation-mode graphs in training mode (dropout silently skipped)",
         (("ttt2la/converted.py", "        if module.training and self.training_dependence:\n"
-          "            return self._in_training(",
-          "        if False:\n            return self._in_training("),),
+          "            return lambda: self._in_training(",
+          "        if False:\n            return lambda: self._in_training("),),
         ("tests/test_training_mode.py",), "dropout"),
     Mutation(
         "traced_in_training_mode", "convert traces a layer in the mode it comes in (dropout's "
@@ -540,8 +540,8 @@ MUTATIONS = [
     Mutation(
         "compiled_training_mode_ignored", "under torch.compile a mode-dependent layer runs its "
         "evaluation-mode graphs in training mode",
-        (("ttt2la/converted.py", "        if torch.compiler.is_compiling() and not kwargs and not as_written \\\n",
-          "        if torch.compiler.is_compiling() and not kwargs \\\n"),),
+        (("ttt2la/converted.py", "    instead = state.route(module, args, {}, list(args))",
+          "    instead = None"),),
         ("tests/test_training_mode.py",), "compile"),
     Mutation(
         "collapse_promise_on_theta_free_kernels", "collapse_mlp's postcondition also demands a "
@@ -1087,8 +1087,8 @@ MUTATIONS = [
         ("tests/test_refusal_messages.py",), "another_layer"),
     Mutation(
         "empty_sequence_runs_the_graphs", "a call of no tokens runs the converted graphs instead of the layer as written",
-        (("ttt2la/converted.py", "            return self._at_length_zero(written, B)",
-          "            pass"),),
+        (("ttt2la/converted.py", "            return lambda: self._at_length_zero(written, B)",
+          "            return None"),),
         ("tests/test_refusal_messages.py",), "empty"),
     Mutation(
         "batch_constant_runs_the_graphs", "a call at a batch size other than the one a number of the traced code holds runs the graphs",
@@ -1600,6 +1600,19 @@ MUTATIONS = [
         (("ttt2la/converted.py", "        if not races(module, flat) or module.training",
           "        if False or module.training"),),
         ("tests/test_as_written.py",), "kept_as_written"),
+    Mutation(
+        "compiled_calls_skip_the_route", "under torch.compile only a layer whose code differs in training mode takes the eager call's route; a call at another batch size, an untraced length or length 0 runs the compiled plan",
+        (("ttt2la/converted.py", "    if instead is not None:\n        return instead()\n    reason = state.compile_break",
+          "    if instead is not None and state.training_dependence:\n        return instead()\n    reason = state.compile_break"),),
+        ("tests/test_ordinary_module.py",), "eager_calls_route"),
+    Mutation(
+        "partial_chunk_compiled_in_graph", "a layer whose partial last chunk cannot be padded runs its plan inside the compiled graph, where the plan's refusal escapes raw",
+        (("ttt2la/converted.py", "    elif state.program.partial_chunk:", "    elif False:"),),
+        ("tests/test_ordinary_module.py",), "eager_calls_route and partial"),
+    Mutation(
+        "recast_in_the_compilers_trace", "a layer cast after conversion is converted again inside torch.compile's trace of its first call, where the conversion's traces turn symbolic",
+        (("ttt2la/recast.py", "torch._guards.tracing(None)", "torch.no_grad()"),),
+        ("tests/test_ordinary_module.py",), "cast_layer_compiles"),
 ]
 
 

@@ -208,6 +208,87 @@ def test_fullgraph_compilation_of_a_layer_between_graphs_says_why():
     assert "without fullgraph=True" in message, message
 
 
+def _routed_layer(case: str):
+    """A layer converted exactly, a call the plan does not take (``ConvertedState.route``, or a
+    partial chunk the plan finds it cannot pad), and the report's run it makes (``None``: the
+    code as written fails on it, naming its line)."""
+    from test_as_written import ChunkMeanGate
+    from test_size_constants import ChunkRule
+    from test_whole_chunk_loops import ReshapedToTheLength
+
+    layer, example, x, run = {
+        "partial chunk": (ChunkMeanGate(), (2, 16, 16), (3, 10, 16), "partial last chunk"),
+        "another batch size": (ChunkRule(_per_batch), (2, 16, 8), (3, 16, 8),
+                               "untraced batch size"),
+        "untraced length": (ReshapedToTheLength(), (2, 32, 16), (1, 20, 16), None),
+        "length 0": (PerTokenTTTLayer(8, 2), (2, 16, 8), (3, 0, 8), None),
+    }[case]
+    conv = ttt2la.convert(layer, level=2 if case != "untraced length" else 0,
+                          example_inputs=(torch.randn(*example),))
+    return layer, conv, torch.randn(*x), run
+
+
+def _per_batch(B, T):
+    return 1.0 / B
+
+
+@pytest.mark.parametrize("case", ["partial chunk", "another batch size", "untraced length",
+                                  "length 0"])
+def test_compiled_calls_take_the_eager_calls_route(case):
+    """A call the plan does not take runs under ``torch.compile`` as it runs eagerly: the code
+    as written, equal to the original (the report's runs saying so), or the same
+    ``ConversionError`` where that code fails. The compiled call went straight to the plan, and
+    a raw TorchRuntimeError escaped (the plan's own refusal of a partial chunk it cannot pad, a
+    length or size its graphs do not hold)."""
+    torch.manual_seed(0)
+    layer, conv, x, run = _routed_layer(case)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(conv, backend="eager")
+        if run is None:
+            with pytest.raises(ttt2la.ConversionError) as eager:
+                conv(x)
+            with pytest.raises(ttt2la.ConversionError) as got:
+                compiled(x)
+            assert eager.value.args[0].split(", and that code failed")[0] == \
+                got.value.args[0].split(", and that code failed")[0]
+        else:
+            x = x.requires_grad_()
+            y = compiled(x)
+            (g,) = torch.autograd.grad(y.square().sum(), x)
+        torch._dynamo.reset()
+    if run is not None:
+        y0, y1 = conv(x), layer(x)
+        (g0,) = torch.autograd.grad(y0.square().sum(), x)
+        (g1,) = torch.autograd.grad(y1.square().sum(), x)
+        assert rel_rms_error(y, y0) <= FP32 and rel_rms_error(y, y1) <= FP32
+        assert rel_rms_error(g, g0) <= FP32 and rel_rms_error(g, g1) <= FP32
+        runs = conv.ttt2la_report.to_dict()["layers"][0]["runs"]
+        assert any(run in k for k in runs), runs
+
+
+def test_a_cast_layer_compiles_at_its_first_call_at_the_new_dtype():
+    """A layer cast after conversion (``.double()``) is converted again at its first call at the
+    new dtype (``recast``): compiled, that call converts outside the compiler's trace and equals
+    the eager call and the original in float64. The conversion traced inside the compiler's
+    trace, its sizes symbolic, and failed ('Node' object is not iterable)."""
+    from ttt2la.zoo import lact_layer
+
+    torch.manual_seed(0)
+    layer = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 16),))
+    cast = copy.deepcopy(conv).double()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        y = torch.compile(cast, backend="eager")(x)
+        torch._dynamo.reset()
+    F64 = TOLERANCE[torch.float64]
+    assert y.dtype == torch.float64
+    assert rel_rms_error(y, cast(x)) <= F64
+    assert rel_rms_error(y, copy.deepcopy(layer).double()(x)) <= F64
+
+
 @pytest.mark.parametrize("make,level", [
     (lambda: LaCTFoldedLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False), 2),
     (lambda: PerTokenTTTLayer(8, 2), 6),

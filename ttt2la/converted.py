@@ -159,6 +159,7 @@ class ConvertedState:
         self.program.partial_chunk = why
         self._loop_cache.clear()
         self._outer_cache.clear()
+        self.compile_break = compile_break(self)    # the plan decides at run time
 
     @property
     def schedule(self) -> str:
@@ -195,32 +196,46 @@ class ConvertedState:
             self._outer_cache[B] = sized
         return sized.at(B, L)
 
-    def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict):
-        """``module(*args, **kwargs)`` with its parameters and buffers ``weights``
-        (``params_and_buffers``)."""
-        flat = _flat_inputs(args, kwargs)
+    def route(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
+        """What runs ``module(*args, **kwargs)`` (``flat``: its inputs flattened): ``None``
+        where the plan may take the call, else the call that runs instead (the code as written,
+        or the refusal of a lossy conversion). Decided from the call's sizes, mode and gradient
+        recording alone, so eager calls and ``torch.compile`` (which guards on those) decide
+        alike; what only running the plan tells (a padding found not inert, a failing loop) is
+        decided by the call that runs it."""
         written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
         other_batch = getattr(self.layout, "untraced_batch", lambda flat: "")(flat)
         if other_batch and self.as_written is not None:
-            return self._at_untraced_batch(other_batch, written, flat)
+            return lambda: self._at_untraced_batch(other_batch, written, flat)
         other_image = getattr(self.layout, "other_image", lambda flat: "")(flat)
         if other_image and self.as_written is not None:
-            return self._at_other_image(other_image, written, flat)
+            return lambda: self._at_other_image(other_image, written, flat)
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = self.layout.sizes(flat)
         B, L = int(B), int(L)
         if module.training and self.training_dependence:
-            return self._in_training(written, B, L)
+            return lambda: self._in_training(written, B, L)
         if self.gradient_stop and records_gradients(module, flat):
-            return self._stopped_gradients(written, B, L)
+            return lambda: self._stopped_gradients(written, B, L)
         untraced = self.layout.untraced_length(L)
         if untraced:
-            return self._at_untraced_length(untraced, written, B, L)
+            return lambda: self._at_untraced_length(untraced, written, B, L)
         if L == 0:
-            return self._at_length_zero(written, B)
+            return lambda: self._at_length_zero(written, B)
         limit = self._transform_limit(B)
         if limit:
-            return self._under_transform(limit, written, B, L)
+            return lambda: self._under_transform(limit, written, B, L)
+        return None
+
+    def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict):
+        """``module(*args, **kwargs)`` with its parameters and buffers ``weights``
+        (``params_and_buffers``): what ``route`` decides, else the plan."""
+        flat = _flat_inputs(args, kwargs)
+        instead = self.route(module, args, kwargs, flat)
+        if instead is not None:
+            return instead()
+        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        B, L = (int(n) for n in self.layout.sizes(flat))
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
@@ -699,13 +714,9 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
             return out
     weights = params_and_buffers(self)
     if ttt_state is None and not return_ttt_state:
-        as_written = self.training and self._ttt2la.training_dependence or \
-            self._ttt2la.gradient_stop and records_gradients(self, list(args))
-        if torch.compiler.is_compiling() and not kwargs and not as_written \
+        if torch.compiler.is_compiling() and not kwargs \
                 and all(isinstance(a, torch.Tensor) for a in args):
-            reason = self._ttt2la.compile_break
-            entry = _RUN_BETWEEN_GRAPHS[reason] if reason else _run_in_graph
-            return entry(self._ttt2la_key, *weights.values(), *args)
+            return _compiled_call(self, weights, args)
         return self._ttt2la.for_weights(self, weights)(self, weights, args, kwargs)
     y, state = self._ttt2la.for_weights(self, weights).stateful_call(
         self, weights, args, kwargs, ttt_state)
@@ -870,14 +881,37 @@ def _register(module: torch.nn.Module) -> None:
     _LAYERS[module._ttt2la_key] = module
 
 
-def _run_converted(key: int, *tensors):
-    """The converted layer ``key`` on its parameters and buffers (in ``params_and_buffers``
-    order), then its positional tensor inputs."""
+def _compiled_call(module: torch.nn.Module, weights: dict, args: tuple):
+    """The converted layer's call as TorchDynamo traces it: what the eager call would run
+    instead of the plan (``ConvertedState.route``: the code as written, traced like any code,
+    or a refusal), else the plan — one call in the compiled graph, or between graphs where the
+    plan cannot be traced or decides at run time (``compile_break``). The route is read off the
+    state the layer was converted with: a state built again for cast weights (``recast``, a
+    conversion, never traced) routes alike."""
+    state = module._ttt2la
+    instead = state.route(module, args, {}, list(args))
+    if instead is not None:
+        return instead()
+    reason = state.compile_break
+    entry = _RUN_BETWEEN_GRAPHS[reason] if reason else _run_in_graph
+    return entry(module._ttt2la_key, *weights.values(), *args)
+
+
+def _call_parts(key: int, tensors: tuple) -> tuple:
+    """The layer ``key``, its weights by name and its inputs, from a compiled graph's call of
+    its parameters and buffers (in ``params_and_buffers`` order), then its positional tensor
+    inputs."""
     layer = _LAYERS[key]
     pb = params_and_buffers(layer)
     n = len(pb)
-    flat = [t.contiguous() for t in tensors[n:]]
-    weights = dict(zip(pb, tensors[:n]))
+    return layer, dict(zip(pb, tensors[:n])), tensors[n:]
+
+
+def _run_converted(key: int, *tensors):
+    """The converted layer ``key``'s plan on its weights and inputs (``_call_parts``), which
+    the compiled graph takes (the eager call's ``route`` chose the plan as it was traced)."""
+    layer, weights, inputs = _call_parts(key, tensors)
+    flat = [t.contiguous() for t in inputs]
     state = layer._ttt2la.for_weights(layer, weights)
     B, L = state.layout.sizes(flat)
     # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
@@ -898,11 +932,20 @@ _run_in_graph = torch.compiler.allow_in_graph(_run_converted)
 _RUN_BETWEEN_GRAPHS: dict[str, Callable] = {}
 
 
+def _run_eagerly(key: int, *tensors):
+    """The converted layer ``key``'s eager call on its weights and inputs (``_call_parts``),
+    run between compiled graphs: every decision the eager call makes, those only running the
+    plan tells included (a partial chunk whose padding is not inert, a length the traces do
+    not vouch for), is made on the call's own tensors."""
+    layer, weights, inputs = _call_parts(key, tensors)
+    return layer._ttt2la.for_weights(layer, weights)(layer, weights, tuple(inputs), {})
+
+
 def _between_graphs(reason: str) -> Callable:
     """The converted layer as a call ``torch.compile`` runs between graphs, refused under
     ``fullgraph=True`` with ``reason`` (why it cannot be traced) and what to do instead."""
     if reason not in _RUN_BETWEEN_GRAPHS:
-        _RUN_BETWEEN_GRAPHS[reason] = torch.compiler.disable(_run_converted, reason=(
+        _RUN_BETWEEN_GRAPHS[reason] = torch.compiler.disable(_run_eagerly, reason=(
             f"ttt2la: this converted layer cannot be traced into a compiled graph: {reason}. "
             "Compile it without fullgraph=True: it then runs eagerly between the compiled "
             "graphs"))
@@ -922,6 +965,10 @@ def compile_break(state: ConvertedState) -> str:
     elif state.length_vouching is not None:
         reason = ("its code computes Python values of the length, and each new length is "
                   "checked against the code as written (or refused) when it is called")
+    elif state.program.partial_chunk:
+        reason = ("zero padding of a partial last chunk changes "
+                  f"{state.program.partial_chunk}, and a call with one runs the code as "
+                  "written (or is refused) when the plan finds it")
     if reason:
         _between_graphs(reason)
     return reason

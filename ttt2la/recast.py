@@ -97,8 +97,12 @@ def recast(module: torch.nn.Module, state, now: Signature):
     stand_in = cls.__new__(cls)
     stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
                               if k not in ("_ttt2la", "_ttt2la_key")})
-    # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it
-    with out_of_sight(devices=[v.type for _, _, v in now]), as_found(stand_in):
+    # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it,
+    # and outside a compiler's trace of that call (its tracing context would make the
+    # conversion's own traces symbolic): torch.compile's first call at a new dtype converts as
+    # an eager call does
+    with out_of_sight(devices=[v.type for _, _, v in now]), torch._guards.tracing(None), \
+            as_found(stand_in):
         new = _replay(stand_in, recast_recipe(state.recipe, state.weights, now))
     return dataclasses.replace(new, runs=state.runs, fallbacks=state.fallbacks, weights=now,
                                variant=f", {described_change(state.weights, now)}")
