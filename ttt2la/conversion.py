@@ -34,7 +34,7 @@ from .errors import ConversionError, LevelNotImplementedError, NonReducibleError
 from .frontend.discover import discover
 from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
-from .ir import LOOP_MODULE, TTTProgram
+from .ir import LOOP_MODULE, SKIPPED_FIRST, TTTProgram
 from .lowering import plan_for
 from .lowering.check import check_plan, needs_float64_reference, recurrent_reference
 from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, run_passes
@@ -227,7 +227,7 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
     interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict,
-                           length_vouching=vouching(rl))
+                           length_vouching=vouching(rl), skipped_first=_skipped_first(rl))
     if state.length_vouching is not None:
         notes.append(f"its code computes Python values of the length "
                      f"({state.length_vouching.what}): converted for the lengths it was traced "
@@ -255,6 +255,15 @@ def _loop_interface(rl: RecognizedLayer) -> tuple[set[int], set[int]]:
     zero = {i for i, a in enumerate(call.args[: len(rl.program.states)])
             if fill_value(a) == 0.0}
     return used, zero
+
+
+def _skipped_first(rl: RecognizedLayer) -> frozenset:
+    """Names of the states whose use the loop's first iteration skips (they start at zero):
+    the first iteration as written records no gradient through that use."""
+    call = next(n for n in rl.outer.gm.graph.nodes
+                if n.op == "call_module" and n.target == LOOP_MODULE)
+    return frozenset(s.name for s, a in zip(rl.program.states, call.args)
+                     if isinstance(a, torch.fx.Node) and a.meta.get(SKIPPED_FIRST))
 
 
 def _layer_inputs(rl: RecognizedLayer):

@@ -61,8 +61,9 @@ class LoopModule(torch.nn.Module):
     """
 
     def __init__(self, program: TTTProgram, plan, interface: tuple[list[str], list[str]],
-                 runs: dict | None = None, shape: str = ""):
+                 runs: dict | None = None, shape: str = "", skipped_first: frozenset = frozenset()):
         super().__init__()
+        self.skipped_first = skipped_first      # states whose use the first iteration skips
         self.program = program
         self.plan = plan
         self.state_names, self.invariant_names = interface
@@ -118,8 +119,11 @@ class LoopModule(torch.nn.Module):
         found = self._missing.get(key)
         if found is None or found[0] is not plan:
             if self._dependencies is None:
-                self._dependencies = body_dependencies(program)
-            out_reach, state_reach = loop_reach(self._dependencies, program, n)
+                skipped = frozenset(j for j, s in enumerate(program.states)
+                                    if s.name in self.skipped_first)
+                self._dependencies = (body_dependencies(program, skipped),
+                                      body_dependencies(program))
+            out_reach, state_reach = loop_reach(*self._dependencies, program, n)
             wanted = [out_reach, *state_reach]
             got = [outputs[0], *finals]
             found = self._missing[key] = (plan, [
@@ -162,6 +166,7 @@ class ConvertedState:
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
     length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
     attributes: AttributeGuard | None = None    # the layer's plain attributes at conversion
+    skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -216,7 +221,7 @@ class ConvertedState:
             if note is not None:
                 self.fallbacks[shape] = note
             loop = self._loop_cache[B] = LoopModule(program, plan, self.interface, self.runs,
-                                                    shape)
+                                                    shape, self.skipped_first)
         return loop
 
     def outer_for(self, B: int, L: int):

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import LaggedStateError, UnsupportedTTTError
-from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SRC, describe_node, describe_op, placeholder,
+from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SKIPPED_FIRST, SRC, describe_node, describe_op, placeholder,
                   InvariantSpec, OutputSpec, StateSpec, StreamSpec, TTTProgram, memory_order,
                   reshape_views)
 from .index_values import refuse_index_steps
@@ -1212,6 +1212,7 @@ def _insert_loop_call(u: Unrolled, states: States):
                 v0 = graph.call_function(aten.zeros.default, (list(val.shape),),
                                          {"dtype": val.dtype, "device": val.device})
             v0.meta["val"] = val
+            v0.meta[SKIPPED_FIRST] = True
         init_args.append(v0)
     nodes = [a for a in init_args if isinstance(a, torch.fx.Node)]
     anchor = max([anchor, *nodes], key=lambda n: u.order.get(n, len(u.order)))

@@ -24,45 +24,55 @@ _NOT_DIFFERENTIABLE = {aten.detach.default, aten.zeros_like.default, aten.ones_l
                        aten.randn_like.default, aten.new_zeros.default, aten.new_ones.default,
                        aten.new_empty.default, aten.new_full.default}
 
+#: Ops that, with one operand not computed, give the other (``x if M is None else x + M``).
+_ADDITIONS = {aten.add.Tensor, aten.sub.Tensor}
 
-def body_dependencies(program: TTTProgram) -> tuple[list[frozenset], list[frozenset]]:
+
+def body_dependencies(program: TTTProgram, skipped: frozenset = frozenset()
+                      ) -> tuple[list[frozenset], list[frozenset]]:
     """For each state the body returns and each chunk output, the loop inputs it depends on
     through differentiable ops: ``("s", j)`` for state ``j``, ``("i", k)`` for invariant ``k``
-    (a stream counts as the invariant it slices)."""
-    graph = program.body.graph
+    (a stream counts as the invariant it slices). ``skipped``: the states whose use the first
+    iteration skips (``x if M is None else x + a * M``): an op reading one does not run (an
+    addition of it gives its other operand), for the first iteration's dependencies."""
     state_index = {n: j for j, n in enumerate(program.state_inputs())}
     stream_source = {n: program.streams[j].source for j, n in enumerate(program.stream_inputs())}
     invariant_index = {n: k for k, n in enumerate(program.invariant_inputs())}
     deps: dict = {}
-    for node in graph.nodes:
+    for node in program.body.graph.nodes:
         if node.op == "placeholder":
-            deps[node] = frozenset(
-                [("s", state_index[node])] if node in state_index else
-                [("i", stream_source[node])] if node in stream_source else
-                [("i", invariant_index[node])] if node in invariant_index else [])
+            j = state_index.get(node)
+            deps[node] = (None if j in skipped else frozenset([("s", j)])) if j is not None \
+                else frozenset([("i", stream_source[node])]) if node in stream_source \
+                else frozenset([("i", invariant_index[node])]) if node in invariant_index \
+                else frozenset()
         elif node.op != "output":
             deps[node] = _node_dependencies(node, deps)
-    return ([deps.get(n, frozenset()) for n in program.state_outputs()],
-            [deps.get(n, frozenset()) for n in program.chunk_outputs()])
+    return ([deps.get(n) or frozenset() for n in program.state_outputs()],
+            [deps.get(n) or frozenset() for n in program.chunk_outputs()])
 
 
-def _node_dependencies(node, deps: dict) -> frozenset:
+def _node_dependencies(node, deps: dict) -> frozenset | None:
+    """What ``node`` depends on (``deps``: its inputs'), None where it does not run."""
+    args = [deps.get(a, frozenset()) for a in node.all_input_nodes]
+    if any(d is None for d in args):
+        present = [d for d in args if d is not None]
+        if node.target in _ADDITIONS and len(args) == 2 and len(present) == 1:
+            return present[0]
+        return None
     val = node.meta.get("val")
     if node.target in _NOT_DIFFERENTIABLE or (
             isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())):
         return frozenset()
-    found: set = set()
-    for arg in node.all_input_nodes:
-        found |= deps.get(arg, frozenset())
-    return frozenset(found)
+    return frozenset().union(*args)
 
 
-def loop_reach(dependencies, program: TTTProgram, n_chunks: int
+def loop_reach(first, later, program: TTTProgram, n_chunks: int
                ) -> tuple[frozenset, list[frozenset]]:
     """The inputs the loop as written connects to its first chunk output (the one the loop
     returns) over ``n_chunks`` chunks, and to each final state (``apply_only``: the last chunk
-    is read, not used to update); ``dependencies`` is ``body_dependencies(program)``."""
-    state_deps, out_deps = dependencies
+    is read, not used to update); ``first`` and ``later`` are ``body_dependencies`` for the
+    first iteration and the others."""
     updates = n_chunks - 1 if program.last_chunk == "apply_only" else n_chunks
     current = [frozenset([("s", j)]) for j in range(len(program.states))]
     outputs: set = set()
@@ -74,6 +84,7 @@ def loop_reach(dependencies, program: TTTProgram, n_chunks: int
         return frozenset(found)
 
     for step in range(n_chunks):
+        state_deps, out_deps = first if step == 0 else later
         for d in out_deps[:1]:
             outputs |= through(d)
         if step < updates:
