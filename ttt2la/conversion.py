@@ -40,12 +40,12 @@ from .lowering.check import check_plan, needs_float64_reference, recurrent_refer
 from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
-from .gradient_stops import detached_state, unseen_stop
+from .gradient_stops import detached_state, presence_difference, unseen_stop
 from .length_vouching import example_branch, unvouch_example, vouching
 from .padded_chunk import padding_changes
 from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
-from .as_found import as_found
+from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
 from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
                          check_folds_form, check_runs, copy_of)
@@ -330,7 +330,33 @@ def _gradient_stop(layer: "_Layer") -> str:
     state, converted = twin
     args, kwargs = _plan_inputs(layer.rl, state)
     with _as_traced(state, args, kwargs):
-        return unseen_stop(layer.original, converted, args, kwargs)
+        found = unseen_stop(layer.original, converted, args, kwargs)
+    return found or (_presence_mismatch(layer) if layer.exact else "")
+
+
+def _presence_mismatch(layer: "_Layer") -> str:
+    """Where the plan's gradients reach other parameters or inputs than the layer's own —
+    a gradient (of zeros, say) on one side, None on the other — at the example's length and
+    at one and two chunks and a partial second one, where a momentum that starts at zero and
+    an update nothing reads leave the most of the loop's arithmetic to skip; ``""`` where
+    they agree. Optimizers treat None and zeros differently, so a mismatch is a stop."""
+    rl, state = layer.rl, layer.state
+    args, kwargs = _plan_inputs(rl, state)
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    B, L = state.layout.sizes(flat)
+    C = state.program.chunk_size
+    for length in sorted({int(L), C, C + 1, 2 * C}):
+        if length != L and state.layout.untraced_length(length):
+            continue
+        at = pytree.tree_unflatten(
+            _inputs_at(flat, state.layout, state.layout.batch_unit * B, length), rl.in_spec)
+        with buffers_kept(layer.original), buffers_kept(rl.candidate.module):
+            differ = presence_difference(layer.original, rl.candidate.module, tuple(at[0]),
+                                         at[1])
+        if differ:
+            return (f"at length {length} the converted loop's gradients reach other tensors "
+                    f"than the layer's own: {differ}")
+    return ""
 
 
 def _padding(layer: "_Layer") -> str:

@@ -70,9 +70,10 @@ def gradient_difference(original: torch.nn.Module, converted: torch.nn.Module, a
     return name, worst, dtype
 
 
-def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict, torch.dtype]:
+def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict, filled: bool = True
+               ) -> tuple[dict, torch.dtype]:
     """``{name: gradient}`` of ``(output · r).sum()`` for a fixed random ``r``, and the
-    output's dtype."""
+    output's dtype; with ``filled``, zeros where autograd reaches nothing (else None)."""
     leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
     inputs = {i: t.detach().clone().requires_grad_() for i, t in enumerate(leaves)
               if isinstance(t, torch.Tensor) and t.is_floating_point()}
@@ -86,8 +87,26 @@ def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict
                         dtype=torch.float64).to(out)
         wrt = {**{f"input {i}": t for i, t in inputs.items()}, **params}
         got = torch.autograd.grad((out * r).sum(), list(wrt.values()), allow_unused=True)
+    if not filled:
+        return dict(zip(wrt, got)), out.dtype
     return ({n: torch.zeros_like(x) if g is None else g for (n, x), g in zip(wrt.items(), got)},
             out.dtype)
+
+
+def presence_difference(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
+                        kwargs: dict) -> str:
+    """Where the two modules' autograd reaches different parameters or inputs — one gives a
+    gradient (zeros included) and the other None — or ``""``: optimizers treat the two
+    differently (AdamW decays a parameter with a zero gradient and skips one with none)."""
+    try:
+        want, _ = _gradients(original, args, kwargs, filled=False)
+    except Exception as e:
+        raise own_backward_failure(e) from e
+    got, _ = _gradients(converted, args, kwargs, filled=False)
+    differ = [n for n, w in want.items() if (w is None) != (got.get(n) is None)]
+    return ", ".join(f"{n} ({'none' if want[n] is None else 'a gradient'} as written, "
+                     f"{'none' if got.get(n) is None else 'a gradient'} converted)"
+                     for n in differ)
 
 
 def unseen_stop(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
@@ -103,5 +122,5 @@ def unseen_stop(original: torch.nn.Module, converted: torch.nn.Module, args: tup
             f"see it ({UNSEEN_STOPS})")
 
 
-__all__ = ["UNSEEN_STOPS", "detached_state", "gradient_difference", "records_gradients",
-           "unseen_stop"]
+__all__ = ["UNSEEN_STOPS", "detached_state", "gradient_difference", "presence_difference",
+           "records_gradients", "unseen_stop"]
