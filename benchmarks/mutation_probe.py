@@ -1519,6 +1519,21 @@ MUTATIONS = [
         (("ttt2la/ir.py", "    if not _walks_plainly(type(m)):\n        return False\n",
           "    if False:\n        return False\n"),),
         ("tests/test_ordinary_module.py",), "reads_its_weights"),
+    Mutation(
+        "plan_gradients_untied", "a loop input the loop as written reaches with a zero gradient and the plan skips is left off the plan's outputs (None where the layer gives zeros)",
+        (("ttt2la/converted.py", "        if not any(missing):\n            return outputs, finals\n",
+          "        if True:\n            return outputs, finals\n"),),
+        ("tests/test_gradient_presence.py",), "plan_runs or zero_start or adamw"),
+    Mutation(
+        "first_iteration_skip_read", "a state whose use the first iteration skips (None first) is read as a zero the first iteration multiplies, tying a gradient the layer never gives",
+        (("ttt2la/conversion.py", "if isinstance(a, torch.fx.Node) and a.meta.get(SKIPPED_FIRST))",
+          "if isinstance(a, torch.fx.Node) and False)"),),
+        ("tests/test_gradient_presence.py",), "plan_runs or parameter_has"),
+    Mutation(
+        "gradient_presence_unchecked", "conversion compares gradient values but not which tensors gradients reach, as written and converted",
+        (("ttt2la/conversion.py", 'return found or (_presence_mismatch(layer) if layer.exact else "")',
+          "return found"),),
+        ("tests/test_gradient_presence.py",), "presence_mismatch_at_conversion"),
 ]
 
 

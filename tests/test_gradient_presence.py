@@ -72,6 +72,18 @@ def test_every_parameter_has_a_gradient_where_the_layer_gives_one(style, level):
         _assert_same_gradients(original, converted, torch.randn(2, L, D, dtype=F64))
 
 
+@pytest.mark.parametrize("style", ["folded", "heads"])
+def test_the_plan_runs_calls_that_record_gradients(style):
+    """Matching presence is the plan's own doing: conversion finds nothing to send to the code
+    as written, and calls recording gradients at one, two and three chunks run the plan."""
+    original, converted = _converted(style, 2)
+    layer = converted.ttt2la_report.layers[0]
+    assert not [n for n in layer.notes if n.startswith("gradients:")], layer.notes
+    for L in (3, 5, 8, 12):
+        _gradients(converted, torch.randn(2, L, D, dtype=F64))
+    assert not [k for k in layer.runs if "gradients" in k], layer.runs
+
+
 def test_a_momentum_on_a_zero_start_gets_zeros_not_none():
     """The folded layer's momentum multiplies a zero state in its one update at two chunks:
     zeros as written, zeros converted."""
