@@ -1253,7 +1253,8 @@ MUTATIONS = [
         ("tests/test_side_effects.py",), "refused or as_written"),
     Mutation(
         "own_backward_failure_raw", "the gradient check lets the layer's own backward failure escape convert as torch's RuntimeError",
-        (("ttt2la/gradient_stops.py", "        raise own_backward_failure(e) from e", "        raise"),),
+        (("ttt2la/gradient_stops.py", "saved, say\n        raise own_backward_failure(e) from e",
+          "saved, say\n        raise"),),
         ("tests/test_gradient_stops.py",), "own_backward"),
     Mutation(
         "undifferentiable_backward_unrefused", "a converted layer whose own backward fails differentiates through its plan, gradients nobody checked",
@@ -1613,6 +1614,21 @@ MUTATIONS = [
         "recast_in_the_compilers_trace", "a layer cast after conversion is converted again inside torch.compile's trace of its first call, where the conversion's traces turn symbolic",
         (("ttt2la/recast.py", "torch._guards.tracing(None)", "torch.no_grad()"),),
         ("tests/test_ordinary_module.py",), "cast_layer_compiles"),
+    Mutation(
+        "plan_gradients_untied", "a loop input the loop as written reaches with a zero gradient and the plan skips is left off the plan's outputs (None where the layer gives zeros)",
+        (("ttt2la/converted.py", "        if not any(missing):\n            return outputs, finals\n",
+          "        if True:\n            return outputs, finals\n"),),
+        ("tests/test_gradient_presence.py",), "plan_runs or zero_start or adamw"),
+    Mutation(
+        "first_iteration_skip_read", "a state whose use the first iteration skips (None first) is read as a zero the first iteration multiplies, tying a gradient the layer never gives",
+        (("ttt2la/conversion.py", "if isinstance(a, torch.fx.Node) and a.meta.get(SKIPPED_FIRST))",
+          "if isinstance(a, torch.fx.Node) and False)"),),
+        ("tests/test_gradient_presence.py",), "plan_runs or parameter_has"),
+    Mutation(
+        "gradient_presence_unchecked", "conversion compares gradient values but not which tensors gradients reach, as written and converted",
+        (("ttt2la/conversion.py", 'return found or (_presence_mismatch(layer) if layer.exact else "")',
+          "return found"),),
+        ("tests/test_gradient_presence.py",), "presence_mismatch_at_conversion"),
 ]
 
 

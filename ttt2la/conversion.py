@@ -34,18 +34,18 @@ from .errors import ConversionError, LevelNotImplementedError, NonReducibleError
 from .frontend.discover import discover
 from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
-from .ir import LOOP_MODULE, TTTProgram
+from .ir import LOOP_MODULE, SKIPPED_FIRST, TTTProgram
 from .lowering import plan_for
 from .lowering.check import check_plan, needs_float64_reference, recurrent_reference
 from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, run_passes
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
-from .gradient_stops import detached_state, unseen_stop
+from .gradient_stops import detached_state, presence_difference, unseen_stop
 from .length_vouching import example_branch, refuse_lossy_branch, unvouch_example, vouching
 from .padded_chunk import padding_changes
 from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
-from .as_found import as_found
+from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
 from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
                          check_folds_form, check_runs, copy_of)
@@ -227,7 +227,7 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
     interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict,
-                           length_vouching=vouching(rl))
+                           length_vouching=vouching(rl), skipped_first=_skipped_first(rl))
     if state.length_vouching is not None:
         notes.append(f"its code computes Python values of the length "
                      f"({state.length_vouching.what}): converted for the lengths it was traced "
@@ -255,6 +255,15 @@ def _loop_interface(rl: RecognizedLayer) -> tuple[set[int], set[int]]:
     zero = {i for i, a in enumerate(call.args[: len(rl.program.states)])
             if fill_value(a) == 0.0}
     return used, zero
+
+
+def _skipped_first(rl: RecognizedLayer) -> frozenset:
+    """Names of the states whose use the loop's first iteration skips (they start at zero):
+    the first iteration as written records no gradient through that use."""
+    call = next(n for n in rl.outer.gm.graph.nodes
+                if n.op == "call_module" and n.target == LOOP_MODULE)
+    return frozenset(s.name for s, a in zip(rl.program.states, call.args)
+                     if isinstance(a, torch.fx.Node) and a.meta.get(SKIPPED_FIRST))
 
 
 def _layer_inputs(rl: RecognizedLayer):
@@ -321,7 +330,36 @@ def _gradient_stop(layer: "_Layer") -> str:
     state, converted = twin
     args, kwargs = _plan_inputs(layer.rl, state)
     with _as_traced(state, args, kwargs):
-        return unseen_stop(layer.original, converted, args, kwargs)
+        found = unseen_stop(layer.original, converted, args, kwargs)
+    return found or (_presence_mismatch(layer) if layer.exact else "")
+
+
+def _presence_mismatch(layer: "_Layer") -> str:
+    """Where the plan's gradients reach other parameters or inputs than the layer's own —
+    a gradient (of zeros, say) on one side, None on the other — at the example's length and
+    at one and two chunks and a partial second one, where a momentum that starts at zero and
+    an update nothing reads leave the most of the loop's arithmetic to skip; ``""`` where
+    they agree. Optimizers treat None and zeros differently, so a mismatch is a stop."""
+    rl, state = layer.rl, layer.state
+    args, kwargs = _plan_inputs(rl, state)
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    B, L = state.layout.sizes(flat)
+    C = state.program.chunk_size
+    for length in sorted({int(L), C, C + 1, 2 * C}):
+        at = pytree.tree_unflatten(
+            _inputs_at(flat, state.layout, state.layout.batch_unit * B, length), rl.in_spec)
+        try:
+            with buffers_kept(layer.original), buffers_kept(rl.candidate.module):
+                differ = presence_difference(layer.original, rl.candidate.module,
+                                             tuple(at[0]), at[1])
+        except Exception:
+            if length == L:
+                raise
+            continue        # a length the layer or its conversion does not take: nothing to compare
+        if differ:
+            return (f"at length {length} the converted loop's gradients reach other tensors "
+                    f"than the layer's own: {differ}")
+    return ""
 
 
 def _padding(layer: "_Layer") -> str:

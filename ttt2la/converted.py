@@ -37,9 +37,11 @@ from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionErr
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
-from .original_class import ORIGINAL, original_class
+from .lowering.chunking import chunk_layout
+from .lowering.gradient_presence import body_dependencies, loop_reach, plan_reach, tied
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
+from .original_class import ORIGINAL, original_class
 from .recast import Signature, recast, weights_signature
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
@@ -60,13 +62,16 @@ class LoopModule(torch.nn.Module):
     """
 
     def __init__(self, program: TTTProgram, plan, interface: tuple[list[str], list[str]],
-                 runs: dict | None = None, shape: str = ""):
+                 runs: dict | None = None, shape: str = "", skipped_first: frozenset = frozenset()):
         super().__init__()
+        self.skipped_first = skipped_first      # states whose use the first iteration skips
         self.program = program
         self.plan = plan
         self.state_names, self.invariant_names = interface
         self.runs = runs if runs is not None else {}
         self.shape = shape
+        self._dependencies = None       # the body's, for ``gradient_presence``
+        self._missing: dict = {}        # (chunks, inputs) -> (plan, inputs each output misses)
 
     def plan_inputs(self, args) -> tuple[dict, list, list]:
         """The loop's arguments by name, and the program's initial states and invariants."""
@@ -91,10 +96,47 @@ class LoopModule(torch.nn.Module):
                                       stream_call, where)
         key = self.shape if plan is self.plan else f"{self.shape}, stateful"
         self.runs[key] = plan.implementation      # what ran, for the report
+        outputs, finals = self._same_gradients_reached(plan, outputs, finals, states0, invariants)
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
         # the code after the loop was traced on the layout the user's code gave the output
         return (with_memory_order(outputs[0], self.program.outputs[0].memory_order),
                 *(final_by_name.get(name, given[name]) for name in self.state_names))
+
+    def _same_gradients_reached(self, plan, outputs, finals, states0, invariants):
+        """The plan's outputs with the loop inputs the loop as written reaches and the plan
+        does not tied on (``gradient_presence``): a parameter gets a zero gradient where the
+        layer gives one, not None. Found once per plan, chunk count and inputs that record
+        gradients; nothing is added where nothing is missing."""
+        inputs = {("s", j): t for j, t in enumerate(states0)}
+        inputs.update((("i", k), t) for k, t in enumerate(invariants))
+        inputs = {k: t for k, t in inputs.items()
+                  if isinstance(t, torch.Tensor) and t.requires_grad}
+        program = self.program
+        if not inputs or not torch.is_grad_enabled() or program.single_step \
+                or not program.streams:
+            return outputs, finals
+        n = chunk_layout(program, list(invariants)).n_chunks
+        key = (n, tuple(sorted(inputs)))
+        found = self._missing.get(key)
+        if found is None or found[0] is not plan:
+            if self._dependencies is None:
+                skipped = frozenset(j for j, s in enumerate(program.states)
+                                    if s.name in self.skipped_first)
+                self._dependencies = (body_dependencies(program, skipped),
+                                      body_dependencies(program))
+            out_reach, state_reach = loop_reach(*self._dependencies, program, n)
+            wanted = [out_reach, *state_reach]
+            got = [outputs[0], *finals]
+            found = self._missing[key] = (plan, [
+                sorted((w & inputs.keys()) - plan_reach(g, inputs)) if g is not None else []
+                for w, g in zip(wanted, got)])
+        missing = found[1]
+        if not any(missing):
+            return outputs, finals
+        outputs = [tied(outputs[0], [inputs[k] for k in missing[0]]), *outputs[1:]]
+        finals = [f if f is None else tied(f, [inputs[k] for k in m])
+                  for f, m in zip(finals, missing[1:])]
+        return outputs, finals
 
 
 @dataclass
@@ -125,6 +167,7 @@ class ConvertedState:
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
     length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
     attributes: AttributeGuard | None = None    # the layer's plain attributes at conversion
+    skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -180,7 +223,7 @@ class ConvertedState:
             if note is not None:
                 self.fallbacks[shape] = note
             loop = self._loop_cache[B] = LoopModule(program, plan, self.interface, self.runs,
-                                                    shape)
+                                                    shape, self.skipped_first)
         return loop
 
     def outer_for(self, B: int, L: int):

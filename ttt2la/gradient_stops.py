@@ -70,10 +70,11 @@ def gradient_difference(original: torch.nn.Module, converted: torch.nn.Module, a
     return name, worst, dtype
 
 
-def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict, torch.dtype]:
+def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict, filled: bool = True
+               ) -> tuple[dict, torch.dtype]:
     """``{name: gradient}`` of ``(output · r).sum()`` for a fixed random ``r``, for each floating
     output on its own (a stop may act on a returned state alone), and the dtype of the least
-    precise of them; an output that does not record gradients has zero ones."""
+    precise of them; with ``filled``, zeros where autograd reaches nothing (else None)."""
     leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
     inputs = {i: t.detach().clone().requires_grad_() for i, t in enumerate(leaves)
               if isinstance(t, torch.Tensor) and t.is_floating_point()}
@@ -93,7 +94,7 @@ def _gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict
                                       retain_graph=j != recording[-1]) \
                 if j in recording else [None] * len(wrt)
             of = f" (output {j + 1})" if len(outs) > 1 else ""
-            grads.update({n + of: torch.zeros_like(x) if g is None else g
+            grads.update({n + of: torch.zeros_like(x) if g is None and filled else g
                           for (n, x), g in zip(wrt.items(), got)})
     return grads, max((o.dtype for o in outs), key=lambda d: TOLERANCE.get(d, 0.0))
 
@@ -103,6 +104,22 @@ def _floating_outputs(output) -> list:
     there are none: autograd then says what it cannot do)."""
     tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     return [t for t in tensors if t.is_floating_point()] or tensors[:1]
+
+
+def presence_difference(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
+                        kwargs: dict) -> str:
+    """Where the two modules' autograd reaches different parameters or inputs — one gives a
+    gradient (zeros included) and the other None — or ``""``: optimizers treat the two
+    differently (AdamW decays a parameter with a zero gradient and skips one with none)."""
+    try:
+        want, _ = _gradients(original, args, kwargs, filled=False)
+    except Exception as e:
+        raise own_backward_failure(e) from e
+    got, _ = _gradients(converted, args, kwargs, filled=False)
+    differ = [n for n, w in want.items() if (w is None) != (got.get(n) is None)]
+    return ", ".join(f"{n} ({'none' if want[n] is None else 'a gradient'} as written, "
+                     f"{'none' if got.get(n) is None else 'a gradient'} converted)"
+                     for n in differ)
 
 
 def unseen_stop(original: torch.nn.Module, converted: torch.nn.Module, args: tuple,
@@ -118,5 +135,5 @@ def unseen_stop(original: torch.nn.Module, converted: torch.nn.Module, args: tup
             f"see it ({UNSEEN_STOPS})")
 
 
-__all__ = ["UNSEEN_STOPS", "detached_state", "gradient_difference", "records_gradients",
-           "unseen_stop"]
+__all__ = ["UNSEEN_STOPS", "detached_state", "gradient_difference", "presence_difference",
+           "records_gradients", "unseen_stop"]

@@ -77,6 +77,8 @@ import torch
 import torch.fx
 
 KIND = "ttt2la_kind"
+#: Meta flag of the ``zeros`` a state starts from when the first iteration skips its use.
+SKIPPED_FIRST = "ttt2la_skipped_first"
 NAME = "ttt2la_name"
 SRC = "ttt2la_src"
 #: A product summed over an axis that the frontend rewrote as a ``bmm`` for the matchers
