@@ -466,3 +466,20 @@ def test_varying_lengths_benchmark_times_both_sides_at_fresh_lengths(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert out.count("4 calls at") == 2 and out.count("first call at a new length") == 2, out
+
+
+def test_fp32_accuracy_benchmark_measures_both_sides_against_float64(capsys):
+    gen = _benchmark_module("fp32_accuracy")
+    fp32_accuracy = next(gen)
+    try:
+        status = fp32_accuracy.main(["--seeds", "1", "--lengths", "5"])
+    finally:
+        gen.close()
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[1:] if line.startswith("   0   5 ")]
+    assert {r[2] for r in rows} >= {"output", "lr_proj.weight", "w1"}
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)   # fp32 differs from float64
+    assert status == (0 if "within 2x the original's error + 1e-6: " f"{len(rows)} of {len(rows)}"
+                      in out else 1)
+    assert fp32_accuracy.within_criterion(1e-5, 2.1e-5) and \
+        not fp32_accuracy.within_criterion(1e-5, 2.2e-5)
