@@ -37,6 +37,7 @@ from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionErr
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
+from .meta_call import meta_call, on_meta
 from .original_class import ORIGINAL, original_class
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
@@ -623,7 +624,8 @@ def _exported_call(self, args: tuple, kwargs: dict, ttt_state, return_ttt_state:
 def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
                     return_ttt_state: bool = False):
     """The converted layer's call: its code as written (or a refusal) while hooks are on its
-    submodules or an attribute it was traced with changed, else its plan — inside a compiled
+    submodules or an attribute it was traced with changed or on meta tensors (``meta_call``),
+    else its plan — inside a compiled
     graph when compiling — or a call carrying state."""
     if hooked(self):
         return self._ttt2la.hooked_call(self, args, kwargs,
@@ -634,6 +636,8 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
         return self._ttt2la.changed_call(self, args, kwargs, change,
                                          stateful=ttt_state is not None or return_ttt_state)
     weights = params_and_buffers(self)
+    if on_meta(weights, _flat_inputs(args, kwargs)):     # shapes only: the code as written
+        return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
     if ttt_state is None and not return_ttt_state:
         as_written = self.training and self._ttt2la.training_dependence or \
             self._ttt2la.gradient_stop and records_gradients(self, list(args))
