@@ -1534,6 +1534,21 @@ MUTATIONS = [
         (("ttt2la/ir.py", "    if not _walks_plainly(type(m)):\n        return False\n",
           "    if False:\n        return False\n"),),
         ("tests/test_ordinary_module.py",), "reads_its_weights"),
+    Mutation(
+        "pickled_recipe_at_conversion_dtype", "a converted layer cast after conversion pickles its example inputs at the conversion's dtype, so loading traces them against the cast weights",
+        (("ttt2la/converted.py", "        recast_recipe(state.recipe, state.weights, now)\n",
+          "        state.recipe\n"),),
+        ("tests/test_recast.py",), "saved_whole"),
+    Mutation(
+        "original_class_in_own_dict_only", "the user's class behind a converted one is looked up in the class's own dict, not its MRO, so a parametrized converted layer is its own original",
+        (("ttt2la/original_class.py", "return next((k for k in cls.__mro__ if ORIGINAL in k.__dict__), None)",
+          "return cls if ORIGINAL in cls.__dict__ else None"),),
+        ("tests/test_recast.py",), "own_weight"),
+    Mutation(
+        "meta_call_prepared", "a converted layer called on meta tensors prepares (traces, probes values) for them instead of running its code as written for the shapes",
+        (("ttt2la/converted.py", "    if on_meta(weights, _flat_inputs(args, kwargs)):",
+          "    if False:"),),
+        ("tests/test_meta_call.py",), "shapes_and_dtypes"),
 ]
 
 

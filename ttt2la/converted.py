@@ -41,7 +41,7 @@ from .meta_call import meta_call, on_meta
 from .original_class import ORIGINAL, original_class
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
-from .recast import Signature, recast, weights_signature
+from .recast import Signature, recast, recast_recipe, weights_signature
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
@@ -685,8 +685,16 @@ def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: 
     submodules), converted again from ``recipe`` — the same trace, passes and plan."""
     module = cls.__new__(cls)
     module.__setstate__(attributes)
-    with as_found(module):                  # traced as ``convert`` traced it
-        state = _replay(module, recipe)
+    try:
+        with as_found(module):              # traced as ``convert`` traced it
+            state = _replay(module, recipe)
+    except Exception as e:
+        raise UnsupportedTTTError(
+            f"the converted {cls.__name__}{f' at {recipe.path}' if recipe.path else ''} was "
+            f"unpickled, and converting it again from its record failed ({type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0][:300]}). Save its weights instead "
+            "(state_dict, or ttt2la.save) and load them into a conversion of the original model."
+        ) from e
     state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
     install(module, state)
     return module
@@ -736,7 +744,12 @@ def _converted_reduce(self, protocol):
             "it cannot be pickled; convert it with ttt2la.convert")
     attributes = {k: v for k, v in self.__dict__.items()
                   if k not in ("_ttt2la", "_ttt2la_key")}
-    return rebuild, (original_class(type(self)), attributes, state.recipe, state.runs,
+    # the weights as they are now (cast or moved since conversion), the examples cast as they
+    # were, so that loading converts the layer for the weights it holds
+    now = weights_signature(params_and_buffers(self))
+    recipe = state.recipe if now == state.weights or not state.weights else \
+        recast_recipe(state.recipe, state.weights, now)
+    return rebuild, (original_class(type(self)), attributes, recipe, state.runs,
                      state.fallbacks)
 
 
