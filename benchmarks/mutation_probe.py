@@ -1538,7 +1538,7 @@ MUTATIONS = [
         "pickled_recipe_at_conversion_dtype", "a converted layer cast after conversion pickles its example inputs at the conversion's dtype, so loading traces them against the cast weights",
         (("ttt2la/converted.py", "        recast_recipe(state.recipe, state.weights, now)\n",
           "        state.recipe\n"),),
-        ("tests/test_recast.py",), "saved_whole"),
+        ("tests/test_recast.py",), "saved_whole and float64"),
     Mutation(
         "original_class_in_own_dict_only", "the user's class behind a converted one is looked up in the class's own dict, not its MRO, so a parametrized converted layer is its own original",
         (("ttt2la/original_class.py", "return next((k for k in cls.__mro__ if ORIGINAL in k.__dict__), None)",

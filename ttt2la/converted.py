@@ -623,10 +623,13 @@ def _exported_call(self, args: tuple, kwargs: dict, ttt_state, return_ttt_state:
 
 def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
                     return_ttt_state: bool = False):
-    """The converted layer's call: its code as written (or a refusal) while hooks are on its
-    submodules or an attribute it was traced with changed or on meta tensors (``meta_call``),
-    else its plan — inside a compiled
-    graph when compiling — or a call carrying state."""
+    """The converted layer's call: its code as written for meta tensors (``meta_call``), and
+    while hooks are on its submodules or an attribute it was traced with changed (or a
+    refusal), else its plan — inside a compiled graph when compiling — or a call carrying
+    state."""
+    weights = params_and_buffers(self)
+    if on_meta(weights, _flat_inputs(args, kwargs)):     # shapes only: the code as written
+        return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
     if hooked(self):
         return self._ttt2la.hooked_call(self, args, kwargs,
                                         stateful=ttt_state is not None or return_ttt_state)
@@ -635,9 +638,6 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
     if change is not None:
         return self._ttt2la.changed_call(self, args, kwargs, change,
                                          stateful=ttt_state is not None or return_ttt_state)
-    weights = params_and_buffers(self)
-    if on_meta(weights, _flat_inputs(args, kwargs)):     # shapes only: the code as written
-        return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
     if ttt_state is None and not return_ttt_state:
         as_written = self.training and self._ttt2la.training_dependence or \
             self._ttt2la.gradient_stop and records_gradients(self, list(args))
@@ -742,6 +742,12 @@ def _converted_reduce(self, protocol):
         raise ConversionError(
             f"this converted {type(self).__name__} has no record of how it was converted, so "
             "it cannot be pickled; convert it with ttt2la.convert")
+    if ORIGINAL not in type(self).__dict__:     # a class made on top of it (a parametrization's)
+        raise ConversionError(
+            f"this converted layer's class became {type(self).__name__} after conversion (a "
+            "parametrization registered on its own weight), which pickle cannot store, as torch "
+            "stores no parametrized module: save its state_dict and load it into the model "
+            "parametrized the same way")
     attributes = {k: v for k, v in self.__dict__.items()
                   if k not in ("_ttt2la", "_ttt2la_key")}
     # the weights as they are now (cast or moved since conversion), the examples cast as they
