@@ -1629,6 +1629,22 @@ MUTATIONS = [
         (("ttt2la/conversion.py", 'return found or (_presence_mismatch(layer) if layer.exact else "")',
           "return found"),),
         ("tests/test_gradient_presence.py",), "presence_mismatch_at_conversion"),
+    Mutation(
+        "pickled_recipe_at_conversion_dtype", "a converted layer cast after conversion pickles its example inputs at the conversion's dtype, so loading traces them against the cast weights",
+        (("ttt2la/converted.py", "        recast_recipe(state.recipe, state.weights, now)\n",
+          "        state.recipe\n"),),
+        ("tests/test_recast.py",), "saved_whole and float64"),
+    Mutation(
+        "original_class_in_own_dict_only", "the user's class behind a converted one is looked up in the class's own dict, not its MRO, so a parametrized converted layer is its own original",
+        (("ttt2la/original_class.py", "return next((k for k in cls.__mro__ if ORIGINAL in k.__dict__), None)",
+          "return cls if ORIGINAL in cls.__dict__ else None"),),
+        ("tests/test_recast.py",), "own_weight"),
+    Mutation(
+        "meta_call_prepared", "a converted layer called on meta tensors prepares (traces, probes values) for them instead of running its code as written for the shapes",
+        (("ttt2la/converted.py", "    if on_meta({}, _flat_inputs(args, kwargs)):", "    if False:"),
+         ("ttt2la/converted.py", "    if on_meta(weights, []):        # weights on meta",
+          "    if False:        # weights on meta")),
+        ("tests/test_meta_call.py",), "shapes_and_dtypes"),
 ]
 
 

@@ -10,12 +10,18 @@ folded constants held in the plan's graphs, the precision chosen from the trace)
 from __future__ import annotations
 
 import copy
+import dataclasses
+import io
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 import ttt2la
+from ttt2la.original_class import original_class
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import (GatedChunkMemory, LaCTFoldedLayer, LaCTHeadsLayer, TitansLinearMemory,
                         ViTTTBlock, lact_layer)
@@ -194,3 +200,88 @@ def test_a_lossy_block_op_conversion_under_torch_func_is_refused_by_name():
     with pytest.raises(ttt2la.UnsupportedTTTError,
                        match=r"torch\.func transform .*block op's autograd functions"):
         _func_grads(converted, _x(torch.float64))
+
+
+def _saved_and_loaded(module):
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("now", [torch.float64, torch.bfloat16], ids=str)
+@settings(max_examples=3)
+@given(batch=st.integers(1, 3), length=st.integers(1, 20), called=st.booleans())
+def test_a_cast_layer_saved_whole_loads_back_for_its_weights(now, batch, length, called):
+    """``torch.save`` of a converted layer cast after conversion (called at the new dtype or
+    not), then ``torch.load``: it loads at the cast dtype, converted again for it, and computes
+    what the cast original computes (no Newton–Schulz: the dtype's bound)."""
+    original = _layer("titans (affine scan, fills in its graphs)", torch.float32)
+    converted = ttt2la.convert(original, level=2, example_inputs=(_x(torch.float32, 0),))
+    cast, reference = copy.deepcopy(converted).to(now), copy.deepcopy(original).to(now)
+    x = torch.randn(batch, length, SHAPE[2],
+                    generator=torch.Generator().manual_seed(length)).to(now)
+    if called:
+        with torch.no_grad():
+            cast(x)
+    back = _saved_and_loaded(cast)
+    assert {p.dtype for p in back.parameters()} == {now}
+    with torch.no_grad():
+        y, y0 = _out(back(x)), _out(reference(x))
+        assert torch.equal(y, _out(cast(x)))        # the same plan as before saving
+    assert y.dtype == now and rel_rms_error(y, y0) <= TOLERANCE[now]
+    if now == torch.float64:
+        grads, grads0 = _grads(back, x), _grads(reference, x)
+        assert grads.keys() == grads0.keys()
+        for n in grads:
+            assert rel_rms_error(grads[n], grads0[n]) <= TOLERANCE[now], n
+
+
+def test_a_pickled_layer_that_cannot_be_converted_again_says_what_to_do():
+    """A record the layer cannot be converted again from (here, examples of a width its
+    projections do not take) fails on load with a ``ConversionError`` naming the class and
+    what to save instead, not a request for example inputs the user never passed."""
+    converted = ttt2la.convert(_layer(next(iter(LAYERS)), torch.float32), level=2,
+                               example_inputs=(_x(torch.float32, 0),))
+    state = converted._ttt2la
+    state.recipe = dataclasses.replace(state.recipe, args=(torch.randn(2, 16, SHAPE[2] + 1),))
+    with pytest.raises(ttt2la.ConversionError) as info:
+        _saved_and_loaded(converted)
+    message = str(info.value)
+    assert "TitansLinearMemory was unpickled" in message
+    assert "Save its weights instead" in message and "pass inputs" not in message
+
+
+class _Half(torch.nn.Module):
+    def forward(self, w):
+        return w * 0.5
+
+
+@settings(max_examples=3)
+@given(batch=st.integers(1, 3), length=st.integers(1, 20))
+def test_a_parametrization_on_the_layers_own_weight_converts_it_again(batch, length):
+    """``register_parametrization`` on the converted layer itself (its class is then a subclass
+    of the converted class): converted again with the parametrized weight, the outputs and
+    every gradient — the parametrization's original parameter's too — those of the original
+    parametrized the same way (float64: Newton–Schulz's bound)."""
+    torch.manual_seed(0)
+    original = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4).double()
+    converted = ttt2la.convert(original, level=2,
+                               example_inputs=(torch.randn(2, 16, 16, dtype=torch.float64),))
+    assert converted.ttt2la_report.exact
+    for module in (converted, original):
+        parametrize.register_parametrization(module, "w0", _Half())
+    assert original_class(type(converted)) is LaCTFoldedLayer
+    x = torch.randn(batch, length, 16, generator=torch.Generator().manual_seed(length),
+                    dtype=torch.float64)
+    with torch.no_grad():
+        assert rel_rms_error(converted(x), original(x)) <= TOLERANCE[torch.float64]
+    grads, grads0 = _grads(converted, x), _grads(original, x)
+    assert "parametrizations.w0.original" in grads0 and grads.keys() == grads0.keys()
+    for n in grads:
+        assert rel_rms_error(grads[n], grads0[n]) <= TOLERANCE[torch.float64], n
+    with pytest.raises(ttt2la.ConversionError, match="save its state_dict"):
+        torch.save(converted, io.BytesIO())     # as torch refuses a parametrized module
+    runs = converted._ttt2la.runs
+    assert any("added parametrizations.w0.original; removed w0" in shape and
+               "as written" not in plan for shape, plan in runs.items()), runs

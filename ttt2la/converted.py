@@ -41,8 +41,9 @@ from .lowering.chunking import chunk_layout
 from .lowering.gradient_presence import body_dependencies, loop_reach, plan_reach, tied
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
+from .meta_call import meta_call, on_meta
 from .original_class import ORIGINAL, original_class
-from .recast import Signature, recast, weights_signature
+from .recast import Signature, recast, recast_recipe, weights_signature
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
@@ -337,6 +338,8 @@ class ConvertedState:
             return written()
         except Exception as e:
             weights = params_and_buffers(module)
+            if on_meta(weights, []):
+                return meta_call(module, args, kwargs, stateful=False)
             return self.for_weights(module, weights)._written_failed(e, written, weights, flat,
                                                                      B, L)
 
@@ -740,9 +743,12 @@ def _exported_call(self, args: tuple, kwargs: dict, ttt_state, return_ttt_state:
 
 def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
                     return_ttt_state: bool = False):
-    """The converted layer's call: its code as written (or a refusal) while hooks are on its
-    submodules or an attribute it was traced with changed, else its plan — inside a compiled
-    graph when compiling — or a call carrying state."""
+    """The converted layer's call: its code as written for meta tensors (``meta_call``), and
+    while hooks are on its submodules or an attribute it was traced with changed (or a
+    refusal), else its plan — inside a compiled graph when compiling — or a call carrying
+    state."""
+    if on_meta({}, _flat_inputs(args, kwargs)):    # shapes only: the code as written
+        return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
     if hooked(self):
         return self._ttt2la.hooked_call(self, args, kwargs,
                                         stateful=ttt_state is not None or return_ttt_state)
@@ -756,6 +762,8 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
         if out is not NOT_KEPT:
             return out
     weights = params_and_buffers(self)
+    if on_meta(weights, []):        # weights on meta, the inputs not
+        return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
     if ttt_state is None and not return_ttt_state:
         if torch.compiler.is_compiling() and not kwargs \
                 and all(isinstance(a, torch.Tensor) for a in args):
@@ -799,8 +807,16 @@ def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: 
     submodules), converted again from ``recipe`` — the same trace, passes and plan."""
     module = cls.__new__(cls)
     module.__setstate__(attributes)
-    with as_found(module):                  # traced as ``convert`` traced it
-        state = _replay(module, recipe)
+    try:
+        with as_found(module):              # traced as ``convert`` traced it
+            state = _replay(module, recipe)
+    except Exception as e:
+        raise UnsupportedTTTError(
+            f"the converted {cls.__name__}{f' at {recipe.path}' if recipe.path else ''} was "
+            f"unpickled, and converting it again from its record failed ({type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0][:300]}). Save its weights instead "
+            "(state_dict, or ttt2la.save) and load them into a conversion of the original model."
+        ) from e
     state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
     install(module, state)
     return module
@@ -848,9 +864,20 @@ def _converted_reduce(self, protocol):
         raise ConversionError(
             f"this converted {type(self).__name__} has no record of how it was converted, so "
             "it cannot be pickled; convert it with ttt2la.convert")
+    if ORIGINAL not in type(self).__dict__:     # a class made on top of it (a parametrization's)
+        raise ConversionError(
+            f"this converted layer's class became {type(self).__name__} after conversion (a "
+            "parametrization registered on its own weight), which pickle cannot store, as torch "
+            "stores no parametrized module: save its state_dict and load it into the model "
+            "parametrized the same way")
     attributes = {k: v for k, v in self.__dict__.items()
                   if k not in ("_ttt2la", "_ttt2la_key")}
-    return rebuild, (original_class(type(self)), attributes, state.recipe, state.runs,
+    # the weights as they are now (cast or moved since conversion), the examples cast as they
+    # were, so that loading converts the layer for the weights it holds
+    now = weights_signature(params_and_buffers(self))
+    recipe = state.recipe if now == state.weights or not state.weights else \
+        recast_recipe(state.recipe, state.weights, now)
+    return rebuild, (original_class(type(self)), attributes, recipe, state.runs,
                      state.fallbacks)
 
 

@@ -35,13 +35,15 @@ def autocast_state(values) -> tuple:
 @contextlib.contextmanager
 def out_of_sight(grad: bool = False, devices=("cpu",), autocast: tuple = ()):
     """Inside: no dispatch modes, saved-tensor hooks or autocast of the caller (on ``devices``),
-    but the autocast states ``autocast`` (``autocast_state``) taken back; gradients recorded
+    but the autocast states ``autocast`` (``autocast_state``) taken back (a device with no
+    autocast, such as ``meta``, has none to turn off); gradients recorded
     only with ``grad=True`` (a probe that differentiates); fake tensors' failures not logged
     from this thread. All restored on exit."""
     with _disable_current_modes(), _without_saved_tensor_hooks(), _fake_failures_unlogged(), \
             torch.enable_grad() if grad else torch.no_grad(), contextlib.ExitStack() as off:
         for device in dict.fromkeys(("cpu", *devices, *(d for d, _ in autocast))):
-            off.enter_context(torch.autocast(device, enabled=False))
+            if torch.amp.is_autocast_available(device):     # none on "meta"
+                off.enter_context(torch.autocast(device, enabled=False))
         for device, dtype in autocast:
             off.enter_context(torch.autocast(device, dtype=dtype))
         yield

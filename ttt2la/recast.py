@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedTTTError
-from .original_class import original_class
+from .original_class import written_class
 from .preparation import out_of_sight
 from .as_found import as_found
 
@@ -83,7 +83,8 @@ def recast_recipe(recipe, was: Signature, now: Signature):
 
 def recast(module: torch.nn.Module, state, now: Signature):
     """``state`` built again for ``module``'s weights as they are now (signature ``now``) by
-    replaying its recipe, as unpickling does, on a stand-in for ``module``: its own class,
+    replaying its recipe, as unpickling does, on a stand-in for ``module``: its class as
+    written (``written_class``: a parametrization registered on it since conversion kept),
     sharing every attribute, so the user's module is never touched."""
     from .converted import _replay                     # converted imports this module
     where = state.program.module_path or type(module).__name__
@@ -93,7 +94,7 @@ def recast(module: torch.nn.Module, state, now: Signature):
             f"{described_change(state.weights, now)}, and it has no record of how it was "
             "converted, so it cannot be converted again for them. Change the original model "
             "as you changed this one, then convert it.")
-    cls = original_class(type(module))
+    cls = written_class(type(module))
     stand_in = cls.__new__(cls)
     stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
                               if k not in ("_ttt2la", "_ttt2la_key")})

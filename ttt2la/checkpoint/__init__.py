@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..original_class import original_class
 from .errors import CheckpointError, ManifestError, UnsafeCheckpointError, WeightMismatchError
 from .example_inputs import INPUTS_NAME, build_inputs, describe, write_inputs
 from .manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, replay_differences
@@ -148,7 +149,7 @@ def _recipe_for(model: torch.nn.Module, factory: str | None, config: dict | None
 
         resolve_factory(factory, "factory")
         return Recipe("factory", factory=factory, kwargs=dict(config or {}))
-    cls = _original_class(model)
+    cls = original_class(type(model))
     name = f"{cls.__module__}.{cls.__qualname__}"
     if hasattr(model, "config") and any(c.__name__ == "PreTrainedModel" for c in cls.__mro__):
         return Recipe("hf", auto_class=_hf_auto_class(model, cls), model_class=name,
@@ -189,12 +190,6 @@ def _check_rebuilds(converted: torch.nn.Module, recipe: Recipe, directory) -> No
             "the model was built is not rebuilt by the factory: remove it first "
             "(torch.nn.utils.parametrize.remove_parametrizations(module, name)), or save with the "
             "factory and config that build this model.")
-
-
-def _original_class(model: torch.nn.Module) -> type:
-    from ..converted import is_converted
-
-    return type(model).__bases__[0] if is_converted(model) else type(model)
 
 
 def _hf_auto_class(model, cls) -> str | None:
