@@ -370,7 +370,10 @@ def test_a_squared_error_with_muon_names_newton_schulz_and_its_remedy(level):
     with pytest.raises(ttt2la.NonReducibleError) as refused:
         ttt2la.convert(layer, level=level, example_inputs=(x,))
     error = refused.value
-    assert error.state == "w1" and "orthogonalize" in error.where
+    file, line = error.where.rsplit(":", 1)
+    assert error.state == "w1" and file == "zoo/lact_published.py"
+    body, first = inspect.getsourcelines(lact_published.orthogonalize)   # Newton–Schulz
+    assert first < int(line) < first + len(body)
     assert "remove_muon (level >= 6)" in error.remedy
     kept = ttt2la.convert(layer, level=level, example_inputs=(x,), strict=False)
     assert kept.ttt2la_report.layers[0].schedule == "recurrent"

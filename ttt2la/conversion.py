@@ -335,17 +335,28 @@ def _gradient_stop(layer: "_Layer") -> str:
 
 
 def _presence_mismatch(layer: "_Layer") -> str:
-    """Where the plan's gradients reach other parameters or inputs than the layer's own —
-    a gradient (of zeros, say) on one side, None on the other — at the example's length and
-    at one and two chunks and a partial second one, where a momentum that starts at zero and
-    an update nothing reads leave the most of the loop's arithmetic to skip; ``""`` where
-    they agree. Optimizers treat None and zeros differently, so a mismatch is a stop."""
+    """Where the plan's gradients leave None on a parameter or input the layer's own reach
+    (with zeros, say) — at the example's length and at one and two chunks and a partial second
+    one, where a momentum that starts at zero and an update nothing reads leave the most of the
+    loop's arithmetic to skip; ``""`` where they agree. Optimizers treat None and zeros
+    differently, so a mismatch is a stop (``presence_difference``)."""
     rl, state = layer.rl, layer.state
     args, kwargs = _plan_inputs(rl, state)
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     B, L = state.layout.sizes(flat)
     C = state.program.chunk_size
-    for length in sorted({int(L), C, C + 1, 2 * C}):
+    runs = dict(state.runs)
+    try:
+        return _presence_at(layer, flat, B, L, sorted({int(L), C, C + 1, 2 * C}))
+    finally:                    # the check's calls are no runs of the converted layer
+        state.runs.clear()
+        state.runs.update(runs)
+
+
+def _presence_at(layer: "_Layer", flat: list, B: int, L: int, lengths: list) -> str:
+    """``_presence_mismatch`` at each of ``lengths``."""
+    rl, state = layer.rl, layer.state
+    for length in lengths:
         at = pytree.tree_unflatten(
             _inputs_at(flat, state.layout, state.layout.batch_unit * B, length), rl.in_spec)
         try:
@@ -357,8 +368,8 @@ def _presence_mismatch(layer: "_Layer") -> str:
                 raise
             continue        # a length the layer or its conversion does not take: nothing to compare
         if differ:
-            return (f"at length {length} the converted loop's gradients reach other tensors "
-                    f"than the layer's own: {differ}")
+            return (f"at length {length} the converted loop's gradients leave out tensors "
+                    f"the layer's own reach: {differ}")
     return ""
 
 
