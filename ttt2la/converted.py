@@ -42,7 +42,7 @@ from .lowering.gradient_presence import body_dependencies, loop_reach, plan_reac
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .meta_call import meta_call, on_meta
-from .original_class import ORIGINAL, original_class
+from .original_class import ORIGINAL, original_class, written_call
 from .recast import Signature, recast, recast_recipe, weights_signature
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
@@ -247,7 +247,7 @@ class ConvertedState:
         recording alone, so eager calls and ``torch.compile`` (which guards on those) decide
         alike; what only running the plan tells (a padding found not inert, a failing loop) is
         decided by the call that runs it."""
-        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        written = written_call(module, args, kwargs)
         other_batch = getattr(self.layout, "untraced_batch", lambda flat: "")(flat)
         if other_batch and self.as_written is not None:
             return lambda: self._at_untraced_batch(other_batch, written, flat)
@@ -278,7 +278,7 @@ class ConvertedState:
         instead = self.route(module, args, kwargs, flat)
         if instead is not None:
             return instead()
-        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        written = written_call(module, args, kwargs)
         B, L = (int(n) for n in self.layout.sizes(flat))
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
@@ -333,7 +333,7 @@ class ConvertedState:
         if _race_key(B, L, flat) not in kept or vouching is not None \
                 and not vouching.lengths.get(L):
             return NOT_KEPT
-        written = lambda: original_class(type(module)).forward(module, *args, **kwargs)  # noqa: E731
+        written = written_call(module, args, kwargs)
         try:
             return written()
         except Exception as e:
@@ -412,7 +412,7 @@ class ConvertedState:
     def _refuse_empty_piece(self, module: torch.nn.Module, args: tuple, kwargs: dict):
         """A stateful call with no tokens: the layer's own error where its code fails on an
         empty sequence (naming its line), else a refusal naming the layer."""
-        self._as_written(lambda: original_class(type(module)).forward(module, *args, **kwargs),
+        self._as_written(written_call(module, args, kwargs),
                          "at length 0 (an empty sequence)")
         raise StreamingError(
             f"{self._where()} was called with an empty sequence (length 0) and asked to carry "
@@ -499,7 +499,7 @@ class ConvertedState:
         B, L = (int(n) for n in self.layout.sizes(_flat_inputs(args, kwargs)))
         self.runs[f"batch {self._batch(B)}, length {L}, hooks on submodules"] = f"as written: {found}"
         return self._as_written(
-            lambda: original_class(type(module)).forward(module, *args, **kwargs),
+            written_call(module, args, kwargs),
             f"while there is {found}")
 
     def changed_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, change: Change,
@@ -524,7 +524,7 @@ class ConvertedState:
         self.runs[f"batch {self._batch(B)}, length {L}, attribute changed"] = \
             f"as written: {found}; {again}"
         return self._as_written(
-            lambda: original_class(type(module)).forward(module, *args, **kwargs),
+            written_call(module, args, kwargs),
             f"since {found}")
 
     def _written_instead(self, written, B: int, L: int, case: str, note: str, why: str,

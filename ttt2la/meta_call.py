@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import StreamingError
-from .original_class import original_class
+from .original_class import written_call
 
 
 def on_meta(weights: dict, flat: list) -> bool:
@@ -34,7 +34,7 @@ def meta_call(module: torch.nn.Module, args: tuple, kwargs: dict, stateful: bool
     state.runs["meta tensors"] = ("as written: meta tensors hold shapes and dtypes, no values, "
                                   "and the code as written gives the shapes and dtypes")
     return state._as_written(
-        lambda: original_class(type(module)).forward(module, *args, **kwargs),
+        written_call(module, args, kwargs),
         "on meta tensors")
 
 

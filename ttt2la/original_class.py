@@ -48,4 +48,10 @@ def written_class(cls: type) -> type:
     return _WRITTEN[cls]
 
 
-__all__ = ["ORIGINAL", "original_class", "written_class"]
+def written_call(module, args: tuple, kwargs: dict):
+    """A call of ``module(*args, **kwargs)`` by the user's own ``forward``, to run later (where
+    a converted layer runs its code as written instead of its plan)."""
+    return lambda: original_class(type(module)).forward(module, *args, **kwargs)
+
+
+__all__ = ["ORIGINAL", "original_class", "written_call", "written_class"]

@@ -75,6 +75,14 @@ def _set(args, path, value):
     return type(args)(seq) if isinstance(args, tuple) else seq
 
 
+def set_slot(node: torch.fx.Node, where: str, path: tuple, value) -> None:
+    """Put ``value`` at ``path`` in ``node``'s ``args`` or ``kwargs`` (``where``)."""
+    if where == "args":
+        node.args = _set(node.args, path, value)
+    else:
+        node.kwargs = _set(node.kwargs, path, value)
+
+
 def _fit(v0, vL, vB, B0, L0, L1, B1) -> SizeExpr | None:
     dL, dB = vL - v0, vB - v0
     if dL == 0 and dB == 0:
@@ -107,11 +115,7 @@ class GraphTemplate:
         graph = copy_graph(self.gm.graph)
         nodes = list(graph.nodes)
         for (i, where, path), expr in self.slots.items():
-            node = nodes[i]
-            if where == "args":
-                node.args = _set(node.args, path, expr(B, L))
-            else:
-                node.kwargs = _set(node.kwargs, path, expr(B, L))
+            set_slot(nodes[i], where, path, expr(B, L))
         gm = torch.fx.GraphModule(self.gm, graph)
         return gm
 

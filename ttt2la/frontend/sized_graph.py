@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from ..ir import copy_graph
-from .shapes import GraphTemplate, SizeExpr, _set
+from .shapes import GraphTemplate, SizeExpr, set_slot
 
 #: The name of the trailing argument that carries a call's sizes.
 SIZES = "ttt_sizes"
@@ -78,11 +78,7 @@ def sized_graph(template: GraphTemplate) -> SizedGraph:
         with graph.inserting_after(after):
             after = reads[expr] = graph.call_function(operator.getitem, (sizes, k))
     for (i, where, path), expr in template.slots.items():
-        node = nodes[i]
-        if where == "args":
-            node.args = _set(node.args, path, reads[expr])
-        else:
-            node.kwargs = _set(node.kwargs, path, reads[expr])
+        set_slot(nodes[i], where, path, reads[expr])
     _take_trailing_leaf(graph, sizes.name)
     return SizedGraph(torch.fx.GraphModule(template.gm, graph), exprs)
 
