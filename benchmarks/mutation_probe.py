@@ -1645,6 +1645,40 @@ MUTATIONS = [
          ("ttt2la/converted.py", "    if on_meta(weights, []):        # weights on meta",
           "    if False:        # weights on meta")),
         ("tests/test_meta_call.py",), "shapes_and_dtypes"),
+    Mutation(
+        "length_uses_unrun", "the code is not run with sizes that remember the length, so a value of it spelled otherwise than the source reading knows leaves other lengths on the probes' branch",
+        (("ttt2la/length_vouching.py", "    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read]\n",
+          "    found += []\n"),),
+        ("tests/test_length_uses.py",), "each_spelling"),
+    Mutation(
+        "length_decisions_unrecorded", "a branch, comparison, lookup or index made with a value of the length is not recorded",
+        (("ttt2la/frontend/length_uses.py", "        if not _library(frame.f_code.co_filename):\n            run.record(",
+          "        if False:\n            run.record("),),
+        ("tests/test_length_uses.py",), "branches_values or SizeKeyword or Lookup"),
+    Mutation(
+        "length_numbers_to_ops_unrecorded", "a number of the length passed to a torch op is not recorded",
+        (("ttt2la/frontend/length_uses.py", "        if tracked:\n", "        if False:\n"),),
+        ("tests/test_length_uses.py",), "branches_values or Value"),
+    Mutation(
+        "length_sizes_untracked", "sizes read off tensors are handed out as plain ints, so nothing computed from them is followed",
+        (("ttt2la/frontend/length_uses.py", "            if type(n) is int and n and n % L == 0:\n",
+          "            if False:\n"),),
+        ("tests/test_length_uses.py",), "branches_values or ShapeSlice"),
+    Mutation(
+        "length_uses_in_the_loop_body", "decisions in the loop's own statement and body, which the traces unroll, are counted as uses of the length",
+        (("ttt2la/frontend/length_uses.py", "        if self.loop is None:\n            return False\n",
+          "        if True:\n            return False\n"),),
+        ("tests/test_length_uses.py",), "sizes_guards"),
+    Mutation(
+        "raising_guards_as_length_uses", "a guard that only raises is counted as a use of the length",
+        (("ttt2la/frontend/length_uses.py", "                _varies(at, lengths) and not _guard(file, line)",
+          "                _varies(at, lengths)"),),
+        ("tests/test_length_uses.py",), "sizes_guards"),
+    Mutation(
+        "whole_chunk_sizes_as_length_uses", "a size affine in the whole-chunk lengths (the chunk count of a view) is counted as a use of the length",
+        (("ttt2la/frontend/length_uses.py", "{L: Fraction(used.at(L)) for L in lengths if L % chunk == 0}",
+          "{L: Fraction(used.at(L)) for L in lengths}"),),
+        ("tests/test_length_uses.py",), "sizes_guards"),
 ]
 
 

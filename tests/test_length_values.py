@@ -184,8 +184,8 @@ class HelperBranchAfterLoop(BranchAfterLoop):
 
 class HiddenBranchAfterLoop(HelperBranchAfterLoop):
     """``HelperBranchAfterLoop`` calling its helper through a ``functools.partial`` held by the
-    layer, which no source reading resolves: only the trace at the example's length names the
-    line."""
+    layer, which no source reading resolves: the run of the code (``length_uses``) finds the
+    branch, and the trace at the example's length names the line."""
 
     def __init__(self):
         super().__init__()

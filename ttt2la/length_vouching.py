@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedShapeError, UnsupportedTTTError
+from .frontend.length_uses import length_uses, probe_length
 from .frontend.length_values import describe, length_values
 from .ir import SRC, torch_name
 from .original_class import original_class
@@ -100,13 +101,36 @@ def vouching(rl) -> LengthVouching | None:
         return None
     axis, rank = layout.token_axis[layout.ref], x.dim()
     loop = rl.candidate.loop
-    from .converted import original_class
     found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True,
                           owner=original_class(type(rl.candidate.module)))
+    read = {(v.file, v.line) for v in found}
+    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read]
     if not found:
         return None
     traced = {rl.L0, rl.L1, x.shape[axis]}
     return LengthVouching(describe(found), {L: True for L in traced})
+
+
+def _run_uses(rl) -> list:
+    """``length_uses`` of the recognized layer: its code as written run once at a length no
+    other size of it is a multiple of, at the example's batch size."""
+    from .frontend.recognize import _inputs_at, layer_function, traced_weights
+
+    cand = rl.candidate
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    fn = layer_function(cand.module, in_spec, original_class(type(cand.module)).forward)
+    pb = traced_weights(cand.module)
+    tokens = set(rl.layout.token_axis.items())
+    sizes = {n for v in pb.values() for n in v.shape}
+    sizes |= {n for i, x in enumerate(flat) if isinstance(x, torch.Tensor)
+              for ax, n in enumerate(x.shape) if (i, ax) not in tokens}
+    chunk = max(rl.program.chunk_size or 1, 1)
+    batch = rl.layout.batch_unit * rl.B0
+    sizes.add(batch)
+
+    L = probe_length(sizes, chunk)
+    inputs = _inputs_at(flat, rl.layout, batch, L)
+    return length_uses(lambda: fn(pb, *inputs), L, chunk, (cand.loop.file, cand.loop.line))
 
 
 def example_length(rl) -> int | None:

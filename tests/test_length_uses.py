@@ -1,0 +1,253 @@
+"""Python values of the length found by running the code (``frontend.length_uses``): spellings the
+source reading does not know — ``x.size(dim=1)``, ``B, T = x.shape[:2]``, ``numel()``, ``len()``,
+a lambda or a ``functools.partial`` helper, a value of ``T % 8`` passed to an op or looked up
+in a dict — in the code that calls the loop's function. A converted layer computes the code's
+function at every length, or refuses the length; never another branch's output."""
+import functools
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ttt2la
+from ttt2la.errors import ConversionError
+from ttt2la.frontend.length_uses import length_uses, probe_length
+from ttt2la.testing import rel_rms_error
+
+from equivalence import assert_same_function
+
+D = 8
+BETA, LR = 0.5, 0.1
+
+
+def _close(o, T, scale=2):
+    return o * scale if T % 8 else o + 2
+
+
+close_lambda = lambda o, T: o * 2 if T % 8 else o + 2      # noqa: E731
+close_partial = functools.partial(_close, scale=2)
+
+
+class Momentum(nn.Module):
+    """Chunked linear attention with momentum, its loop in ``run``; ``forward`` hands the loop's
+    output to ``finish``, which each spelling writes its own way (level 5 removes the momentum,
+    so ``simplified`` is the function a lossy conversion computes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+        self.close_attr = _close
+
+    def run(self, x, c=None):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            M = BETA * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+            S = S + LR * M
+        return torch.cat(outs, 1)
+
+    def run_simplified(self, x, c: float):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + LR * c * k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+    def forward(self, x):
+        return self.finish(self.run(x), x)
+
+    def simplified(self, x, c: float):
+        return self.finish(self.run_simplified(x, c), x)
+
+
+class SizeKeyword(Momentum):
+    def finish(self, o, x):
+        T = x.size(dim=1)
+        return o * 2 if T % 8 else o + 2
+
+
+class ShapeSlice(Momentum):
+    def finish(self, o, x):
+        B, T = x.shape[:2]
+        return o * 2 if T % 8 else o + 2
+
+
+class Numel(Momentum):
+    def finish(self, o, x):
+        return o * 2 if x[0].numel() % (8 * D) else o + 2
+
+
+class Len(Momentum):
+    def finish(self, o, x):
+        T = len(x[0])
+        return o * 2 if T % 8 else o + 2
+
+
+class Lambda(Momentum):
+    def finish(self, o, x):
+        return close_lambda(o, x.shape[1])
+
+
+class Partial(Momentum):
+    def finish(self, o, x):
+        return close_partial(o, x.shape[1])
+
+
+class Attribute(Momentum):
+    def finish(self, o, x):
+        return self.close_attr(o, x.shape[1])
+
+
+class Value(Momentum):
+    def finish(self, o, x):
+        return o * (1 + x.shape[1] % 8)
+
+
+class ComparedValue(Momentum):
+    def finish(self, o, x):
+        return o + o * float(x.shape[1] % 8 == 0)
+
+
+class Lookup(Momentum):
+    def finish(self, o, x):
+        return o * {0: 3.0}.get(x.shape[1] % 8, 2.0)
+
+
+SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda, Partial,
+                                     Attribute, Value, ComparedValue, Lookup)}
+
+
+#: what each layer's note quotes of the line that uses the length
+NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
+         "Numel": "x[0].numel() % (8 * D)", "Len": "T = len(x[0])", "Lambda": "o * 2 if T % 8",
+         "Partial": "o * scale if T % 8", "Attribute": "o * scale if T % 8",
+         "Value": "1 + x.shape[1] % 8", "ComparedValue": "x.shape[1] % 8 == 0",
+         "Lookup": ".get(x.shape[1] % 8"}
+
+
+def _folded(conv) -> float:
+    for p in conv.ttt2la_report.layers[0].passes:
+        if p.name == "remove_momentum" and p.folded:
+            return next(iter(p.folded.values()))
+    return 1.0
+
+
+def _same_or_refused(layer, conv, T: int) -> str:
+    """One call at length ``T``: the code's function (the original's output and gradients at
+    an exact level, the simplified function at a lossy one) or a ``ConversionError``."""
+    torch.manual_seed(T)
+    x = torch.randn(2, T, D)
+    if conv.ttt2la_report.exact:
+        assert_same_function(conv, layer, x)
+        return "same"
+    with torch.no_grad():
+        try:
+            got = conv(x)
+        except ConversionError:
+            return "refused"
+        want = layer.simplified(x, _folded(conv))
+    assert rel_rms_error(got, want) <= 1e-5, f"length {T}: another branch's output"
+    return "simplified"
+
+
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_each_spelling_is_the_code_function_at_every_length(name):
+    """The example's length 18 takes the probes' branch; lengths that are multiples of 8 take
+    the other. An exact conversion gives the original's output and gradients at each, a lossy
+    one the simplified function or a refusal; each reports the line."""
+    for level in (0, 5):
+        torch.manual_seed(0)
+        layer = SPELLINGS[name]()
+        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 18, D),))
+        notes = " ".join(conv.ttt2la_report.layers[0].notes)
+        assert "values of the length" in notes and NAMED[name] in notes, notes
+        seen = [_same_or_refused(layer, conv, T) for T in (18, 16, 24, 14, 32)]
+        if level == 0:
+            assert seen == ["same"] * 5
+        else:
+            assert seen[0] == "simplified" and "refused" in seen, seen
+
+
+@settings(max_examples=10, deadline=None)
+@given(name=st.sampled_from(sorted(SPELLINGS)), level=st.sampled_from([0, 5]),
+       example=st.integers(6, 26),
+       calls=st.lists(st.integers(2, 40) | st.sampled_from([8, 16, 24, 32]), min_size=2,
+                      max_size=4))
+def test_every_call_is_the_code_function_or_refused(name, level, example, calls):
+    """Any example length, any call lengths: each call gives the code's function or is
+    refused."""
+    torch.manual_seed(example)
+    layer = SPELLINGS[name]()
+    try:
+        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, example, D),))
+    except ConversionError:
+        return
+    for T in [example, *calls]:
+        _same_or_refused(layer, conv, T)
+
+
+# --- the run itself ------------------------------------------------------------------------
+
+def _loop_line(fn) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, text in enumerate(lines) if text.strip().startswith("for "))
+
+
+def chunked(x):
+    """Uses of the length the converted graph computes at any length, or that raise, or that
+    the loop's own iterations take: none is a use."""
+    B, T, _ = x.shape
+    assert T % 4 == 0, "whole chunks"
+    if x.size(1) % 4:
+        raise ValueError("whole chunks")
+    n = T // 4
+    xs = x.view(B, n, 4, D)
+    out = x.new_zeros(B, T, D)
+    for i in range(n):
+        e = min(4 * i + 4, T)
+        out[:, 4 * i:e] = xs[:, i] * (T == x.shape[1])
+    return out[:, :T] * 2
+
+
+def branching(x):
+    B, T = x.shape[:2]
+    o = x * 2
+    for s in range(0, T, 4):
+        o = o + 1
+    if x.size(dim=1) % 8:
+        o = o + 1
+    o = o * (1 + T % 8)
+    return o + torch.tensor(T % 3)
+
+
+def uses(fn, L: int = 20):
+    x = torch.randn(2, L, D)
+    found = length_uses(lambda: fn(x), L, 4, (__file__, _loop_line(fn)))
+    return [(v.line - inspect.getsourcelines(fn)[1], v.what) for v in found]
+
+
+def test_sizes_guards_and_the_loop_are_no_uses():
+    assert uses(chunked) == []
+
+
+def test_branches_values_and_tensors_of_the_length_are_uses():
+    assert uses(branching) == [(5, "branches on"), (7, "passes `Tensor.mul` a number of"),
+                               (8, "makes a tensor of")]
+
+
+def test_no_size_of_the_layer_is_a_multiple_of_the_run_length():
+    """A size of the run that is a multiple of ``L*`` must be one of the length."""
+    for sizes, chunk in (({8, 24, 2}, 4), ({512, 1536, 128, 4}, 2048), ({16, 48}, 1),
+                         ({20, 40, 60}, 1), ({64, 192, 320}, 64)):
+        L = probe_length(sizes, chunk)
+        assert L % chunk == 0 and L >= max(16, 2 * chunk)
+        assert not any(s % L == 0 for s in sizes)
