@@ -1196,7 +1196,7 @@ MUTATIONS = [
         ("tests/test_padded_chunk_views.py",), "every_length"),
     Mutation(
         "length_values_unvouched", "a layer whose code computes Python values of the length runs the plan at every length, unchecked",
-        (("ttt2la/converted.py", "if vouching is not None and not vouching.lengths.get(L):\n            with buffers_kept",
+        (("ttt2la/converted.py", "if vouching is not None and not vouching.holds(B, L):\n            with buffers_kept",
           "if vouching is not None and False:\n            with buffers_kept"),),
         ("tests/test_length_values.py",), "branch or capped or lossy"),
     Mutation(
@@ -1647,38 +1647,50 @@ MUTATIONS = [
         ("tests/test_meta_call.py",), "shapes_and_dtypes"),
     Mutation(
         "length_uses_unrun", "the code is not run with sizes that remember the length, so a value of it spelled otherwise than the source reading knows leaves other lengths on the probes' branch",
-        (("ttt2la/length_vouching.py", "    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read]\n",
+        (("ttt2la/length_vouching.py", "    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read or v.of != \"the length\"]\n",
           "    found += []\n"),),
-        ("tests/test_length_uses.py",), "each_spelling"),
+        ("tests/test_size_uses.py",), "each_spelling"),
     Mutation(
         "length_decisions_unrecorded", "a branch, comparison, lookup or index made with a value of the length is not recorded",
-        (("ttt2la/frontend/length_uses.py", "        if not _library(frame.f_code.co_filename):\n            run.record(",
+        (("ttt2la/frontend/size_uses.py", "        if not _library(frame.f_code.co_filename):\n            run.record(",
           "        if False:\n            run.record("),),
-        ("tests/test_length_uses.py",), "branches_values or SizeKeyword or Lookup"),
+        ("tests/test_size_uses.py",), "branches_values or SizeKeyword or Lookup"),
     Mutation(
         "length_numbers_to_ops_unrecorded", "a number of the length passed to a torch op is not recorded",
-        (("ttt2la/frontend/length_uses.py", "        if tracked:\n", "        if False:\n"),),
-        ("tests/test_length_uses.py",), "branches_values or Value"),
+        (("ttt2la/frontend/size_uses.py", "        if tracked:\n", "        if False:\n"),),
+        ("tests/test_size_uses.py",), "branches_values or Value"),
     Mutation(
         "length_sizes_untracked", "sizes read off tensors are handed out as plain ints, so nothing computed from them is followed",
-        (("ttt2la/frontend/length_uses.py", "            if type(n) is int and n and n % L == 0:\n",
+        (("ttt2la/frontend/size_uses.py", "            if n % L == 0:\n",
           "            if False:\n"),),
-        ("tests/test_length_uses.py",), "branches_values or ShapeSlice"),
+        ("tests/test_size_uses.py",), "branches_values or ShapeSlice"),
     Mutation(
         "length_uses_in_the_loop_body", "decisions in the loop's own statement and body, which the traces unroll, are counted as uses of the length",
-        (("ttt2la/frontend/length_uses.py", "        if self.loop is None:\n            return False\n",
+        (("ttt2la/frontend/size_uses.py", "        if self.loop is None:\n            return False\n",
           "        if True:\n            return False\n"),),
-        ("tests/test_length_uses.py",), "sizes_guards"),
+        ("tests/test_size_uses.py",), "sizes_guards"),
     Mutation(
         "raising_guards_as_length_uses", "a guard that only raises is counted as a use of the length",
-        (("ttt2la/frontend/length_uses.py", "                _varies(at, lengths) and not _guard(file, line)",
-          "                _varies(at, lengths)"),),
-        ("tests/test_length_uses.py",), "sizes_guards"),
+        (("ttt2la/frontend/size_uses.py", "            if not judged and _guard(file, line):\n",
+          "            if False:\n"),),
+        ("tests/test_size_uses.py",), "sizes_guards"),
     Mutation(
         "whole_chunk_sizes_as_length_uses", "a size affine in the whole-chunk lengths (the chunk count of a view) is counted as a use of the length",
-        (("ttt2la/frontend/length_uses.py", "{L: Fraction(used.at(L)) for L in lengths if L % chunk == 0}",
-          "{L: Fraction(used.at(L)) for L in lengths}"),),
-        ("tests/test_length_uses.py",), "sizes_guards"),
+        (("ttt2la/frontend/size_uses.py", "((n, at(n, B)) for n in lengths if n % chunk == 0)",
+          "((n, at(n, B)) for n in lengths)"),),
+        ("tests/test_size_uses.py",), "sizes_guards"),
+    Mutation(
+        "batch_values_unjudged", "a decision or number of the batch size is never judged a use, so other batch sizes run the probes' branch",
+        (("ttt2la/frontend/size_uses.py", "        batch = _not_affine((b, at(L, b)) for b in batches)\n",
+          "        batch = False\n"),
+         ("ttt2la/frontend/size_uses.py", "        batch = _varies(at(L, b) for b in batches)\n",
+          "        batch = False\n")),
+        ("tests/test_size_uses.py",), "batch_spelling"),
+    Mutation(
+        "vouched_shapes_keyed_by_length", "the shapes a layer with values of the batch size holds are keyed by their length alone, so a new batch size at a traced length runs unchecked",
+        (("ttt2la/length_vouching.py", "        return (B, L) if length and batch else B if batch else L\n",
+          "        return L\n"),),
+        ("tests/test_size_uses.py",), "batch_spelling"),
 ]
 
 

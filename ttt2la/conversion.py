@@ -228,12 +228,14 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict,
                            length_vouching=vouching(rl), skipped_first=_skipped_first(rl))
-    if state.length_vouching is not None:
-        notes.append(f"its code computes Python values of the length "
-                     f"({state.length_vouching.what}): converted for the lengths it was traced "
-                     "at; " + ("each other length is checked once against the code as written, "
-                               "which runs where they differ" if exact else
-                               "other lengths are refused"))
+    held = state.length_vouching
+    if held is not None:
+        shapes = "lengths" if held.by == ("the length",) else \
+            "batch sizes" if held.by == ("the batch size",) else "shapes"
+        notes.append(f"its code computes Python values of {' and '.join(held.by)} "
+                     f"({held.what}): converted for the {shapes} it was traced at; " +
+                     ("each other one is checked once against the code as written, which runs "
+                      "where they differ" if exact else f"other {shapes} are refused"))
     return state, analysis, notes, exact
 
 
@@ -394,7 +396,7 @@ def _plan_inputs(rl: RecognizedLayer, state: ConvertedState) -> tuple[tuple, dic
         return args, kwargs
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     B, L = state.layout.sizes(flat)
-    if held.lengths.get(L) is not False:
+    if held.lengths.get(held.key(B, L)) is not False:
         return args, kwargs
     args, kwargs = pytree.tree_unflatten(
         _inputs_at(flat, state.layout, state.layout.batch_unit * B, rl.L0), rl.in_spec)

@@ -285,7 +285,7 @@ class ConvertedState:
         # line to stderr, where ``rejected`` names the user's line instead
         plan = lambda: gm.forward(weights, *flat)   # noqa: E731
         vouching = self.length_vouching
-        if vouching is not None and not vouching.lengths.get(L):
+        if vouching is not None and not vouching.holds(B, L):
             with buffers_kept(module):      # the check's runs are not the call's
                 unvouched = self._unvouched_length(vouching, plan, written, B, L)
             if unvouched is not None:
@@ -331,7 +331,7 @@ class ConvertedState:
         B, L = int(B), int(L)
         vouching = self.length_vouching
         if _race_key(B, L, flat) not in kept or vouching is not None \
-                and not vouching.lengths.get(L):
+                and not vouching.holds(B, L):
             return NOT_KEPT
         written = written_call(module, args, kwargs)
         try:
@@ -367,15 +367,16 @@ class ConvertedState:
         length): ``None`` where the plan was checked to agree with the code as written there,
         else what to run instead (the code as written; a lossy conversion refuses)."""
         if self.as_written is None:
-            raise vouching.refusal(self._where(), L)
-        if vouching.check(L, plan, written):
+            raise vouching.refusal(self._where(), B, L)
+        if vouching.check(B, L, plan, written):
             self.runs.setdefault(f"batch {self._batch(B)}, length {L}, length values",
-                                 "plan: checked against the code as written at this length")
+                                 "plan: checked against the code as written at this shape")
             return None
         return lambda: self._written_instead(
             written, B, L, "length values",
-            f"its code computes {vouching.what}, and the plan differs from it at this length",
-            f"at length {L}, where its code computes {vouching.what}", refusal=None)
+            f"its code computes {vouching.what}, and the plan differs from it at this shape",
+            f"at batch size {self._batch(B)}, length {L}, where its code computes "
+            f"{vouching.what}", refusal=None)
 
     def _at_untraced_batch(self, why: str, written, flat: list):
         """A call at a batch size other than the one a number of the traced code was derived
@@ -584,12 +585,12 @@ class ConvertedState:
                 f"{self._where()} cannot carry its fast-weight state through a call at {untraced}: "
                 "call it with pieces of the lengths it was traced at.")
         vouching = self.length_vouching
-        if vouching is not None and not vouching.lengths.get(L):
+        if vouching is not None and not vouching.holds(B, L):
             raise UnsupportedShapeError(
-                f"{self._where()} cannot carry its fast-weight state through a call at length "
-                f"{L}: its code computes Python values of the length ({vouching.what}), so a "
-                "piece of another length may run another function. Call it with pieces of the "
-                "lengths it was traced at.")
+                f"{self._where()} cannot carry its fast-weight state through a call at "
+                f"{vouching.shape(B, L)}: its code computes Python values of "
+                f"{' and '.join(vouching.by)} ({vouching.what}), so a piece of another shape may "
+                "run another function. Call it with pieces of the shapes it was traced at.")
         if self.gradient_stop and records_gradients(module, flat):
             raise StreamingError(
                 f"{self.program.module_path or 'this layer'} stops gradients inside its loop "

@@ -24,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedShapeError, UnsupportedTTTError
-from .frontend.length_uses import length_uses, probe_length
+from .frontend.size_uses import probe_sizes, size_uses
 from .frontend.length_values import describe, length_values
 from .ir import SRC, torch_name
 from .original_class import original_class
@@ -33,26 +33,46 @@ from .testing import TOLERANCE, rel_rms_error
 
 @dataclass
 class LengthVouching:
-    """The uses of the length (``what``, in words) and, per length, whether the plan computes
-    the code's function there (``True`` for the traced lengths)."""
+    """The uses of the call's sizes (``what``, in words) and, per shape, whether the plan
+    computes the code's function there (``True`` for the traced shapes). ``by``: the sizes the
+    code computes values of (the length, the batch size or both), which key the shapes: a length,
+    a batch size in units, or both as ``(B, L)``."""
 
     what: str
-    lengths: dict[int, bool] = field(default_factory=dict)
+    lengths: dict = field(default_factory=dict)
+    by: tuple[str, ...] = ("the length",)
 
-    def refusal(self, where: str, L: int) -> UnsupportedShapeError:
-        """The refusal of a lossy conversion at the untraced length ``L``."""
+    def key(self, B: int, L: int):
+        """The shape ``(B, L)`` (batch units, tokens) as ``lengths`` holds it."""
+        length, batch = "the length" in self.by, "the batch size" in self.by
+        return (B, L) if length and batch else B if batch else L
+
+    def holds(self, B: int, L: int) -> bool:
+        """Was the plan traced, or checked to agree with the code as written, at ``(B, L)``?"""
+        return bool(self.lengths.get(self.key(B, L)))
+
+    def shape(self, B: int, L: int) -> str:
+        """``(B, L)`` in words, as far as the vouching tells shapes apart."""
+        length, batch = "the length" in self.by, "the batch size" in self.by
+        return f"batch size {B} units, length {L}" if length and batch else \
+            f"batch size {B} units" if batch else f"length {L}"
+
+    def refusal(self, where: str, B: int, L: int) -> UnsupportedShapeError:
+        """The refusal of a lossy conversion at the untraced shape ``(B, L)``."""
         held = ", ".join(str(n) for n, ok in sorted(self.lengths.items()) if ok)
+        sizes = " and ".join(self.by)
         return UnsupportedShapeError(
-            f"{where} was called at length {L}, but its code computes Python values of the "
-            f"length ({self.what}), which may differ there from the lengths it was traced at "
-            f"({held}): the lossy conversion holds at those lengths only. Call it at those "
-            "lengths, convert it at level 0 (exact conversions check each new length against "
+            f"{where} was called at {self.shape(B, L)}, but its code computes Python values of "
+            f"{sizes} ({self.what}), which may differ there from the shapes it was traced at "
+            f"({held}): the lossy conversion holds at those shapes only. Call it at those "
+            "shapes, convert it at level 0 (exact conversions check each new shape against "
             "the code as written), or compute those values from sizes that do not change.")
 
-    def check(self, L: int, plan, written) -> bool:
-        """Whether the plan computes the code's function at length ``L``: the two run once on
+    def check(self, B: int, L: int, plan, written) -> bool:
+        """Whether the plan computes the code's function at ``(B, L)``: the two run once on
         the call's inputs, without gradients, and must agree to the dtype's tolerance."""
-        known = self.lengths.get(L)
+        key = self.key(B, L)
+        known = self.lengths.get(key)
         if known is not None:
             return known
         with torch.no_grad():
@@ -64,7 +84,7 @@ class LengthVouching:
                 theirs = written()
             except Exception:               # the code's own error: it runs as written
                 mine = theirs = None
-        self.lengths[L] = agree = mine is not None and _same(mine, theirs)
+        self.lengths[key] = agree = mine is not None and _same(mine, theirs)
         return agree
 
 
@@ -93,7 +113,7 @@ def _same(a, b) -> bool:
 
 def vouching(rl) -> LengthVouching | None:
     """The vouching of the recognized layer ``rl``: ``None`` when its code computes no Python
-    value of the length the traces cannot vouch for."""
+    value of the length or the batch size the traces cannot vouch for."""
     layout = rl.layout
     flat, _ = pytree.tree_flatten((tuple(rl.candidate.args), dict(rl.candidate.kwargs)))
     x = flat[layout.ref]
@@ -104,33 +124,40 @@ def vouching(rl) -> LengthVouching | None:
     found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True,
                           owner=original_class(type(rl.candidate.module)))
     read = {(v.file, v.line) for v in found}
-    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read]
+    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read or v.of != "the length"]
     if not found:
         return None
-    traced = {rl.L0, rl.L1, x.shape[axis]}
-    return LengthVouching(describe(found), {L: True for L in traced})
+    by = tuple(of for of in ("the batch size", "the length") if any(v.of == of for v in found))
+    unit = layout.batch_unit
+    example = (x.shape[layout.batch_axis[layout.ref]] // unit, x.shape[axis])
+    held = LengthVouching(describe(found), by=by)
+    for B, L in {(rl.B0, rl.L0), (rl.B0, rl.L1), (rl.B1, rl.L0), example}:
+        held.lengths[held.key(B, L)] = True
+    return held
 
 
 def _run_uses(rl) -> list:
-    """``length_uses`` of the recognized layer: its code as written run once at a length no
-    other size of it is a multiple of, at the example's batch size."""
+    """``size_uses`` of the recognized layer: its code as written run once at a length and a
+    batch size no other size of it is a multiple of (the example's batch, where the layer
+    takes that one only)."""
     from .frontend.recognize import _inputs_at, layer_function, traced_weights
 
-    cand = rl.candidate
+    cand, layout = rl.candidate, rl.layout
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     fn = layer_function(cand.module, in_spec, original_class(type(cand.module)).forward)
     pb = traced_weights(cand.module)
-    tokens = set(rl.layout.token_axis.items())
+    tokens = set(layout.token_axis.items()) | set(layout.batch_axis.items())
     sizes = {n for v in pb.values() for n in v.shape}
     sizes |= {n for i, x in enumerate(flat) if isinstance(x, torch.Tensor)
               for ax, n in enumerate(x.shape) if (i, ax) not in tokens}
     chunk = max(rl.program.chunk_size or 1, 1)
-    batch = rl.layout.batch_unit * rl.B0
-    sizes.add(batch)
-
-    L = probe_length(sizes, chunk)
-    inputs = _inputs_at(flat, rl.layout, batch, L)
-    return length_uses(lambda: fn(pb, *inputs), L, chunk, (cand.loop.file, cand.loop.line))
+    L, B = probe_sizes(sizes, chunk, layout.batch_unit)
+    if layout.fixed_batch:
+        B = flat[layout.ref].shape[layout.batch_axis[layout.ref]]
+    inputs = _inputs_at(flat, layout, B, L)
+    found = size_uses(lambda: fn(pb, *inputs), L, B, chunk, layout.batch_unit,
+                      (cand.loop.file, cand.loop.line))
+    return [v for v in found if v.of == "the length" or not layout.fixed_batch]
 
 
 def example_length(rl) -> int | None:
@@ -236,7 +263,10 @@ def unvouch_example(state, rl, why: str) -> str:
         held = state.length_vouching = LengthVouching(what, {rl.L0: True, rl.L1: True})
     elif why not in held.what:
         held.what = f"{held.what}; {what}"
-    held.lengths[L] = False
+    layout = rl.layout
+    flat, _ = pytree.tree_flatten((tuple(rl.candidate.args), dict(rl.candidate.kwargs)))
+    B = flat[layout.ref].shape[layout.batch_axis[layout.ref]] // layout.batch_unit
+    held.lengths[held.key(B, L)] = False
     return (f"the layer's code computes another function at the example's length {L} "
             f"than at the probe lengths {rl.L0} and {rl.L1} ({why}): the code as written runs at "
             f"length {L}, the plan at lengths where it was checked to agree with it")

@@ -35,9 +35,10 @@ class LengthValue:
     line: int
     code: str
     what: str               # "branches on", "clamps", …
+    of: str = "the length"  # or "the batch size"
 
     def describe(self) -> str:
-        return f"`{self.code}` at {self.file}:{self.line} {self.what} the length"
+        return f"`{self.code}` at {self.file}:{self.line} {self.what} {self.of}"
 
 
 @functools.lru_cache(maxsize=64)

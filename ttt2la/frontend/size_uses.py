@@ -1,19 +1,20 @@
-"""Python values of the length the layer's code computes, found by running it.
+"""Python values of the call's length and batch size the layer's code computes, found by running it.
 
 ``length_values`` reads the source for the spellings it knows (``T = x.shape[1]``, ``if T % 8``);
 code spelled otherwise — ``x.size(dim=1)``, ``B, T = x.shape[:2]``, a lambda or a
-``functools.partial`` helper, ``o * (1 + T % 8)``, ``{0: a}.get(T % 8, b)`` — escapes it, and the
-converted layer, fitted from traces at a few lengths, would compute another branch's function at
-lengths where those values differ. Here the code runs once at a length ``L*`` no other size of
-the layer is a multiple of, under a ``TorchFunctionMode`` that hands out every size that is a
-multiple of ``L*`` as a ``LengthInt``: an ``int`` that remembers how it was computed from the
-length, as a function of it. Python arithmetic on it keeps that function; what the code decides
-with it — a branch, a comparison, a lookup, an index, a Python ``range`` — and every number it
-passes to a torch op are recorded at the user's line. Each is then evaluated at many lengths: a
-decision that changes, or a number that is no size the converted graph can compute at a new
-length (``a + c·L + n·ceil(L / chunk)``), is a use of the length the probe traces cannot vouch for.
-Decisions inside the loop itself (unrolled and compared by the traces) and guards that only
-raise are left out, as ``length_values`` leaves them.
+``functools.partial`` helper, ``o * (1 + T % 8)``, ``{0: a}.get(T % 8, b)`` — escapes it, and
+nothing reads the batch size (``if x.shape[0] == 1``) at all. The converted layer, fitted from
+traces at a few shapes, would then compute another branch's function at shapes where those
+values differ. Here the code runs once at a length ``L*`` and a batch size ``B*`` of which no
+other size of the layer is a multiple, under a ``TorchFunctionMode`` that hands out every size
+that is a multiple of ``L*``, ``B*`` or ``B*·L*`` as a ``SizeInt``: an ``int`` that remembers how
+it was computed from the two, as a function of them. Python arithmetic on it keeps that
+function; what the code decides with it — a branch, a comparison, a lookup, an index, a Python
+``range`` — and every number it passes to a torch op are recorded at the user's line. Each is
+then evaluated at many lengths and batch sizes: a decision that changes, or a number that is no
+size the converted graph can compute at a new shape (affine in each), is a use of that size the
+probe traces cannot vouch for. Decisions inside the loop itself (unrolled and compared by the
+traces) and guards that only raise are left out, as ``length_values`` leaves them.
 """
 from __future__ import annotations
 
@@ -34,41 +35,42 @@ from .length_values import LengthValue, _function_at, _library_roots, _real, _so
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 
 
-class LengthInt(int):
-    """An ``int`` computed from the call's length, with ``at(L)``: its value at length ``L``."""
+class SizeInt(int):
+    """An ``int`` computed from the call's sizes, with ``at(L, B)``: its value at length ``L``
+    and batch size ``B``."""
 
-    def __new__(cls, value: int, at: Callable[[int], object]):
+    def __new__(cls, value: int, at: Callable[[int, int], object]):
         obj = int.__new__(cls, value)
         obj.at = at
         return obj
 
 
-class LengthFloat(float):
-    """A ``float`` computed from the call's length, with ``at(L)`` as for ``LengthInt``."""
+class SizeFloat(float):
+    """A ``float`` computed from the call's sizes, with ``at(L, B)`` as for ``SizeInt``."""
 
-    def __new__(cls, value: float, at: Callable[[int], object]):
+    def __new__(cls, value: float, at: Callable[[int, int], object]):
         obj = float.__new__(cls, value)
         obj.at = at
         return obj
 
 
-_TRACKED = (LengthInt, LengthFloat)
+_TRACKED = (SizeInt, SizeFloat)
 
 
-def _at(x) -> Callable[[int], object] | None:
-    """``x`` as a function of the length (a constant for a plain number; ``None``: neither)."""
+def _at(x) -> Callable[[int, int], object] | None:
+    """``x`` as a function of the sizes (a constant for a plain number; ``None``: neither)."""
     if isinstance(x, _TRACKED):
         return x.at
     if isinstance(x, (int, float)):
         value = x.real if isinstance(x, bool) else x
-        return lambda L: value
+        return lambda L, B: value
     return None
 
 
 def _plain(x):
-    if isinstance(x, LengthInt):
+    if isinstance(x, SizeInt):
         return int.__int__(x)
-    return float.__float__(x) if isinstance(x, LengthFloat) else x
+    return float.__float__(x) if isinstance(x, SizeFloat) else x
 
 
 def _wrap(value, at):
@@ -76,9 +78,9 @@ def _wrap(value, at):
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return LengthInt(value, at)
+        return SizeInt(value, at)
     if isinstance(value, float):
-        return LengthFloat(value, at)
+        return SizeFloat(value, at)
     return value
 
 
@@ -94,7 +96,8 @@ def _binary(op, reflected: bool = False):
         f = self.at
         a, b = (_plain(other), _plain(self)) if reflected else (_plain(self), _plain(other))
         value = op(a, b)
-        at = (lambda L: op(g(L), f(L))) if reflected else (lambda L: op(f(L), g(L)))
+        at = (lambda L, B: op(g(L, B), f(L, B))) if reflected else \
+            (lambda L, B: op(f(L, B), g(L, B)))
         return _wrap(value, at)
     return method
 
@@ -105,7 +108,7 @@ def _compare(op):
         if g is None:
             return NotImplemented
         f = self.at
-        _decide("compares", lambda L: op(f(L), g(L)))
+        _decide("compares", lambda L, B: op(f(L, B), g(L, B)))
         return op(_plain(self), _plain(other))
     return method
 
@@ -113,7 +116,7 @@ def _compare(op):
 def _unary(op):
     def method(self):
         f = self.at
-        return _wrap(op(_plain(self)), lambda L: op(f(L)))
+        return _wrap(op(_plain(self)), lambda L, B: op(f(L, B)))
     return method
 
 
@@ -145,7 +148,7 @@ def _install(cls: type) -> None:
 
     def bool_(self):
         f = self.at
-        _decide("branches on", lambda L: bool(f(L)))
+        _decide("branches on", lambda L, B: bool(f(L, B)))
         return _plain(self) != 0
 
     def hash_(self):
@@ -156,8 +159,8 @@ def _install(cls: type) -> None:
     cls.__bool__, cls.__hash__ = bool_, hash_
 
 
-_install(LengthInt)
-_install(LengthFloat)
+_install(SizeInt)
+_install(SizeFloat)
 
 
 def _index(self):
@@ -166,11 +169,11 @@ def _index(self):
     return int.__int__(self)
 
 
-LengthInt.__index__ = _index
+SizeInt.__index__ = _index
 
 
 def _decide(what: str, at: Callable[[int], object]) -> None:
-    """Record a decision the code made with a value of the length, at its caller's line (the
+    """Record a decision the code made with a value of the sizes, at its caller's line (the
     library's own decisions, in torch or Python, are the op's, not the layer's)."""
     run = _RUN[0]
     if run is not None:
@@ -187,8 +190,8 @@ def _library(file: str) -> bool:
 class _Run:
     """The decisions and values one run recorded, by user line."""
 
-    def __init__(self, L: int, loop: tuple[str, int, int] | None):
-        self.L, self.loop = L, loop
+    def __init__(self, L: int, B: int, loop: tuple[str, int, int] | None):
+        self.L, self.B, self.loop = L, B, loop
         self.entry = sys._getframe(1)        # ``length_uses``: no frame above it is the layer's
         self.found: dict[tuple[str, int], list] = {}
 
@@ -240,8 +243,8 @@ _TENSOR_MAKERS = {torch.tensor, torch.as_tensor, torch.scalar_tensor,
 
 
 class _Tracking(TorchFunctionMode):
-    """Sizes that are multiples of ``L*`` come out as ``LengthInt``; numbers of the length
-    passed to torch are recorded."""
+    """Sizes that are multiples of ``L*``, ``B*`` or ``B*·L*`` come out as ``SizeInt``; numbers
+    of the sizes passed to torch are recorded."""
 
     def __init__(self, run: _Run):
         super().__init__()
@@ -253,10 +256,11 @@ class _Tracking(TorchFunctionMode):
         if func in _SIZES or _is_shape_get(func):
             return self._sizes(out)
         if func is torch.Tensor.__len__:
-            if isinstance(self._sizes(out), LengthInt):     # ``len`` makes a plain int of it
+            size = self._sizes(out)
+            if isinstance(size, SizeInt):       # ``len`` makes a plain int of it
                 frame = self.run.user_frame()
                 if frame is not None:
-                    self.run.record(frame, "takes len() of", lambda L: L)
+                    self.run.record(frame, "takes len() of", size.at)
             return out
         tracked = [x for x in _leaves((args, kwargs)) if isinstance(x, _TRACKED)]
         if tracked:
@@ -265,16 +269,24 @@ class _Tracking(TorchFunctionMode):
                 what = "makes a tensor of" if func in _TENSOR_MAKERS else \
                     f"passes `{_spelled(func)}` a number of"
                 for x in tracked:
-                    self.run.record(frame, what, _Sized(x.at, isinstance(x, LengthFloat)))
+                    self.run.record(frame, what, _Sized(x.at))
         return out
 
     def _sizes(self, out):
-        L = self.run.L
+        L, B = self.run.L, self.run.B
 
         def one(n):
-            if type(n) is int and n and n % L == 0:
+            if type(n) is not int or not n:
+                return n
+            if n % (L * B) == 0:
+                k = n // (L * B)
+                return SizeInt(n, lambda L, B: k * L * B)
+            if n % L == 0:
                 k = n // L
-                return LengthInt(n, lambda T: k * T)
+                return SizeInt(n, lambda L, B: k * L)
+            if n % B == 0:
+                k = n // B
+                return SizeInt(n, lambda L, B: k * B)
             return n
         if isinstance(out, torch.Size):
             return torch.Size([one(n) for n in out])
@@ -283,10 +295,10 @@ class _Tracking(TorchFunctionMode):
 
 class _Sized:
     """A number passed to a torch op: fine where it is a size the converted graph computes at
-    any length (``a + c·L + n·ceil(L / chunk)`` for an int, ``a + c·L`` for a float)."""
+    any shape (affine in the length at whole chunks, and in the batch size)."""
 
-    def __init__(self, at, is_float: bool):
-        self.at, self.is_float = at, is_float
+    def __init__(self, at):
+        self.at = at
 
 
 def _leaves(x):
@@ -302,14 +314,19 @@ def _leaves(x):
         yield x
 
 
-def probe_length(sizes: set[int], chunk: int) -> int:
-    """``L* = chunk·m``, at least two chunks and 16 tokens, of which no size in ``sizes`` (the
-    layer's weights' and its inputs' other axes) is a multiple: a size of the run that is one
-    is a size of the length."""
+def probe_sizes(sizes: set[int], chunk: int, unit: int) -> tuple[int, int]:
+    """``(L*, B*)``: a length of whole chunks (at least two, and 16 tokens) and a batch size of
+    whole units (at least two), neither a multiple of the other, of which no size in ``sizes``
+    (the layer's weights' and its inputs' other axes) is a multiple: a size of the run that is
+    one is a size of the length or the batch."""
     m = max(2, -(-16 // chunk))
     while any(s and s % (chunk * m) == 0 for s in sizes):
         m += 1
-    return chunk * m
+    L = chunk * m
+    b = 2
+    while any(s and s % (unit * b) == 0 for s in sizes | {L}) or (unit * b) % L == 0:
+        b += 1
+    return L, unit * b
 
 
 def _lengths(chunk: int, L: int) -> list[int]:
@@ -321,25 +338,48 @@ def _lengths(chunk: int, L: int) -> list[int]:
                   {1 << k for k in range(1, 21)} | {L})
 
 
-def _varies(at, lengths: list[int]) -> bool:
+def _batches(unit: int, B: int) -> list[int]:
+    """The batch sizes each use is evaluated at: whole units up to 64 of them, powers of two
+    of them, and the run's."""
+    return sorted({unit * m for m in range(1, 65)} | {unit << k for k in range(7, 15)} | {B})
+
+
+def _varies(values) -> bool:
+    """Do the values (an iterator that may raise) differ anywhere?"""
     try:
-        first = at(lengths[0])
-        return any(at(L) != first for L in lengths[1:])
-    except Exception:                   # fails somewhere: not one value at every length
+        first = next(values)
+        return any(v != first for v in values)
+    except Exception:                   # fails somewhere: not one value at every size
         return True
 
 
-def _not_a_size(used: _Sized, chunk: int, lengths: list[int]) -> bool:
-    """Is ``used`` no affine function ``a + c·L`` of the whole-chunk lengths ``L`` (where
-    ``ceil(L / chunk)`` is ``L / chunk``, and code that cuts the sequence into whole chunks by a
-    reshape runs at all)? The converted graph computes sizes of that kind at any length."""
+def _not_affine(points) -> bool:
+    """Are the ``(x, value)`` points (an iterator that may raise) on no line ``a + c·x``?"""
     try:
-        values = {L: Fraction(used.at(L)) for L in lengths if L % chunk == 0}
+        (x0, v0), (x1, v1), *rest = ((x, Fraction(v)) for x, v in points)
     except Exception:
         return True
-    c = (values[2 * chunk] - values[chunk]) / chunk
-    a = values[chunk] - c * chunk
-    return any(a + c * L != v for L, v in values.items())
+    c = (v1 - v0) / (x1 - x0)
+    try:
+        return any(v0 + c * (x - x0) != Fraction(v) for x, v in rest)
+    except Exception:
+        return True
+
+
+def _changes(at, judged: bool, chunk: int, lengths: list[int], batches: list[int],
+             L: int, B: int) -> list[str]:
+    """Which of the sizes ``at`` (a decision, or with ``judged`` a number passed to an op) is
+    a use of: a decision that changes with it, or a number that is not affine in it (the
+    length at whole chunks, where ``ceil(L / chunk)`` is ``L / chunk`` and code that cuts the
+    sequence into whole chunks by a reshape runs at all). The converted graph computes sizes
+    of that kind at any shape."""
+    if judged:
+        length = _not_affine((n, at(n, B)) for n in lengths if n % chunk == 0)
+        batch = _not_affine((b, at(L, b)) for b in batches)
+    else:
+        length = _varies(at(n, B) for n in lengths)
+        batch = _varies(at(L, b) for b in batches)
+    return [of for of, yes in (("the length", length), ("the batch size", batch)) if yes]
 
 
 def _guard(file: str, line: int) -> bool:
@@ -374,14 +414,15 @@ def _loop_span(file: str, line: int) -> tuple[str, int, int] | None:
     return None
 
 
-def length_uses(run: Callable[[], object], L: int, chunk: int,
-                loop: tuple[str, int]) -> list[LengthValue]:
-    """The uses of the length that change the code's function from length to length: ``run()``
-    (the layer's code as written at length ``L``, see ``probe_length``) is called once, and
-    every decision it makes with a value of the length, and every number of the length it
-    passes to torch, is judged at many lengths. ``loop``: the loop's file and line, whose body
-    the traces unroll. Returns nothing where the code does not run at ``L``."""
-    rec = _Run(L, _loop_span(*loop))
+def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
+              loop: tuple[str, int]) -> list[LengthValue]:
+    """The uses of the length and batch size that change the code's function from shape to
+    shape: ``run()`` (the layer's code as written at length ``L`` and batch size ``B``, see
+    ``probe_sizes``; ``unit``: what the batch size is a multiple of) is called once, and every
+    decision it makes with a value of the two, and every number of them it passes to torch, is
+    judged at many lengths and batch sizes. ``loop``: the loop's file and line, whose body the
+    traces unroll. Returns nothing where the code does not run at that shape."""
+    rec = _Run(L, B, _loop_span(*loop))
     _RUN[0] = rec
     try:
         with warnings.catch_warnings(), _Tracking(rec):
@@ -391,22 +432,23 @@ def length_uses(run: Callable[[], object], L: int, chunk: int,
         return []
     finally:
         _RUN[0] = None
-    return _judged(rec.found, chunk, L)
+    return _judged(rec.found, chunk, unit, L, B)
 
 
-def _judged(found: dict, chunk: int, L: int) -> list[LengthValue]:
-    lengths = _lengths(chunk, L)
-    out = []
+def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthValue]:
+    lengths, batches = _lengths(chunk, L), _batches(unit, B)
+    out = {}
     for (file, line), uses in found.items():
         for what, at in uses:
-            bad = _not_a_size(at, chunk, lengths) if isinstance(at, _Sized) else \
-                _varies(at, lengths) and not _guard(file, line)
-            if bad:
-                lines = _source_lines(file)
-                code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-                out.append(LengthValue(file, line, code, what))
-                break
-    return sorted(out, key=lambda v: (v.file, v.line))
+            judged = isinstance(at, _Sized)
+            if not judged and _guard(file, line):
+                continue
+            for of in _changes(at.at if judged else at, judged, chunk, lengths, batches, L, B):
+                if (file, line, of) not in out:
+                    lines = _source_lines(file)
+                    code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+                    out[(file, line, of)] = LengthValue(file, line, code, what, of)
+    return sorted(out.values(), key=lambda v: (v.file, v.line, v.of))
 
 
-__all__ = ["LengthInt", "LengthFloat", "length_uses", "probe_length"]
+__all__ = ["SizeInt", "SizeFloat", "size_uses", "probe_sizes"]

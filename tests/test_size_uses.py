@@ -1,8 +1,9 @@
-"""Python values of the length found by running the code (``frontend.length_uses``): spellings the
-source reading does not know — ``x.size(dim=1)``, ``B, T = x.shape[:2]``, ``numel()``, ``len()``,
-a lambda or a ``functools.partial`` helper, a value of ``T % 8`` passed to an op or looked up
-in a dict — in the code that calls the loop's function. A converted layer computes the code's
-function at every length, or refuses the length; never another branch's output."""
+"""Python values of the length and the batch size found by running the code
+(``frontend.size_uses``): spellings the source reading does not know — ``x.size(dim=1)``,
+``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
+of ``T % 8`` passed to an op or looked up in a dict — in the code that calls the loop's function,
+and branches on the batch size, which no source reading looks for. A converted layer computes
+the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
 import inspect
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 import ttt2la
 from ttt2la.errors import ConversionError
-from ttt2la.frontend.length_uses import length_uses, probe_length
+from ttt2la.frontend.size_uses import probe_sizes, size_uses
 from ttt2la.testing import rel_rms_error
 
 from equivalence import assert_same_function
@@ -126,12 +127,34 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      Attribute, Value, ComparedValue, Lookup)}
 
 
+class OneSample(Momentum):
+    """A branch for a batch of one, as code that also takes unbatched inputs writes it."""
+
+    def finish(self, o, x):
+        return o * 2 if x.shape[0] == 1 else o + 2
+
+
+class BatchValue(Momentum):
+    def finish(self, o, x):
+        return o * (1 + x.size(0) % 4)
+
+
+class LargeBatch(Momentum):
+    def finish(self, o, x):
+        B = len(x)
+        return o * 2 if B > 3 else o + 2
+
+
+BATCH_SPELLINGS = {c.__name__: c for c in (OneSample, BatchValue, LargeBatch)}
+
+
 #: what each layer's note quotes of the line that uses the length
 NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "Numel": "x[0].numel() % (8 * D)", "Len": "T = len(x[0])", "Lambda": "o * 2 if T % 8",
          "Partial": "o * scale if T % 8", "Attribute": "o * scale if T % 8",
          "Value": "1 + x.shape[1] % 8", "ComparedValue": "x.shape[1] % 8 == 0",
-         "Lookup": ".get(x.shape[1] % 8"}
+         "Lookup": ".get(x.shape[1] % 8", "OneSample": "x.shape[0] == 1",
+         "BatchValue": "1 + x.size(0) % 4", "LargeBatch": "B = len(x)"}
 
 
 def _folded(conv) -> float:
@@ -141,11 +164,12 @@ def _folded(conv) -> float:
     return 1.0
 
 
-def _same_or_refused(layer, conv, T: int) -> str:
-    """One call at length ``T``: the code's function (the original's output and gradients at
-    an exact level, the simplified function at a lossy one) or a ``ConversionError``."""
-    torch.manual_seed(T)
-    x = torch.randn(2, T, D)
+def _same_or_refused(layer, conv, T: int, B: int = 2) -> str:
+    """One call at length ``T`` and batch size ``B``: the code's function (the original's output
+    and gradients at an exact level, the simplified function at a lossy one) or a
+    ``ConversionError``."""
+    torch.manual_seed(T * 64 + B)
+    x = torch.randn(B, T, D)
     if conv.ttt2la_report.exact:
         assert_same_function(conv, layer, x)
         return "same"
@@ -173,6 +197,25 @@ def test_each_spelling_is_the_code_function_at_every_length(name):
         seen = [_same_or_refused(layer, conv, T) for T in (18, 16, 24, 14, 32)]
         if level == 0:
             assert seen == ["same"] * 5
+        else:
+            assert seen[0] == "simplified" and "refused" in seen, seen
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_SPELLINGS))
+def test_each_batch_spelling_is_the_code_function_at_every_batch_size(name):
+    """Converted at batch size 2; batch sizes 1 and 4 and up take the other branch (or value).
+    An exact conversion gives the original's output and gradients at each, a lossy one the
+    simplified function or a refusal; each reports the line as a value of the batch size."""
+    for level in (0, 5):
+        torch.manual_seed(0)
+        layer = BATCH_SPELLINGS[name]()
+        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+        notes = " ".join(conv.ttt2la_report.layers[0].notes)
+        assert "values of the batch size" in notes and NAMED[name] in notes, notes
+        seen = [_same_or_refused(layer, conv, T, B)
+                for B, T in ((2, 16), (1, 16), (4, 16), (3, 12), (8, 20), (1, 24))]
+        if level == 0:
+            assert seen == ["same"] * 6
         else:
             assert seen[0] == "simplified" and "refused" in seen, seen
 
@@ -226,13 +269,14 @@ def branching(x):
     if x.size(dim=1) % 8:
         o = o + 1
     o = o * (1 + T % 8)
-    return o + torch.tensor(T % 3)
+    o = o + torch.tensor(T % 3)
+    return o.squeeze(0) if B == 1 else o * B
 
 
-def uses(fn, L: int = 20):
-    x = torch.randn(2, L, D)
-    found = length_uses(lambda: fn(x), L, 4, (__file__, _loop_line(fn)))
-    return [(v.line - inspect.getsourcelines(fn)[1], v.what) for v in found]
+def uses(fn, L: int = 20, B: int = 3):
+    x = torch.randn(B, L, D)
+    found = size_uses(lambda: fn(x), L, B, 4, 1, (__file__, _loop_line(fn)))
+    return [(v.line - inspect.getsourcelines(fn)[1], v.what, v.of) for v in found]
 
 
 def test_sizes_guards_and_the_loop_are_no_uses():
@@ -240,14 +284,18 @@ def test_sizes_guards_and_the_loop_are_no_uses():
 
 
 def test_branches_values_and_tensors_of_the_length_are_uses():
-    assert uses(branching) == [(5, "branches on"), (7, "passes `Tensor.mul` a number of"),
-                               (8, "makes a tensor of")]
+    assert uses(branching) == [(5, "branches on", "the length"),
+                               (7, "passes `Tensor.mul` a number of", "the length"),
+                               (8, "makes a tensor of", "the length"),
+                               (9, "compares", "the batch size")]
 
 
-def test_no_size_of_the_layer_is_a_multiple_of_the_run_length():
-    """A size of the run that is a multiple of ``L*`` must be one of the length."""
-    for sizes, chunk in (({8, 24, 2}, 4), ({512, 1536, 128, 4}, 2048), ({16, 48}, 1),
-                         ({20, 40, 60}, 1), ({64, 192, 320}, 64)):
-        L = probe_length(sizes, chunk)
-        assert L % chunk == 0 and L >= max(16, 2 * chunk)
-        assert not any(s % L == 0 for s in sizes)
+def test_no_size_of_the_layer_is_a_multiple_of_the_run_sizes():
+    """A size of the run that is a multiple of ``L*`` (``B*``) must be one of the length (the
+    batch size)."""
+    for sizes, chunk, unit in (({8, 24, 2}, 4, 1), ({512, 1536, 128, 4}, 2048, 4),
+                               ({16, 48}, 1, 1), ({20, 40, 60}, 1, 2), ({64, 192, 320}, 64, 1)):
+        L, B = probe_sizes(sizes, chunk, unit)
+        assert L % chunk == 0 and L >= max(16, 2 * chunk) and B % unit == 0 and B >= 2 * unit
+        assert not any(s % L == 0 or s % B == 0 for s in sizes)
+        assert L % B and B % L
