@@ -1691,6 +1691,19 @@ MUTATIONS = [
         (("ttt2la/length_vouching.py", "        return (B, L) if length and batch else B if batch else L\n",
           "        return L\n"),),
         ("tests/test_size_uses.py",), "batch_spelling"),
+    Mutation(
+        "jit_trace_runs_the_plan", "a converted layer under torch.jit.trace runs its plan, whose sizes the tracer makes tensors, instead of its code as written",
+        (("ttt2la/converted.py", "    if torch.jit.is_tracing():      # before any plan op",
+          "    if False:      # before any plan op"),),
+        ("tests/test_jit.py",), "gated or lossy"),
+    Mutation(
+        "jit_trace_lossy_as_written", "a lossy conversion under torch.jit.trace runs the code as written, another function than its own, instead of refusing",
+        (("ttt2la/torchscript.py", "    if state.as_written is None:", "    if False:"),),
+        ("tests/test_jit.py",), "lossy"),
+    Mutation(
+        "jit_script_unrefused", "torch.jit.script of a converted layer reaches TorchScript's compiler, which raises its own error about the forward's *args",
+        (("ttt2la/converted.py", '                    "__prepare_scriptable__": refuse_scripting,\n', ""),),
+        ("tests/test_jit.py",), "jit_script"),
 ]
 
 

@@ -43,6 +43,7 @@ from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .meta_call import meta_call, on_meta
 from .original_class import ORIGINAL, original_class, written_call
+from .torchscript import refuse_scripting, traced_call
 from .recast import Signature, recast, recast_recipe, weights_signature
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
@@ -689,11 +690,15 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     ``(output, state_after)`` (``ttt2la.stream``). A layer whose own backward fails refuses a
     backward through its output as well (``undifferentiable``). A call is first spelled as the
     example call was (``InputLayout.spelled``): its arguments matched to the forward's
-    parameters by name, in the order the converted graphs take them."""
+    parameters by name, in the order the converted graphs take them. Under ``torch.jit.trace``
+    an exact conversion runs the code as written (``torchscript``)."""
     state = self._ttt2la
     spelled = getattr(state.layout, "spelled", None)
     if spelled is not None:
         args, kwargs = spelled(args, kwargs)
+    if torch.jit.is_tracing():      # before any plan op: the tracer records what runs
+        return traced_call(self, args, kwargs, _flat_inputs(args, kwargs),
+                           ttt_state is not None or return_ttt_state, export_refusal(state))
     if torch.compiler.is_exporting():
         return _exported_call(self, args, kwargs, ttt_state, return_ttt_state)
     if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):
@@ -908,6 +913,7 @@ def converted_class(cls: type) -> type:
                    {"forward": _converted_forward, "__module__": cls.__module__,
                     "__reduce_ex__": _converted_reduce, "__deepcopy__": _converted_deepcopy,
                     "__copy__": _converted_copy,
+                    "__prepare_scriptable__": refuse_scripting,
                     ORIGINAL: cls,
                     "__doc__": f"{cls.__name__} whose TTT loop runs as linear attention "
                                "(converted by ttt2la)."})
