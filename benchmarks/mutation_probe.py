@@ -528,8 +528,8 @@ MUTATIONS = [
         "training_mode_ignored", "a layer whose code differs in training mode runs its "
         "evaluation-mode graphs in training mode (dropout silently skipped)",
         (("ttt2la/converted.py", "        if module.training and self.training_dependence:\n"
-          "            return lambda: self._in_training(",
-          "        if False:\n            return lambda: self._in_training("),),
+          "            return (\"training\", \"\"), B, L",
+          "        if False:\n            return (\"training\", \"\"), B, L"),),
         ("tests/test_training_mode.py",), "dropout"),
     Mutation(
         "traced_in_training_mode", "convert traces a layer in the mode it comes in (dropout's "
@@ -946,8 +946,8 @@ MUTATIONS = [
         ("tests/test_fla_reference_styles.py",), "streams_in_whole_chunks"),
     Mutation(
         "untraced_length_runs_the_graphs", "a call at a length the layer could not be traced at runs the graphs",
-        (("ttt2la/converted.py", "        untraced = self.layout.untraced_length(L)\n        if untraced:\n            return",
-          '        untraced = ""\n        if untraced:\n            return'),),
+        (("ttt2la/converted.py", "        untraced = layout.untraced_length(L)\n        if untraced:\n            return None",
+          '        untraced = ""\n        if untraced:\n            return None'),),
         ("tests/test_whole_chunk_loops.py",), "could_not_be_traced"),
     Mutation(
         "untraced_remainder_accepted", "every remainder is taken for the one the layer was traced at",
@@ -1092,8 +1092,8 @@ MUTATIONS = [
         ("tests/test_refusal_messages.py",), "empty"),
     Mutation(
         "batch_constant_runs_the_graphs", "a call at a batch size other than the one a number of the traced code holds runs the graphs",
-        (("ttt2la/converted.py", "if other_batch and self.as_written is not None:",
-          "if other_batch and self.as_written is None:"),
+        (("ttt2la/converted.py", "            if other_batch:\n",
+          "            if False:\n"),
          ("ttt2la/frontend/recognize.py", "if self.untraced_batch(flat_inputs):", "if False:")),
         ("tests/test_size_constants.py",), "exact_at_every_batch_size or run_as_written"),
     Mutation(
@@ -1259,7 +1259,7 @@ MUTATIONS = [
     Mutation(
         "undifferentiable_backward_unrefused", "a converted layer whose own backward fails differentiates through its plan, gradients nobody checked",
         (("ttt2la/converted.py",
-          "if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):",
+          "if state.undifferentiable and records_gradients(self, flat):",
           "if False:"),),
         ("tests/test_gradient_stops.py",), "own_backward"),
     Mutation(
@@ -1593,13 +1593,13 @@ MUTATIONS = [
         ("tests/test_runtime_block.py",), "groups_of_chunks"),
     Mutation(
         "kept_shape_runs_the_full_path", "a call at a shape whose race kept the code as written gathers the weights and fetches the plan's graph before running the code",
-        (("ttt2la/converted.py", "        out = self._ttt2la.kept_call(self, args, kwargs)",
+        (("ttt2la/converted.py", "        out = state.kept_call(self, args, kwargs, flat)",
           "        out = NOT_KEPT"),),
         ("tests/test_as_written.py",), "kept_as_written"),
     Mutation(
         "kept_shape_taken_with_gradients", "a call recording gradients at a shape whose race kept the code as written runs the code, not the plan",
-        (("ttt2la/converted.py", "        if not races(module, flat) or module.training",
-          "        if False or module.training"),),
+        (("ttt2la/converted.py", "        if not kept or not races(module, flat):",
+          "        if not kept:"),),
         ("tests/test_as_written.py",), "kept_as_written"),
     Mutation(
         "compiled_calls_skip_the_route", "under torch.compile only a layer whose code differs in training mode takes the eager call's route; a call at another batch size, an untraced length or length 0 runs the compiled plan",
@@ -1641,9 +1641,10 @@ MUTATIONS = [
         ("tests/test_recast.py",), "own_weight"),
     Mutation(
         "meta_call_prepared", "a converted layer called on meta tensors prepares (traces, probes values) for them instead of running its code as written for the shapes",
-        (("ttt2la/converted.py", "    if on_meta({}, _flat_inputs(args, kwargs)):", "    if False:"),
-         ("ttt2la/converted.py", "    if on_meta(weights, []):        # weights on meta",
-          "    if False:        # weights on meta")),
+        (("ttt2la/converted.py", "    if on_meta({}, flat):    # shapes only",
+          "    if False:    # shapes only"),
+         ("ttt2la/converted.py", "    if now != state.weights and on_meta(weights, []):",
+          "    if False:")),
         ("tests/test_meta_call.py",), "shapes_and_dtypes"),
     Mutation(
         "length_uses_unrun", "the code is not run with sizes that remember the length, so a value of it spelled otherwise than the source reading knows leaves other lengths on the probes' branch",
@@ -1704,6 +1705,25 @@ MUTATIONS = [
         "jit_script_unrefused", "torch.jit.script of a converted layer reaches TorchScript's compiler, which raises its own error about the forward's *args",
         (("ttt2la/converted.py", '                    "__prepare_scriptable__": refuse_scripting,\n', ""),),
         ("tests/test_jit.py",), "jit_script"),
+    Mutation(
+        "walk_misses_submodule_hooks", "the one walk of a converted layer's modules passes a hook on a submodule, so the plan runs without it",
+        (("ttt2la/module_walk.py", "                if s.parent >= 0 and (d[\"_forward_pre_hooks\"]",
+          "                if False and (d[\"_forward_pre_hooks\"]"),),
+        ("tests/test_module_walk.py", "tests/test_submodule_hooks.py"), "hook"),
+    Mutation(
+        "walk_misses_added_submodules", "the one walk of a converted layer's modules counts no children, so a submodule added after conversion (with a hook) goes unvisited",
+        (("ttt2la/module_walk.py", "if len(d[\"_modules\"]) != s.children or not s.get(d) == s.values:",
+          "if not s.get(d) == s.values:"),),
+        ("tests/test_module_walk.py",), "added_with_a_hook"),
+    Mutation(
+        "walk_misses_changed_attributes", "the one walk of a converted layer's modules compares no attributes, so a changed one runs the old graphs",
+        (("ttt2la/module_walk.py", "if len(d[\"_modules\"]) != s.children or not s.get(d) == s.values:",
+          "if len(d[\"_modules\"]) != s.children:"),),
+        ("tests/test_module_walk.py", "tests/test_attribute_guard.py"), "attribute"),
+    Mutation(
+        "shape_case_keyed_without_features", "the shape case a call's decision remembers is keyed without the inputs' last size, so a call of another width at a remembered length is not refused",
+        (("ttt2la/converted.py", "        shapes.append(t.shape)\n", "        shapes.append(t.shape[:-1])\n"),),
+        ("tests/test_module_walk.py",), "remembered_shape"),
 ]
 
 

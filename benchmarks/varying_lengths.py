@@ -11,6 +11,12 @@ ratios (original time / converted time: above 1 the conversion is faster), and w
 call at a new length costs against a later call at it.
 
     python benchmarks/varying_lengths.py [--train] [--step 1] [--calls 60]
+
+With ``--overhead`` it times instead what a converted call costs beyond the original at short
+calls, no gradients: shapes whose race keeps the code as written (set so, not raced, so that
+every run times the same path) and shapes that run the plan, the original and the converted
+layer interleaved (the order alternating), medians and quartiles of ``--calls`` calls each; for
+a planned call also the plan's graph called alone, and what the wrapper adds to it.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ import torch
 
 import ttt2la
 from ttt2la import zoo
+from ttt2la.as_written import PLAN, WRITTEN, Race
+from ttt2la.ir import params_and_buffers
 from ttt2la.zoo import lact_layer
 
 
@@ -91,14 +99,88 @@ def run_case(name: str, layer, level: int, step: int, args) -> None:
           f"{max(laters) * 1e3:.1f}), five lengths")
 
 
+def _overhead_cases():
+    """``(name, layer, level, length, side)``: the race's side set at that length."""
+    torch.manual_seed(0)
+    lact = lambda: lact_layer("folded", variant=2, d_model=64, num_heads=2, chunk_size=16)  # noqa: E731
+    yield "gated chunk memory, level 0, 64 (as written)", zoo.GatedChunkMemory(64, 2, 16), 0, 64, \
+        WRITTEN
+    yield "LaCT variant 2, level 2, 16 (as written)", lact(), 2, 16, WRITTEN
+    yield "per-token layer, 64 features, level 0, 8 (as written)", zoo.PerTokenTTTLayer(64, 4), 0, \
+        8, WRITTEN
+    yield "LaCT variant 2, level 2, 16 (plan)", lact(), 2, 16, PLAN
+    yield "gated chunk memory, level 0, 64 (plan)", zoo.GatedChunkMemory(64, 2, 16), 0, 64, PLAN
+
+
+def _set_race(conv, x: torch.Tensor, side: str) -> None:
+    """Decide the race at ``x``'s shape for ``side`` (after the calls that race)."""
+    with torch.no_grad():
+        for _ in range(10):
+            conv(x)
+    races = conv._ttt2la.as_written
+    key = (x.shape[0], x.shape[1], x.dtype)
+    races.races.setdefault(key, Race()).winner = side
+    if side == WRITTEN:
+        races.kept.add(key)
+    else:
+        races.kept.discard(key)
+
+
+def run_overhead(n: int) -> None:
+    for name, layer, level, L, side in _overhead_cases():
+        layer = layer.eval()
+        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(1, 128, 64),))
+        x = torch.randn(1, L, 64)
+        _set_race(conv, x, side)
+        times = {"original": [], "converted": []}
+        with torch.no_grad():
+            for _ in range(50):
+                layer(x), conv(x)
+            for i in range(n):
+                sides = [("original", layer), ("converted", conv)]
+                for key, module in sides if i % 2 == 0 else sides[::-1]:
+                    start = time.perf_counter()
+                    module(x)
+                    times[key].append(time.perf_counter() - start)
+        o, c = (statistics.median(times[k]) * 1e6 for k in ("original", "converted"))
+        ratios = [a / b for a, b in zip(times["original"], times["converted"])]
+        line = f"{name}: original {o:.0f} µs, converted {c:.0f} µs, {c - o:.1f} µs more, " \
+               f"{_quartiles(ratios)}"
+        if side == PLAN:
+            line += "; " + _wrapper(conv, x, n)
+        print(line, flush=True)
+
+
+def _wrapper(conv, x: torch.Tensor, n: int) -> str:
+    """The converted call against its plan's graph called alone, interleaved."""
+    state = conv._ttt2la
+    weights, gm = params_and_buffers(conv), state.outer_for(x.shape[0], x.shape[1])
+    pairs = []
+    with torch.no_grad():
+        for _ in range(n):
+            start = time.perf_counter()
+            conv(x)
+            middle = time.perf_counter()
+            gm.forward(weights, x)
+            pairs.append((middle - start, time.perf_counter() - middle))
+    call, plan = (statistics.median(p[k] for p in pairs) * 1e6 for k in (0, 1))
+    extra = statistics.median(a - b for a, b in pairs) * 1e6
+    return f"the call {call:.0f} µs, its plan's graph alone {plan:.0f} µs, the wrapper {extra:.1f} µs"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", action="store_true", help="time training steps")
     parser.add_argument("--step", type=int, default=1, help="lengths drawn in steps of this")
     parser.add_argument("--calls", type=int, default=60)
+    parser.add_argument("--overhead", action="store_true",
+                        help="time short calls' cost beyond the original instead (--calls 600)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, one thread")
+    if args.overhead:
+        run_overhead(args.calls)
+        return
     for name, layer, level, step in _cases():
         run_case(name, layer, level, step, args)
 

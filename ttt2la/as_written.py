@@ -25,8 +25,10 @@ process gains a time slice longer than the calls raced, and the median of three 
 call wherever two were. Each call runs one side only (the plan after the user's code only where
 that raised, which ends the race), so the race adds no work beyond timing. A call at a shape
 whose race kept the code as written runs it straight after the layer's hook and attribute guards
-(``ConvertedState.kept_call``): no plan is looked up for it, and its checks, run cold after the
-user's forward, are what such a call costs beyond the original.
+(one walk of its modules, ``module_walk``) and the call's decision (``ConvertedState.decide``,
+its shape part remembered per input shape) (``ConvertedState.kept_call``): no plan is looked up
+for it, and its checks, run cold after the user's forward, are what such a call costs beyond the
+original.
 """
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ from .lowering.gradient_presence import body_dependencies, loop_reach, plan_reac
 from .lowering.lean_calls import lean_calls
 from .lowering.plan import plan_at
 from .meta_call import meta_call, on_meta
+from .module_walk import ModuleWalk
 from .original_class import ORIGINAL, original_class, written_call
 from .torchscript import refuse_scripting, traced_call
 from .recast import Signature, recast, recast_recipe, weights_signature
@@ -169,7 +170,9 @@ class ConvertedState:
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
     length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
     attributes: AttributeGuard | None = None    # the layer's plain attributes at conversion
+    walk: ModuleWalk | None = None      # its module tree at conversion, walked once a call
     skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
+    _shape_cases: dict = field(default_factory=dict)    # input shapes -> ``_shape_case``
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -180,15 +183,17 @@ class ConvertedState:
         return dataclasses.replace(
             self, runs=copy.deepcopy(self.runs, memo), fallbacks=copy.deepcopy(self.fallbacks,
                                                                                memo),
-            _outer_cache={}, _loop_cache={}, _recast={},
+            _outer_cache={}, _loop_cache={}, _recast={}, _shape_cases={},
             recipe=copy.deepcopy(self.recipe, memo),
             as_written=None if self.as_written is None else AsWritten())
 
-    def for_weights(self, module: torch.nn.Module, weights: dict) -> "ConvertedState":
-        """The state to run ``module`` with its parameters and buffers ``weights`` (by name):
-        this one for the weights it was built for, else one built again for theirs
-        (``recast``)."""
-        now = weights_signature(weights)
+    def for_weights(self, module: torch.nn.Module, weights: dict,
+                    now: Signature | None = None) -> "ConvertedState":
+        """The state to run ``module`` with its parameters and buffers ``weights`` (by name;
+        ``now``: their ``weights_signature``, where the caller has it): this one for the
+        weights it was built for, else one built again for theirs (``recast``)."""
+        if now is None:
+            now = weights_signature(weights)
         if now == self.weights or not self.weights:
             return self
         state = self._recast.get(now)
@@ -244,43 +249,92 @@ class ConvertedState:
     def route(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
         """What runs ``module(*args, **kwargs)`` (``flat``: its inputs flattened): ``None``
         where the plan may take the call, else the call that runs instead (the code as written,
-        or the refusal of a lossy conversion). Decided from the call's sizes, mode and gradient
-        recording alone, so eager calls and ``torch.compile`` (which guards on those) decide
-        alike; what only running the plan tells (a padding found not inert, a failing loop) is
-        decided by the call that runs it."""
-        written = written_call(module, args, kwargs)
-        other_batch = getattr(self.layout, "untraced_batch", lambda flat: "")(flat)
-        if other_batch and self.as_written is not None:
-            return lambda: self._at_untraced_batch(other_batch, written, flat)
-        other_image = getattr(self.layout, "other_image", lambda flat: "")(flat)
-        if other_image and self.as_written is not None:
-            return lambda: self._at_other_image(other_image, written, flat)
-        # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
-        B, L = self.layout.sizes(flat)
-        B, L = int(B), int(L)
+        or the refusal of a lossy conversion), as ``decide`` finds it."""
+        case, B, L = self.decide(module, flat)
+        return None if case is None else self._instead(case, module, args, kwargs, flat, B, L)
+
+    def decide(self, module: torch.nn.Module, flat: list) -> tuple[tuple | None, int, int]:
+        """``(case, B, L)``: the call's sizes and, where the plan may not take it, why
+        (``(kind, detail)``, which ``_instead`` turns into what runs instead; ``None`` where
+        the plan may). Decided from the call's sizes, mode and gradient recording alone, so
+        eager calls and ``torch.compile`` (which guards on those) decide alike; what only
+        running the plan tells (a padding found not inert, a failing loop) is decided by the
+        call that runs it. The one decision ``route``, ``__call__`` and ``kept_call`` share; a
+        call ``sizes`` refuses raises its error."""
+        shapes = None if torch.compiler.is_compiling() else _shapes(flat)
+        found = self._shape_cases.get(shapes) if shapes is not None else None
+        if found is None:
+            found = self._shape_case(flat)
+            if shapes is not None and len(self._shape_cases) < _SHAPE_CASES:
+                self._shape_cases[shapes] = found
+        first, B, L, then = found
+        if first is not None:
+            return first, B, L
         if module.training and self.training_dependence:
-            return lambda: self._in_training(written, B, L)
+            return ("training", ""), B, L
         if self.gradient_stop and records_gradients(module, flat):
-            return lambda: self._stopped_gradients(written, B, L)
-        untraced = self.layout.untraced_length(L)
-        if untraced:
-            return lambda: self._at_untraced_length(untraced, written, B, L)
-        if L == 0:
-            return lambda: self._at_length_zero(written, B)
+            return ("gradients", ""), B, L
+        if then is not None:
+            return then, B, L
         limit = self._transform_limit(B)
         if limit:
-            return lambda: self._under_transform(limit, written, B, L)
-        return None
+            return ("transform", limit), B, L
+        return None, B, L
 
-    def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict):
-        """``module(*args, **kwargs)`` with its parameters and buffers ``weights``
-        (``params_and_buffers``): what ``route`` decides, else the plan."""
-        flat = _flat_inputs(args, kwargs)
-        instead = self.route(module, args, kwargs, flat)
-        if instead is not None:
-            return instead()
+    def _shape_case(self, flat: list) -> tuple:
+        """``decide``'s part that reads the call's inputs alone: ``(first, B, L, then)``, the
+        case that comes before the mode's and gradients' (a batch or image size the traces do
+        not cover), the sizes, and the case after them (a length they do not cover, no
+        tokens). For a call of tensors it depends on their shapes only, so ``decide`` finds it
+        once per shape (``_shape_cases``)."""
+        layout = self.layout
+        if self.as_written is not None:
+            other_batch = getattr(layout, "untraced_batch", _NONE_OTHER)(flat)
+            if other_batch:
+                return ("untraced batch", other_batch), 0, 0, None
+            other_image = getattr(layout, "other_image", _NONE_OTHER)(flat)
+            if other_image:
+                return ("other image", other_image), 0, 0, None
+        # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
+        B, L = layout.sizes(flat)
+        B, L = int(B), int(L)
+        untraced = layout.untraced_length(L)
+        if untraced:
+            return None, B, L, ("untraced length", untraced)
+        if L == 0:
+            return None, B, L, ("length zero", "")
+        return None, B, L, None
+
+    def _instead(self, case: tuple, module: torch.nn.Module, args: tuple, kwargs: dict,
+                 flat: list, B: int, L: int):
+        """The call that runs instead of the plan for ``decide``'s ``case``."""
+        kind, detail = case
         written = written_call(module, args, kwargs)
-        B, L = (int(n) for n in self.layout.sizes(flat))
+        if kind == "untraced batch":
+            return lambda: self._at_untraced_batch(detail, written, flat)
+        if kind == "other image":
+            return lambda: self._at_other_image(detail, written, flat)
+        if kind == "training":
+            return lambda: self._in_training(written, B, L)
+        if kind == "gradients":
+            return lambda: self._stopped_gradients(written, B, L)
+        if kind == "untraced length":
+            return lambda: self._at_untraced_length(detail, written, B, L)
+        if kind == "length zero":
+            return lambda: self._at_length_zero(written, B)
+        return lambda: self._under_transform(detail, written, B, L)
+
+    def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict,
+                 flat: list | None = None):
+        """``module(*args, **kwargs)`` with its parameters and buffers ``weights``
+        (``params_and_buffers``; ``flat``: the inputs flattened, where the caller has them):
+        what ``decide`` finds runs instead, else the plan."""
+        if flat is None:
+            flat = _flat_inputs(args, kwargs)
+        case, B, L = self.decide(module, flat)
+        if case is not None:
+            return self._instead(case, module, args, kwargs, flat, B, L)()
+        written = written_call(module, args, kwargs)
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
@@ -308,30 +362,23 @@ class ConvertedState:
                 raise self._rejected(e, gm, [weights, *flat]) from e
             return self._written_failed(e, written, weights, flat, B, L)
 
-    def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict):
-        """``module(*args, **kwargs)`` run as written where the call is at a shape whose race
-        kept the code as written (``AsWritten.kept``), else ``NOT_KEPT``. Asked before the
-        layer's weights are gathered and matched to a plan: such a call runs no part of any
-        plan, and the weights' dtypes only choose which plan would run. A call any other check
-        of ``__call__`` would send elsewhere (training, a ``torch.func`` transform, another
-        image size, a length the traces do not vouch for, a call ``sizes`` refuses) takes the
-        full path, whose report entries and errors are its own."""
+    def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
+        """``module(*args, **kwargs)`` (``flat``: its inputs flattened) run as written where
+        the call is at a shape whose race kept the code as written (``AsWritten.kept``), else
+        ``NOT_KEPT``. Asked before the layer's weights are matched to a plan: such a call runs
+        no part of any plan, and the weights' dtypes only choose which plan would run. A call
+        ``decide`` sends elsewhere (training, a ``torch.func`` transform, another image size, a
+        call ``sizes`` refuses), or at a length the traces do not vouch for, takes the full
+        path, whose report entries and errors are its own."""
         kept = self.as_written.kept if self.as_written is not None else None
-        if not kept:
-            return NOT_KEPT
-        flat = _flat_inputs(args, kwargs)
-        layout = self.layout
-        if not races(module, flat) or module.training and self.training_dependence \
-                or torch._C._are_functorch_transforms_active() \
-                or getattr(layout, "other_image", _NO_IMAGE)(flat):
+        if not kept or not races(module, flat):
             return NOT_KEPT
         try:
-            B, L = layout.sizes(flat)
+            case, B, L = self.decide(module, flat)
         except Exception:
             return NOT_KEPT
-        B, L = int(B), int(L)
         vouching = self.length_vouching
-        if _race_key(B, L, flat) not in kept or vouching is not None \
+        if case is not None or _race_key(B, L, flat) not in kept or vouching is not None \
                 and not vouching.holds(B, L):
             return NOT_KEPT
         written = written_call(module, args, kwargs)
@@ -651,9 +698,26 @@ def _stream_calls() -> dict:
 NOT_KEPT = object()
 
 
-def _NO_IMAGE(flat: list) -> str:
-    """A layout that runs no single step over an image's positions: no other image size."""
+def _NONE_OTHER(flat: list) -> str:
+    """A layout that reads no other batch or image size off a call (no batch size derived
+    into the traced code, no single step over an image's positions)."""
     return ""
+
+
+#: The most input shapes a layer remembers ``decide``'s shape part for (a model fed every
+#: length finds the rest each call, as before).
+_SHAPE_CASES = 512
+
+
+def _shapes(flat: list) -> tuple | None:
+    """The shapes of a call's inputs, where they are all tensors (``None`` where not: a value
+    among them is compared by the call's signature each call)."""
+    shapes = []
+    for t in flat:
+        if not isinstance(t, torch.Tensor):
+            return None
+        shapes.append(t.shape)
+    return tuple(shapes)
 
 
 def _race_key(B: int, L: int, flat: list) -> tuple:
@@ -701,15 +765,16 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
                            ttt_state is not None or return_ttt_state, export_refusal(state))
     if torch.compiler.is_exporting():
         return _exported_call(self, args, kwargs, ttt_state, return_ttt_state)
-    if state.undifferentiable and records_gradients(self, _flat_inputs(args, kwargs)):
+    flat = _flat_inputs(args, kwargs)
+    if state.undifferentiable and records_gradients(self, flat):
         where = state._where()
         if ttt_state is not None or return_ttt_state:
             raise StreamingError(
                 f"{where} cannot carry its state through a call that records gradients: "
                 f"{refusal(where, state.undifferentiable)}")
-        return refuse_backward(_converted_call(self, args, kwargs),
+        return refuse_backward(_converted_call(self, args, kwargs, flat=flat),
                                refusal(where, state.undifferentiable))
-    return _converted_call(self, args, kwargs, ttt_state, return_ttt_state)
+    return _converted_call(self, args, kwargs, ttt_state, return_ttt_state, flat)
 
 
 def export_refusal(state: "ConvertedState") -> str:
@@ -748,36 +813,46 @@ def _exported_call(self, args: tuple, kwargs: dict, ttt_state, return_ttt_state:
 
 
 def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
-                    return_ttt_state: bool = False):
-    """The converted layer's call: its code as written for meta tensors (``meta_call``), and
-    while hooks are on its submodules or an attribute it was traced with changed (or a
-    refusal), else its plan — inside a compiled graph when compiling — or a call carrying
-    state."""
-    if on_meta({}, _flat_inputs(args, kwargs)):    # shapes only: the code as written
+                    return_ttt_state: bool = False, flat: list | None = None):
+    """The converted layer's call (``flat``: its inputs flattened): its code as written for
+    meta tensors (``meta_call``), and while hooks are on its submodules or an attribute it was
+    traced with changed (or a refusal), else its plan — inside a compiled graph when compiling
+    — or a call carrying state. The hooks, the attributes and the weights are read in one
+    walk of the layer's modules (``ModuleWalk``) where it finds them as converted; elsewhere
+    each guard looks itself, and says what it found."""
+    if flat is None:
+        flat = _flat_inputs(args, kwargs)
+    if on_meta({}, flat):    # shapes only: the code as written
         return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
-    if hooked(self):
-        return self._ttt2la.hooked_call(self, args, kwargs,
-                                        stateful=ttt_state is not None or return_ttt_state)
-    guard = self._ttt2la.attributes
-    change = None if guard is None else guard.changed(self)
-    if change is not None:
-        return self._ttt2la.changed_call(self, args, kwargs, change,
-                                         stateful=ttt_state is not None or return_ttt_state)
-    if ttt_state is None and not return_ttt_state:
-        out = self._ttt2la.kept_call(self, args, kwargs)
+    state = self._ttt2la
+    stateful = ttt_state is not None or return_ttt_state
+    walk = state.walk
+    found = None if walk is None else walk.quiet(self)
+    if found is None:
+        if hooked(self):
+            return state.hooked_call(self, args, kwargs, stateful=stateful)
+        guard = state.attributes
+        change = None if guard is None else guard.changed(self)
+        if change is not None:
+            return state.changed_call(self, args, kwargs, change, stateful=stateful)
+    if not stateful:
+        out = state.kept_call(self, args, kwargs, flat)
         if out is not NOT_KEPT:
             return out
-    weights = params_and_buffers(self)
-    if on_meta(weights, []):        # weights on meta, the inputs not
-        return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
-    if ttt_state is None and not return_ttt_state:
+    weights = None if found is None else walk.weights(found)
+    if weights is None:
+        weights = params_and_buffers(self)
+    now = weights_signature(weights)
+    if now != state.weights and on_meta(weights, []):      # weights on meta, the inputs not
+        return meta_call(self, args, kwargs, stateful=stateful)
+    if not stateful:
         if torch.compiler.is_compiling() and not kwargs \
                 and all(isinstance(a, torch.Tensor) for a in args):
             return _compiled_call(self, weights, args)
-        return self._ttt2la.for_weights(self, weights)(self, weights, args, kwargs)
-    y, state = self._ttt2la.for_weights(self, weights).stateful_call(
+        return state.for_weights(self, weights, now)(self, weights, args, kwargs, flat)
+    y, after = state.for_weights(self, weights, now).stateful_call(
         self, weights, args, kwargs, ttt_state)
-    return (y, state) if return_ttt_state else y
+    return (y, after) if return_ttt_state else y
 
 
 @dataclass
@@ -941,6 +1016,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
     state.attributes = AttributeGuard.of(module)
+    state.walk = ModuleWalk.of(module, state.attributes)
     state.compile_break = compile_break(state)
     state.weights = weights_signature(params_and_buffers(module))
     _register(module)

@@ -27,7 +27,8 @@ _GLOBAL_TABLES = {"_global_forward_pre_hooks": "forward pre-hook",
 
 
 def hooked(layer: torch.nn.Module) -> bool:
-    """Whether any hook would run on a submodule of ``layer``: cheap enough for every call."""
+    """Whether any hook would run on a submodule of ``layer``: asked by a call that the walk of
+    the layer's modules (``module_walk``, which looks at the same tables) does not pass."""
     return bool(_nn._global_forward_pre_hooks or _nn._global_forward_hooks
                 or _nn._global_backward_pre_hooks or _nn._global_backward_hooks
                 or _submodule_hooked(layer))
