@@ -84,7 +84,7 @@ def _wrap(value, at):
     return value
 
 
-#: the run in progress (decisions are recorded into it); ``None`` outside ``length_uses``
+#: the run in progress (decisions are recorded into it); ``None`` outside ``size_uses``
 _RUN: list = [None]
 
 
@@ -192,7 +192,7 @@ class _Run:
 
     def __init__(self, L: int, B: int, loop: tuple[str, int, int] | None):
         self.L, self.B, self.loop = L, B, loop
-        self.entry = sys._getframe(1)        # ``length_uses``: no frame above it is the layer's
+        self.entry = sys._getframe(1)        # ``size_uses``: no frame above it is the layer's
         self.found: dict[tuple[str, int], list] = {}
 
     def record(self, frame, what: str, at) -> None:
