@@ -1724,6 +1724,42 @@ MUTATIONS = [
         "shape_case_keyed_without_features", "the shape case a call's decision remembers is keyed without the inputs' last size, so a call of another width at a remembered length is not refused",
         (("ttt2la/converted.py", "        shapes.append(t.shape)\n", "        shapes.append(t.shape[:-1])\n"),),
         ("tests/test_module_walk.py",), "remembered_shape"),
+    Mutation(
+        "range_count_untracked", "the run's stand-in for `range` counts no range of the sizes, so `len(range(0, T, C))` after the loop is a plain number and a branch on it goes unchecked",
+        (("ttt2la/frontend/size_uses.py", "        if run is not None and None not in ats and any(isinstance(a, SizeInt) for a in args):",
+          "        if False:"),),
+        ("tests/test_counts_of_the_length.py",), "LenRange"),
+    Mutation(
+        "pieces_count_untracked", "the run counts no pieces of `split`/`chunk`/`unbind`, so `len(x.split(C, 1))` or `len(x.unbind(0))` is a plain number",
+        (("ttt2la/frontend/size_uses.py", "        if isinstance(out, (tuple, list)) and getattr(func, \"__name__\", \"\") in _PIECES:",
+          "        if False:"),),
+        ("tests/test_counts_of_the_length.py",), "LenSplitValue or LenUnbind or number_of_samples"),
+    Mutation(
+        "appended_count_untracked", "the run does not count a list the loop appends to, so a value of `len(outs)` passed to an op after the loop goes unchecked",
+        (("ttt2la/frontend/size_uses.py", "not any(frame.f_locals.get(name) is seq for name in self.grown)", "True"),),
+        ("tests/test_counts_of_the_length.py",), "LenOutsValue or run_hands"),
+    Mutation(
+        "strides_untracked", "the run hands out strides as plain numbers, so `x.stride(0) // D` escapes it",
+        (("ttt2la/frontend/size_uses.py", ",\n          torch._C.TensorBase.stride}", "}"),),
+        ("tests/test_counts_of_the_length.py",), "Stride"),
+    Mutation(
+        "tensor_of_shape_judged_affine", "a tensor made of a shape is judged as a number passed to an op (affine: no use), so `int(torch.tensor(x.shape)[1])` escapes",
+        (("ttt2la/frontend/size_uses.py", "if frame is not None and func in _TENSOR_MAKERS and _shaped(args, kwargs):",
+          "if False:"),),
+        ("tests/test_counts_of_the_length.py",), "TensorOfShape"),
+    Mutation(
+        "appended_len_unread", "the source reading does not count the lists the loop appends to, so `n = len(outs)` after it binds no value of the length",
+        (("ttt2la/frontend/length_values.py", "derived.counted |= appended_names(stmt)", "derived.counted |= set()"),),
+        ("tests/test_counts_of_the_length.py",), "LenOuts and not Value or source_reads"),
+    Mutation(
+        "pieces_len_unread", "the source reading counts no pieces cut along the token axis, so `len(x.split(C, dim=1))` is no value of the length",
+        (("ttt2la/frontend/length_values.py", "    return along or any(_derives(a, derived, axes, me) for a in args)",
+          "    return any(_derives(a, derived, axes, me) for a in args)"),),
+        ("tests/test_counts_of_the_length.py",), "source_reads"),
+    Mutation(
+        "appended_len_in_loop_unread", "the length of a list the loop grows is no index to the loop's source reading, so `if len(outs) >= 8` in the loop converts with the traced iterations' branch",
+        (("ttt2la/frontend/index_flow.py", "and e.args[0].id in self.grown:", "and e.args[0].id in ():"),),
+        ("tests/test_counts_of_the_length.py",), "chunks_appended_so_far"),
 ]
 
 

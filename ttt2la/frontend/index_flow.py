@@ -54,8 +54,8 @@ class IndexFlow:
     """The kinds of the values in one loop body, from its index variables (``taint``)."""
 
     def __init__(self, src: LoopSource, taint: dict[str, Index | Step],
-                 ran: frozenset[int] | None = None):
-        self.src, self.taint, self.ran = src, dict(taint), ran
+                 ran: frozenset[int] | None = None, grown: frozenset[str] = frozenset()):
+        self.src, self.taint, self.ran, self.grown = src, dict(taint), ran, grown
         self.found: Finding | None = None
         self.aliases = {}
         for fn in src.functions:
@@ -240,7 +240,8 @@ class IndexFlow:
         return None
 
     def call(self, e: ast.Call):
-        """A call: positions take any index; scalar functions pass an index on, ``min``/``max``
+        """A call: positions take any index; the length of a list the loop grows (``grown``)
+        counts its iterations, an index; scalar functions pass an index on, ``min``/``max``
         against other than a size and rounding make a ``Step``; any other call taking a step
         (a tensor op, a helper, ``range``) is a finding."""
         name = call_name(e)
@@ -248,6 +249,9 @@ class IndexFlow:
             self.kind(e.func.value)
         if name in POSITION_CALLS:
             return None
+        if name == "len" and len(e.args) == 1 and isinstance(e.args[0], ast.Name) \
+                and e.args[0].id in self.grown:
+            return Index(f"len({e.args[0].id})")      # a list grown once per iteration
         args = list(e.args) + [kw.value for kw in e.keywords]
         kinds = [self.kind(a) for a in args]
         if not is_scalar_call(e):

@@ -20,12 +20,13 @@ import linecache
 from ..errors import UnsupportedTTTError
 from ..ir import SourceLoc
 from .index_flow import POSITION_CALLS, Finding, Index, IndexFlow
-from .loop_source import LoopSource, assignments, call_name, loop_source
+from .loop_source import LoopSource, appended_names, assignments, call_name, loop_source
 from .loops import LoopSite
 
 
 def index_names(src: LoopSource) -> set[str]:
-    """The loop's index variables: ``range`` targets (in ``enumerate``, ``zip``, ``reversed``),
+    """The loop's index variables (the lengths of lists it grows are read as indices too, by
+    ``IndexFlow``): ``range`` targets (in ``enumerate``, ``zip``, ``reversed``),
     ``enumerate`` counters, targets the body slices with, and counters started at a number
     before the loop and stepped by a number in it (``n += C``; a ``while`` loop's included)."""
     stmt, found = src.stmt, set()
@@ -89,10 +90,10 @@ def index_step(loop: LoopSite, ran: frozenset[int] | None = None) -> Finding | N
     src = loop_source(loop)
     if src is None or _fixed_count(src.stmt):
         return None
-    roots = index_names(src)
-    if not roots:
+    roots, grown = index_names(src), frozenset(appended_names(src.stmt))
+    if not roots and not grown:
         return None
-    return IndexFlow(src, {name: Index(name) for name in roots}, ran).run()
+    return IndexFlow(src, {name: Index(name) for name in roots}, ran, grown).run()
 
 
 def _fixed_count(stmt: ast.AST) -> bool:
@@ -107,6 +108,12 @@ def _code(file: str, line: int) -> str:
     return linecache.getline(file, line).strip()
 
 
+def _variable(root: str) -> str:
+    """The index ``root`` in words: a loop variable, or the length of a list the loop grows."""
+    return f"the iteration count `{root}`" if root.startswith("len(") else \
+        f"the loop variable `{root}`"
+
+
 def index_step_message(found: Finding, loop: LoopSite) -> str:
     """The refusal for ``found``: the line that makes the step and the one that uses it, the
     index variable, why the traces cannot run it, and the per-token tensor that converts."""
@@ -115,10 +122,10 @@ def index_step_message(found: Finding, loop: LoopSite) -> str:
     use = SourceLoc(file, found.line, loop.function, _code(file, found.line))
     expr = ast.unparse(step.origin)
     if found.test:
-        what = (f"the {found.test} at {use.at()} tests the loop variable `{step.root}` "
+        what = (f"the {found.test} at {use.at()} tests {_variable(step.root)} "
                 f"through `{expr}`" + ("" if use.line == origin.line else f", computed at {origin.at()}"))
     else:
-        what = (f"it computes `{expr}` from the loop variable `{step.root}` at {origin.at()}, "
+        what = (f"it computes `{expr}` from {_variable(step.root)} at {origin.at()}, "
                 f"{found.use}" + ("" if use.line == origin.line else f" at {use.at()}"))
     return (f"the loop at {loop.src}: {what}. A value of the index made "
             "by a comparison, `%`, `//` or a clamp can be the same in every iteration ttt2la "

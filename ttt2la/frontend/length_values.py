@@ -20,6 +20,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .loop_source import appended_names
+
 #: what a length is called where a shape of another rank than the input's is unpacked
 _LENGTH_NAMES = {"T", "L", "N", "S", "seq_len", "seqlen", "length", "num_tokens", "n_tokens"}
 
@@ -95,7 +97,7 @@ def _derives(expr: ast.AST, derived: set[str], axes: tuple[int, ...], me: str = 
         return expr.id in derived and expr.id not in _looping(derived)
     if any(isinstance(n, ast.Name) and n.id in _looping(derived) for n in ast.walk(expr)):
         return False                    # a value of the iteration: the traces unroll it
-    if _length_source(expr, axes):
+    if _length_source(expr, axes) or _counted_len(expr, derived, axes, me):
         return True
     parts: list = []
     if isinstance(expr, (ast.BinOp,)):
@@ -117,10 +119,47 @@ def _derives(expr: ast.AST, derived: set[str], axes: tuple[int, ...], me: str = 
 
 class _Derived(set):
     """Names bound from the length, with ``looping``: the targets of the loops that hold the
-    loop (their values per iteration are unrolled in the traces)."""
+    loop (their values per iteration are unrolled in the traces), and ``counted``: sequences
+    whose number of items is a value of the length (lists the loop grows, pieces of the
+    token axis)."""
 
     looping: set
     where: dict                         # name -> the line that binds it from the length
+    counted: set
+
+
+#: calls that cut a tensor into pieces, and where their axis argument is (after the tensor)
+_CUTS = {"split": 1, "chunk": 1, "unbind": 0, "tensor_split": 1}
+
+
+def _counting(expr: ast.AST, derived: set[str], axes, me: str) -> bool:
+    """Is ``expr`` a sequence whose number of items is a value of the length: a name of
+    ``derived.counted``, a ``range`` of the length, or pieces of a tensor cut along the token
+    axis (``x.split(C, 1)``, ``x.unbind(dim=1)``) or by a size of the length?"""
+    if isinstance(expr, ast.Name):
+        return expr.id in getattr(derived, "counted", ())
+    if not isinstance(expr, ast.Call):
+        return False
+    f = expr.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    if name == "range":
+        return any(_derives(a, derived, axes, me) for a in expr.args)
+    if name not in _CUTS:
+        return False
+    args = expr.args[1:] if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+        and f.value.id == "torch" else expr.args
+    dim = next((k.value for k in expr.keywords if k.arg == "dim"), None)
+    if dim is None and len(args) > _CUTS[name]:
+        dim = args[_CUTS[name]]
+    along = isinstance(dim, ast.Constant) and dim.value in axes[:2]
+    return along or any(_derives(a, derived, axes, me) for a in args)
+
+
+def _counted_len(expr: ast.AST, derived: set[str], axes, me: str) -> bool:
+    """``len(seq)`` of a sequence whose number of items is a value of the length."""
+    return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and \
+        expr.func.id == "len" and len(expr.args) == 1 and \
+        _counting(expr.args[0], derived, axes, me)
 
 
 def _looping(derived: set) -> set:
@@ -160,6 +199,8 @@ def _bind(stmt: ast.stmt, derived: set[str], axes: tuple[int, ...], me: str) -> 
                 names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
                 derived |= names
                 derived.where.update(dict.fromkeys(names, stmt.lineno))
+            elif isinstance(target, ast.Name) and _counting(value, derived, axes, me):
+                derived.counted.add(target.id)
     elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) and stmt.value is not None \
             and _derives(stmt.value, derived, axes, me) and isinstance(stmt.target, ast.Name):
         derived.add(stmt.target.id)
@@ -238,7 +279,7 @@ def _read(file: str, loop_line: int, axes: tuple[int, ...], after: bool, given: 
         return
     lines = _source_lines(file)
     derived = _Derived(given)
-    derived.looping, derived.where = set(), {}
+    derived.looping, derived.where, derived.counted = set(), {}, set()
     loop_end = [loop_line]
 
     me = fn.args.args[0].arg if fn.args.args and method else ""
@@ -265,6 +306,7 @@ def _read(file: str, loop_line: int, axes: tuple[int, ...], after: bool, given: 
             if stmt.lineno >= loop_line:
                 if stmt.lineno == loop_line:
                     loop_end[0] = end
+                    derived.counted |= appended_names(stmt)     # after it: one per iteration
                 step = _chunk_step(stmt, derived, axes, me) if stmt.lineno == loop_line \
                     else None
                 if step is not None:

@@ -48,6 +48,21 @@ def is_scalar_call(call: ast.Call) -> bool:
         and f.value.id == "math" and f.attr in SCALAR_CALLS
 
 
+def appended_names(loop: ast.AST) -> set[str]:
+    """Names of the lists ``loop`` grows (``outs.append(o)``, ``outs.extend(…)``,
+    ``outs += [o]``): their length counts its iterations."""
+    out = set()
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("append", "extend", "insert") \
+                and isinstance(node.func.value, ast.Name):
+            out.add(node.func.value.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) \
+                and isinstance(node.target, ast.Name) and isinstance(node.value, ast.List):
+            out.add(node.target.id)
+    return out
+
+
 def _names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
@@ -211,4 +226,5 @@ def _classify(src: LoopSource, bound: list[tuple[str, ast.expr]]) -> None:
     src.sizes -= src.tensors
 
 
-__all__ = ["LoopSource", "loop_source", "assignments", "call_name", "is_scalar_call"]
+__all__ = ["LoopSource", "loop_source", "assignments", "call_name", "is_scalar_call",
+           "appended_names"]

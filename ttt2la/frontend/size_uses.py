@@ -19,6 +19,7 @@ traces) and guards that only raise are left out, as ``length_values`` leaves the
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import operator
 import os
@@ -30,7 +31,9 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .length_values import LengthValue, _function_at, _library_roots, _real, _source_lines, _tree
+from .length_values import (LengthValue, _function_at, _library_roots, _module_of, _real,
+                            _source_lines, _tree)
+from .loop_source import appended_names
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 
@@ -190,10 +193,38 @@ def _library(file: str) -> bool:
 class _Run:
     """The decisions and values one run recorded, by user line."""
 
-    def __init__(self, L: int, B: int, loop: tuple[str, int, int] | None):
-        self.L, self.B, self.loop = L, B, loop
+    def __init__(self, L: int, B: int, loop: tuple[str, int, int] | None,
+                 grown: frozenset[str] = frozenset()):
+        self.L, self.B, self.loop, self.grown = L, B, loop, grown
         self.entry = sys._getframe(1)        # ``size_uses``: no frame above it is the layer's
         self.found: dict[tuple[str, int], list] = {}
+        self.counts: dict[int, tuple[object, Callable]] = {}   # id -> (sequence, its length)
+        self.iterations: Callable | None = None     # the loop's count of iterations
+        self.loop_frame = None                      # the frame that runs the loop
+
+    def count(self, seq, at, frame) -> None:
+        """``seq`` (a ``range`` or the pieces of a tensor) has ``at(L, B)`` items; made at the
+        loop statement's line, it is what the loop iterates over."""
+        self.counts[id(seq)] = (seq, at)
+        if self.loop is not None and frame is not None and frame.f_lineno == self.loop[1] \
+                and _real(frame.f_code.co_filename) == self.loop[0]:
+            self.iterations, self.loop_frame = at, frame
+
+    def length_of(self, seq) -> Callable | None:
+        """The number of items of ``seq`` as a function of the sizes: a counted sequence's, or
+        for a list the loop appends to (``grown``, by name in the loop's frame), the loop's
+        count of iterations times the items it holds per iteration; ``None``: neither."""
+        hit = self.counts.get(id(seq))
+        if hit is not None and hit[0] is seq:
+            return hit[1]
+        it, frame = self.iterations, self.loop_frame
+        if it is None or not isinstance(seq, list) or \
+                not any(frame.f_locals.get(name) is seq for name in self.grown):
+            return None
+        n, k = len(seq), it(self.L, self.B)
+        if k and n % k == 0:
+            return lambda L, B: it(L, B) * (n // k)
+        return lambda L, B: n - k + it(L, B)
 
     def record(self, frame, what: str, at) -> None:
         if self._in_loop(frame):
@@ -237,9 +268,12 @@ def _is_shape_get(func) -> bool:
     return getattr(func, "__self__", None) is torch._C.TensorBase.shape
 
 
-_SIZES = {torch._C.TensorBase.size, torch._C.TensorBase.numel, torch._C.TensorBase.nelement}
+_SIZES = {torch._C.TensorBase.size, torch._C.TensorBase.numel, torch._C.TensorBase.nelement,
+          torch._C.TensorBase.stride}
 _TENSOR_MAKERS = {torch.tensor, torch.as_tensor, torch.scalar_tensor,
                   torch._C.TensorBase.new_tensor}
+#: what cuts a tensor into pieces, and the names of its arguments after the tensor
+_PIECES = {"split": ("split_size", "dim"), "chunk": ("chunks", "dim"), "unbind": ("dim",)}
 
 
 class _Tracking(TorchFunctionMode):
@@ -262,15 +296,46 @@ class _Tracking(TorchFunctionMode):
                 if frame is not None:
                     self.run.record(frame, "takes len() of", size.at)
             return out
+        if isinstance(out, (tuple, list)) and getattr(func, "__name__", "") in _PIECES:
+            at = self._pieces(func.__name__, args, kwargs)
+            if at is not None:
+                self.run.count(out, at, self.run.user_frame())
         tracked = [x for x in _leaves((args, kwargs)) if isinstance(x, _TRACKED)]
         if tracked:
             frame = self.run.user_frame()
-            if frame is not None:
+            if frame is not None and func in _TENSOR_MAKERS and _shaped(args, kwargs):
+                shape = [_at(n) for n in _leaves((args, kwargs)) if _at(n) is not None]
+                self.run.record(frame, "makes a tensor of", lambda L, B: [f(L, B) for f in shape])
+            elif frame is not None:
                 what = "makes a tensor of" if func in _TENSOR_MAKERS else \
                     f"passes `{_spelled(func)}` a number of"
                 for x in tracked:
                     self.run.record(frame, what, _Sized(x.at))
         return out
+
+    def _pieces(self, name: str, args, kwargs) -> Callable | None:
+        """The number of pieces ``split``/``chunk``/``unbind`` cut a tensor into, as a function
+        of the sizes, where the axis cut is a size of the length or the batch (or the piece
+        size is a value of them); ``None`` otherwise."""
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        given = dict(zip(_PIECES[name], args[1:]))
+        given.update({"split_size" if k == "split_size_or_sections" else k: v
+                      for k, v in kwargs.items()})
+        try:
+            n = self._sizes(args[0].shape[given.get("dim", 0)])
+        except (IndexError, TypeError):
+            return None
+        by = given.get(_PIECES[name][0], 1)
+        if isinstance(by, bool) or not isinstance(by, int) or \
+                not isinstance(n, SizeInt) and not isinstance(by, SizeInt):
+            return None
+        size, k = _at(n), _at(by)
+        if name == "unbind":
+            return size
+        if name == "split":
+            return lambda L, B: -(-size(L, B) // k(L, B))
+        return lambda L, B: -(-size(L, B) // -(-size(L, B) // k(L, B)))
 
     def _sizes(self, out):
         L, B = self.run.L, self.run.B
@@ -290,7 +355,64 @@ class _Tracking(TorchFunctionMode):
             return n
         if isinstance(out, torch.Size):
             return torch.Size([one(n) for n in out])
+        if isinstance(out, tuple):                  # ``stride()``
+            return tuple(one(n) for n in out)
         return one(out)
+
+
+def _shaped(args, kwargs) -> bool:
+    """Is a shape of the sizes (a ``torch.Size`` holding one) among a tensor maker's arguments?
+    The tensor made of it holds the sizes where no run follows them (``int(t[1])``): a use,
+    conservatively."""
+    return any(isinstance(a, torch.Size) and any(isinstance(n, SizeInt) for n in a)
+               for a in (*args, *kwargs.values(), *(x for a in args if isinstance(a, list)
+                                                    for x in a)))
+
+
+class _RangeType(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, range)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return isinstance(sub, type) and issubclass(sub, range)
+
+
+class _Range(metaclass=_RangeType):
+    """``range`` to the layer's module during the run: a real ``range``, whose number of items
+    ``_len`` hands out as a ``SizeInt`` where its bounds are values of the sizes (CPython
+    reads an ``int`` subclass's value without calling ``__index__``: nothing else sees them)."""
+
+    def __new__(cls, *args):
+        out = range(*args)
+        run, ats = _RUN[0], [_at(a) for a in args]
+        if run is not None and None not in ats and any(isinstance(a, SizeInt) for a in args):
+            run.count(out, lambda L, B: len(range(*(f(L, B) for f in ats))), sys._getframe(1))
+        return out
+
+
+def _len(obj):
+    """``len`` to the layer's module during the run: a ``SizeInt`` for a sequence whose
+    number of items is a value of the sizes (CPython's ``len`` makes a plain ``int``)."""
+    n = len(obj)
+    run = _RUN[0]
+    at = run.length_of(obj) if run is not None else None
+    return n if at is None else SizeInt(n, at)
+
+
+@contextlib.contextmanager
+def _counting(file: str):
+    """``len`` and ``range`` of the module whose source is ``file`` (the loop's) are ``_len``
+    and ``_Range`` inside the block, where the module binds no name of its own to them."""
+    module = _module_of(file)
+    scope = vars(module) if module is not None else {}
+    mine = {name: f for name, f in (("len", _len), ("range", _Range)) if name not in scope}
+    scope.update(mine)
+    try:
+        yield
+    finally:
+        for name, f in mine.items():
+            if scope.get(name) is f:
+                del scope[name]
 
 
 class _Sized:
@@ -402,16 +524,20 @@ def _guard(file: str, line: int) -> bool:
     return False
 
 
-def _loop_span(file: str, line: int) -> tuple[str, int, int] | None:
-    """The lines of the loop statement at ``file:line`` and its body (``None``: no loop
-    there, as for a single step)."""
+def _loop_statement(file: str, line: int) -> ast.stmt | None:
+    """The loop statement at ``file:line`` (``None``: no loop there, as for a single step)."""
     fn = _function_at(file, line)
     if fn is None:
         return None
-    for node in ast.walk(fn):
-        if isinstance(node, (ast.For, ast.While, ast.AsyncFor)) and node.lineno == line:
-            return _real(file), line, node.end_lineno or line
-    return None
+    return next((node for node in ast.walk(fn) if isinstance(
+        node, (ast.For, ast.While, ast.AsyncFor)) and node.lineno == line), None)
+
+
+def _loop_span(file: str, line: int) -> tuple[str, int, int] | None:
+    """The lines of the loop statement at ``file:line`` and its body (``None``: no loop
+    there)."""
+    node = _loop_statement(file, line)
+    return None if node is None else (_real(file), line, node.end_lineno or line)
 
 
 def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
@@ -422,10 +548,11 @@ def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
     decision it makes with a value of the two, and every number of them it passes to torch, is
     judged at many lengths and batch sizes. ``loop``: the loop's file and line, whose body the
     traces unroll. Returns nothing where the code does not run at that shape."""
-    rec = _Run(L, B, _loop_span(*loop))
+    stmt = _loop_statement(*loop)
+    rec = _Run(L, B, _loop_span(*loop), frozenset(appended_names(stmt) if stmt else ()))
     _RUN[0] = rec
     try:
-        with warnings.catch_warnings(), _Tracking(rec):
+        with warnings.catch_warnings(), _counting(loop[0]), _Tracking(rec):
             warnings.simplefilter("ignore")
             run()
     except Exception:                   # the code does not run there: the source reading stands
