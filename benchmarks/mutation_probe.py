@@ -1724,6 +1724,24 @@ MUTATIONS = [
         "shape_case_keyed_without_features", "the shape case a call's decision remembers is keyed without the inputs' last size, so a call of another width at a remembered length is not refused",
         (("ttt2la/converted.py", "        shapes.append(t.shape)\n", "        shapes.append(t.shape[:-1])\n"),),
         ("tests/test_module_walk.py",), "remembered_shape"),
+    Mutation(
+        "token_axis_from_axis_1", "the token axis is axis 1 of the first input whatever the loop slices, so a heads-first [B, H, L, D] layer is traced with its heads as tokens",
+        (("ttt2la/frontend/sliced_length.py", "            or not cand.slice_lengths or guessed in cand.slice_lengths:",
+          "            or True:"),),
+        ("tests/test_sliced_token_axis.py",), "heads or state or gate"),
+    Mutation(
+        "token_axis_unconfirmed", "a sliced length that an input axis happens to hold is taken for the tokens without the eager run confirming the loop walks that axis",
+        (("ttt2la/frontend/sliced_length.py", "n > 1 and any(n in x.shape[1:] for x in tensors) and _walks(cand, flat, in_spec, n)",
+          "n > 1 and any(n in x.shape[1:] for x in tensors)"),),
+        ("tests/test_sliced_token_axis.py",), "tokens_first"),
+    Mutation(
+        "random_call_unnamed", "a layer drawing random numbers fails the conversion's check with a message blaming ttt2la, not naming the random call",
+        (("ttt2la/call_variation.py", "        if found is not None:\n            return _random(found)\n", ""),),
+        ("tests/test_call_variation.py",), "noise or variation"),
+    Mutation(
+        "grad_mode_branch_unnamed", "a layer branching on torch.is_grad_enabled() fails the conversion's check with a message blaming ttt2la, not naming the branch",
+        (("ttt2la/call_variation.py", "    return \"\" if found is None else _grad_mode(found)", "    return \"\""),),
+        ("tests/test_call_variation.py",), "grad_mode"),
 ]
 
 
