@@ -1760,6 +1760,24 @@ MUTATIONS = [
         "appended_len_in_loop_unread", "the length of a list the loop grows is no index to the loop's source reading, so `if len(outs) >= 8` in the loop converts with the traced iterations' branch",
         (("ttt2la/frontend/index_flow.py", "and e.args[0].id in self.grown:", "and e.args[0].id in ():"),),
         ("tests/test_counts_of_the_length.py",), "chunks_appended_so_far"),
+    Mutation(
+        "token_axis_from_axis_1", "the token axis is axis 1 of the first input whatever the loop slices, so a heads-first [B, H, L, D] layer is traced with its heads as tokens",
+        (("ttt2la/frontend/sliced_length.py", "            or not cand.slice_lengths or guessed in cand.slice_lengths:",
+          "            or True:"),),
+        ("tests/test_sliced_token_axis.py",), "heads or state or gate"),
+    Mutation(
+        "token_axis_unconfirmed", "a sliced length that an input axis happens to hold is taken for the tokens without the eager run confirming the loop walks that axis",
+        (("ttt2la/frontend/sliced_length.py", "n > 1 and any(n in x.shape[1:] for x in tensors) and _walks(cand, flat, in_spec, n)",
+          "n > 1 and any(n in x.shape[1:] for x in tensors)"),),
+        ("tests/test_sliced_token_axis.py",), "tokens_first"),
+    Mutation(
+        "random_call_unnamed", "a layer drawing random numbers fails the conversion's check with a message blaming ttt2la, not naming the random call",
+        (("ttt2la/call_variation.py", "        if found is not None:\n            return _random(found)\n", ""),),
+        ("tests/test_call_variation.py",), "noise or variation"),
+    Mutation(
+        "grad_mode_branch_unnamed", "a layer branching on torch.is_grad_enabled() fails the conversion's check with a message blaming ttt2la, not naming the branch",
+        (("ttt2la/call_variation.py", "    return \"\" if found is None else _grad_mode(found)", "    return \"\""),),
+        ("tests/test_call_variation.py",), "grad_mode"),
 ]
 
 

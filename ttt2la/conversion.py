@@ -29,6 +29,7 @@ from .analysis import analyze, assign_roles
 from .analysis.op_vocabulary import fill_value
 from .as_written import AsWritten
 from .calibration import LoopCalibration, layer_inputs
+from .call_variation import call_variation
 from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
 from .frontend.discover import discover
@@ -692,12 +693,24 @@ def _checked(layer: _Layer) -> dict:
     if state is not None:
         check["lowering"] = _check_plan(rl, state)
     if layer.exact and not check.get("ok", True):
+        _refuse_variation(rl, layer.original)
         raise ConversionError(
             f"the converted {rl.path or 'model'} differs from the original by a relative "
             f"RMS error of {check['rel_rms_error']:.2e} on the example inputs although every "
             "applied pass is exact; this is a bug in ttt2la — please report it with the "
             "model. Use strict=False at a lower level meanwhile.")
     return check
+
+
+def _refuse_variation(rl: RecognizedLayer, original: torch.nn.Module) -> None:
+    """Refuse, naming the user's line, a layer whose code as written computes another function
+    from one run to the next (random numbers) or with gradients on (``call_variation``): what
+    fails the check is then the code, not the conversion."""
+    why = call_variation(original, *_layer_inputs(rl))
+    if why:
+        raise UnsupportedTTTError(
+            f"{rl.path or type(original).__name__} (the loop at {rl.program.loop_src}) cannot be "
+            f"checked: {why}.")
 
 
 def _refuse_lossy_branch(layer: _Layer, ref) -> None:

@@ -42,6 +42,7 @@ from .shape_constants import BatchConstant, refuse_shape_constants
 from .chunk_counts import ChunkCountCheck
 from .length_values import describe, length_values
 from .shapes import GraphTemplate, fit_template
+from .sliced_length import sliced_length
 
 B0, B1 = 2, 3
 
@@ -391,6 +392,7 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     if cand.no_loop:
         result = recognize_single_step(cand, seq_len, _no_loop(cand))
     else:
+        seq_len = sliced_length(cand, flat, in_spec, seq_len)   # heads first: not axis 1
         refuse_second_loop(cand, seq_len)      # no single step either: refused as it is
         try:
             result = _recognize_layer(cand, seq_len)
