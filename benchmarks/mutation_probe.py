@@ -1778,6 +1778,21 @@ MUTATIONS = [
         "grad_mode_branch_unnamed", "a layer branching on torch.is_grad_enabled() fails the conversion's check with a message blaming ttt2la, not naming the branch",
         (("ttt2la/call_variation.py", "    return \"\" if found is None else _grad_mode(found)", "    return \"\""),),
         ("tests/test_call_variation.py",), "grad_mode"),
+    Mutation(
+        "outside_values_unguarded", "class attributes and module globals the layer's code reads are not checked at each call, so a changed one runs the old value's graphs",
+        (("ttt2la/converted.py", "    change = None if outside is None else outside.changed()\n",
+          "    change = None\n"),),
+        ("tests/test_global_guard.py",), "runs_the_new_function"),
+    Mutation(
+        "class_attribute_read_where_defined", "a class attribute is read from the class that defined it, so one set on a subclass since goes unseen",
+        (("ttt2la/global_guard.py", "lambda k=most, n=name: getattr(k, n, _MISSING)",
+          "lambda k=klass, n=name: k.__dict__.get(n, _MISSING)"),),
+        ("tests/test_global_guard.py",), "class"),
+    Mutation(
+        "helper_globals_unread", "the globals of the functions a layer's methods call are not read",
+        (("ttt2la/global_guard.py", "                _reads(value, depth - 1, seen, out)\n",
+          "                pass\n"),),
+        ("tests/test_global_guard.py",), "helper"),
 ]
 
 

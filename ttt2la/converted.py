@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
+from .global_guard import GlobalGuard
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
                      PartialChunkError, StreamingError, UnsupportedExportError,
@@ -170,6 +171,7 @@ class ConvertedState:
     _recast: dict = field(default_factory=dict)     # signature -> the state built for it
     length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
     attributes: AttributeGuard | None = None    # the layer's plain attributes at conversion
+    outside: GlobalGuard | None = None  # class attributes and globals its code reads, then
     walk: ModuleWalk | None = None      # its module tree at conversion, walked once a call
     skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
     _shape_cases: dict = field(default_factory=dict)    # input shapes -> ``_shape_case``
@@ -835,6 +837,10 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
         change = None if guard is None else guard.changed(self)
         if change is not None:
             return state.changed_call(self, args, kwargs, change, stateful=stateful)
+    outside = state.outside
+    change = None if outside is None else outside.changed()
+    if change is not None:
+        return state.changed_call(self, args, kwargs, change, stateful=stateful)
     if not stateful:
         out = state.kept_call(self, args, kwargs, flat)
         if out is not NOT_KEPT:
@@ -1016,6 +1022,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
     state.attributes = AttributeGuard.of(module)
+    state.outside = GlobalGuard.of(module)
     state.walk = ModuleWalk.of(module, state.attributes)
     state.compile_break = compile_break(state)
     state.weights = weights_signature(params_and_buffers(module))

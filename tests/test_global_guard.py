@@ -1,0 +1,103 @@
+"""Values a converted layer's code reads from outside the layer — a class attribute, a
+module-level global, a global read in a helper function — changed after conversion: the
+converted layer computes the original's new function (an exact conversion runs the code as
+written and says so) or refuses (a lossy one); never the old value's output."""
+import pytest
+import torch
+import torch.nn as nn
+
+import ttt2la
+from ttt2la.errors import ChangedAttributeError
+from ttt2la.testing import rel_rms_error
+
+D = 8
+CONFIG = {"scale": 1.0}
+STEP = 0.1
+
+
+def scaled(o):
+    return o * CONFIG["scale"]
+
+
+class Memory(nn.Module):
+    """Chunked linear attention with momentum; ``close`` says how its output is finished."""
+
+    GAIN = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            M = 0.5 * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+            S = S + STEP * M
+        return self.close(torch.cat(outs, 1))
+
+    def close(self, o):
+        return o
+
+
+class ClassGain(Memory):
+    def close(self, o):
+        return o * self.GAIN
+
+
+class GlobalScale(Memory):
+    def close(self, o):
+        return o * CONFIG["scale"]
+
+
+class HelperScale(Memory):
+    def close(self, o):
+        return scaled(o)
+
+
+LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v), "ClassGain.GAIN"),
+          "global": (GlobalScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
+          "helper's global": (HelperScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
+          "global in the loop": (Memory, lambda v: globals().__setitem__("STEP", 0.1 * v), "STEP")}
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    ClassGain.GAIN, CONFIG["scale"] = 1.0, 1.0
+    globals()["STEP"] = 0.1
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_a_changed_outside_value_runs_the_new_function(kind):
+    make, change, name = LAYERS[kind]
+    torch.manual_seed(0)
+    layer = make()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, D),))
+    x = torch.randn(2, 20, D, requires_grad=True)
+    assert rel_rms_error(conv(x), layer(x)) <= 1e-5
+    change(3.0)
+    got, want = conv(x), layer(x)
+    assert rel_rms_error(got, want) <= 1e-5, kind
+    gg = torch.autograd.grad(got.sum(), [x, *conv.parameters()])
+    gw = torch.autograd.grad(want.sum(), [x, *layer.parameters()])
+    assert all(rel_rms_error(a, b) <= 1e-5 for a, b in zip(gg, gw))
+    runs = conv.ttt2la_report.layers[0].runs
+    assert any(name in v and v.startswith("as written") for v in runs.values()), runs
+    change(1.0)
+    assert rel_rms_error(conv(x), layer(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_a_lossy_conversion_refuses_after_the_change(kind):
+    make, change, name = LAYERS[kind]
+    torch.manual_seed(0)
+    conv = ttt2la.convert(make(), level=5, example_inputs=(torch.randn(2, 16, D),))
+    x = torch.randn(2, 20, D)
+    conv(x)
+    change(3.0)
+    with pytest.raises(ChangedAttributeError, match=name.split(" ")[0]):
+        conv(x)

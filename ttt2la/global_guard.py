@@ -1,0 +1,144 @@
+"""Values a converted layer's code reads by name from outside the layer, guarded at every call.
+
+``attribute_guard`` watches what a layer holds in its own ``__dict__``. A constant the code
+reads off its class (``self.GAIN`` where ``GAIN`` is a class attribute) or a module-level
+global (``CONFIG["scale"]``) is baked into the traces the same way, and changing it after
+conversion changed the original's output but not the converted one's (0.67 relative RMS off,
+reported exact). ``GlobalGuard`` records, at conversion, the plain values (numbers, strings,
+containers of them, as ``attribute_guard.plain_value`` says) that the layer's classes hold and
+that the functions of its code — its classes' methods and the functions they call by name,
+three calls deep — read as globals, and tells at each call whether one changed: one tuple
+comparison. Functions, classes and modules are left out (rebinding one is not watched).
+"""
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+
+from .attribute_guard import Change, comparable, plain_value
+from .frontend.length_values import _library_roots, _real
+from .original_class import ORIGINAL
+
+_MISSING = object()
+#: ttt2la's own code (its zoo of example layers is the user's)
+_PACKAGE = os.path.dirname(os.path.realpath(__file__)) + os.sep
+
+#: how many calls deep the functions a layer's methods call by name are read
+_DEPTH = 3
+
+
+def _library(obj) -> bool:
+    """Code torch, the standard library or an installed package defines (not the user's)."""
+    module = getattr(obj, "__module__", None) or ""
+    if module.startswith("ttt2la.zoo"):
+        return False
+    return module in ("builtins", "torch") or module.startswith(("torch.", "ttt2la."))
+
+
+def _library_code(fn: types.FunctionType) -> bool:
+    """A function whose code lives in torch, the standard library or an installed package (a
+    wrapper such as ``torch.compile``'s takes its wrapped function's ``__module__``, not its
+    file)."""
+    file = _real(fn.__code__.co_filename)
+    own = file.startswith(_PACKAGE) and not file.startswith(os.path.join(_PACKAGE, "zoo"))
+    return own or file.startswith(_library_roots())
+
+
+def _watchable(value) -> bool:
+    return not callable(value) and not isinstance(value, (type, types.ModuleType)) \
+        and plain_value(value)
+
+
+def _user_classes(layer: torch.nn.Module):
+    """``(cls, most, m)``: each of the user's classes of ``layer``'s modules once, with the most
+    derived user class of a module ``m`` it is found in (where a class attribute is looked up,
+    so one set on a subclass since is seen)."""
+    seen = set()
+    for m in layer.modules():
+        mro = [c for c in type(m).__mro__
+               if c is not object and ORIGINAL not in c.__dict__ and not _library(c)]
+        for cls in mro:
+            if cls not in seen:
+                seen.add(cls)
+                yield cls, mro[0], m
+
+
+def _functions(cls: type):
+    for v in vars(cls).values():
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        elif isinstance(v, property):
+            v = v.fget
+        if isinstance(v, types.FunctionType):
+            yield v
+
+
+def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict) -> None:
+    """The globals ``fn`` (and the user functions it names, ``depth`` more calls deep) reads."""
+    if fn in seen:
+        return
+    seen.add(fn)
+    codes, g = [fn.__code__], fn.__globals__
+    while codes:
+        code = codes.pop()
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for name in code.co_names:
+            if name not in g:
+                continue
+            value = g[name]
+            if isinstance(value, types.FunctionType) and not _library_code(value) and depth > 0:
+                _reads(value, depth - 1, seen, out)
+            elif _watchable(value):
+                where = os.path.basename(g.get("__file__") or "") or g.get("__name__", "?")
+                out.setdefault((id(g), name), (lambda g=g, n=name: g.get(n, _MISSING),
+                                               f"{name} (a global of {where})"))
+
+
+@dataclass(frozen=True)
+class GlobalGuard:
+    """The class attributes and globals a converted layer's code reads, at conversion."""
+
+    entries: tuple[tuple, ...]      # (a reader of the value now, what to call it)
+    values: tuple
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> "GlobalGuard | None":
+        """Record them now (``None``: the code reads none)."""
+        found: dict = {}
+        seen: set = set()
+        for klass, most, m in _user_classes(layer):
+            own = vars(m)
+            for name, value in vars(klass).items():
+                if not name.startswith("__") and name not in own and _watchable(value):
+                    found.setdefault((id(most), name), (
+                        lambda k=most, n=name: getattr(k, n, _MISSING),
+                        f"{most.__name__}.{name} (a class attribute)"))
+            for fn in _functions(klass):
+                _reads(fn, _DEPTH, seen, found)
+        if not found:
+            return None
+        entries = tuple(found.values())
+        return cls(entries, tuple(comparable(get()) for get, _ in entries))
+
+    def changed(self) -> Change | None:
+        """The first value that differs from conversion (``None`` when none does)."""
+        now = tuple(get() for get, _ in self.entries)
+        if now == self.values:
+            return None
+        for (_, what), then, value in zip(self.entries, self.values, now):
+            if not (value is then or _equal(value, then)):
+                return Change(what, then, value)
+        return None
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+__all__ = ["GlobalGuard"]
