@@ -10,7 +10,6 @@ first call whose result differs names the line to change.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -18,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from .as_found import buffers_kept
-from .frontend.capture import _PACKAGE_DIR, _ZOO_DIR, _is_user_file
+from .frontend.user_code import is_users
 
 
 def call_variation(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
@@ -120,8 +119,7 @@ def _user_line() -> str:
     f = sys._getframe(2)
     while f is not None:
         file = f.f_code.co_filename
-        if _is_user_file(file) and (not os.path.abspath(file).startswith(_PACKAGE_DIR)
-                                    or os.path.abspath(file).startswith(_ZOO_DIR)):
+        if is_users(file):
             code = linecache.getline(file, f.f_lineno).strip()
             return f"{file}:{f.f_lineno}" + (f" (`{code}`)" if code else "")
         f = f.f_back

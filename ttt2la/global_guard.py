@@ -19,12 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from .attribute_guard import Change, comparable, plain_value
-from .frontend.length_values import _library_roots, _real
+from .frontend.user_code import is_users
 from .original_class import ORIGINAL
 
 _MISSING = object()
-#: ttt2la's own code (its zoo of example layers is the user's)
-_PACKAGE = os.path.dirname(os.path.realpath(__file__)) + os.sep
 
 #: how many calls deep the functions a layer's methods call by name are read
 _DEPTH = 3
@@ -39,12 +37,9 @@ def _library(obj) -> bool:
 
 
 def _library_code(fn: types.FunctionType) -> bool:
-    """A function whose code lives in torch, the standard library or an installed package (a
-    wrapper such as ``torch.compile``'s takes its wrapped function's ``__module__``, not its
-    file)."""
-    file = _real(fn.__code__.co_filename)
-    own = file.startswith(_PACKAGE) and not file.startswith(os.path.join(_PACKAGE, "zoo"))
-    return own or file.startswith(_library_roots())
+    """A function whose code is not the user's (a wrapper such as ``torch.compile``'s takes its
+    wrapped function's ``__module__``, not its file)."""
+    return not is_users(fn.__code__.co_filename)
 
 
 def _watchable(value) -> bool:

@@ -26,6 +26,7 @@ from ..validation import needs_grad_mode
 from .decompositions import DECOMPOSITIONS
 from .shape_values import shape_only_values
 from .trace_guards import no_numpy
+from .user_code import is_users
 
 FRAMES = "ttt2la_frames"
 
@@ -104,16 +105,12 @@ def _no_compile():
         yield
 
 
-_PACKAGE_DIR = _OWN_DIR + os.sep
-_ZOO_DIR = _PACKAGE_DIR + "zoo" + os.sep
-
 
 def user_frame(e: BaseException) -> str | None:
     """``file:line (`code`)`` of the innermost user frame in an exception's traceback."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user_file(f.filename)
-              and (not f.filename.startswith(_PACKAGE_DIR) or f.filename.startswith(_ZOO_DIR))]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if is_users(f.filename)]
     if not frames:
         return None
     f = frames[-1]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import os
 import sys
 from dataclasses import dataclass
+
+from .user_code import function_at, library_roots, parsed, real_path, source_lines
 
 from .loop_source import appended_names
 
@@ -41,31 +42,6 @@ class LengthValue:
 
     def describe(self) -> str:
         return f"`{self.code}` at {self.file}:{self.line} {self.what} {self.of}"
-
-
-@functools.lru_cache(maxsize=64)
-def _tree(file: str) -> ast.Module | None:
-    """The parsed source of ``file`` (``None`` where it cannot be read)."""
-    try:
-        with open(file) as f:
-            return ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return None
-
-
-@functools.lru_cache(maxsize=256)
-def _function_at(file: str, line: int) -> ast.FunctionDef | None:
-    """The innermost function definition of ``file`` that holds ``line``."""
-    tree = _tree(file)
-    if tree is None:
-        return None
-    best = None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
-                node.lineno <= line <= (node.end_lineno or node.lineno):
-            if best is None or node.lineno > best.lineno:
-                best = node
-    return best
 
 
 def _length_source(expr: ast.expr, axes: tuple[int, ...]) -> bool:
@@ -274,10 +250,10 @@ def _read(file: str, loop_line: int, axes: tuple[int, ...], after: bool, given: 
           out: dict, seen: set, depth: int, method: bool, owner: type | None) -> None:
     """``length_values`` of one function into ``out`` (keyed by file and line), its names
     ``given`` bound from the length already (a helper's parameters passed a value of it)."""
-    fn = _function_at(file, loop_line)
+    fn = function_at(file, loop_line)
     if fn is None:
         return
-    lines = _source_lines(file)
+    lines = source_lines(file)
     derived = _Derived(given)
     derived.looping, derived.where, derived.counted = set(), {}, set()
     loop_end = [loop_line]
@@ -370,7 +346,7 @@ def _helper_calls(file: str, fn: ast.FunctionDef, stmt: ast.stmt, derived: set[s
         if not (isinstance(node, ast.Call) and _plain_call(node, me)):
             continue
         where = _callee(file, fn, node, me, owner)
-        helper = None if where is None else _function_at(*where)
+        helper = None if where is None else function_at(*where)
         if helper is None:
             continue
         is_method = isinstance(node.func, ast.Attribute)
@@ -412,7 +388,7 @@ def _callee(file: str, fn: ast.FunctionDef, call: ast.Call, me: str,
     if not inspect.isfunction(obj) or obj.__name__ == "<lambda>":
         return None
     code = obj.__code__
-    if _real(code.co_filename).startswith(_library_roots()):
+    if real_path(code.co_filename).startswith(library_roots()):
         return None
     return _def_line(code.co_filename, obj.__name__, code.co_firstlineno)
 
@@ -423,39 +399,20 @@ _MODULES: dict = {}
 
 def _module_of(file: str):
     """The imported module whose source is ``file`` (``None``: none is)."""
-    want = _real(file)
+    want = real_path(file)
     module = _MODULES.get(want)
     if module is not None and sys.modules.get(module.__name__) is module:
         return module
     for module in list(sys.modules.values()):
         source = getattr(module, "__file__", None)
         if isinstance(source, str):
-            _MODULES[_real(source)] = module
+            _MODULES[real_path(source)] = module
     return _MODULES.get(want)
-
-
-@functools.lru_cache(maxsize=4096)
-def _real(path: str) -> str:
-    return os.path.realpath(path)
-
-
-@functools.lru_cache(maxsize=1)
-def _library_roots() -> tuple[str, ...]:
-    """Where torch, the standard library and installed packages live: code no layer's author
-    wrote, not read for helpers."""
-    import sysconfig
-
-    import torch
-    roots = {os.path.dirname(os.path.realpath(torch.__file__)),
-             os.path.realpath(sysconfig.get_paths()["stdlib"])}
-    roots |= {os.path.realpath(p) for p in sys.path if p.rstrip("/").endswith(
-        ("site-packages", "dist-packages"))}
-    return tuple(r + os.sep for r in roots)
 
 
 def _class_of(file: str, fn: ast.FunctionDef) -> str:
     """The name of the top-level class of ``file`` whose body defines ``fn`` ("" for none)."""
-    tree = _tree(file)
+    tree = parsed(file)
     for node in getattr(tree, "body", []):
         if isinstance(node, ast.ClassDef) and fn in node.body:
             return node.name
@@ -466,7 +423,7 @@ def _class_of(file: str, fn: ast.FunctionDef) -> str:
 def _def_line(file: str, name: str, first: int) -> tuple[str, int] | None:
     """``file`` and the ``def`` line of the function ``name`` whose code starts at ``first``
     (its first decorator's line, where it has decorators)."""
-    tree = _tree(file)
+    tree = parsed(file)
     if tree is None:
         return None
     defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -479,15 +436,6 @@ def _value(file: str, lines: tuple[str, ...], node, what: str) -> LengthValue:
     line = node if isinstance(node, int) else node.lineno
     code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
     return LengthValue(file, line, code, what)
-
-
-@functools.lru_cache(maxsize=256)
-def _source_lines(file: str) -> tuple[str, ...]:
-    try:
-        with open(file) as f:
-            return tuple(f.read().splitlines())
-    except OSError:
-        return ()
 
 
 def describe(values: list[LengthValue]) -> str:

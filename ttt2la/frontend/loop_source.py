@@ -10,26 +10,16 @@ which hold Python numbers rather than tensors.
 from __future__ import annotations
 
 import ast
-import functools
-import linecache
 from dataclasses import dataclass, field
 
 from .loops import LoopSite
+from .user_code import parsed
 
 #: calls whose result is a size: ``len(xs)``, ``x.size(1)``, ``x.numel()``, ``x.dim()``
 SIZE_CALLS = frozenset({"len", "size", "numel", "dim"})
 #: builtins and ``math`` functions of Python numbers that return Python numbers
 SCALAR_CALLS = frozenset({"min", "max", "int", "float", "bool", "abs", "round", "pow", "divmod",
                           "floor", "ceil", "trunc", "sqrt", "exp", "log", "log2", "cos", "sin"})
-
-
-@functools.lru_cache(maxsize=64)
-def _tree(file: str) -> ast.Module | None:
-    lines = linecache.getlines(file)
-    try:
-        return ast.parse("".join(lines)) if lines else None
-    except SyntaxError:
-        return None
 
 
 def call_name(call: ast.Call) -> str:
@@ -156,7 +146,7 @@ class LoopSource:
 def loop_source(loop: LoopSite) -> LoopSource | None:
     """The ``for``/``while`` statement at ``loop``'s line, the functions it is written in, the
     names that hold sizes and those that may hold tensors."""
-    tree = _tree(loop.file)
+    tree = parsed(loop.file)
     if tree is None:
         return None
     chain: list[ast.AST] = []

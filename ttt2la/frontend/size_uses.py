@@ -22,7 +22,6 @@ import ast
 import contextlib
 import math
 import operator
-import os
 import sys
 import warnings
 from fractions import Fraction
@@ -31,11 +30,9 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .length_values import (LengthValue, _function_at, _library_roots, _module_of, _real,
-                            _source_lines, _tree)
+from .length_values import LengthValue, _module_of
 from .loop_source import appended_names
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+from .user_code import function_at, is_users, parsed, real_path, source_lines
 
 
 class SizeInt(int):
@@ -186,8 +183,7 @@ def _decide(what: str, at: Callable[[int], object]) -> None:
 
 
 def _library(file: str) -> bool:
-    real = _real(file)
-    return real.startswith(_library_roots()) or real.startswith(_PACKAGE)
+    return not is_users(file)
 
 
 class _Run:
@@ -207,7 +203,7 @@ class _Run:
         loop statement's line, it is what the loop iterates over."""
         self.counts[id(seq)] = (seq, at)
         if self.loop is not None and frame is not None and frame.f_lineno == self.loop[1] \
-                and _real(frame.f_code.co_filename) == self.loop[0]:
+                and real_path(frame.f_code.co_filename) == self.loop[0]:
             self.iterations, self.loop_frame = at, frame
 
     def length_of(self, seq) -> Callable | None:
@@ -239,7 +235,7 @@ class _Run:
             return False
         file, first, last = self.loop
         while frame is not None:
-            if first <= frame.f_lineno <= last and _real(frame.f_code.co_filename) == file:
+            if first <= frame.f_lineno <= last and real_path(frame.f_code.co_filename) == file:
                 return True
             frame = frame.f_back
         return False
@@ -507,7 +503,7 @@ def _changes(at, judged: bool, chunk: int, lengths: list[int], batches: list[int
 def _guard(file: str, line: int) -> bool:
     """Is the statement at ``file:line`` a guard that only raises (an ``assert``, an ``if``
     whose body raises, ``torch._assert``)? It changes no structure."""
-    tree = _tree(file)
+    tree = parsed(file)
     if tree is None:
         return False
     for node in ast.walk(tree):
@@ -526,7 +522,7 @@ def _guard(file: str, line: int) -> bool:
 
 def _loop_statement(file: str, line: int) -> ast.stmt | None:
     """The loop statement at ``file:line`` (``None``: no loop there, as for a single step)."""
-    fn = _function_at(file, line)
+    fn = function_at(file, line)
     if fn is None:
         return None
     return next((node for node in ast.walk(fn) if isinstance(
@@ -537,7 +533,7 @@ def _loop_span(file: str, line: int) -> tuple[str, int, int] | None:
     """The lines of the loop statement at ``file:line`` and its body (``None``: no loop
     there)."""
     node = _loop_statement(file, line)
-    return None if node is None else (_real(file), line, node.end_lineno or line)
+    return None if node is None else (real_path(file), line, node.end_lineno or line)
 
 
 def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
@@ -572,7 +568,7 @@ def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthVa
                 continue
             for of in _changes(at.at if judged else at, judged, chunk, lengths, batches, L, B):
                 if (file, line, of) not in out:
-                    lines = _source_lines(file)
+                    lines = source_lines(file)
                     code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
                     out[(file, line, of)] = LengthValue(file, line, code, what, of)
     return sorted(out.values(), key=lambda v: (v.file, v.line, v.of))
