@@ -17,7 +17,7 @@ import torch
 import ttt2la
 import ttt2la.lowering.specialize
 from ttt2la.testing import TOLERANCE, rel_rms_error
-from ttt2la.zoo import LaCTFoldedLayer, PerTokenTTTLayer, ScanEtaTTTLayer, TinyLaCTLM
+from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, PerTokenTTTLayer, ScanEtaTTTLayer, TinyLaCTLM
 
 FP32 = TOLERANCE[torch.float32]
 
@@ -109,7 +109,7 @@ def test_activation_checkpointing_recomputes_the_first_call_as_it_ran(lm, monkey
 @pytest.mark.parametrize("make", [
     lambda: LaCTFoldedLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False),
     # features chunk by chunk, the padding of a partial last chunk probed per tail length
-    lambda: ScanEtaTTTLayer(16, 2, 4),
+    lambda: LaCTHeadsLayer(16, 2, 4, muon=False, update_theta=False, weight_norm=False),
 ], ids=["whole-sequence features", "chunked features"])
 def test_torch_compile_fullgraph_runs_the_converted_layer(make):
     torch.manual_seed(0)
@@ -126,6 +126,25 @@ def test_torch_compile_fullgraph_runs_the_converted_layer(make):
             (g_compiled,) = torch.autograd.grad(y.square().sum(), x)
             (g_eager,) = torch.autograd.grad(conv(x).square().sum(), x)
             assert rel_rms_error(g_compiled, g_eager) <= FP32
+        torch._dynamo.reset()
+
+
+def test_torch_compile_fullgraph_names_a_layer_whose_code_reads_the_length():
+    """TTT-Linear's scan in mini-batches branches on ``divmod(L, K)`` around its loop, so each new
+    length is checked against the code as written: a full graph cannot hold that, and the
+    compiler's refusal carries ttt2la's reason and what to do."""
+    torch.manual_seed(0)
+    layer = ScanEtaTTTLayer(16, 2, 4)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 13, 16),))
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")
+        with pytest.raises(Exception, match="computes Python values of the length") as e:
+            compiled(torch.randn(3, 10, 16))
+        assert "without fullgraph=True" in str(e.value)
+        torch._dynamo.reset()
+        y = torch.compile(conv, backend="aot_eager")(x := torch.randn(3, 10, 16))
+        assert rel_rms_error(y, layer(x)) <= FP32
         torch._dynamo.reset()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import math
 import operator
 import sys
@@ -223,7 +224,7 @@ class _Run:
         return lambda L, B: n - k + it(L, B)
 
     def record(self, frame, what: str, at) -> None:
-        if self._in_loop(frame):
+        if self._in_loop(frame) or not isinstance(at, _Sized) and _iterating(frame):
             return
         seen = self.found.setdefault((frame.f_code.co_filename, frame.f_lineno), [])
         if len(seen) < 8:
@@ -409,6 +410,30 @@ def _counting(file: str):
         for name, f in mine.items():
             if scope.get(name) is f:
                 del scope[name]
+
+
+#: the frames Python runs a comprehension's body in
+_COMPREHENSIONS = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})
+
+
+def _iterating(frame) -> bool:
+    """Is ``frame`` in the body of a loop or a comprehension? A decision there is one of an
+    iteration (the end of the last chunk, ``min(s + C, T)``), which the traces unroll at the
+    probe lengths, as the source reading leaves out the values of an iteration."""
+    if frame.f_code.co_name in _COMPREHENSIONS:
+        return True
+    return any(first <= frame.f_lineno <= last
+               for first, last in _loop_bodies(frame.f_code.co_filename))
+
+
+@functools.lru_cache(maxsize=256)
+def _loop_bodies(file: str) -> tuple[tuple[int, int], ...]:
+    """The lines of every ``for`` and ``while`` body in ``file``."""
+    tree = parsed(file)
+    if tree is None:
+        return ()
+    return tuple((node.body[0].lineno, node.end_lineno or node.body[0].lineno)
+                 for node in ast.walk(tree) if isinstance(node, (ast.For, ast.While, ast.AsyncFor)))
 
 
 class _Sized:
