@@ -17,9 +17,8 @@ import ttt2la
 from ttt2la.errors import ConversionError
 from ttt2la.frontend.length_values import length_values
 from ttt2la.frontend.size_uses import size_uses
-from ttt2la.testing import rel_rms_error
 
-from equivalence import assert_same_function
+from shape_checks import loop_line, same_or_refused
 
 D = 8
 BETA, LR = 0.5, 0.1
@@ -117,31 +116,6 @@ class OneSample(Counted):
         return o * 2 if len(x.unbind(0)) == 1 else o + 2
 
 
-def _folded(conv) -> float:
-    for p in conv.ttt2la_report.layers[0].passes:
-        if p.name == "remove_momentum" and p.folded:
-            return next(iter(p.folded.values()))
-    return 1.0
-
-
-def _same_or_refused(layer, conv, T: int, B: int = 2) -> str:
-    """One call at length ``T`` and batch size ``B``: the original's output and gradients at an
-    exact level, the simplified function or a ``ConversionError`` at a lossy one."""
-    torch.manual_seed(T * 64 + B)
-    x = torch.randn(B, T, D)
-    if conv.ttt2la_report.exact:
-        assert_same_function(conv, layer, x)
-        return "same"
-    with torch.no_grad():
-        try:
-            got = conv(x)
-        except ConversionError:
-            return "refused"
-        want = layer.simplified(x, _folded(conv))
-    assert rel_rms_error(got, want) <= 1e-5, f"length {T}: another branch's output"
-    return "simplified"
-
-
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
 def test_each_count_is_the_code_function_at_every_length(name):
     """The example's length 18 (5 chunks) takes the probes' branch; 24 and 32 take the other
@@ -153,7 +127,7 @@ def test_each_count_is_the_code_function_at_every_length(name):
         conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 18, D),))
         notes = " ".join(conv.ttt2la_report.layers[0].notes)
         assert "computes Python values of" in notes and "the length" in notes, notes
-        seen = [_same_or_refused(layer, conv, T) for T in (18, 16, 24, 14, 32)]
+        seen = [same_or_refused(layer, conv, T) for T in (18, 16, 24, 14, 32)]
         if level == 0:
             assert seen == ["same"] * 5
         else:
@@ -167,7 +141,7 @@ def test_the_number_of_samples_is_the_code_function_at_every_batch_size():
         conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
         notes = " ".join(conv.ttt2la_report.layers[0].notes)
         assert "values of the batch size" in notes, notes
-        seen = [_same_or_refused(layer, conv, 16, B) for B in (2, 1, 3, 1)]
+        seen = [same_or_refused(layer, conv, 16, B) for B in (2, 1, 3, 1)]
         if level == 0:
             assert seen == ["same"] * 4
         else:
@@ -185,15 +159,10 @@ def test_every_call_is_the_code_function_or_refused(name, level, example, calls)
     except ConversionError:
         return
     for T in [example, *calls]:
-        _same_or_refused(layer, conv, T)
+        same_or_refused(layer, conv, T)
 
 
 # --- the source reading and the run, each on its own -----------------------------------------
-
-def _loop_line(fn) -> int:
-    lines, first = inspect.getsourcelines(fn)
-    return first + next(i for i, text in enumerate(lines) if text.strip().startswith("for "))
-
 
 def after_the_loop(x):
     B, T, _ = x.shape
@@ -215,7 +184,7 @@ def after_the_loop(x):
 def test_the_source_reads_counts_of_the_length():
     file = inspect.getsourcefile(after_the_loop)
     first = inspect.getsourcelines(after_the_loop)[1]
-    found = length_values(file, _loop_line(after_the_loop), (1, -2, 3), after=True)
+    found = length_values(file, loop_line(after_the_loop), (1, -2, 3), after=True)
     assert [(v.line - first, v.what) for v in found] == [
         (6, "branches on"), (8, "branches on"), (10, "branches on")]
 
@@ -237,7 +206,7 @@ def counts(x):
 def test_the_run_hands_out_counts_of_the_sizes():
     L, B = 20, 3
     x = torch.randn(B, L, D)
-    found = size_uses(lambda: counts(x), L, B, 4, 1, (__file__, _loop_line(counts)))
+    found = size_uses(lambda: counts(x), L, B, 4, 1, (__file__, loop_line(counts)))
     first = inspect.getsourcelines(counts)[1]
     assert [(v.line - first, v.what, v.of) for v in found] == [
         (4, "passes `Tensor.mul` a number of", "the length"), (5, "compares", "the length"),

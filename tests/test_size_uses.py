@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 import ttt2la
 from ttt2la.errors import ConversionError
 from ttt2la.frontend.size_uses import probe_sizes, size_uses
-from ttt2la.testing import rel_rms_error
 
-from equivalence import assert_same_function
+from shape_checks import loop_line, same_or_refused
 
 D = 8
 BETA, LR = 0.5, 0.1
@@ -157,32 +156,6 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "BatchValue": "1 + x.size(0) % 4", "LargeBatch": "B = len(x)"}
 
 
-def _folded(conv) -> float:
-    for p in conv.ttt2la_report.layers[0].passes:
-        if p.name == "remove_momentum" and p.folded:
-            return next(iter(p.folded.values()))
-    return 1.0
-
-
-def _same_or_refused(layer, conv, T: int, B: int = 2) -> str:
-    """One call at length ``T`` and batch size ``B``: the code's function (the original's output
-    and gradients at an exact level, the simplified function at a lossy one) or a
-    ``ConversionError``."""
-    torch.manual_seed(T * 64 + B)
-    x = torch.randn(B, T, D)
-    if conv.ttt2la_report.exact:
-        assert_same_function(conv, layer, x)
-        return "same"
-    with torch.no_grad():
-        try:
-            got = conv(x)
-        except ConversionError:
-            return "refused"
-        want = layer.simplified(x, _folded(conv))
-    assert rel_rms_error(got, want) <= 1e-5, f"length {T}: another branch's output"
-    return "simplified"
-
-
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
 def test_each_spelling_is_the_code_function_at_every_length(name):
     """The example's length 18 takes the probes' branch; lengths that are multiples of 8 take
@@ -194,7 +167,7 @@ def test_each_spelling_is_the_code_function_at_every_length(name):
         conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 18, D),))
         notes = " ".join(conv.ttt2la_report.layers[0].notes)
         assert "values of the length" in notes and NAMED[name] in notes, notes
-        seen = [_same_or_refused(layer, conv, T) for T in (18, 16, 24, 14, 32)]
+        seen = [same_or_refused(layer, conv, T) for T in (18, 16, 24, 14, 32)]
         if level == 0:
             assert seen == ["same"] * 5
         else:
@@ -212,7 +185,7 @@ def test_each_batch_spelling_is_the_code_function_at_every_batch_size(name):
         conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
         notes = " ".join(conv.ttt2la_report.layers[0].notes)
         assert "values of the batch size" in notes and NAMED[name] in notes, notes
-        seen = [_same_or_refused(layer, conv, T, B)
+        seen = [same_or_refused(layer, conv, T, B)
                 for B, T in ((2, 16), (1, 16), (4, 16), (3, 12), (8, 20), (1, 24))]
         if level == 0:
             assert seen == ["same"] * 6
@@ -235,15 +208,10 @@ def test_every_call_is_the_code_function_or_refused(name, level, example, calls)
     except ConversionError:
         return
     for T in [example, *calls]:
-        _same_or_refused(layer, conv, T)
+        same_or_refused(layer, conv, T)
 
 
 # --- the run itself ------------------------------------------------------------------------
-
-def _loop_line(fn) -> int:
-    lines, first = inspect.getsourcelines(fn)
-    return first + next(i for i, text in enumerate(lines) if text.strip().startswith("for "))
-
 
 def chunked(x):
     """Uses of the length the converted graph computes at any length, or that raise, or that
@@ -275,7 +243,7 @@ def branching(x):
 
 def uses(fn, L: int = 20, B: int = 3):
     x = torch.randn(B, L, D)
-    found = size_uses(lambda: fn(x), L, B, 4, 1, (__file__, _loop_line(fn)))
+    found = size_uses(lambda: fn(x), L, B, 4, 1, (__file__, loop_line(fn)))
     return [(v.line - inspect.getsourcelines(fn)[1], v.what, v.of) for v in found]
 
 
