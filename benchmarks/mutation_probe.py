@@ -1693,6 +1693,11 @@ MUTATIONS = [
           "        return L\n"),),
         ("tests/test_size_uses.py",), "batch_spelling"),
     Mutation(
+        "iteration_decisions_as_length_uses", "decisions made in a loop's or comprehension's body (the end of the last chunk) are counted as uses of the length",
+        (("ttt2la/frontend/size_uses.py", "        if self._in_loop(frame) or not isinstance(at, _Sized) and _iterating(frame):\n",
+          "        if self._in_loop(frame):\n"),),
+        ("tests/test_size_uses.py", "tests/test_zoo_schedule.py"), "sizes_guards or causal_schedule_converts_at_any_length"),
+    Mutation(
         "jit_trace_runs_the_plan", "a converted layer under torch.jit.trace runs its plan, whose sizes the tracer makes tensors, instead of its code as written",
         (("ttt2la/converted.py", "    if torch.jit.is_tracing():      # before any plan op",
           "    if False:      # before any plan op"),),
