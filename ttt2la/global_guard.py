@@ -13,6 +13,7 @@ comparison. Functions, classes and modules are left out (rebinding one is not wa
 from __future__ import annotations
 
 import os
+import sys
 import types
 from dataclasses import dataclass
 
@@ -28,12 +29,11 @@ _MISSING = object()
 _DEPTH = 3
 
 
-def _library(obj) -> bool:
-    """Code torch, the standard library or an installed package defines (not the user's)."""
-    module = getattr(obj, "__module__", None) or ""
-    if module.startswith("ttt2la.zoo"):
-        return False
-    return module in ("builtins", "torch") or module.startswith(("torch.", "ttt2la."))
+def _library(cls: type) -> bool:
+    """A class the user's code does not define (``user_code.is_users`` of its module's file; a
+    module without one, as a notebook's, is the user's, but for the builtins)."""
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return cls.__module__ == "builtins" if file is None else not is_users(file)
 
 
 def _library_code(fn: types.FunctionType) -> bool:

@@ -9,8 +9,9 @@ values differ. Here the code runs once at a length ``L*`` and a batch size ``B*`
 other size of the layer is a multiple, under a ``TorchFunctionMode`` that hands out every size
 that is a multiple of ``L*``, ``B*`` or ``B*·L*`` as a ``SizeInt``: an ``int`` that remembers how
 it was computed from the two, as a function of them. Python arithmetic on it keeps that
-function; what the code decides with it — a branch, a comparison, a lookup, an index, a Python
-``range`` — and every number it passes to a torch op are recorded at the user's line. Each is
+function; what the code decides with it — a branch, a comparison, a lookup, the number of
+items of a ``range`` or of a tensor's pieces — and every number it passes to a torch op are
+recorded at the user's line. Each is
 then evaluated at many lengths and batch sizes: a decision that changes, or a number that is no
 size the converted graph can compute at a new shape (affine in each), is a use of that size the
 probe traces cannot vouch for. Decisions inside the loop itself (unrolled and compared by the
@@ -162,15 +163,6 @@ def _install(cls: type) -> None:
 
 _install(SizeInt)
 _install(SizeFloat)
-
-
-def _index(self):
-    f = self.at
-    _decide("indexes with", f)
-    return int.__int__(self)
-
-
-SizeInt.__index__ = _index
 
 
 def _decide(what: str, at: Callable[[int], object]) -> None:
