@@ -1602,6 +1602,18 @@ MUTATIONS = [
           "        if not kept:"),),
         ("tests/test_as_written.py",), "kept_as_written"),
     Mutation(
+        "kept_shape_known_after_spelling", "a call of positional tensors at input shapes a kept call had before is spelled, flattened and guarded before it is known as kept",
+        (("ttt2la/converted.py", "    if state.as_written is not None and state.as_written.given and not kwargs \\\n",
+          "    if False and not kwargs \\\n"),),
+        ("tests/test_as_written.py",), "kept_shape_asks"),
+    Mutation(
+        "kept_shape_asks_the_guards", "a call at a shape whose race kept the code as written walks the modules and asks the hook and attribute guards first",
+        (("ttt2la/converted.py", "    if not stateful:\n        out = state.kept_call(self, args, kwargs, flat)\n        if out is not NOT_KEPT:\n            return out\n    walk = state.walk\n    found = None if walk is None else walk.quiet(self)\n",
+          "    walk = state.walk\n    found = None if walk is None else walk.quiet(self)\n    if not stateful:\n        out = state.kept_call(self, args, kwargs, flat)\n        if out is not NOT_KEPT:\n            return out\n"),
+         ("ttt2la/converted.py", "        if _shapes(args) not in self.as_written.given or torch.jit.is_tracing() \\\n",
+          "        if True or torch.jit.is_tracing() \\\n")),
+        ("tests/test_as_written.py",), "kept_shape_asks"),
+    Mutation(
         "compiled_calls_skip_the_route", "under torch.compile only a layer whose code differs in training mode takes the eager call's route; a call at another batch size, an untraced length or length 0 runs the compiled plan",
         (("ttt2la/converted.py", "    if instead is not None:\n        return instead()\n    reason = state.compile_break",
           "    if instead is not None and state.training_dependence:\n        return instead()\n    reason = state.compile_break"),),

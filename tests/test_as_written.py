@@ -24,6 +24,7 @@ import ttt2la
 import ttt2la.as_written as as_written
 from ttt2la.as_written import CALLS_TO_DECIDE, PLAN, WRITTEN, AsWritten, race_as_written
 from ttt2la.cli import ran_plans
+import ttt2la.converted as converted_module
 from ttt2la.converted import is_converted
 from ttt2la.lowering.scan_choice import scanning
 from ttt2la.testing import rel_rms_error
@@ -506,7 +507,52 @@ def test_a_shape_kept_as_written_runs_the_users_code_and_the_guards_alone(batch,
         with race_as_written(True):
             conv(x).sum().backward()        # with gradients: the plan, as before the race
         assert costs.written_calls == 0
-        conv.q.register_forward_hook(lambda *_: None)
+        hooked = []
+        conv.q.register_forward_hook(lambda *_: hooked.append(1))
         with race_as_written(True), torch.no_grad():
             assert rel_rms_error(conv(x), want) <= 1e-5
-        assert f"batch {batch}, length {length}, hooks on submodules" in state.runs
+        assert hooked == [1]            # the code as written ran, and with it the hook
+
+
+def _kept(conv, x) -> None:
+    """Race ``conv`` at ``x``'s shape until the code as written is kept there, and call it
+    there once more (which makes its input shapes known)."""
+    with pytest.MonkeyPatch.context() as mp:
+        Costs(mp, conv, plan=2.0, written=1.0)
+        with race_as_written(True), torch.no_grad():
+            for _ in range(CALLS_TO_DECIDE + 1):
+                conv(x)
+    assert conv._ttt2la.as_written.races[(*x.shape[:2], x.dtype)].winner == WRITTEN
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.sampled_from([1, 2]), length=st.sampled_from([16, 32]),
+       keyword=st.booleans())
+def test_a_kept_shape_asks_no_guard_and_reads_what_changed_itself(batch, length, keyword):
+    """A call at a kept shape runs the code as written before the layer's guards are asked:
+    that code reads the layer's hooks, attributes and weights itself, so a call after they
+    changed is the changed layer's as written, positional or by keyword, and the walk of the
+    modules, the hooks' and attributes' guards are not run; given as the example was, it is
+    known by its shapes before it is spelled (``kept_as_given``)."""
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    layer, conv = _converted(LOOPING, x0)
+    x = torch.randn(batch, length, LOOPING["d_model"])
+    _kept(conv, x)
+    call = (lambda m: m(x=x)) if keyword else (lambda m: m(x))
+    asked, spelled = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        walk, layout = conv._ttt2la.walk, conv._ttt2la.layout
+        mp.setattr(type(walk), "quiet", lambda self, module: asked.append("walk"))
+        mp.setattr(converted_module, "hooked", lambda module: asked.append("hooks"))
+        spell = type(layout).spelled
+        mp.setattr(type(layout), "spelled",
+                   lambda self, *a: spelled.append(1) or spell(self, *a))
+        with race_as_written(True), torch.no_grad():
+            for m in (layer, conv):
+                m.chunk = LOOPING["chunk"] * 2                  # an attribute the loop reads
+                m.q.weight.data.mul_(1.5)                       # weights changed in place
+            assert rel_rms_error(call(conv), call(layer)) <= 1e-5
+            assert rel_rms_error(call(conv), call(layer)) <= 1e-5
+    assert asked == []
+    # given as the example was, positionally, the call is known by its shapes before spelling
+    assert bool(spelled) == keyword

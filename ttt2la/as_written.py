@@ -24,11 +24,13 @@ Each side is judged by its fastest timed call: on a loaded machine a call preemp
 process gains a time slice longer than the calls raced, and the median of three would be such a
 call wherever two were. Each call runs one side only (the plan after the user's code only where
 that raised, which ends the race), so the race adds no work beyond timing. A call at a shape
-whose race kept the code as written runs it straight after the layer's hook and attribute guards
-(one walk of its modules, ``module_walk``) and the call's decision (``ConvertedState.decide``,
-its shape part remembered per input shape) (``ConvertedState.kept_call``): no plan is looked up
-for it, and its checks, run cold after the user's forward, are what such a call costs beyond the
-original.
+whose race kept the code as written runs it straight after the call's decision
+(``ConvertedState.decide``, its shape part remembered per input shape) (``ConvertedState.kept_call``):
+no plan is looked up for it, and the layer's hook, attribute and weight guards are not asked,
+since the code as written reads its hooks, attributes and weights itself. A call of positional
+tensors at input shapes such a call had before is known by its shapes, before it is spelled as
+the example or flattened (``ConvertedState.kept_as_given``): its checks, run cold after the
+user's forward, are what such a call costs beyond the original.
 """
 from __future__ import annotations
 
@@ -126,6 +128,10 @@ class AsWritten:
     #: The shapes whose race kept the code as written: a call at one of them runs the code
     #: with the layer's guards only, before the plan's graph for the call is even fetched.
     kept: set = field(default_factory=set)
+    #: The input shapes of calls of positional tensors, spelled as the example was, that ran
+    #: the code as written at a kept shape: a call at one of them is known by its shapes alone
+    #: (``ConvertedState.kept_as_given``).
+    given: set = field(default_factory=set)
 
     def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],
              plan_may_lose: Callable[[], bool], runs: dict, shape: Callable[[], str]):

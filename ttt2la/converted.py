@@ -367,31 +367,60 @@ class ConvertedState:
     def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
         """``module(*args, **kwargs)`` (``flat``: its inputs flattened) run as written where
         the call is at a shape whose race kept the code as written (``AsWritten.kept``), else
-        ``NOT_KEPT``. Asked before the layer's weights are matched to a plan: such a call runs
-        no part of any plan, and the weights' dtypes only choose which plan would run. A call
-        ``decide`` sends elsewhere (training, a ``torch.func`` transform, another image size, a
-        call ``sizes`` refuses), or at a length the traces do not vouch for, takes the full
-        path, whose report entries and errors are its own."""
+        ``NOT_KEPT``. Asked before the layer's guards and weights: such a call runs no part of
+        any plan, and its code as written reads the hooks, attributes and weights itself. A
+        call ``decide`` sends elsewhere (training, a ``torch.func`` transform, another image
+        size, a call ``sizes`` refuses), or at a length the traces do not vouch for, takes the
+        full path, whose report entries and errors are its own."""
+        sizes = self._kept(module, flat)
+        if sizes is None:
+            return NOT_KEPT
+        signature = getattr(self.layout, "signature", None)
+        shapes = _shapes(flat)
+        if shapes is not None and len(self.as_written.given) < _SHAPE_CASES \
+                and (signature is None or signature.as_given(args, kwargs)):
+            self.as_written.given.add(shapes)
+        return self._run_kept(module, args, kwargs, flat, *sizes)
+
+    def kept_as_given(self, module: torch.nn.Module, args: tuple):
+        """``kept_call`` for a call of positional tensors ``args`` at input shapes that ran
+        the code as written before, given as the example was spelled (``AsWritten.given``):
+        known by its shapes before it is spelled or flattened, so a call that runs the user's
+        code costs its decision alone; ``NOT_KEPT`` for any other call (and under
+        ``torch.jit.trace`` or ``torch.export``, whose calls say what they record)."""
+        if _shapes(args) not in self.as_written.given or torch.jit.is_tracing() \
+                or torch.compiler.is_exporting():
+            return NOT_KEPT
+        sizes = self._kept(module, args)
+        return NOT_KEPT if sizes is None else self._run_kept(module, args, {}, args, *sizes)
+
+    def _kept(self, module: torch.nn.Module, flat) -> tuple[int, int] | None:
+        """The call's ``(B, L)`` where it is at a shape whose race kept the code as written and
+        ``decide`` sends it nowhere else, else ``None``."""
         kept = self.as_written.kept if self.as_written is not None else None
         if not kept or not races(module, flat):
-            return NOT_KEPT
+            return None
         try:
             case, B, L = self.decide(module, flat)
         except Exception:
-            return NOT_KEPT
+            return None
         vouching = self.length_vouching
         if case is not None or _race_key(B, L, flat) not in kept or vouching is not None \
                 and not vouching.holds(B, L):
-            return NOT_KEPT
-        written = written_call(module, args, kwargs)
+            return None
+        return B, L
+
+    def _run_kept(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat, B: int,
+                  L: int):
+        """The code as written on a kept call; its failure is judged as the full path's."""
         try:
-            return written()
+            return original_class(type(module)).forward(module, *args, **kwargs)
         except Exception as e:
             weights = params_and_buffers(module)
             if on_meta(weights, []):
                 return meta_call(module, args, kwargs, stateful=False)
-            return self.for_weights(module, weights)._written_failed(e, written, weights, flat,
-                                                                     B, L)
+            return self.for_weights(module, weights)._written_failed(
+                e, written_call(module, args, kwargs), weights, list(flat), B, L)
 
     def _written_failed(self, error: Exception, written, weights: dict, flat: list, B: int,
                         L: int):
@@ -759,6 +788,11 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     parameters by name, in the order the converted graphs take them. Under ``torch.jit.trace``
     an exact conversion runs the code as written (``torchscript``)."""
     state = self._ttt2la
+    if state.as_written is not None and state.as_written.given and not kwargs \
+            and ttt_state is None and not return_ttt_state:
+        out = state.kept_as_given(self, args)
+        if out is not NOT_KEPT:
+            return out
     spelled = getattr(state.layout, "spelled", None)
     if spelled is not None:
         args, kwargs = spelled(args, kwargs)
@@ -817,8 +851,9 @@ def _exported_call(self, args: tuple, kwargs: dict, ttt_state, return_ttt_state:
 def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
                     return_ttt_state: bool = False, flat: list | None = None):
     """The converted layer's call (``flat``: its inputs flattened): its code as written for
-    meta tensors (``meta_call``), and while hooks are on its submodules or an attribute it was
-    traced with changed (or a refusal), else its plan — inside a compiled graph when compiling
+    meta tensors (``meta_call``), at a shape whose race kept it (``kept_call``), and while hooks
+    are on its submodules or an attribute it was traced with changed (or a refusal), else its
+    plan — inside a compiled graph when compiling
     — or a call carrying state. The hooks, the attributes and the weights are read in one
     walk of the layer's modules (``ModuleWalk``) where it finds them as converted; elsewhere
     each guard looks itself, and says what it found."""
@@ -828,6 +863,10 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
         return meta_call(self, args, kwargs, stateful=ttt_state is not None or return_ttt_state)
     state = self._ttt2la
     stateful = ttt_state is not None or return_ttt_state
+    if not stateful:
+        out = state.kept_call(self, args, kwargs, flat)
+        if out is not NOT_KEPT:
+            return out
     walk = state.walk
     found = None if walk is None else walk.quiet(self)
     if found is None:
@@ -841,10 +880,6 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
     change = None if outside is None else outside.changed()
     if change is not None:
         return state.changed_call(self, args, kwargs, change, stateful=stateful)
-    if not stateful:
-        out = state.kept_call(self, args, kwargs, flat)
-        if out is not NOT_KEPT:
-            return out
     weights = None if found is None else walk.weights(found)
     if weights is None:
         weights = params_and_buffers(self)

@@ -194,6 +194,12 @@ class CallSignature:
         return cls(tuple(leaves), len(args), tuple(kwargs), sig, slots, others, nested,
                    spec if nested else None, spec if containers else None)
 
+    def as_given(self, args: tuple, kwargs: dict) -> bool:
+        """Is a call of tensors ``(args, kwargs)`` spelled as the example was, so that
+        ``spelled`` hands it back as it is?"""
+        return not kwargs and not self.keywords and len(args) == self.positional \
+            and not self.nested
+
     def spelled(self, args: tuple, kwargs: dict, batch_axis: dict, token_axis: dict,
                 path: str = "") -> tuple[tuple, dict]:
         """The call ``(args, kwargs)`` spelled as the example was: each argument bound to the
