@@ -1603,8 +1603,8 @@ MUTATIONS = [
         ("tests/test_as_written.py",), "kept_as_written"),
     Mutation(
         "kept_shape_known_after_spelling", "a call of positional tensors at input shapes a kept call had before is spelled, flattened and guarded before it is known as kept",
-        (("ttt2la/converted.py", "    if state.as_written is not None and state.as_written.given and not kwargs \\\n",
-          "    if False and not kwargs \\\n"),),
+        (("ttt2la/converted.py", "            and state.as_written.given and not kwargs and ttt_state is None \\\n",
+          "            and False and ttt_state is None \\\n"),),
         ("tests/test_as_written.py",), "kept_shape_asks"),
     Mutation(
         "kept_shape_asks_the_guards", "a call at a shape whose race kept the code as written walks the modules and asks the hook and attribute guards first",

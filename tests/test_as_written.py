@@ -556,3 +556,28 @@ def test_a_kept_shape_asks_no_guard_and_reads_what_changed_itself(batch, length,
     assert asked == []
     # given as the example was, positionally, the call is known by its shapes before spelling
     assert bool(spelled) == keyword
+
+
+def test_a_kept_shape_compiles_whole():
+    """A shape whose race kept the code as written is not asked for under a compiler (no race
+    runs there): the converted layer compiled with ``fullgraph=True`` at that shape traces its
+    plan, and gives the layer's outputs."""
+    from ttt2la.zoo import PerTokenTTTLayer
+
+    torch.manual_seed(0)
+    layer = PerTokenTTTLayer(8, 2)
+    with race_as_written(True):
+        conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    x = torch.randn(2, 16, 8)
+    with pytest.MonkeyPatch.context() as mp:
+        Costs(mp, conv, plan=2.0, written=1.0, cls=PerTokenTTTLayer)
+        with race_as_written(True), torch.no_grad():
+            for _ in range(CALLS_TO_DECIDE + 1):
+                conv(x)
+    assert conv._ttt2la.as_written.given
+    with race_as_written(True), torch.no_grad(), torch.compiler.set_stance("default"), \
+            torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        y = torch.compile(conv, fullgraph=True, backend="eager")(x)
+        torch._dynamo.reset()
+    assert rel_rms_error(y, layer(x)) <= 1e-5

@@ -788,8 +788,9 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     parameters by name, in the order the converted graphs take them. Under ``torch.jit.trace``
     an exact conversion runs the code as written (``torchscript``)."""
     state = self._ttt2la
-    if state.as_written is not None and state.as_written.given and not kwargs \
-            and ttt_state is None and not return_ttt_state:
+    if not torch.compiler.is_compiling() and state.as_written is not None \
+            and state.as_written.given and not kwargs and ttt_state is None \
+            and not return_ttt_state:
         out = state.kept_as_given(self, args)
         if out is not NOT_KEPT:
             return out
