@@ -1810,6 +1810,38 @@ MUTATIONS = [
         (("ttt2la/global_guard.py", "                _reads(value, depth - 1, seen, out)\n",
           "                pass\n"),),
         ("tests/test_global_guard.py",), "helper"),
+    Mutation(
+        "settings_unguarded", "torch's global settings the layer's code reads (deterministic algorithms, the default dtype, inference mode, autocast, backends flags) are not read again at each call, so a branch on one runs the traced branch after it changed",
+        (("ttt2la/converted.py",
+          "if change is None and settings is not None and settings.read() != settings.value:",
+          "if False:"),),
+        ("tests/test_settings_guard.py",), "new_branch"),
+    Mutation(
+        "helper_settings_unread", "the settings read by the functions a layer's methods call are not found",
+        (("ttt2la/global_guard.py", "                    visit(value, depth - 1)\n",
+          "                    pass\n"),),
+        ("tests/test_settings_guard.py",), "helper"),
+    Mutation(
+        "backend_flags_unread", "a torch.backends flag the layer's code reads is not guarded",
+        (("ttt2la/settings_guard.py", "            if module in found and flag in found:",
+          "            if False:"),),
+        ("tests/test_settings_guard.py",), "backends"),
+    Mutation(
+        "layout_unguarded", "the memory layout of the inputs is not checked at each call of a layer whose code reads it, so another layout runs the example's branch",
+        (("ttt2la/converted.py",
+          "if change is None and layout is not None and layout.key(flat) != layout.example:",
+          "if False:"),),
+        ("tests/test_layout_guard.py",), ""),
+    Mutation(
+        "storage_offsets_unkeyed", "a layer that reads storage offsets is guarded on contiguity and strides only",
+        (("ttt2la/layout_guard.py", "key = _placed if any(_READS[n] for n in found) else _layouts",
+          "key = _layouts"),),
+        ("tests/test_layout_guard.py",), ""),
+    Mutation(
+        "size_outputs_as_tuples", "a torch.Size the layer returns comes back from the converted layer as a plain tuple",
+        (("ttt2la/converted.py", "        return out if typed is None else typed(out)\n",
+          "        return out\n"),),
+        ("tests/test_output_types.py",), ""),
 ]
 
 

@@ -30,7 +30,9 @@ import torch.utils._pytree as pytree
 
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
+from .frontend.output_types import output_spec, typed_output
 from .global_guard import GlobalGuard
+from .layout_guard import LayoutGuard
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
                      PartialChunkError, StreamingError, UnsupportedExportError,
@@ -47,6 +49,7 @@ from .module_walk import ModuleWalk
 from .original_class import ORIGINAL, original_class, written_call
 from .torchscript import refuse_scripting, traced_call
 from .recast import Signature, recast, recast_recipe, weights_signature
+from .settings_guard import SettingsGuard
 from .rejected_call import fails_in_loop, rejected, rejected_as_written
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
@@ -172,6 +175,9 @@ class ConvertedState:
     length_vouching: Any = None         # lengths the plan holds at (``length_vouching``)
     attributes: AttributeGuard | None = None    # the layer's plain attributes at conversion
     outside: GlobalGuard | None = None  # class attributes and globals its code reads, then
+    settings: SettingsGuard | None = None   # torch's global settings its code reads, then
+    input_layout: LayoutGuard | None = None     # the example's layout, where its code reads one
+    typed_output: Callable | None = None    # gives its outputs their ``torch.Size`` values back
     walk: ModuleWalk | None = None      # its module tree at conversion, walked once a call
     skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
     _shape_cases: dict = field(default_factory=dict)    # input shapes -> ``_shape_case``
@@ -879,6 +885,12 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
             return state.changed_call(self, args, kwargs, change, stateful=stateful)
     outside = state.outside
     change = None if outside is None else outside.changed()
+    settings = state.settings       # one call and one comparison each, where the code reads them
+    if change is None and settings is not None and settings.read() != settings.value:
+        change = settings.changed()
+    layout = state.input_layout
+    if change is None and layout is not None and layout.key(flat) != layout.example:
+        change = layout.changed(flat)
     if change is not None:
         return state.changed_call(self, args, kwargs, change, stateful=stateful)
     weights = None if found is None else walk.weights(found)
@@ -887,13 +899,17 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
     now = weights_signature(weights)
     if now != state.weights and on_meta(weights, []):      # weights on meta, the inputs not
         return meta_call(self, args, kwargs, stateful=stateful)
+    typed = state.typed_output      # ``torch.Size`` outputs, which the graphs make tuples
     if not stateful:
         if torch.compiler.is_compiling() and not kwargs \
                 and all(isinstance(a, torch.Tensor) for a in args):
-            return _compiled_call(self, weights, args)
-        return state.for_weights(self, weights, now)(self, weights, args, kwargs, flat)
+            out = _compiled_call(self, weights, args)
+        else:
+            out = state.for_weights(self, weights, now)(self, weights, args, kwargs, flat)
+        return out if typed is None else typed(out)
     y, after = state.for_weights(self, weights, now).stateful_call(
         self, weights, args, kwargs, ttt_state)
+    y = y if typed is None else typed(y)
     return (y, after) if return_ttt_state else y
 
 
@@ -1059,6 +1075,9 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module._ttt2la = state
     state.attributes = AttributeGuard.of(module)
     state.outside = GlobalGuard.of(module)
+    state.settings = SettingsGuard.of(module)
+    state.input_layout = LayoutGuard.of(module, _example_flat(state))
+    state.typed_output = typed_output(output_spec(getattr(state.outer, "gm", None)))
     state.walk = ModuleWalk.of(module, state.attributes)
     state.compile_break = compile_break(state)
     state.weights = weights_signature(params_and_buffers(module))
@@ -1070,6 +1089,18 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
 #: Dynamo guards a function by its code, which every layer's closure shares).
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+
+
+def _example_flat(state: ConvertedState) -> list | None:
+    """The example call's inputs flattened as a call's are (``None``: no record of them)."""
+    recipe = state.recipe
+    if recipe is None:
+        return None
+    args, kwargs = recipe.args, recipe.kwargs
+    spelled = getattr(state.layout, "spelled", None)
+    if spelled is not None:
+        args, kwargs = spelled(args, kwargs)
+    return _flat_inputs(args, kwargs)
 
 
 def _register(module: torch.nn.Module) -> None:

@@ -12,6 +12,8 @@ comparison. Functions, classes and modules are left out (rebinding one is not wa
 """
 from __future__ import annotations
 
+import dis
+import linecache
 import os
 import sys
 import types
@@ -92,6 +94,57 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict) -> None:
                                                f"{name} (a global of {where})"))
 
 
+def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
+    """The functions of ``layer``'s code: its user classes' methods and the user functions they
+    call by name, ``_DEPTH`` calls deep (the code ``GlobalGuard`` reads the globals of)."""
+    found: dict = {}
+
+    def visit(fn: types.FunctionType, depth: int) -> None:
+        if fn in found:
+            return
+        found[fn] = None
+        codes, g = [fn.__code__], fn.__globals__
+        while codes and depth > 0:
+            code = codes.pop()
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            for name in code.co_names:
+                value = g.get(name)
+                if isinstance(value, types.FunctionType) and not _library_code(value):
+                    visit(value, depth - 1)
+
+    for klass, _, _ in _user_classes(layer):
+        for fn in _functions(klass):
+            visit(fn, _DEPTH)
+    return list(found)
+
+
+def names_read(layer: torch.nn.Module, wanted) -> dict[str, str]:
+    """``{name: "file:line (`code`)"}``: which of the names ``wanted`` (functions and
+    attributes, as ``code.co_names`` holds them) ``layer``'s code (``layer_functions``) reads,
+    each at the first line found."""
+    out: dict[str, str] = {}
+    for fn in layer_functions(layer):
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            hits = set(code.co_names) & wanted
+            if not hits:
+                continue
+            starts = sorted((o, n) for o, n in dis.findlinestarts(code) if n is not None)
+            for ins in dis.get_instructions(code):
+                if ins.argval in hits and ins.argval not in out:
+                    line = ([n for o, n in starts if o <= ins.offset]
+                            or [code.co_firstlineno])[-1]
+                    out[ins.argval] = _line(code.co_filename, line)
+    return out
+
+
+def _line(file: str, line: int) -> str:
+    code = linecache.getline(file, line).strip()
+    return f"{file}:{line}" + (f" (`{code}`)" if code else "")
+
+
 @dataclass(frozen=True)
 class GlobalGuard:
     """The class attributes and globals a converted layer's code reads, at conversion."""
@@ -136,4 +189,4 @@ def _equal(a, b) -> bool:
         return False
 
 
-__all__ = ["GlobalGuard"]
+__all__ = ["GlobalGuard", "layer_functions", "names_read"]

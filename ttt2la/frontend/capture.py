@@ -24,6 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..ir import SRC, SourceLoc, quiet_deepcopy
 from ..validation import needs_grad_mode
 from .decompositions import DECOMPOSITIONS
+from .output_types import recording, with_output_types
 from .shape_values import shape_only_values
 from .trace_guards import no_numpy
 from .user_code import is_users
@@ -156,14 +157,17 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     and ``baddbmm``/``addmm`` inside loop bodies), the pieces of a ``split`` or ``unbind``
     that a loop statement cuts as the slices they are (``split_pieces``), products summed
     over an axis in a loop body as the matmuls they are (``summed_products``), and a matmul of
-    one row by one column there as the dot product it is (``dot_products``).
+    one row by one column there as the dot product it is (``dot_products``). The output keeps
+    the tuple types ``fn`` returned (a ``torch.Size``: ``output_types``).
     """
+    specs: list = []        # what ``fn`` returns, whose tuple types fx's output node drops
     try:
-        gm = _trace_functional(fn, _detached(args), tracing_mode)
+        gm = _trace_functional(recording(fn, specs), _detached(args), tracing_mode)
     except RuntimeError as e:
         if "requires_grad_" not in str(e) and not needs_grad_mode(e):
             raise       # neither ``requires_grad_()`` nor ``autograd.grad`` in functionalization
-        gm = _trace_then_functionalize(fn, args, tracing_mode)
+        gm = _trace_then_functionalize(recording(fn, specs), args, tracing_mode)
+    gm = with_output_types(gm, specs)
     from .dot_products import dot_products_as_sums
     from .slice_assignments import slice_assignments_as_values
     from .split_pieces import split_pieces_as_slices     # they import FRAMES from here

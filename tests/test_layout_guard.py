@@ -1,0 +1,105 @@
+"""A branch on the memory layout of an input — ``x.is_contiguous()``, ``x.stride()``,
+``x.storage_offset()`` — at a call whose input is laid out otherwise than the example was: the
+converted layer computes the original's branch (an exact conversion runs the code as written)
+or refuses naming the line (a lossy one); a layer that reads no layout keeps no guard."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import ttt2la
+from ttt2la.errors import ChangedAttributeError
+from ttt2la.testing import rel_rms_error
+
+D = 8
+
+
+class Memory(nn.Module):
+    """Chunked linear attention with momentum (lossy from level 5); ``close`` finishes its
+    output on the input's layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            M = 0.5 * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+            S = S + 0.1 * M
+        return self.close(torch.cat(outs, 1), x)
+
+
+class Contiguous(Memory):
+    def close(self, o, x):
+        return o * 2 if x.is_contiguous() else o + 1
+
+
+class Strided(Memory):
+    def close(self, o, x):
+        return o * 2 if x.stride(0) >= x.stride(1) else o + 1
+
+
+class Offset(Memory):
+    def close(self, o, x):
+        return o * 2 if x.storage_offset() == 0 else o + 1
+
+
+LAYERS = {"contiguity": Contiguous, "strides": Strided, "storage offset": Offset}
+
+
+def _laid_out(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``x`` with the same values in another memory layout."""
+    if how == "batch-major transposed":
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if how == "sliced":
+        return torch.cat([x[:1], x])[1:]
+    if how == "strided":
+        return torch.stack([x, x], -1)[..., 0]
+    return x
+
+
+_CONVERTED: dict = {}
+
+
+def _converted(kind: str, level: int):
+    if (kind, level) not in _CONVERTED:
+        torch.manual_seed(0)
+        layer = LAYERS[kind]()
+        _CONVERTED[kind, level] = layer, ttt2la.convert(
+            layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+    return _CONVERTED[kind, level]
+
+
+@settings(max_examples=12, deadline=None)
+@given(kind=st.sampled_from(sorted(LAYERS)),
+       how=st.sampled_from(["batch-major transposed", "sliced", "strided", "as given"]),
+       B=st.integers(1, 3), T=st.integers(1, 24))
+def test_the_converted_layer_follows_the_inputs_layout(kind, how, B, T):
+    layer, conv = _converted(kind, 0)
+    x = _laid_out(torch.randn(B, T, D), how)
+    assert rel_rms_error(conv(x), layer(x)) <= 1e-5, (kind, how)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_a_lossy_conversion_refuses_another_layout_naming_the_line(kind):
+    layer, conv = _converted(kind, 5)
+    assert conv._ttt2la.as_written is None          # lossy
+    x = torch.randn(2, 20, D)
+    conv(x)
+    how = "sliced" if kind == "storage offset" else "batch-major transposed"
+    with pytest.raises(ChangedAttributeError, match=rf"{__file__}:\d+"):
+        conv(_laid_out(x, how))
+
+
+def test_a_layer_that_reads_no_layout_keeps_no_guard():
+    class Plain(Memory):
+        def close(self, o, x):
+            return o * 2
+
+    conv = ttt2la.convert(Plain(), level=0, example_inputs=(torch.randn(2, 16, D),))
+    assert conv._ttt2la.input_layout is None

@@ -1,0 +1,82 @@
+"""A layer that returns a ``torch.Size`` (``y, y.shape``) or a ``torch.return_types`` result
+next to its output: the converted layer returns values of the same types as the code as
+written, at any shape, not the plain tuples the traced graph's output holds."""
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from hypothesis import given, settings, strategies as st
+
+import ttt2la
+from ttt2la.testing import rel_rms_error
+
+D = 8
+
+
+class Memory(nn.Module):
+    """Chunked linear attention; ``close`` says what it returns besides its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + 0.1 * k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        return self.close(torch.cat(outs, 1), x)
+
+
+class WithShape(Memory):
+    def close(self, o, x):
+        return o, o.shape
+
+
+class WithSizes(Memory):
+    def close(self, o, x):
+        return {"out": o, "sizes": [x.size(), o.shape[1:]], "max": o.max(-1)}
+
+
+LAYERS = {"shape": WithShape, "sizes": WithSizes}
+_CONVERTED: dict = {}
+
+
+def _same(got, want) -> bool:
+    """Equal values of the same types, leaf by leaf and node by node."""
+    g, gs = pytree.tree_flatten(got)
+    w, ws = pytree.tree_flatten(want)
+    if gs != ws or len(g) != len(w):
+        return False
+    nodes = [(got, want)]
+    while nodes:
+        a, b = nodes.pop()
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            nodes += [(a[k], b[k]) for k in b]
+        elif isinstance(a, (list, tuple)):
+            nodes += list(zip(a, b))
+        elif isinstance(a, torch.Tensor):
+            if a.shape != b.shape or rel_rms_error(a, b) > 1e-5:
+                return False
+        elif a != b:
+            return False
+    return True
+
+
+@settings(max_examples=10, deadline=None)
+@given(kind=st.sampled_from(sorted(LAYERS)), level=st.sampled_from([0, 1]),
+       B=st.integers(1, 3), T=st.integers(1, 24))
+def test_returned_values_keep_their_types(kind, level, B, T):
+    if (kind, level) not in _CONVERTED:
+        torch.manual_seed(0)
+        layer = LAYERS[kind]()
+        _CONVERTED[kind, level] = layer, ttt2la.convert(
+            layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+    layer, conv = _CONVERTED[kind, level]
+    x = torch.randn(B, T, D)
+    got, want = conv(x), layer(x)
+    assert _same(got, want), (got, want)
