@@ -1842,6 +1842,24 @@ MUTATIONS = [
         (("ttt2la/converted.py", "        return out if typed is None else typed(out)\n",
           "        return out\n"),),
         ("tests/test_output_types.py",), ""),
+    Mutation(
+        "settings_object_unguarded", "an object of settings the layer holds (`self.cfg`, which compares by identity) is guarded as the very object, so a field set after conversion goes unseen",
+        (("ttt2la/attribute_guard.py", "    if plain_object(value):\n        return Fields(",
+          "    if False:\n        return Fields("),),
+        ("tests/test_attribute_guard.py",), "settings_object"),
+    Mutation(
+        "math_untracked", "the run hands the layer's code `math` as it is, so `math.sqrt(T)` or `math.log2(T)` makes a plain float and a branch or a number computed through it escapes",
+        (("ttt2la/frontend/size_uses.py", "        mine.update(replacements(scope))\n", ""),),
+        ("tests/test_size_uses.py",), "Math"),
+    Mutation(
+        "other_user_files_unpatched", "the run patches the loop's module only, so a helper in another file of the user's (`whole_root(T)` through `math.sqrt`) escapes",
+        (("ttt2la/frontend/size_uses.py", "        if isinstance(source, str) and is_users(source):\n            out.append(m)",
+          "        if False:\n            out.append(m)"),),
+        ("tests/test_size_uses.py",), "HelperMath"),
+    Mutation(
+        "grown_elsewhere_uncounted", "a list the loop grows through a helper (`grow(outs, y)`, no `outs.append` in its source) is no count of the iterations, so `len(outs)` after it escapes",
+        (("ttt2la/frontend/size_uses.py", "            return self._grown_elsewhere(seq, it, k)", "            return None"),),
+        ("tests/test_counts_of_the_length.py",), "GrownElsewhere"),
 ]
 
 

@@ -10,9 +10,13 @@ torch and ttt2la themselves set (the mode, hooks, the report) changes nothing.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 
 import pytest
 import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import ttt2la
@@ -116,3 +120,68 @@ def test_a_lossy_conversion_refuses_naming_the_attribute():
         conv(torch.randn(1, 16, 8), return_ttt_state=True)
     conv.chunk_size = 4
     conv(torch.randn(1, 16, 8))
+
+
+class Settings:
+    """Settings in an object of a class of their own, which compares by identity."""
+
+    def __init__(self, eta: float):
+        self.eta = eta
+        self.inner = types.SimpleNamespace(sign=1.0)
+
+
+@dataclasses.dataclass(eq=False)
+class Unequal:
+    eta: float
+
+
+HOLDERS = {"namespace": lambda: types.SimpleNamespace(eta=0.1),
+           "plain class": lambda: Settings(0.1),
+           "dataclass without eq": lambda: Unequal(0.1)}
+
+
+class Configured(Scaled):
+    """``Scaled`` stepped by ``self.cfg.eta``: a field of a settings object it holds."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, x):
+        eta = self.cfg.eta * getattr(getattr(self.cfg, "inner", None), "sign", 1.0)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(x.shape[0], D, D)
+        outs = []
+        for i in range(0, x.shape[1], 4):
+            W = W + eta * k[:, i:i + 4].transpose(1, 2) @ v[:, i:i + 4]
+            outs.append(q[:, i:i + 4] @ W)
+        return torch.cat(outs, 1)
+
+
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(holder=st.sampled_from(sorted(HOLDERS)), eta=st.floats(0.2, 2.0),
+       nested=st.booleans(), level=st.sampled_from([0, 5]))
+def test_a_changed_field_of_a_settings_object_is_seen(holder, eta, nested, level):
+    """A field of a settings object the layer holds (``self.cfg.eta``), set after conversion,
+    runs the code as written (exact) or is refused (lossy); set back, the plan runs again."""
+    torch.manual_seed(0)
+    layer = Configured(HOLDERS[holder]())
+    x = torch.randn(2, 16, D)
+    conv = ttt2la.convert(layer, level=level, example_inputs=(x,))
+    assert conv._ttt2la.attributes.changed(conv) is None
+    nested = nested and holder == "plain class"
+    for m in (layer, conv):
+        if nested:
+            m.cfg.inner.sign = -eta
+        else:
+            m.cfg.eta = eta
+    if conv.ttt2la_report.exact:
+        with torch.no_grad():
+            assert rel_rms_error(conv(x), layer(x)) <= FP32
+        assert "`cfg`" in conv.ttt2la_report.layers[0].runs["batch 2, length 16, attribute changed"]
+    else:
+        with pytest.raises(ttt2la.ChangedAttributeError, match="`cfg`"):
+            conv(x)
+    for m in (layer, conv):
+        m.cfg.eta, m.cfg.__dict__.get("inner", types.SimpleNamespace()).sign = 0.1, 1.0
+    assert conv._ttt2la.attributes.changed(conv) is None

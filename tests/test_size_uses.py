@@ -6,6 +6,8 @@ and branches on the batch size, which no source reading looks for. A converted l
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
 import inspect
+import math
+from math import sqrt
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import ttt2la
 from ttt2la.errors import ConversionError
 from ttt2la.frontend.size_uses import probe_sizes, size_uses
 
+import size_helpers
 from shape_checks import loop_line, same_or_refused
 
 D = 8
@@ -122,8 +125,29 @@ class Lookup(Momentum):
         return o * {0: 3.0}.get(x.shape[1] % 8, 2.0)
 
 
+class MathBranch(Momentum):
+    def finish(self, o, x):
+        return o * 2 if math.log2(x.shape[1]) % 1 else o + 2
+
+
+class MathValue(Momentum):
+    def finish(self, o, x):
+        return o * math.floor(math.log(x.shape[1]))
+
+
+class ImportedMath(Momentum):
+    def finish(self, o, x):
+        return o * 2 if sqrt(x.shape[1]) % 1 else o + 2
+
+
+class HelperMath(Momentum):
+    def finish(self, o, x):
+        return o + 2 if size_helpers.whole_root(x.shape[1]) else o * 2
+
+
 SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda, Partial,
-                                     Attribute, Value, ComparedValue, Lookup)}
+                                     Attribute, Value, ComparedValue, Lookup, MathBranch,
+                                     MathValue, ImportedMath, HelperMath)}
 
 
 class OneSample(Momentum):
@@ -153,7 +177,9 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "Partial": "o * scale if T % 8", "Attribute": "o * scale if T % 8",
          "Value": "1 + x.shape[1] % 8", "ComparedValue": "x.shape[1] % 8 == 0",
          "Lookup": ".get(x.shape[1] % 8", "OneSample": "x.shape[0] == 1",
-         "BatchValue": "1 + x.size(0) % 4", "LargeBatch": "B = len(x)"}
+         "BatchValue": "1 + x.size(0) % 4", "LargeBatch": "B = len(x)",
+         "MathBranch": "math.log2(x.shape[1]) % 1", "MathValue": "math.floor(math.log(",
+         "ImportedMath": "sqrt(x.shape[1]) % 1", "HelperMath": "math.sqrt(n) % 1 == 0"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

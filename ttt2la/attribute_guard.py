@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch.nn.utils import parametrize
 
+from .object_fields import Fields, plain_object
+
 #: What torch keeps in every module's ``__dict__``: hook tables, the parameter, buffer and
 #: submodule dicts, the ``training`` flag (whose own check is ``training_mode``), the compiled
 #: call ``Module.compile`` sets.
@@ -49,8 +51,9 @@ def plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def plain_value(value, depth: int = 0) -> bool:
-    """Whether ``value`` is made of immutable values only, through containers and dataclasses
-    (whose copies then compare equal to it until it is changed in place)."""
+    """Whether ``value`` is made of immutable values only, through containers, dataclasses and
+    objects of settings (``object_fields``), whose copies then compare equal to it until it is
+    changed in place."""
     if depth > 8:
         return False
     if isinstance(value, _IMMUTABLE):
@@ -61,21 +64,28 @@ def plain_value(value, depth: int = 0) -> bool:
         return all(plain_value(k, depth + 1) and plain_value(v, depth + 1) for k, v in value.items())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return all(plain_value(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value))
+    if plain_object(value):
+        return all(plain_value(v, depth + 1) for v in vars(value).values())
     return False
 
 
 def comparable(value):
     """What a recorded value is compared by: a copy of a mutable value made of plain ones (a
-    list, a dict, a config dataclass: changed in place, it no longer equals its copy), else
-    the value itself (compared by identity, then equality: a tensor replaced by another is
-    changed, a tensor changed in place is read live by the graphs)."""
+    list, a dict, a config dataclass: changed in place, it no longer equals its copy; an object
+    that compares by identity, by its fields: ``object_fields.Fields``), else the value itself
+    (compared by identity, then equality: a tensor replaced by another is changed, a tensor
+    changed in place is read live by the graphs)."""
     if isinstance(value, _IMMUTABLE) or not plain_value(value):
         return value
     try:
         kept = copy.deepcopy(value)
-        return kept if (kept == value) is True else value
+        if (kept == value) is True:
+            return kept
     except Exception:
-        return value
+        pass
+    if plain_object(value):
+        return Fields(value, {k: comparable(v) for k, v in vars(value).items()})
+    return value
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[dict], tuple]:

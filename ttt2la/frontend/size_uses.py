@@ -15,7 +15,10 @@ recorded at the user's line. Each is
 then evaluated at many lengths and batch sizes: a decision that changes, or a number that is no
 size the converted graph can compute at a new shape (affine in each), is a use of that size the
 probe traces cannot vouch for. Decisions inside the loop itself (unrolled and compared by the
-traces) and guards that only raise are left out, as ``length_values`` leaves them.
+traces) and guards that only raise are left out, as ``length_values`` leaves them. The
+user's modules (the loop's and every other file of the user's) see ``len``, ``range`` and
+``math`` during the run as versions that keep the sizes' functions (``_counting``,
+``size_math``): CPython's own make plain numbers of them.
 """
 from __future__ import annotations
 
@@ -190,6 +193,7 @@ class _Run:
         self.counts: dict[int, tuple[object, Callable]] = {}   # id -> (sequence, its length)
         self.iterations: Callable | None = None     # the loop's count of iterations
         self.loop_frame = None                      # the frame that runs the loop
+        self.before: dict[int, tuple[list, int]] = {}   # its lists as the loop began: id -> (list, len)
 
     def count(self, seq, at, frame) -> None:
         """``seq`` (a ``range`` or the pieces of a tensor) has ``at(L, B)`` items; made at the
@@ -198,6 +202,8 @@ class _Run:
         if self.loop is not None and frame is not None and frame.f_lineno == self.loop[1] \
                 and real_path(frame.f_code.co_filename) == self.loop[0]:
             self.iterations, self.loop_frame = at, frame
+            self.before = {id(v): (v, len(v)) for v in frame.f_locals.values()
+                           if type(v) is list}
 
     def length_of(self, seq) -> Callable | None:
         """The number of items of ``seq`` as a function of the sizes: a counted sequence's, or
@@ -207,13 +213,27 @@ class _Run:
         if hit is not None and hit[0] is seq:
             return hit[1]
         it, frame = self.iterations, self.loop_frame
-        if it is None or not isinstance(seq, list) or \
-                not any(frame.f_locals.get(name) is seq for name in self.grown):
+        if it is None or not isinstance(seq, list):
             return None
         n, k = len(seq), it(self.L, self.B)
+        if not any(frame.f_locals.get(name) is seq for name in self.grown):
+            return self._grown_elsewhere(seq, it, k)
         if k and n % k == 0:
             return lambda L, B: it(L, B) * (n // k)
         return lambda L, B: n - k + it(L, B)
+
+    def _grown_elsewhere(self, seq: list, it: Callable, k: int) -> Callable | None:
+        """The number of items of a list of the loop's frame that the loop's source does not
+        append to by name (a helper of another file does, ``grow(outs, y)``): where it grew by
+        a whole number of items per iteration since the loop began, its items then plus that
+        many per iteration; ``None`` otherwise (a list appended to once after the loop)."""
+        hit = self.before.get(id(seq))
+        if hit is None or hit[0] is not seq:
+            return None
+        n0, grew = hit[1], len(seq) - hit[1]
+        if not k or grew <= 0 or grew % k:
+            return None
+        return lambda L, B: n0 + it(L, B) * (grew // k)
 
     def record(self, frame, what: str, at) -> None:
         if self._in_loop(frame) or not isinstance(at, _Sized) and _iterating(frame):
@@ -390,18 +410,52 @@ def _len(obj):
 
 @contextlib.contextmanager
 def _counting(file: str):
-    """``len`` and ``range`` of the module whose source is ``file`` (the loop's) are ``_len``
-    and ``_Range`` inside the block, where the module binds no name of its own to them."""
-    module = _module_of(file)
-    scope = vars(module) if module is not None else {}
-    mine = {name: f for name, f in (("len", _len), ("range", _Range)) if name not in scope}
-    scope.update(mine)
+    """Inside the block, ``len`` and ``range`` are ``_len`` and ``_Range`` to the loop's module
+    (``file``) and every other module of the user's, where it binds no name of its own to
+    them, and ``math`` and the functions imported from it track values of the sizes
+    (``size_math``): a helper in another file of the user's counts, and computes, as the
+    loop's own code does."""
+    from .size_math import replacements
+
+    patched = []
+    for scope in _user_scopes(file):
+        mine = {name: f for name, f in (("len", _len), ("range", _Range)) if name not in scope}
+        mine.update(replacements(scope))
+        kept = {name: scope[name] for name in mine if name in scope}
+        scope.update(mine)
+        patched.append((scope, mine, kept))
     try:
         yield
     finally:
-        for name, f in mine.items():
-            if scope.get(name) is f:
-                del scope[name]
+        for scope, mine, kept in patched:
+            for name, f in mine.items():
+                if scope.get(name) is f:
+                    if name in kept:
+                        scope[name] = kept[name]
+                    else:
+                        del scope[name]
+
+
+def _user_scopes(file: str) -> list[dict]:
+    """The globals of the loop's module (``file``) and of every imported module of the
+    user's (``user_code.is_users``)."""
+    module = _module_of(file)
+    scopes = {id(vars(module)): vars(module)} if module is not None else {}
+    for m in _user_modules(len(sys.modules)):
+        scopes.setdefault(id(vars(m)), vars(m))
+    return list(scopes.values())
+
+
+@functools.lru_cache(maxsize=1)
+def _user_modules(count: int) -> tuple:
+    """The imported modules of the user's while ``sys.modules`` holds ``count`` (looking at
+    every module costs milliseconds; a conversion runs the code several times)."""
+    out = []
+    for m in list(sys.modules.values()):
+        source = getattr(m, "__file__", None)
+        if isinstance(source, str) and is_users(source):
+            out.append(m)
+    return tuple(out)
 
 
 #: the frames Python runs a comprehension's body in
