@@ -509,8 +509,8 @@ MUTATIONS = [
     Mutation(
         "rejected_call_unlocated", "a call the layer's own code rejects, without the line "
         "that failed",
-        (("ttt2la/rejected_call.py", "    where, what, own = _where(failing_node(gm, inputs),",
-          "    where, what, own = _where(None,"),),
+        (("ttt2la/rejected_call.py", "    where, what, own = failed_where(failing_node(gm, inputs),",
+          "    where, what, own = failed_where(None,"),),
         ("tests/test_call_errors.py",), "rejects"),
     Mutation(
         "ns_culprit_unrecognised", "a nonlinearity inside a Newton–Schulz iteration not "
@@ -1860,6 +1860,37 @@ MUTATIONS = [
         "grown_elsewhere_uncounted", "a list the loop grows through a helper (`grow(outs, y)`, no `outs.append` in its source) is no count of the iterations, so `len(outs)` after it escapes",
         (("ttt2la/frontend/size_uses.py", "            return self._grown_elsewhere(seq, it, k)", "            return None"),),
         ("tests/test_counts_of_the_length.py",), "GrownElsewhere"),
+    Mutation(
+        "whole_slice_size_from_input", "the size of a slice that kept its whole axis is read from its input, which a loop's output read by getitem lacks, so a padded sequence converts for its example's remainder only",
+        (("ttt2la/frontend/chunk_counts.py", "        x = nodes[i].meta.get(\"val\")\n",
+          "        x = nodes[i].args[0].meta.get(\"val\")\n"),),
+        ("tests/test_padded_sequence.py",), "every_length or every_remainder"),
+    Mutation(
+        "padded_size_fitted_affine", "a size both batch and length move that no product of them gives is fitted as b·B + c·L from three traces, not from a fourth at (B1, L1)",
+        (("ttt2la/frontend/shapes.py",
+          "            return _bilinear(v0, vL, vB, corner(), B0, L0, L1, B1)\n", "            pass\n"),),
+        ("tests/test_padded_sequence.py",), "every_batch_size"),
+    Mutation(
+        "graph_fault_blamed_on_user", "a call the converted graphs fail on is blamed on the user's line without running the code as written, which takes it",
+        (("ttt2la/converted.py",
+          "            return self._plan_failed(e, module, written, weights, flat, B, L)\n",
+          "            if self.as_written is None:\n                raise self._rejected(e, gm, [weights, *flat]) from e\n"
+          "            return self._written_failed(e, written, weights, flat, B, L)\n"),),
+        ("tests/test_padded_sequence.py",), "fault"),
+    Mutation(
+        "jit_trace_check_warns_again", "torch.jit.trace's check of its trace, which traces the layer again, warns a second time",
+        (("ttt2la/torchscript.py", "    if not _checking_a_trace():\n", "    if True:\n"),),
+        ("tests/test_jit.py",), "once_per_trace"),
+    Mutation(
+        "compiled_plan_error_raw", "a compiled graph's run of the plan lets torch's bare error through, naming no line",
+        (("ttt2la/converted.py", "    except Exception as e:\n        if detect_fake_mode(flat)",
+          "    except ZeroDivisionError as e:\n        if detect_fake_mode(flat)"),),
+        ("tests/test_compiled_call_errors.py",), "exact"),
+    Mutation(
+        "compiled_fake_failure_traced_again", "the plan's call run after TorchDynamo's graph break is traced by TorchDynamo again, whose fake-tensor error names no line",
+        (("ttt2la/converted.py", "torch.compiler.allow_in_graph(torch.compiler.disable(_run_converted))",
+          "torch.compiler.allow_in_graph(_run_converted)"),),
+        ("tests/test_compiled_call_errors.py",), "lossy"),
 ]
 
 

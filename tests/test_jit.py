@@ -1,5 +1,6 @@
 """A converted layer under TorchScript: ``torch.jit.trace`` of an exact conversion records the
-layer's code as written (the trace the original gives, with a warning and a report entry), a
+layer's code as written (the trace the original gives, with a warning, once per trace though
+its check traces the layer again, and a report entry), a
 lossy conversion or a call carrying state is refused by name, and ``torch.jit.script`` of a
 converted layer, or of a model holding one, raises ``UnsupportedExportError``.
 
@@ -73,6 +74,19 @@ def test_jit_trace_of_an_exact_conversion_is_the_originals_trace(name, B, chunks
         assert rel_rms_error(got(x2), want(x2)) <= TOLERANCE[torch.float32]
         assert rel_rms_error(got(x2), original(x2)) <= TOLERANCE[torch.float32]
     assert any(key.endswith("torch.jit.trace") for key in converted._ttt2la.runs)
+
+
+def test_jit_trace_warns_once_per_trace_though_its_check_traces_again():
+    """``torch.jit.trace`` checks its trace by tracing the layer again (``check_trace``, on by
+    default): the layer's warning is given once per trace, the check's trace included."""
+    original, converted, d = _pair("gated memory, level 0")
+    x = torch.randn(2, 8, d)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.jit.trace(converted, (x,))
+    ours = [w for w in seen if "torch.jit.trace: the trace records" in str(w.message)]
+    assert len(ours) == 2, [str(w.message) for w in ours]
 
 
 def _outcome(traced, x):

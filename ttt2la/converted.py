@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
 
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
@@ -50,7 +51,8 @@ from .original_class import ORIGINAL, original_class, written_call
 from .torchscript import refuse_scripting, traced_call
 from .recast import Signature, recast, recast_recipe, weights_signature
 from .settings_guard import SettingsGuard
-from .rejected_call import fails_in_loop, rejected, rejected_as_written
+from .rejected_call import (conversion_fault, failed_where, failing_node, fails_in_loop,
+                            rejected, rejected_as_written)
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .as_found import as_found, buffers_kept
@@ -366,9 +368,37 @@ class ConvertedState:
                 f"its last chunk is partial, where the plan's zero padding would change {e.what}",
                 refusal=e)
         except Exception as e:
-            if self.as_written is None:
-                raise self._rejected(e, gm, [weights, *flat]) from e
-            return self._written_failed(e, written, weights, flat, B, L)
+            return self._plan_failed(e, module, written, weights, flat, B, L)
+
+    def _plan_failed(self, error: Exception, module: torch.nn.Module, written, weights: dict,
+                     flat: list, B: int, L: int):
+        """A call the plan raised ``error`` on. The code as written decides whose the error
+        is: where it fails too, the error is the layer's own, named at its line; where it runs,
+        the converted graphs are at fault — an exact conversion answers with the code as
+        written (a warning and the report's runs say so), a lossy one refuses, saying so."""
+        if isinstance(error, ConversionError):
+            raise error
+        gm = self.outer_for(B, L)
+        inputs = [weights, *flat]
+        if self.as_written is not None and fails_in_loop(gm, inputs):
+            return self._loop_failed(error, written, B, L)
+        try:
+            if self.as_written is not None:
+                out = written()
+            else:
+                with buffers_kept(module):  # the check's run is not the call's
+                    written()
+        except Exception:
+            raise self._rejected(error, gm, inputs) from error
+        why = conversion_fault(error, gm, inputs, loop_src=str(self.program.loop_src),
+                               implementation=self.implementation)
+        if self.as_written is None:
+            raise UnsupportedShapeError(
+                f"{self._where()}: {why}, although the layer as written runs this call: its "
+                "lossy conversion does not cover this call's shape. Convert the layer again "
+                "with example inputs of this shape, or run the original layer for it; please "
+                "report this call with the model.") from error
+        return self._ran_as_written(why, out, B, L, "the converted graphs failed")
 
     def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
         """``module(*args, **kwargs)`` (``flat``: its inputs flattened) run as written where
@@ -511,10 +541,14 @@ class ConvertedState:
         answer (the function is the same), with a warning and the report's runs saying so."""
         first = (str(error).strip().splitlines() or [""])[0]
         why = f"the converted loop failed on this call ({type(error).__name__}: {first})"
-        out = self._as_written(written, why)
-        self.runs[f"batch {self._batch(B)}, length {L}, the loop failed"] = f"as written: {why}"
+        return self._ran_as_written(why, self._as_written(written, why), B, L, "the loop failed")
+
+    def _ran_as_written(self, why: str, out, B: int, L: int, case: str):
+        """``out``, the code as written's answer to a call the converted graphs failed on
+        (``why``), with a warning and the report's runs saying so (``case`` names the call)."""
+        self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {why}"
         warnings.warn(f"ttt2la: {self._where()}: {why}; ran the layer as written, which takes it. "
-                      "Please report this call with the model.", RuntimeWarning, stacklevel=3)
+                      "Please report this call with the model.", RuntimeWarning, stacklevel=4)
         return out
 
     def _transform_limit(self, B: int) -> str:
@@ -1143,7 +1177,35 @@ def _run_converted(key: int, *tensors):
     B, L = state.layout.sizes(flat)
     # graphs are specialised per (B, L): a dynamic-shape compile specialises here too
     B, L = int(B), int(L)
-    return state.outer_for(B, L).forward(weights, *flat)
+    try:
+        return state.outer_for(B, L).forward(weights, *flat)
+    except Exception as e:
+        if detect_fake_mode(flat) is not None:      # TorchDynamo tracing: run it eagerly
+            _eagerly_instead(state, e, [weights, *flat], B, L)
+        return state._plan_failed(e, layer, written_call(layer, tuple(inputs), {}), weights,
+                                  flat, B, L)
+
+
+def _eagerly_instead(state: ConvertedState, error: Exception, inputs: list, B: int, L: int):
+    """A call the plan fails on while TorchDynamo traces it (on fake tensors), whose error
+    TorchDynamo would replace by its own, naming no line: a graph break instead, so the call
+    runs eagerly, where the eager call's error names the failing line and says whose it is
+    (under ``fullgraph=True``, TorchDynamo's refusal names the line the fake run failed at,
+    which a fake tensor's looser checks may put later than the real call's)."""
+    from torch._dynamo.exc import unimplemented
+    _, at, _ = failed_where(failing_node(state.outer_for(B, L), inputs),
+                            str(state.program.loop_src), state.implementation)
+    first = (str(error).strip().splitlines() or [""])[0]
+    unimplemented(
+        gb_type="ttt2la: a converted layer's plan fails on this call",
+        context=f"{state._where()}, batch {state._batch(B)}, length {L}",
+        explanation=f"traced on fake tensors, the converted {state.program.module_path or 'layer'}"
+                    f" fails on this call {at} ({type(error).__name__}: {first}); it runs "
+                    "eagerly instead, where the error names the line the call fails at and says "
+                    "whether the layer as written fails too",
+        hints=["Compile without fullgraph=True to run the call eagerly, or pass inputs the "
+               "layer as written accepts (the dtype and device of its weights)."],
+        from_exc=error)
 
 
 #: The converted layer as one call that ``torch.compile`` writes into its graph as it is
@@ -1151,7 +1213,7 @@ def _run_converted(key: int, *tensors):
 #: templates and its plans walk torch.fx graphs, which TorchDynamo does not trace. The graph
 #: compiler (AOTAutograd) then traces the call's tensor ops at the shape being compiled, so
 #: ``torch.compile(converted, fullgraph=True)`` sees the whole layer as tensor ops.
-_run_in_graph = torch.compiler.allow_in_graph(_run_converted)
+_run_in_graph = torch.compiler.allow_in_graph(torch.compiler.disable(_run_converted))
 
 #: A layer whose plan cannot be traced (``compile_break``) runs between compiled graphs, by
 #: the reason it cannot be traced: ``torch.compile(..., fullgraph=True)`` refuses such a layer

@@ -62,8 +62,8 @@ def _dual_class(cls: type) -> type:
     return dual
 
 
-def _where(node: torch.fx.Node | None, loop_src: str,
-           implementation: str) -> tuple[str, str, bool]:
+def failed_where(node: torch.fx.Node | None, loop_src: str,
+                 implementation: str) -> tuple[str, str, bool]:
     """``(where, what, own)``: the line the failing node came from, how to name it, and whether
     it is the layer's own code outside the loop (which the converted layer runs as written)."""
     if node is not None and node.op == "call_module" and node.target == LOOP_MODULE:
@@ -88,7 +88,7 @@ def rejected(error: Exception, gm: torch.fx.GraphModule, inputs: list, *, path: 
     ``ConversionError``, else a ``RejectedCallError`` of its class naming where it failed."""
     if isinstance(error, ConversionError):
         return error
-    where, what, own = _where(failing_node(gm, inputs), loop_src, implementation)
+    where, what, own = failed_where(failing_node(gm, inputs), loop_src, implementation)
     first, converted_for = _told(error, expected)
     why = ("That line is the layer's own code, which the converted layer runs as written, so the "
            "layer as written fails on this call too." if own else
@@ -99,6 +99,16 @@ def rejected(error: Exception, gm: torch.fx.GraphModule, inputs: list, *, path: 
                f"written accepts (the dtype and device of its weights, no empty axis its reshapes "
                f"infer).")
     return _dual_class(type(error))(message, where=where or None)
+
+
+def conversion_fault(error: Exception, gm: torch.fx.GraphModule, inputs: list, *,
+                     loop_src: str, implementation: str) -> str:
+    """What failed where, for ``error`` raised by ``gm(*inputs)`` on a call the layer as
+    written runs: the converted graphs are at fault, not the line they were traced from."""
+    _, what, own = failed_where(failing_node(gm, inputs), loop_src, implementation)
+    part = "code around the loop (as traced)" if own else "layer"
+    first, _ = _told(error, "")
+    return f"the converted {part} failed on this call {what} ({type(error).__name__}: {first})"
 
 
 def rejected_as_written(error: Exception, *, path: str, why: str, expected: str) -> Exception:
@@ -119,4 +129,5 @@ def rejected_as_written(error: Exception, *, path: str, why: str, expected: str)
     return _dual_class(type(error))(message, where=at.split(" (`")[0] or None)
 
 
-__all__ = ["rejected", "rejected_as_written", "failing_node", "fails_in_loop"]
+__all__ = ["rejected", "rejected_as_written", "conversion_fault", "failed_where", "failing_node",
+           "fails_in_loop"]

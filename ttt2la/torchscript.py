@@ -5,7 +5,8 @@ The plan cannot be recorded by the tracer: it builds graphs per (batch, length) 
 sizes, which the tracer hands out as tensors, and a plan op half recorded leaves the trace in a
 state no fallback can run in. So a call under ``torch.jit.trace`` is decided before any plan op
 runs: an exact conversion runs the user's ``forward`` (the same function), so the trace is the
-one the original gives, and says so by a warning and the report's runs; a lossy one, whose
+one the original gives, and says so by a warning (once, though the trace's check traces the
+layer again) and the report's runs; a lossy one, whose
 function the code as written does not compute, refuses. ``torch.jit.script`` compiles Python
 source, and a converted layer's ``forward`` is the package's Python (``*args``, graphs walked at
 run time), never a TorchScript program: ``__prepare_scriptable__``, which ``torch.jit.script``
@@ -13,6 +14,8 @@ calls on a module and on each of its submodules before compiling, refuses it by 
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import warnings
 
 import torch
@@ -47,6 +50,20 @@ def _instead(export_reason: str) -> str:
             "eagerly or under torch.compile for the plan")
 
 
+def _checking_a_trace() -> bool:
+    """Whether the call is ``torch.jit.trace``'s check of the trace it just made
+    (``check_trace``, on by default), which traces the layer again: the trace it checks gave
+    the warning already."""
+    check = getattr(torch.jit._trace, "_check_trace", None)
+    code = getattr(inspect.unwrap(check), "__code__", None) if check is not None else None
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def traced_call(module: torch.nn.Module, args: tuple, kwargs: dict, flat: list, stateful: bool,
                 export_reason: str):
     """``module(*args, **kwargs)`` under ``torch.jit.trace`` (``flat``: its inputs flattened):
@@ -68,10 +85,11 @@ def traced_call(module: torch.nn.Module, args: tuple, kwargs: dict, flat: list, 
     B, L = _sizes(state, flat)
     why = "called under torch.jit.trace"
     state.runs[f"batch {B}, length {L}, torch.jit.trace"] = f"as written: {_RECORDS}"
-    warnings.warn(
-        f"ttt2la: {where} was {why}: {_RECORDS}, the same trace the original layer gives. Like "
-        f"the original's, it is specialised to this call's length ({L}). "
-        f"{_instead(export_reason)}.", RuntimeWarning, stacklevel=3)
+    if not _checking_a_trace():
+        warnings.warn(
+            f"ttt2la: {where} was {why}: {_RECORDS}, the same trace the original layer gives. "
+            f"Like the original's, it is specialised to this call's length ({L}). "
+            f"{_instead(export_reason)}.", RuntimeWarning, stacklevel=3)
     return state._as_written(written_call(module, args, kwargs), f"when {why}")
 
 

@@ -98,8 +98,9 @@ def _value(nodes: list, key: tuple, n0: list | None = None):
     i, where, path = key
     if n0 is not None and _whole_slice(n0[i], nodes[i]):
         dim = n0[i].args[1]
-        x = nodes[i].args[0].meta.get("val")
-        return _Whole(path, x.shape[dim] if x is not None else None)
+        # the alias has its input's shape; a loop's output read by ``getitem`` has no value
+        x = nodes[i].meta.get("val")
+        return _Whole(path, x.shape[dim] if isinstance(x, torch.Tensor) else None)
     return dict(_int_slots(getattr(nodes[i], where))).get(path)
 
 

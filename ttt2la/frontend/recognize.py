@@ -670,7 +670,8 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
         longer = None if rolled_N is None else ChunkCountCheck(
             C, rolled_N.outer, lambda L: _roll_at(cand, fn, flat, layout, plan.unit * b0, L).outer)
         outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
-                             B1=b1, longer=longer,
+                             B1=b1, longer=longer, corner=None if plan.fixed else lambda: _roll_at(
+                                 cand, fn, flat, layout, plan.unit * b1, L1).outer,
                              what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")
     except UnsupportedTTTError as e:
         raise _ShapeDependent(str(e)) from e

@@ -4,14 +4,16 @@ A trace bakes sizes into op arguments (``view(x, [B*L, d])``, ``expand(w, [B, -1
 recognizer traces each layer at three small shapes — ``(B0, L0)``, ``(B0, L1)``, ``(B1, L0)`` —
 and every integer argument that differs between them is fitted exactly by
 ``a + b·B + c·L + e·B·L`` (two differences determine it; a cross term ``B·L`` is preferred when
-both sizes move it, as in a flattened ``[B*L, d]``). ``GraphTemplate.instantiate(B, L)`` then
-writes the sizes of any shape into a copy of the graph — a recompile, not a re-trace, so a
+both sizes move it, as in a flattened ``[B*L, d]``). A size both move that no such product
+gives (``[B*(L + pad), d]``, a padded sequence flattened) is fitted from a fourth trace at
+``(B1, L1)``, which the three cannot tell from ``b·B + c·L``. ``GraphTemplate.instantiate(B, L)``
+then writes the sizes of any shape into a copy of the graph — a recompile, not a re-trace, so a
 converted model never unrolls the user's loop again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.fx
@@ -83,7 +85,10 @@ def set_slot(node: torch.fx.Node, where: str, path: tuple, value) -> None:
         node.kwargs = _set(node.kwargs, path, value)
 
 
-def _fit(v0, vL, vB, B0, L0, L1, B1) -> SizeExpr | None:
+def _fit(v0, vL, vB, B0, L0, L1, B1, corner=None) -> SizeExpr | None:
+    """The size through ``v0``, ``vL`` and ``vB`` at (B0,L0), (B0,L1) and (B1,L0); where both
+    sizes move it and no product ``e·B·L`` does, ``corner()`` (its value at (B1,L1), where the
+    caller can trace there) decides between ``b·B + c·L`` and a product with other terms."""
     dL, dB = vL - v0, vB - v0
     if dL == 0 and dB == 0:
         return SizeExpr(v0)
@@ -91,11 +96,26 @@ def _fit(v0, vL, vB, B0, L0, L1, B1) -> SizeExpr | None:
         e, rem = divmod(dL, B0 * (L1 - L0))
         if rem == 0 and e * L0 * (B1 - B0) == dB:
             return SizeExpr(v0 - e * B0 * L0, 0, 0, e)
+        if corner is not None:
+            return _bilinear(v0, vL, vB, corner(), B0, L0, L1, B1)
     b, rb = divmod(dB, B1 - B0)
     c, rc = divmod(dL, L1 - L0)
     if rb or rc:
         return None
     return SizeExpr(v0 - b * B0 - c * L0, b, c, 0)
+
+
+def _bilinear(v0, vL, vB, vC, B0, L0, L1, B1) -> SizeExpr | None:
+    """``a + b·B + c·L + e·B·L`` through the four values at the corners (B0,L0), (B0,L1),
+    (B1,L0) and (B1,L1), or ``None`` where no integer coefficients give them."""
+    if vC is None:
+        return None
+    e, re = divmod(vC - vL - vB + v0, (B1 - B0) * (L1 - L0))
+    b, rb = divmod(vB - v0 - e * L0 * (B1 - B0), B1 - B0)
+    c, rc = divmod(vL - v0 - e * B0 * (L1 - L0), L1 - L0)
+    if re or rb or rc:
+        return None
+    return SizeExpr(v0 - b * B0 - c * L0 - e * B0 * L0, b, c, e)
 
 
 class GraphTemplate:
@@ -145,13 +165,34 @@ def _first_difference(*graphs: list[torch.fx.Node]) -> str:
     return f" from the op at {src.at()} on" if src else ""
 
 
+class _Corner:
+    """The graph at (B1,L1), traced by ``trace`` when a size first needs it."""
+
+    def __init__(self, trace, n0: list, what: str):
+        self.trace, self.n0, self.what, self.nodes = trace, n0, what, None
+
+    def value(self, i: int, where: str, path: tuple):
+        if self.nodes is None:
+            self.nodes = list(self.trace().graph.nodes)
+            n0 = self.n0
+            if len(self.nodes) != len(n0) or any(
+                    (a.op, a.target) != (b.op, b.target) for a, b in zip(n0, self.nodes)):
+                raise UnsupportedTTTError(
+                    f"the {self.what} runs other ops when batch size and length both change"
+                    f"{_first_difference(n0, self.nodes)}: its code branches on the input shape")
+        return dict(_int_slots(getattr(self.nodes[i], where))).get(path)
+
+
 def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.fx.GraphModule,
                  *, B0: int, L0: int, L1: int, B1: int, what: str,
-                 longer: ChunkCountCheck | None = None) -> GraphTemplate:
+                 longer: ChunkCountCheck | None = None,
+                 corner: Callable[[], torch.fx.GraphModule] | None = None) -> GraphTemplate:
     """Fit a ``GraphTemplate`` from the same graph traced at (B0,L0), (B0,L1) and (B1,L0);
     with ``longer``, check every size at one chunk more and fit the sizes of the chunk count
-    (``chunk_counts``)."""
+    (``chunk_counts``); ``corner`` traces it at (B1,L1), only for a size both move that no
+    product of batch and length gives."""
     n0, nL, nB = (list(g.graph.nodes) for g in (g0, gL, gB))
+    at_corner = _Corner(corner, n0, what)
     if not (len(n0) == len(nL) == len(nB)):
         raise UnsupportedTTTError(
             f"the {what} has a different number of ops at different lengths or batch sizes "
@@ -180,7 +221,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
                                               f"shape in the arguments of {describe_op(a)}")
                 if v0 == vL == vB:
                     continue
-                expr = _fit(v0, vL, vB, B0, L0, L1, B1)
+                expr = _fit(v0, vL, vB, B0, L0, L1, B1, corner=None if corner is None else
+                            lambda: at_corner.value(i, where, path))
                 if expr is None:
                     raise UnsupportedTTTError(
                         f"the size argument {path} of {describe_op(a)} in the {what} is not "
