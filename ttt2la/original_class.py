@@ -12,8 +12,6 @@ from __future__ import annotations
 #: the attribute of a ``Converted<cls>`` that holds the user's ``cls``
 ORIGINAL = "_ttt2la_original"
 
-#: ``original_class`` by the converted class it was asked of
-_ORIGINAL_OF: dict[type, type] = {}
 #: ``written_class`` by the class it was made for
 _WRITTEN: dict[type, type] = {}
 
@@ -25,15 +23,9 @@ def _converted_in(cls: type) -> type | None:
 
 def original_class(cls: type) -> type:
     """The user's class a ``Converted<cls>`` was made from, wherever that sits in ``cls``'s
-    MRO (``cls`` itself when it is no converted layer's class). Remembered per class: a call
-    that runs the code as written asks it every time."""
-    found = _ORIGINAL_OF.get(cls)
-    if found is None:
-        converted = _converted_in(cls)
-        found = cls if converted is None else converted.__dict__[ORIGINAL]
-        if converted is not None:
-            _ORIGINAL_OF[cls] = found
-    return found
+    MRO (``cls`` itself when it is no converted layer's class)."""
+    converted = _converted_in(cls)
+    return cls if converted is None else converted.__dict__[ORIGINAL]
 
 
 def written_class(cls: type) -> type:
