@@ -1891,6 +1891,18 @@ MUTATIONS = [
         (("ttt2la/converted.py", "torch.compiler.allow_in_graph(torch.compiler.disable(_run_converted))",
           "torch.compiler.allow_in_graph(_run_converted)"),),
         ("tests/test_compiled_call_errors.py",), "lossy"),
+    Mutation(
+        "chunking_decisions_vouched", "a decision on the length that is one of the plan's own cases (the scan's `if n > 0:` / `if rest > 0:`) is held like any other, so a lossy scan refuses untraced lengths and its exact one breaks a full graph",
+        (("ttt2la/frontend/size_uses.py", "chunking_case(lambda n: at(n, B), chunk, lengths)", "\"\""),),
+        ("tests/test_chunking_decisions.py",), "every_length or one_graph or that_length"),
+    Mutation(
+        "chunking_decisions_unchecked", "decisions that are the plan's own cases are dropped without checking the exact plan against the code as written in each combination, so a branch of the same case around other code runs the probes' branch",
+        (("ttt2la/chunking_decisions.py", "                if not agree:\n                    return []\n", ""),),
+        ("tests/test_chunking_decisions.py",), "keeps_the_lengths_held"),
+    Mutation(
+        "chunking_decisions_forgotten_when_unpickled", "a converted layer built again from its record (unpickled) holds its plan's own decisions again, so it refuses lengths the conversion held",
+        (("ttt2la/converted.py", "        drop_cases(state, recipe.cases)\n", "        pass\n"),),
+        ("tests/test_chunking_decisions.py",), "unpickled"),
 ]
 
 

@@ -129,12 +129,20 @@ def test_torch_compile_fullgraph_runs_the_converted_layer(make):
         torch._dynamo.reset()
 
 
+class _EightsBranch(ScanEtaTTTLayer):
+    """TTT-Linear's scan with a branch on the length its plan does not make."""
+
+    def forward(self, x):
+        o = super().forward(x)
+        return o * 2 if x.shape[1] % 8 else o + 2
+
+
 def test_torch_compile_fullgraph_names_a_layer_whose_code_reads_the_length():
-    """TTT-Linear's scan in mini-batches branches on ``divmod(L, K)`` around its loop, so each new
-    length is checked against the code as written: a full graph cannot hold that, and the
-    compiler's refusal carries ttt2la's reason and what to do."""
+    """A branch on the length around the scan (``o * 2 if T % 8 else o + 2``, mini-batches of
+    4) makes each new length checked against the code as written: a full graph cannot hold
+    that, and the compiler's refusal carries ttt2la's reason and what to do."""
     torch.manual_seed(0)
-    layer = ScanEtaTTTLayer(16, 2, 4)
+    layer = _EightsBranch(16, 2, 4)
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 13, 16),))
     with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
         torch._dynamo.reset()

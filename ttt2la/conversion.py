@@ -42,6 +42,7 @@ from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, r
 from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
 from .drift import layer_drift, lm_loss, model_with, run_module
 from .gradient_stops import detached_state, presence_difference, unseen_stop
+from .chunking_decisions import cases_note, vouched_cases, without
 from .length_vouching import example_branch, refuse_lossy_branch, unvouch_example, vouching
 from .padded_chunk import padding_changes
 from .undifferentiable import OwnBackwardFails
@@ -229,14 +230,8 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict,
                            length_vouching=vouching(rl), skipped_first=_skipped_first(rl))
-    held = state.length_vouching
-    if held is not None:
-        shapes = "lengths" if held.by == ("the length",) else \
-            "batch sizes" if held.by == ("the batch size",) else "shapes"
-        notes.append(f"its code computes Python values of {' and '.join(held.by)} "
-                     f"({held.what}): converted for the {shapes} it was traced at; " +
-                     ("each other one is checked once against the code as written, which runs "
-                      "where they differ" if exact else f"other {shapes} are refused"))
+    if state.length_vouching is not None:
+        notes.append(state.length_vouching.note(exact))
     return state, analysis, notes, exact
 
 
@@ -684,6 +679,7 @@ def _checked(layer: _Layer) -> dict:
     """The converted layer against the original on the example inputs, and its plan against the
     rewritten loop; raises when an exact conversion does not match."""
     rl, state = layer.rl, layer.state
+    _vouch_cases(layer)
     ref = run_module(layer.original, *_layer_inputs(rl))
     if not layer.exact and state is not None:   # its check measures a drift: it cannot tell
         _refuse_lossy_branch(layer, ref)
@@ -700,6 +696,27 @@ def _checked(layer: _Layer) -> dict:
             "applied pass is exact; this is a bug in ttt2la — please report it with the "
             "model. Use strict=False at a lower level meanwhile.")
     return check
+
+
+def _vouch_cases(layer: _Layer) -> None:
+    """Drop from the converted layer's vouching the decisions its plan makes itself
+    (``chunking_decisions``), checked on its exact twin; the record keeps their lines for a
+    layer built again from it."""
+    state = layer.state
+    held = state.length_vouching if state is not None else None
+    if held is None or not any(v.chunking for v in held.found):
+        return
+    values = vouched_cases(held, layer.rl, layer.exact_twin, layer.original)
+    if not values:
+        return
+    state.length_vouching = without(held, values)
+    layer.notes[:] = [n for n in layer.notes if n != held.note(layer.exact)]
+    layer.notes.append(cases_note(values))
+    if state.length_vouching is not None:
+        layer.notes.append(state.length_vouching.note(layer.exact))
+    state.compile_break = compile_break(state)
+    if state.recipe is not None:
+        state.recipe.cases = tuple((v.file, v.line) for v in values)
 
 
 def _refuse_variation(rl: RecognizedLayer, original: torch.nn.Module) -> None:

@@ -967,6 +967,7 @@ class Recipe:
     partial_chunk: str = ""     # what zero padding of a partial last chunk changes
     undifferentiable: str = ""      # how the layer's own backward fails (``undifferentiable``)
     example_branch: str = ""    # how the code computes another function at the example's length
+    cases: tuple = ()           # lines of decisions the plan makes itself (``chunking_decisions``)
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -1023,6 +1024,9 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     if recipe.partial_chunk:
         state.refuse_padding(recipe.partial_chunk)
     state.undifferentiable = recipe.undifferentiable
+    if recipe.cases:                    # found by the conversion's check, not run again
+        from .chunking_decisions import drop_cases
+        drop_cases(state, recipe.cases)
     if recipe.example_branch:           # the code as written runs at the example's length
         from .length_vouching import unvouch_example
         unvouch_example(state, rl, recipe.example_branch)

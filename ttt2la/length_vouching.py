@@ -7,6 +7,8 @@ trace showed. Such a layer holds the lengths it was traced or checked at (``Leng
 at any other length an exact conversion runs the plan and the code as written once, on the
 call's own inputs, and keeps the plan for that length only where the two agree (else the code as
 written runs there); a lossy one, whose function the code does not compute, refuses the length.
+Decisions that tell apart only what the plan tells apart by itself (a whole chunk, a partial
+last chunk) are dropped from the vouching once checked (``chunking_decisions``).
 
 The probes trace the code around the loop at lengths of their own, never at the example's. Where
 the conversion's check finds the plan off the code as written at the example's length,
@@ -41,6 +43,7 @@ class LengthVouching:
     what: str
     lengths: dict = field(default_factory=dict)
     by: tuple[str, ...] = ("the length",)
+    found: tuple = ()       # the uses (``LengthValue``) ``what`` names, where they are known
 
     def key(self, B: int, L: int):
         """The shape ``(B, L)`` (batch units, tokens) as ``lengths`` holds it."""
@@ -56,6 +59,16 @@ class LengthVouching:
         length, batch = "the length" in self.by, "the batch size" in self.by
         return f"batch size {B} units, length {L}" if length and batch else \
             f"batch size {B} units" if batch else f"length {L}"
+
+    def note(self, exact: bool) -> str:
+        """The report's note: what the code computes, and what the converted layer does at
+        shapes it was not traced at."""
+        shapes = "lengths" if self.by == ("the length",) else \
+            "batch sizes" if self.by == ("the batch size",) else "shapes"
+        return (f"its code computes Python values of {' and '.join(self.by)} ({self.what}): "
+                f"converted for the {shapes} it was traced at; " +
+                ("each other one is checked once against the code as written, which runs "
+                 "where they differ" if exact else f"other {shapes} are refused"))
 
     def refusal(self, where: str, B: int, L: int) -> UnsupportedShapeError:
         """The refusal of a lossy conversion at the untraced shape ``(B, L)``."""
@@ -130,7 +143,7 @@ def vouching(rl) -> LengthVouching | None:
     by = tuple(of for of in ("the batch size", "the length") if any(v.of == of for v in found))
     unit = layout.batch_unit
     example = (x.shape[layout.batch_axis[layout.ref]] // unit, x.shape[axis])
-    held = LengthVouching(describe(found), by=by)
+    held = LengthVouching(describe(found), by=by, found=tuple(found))
     for B, L in {(rl.B0, rl.L0), (rl.B0, rl.L1), (rl.B1, rl.L0), example}:
         held.lengths[held.key(B, L)] = True
     return held

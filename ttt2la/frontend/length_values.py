@@ -39,6 +39,7 @@ class LengthValue:
     code: str
     what: str               # "branches on", "clamps", …
     of: str = "the length"  # or "the batch size"
+    chunking: str = ""      # the plan's own case the decision tells apart (``size_uses``)
 
     def describe(self) -> str:
         return f"`{self.code}` at {self.file}:{self.line} {self.what} {self.of}"

@@ -15,15 +15,19 @@ recorded at the user's line. Each is
 then evaluated at many lengths and batch sizes: a decision that changes, or a number that is no
 size the converted graph can compute at a new shape (affine in each), is a use of that size the
 probe traces cannot vouch for. Decisions inside the loop itself (unrolled and compared by the
-traces) and guards that only raise are left out, as ``length_values`` leaves them. The
-user's modules (the loop's and every other file of the user's) see ``len``, ``range`` and
-``math`` during the run as versions that keep the sizes' functions (``_counting``,
-``size_math``): CPython's own make plain numbers of them.
+traces) and guards that only raise are left out, as ``length_values`` leaves them. A decision
+of the length alone whose outcome is one of the chunked plan's own cases (a whole chunk, a
+partial last chunk: ``chunking_cases``) says so (``LengthValue.chunking``), for
+``chunking_decisions`` to check against the code as written and drop. The user's modules (the
+loop's and every other file of the user's) see ``len``, ``range`` and ``math`` during the run as
+versions that keep the sizes' functions (``_counting``, ``size_math``): CPython's own make plain
+numbers of them.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import math
 import operator
@@ -35,6 +39,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .chunking_cases import chunking_case
 from .length_values import LengthValue, _module_of
 from .loop_source import appended_names
 from .user_code import function_at, is_users, parsed, real_path, source_lines
@@ -630,18 +635,26 @@ def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
 
 
 def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthValue]:
+    """The uses among the recorded ones, one per line and size; a line whose every use of the
+    length is a decision of one of the plan's own cases (``chunking_case``) says which."""
     lengths, batches = _lengths(chunk, L), _batches(unit, B)
-    out = {}
+    out, cases = {}, {}
     for (file, line), uses in found.items():
         for what, at in uses:
             judged = isinstance(at, _Sized)
             if not judged and _guard(file, line):
                 continue
-            for of in _changes(at.at if judged else at, judged, chunk, lengths, batches, L, B):
+            changes = _changes(at.at if judged else at, judged, chunk, lengths, batches, L, B)
+            for of in changes:
+                case = "" if judged or changes != ["the length"] else \
+                    chunking_case(lambda n: at(n, B), chunk, lengths)
+                cases.setdefault((file, line, of), set()).add(case)
                 if (file, line, of) not in out:
                     lines = source_lines(file)
                     code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
                     out[(file, line, of)] = LengthValue(file, line, code, what, of)
+    out = {key: dataclasses.replace(v, chunking=next(iter(cases[key])))
+           if len(cases[key]) == 1 else v for key, v in out.items()}
     return sorted(out.values(), key=lambda v: (v.file, v.line, v.of))
 
 
