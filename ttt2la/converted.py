@@ -449,8 +449,12 @@ class ConvertedState:
     def _run_kept(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat, B: int,
                   L: int):
         """The code as written on a kept call; its failure is judged as the full path's."""
+        forwards = self.as_written.forwards
+        forward = forwards.get(type(module))
+        if forward is None:
+            forward = forwards[type(module)] = original_class(type(module)).forward
         try:
-            return original_class(type(module)).forward(module, *args, **kwargs)
+            return forward(module, *args, **kwargs)
         except Exception as e:
             weights = params_and_buffers(module)
             if on_meta(weights, []):
