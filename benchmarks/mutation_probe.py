@@ -1861,6 +1861,18 @@ MUTATIONS = [
         (("ttt2la/frontend/size_uses.py", "            return self._grown_elsewhere(seq, it, k)", "            return None"),),
         ("tests/test_counts_of_the_length.py",), "GrownElsewhere"),
     Mutation(
+        "copied_pieces_uncounted", "a list or tuple copied from a tensor's counted pieces (`len(list(x.split(C, 1)))`, `len([c for c in x.split(C, 1)])`) is no count of them, so a decision on it escapes",
+        (("ttt2la/frontend/size_uses.py", "            copy = copied(self.pieces, seq)\n", "            copy = None\n"),),
+        ("tests/test_counts_of_the_length.py",), "ListOfPieces or PiecesComprehended"),
+    Mutation(
+        "generated_pieces_uncounted", "the run hands the layer's code `sum` as it is, so `sum(1 for _ in x.unbind(1))` makes a plain int and a decision on it escapes",
+        (("ttt2la/frontend/size_uses.py", "(\"range\", _Range), (\"sum\", _sum)", "(\"range\", _Range)"),),
+        ("tests/test_counts_of_the_length.py",), "SumOfPieces"),
+    Mutation(
+        "reshape_sizes_unread", "the sizes a reshape or view computes (its `-1`: `x.reshape(B, -1, C, D).shape[1]`, the number of chunks) are read as any other, no value of the length",
+        (("ttt2la/frontend/size_uses.py", "            self.shaped[id(out)] = (weakref.ref(out), got)\n", "            pass\n"),),
+        ("tests/test_counts_of_the_length.py",), "ChunksOfAView"),
+    Mutation(
         "whole_slice_size_from_input", "the size of a slice that kept its whole axis is read from its input, which a loop's output read by getitem lacks, so a padded sequence converts for its example's remainder only",
         (("ttt2la/frontend/chunk_counts.py", "        x = nodes[i].meta.get(\"val\")\n",
           "        x = nodes[i].args[0].meta.get(\"val\")\n"),),

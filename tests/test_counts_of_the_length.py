@@ -124,8 +124,30 @@ class GrownElsewhere(Counted):
         return o * 2 if len(outs) > 5 else o + 2
 
 
+class SumOfPieces(Counted):
+    def finish(self, o, x, outs):
+        return o * 2 if sum(1 for _ in x.unbind(1)) > 20 else o + 2
+
+
+class ListOfPieces(Counted):
+    def finish(self, o, x, outs):
+        return o * 2 if len(list(x.split(4, 1))) > 5 else o + 2
+
+
+class PiecesComprehended(Counted):
+    def finish(self, o, x, outs):
+        return o * 2 if len([c for c in x.split(4, 1)]) > 5 else o + 2
+
+
+class ChunksOfAView(Counted):
+    def finish(self, o, x, outs):               # padded to whole chunks, then viewed as them
+        padded = torch.nn.functional.pad(x, (0, 0, 0, (-x.shape[1]) % 4))
+        return o * 2 if padded.reshape(-1, 4, D).shape[0] // x.shape[0] > 5 else o + 2
+
+
 SPELLINGS = {c.__name__: c for c in (LenOuts, LenOutsValue, LenRange, LenSplitValue, LenUnbind,
-                                     Stride, TensorOfShape, GrownElsewhere)}
+                                     Stride, TensorOfShape, GrownElsewhere, SumOfPieces,
+                                     ListOfPieces, PiecesComprehended, ChunksOfAView)}
 
 
 class OneSample(Counted):
@@ -231,6 +253,24 @@ def test_the_run_hands_out_counts_of_the_sizes():
         (8, "makes a tensor of", "the batch size"), (8, "makes a tensor of", "the length"),
         (9, "compares", "the batch size")]
     assert "len" not in globals() and "range" not in globals()
+
+
+def no_counts(x):
+    outs = []
+    for s in range(0, x.shape[1], 4):
+        outs.append(x[:, s:s + 4])
+    a = sum(1 for c in x.unbind(1) if c is None) % 2 == 0        # a condition: no count
+    b = len([c for c in x.unbind(1)][:3]) % 2 == 0                # three of the pieces
+    c = len([c * 2 for c in x.split(4, 1)] + [x]) % 2 == 0        # other tensors
+    d = x.reshape(x.shape[0], -1, 4, D).shape[2] % 3 == 0        # the chunk's own size
+    e = sum(1 for _ in x.unbind(2)) % 3 == 0                      # the features
+    return a, b, c, d, e
+
+
+def test_the_run_counts_no_sequence_but_the_pieces_themselves():
+    L, B = 20, 3
+    x = torch.randn(B, L, D)
+    assert size_uses(lambda: no_counts(x), L, B, 4, 1, (__file__, loop_line(no_counts))) == []
 
 
 # --- inside the loop: the number of chunks appended so far -----------------------------------

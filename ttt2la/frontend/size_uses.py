@@ -33,6 +33,7 @@ import math
 import operator
 import sys
 import warnings
+import weakref
 from fractions import Fraction
 from typing import Callable
 
@@ -196,6 +197,7 @@ class _Run:
         self.entry = sys._getframe(1)        # ``size_uses``: no frame above it is the layer's
         self.found: dict[tuple[str, int], list] = {}
         self.counts: dict[int, tuple[object, Callable]] = {}   # id -> (sequence, its length)
+        self.pieces: dict[int, tuple[object, Callable]] = {}   # first piece's id -> same
         self.iterations: Callable | None = None     # the loop's count of iterations
         self.loop_frame = None                      # the frame that runs the loop
         self.before: dict[int, tuple[list, int]] = {}   # its lists as the loop began: id -> (list, len)
@@ -204,6 +206,8 @@ class _Run:
         """``seq`` (a ``range`` or the pieces of a tensor) has ``at(L, B)`` items; made at the
         loop statement's line, it is what the loop iterates over."""
         self.counts[id(seq)] = (seq, at)
+        if isinstance(seq, (tuple, list)) and seq and isinstance(seq[0], torch.Tensor):
+            self.pieces[id(seq[0])] = (seq, at)
         if self.loop is not None and frame is not None and frame.f_lineno == self.loop[1] \
                 and real_path(frame.f_code.co_filename) == self.loop[0]:
             self.iterations, self.loop_frame = at, frame
@@ -213,10 +217,16 @@ class _Run:
     def length_of(self, seq) -> Callable | None:
         """The number of items of ``seq`` as a function of the sizes: a counted sequence's, or
         for a list the loop appends to (``grown``, by name in the loop's frame), the loop's
-        count of iterations times the items it holds per iteration; ``None``: neither."""
+        count of iterations times the items it holds per iteration, or a list or tuple of
+        exactly a tensor's counted pieces; ``None``: none of them."""
         hit = self.counts.get(id(seq))
         if hit is not None and hit[0] is seq:
             return hit[1]
+        if self.pieces:                 # a copy of a tensor's counted pieces (``counted_pieces``)
+            from .counted_pieces import copied
+            copy = copied(self.pieces, seq)
+            if copy is not None:
+                return copy
         it, frame = self.iterations, self.loop_frame
         if it is None or not isinstance(seq, list):
             return None
@@ -284,6 +294,7 @@ def _is_shape_get(func) -> bool:
 
 _SIZES = {torch._C.TensorBase.size, torch._C.TensorBase.numel, torch._C.TensorBase.nelement,
           torch._C.TensorBase.stride}
+_STRIDE = torch._C.TensorBase.stride
 _TENSOR_MAKERS = {torch.tensor, torch.as_tensor, torch.scalar_tensor,
                   torch._C.TensorBase.new_tensor}
 #: what cuts a tensor into pieces, and the names of its arguments after the tensor
@@ -295,14 +306,22 @@ class _Tracking(TorchFunctionMode):
     of the sizes passed to torch are recorded."""
 
     def __init__(self, run: _Run):
+        from .inferred_sizes import RESHAPES, shaped
+
         super().__init__()
-        self.run = run
+        self.run, self.reshapes, self.shape_of = run, RESHAPES, shaped
+        self.shaped: dict[int, tuple] = {}  # id -> (weakref to a reshape's output, its sizes)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in _SIZES or _is_shape_get(func):
-            return self._sizes(out)
+            shaped = self._shaped(args[0]) if func is not _STRIDE else None
+            if shaped is None:
+                return self._sizes(out)
+            return self._of_reshape(out, shaped, args[0], func, args, kwargs)
+        if func in self.reshapes and isinstance(out, torch.Tensor):
+            self._reshaped(out, args, kwargs)
         if func is torch.Tensor.__len__:
             size = self._sizes(out)
             if isinstance(size, SizeInt):       # ``len`` makes a plain int of it
@@ -351,7 +370,25 @@ class _Tracking(TorchFunctionMode):
             return lambda L, B: -(-size(L, B) // k(L, B))
         return lambda L, B: -(-size(L, B) // -(-size(L, B) // k(L, B)))
 
+    def _shaped(self, t) -> list | None:
+        """The sizes of ``t`` as functions of the call's sizes, where a reshape made it
+        (``inferred_sizes``); ``None`` otherwise."""
+        hit = self.shaped.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def _reshaped(self, out: torch.Tensor, args, kwargs) -> None:
+        """Remember the sizes of a reshape's or view's output as functions of the call's."""
+        if not isinstance(args[0], torch.Tensor):
+            return
+        dims = self._shaped(args[0]) or [
+            n.at if isinstance(n, SizeInt) else None for n in self._sizes(args[0].shape)]
+        got = self.shape_of(args, kwargs, dims)
+        if got is not None and len(got) == out.dim():
+            self.shaped[id(out)] = (weakref.ref(out), got)
+
     def _sizes(self, out):
+        """``out`` (a size, a shape or strides) with each size of the length or the batch
+        a ``SizeInt``: a multiple of ``L*`` or ``B*``."""
         L, B = self.run.L, self.run.B
 
         def one(n):
@@ -372,6 +409,20 @@ class _Tracking(TorchFunctionMode):
         if isinstance(out, tuple):                  # ``stride()``
             return tuple(one(n) for n in out)
         return one(out)
+
+    @staticmethod
+    def _of_reshape(out, shaped: list, t: torch.Tensor, func, args, kwargs):
+        """``out`` (``shape``, ``size()``, ``size(d)`` or ``numel()`` of ``t``, a reshape's
+        output) with the sizes ``shaped`` computes from the call's."""
+        ats = [at or _at(n) for at, n in zip(shaped, t.shape)]
+        if isinstance(out, torch.Size):
+            return torch.Size([n if at is None else SizeInt(n, at)
+                               for n, at in zip(out, shaped)])
+        if func is not torch._C.TensorBase.size:
+            return SizeInt(out, lambda L, B: math.prod(f(L, B) for f in ats))
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        at = shaped[dim] if isinstance(dim, int) and -len(ats) <= dim < len(ats) else None
+        return out if at is None else SizeInt(out, at)
 
 
 def _shaped(args, kwargs) -> bool:
@@ -420,11 +471,13 @@ def _counting(file: str):
     them, and ``math`` and the functions imported from it track values of the sizes
     (``size_math``): a helper in another file of the user's counts, and computes, as the
     loop's own code does."""
+    from .counted_pieces import _sum
     from .size_math import replacements
 
     patched = []
     for scope in _user_scopes(file):
-        mine = {name: f for name, f in (("len", _len), ("range", _Range)) if name not in scope}
+        mine = {name: f for name, f in (("len", _len), ("range", _Range), ("sum", _sum))
+                if name not in scope}
         mine.update(replacements(scope))
         kept = {name: scope[name] for name in mine if name in scope}
         scope.update(mine)
