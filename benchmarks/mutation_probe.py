@@ -1915,6 +1915,11 @@ MUTATIONS = [
         "chunking_decisions_forgotten_when_unpickled", "a converted layer built again from its record (unpickled) holds its plan's own decisions again, so it refuses lengths the conversion held",
         (("ttt2la/converted.py", "        drop_cases(state, recipe.cases)\n", "        pass\n"),),
         ("tests/test_chunking_decisions.py",), "unpickled"),
+    Mutation(
+        "checkpoint_stop_taken_for_a_failure", "the early stop of an activation checkpoint's recomputation, raised inside the plan, is judged as the plan's failure and the code as written runs instead, saving other tensors than the forward did",
+        (("ttt2la/converted.py", "        if isinstance(error, ConversionError) or steering(error):\n",
+          "        if isinstance(error, ConversionError):\n"),),
+        ("tests/test_recast.py",), "activation_checkpointing"),
 ]
 
 

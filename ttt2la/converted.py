@@ -52,7 +52,7 @@ from .torchscript import refuse_scripting, traced_call
 from .recast import Signature, recast, recast_recipe, weights_signature
 from .settings_guard import SettingsGuard
 from .rejected_call import (conversion_fault, failed_where, failing_node, fails_in_loop,
-                            rejected, rejected_as_written)
+                            rejected, rejected_as_written, steering)
 from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .as_found import as_found, buffers_kept
@@ -376,7 +376,7 @@ class ConvertedState:
         is: where it fails too, the error is the layer's own, named at its line; where it runs,
         the converted graphs are at fault — an exact conversion answers with the code as
         written (a warning and the report's runs say so), a lossy one refuses, saying so."""
-        if isinstance(error, ConversionError):
+        if isinstance(error, ConversionError) or steering(error):
             raise error
         gm = self.outer_for(B, L)
         inputs = [weights, *flat]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.utils.checkpoint
 
 from .errors import ConversionError, RejectedCallError
 from .ir import LOOP_MODULE, node_src
@@ -27,6 +28,18 @@ class _Locate(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node):
         self.node = n
         return super().run_node(n)
+
+
+#: Exceptions torch raises to steer a computation, not to report a failure: the early stop of a
+#: non-reentrant activation checkpoint's recomputation, once it has what it saved.
+_STEERING = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),)
+                  if c is not None)
+
+
+def steering(error: BaseException) -> bool:
+    """Is ``error`` torch steering the call (``_STEERING``), to pass on untouched rather than
+    judge as a failure of the plan or of the layer?"""
+    return isinstance(error, _STEERING)
 
 
 def failing_node(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.Node | None:
