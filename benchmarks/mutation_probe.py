@@ -1891,6 +1891,11 @@ MUTATIONS = [
         (("ttt2la/converted.py", "torch.compiler.allow_in_graph(torch.compiler.disable(_run_converted))",
           "torch.compiler.allow_in_graph(_run_converted)"),),
         ("tests/test_compiled_call_errors.py",), "lossy"),
+    Mutation(
+        "compiled_written_call_traced", "a compiled call's code as written runs inside TorchDynamo, which traces it on fake tensors and lets its own error out where that code fails",
+        (("ttt2la/converted.py", "            return _written_between_graphs(written)\n",
+          "            return written()\n"),),
+        ("tests/test_ordinary_module.py",), "run_as_written_fails_as_the_eager_call"),
 ]
 
 
