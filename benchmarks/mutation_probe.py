@@ -1896,6 +1896,12 @@ MUTATIONS = [
         (("ttt2la/converted.py", "            return _written_between_graphs(written)\n",
           "            return written()\n"),),
         ("tests/test_ordinary_module.py",), "run_as_written_fails_as_the_eager_call"),
+    Mutation(
+        "untraced_lengths_blame_the_code", "lengths the conversion could not trace are said to be where the layer's own code failed, without running that code there",
+        (("ttt2la/frontend/recognize.py",
+          "            own = not _code_runs_at(cand, fn, flat, layout, usual_plan, C, seq_len)\n",
+          "            own = True\n"),),
+        ("tests/test_whole_chunk_loops.py",), "whose_failure"),
 ]
 
 
