@@ -1902,6 +1902,11 @@ MUTATIONS = [
           "            own = not _code_runs_at(cand, fn, flat, layout, usual_plan, C, seq_len)\n",
           "            own = True\n"),),
         ("tests/test_whole_chunk_loops.py",), "whose_failure"),
+    Mutation(
+        "single_step_corner_untraced", "a single step's size that both batch and length move (a padded sequence flattened) is fitted from three traces, as b*B + c*L",
+        (("ttt2la/frontend/single_step.py", "                         corner=None if fixed else corner)\n",
+          "                         corner=None)\n"),),
+        ("tests/test_padded_sequence.py",), "padded_single_step"),
 ]
 
 
