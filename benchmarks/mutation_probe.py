@@ -1920,6 +1920,22 @@ MUTATIONS = [
         (("ttt2la/converted.py", "        if isinstance(error, ConversionError) or steering(error):\n",
           "        if isinstance(error, ConversionError):\n"),),
         ("tests/test_recast.py",), "activation_checkpointing"),
+    Mutation(
+        "compiled_written_call_traced", "a compiled call's code as written runs inside TorchDynamo, which traces it on fake tensors and lets its own error out where that code fails",
+        (("ttt2la/converted.py", "            return _written_between_graphs(written)\n",
+          "            return written()\n"),),
+        ("tests/test_ordinary_module.py",), "run_as_written_fails_as_the_eager_call"),
+    Mutation(
+        "untraced_lengths_blame_the_code", "lengths the conversion could not trace are said to be where the layer's own code failed, without running that code there",
+        (("ttt2la/frontend/recognize.py",
+          "            own = not _code_runs_at(cand, fn, flat, layout, usual_plan, C, seq_len)\n",
+          "            own = True\n"),),
+        ("tests/test_whole_chunk_loops.py",), "whose_failure"),
+    Mutation(
+        "single_step_corner_untraced", "a single step's size that both batch and length move (a padded sequence flattened) is fitted from three traces, as b*B + c*L",
+        (("ttt2la/frontend/single_step.py", "                         corner=None if fixed else corner)\n",
+          "                         corner=None)\n"),),
+        ("tests/test_padded_sequence.py",), "padded_single_step"),
 ]
 
 

@@ -294,6 +294,37 @@ def test_compiled_calls_take_the_eager_calls_route(case):
         assert any(run in k for k in runs), runs
 
 
+@pytest.mark.parametrize("case", ["untraced length", "length 0"])
+def test_a_compiled_call_run_as_written_fails_as_the_eager_call(case, monkeypatch):
+    """The code as written of a call the plan does not take runs outside TorchDynamo, so its
+    failure is the eager call's ``RejectedCallError``, naming the user's line with torch's own
+    error, whatever TorchDynamo can trace of the way there: with the user's class remembered
+    per class (a lookup TorchDynamo traces without a graph break) the code as written was
+    traced on fake tensors, and TorchDynamo's TorchRuntimeError escaped, naming no line."""
+    from ttt2la import original_class as lookup
+
+    remembered, look_up = {}, lookup.original_class
+
+    def original_class(cls):
+        if cls not in remembered:
+            remembered[cls] = look_up(cls)
+        return remembered[cls]
+
+    monkeypatch.setattr(lookup, "original_class", original_class)
+    torch.manual_seed(0)
+    _, conv, x, _ = _routed_layer(case)
+    with pytest.raises(ttt2la.RejectedCallError) as eager:
+        conv(x)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as got:
+            torch.compile(conv, backend="eager")(x)
+        torch._dynamo.reset()
+    assert type(got.value) is type(eager.value), repr(got.value)
+    assert str(got.value) == str(eager.value)
+    assert ".py:" in got.value.where
+
+
 def test_a_cast_layer_compiles_at_its_first_call_at_the_new_dtype():
     """A layer cast after conversion (``.double()``) is converted again at its first call at the
     new dtype (``recast``): compiled, that call converts outside the compiler's trace and equals

@@ -13,6 +13,9 @@ Where the converted graphs fail on a call the layer as written runs (planted her
 size of the code around the loop computed at another batch size), the error is not the
 user's: an exact conversion answers with the code as written and warns, a lossy one refuses
 saying that the layer as written runs the call.
+
+A single-step layer (one step over the whole sequence, no loop) that pads and flattens its
+sequence the same way is exact at every batch size and length too, converted from batch 2 or 1.
 """
 from __future__ import annotations
 
@@ -107,6 +110,44 @@ def test_a_padded_sequence_converts_for_every_remainder(padded):
 def test_the_examples_remainder_is_exact_at_every_batch_size(remainder_only, B, chunks):
     layer, converted = remainder_only
     _assert_exact(layer, converted, B, EXAMPLE % CHUNK + CHUNK * chunks)
+
+
+class PaddedStep(nn.Module):
+    """One test-time step of ``W`` over the whole sequence (no loop over chunks), its input
+    padded by two tokens and projected flattened as ``[B * (L + 2), d]``, then cropped back."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D, bias=False)
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.w0 = nn.Parameter(torch.randn(D, D) * 0.1)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        h = F.pad(x, (0, 0, 0, 2)).reshape(B * (L + 2), D)
+        h = self.proj(h).reshape(B, L + 2, D)[:, :L]
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        W = self.w0.unsqueeze(0)
+        W = W - 0.1 * k.mT @ (k @ W - v) / L
+        return q @ W
+
+
+@pytest.fixture(scope="module", params=[(2, EXAMPLE), (1, 5)], ids=["batch 2", "batch 1"])
+def padded_step(request):
+    torch.manual_seed(0)
+    layer = PaddedStep().eval()
+    return layer, ttt2la.convert(layer, level=0, example_inputs=(torch.randn(*request.param, D),))
+
+
+@settings(max_examples=15, deadline=None)
+@given(B=st.integers(1, 4), L=st.integers(2, 30))
+def test_a_padded_single_step_is_exact_at_every_batch_size_and_length(padded_step, B, L):
+    """A single step's ``B * (L + 2)`` is fitted from its trace where batch and length both
+    change, as a loop's is: it was fitted as ``b·B + c·L`` from three traces, so the converted
+    graphs failed at other batch sizes (run as written, with a warning), and a conversion from
+    a batch of 1 was refused."""
+    layer, converted = padded_step
+    _assert_exact(layer, converted, B, L)
 
 
 def _sizes_of_another_batch(monkeypatch) -> None:

@@ -98,6 +98,58 @@ class ReshapedToTheLength(nn.Module):
         return torch.cat(outs, 1).reshape(B, L, -1)
 
 
+class WholeChunksOut(ReshapedToTheLength):
+    """``ReshapedToTheLength`` without the reshape: its code runs at every length."""
+
+    def forward(self, x):
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for i in range(L // self.C):
+            s = slice(i * self.C, (i + 1) * self.C)
+            S = 0.9 * S + k[:, s].transpose(1, 2) @ v[:, s]
+            outs.append(q[:, s] @ S)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("whose", ["code", "conversion"])
+def test_the_untraced_lengths_say_whose_failure_restricted_them(whose, monkeypatch):
+    """A layer traced only at its example's remainder says why: its own code failed at the
+    usual probe lengths, or — where that code runs there, and the conversion's trace failed
+    (here made to fail at the other remainders) — the conversion could not trace them. Both
+    were said to be the code's failure."""
+    from ttt2la.frontend import recognize
+
+    if whose == "conversion":
+        roll_at = recognize._roll_at
+
+        def failing_roll_at(cand, fn, flat, layout, B, L):
+            if L % 8:
+                raise RuntimeError("a trace made to fail")
+            return roll_at(cand, fn, flat, layout, B, L)
+
+        monkeypatch.setattr(recognize, "_roll_at", failing_roll_at)
+    torch.manual_seed(0)
+    layer = ReshapedToTheLength() if whose == "code" else WholeChunksOut()
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 32, 16),))
+    monkeypatch.undo()
+    (report,) = converted.ttt2la_report.layers
+    (note,) = [n for n in report.notes if "converted for lengths leaving 0" in n]
+    converted._ttt2la.as_written = None          # a lossy conversion's refusal says why too
+    with pytest.raises(UnsupportedShapeError, match="traced at lengths leaving 0 only") as refused:
+        converted(torch.randn(1, 20, 16))
+    said = str(refused.value)
+    if whose == "code":
+        assert note.startswith("the layer's own code failed"), note
+        assert "its own code failed at the others (RuntimeError: shape" in said, said
+    else:
+        assert "could not trace the layer, whose code runs there" in note, note
+        assert "own code" not in note and "own code" not in said, said
+        assert "the conversion could not trace the others, where its code runs " \
+               "(RuntimeError: a trace made to fail)" in said, said
+
+
 def test_a_length_the_code_could_not_be_traced_at_runs_as_written_or_is_refused():
     """Lengths with the example's remainder run the plan, exactly; another length never runs the
     graphs (they hold no such length): an exact conversion runs the code as written, whose own

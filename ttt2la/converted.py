@@ -664,9 +664,13 @@ class ConvertedState:
 
     def _as_written(self, written, why: str):
         """``written()``, the layer's code as written, its errors raised as a
-        ``RejectedCallError`` naming the user's line (``rejected_as_written``)."""
+        ``RejectedCallError`` naming the user's line (``rejected_as_written``). Under
+        ``torch.compile`` it runs outside TorchDynamo (``_written_between_graphs``), whether
+        the call is being traced or runs after a graph break; ``torch.export`` traces it."""
         try:
-            return written()
+            if torch.compiler.is_exporting():
+                return written()
+            return _written_between_graphs(written)
         except Exception as e:
             raise rejected_as_written(e, path=self.program.module_path, why=why,
                                       expected=self._expected()) from e
@@ -1214,6 +1218,22 @@ def _eagerly_instead(state: ConvertedState, error: Exception, inputs: list, B: i
         hints=["Compile without fullgraph=True to run the call eagerly, or pass inputs the "
                "layer as written accepts (the dtype and device of its weights)."],
         from_exc=error)
+
+
+def _run_written(written):
+    """``written()``: the code as written of a call the plan does not take, run eagerly."""
+    return written()
+
+
+#: A call the plan does not take, run as written: under ``torch.compile``, between compiled
+#: graphs (a graph break) on the call's real tensors, its frames never compiled. Traced by
+#: TorchDynamo on fake tensors, a failure of that code would escape as TorchDynamo's own error,
+#: naming no line, instead of the eager call's ``RejectedCallError`` (eagerly the wrapper costs
+#: under a microsecond).
+_written_between_graphs = torch.compiler.disable(_run_written, reason=(
+    "ttt2la: this call of a converted layer runs its code as written (a shape, mode or state "
+    "its converted graphs do not take; see the layer's report runs). Compile it without "
+    "fullgraph=True: the call then runs eagerly between the compiled graphs"))
 
 
 #: The converted layer as one call that ``torch.compile`` writes into its graph as it is

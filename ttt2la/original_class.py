@@ -9,6 +9,8 @@ here, without importing the module that converts (which builds on most of the pa
 """
 from __future__ import annotations
 
+import functools
+
 #: the attribute of a ``Converted<cls>`` that holds the user's ``cls``
 ORIGINAL = "_ttt2la_original"
 
@@ -48,10 +50,16 @@ def written_class(cls: type) -> type:
     return _WRITTEN[cls]
 
 
+def _forward_as_written(module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` by the user's own ``forward``."""
+    return original_class(type(module)).forward(module, *args, **kwargs)
+
+
 def written_call(module, args: tuple, kwargs: dict):
     """A call of ``module(*args, **kwargs)`` by the user's own ``forward``, to run later (where
-    a converted layer runs its code as written instead of its plan)."""
-    return lambda: original_class(type(module)).forward(module, *args, **kwargs)
+    a converted layer runs its code as written instead of its plan): a ``partial``, which
+    TorchDynamo hands as it is to a call it runs between graphs."""
+    return functools.partial(_forward_as_written, module, args, kwargs)
 
 
 __all__ = ["ORIGINAL", "original_class", "written_call", "written_class"]

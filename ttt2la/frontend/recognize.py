@@ -69,6 +69,7 @@ class InputLayout:
     signature: CallSignature | None = None      # the example call, checked on every call
     traced_rest: tuple[int, int] | None = None  # (C, r): traced only at lengths L % C == r
     rest_why: str = ""                  # the probe failure that restricted the lengths
+    rest_own: bool = True               # whether the layer's own code failed there
     batch_constant: str = ""            # a number of the batch size the traced code holds
 
     def length_of(self, x: torch.Tensor) -> int:
@@ -76,17 +77,19 @@ class InputLayout:
         return x.shape[self.token_axis[self.ref]]
 
     def untraced_length(self, L: int) -> str:
-        """Why length ``L`` is not one the layer was traced at, or ``""``: a layer whose own code
-        failed at the usual probe lengths was traced at lengths with its example's remainder
-        modulo the chunk only, so the converted graphs hold no other."""
+        """Why length ``L`` is not one the layer was traced at, or ``""``: a layer that failed
+        at the usual probe lengths was traced at lengths with its example's remainder modulo the
+        chunk only, so the converted graphs hold no other. The reason says whose the failure
+        was: the layer's own code's, or the conversion's where that code runs there."""
         if self.traced_rest is None:
             return ""
         C, r = self.traced_rest
         if L % C == r:
             return ""
+        whose = "its own code failed at the others" if self.rest_own else \
+            "the conversion could not trace the others, where its code runs"
         return (f"length {L} leaves {L % C} token(s) after the last whole chunk of {C}, where the "
-                f"layer was traced at lengths leaving {r} only: its own code failed at the "
-                f"others ({self.rest_why})")
+                f"layer was traced at lengths leaving {r} only: {whose} ({self.rest_why})")
 
     def untraced_batch(self, flat_inputs: list) -> str:
         """Why the call's batch size is not the one a number of the traced code was derived
@@ -637,8 +640,7 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
     """Trace at the three shapes of ``plan`` and fit the outer graph's sizes."""
     b0, b1 = plan.batches
     L0, L1 = plan.lengths(C, seq_len)
-    shapes = [(b0, L0), (b0, L1)] + ([] if plan.fixed else [(b1, L0)])
-    for B, L in shapes:                               # shapes the code rejects fail fast eagerly
+    for B, L in _probe_shapes(plan, C, seq_len):      # shapes the code rejects fail fast eagerly
         _run_at(cand, fn, flat, layout, plan.unit * B, L)
     try:
         rolled = _roll_at(cand, fn, flat, layout, plan.unit * b0, L0)
@@ -682,13 +684,18 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
         layout = dataclasses.replace(layout, length_unit=C, loop_src=cand.loop.src,
                                      path=cand.path)
     elif plan.structured and seq_len is not None:
-        usual = next((e for p, e in failures if not p.structured), None)
+        usual_plan, usual = next(((p, e) for p, e in failures if not p.structured),
+                                 (None, None))
         if usual is not None:
-            notes.append(f"the layer's own code failed at lengths leaving another remainder "
-                         f"modulo its chunk of {C} ({_first_line(usual)}); converted for lengths "
-                         f"leaving {seq_len % C}")
+            own = not _code_runs_at(cand, fn, flat, layout, usual_plan, C, seq_len)
+            whose = "the layer's own code failed" if own else \
+                "the conversion could not trace the layer, whose code runs there,"
+            notes.append(f"{whose} at lengths leaving another remainder modulo its chunk of {C} "
+                         f"({_first_line(usual)}); converted for lengths leaving {seq_len % C}"
+                         f"{'' if own else '; please report the layer'}")
             layout = dataclasses.replace(layout, traced_rest=(C, seq_len % C), path=cand.path,
-                                         loop_src=cand.loop.src, rest_why=_first_line(usual))
+                                         loop_src=cand.loop.src, rest_why=_first_line(usual),
+                                         rest_own=own)
     if cand.probe_length is not None:
         notes.append(f"the example (length {seq_len}) is too short to run the loop; it was found "
                      f"by running the model at length {cand.probe_length}")
@@ -708,6 +715,24 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
                                      path=cand.path, why=why)
     return RecognizedLayer(cand.path, cand, rolled, rolled_L, rolled_B, layout, in_spec, outer,
                            L0, L1, b0, b1, notes)
+
+
+def _probe_shapes(plan: ProbePlan, C: int, seq_len) -> list[tuple[int, int]]:
+    """The (batch, length) shapes ``plan`` traces at, the batch in units of ``plan.unit``."""
+    b0, b1 = plan.batches
+    L0, L1 = plan.lengths(C, seq_len)
+    return [(b0, L0), (b0, L1)] + ([] if plan.fixed else [(b1, L0)])
+
+
+def _code_runs_at(cand, fn, flat, layout, plan: ProbePlan, C: int, seq_len) -> bool:
+    """Whether the layer's code as written runs at every shape of ``plan``: where it does, the
+    plan's failure was the conversion's, not the code's (a few eager runs, made only then)."""
+    try:
+        for B, L in _probe_shapes(plan, C, seq_len):
+            _run_at(cand, fn, flat, layout, plan.unit * B, L)
+    except Exception:
+        return False
+    return True
 
 
 def refuse_chunk_from_length(cand: LoopCandidate, rolled: dict[int, RolledLoop]) -> None:

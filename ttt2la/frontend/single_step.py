@@ -685,8 +685,18 @@ def _any_length(step: _Step, layout, b0, b1, unit, fixed, L0) -> RecognizedLayer
                 layout.token_axis[layout.ref])
     rolled, rolled_L = at_b0[0], at_b0[1]
     rolled_B = rolled if fixed else at_b1[0]
+
+    def corner() -> torch.fx.GraphModule:
+        """The code around the step at (b1, L1), traced already, its lengths' floats read as
+        the others' are: a size both move that no ``e·B·L`` gives (``B*(L + 2)``) is fitted
+        from it."""
+        outer = at_b1[1].outer
+        rewrite(outer, floats, 1, _placeholder(outer.graph, ref), layout.token_axis[layout.ref])
+        return outer
+
     outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=lengths[0],
-                         L1=lengths[1], B1=b1, what=f"code around the step of {name}")
+                         L1=lengths[1], B1=b1, what=f"code around the step of {name}",
+                         corner=None if fixed else corner)
     single = SingleStepLayout(**{f.name: getattr(layout, f.name)
                                  for f in dataclasses.fields(InputLayout)}, length=None,
                               shortest=shortest, length_why=short_why)
