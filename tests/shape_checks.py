@@ -5,6 +5,7 @@ import inspect
 
 import torch
 
+import ttt2la
 from ttt2la.errors import ConversionError
 from ttt2la.testing import rel_rms_error
 
@@ -36,6 +37,21 @@ def same_or_refused(layer, conv, T: int, B: int = 2, D: int = 8) -> str:
         want = layer.simplified(x, folded_factor(conv))
     assert rel_rms_error(got, want) <= 1e-5, f"length {T}, batch {B}: another branch's output"
     return "simplified"
+
+
+def each_call_same_or_refused(make, level: int, example: int, calls: list[int],
+                              D: int = 8) -> None:
+    """The layer ``make()`` converted at ``level`` from an example of ``example`` tokens (a
+    refused conversion is an answer too), then called at that length and at ``calls``: each call
+    the code's function or refused (``same_or_refused``)."""
+    torch.manual_seed(example)
+    layer = make()
+    try:
+        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, example, D),))
+    except ConversionError:
+        return
+    for T in [example, *calls]:
+        same_or_refused(layer, conv, T, D=D)
 
 
 def loop_line(fn) -> int:

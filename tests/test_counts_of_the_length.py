@@ -14,12 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttt2la
-from ttt2la.errors import ConversionError
 from ttt2la.frontend.length_values import length_values
 from ttt2la.frontend.size_uses import size_uses
 
 import size_helpers
-from shape_checks import loop_line, same_or_refused
+from shape_checks import each_call_same_or_refused, loop_line, same_or_refused
 
 D = 8
 BETA, LR = 0.5, 0.1
@@ -191,14 +190,7 @@ def test_the_number_of_samples_is_the_code_function_at_every_batch_size():
 @given(name=st.sampled_from(sorted(SPELLINGS)), level=st.sampled_from([0, 5]),
        example=st.integers(6, 26), calls=st.lists(st.integers(2, 48), min_size=2, max_size=4))
 def test_every_call_is_the_code_function_or_refused(name, level, example, calls):
-    torch.manual_seed(example)
-    layer = SPELLINGS[name]()
-    try:
-        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, example, D),))
-    except ConversionError:
-        return
-    for T in [example, *calls]:
-        same_or_refused(layer, conv, T)
+    each_call_same_or_refused(SPELLINGS[name], level, example, calls)
 
 
 # --- the source reading and the run, each on its own -----------------------------------------

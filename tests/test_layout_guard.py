@@ -4,47 +4,27 @@ converted layer computes the original's branch (an exact conversion runs the cod
 or refuses naming the line (a lossy one); a layer that reads no layout keeps no guard."""
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import ttt2la
 from ttt2la.errors import ChangedAttributeError
 from ttt2la.testing import rel_rms_error
 
-D = 8
+from closing_memory import D, ClosingMemory
 
 
-class Memory(nn.Module):
-    """Chunked linear attention with momentum (lossy from level 5); ``close`` finishes its
-    output on the input's layout."""
 
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(D, 3 * D, bias=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = self.proj(x).chunk(3, -1)
-        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
-        outs = []
-        for s in range(0, T, 4):
-            outs.append(q[:, s:s + 4] @ S)
-            M = 0.5 * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
-            S = S + 0.1 * M
-        return self.close(torch.cat(outs, 1), x)
-
-
-class Contiguous(Memory):
+class Contiguous(ClosingMemory):
     def close(self, o, x):
         return o * 2 if x.is_contiguous() else o + 1
 
 
-class Strided(Memory):
+class Strided(ClosingMemory):
     def close(self, o, x):
         return o * 2 if x.stride(0) >= x.stride(1) else o + 1
 
 
-class Offset(Memory):
+class Offset(ClosingMemory):
     def close(self, o, x):
         return o * 2 if x.storage_offset() == 0 else o + 1
 
@@ -97,7 +77,7 @@ def test_a_lossy_conversion_refuses_another_layout_naming_the_line(kind):
 
 
 def test_a_layer_that_reads_no_layout_keeps_no_guard():
-    class Plain(Memory):
+    class Plain(ClosingMemory):
         def close(self, o, x):
             return o * 2
 

@@ -7,57 +7,37 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn as nn
 
 import ttt2la
 from ttt2la.errors import ChangedAttributeError
 from ttt2la.testing import rel_rms_error
 
-D = 8
+from closing_memory import D, ClosingMemory
 
 
-class Memory(nn.Module):
-    """Chunked linear attention with momentum (lossy from level 5); ``close`` finishes its
-    output on a setting."""
 
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(D, 3 * D, bias=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = self.proj(x).chunk(3, -1)
-        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
-        outs = []
-        for s in range(0, T, 4):
-            outs.append(q[:, s:s + 4] @ S)
-            M = 0.5 * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
-            S = S + 0.1 * M
-        return self.close(torch.cat(outs, 1))
-
-
-class Deterministic(Memory):
-    def close(self, o):
+class Deterministic(ClosingMemory):
+    def close(self, o, x):
         return o * 2 if torch.are_deterministic_algorithms_enabled() else o + 1
 
 
-class DefaultDtype(Memory):
-    def close(self, o):
+class DefaultDtype(ClosingMemory):
+    def close(self, o, x):
         return o * 2 if torch.get_default_dtype() == torch.float32 else o + 1
 
 
-class Inference(Memory):
-    def close(self, o):
+class Inference(ClosingMemory):
+    def close(self, o, x):
         return o * 2 if torch.is_inference_mode_enabled() else o + 1
 
 
-class Mkldnn(Memory):
-    def close(self, o):
+class Mkldnn(ClosingMemory):
+    def close(self, o, x):
         return o * 2 if torch.backends.mkldnn.enabled else o + 1
 
 
-class Precision(Memory):
-    def close(self, o):
+class Precision(ClosingMemory):
+    def close(self, o, x):
         return o * 2 if torch.get_float32_matmul_precision() == "highest" else o + 1
 
 
@@ -65,13 +45,13 @@ def _finished(o):
     return o * 2 if torch.get_default_dtype() == torch.float32 else o + 1
 
 
-class HelperDefaultDtype(Memory):
-    def close(self, o):
+class HelperDefaultDtype(ClosingMemory):
+    def close(self, o, x):
         return _finished(o)
 
 
-class Autocast(Memory):
-    def close(self, o):
+class Autocast(ClosingMemory):
+    def close(self, o, x):
         return o + 1 if torch.is_autocast_enabled("cpu") else o * 2
 
 
@@ -138,8 +118,8 @@ def test_a_lossy_conversion_refuses_naming_the_line(kind):
 
 
 def test_a_layer_that_reads_no_setting_keeps_no_guard():
-    class Plain(Memory):
-        def close(self, o):
+    class Plain(ClosingMemory):
+        def close(self, o, x):
             return o * 2
 
     conv = ttt2la.convert(Plain(), level=0, example_inputs=(torch.randn(2, 16, D),))

@@ -16,11 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttt2la
-from ttt2la.errors import ConversionError
 from ttt2la.frontend.size_uses import probe_sizes, size_uses
 
 import size_helpers
-from shape_checks import loop_line, same_or_refused
+from shape_checks import each_call_same_or_refused, loop_line, same_or_refused
 
 D = 8
 BETA, LR = 0.5, 0.1
@@ -227,14 +226,7 @@ def test_each_batch_spelling_is_the_code_function_at_every_batch_size(name):
 def test_every_call_is_the_code_function_or_refused(name, level, example, calls):
     """Any example length, any call lengths: each call gives the code's function or is
     refused."""
-    torch.manual_seed(example)
-    layer = SPELLINGS[name]()
-    try:
-        conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, example, D),))
-    except ConversionError:
-        return
-    for T in [example, *calls]:
-        same_or_refused(layer, conv, T)
+    each_call_same_or_refused(SPELLINGS[name], level, example, calls)
 
 
 # --- the run itself ------------------------------------------------------------------------
