@@ -1936,6 +1936,11 @@ MUTATIONS = [
         (("ttt2la/frontend/single_step.py", "                         corner=None if fixed else corner)\n",
           "                         corner=None)\n"),),
         ("tests/test_padded_sequence.py",), "padded_single_step"),
+    Mutation(
+        "integer_shape_constants_unseen", "a tensor constant of integers a trace bakes in (`torch.tensor(T)`) is not compared between the traces at other shapes",
+        (("ttt2la/frontend/shape_constants.py", "t.numel() <= 64 and not t.is_complex() else {}",
+          "t.numel() <= 64 and t.is_floating_point() else {}"),),
+        ("tests/test_size_constants.py",), "tensor"),
 ]
 
 

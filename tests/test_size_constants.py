@@ -151,7 +151,9 @@ def test_a_mean_loss_over_the_batch_is_exact_at_every_batch_size_and_length(mean
     (lambda B, T: 1.0 / math.sqrt(T), "length", "S = S + step"),
     (lambda B, T: 1.0 / math.ceil(T / C), "number of chunks", "S = S + step"),
     (lambda B, T: torch.tensor(1.0 / T), "length", "torch.tensor(1.0 / T)"),
-], ids=["1/T", "1/sqrt(T)", "1/chunks", "tensor(1/T)"])
+    (lambda B, T: 1 / torch.tensor(T), "length", "1 / torch.tensor(T)"),
+    (lambda B, T: torch.as_tensor(T).rsqrt(), "length", "torch.as_tensor(T).rsqrt()"),
+], ids=["1/T", "1/sqrt(T)", "1/chunks", "tensor(1/T)", "1/tensor(T)", "as_tensor(T)"])
 def test_a_step_of_the_length_is_refused_naming_the_line(rate, moves, line):
     with pytest.raises(UnsupportedTTTError) as e:
         _converted(ChunkRule(rate))
@@ -160,9 +162,11 @@ def test_a_step_of_the_length_is_refused_naming_the_line(rate, moves, line):
     assert line in msg and "as a tensor" in msg and "bug" not in msg, msg
 
 
-def test_a_tensor_made_from_the_batch_size_is_exact_at_every_batch_size():
+@pytest.mark.parametrize("rate", [lambda B, T: torch.tensor(1.0 / B),
+                                  lambda B, T: 1 / torch.tensor(B)], ids=["float", "int"])
+def test_a_tensor_made_from_the_batch_size_is_exact_at_every_batch_size(rate):
     torch.manual_seed(5)
-    layer = ChunkRule(lambda B, T: torch.tensor(1.0 / B))
+    layer = ChunkRule(rate)
     assert_same_function(_converted(layer), layer,
                          [torch.randn(B, T, D) for B, T in ((1, 16), (2, 13), (3, 9))])
 

@@ -1,10 +1,11 @@
-"""Numbers a trace folds from the input's shape into the float arguments of its ops.
+"""Numbers a trace folds from the input's shape into its ops' float arguments and tensor constants.
 
 The recognizer traces a layer at several shapes and fits its *integer* size arguments as
 functions of the batch size and the length (``shapes.fit_template``). A float the code derives
 from a size — a step ``1 / B``, ``1 / T`` or ``1 / sqrt(T)``, one over the number of chunks, the
-divisor of a mean loss's gradient over the batch (``F.mse_loss`` under ``torch.func.grad``) — is
-held by the trace as a plain constant, which no fit sees: the converted layer would run every
+divisor of a mean loss's gradient over the batch (``F.mse_loss`` under ``torch.func.grad``) — or a
+tensor made of a size (``torch.tensor(T)``, ``torch.as_tensor(T)``, integers too) is held by the
+trace as a plain constant, which no fit sees: the converted layer would run every
 shape with the number of the shape it was traced at. Here the traces are compared float by float;
 a number that moves with the length (or the number of chunks) is refused, naming the line, and
 one that moves with the batch size only restricts the traced batch size to the example's, where
@@ -70,11 +71,12 @@ def _floats(args, path=()):
 
 def _values(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict:
     """The numbers ``node`` carries: its float arguments by path, or the tensor constant it
-    reads (a ``torch.tensor(1 / B)`` is baked into the trace as one), as a list."""
+    reads (a ``torch.tensor(1 / B)`` or ``torch.tensor(T)`` is baked into the trace as one, of any
+    real dtype), as a list."""
     if node.op == "get_attr":
         t = getattr(gm, node.target, None)
         return {(): t.detach().flatten().tolist()} if isinstance(t, torch.Tensor) and \
-            t.numel() <= 64 and t.is_floating_point() else {}
+            t.numel() <= 64 and not t.is_complex() else {}
     return dict(_floats((node.args, node.kwargs)))
 
 
