@@ -1941,6 +1941,29 @@ MUTATIONS = [
         (("ttt2la/frontend/shape_constants.py", "t.numel() <= 64 and not t.is_complex() else {}",
           "t.numel() <= 64 and t.is_floating_point() else {}"),),
         ("tests/test_size_constants.py",), "tensor"),
+    Mutation(
+        "rebound_methods_unseen", "a method of the layer's class rebound since conversion (`Layer.close = f`, `Layer.forward = f`) is not watched",
+        (("ttt2la/global_guard.py", "_watchable(value) or name in read and _code(value):",
+          "_watchable(value) or False and _code(value):"),),
+        ("tests/test_global_guard.py",), "method or forward"),
+    Mutation(
+        "rebound_functions_unseen", "a function of the user's the layer calls as a global, rebound since conversion, is not watched",
+        (("ttt2la/global_guard.py", "            if user_function or _watchable(value):\n",
+          "            if _watchable(value):\n"),),
+        ("tests/test_global_guard.py",), "helper"),
+    Mutation(
+        "shadowing_attributes_unseen", "an attribute set on a module since conversion over its class's (a method, a class constant, a submodule's `forward`) is not watched",
+        (("ttt2la/attribute_guard.py",
+          "            absent = _absent(m, names, bool(path), (shadowed or {}).get(type(m), frozenset()))\n",
+          "            absent = ()\n"),),
+        ("tests/test_attribute_guard.py",), "over_its_class or patched_forward"),
+    Mutation(
+        "kept_forward_first_one", "a kept call runs the class's `forward` as it was at the first kept call, not as it is now",
+        (("ttt2la/converted.py",
+          "            original = classes[type(module)] = original_class(type(module))\n",
+          "            original = classes[type(module)] = type(\"Kept\", (), {\"forward\": staticmethod(\n"
+          "                original_class(type(module)).forward)})\n"),),
+        ("tests/test_as_written.py",), "rebound_since"),
 ]
 
 

@@ -26,6 +26,7 @@ from ttt2la.as_written import CALLS_TO_DECIDE, PLAN, WRITTEN, AsWritten, race_as
 from ttt2la.cli import ran_plans
 import ttt2la.converted as converted_module
 from ttt2la.converted import is_converted
+from ttt2la.global_guard import GlobalGuard
 from ttt2la.lowering.scan_choice import scanning
 from ttt2la.testing import rel_rms_error
 from ttt2la.zoo import (DeltaMemoryLayer, DeltaProductLayer, GatedChunkMemory, LaCTFoldedLayer,
@@ -54,13 +55,21 @@ class Costs:
             self.written_calls += 1
             return forward(module, *args, **kwargs)
 
-        monkeypatch.setattr(cls, "forward", counted)
+        _forward_as_converted(monkeypatch, conv, cls, counted)
         state = conv._ttt2la
         for B in (1, 2):
             state.loop_for(B).register_forward_pre_hook(lambda *_: self._tick(plan))
 
     def _tick(self, seconds: float) -> None:
         self.now += seconds
+
+
+def _forward_as_converted(monkeypatch, conv, cls, forward) -> None:
+    """Set ``cls.forward`` to ``forward`` as if the layer had been converted with it: a forward
+    rebound since conversion is otherwise a change the layer's guard sees (``global_guard``)
+    and runs the code as written."""
+    monkeypatch.setattr(cls, "forward", forward)
+    monkeypatch.setattr(conv._ttt2la, "outside", GlobalGuard.of(conv))
 
 
 def _converted(kwargs, x):
@@ -235,7 +244,7 @@ def test_the_user_code_failing_leaves_the_plan(monkeypatch):
     def broken(module, *args, **kwargs):
         raise RuntimeError("the user's code fails here")
 
-    monkeypatch.setattr(GatedChunkMemory, "forward", broken)
+    _forward_as_converted(monkeypatch, conv, GatedChunkMemory, broken)
     with race_as_written(True), torch.no_grad():
         for _ in range(3):
             assert rel_rms_error(conv(x), want) <= 1e-5
@@ -581,3 +590,19 @@ def test_a_kept_shape_compiles_whole():
         y = torch.compile(conv, fullgraph=True, backend="eager")(x)
         torch._dynamo.reset()
     assert rel_rms_error(y, layer(x)) <= 1e-5
+
+
+def test_a_kept_shape_runs_a_forward_rebound_since(monkeypatch):
+    """A call at a kept shape runs the class's ``forward`` as it is at the call: one rebound
+    since conversion (a wrapper that patches the class) runs, not the one first kept."""
+    x0 = torch.randn(1, 16, LOOPING["d_model"])
+    layer, conv = _converted(LOOPING, x0)
+    x = torch.randn(1, 32, LOOPING["d_model"])
+    _kept(conv, x)
+    forward = GatedChunkMemory.forward
+    monkeypatch.setattr(GatedChunkMemory, "forward",
+                        lambda module, *a, **k: forward(module, *a, **k) * 2.0)
+    with race_as_written(True), torch.no_grad():
+        want = layer(x)
+        assert rel_rms_error(conv(x), want) <= 1e-5
+        assert rel_rms_error(conv(x), want) <= 1e-5

@@ -185,3 +185,58 @@ def test_a_changed_field_of_a_settings_object_is_seen(holder, eta, nested, level
     for m in (layer, conv):
         m.cfg.eta, m.cfg.__dict__.get("inner", types.SimpleNamespace()).sign = 0.1, 1.0
     assert conv._ttt2la.attributes.changed(conv) is None
+
+
+class Closed(Scaled):
+    """``Scaled`` finished by a method and a class constant, both looked up on ``self``."""
+
+    SIGN = 1.0
+
+    def forward(self, x):
+        return self.close(super().forward(x))
+
+    def close(self, o):
+        return o * self.SIGN
+
+
+#: attributes set on a module since conversion over its class's: what is set, and the value
+PATCHES = {
+    "method": ("close", lambda m: lambda o: o * 3.0),
+    "class constant": ("SIGN", lambda m: -1.0),
+    "submodule's forward": ("qkv.forward", lambda m: lambda t: nn.functional.linear(
+        t, m.qkv.weight) * 2.0),
+    "library submodule's forward": ("norm.forward", lambda m: lambda t: t * 2.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PATCHES))
+def test_an_attribute_set_over_its_classs_runs_the_code_as_written(kind):
+    """A method, a class constant or a submodule's ``forward`` shadowed on the instance since
+    conversion (as wrappers that patch a module's ``forward`` do): the exact conversion runs
+    the code as written, naming it; deleted again, the plan runs."""
+    name, value = PATCHES[kind]
+    torch.manual_seed(0)
+    layer = Closed()
+    x = torch.randn(2, 16, D)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    *path, attr = name.split(".")
+    for m in (layer, conv):
+        setattr(m.get_submodule(".".join(path)), attr, value(m))
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), layer(x)) <= FP32
+    ran = conv.ttt2la_report.layers[0].runs["batch 2, length 16, attribute changed"]
+    assert ran.startswith("as written") and f"`{name}` was set on the module" in ran, ran
+    for m in (layer, conv):
+        delattr(m.get_submodule(".".join(path)), attr)
+    assert conv._ttt2la.attributes.changed(conv) is None
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), layer(x)) <= FP32
+
+
+def test_a_lossy_conversion_refuses_a_patched_forward():
+    torch.manual_seed(0)
+    conv = ttt2la.convert(LaCTFoldedLayer(8, 2, 4, muon=False), level=2,
+                          example_inputs=(torch.randn(1, 16, 8),))
+    conv.qkv.forward = lambda t: t.repeat(1, 1, 3)
+    with pytest.raises(ttt2la.ChangedAttributeError, match="`qkv.forward` was set"):
+        conv(torch.randn(1, 16, 8))

@@ -58,7 +58,43 @@ class HelperScale(Memory):
         return scaled(o)
 
 
+def finish(o):
+    return o
+
+
+class HelperFinish(Memory):
+    def close(self, o):
+        return finish(o)
+
+
+class Rebound(Memory):
+    """A layer whose ``close`` and ``forward`` are rebound on its class after conversion."""
+
+
+def _times(v, fn):
+    return lambda *a: fn(*a) * v
+
+
+_FINISH, _CLOSE, _FORWARD = finish, Rebound.close, Rebound.forward
+
+
+def _rebind(owner, name, original):
+    """Set ``owner.name`` to ``original`` times ``v`` (``original`` itself at 1)."""
+    def change(v):
+        value = original if v == 1.0 else _times(v, original)
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+    return change
+
+
 LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v), "ClassGain.GAIN"),
+          "method": (Rebound, _rebind(Rebound, "close", _CLOSE), "Rebound.close (a method)"),
+          "forward": (Rebound, _rebind(Rebound, "forward", _FORWARD),
+                      "Rebound.forward (a method)"),
+          "helper function": (HelperFinish, _rebind(globals(), "finish", _FINISH),
+                              "finish (a function"),
           "global": (GlobalScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
           "helper's global": (HelperScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
           "global in the loop": (Memory, lambda v: globals().__setitem__("STEP", 0.1 * v), "STEP")}
@@ -68,6 +104,8 @@ LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v)
 def _restore():
     yield
     ClassGain.GAIN, CONFIG["scale"] = 1.0, 1.0
+    Rebound.close, Rebound.forward = _CLOSE, _FORWARD
+    globals()["finish"] = _FINISH
     globals()["STEP"] = 0.1
 
 

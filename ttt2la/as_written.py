@@ -132,8 +132,8 @@ class AsWritten:
     #: the code as written at a kept shape: a call at one of them is known by its shapes alone
     #: (``ConvertedState.kept_as_given``).
     given: set = field(default_factory=set)
-    #: The user's ``forward`` by the converted layer's class, for kept calls (never asked under
-    #: a compiler, where no race runs).
+    #: The user's class by the converted layer's class, whose ``forward`` kept calls run
+    #: (never asked under a compiler, where no race runs).
     forwards: dict = field(default_factory=dict)
 
     def call(self, key: tuple, plan: Callable[[], object], written: Callable[[], object],

@@ -88,12 +88,22 @@ def comparable(value):
     return value
 
 
-def _getter(names: tuple[str, ...]) -> Callable[[dict], tuple]:
-    """A tuple of those keys of a dict (a ``KeyError`` when one is gone)."""
+def _getter(names: tuple[str, ...], absent: tuple[str, ...] = ()) -> Callable[[dict], tuple]:
+    """A tuple of those keys of a dict (a ``KeyError`` when one is gone), then of the keys
+    ``absent`` (``_MISSING`` while each is)."""
+    if not names and not absent:
+        return lambda d: ()
     if len(names) == 1:
         name, = names
-        return lambda d: (d[name],)
-    return operator.itemgetter(*names)
+        present = lambda d: (d[name],)      # noqa: E731
+    else:
+        present = operator.itemgetter(*names) if names else (lambda d: ())
+    if not absent:
+        return present
+    if len(absent) == 1:
+        gone, = absent
+        return lambda d: (*present(d), d.get(gone, _MISSING))
+    return lambda d: (*present(d), *[d.get(n, _MISSING) for n in absent])
 
 
 @dataclass(frozen=True)
@@ -106,12 +116,18 @@ class Change:
 
     def describe(self) -> str:
         now = "deleted" if self.now is _MISSING else f"now {_shown(self.now)}"
+        if self.then is _MISSING:
+            return (f"`{self.where}` was set on the module since conversion, over its class's, "
+                    f"to {_shown(self.now)}")
         return f"`{self.where}` was {_shown(self.then)} at conversion and is {now}"
 
 
 def _shown(value) -> str:
     if isinstance(value, type):
         return value.__name__
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    if code is not None:
+        return f"{getattr(value, '__qualname__', '?')} ({code.co_filename}:{code.co_firstlineno})"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -122,9 +138,9 @@ class _Watched:
 
     path: tuple[str, ...]       # submodule names from the layer (() for the layer itself)
     kind: type | None           # its class (None for the layer, whose class ttt2la changes)
-    names: tuple[str, ...]      # its plain attributes
+    names: tuple[str, ...]      # its plain attributes, then those it holds none of (``absent``)
     get: Callable[[dict], tuple]
-    values: tuple               # their values (``comparable``)
+    values: tuple               # their values (``comparable``; ``_MISSING`` for ``absent``)
 
 
 @dataclass(frozen=True)
@@ -136,14 +152,20 @@ class AttributeGuard:
     checks: tuple[tuple, ...] = ()     # (path, kind, get, values) per module: the call's check
 
     @classmethod
-    def of(cls, layer: torch.nn.Module) -> "AttributeGuard":
-        """Record ``layer``'s attributes and its submodules' as they are now."""
+    def of(cls, layer: torch.nn.Module,
+           shadowed: dict[type, frozenset[str]] | None = None) -> "AttributeGuard":
+        """Record ``layer``'s attributes and its submodules' as they are now. ``shadowed``:
+        per class, the names the layer's code looks up on it (``global_guard.read_off_classes``)
+        — a method, a class constant — which an attribute set on a module since would shadow
+        (``Layer.close`` by ``layer.close = f``), and a submodule's ``forward``, which torch
+        calls (``layer.proj.forward = f``, as wrappers that patch a module do)."""
         entries = []
         for path, m in layer.named_modules(remove_duplicate=False):
             names = tuple(plain_attributes(m))
-            get = _getter(names) if names else (lambda d: ())
+            absent = _absent(m, names, bool(path), (shadowed or {}).get(type(m), frozenset()))
+            get = _getter(names, absent)
             entries.append(_Watched(tuple(path.split(".")) if path else (),
-                                    type(m) if path else None, names, get,
+                                    type(m) if path else None, names + absent, get,
                                     tuple(comparable(v) for v in get(vars(m)))))
         return cls(tuple(entries), tuple((w.path, w.kind, w.get, w.values) for w in entries))
 
@@ -176,6 +198,10 @@ class AttributeGuard:
             if not isinstance(m, torch.nn.Module) or w.kind is not None and type(m) is not w.kind:
                 return _which(layer, w)
             for name, then in zip(w.names, w.values):
+                if then is _MISSING:            # none of its own: shadowing its class's
+                    if name in m.__dict__:
+                        return _which(layer, w)
+                    continue
                 now = getattr(m, name, _MISSING)
                 if now is then:
                     continue
@@ -183,6 +209,14 @@ class AttributeGuard:
                         or not now == then:
                     return _which(layer, w)
         return None
+
+
+def _absent(m: torch.nn.Module, names: tuple[str, ...], submodule: bool,
+            shadowed: frozenset[str]) -> tuple[str, ...]:
+    """The names an attribute set on ``m`` would shadow its class's by: ``shadowed`` and, on a
+    submodule, ``forward``; none ``m`` holds already or that is torch's or ttt2la's own."""
+    wanted = shadowed | {"forward"} if submodule else shadowed
+    return tuple(sorted(n for n in wanted if n not in names and n not in vars(m) and watched(n)))
 
 
 @torch.compiler.disable

@@ -32,7 +32,7 @@ from torch._guards import detect_fake_mode
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
 from .frontend.output_types import output_spec, typed_output
-from .global_guard import GlobalGuard
+from .global_guard import GlobalGuard, code_names, read_off_classes
 from .layout_guard import LayoutGuard
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
@@ -449,12 +449,12 @@ class ConvertedState:
     def _run_kept(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat, B: int,
                   L: int):
         """The code as written on a kept call; its failure is judged as the full path's."""
-        forwards = self.as_written.forwards
-        forward = forwards.get(type(module))
-        if forward is None:
-            forward = forwards[type(module)] = original_class(type(module)).forward
-        try:
-            return forward(module, *args, **kwargs)
+        classes = self.as_written.forwards
+        original = classes.get(type(module))
+        if original is None:
+            original = classes[type(module)] = original_class(type(module))
+        try:          # its ``forward`` looked up at each call: one rebound since runs
+            return original.forward(module, *args, **kwargs)
         except Exception as e:
             weights = params_and_buffers(module)
             if on_meta(weights, []):
@@ -1119,7 +1119,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
-    state.attributes = AttributeGuard.of(module)
+    state.attributes = AttributeGuard.of(module, read_off_classes(module, code_names(module)))
     state.outside = GlobalGuard.of(module)
     state.settings = SettingsGuard.of(module)
     state.input_layout = LayoutGuard.of(module, _example_flat(state))

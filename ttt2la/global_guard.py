@@ -8,7 +8,10 @@ reported exact). ``GlobalGuard`` records, at conversion, the plain values (numbe
 containers of them, as ``attribute_guard.plain_value`` says) that the layer's classes hold and
 that the functions of its code — its classes' methods and the functions they call by name,
 three calls deep — read as globals, and tells at each call whether one changed: one tuple
-comparison. Functions, classes and modules are left out (rebinding one is not watched).
+comparison. Code is watched by identity as well: a method of the layer's classes that its code
+calls by name (``self.close``) or ``forward``, and a function of the user's it calls as a global,
+rebound since conversion (``Layer.close = other``), ran the old code in the traces (0.33 relative
+RMS off before). Classes and modules are left out (rebinding one is not watched).
 """
 from __future__ import annotations
 
@@ -49,6 +52,11 @@ def _watchable(value) -> bool:
         and plain_value(value)
 
 
+def _code(value) -> bool:
+    """A function a class holds, as the class holds it (a method, static or class method)."""
+    return isinstance(value, (types.FunctionType, staticmethod, classmethod))
+
+
 def _user_classes(layer: torch.nn.Module):
     """``(cls, most, m)``: each of the user's classes of ``layer``'s modules once, with the most
     derived user class of a module ``m`` it is found in (where a class attribute is looked up,
@@ -86,12 +94,14 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict) -> None:
             if name not in g:
                 continue
             value = g[name]
-            if isinstance(value, types.FunctionType) and not _library_code(value) and depth > 0:
+            user_function = isinstance(value, types.FunctionType) and not _library_code(value)
+            if user_function and depth > 0:
                 _reads(value, depth - 1, seen, out)
-            elif _watchable(value):
+            if user_function or _watchable(value):
                 where = os.path.basename(g.get("__file__") or "") or g.get("__name__", "?")
+                kind = "a function" if user_function else "a global"
                 out.setdefault((id(g), name), (lambda g=g, n=name: g.get(n, _MISSING),
-                                               f"{name} (a global of {where})"))
+                                               f"{name} ({kind} of {where})"))
 
 
 def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
@@ -116,6 +126,41 @@ def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
         for fn in _functions(klass):
             visit(fn, _DEPTH)
     return list(found)
+
+
+def code_names(layer: torch.nn.Module) -> frozenset[str]:
+    """Every name ``layer``'s code (``layer_functions``) holds as an attribute or global name
+    (``co_names``), and ``forward``, which torch calls: what it may look up on its modules."""
+    names = {"forward"}
+    for fn in layer_functions(layer):
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            names.update(code.co_names)
+    return frozenset(names)
+
+
+def read_off_classes(layer: torch.nn.Module, read: frozenset[str]) -> dict[type, frozenset[str]]:
+    """Per class of ``layer``'s modules, the names in ``read`` that one of the user's classes in
+    its MRO holds and an attribute set on a module would shadow (not a data descriptor, as a
+    property is): where the code reads ``self.close`` or torch calls ``forward``."""
+    out: dict[type, frozenset[str]] = {}
+    for m in layer.modules():
+        kind = type(m)
+        if kind in out:
+            continue
+        found = set()
+        for c in kind.__mro__:
+            if c is not object and ORIGINAL not in c.__dict__ and not _library(c):
+                found |= {n for n, v in vars(c).items() if n in read and not _data(v)}
+        out[kind] = frozenset(found)
+    return out
+
+
+def _data(value) -> bool:
+    """A data descriptor (a property, a slot): an instance's ``__dict__`` does not shadow it."""
+    return hasattr(type(value), "__set__") or hasattr(type(value), "__delete__")
 
 
 def names_read(layer: torch.nn.Module, wanted) -> dict[str, str]:
@@ -157,13 +202,17 @@ class GlobalGuard:
         """Record them now (``None``: the code reads none)."""
         found: dict = {}
         seen: set = set()
+        read = code_names(layer)
         for klass, most, m in _user_classes(layer):
             own = vars(m)
             for name, value in vars(klass).items():
-                if not name.startswith("__") and name not in own and _watchable(value):
+                if name in own:
+                    continue
+                if not name.startswith("__") and _watchable(value) or name in read and _code(value):
+                    kind = "a class attribute" if _watchable(value) else "a method"
                     found.setdefault((id(most), name), (
                         lambda k=most, n=name: getattr(k, n, _MISSING),
-                        f"{most.__name__}.{name} (a class attribute)"))
+                        f"{most.__name__}.{name} ({kind})"))
             for fn in _functions(klass):
                 _reads(fn, _DEPTH, seen, found)
         if not found:
@@ -189,4 +238,4 @@ def _equal(a, b) -> bool:
         return False
 
 
-__all__ = ["GlobalGuard", "layer_functions", "names_read"]
+__all__ = ["GlobalGuard", "code_names", "layer_functions", "names_read", "read_off_classes"]
