@@ -1964,6 +1964,11 @@ MUTATIONS = [
           "            original = classes[type(module)] = type(\"Kept\", (), {\"forward\": staticmethod(\n"
           "                original_class(type(module)).forward)})\n"),),
         ("tests/test_as_written.py",), "rebound_since"),
+    Mutation(
+        "input_writes_taken_for_noise", "a forward that writes into its input is refused as drawing random numbers at the next op reading it",
+        (("ttt2la/call_variation.py", "        if changed:\n            return _changes_its_input(changed[0])\n",
+          "        if False:\n            return _changes_its_input(changed[0])\n"),),
+        ("tests/test_call_variation.py",), "writing_into_its_input"),
 ]
 
 

@@ -1,5 +1,5 @@
 """A layer whose code as written computes another function from one run to the next (random
-noise) or with gradients on (a branch on ``torch.is_grad_enabled()``) is refused with an
+noise, an input it writes into) or with gradients on (a branch on ``torch.is_grad_enabled()``) is refused with an
 ``UnsupportedTTTError`` that names the user's line and what to do — not with a message blaming
 ttt2la. Noise drawn only in training mode converts: a conversion traces evaluation mode.
 """
@@ -29,6 +29,10 @@ class VaryingTTT(nn.Module):
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, -1)
+        if self.how == "in place":
+            x.mul_(2)                                           # MUL_ LINE
+        if self.how == "in place operator":
+            x /= 2                                              # /= LINE
         if self.how == "grad mode" and torch.is_grad_enabled():
             q = q * 2                                           # GRAD LINE
         if self.how == "noise" or (self.how == "training noise" and self.training):
@@ -68,6 +72,20 @@ def test_noise_is_refused_naming_the_random_call():
     assert "bug in ttt2la" not in message and "report" not in message
     assert f"test_call_variation.py:{_line('NOISE LINE')}" in message
     assert "`randn_like`" in message and "random" in message
+
+
+@pytest.mark.parametrize("how,marker", [("in place", "MUL_ LINE"),
+                                         ("in place operator", "/= LINE")])
+def test_a_forward_writing_into_its_input_is_refused_naming_the_write(how, marker):
+    """Written after its last read, the input changed in place makes the next run's first op
+    on it differ: the refusal names the write, not that op as a source of random numbers."""
+    torch.manual_seed(0)
+    layer = VaryingTTT(how)
+    with pytest.raises(ttt2la.UnsupportedTTTError) as raised:
+        ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, D),))
+    message = str(raised.value)
+    assert f"test_call_variation.py:{_line(marker)}" in message, message
+    assert "changes its input in place" in message and "random" not in message, message
 
 
 def test_noise_in_training_mode_only_converts_as_the_refusal_suggests():

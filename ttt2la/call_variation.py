@@ -6,7 +6,10 @@ exact: random numbers drawn in the forward (noise on the keys, a random mask), w
 share, and a branch on ``torch.is_grad_enabled()``, whose trace (gradients on) holds the other
 branch than the check's run (gradients off). ``call_variation`` runs the code as written twice on
 the example, then once with gradients on, recording every torch call with its user line; the
-first call whose result differs names the line to change.
+first call whose result differs names the line to change. A forward that changes its input in
+place (``x.mul_(2)``, ``x /= n``) makes the second run see other inputs, which would read as
+random numbers drawn at whatever op first computes with them: the first run watches the inputs'
+version counters, and the op that changed one is named instead.
 """
 from __future__ import annotations
 
@@ -25,7 +28,11 @@ def call_variation(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
     grad mode, else what differs, where, and what to do. The module's buffers and the random
     generators are left as they were."""
     with buffers_kept(module), torch.random.fork_rng(devices=[]):
-        first = _recorded(module, args, kwargs, grad=False)
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        changed: list = []
+        first = _recorded(module, args, kwargs, grad=False, inputs=inputs, changed=changed)
+        if changed:
+            return _changes_its_input(changed[0])
         again = _recorded(module, args, kwargs, grad=False)
         found = _first_difference(first, again)
         if found is not None:
@@ -43,6 +50,14 @@ def _random(found: tuple) -> str:
             "only in training mode (`if self.training:` — a conversion traces and checks "
             "evaluation mode, and runs the layer as written in training mode), pass it in as an "
             "input, or remove it before converting")
+
+
+def _changes_its_input(found: tuple) -> str:
+    name, where = found
+    return (f"its forward changes its input in place: the torch call `{name}` at {where} "
+            "writes into a tensor the call passed, so each run on the same inputs sees other "
+            "values, and no conversion can be checked against the code as written. Compute on "
+            "a new tensor instead (`x = x * 2` rather than `x.mul_(2)` or `x *= 2`)")
 
 
 def _grad_mode(found: tuple) -> str:
@@ -85,12 +100,14 @@ def _same(x: list, y: list) -> bool:
     return True
 
 
-def _recorded(module, args, kwargs, *, grad: bool) -> list:
+def _recorded(module, args, kwargs, *, grad: bool, inputs: list = (),
+              changed: list | None = None) -> list:
     """Every torch call of one run of ``module``, gradients on or off: ``(name,
-    file:line (`code`), results)``, the results detached copies."""
+    file:line (`code`), results)``, the results detached copies; ``changed`` gains ``(name,
+    file:line)`` of the first call that wrote into one of the tensors ``inputs``."""
     calls: list = []
     try:
-        with torch.set_grad_enabled(grad), _Recorder(calls):
+        with torch.set_grad_enabled(grad), _Recorder(calls, inputs, changed):
             module(*args, **kwargs)
     except Exception:           # a run that fails records what it ran up to the failure
         pass
@@ -98,13 +115,17 @@ def _recorded(module, args, kwargs, *, grad: bool) -> list:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, calls: list):
+    def __init__(self, calls: list, inputs=(), changed: list | None = None):
         super().__init__()
-        self.calls = calls
+        self.calls, self.changed = calls, changed
+        self.versions = [(t, t._version) for t in inputs]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", str(func))
+        if self.versions and not self.changed and \
+                any(t._version != v for t, v in self.versions):
+            self.changed.append((name, _user_line()))
         if name not in ("__get__", "size", "dim"):
             leaves = [x.detach().clone() if isinstance(x, torch.Tensor) else x
                       for x in pytree.tree_leaves(out)]

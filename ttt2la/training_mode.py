@@ -151,7 +151,8 @@ def _same_gradients(a, b) -> bool:
 def _reads_training(module: nn.Module) -> str:
     """Where the code reads ``self.training``: the lines of the first ``forward`` that reads
     ``.training`` — the layer's own, else a submodule's that is not ``MODE_DEPENDENT`` — at
-    file:line, or the layer's own code in general where none does."""
+    file:line, or the layer's own code in general where none does (a function a ``forward``
+    calls may read it, as a write into the input may make the modes differ: not claimed)."""
     for name, m in module.named_modules():
         if isinstance(m, MODE_DEPENDENT):
             continue
@@ -167,7 +168,8 @@ def _reads_training(module: nn.Module) -> str:
             whose = "its own code" if not name else f"{name} ({type(m).__name__})"
             return f"where {whose} reads `self.training` at {file}:{', '.join(at[:3])}" + (
                 f" and {len(at) - 3} more lines" if len(at) > 3 else "")
-    return "where its own code reads `self.training`"
+    return ("where its own code computes otherwise (no `forward` of it reads `.training`: a "
+            "function one calls may)")
 
 
 __all__ = ["in_mode", "evaluating", "training_dependence", "MODE_DEPENDENT"]
