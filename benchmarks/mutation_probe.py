@@ -1969,6 +1969,10 @@ MUTATIONS = [
         (("ttt2la/call_variation.py", "        if changed:\n            return _changes_its_input(changed[0])\n",
           "        if False:\n            return _changes_its_input(changed[0])\n"),),
         ("tests/test_call_variation.py",), "writing_into_its_input"),
+    Mutation(
+        "dataclass_outputs_not_carried", "a dataclass the layer returns is left a leaf to pytree, on which its trace fails",
+        (("ttt2la/frontend/output_types.py", "        carried(out)\n", "        pass\n"),),
+        ("tests/test_output_types.py",), "dataclass"),
 ]
 
 

@@ -1,6 +1,10 @@
 """A layer that returns a ``torch.Size`` (``y, y.shape``) or a ``torch.return_types`` result
-next to its output: the converted layer returns values of the same types as the code as
-written, at any shape, not the plain tuples the traced graph's output holds."""
+next to its output, or its output in a dataclass of its own: the converted layer returns values
+of the same types as the code as written, at any shape, not the plain tuples the traced graph's
+output holds."""
+import dataclasses
+
+import pytest
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -40,7 +44,28 @@ class WithSizes(Memory):
         return {"out": o, "sizes": [x.size(), o.shape[1:]], "max": o.max(-1)}
 
 
-LAYERS = {"shape": WithShape, "sizes": WithSizes}
+@dataclasses.dataclass
+class Summary:
+    mean: torch.Tensor
+    steps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What a layer may return in a dataclass of its own: tensors, a nested record, plain
+    values and ``None``."""
+    out: torch.Tensor
+    summary: Summary
+    state: torch.Tensor | None = None
+    tag: str = "memory"
+
+
+class WithRecord(Memory):
+    def close(self, o, x):
+        return Record(o, Summary(o.mean(1)))
+
+
+LAYERS = {"shape": WithShape, "sizes": WithSizes, "record": WithRecord}
 _CONVERTED: dict = {}
 
 
@@ -57,6 +82,8 @@ def _same(got, want) -> bool:
             return False
         if isinstance(a, dict):
             nodes += [(a[k], b[k]) for k in b]
+        elif dataclasses.is_dataclass(a):
+            nodes += [(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)]
         elif isinstance(a, (list, tuple)):
             nodes += list(zip(a, b))
         elif isinstance(a, torch.Tensor):
@@ -80,3 +107,20 @@ def test_returned_values_keep_their_types(kind, level, B, T):
     x = torch.randn(B, T, D)
     got, want = conv(x), layer(x)
     assert _same(got, want), (got, want)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_dataclass_of_the_users_comes_back_as_itself(level):
+    """Returned in a dataclass of the user's (nested, with ``None`` and plain fields), the
+    output converts and comes back in that dataclass, its gradients the original's."""
+    torch.manual_seed(0)
+    layer = WithRecord()
+    conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+    for B, T in ((2, 16), (1, 7), (3, 21)):
+        x = torch.randn(B, T, D, requires_grad=True)
+        got, want = conv(x), layer(x)
+        assert isinstance(got, Record) and _same(got, want), (got, want)
+        g = torch.autograd.grad(got.out.sum() + got.summary.mean.sum(), [x, *conv.parameters()])
+        w = torch.autograd.grad(want.out.sum() + want.summary.mean.sum(),
+                                [x, *layer.parameters()])
+        assert all(rel_rms_error(a, b) <= 1e-5 for a, b in zip(g, w))

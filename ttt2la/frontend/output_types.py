@@ -9,10 +9,13 @@ returns ``y, y.shape`` was converted into one returning ``y, (2, 24, 8)`` — eq
 types (a ``torch.return_types`` result comes back as itself then). ``pytree`` still unflattens a
 ``torch.Size`` as a plain tuple (torch's tracing registers it so, for symbolic sizes), so
 ``typed_output`` gives the converted layer the function that makes those tuples ``torch.Size``
-again at each call — ``None``, costing nothing, for a layer that returns none.
+again at each call — ``None``, costing nothing, for a layer that returns none. A dataclass the
+layer returns (``Output(y, state)``) is a leaf to ``pytree`` until registered, on which the trace
+failed ("the loop did not run"); ``carried`` registers it as ``torch.export`` asks users to.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -26,9 +29,26 @@ def recording(fn: Callable, specs: list) -> Callable:
     @functools.wraps(fn)
     def run(*args, **kwargs):
         out = fn(*args, **kwargs)
+        carried(out)
         specs.append(pytree.tree_structure(out))
         return out
     return run
+
+
+def carried(out) -> None:
+    """Register each dataclass ``out`` holds that ``pytree`` does not know yet
+    (``torch.export.register_dataclass``, what ``torch.export`` asks of a model returning one),
+    so a trace carries its fields as outputs instead of failing on it as a leaf."""
+    for _ in range(8):                  # a dataclass inside another's field: one level a round
+        found = {type(v) for v in pytree.tree_leaves(out)
+                 if dataclasses.is_dataclass(v) and not isinstance(v, type)}
+        if not found:
+            return
+        for cls in found:
+            try:
+                torch.export.register_dataclass(cls)
+            except Exception:           # one pytree cannot take: the trace says what failed
+                return
 
 
 def _as_tuples(spec: pytree.TreeSpec):
