@@ -1971,8 +1971,25 @@ MUTATIONS = [
         ("tests/test_call_variation.py",), "writing_into_its_input"),
     Mutation(
         "dataclass_outputs_not_carried", "a dataclass the layer returns is left a leaf to pytree, on which its trace fails",
-        (("ttt2la/frontend/output_types.py", "        carried(out)\n", "        pass\n"),),
+        (("ttt2la/frontend/output_types.py", "        carry_dataclasses(out)\n", "        pass\n"),),
         ("tests/test_output_types.py",), "dataclass"),
+    Mutation(
+        "dataclass_inputs_not_carried", "a dataclass the layer takes is left a leaf to pytree, so the layer takes no tensor input",
+        (("ttt2la/frontend/recognize.py",
+          "    carry_dataclasses((tuple(cand.args), dict(cand.kwargs)))    # ``Batch(x, mask)``: its fields\n",
+          "    pass\n"),),
+        ("tests/test_structured_inputs.py",), "dataclass"),
+    Mutation(
+        "structured_input_read_as_a_tensor", "the conversion's check describes its example by the first argument's shape, which a named tuple or dict has none of",
+        (("ttt2la/conversion.py",
+          '    result = {"inputs": f"example, shape {tuple(first.shape) if first is not None else ()}",',
+          '    result = {"inputs": f"example, shape {tuple(args[0].shape) if args else ()}",'),),
+        ("tests/test_structured_inputs.py",), "tuple or dict"),
+    Mutation(
+        "field_names_as_keys", "a field of an input dataclass or named tuple is named by pytree's key object, not `#0.scale`",
+        (("ttt2la/validation.py",
+          'f".{k.name}" if isinstance(k, pytree.GetAttrKey) else f"[{k!r}]"', 'f"[{k!r}]"'),),
+        ("tests/test_structured_inputs.py",), "dataclass or tuple"),
 ]
 
 

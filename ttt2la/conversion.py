@@ -287,7 +287,9 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
             "the example inputs. This is a bug in ttt2la's lowering — please report it with the "
             "model; meanwhile convert with backend='naive' (the recurrent reference) or a lower "
             "level.")
-    result = {"inputs": f"example, shape {tuple(args[0].shape) if args else ()}",
+    first = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                 None)
+    result = {"inputs": f"example, shape {tuple(first.shape) if first is not None else ()}",
               "rel_rms_error": rel_rms_error(got, ref)}
     if not exact:
         return result

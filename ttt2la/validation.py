@@ -236,7 +236,8 @@ def input_name(path, whole: str = "?") -> str:
     if len(keys) < 2:
         return whole
     return (f"#{keys[1]}" if keys[0] == 0 else repr(keys[1])) + \
-        "".join(f"[{k!r}]" for k in keys[2:])
+        "".join(f".{k.name}" if isinstance(k, pytree.GetAttrKey) else f"[{k!r}]"
+                for k in keys[2:])
 
 
 def _describe(t) -> str:

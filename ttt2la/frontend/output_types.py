@@ -11,11 +11,10 @@ types (a ``torch.return_types`` result comes back as itself then). ``pytree`` st
 ``typed_output`` gives the converted layer the function that makes those tuples ``torch.Size``
 again at each call — ``None``, costing nothing, for a layer that returns none. A dataclass the
 layer returns (``Output(y, state)``) is a leaf to ``pytree`` until registered, on which the trace
-failed ("the loop did not run"); ``carried`` registers it as ``torch.export`` asks users to.
+failed ("the loop did not run"); ``dataclass_nodes`` registers it as ``torch.export`` asks users to.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -23,32 +22,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
+from .dataclass_nodes import carry_dataclasses
+
 
 def recording(fn: Callable, specs: list) -> Callable:
     """``fn``, appending the structure of what it returns to ``specs`` at each call."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         out = fn(*args, **kwargs)
-        carried(out)
+        carry_dataclasses(out)
         specs.append(pytree.tree_structure(out))
         return out
     return run
-
-
-def carried(out) -> None:
-    """Register each dataclass ``out`` holds that ``pytree`` does not know yet
-    (``torch.export.register_dataclass``, what ``torch.export`` asks of a model returning one),
-    so a trace carries its fields as outputs instead of failing on it as a leaf."""
-    for _ in range(8):                  # a dataclass inside another's field: one level a round
-        found = {type(v) for v in pytree.tree_leaves(out)
-                 if dataclasses.is_dataclass(v) and not isinstance(v, type)}
-        if not found:
-            return
-        for cls in found:
-            try:
-                torch.export.register_dataclass(cls)
-            except Exception:           # one pytree cannot take: the trace says what failed
-                return
 
 
 def _as_tuples(spec: pytree.TreeSpec):

@@ -38,6 +38,7 @@ from .prechunked import unchunk_streams
 from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
                      refuse_loop_around, roll_up)
+from .dataclass_nodes import carry_dataclasses
 from .shape_constants import BatchConstant, refuse_shape_constants
 from .chunk_counts import ChunkCountCheck
 from .length_values import describe, length_values
@@ -545,6 +546,7 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
 
 
 def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:
+    carry_dataclasses((tuple(cand.args), dict(cand.kwargs)))    # ``Batch(x, mask)``: its fields
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors:
