@@ -1990,6 +1990,10 @@ MUTATIONS = [
         (("ttt2la/validation.py",
           'f".{k.name}" if isinstance(k, pytree.GetAttrKey) else f"[{k!r}]"', 'f"[{k!r}]"'),),
         ("tests/test_structured_inputs.py",), "dataclass or tuple"),
+    Mutation(
+        "check_compares_the_first_tensor_alone", "the conversion's check compares the first tensor a layer returns, not the values beside it (a flag of the length)",
+        (("ttt2la/conversion.py", "    if result[\"ok\"] and other:\n", "    if False:\n"),),
+        ("tests/test_output_types.py",), "flag"),
 ]
 
 

@@ -65,7 +65,12 @@ class WithRecord(Memory):
         return Record(o, Summary(o.mean(1)))
 
 
-LAYERS = {"shape": WithShape, "sizes": WithSizes, "record": WithRecord}
+class WithFlag(Memory):
+    def close(self, o, x):
+        return o, x.shape[1] % 4 == 0
+
+
+LAYERS = {"shape": WithShape, "sizes": WithSizes, "record": WithRecord, "flag": WithFlag}
 _CONVERTED: dict = {}
 
 
@@ -124,3 +129,19 @@ def test_a_dataclass_of_the_users_comes_back_as_itself(level):
         w = torch.autograd.grad(want.out.sum() + want.summary.mean.sum(),
                                 [x, *layer.parameters()])
         assert all(rel_rms_error(a, b) <= 1e-5 for a, b in zip(g, w))
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_flag_of_the_length_it_returns_is_the_codes_at_every_length(level):
+    """``return y, T % 4 == 0``, converted at a length of whole chunks (the probe traces, at
+    lengths with a partial chunk, return ``False``): the example's own call returns ``True`` as
+    the code does — the conversion's check compares every value returned, not only the first
+    tensor — and so does every other length."""
+    torch.manual_seed(0)
+    layer = WithFlag()
+    conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+    for T in (16, 17, 20, 24, 13, 16):
+        x = torch.randn(2, T, D)
+        with torch.no_grad():
+            got, want = conv(x), layer(x)
+        assert got[1] is want[1] and rel_rms_error(got[0], want[0]) <= 1e-5, (T, got[1])

@@ -21,6 +21,31 @@ def first_output(out):
     return out if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)[0]
 
 
+def other_outputs_differ(got, want, tensors: bool = True) -> str:
+    """What differs between two outputs of a layer besides the first tensor, in words (``""``
+    where nothing does): their structure, a Python value it returns (a flag, a count), or, with
+    ``tensors``, another tensor beyond its dtype's tolerance. A value the converted graphs hold
+    as a constant passed every check that compared the main output alone."""
+    from .testing import TOLERANCE
+    xs, spec_got = pytree.tree_flatten(got)
+    ys, spec_want = pytree.tree_flatten(want)
+    if spec_got != spec_want:
+        return f"an output of another structure ({spec_got} where the layer as written " \
+            f"returns {spec_want})"
+    main = next((i for i, y in enumerate(ys) if isinstance(y, torch.Tensor)), -1)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if i == main:
+            continue
+        if not isinstance(y, torch.Tensor) or not isinstance(x, torch.Tensor):
+            if type(x) is not type(y) or x != y:
+                return f"{x!r} as its output value #{i} where the layer as written returns {y!r}"
+        elif tensors and (x.shape != y.shape or x.dtype != y.dtype or (
+                rel_rms_error(x, y) > TOLERANCE.get(y.dtype, 1e-5) if y.is_floating_point()
+                and y.numel() else not torch.equal(x, y))):
+            return f"another tensor as its output value #{i} than the layer as written"
+    return ""
+
+
 def run_module(module: torch.nn.Module, args: tuple, kwargs: dict | None = None):
     with torch.no_grad():
         return first_output(module(*args, **(kwargs or {})))
