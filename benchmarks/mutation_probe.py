@@ -1807,7 +1807,7 @@ MUTATIONS = [
         ("tests/test_global_guard.py",), "class"),
     Mutation(
         "helper_globals_unread", "the globals of the functions a layer's methods call are not read",
-        (("ttt2la/global_guard.py", "                _reads(value, depth - 1, seen, out)\n",
+        (("ttt2la/global_guard.py", "                _reads(value, depth - 1, seen, out, attributes)\n",
           "                pass\n"),),
         ("tests/test_global_guard.py",), "helper"),
     Mutation(
@@ -1837,6 +1837,49 @@ MUTATIONS = [
         (("ttt2la/layout_guard.py", "key = _placed if any(_READS[n] for n in found) else _layouts",
           "key = _layouts"),),
         ("tests/test_layout_guard.py",), ""),
+    Mutation(
+        "setting_aliases_unread", "torch's setting readers are found by the names the code spells only, so an alias (`from torch import get_default_dtype as gdd`, a global, `import torch.backends.mkldnn as mk`) escapes the guard",
+        (("ttt2la/settings_guard.py",
+          "names_read(layer, frozenset(_READERS) | _FLAG_NAMES, _OBJECTS)",
+          "names_read(layer, frozenset(_READERS) | _FLAG_NAMES)"),),
+        ("tests/test_settings_guard.py",), "alias"),
+    Mutation(
+        "layout_aliases_unread", "the layout reads are found by the method names the code spells only, so `contiguous = torch.Tensor.is_contiguous` escapes the guard",
+        (("ttt2la/layout_guard.py", "names_read(layer, frozenset(_READS), _METHODS)",
+          "names_read(layer, frozenset(_READS))"),),
+        ("tests/test_layout_guard.py",), "alias"),
+    Mutation(
+        "held_functions_unfollowed", "the user functions a layer's code reaches other than by a global's name (held by the layer, a static method) are not read for settings and layouts",
+        (("ttt2la/global_guard.py", "            visit(held, depth - 1)\n",
+          "            pass\n"),),
+        ("tests/test_settings_guard.py",), "held"),
+    Mutation(
+        "held_helper_globals_unread", "the globals of a helper the layer holds (`self.finish = finish`) are not guarded",
+        (("ttt2la/global_guard.py", "        _reads(held, depth - 1, seen, out, attributes)\n",
+          "        pass\n"),),
+        ("tests/test_global_guard.py",), "held"),
+    Mutation(
+        "held_attributes_unresolved", "a name the code loads as an attribute is not resolved to what the layer or a global object holds under it, so `self.read()` on a reader the layer was given escapes",
+        (("ttt2la/loaded_values.py",
+          "found = self._attributes.get(self._attribute_bases(), name)", "found = []"),),
+        ("tests/test_settings_guard.py", "tests/test_layout_guard.py"), "holds or static"),
+    Mutation(
+        "held_objects_unread", "the objects a layer holds (`self.cfg`) are not searched for the attribute a load names, so `self.cfg.read()` on a reader escapes",
+        (("ttt2la/loaded_values.py", "self._layer = list({id(b): b for b in modules + held}.values())",
+          "self._layer = list(modules)"),),
+        ("tests/test_settings_guard.py",), "object"),
+    Mutation(
+        "closure_cells_unresolved", "a name the code loads from its closure is not resolved to the cell's value, so a reader closed over escapes",
+        (("ttt2la/loaded_values.py",
+          "found = [self._cells.get(name, _MISSING), self._defaults.get(name, _MISSING)]",
+          "found = [self._defaults.get(name, _MISSING)]"),),
+        ("tests/test_settings_guard.py",), "closure"),
+    Mutation(
+        "parameter_defaults_unresolved", "a parameter is not resolved to its default, so `read=torch.get_default_dtype` in the signature escapes",
+        (("ttt2la/loaded_values.py",
+          "found = [self._cells.get(name, _MISSING), self._defaults.get(name, _MISSING)]",
+          "found = [self._cells.get(name, _MISSING)]"),),
+        ("tests/test_settings_guard.py", "tests/test_layout_guard.py"), "default"),
     Mutation(
         "size_outputs_as_tuples", "a torch.Size the layer returns comes back from the converted layer as a plain tuple",
         (("ttt2la/converted.py", "        return out if typed is None else typed(out)\n",

@@ -1,7 +1,7 @@
 """Values a converted layer's code reads from outside the layer — a class attribute, a
-module-level global, a global read in a helper function — changed after conversion: the
-converted layer computes the original's new function (an exact conversion runs the code as
-written and says so) or refuses (a lossy one); never the old value's output."""
+module-level global, a global read in a helper function it calls or holds — changed after
+conversion: the converted layer computes the original's new function (an exact conversion runs
+the code as written and says so) or refuses (a lossy one); never the old value's output."""
 import pytest
 import torch
 import torch.nn as nn
@@ -89,6 +89,17 @@ def _rebind(owner, name, original):
     return change
 
 
+class HeldScale(Memory):
+    """Finished by a helper it is given, which its code names by no global."""
+
+    def __init__(self, finish):
+        super().__init__()
+        self.finish = finish
+
+    def close(self, o):
+        return self.finish(o)
+
+
 LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v), "ClassGain.GAIN"),
           "method": (Rebound, _rebind(Rebound, "close", _CLOSE), "Rebound.close (a method)"),
           "forward": (Rebound, _rebind(Rebound, "forward", _FORWARD),
@@ -97,6 +108,8 @@ LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v)
                               "finish (a function"),
           "global": (GlobalScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
           "helper's global": (HelperScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
+          "held helper's global": (lambda: HeldScale(scaled),
+                                   lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
           "global in the loop": (Memory, lambda v: globals().__setitem__("STEP", 0.1 * v), "STEP")}
 
 

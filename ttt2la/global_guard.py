@@ -6,12 +6,13 @@ global (``CONFIG["scale"]``) is baked into the traces the same way, and changing
 conversion changed the original's output but not the converted one's (0.67 relative RMS off,
 reported exact). ``GlobalGuard`` records, at conversion, the plain values (numbers, strings,
 containers of them, as ``attribute_guard.plain_value`` says) that the layer's classes hold and
-that the functions of its code — its classes' methods and the functions they call by name,
-three calls deep — read as globals, and tells at each call whether one changed: one tuple
-comparison. Code is watched by identity as well: a method of the layer's classes that its code
-calls by name (``self.close``) or ``forward``, and a function of the user's it calls as a global,
-rebound since conversion (``Layer.close = other``), ran the old code in the traces (0.33 relative
-RMS off before). Classes and modules are left out (rebinding one is not watched).
+that the functions of its code — its classes' methods and the functions they call by name or
+hold (a helper the layer was given, ``loaded_values``), three calls deep — read as globals, and
+tells at each call whether one changed: one tuple comparison. Code is watched by identity as
+well: a method of the layer's classes that its code calls by name (``self.close``) or
+``forward``, and a function of the user's it calls as a global, rebound since conversion
+(``Layer.close = other``), ran the old code in the traces (0.33 relative RMS off before).
+Classes and modules are left out (rebinding one is not watched).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from .attribute_guard import Change, comparable, plain_value
 from .frontend.user_code import is_users
+from .loaded_values import Attributes, LoadedValues, codes, load_kind
 from .original_class import ORIGINAL
 
 _MISSING = object()
@@ -81,8 +83,10 @@ def _functions(cls: type):
             yield v
 
 
-def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict) -> None:
-    """The globals ``fn`` (and the user functions it names, ``depth`` more calls deep) reads."""
+def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
+           attributes: Attributes) -> None:
+    """The globals ``fn`` (and the user functions it names or holds, ``depth`` more calls deep)
+    reads; ``attributes``: where an attribute may hold such a function (the layer's modules)."""
     if fn in seen:
         return
     seen.add(fn)
@@ -96,18 +100,22 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict) -> None:
             value = g[name]
             user_function = isinstance(value, types.FunctionType) and not _library_code(value)
             if user_function and depth > 0:
-                _reads(value, depth - 1, seen, out)
+                _reads(value, depth - 1, seen, out, attributes)
             if user_function or _watchable(value):
                 where = os.path.basename(g.get("__file__") or "") or g.get("__name__", "?")
                 kind = "a function" if user_function else "a global"
                 out.setdefault((id(g), name), (lambda g=g, n=name: g.get(n, _MISSING),
                                                f"{name} ({kind} of {where})"))
+    for held in (_held_functions(fn, attributes) if depth > 0 else ()):
+        _reads(held, depth - 1, seen, out, attributes)
 
 
 def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
     """The functions of ``layer``'s code: its user classes' methods and the user functions they
-    call by name, ``_DEPTH`` calls deep (the code ``GlobalGuard`` reads the globals of)."""
+    call by name, ``_DEPTH`` calls deep (the code ``GlobalGuard`` reads the globals of), and
+    those they reach otherwise (``_held_functions``)."""
     found: dict = {}
+    attributes = Attributes(list(layer.modules()))
 
     def visit(fn: types.FunctionType, depth: int) -> None:
         if fn in found:
@@ -121,6 +129,8 @@ def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
                 value = g.get(name)
                 if isinstance(value, types.FunctionType) and not _library_code(value):
                     visit(value, depth - 1)
+        for held in (_held_functions(fn, attributes) if depth > 0 else ()):
+            visit(held, depth - 1)
 
     for klass, _, _ in _user_classes(layer):
         for fn in _functions(klass):
@@ -133,10 +143,7 @@ def code_names(layer: torch.nn.Module) -> frozenset[str]:
     (``co_names``), and ``forward``, which torch calls: what it may look up on its modules."""
     names = {"forward"}
     for fn in layer_functions(layer):
-        codes = [fn.__code__]
-        while codes:
-            code = codes.pop()
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for code, _ in codes(fn):
             names.update(code.co_names)
     return frozenset(names)
 
@@ -163,26 +170,53 @@ def _data(value) -> bool:
     return hasattr(type(value), "__set__") or hasattr(type(value), "__delete__")
 
 
-def names_read(layer: torch.nn.Module, wanted) -> dict[str, str]:
+def _held_functions(fn: types.FunctionType, attributes: Attributes):
+    """The user functions ``fn``'s code reaches other than by a global's name: held by its
+    closure, a parameter's default, an attribute of the layer (``self.finish = finish``) or of
+    an object a global holds (``helpers.finish``, a static method)."""
+    values = LoadedValues(fn, attributes)
+    for code, top in codes(fn):
+        for kind, name in values.names(code, top):
+            for value in (values.of(kind, name) if kind != "global" else ()):
+                if isinstance(value, types.FunctionType) and not _library_code(value):
+                    yield value
+
+
+def names_read(layer: torch.nn.Module, wanted, objects=None) -> dict[str, str]:
     """``{name: "file:line (`code`)"}``: which of the names ``wanted`` (functions and
     attributes, as ``code.co_names`` holds them) ``layer``'s code (``layer_functions``) reads,
-    each at the first line found."""
+    each at the first line found; and which keys of ``objects`` (``{key: object}``) it loads
+    under whatever name (``LoadedValues``: an alias, a global, a reader the layer holds)."""
+    by_id = {id(o): (o, key) for key, o in (objects or {}).items()}
+    attributes = Attributes(list(layer.modules()))
     out: dict[str, str] = {}
     for fn in layer_functions(layer):
-        codes = [fn.__code__]
-        while codes:
-            code = codes.pop()
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-            hits = set(code.co_names) & wanted
-            if not hits:
+        values = LoadedValues(fn, attributes)
+        for code, top in codes(fn):
+            held = {}                   # (kind, name) -> the keys of the objects it loads
+            for kind, name in (values.names(code, top) if by_id else ()):
+                keys = [by_id[id(v)][1] for v in values.of(kind, name)
+                        if id(v) in by_id and by_id[id(v)][0] is v]
+                if keys:
+                    held[kind, name] = keys
+            hits = wanted.intersection(code.co_names)
+            if not hits and not held:
                 continue
-            starts = sorted((o, n) for o, n in dis.findlinestarts(code) if n is not None)
             for ins in dis.get_instructions(code):
-                if ins.argval in hits and ins.argval not in out:
-                    line = ([n for o, n in starts if o <= ins.offset]
-                            or [code.co_firstlineno])[-1]
-                    out[ins.argval] = _line(code.co_filename, line)
+                # a name, or two where one instruction loads two locals (LOAD_FAST_LOAD_FAST)
+                names = [n for n in (ins.argval if isinstance(ins.argval, tuple)
+                                     else (ins.argval,)) if isinstance(n, str)]
+                keys = [n for n in names if n in hits]
+                keys += [k for n in names for k in held.get((load_kind(ins.opname), n), [])]
+                for key in keys:
+                    if key not in out:
+                        out[key] = _line(code.co_filename, _line_of(code, ins.offset))
     return out
+
+
+def _line_of(code: types.CodeType, offset: int) -> int:
+    starts = sorted((o, n) for o, n in dis.findlinestarts(code) if n is not None)
+    return ([n for o, n in starts if o <= offset] or [code.co_firstlineno])[-1]
 
 
 def _line(file: str, line: int) -> str:
@@ -203,6 +237,7 @@ class GlobalGuard:
         found: dict = {}
         seen: set = set()
         read = code_names(layer)
+        attributes = Attributes(list(layer.modules()))
         for klass, most, m in _user_classes(layer):
             own = vars(m)
             for name, value in vars(klass).items():
@@ -214,7 +249,7 @@ class GlobalGuard:
                         lambda k=most, n=name: getattr(k, n, _MISSING),
                         f"{most.__name__}.{name} ({kind})"))
             for fn in _functions(klass):
-                _reads(fn, _DEPTH, seen, found)
+                _reads(fn, _DEPTH, seen, found, attributes)
         if not found:
             return None
         entries = tuple(found.values())

@@ -4,12 +4,13 @@ A branch on ``x.is_contiguous()``, on ``x.stride()`` or on ``x.storage_offset()`
 the layer is traced, on the example's layout, and the converted graphs hold the branch taken
 then: a transposed or sliced input later took the other branch in the original and silently
 the traced one in the converted layer (0.98 relative RMS off on a two-branch layer). Where the
-layer's code names one of these reads (``global_guard.names_read``), ``LayoutGuard`` keeps the
+layer's code reads one of these (``global_guard.names_read``: by its name, or by the method a
+name holds, as ``contiguous = torch.Tensor.is_contiguous``), ``LayoutGuard`` keeps the
 example's layout — for each input tensor, contiguous or its strides, and its storage offset
 where the code reads that — and a call whose inputs are laid out otherwise runs the code as
 written (exact levels) or refuses naming the line (lossy ones), through ``changed_call``. A
 contiguous input's strides follow from its shape, which the conversion's other guards cover.
-A layer that names none of them keeps no guard; one that does pays about 0.3 µs a call for one
+A layer that reads none of them keeps no guard; one that does pays about 0.3 µs a call for one
 input (``is_contiguous`` and a comparison). The names are found by reading the code, so a
 layer reading some other ``stride`` (an attribute of its own) keeps the guard as well: its only
 cost is that call's, and running as written the calls with another layout.
@@ -27,6 +28,9 @@ from .global_guard import names_read
 #: the tensor methods that read a layout, and whether each reads the storage offset
 _READS = {"is_contiguous": False, "stride": False, "is_non_overlapping_and_dense": False,
           "storage_offset": True}
+#: the tensor methods themselves, found under whatever name the code holds them
+#: (``contig = torch.Tensor.is_contiguous``)
+_METHODS = {name: getattr(torch.Tensor, name) for name in _READS if hasattr(torch.Tensor, name)}
 
 
 class _Shown(str):
@@ -72,7 +76,7 @@ class LayoutGuard:
     def of(cls, layer: torch.nn.Module, flat: list | None) -> "LayoutGuard | None":
         """``None`` where ``layer``'s code reads no layout; ``flat``: the example inputs
         flattened as a call's are (``None``: unknown, taken as contiguous at offset 0)."""
-        found = names_read(layer, frozenset(_READS))
+        found = names_read(layer, frozenset(_READS), _METHODS)
         if not found:
             return None
         name, line = next(iter(found.items()))

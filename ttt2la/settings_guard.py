@@ -7,14 +7,17 @@ layer is traced, and the converted graphs hold the branch taken then: after
 ``torch.use_deterministic_algorithms(True)`` or inside ``torch.inference_mode()`` the original
 took the other branch and the converted layer silently kept the old one's output (2.4 relative
 RMS off on a two-branch layer). ``SettingsGuard`` finds, at conversion, which of these readers
-the layer's code names (``global_guard.names_read``: its methods and the functions they call, by
-the names their code holds, so ``from torch import get_default_dtype`` is found as well, and a
-``torch.backends`` flag where the code names both its module and it), and at each call reads
-those settings again: a change makes ``changed_call`` run the code as written (exact levels) or
-refuse naming the line (lossy ones). A layer that names none keeps no guard; one that does pays
-one call and one comparison a call (0.1 µs; 0.25 µs for autocast's state). The grad mode is not
-here: a branch on it is refused at conversion (``call_variation``), since the conversion's own
-check runs without gradients.
+the layer's code reads (``global_guard.names_read``: its methods and the functions they call or
+hold), by the names its code holds (``from torch import get_default_dtype`` is found as well,
+and a ``torch.backends`` flag where the code names both its module and it) and by the objects
+those names hold, whatever they are spelled (``loaded_values``: ``gdd = torch.get_default_dtype``,
+``import torch.backends.mkldnn as mk``, a reader the layer holds; found by name only, these
+aliases ran the traced branch, 0.97 relative RMS off). At each call it reads those settings
+again: a change makes ``changed_call`` run the code as written (exact levels) or refuse naming
+the line (lossy ones). A layer that reads none keeps no guard; one that does pays one call and
+one comparison a call (0.1 µs; 0.25 µs for autocast's state). The grad mode is not here: a
+branch on it is refused at conversion (``call_variation``), since the conversion's own check
+runs without gradients.
 """
 from __future__ import annotations
 
@@ -100,6 +103,13 @@ _FLAGS: dict[tuple[str, str], tuple[str, Callable[[], object]]] = {
 }
 _FLAG_NAMES = frozenset(n for pair in _FLAGS for n in pair)
 
+#: the objects behind those names, found under whatever name the code holds them
+#: (``gdd = torch.get_default_dtype``, ``import torch.backends.mkldnn as mk``)
+_OBJECTS: dict[str, object] = {
+    **{name: getattr(torch, name) for name in _READERS if hasattr(torch, name)},
+    "matmul": torch.backends.cuda.matmul, "cudnn": torch.backends.cudnn,
+    "mkldnn": torch.backends.mkldnn, "opt_einsum": torch.backends.opt_einsum}
+
 
 @dataclass(frozen=True)
 class SettingsGuard:
@@ -114,7 +124,7 @@ class SettingsGuard:
     @classmethod
     def of(cls, layer: torch.nn.Module) -> "SettingsGuard | None":
         """Read them now (``None``: the layer's code names none)."""
-        found = names_read(layer, frozenset(_READERS) | _FLAG_NAMES)
+        found = names_read(layer, frozenset(_READERS) | _FLAG_NAMES, _OBJECTS)
         entries: dict[str, tuple[str, Callable[[], object]]] = {}
         for name, where in found.items():
             if name in _READERS:
