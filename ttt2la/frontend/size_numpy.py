@@ -20,13 +20,13 @@ from .size_uses import _RUN, _TRACKED, SizeFloat, SizeInt, _library, _plain, _wr
 
 
 def _leaves_at(x, L: int, B: int):
-    """``x`` (an argument: a number, or lists, tuples and dicts of them) with each tracked number
-    its value at ``L`` and ``B``."""
+    """``x`` (an argument: a number, or lists, tuples and dicts of them; other containers as
+    they are) with each tracked number its value at ``L`` and ``B``."""
     if isinstance(x, _TRACKED):
         return x.at(L, B)
-    if isinstance(x, (list, tuple)):
+    if type(x) in (list, tuple):
         return type(x)(_leaves_at(y, L, B) for y in x)
-    if isinstance(x, dict):
+    if type(x) is dict:
         return {k: _leaves_at(y, L, B) for k, y in x.items()}
     return x
 
@@ -35,9 +35,9 @@ def _plain_leaves(x):
     """``x`` with each tracked number plain, as NumPy would read it."""
     if isinstance(x, _TRACKED):
         return _plain(x)
-    if isinstance(x, (list, tuple)):
+    if type(x) in (list, tuple):
         return type(x)(_plain_leaves(y) for y in x)
-    if isinstance(x, dict):
+    if type(x) is dict:
         return {k: _plain_leaves(y) for k, y in x.items()}
     return x
 

@@ -54,7 +54,8 @@ def _printed(file: str, line: int) -> bool:
             continue
         call = node.value if isinstance(node, ast.Expr) else None
         f = getattr(call, "func", None)
-        if not isinstance(call, ast.Call) or getattr(f, "attr", getattr(f, "id", "")) not in _OUTPUTS:
+        if not isinstance(call, ast.Call) or \
+                getattr(f, "attr", getattr(f, "id", "")) not in _OUTPUTS:
             return False
         found = True
     return found
