@@ -1,7 +1,8 @@
 """Python values of the length and the batch size found by running the code
 (``frontend.size_uses``): spellings the source reading does not know — ``x.size(dim=1)``,
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
-of ``T % 8`` passed to an op or looked up in a dict — in the code that calls the loop's function,
+of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
+``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)`` — in the code that calls the loop's function,
 and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
