@@ -2037,6 +2037,71 @@ MUTATIONS = [
         "check_compares_the_first_tensor_alone", "the conversion's check compares the first tensor a layer returns, not the values beside it (a flag of the length)",
         (("ttt2la/conversion.py", "    if result[\"ok\"] and other:\n", "    if False:\n"),),
         ("tests/test_output_types.py",), "flag"),
+    Mutation(
+        "numpy_protocols_unset", "tracked sizes take no part in NumPy's protocols, so `np.sqrt(T)` or `np.ceil(T / 4)` is only a plain copy: a use wherever it is used",
+        (("ttt2la/frontend/size_numpy.py",
+          "    _cls.__array_ufunc__ = _array_ufunc\n    _cls.__array_function__ = _array_function\n",
+          "    pass\n"),),
+        ("tests/test_size_spellings.py",), "number_of_the_length"),
+    Mutation(
+        "numpy_numbers_flagged", "a number NumPy returns from a size is recorded as a decision instead of tracked, so `x * np.ceil(T / 4)` at whole chunks is a use",
+        (("ttt2la/frontend/size_numpy.py", "    if number is not None:\n        return _wrap(number, at)\n",
+          "    if False:\n        return _wrap(number, at)\n"),),
+        ("tests/test_size_spellings.py",), "number_of_the_length"),
+    Mutation(
+        "numpy_decisions_unrecorded", "a NumPy array or bool made from a size, or any NumPy value of one in a run as written, is not recorded",
+        (("ttt2la/frontend/size_numpy.py", "        run.record(frame, what, at)\n", "        pass\n"),),
+        ("tests/test_size_spellings.py",), "NumPy or isclose"),
+    Mutation(
+        "text_of_sizes_undecided", "text made of a size (`f\"{T}\"`, `str(T)`) is no decision, so a branch or lookup on it (`f\"{T}\".endswith(...)`, a cache keyed by it) escapes",
+        (("ttt2la/frontend/size_text.py",
+          "    _cls.__format__, _cls.__str__, _cls.__repr__ = _formatted, _str, _repr\n", "    pass\n"),),
+        ("tests/test_size_uses.py",), "Text"),
+    Mutation(
+        "printed_text_decided", "text a statement only prints or logs (`print(f\"length {T}\")`) is a decision, so a debug print makes the layer check every new length",
+        (("ttt2la/frontend/size_text.py", "    return found\n", "    return False\n"),),
+        ("tests/test_size_spellings.py",), "printed"),
+    Mutation(
+        "int_float_untracked", "the run hands the layer's code `int` and `float` as they are, so `int(T)` and `float(T)` are plain copies: decisions wherever they are used",
+        (("ttt2la/frontend/size_conversions.py",
+          "    out.update({name: t for name, t in ((\"int\", _Int), (\"float\", _Float)) if name not in scope})\n",
+          ""),),
+        ("tests/test_size_spellings.py",), "number_of_the_length"),
+    Mutation(
+        "plain_copies_unrecorded", "a plain copy of a size no version keeps (`np.float64(T)`, `np.array(T)`, `int(T)` in a run as written) is not recorded",
+        (("ttt2la/frontend/size_conversions.py",
+          "            run.record(frame, \"makes a plain number of\", lambda L, B: convert(f(L, B)))\n",
+          "            pass\n"),),
+        ("tests/test_size_spellings.py",), ""),
+    Mutation(
+        "int_methods_untracked", "the `int` and `float` methods that return numbers (`T.bit_length()`, `as_integer_ratio`, `is_integer`) make plain ones, and a branch on them escapes",
+        (("ttt2la/frontend/size_conversions.py", "                setattr(cls, name, _method(name, convert))\n",
+          "                pass\n"),),
+        ("tests/test_size_uses.py",), "BitLength"),
+    Mutation(
+        "int_attributes_untracked", "`T.numerator`, `T.real` make plain ints, and a branch on them escapes",
+        (("ttt2la/frontend/size_conversions.py", "        for name in (\"real\", \"imag\", \"numerator\", \"denominator\"):\n",
+          "        for name in ():\n"),),
+        ("tests/test_size_spellings.py",), "numerator"),
+    Mutation(
+        "operator_index_untracked", "the run hands the layer's code `operator` as it is, so `operator.index(T)` makes a plain int and a branch on it escapes",
+        (("ttt2la/frontend/size_conversions.py", "        if value is operator:\n", "        if False:\n"),),
+        ("tests/test_size_uses.py",), "IndexCall"),
+    Mutation(
+        "round_pow_arguments_dropped", "a tracked size's `__pow__` takes no modulus and `__round__` no digits, so `pow(T, 3, 8)` or `round(T / 7, 2)` fails the run, which then finds nothing",
+        (("ttt2la/frontend/size_uses.py",
+          "    cls.__round__, cls.__pow__, cls.__rpow__ = _round, _power(False), _power(True)\n",
+          "    cls.__round__ = _unary(round)\n"
+          "    cls.__pow__, cls.__rpow__ = _binary(operator.pow), _binary(operator.pow, True)\n"),),
+        ("tests/test_size_uses.py",), "PowModulus"),
+    Mutation(
+        "failed_run_not_rerun", "code that fails with the tracked versions (`dtype=float` to torch, `np.sqrt(T).astype(...)`) is not run again as written, so the run finds nothing",
+        (("ttt2la/frontend/size_uses.py", "    for plain in (False, True):\n", "    for plain in (False,):\n"),),
+        ("tests/test_size_spellings.py",), "NumPy or dtype"),
+    Mutation(
+        "sizes_not_copyable", "`copy.deepcopy` of a tracked size builds it again without its function, so the run fails and finds nothing",
+        (("ttt2la/frontend/size_conversions.py", "        cls.__deepcopy__ = lambda self, memo: self\n", ""),),
+        ("tests/test_size_spellings.py",), "deepcopy"),
 ]
 
 

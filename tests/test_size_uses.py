@@ -1,14 +1,17 @@
 """Python values of the length and the batch size found by running the code
 (``frontend.size_uses``): spellings the source reading does not know — ``x.size(dim=1)``,
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
-of ``T % 8`` passed to an op or looked up in a dict — in the code that calls the loop's function,
+of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
+``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)`` — in the code that calls the loop's function,
 and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
 import inspect
 import math
+import operator
 from math import sqrt
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -144,9 +147,54 @@ class HelperMath(Momentum):
         return o + 2 if size_helpers.whole_root(x.shape[1]) else o * 2
 
 
+class NumpyBranch(Momentum):
+    def finish(self, o, x):
+        return o * 2 if np.sqrt(x.shape[1]) % 1 else o + 2
+
+
+class NumpyClip(Momentum):
+    def finish(self, o, x):
+        return o * 2 if np.clip(x.shape[1] % 8, 0, 1) else o + 2
+
+
+class Text(Momentum):
+    def finish(self, o, x):
+        return o * 2 if f"{x.shape[1]}".endswith(("2", "4", "5", "8", "0")) else o + 2
+
+
+class TextKey(Momentum):
+    """Scales looked up by the text of the length, as a cache keyed by it holds them."""
+
+    SCALES = {"scale_16": 3.0, "scale_24": 3.0, "scale_32": 3.0}
+
+    def finish(self, o, x):
+        return o * self.SCALES.get(f"scale_{x.shape[1]}", 2.0)
+
+
+class IntCall(Momentum):
+    def finish(self, o, x):
+        return o * 2 if int(x.shape[1]) % 8 else o + 2
+
+
+class IndexCall(Momentum):
+    def finish(self, o, x):
+        return o * 2 if operator.index(x.shape[1]) % 8 else o + 2
+
+
+class BitLength(Momentum):
+    def finish(self, o, x):
+        return o * 2 if (x.shape[1] % 8).bit_length() else o + 2
+
+
+class PowModulus(Momentum):
+    def finish(self, o, x):
+        return o * 2 if pow(x.shape[1], 3, 8) else o + 2
+
+
 SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda, Partial,
                                      Attribute, Value, ComparedValue, Lookup, MathBranch,
-                                     MathValue, ImportedMath, HelperMath)}
+                                     MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
+                                     Text, TextKey, IntCall, IndexCall, BitLength, PowModulus)}
 
 
 class OneSample(Momentum):
@@ -178,7 +226,11 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "Lookup": ".get(x.shape[1] % 8", "OneSample": "x.shape[0] == 1",
          "BatchValue": "1 + x.size(0) % 4", "LargeBatch": "B = len(x)",
          "MathBranch": "math.log2(x.shape[1]) % 1", "MathValue": "math.floor(math.log(",
-         "ImportedMath": "sqrt(x.shape[1]) % 1", "HelperMath": "math.sqrt(n) % 1 == 0"}
+         "ImportedMath": "sqrt(x.shape[1]) % 1", "HelperMath": "math.sqrt(n) % 1 == 0",
+         "NumpyBranch": "np.sqrt(x.shape[1]) % 1", "NumpyClip": "np.clip(x.shape[1] % 8, 0, 1)",
+         "Text": 'f"{x.shape[1]}".endswith', "TextKey": 'SCALES.get(f"scale_{x.shape[1]}"',
+         "IntCall": "int(x.shape[1]) % 8", "IndexCall": "operator.index(x.shape[1]) % 8",
+         "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

@@ -19,9 +19,16 @@ traces) and guards that only raise are left out, as ``length_values`` leaves the
 of the length alone whose outcome is one of the chunked plan's own cases (a whole chunk, a
 partial last chunk: ``chunking_cases``) says so (``LengthValue.chunking``), for
 ``chunking_decisions`` to check against the code as written and drop. The user's modules (the
-loop's and every other file of the user's) see ``len``, ``range`` and ``math`` during the run as
-versions that keep the sizes' functions (``_counting``, ``size_math``): CPython's own make plain
-numbers of them.
+loop's and every other file of the user's) see ``len``, ``range``, ``math``, ``int``, ``float`` and
+``operator.index`` during the run as versions that keep the sizes' functions (``_counting``,
+``size_math``, ``size_conversions``): CPython's own make plain numbers of them. NumPy on a
+value of the sizes keeps its function too (``size_numpy``); text made of one (``f"mask_{T}"``,
+``str(T)``) is a decision (``size_text``), as is a plain copy no version keeps
+(``np.float64(T)``). Where the code fails with the tracked versions (``dtype=float`` to torch,
+a NumPy scalar's own method), it runs again with them plain, each plain copy of a size a
+decision. What CPython computes from an ``int`` subclass's value without calling a method of
+it still escapes: a plain ``float`` on the left of an operator (``0.5 * T``), an index into a
+list, tuple or string (``[a, b][T % 2]``) and ``'%d' % T``.
 """
 from __future__ import annotations
 
@@ -133,13 +140,36 @@ def _unary(op):
 
 _ARITHMETIC = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
                "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
-               "pow": operator.pow, "lshift": operator.lshift, "rshift": operator.rshift,
+               "lshift": operator.lshift, "rshift": operator.rshift,
                "and": operator.and_, "or": operator.or_, "xor": operator.xor}
 _COMPARISONS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
                 "eq": operator.eq, "ne": operator.ne}
 _UNARY = {"neg": operator.neg, "pos": operator.pos, "abs": abs, "invert": operator.invert,
-          "trunc": math.trunc, "floor": math.floor, "ceil": math.ceil, "round": round,
-          "int": int, "float": float}
+          "trunc": math.trunc, "floor": math.floor, "ceil": math.ceil}
+
+
+def _round(self, ndigits=None):
+    """``round(x)`` and ``round(x, n)``."""
+    f, g = self.at, _at(ndigits)
+    if ndigits is None:
+        return _wrap(round(_plain(self)), lambda L, B: round(f(L, B)))
+    return _wrap(round(_plain(self), _plain(ndigits)), lambda L, B: round(f(L, B), g(L, B)))
+
+
+def _power(reflected: bool):
+    """``x ** y`` and ``pow(x, y, m)`` (the modulus too may be a value of the sizes)."""
+    def method(self, other, mod=None):
+        g, h = _at(other), _at(mod)
+        if g is None or mod is not None and h is None:
+            return NotImplemented
+        f = self.at
+        args = (other, self) if reflected else (self, other)
+        fs = (g, f) if reflected else (f, g)
+        if mod is None:
+            return _wrap(pow(*map(_plain, args)), lambda L, B: pow(*(a(L, B) for a in fs)))
+        return _wrap(pow(*map(_plain, args), _plain(mod)),
+                     lambda L, B: pow(*(a(L, B) for a in fs), h(L, B)))
+    return method
 
 
 def _install(cls: type) -> None:
@@ -156,6 +186,7 @@ def _install(cls: type) -> None:
     def divmod_(self, other):
         return self // other, self % other
     cls.__divmod__ = divmod_
+    cls.__round__, cls.__pow__, cls.__rpow__ = _round, _power(False), _power(True)
 
     def bool_(self):
         f = self.at
@@ -192,8 +223,9 @@ class _Run:
     """The decisions and values one run recorded, by user line."""
 
     def __init__(self, L: int, B: int, loop: tuple[str, int, int] | None,
-                 grown: frozenset[str] = frozenset()):
+                 grown: frozenset[str] = frozenset(), plain: bool = False):
         self.L, self.B, self.loop, self.grown = L, B, loop, grown
+        self.plain = plain      # the code as written: plain NumPy, ``int`` and ``float``
         self.entry = sys._getframe(1)        # ``size_uses``: no frame above it is the layer's
         self.found: dict[tuple[str, int], list] = {}
         self.counts: dict[int, tuple[object, Callable]] = {}   # id -> (sequence, its length)
@@ -465,13 +497,15 @@ def _len(obj):
 
 
 @contextlib.contextmanager
-def _counting(file: str):
+def _counting(file: str, plain: bool = False):
     """Inside the block, ``len`` and ``range`` are ``_len`` and ``_Range`` to the loop's module
     (``file``) and every other module of the user's, where it binds no name of its own to
-    them, and ``math`` and the functions imported from it track values of the sizes
-    (``size_math``): a helper in another file of the user's counts, and computes, as the
-    loop's own code does."""
+    them, ``math`` and the functions imported from it track values of the sizes
+    (``size_math``), and unless ``plain``, so do ``int``, ``float`` and ``operator.index``
+    (``size_conversions``): a helper in another file of the user's counts, and computes, as
+    the loop's own code does."""
     from .counted_pieces import _sum
+    from .size_conversions import replacements as conversions
     from .size_math import replacements
 
     patched = []
@@ -479,6 +513,7 @@ def _counting(file: str):
         mine = {name: f for name, f in (("len", _len), ("range", _Range), ("sum", _sum))
                 if name not in scope}
         mine.update(replacements(scope))
+        mine.update(conversions(scope, plain))
         kept = {name: scope[name] for name in mine if name in scope}
         scope.update(mine)
         patched.append((scope, mine, kept))
@@ -672,19 +707,25 @@ def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
     ``probe_sizes``; ``unit``: what the batch size is a multiple of) is called once, and every
     decision it makes with a value of the two, and every number of them it passes to torch, is
     judged at many lengths and batch sizes. ``loop``: the loop's file and line, whose body the
-    traces unroll. Returns nothing where the code does not run at that shape."""
+    traces unroll. Where the code fails with the values tracked through NumPy, ``int`` and
+    ``float`` (``np.sqrt(T).item()``, ``dtype=float``), it runs again with them plain, each
+    plain copy of a size a decision. Returns nothing where the code does not run at that
+    shape."""
     stmt = _loop_statement(*loop)
-    rec = _Run(L, B, _loop_span(*loop), frozenset(appended_names(stmt) if stmt else ()))
-    _RUN[0] = rec
-    try:
-        with warnings.catch_warnings(), _counting(loop[0]), _Tracking(rec):
-            warnings.simplefilter("ignore")
-            run()
-    except Exception:                   # the code does not run there: the source reading stands
-        return []
-    finally:
-        _RUN[0] = None
-    return _judged(rec.found, chunk, unit, L, B)
+    for plain in (False, True):
+        rec = _Run(L, B, _loop_span(*loop), frozenset(appended_names(stmt) if stmt else ()),
+                   plain)
+        _RUN[0] = rec
+        try:
+            with warnings.catch_warnings(), _counting(loop[0], plain), _Tracking(rec):
+                warnings.simplefilter("ignore")
+                run()
+        except Exception:               # the code does not run there: the source reading stands
+            continue
+        finally:
+            _RUN[0] = None
+        return _judged(rec.found, chunk, unit, L, B)
+    return []
 
 
 def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthValue]:
@@ -710,5 +751,8 @@ def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthVa
            if len(cases[key]) == 1 else v for key, v in out.items()}
     return sorted(out.values(), key=lambda v: (v.file, v.line, v.of))
 
+
+# NumPy, text and plain numbers of the sizes (each module adds its methods to the two types)
+from . import size_conversions, size_numpy, size_text  # noqa: E402,F401
 
 __all__ = ["SizeInt", "SizeFloat", "size_uses", "probe_sizes"]

@@ -1,0 +1,142 @@
+"""Values of the call's sizes that NumPy, text or CPython's plain numbers would make untracked
+(``size_numpy``, ``size_text``, ``size_conversions``), found by the run of ``size_uses``: each
+spelling's value is a use of the length where it changes with the length (a decision) or is no
+affine function of it (a number passed to torch), and none where it is not — tracked, not
+flagged wholesale; a spelling no tracked number can follow (``np.float64(T)``, text) is a use
+wherever its value changes. A decision every run must find (``T % 8``) shows the run went
+through: a run that fails finds nothing."""
+import copy
+import math
+import operator
+
+import numpy as np
+import pytest
+import torch
+
+from ttt2la.frontend.size_uses import size_uses
+
+from shape_checks import loop_line
+
+D = 4
+EVERY_RUN = "o = o * (1 + T % 8)"
+
+#: (value of the length multiplied into the output, is it a use?)
+NUMBERS = {
+    "np.sqrt": (lambda T: np.sqrt(T), True),
+    "np.log2": (lambda T: np.log2(T), True),
+    "np.ceil": (lambda T: np.ceil(T / 4), False),
+    "np.floor": (lambda T: np.floor(T / 4), False),
+    "np.round": (lambda T: np.round(T / 4), False),
+    "np.round of a third": (lambda T: np.round(T / 3), True),
+    "np.maximum": (lambda T: np.maximum(T, 64), True),
+    "np.maximum below": (lambda T: np.maximum(T, 4), False),
+    "np.minimum": (lambda T: np.minimum(T, 64), True),
+    "np.clip": (lambda T: np.clip(T, 8, 64), True),
+    "np.clip open": (lambda T: np.clip(T, 0, None), False),
+    "NumPy scalar times": (lambda T: np.float64(0.5) * T, False),
+    "plus a NumPy int": (lambda T: T + np.int64(3), False),
+    "np.float64 of it": (lambda T: np.float64(T), True),
+    # a NumPy scalar's own method: the code runs again as written, NumPy's values plain
+    "NumPy method": (lambda T: np.sqrt(T * T).astype(np.float64), True),
+    "int": (lambda T: int(T / 4), False),
+    "float": (lambda T: float(T), False),
+    # torch takes no other ``float`` for a dtype: the code runs again as written, where
+    # ``float(T)`` is a plain copy
+    "float where torch is given dtype=float": (
+        lambda T: float(T) * torch.ones(1, dtype=float).item(), True),
+    "operator.index": (lambda T: operator.index(T), False),
+    "numerator": (lambda T: T.numerator, False),
+    "real": (lambda T: T.real, False),
+    "conjugate": (lambda T: T.conjugate(), False),
+    "bit_length": (lambda T: T.bit_length(), True),
+    "as_integer_ratio": (lambda T: (T / 4).as_integer_ratio()[0], False),
+    "round to digits": (lambda T: round(T / 4, 1), False),
+    "pow with a modulus": (lambda T: pow(T, 2, 7), True),
+    "pow with a large modulus": (lambda T: pow(T, 1, 1 << 40), False),
+    "math.prod": (lambda T: math.prod([T, 2]), False),
+    "deepcopy": (lambda T: copy.deepcopy({"T": T})["T"], False),
+}
+
+#: (value of the length the output branches on, is it a use?)
+DECISIONS = {
+    "f-string": (lambda T: f"{T}".endswith("6"), True),
+    "format spec": (lambda T: f"{T:04d}" < "0017", True),
+    "str": (lambda T: str(T) in ("16", "24"), True),
+    "repr": (lambda T: repr(T)[-1] == "6", True),
+    "str.format": (lambda T: "{}".format(T) == "16", True),
+    "hex": (lambda T: hex(T).endswith("0"), True),
+    "to_bytes": (lambda T: T.to_bytes(4, "little")[0] == 16, True),
+    "text of a constant": (lambda T: f"{T * 0}" == "0", False),
+    "bit_length": (lambda T: (T % 8).bit_length(), True),
+    "int": (lambda T: int(T) % 8, True),
+    "operator.index": (lambda T: operator.index(T) % 8, True),
+    "numerator": (lambda T: T.numerator % 8, True),
+    "is_integer": (lambda T: (T / 8).is_integer(), True),
+    "pow with a modulus": (lambda T: pow(T, 1, 8), True),
+    "divmod": (lambda T: divmod(T, 8)[1], True),
+    "sorted": (lambda T: sorted([T % 8, 8])[0], True),
+    "np.sqrt": (lambda T: np.sqrt(T) % 1, True),
+    "np.isclose": (lambda T: not np.isclose(T % 8, 0), True),
+    "NumPy array": (lambda T: not (np.arange(8) == T % 8)[0], True),
+    "np.array of it": (lambda T: np.array(T) % 8, True),
+    "np.mean": (lambda T: np.mean([T, 0]) % 4, True),
+    "NumPy constant": (lambda T: np.maximum(T, 4) >= 4, False),
+}
+
+
+def multiplied(x, value):
+    B, T, _ = x.shape
+    o = x
+    for s in range(0, T, 4):
+        o = o + 1
+    o = o * (1 + T % 8)
+    return o * value(T)
+
+
+def branched(x, value):
+    B, T, _ = x.shape
+    o = x
+    for s in range(0, T, 4):
+        o = o + 1
+    o = o * (1 + T % 8)
+    return o * 2 if value(T) else o
+
+
+def printed(x, value):
+    B, T, _ = x.shape
+    o = x
+    for s in range(0, T, 4):
+        o = o + 1
+    o = o * (1 + T % 8)
+    print(f"length {T}", end="")
+    key = f"mask_{T}"
+    return o * len(key)
+
+
+def found(fn, value=None, L: int = 20, B: int = 3) -> list[str]:
+    """The code of each line whose use of the length the run finds, the line every run must
+    find (``T % 8``) first where it is found."""
+    x = torch.randn(B, L, D)
+    out = size_uses(lambda: fn(x, value), L, B, 4, 1, (__file__, loop_line(fn)))
+    codes = [v.code for v in out if v.of == "the length"]
+    return sorted(codes, key=lambda code: code != EVERY_RUN)
+
+
+@pytest.mark.parametrize("name", sorted(NUMBERS))
+def test_a_number_of_the_length_is_a_use_where_it_is_not_affine(name):
+    value, use = NUMBERS[name]
+    codes = found(multiplied, value)
+    assert codes[:1] == [EVERY_RUN], codes
+    assert (len(codes) > 1) == use, codes
+
+
+@pytest.mark.parametrize("name", sorted(DECISIONS))
+def test_a_decision_on_the_length_is_a_use_where_it_changes(name):
+    value, use = DECISIONS[name]
+    codes = found(branched, value)
+    assert codes[:1] == [EVERY_RUN], codes
+    assert (len(codes) > 1) == use, codes
+
+
+def test_text_only_printed_is_no_use():
+    assert found(printed) == [EVERY_RUN, 'key = f"mask_{T}"']
