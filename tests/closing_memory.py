@@ -1,6 +1,6 @@
 """A chunked linear attention with momentum (lossy from level 5) whose output is finished by
 ``close(o, x)``: the layer the guards' tests vary, each subclass finishing it on what its guard
-watches (a setting, the input's layout)."""
+watches (a setting, the input's layout), and the output types' test, on what it returns."""
 import torch
 import torch.nn as nn
 

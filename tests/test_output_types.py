@@ -6,32 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 from hypothesis import given, settings, strategies as st
 
 import ttt2la
 from ttt2la.testing import rel_rms_error
 
-D = 8
-
-
-class Memory(nn.Module):
-    """Chunked linear attention; ``close`` says what it returns besides its output."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(D, 3 * D, bias=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = self.proj(x).chunk(3, -1)
-        S = x.new_zeros(B, D, D)
-        outs = []
-        for s in range(0, T, 4):
-            outs.append(q[:, s:s + 4] @ S)
-            S = S + 0.1 * k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
-        return self.close(torch.cat(outs, 1), x)
+from closing_memory import D, ClosingMemory as Memory
 
 
 class WithShape(Memory):
