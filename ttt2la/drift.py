@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from .converted import install
-from .testing import rel_rms_error
+from .testing import rel_rms_error, same_value
 
 
 def first_output(out):
@@ -26,7 +26,6 @@ def other_outputs_differ(got, want, tensors: bool = True) -> str:
     where nothing does): their structure, a Python value it returns (a flag, a count), or, with
     ``tensors``, another tensor beyond its dtype's tolerance. A value the converted graphs hold
     as a constant passed every check that compared the main output alone."""
-    from .testing import TOLERANCE
     xs, spec_got = pytree.tree_flatten(got)
     ys, spec_want = pytree.tree_flatten(want)
     if spec_got != spec_want:
@@ -36,13 +35,11 @@ def other_outputs_differ(got, want, tensors: bool = True) -> str:
     for i, (x, y) in enumerate(zip(xs, ys)):
         if i == main:
             continue
-        if not isinstance(y, torch.Tensor) or not isinstance(x, torch.Tensor):
-            if type(x) is not type(y) or x != y:
-                return f"{x!r} as its output value #{i} where the layer as written returns {y!r}"
-        elif tensors and (x.shape != y.shape or x.dtype != y.dtype or (
-                rel_rms_error(x, y) > TOLERANCE.get(y.dtype, 1e-5) if y.is_floating_point()
-                and y.numel() else not torch.equal(x, y))):
-            return f"another tensor as its output value #{i} than the layer as written"
+        tensor = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+        if (tensors or not tensor) and not (same_value(x, y) and type(x) is type(y)):
+            return f"another tensor as its output value #{i} than the layer as written" \
+                if tensor else f"{x!r} as its output value #{i} where the layer as written " \
+                f"returns {y!r}"
     return ""
 
 

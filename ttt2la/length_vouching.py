@@ -30,7 +30,7 @@ from .frontend.size_uses import probe_sizes, size_uses
 from .frontend.length_values import describe, length_values
 from .ir import SRC, torch_name
 from .original_class import original_class
-from .testing import TOLERANCE, rel_rms_error
+from .testing import same_value
 
 
 @dataclass
@@ -107,21 +107,7 @@ def _same(a, b) -> bool:
     ys, spec_b = pytree.tree_flatten(b)
     if spec_a != spec_b:
         return False
-    for x, y in zip(xs, ys):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if not isinstance(x, torch.Tensor):
-            if x != y:
-                return False
-            continue
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if x.is_floating_point() and x.numel():
-            if rel_rms_error(x, y) > TOLERANCE.get(x.dtype, 1e-5):
-                return False
-        elif not torch.equal(x, y):
-            return False
-    return True
+    return all(same_value(x, y) for x, y in zip(xs, ys))
 
 
 def vouching(rl) -> LengthVouching | None:

@@ -94,10 +94,24 @@ def training_step_ops(module: torch.nn.Module, x: torch.Tensor) -> int:
     return counter.count
 
 
+def same_value(x, y) -> bool:
+    """Two values a layer returned agree: tensors of one shape and dtype within the dtype's
+    tolerance (exactly, for integers and bools), anything else equal."""
+    if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+        return False
+    if not isinstance(x, torch.Tensor):
+        return bool(x == y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.is_floating_point() and x.numel():
+        return rel_rms_error(x, y) <= TOLERANCE.get(x.dtype, 1e-5)
+    return torch.equal(x, y)
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE[dtype]
 
 
-__all__ = ["rel_rms_error", "tolerance", "TOLERANCE", "outputs_and_grads",
+__all__ = ["rel_rms_error", "same_value", "tolerance", "TOLERANCE", "outputs_and_grads",
            "no_worse_than_original", "CRITERION_SAMPLES", "CountOps",
            "training_step_ops"]
