@@ -2102,6 +2102,11 @@ MUTATIONS = [
         "sizes_not_copyable", "`copy.deepcopy` of a tracked size builds it again without its function, so the run fails and finds nothing",
         (("ttt2la/frontend/size_conversions.py", "        cls.__deepcopy__ = lambda self, memo: self\n", ""),),
         ("tests/test_size_spellings.py",), "deepcopy"),
+    Mutation(
+        "dict_asked_through_getattr", "whether a global object has a `__dict__` is asked through its `__getattr__`, whose own error escapes the conversion",
+        (("ttt2la/object_fields.py", "        object.__getattribute__(value, \"__dict__\")\n",
+          "        getattr(value, \"__dict__\")\n"),),
+        ("tests/test_global_guard.py",), "getattr"),
 ]
 
 

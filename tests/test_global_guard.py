@@ -152,3 +152,33 @@ def test_a_lossy_conversion_refuses_after_the_change(kind):
     change(3.0)
     with pytest.raises(ChangedAttributeError, match=name.split(" ")[0]):
         conv(x)
+
+
+class Strict:
+    """A global object of the user's without a ``__dict__``, whose ``__getattr__`` raises
+    its own error for any name it does not hold."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no setting {name}")
+
+
+STRICT = Strict()
+
+
+class StrictScale(Memory):
+    def close(self, o):
+        return o * STRICT.scale
+
+
+def test_a_global_whose_getattr_raises_its_own_error_converts():
+    torch.manual_seed(0)
+    layer = StrictScale()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, D),))
+    x = torch.randn(2, 20, D)
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), layer(x)) <= 1e-5

@@ -18,8 +18,18 @@ import torch
 def plain_object(value) -> bool:
     """Whether ``value`` is an object of the user's settings: one with a ``__dict__`` that is no
     function, class, module, tensor or ``nn.Module`` (its fields are judged by the caller)."""
-    return hasattr(value, "__dict__") and not callable(value) and not isinstance(
+    return _has_dict(value) and not callable(value) and not isinstance(
         value, (type, types.ModuleType, torch.Tensor, torch.nn.Module))
+
+
+def _has_dict(value) -> bool:
+    """Whether ``value`` has a ``__dict__``, asked without its ``__getattr__`` (which may raise
+    anything for a name it does not know)."""
+    try:
+        object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return False
+    return True
 
 
 class Fields:
@@ -34,7 +44,7 @@ class Fields:
     def __eq__(self, other) -> bool:
         if isinstance(other, Fields):
             return self.kind is other.kind and self.fields == other.fields
-        if type(other) is not self.kind or not hasattr(other, "__dict__"):
+        if type(other) is not self.kind or not _has_dict(other):
             return False
         now = vars(other)
         return now.keys() == self.fields.keys() and all(
