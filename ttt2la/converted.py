@@ -1119,8 +1119,9 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
-    state.attributes = AttributeGuard.of(module, read_off_classes(module, code_names(module)))
-    state.outside = GlobalGuard.of(module)
+    read = code_names(module)
+    state.attributes = AttributeGuard.of(module, read_off_classes(module, read))
+    state.outside = GlobalGuard.of(module, read)
     state.settings = SettingsGuard.of(module)
     state.input_layout = LayoutGuard.of(module, _example_flat(state))
     state.typed_output = typed_output(output_spec(getattr(state.outer, "gm", None)))

@@ -232,11 +232,13 @@ class GlobalGuard:
     values: tuple
 
     @classmethod
-    def of(cls, layer: torch.nn.Module) -> "GlobalGuard | None":
-        """Record them now (``None``: the code reads none)."""
+    def of(cls, layer: torch.nn.Module, read: frozenset[str] | None = None
+           ) -> "GlobalGuard | None":
+        """Record them now (``None``: the code reads none); ``read``: ``code_names(layer)``
+        where the caller has it already."""
         found: dict = {}
         seen: set = set()
-        read = code_names(layer)
+        read = code_names(layer) if read is None else read
         attributes = Attributes(list(layer.modules()))
         for klass, most, m in _user_classes(layer):
             own = vars(m)
