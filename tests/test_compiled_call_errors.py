@@ -1,8 +1,7 @@
 """A call a converted layer's code rejects raises, under ``torch.compile``, the error the eager
 call raises: a ``RejectedCallError`` naming the user's line, not TorchDynamo's own error or
-torch's bare one. Where TorchDynamo finds the failure while tracing (on fake tensors), the call
-runs eagerly instead; under ``fullgraph=True`` TorchDynamo's refusal names the layer's line
-where the trace failed.
+torch's bare one. Inputs of another dtype than the traced ones run between compiled graphs, as
+eagerly; under ``fullgraph=True`` TorchDynamo's refusal says so.
 
 References: the eager call's error on the same input (its class, line and message).
 """
@@ -49,9 +48,11 @@ def test_a_compiled_call_the_code_rejects_names_the_users_line(name):
     assert str(compiled) == str(eager.value)
 
 
-def test_under_fullgraph_the_refusal_names_the_users_line():
+def test_under_fullgraph_the_refusal_says_the_inputs_are_not_as_traced():
+    """Inputs of another dtype than the traced ones are decided before the plan runs, between
+    graphs: under ``fullgraph=True`` TorchDynamo's refusal says so and what to do."""
     converted, d = _converted("lossy")
     x = torch.randn(2, 16, d, dtype=torch.float64)
     compiled = _compiled_error(converted, x, fullgraph=True)
-    assert "lact_folded.py:" in str(compiled) and "runs eagerly instead" in str(compiled), \
-        str(compiled)
+    assert "another dtype or on another device than the layer was traced with" in str(compiled) \
+        and "without fullgraph=True" in str(compiled), str(compiled)

@@ -33,6 +33,7 @@ from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
 from .frontend.output_types import output_spec, typed_output
 from .global_guard import GlobalGuard, code_names, read_off_classes
+from .input_types import InputTypes
 from .layout_guard import LayoutGuard
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
@@ -183,6 +184,7 @@ class ConvertedState:
     walk: ModuleWalk | None = None      # its module tree at conversion, walked once a call
     skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
     _shape_cases: dict = field(default_factory=dict)    # input shapes -> ``_shape_case``
+    input_types: InputTypes | None = None   # the example inputs' dtypes and devices
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -256,25 +258,28 @@ class ConvertedState:
             self._outer_cache[B] = sized
         return sized.at(B, L)
 
-    def route(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
-        """What runs ``module(*args, **kwargs)`` (``flat``: its inputs flattened): ``None``
-        where the plan may take the call, else the call that runs instead (the code as written,
-        or the refusal of a lossy conversion), as ``decide`` finds it."""
-        case, B, L = self.decide(module, flat)
+    def route(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list,
+              now: Signature | None = None):
+        """What runs ``module(*args, **kwargs)`` (``flat``: its inputs flattened; ``now``: its
+        weights' signature): ``None`` where the plan may take the call, else the call that runs
+        instead (the code as written, or the refusal of a lossy conversion), as ``decide`` finds
+        it."""
+        case, B, L = self.decide(module, flat, now)
         return None if case is None else self._instead(case, module, args, kwargs, flat, B, L)
 
-    def decide(self, module: torch.nn.Module, flat: list) -> tuple[tuple | None, int, int]:
+    def decide(self, module: torch.nn.Module, flat: list, now: Signature | None = None
+               ) -> tuple[tuple | None, int, int]:
         """``(case, B, L)``: the call's sizes and, where the plan may not take it, why
         (``(kind, detail)``, which ``_instead`` turns into what runs instead; ``None`` where
         the plan may). Decided from the call's sizes, mode and gradient recording alone, so
         eager calls and ``torch.compile`` (which guards on those) decide alike; what only
         running the plan tells (a padding found not inert, a failing loop) is decided by the
         call that runs it. The one decision ``route``, ``__call__`` and ``kept_call`` share; a
-        call ``sizes`` refuses raises its error."""
-        shapes = None if torch.compiler.is_compiling() else _shapes(flat)
+        call ``sizes`` refuses raises its error (``now``: as ``other_types`` takes it)."""
+        shapes = None if torch.compiler.is_compiling() or now is not None else _shapes(flat)
         found = self._shape_cases.get(shapes) if shapes is not None else None
         if found is None:
-            found = self._shape_case(flat)
+            found = self._shape_case(flat, now)
             if shapes is not None and len(self._shape_cases) < _SHAPE_CASES:
                 self._shape_cases[shapes] = found
         first, B, L, then = found
@@ -291,12 +296,25 @@ class ConvertedState:
             return ("transform", limit), B, L
         return None, B, L
 
-    def _shape_case(self, flat: list) -> tuple:
+    def other_types(self, flat: list, now: Signature | None = None) -> str:
+        """The call's first input in another dtype or on another device than the layer was
+        traced with (``input_types``), described; ``""`` where there is none. ``now``: the
+        weights' signature where it may not be the one this state was built for (a compiled
+        call reads the state the layer was converted with), whose cast the inputs follow."""
+        types = self.input_types
+        if types is None:
+            return ""
+        if now is not None and self.weights and now != self.weights:
+            types = types.cast(self.weights, now)
+        return types.differs(flat)
+
+    def _shape_case(self, flat: list, now: Signature | None = None) -> tuple:
         """``decide``'s part that reads the call's inputs alone: ``(first, B, L, then)``, the
         case that comes before the mode's and gradients' (a batch or image size the traces do
         not cover), the sizes, and the case after them (a length they do not cover, no
-        tokens). For a call of tensors it depends on their shapes only, so ``decide`` finds it
-        once per shape (``_shape_cases``)."""
+        tokens, inputs of other dtypes or devices than the traced ones). For a call of tensors it
+        depends on their shapes, dtypes and devices only, so ``decide`` finds it once for each
+        (``_shape_cases``); ``now`` as ``other_types`` takes it."""
         layout = self.layout
         if self.as_written is not None:
             other_batch = getattr(layout, "untraced_batch", _NONE_OTHER)(flat)
@@ -308,6 +326,9 @@ class ConvertedState:
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = layout.sizes(flat)
         B, L = int(B), int(L)
+        other = self.other_types(flat, now)
+        if other:
+            return None, B, L, ("input types", other)
         untraced = layout.untraced_length(L)
         if untraced:
             return None, B, L, ("untraced length", untraced)
@@ -330,6 +351,9 @@ class ConvertedState:
             return lambda: self._stopped_gradients(written, B, L)
         if kind == "untraced length":
             return lambda: self._at_untraced_length(detail, written, B, L)
+        if kind == "input types":
+            return lambda: _other_types_between_graphs(self._of_other_types, detail, module,
+                                                       written, B, L)
         if kind == "length zero":
             return lambda: self._at_length_zero(written, B)
         return lambda: self._under_transform(detail, written, B, L)
@@ -480,6 +504,20 @@ class ConvertedState:
                                      refusal=UnsupportedShapeError(
             f"{self._where()} was called at {why}. Call it at the lengths it was traced at, or "
             "convert it again with example inputs of the length you call it with."))
+
+    def _of_other_types(self, which: str, module: torch.nn.Module, written, B: int, L: int):
+        """A call with an input in another dtype or on another device than the traced ones
+        (``which`` says which): the graphs hold no cast the code makes of it, so an exact
+        conversion runs the code as written. A lossy one refuses; where the code as written
+        fails on the call too, its own error, naming its line, says what to pass."""
+        if self.as_written is None:
+            with buffers_kept(module):      # the check's run is not the call's
+                self._as_written(written, f"with {which}")
+        return self._written_instead(written, B, L, "input types", which, f"with {which}",
+                                     refusal=UnsupportedShapeError(
+            f"{self._where()} was called with {which}. Pass inputs as the layer was traced "
+            "with, or convert it again with example inputs like this call's (cast the model's "
+            "weights too: the inputs follow them)."))
 
     def _unvouched_length(self, vouching, plan, written, B: int, L: int):
         """At a length the traces do not vouch for (the code computes Python values of the
@@ -706,6 +744,14 @@ class ConvertedState:
                 f"layer (or None), got {type(state).__name__}")
         flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
+        other = self.other_types(flat)
+        if other:               # the code's own error where it fails too, else the refusal
+            with buffers_kept(module):
+                self._as_written(written_call(module, args, kwargs), f"with {other}")
+            raise StreamingError(
+                f"{self._where()} cannot carry its fast-weight state through a call with "
+                f"{other}: its graphs hold no cast the code makes of it. Pass inputs as the "
+                "layer was traced with, or convert it again with example inputs like these.")
         untraced = self.layout.untraced_length(L)
         if untraced:                    # the code as written carries no state between calls
             raise UnsupportedShapeError(
@@ -789,13 +835,13 @@ _SHAPE_CASES = 512
 
 
 def _shapes(flat: list) -> tuple | None:
-    """The shapes of a call's inputs, where they are all tensors (``None`` where not: a value
-    among them is compared by the call's signature each call)."""
+    """The shapes, dtypes and devices of a call's inputs, where they are all tensors (``None``
+    where not: a value among them is compared by the call's signature each call)."""
     shapes = []
     for t in flat:
         if not isinstance(t, torch.Tensor):
             return None
-        shapes.append(t.shape)
+        shapes.append((t.shape, t.dtype, t.device))
     return tuple(shapes)
 
 
@@ -1026,6 +1072,7 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
         rl, recipe.level, PassContext(folds=dict(recipe.folds)), recipe.backend, recipe.strict,
         device)
     state.recipe = recipe
+    state.input_types = _input_types(state, _example_flat(state))
     state.as_written = AsWritten() if exact else None
     state.training_dependence = training_dependence(module, recipe.args, recipe.kwargs)
     state.gradient_stop = recipe.gradient_stop
@@ -1123,7 +1170,9 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     state.attributes = AttributeGuard.of(module, read_off_classes(module, read))
     state.outside = GlobalGuard.of(module, read)
     state.settings = SettingsGuard.of(module)
-    state.input_layout = LayoutGuard.of(module, _example_flat(state))
+    example = _example_flat(state)
+    state.input_layout = LayoutGuard.of(module, example)
+    state.input_types = _input_types(state, example)
     state.typed_output = typed_output(output_spec(getattr(state.outer, "gm", None)))
     state.walk = ModuleWalk.of(module, state.attributes)
     state.compile_break = compile_break(state)
@@ -1136,6 +1185,16 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
 #: Dynamo guards a function by its code, which every layer's closure shares).
 _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+
+
+def _input_types(state: ConvertedState, example: list | None) -> InputTypes | None:
+    """The dtypes and devices of ``example`` (the example call's inputs flattened), named as
+    the call's signature names them (``None``: no record of them)."""
+    if example is None:
+        return None
+    signature = getattr(state.layout, "signature", None)
+    names = None if signature is None else [leaf.name for leaf in signature.leaves]
+    return InputTypes.of(example, names)
 
 
 def _example_flat(state: ConvertedState) -> list | None:
@@ -1163,7 +1222,7 @@ def _compiled_call(module: torch.nn.Module, weights: dict, args: tuple):
     state the layer was converted with: a state built again for cast weights (``recast``, a
     conversion, never traced) routes alike."""
     state = module._ttt2la
-    instead = state.route(module, args, {}, list(args))
+    instead = state.route(module, args, {}, list(args), weights_signature(weights))
     if instead is not None:
         return instead()
     reason = state.compile_break
@@ -1234,6 +1293,20 @@ def _run_written(written):
 _written_between_graphs = torch.compiler.disable(_run_written, reason=(
     "ttt2la: this call of a converted layer runs its code as written (a shape, mode or state "
     "its converted graphs do not take; see the layer's report runs). Compile it without "
+    "fullgraph=True: the call then runs eagerly between the compiled graphs"))
+
+
+def _run_call(call: Callable, *args):
+    return call(*args)
+
+
+#: A call with inputs of other dtypes or devices than the traced ones, run between compiled
+#: graphs on its real tensors, so the code as written or the refusal decides as eagerly.
+_other_types_between_graphs = torch.compiler.disable(_run_call, reason=(
+    "ttt2la: this call of a converted layer passes an input in another dtype or on another "
+    "device than the layer was traced with, so its converted graphs do not take it: it runs "
+    "the code as written (an exact conversion) or is refused (a lossy one), and an eager call "
+    "names the input. Pass inputs as the layer was traced with, or compile it without "
     "fullgraph=True: the call then runs eagerly between the compiled graphs"))
 
 

@@ -57,19 +57,29 @@ def described_change(was: Signature, now: Signature) -> str:
     return f"weights in {describe(now)}, " + ("; ".join(parts) or "reordered")
 
 
-def recast_recipe(recipe, was: Signature, now: Signature):
-    """``recipe`` with its example tensors cast as the weights were: a floating tensor of a
-    dtype some weights had takes the dtype most of those weights have now, and every tensor
-    moves to the device most weights are on now."""
-    moves: dict[torch.dtype, Counter] = {}
+def weights_cast(was: Signature, now: Signature) -> tuple[dict, torch.device | None]:
+    """How the weights were cast from ``was`` to ``now``, as ``(dtypes, device)``: each floating
+    dtype some weights had, to the dtype most of those weights have now, and the device most
+    weights are on now (``None``: no weights). Plain loops, so TorchDynamo reads it through."""
+    moves: dict = {}
     before = {name: d for name, d, _ in was}
     for name, d1, _ in now:
         d0 = before.get(name)
         if d0 is not None and d0.is_floating_point and d1.is_floating_point:
-            moves.setdefault(d0, Counter())[d1] += 1
-    dtypes = {d0: c.most_common(1)[0][0] for d0, c in moves.items()}
-    devices = Counter(v for _, _, v in now)
-    device = devices.most_common(1)[0][0] if devices else None
+            counts = moves.setdefault(d0, {})
+            counts[d1] = counts.get(d1, 0) + 1
+    dtypes = {d0: max(counts, key=counts.get) for d0, counts in moves.items()}
+    devices: dict = {}
+    for _, _, v in now:
+        devices[v] = devices.get(v, 0) + 1
+    return dtypes, (max(devices, key=devices.get) if devices else None)
+
+
+def recast_recipe(recipe, was: Signature, now: Signature):
+    """``recipe`` with its example tensors cast as the weights were (``weights_cast``): a
+    floating tensor of a dtype some weights had takes the dtype most of those weights have now,
+    and every tensor moves to the device most weights are on now."""
+    dtypes, device = weights_cast(was, now)
 
     def cast(t):
         if not isinstance(t, torch.Tensor):
@@ -109,5 +119,5 @@ def recast(module: torch.nn.Module, state, now: Signature):
                                variant=f", {described_change(state.weights, now)}")
 
 
-__all__ = ["Signature", "weights_signature", "describe", "described_change", "recast_recipe",
-           "recast"]
+__all__ = ["Signature", "weights_signature", "describe", "described_change", "weights_cast",
+           "recast_recipe", "recast"]
