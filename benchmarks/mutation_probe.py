@@ -540,7 +540,7 @@ MUTATIONS = [
     Mutation(
         "compiled_training_mode_ignored", "under torch.compile a mode-dependent layer runs its "
         "evaluation-mode graphs in training mode",
-        (("ttt2la/converted.py", "    instead = state.route(module, args, {}, list(args))",
+        (("ttt2la/converted.py", "    instead = state.route(module, args, {}, list(args), weights_signature(weights))",
           "    instead = None"),),
         ("tests/test_training_mode.py",), "compile"),
     Mutation(
@@ -1739,7 +1739,8 @@ MUTATIONS = [
         ("tests/test_module_walk.py", "tests/test_attribute_guard.py"), "attribute"),
     Mutation(
         "shape_case_keyed_without_features", "the shape case a call's decision remembers is keyed without the inputs' last size, so a call of another width at a remembered length is not refused",
-        (("ttt2la/converted.py", "        shapes.append(t.shape)\n", "        shapes.append(t.shape[:-1])\n"),),
+        (("ttt2la/converted.py", "        shapes.append((t.shape, t.dtype, t.device))\n",
+          "        shapes.append((t.shape[:-1], t.dtype, t.device))\n"),),
         ("tests/test_module_walk.py",), "remembered_shape"),
     Mutation(
         "range_count_untracked", "the run's stand-in for `range` counts no range of the sizes, so `len(range(0, T, C))` after the loop is a plain number and a branch on it goes unchecked",
@@ -2107,6 +2108,30 @@ MUTATIONS = [
         (("ttt2la/object_fields.py", "        object.__getattribute__(value, \"__dict__\")\n",
           "        getattr(value, \"__dict__\")\n"),),
         ("tests/test_global_guard.py",), "getattr"),
+    Mutation(
+        "input_types_unchecked", "a call's inputs are not compared with the dtypes and devices the layer was traced with, so float64 inputs reach graphs traced at float32",
+        (("ttt2la/converted.py", "        types = self.input_types\n", "        types = None\n"),),
+        ("tests/test_input_types.py",), "exact or lossy or state"),
+    Mutation(
+        "input_types_not_cast", "a compiled call compares its inputs with the example's dtypes as converted, not as the weights were cast since",
+        (("ttt2la/converted.py", "            types = types.cast(self.weights, now)\n", "            pass\n"),),
+        ("tests/test_input_types.py",), "cast"),
+    Mutation(
+        "float_left_unread", "a plain float on the left of an operator or a comparison with a value of the length (`0.5 * T`, `2.5 < T`) is not recorded, so a branch on it is converted with the probe lengths' outcome",
+        (("ttt2la/frontend/size_operands.py", "    if type(left) is float and isinstance(right, SizeInt):\n        f, apply",
+          "    if False:\n        f, apply"),
+         ("ttt2la/frontend/size_operands.py", "    if type(left) is float and isinstance(right, SizeInt):\n        f, compare",
+          "    if False:\n        f, compare")),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "float or FloatLeft"),
+    Mutation(
+        "sequence_index_unread", "an index or slice of a plain list, tuple or string by a value of the length (`[a, b][T % 2]`) is not recorded",
+        (("ttt2la/frontend/size_operands.py", "    if not isinstance(seq, _SEQUENCES):\n", "    if True:\n"),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "index or slice or ListIndex"),
+    Mutation(
+        "percent_text_unread", "text `%`-formatted with a value of the length (`'%d' % T`) is not recorded",
+        (("ttt2la/frontend/size_operands.py", "    if op is ast.Mod and isinstance(left, (str, bytes)) and _sized(right):\n",
+          "    if False:\n"),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "formatting or PercentText"),
 ]
 
 

@@ -55,6 +55,8 @@ NUMBERS = {
     "pow with a large modulus": (lambda T: pow(T, 1, 1 << 40), False),
     "math.prod": (lambda T: math.prod([T, 2]), False),
     "deepcopy": (lambda T: copy.deepcopy({"T": T})["T"], False),
+    # a plain float on the left makes a plain number: conservatively a use wherever it changes
+    "a float on the left": (lambda T: 0.5 * T, True),
 }
 
 #: (value of the length the output branches on, is it a use?)
@@ -81,6 +83,15 @@ DECISIONS = {
     "np.array of it": (lambda T: np.array(T) % 8, True),
     "np.mean": (lambda T: np.mean([T, 0]) % 4, True),
     "NumPy constant": (lambda T: np.maximum(T, 4) >= 4, False),
+    # CPython reads the value without asking it (``size_operands``)
+    "a float on the left": (lambda T: (0.5 * T) % 4 < 2, True),
+    "a float on the left of a constant": (lambda T: 0.5 * (T * 0) == 0, False),
+    "a float compared": (lambda T: 20.5 < T, True),
+    "an index into a list": (lambda T: [3.0, 2.0, 1.0, 0.0][T % 4], True),
+    "an index into a tuple of equal items": (lambda T: (1.0, 1.0)[T % 2], False),
+    "a slice of text": (lambda T: "abcdefgh"[:T % 8] == "abcd", True),
+    "% formatting": (lambda T: ("%d" % T).endswith("6"), True),
+    "% formatting of a tuple": (lambda T: "%d-%d" % (T, 1) < "17", True),
 }
 
 

@@ -2,7 +2,8 @@
 (``frontend.size_uses``): spellings the source reading does not know — ``x.size(dim=1)``,
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
 of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
-``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)`` — in the code that calls the loop's function,
+``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)``, ``0.5 * T``, ``[a, b][T % 2]``,
+``'%d' % T`` — in the code that calls the loop's function,
 and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
@@ -191,10 +192,26 @@ class PowModulus(Momentum):
         return o * 2 if pow(x.shape[1], 3, 8) else o + 2
 
 
+class FloatLeft(Momentum):
+    def finish(self, o, x):
+        return o * 2 if (0.5 * x.shape[1]) % 4 else o + 2
+
+
+class ListIndex(Momentum):
+    def finish(self, o, x):
+        return o * [3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0][x.shape[1] % 8]
+
+
+class PercentText(Momentum):
+    def finish(self, o, x):
+        return o * 2 if ("%d" % x.shape[1]).endswith(("2", "4", "5", "8", "0")) else o + 2
+
+
 SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda, Partial,
                                      Attribute, Value, ComparedValue, Lookup, MathBranch,
                                      MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
-                                     Text, TextKey, IntCall, IndexCall, BitLength, PowModulus)}
+                                     Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
+                                     FloatLeft, ListIndex, PercentText)}
 
 
 class OneSample(Momentum):
@@ -230,7 +247,9 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "NumpyBranch": "np.sqrt(x.shape[1]) % 1", "NumpyClip": "np.clip(x.shape[1] % 8, 0, 1)",
          "Text": 'f"{x.shape[1]}".endswith', "TextKey": 'SCALES.get(f"scale_{x.shape[1]}"',
          "IntCall": "int(x.shape[1]) % 8", "IndexCall": "operator.index(x.shape[1]) % 8",
-         "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)"}
+         "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)",
+         "FloatLeft": "(0.5 * x.shape[1]) % 4", "ListIndex": "2.0, 2.0][x.shape[1] % 8]",
+         "PercentText": '("%d" % x.shape[1]).endswith'}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

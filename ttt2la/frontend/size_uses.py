@@ -717,7 +717,8 @@ def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
                    plain)
         _RUN[0] = rec
         try:
-            with warnings.catch_warnings(), _counting(loop[0], plain), _Tracking(rec):
+            with warnings.catch_warnings(), _counting(loop[0], plain), _Tracking(rec), \
+                    size_operands.operands_watched(rec):
                 warnings.simplefilter("ignore")
                 run()
         except Exception:               # the code does not run there: the source reading stands
@@ -753,6 +754,6 @@ def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthVa
 
 
 # NumPy, text and plain numbers of the sizes (each module adds its methods to the two types)
-from . import size_conversions, size_numpy, size_text  # noqa: E402,F401
+from . import size_conversions, size_numpy, size_operands, size_text  # noqa: E402,F401
 
 __all__ = ["SizeInt", "SizeFloat", "size_uses", "probe_sizes"]

@@ -1,0 +1,262 @@
+"""Values of the call's sizes that CPython reads without asking them, found at the user's line.
+
+A ``SizeInt`` is an ``int``, and CPython reads an ``int`` subclass's value directly where a plain
+``float`` is on the left of an operator (``0.5 * T``, ``1.0 / T``, ``2.5 < T``), where it indexes
+a list, tuple or string (``[3.0, 2.0][T % 2]``, ``names[:T]``), and in ``'%d' % T``: no method of
+the size runs, so the run of ``size_uses`` saw no decision, and a branch on the number, the item
+picked or the text made was converted with the probe length's outcome at every length. Here,
+during that run, the lines of the user's files that hold such an expression are watched
+(``sys.settrace``, on the user's frames only): when one is reached, the operands that are plain
+names, attributes, subscripts or arithmetic of them are read in its frame, and where one is a
+value of the sizes in such a place, the expression's value is recorded as a decision of the
+sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
+operand that is a call (other than ``.size(...)``) is not evaluated, and neither is anything
+where a tracer is already set (a debugger, coverage): the run then stays as it was.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import operator
+import sys
+
+import torch
+
+from .size_uses import _RUN, SizeFloat, SizeInt, _library
+from .size_text import _printed
+from .user_code import parsed
+
+#: the arithmetic operators whose float method reads an ``int`` operand's value directly
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
+               ast.Mod: operator.mod, ast.Pow: operator.pow}
+_COMPARISONS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+                ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
+#: the expressions read in the frame: they compute nothing a reader could notice
+_PURE = (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Slice, ast.BinOp,
+         ast.UnaryOp, ast.Tuple, ast.List, ast.Load, ast.operator, ast.unaryop)
+_SEQUENCES = (list, tuple, str, bytes, range)
+
+
+@contextlib.contextmanager
+def operands_watched(run):
+    """Inside the block, the user's lines that read a size without asking it record their
+    decision in ``run`` (nothing where a tracer is set already)."""
+    if sys.gettrace() is not None:
+        yield
+        return
+    sys.settrace(_calls)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+
+
+def _calls(frame, event, arg):
+    """The global tracer: a frame of the user's file with watched lines gets ``_lines``."""
+    return _lines if _watched(frame.f_code.co_filename) else None
+
+
+def _lines(frame, event, arg):
+    if event == "line":
+        nodes = _watched(frame.f_code.co_filename).get(frame.f_lineno)
+        if nodes:
+            _read(frame, nodes)
+    return _lines
+
+
+@functools.lru_cache(maxsize=256)
+def _watched(file: str) -> dict:
+    """The expressions of ``file`` that may read a size without asking it, by line (empty for
+    a file that is not the user's)."""
+    tree = None if _library(file) else parsed(file)
+    if tree is None:
+        return {}
+    found: dict[int, list] = {}
+    for node in ast.walk(tree):
+        if _candidate(node):
+            found.setdefault(node.lineno, []).append(node)
+    return found
+
+
+def _candidate(node) -> bool:
+    """A float-capable operator, a comparison or a subscript whose operands are read in the
+    frame, and whose other side is no constant."""
+    if isinstance(node, ast.BinOp):
+        return type(node.op) in _ARITHMETIC and _pure(node.left) and _pure(node.right) \
+            and not _constant(node.right)
+    if isinstance(node, ast.Compare):
+        return _pure(node.left) and all(_pure(c) for c in node.comparators) \
+            and type(node.ops[0]) in _COMPARISONS and not _constant(node.comparators[0])
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.ctx, ast.Load) and _pure(node.value) and _pure(node.slice) \
+            and not _constant(node.slice)
+    return False
+
+
+def _pure(node) -> bool:
+    """Only names, constants, attributes, subscripts, arithmetic and ``x.size(...)``."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            if not (isinstance(n.func, ast.Attribute) and n.func.attr == "size"
+                    and all(isinstance(a, ast.Constant) for a in n.args) and not n.keywords):
+                return False
+        elif not isinstance(n, (*_PURE, ast.expr_context)) and not isinstance(n, ast.keyword):
+            return False
+    return True
+
+
+def _constant(node) -> bool:
+    return all(isinstance(n, (ast.Constant, ast.Slice, ast.Tuple, ast.UnaryOp, ast.Load,
+                              ast.unaryop, ast.expr_context)) for n in ast.walk(node))
+
+
+def _read(frame, nodes) -> None:
+    """Record the decisions ``nodes`` (at the frame's line) make with a value of the sizes,
+    reading their operands with the run's own recording off."""
+    run = _RUN[0]
+    if run is None:
+        return
+    _RUN[0] = None          # reading the operands is no decision of the code's
+    try:
+        found = [d for d in (_decision(frame, n) for n in nodes) if d is not None]
+    finally:
+        _RUN[0] = run
+    for what, at in found:
+        if what == "makes text of" and _printed(frame.f_code.co_filename, frame.f_lineno):
+            continue
+        run.record(frame, what, at)
+
+
+class _Unread(Exception):
+    """An operand that is not read in the frame: it would compute on tensors, call code, or
+    look up a container that may change when looked up."""
+
+
+_OPERATORS = {**_ARITHMETIC, ast.BitAnd: operator.and_, ast.BitOr: operator.or_,
+              ast.BitXor: operator.xor, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert,
+          ast.Not: operator.not_}
+
+
+def _value(frame, node):
+    """``node``'s value in ``frame``, computed without running any code of the user's: names,
+    constants, attributes that are no property, items of plain sequences and dicts, numbers'
+    arithmetic and a tensor's ``.size(...)``; ``_Unread`` for anything else."""
+    kind = type(node)
+    if kind is ast.Constant:
+        return node.value
+    if kind is ast.Name:
+        for scope in (frame.f_locals, frame.f_globals, frame.f_builtins):
+            if node.id in scope:
+                return scope[node.id]
+        raise _Unread
+    if kind is ast.Attribute:
+        obj = _value(frame, node.value)
+        if isinstance(getattr(type(obj), node.attr, None), property):
+            raise _Unread
+        return getattr(obj, node.attr)
+    if kind is ast.Subscript:
+        seq = _value(frame, node.value)
+        if not isinstance(seq, _SEQUENCES) and type(seq) is not dict:
+            raise _Unread
+        return seq[_value(frame, node.slice)]
+    if kind is ast.Slice:
+        return slice(*(None if p is None else _value(frame, p)
+                       for p in (node.lower, node.upper, node.step)))
+    if kind in (ast.Tuple, ast.List):
+        return (tuple if kind is ast.Tuple else list)(_value(frame, e) for e in node.elts)
+    if kind is ast.BinOp and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_number(frame, node.left), _number(frame, node.right))
+    if kind is ast.UnaryOp and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_number(frame, node.operand))
+    if kind is ast.Call and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
+        t = _value(frame, node.func.value)
+        if isinstance(t, torch.Tensor):
+            return t.size(*(_value(frame, a) for a in node.args))
+    raise _Unread
+
+
+def _number(frame, node):
+    """An operand of arithmetic: a number or text, never a tensor (that would compute)."""
+    v = _value(frame, node)
+    if not isinstance(v, (int, float, str, bytes, tuple)):
+        raise _Unread
+    return v
+
+
+def _decision(frame, node):
+    """``(what, at)`` for the expression ``node`` where it reads a size without asking it, else
+    ``None`` (also where an operand cannot be read at the line's start)."""
+    try:
+        if isinstance(node, ast.BinOp):
+            return _operator(_value(frame, node.left), type(node.op), _value(frame, node.right))
+        if isinstance(node, ast.Compare):
+            return _comparison(_value(frame, node.left), type(node.ops[0]),
+                               _value(frame, node.comparators[0]))
+        return _index(_value(frame, node.value), frame, node.slice)
+    except Exception:
+        return None
+
+
+def _operator(left, op: type, right):
+    if type(left) is float and isinstance(right, SizeInt):
+        f, apply = right.at, _ARITHMETIC[op]
+        return "computes a plain number of", lambda L, B: apply(left, f(L, B))
+    if op is ast.Mod and isinstance(left, (str, bytes)) and _sized(right):
+        return "makes text of", lambda L, B: left % _at_sizes(right, L, B)
+    return None
+
+
+def _comparison(left, op: type, right):
+    if type(left) is float and isinstance(right, SizeInt):
+        f, compare = right.at, _COMPARISONS[op]
+        return "compares", lambda L, B: compare(left, f(L, B))
+    return None
+
+
+def _index(seq, frame, index: ast.expr):
+    if not isinstance(seq, _SEQUENCES):
+        return None
+    if isinstance(index, ast.Slice):
+        parts = [None if p is None else _value(frame, p)
+                 for p in (index.lower, index.upper, index.step)]
+        if not any(isinstance(p, SizeInt) for p in parts):
+            return None
+        return "indexes a sequence with", \
+            lambda L, B: tuple(map(_item, seq[slice(*_at_sizes(parts, L, B))]))
+    i = _value(frame, index)
+    if not isinstance(i, SizeInt):
+        return None
+    f = i.at
+    return "indexes a sequence with", lambda L, B: _item(seq[f(L, B)])
+
+
+def _item(v):
+    """An item picked, as the decision's value: itself for a number or text, else its
+    identity (tensors compare elementwise)."""
+    return v if isinstance(v, (int, float, str, bytes)) else id(v)
+
+
+def _sized(x) -> bool:
+    if isinstance(x, (SizeInt, SizeFloat)):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_sized(v) for v in x)
+    return isinstance(x, dict) and any(_sized(v) for v in x.values())
+
+
+def _at_sizes(x, L: int, B: int):
+    """``x`` with every value of the sizes in it evaluated at ``(L, B)``."""
+    if isinstance(x, (SizeInt, SizeFloat)):
+        return x.at(L, B)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_at_sizes(v, L, B) for v in x) if type(x) in (tuple, list) else \
+            tuple(_at_sizes(v, L, B) for v in x)
+    if isinstance(x, dict):
+        return {k: _at_sizes(v, L, B) for k, v in x.items()}
+    return x
+
+
+__all__ = ["operands_watched"]
