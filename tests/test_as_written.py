@@ -46,6 +46,9 @@ class Costs:
                  cls=GatedChunkMemory):
         """``written`` may list the user's forward calls' costs in turn (the last repeats)."""
         self.now, self.written_calls = 0.0, 0
+        # the instrument holds the test's patcher, so its counters read as no settings of the
+        # layer's (a closure's plain values are guarded, ``global_guard``)
+        self.patcher = monkeypatch
         monkeypatch.setattr(as_written, "_clock", lambda: self.now)
         forward = cls.forward
         costs = written if isinstance(written, list) else [written]

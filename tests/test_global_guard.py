@@ -1,5 +1,6 @@
 """Values a converted layer's code reads from outside the layer — a class attribute, a
-module-level global, a global read in a helper function it calls or holds — changed after
+module-level global, a global read in a helper function it calls or holds, a variable of a
+closure (a class or helper made by a factory function) — changed after
 conversion: the converted layer computes the original's new function (an exact conversion runs
 the code as written and says so) or refuses (a lossy one); never the old value's output."""
 import pytest
@@ -100,6 +101,38 @@ class HeldScale(Memory):
         return self.finish(o)
 
 
+def _closing_class():
+    """A layer class made by a factory, its ``close`` reading the factory's variable, and what
+    sets that variable (``nonlocal``)."""
+    scale = 1.0
+
+    class ClosureScale(Memory):
+        def close(self, o):
+            return o * scale
+
+    def change(v):
+        nonlocal scale
+        scale = v
+    return ClosureScale, change
+
+
+def _closing_helper():
+    """A helper made by a factory, reading its variable, and what sets that variable."""
+    scale = 1.0
+
+    def finish(o):
+        return o * scale
+
+    def change(v):
+        nonlocal scale
+        scale = v
+    return finish, change
+
+
+ClosureScale, _SET_CLOSURE_SCALE = _closing_class()
+_HELD_FINISH, _SET_HELD_SCALE = _closing_helper()
+
+
 LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v), "ClassGain.GAIN"),
           "method": (Rebound, _rebind(Rebound, "close", _CLOSE), "Rebound.close (a method)"),
           "forward": (Rebound, _rebind(Rebound, "forward", _FORWARD),
@@ -110,7 +143,10 @@ LAYERS = {"class attribute": (ClassGain, lambda v: setattr(ClassGain, "GAIN", v)
           "helper's global": (HelperScale, lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
           "held helper's global": (lambda: HeldScale(scaled),
                                    lambda v: CONFIG.__setitem__("scale", v), "CONFIG"),
-          "global in the loop": (Memory, lambda v: globals().__setitem__("STEP", 0.1 * v), "STEP")}
+          "global in the loop": (Memory, lambda v: globals().__setitem__("STEP", 0.1 * v), "STEP"),
+          "closure variable": (ClosureScale, _SET_CLOSURE_SCALE, "scale (a variable of"),
+          "held helper's closure variable": (lambda: HeldScale(_HELD_FINISH), _SET_HELD_SCALE,
+                                             "scale (a variable of")}
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +156,8 @@ def _restore():
     Rebound.close, Rebound.forward = _CLOSE, _FORWARD
     globals()["finish"] = _FINISH
     globals()["STEP"] = 0.1
+    _SET_CLOSURE_SCALE(1.0)
+    _SET_HELD_SCALE(1.0)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))

@@ -7,8 +7,9 @@ conversion changed the original's output but not the converted one's (0.67 relat
 reported exact). ``GlobalGuard`` records, at conversion, the plain values (numbers, strings,
 containers of them, as ``attribute_guard.plain_value`` says) that the layer's classes hold and
 that the functions of its code — its classes' methods and the functions they call by name or
-hold (a helper the layer was given, ``loaded_values``), three calls deep — read as globals, and
-tells at each call whether one changed: one tuple comparison. Code is watched by identity as
+hold (a helper the layer was given, ``loaded_values``), three calls deep — read as globals or
+from their closures (a class defined in a factory function, a helper made by one), and tells at
+each call whether one changed: one tuple comparison. Code is watched by identity as
 well: a method of the layer's classes that its code calls by name (``self.close``) or
 ``forward``, and a function of the user's it calls as a global, rebound since conversion
 (``Layer.close = other``), ran the old code in the traces (0.33 relative RMS off before).
@@ -47,6 +48,15 @@ def _library_code(fn: types.FunctionType) -> bool:
     """A function whose code is not the user's (a wrapper such as ``torch.compile``'s takes its
     wrapped function's ``__module__``, not its file)."""
     return not is_users(fn.__code__.co_filename)
+
+
+def _made_by_library(fn: types.FunctionType) -> bool:
+    """A function a library made from text (``dataclasses``' ``__init__``, whose code is
+    ``<string>``'s) for a module of its own."""
+    if not fn.__code__.co_filename.startswith("<"):
+        return False
+    file = getattr(sys.modules.get(fn.__module__), "__file__", None)
+    return isinstance(file, str) and not is_users(file)
 
 
 def _watchable(value) -> bool:
@@ -106,8 +116,24 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
                 kind = "a function" if user_function else "a global"
                 out.setdefault((id(g), name), (lambda g=g, n=name: g.get(n, _MISSING),
                                                f"{name} ({kind} of {where})"))
+    cells = () if _made_by_library(fn) else fn.__closure__ or ()
+    for name, cell in zip(fn.__code__.co_freevars, cells):
+        value = _contents(cell)
+        if isinstance(value, types.FunctionType) and not _library_code(value) or \
+                _watchable(value):
+            kind = "a function" if isinstance(value, types.FunctionType) else "a variable"
+            out.setdefault((id(cell), name), (lambda c=cell: _contents(c),
+                                              f"{name} ({kind} of {fn.__qualname__}'s closure)"))
     for held in (_held_functions(fn, attributes) if depth > 0 else ()):
         _reads(held, depth - 1, seen, out, attributes)
+
+
+def _contents(cell: types.CellType):
+    """What a closure's cell holds now (``_MISSING`` while it is empty)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
 
 
 def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
