@@ -2132,6 +2132,20 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "    if op is ast.Mod and isinstance(left, (str, bytes)) and _sized(right):\n",
           "    if False:\n"),),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "formatting or PercentText"),
+    Mutation(
+        "closure_cells_unwatched", "the variables a layer's functions close over (a class or helper made by a factory function) are not guarded, so a `nonlocal` assignment after conversion runs the old value",
+        (("ttt2la/global_guard.py", "    cells = () if _made_by_library(fn) else fn.__closure__ or ()\n",
+          "    cells = ()\n"),),
+        ("tests/test_global_guard.py",), "closure"),
+    Mutation(
+        "extremes_untracked", "`min` or `max` of a value of the length and a plain float (`min(T, 40.5)`) returns the size it picked at the run's length, tracked as the length itself",
+        (("ttt2la/frontend/size_order.py", "        return _wrap(_plain(out), lambda L, B: builtin(a(L, B) for a in ats))\n",
+          "        return out\n"),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "min or max or MinFloat"),
+    Mutation(
+        "sorted_order_unrecorded", "the order `sorted` puts a value of the length in among plain floats is not recorded",
+        (("ttt2la/frontend/size_order.py", "    if ats is not None:\n        _decide(", "    if False:\n        _decide("),),
+        ("tests/test_size_spellings.py",), "sorted"),
 ]
 
 

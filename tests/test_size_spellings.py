@@ -1,5 +1,5 @@
 """Values of the call's sizes that NumPy, text or CPython's plain numbers would make untracked
-(``size_numpy``, ``size_text``, ``size_conversions``), found by the run of ``size_uses``: each
+(``size_numpy``, ``size_text``, ``size_conversions``, ``size_operands``, ``size_order``), found by the run of ``size_uses``: each
 spelling's value is a use of the length where it changes with the length (a decision) or is no
 affine function of it (a number passed to torch), and none where it is not — tracked, not
 flagged wholesale; a spelling no tracked number can follow (``np.float64(T)``, text) is a use
@@ -57,6 +57,13 @@ NUMBERS = {
     "deepcopy": (lambda T: copy.deepcopy({"T": T})["T"], False),
     # a plain float on the left makes a plain number: conservatively a use wherever it changes
     "a float on the left": (lambda T: 0.5 * T, True),
+    # the order of a value of the length among plain floats (``size_order``)
+    "min with a float": (lambda T: min(T, 40.5), True),
+    "max with a float": (lambda T: max(T, 40.5), True),
+    "min of a list with a float": (lambda T: min([T, 40.5]), True),
+    "max with a float below every length": (lambda T: max(T, 0.5), False),
+    "sorted with a float": (lambda T: sorted([T, 30.5])[0], True),
+    "sorted with a float below every length": (lambda T: sorted([T, 0.5])[1], False),
 }
 
 #: (value of the length the output branches on, is it a use?)

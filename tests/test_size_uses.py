@@ -3,7 +3,7 @@
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
 of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
 ``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)``, ``0.5 * T``, ``[a, b][T % 2]``,
-``'%d' % T`` — in the code that calls the loop's function,
+``'%d' % T``, ``min(T, 20.5)`` — in the code that calls the loop's function,
 and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
@@ -202,6 +202,11 @@ class ListIndex(Momentum):
         return o * [3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0][x.shape[1] % 8]
 
 
+class MinFloat(Momentum):
+    def finish(self, o, x):
+        return o * min(x.shape[1], 20.5)
+
+
 class PercentText(Momentum):
     def finish(self, o, x):
         return o * 2 if ("%d" % x.shape[1]).endswith(("2", "4", "5", "8", "0")) else o + 2
@@ -211,7 +216,7 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      Attribute, Value, ComparedValue, Lookup, MathBranch,
                                      MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
-                                     FloatLeft, ListIndex, PercentText)}
+                                     FloatLeft, ListIndex, PercentText, MinFloat)}
 
 
 class OneSample(Momentum):
@@ -249,7 +254,7 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "IntCall": "int(x.shape[1]) % 8", "IndexCall": "operator.index(x.shape[1]) % 8",
          "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)",
          "FloatLeft": "(0.5 * x.shape[1]) % 4", "ListIndex": "2.0, 2.0][x.shape[1] % 8]",
-         "PercentText": '("%d" % x.shape[1]).endswith'}
+         "PercentText": '("%d" % x.shape[1]).endswith', "MinFloat": "min(x.shape[1], 20.5)"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

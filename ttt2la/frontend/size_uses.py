@@ -205,12 +205,19 @@ _install(SizeInt)
 _install(SizeFloat)
 
 
+#: the code of the builtins' stand-ins the user's modules see during the run (``size_extremes``):
+#: a decision made inside one is its caller's, as it is inside the builtin
+_STAND_INS: set = set()
+
+
 def _decide(what: str, at: Callable[[int], object]) -> None:
     """Record a decision the code made with a value of the sizes, at its caller's line (the
     library's own decisions, in torch or Python, are the op's, not the layer's)."""
     run = _RUN[0]
     if run is not None:
         frame = sys._getframe(2)
+        while frame.f_code in _STAND_INS:
+            frame = frame.f_back
         if not _library(frame.f_code.co_filename):
             run.record(frame, what, at)
 
@@ -506,6 +513,7 @@ def _counting(file: str, plain: bool = False):
     the loop's own code does."""
     from .counted_pieces import _sum
     from .size_conversions import replacements as conversions
+    from .size_order import replacements as order
     from .size_math import replacements
 
     patched = []
@@ -513,6 +521,7 @@ def _counting(file: str, plain: bool = False):
         mine = {name: f for name, f in (("len", _len), ("range", _Range), ("sum", _sum))
                 if name not in scope}
         mine.update(replacements(scope))
+        mine.update(order(scope))
         mine.update(conversions(scope, plain))
         kept = {name: scope[name] for name in mine if name in scope}
         scope.update(mine)
