@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from .size_uses import _RUN, SizeFloat, SizeInt, _library
+from .size_uses import _RUN, SizeFloat, SizeInt, _iterating, _library
 from .size_text import _printed
 from .user_code import parsed
 
@@ -88,7 +88,8 @@ def _candidate(node) -> bool:
             and not _constant(node.right)
     if isinstance(node, ast.Compare):
         return _pure(node.left) and all(_pure(c) for c in node.comparators) \
-            and type(node.ops[0]) in _COMPARISONS and not _constant(node.comparators[0])
+            and any(type(op) in _COMPARISONS for op in node.ops) \
+            and not all(_constant(c) for c in node.comparators)
     if isinstance(node, ast.Subscript):
         return isinstance(node.ctx, ast.Load) and _pure(node.value) and _pure(node.slice) \
             and not _constant(node.slice)
@@ -116,8 +117,8 @@ def _read(frame, nodes) -> None:
     """Record the decisions ``nodes`` (at the frame's line) make with a value of the sizes,
     reading their operands with the run's own recording off."""
     run = _RUN[0]
-    if run is None:
-        return
+    if run is None or run._in_loop(frame) or _iterating(frame):
+        return              # an iteration's decisions are the traces' (``_Run.record``)
     _RUN[0] = None          # reading the operands is no decision of the code's
     try:
         found = [d for d in (_decision(frame, n) for n in nodes) if d is not None]
@@ -193,8 +194,9 @@ def _decision(frame, node):
         if isinstance(node, ast.BinOp):
             return _operator(_value(frame, node.left), type(node.op), _value(frame, node.right))
         if isinstance(node, ast.Compare):
-            return _comparison(_value(frame, node.left), type(node.ops[0]),
-                               _value(frame, node.comparators[0]))
+            values = [_value(frame, n) for n in (node.left, *node.comparators)]
+            return next((d for d in map(_comparison, values, map(type, node.ops), values[1:])
+                         if d is not None), None)
         return _index(_value(frame, node.value), frame, node.slice)
     except Exception:
         return None
@@ -210,7 +212,7 @@ def _operator(left, op: type, right):
 
 
 def _comparison(left, op: type, right):
-    if type(left) is float and isinstance(right, SizeInt):
+    if op in _COMPARISONS and type(left) is float and isinstance(right, SizeInt):
         f, compare = right.at, _COMPARISONS[op]
         return "compares", lambda L, B: compare(left, f(L, B))
     return None
