@@ -2120,8 +2120,8 @@ MUTATIONS = [
         "float_left_unread", "a plain float on the left of an operator or a comparison with a value of the length (`0.5 * T`, `2.5 < T`) is not recorded, so a branch on it is converted with the probe lengths' outcome",
         (("ttt2la/frontend/size_operands.py", "    if type(left) is float and isinstance(right, SizeInt):\n        f, apply",
           "    if False:\n        f, apply"),
-         ("ttt2la/frontend/size_operands.py", "    if type(left) is float and isinstance(right, SizeInt):\n        f, compare",
-          "    if False:\n        f, compare")),
+         ("ttt2la/frontend/size_operands.py", "    if op in _COMPARISONS and type(left) is float and isinstance(right, SizeInt):\n",
+          "    if False:\n")),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "float or FloatLeft"),
     Mutation(
         "sequence_index_unread", "an index or slice of a plain list, tuple or string by a value of the length (`[a, b][T % 2]`) is not recorded",
@@ -2146,6 +2146,11 @@ MUTATIONS = [
         "sorted_order_unrecorded", "the order `sorted` puts a value of the length in among plain floats is not recorded",
         (("ttt2la/frontend/size_order.py", "    if ats is not None:\n        _decide(", "    if False:\n        _decide("),),
         ("tests/test_size_spellings.py",), "sorted"),
+    Mutation(
+        "float_membership_unread", "`T in [16.0, 32.0]`, whose float items compare from their side, is not recorded",
+        (("ttt2la/frontend/size_operands.py", "    if op in _MEMBERSHIP and isinstance(left, SizeInt)",
+          "    if False and isinstance(left, SizeInt)"),),
+        ("tests/test_size_spellings.py",), "list"),
 ]
 
 

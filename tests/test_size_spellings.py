@@ -95,6 +95,8 @@ DECISIONS = {
     "a float on the left of a constant": (lambda T: 0.5 * (T * 0) == 0, False),
     "a float compared": (lambda T: 20.5 < T, True),
     "a float compared in a chain": (lambda T: 0 < 20.5 < T, True),
+    "in a list of floats": (lambda T: T in [16.0, 24.0, 32.0], True),
+    "in a list of ints": (lambda T: T in [16, 24, 32], True),
     "an index into a list": (lambda T: [3.0, 2.0, 1.0, 0.0][T % 4], True),
     "an index into a tuple of equal items": (lambda T: (1.0, 1.0)[T % 2], False),
     "a slice of text": (lambda T: "abcdefgh"[:T % 8] == "abcd", True),

@@ -1,8 +1,9 @@
 """Values of the call's sizes that CPython reads without asking them, found at the user's line.
 
 A ``SizeInt`` is an ``int``, and CPython reads an ``int`` subclass's value directly where a plain
-``float`` is on the left of an operator (``0.5 * T``, ``1.0 / T``, ``2.5 < T``), where it indexes
-a list, tuple or string (``[3.0, 2.0][T % 2]``, ``names[:T]``), and in ``'%d' % T``: no method of
+``float`` is on the left of an operator (``0.5 * T``, ``1.0 / T``, ``2.5 < T``, and each float
+item of ``T in [16.0, 32.0]``), where it indexes a list, tuple or string (``[3.0, 2.0][T % 2]``,
+``names[:T]``), and in ``'%d' % T``: no method of
 the size runs, so the run of ``size_uses`` saw no decision, and a branch on the number, the item
 picked or the text made was converted with the probe length's outcome at every length. Here,
 during that run, the lines of the user's files that hold such an expression are watched
@@ -31,6 +32,8 @@ from .user_code import parsed
 _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
                ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
                ast.Mod: operator.mod, ast.Pow: operator.pow}
+#: a list or tuple compares each item with the value looked up, a float item from its side
+_MEMBERSHIP = {ast.In: lambda v, c: v in c, ast.NotIn: lambda v, c: v not in c}
 _COMPARISONS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
                 ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 #: the expressions read in the frame: they compute nothing a reader could notice
@@ -88,7 +91,7 @@ def _candidate(node) -> bool:
             and not _constant(node.right)
     if isinstance(node, ast.Compare):
         return _pure(node.left) and all(_pure(c) for c in node.comparators) \
-            and any(type(op) in _COMPARISONS for op in node.ops) \
+            and any(type(op) in _COMPARISONS or type(op) in _MEMBERSHIP for op in node.ops) \
             and not all(_constant(c) for c in node.comparators)
     if isinstance(node, ast.Subscript):
         return isinstance(node.ctx, ast.Load) and _pure(node.value) and _pure(node.slice) \
@@ -215,6 +218,10 @@ def _comparison(left, op: type, right):
     if op in _COMPARISONS and type(left) is float and isinstance(right, SizeInt):
         f, compare = right.at, _COMPARISONS[op]
         return "compares", lambda L, B: compare(left, f(L, B))
+    if op in _MEMBERSHIP and isinstance(left, SizeInt) and type(right) in (list, tuple) \
+            and any(type(v) is float for v in right):
+        f, member = left.at, _MEMBERSHIP[op]
+        return "looks up", lambda L, B: member(f(L, B), right)
     return None
 
 
