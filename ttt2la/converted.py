@@ -271,8 +271,9 @@ class ConvertedState:
                ) -> tuple[tuple | None, int, int]:
         """``(case, B, L)``: the call's sizes and, where the plan may not take it, why
         (``(kind, detail)``, which ``_instead`` turns into what runs instead; ``None`` where
-        the plan may). Decided from the call's sizes, mode and gradient recording alone, so
-        eager calls and ``torch.compile`` (which guards on those) decide alike; what only
+        the plan may). Decided from the call's sizes, its inputs' dtypes and devices, the mode
+        and gradient recording alone, so eager calls and ``torch.compile`` (which guards on
+        those) decide alike; what only
         running the plan tells (a padding found not inert, a failing loop) is decided by the
         call that runs it. The one decision ``route``, ``__call__`` and ``kept_call`` share; a
         call ``sizes`` refuses raises its error (``now``: as ``other_types`` takes it)."""
@@ -1220,7 +1221,8 @@ def _compiled_call(module: torch.nn.Module, weights: dict, args: tuple):
     or a refusal), else the plan — one call in the compiled graph, or between graphs where the
     plan cannot be traced or decides at run time (``compile_break``). The route is read off the
     state the layer was converted with: a state built again for cast weights (``recast``, a
-    conversion, never traced) routes alike."""
+    conversion, never traced) routes alike, the call's inputs compared with the example's cast
+    as the weights were."""
     state = module._ttt2la
     instead = state.route(module, args, {}, list(args), weights_signature(weights))
     if instead is not None:

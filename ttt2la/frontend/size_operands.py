@@ -43,9 +43,9 @@ _SEQUENCES = (list, tuple, str, bytes, range)
 
 
 @contextlib.contextmanager
-def operands_watched(run):
+def operands_watched():
     """Inside the block, the user's lines that read a size without asking it record their
-    decision in ``run`` (nothing where a tracer is set already)."""
+    decision in the run in progress (nothing where a tracer is set already)."""
     if sys.gettrace() is not None:
         yield
         return

@@ -727,7 +727,7 @@ def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
         _RUN[0] = rec
         try:
             with warnings.catch_warnings(), _counting(loop[0], plain), _Tracking(rec), \
-                    size_operands.operands_watched(rec):
+                    size_operands.operands_watched():
                 warnings.simplefilter("ignore")
                 run()
         except Exception:               # the code does not run there: the source reading stands
