@@ -2151,6 +2151,11 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "    if op in _MEMBERSHIP and isinstance(left, SizeInt)",
           "    if False and isinstance(left, SizeInt)"),),
         ("tests/test_size_spellings.py",), "list"),
+    Mutation(
+        "float_in_place_unread", "a plain float multiplied in place by a value of the length (`c *= T`) is not recorded",
+        (("ttt2la/frontend/size_operands.py", "        if isinstance(node, ast.AugAssign):     # its target read as it is before the line\n",
+          "        if False:\n"),),
+        ("tests/test_size_spellings.py",), "multiplied"),
 ]
 
 

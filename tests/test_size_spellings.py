@@ -20,6 +20,12 @@ from shape_checks import loop_line
 D = 4
 EVERY_RUN = "o = o * (1 + T % 8)"
 
+def _scaled_in_place(T):
+    c = 0.5
+    c *= T
+    return c
+
+
 #: (value of the length multiplied into the output, is it a use?)
 NUMBERS = {
     "np.sqrt": (lambda T: np.sqrt(T), True),
@@ -57,6 +63,7 @@ NUMBERS = {
     "deepcopy": (lambda T: copy.deepcopy({"T": T})["T"], False),
     # a plain float on the left makes a plain number: conservatively a use wherever it changes
     "a float on the left": (lambda T: 0.5 * T, True),
+    "a float multiplied in place": (_scaled_in_place, True),
     # the order of a value of the length among plain floats (``size_order``)
     "min with a float": (lambda T: min(T, 40.5), True),
     "max with a float": (lambda T: max(T, 40.5), True),

@@ -38,7 +38,7 @@ _COMPARISONS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
                 ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 #: the expressions read in the frame: they compute nothing a reader could notice
 _PURE = (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Slice, ast.BinOp,
-         ast.UnaryOp, ast.Tuple, ast.List, ast.Load, ast.operator, ast.unaryop)
+         ast.UnaryOp, ast.Tuple, ast.List, ast.Load, ast.Store, ast.operator, ast.unaryop)
 _SEQUENCES = (list, tuple, str, bytes, range)
 
 
@@ -84,11 +84,13 @@ def _watched(file: str) -> dict:
 
 
 def _candidate(node) -> bool:
-    """A float-capable operator, a comparison or a subscript whose operands are read in the
-    frame, and whose other side is no constant."""
-    if isinstance(node, ast.BinOp):
-        return type(node.op) in _ARITHMETIC and _pure(node.left) and _pure(node.right) \
-            and not _constant(node.right)
+    """A float-capable operator (in place too: ``c *= T``), a comparison or a subscript whose
+    operands are read in the frame, and whose other side is no constant."""
+    if isinstance(node, (ast.BinOp, ast.AugAssign)):
+        left, right = (node.left, node.right) if isinstance(node, ast.BinOp) else \
+            (node.target, node.value)
+        return type(node.op) in _ARITHMETIC and _pure(left) and _pure(right) \
+            and not _constant(right)
     if isinstance(node, ast.Compare):
         return _pure(node.left) and all(_pure(c) for c in node.comparators) \
             and any(type(op) in _COMPARISONS or type(op) in _MEMBERSHIP for op in node.ops) \
@@ -196,6 +198,8 @@ def _decision(frame, node):
     try:
         if isinstance(node, ast.BinOp):
             return _operator(_value(frame, node.left), type(node.op), _value(frame, node.right))
+        if isinstance(node, ast.AugAssign):     # its target read as it is before the line
+            return _operator(_value(frame, node.target), type(node.op), _value(frame, node.value))
         if isinstance(node, ast.Compare):
             values = [_value(frame, n) for n in (node.left, *node.comparators)]
             return next((d for d in map(_comparison, values, map(type, node.ops), values[1:])
