@@ -1282,9 +1282,9 @@ def _eagerly_instead(state: ConvertedState, error: Exception, inputs: list, B: i
         from_exc=error)
 
 
-def _run_written(written):
-    """``written()``: the code as written of a call the plan does not take, run eagerly."""
-    return written()
+def _run_call(call: Callable, *args):
+    """``call(*args)``, run eagerly: what the wrappers below run between compiled graphs."""
+    return call(*args)
 
 
 #: A call the plan does not take, run as written: under ``torch.compile``, between compiled
@@ -1292,14 +1292,10 @@ def _run_written(written):
 #: TorchDynamo on fake tensors, a failure of that code would escape as TorchDynamo's own error,
 #: naming no line, instead of the eager call's ``RejectedCallError`` (eagerly the wrapper costs
 #: under a microsecond).
-_written_between_graphs = torch.compiler.disable(_run_written, reason=(
+_written_between_graphs = torch.compiler.disable(_run_call, reason=(
     "ttt2la: this call of a converted layer runs its code as written (a shape, mode or state "
     "its converted graphs do not take; see the layer's report runs). Compile it without "
     "fullgraph=True: the call then runs eagerly between the compiled graphs"))
-
-
-def _run_call(call: Callable, *args):
-    return call(*args)
 
 
 #: A call with inputs of other dtypes or devices than the traced ones, run between compiled

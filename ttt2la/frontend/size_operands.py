@@ -232,14 +232,13 @@ def _comparison(left, op: type, right):
 def _index(seq, frame, index: ast.expr):
     if not isinstance(seq, _SEQUENCES):
         return None
-    if isinstance(index, ast.Slice):
-        parts = [None if p is None else _value(frame, p)
-                 for p in (index.lower, index.upper, index.step)]
+    i = _value(frame, index)
+    if isinstance(i, slice):
+        parts = (i.start, i.stop, i.step)
         if not any(isinstance(p, SizeInt) for p in parts):
             return None
         return "indexes a sequence with", \
             lambda L, B: tuple(map(_item, seq[slice(*_at_sizes(parts, L, B))]))
-    i = _value(frame, index)
     if not isinstance(i, SizeInt):
         return None
     f = i.at
