@@ -2156,6 +2156,10 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "        if isinstance(node, ast.AugAssign):     # its target read as it is before the line\n",
           "        if False:\n"),),
         ("tests/test_size_spellings.py",), "multiplied"),
+    Mutation(
+        "tracer_displaces_watch", "a tracer set already that sets itself again when called (coverage's C tracer) displaces the watch of the size operands",
+        (("ttt2la/frontend/size_operands.py", "        if sys.gettrace() is not tracer:\n            sys.settrace(tracer)\n", ""),),
+        ("tests/test_size_spellings.py",), "tracer"),
 ]
 
 

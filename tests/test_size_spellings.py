@@ -8,6 +8,7 @@ through: a run that fails finds nothing."""
 import copy
 import math
 import operator
+import sys
 
 import numpy as np
 import pytest
@@ -168,3 +169,43 @@ def test_a_decision_on_the_length_is_a_use_where_it_changes(name):
 
 def test_text_only_printed_is_no_use():
     assert found(printed) == [EVERY_RUN, 'key = f"mask_{T}"']
+
+
+def _line_tracer(seen: list, reset_on_call: bool = False):
+    """A user's tracer (a debugger's, coverage's) recording the lines of ``branched`` it sees;
+    ``reset_on_call``: it sets itself again on every call, as coverage's C tracer does."""
+    def tracer(frame, event, arg):
+        if reset_on_call and event == "call":
+            sys.settrace(tracer)
+        if frame.f_code is not branched.__code__:
+            return None
+
+        def local(frame, event, arg):
+            seen.append((event, frame.f_lineno))
+            return local
+        return local
+    return tracer
+
+
+@pytest.mark.parametrize("reset_on_call", [False, True])
+def test_a_tracer_set_already_runs_alongside_the_watch(reset_on_call):
+    """A decision CPython makes without asking the length is found under a tracer set already,
+    and that tracer sees the events it sees without the conversion's run, and is set again."""
+    value = DECISIONS["a float compared"][0]
+    alone, seen = [], []
+    tracer = _line_tracer(alone, reset_on_call)
+    sys.settrace(tracer)
+    try:
+        branched(torch.randn(3, 20, D), value)
+    finally:
+        sys.settrace(None)
+    tracer = _line_tracer(seen, reset_on_call)
+    sys.settrace(tracer)
+    try:
+        codes = found(branched, value)
+        after = sys.gettrace()
+    finally:
+        sys.settrace(None)
+    assert after is tracer
+    assert len(codes) > 1, codes
+    assert sorted(set(seen)) == sorted(set(alone)) and alone

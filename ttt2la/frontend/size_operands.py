@@ -11,8 +11,8 @@ during that run, the lines of the user's files that hold such an expression are 
 names, attributes, subscripts or arithmetic of them are read in its frame, and where one is a
 value of the sizes in such a place, the expression's value is recorded as a decision of the
 sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
-operand that is a call (other than ``.size(...)``) is not evaluated, and neither is anything
-where a tracer is already set (a debugger, coverage): the run then stays as it was.
+operand that is a call (other than ``.size(...)``) is not evaluated. A tracer set already (a
+debugger, coverage) runs alongside and sees every event it would have seen.
 """
 from __future__ import annotations
 
@@ -45,15 +45,42 @@ _SEQUENCES = (list, tuple, str, bytes, range)
 @contextlib.contextmanager
 def operands_watched():
     """Inside the block, the user's lines that read a size without asking it record their
-    decision in the run in progress (nothing where a tracer is set already)."""
-    if sys.gettrace() is not None:
-        yield
-        return
-    sys.settrace(_calls)
+    decision in the run in progress; a tracer set already (a debugger, coverage) keeps seeing
+    every event it saw, and is set again after."""
+    theirs = sys.gettrace()
+    sys.settrace(_calls if theirs is None else _alongside(theirs))
     try:
         yield
     finally:
-        sys.settrace(None)
+        sys.settrace(theirs)
+
+
+def _alongside(theirs):
+    """A global tracer that calls ``theirs`` and then this module's, each frame's local
+    tracers chained the same way; a tracer that sets itself again when called (coverage's C
+    tracer does) is set back behind this one."""
+    def tracer(frame, event, arg):
+        their_local = theirs(frame, event, arg)
+        if sys.gettrace() is not tracer:
+            sys.settrace(tracer)
+        ours = _calls(frame, event, arg)
+        if ours is None:
+            return their_local
+        their_lines, frame.f_trace_lines = frame.f_trace_lines, True
+        return _both(their_local, their_lines, ours)
+    return tracer
+
+
+def _both(theirs, their_lines: bool, ours):
+    """A frame's local tracer calling both, each for as long as it asks to go on (``theirs``
+    not with line events where it had turned them off)."""
+    def local(frame, event, arg):
+        nonlocal theirs, ours
+        if theirs is not None and (their_lines or event != "line"):
+            theirs = theirs(frame, event, arg)
+        ours = ours(frame, event, arg)
+        return local
+    return local
 
 
 def _calls(frame, event, arg):
