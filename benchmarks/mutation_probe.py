@@ -2160,6 +2160,15 @@ MUTATIONS = [
         "tracer_displaces_watch", "a tracer set already that sets itself again when called (coverage's C tracer) displaces the watch of the size operands",
         (("ttt2la/frontend/size_operands.py", "        if sys.gettrace() is not tracer:\n            sys.settrace(tracer)\n", ""),),
         ("tests/test_size_spellings.py",), "tracer"),
+    Mutation(
+        "call_operand_unread", "an operand spelled as a call of the user's code (`0.5 * get_len(x)`) is not read as the value it returns",
+        (("ttt2la/frontend/size_operands.py", "    operand = _operand_of(frame)\n", "    operand = None\n"),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "helper or method or object or HelperFloat"),
+    Mutation(
+        "call_operand_misattributed", "the frame a builtin starts inside a call (`functools.reduce(f, xs)`) is taken for the call's value",
+        (("ttt2la/frontend/size_operands.py", "    if found is None or not _runs(frame.f_code, caller, found[0].func):\n",
+          "    if found is None:\n"),),
+        ("tests/test_size_spellings.py",), "builtin"),
 ]
 
 

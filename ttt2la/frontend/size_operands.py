@@ -11,16 +11,21 @@ during that run, the lines of the user's files that hold such an expression are 
 names, attributes, subscripts or arithmetic of them are read in its frame, and where one is a
 value of the sizes in such a place, the expression's value is recorded as a decision of the
 sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
-operand that is a call (other than ``.size(...)``) is not evaluated. A tracer set already (a
-debugger, coverage) runs alongside and sees every event it would have seen.
+operand that is a call (``0.5 * get_len(x)``) is read as the value it returns, when that
+returns: the frame that computes it, one of a Python function, method or ``__call__`` named as
+the call names it, is found by the caller's position in its line (Python 3.11 on); a call of a
+builtin (``abs(T)``) starts no frame and is not read. A tracer set already (a debugger,
+coverage) runs alongside and sees every event it would have seen.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import operator
 import sys
+import types
 
 import torch
 
@@ -40,6 +45,10 @@ _COMPARISONS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
 _PURE = (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Slice, ast.BinOp,
          ast.UnaryOp, ast.Tuple, ast.List, ast.Load, ast.Store, ast.operator, ast.unaryop)
 _SEQUENCES = (list, tuple, str, bytes, range)
+#: where the interpreter says which expression an instruction computes (3.11 on)
+_POSITIONS = hasattr(types.CodeType, "co_positions")
+#: what the calls of a frame's current line returned so far, by frame and call
+_RETURNED: dict[int, dict] = {}
 
 
 @contextlib.contextmanager
@@ -53,6 +62,7 @@ def operands_watched():
         yield
     finally:
         sys.settrace(theirs)
+        _RETURNED.clear()
 
 
 def _alongside(theirs):
@@ -63,10 +73,11 @@ def _alongside(theirs):
         their_local = theirs(frame, event, arg)
         if sys.gettrace() is not tracer:
             sys.settrace(tracer)
-        ours = _calls(frame, event, arg)
+        ours, our_lines = _ours(frame)
         if ours is None:
             return their_local
-        their_lines, frame.f_trace_lines = frame.f_trace_lines, True
+        their_lines = frame.f_trace_lines and their_local is not None
+        frame.f_trace_lines = their_lines or our_lines
         return _both(their_local, their_lines, ours)
     return tracer
 
@@ -84,30 +95,67 @@ def _both(theirs, their_lines: bool, ours):
 
 
 def _calls(frame, event, arg):
-    """The global tracer: a frame of the user's file with watched lines gets ``_lines``."""
-    return _lines if _watched(frame.f_code.co_filename) else None
+    """The global tracer: see ``_ours``."""
+    local, lines = _ours(frame)
+    if local is not None and not lines:
+        frame.f_trace_lines = False
+    return local
 
 
-def _lines(frame, event, arg):
-    if event == "line":
-        nodes = _watched(frame.f_code.co_filename).get(frame.f_lineno)
-        if nodes:
-            _read(frame, nodes)
-    return _lines
+def _ours(frame):
+    """``(local tracer, whether it reads lines)`` for a new frame: one of the user's files with
+    watched expressions gets its lines read, and a frame that computes a call the caller's line
+    reads as an operand gets its return read (``None``: the frame is not watched)."""
+    watch = _watched(frame.f_code.co_filename)
+    operand = _operand_of(frame)
+    if operand is None and not watch:
+        return None, False
+    lines = watch.lines
+
+    def local(frame, event, arg):
+        if event == "line":
+            _RETURNED.pop(id(frame), None)
+            nodes = lines.get(frame.f_lineno)
+            if nodes:
+                _read(frame, nodes)
+        elif event == "return":
+            _RETURNED.pop(id(frame), None)
+            if operand is not None:
+                _returned(*operand, arg)
+        return local
+    return local, bool(watch)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Watch:
+    """A file's watched expressions: those read at their line's start, by line, and those with
+    an operand that is a call, by that call's position (line, end line, column, end column):
+    read when it returns."""
+
+    lines: dict
+    calls: dict
+
+    def __bool__(self) -> bool:
+        return bool(self.lines or self.calls)
 
 
 @functools.lru_cache(maxsize=256)
-def _watched(file: str) -> dict:
-    """The expressions of ``file`` that may read a size without asking it, by line (empty for
-    a file that is not the user's)."""
+def _watched(file: str) -> _Watch:
+    """The expressions of ``file`` that may read a size without asking it (none for a file that
+    is not the user's)."""
     tree = None if _library(file) else parsed(file)
-    if tree is None:
-        return {}
-    found: dict[int, list] = {}
-    for node in ast.walk(tree):
-        if _candidate(node):
-            found.setdefault(node.lineno, []).append(node)
-    return found
+    lines: dict[int, list] = {}
+    calls: dict[tuple, tuple] = {}
+    for node in ast.walk(tree) if tree is not None else ():
+        if not _candidate(node):
+            continue
+        operands = _operand_calls(node)
+        if not operands:
+            lines.setdefault(node.lineno, []).append(node)
+        for call in operands if _POSITIONS else ():
+            where = (call.lineno, call.end_lineno, call.col_offset, call.end_col_offset)
+            calls.setdefault(where, (call, []))[1].append(node)
+    return _Watch(lines, calls)
 
 
 def _candidate(node) -> bool:
@@ -129,15 +177,27 @@ def _candidate(node) -> bool:
 
 
 def _pure(node) -> bool:
-    """Only names, constants, attributes, subscripts, arithmetic and ``x.size(...)``."""
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call):
-            if not (isinstance(n.func, ast.Attribute) and n.func.attr == "size"
-                    and all(isinstance(a, ast.Constant) for a in n.args) and not n.keywords):
-                return False
-        elif not isinstance(n, (*_PURE, ast.expr_context)) and not isinstance(n, ast.keyword):
-            return False
-    return True
+    """Only names, constants, attributes, subscripts, arithmetic, ``x.size(...)`` and calls of
+    what such an expression names (read as the value they return)."""
+    if isinstance(node, ast.Call):
+        if _size_call(node):
+            return _pure(node.func.value)
+        return _pure(node.func) and not _operand_calls(node.func)
+    if not isinstance(node, (*_PURE, ast.expr_context, ast.keyword)):
+        return False
+    return all(_pure(child) for child in ast.iter_child_nodes(node))
+
+
+def _size_call(node) -> bool:
+    return isinstance(node.func, ast.Attribute) and node.func.attr == "size" \
+        and all(isinstance(a, ast.Constant) for a in node.args) and not node.keywords
+
+
+def _operand_calls(node) -> list:
+    """The calls among ``node``'s operands (not inside another call) but ``x.size(...)``."""
+    if isinstance(node, ast.Call):
+        return [] if _size_call(node) else [node]
+    return [c for child in ast.iter_child_nodes(node) for c in _operand_calls(child)]
 
 
 def _constant(node) -> bool:
@@ -145,21 +205,69 @@ def _constant(node) -> bool:
                               ast.unaryop, ast.expr_context)) for n in ast.walk(node))
 
 
-def _read(frame, nodes) -> None:
+def _read(frame, nodes, returned: dict | None = None) -> None:
     """Record the decisions ``nodes`` (at the frame's line) make with a value of the sizes,
-    reading their operands with the run's own recording off."""
+    reading their operands with the run's own recording off (``returned``: the values the
+    line's calls returned)."""
     run = _RUN[0]
     if run is None or run._in_loop(frame) or _iterating(frame):
         return              # an iteration's decisions are the traces' (``_Run.record``)
     _RUN[0] = None          # reading the operands is no decision of the code's
     try:
-        found = [d for d in (_decision(frame, n) for n in nodes) if d is not None]
+        reading = _Reading(frame, returned or {})
+        found = [d for d in map(reading.decision, nodes) if d is not None]
     finally:
         _RUN[0] = run
     for what, at in found:
         if what == "makes text of" and _printed(frame.f_code.co_filename, frame.f_lineno):
             continue
         run.record(frame, what, at)
+
+
+def _operand_of(frame):
+    """``(caller, call, expressions holding it)`` where ``frame`` is the call of what a watched
+    call of the caller's line names (its return is that call's value), else ``None``."""
+    caller = frame.f_back
+    calls = None if caller is None else _watched(caller.f_code.co_filename).calls
+    if not calls:
+        return None
+    positions = _positions(caller.f_code)
+    i = caller.f_lasti // 2
+    found = calls.get(positions[i]) if 0 <= i < len(positions) else None
+    if found is None or not _runs(frame.f_code, caller, found[0].func):
+        return None
+    return caller, *found
+
+
+def _returned(caller, call: ast.Call, nodes: list, value) -> None:
+    """``call`` at the caller's line returned ``value``: the expressions holding it are read,
+    with what the line's other calls returned so far."""
+    returned = _RETURNED.setdefault(id(caller), {})
+    returned[call] = value
+    _read(caller, nodes, returned)
+
+
+def _runs(code: types.CodeType, caller, func: ast.expr) -> bool:
+    """Whether what ``func`` names in the caller runs ``code`` first when called: a function,
+    a method, or an object whose class's ``__call__`` is written in Python."""
+    run, _RUN[0] = _RUN[0], None
+    try:
+        fn = _Reading(caller).value(func)
+    except Exception:
+        return False
+    finally:
+        _RUN[0] = run
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType) and not isinstance(fn, type):
+        fn = getattr(getattr(type(fn), "__call__", None), "__func__",
+                     getattr(type(fn), "__call__", None))
+    return getattr(fn, "__code__", None) is code
+
+
+@functools.lru_cache(maxsize=1024)
+def _positions(code: types.CodeType) -> tuple:
+    """Each instruction's (line, end line, column, end column), by code unit."""
+    return tuple(code.co_positions())
 
 
 class _Unread(Exception):
@@ -173,67 +281,85 @@ _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.i
           ast.Not: operator.not_}
 
 
-def _value(frame, node):
-    """``node``'s value in ``frame``, computed without running any code of the user's: names,
-    constants, attributes that are no property, items of plain sequences and dicts, numbers'
-    arithmetic and a tensor's ``.size(...)``; ``_Unread`` for anything else."""
-    kind = type(node)
-    if kind is ast.Constant:
-        return node.value
-    if kind is ast.Name:
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """Expressions read in ``frame`` without running any code of the user's, a call's value
+    being what it ``returned`` (by call node) where it returned already."""
+
+    frame: types.FrameType
+    returned: dict = dataclasses.field(default_factory=dict)
+
+    def value(self, node):
+        """``node``'s value: names, constants, attributes that are no property, items of plain
+        sequences and dicts, numbers' arithmetic, a tensor's ``.size(...)`` and a call's return;
+        ``_Unread`` for anything else."""
+        kind, value = type(node), self.value
+        if kind is ast.Constant:
+            return node.value
+        if kind is ast.Name:
+            return self.name(node.id)
+        if kind is ast.Attribute:
+            obj = value(node.value)
+            if isinstance(getattr(type(obj), node.attr, None), property):
+                raise _Unread
+            return getattr(obj, node.attr)
+        if kind is ast.Subscript:
+            seq = value(node.value)
+            if not isinstance(seq, _SEQUENCES) and type(seq) is not dict:
+                raise _Unread
+            return seq[value(node.slice)]
+        if kind is ast.Slice:
+            return slice(*(None if p is None else value(p)
+                           for p in (node.lower, node.upper, node.step)))
+        if kind in (ast.Tuple, ast.List):
+            return (tuple if kind is ast.Tuple else list)(value(e) for e in node.elts)
+        if kind is ast.BinOp and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](self.number(node.left), self.number(node.right))
+        if kind is ast.UnaryOp and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](self.number(node.operand))
+        if kind is ast.Call:
+            return self.call(node)
+        raise _Unread
+
+    def name(self, name: str):
+        frame = self.frame
         for scope in (frame.f_locals, frame.f_globals, frame.f_builtins):
-            if node.id in scope:
-                return scope[node.id]
+            if name in scope:
+                return scope[name]
         raise _Unread
-    if kind is ast.Attribute:
-        obj = _value(frame, node.value)
-        if isinstance(getattr(type(obj), node.attr, None), property):
-            raise _Unread
-        return getattr(obj, node.attr)
-    if kind is ast.Subscript:
-        seq = _value(frame, node.value)
-        if not isinstance(seq, _SEQUENCES) and type(seq) is not dict:
-            raise _Unread
-        return seq[_value(frame, node.slice)]
-    if kind is ast.Slice:
-        return slice(*(None if p is None else _value(frame, p)
-                       for p in (node.lower, node.upper, node.step)))
-    if kind in (ast.Tuple, ast.List):
-        return (tuple if kind is ast.Tuple else list)(_value(frame, e) for e in node.elts)
-    if kind is ast.BinOp and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_number(frame, node.left), _number(frame, node.right))
-    if kind is ast.UnaryOp and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_number(frame, node.operand))
-    if kind is ast.Call and isinstance(node.func, ast.Attribute) and node.func.attr == "size":
-        t = _value(frame, node.func.value)
-        if isinstance(t, torch.Tensor):
-            return t.size(*(_value(frame, a) for a in node.args))
-    raise _Unread
 
-
-def _number(frame, node):
-    """An operand of arithmetic: a number or text, never a tensor (that would compute)."""
-    v = _value(frame, node)
-    if not isinstance(v, (int, float, str, bytes, tuple)):
+    def call(self, node: ast.Call):
+        if node in self.returned:
+            return self.returned[node]
+        if _size_call(node):
+            t = self.value(node.func.value)
+            if isinstance(t, torch.Tensor):
+                return t.size(*(self.value(a) for a in node.args))
         raise _Unread
-    return v
 
+    def number(self, node):
+        """An operand of arithmetic: a number or text, never a tensor (that would compute)."""
+        v = self.value(node)
+        if not isinstance(v, (int, float, str, bytes, tuple)):
+            raise _Unread
+        return v
 
-def _decision(frame, node):
-    """``(what, at)`` for the expression ``node`` where it reads a size without asking it, else
-    ``None`` (also where an operand cannot be read at the line's start)."""
-    try:
-        if isinstance(node, ast.BinOp):
-            return _operator(_value(frame, node.left), type(node.op), _value(frame, node.right))
-        if isinstance(node, ast.AugAssign):     # its target read as it is before the line
-            return _operator(_value(frame, node.target), type(node.op), _value(frame, node.value))
-        if isinstance(node, ast.Compare):
-            values = [_value(frame, n) for n in (node.left, *node.comparators)]
-            return next((d for d in map(_comparison, values, map(type, node.ops), values[1:])
-                         if d is not None), None)
-        return _index(_value(frame, node.value), frame, node.slice)
-    except Exception:
-        return None
+    def decision(self, node):
+        """``(what, at)`` for the expression ``node`` where it reads a size without asking it,
+        else ``None`` (also where an operand cannot be read now)."""
+        value = self.value
+        try:
+            if isinstance(node, ast.BinOp):
+                return _operator(value(node.left), type(node.op), value(node.right))
+            if isinstance(node, ast.AugAssign):     # its target read as it is before the line
+                return _operator(value(node.target), type(node.op), value(node.value))
+            if isinstance(node, ast.Compare):
+                values = [value(n) for n in (node.left, *node.comparators)]
+                return next((d for d in map(_comparison, values, map(type, node.ops),
+                                            values[1:]) if d is not None), None)
+            return _index(value(node.value), value(node.slice))
+        except Exception:
+            return None
 
 
 def _operator(left, op: type, right):
@@ -256,10 +382,9 @@ def _comparison(left, op: type, right):
     return None
 
 
-def _index(seq, frame, index: ast.expr):
+def _index(seq, i):
     if not isinstance(seq, _SEQUENCES):
         return None
-    i = _value(frame, index)
     if isinstance(i, slice):
         parts = (i.start, i.stop, i.step)
         if not any(isinstance(p, SizeInt) for p in parts):
