@@ -2144,7 +2144,7 @@ MUTATIONS = [
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "min or max or MinFloat"),
     Mutation(
         "sorted_order_unrecorded", "the order `sorted` puts a value of the length in among plain floats is not recorded",
-        (("ttt2la/frontend/size_order.py", "    if ats is not None:\n        _decide(", "    if False:\n        _decide("),),
+        (("ttt2la/frontend/size_order.py", "    if at is not None:\n        _decide(\"sorts\"", "    if False:\n        _decide(\"sorts\""),),
         ("tests/test_size_spellings.py",), "sorted"),
     Mutation(
         "float_membership_unread", "`T in [16.0, 32.0]`, whose float items compare from their side, is not recorded",
@@ -2169,6 +2169,16 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "    if found is None or not _runs(frame.f_code, caller, found[0].func):\n",
           "    if found is None:\n"),),
         ("tests/test_size_spellings.py",), "builtin"),
+    Mutation(
+        "picked_by_key_unrecorded", "the item `min` or `max` picks by a `key` whose values mix a plain float and a value of the length is not recorded",
+        (("ttt2la/frontend/size_order.py", "            if ats is not None:\n                _decide(\"picks\"",
+          "            if False:\n                _decide(\"picks\""),),
+        ("tests/test_size_spellings.py",), "key"),
+    Mutation(
+        "sort_in_place_unread", "`xs.sort()` of a value of the length among plain floats is not recorded",
+        (("ttt2la/frontend/size_operands.py", "    return isinstance(node, ast.Call) and _sorts_in_place(node)\n",
+          "    return False\n"),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "place or SortedInPlace"),
 ]
 
 

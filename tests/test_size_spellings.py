@@ -57,6 +57,12 @@ def _compared_with_a_call_object(T):
     return 20.5 < holder()
 
 
+def _sorted_in_place(T, low: float, i: int):
+    xs = [T, low]
+    xs.sort()
+    return xs[i]
+
+
 #: (value of the length multiplied into the output, is it a use?)
 NUMBERS = {
     "np.sqrt": (lambda T: np.sqrt(T), True),
@@ -111,6 +117,18 @@ NUMBERS = {
     "max with a float below every length": (lambda T: max(T, 0.5), False),
     "sorted with a float": (lambda T: sorted([T, 30.5])[0], True),
     "sorted with a float below every length": (lambda T: sorted([T, 0.5])[1], False),
+    # ... compared by a key: the item picked or the order is the decision
+    "min with a float and a key": (lambda T: min(T, 40.5, key=lambda v: v), True),
+    "max of a list with a float and a key": (lambda T: max([T, 40.5], key=lambda v: -v), True),
+    "max with a float below every length and a key": (
+        lambda T: max(T, 0.5, key=lambda v: v), False),
+    "sorted with a float and a key": (lambda T: sorted([T, 30.5], key=lambda v: -v)[0], True),
+    "sorted with a float below every length and a key": (
+        lambda T: sorted([T, 0.5], key=lambda v: v)[1], False),
+    # ... and sorted in place (``size_operands``)
+    "sorted in place with a float": (lambda T: _sorted_in_place(T, 30.5, 0), True),
+    "sorted in place with a float below every length": (
+        lambda T: _sorted_in_place(T, 0.5, 1), False),
 }
 
 #: (value of the length the output branches on, is it a use?)

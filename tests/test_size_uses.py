@@ -217,6 +217,13 @@ class HelperFloat(Momentum):
         return o * 2 if (0.5 * _length(x)) % 4 else o + 2
 
 
+class SortedInPlace(Momentum):
+    def finish(self, o, x):
+        sizes = [x.shape[1], 20.5]
+        sizes.sort()
+        return o * sizes[0]
+
+
 class PercentText(Momentum):
     def finish(self, o, x):
         return o * 2 if ("%d" % x.shape[1]).endswith(("2", "4", "5", "8", "0")) else o + 2
@@ -227,7 +234,7 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, PercentText, MinFloat,
-                                     HelperFloat)}
+                                     HelperFloat, SortedInPlace)}
 
 
 class OneSample(Momentum):
@@ -266,7 +273,7 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)",
          "FloatLeft": "(0.5 * x.shape[1]) % 4", "ListIndex": "2.0, 2.0][x.shape[1] % 8]",
          "PercentText": '("%d" % x.shape[1]).endswith', "MinFloat": "min(x.shape[1], 20.5)",
-         "HelperFloat": "(0.5 * _length(x)) % 4"}
+         "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

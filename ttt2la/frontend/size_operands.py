@@ -3,7 +3,7 @@
 A ``SizeInt`` is an ``int``, and CPython reads an ``int`` subclass's value directly where a plain
 ``float`` is on the left of an operator (``0.5 * T``, ``1.0 / T``, ``2.5 < T``, and each float
 item of ``T in [16.0, 32.0]``), where it indexes a list, tuple or string (``[3.0, 2.0][T % 2]``,
-``names[:T]``), and in ``'%d' % T``: no method of
+``names[:T]``), in ``'%d' % T``, and where ``list.sort()`` orders it among floats: no method of
 the size runs, so the run of ``size_uses`` saw no decision, and a branch on the number, the item
 picked or the text made was converted with the probe length's outcome at every length. Here,
 during that run, the lines of the user's files that hold such an expression are watched
@@ -30,6 +30,7 @@ import types
 import torch
 
 from .size_uses import _RUN, SizeFloat, SizeInt, _iterating, _library
+from .size_order import order
 from .size_text import _printed
 from .user_code import parsed
 
@@ -149,7 +150,8 @@ def _watched(file: str) -> _Watch:
     for node in ast.walk(tree) if tree is not None else ():
         if not _candidate(node):
             continue
-        operands = _operand_calls(node)
+        operands = _operand_calls(node.func.value) if isinstance(node, ast.Call) else \
+            _operand_calls(node)
         if not operands:
             lines.setdefault(node.lineno, []).append(node)
         for call in operands if _POSITIONS else ():
@@ -173,7 +175,14 @@ def _candidate(node) -> bool:
     if isinstance(node, ast.Subscript):
         return isinstance(node.ctx, ast.Load) and _pure(node.value) and _pure(node.slice) \
             and not _constant(node.slice)
-    return False
+    return isinstance(node, ast.Call) and _sorts_in_place(node)
+
+
+def _sorts_in_place(node: ast.Call) -> bool:
+    """``xs.sort()`` (``reverse=`` at most: a ``key`` would be the user's code to run)."""
+    return isinstance(node.func, ast.Attribute) and node.func.attr == "sort" and not node.args \
+        and all(k.arg == "reverse" for k in node.keywords) and _pure(node.func.value) \
+        and all(_pure(k.value) for k in node.keywords)
 
 
 def _pure(node) -> bool:
@@ -357,6 +366,9 @@ class _Reading:
                 values = [value(n) for n in (node.left, *node.comparators)]
                 return next((d for d in map(_comparison, values, map(type, node.ops),
                                             values[1:]) if d is not None), None)
+            if isinstance(node, ast.Call):          # xs.sort(), as it is before the line
+                return _sorting(value(node.func.value),
+                                *(value(k.value) for k in node.keywords))
             return _index(value(node.value), value(node.slice))
         except Exception:
             return None
@@ -380,6 +392,11 @@ def _comparison(left, op: type, right):
         f, member = left.at, _MEMBERSHIP[op]
         return "looks up", lambda L, B: member(f(L, B), right)
     return None
+
+
+def _sorting(xs, reverse=False):
+    at = order(xs, bool(reverse)) if type(xs) is list else None
+    return None if at is None else ("sorts", at)
 
 
 def _index(seq, i):

@@ -5,10 +5,12 @@ without asking it: no decision is recorded, and the result — ``T`` itself at t
 stays tracked as ``T``, so a layer that multiplies by it was converted as if it were ``T`` at
 every length (it is 40.5 past 40); ``sorted([T, 30.5])[0]`` likewise. During the run of
 ``size_uses`` the user's modules see versions of the three that, where a plain ``float`` meets a
-value of the sizes among their arguments (and no ``key`` is given), return ``min``'s or
-``max``'s result tracked as the extreme of the arguments' functions, and record ``sorted``'s
-order as a decision of the sizes. Any other call is the builtin's, whose comparisons of tracked
-numbers record their own decisions at the caller's line, as they did without the stand-ins.
+value of the sizes among their arguments, return ``min``'s or ``max``'s result tracked as the
+extreme of the arguments' functions, and record ``sorted``'s order as a decision of the sizes;
+given a ``key``, the values it returned are compared instead, and the item picked (or the
+order) is recorded as a decision. ``list.sort()`` is read at its line (``size_operands``). Any
+other call is the builtin's, whose comparisons of tracked numbers record their own decisions at
+the caller's line, as they did without the stand-ins.
 """
 from __future__ import annotations
 
@@ -37,9 +39,17 @@ def _items(args) -> tuple | list:
 def _extreme(builtin):
     @functools.wraps(builtin)
     def call(*args, **kwargs):
+        if kwargs.get("key") is not None:
+            keys, kwargs["key"] = _remembered(kwargs["key"])
+            out = builtin(*args, **kwargs)
+            ats = _mixed(keys)
+            if ats is not None:
+                _decide("picks", lambda L, B: builtin(range(len(ats)),
+                                                      key=lambda i: ats[i](L, B)))
+            return out
         out = builtin(*args, **kwargs)
-        ats = None if kwargs.get("key") is not None or isinstance(out, bool) or \
-            not isinstance(out, (int, float)) else _mixed(_items(args))
+        ats = None if isinstance(out, bool) or not isinstance(out, (int, float)) else \
+            _mixed(_items(args))
         if ats is None:
             return out
         return _wrap(_plain(out), lambda L, B: builtin(a(L, B) for a in ats))
@@ -49,11 +59,36 @@ def _extreme(builtin):
 @functools.wraps(builtins.sorted)
 def _sorted(iterable, /, *, key=None, reverse=False):
     items = list(iterable)
-    ats = None if key is not None else _mixed(items)
-    if ats is not None:
-        _decide("sorts", lambda L, B: tuple(sorted(range(len(ats)), key=lambda i: ats[i](L, B),
-                                                   reverse=reverse)))
-    return sorted(items, key=key, reverse=reverse)
+    keys = items
+    if key is not None:
+        keys, key = _remembered(key)
+    out = sorted(items, key=key, reverse=reverse)
+    at = order(keys, reverse)
+    if at is not None:
+        _decide("sorts", at)
+    return out
+
+
+def _remembered(key) -> tuple[list, object]:
+    """A list and a key function that calls ``key`` and appends what it returns to it: the
+    values compared, each computed once, as the builtin computes them."""
+    keys: list = []
+
+    def remembering(item):
+        k = key(item)
+        keys.append(k)
+        return k
+    return keys, remembering
+
+
+def order(keys: list, reverse: bool = False):
+    """The order ``sorted`` puts items of these ``keys`` in, as a function of the sizes, where a
+    plain float and a value of the sizes are among the keys (else ``None``)."""
+    ats = _mixed(keys)
+    if ats is None:
+        return None
+    return lambda L, B: tuple(sorted(range(len(ats)), key=lambda i: ats[i](L, B),
+                                     reverse=reverse))
 
 
 _MIN, _MAX = _extreme(builtins.min), _extreme(builtins.max)
@@ -67,4 +102,4 @@ def replacements(scope: dict) -> dict[str, object]:
             if name not in scope}
 
 
-__all__ = ["replacements"]
+__all__ = ["replacements", "order"]
