@@ -47,6 +47,21 @@ class _Holder:
         return self.T
 
 
+class _Touchy:
+    """A callable whose instances fail on any attribute they lack."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no {name}")
+
+    def __call__(self, T):
+        return T
+
+
+def _scaled_by_a_touchy_object(T):
+    touchy = _Touchy()
+    return 0.5 * touchy(T)
+
+
 def _scaled_by_method(T):
     holder = _Holder(T)
     return 0.5 * holder.length()
@@ -104,6 +119,8 @@ NUMBERS = {
     # ... also where the length is what a call of the user's returned
     "a float times a helper's value": (lambda T: 0.5 * _length_of(T), True),
     "a float times a method's value": (_scaled_by_method, True),
+    "a float times a call object's value, its attributes failing": (
+        _scaled_by_a_touchy_object, True),
     "a float times a helper's value and a constant": (lambda T: 0.5 * _length_of(T * 0), False),
     # the frames a builtin starts are not the call's: ``reduce`` returns the last 0 here
     "a float times a builtin's value, a helper called inside it": (

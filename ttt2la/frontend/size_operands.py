@@ -262,15 +262,15 @@ def _runs(code: types.CodeType, caller, func: ast.expr) -> bool:
     run, _RUN[0] = _RUN[0], None
     try:
         fn = _Reading(caller).value(func)
-    except Exception:
+        if isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        elif not isinstance(fn, (types.FunctionType, type)):
+            fn = getattr(type(fn), "__call__", None)    # the class's: no instance's __getattr__
+        return isinstance(fn, types.FunctionType) and fn.__code__ is code
+    except Exception:       # a name that fails when read is no call followed
         return False
     finally:
         _RUN[0] = run
-    fn = getattr(fn, "__func__", fn)
-    if not isinstance(fn, types.FunctionType) and not isinstance(fn, type):
-        fn = getattr(getattr(type(fn), "__call__", None), "__func__",
-                     getattr(type(fn), "__call__", None))
-    return getattr(fn, "__code__", None) is code
 
 
 @functools.lru_cache(maxsize=1024)
