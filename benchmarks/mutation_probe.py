@@ -2179,6 +2179,18 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "    return isinstance(node, ast.Call) and _sorts_in_place(node)\n",
           "    return False\n"),),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "place or SortedInPlace"),
+    Mutation(
+        "first_run_through_call", "a graph module's first run goes through fx's call wrapper, which "
+        "prints the generated code of a graph that raises",
+        (("ttt2la/ir.py", "        self.real_recompile()\n        return self.forward(*args, **kwargs)\n",
+          "        self.real_recompile()\n        return self(*args, **kwargs)\n"),),
+        ("tests/test_graph_code.py",), "prints_nothing"),
+    Mutation(
+        "product_traced_for_any_layout", "a summed product's matmul traced for one layout is "
+        "copied in for another",
+        (("ttt2la/frontend/summed_products.py", "        sub = _traced(how, layouts)\n",
+          "        sub = _traced.__dict__.setdefault(how, _traced(how, layouts))\n"),),
+        ("tests/test_summed_products.py",), "layout"),
 ]
 
 

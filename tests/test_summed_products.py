@@ -113,6 +113,36 @@ def test_only_loop_bodies_are_rewritten():
         torch.testing.assert_close(got, want)
 
 
+class HeadReads(nn.Module):
+    """A read per token of a state per head: the product's batch is two axes, which its matmul
+    merges with a view where the state's strides allow it and a copy where they do not."""
+
+    def forward(self, q, S):
+        outs = []
+        for t in range(q.shape[1]):
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        return torch.stack(outs, 1)
+
+
+def test_each_layout_of_a_product_is_traced_once():
+    """The loop's three reads are one product on one layout: its matmul is traced once and
+    copied in three times. A state with its batch and head axes swapped in memory is another
+    layout (its reshape copies): traced apart, and both compute their products."""
+    from ttt2la.frontend.summed_products import _traced
+
+    q = torch.randn(2, 3, 4, 5)
+    S = torch.randn(2, 4, 5, 6)
+    S_swapped = torch.randn(4, 2, 5, 6).transpose(0, 1)
+    _traced.cache_clear()
+    gm = trace(HeadReads(), q, S)
+    assert (_traced.cache_info().misses, _traced.cache_info().hits) == (1, 2)
+    gm_swapped = trace(HeadReads(), q, S_swapped)
+    assert _traced.cache_info().misses == 2
+    for g, state in ((gm, S), (gm_swapped, S_swapped)):
+        assert any(n.target is aten.bmm.default for n in g.graph.nodes)
+        torch.testing.assert_close(g(q, state), HeadReads()(q, state))
+
+
 def test_a_matrix_times_a_vector_reads_the_matrix_as_stored_on_either_side():
     """``q[..., None] * S`` and ``S * q[..., None]`` are one product: the matrix goes to the side
     of the ``bmm`` that reads it as it lies (``[summed, own]`` on the right, ``[own, summed]``

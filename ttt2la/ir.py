@@ -66,6 +66,7 @@ converted layer runs it)::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -75,6 +76,8 @@ from typing import Literal, Protocol, Sequence
 
 import torch
 import torch.fx
+from torch.fx import _lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 KIND = "ttt2la_kind"
 #: Meta flag of the ``zeros`` a state starts from when the first iteration skips its use.
@@ -238,7 +241,7 @@ class TTTProgram:
 
     def clone(self) -> "TTTProgram":
         """A deep copy whose body graph can be rewritten without touching this one."""
-        body = torch.fx.GraphModule(self.body, copy_graph(self.body.graph))
+        body = graph_module(self.body, copy_graph(self.body.graph))
         return dataclasses.replace(
             self,
             body=body,
@@ -390,6 +393,39 @@ def placeholder(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
     return ph
 
 
+class _CodeOnFirstUse(_LazyGraphModule):
+    """A graph module whose Python code is generated when it first runs or is read. Its first
+    run calls the generated ``forward`` itself, as later ones do: fx's own lazy module goes
+    through ``__call__`` there, whose wrapper prints the generated code of a graph that raises,
+    where ttt2la names the user's line instead."""
+
+    def _lazy_forward(self, *args, **kwargs):
+        self.real_recompile()
+        return self.forward(*args, **kwargs)
+
+    forward = _lazy_forward
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """``torch.fx.GraphModule(root, graph)`` whose Python code is generated when it first runs
+    or is read, not at once: most graphs a conversion builds are rewritten again, or only read,
+    and generating their code was a third of a conversion's time after tracing."""
+    return _CodeOnFirstUse(root, graph)
+
+
+@contextlib.contextmanager
+def lazy_graph_modules():
+    """Graph modules made by torch inside (``make_fx``'s) generate their code when first run or
+    read, as ``graph_module``'s do."""
+    original = _lazy_graph_module._LazyGraphModule
+    _lazy_graph_module._LazyGraphModule = _CodeOnFirstUse    # the class fx makes them of
+    try:
+        with _use_lazy_graph_module(True):
+            yield
+    finally:
+        _lazy_graph_module._LazyGraphModule = original
+
+
 def quiet_deepcopy(obj):
     """``copy.deepcopy(obj)``, without the deprecation warning torch itself trips when it copies
     the pytree spec a ``make_fx`` graph's code generator holds."""
@@ -506,7 +542,7 @@ __all__ = [
     "INPUT_FREE",
     "SourceLoc", "StateSpec", "StreamSpec", "InvariantSpec",
     "OutputSpec", "TTTProgram", "node_src", "describe_op", "op_at", "torch_name",
-    "copy_graph", "placeholder",
+    "copy_graph", "placeholder", "graph_module", "lazy_graph_modules",
     "memory_order", "inverse_order", "with_memory_order", "ancestors", "descendants", "loop_interface",
     "bind_loop_args", "params_and_buffers", "ShapeTemplate", "SizeReader", "layout_free",
     "reshape_views",

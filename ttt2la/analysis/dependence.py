@@ -142,8 +142,11 @@ def node_shape(node) -> tuple[int, ...] | None:
         return None
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
+        shape = tuple(val.shape)
+        if all(type(s) is int for s in shape):
+            return shape
         try:
-            return tuple(int(s) for s in val.shape)
+            return tuple(int(s) for s in shape)
         except TypeError:
             return None
     return None

@@ -279,13 +279,10 @@ def _is_momentum(program: TTTProgram, dep: Dependence, i: int) -> bool:
                if t != i)
 
 
-def _stream_index(program: TTTProgram, node) -> int | None:
-    streams = program.stream_inputs()
-    return streams.index(node) if node in streams else None
-
-
 def _streams_in(program: TTTProgram, node) -> set[int]:
-    return {i for n in ancestors(node) if (i := _stream_index(program, n)) is not None}
+    """The indices of the streams ``node`` is computed from."""
+    index = {n: i for i, n in enumerate(program.stream_inputs())}
+    return {index[n] for n in ancestors(node) if n in index}
 
 
 def _contracted_state_dim(dep: Dependence, matmul: torch.fx.Node, operand, state: int):

@@ -21,7 +21,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ir import SRC, SourceLoc, quiet_deepcopy
+from ..ir import SRC, SourceLoc, lazy_graph_modules, quiet_deepcopy
 from ..validation import needs_grad_mode
 from .decompositions import DECOMPOSITIONS
 from .output_types import recording, with_output_types
@@ -187,7 +187,7 @@ def _detached(args):
 
 def _trace_functional(fn, args, tracing_mode: str) -> torch.fx.GraphModule:
     pure = torch.func.functionalize(fn, remove="mutations")
-    with _no_compile(), _all_user_frames(), shape_only_values(), no_numpy():
+    with _no_compile(), _all_user_frames(), shape_only_values(), no_numpy(), lazy_graph_modules():
         return make_fx(pure, DECOMPOSITIONS, tracing_mode=tracing_mode, record_stack_traces=True,
                        _allow_non_fake_inputs=True)(*args)
 
@@ -197,7 +197,8 @@ def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModu
     backward recorded as aten ops), then functionalize that graph, keeping each node's frames."""
     from torch.fx import traceback as fx_traceback
 
-    with _no_compile(), _all_user_frames(), torch.enable_grad(), shape_only_values(), no_numpy():
+    with _no_compile(), _all_user_frames(), torch.enable_grad(), shape_only_values(), no_numpy(), \
+            lazy_graph_modules():
         plain = make_fx(fn, DECOMPOSITIONS, tracing_mode=tracing_mode, record_stack_traces=True,
                         _allow_non_fake_inputs=True)(*args)
     flat_args = pytree.tree_leaves(args)
@@ -208,7 +209,7 @@ def _trace_then_functionalize(fn, args, tracing_mode: str) -> torch.fx.GraphModu
         return torch.fx.Interpreter(plain).run(*flat, enable_io_processing=False)
 
     pure = torch.func.functionalize(replay, remove="mutations")
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), lazy_graph_modules():
         gm = make_fx(pure, tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*flat_args)
     gm.graph._codegen = quiet_deepcopy(plain.graph._codegen)
     gm.recompile()

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import LaggedStateError, UnsupportedTTTError
-from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SKIPPED_FIRST, SRC, describe_op, op_at,
+from ..ir import (graph_module, INPUT_FREE, KIND, LOOP_MODULE, NAME, SKIPPED_FIRST, SRC, describe_op, op_at,
                   placeholder, InvariantSpec, OutputSpec, StateSpec, StreamSpec, TTTProgram,
                   memory_order, reshape_views)
 from .index_values import refuse_index_steps
@@ -1042,7 +1042,7 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
     body.output(tuple(env[o] for o in states.carried.values()) + (env[out_node],))
     _materialize_shape_only(body)
     select_writes_as_slice_writes(body)     # run vmapped: see slice_assignments
-    body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
+    body_gm = graph_module(torch.nn.Module(), body)
     out_axis = tail.axis if tail.axis >= 0 else \
         tail.axis + out_node.meta["val"].dim() + int(tail.stacked)
     return TTTProgram(

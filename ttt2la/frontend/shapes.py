@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
-from ..ir import SRC, copy_graph, describe_op, torch_name
+from ..ir import SRC, copy_graph, graph_module, describe_op, torch_name
 
 if TYPE_CHECKING:
     from .chunk_counts import ChunkCountCheck
@@ -136,7 +136,7 @@ class GraphTemplate:
         nodes = list(graph.nodes)
         for (i, where, path), expr in self.slots.items():
             set_slot(nodes[i], where, path, expr(B, L))
-        gm = torch.fx.GraphModule(self.gm, graph)
+        gm = graph_module(self.gm, graph)
         return gm
 
     def sized(self):

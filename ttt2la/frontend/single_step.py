@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_op, node_src, placeholder, InvariantSpec,
+from ..ir import (graph_module, KIND, LOOP_MODULE, NAME, SRC, describe_op, node_src, placeholder, InvariantSpec,
                   OutputSpec, StreamSpec, TTTProgram, memory_order)
 from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
                          shortest_length)
@@ -490,7 +490,7 @@ def _body_graph(body_nodes, states_in, states_out, out_node, updates, externals,
     _materialize_shape_only(body)
     select_writes_as_slice_writes(body)     # run vmapped: see slice_assignments
     body.eliminate_dead_code()
-    body_gm = torch.fx.GraphModule(torch.nn.Module(), body)
+    body_gm = graph_module(torch.nn.Module(), body)
     return body_gm, state_specs, streams, inv_specs
 
 

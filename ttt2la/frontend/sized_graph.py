@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
-from ..ir import copy_graph
+from ..ir import copy_graph, graph_module
 from .shapes import GraphTemplate, SizeExpr, set_slot
 
 #: The name of the trailing argument that carries a call's sizes.
@@ -80,7 +80,7 @@ def sized_graph(template: GraphTemplate) -> SizedGraph:
     for (i, where, path), expr in template.slots.items():
         set_slot(nodes[i], where, path, reads[expr])
     _take_trailing_leaf(graph, sizes.name)
-    return SizedGraph(torch.fx.GraphModule(template.gm, graph), exprs)
+    return SizedGraph(graph_module(template.gm, graph), exprs)
 
 
 def _take_trailing_leaf(graph: torch.fx.Graph, name: str) -> None:

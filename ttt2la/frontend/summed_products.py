@@ -18,6 +18,8 @@ is built on the code's own ops (``lowering/written_products.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
-from ..ir import PRODUCT_CHAIN, PRODUCT_OPERAND, SRC, SUMMED_PRODUCT
+from ..ir import PRODUCT_CHAIN, PRODUCT_OPERAND, SRC, SUMMED_PRODUCT, lazy_graph_modules
 from .capture import FRAMES
 from .loops import caller_depth, loops_of
 
@@ -173,12 +175,26 @@ def give_values(nodes: list[torch.fx.Node], meta: dict, operands) -> None:
             n.meta = {**meta, "val": n.target(*map_arg(n.args, _val), **map_arg(n.kwargs, _val))}
 
 
+@functools.lru_cache(maxsize=256)
+def _traced(how: SummedProduct, layouts: tuple) -> torch.fx.GraphModule:
+    """The matmul ``how`` computes, traced on operands of ``layouts`` (shape, stride, dtype):
+    the same for every iteration of a loop, so traced once (the graph is only copied from)."""
+    example = [torch.empty_strided(shape, stride, dtype=dtype).zero_()
+               for shape, stride, dtype in layouts]
+    with lazy_graph_modules():
+        return make_fx(how, tracing_mode="fake")(*example)
+
+
 def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, found: SummedProduct) -> None:
     """Replace ``node`` by the traced matmul, its nodes attributed to ``node``'s source."""
     # the trace of a reshape depends on the layout (a view where strides allow it, else a copy)
-    example = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(),
-                                   dtype=n.meta["val"].dtype).zero_() for n in (found.a, found.b)]
-    sub = make_fx(found, tracing_mode="fake")(*example)
+    layouts = tuple((tuple(v.shape), v.stride(), v.dtype)
+                    for v in (found.a.meta["val"], found.b.meta["val"]))
+    how = dataclasses.replace(found, a=None, b=None)
+    if all(isinstance(n, int) for shape, stride, _ in layouts for n in shape + stride):
+        sub = _traced(how, layouts)
+    else:
+        sub = _traced.__wrapped__(how, layouts)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     before = set(gm.graph.nodes)
     with gm.graph.inserting_before(node):

@@ -30,7 +30,7 @@ from ..analysis.associativity import Analysis, analyze
 from ..analysis.op_vocabulary import (AVERAGES, CONSTANT_FILLS, FILL_VALUE_ARGUMENTS,
                                       TENSOR_SHAPED_FILLS, calls, op_name)
 from ..errors import PartialChunkError, UnsupportedTTTError
-from ..ir import TTTProgram, reshape_views
+from ..ir import TTTProgram, graph_module, reshape_views
 from ..preparation import autocast_state, out_of_sight
 from ..runtime import affine_scan, prefix_sum
 from ..testing import tolerance
@@ -99,7 +99,7 @@ def extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],
             env[n] = _copy_as_constant(graph, n) if shape_only(n) else \
                 graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
-    return torch.fx.GraphModule(body, graph), taken
+    return graph_module(body, graph), taken
 
 
 def _extract(body: torch.fx.GraphModule, inputs: Sequence[torch.fx.Node],

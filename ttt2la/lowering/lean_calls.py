@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from ..ir import copy_graph
+from ..ir import copy_graph, graph_module
 
 aten = torch.ops.aten
 
@@ -78,7 +78,7 @@ def lean_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in graph.nodes:
         if _has_fast_call(node):
             node.target = FAST_CALLS[node.target]
-    return torch.fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 #: The views ``lean_calls`` calls through the tensor's methods that, onto their input's own
@@ -132,7 +132,7 @@ def _without_own_shape_views(gm: torch.fx.GraphModule, args: Sequence) -> torch.
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             dropped = True
-    return torch.fx.GraphModule(gm, graph) if dropped else gm
+    return graph_module(gm, graph) if dropped else gm
 
 
 def _writes_or_draws(node: torch.fx.Node) -> bool:

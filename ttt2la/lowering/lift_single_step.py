@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..analysis.op_vocabulary import (RELAYOUT_TARGETS, RESHAPE_TARGETS, SLICE_TARGETS,
                                       UPDATE_STEPS, calls, op_name)
 from ..errors import UnsupportedTTTError
-from ..ir import KIND, TTTProgram, ancestors, copy_graph, descendants
+from ..ir import KIND, TTTProgram, ancestors, copy_graph, descendants, graph_module
 from ..runtime.bidirectional import bidirectional_linear_attention, window_offsets
 from .chunking import assemble_outputs, chunk_streams
 from .lift import contraction, find_read, strip
@@ -441,7 +441,7 @@ def rewritten(body: torch.fx.GraphModule, parts: list[Part], backend: str
         order = {n: i for i, n in enumerate(graph.nodes)}
     graph = _topological(graph)
     graph.eliminate_dead_code()
-    return torch.fx.GraphModule(body, graph)
+    return graph_module(body, graph)
 
 
 def _confirmed(program: TTTProgram, parts: list[Part]) -> bool:

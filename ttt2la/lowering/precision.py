@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..ir import copy_graph
+from ..ir import copy_graph, graph_module
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -33,7 +33,7 @@ def promoted(gm: torch.fx.GraphModule, dtype: torch.dtype = torch.float64) -> to
     for node in graph.nodes:
         node.args = _promote(node.args, dtype)
         node.kwargs = _promote(node.kwargs, dtype)
-    return torch.fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def as_dtype(values, dtype: torch.dtype = torch.float64):

@@ -33,6 +33,7 @@ import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.reinplace import reinplace
 
+from ttt2la.ir import graph_module
 from ttt2la.lowering.planned_autograd import planned_autograd
 from ttt2la.preparation import autocast_state, out_of_sight
 
@@ -100,7 +101,7 @@ def _copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Te
         node.replace_all_uses_with(placeholder)
         graph.erase_node(node)
         constants.append(value)
-    return torch.fx.GraphModule(gm, graph), constants
+    return graph_module(gm, graph), constants
 
 
 def _reads_transposed(node) -> bool:
