@@ -2180,6 +2180,19 @@ MUTATIONS = [
           "    return False\n"),),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "place or SortedInPlace"),
     Mutation(
+        "builtin_operand_unread", "an operand that a builtin of numbers computes (`0.5 * abs(T)`) "
+        "is not read",
+        (("ttt2la/frontend/size_operands.py", "        if _builtin_call(node):\n            fn = self.name(",
+          "        if False:\n            fn = self.name("),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"),
+        "abs or pow or round or divmod or IntFloat or int_of"),
+    Mutation(
+        "shadowed_builtin_called", "a name of a builtin bound to the user's code is called to read "
+        "an operand",
+        (("ttt2la/frontend/size_operands.py", "            if any(fn is f for f in _BUILTINS[node.func.id]) and all(",
+          "            if True and all("),),
+        ("tests/test_size_spellings.py",), "local or bound"),
+    Mutation(
         "first_run_through_call", "a graph module's first run goes through fx's call wrapper, which "
         "prints the generated code of a graph that raises",
         (("ttt2la/ir.py", "        self.real_recompile()\n        return self.forward(*args, **kwargs)\n",

@@ -32,6 +32,21 @@ def _length_of(T):
     return T
 
 
+class _Counted:
+    """A callable of the user's that returns 3 and counts its calls."""
+
+    calls = 0
+
+    def __call__(self, v):
+        _Counted.calls += 1
+        return 3
+
+
+def _scaled_by_a_local_abs(T):
+    abs = _Counted()        # noqa: A001 - the user's own ``abs``: never called by the watch
+    return 0.5 * abs(T)
+
+
 def _second(a, b):
     return b
 
@@ -127,6 +142,16 @@ NUMBERS = {
         lambda T: 0.5 * functools.reduce(_second, [0, T, 0]), False),
     "a float times the values of two helpers": (
         lambda T: 0.5 * (_length_of(T) + _length_of(3)), True),
+    # ... and where it is what a builtin of numbers returned: called in the frame
+    "a float times abs of it": (lambda T: 0.5 * abs(T), True),
+    "a float times pow of it": (lambda T: 0.5 * pow(T, 2), True),
+    "a float times round of it": (lambda T: 0.5 * round(T / 3), True),
+    "a float times int of it": (lambda T: 0.5 * int(T), True),
+    "a float times divmod's remainder": (lambda T: 0.5 * divmod(T, 7)[1], True),
+    "a float times abs of a helper's value": (lambda T: 0.5 * abs(_length_of(T)), True),
+    "a float times abs of a constant": (lambda T: 0.5 * abs(T * 0 - 3), False),
+    "a float times a sum with it": (lambda T: 0.5 * sum([T, 1]), True),
+    "a float times what a local named abs returns": (_scaled_by_a_local_abs, False),
     # the order of a value of the length among plain floats (``size_order``)
     "min with a float": (lambda T: min(T, 40.5), True),
     "max with a float": (lambda T: max(T, 40.5), True),
@@ -243,6 +268,15 @@ def test_a_number_of_the_length_is_a_use_where_it_is_not_affine(name):
     codes = found(multiplied, value)
     assert codes[:1] == [EVERY_RUN], codes
     assert (len(codes) > 1) == use, codes
+
+
+def test_a_name_of_a_builtin_bound_to_the_users_code_is_not_called_to_read_it():
+    """``abs`` bound in the frame to the user's callable: read by name, it would be the user's
+    code run again; the run calls it once, as the code does."""
+    before = _Counted.calls
+    codes = found(multiplied, _scaled_by_a_local_abs)
+    assert codes == [EVERY_RUN]
+    assert _Counted.calls - before == 1
 
 
 @pytest.mark.parametrize("name", sorted(DECISIONS))

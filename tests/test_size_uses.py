@@ -3,7 +3,7 @@
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
 of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
 ``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)``, ``0.5 * T``, ``[a, b][T % 2]``,
-``'%d' % T``, ``min(T, 20.5)`` — in the code that calls the loop's function,
+``'%d' % T``, ``min(T, 20.5)``, ``0.5 * abs(T)``, ``0.5 * int(T)`` — in the code that calls the loop's function,
 and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
@@ -217,6 +217,16 @@ class HelperFloat(Momentum):
         return o * 2 if (0.5 * _length(x)) % 4 else o + 2
 
 
+class AbsFloat(Momentum):
+    def finish(self, o, x):
+        return o * 2 if (0.5 * abs(x.shape[1])) % 4 else o + 2
+
+
+class IntFloat(Momentum):
+    def finish(self, o, x):
+        return o * 2 if (0.5 * int(x.shape[1])) % 4 else o + 2
+
+
 class SortedInPlace(Momentum):
     def finish(self, o, x):
         sizes = [x.shape[1], 20.5]
@@ -234,7 +244,7 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, PercentText, MinFloat,
-                                     HelperFloat, SortedInPlace)}
+                                     HelperFloat, SortedInPlace, AbsFloat, IntFloat)}
 
 
 class OneSample(Momentum):
@@ -273,7 +283,8 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)",
          "FloatLeft": "(0.5 * x.shape[1]) % 4", "ListIndex": "2.0, 2.0][x.shape[1] % 8]",
          "PercentText": '("%d" % x.shape[1]).endswith', "MinFloat": "min(x.shape[1], 20.5)",
-         "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()"}
+         "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()",
+         "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

@@ -13,13 +13,17 @@ value of the sizes in such a place, the expression's value is recorded as a deci
 sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
 operand that is a call (``0.5 * get_len(x)``) is read as the value it returns, when that
 returns: the frame that computes it, one of a Python function, method or ``__call__`` named as
-the call names it, is found by the caller's position in its line (Python 3.11 on); a call of a
-builtin (``abs(T)``) starts no frame and is not read. A tracer set already (a debugger,
+the call names it, is found by the caller's position in its line (Python 3.11 on). A call of
+``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` starts no frame; on numbers
+it runs only the sizes' own methods, so it is called in the frame (``0.5 * abs(T)``,
+``0.5 * int(T)``).
+A tracer set already (a debugger,
 coverage) runs alongside and sees every event it would have seen.
 """
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import dataclasses
 import functools
@@ -30,6 +34,8 @@ import types
 import torch
 
 from .size_uses import _RUN, SizeFloat, SizeInt, _iterating, _library
+from .counted_pieces import _sum
+from .size_conversions import _Float, _Int
 from .size_order import order
 from .size_text import _printed
 from .user_code import parsed
@@ -50,6 +56,11 @@ _SEQUENCES = (list, tuple, str, bytes, range)
 _POSITIONS = hasattr(types.CodeType, "co_positions")
 #: what the calls of a frame's current line returned so far, by frame and call
 _RETURNED: dict[int, dict] = {}
+#: builtins of numbers read in the frame by calling them there: they start no frame to read the
+#: return of, and on numbers they run only the sizes' own methods (``int``, ``float`` and ``sum``
+#: also as the run hands them to the user's modules)
+_BUILTINS = {name: (getattr(builtins, name),) for name in ("abs", "round", "pow", "divmod")}
+_BUILTINS.update(int=(int, _Int), float=(float, _Float), sum=(sum, _sum))
 
 
 @contextlib.contextmanager
@@ -152,7 +163,7 @@ def _watched(file: str) -> _Watch:
             continue
         operands = _operand_calls(node.func.value) if isinstance(node, ast.Call) else \
             _operand_calls(node)
-        if not operands:
+        if all(map(_builtin_call, operands)):     # builtins are called where it is read
             lines.setdefault(node.lineno, []).append(node)
         for call in operands if _POSITIONS else ():
             where = (call.lineno, call.end_lineno, call.col_offset, call.end_col_offset)
@@ -191,6 +202,8 @@ def _pure(node) -> bool:
     if isinstance(node, ast.Call):
         if _size_call(node):
             return _pure(node.func.value)
+        if _builtin_call(node):
+            return all(_pure(a) for a in node.args)
         return _pure(node.func) and not _operand_calls(node.func)
     if not isinstance(node, (*_PURE, ast.expr_context, ast.keyword)):
         return False
@@ -202,9 +215,19 @@ def _size_call(node) -> bool:
         and all(isinstance(a, ast.Constant) for a in node.args) and not node.keywords
 
 
+def _builtin_call(node) -> bool:
+    """``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` called by name,
+    positional arguments only (whether the name is the builtin is asked in the frame)."""
+    return isinstance(node.func, ast.Name) and node.func.id in _BUILTINS and not node.keywords \
+        and not any(isinstance(a, ast.Starred) for a in node.args)
+
+
 def _operand_calls(node) -> list:
-    """The calls among ``node``'s operands (not inside another call) but ``x.size(...)``."""
+    """The calls among ``node``'s operands (not inside another call) but ``x.size(...)``, and
+    those inside a builtin's arguments (``abs(get_len(x))``)."""
     if isinstance(node, ast.Call):
+        if _builtin_call(node):
+            return [node, *(c for a in node.args for c in _operand_calls(a))]
         return [] if _size_call(node) else [node]
     return [c for child in ast.iter_child_nodes(node) for c in _operand_calls(child)]
 
@@ -344,6 +367,11 @@ class _Reading:
             t = self.value(node.func.value)
             if isinstance(t, torch.Tensor):
                 return t.size(*(self.value(a) for a in node.args))
+        if _builtin_call(node):
+            fn = self.name(node.func.id)
+            args = [self.value(a) for a in node.args]
+            if any(fn is f for f in _BUILTINS[node.func.id]) and all(map(_numbers, args)):
+                return fn(*args)
         raise _Unread
 
     def number(self, node):
@@ -372,6 +400,14 @@ class _Reading:
             return _index(value(node.value), value(node.slice))
         except Exception:
             return None
+
+
+def _numbers(v) -> bool:
+    """A number, or a list or tuple of numbers: what a builtin of numbers may be called on
+    without running anything but the sizes' own methods."""
+    if type(v) in (list, tuple):
+        return all(isinstance(x, (int, float)) for x in v)
+    return isinstance(v, (int, float))
 
 
 def _operator(left, op: type, right):
