@@ -3,8 +3,8 @@
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
 of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
 ``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)``, ``0.5 * T``, ``[a, b][T % 2]``,
-``'%d' % T``, ``min(T, 20.5)``, ``0.5 * abs(T)``, ``0.5 * int(T)`` — in the code that calls the loop's function,
-and branches on the batch size, which no source reading looks for. A converted layer computes
+``'%d' % T``, ``min(T, 20.5)``, ``0.5 * abs(T)``, ``0.5 * int(T)`` — in the code that calls the
+loop's function, and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
 import inspect

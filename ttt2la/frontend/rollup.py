@@ -36,9 +36,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..analysis.op_vocabulary import (EMPTY_FILLS, SELECT_TARGETS, SLICE_TARGETS,
                                       TENSOR_SHAPED_FILLS, calls, fill_value)
 from ..errors import LaggedStateError, UnsupportedTTTError
-from ..ir import (graph_module, INPUT_FREE, KIND, LOOP_MODULE, NAME, SKIPPED_FIRST, SRC, describe_op, op_at,
-                  placeholder, InvariantSpec, OutputSpec, StateSpec, StreamSpec, TTTProgram,
-                  memory_order, reshape_views)
+from ..ir import (INPUT_FREE, KIND, LOOP_MODULE, NAME, SKIPPED_FIRST, SRC, describe_op,
+                  graph_module, op_at, placeholder, InvariantSpec, OutputSpec, StateSpec,
+                  StreamSpec, TTTProgram, memory_order, reshape_views)
 from .index_values import refuse_index_steps
 from .iteration_numbers import refuse_iteration_numbers
 from .partial_chunk import length_dependent_number

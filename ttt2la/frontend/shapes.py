@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedTTTError
-from ..ir import SRC, copy_graph, graph_module, describe_op, torch_name
+from ..ir import SRC, copy_graph, describe_op, graph_module, torch_name
 
 if TYPE_CHECKING:
     from .chunk_counts import ChunkCountCheck

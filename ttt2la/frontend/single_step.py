@@ -29,8 +29,8 @@ import torch.utils._pytree as pytree
 from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
-from ..ir import (graph_module, KIND, LOOP_MODULE, NAME, SRC, describe_op, node_src, placeholder, InvariantSpec,
-                  OutputSpec, StreamSpec, TTTProgram, memory_order)
+from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_op, graph_module, node_src, placeholder,
+                  InvariantSpec, OutputSpec, StreamSpec, TTTProgram, memory_order)
 from .any_length import (FixedLength, changing_axis, length_slots, probe_lengths, rewrite,
                          shortest_length)
 from .call_signature import CallSignature

@@ -16,9 +16,8 @@ returns: the frame that computes it, one of a Python function, method or ``__cal
 the call names it, is found by the caller's position in its line (Python 3.11 on). A call of
 ``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` starts no frame; on numbers
 it runs only the sizes' own methods, so it is called in the frame (``0.5 * abs(T)``,
-``0.5 * int(T)``).
-A tracer set already (a debugger,
-coverage) runs alongside and sees every event it would have seen.
+``0.5 * int(T)``). A tracer set already (a debugger, coverage) runs alongside and sees every
+event it would have seen.
 """
 from __future__ import annotations
 
