@@ -2166,7 +2166,7 @@ MUTATIONS = [
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "helper or method or object or HelperFloat"),
     Mutation(
         "call_operand_misattributed", "the frame a builtin starts inside a call (`functools.reduce(f, xs)`) is taken for the call's value",
-        (("ttt2la/frontend/size_operands.py", "    if found is None or not _runs(frame.f_code, caller, found[0].func):\n",
+        (("ttt2la/frontend/size_operands.py", "    if found is None or not _runs(frame, caller, found[0].func):\n",
           "    if found is None:\n"),),
         ("tests/test_size_spellings.py",), "builtin"),
     Mutation(
@@ -2192,6 +2192,12 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "            if any(fn is f for f in _BUILTINS[node.func.id]) and all(",
           "            if True and all("),),
         ("tests/test_size_spellings.py",), "local or bound"),
+    Mutation(
+        "made_objects_method_unread", "an operand that a method of a call's result computes "
+        "(`0.5 * make(x).length()`) is not read",
+        (("ttt2la/frontend/size_operands.py", "            fn = _method_of_receiver(frame, func)\n",
+          "            return False\n"),),
+        ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "made or Made"),
     Mutation(
         "first_run_through_call", "a graph module's first run goes through fx's call wrapper, which "
         "prints the generated code of a graph that raises",

@@ -42,6 +42,22 @@ class _Counted:
         return 3
 
 
+class _Made:
+    def __init__(self, T):
+        self.T = T
+
+    def length(self):
+        return self.T
+
+
+def _scaled_by_a_made_objects_method(T):
+    return 0.5 * _Made(T).length()
+
+
+def _scaled_by_a_made_objects_method_of_a_constant(T):
+    return 0.5 * _Made(T * 0 + 3).length()
+
+
 def _scaled_by_a_local_abs(T):
     abs = _Counted()        # noqa: A001 - the user's own ``abs``: never called by the watch
     return 0.5 * abs(T)
@@ -152,6 +168,10 @@ NUMBERS = {
     "a float times abs of a constant": (lambda T: 0.5 * abs(T * 0 - 3), False),
     "a float times a sum with it": (lambda T: 0.5 * sum([T, 1]), True),
     "a float times what a local named abs returns": (_scaled_by_a_local_abs, False),
+    # ... and where it is what a method of a call's result returned
+    "a float times the method of a made object": (_scaled_by_a_made_objects_method, True),
+    "a float times the method of a made object of a constant": (
+        _scaled_by_a_made_objects_method_of_a_constant, False),
     # the order of a value of the length among plain floats (``size_order``)
     "min with a float": (lambda T: min(T, 40.5), True),
     "max with a float": (lambda T: max(T, 40.5), True),

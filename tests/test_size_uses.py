@@ -227,6 +227,19 @@ class IntFloat(Momentum):
         return o * 2 if (0.5 * int(x.shape[1])) % 4 else o + 2
 
 
+class MadeLength:
+    def __init__(self, x):
+        self.x = x
+
+    def length(self):
+        return self.x.shape[1]
+
+
+class MethodOfMadeFloat(Momentum):
+    def finish(self, o, x):
+        return o * 2 if (0.5 * MadeLength(x).length()) % 4 else o + 2
+
+
 class SortedInPlace(Momentum):
     def finish(self, o, x):
         sizes = [x.shape[1], 20.5]
@@ -244,7 +257,8 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, PercentText, MinFloat,
-                                     HelperFloat, SortedInPlace, AbsFloat, IntFloat)}
+                                     HelperFloat, SortedInPlace, AbsFloat, IntFloat,
+                                     MethodOfMadeFloat)}
 
 
 class OneSample(Momentum):
@@ -284,7 +298,8 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "FloatLeft": "(0.5 * x.shape[1]) % 4", "ListIndex": "2.0, 2.0][x.shape[1] % 8]",
          "PercentText": '("%d" % x.shape[1]).endswith', "MinFloat": "min(x.shape[1], 20.5)",
          "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()",
-         "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4"}
+         "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4",
+         "MethodOfMadeFloat": "(0.5 * MadeLength(x).length()) % 4"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
@@ -292,7 +307,7 @@ def test_each_spelling_is_the_code_function_at_every_length(name):
     """The example's length 18 takes the probes' branch; lengths that are multiples of 8 take
     the other. An exact conversion gives the original's output and gradients at each, a lossy
     one the simplified function or a refusal; each reports the line."""
-    if name == "HelperFloat" and sys.version_info < (3, 11):
+    if name in ("HelperFloat", "MethodOfMadeFloat") and sys.version_info < (3, 11):
         pytest.skip("an operand spelled as a call is read on Python 3.11 and later")
     for level in (0, 5):
         torch.manual_seed(0)

@@ -13,7 +13,8 @@ value of the sizes in such a place, the expression's value is recorded as a deci
 sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
 operand that is a call (``0.5 * get_len(x)``) is read as the value it returns, when that
 returns: the frame that computes it, one of a Python function, method or ``__call__`` named as
-the call names it, is found by the caller's position in its line (Python 3.11 on). A call of
+the call names it, is found by the caller's position in its line (Python 3.11 on); a method of
+what a call returned (``0.5 * make(x).length()``), by its receiver's class. A call of
 ``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` starts no frame; on numbers
 it runs only the sizes' own methods, so it is called in the frame (``0.5 * abs(T)``,
 ``0.5 * int(T)``). A tracer set already (a debugger, coverage) runs alongside and sees every
@@ -197,13 +198,14 @@ def _sorts_in_place(node: ast.Call) -> bool:
 
 def _pure(node) -> bool:
     """Only names, constants, attributes, subscripts, arithmetic, ``x.size(...)`` and calls of
-    what such an expression names (read as the value they return)."""
+    what such an expression names, a call's result's method too (read as the value they
+    return)."""
     if isinstance(node, ast.Call):
         if _size_call(node):
             return _pure(node.func.value)
         if _builtin_call(node):
             return all(_pure(a) for a in node.args)
-        return _pure(node.func) and not _operand_calls(node.func)
+        return _pure(node.func)
     if not isinstance(node, (*_PURE, ast.expr_context, ast.keyword)):
         return False
     return all(_pure(child) for child in ast.iter_child_nodes(node))
@@ -265,7 +267,7 @@ def _operand_of(frame):
     positions = _positions(caller.f_code)
     i = caller.f_lasti // 2
     found = calls.get(positions[i]) if 0 <= i < len(positions) else None
-    if found is None or not _runs(frame.f_code, caller, found[0].func):
+    if found is None or not _runs(frame, caller, found[0].func):
         return None
     return caller, *found
 
@@ -278,12 +280,16 @@ def _returned(caller, call: ast.Call, nodes: list, value) -> None:
     _read(caller, nodes, returned)
 
 
-def _runs(code: types.CodeType, caller, func: ast.expr) -> bool:
-    """Whether what ``func`` names in the caller runs ``code`` first when called: a function,
-    a method, or an object whose class's ``__call__`` is written in Python."""
+def _runs(frame, caller, func: ast.expr) -> bool:
+    """Whether what ``func`` names in the caller runs ``frame``'s code first when called: a
+    function, a method, or an object whose class's ``__call__`` is written in Python."""
+    code = frame.f_code
     run, _RUN[0] = _RUN[0], None
     try:
-        fn = _Reading(caller).value(func)
+        try:
+            fn = _Reading(caller).value(func)
+        except _Unread:
+            fn = _method_of_receiver(frame, func)
         if isinstance(fn, types.MethodType):
             fn = fn.__func__
         elif not isinstance(fn, (types.FunctionType, type)):
@@ -293,6 +299,16 @@ def _runs(code: types.CodeType, caller, func: ast.expr) -> bool:
         return False
     finally:
         _RUN[0] = run
+
+
+def _method_of_receiver(frame, func: ast.expr):
+    """What ``func`` names where it is a method of what a call returned (``make(x).length``),
+    which is not read: the method of that name of the class of ``frame``'s first argument, the
+    object the method was called on, looked up on the class."""
+    code = frame.f_code
+    if not isinstance(func, ast.Attribute) or not code.co_argcount:
+        raise _Unread
+    return getattr(type(frame.f_locals[code.co_varnames[0]]), func.attr)
 
 
 @functools.lru_cache(maxsize=1024)
