@@ -42,20 +42,12 @@ class _Counted:
         return 3
 
 
-class _Made:
-    def __init__(self, T):
-        self.T = T
-
-    def length(self):
-        return self.T
-
-
 def _scaled_by_a_made_objects_method(T):
-    return 0.5 * _Made(T).length()
+    return 0.5 * _Holder(T).length()
 
 
 def _scaled_by_a_made_objects_method_of_a_constant(T):
-    return 0.5 * _Made(T * 0 + 3).length()
+    return 0.5 * _Holder(T * 0 + 3).length()
 
 
 def _scaled_by_a_local_abs(T):
