@@ -1248,8 +1248,8 @@ MUTATIONS = [
         ("tests/test_attribute_guard.py",), "as_written or lossy"),
     Mutation(
         "attribute_writes_unrefused", "a forward that assigns an attribute on its layer (a cache of its fast weights) is converted, and the write is dropped",
-        (("ttt2la/frontend/recognize.py", "    if written:                 # refused before a trace",
-          "    if False:                   # refused before a trace"),),
+        (("ttt2la/frontend/recognize.py", "    if written:\n        raise SideEffectError(",
+          "    if False:\n        raise SideEffectError("),),
         ("tests/test_side_effects.py",), "refused or as_written"),
     Mutation(
         "own_backward_failure_raw", "the gradient check lets the layer's own backward failure escape convert as torch's RuntimeError",
@@ -2210,6 +2210,54 @@ MUTATIONS = [
         (("ttt2la/frontend/summed_products.py", "        sub = _traced(how, layouts)\n",
           "        sub = _traced.__dict__.setdefault(how, _traced(how, layouts))\n"),),
         ("tests/test_summed_products.py",), "layout"),
+    Mutation(
+        "traces_start_where_runs_left", "a trace of the layer starts from the attributes the "
+        "conversion's own runs left on it, not from those it was found with",
+        (("ttt2la/frontend/recognize.py", "        with traced_as_found(module):\n",
+          "        with contextlib.nullcontext():\n"),),
+        ("tests/test_filled_caches.py",), "level_2 or exact"),
+    Mutation(
+        "check_run_fills_cache", "a run of the code as written that only checks a call leaves "
+        "what it cached on the layer",
+        (("ttt2la/as_found.py", "        for m, before in modules.values():\n            set_plain(m, before)\n",
+          "        pass\n"),),
+        ("tests/test_filled_caches.py",), "no_trace or fixed_number"),
+    Mutation(
+        "drift_probe_shares_guards", "the drift probe is installed with the converted layer's own "
+        "state, recording its guards from the probe",
+        (("ttt2la/drift.py", "    install(probe, copy.deepcopy(state))",
+          "    install(probe, state)"),),
+        ("tests/test_filled_caches.py",), "drift"),
+    Mutation(
+        "filled_cache_traced_as_found", "a cache the forward fills is traced as found, never as "
+        "constructed",
+        (("ttt2la/filled_caches.py", "    start = _constructed_start(module, found, [c for c in (call, longer) if c is not None])",
+          "    start = found"),),
+        ("tests/test_filled_caches.py",), "level_2"),
+    Mutation(
+        "constructed_start_unchecked", "the traces start from the constructor's constants without "
+        "checking that the layer computes the same from them",
+        (("ttt2la/filled_caches.py", "        if held is None or built is None or not _agree(held[0], built[0]):",
+          "        if held is None or built is None:"),),
+        ("tests/test_filled_caches.py",), "fixed_converts"),
+    Mutation(
+        "first_call_value_allowed", "a value the layer's first call fixes, and its later calls "
+        "depend on, is allowed",
+        (("ttt2la/filled_caches.py", "            return first[1], True, ()\n",
+          "            return [], False, ()\n"),),
+        ("tests/test_filled_caches.py",), "first_call_fixes"),
+    Mutation(
+        "setting_constructed", "an attribute the constructor sets to a constant is traced as "
+        "constructed although the forward never assigns it",
+        (("ttt2la/filled_caches.py", "               if (f\"{paths[id(m)]}.{name}\" if paths.get(id(m)) else name) in first[1]}",
+          "               if True}"),),
+        ("tests/test_filled_caches.py",), "outside or start"),
+    Mutation(
+        "caches_guarded", "the caches a layer's forward fills are guarded like its settings: once "
+        "a call of its code as written fills one, it runs as written from then on",
+        (("ttt2la/converted.py", "read_off_classes(module, read), state.caches)",
+          "read_off_classes(module, read))"),),
+        ("tests/test_filled_caches.py",), "fixed_number"),
 ]
 
 

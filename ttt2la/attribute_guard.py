@@ -153,15 +153,19 @@ class AttributeGuard:
 
     @classmethod
     def of(cls, layer: torch.nn.Module,
-           shadowed: dict[type, frozenset[str]] | None = None) -> "AttributeGuard":
+           shadowed: dict[type, frozenset[str]] | None = None,
+           caches: tuple[str, ...] = ()) -> "AttributeGuard":
         """Record ``layer``'s attributes and its submodules' as they are now. ``shadowed``:
         per class, the names the layer's code looks up on it (``global_guard.read_off_classes``)
         — a method, a class constant — which an attribute set on a module since would shadow
         (``Layer.close`` by ``layer.close = f``), and a submodule's ``forward``, which torch
-        calls (``layer.proj.forward = f``, as wrappers that patch a module do)."""
+        calls (``layer.proj.forward = f``, as wrappers that patch a module do). ``caches``: the
+        attributes its forward fills (``"rotary._cos_cached"``, ``filled_caches``), left out:
+        filled or not, the layer computes the same."""
         entries = []
         for path, m in layer.named_modules(remove_duplicate=False):
-            names = tuple(plain_attributes(m))
+            names = tuple(n for n in plain_attributes(m)
+                          if (f"{path}.{n}" if path else n) not in caches)
             absent = _absent(m, names, bool(path), (shadowed or {}).get(type(m), frozenset()))
             get = _getter(names, absent)
             entries.append(_Watched(tuple(path.split(".")) if path else (),

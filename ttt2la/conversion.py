@@ -229,7 +229,8 @@ def _lower(rl: RecognizedLayer, program: TTTProgram, body, results, level: int, 
     interface = ([s.name for s in rl.program.states], [i.name for i in rl.program.invariants])
     state = ConvertedState(program=program, body=body, outer=rl.outer, layout=rl.layout,
                            plan=plan, interface=interface, strict=strict,
-                           length_vouching=vouching(rl), skipped_first=_skipped_first(rl))
+                           length_vouching=vouching(rl), skipped_first=_skipped_first(rl),
+                           caches=rl.caches)
     if state.length_vouching is not None:
         notes.append(state.length_vouching.note(exact))
     return state, analysis, notes, exact

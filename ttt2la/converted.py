@@ -185,6 +185,7 @@ class ConvertedState:
     skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
     _shape_cases: dict = field(default_factory=dict)    # input shapes -> ``_shape_case``
     input_types: InputTypes | None = None   # the example inputs' dtypes and devices
+    caches: tuple = ()      # attributes the forward fills, unguarded (``filled_caches``)
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -1168,7 +1169,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
     read = code_names(module)
-    state.attributes = AttributeGuard.of(module, read_off_classes(module, read))
+    state.attributes = AttributeGuard.of(module, read_off_classes(module, read), state.caches)
     state.outside = GlobalGuard.of(module, read)
     state.settings = SettingsGuard.of(module)
     example = _example_flat(state)

@@ -55,7 +55,7 @@ def layer_drift(original: torch.nn.Module, state, args: tuple, kwargs: dict,
     if state is None:
         return 0.0
     probe = copy.deepcopy(original)
-    install(probe, state)
+    install(probe, copy.deepcopy(state))     # the state's guards are the converted layer's
     return rel_rms_error(run_module(probe, args, kwargs), reference)
 
 

@@ -39,13 +39,20 @@ def attribute_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> list
     """The attributes (``"cache"``, ``"q.last"``) that one eager call of ``module``'s forward on
     its example inputs assigns, without gradients and with the random generators restored;
     none when the call fails (the conversion's own runs report that)."""
-    before = _snapshot(module)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                torch.compiler.set_stance("force_eager"):
-            module.forward(*args, **kwargs)     # not its own hooks: they run on a converted layer
+        return run_written(module, args, kwargs)[1]
     except Exception:
         return []
+
+
+def run_written(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[object, list[str]]:
+    """One eager call of ``module``'s forward (not its own hooks: they run on a converted
+    layer), without gradients and with the random generators restored: what it returns and the
+    attributes it assigned. Raises what the call raises."""
+    before = _snapshot(module)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+            torch.compiler.set_stance("force_eager"):
+        out = module.forward(*args, **kwargs)
     after = _snapshot(module)
     written = []
     for key in {**before, **after}:
@@ -55,7 +62,7 @@ def attribute_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> list
             continue        # the same object, or a plain value written again unchanged
         path, name = key
         written.append(f"{path}.{name}" if path else name)
-    return written
+    return out, written
 
 
 def _equal(a, b) -> bool:
@@ -65,11 +72,20 @@ def _equal(a, b) -> bool:
         return False
 
 
-def refusal(layer_name: str, module: torch.nn.Module, written: list[str]) -> str:
-    """Why a layer whose forward assigns ``written`` is not converted, and what to do."""
+def refusal(layer_name: str, module: torch.nn.Module, written: list[str],
+            once: bool = False) -> str:
+    """Why a layer whose forward assigns ``written`` is not converted, and what to do
+    (``once``: it assigns them at its first call only, and computes another function after)."""
     where = assignment_site(module, written[0])
     shown = ", ".join(f"`self.{w}`" for w in written[:3]) + \
         (f" and {len(written) - 3} more" if len(written) > 3 else "")
+    if once:
+        return (f"{layer_name} sets {shown} at its first call"
+                + (f" ({where})" if where else "")
+                + ", and its outputs depend on that value at later calls of other lengths: it "
+                "computes one function at its first call and another after. A converted layer "
+                "computes one of them. Call the layer once as you will first call it, then "
+                "convert it: it is converted for the value it then holds.")
     return (f"{layer_name} assigns {shown} in its forward"
             + (f" ({where})" if where else "")
             + ". A converted layer computes its output from its own graphs and would not make "
@@ -99,23 +115,35 @@ def assignment_site(module: torch.nn.Module, written: str) -> str:
 
 def _site_in(cls: type, dotted: str) -> str:
     """Where a method of ``cls`` other than ``__init__`` assigns ``<self>.<dotted>``."""
+    for method, name, _node, where in self_assignments(cls):
+        if method != "__init__" and name == dotted:
+            return where
+    return ""
+
+
+def self_assignments(cls: type) -> list[tuple[str, str, ast.AST, str]]:
+    """``(method, dotted name, statement, "file.py:line (`code`)")`` for every statement of
+    ``cls``'s own methods that assigns an attribute of the instance (``self.cache = ...``,
+    ``self.q.last = ...``), in source order; none where the source does not show them."""
     try:
         lines, start = inspect.getsourcelines(cls)
         file = inspect.getsourcefile(cls) or "?"
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
-        return ""
+        return []
+    found = []
     for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__" \
-                or not fn.args.args:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
             continue
         this = fn.args.args[0].arg
         for node in ast.walk(fn):
-            if any(_names(t, this) == dotted for t in _targets(node)):
-                line = start + node.lineno - 1
-                code = lines[node.lineno - 1].strip()
-                return f"{file.rsplit('/', 1)[-1]}:{line} (`{code}`)"
-    return ""
+            for target in _targets(node):
+                name = _names(target, this)
+                if name is not None:
+                    where = (f"{file.rsplit('/', 1)[-1]}:{start + node.lineno - 1} "
+                             f"(`{lines[node.lineno - 1].strip()}`)")
+                    found.append((fn.name, name, node, where))
+    return found
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:
@@ -152,4 +180,4 @@ def _names(target: ast.expr, this: str) -> str | None:
     return None
 
 
-__all__ = ["attribute_writes", "assignment_site", "refusal"]
+__all__ = ["attribute_writes", "run_written", "assignment_site", "refusal", "self_assignments"]

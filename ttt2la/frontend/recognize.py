@@ -26,9 +26,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
+from ..as_found import traced_as_found
 from ..errors import ConversionError, SideEffectError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import TTTProgram, params_and_buffers
-from ..side_effects import attribute_writes, assignment_site, refusal as side_effect_refusal
+from ..filled_caches import settle_start
+from ..side_effects import assignment_site, refusal as side_effect_refusal
 from ..submodule_hooks import hooks_described, refusal as hooks_refusal
 from .call_signature import CallSignature
 from .capture import _no_compile, trace, user_frame
@@ -159,6 +161,7 @@ class RecognizedLayer:
     B0: int = B0                        # probe batch sizes, in units of layout.batch_unit
     B1: int = B1
     notes: list[str] = dataclasses.field(default_factory=list)
+    caches: tuple[str, ...] = ()        # attributes its forward fills (``filled_caches``)
 
     @property
     def program(self) -> TTTProgram:
@@ -235,7 +238,9 @@ def layer_function(module: torch.nn.Module, in_spec,
 
     def f(pb, *flat):
         args, kwargs = pytree.tree_unflatten(list(flat), in_spec)
-        return functional_call(wrapped, {f"layer.{k}": v for k, v in pb.items()}, args, kwargs)
+        with traced_as_found(module):
+            return functional_call(wrapped, {f"layer.{k}": v for k, v in pb.items()}, args,
+                                   kwargs)
     return f
 
 
@@ -381,17 +386,19 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     hooks = hooks_described(cand.module)
     if hooks:
         raise UnsupportedTTTError(hooks_refusal(_layer_name(cand), hooks))
-    written = attribute_writes(cand.module, tuple(cand.args), dict(cand.kwargs))
-    if written:                 # refused before a trace writes fake tensors there
-        raise SideEffectError(side_effect_refusal(_layer_name(cand), cand.module, written),
+    written, once, caches = settle_start(cand.module, (tuple(cand.args), dict(cand.kwargs)),
+                                         _longer_call(cand, seq_len))
+    if written:
+        raise SideEffectError(side_effect_refusal(_layer_name(cand), cand.module, written, once),
                               attribute=written[0],
                               where=assignment_site(cand.module, written[0]) or None)
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
-    key = _signature(cand, flat, in_spec, seq_len)
+    with traced_as_found(cand.module):      # the attributes its traces start from
+        key = _signature(cand, flat, in_spec, seq_len)
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
         _CACHE.move_to_end(key)
-        return dataclasses.replace(hit, path=cand.path, candidate=cand)
+        return dataclasses.replace(hit, path=cand.path, candidate=cand, caches=caches)
     from .single_step import recognize_single_step
     if cand.no_loop:
         result = recognize_single_step(cand, seq_len, _no_loop(cand))
@@ -402,6 +409,7 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
             result = _recognize_layer(cand, seq_len)
         except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
             result = recognize_single_step(cand, seq_len, refusal)
+    result = dataclasses.replace(result, caches=caches)
     if key is not None:
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:
@@ -543,6 +551,21 @@ def refuse_second_loop(cand: LoopCandidate, seq_len: int | None) -> None:
         "traced with, wrong at other lengths. Put each loop in a submodule of its own (each is "
         "then converted on its own), or keep this layer as written (in a model, ttt2la leaves "
         "it unconverted and converts the other layers).")
+
+
+def _longer_call(cand: LoopCandidate, seq_len: int | None) -> tuple[tuple, dict] | None:
+    """The layer's example call at twice its length (``None`` where its length is unknown)."""
+    flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
+    tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
+    length = _layer_length(cand, tensors, seq_len) if tensors else None
+    if not length:
+        return None
+    layout = _layout(flat, length, tensors[0].shape[0])
+    if not layout.token_axis:
+        return None
+    args, kwargs = pytree.tree_unflatten(
+        _inputs_at(flat, layout, tensors[0].shape[0], 2 * length), in_spec)
+    return tuple(args), kwargs
 
 
 def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:

@@ -10,6 +10,7 @@ from .gated_memory import GatedChunkMemory
 from .lact_folded import LaCTFoldedLayer
 from .lact_heads import LaCTHeadsLayer
 from .lact_published import LaCTPublishedLayer
+from .lact_rotary import LaCTRotaryLayer, RotaryEmbedding
 from .lm import LACT_STYLES, TinyLaCTLM
 from .mlstm import MLSTMLayer
 from .muon_step import MuonStepLayer
@@ -35,7 +36,7 @@ def lact_layer(style: str = "folded", *, variant: int | None = None, **kw):
 
 __all__ = ["BaddbmmMuonLayer", "DeltaMemoryLayer", "DeltaProductLayer", "FlaChunkReferenceLayer", "FlaReferenceLayer", "FoldedDeltaLayer", "LerpMomentumLayer", "ListedChunksLayer", "SplitZipLayer",
            "UnbindDeltaLayer", "GatedChunkMemory", "LaCTFoldedLayer", "LaCTHeadsLayer",
-           "LaCTPublishedLayer", "MLSTMLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
+           "LaCTPublishedLayer", "LaCTRotaryLayer", "MLSTMLayer", "MuonStepLayer", "PerTokenTTTLayer", "PerTokenInlineTTTLayer", "ScanEtaTTTLayer", "ScanLinearTTTLayer",
            "ScanTTTLinearLayer", "ScanTTTMLPLayer", "ScheduleTTTLayer", "TinyLaCTLM", "ViTTTBlock",
-           "ViTTTClosedFormBlock", "MemoryState", "TitansLinearMemory", "TitansMLPMemory",
+           "ViTTTClosedFormBlock", "MemoryState", "RotaryEmbedding", "TitansLinearMemory", "TitansMLPMemory",
            "lact_layer", "trained_char_lm", "STEPS", "variant_switches"]
