@@ -1660,7 +1660,7 @@ MUTATIONS = [
         ("tests/test_meta_call.py",), "shapes_and_dtypes"),
     Mutation(
         "length_uses_unrun", "the code is not run with sizes that remember the length, so a value of it spelled otherwise than the source reading knows leaves other lengths on the probes' branch",
-        (("ttt2la/length_vouching.py", "    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read or v.of != \"the length\"]\n",
+        (("ttt2la/length_vouching.py", "    found += [v for v in run if (v.file, v.line) not in read or v.of != \"the length\"]\n",
           "    found += []\n"),),
         ("tests/test_size_uses.py",), "each_spelling"),
     Mutation(
@@ -2252,6 +2252,24 @@ MUTATIONS = [
         (("ttt2la/filled_caches.py", "               if (f\"{paths[id(m)]}.{name}\" if paths.get(id(m)) else name) in first[1]}",
           "               if True}"),),
         ("tests/test_filled_caches.py",), "outside or start"),
+    Mutation(
+        "lossy_length_unread", "a lossy conversion refuses every untraced length where its code "
+        "computes values of the length, though it decides as at the traced ones",
+        (("ttt2la/converted.py", "            if not vouching.decided_alike(B, L):\n",
+          "            if True:\n"),),
+        ("tests/test_lossy_lengths.py",), "alike"),
+    Mutation(
+        "unread_use_vouches", "a use of the length read off the source only, with no decision "
+        "recorded, vouches for any length",
+        (("ttt2la/length_vouching.py", "            v.outcomes and all(not judged",
+          "            all(not judged"),),
+        ("tests/test_lossy_lengths.py",), "cannot_read"),
+    Mutation(
+        "decision_read_at_new_shape_only", "a decision is read at the new shape only, not "
+        "compared with the traced shapes",
+        (("ttt2la/length_vouching.py", "        values = [at(L, B * unit) for B, L in (*traced, shape)]",
+          "        values = [at(L, B * unit) for B, L in (shape,)]"),),
+        ("tests/test_lossy_lengths.py",), "refused or alike"),
     Mutation(
         "caches_guarded", "the caches a layer's forward fills are guarded like its settings: once "
         "a call of its code as written fills one, it runs as written from then on",

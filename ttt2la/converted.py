@@ -523,10 +523,15 @@ class ConvertedState:
 
     def _unvouched_length(self, vouching, plan, written, B: int, L: int):
         """At a length the traces do not vouch for (the code computes Python values of the
-        length): ``None`` where the plan was checked to agree with the code as written there,
-        else what to run instead (the code as written; a lossy conversion refuses)."""
+        length): ``None`` where the plan was checked to agree with the code as written there
+        (a lossy conversion: where its code decides as at the traced shapes), else what to run
+        instead (the code as written; a lossy conversion refuses)."""
         if self.as_written is None:
-            raise vouching.refusal(self._where(), B, L)
+            if not vouching.decided_alike(B, L):
+                raise vouching.refusal(self._where(), B, L)
+            self.runs.setdefault(f"batch {self._batch(B)}, length {L}, length values",
+                                 "plan: its code decides as at the shapes it was traced at")
+            return None
         if vouching.check(B, L, plan, written):
             self.runs.setdefault(f"batch {self._batch(B)}, length {L}, length values",
                                  "plan: checked against the code as written at this shape")

@@ -6,9 +6,11 @@ branches on the length, clamps it or derives its chunk size from it before the l
 trace showed. Such a layer holds the lengths it was traced or checked at (``LengthVouching``);
 at any other length an exact conversion runs the plan and the code as written once, on the
 call's own inputs, and keeps the plan for that length only where the two agree (else the code as
-written runs there); a lossy one, whose function the code does not compute, refuses the length.
-Decisions that tell apart only what the plan tells apart by itself (a whole chunk, a partial
-last chunk) are dropped from the vouching once checked (``chunking_decisions``).
+written runs there); a lossy one, whose function the code does not compute, runs the plan where
+every decision the code makes with the sizes takes the value it takes at every traced shape
+(``LengthVouching.decided_alike``) and refuses the length elsewhere. Decisions that tell apart
+only what the plan tells apart by itself (a whole chunk, a partial last chunk) are dropped from
+the vouching once checked (``chunking_decisions``).
 
 The probes trace the code around the loop at lengths of their own, never at the example's. Where
 the conversion's check finds the plan off the code as written at the example's length,
@@ -20,6 +22,7 @@ function the code as written does not compute, is refused there (``refuse_lossy_
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +47,8 @@ class LengthVouching:
     lengths: dict = field(default_factory=dict)
     by: tuple[str, ...] = ("the length",)
     found: tuple = ()       # the uses (``LengthValue``) ``what`` names, where they are known
+    traced: tuple = ()      # the shapes ``(B, L)`` (batch units, tokens) the plan was traced at
+    unit: int = 1           # the batch unit
 
     def key(self, B: int, L: int):
         """The shape ``(B, L)`` (batch units, tokens) as ``lengths`` holds it."""
@@ -53,6 +58,23 @@ class LengthVouching:
     def holds(self, B: int, L: int) -> bool:
         """Was the plan traced, or checked to agree with the code as written, at ``(B, L)``?"""
         return bool(self.lengths.get(self.key(B, L)))
+
+    def decided_alike(self, B: int, L: int) -> bool:
+        """Does the code decide at ``(B, L)`` as at every shape it was traced at? Each use must
+        be decisions the run recorded (``LengthValue.outcomes``: no number passed to torch, no
+        line read off the source only), each taking one value at every traced shape and that
+        value at ``(B, L)``: the code then takes the traced path there, which the plan
+        computes. Remembered per shape."""
+        key = self.key(B, L)
+        if key in self.lengths:
+            return bool(self.lengths[key])
+        alike = bool(self.found) and all(
+            v.outcomes and all(not judged and _one_value(at, self.traced, (B, L), self.unit)
+                               for judged, at in v.outcomes)
+            for v in self.found)
+        if alike:
+            self.lengths[key] = True
+        return alike
 
     def shape(self, B: int, L: int) -> str:
         """``(B, L)`` in words, as far as the vouching tells shapes apart."""
@@ -68,7 +90,8 @@ class LengthVouching:
         return (f"its code computes Python values of {' and '.join(self.by)} ({self.what}): "
                 f"converted for the {shapes} it was traced at; " +
                 ("each other one is checked once against the code as written, which runs "
-                 "where they differ" if exact else f"other {shapes} are refused"))
+                 "where they differ" if exact else f"other {shapes} run it where the code "
+                 "decides as at those, and are refused elsewhere"))
 
     def refusal(self, where: str, B: int, L: int) -> UnsupportedShapeError:
         """The refusal of a lossy conversion at the untraced shape ``(B, L)``."""
@@ -77,7 +100,9 @@ class LengthVouching:
         return UnsupportedShapeError(
             f"{where} was called at {self.shape(B, L)}, but its code computes Python values of "
             f"{sizes} ({self.what}), which may differ there from the shapes it was traced at "
-            f"({held}): the lossy conversion holds at those shapes only. Call it at those "
+            f"({held}): the lossy conversion holds at those shapes, and at others only where "
+            "its code's decisions are found to be the same (here they differ, or cannot be "
+            "read). Call it at those "
             "shapes, convert it at level 0 (exact conversions check each new shape against "
             "the code as written), or compute those values from sizes that do not change.")
 
@@ -99,6 +124,15 @@ class LengthVouching:
                 mine = theirs = None
         self.lengths[key] = agree = mine is not None and _same(mine, theirs)
         return agree
+
+
+def _one_value(at, traced, shape, unit: int) -> bool:
+    """``at(L, B)`` takes one value at the ``traced`` shapes and ``shape`` (batch units)."""
+    try:
+        values = [at(L, B * unit) for B, L in (*traced, shape)]
+        return all(v == values[0] and type(v) is type(values[0]) for v in values)
+    except Exception:
+        return False
 
 
 def _same(a, b) -> bool:
@@ -123,14 +157,20 @@ def vouching(rl) -> LengthVouching | None:
     found = length_values(loop.file, loop.line, (axis, axis - rank, rank), after=True,
                           owner=original_class(type(rl.candidate.module)))
     read = {(v.file, v.line) for v in found}
-    found += [v for v in _run_uses(rl) if (v.file, v.line) not in read or v.of != "the length"]
+    run = _run_uses(rl)
+    outcomes = {(v.file, v.line, v.of): v.outcomes for v in run}
+    found = [dataclasses.replace(v, outcomes=outcomes.get((v.file, v.line, v.of), ()))
+             for v in found]
+    found += [v for v in run if (v.file, v.line) not in read or v.of != "the length"]
     if not found:
         return None
     by = tuple(of for of in ("the batch size", "the length") if any(v.of == of for v in found))
     unit = layout.batch_unit
     example = (x.shape[layout.batch_axis[layout.ref]] // unit, x.shape[axis])
-    held = LengthVouching(describe(found), by=by, found=tuple(found))
-    for B, L in {(rl.B0, rl.L0), (rl.B0, rl.L1), (rl.B1, rl.L0), example}:
+    traced = {(rl.B0, rl.L0), (rl.B0, rl.L1), (rl.B1, rl.L0), example}
+    held = LengthVouching(describe(found), by=by, found=tuple(found), traced=tuple(traced),
+                          unit=unit)
+    for B, L in traced:
         held.lengths[held.key(B, L)] = True
     return held
 

@@ -17,7 +17,7 @@ import ast
 import functools
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .user_code import function_at, library_roots, parsed, real_path, source_lines
 
@@ -40,6 +40,10 @@ class LengthValue:
     what: str               # "branches on", "clamps", …
     of: str = "the length"  # or "the batch size"
     chunking: str = ""      # the plan's own case the decision tells apart (``size_uses``)
+    #: each use the run recorded there (``size_uses``): ``(judged, at)``, ``at(L, B)`` its
+    #: value at length ``L`` and batch size ``B`` (``judged``: a number passed to torch, else a
+    #: decision); none for a use read off the source only
+    outcomes: tuple = field(default=(), compare=False, repr=False)
 
     def describe(self) -> str:
         return f"`{self.code}` at {self.file}:{self.line} {self.what} {self.of}"

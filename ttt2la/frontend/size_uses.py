@@ -742,7 +742,7 @@ def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthVa
     """The uses among the recorded ones, one per line and size; a line whose every use of the
     length is a decision of one of the plan's own cases (``chunking_case``) says which."""
     lengths, batches = _lengths(chunk, L), _batches(unit, B)
-    out, cases = {}, {}
+    out, cases, outcomes = {}, {}, {}
     for (file, line), uses in found.items():
         for what, at in uses:
             judged = isinstance(at, _Sized)
@@ -753,12 +753,16 @@ def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthVa
                 case = "" if judged or changes != ["the length"] else \
                     chunking_case(lambda n: at(n, B), chunk, lengths)
                 cases.setdefault((file, line, of), set()).add(case)
+                outcomes.setdefault((file, line, of), []).append(
+                    (judged, at.at if judged else at))
                 if (file, line, of) not in out:
                     lines = source_lines(file)
                     code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
                     out[(file, line, of)] = LengthValue(file, line, code, what, of)
-    out = {key: dataclasses.replace(v, chunking=next(iter(cases[key])))
-           if len(cases[key]) == 1 else v for key, v in out.items()}
+    out = {key: dataclasses.replace(
+        v, outcomes=tuple(outcomes[key]),
+        **({"chunking": next(iter(cases[key]))} if len(cases[key]) == 1 else {}))
+        for key, v in out.items()}
     return sorted(out.values(), key=lambda v: (v.file, v.line, v.of))
 
 
