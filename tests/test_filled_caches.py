@@ -145,6 +145,18 @@ def test_a_table_built_for_a_fixed_number_of_positions(max_positions):
     assert all("length 200," not in r for r in _ran_as_written(converted)) == (max_positions > 200)
 
 
+def _chunked_memory(qkv: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Linear attention over chunks of 8 tokens, each read with the memory of those before."""
+    b, length, d = x.shape
+    q, k, v = qkv(x).chunk(3, dim=-1)
+    W = x.new_zeros(b, d, d)
+    outs = []
+    for s in range(0, length, 8):
+        outs.append(q[:, s:s + 8] @ W)
+        W = W + k[:, s:s + 8].transpose(1, 2) @ v[:, s:s + 8]
+    return torch.cat(outs, 1)
+
+
 class FirstLength(nn.Module):
     """A memory whose outputs are scaled by the length of its first call: filled once, and no
     cache — later calls of other lengths depend on it."""
@@ -155,16 +167,9 @@ class FirstLength(nn.Module):
         self.first_length = None
 
     def forward(self, x):
-        b, length, d = x.shape
         if self.first_length is None:
-            self.first_length = length
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        W = x.new_zeros(b, d, d)
-        outs = []
-        for s in range(0, length, 8):
-            outs.append(q[:, s:s + 8] @ W)
-            W = W + k[:, s:s + 8].transpose(1, 2) @ v[:, s:s + 8]
-        return torch.cat(outs, 1) / self.first_length
+            self.first_length = x.shape[1]
+        return _chunked_memory(self.qkv, x) / self.first_length
 
 
 def test_a_value_the_first_call_fixes_is_refused_saying_what_to_do():
@@ -227,15 +232,8 @@ class Limited(nn.Module):
         self.limit = n
 
     def forward(self, x):
-        b, length, d = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        W = x.new_zeros(b, d, d)
-        outs = []
-        for s in range(0, length, 8):
-            outs.append(q[:, s:s + 8] @ W)
-            W = W + k[:, s:s + 8].transpose(1, 2) @ v[:, s:s + 8]
-        y = torch.cat(outs, 1)
-        if self.limit is not None and length > self.limit:
+        y = _chunked_memory(self.qkv, x)
+        if self.limit is not None and x.shape[1] > self.limit:
             y = y * 0.5
         return y
 
