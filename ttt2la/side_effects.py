@@ -4,12 +4,13 @@ A converted layer computes its output from its graphs and never runs the layer's
 forward that also stores something on ``self`` — the final fast weights as a decoding cache, the
 inner loss for logging, a call counter — would lose that write: the attribute would keep the
 value it had at conversion, and code reading it (a forward continuing from ``self.cache``)
-would silently compute something else. ``attribute_writes`` runs the layer once on its example
-call and compares its attributes, and its submodules', before and after (plain values by
-value, containers changed in place included; tensors and other objects by identity: a cache of
-the same shape written again is still a write); ``refusal`` names each write, with the line
-that makes it where the source shows it, and what to do instead. In-place updates of buffers
-are no such write: the converted graphs make them.
+would silently compute something else. ``run_written`` runs the layer once and compares its
+attributes, and its submodules', before and after (plain values by value, containers changed in
+place included; tensors and other objects by identity: a cache of the same shape written again
+is still a write); ``filled_caches.settle_start`` tells the caches among the writes from the
+rest, and ``refusal`` names each other write, with the line that makes it where the source
+shows it, and what to do instead. In-place updates of buffers are no such write: the converted
+graphs make them.
 """
 from __future__ import annotations
 
@@ -33,16 +34,6 @@ def _snapshot(module: torch.nn.Module) -> dict[tuple[str, str], tuple]:
         for name, value in held.items():
             seen[(path, name)] = (value, comparable(value))
     return seen
-
-
-def attribute_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
-    """The attributes (``"cache"``, ``"q.last"``) that one eager call of ``module``'s forward on
-    its example inputs assigns, without gradients and with the random generators restored;
-    none when the call fails (the conversion's own runs report that)."""
-    try:
-        return run_written(module, args, kwargs)[1]
-    except Exception:
-        return []
 
 
 def run_written(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[object, list[str]]:
@@ -180,4 +171,4 @@ def _names(target: ast.expr, this: str) -> str | None:
     return None
 
 
-__all__ = ["attribute_writes", "run_written", "assignment_site", "refusal", "self_assignments"]
+__all__ = ["run_written", "assignment_site", "refusal", "self_assignments"]
