@@ -72,6 +72,7 @@ import ttt2la  # noqa: E402
 import ttt2la.zoo  # noqa: E402
 from ttt2la.cli import ran_plans  # noqa: E402
 from ttt2la.errors import ConversionError  # noqa: E402
+from ttt2la.runtime.newton_schulz import CPU_NATIVE_HALF, half_gemms  # noqa: E402
 from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
 from ttt2la.timing import Timing, time_side_by_side  # noqa: E402
 
@@ -104,6 +105,7 @@ class Setup:
     peak: float = float("nan")         # measured GEMM FLOP/s, filled in before the cases run
     peak_sizes: tuple[int, ...] = ()   # the square GEMMs it was the best of, re-timed per case
     allocator: str = DEFAULT_ALLOCATOR   # ``--keep-freed-memory`` changes it
+    half_gemms: str = "auto"            # bf16 Newton–Schulz products on CPU (``--half-gemms``)
 
     @property
     def d_model(self) -> int:
@@ -586,6 +588,13 @@ def _case_peaks(rows: list[Row]) -> str:
         else "no case yet"
 
 
+def _half_gemms_said(choice: str) -> str:
+    native = {"native": True, "fp32": False}.get(choice,
+                                                 CPU_NATIVE_HALF.get(torch.bfloat16, False))
+    return ("native" if native else "fp32 GEMMs of half operands") + \
+        (" (this CPU's default)" if choice == "auto" else f" (forced: --half-gemms {choice})")
+
+
 def header_lines(setup: Setup, rows: list[Row] = ()) -> list[str]:
     """What was measured where: sizes, device, dtype, timing, peak, versions."""
     device = torch.cuda.get_device_name(setup.device) if setup.device.startswith("cuda") \
@@ -605,7 +614,8 @@ def header_lines(setup: Setup, rows: list[Row] = ()) -> list[str]:
             f"device: {device}; {setup.dtype} GEMM peak {setup.peak / 1e9:,.1f} GFLOP/s at the "
             f"start of the run (best of {', '.join(f'{n}²' for n in setup.peak_sizes)} matmuls;"
             f" each case re-times them in its rounds: "
-            f"{_case_peaks(rows)}); allocator: {setup.allocator}",
+            f"{_case_peaks(rows)}); allocator: {setup.allocator}; half GEMMs on CPU: "
+            f"{_half_gemms_said(setup.half_gemms)}",
             f"torch {torch.__version__}, ttt2la {ttt2la.__version__}, "
             f"{datetime.datetime.now().isoformat(timespec='minutes')}"]
 
@@ -672,6 +682,9 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
     p.add_argument("--keep-freed-memory", action="store_true",
                    help="make glibc keep freed memory instead of mapping every large tensor "
                         "afresh (allocator.py); applies to every row")
+    p.add_argument("--half-gemms", choices=("auto", "native", "fp32"), default="auto",
+                   help="bf16 Newton-Schulz products on CPU: as this CPU's units decide (auto), "
+                        "native bf16 GEMMs, or fp32 GEMMs of the bf16 operands; every row")
     p.add_argument("--results", metavar="DIR",
                    help="results directory (default benchmarks/results/throughput-<size>-<time>)")
     args = p.parse_args(argv)
@@ -776,6 +789,9 @@ def main(argv=None) -> int:
         RECOMPILE_LIMIT, torch._dynamo.config.accumulated_recompile_limit)
     if args.keep_freed_memory:
         setup.allocator = keep_freed_memory()
+    setup.half_gemms = args.half_gemms
+    if args.half_gemms != "auto":
+        half_gemms(args.half_gemms == "native").__enter__()
     if args.threads:
         torch.set_num_threads(args.threads)
     elif setup.device == "cpu":

@@ -29,6 +29,7 @@ import zlib
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttt2la.errors import ConversionError, UnsupportedTTTError
 from ttt2la.runtime import (block_linear_attention, dispatch, implementation_name,
@@ -38,6 +39,7 @@ from ttt2la.runtime.grouped_chunks import (GROUP_MAX_FEATURES, GROUP_TOKENS, SHO
                                            SHORT_CALL_MATRICES, group_chunks,
                                            grouped_block_linear_attention)
 from ttt2la.runtime.naive import naive_newton_schulz
+from ttt2la.runtime.newton_schulz import half_gemms, half_gemms_native
 from ttt2la.testing import (CRITERION_SAMPLES, TOLERANCE, CountOps, no_worse_than_original,
                             outputs_and_grads, rel_rms_error)
 
@@ -427,10 +429,12 @@ def test_dispatched_ops_grow_at_most_logarithmically_with_chunks(order, momentum
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 9), n=st.integers(1, 9), schedule=st.sampled_from(sorted(SCHEDULES)),
        ns_bf16=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**31 - 1))
-def test_newton_schulz_matches_the_hand_written_iteration(m, n, schedule, ns_bf16, dtype, seed):
+       seed=st.integers(0, 2**31 - 1), native=st.booleans())
+def test_newton_schulz_matches_the_hand_written_iteration(m, n, schedule, ns_bf16, dtype, seed,
+                                                          native):
     """``newton_schulz`` (and naive's) against ``hand_newton_schulz``: float64 to 1e-10; low
-    precision within twice the hand-written iteration's own error (plus 1e-6), both orientations."""
+    precision within twice the hand-written iteration's own error (plus 1e-6), both orientations,
+    with half GEMMs native and formed in fp32 (which one a CPU runs depends on its units)."""
     # own error: the larger of the two roundings of the same polynomial (see the module docstring)
     steps, coefficients = SCHEDULES[schedule]
     triples = steps_of(steps, coefficients)
@@ -444,7 +448,8 @@ def test_newton_schulz_matches_the_hand_written_iteration(m, n, schedule, ns_bf1
         low = G.to(dtype)
         own = max(rel_rms_error(hand_newton_schulz(low, triples, 1e-7, it or dtype, form), exact)
                   for form in NS_FORMS)
-        got = fn(low, it)
+        with half_gemms(native):
+            got = fn(low, it)
         assert got.dtype == dtype
         assert rel_rms_error(got, exact) <= 2 * own + 1e-6 + (TOLERANCE[dtype] if not triples else 0)
 
@@ -452,9 +457,10 @@ def test_newton_schulz_matches_the_hand_written_iteration(m, n, schedule, ns_bf1
 @settings(max_examples=30, deadline=None)
 @given(m=st.integers(1, 9), n=st.integers(2, 9), schedule=st.sampled_from(sorted(SCHEDULES)),
        ns_bf16=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**31 - 1), tall=st.booleans())
+       seed=st.integers(0, 2**31 - 1), tall=st.booleans(), native=st.booleans())
 def test_newton_schulz_gradient_matches_autograd_of_the_hand_written_iteration(m, n, schedule, ns_bf16,
-                                                                                dtype, seed, tall):
+                                                                                dtype, seed, tall,
+                                                                                native):
     """``newton_schulz``'s hand-written backward against autograd through ``hand_newton_schulz``:
     float64 to 1e-10; low precision within twice the hand-written forms' own error (plus 1e-6).
     A 1×1 matrix only sets a length, which the normalisation removes: its exact gradient is of
@@ -478,9 +484,44 @@ def test_newton_schulz_gradient_matches_autograd_of_the_hand_written_iteration(m
     low = G.to(dtype)
     own = max(rel_rms_error(grad(lambda x: hand_newton_schulz(x, triples, 1e-7, it or dtype, form), low),
                             exact) for form in NS_FORMS)
-    got = grad(lambda x: newton_schulz(x, steps, coefficients, dtype=it), low)
+    with half_gemms(native):
+        got = grad(lambda x: newton_schulz(x, steps, coefficients, dtype=it), low)
     assert got.dtype == dtype
     assert rel_rms_error(got, exact) <= 2 * own + 1e-6 + (TOLERANCE[dtype] if not triples else 0)
+
+
+class _GemmOperands(TorchDispatchMode):
+    """The dtype of every ``bmm``/``baddbmm`` dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.dtypes.append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_half_gemms_choose_the_products_dtype(native):
+    """Forced native, a bf16 iteration's GEMMs (forward and backward) take bf16 operands; forced
+    to fp32, fp32 operands of bf16 values: the switch the precision tests draw takes effect."""
+    G = torch.randn(4, 6, 8, dtype=torch.float32, requires_grad=True)
+    with half_gemms(native), _GemmOperands() as gemms:
+        newton_schulz(G, 5, dtype=torch.bfloat16).square().sum().backward()
+    assert len(gemms.dtypes) == 5 * 3 + 5 * 6
+    assert set(gemms.dtypes) == {torch.bfloat16 if native else torch.float32}
+
+
+def test_half_gemms_choose_on_cpu_only():
+    """Off the CPU a half GEMM always runs as one; fp32 never goes through the switch."""
+    with half_gemms(False):
+        assert half_gemms_native(torch.bfloat16, torch.device("cuda"))
+        assert not half_gemms_native(torch.bfloat16, torch.device("cpu"))
+    with half_gemms(True), _GemmOperands() as gemms:
+        newton_schulz(torch.randn(2, 6, 8), 5)
+    assert set(gemms.dtypes) == {torch.float32}
 
 
 def test_newton_schulz_orthogonalises():

@@ -11,7 +11,9 @@ as for this one, and tests judge that honestly against a float64 evaluation.
 Speed: each step is three matmuls, ``aX + BX`` computed as the last one's epilogue (``baddbmm``).
 The backward is autograd's formula written by hand on the matrices the forward keeps, its sums
 fused into the GEMMs too (six matmuls a step and no recomputation; recomputing the iteration for
-the backward took nine).
+the backward took nine). Half GEMMs on a CPU without half matrix units (AMX, AVX512-BF16) run at a
+small fraction of the fp32 rate, so there the same products are fp32 GEMMs of the half operands,
+rounded once (``half_gemms_native``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,43 @@ from ttt2la.runtime.higher_order import backward_as_graph, recording_graph
 from ttt2la.runtime.naive import NS_EPS, ns_schedule
 
 HALF = (torch.bfloat16, torch.float16)
+
+
+def _cpu_half_units() -> dict:
+    """Which half dtypes this CPU multiplies in hardware (read once: Dynamo traces a dict read,
+    not these C calls)."""
+    has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
+    return {torch.bfloat16: has("_is_amx_tile_supported") or has("_is_avx512_bf16_supported"),
+            torch.float16: has("_is_amx_fp16_supported")}
+
+
+#: Half dtypes whose GEMMs run natively on this CPU; ``half_gemms`` overrides it.
+CPU_NATIVE_HALF = _cpu_half_units()
+_forced: list = [None]
+
+
+def half_gemms_native(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a half GEMM runs as one (on GPU, and on a CPU with half matrix units: 3-6x the fp32
+    rate measured with AMX on 128x128 updates) rather than as an fp32 GEMM of the half operands
+    rounded once (on a CPU without them, where native half GEMMs measured 14x slower than fp32).
+    Both accumulate in fp32 and round the product once: the same rounding points."""
+    if device.type != "cpu":
+        return True
+    return CPU_NATIVE_HALF.get(dtype, False) if _forced[0] is None else _forced[0]
+
+
+class half_gemms:
+    """Force half GEMMs on CPU native (``half_gemms(True)``) or formed in fp32 (``False``) within
+    a ``with`` block: tests hold both paths to the precision criterion on any machine."""
+
+    def __init__(self, native: bool):
+        self.native = native
+
+    def __enter__(self):
+        self.before, _forced[0] = _forced[0], self.native
+
+    def __exit__(self, *exc):
+        _forced[0] = self.before
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients=None, eps: float = NS_EPS, *,
@@ -58,10 +97,8 @@ def _normalise(X: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of ``[N, ·, ·]`` batches as a GEMM computes it: half operands accumulate in fp32
-    and round once. On CPU, whose half GEMMs run at a small fraction of the fp32 rate (14× slower
-    measured on LaCT's 128×128 updates), the same rounding is reached by an fp32 GEMM of the half
-    operands; elsewhere the half GEMM runs."""
-    if a.dtype in HALF and a.device.type == "cpu":
+    and round once (as an fp32 GEMM where ``half_gemms_native`` says the half one is slow)."""
+    if a.dtype in HALF and not half_gemms_native(a.dtype, a.device):
         return torch.bmm(a.float(), b.float()).to(a.dtype)
     return torch.bmm(a, b)
 
@@ -69,18 +106,25 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _fused(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1.0,
            alpha: float = 1.0) -> torch.Tensor:
     """``beta·c + alpha·(a @ b)`` in one GEMM with the sum as its epilogue: half operands
-    accumulate in fp32 and the sum rounds once (on CPU through an fp32 GEMM, as ``_product``)."""
-    if a.dtype in HALF and a.device.type == "cpu":
+    accumulate in fp32 and the sum rounds once (through an fp32 GEMM where ``_product`` says)."""
+    if a.dtype in HALF and not half_gemms_native(a.dtype, a.device):
         return torch.baddbmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(a.dtype)
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
 
-def _polynomial(A: torch.Tensor, AA: torch.Tensor, b: float, c: float) -> torch.Tensor:
+def _polynomial(A: torch.Tensor, AA: torch.Tensor, b: float, c: float,
+                work: torch.Tensor | None = None) -> torch.Tensor:
     """``bA + cA²`` from ``A`` and ``A²``, computed in fp32 for half inputs and rounded once. Kept
     out of the GEMM's epilogue on purpose: fused into ``baddbmm``, the gradients that cancel
-    through Muon's scale invariance (a momentum gate's) were measured 2.5× less precise."""
-    wide = (A.float(), AA.float()) if A.dtype in HALF else (A, AA)
-    return (b * wide[0] + c * wide[1]).to(A.dtype)
+    through Muon's scale invariance (a momentum gate's) were measured 2.5× less precise. Half
+    inputs widen into ``work`` (``[2, *A.shape]`` fp32, reused by every step of one iteration:
+    a fresh fp32 temporary per step cost more in page faults on CPU than the arithmetic)."""
+    if A.dtype not in HALF:
+        return b * A + c * AA
+    if work is None:
+        work = A.new_empty((2, *A.shape), dtype=torch.float32)
+    bA, cAA = work[0].copy_(A).mul_(b), work[1].copy_(AA).mul_(c)
+    return bA.add_(cAA).to(A.dtype)
 
 
 def plain_quintic(X: torch.Tensor, schedule) -> torch.Tensor:
@@ -107,9 +151,11 @@ class QuinticSteps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, schedule):
         keep, kept = ctx.needs_input_grad[0], []
+        work = X.new_empty((2, *X.shape[:-1], X.shape[-2]), dtype=torch.float32) \
+            if X.dtype in HALF else None
         for a, b, c in schedule:
             A = _product(X, X.mT)
-            B = _polynomial(A, _product(A, A), b, c)
+            B = _polynomial(A, _product(A, A), b, c, work)
             if keep:
                 kept += [X, A, B]
             X = _fused(X, B, X, beta=a)
@@ -134,4 +180,4 @@ class QuinticSteps(torch.autograd.Function):
         return dY, None
 
 
-__all__ = ["newton_schulz", "QuinticSteps"]
+__all__ = ["newton_schulz", "QuinticSteps", "half_gemms", "half_gemms_native"]
