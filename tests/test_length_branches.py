@@ -2,6 +2,8 @@
 function it calls — at any level: each call computes the function the code computes at that
 length (exact levels: the code's own; lossy levels: the simplified one, with the branch the
 code takes there) or is refused, naming the line; never another branch's output."""
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -112,9 +114,33 @@ class HelperRate(Momentum):
         return rate(T)
 
 
+def finish_through_operator(o, T):
+    """``finish`` with the length passed through a function of the ``operator`` module (written
+    in C: it starts no frame, and a plain float on the left reads its value without asking it)."""
+    return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2
+
+
+class HelperThroughOperator(Momentum):
+    """``HelperAfterLoop`` calling ``finish_through_operator``."""
+
+    def close(self, o, T):
+        return finish_through_operator(o, T)
+
+
+class MethodThroughOperator(Momentum):
+    """The branch in the layer's own ``close`` (the loop's function is ``Momentum.forward``),
+    spelled through ``operator.mul``."""
+
+    def close(self, o, T):
+        return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2
+
+
+THROUGH_OPERATOR = "return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2"
 LAYERS = {"after loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2"),
           "helper": (HelperAfterLoop, "return o * 2 if T % 8 else o + 2"),
+          "helper, operator": (HelperThroughOperator, THROUGH_OPERATOR),
           "method": (MethodAfterLoop, "return o * 2 if T % 8 else o + 2"),
+          "method, operator": (MethodThroughOperator, THROUGH_OPERATOR),
           "rate": (HelperRate, "return LR if T % 8 else 3 * LR")}
 
 
@@ -206,7 +232,7 @@ def test_helper_lines_in_the_source():
     file = inspect.getsourcefile(Momentum)
     loop = inspect.getsourcelines(Momentum.forward)[1] + 6
     for kind, (make, line) in LAYERS.items():
-        if kind == "after loop":
+        if kind == "after loop" or "operator" in kind:     # the run reads ``operator.mul``
             continue
         found = length_values(file, loop, (1, -2, 3), after=True, owner=make)
         assert [(v.what, v.code) for v in found] == [("branches on", line)], kind

@@ -5,6 +5,7 @@ refuses the length (lossy), naming the line; a chunk size that moves between pro
 refused at conversion, naming the line that derives it."""
 import functools
 import math
+import operator
 
 import pytest
 import torch
@@ -202,6 +203,35 @@ class HiddenBranchAfterLoop(HelperBranchAfterLoop):
         return self.close(torch.cat(outs, 1), T)
 
 
+def doubled_unless_eight_through_operator(o, T):
+    return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2
+
+
+class HiddenThroughOperator(HiddenBranchAfterLoop):
+    """``HiddenBranchAfterLoop`` whose helper passes the length through ``operator.mul``, a
+    function of C under a plain float on the left: the run reads it at the helper's line."""
+
+    def __init__(self):
+        super().__init__()
+        self.close = functools.partial(doubled_unless_eight_through_operator)
+
+
+class LoopThroughOperator(BranchAfterLoop):
+    """``BranchAfterLoop`` with the length passed through ``operator.mul``."""
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        o = torch.cat(outs, 1)
+        o = o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2
+        return o
+
+
 class StepBranch(nn.Module):
     """One test-time step over all tokens, whose code after the step branches on the length:
     the probes trace lengths past 6 only."""
@@ -240,6 +270,10 @@ BRANCHED = {"loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2", (16, 8, 2
                        (16, 8, 24, 12, 17)),
             "hidden": (HiddenBranchAfterLoop, "return o * 2 if T % 8 else o + 2",
                        (16, 8, 24, 12, 17)),
+            "hidden, operator": (HiddenThroughOperator, "return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
+                            (16, 8, 24, 12, 17)),
+            "loop, operator": (LoopThroughOperator, "o = o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
+                          (16, 8, 24, 32, 12, 17)),
             "step": (StepBranch, "o = o * 2 if x.shape[1] > 6 else o + 2", (6, 3, 5, 7, 12))}
 
 
@@ -291,11 +325,12 @@ def test_branch_after_the_loop_never_gives_another_output(example, calls, kind, 
 
 
 @pytest.mark.parametrize("kind,example,lengths", [("loop", 18, (16, 24, 14)),
+                                                  ("loop, operator", 18, (16, 24, 14)),
                                                   ("step", 9, (6, 4, 12))])
 def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, lengths):
-    """The example takes the probes' branch; the source shows the branch after the loop (or the
-    step), so every other length is checked against the code as written, and those that take
-    the other branch run as written."""
+    """The example takes the probes' branch; the source (or, through ``operator.mul``, the run of
+    the code) shows the branch after the loop (or the step), so every other length is checked
+    against the code as written, and those that take the other branch run as written."""
     make, line, _lengths = BRANCHED[kind]
     torch.manual_seed(0)
     layer = make()
@@ -307,9 +342,12 @@ def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, length
     from ttt2la.frontend.length_values import length_values
     file = inspect.getsourcefile(make)
     loop, first = inspect.getsourcelines(make.forward)[1], line.split(" if")[0]
-    found = length_values(file, loop + (5 if kind == "loop" else 0), (1, -2, 3), after=True)
+    if "operator" in kind:          # the run reads ``operator.mul``; the source reading does not
+        return
+    at = loop + (5 if kind == "loop" else 0)
+    found = length_values(file, at, (1, -2, 3), after=True)
     assert [v.what for v in found] == ["branches on"] and found[0].code.startswith(first)
-    assert not length_values(file, loop + (5 if kind == "loop" else 0), (1, -2, 3))
+    assert not length_values(file, at, (1, -2, 3))
 
 
 def test_branch_at_the_example_length_survives_pickling():

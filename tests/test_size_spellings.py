@@ -9,6 +9,7 @@ import copy
 import functools
 import math
 import operator
+from operator import mul
 import sys
 
 import numpy as np
@@ -159,6 +160,12 @@ NUMBERS = {
     "a float times abs of a helper's value": (lambda T: 0.5 * abs(_length_of(T)), True),
     "a float times abs of a constant": (lambda T: 0.5 * abs(T * 0 - 3), False),
     "a float times a sum with it": (lambda T: 0.5 * sum([T, 1]), True),
+    # ... or what a function of the ``operator`` module returned, however it is named
+    "a float times operator.mul of it": (lambda T: 0.5 * operator.mul(T, 2), True),
+    "a float times mul of it, imported by name": (lambda T: 0.5 * mul(T, 2), True),
+    "a float times operator.mod of it": (lambda T: 0.5 * operator.mod(T, 8), True),
+    "a float times operator.mul of a constant": (lambda T: 0.5 * operator.mul(T * 0 + 3, 2),
+                                                 False),
     "a float times what a local named abs returns": (_scaled_by_a_local_abs, False),
     # ... and where it is what a method of a call's result returned
     "a float times the method of a made object": (_scaled_by_a_made_objects_method, True),

@@ -15,9 +15,9 @@ operand that is a call (``0.5 * get_len(x)``) is read as the value it returns, w
 returns: the frame that computes it, one of a Python function, method or ``__call__`` named as
 the call names it, is found by the caller's position in its line (Python 3.11 on); a method of
 what a call returned (``0.5 * make(x).length()``), by its receiver's class. A call of
-``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` starts no frame; on numbers
-it runs only the sizes' own methods, so it is called in the frame (``0.5 * abs(T)``,
-``0.5 * int(T)``). A tracer set already (a debugger, coverage) runs alongside and sees every
+``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float``, or of a function of the
+``operator`` module, starts no frame; on numbers it runs only the sizes' own methods, so it is
+called in the frame (``0.5 * abs(T)``, ``0.5 * int(T)``, ``0.5 * operator.mul(T, 2)``). A tracer set already (a debugger, coverage) runs alongside and sees every
 event it would have seen.
 """
 from __future__ import annotations
@@ -61,6 +61,11 @@ _RETURNED: dict[int, dict] = {}
 #: also as the run hands them to the user's modules)
 _BUILTINS = {name: (getattr(builtins, name),) for name in ("abs", "round", "pow", "divmod")}
 _BUILTINS.update(int=(int, _Int), float=(float, _Float), sum=(sum, _sum))
+#: the ``operator`` module's functions of numbers, named as ``operator.mul`` or imported by name:
+#: written in C, they start no frame either, and on numbers run only the sizes' own methods
+_OPERATOR_FUNCTIONS = {name: (getattr(operator, name),) for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "lt", "le",
+    "gt", "ge", "eq", "ne")}
 
 
 @contextlib.contextmanager
@@ -217,10 +222,20 @@ def _size_call(node) -> bool:
 
 
 def _builtin_call(node) -> bool:
-    """``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` called by name,
-    positional arguments only (whether the name is the builtin is asked in the frame)."""
-    return isinstance(node.func, ast.Name) and node.func.id in _BUILTINS and not node.keywords \
+    """``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float`` called by name, or
+    a function of the ``operator`` module by name or as ``operator.mul``, positional arguments
+    only (whether the name is that function is asked in the frame)."""
+    return bool(_builtins_named(node.func)) and not node.keywords \
         and not any(isinstance(a, ast.Starred) for a in node.args)
+
+
+def _builtins_named(func) -> tuple:
+    """The functions of numbers a call's ``func`` may name (``()``: none)."""
+    if isinstance(func, ast.Name):
+        return _BUILTINS.get(func.id, ()) + _OPERATOR_FUNCTIONS.get(func.id, ())
+    if isinstance(func, ast.Attribute) and _pure(func.value):
+        return _OPERATOR_FUNCTIONS.get(func.attr, ())
+    return ()
 
 
 def _operand_calls(node) -> list:
@@ -383,9 +398,9 @@ class _Reading:
             if isinstance(t, torch.Tensor):
                 return t.size(*(self.value(a) for a in node.args))
         if _builtin_call(node):
-            fn = self.name(node.func.id)
+            fn = self.value(node.func)
             args = [self.value(a) for a in node.args]
-            if any(fn is f for f in _BUILTINS[node.func.id]) and all(map(_numbers, args)):
+            if any(fn is f for f in _builtins_named(node.func)) and all(map(_numbers, args)):
                 return fn(*args)
         raise _Unread
 
