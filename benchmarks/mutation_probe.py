@@ -2182,14 +2182,14 @@ MUTATIONS = [
     Mutation(
         "builtin_operand_unread", "an operand that a builtin of numbers computes (`0.5 * abs(T)`) "
         "is not read",
-        (("ttt2la/frontend/size_operands.py", "        if _builtin_call(node):\n            fn = self.name(",
-          "        if False:\n            fn = self.name("),),
+        (("ttt2la/frontend/size_operands.py", "        if _builtin_call(node):\n            fn = self.value(",
+          "        if False:\n            fn = self.value("),),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"),
         "abs or pow or round or divmod or IntFloat or int_of"),
     Mutation(
         "shadowed_builtin_called", "a name of a builtin bound to the user's code is called to read "
         "an operand",
-        (("ttt2la/frontend/size_operands.py", "            if any(fn is f for f in _BUILTINS[node.func.id]) and all(",
+        (("ttt2la/frontend/size_operands.py", "            if any(fn is f for f in _builtins_named(node.func)) and all(",
           "            if True and all("),),
         ("tests/test_size_spellings.py",), "local or bound"),
     Mutation(
@@ -2276,6 +2276,30 @@ MUTATIONS = [
         (("ttt2la/converted.py", "read_off_classes(module, read), state.caches)",
           "read_off_classes(module, read))"),),
         ("tests/test_filled_caches.py",), "fixed_number"),
+    Mutation(
+        "half_gemms_unforced", "the switch that forces half GEMMs native or formed in fp32 is "
+        "ignored: the precision tests hold only the path this CPU takes",
+        (("ttt2la/runtime/newton_schulz.py",
+          "return CPU_NATIVE_HALF.get(dtype, False) if _forced[0] is None else _forced[0]",
+          "return CPU_NATIVE_HALF.get(dtype, False)"),),
+        ("tests/test_runtime_block.py",), "half_gemms"),
+    Mutation(
+        "half_gemms_formed_off_cpu", "half GEMMs on a GPU are formed as fp32 GEMMs when the CPU "
+        "path is forced",
+        (("ttt2la/runtime/newton_schulz.py", '    if device.type != "cpu":\n        return True',
+          '    if device.type != "cpu" and _forced[0] is None:\n        return True'),),
+        ("tests/test_runtime_block.py",), "half_gemms"),
+    Mutation(
+        "operator_functions_unread", "an operand that a function of the operator module computes "
+        "(`0.5 * operator.mul(T, 2)`) is not read, so a branch on it converts with the probes' "
+        "outcome",
+        (("ttt2la/frontend/size_operands.py",
+          "        return _BUILTINS.get(func.id, ()) + _OPERATOR_FUNCTIONS.get(func.id, ())",
+          "        return _BUILTINS.get(func.id, ())"),
+         ("ttt2la/frontend/size_operands.py",
+          "        return _OPERATOR_FUNCTIONS.get(func.attr, ())", "        return ()")),
+        ("tests/test_size_spellings.py", "tests/test_length_branches.py",
+         "tests/test_length_values.py"), "operator"),
 ]
 
 
