@@ -232,6 +232,20 @@ class LoopThroughOperator(BranchAfterLoop):
         return o
 
 
+def doubled_unless_eight_conditional(o, T):
+    return o * 2 if (0.5 * (T if T > 0 else 1)) % 8 else o + 2
+
+
+class HiddenConditional(HiddenBranchAfterLoop):
+    """``HiddenBranchAfterLoop`` whose helper reads the length under a plain float inside a
+    conditional expression, where CPython reads its value without asking it: the run reads the
+    expression at the helper's line."""
+
+    def __init__(self):
+        super().__init__()
+        self.close = functools.partial(doubled_unless_eight_conditional)
+
+
 class StepBranch(nn.Module):
     """One test-time step over all tokens, whose code after the step branches on the length:
     the probes trace lengths past 6 only."""
@@ -270,10 +284,15 @@ BRANCHED = {"loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2", (16, 8, 2
                        (16, 8, 24, 12, 17)),
             "hidden": (HiddenBranchAfterLoop, "return o * 2 if T % 8 else o + 2",
                        (16, 8, 24, 12, 17)),
-            "hidden, operator": (HiddenThroughOperator, "return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
-                            (16, 8, 24, 12, 17)),
-            "loop, operator": (LoopThroughOperator, "o = o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
-                          (16, 8, 24, 32, 12, 17)),
+            "hidden, operator": (HiddenThroughOperator,
+                                 "return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
+                                 (16, 8, 24, 12, 17)),
+            "hidden, conditional": (HiddenConditional,
+                                    "return o * 2 if (0.5 * (T if T > 0 else 1)) % 8 else o + 2",
+                                    (16, 8, 24, 12, 17)),
+            "loop, operator": (LoopThroughOperator,
+                               "o = o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
+                               (16, 8, 24, 32, 12, 17)),
             "step": (StepBranch, "o = o * 2 if x.shape[1] > 6 else o + 2", (6, 3, 5, 7, 12))}
 
 
@@ -348,6 +367,20 @@ def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, length
     found = length_values(file, at, (1, -2, 3), after=True)
     assert [v.what for v in found] == ["branches on"] and found[0].code.startswith(first)
     assert not length_values(file, at, (1, -2, 3))
+
+
+@pytest.mark.parametrize("kind", ["hidden", "hidden, operator", "hidden, conditional"])
+def test_a_hidden_branch_at_the_probes_outcome_is_checked_at_other_lengths(kind):
+    """The example takes the probes' branch and no source reading resolves the helper: the run
+    of the code finds the branch, and lengths that take the other one (16, 24, 32) give the
+    code's output."""
+    make, line, _lengths = BRANCHED[kind]
+    torch.manual_seed(0)
+    layer = make()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 18, D),))
+    assert any(line in n and "values of the length" in n
+               for n in conv.ttt2la_report.layers[0].notes)
+    same_or_refused(conv, layer, [torch.randn(2, T, D) for T in (16, 24, 32, 14, 20)])
 
 
 def test_branch_at_the_example_length_survives_pickling():

@@ -160,6 +160,13 @@ NUMBERS = {
     "a float times abs of a helper's value": (lambda T: 0.5 * abs(_length_of(T)), True),
     "a float times abs of a constant": (lambda T: 0.5 * abs(T * 0 - 3), False),
     "a float times a sum with it": (lambda T: 0.5 * sum([T, 1]), True),
+    # ... or the branch a conditional expression or ``and``/``or`` takes
+    "a float times a conditional of it": (lambda T: 0.5 * (T if T > 0 else 1), True),
+    "a float times a conditional of a constant": (lambda T: 0.5 * (3 if T > 0 else 1), False),
+    "a float times an or of it": (lambda T: 0.5 * (T or 1), True),
+    "a float times an and of it": (lambda T: 0.5 * (T > 0 and T), True),
+    "a float times an item of a dict display": (lambda T: 0.5 * {0: T, 1: 2}[0], True),
+    "a float times a constant item of a dict display": (lambda T: 0.5 * {0: T, 1: 2}[1], False),
     # ... or what a function of the ``operator`` module returned, however it is named
     "a float times operator.mul of it": (lambda T: 0.5 * operator.mul(T, 2), True),
     "a float times mul of it, imported by name": (lambda T: 0.5 * mul(T, 2), True),

@@ -8,7 +8,8 @@ the size runs, so the run of ``size_uses`` saw no decision, and a branch on the 
 picked or the text made was converted with the probe length's outcome at every length. Here,
 during that run, the lines of the user's files that hold such an expression are watched
 (``sys.settrace``, on the user's frames only): when one is reached, the operands that are plain
-names, attributes, subscripts or arithmetic of them are read in its frame, and where one is a
+names, attributes, subscripts, dict displays, arithmetic, comparisons, conditional
+expressions or ``and``/``or`` of them are read in its frame, and where one is a
 value of the sizes in such a place, the expression's value is recorded as a decision of the
 sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
 operand that is a call (``0.5 * get_len(x)``) is read as the value it returns, when that
@@ -17,8 +18,9 @@ the call names it, is found by the caller's position in its line (Python 3.11 on
 what a call returned (``0.5 * make(x).length()``), by its receiver's class. A call of
 ``abs``, ``round``, ``pow``, ``divmod``, ``sum``, ``int`` or ``float``, or of a function of the
 ``operator`` module, starts no frame; on numbers it runs only the sizes' own methods, so it is
-called in the frame (``0.5 * abs(T)``, ``0.5 * int(T)``, ``0.5 * operator.mul(T, 2)``). A tracer set already (a debugger, coverage) runs alongside and sees every
-event it would have seen.
+called in the frame (``0.5 * abs(T)``, ``0.5 * int(T)``, ``0.5 * operator.mul(T, 2)``). A
+tracer set already (a debugger, coverage) runs alongside and sees every event it would have
+seen.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ _COMPARISONS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
                 ast.GtE: operator.ge, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 #: the expressions read in the frame: they compute nothing a reader could notice
 _PURE = (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Slice, ast.BinOp,
-         ast.UnaryOp, ast.Tuple, ast.List, ast.Load, ast.Store, ast.operator, ast.unaryop)
+         ast.UnaryOp, ast.Tuple, ast.List, ast.Load, ast.Store, ast.operator, ast.unaryop,
+         ast.IfExp, ast.Compare, ast.cmpop, ast.BoolOp, ast.boolop, ast.Dict)
 _SEQUENCES = (list, tuple, str, bytes, range)
 #: where the interpreter says which expression an instruction computes (3.11 on)
 _POSITIONS = hasattr(types.CodeType, "co_positions")
@@ -353,8 +356,9 @@ class _Reading:
 
     def value(self, node):
         """``node``'s value: names, constants, attributes that are no property, items of plain
-        sequences and dicts, numbers' arithmetic, a tensor's ``.size(...)`` and a call's return;
-        ``_Unread`` for anything else."""
+        sequences and dicts, dict displays, numbers' arithmetic and comparisons, conditional
+        expressions, ``and``/``or``, a tensor's ``.size(...)`` and a call's return; ``_Unread``
+        for anything else."""
         kind, value = type(node), self.value
         if kind is ast.Constant:
             return node.value
@@ -375,10 +379,22 @@ class _Reading:
                            for p in (node.lower, node.upper, node.step)))
         if kind in (ast.Tuple, ast.List):
             return (tuple if kind is ast.Tuple else list)(value(e) for e in node.elts)
+        if kind is ast.Dict and None not in node.keys:
+            return {value(k): value(v) for k, v in zip(node.keys, node.values)}
         if kind is ast.BinOp and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](self.number(node.left), self.number(node.right))
         if kind is ast.UnaryOp and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](self.number(node.operand))
+        if kind is ast.IfExp:       # ``0.5 * (T if T > 0 else 1)``: the branch the code takes
+            return value(node.body) if value(node.test) else value(node.orelse)
+        if kind is ast.Compare and all(type(op) in _COMPARISONS for op in node.ops):
+            return self.compared(node)
+        if kind is ast.BoolOp:      # ``T or 1``: the operand Python returns
+            for operand in node.values[:-1]:
+                v = value(operand)
+                if bool(v) == isinstance(node.op, ast.Or):
+                    return v
+            return value(node.values[-1])
         if kind is ast.Call:
             return self.call(node)
         raise _Unread
@@ -403,6 +419,17 @@ class _Reading:
             if any(fn is f for f in _builtins_named(node.func)) and all(map(_numbers, args)):
                 return fn(*args)
         raise _Unread
+
+    def compared(self, node: ast.Compare) -> bool:
+        """A chain of comparisons of numbers, evaluated as Python does (left to right, stopping
+        at the first that fails)."""
+        left = self.number(node.left)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = self.number(right_node)
+            if not _COMPARISONS[type(op)](left, right):
+                return False
+            left = right
+        return True
 
     def number(self, node):
         """An operand of arithmetic: a number or text, never a tensor (that would compute)."""
