@@ -51,6 +51,7 @@ as the case is timed, ``throughput.md`` is rewritten after every case, ``--profi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -664,8 +665,8 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
     p.add_argument("--batch", type=int)
     p.add_argument("--heads", type=int)
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--lact", type=_chunk_length, nargs="+", metavar="CHUNKxLENGTH",
-                   help="LaCT cases, e.g. 2048x16384 64x4096")
+    p.add_argument("--lact", type=_chunk_length, nargs="*", metavar="CHUNKxLENGTH",
+                   help="LaCT cases, e.g. 2048x16384 64x4096 (none: the per-token layers only)")
     p.add_argument("--per-token-lengths", type=int, nargs="*")
     p.add_argument("--rounds", type=int, help="at most this many timed rounds per case")
     p.add_argument("--max-seconds", type=float, help="timing budget per case (≥ 3 rounds)")
@@ -695,7 +696,7 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
     for name in ("batch", "heads", "head_dim", "rounds", "max_seconds"):
         if getattr(args, name) is not None:
             setattr(setup, name, getattr(args, name))
-    if args.lact:
+    if args.lact is not None:
         setup.lact = tuple(args.lact)
     if args.per_token_lengths is not None:
         lengths = tuple(args.per_token_lengths)
@@ -790,8 +791,6 @@ def main(argv=None) -> int:
     if args.keep_freed_memory:
         setup.allocator = keep_freed_memory()
     setup.half_gemms = args.half_gemms
-    if args.half_gemms != "auto":
-        half_gemms(args.half_gemms == "native").__enter__()
     if args.threads:
         torch.set_num_threads(args.threads)
     elif setup.device == "cpu":
@@ -800,7 +799,9 @@ def main(argv=None) -> int:
     results = Path(args.results or Path(__file__).parent / "results" /
                    f"throughput-{setup.size}-{stamp}")
     muons = {"both": (True, False), "on": (True,), "off": (False,)}[args.muon]
-    out = run(setup, results, muons, args.profile, say=lambda s: print(s, flush=True))
+    with contextlib.nullcontext() if args.half_gemms == "auto" else \
+            half_gemms(args.half_gemms == "native"):
+        out = run(setup, results, muons, args.profile, say=lambda s: print(s, flush=True))
     table = to_markdown(out.rows, out.targets, setup, done=True)
     print(table)
     if args.markdown:

@@ -149,6 +149,23 @@ def test_cases_with_many_chunks_time_the_published_operator_eagerly(throughput, 
     assert rows["level 2 converted"]["error"] <= rows["level 2 converted"]["bound"]
 
 
+def test_per_token_layers_alone_with_the_half_gemms_forced(throughput, tmp_path):
+    """``--lact`` with no case times the per-token layers only; ``--half-gemms`` is named in the
+    header and forces the path for the run only."""
+    from ttt2la.runtime.newton_schulz import CPU_NATIVE_HALF, half_gemms_native
+    out = tmp_path / "results"
+    assert throughput.main(["--size", "smoke", "--lact", "--half-gemms", "fp32", "--rounds", "1",
+                            "--threads", str(torch.get_num_threads()),
+                            "--results", str(out)]) == 0
+    rows = [r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())
+            if r.get("kind") == "Row"]
+    assert rows and all(r["model"].startswith("per-token") for r in rows)
+    assert "half GEMMs on CPU: fp32 GEMMs of half operands (forced: --half-gemms fp32)" in \
+        (out / "throughput.md").read_text()
+    assert half_gemms_native(torch.bfloat16, torch.device("cpu")) == \
+        CPU_NATIVE_HALF[torch.bfloat16]
+
+
 @pytest.fixture
 def ceiling():
     yield from _benchmark_module("ceiling")
