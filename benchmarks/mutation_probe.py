@@ -2300,6 +2300,14 @@ MUTATIONS = [
           "        return _OPERATOR_FUNCTIONS.get(func.attr, ())", "        return ()")),
         ("tests/test_size_spellings.py", "tests/test_length_branches.py",
          "tests/test_length_values.py"), "operator"),
+    Mutation(
+        "conditional_operand_unread", "an operand that is a conditional expression "
+        "(`0.5 * (T if T > 0 else 1)`) is not read, so a branch on it in a helper no source "
+        "reading resolves converts with the probes' outcome",
+        (("ttt2la/frontend/size_operands.py",
+          "        if kind is ast.IfExp:       # ``0.5 * (T if T > 0 else 1)``: the branch the code takes\n",
+          "        if False:\n"),),
+        ("tests/test_size_spellings.py", "tests/test_length_values.py"), "conditional"),
 ]
 
 
