@@ -113,16 +113,15 @@ def _fused(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1
 
 
 def _polynomial(A: torch.Tensor, AA: torch.Tensor, b: float, c: float,
-                work: torch.Tensor | None = None) -> torch.Tensor:
+                work: torch.Tensor | None) -> torch.Tensor:
     """``bA + cA²`` from ``A`` and ``A²``, computed in fp32 for half inputs and rounded once. Kept
     out of the GEMM's epilogue on purpose: fused into ``baddbmm``, the gradients that cancel
     through Muon's scale invariance (a momentum gate's) were measured 2.5× less precise. Half
-    inputs widen into ``work`` (``[2, *A.shape]`` fp32, reused by every step of one iteration:
-    a fresh fp32 temporary per step cost more in page faults on CPU than the arithmetic)."""
+    inputs widen into ``work`` (``[2, *A.shape]`` fp32, ``None`` for other dtypes), reused by
+    every step of one iteration: a fresh fp32 temporary per step cost more in page faults on
+    CPU than the arithmetic."""
     if A.dtype not in HALF:
         return b * A + c * AA
-    if work is None:
-        work = A.new_empty((2, *A.shape), dtype=torch.float32)
     bA, cAA = work[0].copy_(A).mul_(b), work[1].copy_(AA).mul_(c)
     return bA.add_(cAA).to(A.dtype)
 
