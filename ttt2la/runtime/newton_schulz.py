@@ -11,9 +11,9 @@ as for this one, and tests judge that honestly against a float64 evaluation.
 Speed: each step is three matmuls, ``aX + BX`` computed as the last one's epilogue (``baddbmm``).
 The backward is autograd's formula written by hand on the matrices the forward keeps, its sums
 fused into the GEMMs too (six matmuls a step and no recomputation; recomputing the iteration for
-the backward took nine). Half GEMMs on a CPU without half matrix units (AMX, AVX512-BF16) run at a
-small fraction of the fp32 rate, so there the same products are fp32 GEMMs of the half operands,
-rounded once (``half_gemms_native``).
+the backward took nine). Half GEMMs on a CPU without half matrix units (AMX) ran at a small
+fraction of the fp32 rate, so there the same products are fp32 GEMMs of the half operands, rounded
+once (``half_gemms_native``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def _cpu_half_units() -> dict:
     """Which half dtypes this CPU multiplies in hardware (read once: Dynamo traces a dict read,
     not these C calls)."""
     has = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
-    return {torch.bfloat16: has("_is_amx_tile_supported") or has("_is_avx512_bf16_supported"),
+    # AVX512-BF16 alone is not measured: such a CPU keeps the fp32 GEMMs, as before AMX was read
+    return {torch.bfloat16: has("_is_amx_tile_supported"),
             torch.float16: has("_is_amx_fp16_supported")}
 
 
