@@ -246,6 +246,19 @@ class HiddenConditional(HiddenBranchAfterLoop):
         self.close = functools.partial(doubled_unless_eight_conditional)
 
 
+def doubled_unless_eight_comprehension(o, T):
+    return o * 2 if (0.5 * [n for n in (T,)][0]) % 8 else o + 2
+
+
+class HiddenComprehension(HiddenBranchAfterLoop):
+    """``HiddenBranchAfterLoop`` whose helper reads the length under a plain float through a list
+    comprehension, which the run does not follow: the name of the length in it stands for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.close = functools.partial(doubled_unless_eight_comprehension)
+
+
 class StepBranch(nn.Module):
     """One test-time step over all tokens, whose code after the step branches on the length:
     the probes trace lengths past 6 only."""
@@ -290,6 +303,9 @@ BRANCHED = {"loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2", (16, 8, 2
             "hidden, conditional": (HiddenConditional,
                                     "return o * 2 if (0.5 * (T if T > 0 else 1)) % 8 else o + 2",
                                     (16, 8, 24, 12, 17)),
+            "hidden, comprehension": (HiddenComprehension,
+                                      "return o * 2 if (0.5 * [n for n in (T,)][0]) % 8 else o + 2",
+                                      (16, 8, 24, 12, 17)),
             "loop, operator": (LoopThroughOperator,
                                "o = o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2",
                                (16, 8, 24, 32, 12, 17)),
@@ -369,7 +385,8 @@ def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, length
     assert not length_values(file, at, (1, -2, 3))
 
 
-@pytest.mark.parametrize("kind", ["hidden", "hidden, operator", "hidden, conditional"])
+@pytest.mark.parametrize("kind", ["hidden", "hidden, operator", "hidden, conditional",
+                                  "hidden, comprehension"])
 def test_a_hidden_branch_at_the_probes_outcome_is_checked_at_other_lengths(kind):
     """The example takes the probes' branch and no source reading resolves the helper: the run
     of the code finds the branch, and lengths that take the other one (16, 24, 32) give the

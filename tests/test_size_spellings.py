@@ -167,6 +167,13 @@ NUMBERS = {
     "a float times an and of it": (lambda T: 0.5 * (T > 0 and T), True),
     "a float times an item of a dict display": (lambda T: 0.5 * {0: T, 1: 2}[0], True),
     "a float times a constant item of a dict display": (lambda T: 0.5 * {0: T, 1: 2}[1], False),
+    # ... and, conservatively, an operand it cannot follow that names a value of the length
+    "a float times an item of a comprehension of it": (lambda T: 0.5 * [n for n in (T,)][0],
+                                                       True),
+    "a float times a sum of a generator over its range": (
+        lambda T: 0.5 * sum(1 for _ in range(T)), True),
+    "a float times an item of a comprehension of a constant": (
+        lambda T: 0.5 * [n for n in (3,)][0], False),
     # ... or what a function of the ``operator`` module returned, however it is named
     "a float times operator.mul of it": (lambda T: 0.5 * operator.mul(T, 2), True),
     "a float times mul of it, imported by name": (lambda T: 0.5 * mul(T, 2), True),

@@ -20,7 +20,8 @@ what a call returned (``0.5 * make(x).length()``), by its receiver's class. A ca
 ``operator`` module, starts no frame; on numbers it runs only the sizes' own methods, so it is
 called in the frame (``0.5 * abs(T)``, ``0.5 * int(T)``, ``0.5 * operator.mul(T, 2)``). A
 tracer set already (a debugger, coverage) runs alongside and sees every event it would have
-seen.
+seen. An operand the reading cannot follow at all (a comprehension, a lambda) that names a value
+of the sizes is taken, conservatively, for a decision of that value (``_unfollowed``).
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ _RETURNED: dict[int, dict] = {}
 #: also as the run hands them to the user's modules)
 _BUILTINS = {name: (getattr(builtins, name),) for name in ("abs", "round", "pow", "divmod")}
 _BUILTINS.update(int=(int, _Int), float=(float, _Float), sum=(sum, _sum))
+#: what is recorded where an operand the reading cannot follow names a value of the sizes
+UNFOLLOWED = "computes, in an expression the run does not follow, a value of"
 #: the ``operator`` module's functions of numbers, named as ``operator.mul`` or imported by name:
 #: written in C, they start no frame either, and on numbers run only the sizes' own methods
 _OPERATOR_FUNCTIONS = {name: (getattr(operator, name),) for name in (
@@ -171,7 +174,7 @@ def _watched(file: str) -> _Watch:
             continue
         operands = _operand_calls(node.func.value) if isinstance(node, ast.Call) else \
             _operand_calls(node)
-        if all(map(_builtin_call, operands)):     # builtins are called where it is read
+        if all(map(_builtin_call, operands)) or _unfollowed(node):   # read at the line
             lines.setdefault(node.lineno, []).append(node)
         for call in operands if _POSITIONS else ():
             where = (call.lineno, call.end_lineno, call.col_offset, call.end_col_offset)
@@ -181,20 +184,36 @@ def _watched(file: str) -> _Watch:
 
 def _candidate(node) -> bool:
     """A float-capable operator (in place too: ``c *= T``), a comparison or a subscript whose
-    operands are read in the frame, and whose other side is no constant."""
+    operands are read in the frame, and whose other side is no constant; or one with an operand
+    the reading cannot follow that names something (``_unfollowed``)."""
     if isinstance(node, (ast.BinOp, ast.AugAssign)):
         left, right = (node.left, node.right) if isinstance(node, ast.BinOp) else \
             (node.target, node.value)
-        return type(node.op) in _ARITHMETIC and _pure(left) and _pure(right) \
-            and not _constant(right)
+        return type(node.op) in _ARITHMETIC and (
+            _pure(left) and _pure(right) and not _constant(right) or bool(_unfollowed(node)))
     if isinstance(node, ast.Compare):
-        return _pure(node.left) and all(_pure(c) for c in node.comparators) \
-            and any(type(op) in _COMPARISONS or type(op) in _MEMBERSHIP for op in node.ops) \
-            and not all(_constant(c) for c in node.comparators)
+        return any(type(op) in _COMPARISONS or type(op) in _MEMBERSHIP for op in node.ops) and (
+            _pure(node.left) and all(_pure(c) for c in node.comparators)
+            and not all(_constant(c) for c in node.comparators) or bool(_unfollowed(node)))
     if isinstance(node, ast.Subscript):
-        return isinstance(node.ctx, ast.Load) and _pure(node.value) and _pure(node.slice) \
-            and not _constant(node.slice)
+        return isinstance(node.ctx, ast.Load) and (
+            _pure(node.value) and _pure(node.slice) and not _constant(node.slice)
+            or bool(_unfollowed(node)))
     return isinstance(node, ast.Call) and _sorts_in_place(node)
+
+
+def _unfollowed(node) -> list:
+    """The operands of an operator, comparison or subscript that the reading cannot follow (a
+    comprehension, a lambda, a builtin called on one: ``0.5 * sum(1 for _ in range(T))``) and
+    that name something: where a name among them holds a value of the sizes, the expression is
+    taken, conservatively, for a decision of them (``_Reading.unfollowed``). An f-string is
+    text, whose making the run records itself (``size_text``)."""
+    operands = {ast.BinOp: ("left", "right"), ast.AugAssign: ("target", "value"),
+                ast.Subscript: ("value", "slice")}.get(type(node))
+    found = [getattr(node, a) for a in operands] if operands else \
+        [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+    return [o for o in found if not _pure(o) and not isinstance(o, ast.JoinedStr)   # text: its own
+            and any(isinstance(n, ast.Name) for n in ast.walk(o))]
 
 
 def _sorts_in_place(node: ast.Call) -> bool:
@@ -456,7 +475,22 @@ class _Reading:
                                 *(value(k.value) for k in node.keywords))
             return _index(value(node.value), value(node.slice))
         except Exception:
+            return self.unfollowed(node)
+
+    def unfollowed(self, node):
+        """``(what, at)`` where an operand the reading cannot follow names a value of the sizes:
+        it may compute anything of them, so the values of those names stand for it."""
+        found = []
+        for n in (n for o in _unfollowed(node) for n in ast.walk(o) if isinstance(n, ast.Name)):
+            try:
+                v = self.name(n.id)
+            except _Unread:
+                continue
+            if isinstance(v, (SizeInt, SizeFloat)):
+                found.append(v.at)
+        if not found:
             return None
+        return UNFOLLOWED, lambda L, B: tuple(f(L, B) for f in found)
 
 
 def _numbers(v) -> bool:
