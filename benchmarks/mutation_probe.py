@@ -2308,6 +2308,18 @@ MUTATIONS = [
           "        if kind is ast.IfExp:       # ``0.5 * (T if T > 0 else 1)``: the branch the code takes\n",
           "        if False:\n"),),
         ("tests/test_size_spellings.py", "tests/test_length_values.py"), "conditional"),
+    Mutation(
+        "unfollowed_operand_ignored", "an operand the run cannot follow (a comprehension, `sum` "
+        "of a generator) that names a value of the length is not taken for one",
+        (("ttt2la/frontend/size_operands.py", "        except Exception:\n            return self.unfollowed(node)\n",
+          "        except Exception:\n            return None\n"),),
+        ("tests/test_size_spellings.py", "tests/test_length_values.py"),
+        "comprehension or generator"),
+    Mutation(
+        "unfollowed_text_flagged", "an f-string compared or indexed is taken for an unfollowed "
+        "operand, so text of a constant becomes a use of the length",
+        (("ttt2la/frontend/size_operands.py", "not isinstance(o, ast.JoinedStr)", "True"),),
+        ("tests/test_size_spellings.py",), "text"),
 ]
 
 
