@@ -40,9 +40,9 @@ _forced: list = [None]
 
 
 def half_gemms_native(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a half GEMM runs as one (on GPU, and on a CPU with half matrix units: 3-6x the fp32
-    rate measured with AMX on 128x128 updates) rather than as an fp32 GEMM of the half operands
-    rounded once (on a CPU without them, where native half GEMMs measured 14x slower than fp32).
+    """Whether a half GEMM runs as one (on GPU, and on a CPU with half matrix units: 2.6-6.2x the
+    fp32 rate measured with AMX on 128x128 updates) rather than as an fp32 GEMM of the half
+    operands rounded once (on a CPU without them, where native half GEMMs measured 14x slower).
     Both accumulate in fp32 and round the product once: the same rounding points."""
     if device.type != "cpu":
         return True
