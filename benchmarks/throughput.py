@@ -73,7 +73,7 @@ import ttt2la  # noqa: E402
 import ttt2la.zoo  # noqa: E402
 from ttt2la.cli import ran_plans  # noqa: E402
 from ttt2la.errors import ConversionError  # noqa: E402
-from ttt2la.runtime.newton_schulz import CPU_NATIVE_HALF, half_gemms  # noqa: E402
+from ttt2la.runtime.newton_schulz import half_gemms, half_gemms_native  # noqa: E402
 from ttt2la.testing import TOLERANCE, rel_rms_error  # noqa: E402
 from ttt2la.timing import Timing, time_side_by_side  # noqa: E402
 
@@ -589,9 +589,14 @@ def _case_peaks(rows: list[Row]) -> str:
         else "no case yet"
 
 
+def _half_gemms_forced(choice: str):
+    """The ``--half-gemms`` choice as a context: nothing for ``auto``, else the runtime's switch."""
+    return contextlib.nullcontext() if choice == "auto" else half_gemms(choice == "native")
+
+
 def _half_gemms_said(choice: str) -> str:
-    native = {"native": True, "fp32": False}.get(choice,
-                                                 CPU_NATIVE_HALF.get(torch.bfloat16, False))
+    with _half_gemms_forced(choice):
+        native = half_gemms_native(torch.bfloat16, torch.device("cpu"))
     return ("native" if native else "fp32 GEMMs of half operands") + \
         (" (this CPU's default)" if choice == "auto" else f" (forced: --half-gemms {choice})")
 
@@ -799,8 +804,7 @@ def main(argv=None) -> int:
     results = Path(args.results or Path(__file__).parent / "results" /
                    f"throughput-{setup.size}-{stamp}")
     muons = {"both": (True, False), "on": (True,), "off": (False,)}[args.muon]
-    with contextlib.nullcontext() if args.half_gemms == "auto" else \
-            half_gemms(args.half_gemms == "native"):
+    with _half_gemms_forced(args.half_gemms):
         out = run(setup, results, muons, args.profile, say=lambda s: print(s, flush=True))
     table = to_markdown(out.rows, out.targets, setup, done=True)
     print(table)
