@@ -1231,7 +1231,7 @@ MUTATIONS = [
         ("tests/test_length_branches.py",), "other_branch_at_the_example and rate"),
     Mutation(
         "helper_branch_unread", "the helpers the code around the loop calls are not read for uses of the length, so the plan runs unchecked at lengths where a helper takes another branch",
-        (("ttt2la/frontend/length_values.py", "        if depth < _HELPER_DEPTH:\n", "        if False:\n"),),
+        (("ttt2la/frontend/length_values.py", "        if self.depth < _HELPER_DEPTH:\n", "        if False:\n"),),
         ("tests/test_length_branches.py",), "probes_branch_at_the_example or helper_lines"),
     Mutation(
         "helper_method_of_the_defining_class", "``self.helper(...)`` is read in the class that defines the loop's function, not in the layer's own class, so a subclass's override that branches goes unread",
@@ -1239,7 +1239,7 @@ MUTATIONS = [
         ("tests/test_length_branches.py",), "probes_branch_at_the_example and method"),
     Mutation(
         "helper_parameters_unbound", "a helper's parameters passed a value of the length are not taken as values of the length, so its branch on them goes unread",
-        (("ttt2la/frontend/length_values.py", "_read(*helper, axes, True, names, out,", "_read(*helper, axes, True, set(), out,"),),
+        (("ttt2la/frontend/length_values.py", "_read(*helper, axes, True, names, self.out,", "_read(*helper, axes, True, set(), self.out,"),),
         ("tests/test_length_branches.py",), "probes_branch_at_the_example and helper"),
     Mutation(
         "changed_attributes_unguarded", "a plain attribute changed after conversion (a step size, the chunk size) is not looked at: the graphs run with the value traced",
@@ -1417,7 +1417,7 @@ MUTATIONS = [
         ("tests/test_zoo_published.py",), "does_not_compile"),
     Mutation(
         "cutting_loop_taken_for_a_second", "a loop that only appends slices of the sequence to lists is refused as a second loop over it",
-        (("ttt2la/frontend/discover.py", '                    cand.cuts_only &= getattr(func, "__name__", "") in CUTTING\n', "                    cand.cuts_only = False\n"),),
+        (("ttt2la/frontend/discover.py", '        cand.cuts_only &= getattr(func, "__name__", "") in CUTTING\n', "        cand.cuts_only = False\n"),),
         ("tests/test_chunks_made_before_the_loop.py",), "appended"),
     Mutation(
         "cut_pieces_left_in_their_loop", "slices a loop that only cuts makes are not read as the chunks of the loop that reads them",

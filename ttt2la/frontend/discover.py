@@ -258,93 +258,135 @@ def _without_loop(model: torch.nn.Module, captured: dict) -> list[LoopCandidate]
 def _discover_once(model, example_inputs, example_kwargs):
     """One eager forward: the loop candidates and every submodule's captured inputs."""
     paths = {m: p for p, m in model.named_modules()}
-    captured: dict[str, tuple] = {}
     stack: list[str] = []
-    hooks = []
+    sink = _LoopSink(paths, sequence_length(example_inputs))
+    with _captured_inputs(paths, stack) as captured:
+        sink.captured = captured
+        with torch.no_grad(), _no_compile(), \
+                _Recorder(stack, sink, sink.chunks, sink.pieces, sink.length):
+            model(*example_inputs, **(example_kwargs or {}))
+    sink.add_cuts()
+    return _busiest_loops(sink.found, sink.together), captured
 
-    def pre(mod, args, kwargs):
-        path = paths[mod]
-        captured.setdefault(path, (args, kwargs))
-        stack.append(path)
 
-    def post(mod, args, kwargs, out):
-        stack.pop()
+class _captured_inputs:
+    """Forward hooks on every module of ``paths`` for the call they wrap: each module's first
+    inputs (``path -> (args, kwargs)``, what the context gives) and, in ``stack``, the paths
+    of the modules running, innermost last."""
 
-    for m in paths:
-        hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(m.register_forward_hook(post, with_kwargs=True))
+    def __init__(self, paths: dict, stack: list[str]):
+        self.paths, self.stack = paths, stack
+        self.captured: dict[str, tuple] = {}
+        self.hooks: list = []
 
-    forward_sites = {p: _forward_site(m) for m, p in paths.items()}
-    found: dict[tuple[str, LoopSite], LoopCandidate] = {}
-    by_path = {p: m for m, p in paths.items()}
-    chunks, pieces = ChunkAxes(), CutPieces()
-    length = sequence_length(example_inputs)
-    cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)   # split/unbind in loop headers
-    together: dict[tuple[str, LoopSite], set] = defaultdict(set)  # loops one op ran inside
+    def _pre(self, mod, args, kwargs):
+        path = self.paths[mod]
+        self.captured.setdefault(path, (args, kwargs))
+        self.stack.append(path)
 
-    def sink(path, func, args, kwargs, frames):
-        site = forward_sites.get(path)
-        if site is None:
+    def _post(self, mod, args, kwargs, out):
+        self.stack.pop()
+
+    def __enter__(self) -> dict[str, tuple]:
+        for m in self.paths:
+            self.hooks.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.hooks.append(m.register_forward_hook(self._post, with_kwargs=True))
+        return self.captured
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+class _LoopSink:
+    """Called with every torch call made while a module runs (``_Recorder``): the loops of
+    that module's forward (or the helpers it calls) the call ran inside become candidates,
+    counting the call and the chunk slices it takes."""
+
+    def __init__(self, paths: dict, length: int | None):
+        self.forward_sites = {p: _forward_site(m) for m, p in paths.items()}
+        self.by_path = {p: m for m, p in paths.items()}
+        self.length = length
+        self.captured: dict[str, tuple] = {}
+        self.found: dict[tuple[str, LoopSite], LoopCandidate] = {}
+        self.chunks, self.pieces = ChunkAxes(), CutPieces()
+        self.cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)  # split/unbind in headers
+        self.together: dict[tuple[str, LoopSite], set] = defaultdict(set)  # loops one op ran in
+
+    def __call__(self, path, func, args, kwargs, frames) -> None:
+        user = self._user_frames(path, frames)
+        if user is None:
             return
-        file, name, lo, hi = site
-        start = None
-        for i, (f, line, fn) in enumerate(frames):
-            if os.path.abspath(f) == file and fn == name and lo <= line <= hi:
-                start = i
-        if start is None:
-            return
-        user = [SourceLoc(f, line, fn) for f, line, fn in frames[start:]]
         inside = []
         for at, inner in zip(user, user[1:] + [None]):
             # a generator the loop statement iterates runs once per iteration, as the body does
             lazily = inner is not None and runs_a_generator(inner)
             for loop in _loops_in_file(at.file):
                 if loop.header_contains(at) and not lazily:
-                    cut = _cut_info(func, args, kwargs, chunks)
+                    cut = _cut_info(func, args, kwargs, self.chunks)
                     if cut is not None:
-                        cuts[(path, loop)].append(cut)
+                        self.cuts[(path, loop)].append(cut)
                 if loop.contains(at) or (lazily and loop.header_contains(at)):
-                    key = (path, loop)
-                    inside.append(key)
-                    pieces.read(key, args)
-                    cand = found.get(key)
-                    if cand is None:
-                        a, k = captured[path]
-                        cand = found[key] = LoopCandidate(path, by_path[path], loop, a, k)
-                    cand.ops += 1
-                    cand.cuts_only &= getattr(func, "__name__", "") in CUTTING
-                    info = _slice_info(func, args, chunks, length)
-                    if info is not None:
-                        cand.chunk_sizes.add(info[0])
-                        cand.slice_lengths.add(info[1])
-                        cand.slice_starts.add(info[2])
+                    inside.append((path, loop))
+                    self._count(path, loop, func, args)
         for key in inside:
-            together[key].update(inside)
+            self.together[key].update(inside)
 
-    try:
-        with torch.no_grad(), _no_compile(), _Recorder(stack, sink, chunks, pieces, length):
-            model(*example_inputs, **(example_kwargs or {}))
-    finally:
-        for h in hooks:
-            h.remove()
-    for key, cand in found.items():
-        for size, length, start in pieces.chunks(key):   # a cut made before the loop
-            cand.chunk_sizes.add(size)
-            cand.slice_lengths.add(length)
-            cand.slice_starts.add(start)
-    for key, seen in cuts.items():
-        if key in found:
+    def _user_frames(self, path, frames) -> list[SourceLoc] | None:
+        """The frames from the module's own ``forward`` inwards (None: it is not on the stack)."""
+        site = self.forward_sites.get(path)
+        if site is None:
+            return None
+        file, name, lo, hi = site
+        start = None
+        for i, (f, line, fn) in enumerate(frames):
+            if os.path.abspath(f) == file and fn == name and lo <= line <= hi:
+                start = i
+        if start is None:
+            return None
+        return [SourceLoc(f, line, fn) for f, line, fn in frames[start:]]
+
+    def _count(self, path: str, loop: LoopSite, func, args) -> None:
+        """One call ``func(*args)`` run inside ``loop`` of the module at ``path``."""
+        key = (path, loop)
+        self.pieces.read(key, args)
+        cand = self.found.get(key)
+        if cand is None:
+            a, k = self.captured[path]
+            cand = self.found[key] = LoopCandidate(path, self.by_path[path], loop, a, k)
+        cand.ops += 1
+        cand.cuts_only &= getattr(func, "__name__", "") in CUTTING
+        info = _slice_info(func, args, self.chunks, self.length)
+        if info is not None:
+            cand.chunk_sizes.add(info[0])
+            cand.slice_lengths.add(info[1])
+            cand.slice_starts.add(info[2])
+
+    def add_cuts(self) -> None:
+        """Chunks cut before a loop, or by its header's ``split``/``chunk``, as its slices."""
+        for key, cand in self.found.items():
+            for size, length, start in self.pieces.chunks(key):   # a cut made before the loop
+                cand.chunk_sizes.add(size)
+                cand.slice_lengths.add(length)
+                cand.slice_starts.add(start)
+        for key, seen in self.cuts.items():
+            if key not in self.found:
+                continue
+            cand = self.found[key]
             for op, size, length in seen:
                 if op in FIXED_COUNT_CUTS:      # pieces that grow with the length: no chunk size
-                    found[key].fixed_cuts.append((op, size, length))
+                    cand.fixed_cuts.append((op, size, length))
                     continue
-                found[key].chunk_sizes.add(size)
-                found[key].slice_lengths.add(length)
-                found[key].slice_starts.update(range(0, length, size))
-    # keep, per module, the loop that walks the longest stretch of the sequence (a loop over
-    # one chunk's positions, such as a UT transform solved row by row before the loop over
-    # chunks, walks a chunk), and among those the outermost (nested loops such as
-    # Newton–Schulz live inside it)
+                cand.chunk_sizes.add(size)
+                cand.slice_lengths.add(length)
+                cand.slice_starts.update(range(0, length, size))
+
+
+def _busiest_loops(found: dict, together: dict) -> list[LoopCandidate]:
+    """Per module, the loop that walks the longest stretch of the sequence (a loop over one
+    chunk's positions, such as a UT transform solved row by row before the loop over chunks,
+    walks a chunk), and among those the outermost (nested loops such as Newton–Schulz live
+    inside it); the module's other loops no op ran inside with it are noted ``apart``."""
     per_module: dict[str, list[LoopCandidate]] = defaultdict(list)
     for cand in found.values():
         per_module[cand.path].append(cand)
@@ -355,7 +397,7 @@ def _discover_once(model, example_inputs, example_kwargs):
         cands[0].apart = [c for c in cands[1:] if (path, c.loop) not in near]
         out.append(cands[0])
     out.sort(key=lambda c: c.path.count("."))
-    return out, captured
+    return out
 
 
 __all__ = ["discover", "LoopCandidate", "MAX_PROBE_LENGTH", "sequence_length", "stretch"]

@@ -258,86 +258,106 @@ def _read(file: str, loop_line: int, axes: tuple[int, ...], after: bool, given: 
     fn = function_at(file, loop_line)
     if fn is None:
         return
-    lines = source_lines(file)
-    derived = _Derived(given)
-    derived.looping, derived.where, derived.counted = set(), {}, set()
-    loop_end = [loop_line]
+    reader = _FunctionReader(file, fn, loop_line, axes, given, out, seen, depth, method, owner)
+    reader.walk(fn.body)
+    if after:
+        reader.rest(fn.body)
 
-    me = fn.args.args[0].arg if fn.args.args and method else ""
 
-    def add(value: LengthValue) -> None:
-        out.setdefault((value.file, value.line), value)
+class _FunctionReader:
+    """One function's statements read for uses of the length: up to the loop statement
+    (``walk``), binding the names derived from the length, and after it (``rest``)."""
 
-    def found(stmt: ast.stmt) -> None:
+    def __init__(self, file: str, fn: ast.FunctionDef, loop_line: int, axes: tuple[int, ...],
+                 given: set[str], out: dict, seen: set, depth: int, method: bool,
+                 owner: type | None):
+        self.file, self.fn, self.loop_line, self.axes = file, fn, loop_line, axes
+        self.out, self.seen, self.depth, self.owner = out, seen, depth, owner
+        self.lines = source_lines(file)
+        self.derived = _Derived(given)
+        self.derived.looping, self.derived.where, self.derived.counted = set(), {}, set()
+        self.loop_end = loop_line
+        self.me = fn.args.args[0].arg if fn.args.args and method else ""
+
+    def add(self, node: ast.AST, what: str) -> None:
+        value = _value(self.file, self.lines, node, what)
+        self.out.setdefault((value.file, value.line), value)
+
+    def found(self, stmt: ast.stmt) -> None:
         """The uses in ``stmt`` (an ``if``'s or ``while``'s test only), and in the helpers it
         calls."""
+        derived, axes, me = self.derived, self.axes, self.me
         for node, what in _uses(stmt, derived, axes, me):
-            add(_value(file, lines, node, what))
-        if depth < _HELPER_DEPTH:
-            for helper, names, is_method in _helper_calls(file, fn, stmt, derived, axes, me,
-                                                          owner):
-                if (helper, frozenset(names)) not in seen:
-                    seen.add((helper, frozenset(names)))
-                    _read(*helper, axes, True, names, out, seen, depth + 1, is_method, owner)
+            self.add(node, what)
+        if self.depth < _HELPER_DEPTH:
+            for helper, names, is_method in _helper_calls(self.file, self.fn, stmt, derived,
+                                                          axes, me, self.owner):
+                if (helper, frozenset(names)) not in self.seen:
+                    self.seen.add((helper, frozenset(names)))
+                    _read(*helper, axes, True, names, self.out, self.seen, self.depth + 1,
+                          is_method, self.owner)
 
-    def walk(body: list[ast.stmt]) -> bool:
+    def _loop_statement(self, stmt: ast.stmt) -> None:
+        """The loop statement itself: its chunk step, and the lists it appends to."""
+        derived = self.derived
+        self.loop_end = stmt.end_lineno or stmt.lineno
+        derived.counted |= appended_names(stmt)     # after it: one per iteration
+        step = _chunk_step(stmt, derived, self.axes, self.me)
+        if step is not None:
+            bound = derived.where.get(step.id) if isinstance(step, ast.Name) else None
+            if bound is not None:
+                self.add(bound, f"computes the chunk size {step.id} from")
+            self.add(step, "sets the chunk size from")
+
+    def walk(self, body: list[ast.stmt]) -> bool:
         """Follow ``body`` up to the loop statement; ``True`` once it is reached."""
         for stmt in body:
             end = stmt.end_lineno or stmt.lineno
-            if stmt.lineno >= loop_line:
-                if stmt.lineno == loop_line:
-                    loop_end[0] = end
-                    derived.counted |= appended_names(stmt)     # after it: one per iteration
-                step = _chunk_step(stmt, derived, axes, me) if stmt.lineno == loop_line \
-                    else None
-                if step is not None:
-                    bound = derived.where.get(step.id) if isinstance(step, ast.Name) else None
-                    if bound is not None:
-                        add(_value(file, lines, bound, f"computes the chunk size {step.id} from"))
-                    add(_value(file, lines, step, "sets the chunk size from"))
+            if stmt.lineno >= self.loop_line:
+                if stmt.lineno == self.loop_line:
+                    self._loop_statement(stmt)
                 return True
             if isinstance(stmt, (ast.For, ast.While)):
-                if end >= loop_line:            # the loop is nested in this one
+                if end >= self.loop_line:            # the loop is nested in this one
                     if isinstance(stmt, ast.For):
-                        derived.looping |= {n.id for n in ast.walk(stmt.target)
-                                            if isinstance(n, ast.Name)}
-                    return walk(stmt.body)
+                        self.derived.looping |= {n.id for n in ast.walk(stmt.target)
+                                                 if isinstance(n, ast.Name)}
+                    return self.walk(stmt.body)
                 continue
-            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if isinstance(stmt, _DEFINITIONS):
                 continue
-            found(stmt)
+            self.found(stmt)
             if isinstance(stmt, ast.If):
-                if walk(stmt.body) or walk(stmt.orelse):
+                if self.walk(stmt.body) or self.walk(stmt.orelse):
                     return True
             elif isinstance(stmt, (ast.With, ast.Try)):
-                if walk(stmt.body):
+                if self.walk(stmt.body):
                     return True
-            elif not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                _bind(stmt, derived, axes, me)
+            else:
+                _bind(stmt, self.derived, self.axes, self.me)
         return False
 
-    def rest(body: list[ast.stmt]) -> None:
+    def rest(self, body: list[ast.stmt]) -> None:
         """Follow the statements of ``body`` after the loop (those holding it: into them)."""
         for stmt in body:
             end = stmt.end_lineno or stmt.lineno
-            if end <= loop_end[0] or isinstance(
-                    stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if end <= self.loop_end or isinstance(stmt, _DEFINITIONS):
                 continue
-            if stmt.lineno > loop_end[0] and isinstance(stmt, (ast.If, ast.While)):
-                found(stmt)
+            if stmt.lineno > self.loop_end and isinstance(stmt, (ast.If, ast.While)):
+                self.found(stmt)
             blocks = [getattr(stmt, k, None) for k in ("body", "orelse", "finalbody")] + \
                 [h.body for h in getattr(stmt, "handlers", [])]
             if isinstance(stmt, (ast.If, ast.While, ast.For, ast.With, ast.Try)):
                 for block in blocks:
                     if block:
-                        rest(block)
+                        self.rest(block)
                 continue
-            found(stmt)
-            _bind(stmt, derived, axes, me)
+            self.found(stmt)
+            _bind(stmt, self.derived, self.axes, self.me)
 
-    walk(fn.body)
-    if after:
-        rest(fn.body)
+
+#: statements that define rather than run: their bodies are not the function's steps
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def _helper_calls(file: str, fn: ast.FunctionDef, stmt: ast.stmt, derived: set[str], axes,
