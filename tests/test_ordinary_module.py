@@ -8,6 +8,7 @@ copy; the language model is converted once per module.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 
@@ -127,6 +128,34 @@ def test_torch_compile_fullgraph_runs_the_converted_layer(make):
             (g_eager,) = torch.autograd.grad(conv(x).square().sum(), x)
             assert rel_rms_error(g_compiled, g_eager) <= FP32
         torch._dynamo.reset()
+
+
+def test_a_compiler_traces_the_block_ops_plain_batched_products(monkeypatch):
+    """Under a compiler the block op's increments and reads are traced as plain batched
+    products, which it fuses and plans itself; eagerly they run as the per-head ``out=``
+    Functions. Outputs and gradients agree either way."""
+    ran = []
+    for function in (ttt2la.runtime.block.ChunkIncrements, ttt2la.runtime.block.ReadStates):
+        monkeypatch.setattr(function, "apply", functools.partial(
+            lambda apply, name, *args: ran.append(name) or apply(*args),
+            function.apply, function.__name__))
+    torch.manual_seed(0)
+    layer = LaCTFoldedLayer(16, 2, 4, muon=True, update_theta=False, weight_norm=False)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 16),))
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    ran.clear()
+    eager = conv(x)
+    (g_eager,) = torch.autograd.grad(eager.square().sum(), x)
+    assert sorted(set(ran)) == ["ChunkIncrements", "ReadStates"]
+    ran.clear()
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")(x)
+        (g_compiled,) = torch.autograd.grad(compiled.square().sum(), x)
+        torch._dynamo.reset()
+    assert ran == []
+    assert rel_rms_error(compiled, eager) <= FP32
+    assert rel_rms_error(g_compiled, g_eager) <= FP32
 
 
 class _EightsBranch(ScanEtaTTTLayer):
