@@ -1394,9 +1394,15 @@ MUTATIONS = [
     Mutation(
         "exported_block_op_writes_out", "torch.export traces the block op's increments with their out= writes, which the exported program cannot run on weights that require grad",
         (("ttt2la/runtime/block.py",
-          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if torch.compiler.is_exporting()",
+          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if _traced()",
           "G = plain_increments(phi_k.to(dt), u, n - shift, C) if False"),),
         ("tests/test_ordinary_module.py",), "torch_export"),
+    Mutation(
+        "compiled_block_op_writes_out", "torch.compile traces the block op's increments and reads as the per-head out= Functions, which trace into copies, instead of plain batched products it fuses",
+        (("ttt2la/runtime/block.py",
+          "    return torch.compiler.is_compiling()\n",
+          "    return torch.compiler.is_exporting()\n"),),
+        ("tests/test_ordinary_module.py",), "plain_batched"),
     Mutation(
         "export_of_forward_mode_unrefused", "a plan that takes forward-mode derivatives is traced by torch.export, whose fake tensors fail on it: the refusal no longer names the reason",
         (("ttt2la/converted.py",

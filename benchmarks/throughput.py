@@ -47,6 +47,12 @@ as the case is timed, ``throughput.md`` is rewritten after every case, ``--profi
     python benchmarks/throughput.py --size quick     # small sizes, a few minutes
     python benchmarks/throughput.py --backward       # forward + backward instead of forward only
     python benchmarks/throughput.py --keep-freed-memory   # glibc keeping freed memory (allocator.py)
+    python benchmarks/throughput.py --compile-whole  # also each layer under torch.compile, whole
+
+``--compile-whole`` adds, to LaCT cases of at most ``COMPILED_CHUNKS`` chunks, the original and
+the level-2 conversion each compiled whole (``torch.compile(layer)``), and the target that the
+level-2 layer, as converted and run eagerly, is at least as fast as the original compiled whole:
+the question of a user whose code is compiled anyway.
 """
 from __future__ import annotations
 
@@ -107,6 +113,7 @@ class Setup:
     peak_sizes: tuple[int, ...] = ()   # the square GEMMs it was the best of, re-timed per case
     allocator: str = DEFAULT_ALLOCATOR   # ``--keep-freed-memory`` changes it
     half_gemms: str = "auto"            # bf16 Newton–Schulz products on CPU (``--half-gemms``)
+    compile_whole: bool = False         # rows of the layers under torch.compile, whole
 
     @property
     def d_model(self) -> int:
@@ -431,6 +438,8 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
         "variant 2 hand-written": Candidate(hand, "hand-written loop", flops[False],
                                             "variant 2 as written"),
     }
+    if setup.compile_whole:
+        candidates |= compiled_whole(candidates, chunks)
     refs = {name: (twin, x.to(torch.float64)) for name, twin in twins.items()}
     rows, timings = measure_case(case, candidates, x, setup, progress, refs,
                                  alone=tuple(f"level {lv} converted" for lv in setup.levels))
@@ -446,9 +455,36 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
                                   "original (level 0)"))
         targets.append(Target(case, "level 2 useful FLOP/s ≥ 70% of the GEMM peak",
                               "level 2 converted", 70.0))
+    if not isinstance(candidates.get(COMPILED_ORIGINAL, Candidate("", "")).model, str):
+        targets.append(Target(case, "level 2 ≥ 1.0× the original compiled whole",
+                              "level 2 converted", 1.0, COMPILED_ORIGINAL))
     targets = [t for t in targets if t.row in candidates]
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     return rows, evaluate(targets, rows, timings, setup), models, x
+
+
+#: The rows ``--compile-whole`` adds: the original and the level-2 conversion compiled whole.
+COMPILED_ORIGINAL = "original, compiled whole"
+COMPILED_LEVEL_2 = "level 2 converted, compiled whole"
+
+
+def compiled_whole(candidates: dict[str, Candidate], chunks: int) -> dict[str, Candidate]:
+    """The original and the level-2 conversion under ``torch.compile`` of the whole layer (the
+    first call, untimed, compiles them); not built for cases of more than ``COMPILED_CHUNKS``
+    chunks, whose unrolled loop takes many minutes to compile."""
+    original, level2 = candidates["original (level 0)"], candidates.get("level 2 converted")
+    if chunks > COMPILED_CHUNKS:
+        why = f"not built: {chunks} chunks, over {COMPILED_CHUNKS}, take minutes to compile"
+        return {COMPILED_ORIGINAL: Candidate(why, "skipped"),
+                COMPILED_LEVEL_2: Candidate(why, "skipped")}
+    out = {COMPILED_ORIGINAL: Candidate(torch.compile(original.model),
+                                        "torch.compile(layer as written)",
+                                        original.flops_per_token)}
+    if level2 is not None and not isinstance(level2.model, str):
+        out[COMPILED_LEVEL_2] = Candidate(torch.compile(level2.model),
+                                          "torch.compile(level-2 converted layer)",
+                                          level2.flops_per_token, level2.reference)
+    return out
 
 
 def per_token_case(setup: Setup, length: int, target: float, progress):
@@ -691,11 +727,15 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
     p.add_argument("--half-gemms", choices=("auto", "native", "fp32"), default="auto",
                    help="bf16 Newton-Schulz products on CPU: as this CPU's units decide (auto), "
                         "native bf16 GEMMs, or fp32 GEMMs of the bf16 operands; every row")
+    p.add_argument("--compile-whole", action="store_true",
+                   help="also time the original and the level-2 conversion each under "
+                        "torch.compile of the whole layer (LaCT cases of at most "
+                        f"{COMPILED_CHUNKS} chunks; compiling takes a minute or so per layer)")
     p.add_argument("--results", metavar="DIR",
                    help="results directory (default benchmarks/results/throughput-<size>-<time>)")
     args = p.parse_args(argv)
     setup = Setup(device=args.device, dtype=args.dtype, backward=args.backward, size=args.size,
-                  levels=tuple(args.levels))
+                  levels=tuple(args.levels), compile_whole=args.compile_whole)
     for key, value in SIZES[args.size].items():
         setattr(setup, key, value)
     for name in ("batch", "heads", "head_dim", "rounds", "max_seconds"):

@@ -138,15 +138,32 @@ def test_cases_with_many_chunks_time_the_published_operator_eagerly(throughput, 
     out = tmp_path / "results"
     chunks = throughput.COMPILED_CHUNKS + 1
     assert throughput.main(["--size", "smoke", "--muon", "off", "--levels", "2",
-                            "--lact", f"2x{2 * chunks}", "--per-token-lengths",
+                            "--lact", f"2x{2 * chunks}", "--per-token-lengths", "--compile-whole",
                             "--rounds", "1", "--threads", str(torch.get_num_threads()),
                             "--results", str(out)]) == 0
-    rows = {r["model"]: r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())
-            if r.get("kind") == "Row"}
+    lines = list(map(json.loads, (out / "rows.jsonl").read_text().splitlines()))
+    rows = {r["model"]: r for r in lines if r.get("kind") == "Row"}
     for name in ("original (level 0)", "variant 1 as written", "variant 2 as written"):
         assert rows[name]["plan"] == f"as written, run eagerly ({chunks} chunks, not compiled)"
         assert rows[name]["tokens_per_s"] > 0
     assert rows["level 2 converted"]["error"] <= rows["level 2 converted"]["bound"]
+    # nor are they compiled whole: those rows say why, and no target compares with them
+    for name in (throughput.COMPILED_ORIGINAL, throughput.COMPILED_LEVEL_2):
+        assert rows[name]["tokens_per_s"] is None
+        assert f"{chunks} chunks, over {throughput.COMPILED_CHUNKS}" in rows[name]["not_timed"]
+    assert not [t for t in lines if t.get("kind") == "Target" and "compiled" in t["what"]]
+
+
+def test_compiled_whole_rows_compile_the_layers_timed_eagerly(throughput):
+    """``--compile-whole`` compiles the very modules of the eager rows, and keeps each row's
+    FLOPs and reference."""
+    original, converted = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    candidates = {"original (level 0)": throughput.Candidate(original, "as written", 3.0),
+                  "level 2 converted": throughput.Candidate(converted, "", 2.0, "variant 2")}
+    rows = throughput.compiled_whole(candidates, throughput.COMPILED_CHUNKS)
+    compiled = rows[throughput.COMPILED_ORIGINAL], rows[throughput.COMPILED_LEVEL_2]
+    assert [c.model._orig_mod for c in compiled] == [original, converted]
+    assert [(c.flops_per_token, c.reference) for c in compiled] == [(3.0, None), (2.0, "variant 2")]
 
 
 def test_per_token_layers_alone_with_the_half_gemms_forced(throughput, tmp_path):
