@@ -51,8 +51,8 @@ as the case is timed, ``throughput.md`` is rewritten after every case, ``--profi
 
 ``--compile-whole`` adds, to LaCT cases of at most ``COMPILED_CHUNKS`` chunks, the original and
 the level-2 conversion each compiled whole (``torch.compile(layer)``), and the target that the
-level-2 layer, as converted and run eagerly, is at least as fast as the original compiled whole:
-the question of a user whose code is compiled anyway.
+compiled level-2 layer is at least as fast as the compiled original: the question of a user
+whose model is compiled anyway.
 """
 from __future__ import annotations
 
@@ -455,9 +455,10 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
                                   "original (level 0)"))
         targets.append(Target(case, "level 2 useful FLOP/s ≥ 70% of the GEMM peak",
                               "level 2 converted", 70.0))
-    if not isinstance(candidates.get(COMPILED_ORIGINAL, Candidate("", "")).model, str):
-        targets.append(Target(case, "level 2 ≥ 1.0× the original compiled whole",
-                              "level 2 converted", 1.0, COMPILED_ORIGINAL))
+    if all(not isinstance(candidates.get(n, Candidate("", "")).model, str)
+           for n in (COMPILED_ORIGINAL, COMPILED_LEVEL_2)):
+        targets.append(Target(case, "level 2 compiled ≥ 1.0× the original compiled, both whole",
+                              COMPILED_LEVEL_2, 1.0, COMPILED_ORIGINAL))
     targets = [t for t in targets if t.row in candidates]
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     return rows, evaluate(targets, rows, timings, setup), models, x
