@@ -2326,6 +2326,15 @@ MUTATIONS = [
         "operand, so text of a constant becomes a use of the length",
         (("ttt2la/frontend/size_operands.py", "not isinstance(o, ast.JoinedStr)", "True"),),
         ("tests/test_size_spellings.py",), "text"),
+    Mutation(
+        "bench_compiled_rows_eager", "`bench --compile` times the eager models again under the compiled rows' names",
+        (("ttt2la/cli.py", "        out[row] = compiled\n", "        out[row] = model\n"),),
+        ("tests/test_cli.py",), "compiled_rows"),
+    Mutation(
+        "bench_compiler_failure_escapes", "a backend that fails on a model in `bench --compile` ends the run with its raw error instead of a row saying why",
+        (("ttt2la/cli.py", "        except Exception as e:  # noqa: BLE001 - any compiler failure: the row says why",
+          "        except ImportError as e:  # noqa: BLE001 - any compiler failure: the row says why"),),
+        ("tests/test_cli.py",), "compiled_rows"),
 ]
 
 

@@ -209,6 +209,28 @@ def test_bench_times_a_reference_recurrence_on_the_token_causal_op(name, capsys)
     assert float(row.split("│")[-2]) <= 1e-5, row
 
 
+def test_bench_compiled_rows_beside_the_eager_ones(capsys):
+    """``bench --compile BACKEND`` times the original and each conversion compiled too, as rows
+    of their own naming the plan and the compiler; a backend that fails says so in its rows,
+    and the eager rows are timed all the same."""
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
+                     "--repeats", "3", "--max-seconds", "1", "--compile", "aot_eager"]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+        assert "as written, under torch.compile" in rows["original, compiled"], out
+        compiled = rows["level 0, compiled"]
+        assert "chunk_linear_attention" in compiled and "under torch.compile" in compiled, out
+        assert float(compiled.split("│")[-2]) <= 1e-5, compiled
+        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
+                     "--repeats", "3", "--max-seconds", "1", "--compile", "no_such_backend"]) == 0
+        out = capsys.readouterr().out
+        torch._dynamo.reset()
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    assert "not compiled: " in rows["original, compiled"] and "level 0" in rows, out
+
+
 @pytest.mark.parametrize("name", ["lact-lm", "lact-layer", "lact-variant2"])
 def test_zoo_lact_models_run_on_their_inputs(name):
     model = build_zoo_model(name)

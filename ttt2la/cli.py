@@ -234,11 +234,17 @@ def _op_name(plan: str) -> str:
 
 def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Module],
                      inputs: tuple, *, repeats: int, max_seconds: float = 60.0,
-                     progress: Progress | None = None) -> Table:
+                     progress: Progress | None = None, compiled: str | None = None) -> Table:
     """Compare the original model with its converted forms side by side: tokens/s (median and
-    spread of interleaved rounds), paired speed-up, the plan that ran and the output drift."""
+    spread of interleaved rounds), paired speed-up, the plan that ran and the output drift.
+    ``compiled`` (a ``torch.compile`` backend): each model also runs compiled, as a row of its
+    own beside it."""
     from .testing import rel_rms_error
 
+    failed: dict[str, str] = {}
+    if compiled is not None:
+        converted = {**converted, **_compiled_models({"original": original, **converted},
+                                                      inputs, compiled, failed)}
     models = {"original": original, **converted}
     tokens = inputs[0].shape[0] * inputs[0].shape[1]
     # warm-up long enough for any race against the code as written to be decided (as_written)
@@ -264,9 +270,42 @@ def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Mo
     table.add_row("original", "as written", f"{base.rate:,.0f}", base.spread(), "1.00x", "")
     for name, model in converted.items():
         t = timings[name]
-        table.add_row(name, ran_plans(model, inputs[0].shape[0]), f"{t.rate:,.0f}", t.spread(),
-                      str(t.speedup_over(base)), f"{drift[name]:.2e}")
+        table.add_row(name, _plan_that_ran(name, model, inputs[0].shape[0]), f"{t.rate:,.0f}",
+                      t.spread(), str(t.speedup_over(base)), f"{drift[name]:.2e}")
+    for name, why in failed.items():
+        table.add_row(name, f"not compiled: {why}", "", "", "", "")
     return table
+
+
+#: How ``throughput_table`` names a model's compiled row.
+COMPILED = "{name}, compiled"
+
+
+def _compiled_models(models: dict[str, torch.nn.Module], inputs: tuple, backend: str,
+                     failed: dict[str, str]) -> dict[str, torch.nn.Module]:
+    """Each model under ``torch.compile(backend=backend)``, compiled by one first call; a model
+    the compiler fails on is left out, its reason in ``failed`` (a machine without a C++
+    compiler, a backend that does not exist)."""
+    out = {}
+    for name, model in models.items():
+        row = COMPILED.format(name=name)
+        try:
+            compiled = torch.compile(model, backend=backend)
+            run_module(compiled, inputs)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the row says why
+            failed[row] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            continue
+        out[row] = compiled
+    return out
+
+
+def _plan_that_ran(name: str, model: torch.nn.Module, batch: int) -> str:
+    """``ran_plans`` of a row's model; a compiled row names its backend too."""
+    inner = getattr(model, "_orig_mod", None)
+    if inner is None:
+        return ran_plans(model, batch)
+    plans = "as written" if name == COMPILED.format(name="original") else ran_plans(inner, batch)
+    return f"{plans}, under torch.compile"
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -405,8 +444,8 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
                                    inputs, args.backend, err)
     with _progress(err) as progress:
         table = throughput_table(model, converted, inputs, repeats=args.repeats,
-                                 max_seconds=args.max_seconds,
-                                 progress=progress)
+                                 max_seconds=args.max_seconds, progress=progress,
+                                 compiled=args.compile)
     out.print(table)
     return 0
 
@@ -694,6 +733,9 @@ def _add_model_commands(add) -> None:
                    help="at most this many timed rounds, each running every model once (15)")
     p.add_argument("--max-seconds", type=_seconds, default=30.0,
                    help="stop timing after this many seconds, once 3 rounds are done (30)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time the original and each conversion under torch.compile, as rows "
+                        "of their own (backend: inductor unless named; the first call compiles)")
     _conversion_options(p, strict=False)
 
     p = add("sweep", cmd_sweep, "convert a model at every level 0-6 and tabulate exactness, "
