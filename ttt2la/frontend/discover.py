@@ -258,25 +258,24 @@ def _without_loop(model: torch.nn.Module, captured: dict) -> list[LoopCandidate]
 def _discover_once(model, example_inputs, example_kwargs):
     """One eager forward: the loop candidates and every submodule's captured inputs."""
     paths = {m: p for p, m in model.named_modules()}
-    stack: list[str] = []
-    sink = _LoopSink(paths, sequence_length(example_inputs))
-    with _captured_inputs(paths, stack) as captured:
-        sink.captured = captured
-        with torch.no_grad(), _no_compile(), \
-                _Recorder(stack, sink, sink.chunks, sink.pieces, sink.length):
-            model(*example_inputs, **(example_kwargs or {}))
+    hooks = _CapturedInputs(paths)
+    sink = _LoopSink(paths, hooks.captured, sequence_length(example_inputs))
+    with hooks, torch.no_grad(), _no_compile(), \
+            _Recorder(hooks.stack, sink, sink.chunks, sink.pieces, sink.length):
+        model(*example_inputs, **(example_kwargs or {}))
     sink.add_cuts()
-    return _busiest_loops(sink.found, sink.together), captured
+    return _busiest_loops(sink.found, sink.together), hooks.captured
 
 
-class _captured_inputs:
-    """Forward hooks on every module of ``paths`` for the call they wrap: each module's first
-    inputs (``path -> (args, kwargs)``, what the context gives) and, in ``stack``, the paths
-    of the modules running, innermost last."""
+class _CapturedInputs:
+    """Forward hooks on every module of ``paths`` while the context lasts: each module's first
+    inputs (``captured``: ``path -> (args, kwargs)``) and the paths of the modules running
+    (``stack``, innermost last)."""
 
-    def __init__(self, paths: dict, stack: list[str]):
-        self.paths, self.stack = paths, stack
+    def __init__(self, paths: dict):
+        self.paths = paths
         self.captured: dict[str, tuple] = {}
+        self.stack: list[str] = []
         self.hooks: list = []
 
     def _pre(self, mod, args, kwargs):
@@ -287,11 +286,11 @@ class _captured_inputs:
     def _post(self, mod, args, kwargs, out):
         self.stack.pop()
 
-    def __enter__(self) -> dict[str, tuple]:
+    def __enter__(self) -> "_CapturedInputs":
         for m in self.paths:
             self.hooks.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.hooks.append(m.register_forward_hook(self._post, with_kwargs=True))
-        return self.captured
+        return self
 
     def __exit__(self, *exc) -> None:
         for h in self.hooks:
@@ -303,11 +302,10 @@ class _LoopSink:
     that module's forward (or the helpers it calls) the call ran inside become candidates,
     counting the call and the chunk slices it takes."""
 
-    def __init__(self, paths: dict, length: int | None):
+    def __init__(self, paths: dict, captured: dict[str, tuple], length: int | None):
         self.forward_sites = {p: _forward_site(m) for m, p in paths.items()}
         self.by_path = {p: m for m, p in paths.items()}
-        self.length = length
-        self.captured: dict[str, tuple] = {}
+        self.captured, self.length = captured, length
         self.found: dict[tuple[str, LoopSite], LoopCandidate] = {}
         self.chunks, self.pieces = ChunkAxes(), CutPieces()
         self.cuts: dict[tuple[str, LoopSite], list] = defaultdict(list)  # split/unbind in headers
