@@ -26,7 +26,7 @@ from rich.table import Table
 from .as_written import CALLS_TO_DECIDE
 from .checkpoint.errors import CheckpointError
 from .drift import run_module
-from .errors import ConversionError
+from .errors import ConversionError, first_line
 from .report import ConversionReport, InspectionReport, load_report
 from .timing import Timing, time_side_by_side
 from .validation import InvalidInputError
@@ -293,7 +293,7 @@ def _compiled_models(models: dict[str, torch.nn.Module], inputs: tuple, backend:
             compiled = torch.compile(model, backend=backend)
             run_module(compiled, inputs)
         except Exception as e:  # noqa: BLE001 - any compiler failure: the row says why
-            failed[row] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            failed[row] = f"{type(e).__name__}: {first_line(e)[:160]}"
             continue
         out[row] = compiled
     return out

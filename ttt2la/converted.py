@@ -38,7 +38,7 @@ from .layout_guard import LayoutGuard
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
                      PartialChunkError, StreamingError, UnsupportedExportError,
-                     UnsupportedShapeError, UnsupportedTTTError)
+                     UnsupportedShapeError, UnsupportedTTTError, first_line)
 from .ir import (LOOP_MODULE, ShapeTemplate, SizeReader, TTTProgram, bind_loop_args,
                  params_and_buffers, with_memory_order)
 from .locality import streaming_problem
@@ -588,8 +588,8 @@ class ConvertedState:
         """A call an exact conversion's loop fails on: the code as written decides. Where it
         fails too, its own error is raised, naming its line; where it runs, its output is the
         answer (the function is the same), with a warning and the report's runs saying so."""
-        first = (str(error).strip().splitlines() or [""])[0]
-        why = f"the converted loop failed on this call ({type(error).__name__}: {first})"
+        why = (f"the converted loop failed on this call "
+               f"({type(error).__name__}: {first_line(error)})")
         return self._ran_as_written(why, self._as_written(written, why), B, L, "the loop failed")
 
     def _ran_as_written(self, why: str, out, B: int, L: int, case: str):
@@ -1049,7 +1049,7 @@ def rebuild(cls: type, attributes: dict, recipe: Recipe, runs: dict, fallbacks: 
         raise UnsupportedTTTError(
             f"the converted {cls.__name__}{f' at {recipe.path}' if recipe.path else ''} was "
             f"unpickled, and converting it again from its record failed ({type(e).__name__}: "
-            f"{(str(e).strip().splitlines() or [''])[0][:300]}). Save its weights instead "
+            f"{first_line(e)[:300]}). Save its weights instead "
             "(state_dict, or ttt2la.save) and load them into a conversion of the original model."
         ) from e
     state.runs, state.fallbacks = runs, fallbacks        # shared with the pickled report
@@ -1275,7 +1275,7 @@ def _eagerly_instead(state: ConvertedState, error: Exception, inputs: list, B: i
     from torch._dynamo.exc import unimplemented
     _, at, _ = failed_where(failing_node(state.outer_for(B, L), inputs),
                             str(state.program.loop_src), state.implementation)
-    first = (str(error).strip().splitlines() or [""])[0]
+    first = first_line(error)
     unimplemented(
         gb_type="ttt2la: a converted layer's plan fails on this call",
         context=f"{state._where()}, batch {state._batch(B)}, length {L}",

@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (empty where it has none): another library's error,
+    quoted inside one of ours, may run for many lines."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 class ConversionError(Exception):
     """Base class: a model could not be analysed or converted as asked."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import UnsupportedTTTError
+from .errors import UnsupportedTTTError, first_line
 
 
 class OwnBackwardFails(Exception):
@@ -24,7 +24,7 @@ class OwnBackwardFails(Exception):
 
 def own_backward_failure(error: BaseException) -> OwnBackwardFails:
     """``error``, raised by the layer's own backward, as the reason gradients were not checked."""
-    first = (str(error).strip().splitlines() or [""])[0]
+    first = first_line(error)
     if len(first) > 160:
         first = first[:157] + "..."
     return OwnBackwardFails(f"{type(error).__name__}: {first}")

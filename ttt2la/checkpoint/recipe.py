@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import first_line
 from .errors import CheckpointError, ManifestError, read_json
 
 #: Auto classes tried, in order, for a Hugging Face directory whose ``auto_map`` or registered
@@ -213,8 +214,7 @@ def build_hf(directory: Path, trust_remote_code: bool = False,
 
 def _first_line(e: BaseException) -> str:
     """The first line of an error's message (a remote or user module's error may run long)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "(no message)"
+    return first_line(e) or "(no message)"
 
 
 def is_hf_directory(path: Path) -> bool:

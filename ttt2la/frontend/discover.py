@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..ir import SourceLoc
-from ..errors import ConversionError, UnsupportedTTTError
+from ..errors import ConversionError, UnsupportedTTTError, first_line
 from .capture import _is_user_file, _no_compile, user_frame
 from .cut_pieces import CutPieces
 from .loops import LoopSite, _loops_in_file
@@ -223,7 +223,7 @@ def discover(model: torch.nn.Module, example_inputs: tuple,
         raise UnsupportedTTTError(
             f"{type(model).__name__} failed on the example inputs"
             f"{f' at {where}' if where else ''} ({type(e).__name__}: "
-            f"{(str(e).strip().splitlines() or [''])[0]}). ttt2la runs the model once on "
+            f"{first_line(e)}). ttt2la runs the model once on "
             "example_inputs, without gradients, to find its loops: pass inputs the model "
             "accepts (a tuple of positional arguments, example_kwargs for keyword ones), and "
             "wrap code that takes gradients inside forward in torch.enable_grad().") from e

@@ -27,7 +27,8 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from ..as_found import traced_as_found
-from ..errors import ConversionError, SideEffectError, UnsupportedShapeError, UnsupportedTTTError
+from ..errors import (ConversionError, SideEffectError, UnsupportedShapeError, UnsupportedTTTError,
+                      first_line)
 from ..ir import TTTProgram, params_and_buffers
 from ..filled_caches import settle_start
 from ..side_effects import assignment_site, refusal as side_effect_refusal
@@ -779,8 +780,8 @@ def refuse_chunk_from_length(cand: LoopCandidate, rolled: dict[int, RolledLoop])
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    """The error's class and the first line of its message."""
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
