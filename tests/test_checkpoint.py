@@ -101,6 +101,22 @@ def test_load_into_a_given_model(lm_checkpoints):
     assert not hasattr(fresh, "ttt2la_report")      # the given model is left as it was
 
 
+def test_load_compiles_the_plans_when_asked(lm_checkpoints):
+    """``load(compile=...)`` passes convert's choice on: the loaded layers' plans run under the
+    compiler and compute what the saved model computes; a bad value is refused first."""
+    _model, out = lm_checkpoints
+    converted, directory, _loaded = out[1]
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        loaded = ttt2la.load(directory, compile="aot_eager")
+        assert_same_outputs(converted, loaded, [token_ids(1, 40, seed=4)])
+        torch._dynamo.reset()
+    runs = [v for layer in loaded.ttt2la_report.layers for v in layer.runs.values()]
+    assert runs and all(v.endswith("under torch.compile (aot_eager)") for v in runs)
+    with pytest.raises(ttt2la.InvalidInputError, match="names no torch.compile backend"):
+        ttt2la.load(directory, compile="no-such-backend")
+
+
 def test_save_refuses_an_existing_path_unless_forced(lm_checkpoints, tmp_path):
     _model, out = lm_checkpoints
     converted, directory, _ = out[1]

@@ -16,7 +16,7 @@ from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)
 from .conversion import convert, inspect
-from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
+from .errors import (AlreadyConvertedError, ChangedAttributeError, CompileError, ConversionError,
                      LaggedStateError, LevelNotImplementedError, NonReducibleError,
                      PartialChunkError,
                      PlanFallbackError, RejectedCallError, SideEffectError, StreamingError,
@@ -35,4 +35,4 @@ __all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInpu
            "ChangedAttributeError", "SideEffectError", "LaggedStateError",
            "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
-           "AlreadyConvertedError", "RejectedCallError", "UnsupportedExportError", "race_as_written", "__version__"]
+           "AlreadyConvertedError", "CompileError", "RejectedCallError", "UnsupportedExportError", "race_as_written", "__version__"]

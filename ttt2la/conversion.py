@@ -30,6 +30,7 @@ from .analysis.op_vocabulary import fill_value
 from .as_written import AsWritten
 from .calibration import LoopCalibration, layer_inputs
 from .call_variation import call_variation
+from .compiled_plan import compile_plan, compiler_backend
 from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
 from .frontend.discover import discover
@@ -589,7 +590,8 @@ def _loss_drifts(pristine, layers: list[_Layer], inputs: tuple, drifts: list[dic
 
 def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibration=None,
             backend: str = "auto", strict: bool = True, inplace: bool = False,
-            example_kwargs: dict | None = None, folds: dict | None = None) -> torch.nn.Module:
+            example_kwargs: dict | None = None, folds: dict | None = None,
+            compile: bool | str | None = None) -> torch.nn.Module:
     """Rewrite every TTT loop of ``model`` by the paper's steps 1..``level`` and lower it.
 
     Returns a new module holding its own copy of the parameters under the original names (or
@@ -599,7 +601,9 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     ``calibration`` (model inputs, like ``example_inputs``) is what lossy steps fold from and
     measure their drift on, and the example too when ``example_inputs`` is not given; ``folds``
     (``{layer path: {pass name: constants}}``, as a previous report recorded them) replays
-    folds without calibration data.
+    folds without calibration data. ``compile`` (``True`` or a ``torch.compile`` backend name)
+    runs each converted layer's plan under ``torch.compile``, checked on the example inputs
+    (``compiled_plan``); off by default, since a CPU compiler pays only on long chunks.
     """
     require_unconverted(model)
     if example_inputs is None and calibration is not None:
@@ -610,11 +614,12 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     check_flag(inplace, "inplace")
     check_folds_form(folds)
     check_level(level)                      # a level whose steps are not all implemented
+    compiler = compiler_backend(compile)
     pristine = copy_of(model) if inplace else model
     target = model if inplace else copy_of(model)
     with as_found(target, pristine), _eagerly():    # modes, buffers and generators restored
         return _convert(pristine, target, level, example_inputs, calibration, backend, strict,
-                        example_kwargs, folds)
+                        example_kwargs, folds, compiler)
 
 
 def _eagerly():
@@ -627,7 +632,7 @@ def _eagerly():
 
 
 def _convert(pristine, target, level, example_inputs, calibration, backend, strict,
-             example_kwargs, folds) -> torch.nn.Module:
+             example_kwargs, folds, compiler=None) -> torch.nn.Module:
     """``convert`` on ``target`` in evaluation mode (``training_mode``)."""
     check_runs(target, example_inputs, example_kwargs)
     layers, inputs, notes = recognize(target, example_inputs, example_kwargs=example_kwargs)
@@ -657,6 +662,12 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
         loss = _loss_drifts(pristine, built, cal_inputs, drifts)
         if loss is not None:
             loss["inputs"] = "calibration" if calibration is not None else "example"
+    if compiler is not None:    # before the races: its check runs the compiled plan
+        for layer in built:
+            if layer.state is not None:
+                args, kwargs = _layer_inputs(layer.rl)
+                layer.notes.append(compile_plan(layer.rl.candidate.module, layer.state, args,
+                                                kwargs, compiler))
     layer_reports = [_finished_report(layer, check, d) for (layer, check), d in zip(reports, drifts)]
     for layer in built:     # after the checks above, which must see the plans
         if layer.state is not None and layer.exact:

@@ -58,6 +58,7 @@ from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
+from .compiled_plan import CompiledPlan, signature as compiled_signature
 from .undifferentiable import refusal, refuse_backward
 
 
@@ -186,6 +187,7 @@ class ConvertedState:
     _shape_cases: dict = field(default_factory=dict)    # input shapes -> ``_shape_case``
     input_types: InputTypes | None = None   # the example inputs' dtypes and devices
     caches: tuple = ()      # attributes the forward fills, unguarded (``filled_caches``)
+    compiled: CompiledPlan | None = None    # its plan under torch.compile (``compiled_plan``)
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no
@@ -198,7 +200,8 @@ class ConvertedState:
                                                                                memo),
             _outer_cache={}, _loop_cache={}, _recast={}, _shape_cases={},
             recipe=copy.deepcopy(self.recipe, memo),
-            as_written=None if self.as_written is None else AsWritten())
+            as_written=None if self.as_written is None else AsWritten(),
+            compiled=None if self.compiled is None else self.compiled.fresh())
 
     def for_weights(self, module: torch.nn.Module, weights: dict,
                     now: Signature | None = None) -> "ConvertedState":
@@ -374,7 +377,7 @@ class ConvertedState:
         gm = self.outer_for(B, L)
         # ``forward``, not the module call: fx's call prints the generated code of a failing
         # line to stderr, where ``rejected`` names the user's line instead
-        plan = lambda: gm.forward(weights, *flat)   # noqa: E731
+        plan = self._plan_call(module, gm, weights, flat, B)
         vouching = self.length_vouching
         if vouching is not None and not vouching.holds(B, L):
             with buffers_kept(module):      # the check's runs are not the call's
@@ -395,6 +398,34 @@ class ConvertedState:
                 refusal=e)
         except Exception as e:
             return self._plan_failed(e, module, written, weights, flat, B, L)
+
+    def _plan_call(self, module: torch.nn.Module, gm, weights: dict, flat: list, B: int
+                   ) -> Callable:
+        """The call of the plan ``gm`` on ``weights`` and ``flat``: eager, or through the layer's
+        compiled entry where ``convert(compile=)`` asked for one and it can run (not under
+        another compiler's tracing, nor past the recompile limit, nor after a failure)."""
+        eager = lambda: gm.forward(weights, *flat)     # noqa: E731
+        compiled = self.compiled
+        if compiled is None or compiled.broken or self.compile_break \
+                or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return eager
+        tensors = [*weights.values(), *flat]
+        key = compiled_signature(tensors)
+        if compiled.full(key):
+            self.fallbacks[f"batch {self._batch(B)}{self.variant}, compiled"] = (
+                f"{compiled.name} compiled the plan for as many call shapes as TorchDynamo's "
+                "recompile limit allows; calls of other shapes run it eagerly")
+            return eager
+
+        def call():
+            out = compiled(module._ttt2la_key, tensors, key, eager)
+            loop = self.loop_for(B)
+            if compiled.broken:
+                self.fallbacks[loop.shape] = compiled.broken
+            else:
+                self.runs[loop.shape] = f"{loop.plan.implementation}, under {compiled.name}"
+            return out
+        return call
 
     def _plan_failed(self, error: Exception, module: torch.nn.Module, written, weights: dict,
                      flat: list, B: int, L: int):
@@ -1029,6 +1060,7 @@ class Recipe:
     undifferentiable: str = ""      # how the layer's own backward fails (``undifferentiable``)
     example_branch: str = ""    # how the code computes another function at the example's length
     cases: tuple = ()           # lines of decisions the plan makes itself (``chunking_decisions``)
+    compiler: str | None = None     # the torch.compile backend its plan runs under, if any
 
     @classmethod
     def of(cls, rl, level: int, results, backend: str, strict: bool) -> "Recipe":
@@ -1086,6 +1118,8 @@ def _replay(module: torch.nn.Module, recipe: Recipe) -> ConvertedState:
     if recipe.partial_chunk:
         state.refuse_padding(recipe.partial_chunk)
     state.undifferentiable = recipe.undifferentiable
+    if recipe.compiler:         # checked when converted: a failure now leaves it eager, said
+        state.compiled = CompiledPlan(recipe.compiler)
     if recipe.cases:                    # found by the conversion's check, not run again
         from .chunking_decisions import drop_cases
         drop_cases(state, recipe.cases)

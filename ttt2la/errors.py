@@ -109,6 +109,12 @@ class UnsupportedExportError(ConversionError):
     export the original model instead, or run the converted layer eagerly or compiled."""
 
 
+class CompileError(ConversionError):
+    """``convert(compile=...)`` asked for a converted layer's plan under ``torch.compile``, and
+    the backend failed on it at the example inputs (on a CPU, inductor needs a C++ compiler):
+    convert without ``compile``, or with another backend."""
+
+
 class AlreadyConvertedError(ConversionError):
     """The model handed to ``convert`` or ``inspect`` is already a converted model."""
 

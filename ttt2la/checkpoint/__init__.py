@@ -207,7 +207,8 @@ def _hf_auto_class(model, cls) -> str | None:
 
 
 def load(directory, model: torch.nn.Module | None = None, *, factory=None,
-         trust_factory: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
+         trust_factory: bool = False, trust_remote_code: bool = False,
+         compile: bool | str | None = None) -> torch.nn.Module:
     """Rebuild the converted model saved in ``directory`` (by ``save`` or ``ttt2la convert
     --out``): the recorded model (or a copy of ``model``, an unconverted module of the same
     architecture, or what ``factory`` — ``"pkg.module:function"`` or a callable — builds with
@@ -219,14 +220,16 @@ def load(directory, model: torch.nn.Module | None = None, *, factory=None,
     directory's own code runs only with ``trust_remote_code=True``). Raises a
     ``CheckpointError`` naming the file for a missing file, an unknown manifest version, weights
     whose hash or shapes do not match the manifest, a factory not trusted, or a replay that
-    differs.
+    differs. ``compile`` is ``convert``'s: a choice for this machine, not recorded.
     """
+    from ..compiled_plan import compiler_backend
     from ..conversion import convert
     from ..validation import check_model, copy_of
 
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: {'not a directory' if directory.exists() else 'no such directory'}")
+    compiler_backend(compile)                   # refused before any file is read
     manifest = Manifest.read(directory)
     where = directory / MANIFEST_NAME
     for name in manifest.files:
@@ -261,7 +264,7 @@ def load(directory, model: torch.nn.Module | None = None, *, factory=None,
     folds = manifest.folds()
     converted = convert(model.eval(), level=manifest.level, example_inputs=args,
                         example_kwargs=kwargs, backend=manifest.backend, strict=manifest.strict,
-                        inplace=True, **({"folds": folds} if folds else {}))
+                        inplace=True, compile=compile, **({"folds": folds} if folds else {}))
     diffs = replay_differences(manifest.report, converted.ttt2la_report.to_dict())
     if diffs:
         raise ManifestError(f"{where}: the replayed conversion differs from the recorded one "
