@@ -48,11 +48,14 @@ as the case is timed, ``throughput.md`` is rewritten after every case, ``--profi
     python benchmarks/throughput.py --backward       # forward + backward instead of forward only
     python benchmarks/throughput.py --keep-freed-memory   # glibc keeping freed memory (allocator.py)
     python benchmarks/throughput.py --compile-whole  # also each layer under torch.compile, whole
+    python benchmarks/throughput.py --compile-plan   # also convert(..., compile=True) rows
 
 ``--compile-whole`` adds, to LaCT cases of at most ``COMPILED_CHUNKS`` chunks, the original and
 the level-2 conversion each compiled whole (``torch.compile(layer)``), and the target that the
 compiled level-2 layer is at least as fast as the compiled original: the question of a user
-whose model is compiled anyway.
+whose model is compiled anyway. ``--compile-plan`` adds, to every case, the level-2 (per-token:
+level-0) conversion made with ``convert(..., compile=True)``, whose plan alone runs compiled, and
+the same targets as the eager conversion's, for it.
 """
 from __future__ import annotations
 
@@ -114,6 +117,7 @@ class Setup:
     allocator: str = DEFAULT_ALLOCATOR   # ``--keep-freed-memory`` changes it
     half_gemms: str = "auto"            # bf16 Newton–Schulz products on CPU (``--half-gemms``)
     compile_whole: bool = False         # rows of the layers under torch.compile, whole
+    compile_plan: bool = False          # rows of conversions made with compile=True
 
     @property
     def d_model(self) -> int:
@@ -221,11 +225,13 @@ def _with_weights_of(model: torch.nn.Module, source: torch.nn.Module) -> torch.n
 
 
 def _converted(layer, level: int, example: torch.Tensor, flops: float, reference: str,
-               progress) -> Candidate:
-    """``ttt2la.convert`` on a short example; the converted layer then runs at any length."""
+               progress, compile: bool = False) -> Candidate:
+    """``ttt2la.convert`` on a short example; the converted layer then runs at any length
+    (``compile``: its plan under ``torch.compile``, compiled at each shape's first call)."""
     start = time.perf_counter()
     try:
-        converted = ttt2la.convert(layer, level=level, example_inputs=(example,))
+        converted = ttt2la.convert(layer, level=level, example_inputs=(example,),
+                                   compile=compile)
     except ConversionError as e:
         progress(f"  level {level}: refused ({type(e).__name__})")
         return Candidate(f"{type(e).__name__}: {_first_line(e)}", "refused")
@@ -440,21 +446,17 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
     }
     if setup.compile_whole:
         candidates |= compiled_whole(candidates, chunks)
+    if setup.compile_plan:
+        candidates[COMPILED_PLAN] = _converted(original, 2, example, flops[False],
+                                               "variant 2 as written", progress, compile=True)
     refs = {name: (twin, x.to(torch.float64)) for name, twin in twins.items()}
     rows, timings = measure_case(case, candidates, x, setup, progress, refs,
                                  alone=tuple(f"level {lv} converted" for lv in setup.levels))
-    targets = [Target(case, "level 2 ≥ 1.0× variant 2 as written", "level 2 converted", 1.0,
-                      "variant 2 as written"),
-               Target(case, "level 2 ≥ 1.0× variant 2 hand-written", "level 2 converted", 1.0,
-                      "variant 2 hand-written"),
-               Target(case, "level 1 ≥ 1.0× variant 1 as written", "level 1 converted", 1.0,
-                      "variant 1 as written")]
-    if chunk == max(c for c, _ in setup.lact):      # the large-chunk case
-        if muon:
-            targets.append(Target(case, "level 2 ≥ 1.8× the original", "level 2 converted", 1.8,
-                                  "original (level 0)"))
-        targets.append(Target(case, "level 2 useful FLOP/s ≥ 70% of the GEMM peak",
-                              "level 2 converted", 70.0))
+    large = chunk == max(c for c, _ in setup.lact)      # the large-chunk case
+    targets = _level_2_targets(case, "level 2 converted", "level 2", large, muon)
+    targets.append(Target(case, "level 1 ≥ 1.0× variant 1 as written", "level 1 converted",
+                          1.0, "variant 1 as written"))
+    targets += _level_2_targets(case, COMPILED_PLAN, "level 2 with compile=True", large, muon)
     if all(not isinstance(candidates.get(n, Candidate("", "")).model, str)
            for n in (COMPILED_ORIGINAL, COMPILED_LEVEL_2)):
         targets.append(Target(case, "level 2 compiled ≥ 1.0× the original compiled, both whole",
@@ -463,6 +465,25 @@ def lact_case(setup: Setup, chunk: int, length: int, muon: bool, progress):
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
     return rows, evaluate(targets, rows, timings, setup), models, x
 
+
+def _level_2_targets(case: str, row: str, label: str, large: bool, muon: bool) -> list[Target]:
+    """The issue's targets for a level-2 row (``label`` names it): against variant 2 as written
+    and hand-written, and in the large-chunk case against the original (with Muon) and the GEMM
+    peak."""
+    targets = [Target(case, f"{label} ≥ 1.0× variant 2 as written", row, 1.0,
+                      "variant 2 as written"),
+               Target(case, f"{label} ≥ 1.0× variant 2 hand-written", row, 1.0,
+                      "variant 2 hand-written")]
+    if large and muon:
+        targets.append(Target(case, f"{label} ≥ 1.8× the original", row, 1.8,
+                              "original (level 0)"))
+    if large:
+        targets.append(Target(case, f"{label} useful FLOP/s ≥ 70% of the GEMM peak", row, 70.0))
+    return targets
+
+
+#: The row ``--compile-plan`` adds to a LaCT case: the level-2 conversion made with compile=True.
+COMPILED_PLAN = "level 2 converted, compile=True"
 
 #: The rows ``--compile-whole`` adds: the original and the level-2 conversion compiled whole.
 COMPILED_ORIGINAL = "original, compiled whole"
@@ -505,6 +526,12 @@ def per_token_case(setup: Setup, length: int, target: float, progress):
                                                      f"{name} as written", progress)
         targets.append(Target(case, f"{name}: converted ≥ {target:g}× as written",
                               f"{name} converted", target, f"{name} as written"))
+        if setup.compile_plan:
+            row = f"{name} converted, compile=True"
+            candidates[row] = _converted(layer, 0, x[:1, :16], flops, f"{name} as written",
+                                         progress, compile=True)
+            targets.append(Target(case, f"{name}: converted with compile=True ≥ {target:g}× as "
+                                  "written", row, target, f"{name} as written"))
     rows, timings = measure_case(case, candidates, x, setup, progress,
                                  alone=tuple(n for n in candidates if n.endswith("converted")))
     models = {n: c.model for n, c in candidates.items() if not isinstance(c.model, str)}
@@ -732,11 +759,15 @@ def parse_setup(argv=None) -> tuple[Setup, argparse.Namespace]:
                    help="also time the original and the level-2 conversion each under "
                         "torch.compile of the whole layer (LaCT cases of at most "
                         f"{COMPILED_CHUNKS} chunks; compiling takes a minute or so per layer)")
+    p.add_argument("--compile-plan", action="store_true",
+                   help="also time each case's level-2 (per-token: level-0) conversion made with "
+                        "convert(..., compile=True): its plan under torch.compile")
     p.add_argument("--results", metavar="DIR",
                    help="results directory (default benchmarks/results/throughput-<size>-<time>)")
     args = p.parse_args(argv)
     setup = Setup(device=args.device, dtype=args.dtype, backward=args.backward, size=args.size,
-                  levels=tuple(args.levels), compile_whole=args.compile_whole)
+                  levels=tuple(args.levels), compile_whole=args.compile_whole,
+                  compile_plan=args.compile_plan)
     for key, value in SIZES[args.size].items():
         setattr(setup, key, value)
     for name in ("batch", "heads", "head_dim", "rounds", "max_seconds"):

@@ -17,7 +17,8 @@ import torch
 
 import ttt2la
 import ttt2la.runtime.block
-from ttt2la.testing import TOLERANCE, rel_rms_error
+from ttt2la.cli import ran_plans
+from ttt2la.testing import TOLERANCE, assert_within_precision_criterion, rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, ScanEtaTTTLayer
 
 FP32 = TOLERANCE[torch.float32]
@@ -85,6 +86,8 @@ def test_the_compiled_plan_computes_the_eager_plan_outputs_and_gradients(monkeyp
     assert runs and all(v.endswith("under torch.compile (aot_eager)") for v in runs.values())
     assert any("runs under torch.compile (aot_eager)" in n for n in _notes(compiled))
     assert not any("torch.compile" in v for v in eager.ttt2la_report.layers[0].runs.values())
+    assert ran_plans(compiled, 2).endswith(", under torch.compile (aot_eager)")
+    assert "torch.compile" not in ran_plans(eager, 2)
 
 
 def test_compile_true_means_inductor_and_other_values_are_refused():
@@ -179,3 +182,24 @@ def test_a_layer_whose_plan_cannot_be_traced_runs_eagerly_and_says_why():
                                   compile="aot_eager")
     assert any("asked for torch.compile, and its plan runs eagerly: its code computes Python "
                "values of the length" in n for n in _notes(compiled))
+
+
+def test_a_plan_compiled_by_inductor_meets_the_precision_criterion_with_muon():
+    """Inductor fuses Newton–Schulz's elementwise steps, rounding differently from the eager
+    plan: the compiled conversion is judged like any fp32 one with Muon, against a float64
+    evaluation of the same function, no worse than twice the variant as written (outputs and
+    every gradient). Skipped where inductor cannot compile (no C++ compiler)."""
+    torch.manual_seed(0)
+    full = LaCTFoldedLayer(8, 2, 8, muon=True, base_lr=0.3)
+    variant = LaCTFoldedLayer(8, 2, 8, muon=True, base_lr=0.3, update_theta=False,
+                              weight_norm=False)
+    variant.load_state_dict(full.state_dict())
+    x = torch.randn(2, 29, 8)
+    with compiling():
+        try:
+            compiled = ttt2la.convert(full, level=2, example_inputs=(x,), compile=True)
+        except ttt2la.CompileError as e:
+            pytest.skip(f"inductor cannot compile here: {e}")
+        assert_within_precision_criterion(compiled, variant, x)
+    runs = compiled.ttt2la_report.layers[0].runs
+    assert runs and all(v.endswith("under torch.compile (inductor)") for v in runs.values())

@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 
 import ttt2la
 from ttt2la.passes import PendingPass, get_pass, register
-from ttt2la.testing import CRITERION_SAMPLES, TOLERANCE, no_worse_than_original, rel_rms_error
+from ttt2la.testing import (CRITERION_SAMPLES, TOLERANCE, assert_within_precision_criterion,
+                            module_outputs_and_grads, no_worse_than_original, rel_rms_error)
 from ttt2la.zoo import LaCTFoldedLayer, LaCTHeadsLayer, PerTokenTTTLayer, TinyLaCTLM
 
 FP32 = TOLERANCE[torch.float32]
@@ -55,58 +56,20 @@ def _layers(style, H, D, C, momentum, muon, level, dtype):
     return _converted[key]
 
 
-def _outputs_and_grads(module, x):
-    """The output and the gradient of a fixed random projection of it w.r.t. the input and
-    every parameter; a gradient that does not reach a tensor (None) is the zero gradient."""
-    x = x.clone().requires_grad_(True)
-    out = module(x)
-    params = [p for p in module.parameters()]
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
-                         dtype=torch.float64).to(out.dtype)
-    grads = torch.autograd.grad((out * weight).sum(), [x, *params], allow_unused=True)
-    names = ["x", *[n for n, _ in module.named_parameters()]]
-    return out, {n: torch.zeros_like(t) if g is None else g
-                 for n, g, t in zip(names, grads, [x, *params])}
-
-
 def _assert_equal(conv, ref, x):
     """Output and every gradient within the tolerance of ``x``'s dtype."""
     tol = TOLERANCE[x.dtype]
-    out_c, g_c = _outputs_and_grads(conv, x)
-    out_r, g_r = _outputs_and_grads(ref, x)
+    out_c, g_c = module_outputs_and_grads(conv, x)
+    out_r, g_r = module_outputs_and_grads(ref, x)
     assert rel_rms_error(out_c, out_r) <= tol
     assert g_c.keys() == g_r.keys()
     for name, g in g_r.items():
         assert rel_rms_error(g_c[name], g) <= tol, name
 
 
-def _assert_within_precision_criterion(conv, ref32, x):
-    """fp32 with Newton–Schulz: ``err(conv, ref64) <= 2 err(ref32, ref64) + 1e-6`` for the
-    output and every gradient, ``ref64`` the float64 copy of ``ref32`` (same weights); errors are
-    medians over ``CRITERION_SAMPLES`` inputs of ``x``'s shape (``no_worse_than_original``)."""
-    ref64 = copy.deepcopy(ref32).double()
-    gen = torch.Generator().manual_seed(int(x.shape[0] * 1000 + x.shape[1]))
-    samples = [x] + [torch.randn(x.shape, generator=gen, dtype=x.dtype)
-                     for _ in range(CRITERION_SAMPLES - 1)]
-    errors: dict[str, tuple[list, list]] = {}
-    for xs in samples:
-        out_c, g_c = _outputs_and_grads(conv, xs)
-        out_r, g_r = _outputs_and_grads(ref32, xs)
-        out_64, g_64 = _outputs_and_grads(ref64, xs.double())
-        assert g_c.keys() == g_64.keys()
-        pairs = [("output", out_c, out_r, out_64)] + [(n, g_c[n], g_r[n], g_64[n]) for n in g_64]
-        for name, got, original, exact in pairs:
-            conv_err, orig_err = errors.setdefault(name, ([], []))
-            conv_err.append(rel_rms_error(got, exact))
-            orig_err.append(rel_rms_error(original, exact))
-    for name, (conv_err, orig_err) in errors.items():
-        ok, err, bound = no_worse_than_original(conv_err, orig_err)
-        assert ok, f"{name}: median error {err:.3g} > {bound:.3g} (2x the original's + 1e-6)"
-
-
 def _check(variant, conv, x, muon):
     if muon and x.dtype == torch.float32:
-        _assert_within_precision_criterion(conv, variant, x)
+        assert_within_precision_criterion(conv, variant, x)
     else:
         _assert_equal(conv, variant, x)
 

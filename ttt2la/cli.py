@@ -208,8 +208,11 @@ def ran_plans(model: torch.nn.Module, batch: int | None = None) -> str:
             if batch is not None and size != batch:
                 continue
             plan = loop.plan
+            compiled = getattr(state, "compiled", None)
+            under = f", under {compiled.name}" if compiled is not None \
+                and size in compiled.batches else ""
             seen.append(f"{getattr(plan, 'schedule', '?')} on "
-                        f"{getattr(plan, 'implementation', '?')}")
+                        f"{getattr(plan, 'implementation', '?')}{under}")
             kept = kept or (state.as_written is not None and state.as_written.kept_at(size))
     report = getattr(model, "ttt2la_report", None)
     named = sorted({f"{layer.schedule} on {layer.runtime}"
@@ -228,8 +231,9 @@ AS_WRITTEN_FASTER = "as written without gradients (the user's loop, measured fas
 
 
 def _op_name(plan: str) -> str:
-    """``"parallel on block_linear_attention[auto]"`` -> ``"parallel on block_linear_attention"``."""
-    return plan.split("[")[0].split("(")[0].strip()
+    """``"parallel on block_linear_attention[auto]"`` -> ``"parallel on block_linear_attention"``
+    (and without the compiler that ran it, if one did)."""
+    return plan.split(", under ")[0].split("[")[0].split("(")[0].strip()
 
 
 def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Module],

@@ -52,6 +52,7 @@ class CompiledPlan:
         self.broken = ""
         self.error: Exception | None = None     # the compiler's failure, when ``broken``
         self.shapes: set = set()        # the call signatures compiled so far
+        self.batches: set[int] = set()  # the batch sizes whose plans ran compiled
         self._entries: dict[tuple[int, int], Callable] = {}
 
     def fresh(self) -> "CompiledPlan":

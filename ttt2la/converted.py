@@ -424,6 +424,7 @@ class ConvertedState:
                 self.fallbacks[loop.shape] = compiled.broken
             else:
                 self.runs[loop.shape] = f"{loop.plan.implementation}, under {compiled.name}"
+                compiled.batches.add(B)
             return out
         return call
 

@@ -1,6 +1,7 @@
 """Numerical comparison helpers shared by the test suite, the benchmarks and ``convert``'s checks."""
 from __future__ import annotations
 
+import copy
 import statistics
 
 import torch
@@ -69,6 +70,45 @@ def no_worse_than_original(converted: list[float], original: list[float], *,
     got = statistics.median(converted)
     bound = factor * statistics.median(original) + slack
     return got <= bound, got, bound
+
+
+def module_outputs_and_grads(module: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """The output and the gradient of a fixed random projection of it w.r.t. the input and
+    every parameter; a gradient that does not reach a tensor (None) is the zero gradient."""
+    x = x.clone().requires_grad_(True)
+    out = module(x)
+    params = [p for p in module.parameters()]
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                         dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad((out * weight).sum(), [x, *params], allow_unused=True)
+    names = ["x", *[n for n, _ in module.named_parameters()]]
+    return out, {n: torch.zeros_like(t) if g is None else g
+                 for n, g, t in zip(names, grads, [x, *params])}
+
+
+def assert_within_precision_criterion(conv: torch.nn.Module, ref32: torch.nn.Module,
+                                      x: torch.Tensor) -> None:
+    """fp32 with Newton–Schulz: ``err(conv, ref64) <= 2 err(ref32, ref64) + 1e-6`` for the
+    output and every gradient, ``ref64`` the float64 copy of ``ref32`` (same weights); errors are
+    medians over ``CRITERION_SAMPLES`` inputs of ``x``'s shape (``no_worse_than_original``)."""
+    ref64 = copy.deepcopy(ref32).double()
+    gen = torch.Generator().manual_seed(int(x.shape[0] * 1000 + x.shape[1]))
+    samples = [x] + [torch.randn(x.shape, generator=gen, dtype=x.dtype)
+                     for _ in range(CRITERION_SAMPLES - 1)]
+    errors: dict[str, tuple[list, list]] = {}
+    for xs in samples:
+        out_c, g_c = module_outputs_and_grads(conv, xs)
+        out_r, g_r = module_outputs_and_grads(ref32, xs)
+        out_64, g_64 = module_outputs_and_grads(ref64, xs.double())
+        assert g_c.keys() == g_64.keys()
+        pairs = [("output", out_c, out_r, out_64)] + [(n, g_c[n], g_r[n], g_64[n]) for n in g_64]
+        for name, got, original, exact in pairs:
+            conv_err, orig_err = errors.setdefault(name, ([], []))
+            conv_err.append(rel_rms_error(got, exact))
+            orig_err.append(rel_rms_error(original, exact))
+    for name, (conv_err, orig_err) in errors.items():
+        ok, err, bound = no_worse_than_original(conv_err, orig_err)
+        assert ok, f"{name}: median error {err:.3g} > {bound:.3g} (2x the original's + 1e-6)"
 
 
 class CountOps(TorchDispatchMode):
