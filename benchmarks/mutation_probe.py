@@ -2335,6 +2335,63 @@ MUTATIONS = [
         (("ttt2la/cli.py", "        except Exception as e:  # noqa: BLE001 - any compiler failure: the row says why",
           "        except ImportError as e:  # noqa: BLE001 - any compiler failure: the row says why"),),
         ("tests/test_cli.py",), "compiled_rows"),
+    Mutation(
+        "compiled_plan_unused", "convert(compile=...) records the compiler, and the layer runs its plan eagerly anyway",
+        (("ttt2la/converted.py", "        if compiled is None or compiled.broken or self.compile_break \\\n",
+          "        if True or compiled is None or compiled.broken or self.compile_break \\\n"),),
+        ("tests/test_compiled_plan.py",), "eager_plan_outputs"),
+    Mutation(
+        "compile_failure_escapes", "a compiler failing on a call of a converted layer raises its raw error instead of running the plan eagerly and saying so",
+        (("ttt2la/compiled_plan.py", "            out = eager()           # the plan's own error, where the plan fails eagerly too\n",
+          "            raise\n"),),
+        ("tests/test_compiled_plan.py",), "failing"),
+    Mutation(
+        "recompile_limit_unchecked", "past TorchDynamo's recompile limit a compiled plan is left to TorchDynamo's silent eager fallback, which the report does not mention",
+        (("ttt2la/compiled_plan.py", "        return len(self.shapes) >= torch._dynamo.config.recompile_limit\n",
+          "        return False\n"),),
+        ("tests/test_compiled_plan.py",), "recompile_limit"),
+    Mutation(
+        "compiled_plan_lost_in_copies", "a deep copy of a layer converted with compile= runs its plan eagerly",
+        (("ttt2la/converted.py", "            compiled=None if self.compiled is None else self.compiled.fresh())",
+          "            compiled=None)"),),
+        ("tests/test_compiled_plan.py",), "copies"),
+    Mutation(
+        "compiled_plan_lost_when_unpickled", "an unpickled layer converted with compile= runs its plan eagerly",
+        (("ttt2la/converted.py", "    if recipe.compiler:         # checked when converted",
+          "    if False:         # checked when converted"),),
+        ("tests/test_compiled_plan.py",), "copies"),
+    Mutation(
+        "untraceable_plan_compiled_note", "a layer whose plan cannot be traced is reported compiled, though it runs eagerly",
+        (("ttt2la/compiled_plan.py", "    if state.compile_break:\n        return (f\"compile=",
+          "    if False:\n        return (f\"compile="),),
+        ("tests/test_compiled_plan.py",), "cannot_be_traced"),
+    Mutation(
+        "compile_value_unchecked", "convert(compile=) takes a name no backend has, and fails later with the compiler's error instead of saying which names it takes",
+        (("ttt2la/compiled_plan.py", "        if value not in known:\n", "        if False:\n"),),
+        ("tests/test_compiled_plan.py",), "refused"),
+    Mutation(
+        "ran_plans_compiler_unnamed", "the plans a converted model ran do not say that a compiler ran them",
+        (("ttt2la/cli.py", "            under = f\", under {compiled.name}\" if compiled is not None \\\n",
+          "            under = \"\" if compiled is not None \\\n"),),
+        ("tests/test_compiled_plan.py",), "eager_plan_outputs"),
+    Mutation(
+        "load_compile_dropped", "ttt2la.load(compile=...) converts the loaded model eagerly",
+        (("ttt2la/checkpoint/__init__.py", "inplace=True, compile=compile, ", "inplace=True, "),),
+        ("tests/test_checkpoint.py",), "compiles"),
+    Mutation(
+        "non_tensor_inputs_compiled", "a call with a Python number among its inputs is sent through the compiled entry, whose plan call takes tensors only",
+        (("ttt2la/converted.py", "        if not all(isinstance(t, torch.Tensor) for t in flat):\n",
+          "        if False:\n"),),
+        ("tests/test_compiled_plan.py",), "values_other"),
+    Mutation(
+        "bench_compiled_plans_unbuilt", "`bench --compile-plan` converts the levels eagerly under the compiled rows' names",
+        (("ttt2la/cli.py", "backend=backend, strict=strict, compile=compile)",
+          "backend=backend, strict=strict)"),),
+        ("tests/test_cli.py",), "made_with_compile"),
+    Mutation(
+        "avx512_bf16_units_unread", "a CPU with AVX512-BF16 and no AMX forms bf16 GEMMs in fp32, at a third of the native rate",
+        (("ttt2la/runtime/newton_schulz.py", " or has(\"_is_avx512_bf16_supported\")", ""),),
+        ("tests/test_runtime_block.py",), "dot_them"),
 ]
 
 

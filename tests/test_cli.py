@@ -231,6 +231,41 @@ def test_bench_compiled_rows_beside_the_eager_ones(capsys):
     assert "not compiled: " in rows["original, compiled"] and "level 0" in rows, out
 
 
+def test_bench_rows_of_conversions_made_with_compile(capsys):
+    """``bench --compile-plan BACKEND`` times each level converted with ``compile=BACKEND`` as a
+    row of its own, whose plan names the compiler; a backend failing on the plan says so in its
+    row, and the other rows are timed all the same."""
+    from torch._dynamo import register_backend
+
+    def refusing(gm, example_inputs):
+        raise RuntimeError("this backend refuses every graph")
+    register_backend(refusing, "ttt2la_cli_refusing")
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
+                     "--repeats", "3", "--max-seconds", "1", "--compile-plan", "aot_eager"]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+        compiled = rows["level 0, compile=aot_eager"]
+        lines = out.splitlines()
+        row = lines.index(compiled)
+        wrapped = [line for line in lines[row + 1:row + 2]     # the plan's cell, wrapped
+                   if line.count("│") > 2 and not line.split("│")[1].strip()]
+        plan = " ".join(line.split("│")[2].strip() for line in [compiled, *wrapped])
+        assert "chunk_linear_attention" in plan, out
+        assert "under torch.compile (aot_eager)" in plan, out
+        assert "torch.compile" not in rows["level 0"], out
+        assert float(compiled.split("│")[-2]) <= 1e-5, compiled
+        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
+                     "--repeats", "3", "--max-seconds", "1",
+                     "--compile-plan", "ttt2la_cli_refusing"]) == 0
+        out = capsys.readouterr().out
+        torch._dynamo.reset()
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    assert "not compiled: " in rows["level 0, compile=ttt2la_cli_refusing"], out
+    assert "level 0" in rows, out
+
+
 @pytest.mark.parametrize("name", ["lact-lm", "lact-layer", "lact-variant2"])
 def test_zoo_lact_models_run_on_their_inputs(name):
     model = build_zoo_model(name)

@@ -203,3 +203,27 @@ def test_a_plan_compiled_by_inductor_meets_the_precision_criterion_with_muon():
         assert_within_precision_criterion(compiled, variant, x)
     runs = compiled.ttt2la_report.layers[0].runs
     assert runs and all(v.endswith("under torch.compile (inductor)") for v in runs.values())
+
+
+class _Scaled(LaCTFoldedLayer):
+    """A layer taking a Python number beside its tensor."""
+
+    def forward(self, x, scale: float):
+        return super().forward(x) * scale
+
+
+def test_calls_with_values_other_than_tensors_run_the_plan_eagerly_and_say_so(monkeypatch):
+    torch.manual_seed(0)
+    layer = _Scaled(16, 2, 4, update_theta=False, weight_norm=False, muon=False)
+    example = (torch.randn(1, 12, 16), 0.5)
+    eager = ttt2la.convert(layer, level=2, example_inputs=example)
+    with compiling(), torch.no_grad():
+        compiled = ttt2la.convert(layer, level=2, example_inputs=example, compile="aot_eager")
+        x = torch.randn(2, 12, 16)
+        ran = _functions_ran(monkeypatch)
+        out = compiled(x, 0.5)
+    assert ran                                  # the eager block op ran
+    with torch.no_grad():
+        assert rel_rms_error(out, eager(x, 0.5)) <= FP32
+    fallbacks = compiled.ttt2la_report.layers[0].fallbacks
+    assert any("values other than tensors" in v for v in fallbacks.values())

@@ -524,6 +524,20 @@ def test_half_gemms_choose_on_cpu_only():
     assert set(gemms.dtypes) == {torch.float32}
 
 
+@pytest.mark.parametrize("amx, avx512_bf16, fp16", [(False, False, False), (True, False, False),
+                                                    (False, True, False), (True, True, True)])
+def test_half_gemms_run_natively_on_the_cpus_units_that_dot_them(monkeypatch, amx, avx512_bf16,
+                                                                fp16):
+    """bf16 GEMMs run as such on a CPU with AMX tiles or AVX512-BF16 dot products, fp16 ones
+    with AMX-FP16; a CPU with none forms them in fp32."""
+    from ttt2la.runtime.newton_schulz import _cpu_half_units
+    for name, value in (("_is_amx_tile_supported", amx),
+                        ("_is_avx512_bf16_supported", avx512_bf16),
+                        ("_is_amx_fp16_supported", fp16)):
+        monkeypatch.setattr(torch.cpu, name, lambda value=value: value, raising=False)
+    assert _cpu_half_units() == {torch.bfloat16: amx or avx512_bf16, torch.float16: fp16}
+
+
 def test_newton_schulz_orthogonalises():
     """Five quintic steps push every singular value of a well-conditioned matrix near 1."""
     G = torch.randn(16, 24, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

@@ -238,14 +238,15 @@ def _op_name(plan: str) -> str:
 
 def throughput_table(original: torch.nn.Module, converted: dict[str, torch.nn.Module],
                      inputs: tuple, *, repeats: int, max_seconds: float = 60.0,
-                     progress: Progress | None = None, compiled: str | None = None) -> Table:
+                     progress: Progress | None = None, compiled: str | None = None,
+                     not_built: dict[str, str] | None = None) -> Table:
     """Compare the original model with its converted forms side by side: tokens/s (median and
     spread of interleaved rounds), paired speed-up, the plan that ran and the output drift.
     ``compiled`` (a ``torch.compile`` backend): each model also runs compiled, as a row of its
-    own beside it."""
+    own beside it. ``not_built``: rows whose model a compiler failed on, and why."""
     from .testing import rel_rms_error
 
-    failed: dict[str, str] = {}
+    failed: dict[str, str] = dict(not_built or {})
     if compiled is not None:
         converted = {**converted, **_compiled_models({"original": original, **converted},
                                                       inputs, compiled, failed)}
@@ -338,18 +339,28 @@ def _save_json(report, path: str | None, console: Console) -> None:
 
 
 def _convert_at_levels(model: torch.nn.Module, levels: Sequence[tuple[int, bool]],
-                       example_inputs: tuple, backend: str,
-                       err: Console) -> dict[str, torch.nn.Module]:
-    """Convert ``model`` once per ``(level, strict)`` with a progress bar; keys are ``"level k"``."""
+                       example_inputs: tuple, backend: str, err: Console,
+                       compile: str | None = None, failed: dict | None = None
+                       ) -> dict[str, torch.nn.Module]:
+    """Convert ``model`` once per ``(level, strict)`` with a progress bar; keys are ``"level k"``
+    (``"level k, compile=BACKEND"`` with ``compile``, where a backend failing on the plan is
+    recorded in ``failed`` by the row's name instead)."""
     import ttt2la
 
     converted = {}
+    suffix = "" if compile is None else f", compile={compile}"
     with _progress(err) as progress:
         task = progress.add_task("converting", total=len(levels))
         for level, strict in levels:
-            progress.update(task, description=f"converting at level {level}")
-            converted[f"level {level}"] = ttt2la.convert(
-                model, level=level, example_inputs=example_inputs, backend=backend, strict=strict)
+            progress.update(task, description=f"converting at level {level}{suffix}")
+            name = f"level {level}{suffix}"
+            try:
+                converted[name] = ttt2la.convert(model, level=level, example_inputs=example_inputs,
+                                                 backend=backend, strict=strict, compile=compile)
+            except ttt2la.CompileError as e:
+                if failed is None:
+                    raise
+                failed[name] = first_line(e)[:200]
             progress.advance(task)
     return converted
 
@@ -444,12 +455,16 @@ def cmd_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise InvalidInputError("bench times positional example inputs only; --example-inputs "
                                 f"{args.example_inputs} holds keyword inputs "
                                 f"({', '.join(kwargs)})")
-    converted = _convert_at_levels(model, [(level, args.strict) for level in args.levels],
-                                   inputs, args.backend, err)
+    levels = [(level, args.strict) for level in args.levels]
+    converted = _convert_at_levels(model, levels, inputs, args.backend, err)
+    not_built: dict[str, str] = {}
+    if args.compile_plan is not None:
+        converted |= _convert_at_levels(model, levels, inputs, args.backend, err,
+                                        compile=args.compile_plan, failed=not_built)
     with _progress(err) as progress:
         table = throughput_table(model, converted, inputs, repeats=args.repeats,
                                  max_seconds=args.max_seconds, progress=progress,
-                                 compiled=args.compile)
+                                 compiled=args.compile, not_built=not_built)
     out.print(table)
     return 0
 
@@ -740,6 +755,9 @@ def _add_model_commands(add) -> None:
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time the original and each conversion under torch.compile, as rows "
                         "of their own (backend: inductor unless named; the first call compiles)")
+    p.add_argument("--compile-plan", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time each level converted with compile=BACKEND (its plan alone "
+                        "under torch.compile; inductor unless named), as rows of their own")
     _conversion_options(p, strict=False)
 
     p = add("sweep", cmd_sweep, "convert a model at every level 0-6 and tabulate exactness, "

@@ -112,9 +112,9 @@ def _described(error: Exception) -> str:
 
 def signature(tensors: list) -> tuple:
     """What TorchDynamo guards a plan call on that makes it compile again: each tensor's shape,
-    dtype and device, and whether gradients are recorded."""
+    strides, dtype and device, and whether gradients are recorded."""
     return (torch.is_grad_enabled(),
-            *((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors))
+            *((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
 
 
 def compile_plan(module: torch.nn.Module, state, args: tuple, kwargs: dict, backend: str) -> str:

@@ -409,13 +409,19 @@ class ConvertedState:
         if compiled is None or compiled.broken or self.compile_break \
                 or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return eager
+
+        def eagerly(why: str) -> Callable:
+            self.fallbacks[f"batch {self._batch(B)}{self.variant}, compiled"] = why
+            return eager
         tensors = [*weights.values(), *flat]
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            return eagerly("calls with values other than tensors among their inputs run the "
+                           f"plan eagerly, not under {compiled.name}")
         key = compiled_signature(tensors)
         if compiled.full(key):
-            self.fallbacks[f"batch {self._batch(B)}{self.variant}, compiled"] = (
-                f"{compiled.name} compiled the plan for as many call shapes as TorchDynamo's "
-                "recompile limit allows; calls of other shapes run it eagerly")
-            return eager
+            return eagerly(f"{compiled.name} compiled the plan for as many call shapes as "
+                           "TorchDynamo's recompile limit allows; calls of other shapes run it "
+                           "eagerly")
 
         def call():
             out = compiled(module._ttt2la_key, tensors, key, eager)
