@@ -2392,6 +2392,11 @@ MUTATIONS = [
         "avx512_bf16_units_unread", "a CPU with AVX512-BF16 and no AMX forms bf16 GEMMs in fp32, at a third of the native rate",
         (("ttt2la/runtime/newton_schulz.py", " or has(\"_is_avx512_bf16_supported\")", ""),),
         ("tests/test_runtime_block.py",), "dot_them"),
+    Mutation(
+        "compiler_off_claimed", "with TorchDynamo disabled or the stance force_eager a compiled plan runs eagerly, and the report still says it ran under torch.compile",
+        (("ttt2la/converted.py", " or torch.jit.is_tracing() or compiler_off():\n",
+          " or torch.jit.is_tracing():\n"),),
+        ("tests/test_compiled_plan.py",), "torchdynamo_off"),
 ]
 
 

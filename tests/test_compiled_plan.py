@@ -227,3 +227,22 @@ def test_calls_with_values_other_than_tensors_run_the_plan_eagerly_and_say_so(mo
         assert rel_rms_error(out, eager(x, 0.5)) <= FP32
     fallbacks = compiled.ttt2la_report.layers[0].fallbacks
     assert any("values other than tensors" in v for v in fallbacks.values())
+
+
+def test_with_torchdynamo_off_the_plan_runs_eagerly_and_nothing_claims_it_compiled(monkeypatch):
+    """TorchDynamo disabled (as this suite has it) or the stance ``force_eager``: a compiled
+    function runs eagerly, so the layer runs its plan eagerly and neither its runs nor the
+    conversion's note say it compiled."""
+    layer, example = _layer(), (torch.randn(1, 12, 16),)
+    off = ttt2la.convert(layer, level=2, example_inputs=example, compile="aot_eager")
+    assert any("it is off here" in n for n in _notes(off))
+    with compiling():
+        compiled = ttt2la.convert(layer, level=2, example_inputs=example, compile="aot_eager")
+    ran = _functions_ran(monkeypatch)
+    with torch.no_grad():
+        compiled(torch.randn(3, 12, 16))
+        off(torch.randn(3, 12, 16))
+    assert ran
+    for model in (compiled, off):
+        runs = model.ttt2la_report.layers[0].runs
+        assert runs["batch 3"] and "torch.compile" not in runs["batch 3"]

@@ -103,6 +103,15 @@ class CompiledPlan:
         return torch.compile(gm, backend=self.backend, dynamic=False)
 
 
+def compiler_off() -> bool:
+    """Whether ``torch.compile``'d code runs eagerly now (TorchDynamo disabled, or the stance
+    ``force_eager``): a plan called then runs eagerly, and no report may say it was compiled."""
+    if torch._dynamo.config.disable:
+        return True
+    stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "default")
+    return stance == "force_eager"
+
+
 def _described(error: Exception) -> str:
     """A compiler failure as ``Type: first line``, of the backend's own error where TorchDynamo
     wraps it (its first line names only the backend)."""
@@ -132,8 +141,12 @@ def compile_plan(module: torch.nn.Module, state, args: tuple, kwargs: dict, back
         eager = module(*args, **kwargs)
         state.compiled = CompiledPlan(backend)
         with torch.compiler.set_stance("default"):      # inside convert's eager block
-            compiled = module(*args, **kwargs)
+            off = compiler_off()
+            compiled = eager if off else module(*args, **kwargs)
     plan = state.compiled
+    if off:
+        return (f"its plan runs under {plan.name} where TorchDynamo is on; it is off here "
+                "(torch._dynamo.config.disable), so it runs eagerly")
     if plan.broken:
         raise CompileError(
             f"{where}: {plan.broken.split('; ')[0]} at its example inputs. On a CPU, inductor "

@@ -58,7 +58,7 @@ from .stream import StreamCall, TTTState, advance, stateful_plan
 from .submodule_hooks import hooked, hooks_described
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
-from .compiled_plan import CompiledPlan, signature as compiled_signature
+from .compiled_plan import CompiledPlan, compiler_off, signature as compiled_signature
 from .undifferentiable import refusal, refuse_backward
 
 
@@ -407,7 +407,7 @@ class ConvertedState:
         eager = lambda: gm.forward(weights, *flat)     # noqa: E731
         compiled = self.compiled
         if compiled is None or compiled.broken or self.compile_break \
-                or torch.compiler.is_compiling() or torch.jit.is_tracing():
+                or torch.compiler.is_compiling() or torch.jit.is_tracing() or compiler_off():
             return eager
 
         def eagerly(why: str) -> Callable:
