@@ -603,7 +603,8 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     (``{layer path: {pass name: constants}}``, as a previous report recorded them) replays
     folds without calibration data. ``compile`` (``True`` or a ``torch.compile`` backend name)
     runs each converted layer's plan under ``torch.compile``, checked on the example inputs
-    (``compiled_plan``); off by default, since a CPU compiler pays only on long chunks.
+    (``compiled_plan``); off by default: each new shape compiles first, and on a CPU inductor
+    needs a C++ compiler.
     """
     require_unconverted(model)
     if example_inputs is None and calibration is not None:
