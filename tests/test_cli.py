@@ -225,26 +225,36 @@ def _plans(out: str) -> dict[str, str]:
     return plans
 
 
+def _bench_per_token(capsys, *options: str) -> str:
+    """The table ``bench`` prints for the per-token zoo layer at level 0 (32 tokens, three
+    rounds) with ``options``, TorchDynamo on."""
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        try:
+            assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
+                         "--repeats", "3", "--max-seconds", "1", *options]) == 0
+        finally:
+            torch._dynamo.reset()
+    return capsys.readouterr().out
+
+
+def _rows(out: str) -> dict[str, str]:
+    """Each row's first line of a printed table, by model."""
+    return {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+
+
 def test_bench_compiled_rows_beside_the_eager_ones(capsys):
     """``bench --compile BACKEND`` times the original and each conversion compiled too, as rows
     of their own naming the plan and the compiler; a backend that fails says so in its rows,
     and the eager rows are timed all the same."""
-    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
-        torch._dynamo.reset()
-        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
-                     "--repeats", "3", "--max-seconds", "1", "--compile", "aot_eager"]) == 0
-        out = capsys.readouterr().out
-        rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
-        plans = _plans(out)
-        assert "as written, under torch.compile" in plans["original, compiled"], out
-        assert "chunk_linear_attention" in plans["level 0, compiled"], out
-        assert "under torch.compile" in plans["level 0, compiled"], out
-        assert float(rows["level 0, compiled"].split("│")[-2]) <= 1e-5, out
-        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
-                     "--repeats", "3", "--max-seconds", "1", "--compile", "no_such_backend"]) == 0
-        out = capsys.readouterr().out
-        torch._dynamo.reset()
-    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    out = _bench_per_token(capsys, "--compile", "aot_eager")
+    plans = _plans(out)
+    assert "as written, under torch.compile" in plans["original, compiled"], out
+    assert "chunk_linear_attention" in plans["level 0, compiled"], out
+    assert "under torch.compile" in plans["level 0, compiled"], out
+    assert float(_rows(out)["level 0, compiled"].split("│")[-2]) <= 1e-5, out
+    out = _bench_per_token(capsys, "--compile", "no_such_backend")
+    rows = _rows(out)
     assert "not compiled: " in rows["original, compiled"] and "level 0" in rows, out
 
 
@@ -257,24 +267,14 @@ def test_bench_rows_of_conversions_made_with_compile(capsys):
     def refusing(gm, example_inputs):
         raise RuntimeError("this backend refuses every graph")
     register_backend(refusing, "ttt2la_cli_refusing")
-    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
-        torch._dynamo.reset()
-        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
-                     "--repeats", "3", "--max-seconds", "1", "--compile-plan", "aot_eager"]) == 0
-        out = capsys.readouterr().out
-        rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
-        compiled = rows["level 0, compile=aot_eager"]
-        plans = _plans(out)
-        assert "chunk_linear_attention" in plans["level 0, compile=aot_eager"], out
-        assert "under torch.compile (aot_eager)" in plans["level 0, compile=aot_eager"], out
-        assert "torch.compile" not in plans["level 0"], out
-        assert float(compiled.split("│")[-2]) <= 1e-5, compiled
-        assert main(["bench", "--zoo", "per-token", "--length", "32", "--levels", "0",
-                     "--repeats", "3", "--max-seconds", "1",
-                     "--compile-plan", "ttt2la_cli_refusing"]) == 0
-        out = capsys.readouterr().out
-        torch._dynamo.reset()
-    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    out = _bench_per_token(capsys, "--compile-plan", "aot_eager")
+    plans = _plans(out)
+    assert "chunk_linear_attention" in plans["level 0, compile=aot_eager"], out
+    assert "under torch.compile (aot_eager)" in plans["level 0, compile=aot_eager"], out
+    assert "torch.compile" not in plans["level 0"], out
+    assert float(_rows(out)["level 0, compile=aot_eager"].split("│")[-2]) <= 1e-5, out
+    out = _bench_per_token(capsys, "--compile-plan", "ttt2la_cli_refusing")
+    rows = _rows(out)
     assert "not compiled: " in rows["level 0, compile=ttt2la_cli_refusing"], out
     assert "level 0" in rows, out
 
