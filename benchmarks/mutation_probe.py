@@ -572,7 +572,7 @@ MUTATIONS = [
         (("ttt2la/converted.py",
           "entry = _RUN_BETWEEN_GRAPHS[reason] if reason else _run_in_graph",
           "entry = _run_in_graph"),),
-        ("tests/test_ordinary_module.py",), "between_compiled_graphs"),
+        ("tests/test_ordinary_module.py",), "between_compiled_graphs or fullgraph_compilation"),
     Mutation(
         "unit_axis_einsum_unread", "an einsum over a unit axis not read as the outer product",
         (("ttt2la/frontend/summed_products.py", "    return prod, units, False",
