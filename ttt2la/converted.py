@@ -409,9 +409,10 @@ class ConvertedState:
         if compiled is None or compiled.broken or self.compile_break \
                 or torch.compiler.is_compiling() or torch.jit.is_tracing() or compiler_off():
             return eager
+        loop = self.loop_for(B)             # built with ``gm``: what its report rows are named
 
         def eagerly(why: str) -> Callable:
-            self.fallbacks[f"batch {self._batch(B)}{self.variant}, compiled"] = why
+            self.fallbacks[f"{loop.shape}, compiled"] = why
             return eager
         tensors = [*weights.values(), *flat]
         if not all(isinstance(t, torch.Tensor) for t in flat):
@@ -425,7 +426,6 @@ class ConvertedState:
 
         def call():
             out = compiled(module._ttt2la_key, tensors, key, eager)
-            loop = self.loop_for(B)
             if compiled.broken:
                 self.fallbacks[loop.shape] = compiled.broken
             else:
