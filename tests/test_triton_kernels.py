@@ -371,7 +371,8 @@ def test_a_converted_gated_layer_runs_its_decay_on_the_kernels(kind):
     from equivalence import assert_same_function
     layer, op, length = _gated_layer(kind)
     layer = layer.to(DEVICE)
-    conv = ttt2la.convert(layer, level=2, backend="triton", example_inputs=(torch.randn(2, 16, 16, device=DEVICE),))
+    # converted at batch 1 (the interpreter's time grows with the batch), checked at batch 2
+    conv = ttt2la.convert(layer, level=2, backend="triton", example_inputs=(torch.randn(1, 16, 16, device=DEVICE),))
     report, = conv.ttt2la_report.layers
     assert report.runtime.startswith(op), report.runtime
     assert_same_function(conv, layer, torch.randn(2, length, 16, device=DEVICE))
