@@ -1213,7 +1213,7 @@ MUTATIONS = [
         (("ttt2la/conversion.py", "        check = _example_branch(layer, ref) or check\n", "        pass\n"),),
         ("tests/test_length_values.py",), "example_length_runs"),
     Mutation(
-        "example_branch_op_unnamed", "the traces at the example's length and the probe lengths are not compared op by op, so a branch in a helper no source reading resolves is reported as a bug",
+        "example_branch_op_unnamed", "the traces at the example's length and the probe lengths are not compared op by op, so the report names no op the branch there differs in (and a branch nothing else finds is reported as a bug)",
         (("ttt2la/length_vouching.py", "        if a.target != e.target:\n", "        if False:\n"),),
         ("tests/test_length_values.py",), "example_length_runs and hidden"),
     Mutation(
@@ -2133,6 +2133,10 @@ MUTATIONS = [
         "sequence_index_unread", "an index or slice of a plain list, tuple or string by a value of the length (`[a, b][T % 2]`) is not recorded",
         (("ttt2la/frontend/size_operands.py", "    if not isinstance(seq, _SEQUENCES):\n", "    if True:\n"),),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "index or slice or ListIndex"),
+    Mutation(
+        "display_index_unread", "an index by a value of the length into a tuple of tensors written at the line (`(o + 2, o * 2)[T % 2]`) is not recorded, so the plan takes the probes' item at every length",
+        (("ttt2la/frontend/size_operands.py", "                return range(len(node.elts))\n", "                raise\n"),),
+        ("tests/test_size_uses.py",), "OutputIndex"),
     Mutation(
         "percent_text_unread", "text `%`-formatted with a value of the length (`'%d' % T`) is not recorded",
         (("ttt2la/frontend/size_operands.py", "    if op is ast.Mod and isinstance(left, (str, bytes)) and _sized(right):\n",

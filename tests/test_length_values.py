@@ -316,8 +316,9 @@ BRANCHED = {"loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2", (16, 8, 2
 @pytest.mark.parametrize("kind", sorted(BRANCHED))
 def test_branch_at_the_example_length_runs_as_written_there(kind, strict):
     """The example's length takes another branch than every probe length: the conversion names
-    the line and runs the code as written at that length (no bug reported), the plan where it
-    was checked to agree; every length gives the original's output."""
+    the line and the op the traces there differ in (``o + 2`` where the probes' code runs
+    ``o * 2``), and runs the code as written at that length (no bug reported), the plan where
+    it was checked to agree; every length gives the original's output."""
     make, line, lengths = BRANCHED[kind]
     torch.manual_seed(0)
     layer = make()
@@ -326,6 +327,7 @@ def test_branch_at_the_example_length_runs_as_written_there(kind, strict):
     report = conv.ttt2la_report.layers[0]
     note = next(n for n in report.notes if "another function at the example's length" in n)
     assert line in note and f"length {lengths[0]}" in note
+    assert f"is `torch.add` at length {lengths[0]} and `torch.mul` at lengths" in note, note
     assert report.check["rel_rms_error"] <= 1e-5
     same_or_refused(conv, layer, [torch.randn(2, T, D) for T in lengths])
     assert any(k.endswith(f"length {lengths[0]}, length values") and v.startswith("as written")

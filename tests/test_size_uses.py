@@ -2,8 +2,8 @@
 (``frontend.size_uses``): spellings the source reading does not know — ``x.size(dim=1)``,
 ``B, T = x.shape[:2]``, ``numel()``, ``len()``, a lambda or a ``functools.partial`` helper, a value
 of ``T % 8`` passed to an op or looked up in a dict, NumPy on it, its text, ``int(T)``,
-``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)``, ``0.5 * T``, ``[a, b][T % 2]``,
-``'%d' % T``, ``min(T, 20.5)``, ``0.5 * abs(T)``, ``0.5 * int(T)`` — in the code that calls the
+``operator.index(T)``, ``bit_length()``, ``pow(T, 3, 8)``, ``0.5 * T``, ``[a, b][T % 2]`` (of
+numbers, or of tensors computed there), ``'%d' % T``, ``min(T, 20.5)``, ``0.5 * abs(T)``, ``0.5 * int(T)`` — in the code that calls the
 loop's function, and branches on the batch size, which no source reading looks for. A converted layer computes
 the code's function at every shape, or refuses the shape; never another branch's output."""
 import functools
@@ -203,6 +203,11 @@ class ListIndex(Momentum):
         return o * [3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0][x.shape[1] % 8]
 
 
+class OutputIndex(Momentum):
+    def finish(self, o, x):
+        return (o + 2, o * 2)[(x.shape[1] % 8 + 7) // 8]
+
+
 class MinFloat(Momentum):
     def finish(self, o, x):
         return o * min(x.shape[1], 20.5)
@@ -256,7 +261,7 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      Attribute, Value, ComparedValue, Lookup, MathBranch,
                                      MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
-                                     FloatLeft, ListIndex, PercentText, MinFloat,
+                                     FloatLeft, ListIndex, OutputIndex, PercentText, MinFloat,
                                      HelperFloat, SortedInPlace, AbsFloat, IntFloat,
                                      MethodOfMadeFloat)}
 
@@ -296,6 +301,7 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "IntCall": "int(x.shape[1]) % 8", "IndexCall": "operator.index(x.shape[1]) % 8",
          "BitLength": "(x.shape[1] % 8).bit_length()", "PowModulus": "pow(x.shape[1], 3, 8)",
          "FloatLeft": "(0.5 * x.shape[1]) % 4", "ListIndex": "2.0, 2.0][x.shape[1] % 8]",
+         "OutputIndex": "(o + 2, o * 2)[(x.shape[1] % 8 + 7) // 8]",
          "PercentText": '("%d" % x.shape[1]).endswith', "MinFloat": "min(x.shape[1], 20.5)",
          "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()",
          "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4",

@@ -11,7 +11,9 @@ during that run, the lines of the user's files that hold such an expression are 
 names, attributes, subscripts, dict displays, arithmetic, comparisons, conditional
 expressions or ``and``/``or`` of them are read in its frame, and where one is a
 value of the sizes in such a place, the expression's value is recorded as a decision of the
-sizes at that line, as a function of them — conservatively, as text is (``size_text``). An
+sizes at that line, as a function of them — conservatively, as text is (``size_text``); a
+tuple or list written there whose items cannot be read (``(o + 2, o * 2)[T % 2]``) by the
+position picked. An
 operand that is a call (``0.5 * get_len(x)``) is read as the value it returns, when that
 returns: the frame that computes it, one of a Python function, method or ``__call__`` named as
 the call names it, is found by the caller's position in its line (Python 3.11 on); a method of
@@ -473,9 +475,21 @@ class _Reading:
             if isinstance(node, ast.Call):          # xs.sort(), as it is before the line
                 return _sorting(value(node.func.value),
                                 *(value(k.value) for k in node.keywords))
-            return _index(value(node.value), value(node.slice))
+            return _index(self.sequence(node.value), value(node.slice))
         except Exception:
             return self.unfollowed(node)
+
+    def sequence(self, node):
+        """What a subscript indexes; a tuple or list display whose items cannot be read
+        (``(o + 2, o * 2)[T % 2]``: reading tensors' arithmetic would compute) as the range of
+        its positions, the position picked standing for the item."""
+        try:
+            return self.value(node)
+        except _Unread:
+            if isinstance(node, (ast.Tuple, ast.List)) and \
+                    not any(isinstance(e, ast.Starred) for e in node.elts):
+                return range(len(node.elts))
+            raise
 
     def unfollowed(self, node):
         """``(what, at)`` where an operand the reading cannot follow names a value of the sizes:
