@@ -2134,6 +2134,10 @@ MUTATIONS = [
         (("ttt2la/frontend/size_operands.py", "    if not isinstance(seq, _SEQUENCES):\n", "    if True:\n"),),
         ("tests/test_size_spellings.py", "tests/test_size_uses.py"), "index or slice or ListIndex"),
     Mutation(
+        "run_lengths_sparse", "the run judges its decisions at every length up to two chunks only, not up to 512, so `x.size(dim=1) % 24 == 0` is taken for a constant",
+        (("ttt2la/frontend/size_uses.py", "set(range(1, max(2 * chunk, 512) + 2))", "set(range(1, min(2 * chunk, 512) + 2))"),),
+        ("tests/test_size_uses.py",), "EveryWindow"),
+    Mutation(
         "display_index_unread", "an index by a value of the length into a tuple of tensors written at the line (`(o + 2, o * 2)[T % 2]`) is not recorded, so the plan takes the probes' item at every length",
         (("ttt2la/frontend/size_operands.py", "                return range(len(node.elts))\n", "                raise\n"),),
         ("tests/test_size_uses.py",), "OutputIndex"),

@@ -387,6 +387,35 @@ def test_branch_after_the_loop_is_checked_at_other_lengths(kind, example, length
     assert not length_values(file, at, (1, -2, 3))
 
 
+class WindowAfterLoop(BranchAfterLoop):
+    """``BranchAfterLoop`` whose branch takes the other way every 600 tokens only, at lengths
+    the run of the code does not judge its decisions at: only the source reading finds it."""
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        o = torch.cat(outs, 1)
+        if T % 600 == 0:
+            o = o + 2
+        return o
+
+
+def test_branch_after_the_loop_past_the_run_is_checked_at_other_lengths():
+    """The source after the loop shows a branch the run of the code cannot tell from a
+    constant: length 600, which takes it, gives the code's output."""
+    torch.manual_seed(0)
+    layer = WindowAfterLoop()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 18, D),))
+    assert any("if T % 600 == 0:" in n and "values of the length" in n
+               for n in conv.ttt2la_report.layers[0].notes)
+    same_or_refused(conv, layer, [torch.randn(1, T, D) for T in (600, 20)])
+
+
 @pytest.mark.parametrize("kind", ["hidden", "hidden, operator", "hidden, conditional",
                                   "hidden, comprehension"])
 def test_a_hidden_branch_at_the_probes_outcome_is_checked_at_other_lengths(kind):

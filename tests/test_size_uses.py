@@ -208,6 +208,11 @@ class OutputIndex(Momentum):
         return (o + 2, o * 2)[(x.shape[1] % 8 + 7) // 8]
 
 
+class EveryWindow(Momentum):
+    def finish(self, o, x):
+        return o + 2 if x.size(dim=1) % 24 == 0 else o * 2
+
+
 class MinFloat(Momentum):
     def finish(self, o, x):
         return o * min(x.shape[1], 20.5)
@@ -263,7 +268,7 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, OutputIndex, PercentText, MinFloat,
                                      HelperFloat, SortedInPlace, AbsFloat, IntFloat,
-                                     MethodOfMadeFloat)}
+                                     MethodOfMadeFloat, EveryWindow)}
 
 
 class OneSample(Momentum):
@@ -305,7 +310,8 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "PercentText": '("%d" % x.shape[1]).endswith', "MinFloat": "min(x.shape[1], 20.5)",
          "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()",
          "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4",
-         "MethodOfMadeFloat": "(0.5 * MadeLength(x).length()) % 4"}
+         "MethodOfMadeFloat": "(0.5 * MadeLength(x).length()) % 4",
+         "EveryWindow": "x.size(dim=1) % 24 == 0"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

@@ -621,11 +621,11 @@ def probe_sizes(sizes: set[int], chunk: int, unit: int) -> tuple[int, int]:
 
 
 def _lengths(chunk: int, L: int) -> list[int]:
-    """The lengths each recorded use is evaluated at: every length up to two chunks (at most
-    512), lengths around multiples of the chunk, powers of two, and the run's."""
+    """The lengths each recorded use is evaluated at: every length up to 512 (two chunks,
+    where longer), lengths around multiples of the chunk, powers of two, and the run's."""
     near = {chunk * m + r for m in (2, 3, 4, 5, 7, 8, 16, 33, 64, 100, 1000)
             for r in {0, 1, 2, 3, chunk // 2, chunk - 1} if 0 <= r < chunk}
-    return sorted(set(range(1, min(2 * chunk, 512) + 2)) | near |
+    return sorted(set(range(1, max(2 * chunk, 512) + 2)) | near |
                   {1 << k for k in range(1, 21)} | {L})
 
 
