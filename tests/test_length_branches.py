@@ -135,6 +135,29 @@ class MethodThroughOperator(Momentum):
         return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2
 
 
+def finish_every_window(o, T):
+    """``finish`` shifted every 600 tokens only: at lengths the run of the code does not judge
+    its decisions at, so only the source reading of the helper finds the branch."""
+    return o * 2 if T % 600 else o + 2
+
+
+class HelperWindow(Momentum):
+    """``HelperAfterLoop`` calling ``finish_every_window``: its parameter ``T`` is the length."""
+
+    def close(self, o, T):
+        return finish_every_window(o, T)
+
+
+class MethodWindow(Momentum):
+    """The branch every 600 tokens in the layer's own ``close``, which overrides the one of the
+    class that defines the loop's function."""
+
+    def close(self, o, T):
+        return o * 2 if T % 600 else o + 2
+
+
+WINDOWS = {"helper, window": (HelperWindow, "return o * 2 if T % 600 else o + 2"),
+           "method, window": (MethodWindow, "return o * 2 if T % 600 else o + 2")}
 THROUGH_OPERATOR = "return o * 2 if (0.5 * operator.mul(T, 2)) % 8 else o + 2"
 LAYERS = {"after loop": (BranchAfterLoop, "o = o * 2 if T % 8 else o + 2"),
           "helper": (HelperAfterLoop, "return o * 2 if T % 8 else o + 2"),
@@ -154,7 +177,7 @@ def folded_factor(conv) -> float:
 
 def converted(kind: str, level: int, example: int, seed: int = 0):
     """``(layer, its conversion)``, or ``(layer, the ConversionError refusing it)``."""
-    make, _line = LAYERS[kind]
+    make, _line = {**LAYERS, **WINDOWS}[kind]
     torch.manual_seed(seed)
     layer = make()
     try:
@@ -181,8 +204,8 @@ def same_function_or_refused(layer, conv, T: int) -> str:
         try:
             got = conv(x)
         except ConversionError as e:
-            assert LAYERS[next(k for k, (m, _) in LAYERS.items() if type(layer) is m)][1] \
-                in str(e), str(e)
+            assert next(line for m, line in (*LAYERS.values(), *WINDOWS.values())
+                        if type(layer) is m) in str(e), str(e)
             return "refused"
         want = layer.simplified(x, folded_factor(conv))
     assert rel_rms_error(got, want) <= 1e-5, f"length {T}: not the simplified function"
@@ -221,6 +244,19 @@ def test_probes_branch_at_the_example_length(kind, level):
         assert seen == ["same"] * 4
     else:
         assert seen == ["simplified", "refused", "refused", "simplified"]
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOWS))
+@pytest.mark.parametrize("level", [0, 5])
+def test_probes_branch_at_the_example_length_past_the_run(kind, level):
+    """The helper's branch takes the other way at length 600 only, which the run of the code
+    cannot tell from a constant: the source reading of the helper names it, and an exact
+    conversion checks that length against the code as written, a lossy one refuses it."""
+    layer, conv = converted(kind, level, 18)
+    notes = conv.ttt2la_report.layers[0].notes
+    assert any(WINDOWS[kind][1] in n and "values of the length" in n for n in notes), notes
+    seen = [same_function_or_refused(layer, conv, T) for T in (18, 600, 14)]
+    assert seen == (["same"] * 3 if level == 0 else ["simplified", "refused", "simplified"])
 
 
 def test_helper_lines_in_the_source():
