@@ -1761,7 +1761,7 @@ MUTATIONS = [
     Mutation(
         "appended_count_untracked", "the run does not count a list the loop appends to, so a value of `len(outs)` passed to an op after the loop goes unchecked",
         (("ttt2la/frontend/size_uses.py", "not any(frame.f_locals.get(name) is seq for name in self.grown)", "True"),),
-        ("tests/test_counts_of_the_length.py",), "LenOutsValue or run_hands"),
+        ("tests/test_counts_of_the_length.py",), "LenOutsValue or run_hands or Bounds"),
     Mutation(
         "strides_untracked", "the run hands out strides as plain numbers, so `x.stride(0) // D` escapes it",
         (("ttt2la/frontend/size_uses.py", ",\n          torch._C.TensorBase.stride}", "}"),),

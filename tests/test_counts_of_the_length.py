@@ -1,7 +1,8 @@
 """Numbers of items that are values of the length or the batch size: the chunks a loop appended
-(``len(outs)``), ``len(range(0, T, C))``, the pieces of a tensor cut along the token or batch
-axis (``len(x.split(C, 1))``, ``len(x.unbind(0))``), a stride (``x.stride(0) // D``) and a
-tensor made of the shape (``int(torch.tensor(x.shape)[1])``). CPython hands out each as a plain
+(``len(outs)``, with items before the loop, after it, or more than one per iteration),
+``len(range(0, T, C))``, the pieces of a tensor cut along the token or batch axis
+(``len(x.split(C, 1))``, ``len(x.unbind(0))``), a stride (``x.stride(0) // D``) and a tensor made
+of the shape (``int(torch.tensor(x.shape)[1])``). CPython hands out each as a plain
 ``int``; the source reading and the run still find the code's decisions on them, so a converted
 layer computes the code's function at every shape or refuses the shape. Inside the loop, a
 decision on the number of chunks appended so far is refused like one on the loop index."""
@@ -144,9 +145,48 @@ class ChunksOfAView(Counted):
         return o * 2 if padded.reshape(-1, 4, D).shape[0] // x.shape[0] > 5 else o + 2
 
 
+class Bounds(Counted):
+    """The chunks' bounds listed besides the outputs: a start, each chunk's middle and end (two
+    per iteration) and the length after the loop; ``finish`` reads their count."""
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
+        outs, bounds = [], [0]
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            bounds.extend((s + 2, s + 4))
+            M = BETA * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+            S = S + LR * M
+        bounds.append(T)
+        return self.finish(torch.cat(outs, 1), x, bounds)
+
+    def simplified(self, x, c: float):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs, bounds = [], [0]
+        for s in range(0, T, 4):
+            outs.append(q[:, s:s + 4] @ S)
+            bounds.extend((s + 2, s + 4))
+            S = S + LR * c * k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        bounds.append(T)
+        return self.finish(torch.cat(outs, 1), x, bounds)
+
+    def finish(self, o, x, bounds):
+        return o * 2 if appended(bounds) > 15 else o + 2
+
+
+class BoundsValue(Bounds):
+    def finish(self, o, x, bounds):
+        return o * (1 + appended(bounds) % 3)
+
+
 SPELLINGS = {c.__name__: c for c in (LenOuts, LenOutsValue, LenRange, LenSplitValue, LenUnbind,
                                      Stride, TensorOfShape, GrownElsewhere, SumOfPieces,
-                                     ListOfPieces, PiecesComprehended, ChunksOfAView)}
+                                     ListOfPieces, PiecesComprehended, ChunksOfAView, Bounds,
+                                     BoundsValue)}
 
 
 class OneSample(Counted):

@@ -255,9 +255,9 @@ class _Run:
 
     def length_of(self, seq) -> Callable | None:
         """The number of items of ``seq`` as a function of the sizes: a counted sequence's, or
-        for a list the loop appends to (``grown``, by name in the loop's frame), the loop's
-        count of iterations times the items it holds per iteration, or a list or tuple of
-        exactly a tensor's counted pieces; ``None``: none of them."""
+        for a list the loop appends to (``grown``, by name in the loop's frame), its items
+        before the loop and after it plus those of each iteration (``_appended``), or a list or
+        tuple of exactly a tensor's counted pieces; ``None``: none of them."""
         hit = self.counts.get(id(seq))
         if hit is not None and hit[0] is seq:
             return hit[1]
@@ -269,12 +269,23 @@ class _Run:
         it, frame = self.iterations, self.loop_frame
         if it is None or not isinstance(seq, list):
             return None
-        n, k = len(seq), it(self.L, self.B)
+        k = it(self.L, self.B)
         if not any(frame.f_locals.get(name) is seq for name in self.grown):
             return self._grown_elsewhere(seq, it, k)
-        if k and n % k == 0:
-            return lambda L, B: it(L, B) * (n // k)
-        return lambda L, B: n - k + it(L, B)
+        return self._appended(seq, it, k)
+
+    def _appended(self, seq: list, it: Callable, k: int) -> Callable:
+        """The number of items of a list the loop's source appends to: its items as the loop
+        began, a whole number per iteration, and the rest appended besides (after the loop).
+        Where it grew by fewer than one per iteration the count is unknown: right at the run's
+        sizes only, and raising elsewhere, so a decision on it is a use no shape vouches for."""
+        n, hit = len(seq), self.before.get(id(seq))
+        n0 = hit[1] if hit is not None and hit[0] is seq else 0
+        if k <= 0 or n - n0 < k:
+            L0, B0 = self.L, self.B
+            return lambda L, B: n if (L, B) == (L0, B0) else _unknown()
+        per, rest = divmod(n - n0, k)
+        return lambda L, B: n0 + rest + it(L, B) * per
 
     def _grown_elsewhere(self, seq: list, it: Callable, k: int) -> Callable | None:
         """The number of items of a list of the loop's frame that the loop's source does not
@@ -314,6 +325,10 @@ class _Run:
                 _library(frame.f_code.co_filename):
             frame = frame.f_back
         return None if frame is self.entry else frame
+
+
+def _unknown():
+    raise ValueError("a count the run cannot tell at other sizes")
 
 
 def _spelled(func) -> str:
