@@ -292,6 +292,70 @@ class LargeBatch(Momentum):
 BATCH_SPELLINGS = {c.__name__: c for c in (OneSample, BatchValue, LargeBatch)}
 
 
+def _end(s, T):
+    return s + 4 if s + 4 < T else T
+
+
+class EndHelper(Momentum):
+    """Each chunk's end computed by a helper the loop calls: a decision of an iteration, which
+    the traces unroll, in a function of no loop."""
+
+    def run(self, x, c=None):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            e = _end(s, T)
+            outs.append(q[:, s:e] @ S)
+            M = BETA * M + k[:, s:e].transpose(1, 2) @ v[:, s:e]
+            S = S + LR * M
+        return torch.cat(outs, 1)
+
+    def run_simplified(self, x, c: float):
+        B, T, _ = x.shape
+        q, k, v = self.proj(x).chunk(3, -1)
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for s in range(0, T, 4):
+            e = _end(s, T)
+            outs.append(q[:, s:e] @ S)
+            S = S + LR * c * k[:, s:e].transpose(1, 2) @ v[:, s:e]
+        return torch.cat(outs, 1)
+
+    def finish(self, o, x):
+        return o
+
+
+class WholeChunks(Momentum):
+    """The sequence viewed as its whole chunks before the loop (``T // 4`` of them): a size the
+    converted graph computes at every length of whole chunks, the only lengths the code runs at."""
+
+    def run(self, x, c=None):
+        B, T, _ = x.shape
+        q, k, v = (t.reshape(B, T // 4, 4, D).unbind(1) for t in self.proj(x).chunk(3, -1))
+        S, M = x.new_zeros(B, D, D), x.new_zeros(B, D, D)
+        outs = []
+        for qc, kc, vc in zip(q, k, v):
+            outs.append(qc @ S)
+            M = BETA * M + kc.transpose(1, 2) @ vc
+            S = S + LR * M
+        return torch.cat(outs, 1)
+
+    def run_simplified(self, x, c: float):
+        B, T, _ = x.shape
+        q, k, v = (t.reshape(B, T // 4, 4, D).unbind(1) for t in self.proj(x).chunk(3, -1))
+        S = x.new_zeros(B, D, D)
+        outs = []
+        for qc, kc, vc in zip(q, k, v):
+            outs.append(qc @ S)
+            S = S + LR * c * kc.transpose(1, 2) @ vc
+        return torch.cat(outs, 1)
+
+    def finish(self, o, x):
+        return o
+
+
 #: what each layer's note quotes of the line that uses the length
 NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "Numel": "x[0].numel() % (8 * D)", "Len": "T = len(x[0])", "Lambda": "o * 2 if T % 8",
@@ -403,6 +467,21 @@ def uses(fn, L: int = 20, B: int = 3):
 
 def test_sizes_guards_and_the_loop_are_no_uses():
     assert uses(chunked) == []
+
+
+@pytest.mark.parametrize("make, lengths", [(EndHelper, (18, 16, 24, 14, 32, 7, 41)),
+                                            (WholeChunks, (24, 16, 8, 32, 40, 64, 4))],
+                         ids=["EndHelper", "WholeChunks"])
+def test_sizes_guards_and_the_loop_are_no_uses_of_a_converted_layer(make, lengths):
+    """A lossy conversion, which refuses a length where the code may decide otherwise than at
+    the traced ones, computes the simplified function at every length: neither a helper the loop
+    calls nor the count of whole chunks is a use of the length."""
+    torch.manual_seed(0)
+    layer = make()
+    conv = ttt2la.convert(layer, level=5, example_inputs=(torch.randn(2, lengths[0], D),))
+    notes = " ".join(conv.ttt2la_report.layers[0].notes)
+    assert "values of the length" not in notes, notes
+    assert [same_or_refused(layer, conv, T) for T in lengths] == ["simplified"] * len(lengths)
 
 
 def test_branches_values_and_tensors_of_the_length_are_uses():
