@@ -1905,7 +1905,7 @@ MUTATIONS = [
         "other_user_files_unpatched", "the run patches the loop's module only, so a helper in another file of the user's (`whole_root(T)` through `math.sqrt`) escapes",
         (("ttt2la/frontend/size_uses.py", "        if isinstance(source, str) and is_users(source):\n            out.append(m)",
           "        if False:\n            out.append(m)"),),
-        ("tests/test_size_uses.py",), "HelperMath"),
+        ("tests/test_size_uses.py",), "HelperMath or HelperRange"),
     Mutation(
         "grown_elsewhere_uncounted", "a list the loop grows through a helper (`grow(outs, y)`, no `outs.append` in its source) is no count of the iterations, so `len(outs)` after it escapes",
         (("ttt2la/frontend/size_uses.py", "            return self._grown_elsewhere(seq, it, k)", "            return None"),),

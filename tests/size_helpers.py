@@ -12,3 +12,9 @@ def grow(outs: list, y) -> list:
 def whole_root(n: int) -> bool:
     """Is ``n`` a perfect square? (A decision on a value of the length, through ``math``.)"""
     return math.sqrt(n) % 1 == 0
+
+
+def chunk_count(x) -> int:
+    """The number of chunks of 4 tokens of ``x``, through ``range`` and ``len`` as this file sees
+    them (``x.size(dim=1)``: no source reading follows it, the run alone counts it)."""
+    return len(range(0, x.size(dim=1), 4))

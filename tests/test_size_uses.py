@@ -149,6 +149,11 @@ class HelperMath(Momentum):
         return o + 2 if size_helpers.whole_root(x.shape[1]) else o * 2
 
 
+class HelperRange(Momentum):
+    def finish(self, o, x):
+        return o * 2 if size_helpers.chunk_count(x) > 5 else o + 2
+
+
 class NumpyBranch(Momentum):
     def finish(self, o, x):
         return o * 2 if np.sqrt(x.shape[1]) % 1 else o + 2
@@ -264,7 +269,8 @@ class PercentText(Momentum):
 
 SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda, Partial,
                                      Attribute, Value, ComparedValue, Lookup, MathBranch,
-                                     MathValue, ImportedMath, HelperMath, NumpyBranch, NumpyClip,
+                                     MathValue, ImportedMath, HelperMath, HelperRange,
+                                     NumpyBranch, NumpyClip,
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, OutputIndex, PercentText, MinFloat,
                                      HelperFloat, SortedInPlace, AbsFloat, IntFloat,
@@ -365,6 +371,7 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "BatchValue": "1 + x.size(0) % 4", "LargeBatch": "B = len(x)",
          "MathBranch": "math.log2(x.shape[1]) % 1", "MathValue": "math.floor(math.log(",
          "ImportedMath": "sqrt(x.shape[1]) % 1", "HelperMath": "math.sqrt(n) % 1 == 0",
+         "HelperRange": "size_helpers.chunk_count(x) > 5",
          "NumpyBranch": "np.sqrt(x.shape[1]) % 1", "NumpyClip": "np.clip(x.shape[1] % 8, 0, 1)",
          "Text": 'f"{x.shape[1]}".endswith', "TextKey": 'SCALES.get(f"scale_{x.shape[1]}"',
          "IntCall": "int(x.shape[1]) % 8", "IndexCall": "operator.index(x.shape[1]) % 8",
