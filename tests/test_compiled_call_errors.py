@@ -29,11 +29,23 @@ def _converted(name):
     return ttt2la.convert(make().eval(), level=level, example_inputs=(torch.randn(1, 16, d),)), d
 
 
-def _compiled_error(converted, x, **options):
+def _compiled_call(converted, x, breaks: list, **options):
+    """``torch.compile(converted, **options)(x)`` with TorchDynamo on, appending to ``breaks``
+    the graph breaks it made."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
-    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
-        with pytest.raises(Exception) as raised:
-            torch.compile(converted, backend="eager", **options)(x)
+    counters.clear()
+    try:
+        with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+            return torch.compile(converted, backend="eager", **options)(x)
+    finally:
+        breaks.extend(counters["graph_break"])
+
+
+def _compiled_error(converted, x, **options):
+    with pytest.raises(Exception) as raised:
+        _compiled_call(converted, x, [], **options)
     return raised.value
 
 
@@ -80,17 +92,6 @@ def _loop_fails(converted, B, fault: str):
     loop.forward = failing
 
 
-def _compiled_call(converted, x, breaks: list):
-    """``torch.compile(converted)(x)``, appending to ``breaks`` the graph breaks it made."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
-            return torch.compile(converted, backend="eager")(x)
-    finally:
-        breaks.extend(counters["graph_break"])
 
 
 def _answer(call):
