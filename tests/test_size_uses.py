@@ -218,6 +218,18 @@ class EveryWindow(Momentum):
         return o + 2 if x.size(dim=1) % 24 == 0 else o * 2
 
 
+class LoopOverConstants(Momentum):
+    """A decision of the length in a ``for`` loop over constants, which makes the same
+    iterations at every length (not an iteration of the sequence)."""
+
+    def finish(self, o, x):
+        hit = False
+        for t in (16, 24, 32):
+            if x.size(1) == t:
+                hit = True
+        return o + 2 if hit else o * 2
+
+
 class MinFloat(Momentum):
     def finish(self, o, x):
         return o * min(x.shape[1], 20.5)
@@ -274,7 +286,7 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, OutputIndex, PercentText, MinFloat,
                                      HelperFloat, SortedInPlace, AbsFloat, IntFloat,
-                                     MethodOfMadeFloat, EveryWindow)}
+                                     MethodOfMadeFloat, EveryWindow, LoopOverConstants)}
 
 
 class OneSample(Momentum):
@@ -382,7 +394,8 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "HelperFloat": "(0.5 * _length(x)) % 4", "SortedInPlace": "sizes.sort()",
          "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4",
          "MethodOfMadeFloat": "(0.5 * MadeLength(x).length()) % 4",
-         "EveryWindow": "x.size(dim=1) % 24 == 0"}
+         "EveryWindow": "x.size(dim=1) % 24 == 0",
+         "LoopOverConstants": "if x.size(1) == t:"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

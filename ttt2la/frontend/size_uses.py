@@ -582,21 +582,47 @@ _COMPREHENSIONS = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>
 def _iterating(frame) -> bool:
     """Is ``frame`` in the body of a loop or a comprehension? A decision there is one of an
     iteration (the end of the last chunk, ``min(s + C, T)``), which the traces unroll at the
-    probe lengths, as the source reading leaves out the values of an iteration."""
+    probe lengths, as the source reading leaves out the values of an iteration. A loop or
+    comprehension over a display of constants (``any(t == T for t in (12, 36))``) makes the
+    same iterations at every length: a decision there is the length's like any other."""
+    file = frame.f_code.co_filename
     if frame.f_code.co_name in _COMPREHENSIONS:
-        return True
-    return any(first <= frame.f_lineno <= last
-               for first, last in _loop_bodies(frame.f_code.co_filename))
+        return frame.f_lineno not in _constant_comprehension_lines(file)
+    return any(first <= frame.f_lineno <= last for first, last in _loop_bodies(file))
+
+
+def _constant_iterable(node) -> bool:
+    """A tuple, list or set display of constants: the same items at every size."""
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and \
+        all(isinstance(e, ast.Constant) for e in node.elts)
 
 
 @functools.lru_cache(maxsize=256)
 def _loop_bodies(file: str) -> tuple[tuple[int, int], ...]:
-    """The lines of every ``for`` and ``while`` body in ``file``."""
+    """The lines of every ``for`` and ``while`` body in ``file``, but those of a ``for`` over a
+    display of constants."""
     tree = parsed(file)
     if tree is None:
         return ()
     return tuple((node.body[0].lineno, node.end_lineno or node.body[0].lineno)
-                 for node in ast.walk(tree) if isinstance(node, (ast.For, ast.While, ast.AsyncFor)))
+                 for node in ast.walk(tree)
+                 if isinstance(node, (ast.While, ast.AsyncFor))
+                 or isinstance(node, ast.For) and not _constant_iterable(node.iter))
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_comprehension_lines(file: str) -> frozenset[int]:
+    """The lines of ``file`` whose every comprehension iterates displays of constants only."""
+    tree = parsed(file)
+    if tree is None:
+        return frozenset()
+    constant, other = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
+            lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+            fixed = all(_constant_iterable(g.iter) for g in node.generators)
+            (constant if fixed else other).update(lines)
+    return frozenset(constant - other)
 
 
 class _Sized:
