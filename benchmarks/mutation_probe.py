@@ -2138,6 +2138,11 @@ MUTATIONS = [
         (("ttt2la/frontend/size_uses.py", "set(range(1, max(2 * chunk, 512) + 2))", "set(range(1, min(2 * chunk, 512) + 2))"),),
         ("tests/test_size_uses.py",), "EveryWindow"),
     Mutation(
+        "constant_loops_taken_for_iterations", "a decision of the length in a `for` loop over a display of constants (`for t in (16, 24, 32): if x.size(1) == t:`) is dropped as an iteration's, so the plan takes the probes' branch at those lengths",
+        (("ttt2la/frontend/size_uses.py", "or isinstance(node, ast.For) and not _constant_iterable(node.iter))",
+          "or isinstance(node, ast.For))"),),
+        ("tests/test_size_uses.py",), "LoopOverConstants"),
+    Mutation(
         "display_index_unread", "an index by a value of the length into a tuple of tensors written at the line (`(o + 2, o * 2)[T % 2]`) is not recorded, so the plan takes the probes' item at every length",
         (("ttt2la/frontend/size_operands.py", "                return range(len(node.elts))\n", "                raise\n"),),
         ("tests/test_size_uses.py",), "OutputIndex"),
