@@ -218,6 +218,21 @@ class EveryWindow(Momentum):
         return o + 2 if x.size(dim=1) % 24 == 0 else o * 2
 
 
+class InConstants(Momentum):
+    """Membership in a tuple of constants: the tuple compares its items one by one and stops
+    at the first equal, so a run at a length among them reaches one comparison only."""
+
+    def finish(self, o, x):
+        return o + 2 if x.size(1) in (16, 24, 32) else o * 2
+
+
+class AnyOfConstants(Momentum):
+    """The same test in a comprehension over constants, which ``any`` stops early."""
+
+    def finish(self, o, x):
+        return o + 2 if any(t == x.shape[1] for t in (16, 24, 32)) else o * 2
+
+
 class LoopOverConstants(Momentum):
     """A decision of the length in a ``for`` loop over constants, which makes the same
     iterations at every length (not an iteration of the sequence)."""
@@ -286,7 +301,8 @@ SPELLINGS = {c.__name__: c for c in (SizeKeyword, ShapeSlice, Numel, Len, Lambda
                                      Text, TextKey, IntCall, IndexCall, BitLength, PowModulus,
                                      FloatLeft, ListIndex, OutputIndex, PercentText, MinFloat,
                                      HelperFloat, SortedInPlace, AbsFloat, IntFloat,
-                                     MethodOfMadeFloat, EveryWindow, LoopOverConstants)}
+                                     MethodOfMadeFloat, EveryWindow, LoopOverConstants,
+                                     InConstants, AnyOfConstants)}
 
 
 class OneSample(Momentum):
@@ -395,7 +411,9 @@ NAMED = {"SizeKeyword": "o * 2 if T % 8", "ShapeSlice": "o * 2 if T % 8",
          "AbsFloat": "(0.5 * abs(x.shape[1])) % 4", "IntFloat": "(0.5 * int(x.shape[1])) % 4",
          "MethodOfMadeFloat": "(0.5 * MadeLength(x).length()) % 4",
          "EveryWindow": "x.size(dim=1) % 24 == 0",
-         "LoopOverConstants": "if x.size(1) == t:"}
+         "LoopOverConstants": "if x.size(1) == t:",
+         "InConstants": "x.size(1) in (16, 24, 32)",
+         "AnyOfConstants": "t == x.shape[1] for t in (16, 24, 32)"}
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))

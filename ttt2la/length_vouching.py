@@ -190,13 +190,39 @@ def _run_uses(rl) -> list:
     sizes |= {n for i, x in enumerate(flat) if isinstance(x, torch.Tensor)
               for ax, n in enumerate(x.shape) if (i, ax) not in tokens}
     chunk = max(rl.program.chunk_size or 1, 1)
-    L, B = probe_sizes(sizes, chunk, layout.batch_unit)
-    if layout.fixed_batch:
-        B = flat[layout.ref].shape[layout.batch_axis[layout.ref]]
-    inputs = _inputs_at(flat, layout, B, L)
-    found = size_uses(lambda: fn(pb, *inputs), L, B, chunk, layout.batch_unit,
-                      (cand.loop.file, cand.loop.line))
-    return [v for v in found if v.of == "the length" or not layout.fixed_batch]
+    found = []
+    for L, B in _run_sizes(sizes, chunk, layout.batch_unit):
+        if layout.fixed_batch:
+            B = flat[layout.ref].shape[layout.batch_axis[layout.ref]]
+        inputs = _inputs_at(flat, layout, B, L)
+        found += size_uses(lambda: fn(pb, *inputs), L, B, chunk, layout.batch_unit,
+                           (cand.loop.file, cand.loop.line))
+    return [v for v in _merged(found) if v.of == "the length" or not layout.fixed_batch]
+
+
+def _run_sizes(sizes: set[int], chunk: int, unit: int) -> list[tuple[int, int]]:
+    """The two shapes the code is run at (``probe_sizes``'s, then the same with a further
+    length): a decision one run skips by short-circuiting on a constant its length happens to
+    equal (``x.size(1) in (16, 24, 32)`` at 16 compares once) is reached at the other."""
+    L, B = probe_sizes(sizes, chunk, unit)
+    L2, _ = probe_sizes(sizes | {L}, chunk, unit)
+    return [(L, B), (L2, B)] if L2 != L else [(L, B)]
+
+
+def _merged(found: list) -> list:
+    """The uses the runs found, one per line and size, with the outcomes each recorded there
+    (a plan's own case kept where the runs agree on it)."""
+    out: dict = {}
+    for v in found:
+        key = (v.file, v.line, v.of)
+        seen = out.get(key)
+        if seen is None:
+            out[key] = v
+            continue
+        chunking = seen.chunking if seen.chunking == v.chunking else ""
+        out[key] = dataclasses.replace(seen, chunking=chunking,
+                                       outcomes=seen.outcomes + v.outcomes)
+    return sorted(out.values(), key=lambda v: (v.file, v.line, v.of))
 
 
 def example_length(rl) -> int | None:
