@@ -190,23 +190,34 @@ def _run_uses(rl) -> list:
     sizes |= {n for i, x in enumerate(flat) if isinstance(x, torch.Tensor)
               for ax, n in enumerate(x.shape) if (i, ax) not in tokens}
     chunk = max(rl.program.chunk_size or 1, 1)
+    fixed = flat[layout.ref].shape[layout.batch_axis[layout.ref]] if layout.fixed_batch \
+        else None
     found = []
-    for L, B in _run_sizes(sizes, chunk, layout.batch_unit):
-        if layout.fixed_batch:
-            B = flat[layout.ref].shape[layout.batch_axis[layout.ref]]
+    for L, B in _run_sizes(sizes, chunk, layout.batch_unit, fixed):
         inputs = _inputs_at(flat, layout, B, L)
         found += size_uses(lambda: fn(pb, *inputs), L, B, chunk, layout.batch_unit,
                            (cand.loop.file, cand.loop.line))
     return [v for v in _merged(found) if v.of == "the length" or not layout.fixed_batch]
 
 
-def _run_sizes(sizes: set[int], chunk: int, unit: int) -> list[tuple[int, int]]:
-    """The two shapes the code is run at (``probe_sizes``'s, then the same with a further
-    length): a decision one run skips by short-circuiting on a constant its length happens to
-    equal (``x.size(1) in (16, 24, 32)`` at 16 compares once) is reached at the other."""
+def _run_sizes(sizes: set[int], chunk: int, unit: int,
+               fixed: int | None) -> list[tuple[int, int]]:
+    """The two shapes the code is run at (``probe_sizes``'s, then the same batch size with a
+    further length; ``fixed``: the one batch size the layer takes): a decision one run skips
+    by short-circuiting on a constant its length happens to equal (``x.size(1) in (16, 24,
+    32)`` at 16 compares once) is reached at the other. The second length's number of chunks
+    is no multiple or divisor of a batch size the runs judge, which a count of the chunks
+    would be taken for."""
     L, B = probe_sizes(sizes, chunk, unit)
-    L2, _ = probe_sizes(sizes | {L}, chunk, unit)
-    return [(L, B), (L2, B)] if L2 != L else [(L, B)]
+    B = fixed or B
+    taken = sizes | {L}
+    for _ in range(64):
+        L2, _ = probe_sizes(taken, chunk, unit)
+        n = L2 // chunk
+        if fixed or n % B and B % n:        # a fixed batch's decisions are not judged
+            return [(L, B), (L2, B)]
+        taken = taken | {L2}
+    return [(L, B)]
 
 
 def _merged(found: list) -> list:
