@@ -212,7 +212,7 @@ def _run_sizes(sizes: set[int], chunk: int, unit: int,
     B = fixed or B
     taken = sizes | {L}
     for _ in range(64):
-        L2, _ = probe_sizes(taken, chunk, unit)
+        L2 = probe_sizes(taken, chunk, unit)[0]
         n = L2 // chunk
         if fixed or n % B and B % n:        # a fixed batch's decisions are not judged
             return [(L, B), (L2, B)]
