@@ -148,7 +148,7 @@ def _prepare(rl: RecognizedLayer, level: int, context: PassContext | None = None
     context = context or PassContext()
     programs, results, steps = [], None, {}
     for rolled in (rl.rolled, rl.rolled_L, rl.rolled_B):
-        prog = rolled.program.clone()
+        prog = rolled.program.relabeled()         # run_passes rewrites a copy of its body
         prog.module_path = rl.path
         assign_roles(prog)
         prog, res, snaps = run_passes(prog, level, context, snapshots=True)

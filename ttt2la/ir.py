@@ -241,10 +241,15 @@ class TTTProgram:
 
     def clone(self) -> "TTTProgram":
         """A deep copy whose body graph can be rewritten without touching this one."""
-        body = graph_module(self.body, copy_graph(self.body.graph))
+        return self.relabeled(body=graph_module(self.body, copy_graph(self.body.graph)))
+
+    def relabeled(self, body=None) -> "TTTProgram":
+        """A copy whose specs (roles, names, notes) can be changed without touching this one,
+        sharing this one's body graph (or holding ``body``): copying a graph costs a conversion
+        more than anything else after tracing, so only a copy that rewrites it pays for one."""
         return dataclasses.replace(
             self,
-            body=body,
+            body=self.body if body is None else body,
             states=[dataclasses.replace(s) for s in self.states],
             streams=[dataclasses.replace(s) for s in self.streams],
             invariants=[dataclasses.replace(s) for s in self.invariants],
