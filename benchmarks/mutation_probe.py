@@ -2414,6 +2414,12 @@ MUTATIONS = [
         (("ttt2la/converted.py", " or torch.jit.is_tracing() or compiler_off():\n",
           " or torch.jit.is_tracing():\n"),),
         ("tests/test_compiled_plan.py",), "torchdynamo_off"),
+    Mutation(
+        "own_attributes_key_the_traces", "what ttt2la keeps on a converted layer (its report) is part of what the traces are cached by, so copies of a converted layer cast together are each traced again",
+        (("ttt2la/frontend/recognize.py",
+          "                if k not in _MODULE_INTERNALS and not k.startswith(OWN_PREFIXES):\n",
+          "                if k not in _MODULE_INTERNALS:\n"),),
+        ("tests/test_recast.py",), "traced_again_once"),
 ]
 
 

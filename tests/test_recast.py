@@ -81,6 +81,37 @@ def test_a_cast_converted_layer_computes_the_cast_original(name, was, now):
     assert any(f"weights in {now}" in shape for shape in cast._ttt2la.runs)
 
 
+def _traces_while(monkeypatch, call) -> int:
+    """How many times the recognizer traces a layer while ``call()`` runs."""
+    from ttt2la.frontend import recognize
+
+    traced, real = [], recognize.trace
+    monkeypatch.setattr(recognize, "trace", lambda *a, **k: traced.append(1) or real(*a, **k))
+    call()
+    monkeypatch.setattr(recognize, "trace", real)
+    return len(traced)
+
+
+def test_copies_of_a_converted_layer_cast_together_are_traced_again_once(monkeypatch):
+    """A converted layer copied into a model's blocks, cast after conversion, is converted again
+    from one block's traces, as it was converted: what ttt2la keeps on a converted layer (its
+    report, its state) steers none of the layer's code, so it is no part of what the traces
+    are cached by. Each block then computes what the cast original does."""
+    from ttt2la.frontend import recognize
+
+    monkeypatch.setattr(recognize, "_CACHE", type(recognize._CACHE)())   # none cached before
+    original = _layer("titans (affine scan, fills in its graphs)", torch.float32)
+    converted = ttt2la.convert(original, level=2, example_inputs=(_x(torch.float32, 0),))
+    blocks = [copy.deepcopy(converted).double() for _ in range(2)]
+    reference, x = copy.deepcopy(original).double(), _x(torch.float64)
+    with torch.no_grad():
+        first = _traces_while(monkeypatch, lambda: blocks[0](x))
+        second = _traces_while(monkeypatch, lambda: blocks[1](x))
+        assert first > 0 and second == 0
+        for block in blocks:
+            assert rel_rms_error(_out(block(x)), _out(reference(x))) <= TOLERANCE[torch.float64]
+
+
 def test_a_lossy_level_cast_replays_its_folds_at_the_new_dtype():
     torch.manual_seed(0)
     original = LaCTFoldedLayer(8, 2, 4, muon=False).double()     # Muon folds nothing: left out

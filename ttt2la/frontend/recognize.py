@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from ..as_found import traced_as_found
+from ..attribute_guard import OWN_PREFIXES
 from ..errors import (ConversionError, SideEffectError, UnsupportedShapeError, UnsupportedTTTError,
                       first_line)
 from ..ir import TTTProgram, params_and_buffers
@@ -354,14 +355,15 @@ def _signature(cand: LoopCandidate, flat: list, in_spec, seq_len) -> tuple | Non
 
     Parameters and buffers are graph inputs, so their values do not matter; plain Python
     attributes (chunk size, switches, containers of them) steer the code and are part of the
-    key. A layer holding any other value — a tensor that is neither a parameter nor a buffer
+    key; what ttt2la itself keeps on a converted layer (its report, its state) steers nothing the
+    layer's code does. A layer holding any other value — a tensor that is neither a parameter nor a buffer
     (its value is baked in), an object the key cannot describe — is not cached.
     """
     attrs = []
     try:
         for name, m in cand.module.named_modules():
             for k, v in sorted(vars(m).items()):
-                if k not in _MODULE_INTERNALS:
+                if k not in _MODULE_INTERNALS and not k.startswith(OWN_PREFIXES):
                     attrs.append((name, k, _config_value(v)))
             attrs.append((name, type(m)))
     except _Uncacheable:
