@@ -23,6 +23,12 @@ from ttt2la import race_as_written
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# Conversions trace thousands of small objects (fx nodes, fake tensors, pytree specs) that live
+# until the conversion ends: at Python's default thresholds the collector scans them again and
+# again while they are still in use. Collecting about seventy times less often ran a slice of
+# the suite 5-15 % faster, at the same peak memory (about 1.5 GB a worker).
+gc.set_threshold(50_000, 20, 100)
+
 torch._dynamo.config.disable = True
 # With dynamo disabled, a ``fullgraph=True`` function raises "found no compiled frames" unless the
 # stance is eager, so both switches are needed for such code to run as plain Python.
