@@ -190,9 +190,9 @@ def test_a_plan_compiled_by_inductor_meets_the_precision_criterion_with_muon():
     evaluation of the same function, no worse than twice the variant as written (outputs and
     every gradient). Skipped where inductor cannot compile (no C++ compiler)."""
     torch.manual_seed(0)
-    full = LaCTFoldedLayer(8, 2, 8, muon=True, base_lr=0.3)
+    full = LaCTFoldedLayer(8, 2, 8, muon=True, base_lr=0.3, muon_steps=2)
     variant = LaCTFoldedLayer(8, 2, 8, muon=True, base_lr=0.3, update_theta=False,
-                              weight_norm=False)
+                              weight_norm=False, muon_steps=2)
     variant.load_state_dict(full.state_dict())
     x = torch.randn(2, 29, 8)
     with compiling():
