@@ -2420,6 +2420,12 @@ MUTATIONS = [
           "                if k not in _MODULE_INTERNALS and not k.startswith(OWN_PREFIXES):\n",
           "                if k not in _MODULE_INTERNALS:\n"),),
         ("tests/test_recast.py",), "traced_again_once"),
+    Mutation(
+        "autograd_guard_unread", "a call whose input records gradients (or after a parameter's requires_grad changed) runs the plan traced on detached inputs, though the layer's code reads requires_grad, is_leaf or grad_fn",
+        (("ttt2la/converted.py",
+          "        change = autograd.changed(self, flat)\n",
+          "        change = None\n"),),
+        ("tests/test_autograd_guard.py",), ""),
 ]
 
 

@@ -50,7 +50,7 @@ class StoppedMemory(nn.Module):
         if self.how == "data":
             return W + (kc.mT @ (eta * vc)).data
         with torch.enable_grad():                   # no_create_graph: a loss's gradient step
-            Wg = W if W.grad_fn is not None else W.detach().requires_grad_()
+            Wg = W.detach().requires_grad_()        # g, of a copy, holds no graph
             loss = -((kc @ Wg) * (eta * vc)).sum()
             g, = torch.autograd.grad(loss, Wg, create_graph=False)
         return W - g

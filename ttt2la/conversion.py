@@ -502,6 +502,7 @@ class _Layer:
             return None
         converted = copy.deepcopy(self.original)
         install(converted, state)
+        state.autograd = None   # the checks differentiate it as traced, through leaf inputs
         return state, converted
 
     def state_at(self, step: int, unfolded: "Prepared | None" = None):
@@ -643,6 +644,9 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     calibrations = _calibrations(target, layers, calibration, example_kwargs)
     built = [_convert_layer(rl, cal, level, folds, backend, strict)
              for rl, cal in zip(layers, calibrations)]
+    # the checks below differentiate the plans through inputs that require grad: the guard
+    # sending such calls to the code as written (``autograd_guard``) starts after them
+    autograd = {}
     for layer, mode in zip(built, modes):
         if mode:
             layer.notes.append(f"converted for evaluation mode: {mode}; in training mode it "
@@ -650,6 +654,7 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
         if layer.state is not None:
             layer.state.training_dependence = mode
             install(layer.rl.candidate.module, layer.state)
+            autograd[id(layer)], layer.state.autograd = layer.state.autograd, None
     reports, drifts = [], []
     for layer in built:
         check = _checked(layer)
@@ -671,6 +676,8 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
                                                 kwargs, compiler))
     layer_reports = [_finished_report(layer, check, d) for (layer, check), d in zip(reports, drifts)]
     for layer in built:     # after the checks above, which must see the plans
+        if layer.state is not None:
+            layer.state.autograd = autograd[id(layer)]
         if layer.state is not None and layer.exact:
             layer.state.as_written = AsWritten()
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,

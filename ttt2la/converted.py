@@ -35,6 +35,7 @@ from .frontend.output_types import output_spec, typed_output
 from .global_guard import GlobalGuard, code_names, read_off_classes
 from .input_types import InputTypes
 from .layout_guard import LayoutGuard
+from .autograd_guard import AutogradGuard
 from .gradient_stops import records_gradients
 from .errors import (AlreadyConvertedError, ChangedAttributeError, ConversionError,
                      PartialChunkError, StreamingError, UnsupportedExportError,
@@ -181,6 +182,7 @@ class ConvertedState:
     outside: GlobalGuard | None = None  # class attributes and globals its code reads, then
     settings: SettingsGuard | None = None   # torch's global settings its code reads, then
     input_layout: LayoutGuard | None = None     # the example's layout, where its code reads one
+    autograd: AutogradGuard | None = None       # no input recording gradients, where it reads that
     typed_output: Callable | None = None    # gives its outputs their ``torch.Size`` values back
     walk: ModuleWalk | None = None      # its module tree at conversion, walked once a call
     skipped_first: frozenset = frozenset()  # states whose use the loop's first iteration skips
@@ -1024,6 +1026,9 @@ def _converted_call(self, args: tuple, kwargs: dict, ttt_state=None,
     layout = state.input_layout
     if change is None and layout is not None and layout.key(flat) != layout.example:
         change = layout.changed(flat)
+    autograd = state.autograd
+    if change is None and autograd is not None:
+        change = autograd.changed(self, flat)
     if change is not None:
         return state.changed_call(self, args, kwargs, change, stateful=stateful)
     weights = None if found is None else walk.weights(found)
@@ -1220,6 +1225,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     state.settings = SettingsGuard.of(module)
     example = _example_flat(state)
     state.input_layout = LayoutGuard.of(module, example)
+    state.autograd = AutogradGuard.of(module)
     state.input_types = _input_types(state, example)
     state.typed_output = typed_output(output_spec(getattr(state.outer, "gm", None)))
     state.walk = ModuleWalk.of(module, state.attributes)
