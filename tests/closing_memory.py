@@ -4,6 +4,8 @@ watches (a setting, the input's layout), and the output types' test, on what it 
 import torch
 import torch.nn as nn
 
+import ttt2la
+
 D = 8
 
 
@@ -22,3 +24,14 @@ class ClosingMemory(nn.Module):
             M = 0.5 * M + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
             S = S + 0.1 * M
         return self.close(torch.cat(outs, 1), x)
+
+
+def converted_once(cache: dict, layers: dict, kind: str, level: int):
+    """``(layer, its conversion at level)`` for ``layers[kind]``, seeded and converted on a
+    (2, 16, D) example once per ``cache``."""
+    if (kind, level) not in cache:
+        torch.manual_seed(0)
+        layer = layers[kind]()
+        cache[kind, level] = layer, ttt2la.convert(
+            layer, level=level, example_inputs=(torch.randn(2, 16, D),))
+    return cache[kind, level]

@@ -12,7 +12,7 @@ import ttt2la
 from ttt2la.errors import ChangedAttributeError
 from ttt2la.testing import rel_rms_error
 
-from closing_memory import D, ClosingMemory
+from closing_memory import D, ClosingMemory, converted_once
 
 
 class RequiresGrad(ClosingMemory):
@@ -69,12 +69,7 @@ _CONVERTED: dict = {}
 
 
 def _converted(kind: str, level: int):
-    if (kind, level) not in _CONVERTED:
-        torch.manual_seed(0)
-        layer = LAYERS[kind]()
-        _CONVERTED[kind, level] = layer, ttt2la.convert(
-            layer, level=level, example_inputs=(torch.randn(2, 16, D),))
-    return _CONVERTED[kind, level]
+    return converted_once(_CONVERTED, LAYERS, kind, level)
 
 
 @pytest.mark.parametrize("kind", sorted(k for k in LAYERS if "parameter" not in k))

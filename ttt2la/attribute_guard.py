@@ -106,6 +106,14 @@ def _getter(names: tuple[str, ...], absent: tuple[str, ...] = ()) -> Callable[[d
     return lambda d: (*present(d), *[d.get(n, _MISSING) for n in absent])
 
 
+class Shown(str):
+    """A state a message names in words, not a value (shown without quotes): an input's
+    layout, whether it records gradients."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 @dataclass(frozen=True)
 class Change:
     """One attribute that differs from conversion: where, its value then and now."""
@@ -262,5 +270,5 @@ def _class_of(cls: type) -> type:
     return cls.__bases__[0] if cls.__module__ == parametrize.__name__ else cls
 
 
-__all__ = ["AttributeGuard", "Change", "BOOKKEEPING", "comparable", "plain_attributes",
+__all__ = ["AttributeGuard", "Change", "Shown", "BOOKKEEPING", "comparable", "plain_attributes",
            "plain_value", "watched"]

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribute_guard import Change
+from .attribute_guard import Change, Shown
 from .global_guard import names_read
-from .layout_guard import _Shown
 
 #: the tensor attributes that tell whether a tensor records gradients, and how it was made
 _READS = frozenset({"requires_grad", "is_leaf", "grad_fn"})
@@ -61,14 +60,14 @@ class AutogradGuard:
         """What records gradients otherwise than the trace saw (``None`` when nothing does)."""
         recording = _recording(flat)
         if recording:
-            return Change(self.where, _Shown("no input requiring gradients"), _Shown(recording))
+            return Change(self.where, Shown("no input requiring gradients"), Shown(recording))
         now = tuple(p.requires_grad for p in layer.parameters())
         if now == self.parameters:
             return None
         names = [n for (n, p), then in zip(layer.named_parameters(), self.parameters)
                  if p.requires_grad != then]
-        return Change(self.where, _Shown("the parameters' requires_grad as at conversion"),
-                      _Shown(f"requires_grad changed on {', '.join(names) or 'the parameters'}"))
+        return Change(self.where, Shown("the parameters' requires_grad as at conversion"),
+                      Shown(f"requires_grad changed on {', '.join(names) or 'the parameters'}"))
 
 
 __all__ = ["AutogradGuard"]

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .attribute_guard import Change
+from .attribute_guard import Change, Shown
 from .global_guard import names_read
 
 #: the tensor methods that read a layout, and whether each reads the storage offset
@@ -31,13 +31,6 @@ _READS = {"is_contiguous": False, "stride": False, "is_non_overlapping_and_dense
 #: the tensor methods themselves, found under whatever name the code holds them
 #: (``contig = torch.Tensor.is_contiguous``)
 _METHODS = {name: getattr(torch.Tensor, name) for name in _READS if hasattr(torch.Tensor, name)}
-
-
-class _Shown(str):
-    """A layout as messages show it (without quotes)."""
-
-    def __repr__(self) -> str:
-        return str(self)
 
 
 def _layouts(flat: list) -> list:
@@ -93,8 +86,8 @@ class LayoutGuard:
         if now == then:
             return None
         offset = self.key is _placed
-        return Change(self.where, _Shown(_described(then, offset)),
-                      _Shown(_described(now, offset)))
+        return Change(self.where, Shown(_described(then, offset)),
+                      Shown(_described(now, offset)))
 
 
 __all__ = ["LayoutGuard"]
