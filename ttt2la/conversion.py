@@ -676,9 +676,10 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
                                                 kwargs, compiler))
     layer_reports = [_finished_report(layer, check, d) for (layer, check), d in zip(reports, drifts)]
     for layer in built:     # after the checks above, which must see the plans
-        if layer.state is not None:
-            layer.state.autograd = autograd[id(layer)]
-        if layer.state is not None and layer.exact:
+        if layer.state is None:
+            continue
+        layer.state.autograd = autograd[id(layer)]
+        if layer.exact:
             layer.state.as_written = AsWritten()
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
                                             strict=strict, notes=notes, loss=loss)
