@@ -1814,7 +1814,7 @@ MUTATIONS = [
         ("tests/test_global_guard.py",), "class"),
     Mutation(
         "helper_globals_unread", "the globals of the functions a layer's methods call are not read",
-        (("ttt2la/global_guard.py", "                _reads(value, depth - 1, seen, out, attributes)\n",
+        (("ttt2la/global_guard.py", "                _reads(value, depth - 1, seen, out, layer_code)\n",
           "                pass\n"),),
         ("tests/test_global_guard.py",), "helper"),
     Mutation(
@@ -1847,13 +1847,13 @@ MUTATIONS = [
     Mutation(
         "setting_aliases_unread", "torch's setting readers are found by the names the code spells only, so an alias (`from torch import get_default_dtype as gdd`, a global, `import torch.backends.mkldnn as mk`) escapes the guard",
         (("ttt2la/settings_guard.py",
-          "names_read(layer, frozenset(_READERS) | _FLAG_NAMES, _OBJECTS)",
-          "names_read(layer, frozenset(_READERS) | _FLAG_NAMES)"),),
+          "names_read(layer, frozenset(_READERS) | _FLAG_NAMES, _OBJECTS, layer_code)",
+          "names_read(layer, frozenset(_READERS) | _FLAG_NAMES, None, layer_code)"),),
         ("tests/test_settings_guard.py",), "alias"),
     Mutation(
         "layout_aliases_unread", "the layout reads are found by the method names the code spells only, so `contiguous = torch.Tensor.is_contiguous` escapes the guard",
-        (("ttt2la/layout_guard.py", "names_read(layer, frozenset(_READS), _METHODS)",
-          "names_read(layer, frozenset(_READS))"),),
+        (("ttt2la/layout_guard.py", "names_read(layer, frozenset(_READS), _METHODS, layer_code)",
+          "names_read(layer, frozenset(_READS), None, layer_code)"),),
         ("tests/test_layout_guard.py",), "alias"),
     Mutation(
         "held_functions_unfollowed", "the user functions a layer's code reaches other than by a global's name (held by the layer, a static method) are not read for settings and layouts",
@@ -1862,7 +1862,7 @@ MUTATIONS = [
         ("tests/test_settings_guard.py",), "held"),
     Mutation(
         "held_helper_globals_unread", "the globals of a helper the layer holds (`self.finish = finish`) are not guarded",
-        (("ttt2la/global_guard.py", "        _reads(held, depth - 1, seen, out, attributes)\n",
+        (("ttt2la/global_guard.py", "        _reads(held, depth - 1, seen, out, layer_code)\n",
           "        pass\n"),),
         ("tests/test_global_guard.py",), "held"),
     Mutation(
@@ -2296,8 +2296,8 @@ MUTATIONS = [
     Mutation(
         "caches_guarded", "the caches a layer's forward fills are guarded like its settings: once "
         "a call of its code as written fills one, it runs as written from then on",
-        (("ttt2la/converted.py", "read_off_classes(module, read), state.caches)",
-          "read_off_classes(module, read))"),),
+        (("ttt2la/converted.py", "read_off_classes(module, code.names()),\n                                         state.caches)",
+          "read_off_classes(module, code.names()))"),),
         ("tests/test_filled_caches.py",), "fixed_number"),
     Mutation(
         "half_gemms_unforced", "the switch that forces half GEMMs native or formed in fp32 is "

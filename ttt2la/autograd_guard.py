@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .attribute_guard import Change, Shown
-from .global_guard import names_read
+from .global_guard import LayerCode, names_read
 
 #: the tensor attributes that tell whether a tensor records gradients, and how it was made
 _READS = frozenset({"requires_grad", "is_leaf", "grad_fn"})
@@ -46,10 +46,11 @@ class AutogradGuard:
     parameters: tuple[bool, ...]        # each parameter's ``requires_grad`` at conversion
 
     @classmethod
-    def of(cls, layer: torch.nn.Module) -> "AutogradGuard | None":
+    def of(cls, layer: torch.nn.Module, layer_code: LayerCode | None = None
+           ) -> "AutogradGuard | None":
         """``None`` where ``layer``'s code reads none of ``requires_grad``, ``is_leaf`` and
-        ``grad_fn``."""
-        found = names_read(layer, _READS, _DESCRIPTORS)
+        ``grad_fn`` (``layer_code``: the layer's, where the caller has read it already)."""
+        found = names_read(layer, _READS, _DESCRIPTORS, layer_code)
         if not found:
             return None
         name, line = next(iter(found.items()))

@@ -32,7 +32,7 @@ from torch._guards import detect_fake_mode
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
 from .frontend.output_types import output_spec, typed_output
-from .global_guard import GlobalGuard, code_names, read_off_classes
+from .global_guard import GlobalGuard, LayerCode, read_off_classes
 from .input_types import InputTypes
 from .layout_guard import LayoutGuard
 from .autograd_guard import AutogradGuard
@@ -1219,13 +1219,14 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     """Turn ``module`` into its converted class in place, keeping its parameters and names."""
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
-    read = code_names(module)
-    state.attributes = AttributeGuard.of(module, read_off_classes(module, read), state.caches)
-    state.outside = GlobalGuard.of(module, read)
-    state.settings = SettingsGuard.of(module)
+    code = LayerCode(module)            # read once for every guard below
+    state.attributes = AttributeGuard.of(module, read_off_classes(module, code.names()),
+                                         state.caches)
+    state.outside = GlobalGuard.of(module, code)
+    state.settings = SettingsGuard.of(module, code)
     example = _example_flat(state)
-    state.input_layout = LayoutGuard.of(module, example)
-    state.autograd = AutogradGuard.of(module)
+    state.input_layout = LayoutGuard.of(module, example, code)
+    state.autograd = AutogradGuard.of(module, code)
     state.input_types = _input_types(state, example)
     state.typed_output = typed_output(output_spec(getattr(state.outer, "gm", None)))
     state.walk = ModuleWalk.of(module, state.attributes)

@@ -94,9 +94,9 @@ def _functions(cls: type):
 
 
 def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
-           attributes: Attributes) -> None:
+           layer_code: "LayerCode") -> None:
     """The globals ``fn`` (and the user functions it names or holds, ``depth`` more calls deep)
-    reads; ``attributes``: where an attribute may hold such a function (the layer's modules)."""
+    reads; ``layer_code``: the layer's, where an attribute may hold such a function."""
     if fn in seen:
         return
     seen.add(fn)
@@ -110,7 +110,7 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
             value = g[name]
             user_function = isinstance(value, types.FunctionType) and not _library_code(value)
             if user_function and depth > 0:
-                _reads(value, depth - 1, seen, out, attributes)
+                _reads(value, depth - 1, seen, out, layer_code)
             if user_function or _watchable(value):
                 where = os.path.basename(g.get("__file__") or "") or g.get("__name__", "?")
                 kind = "a function" if user_function else "a global"
@@ -124,8 +124,8 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
             kind = "a function" if isinstance(value, types.FunctionType) else "a variable"
             out.setdefault((id(cell), name), (lambda c=cell: _contents(c),
                                               f"{name} ({kind} of {fn.__qualname__}'s closure)"))
-    for held in (_held_functions(fn, attributes) if depth > 0 else ()):
-        _reads(held, depth - 1, seen, out, attributes)
+    for held in (_held_functions(fn, layer_code) if depth > 0 else ()):
+        _reads(held, depth - 1, seen, out, layer_code)
 
 
 def _contents(cell: types.CellType):
@@ -136,42 +136,62 @@ def _contents(cell: types.CellType):
         return _MISSING
 
 
+class LayerCode:
+    """The functions of a layer's code (``functions``: its user classes' methods and the user
+    functions they call by name, ``_DEPTH`` calls deep, and those they reach otherwise,
+    ``_held_functions``) and what their names load (``loaded``), read once for every guard a
+    conversion builds: each guard read them again before, a few ms a layer."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        self.attributes = Attributes(list(layer.modules()))
+        self._loaded: dict[types.FunctionType, LoadedValues] = {}
+        found: dict = {}
+
+        def visit(fn: types.FunctionType, depth: int) -> None:
+            if fn in found:
+                return
+            found[fn] = None
+            codes, g = [fn.__code__], fn.__globals__
+            while codes and depth > 0:
+                code = codes.pop()
+                codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+                for name in code.co_names:
+                    value = g.get(name)
+                    if isinstance(value, types.FunctionType) and not _library_code(value):
+                        visit(value, depth - 1)
+            for held in (_held_functions(fn, self) if depth > 0 else ()):
+                visit(held, depth - 1)
+
+        for klass, _, _ in _user_classes(layer):
+            for fn in _functions(klass):
+                visit(fn, _DEPTH)
+        self.functions: list[types.FunctionType] = list(found)
+
+    def loaded(self, fn: types.FunctionType) -> LoadedValues:
+        """What the names ``fn``'s code loads hold now (read once)."""
+        if fn not in self._loaded:
+            self._loaded[fn] = LoadedValues(fn, self.attributes)
+        return self._loaded[fn]
+
+    def names(self) -> frozenset[str]:
+        """Every name the code holds as an attribute or global name (``co_names``), and
+        ``forward``, which torch calls: what it may look up on its modules."""
+        names = {"forward"}
+        for fn in self.functions:
+            for code, _ in codes(fn):
+                names.update(code.co_names)
+        return frozenset(names)
+
+
 def layer_functions(layer: torch.nn.Module) -> list[types.FunctionType]:
-    """The functions of ``layer``'s code: its user classes' methods and the user functions they
-    call by name, ``_DEPTH`` calls deep (the code ``GlobalGuard`` reads the globals of), and
-    those they reach otherwise (``_held_functions``)."""
-    found: dict = {}
-    attributes = Attributes(list(layer.modules()))
-
-    def visit(fn: types.FunctionType, depth: int) -> None:
-        if fn in found:
-            return
-        found[fn] = None
-        codes, g = [fn.__code__], fn.__globals__
-        while codes and depth > 0:
-            code = codes.pop()
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-            for name in code.co_names:
-                value = g.get(name)
-                if isinstance(value, types.FunctionType) and not _library_code(value):
-                    visit(value, depth - 1)
-        for held in (_held_functions(fn, attributes) if depth > 0 else ()):
-            visit(held, depth - 1)
-
-    for klass, _, _ in _user_classes(layer):
-        for fn in _functions(klass):
-            visit(fn, _DEPTH)
-    return list(found)
+    """The functions of ``layer``'s code (``LayerCode.functions``)."""
+    return LayerCode(layer).functions
 
 
 def code_names(layer: torch.nn.Module) -> frozenset[str]:
-    """Every name ``layer``'s code (``layer_functions``) holds as an attribute or global name
-    (``co_names``), and ``forward``, which torch calls: what it may look up on its modules."""
-    names = {"forward"}
-    for fn in layer_functions(layer):
-        for code, _ in codes(fn):
-            names.update(code.co_names)
-    return frozenset(names)
+    """Every name ``layer``'s code holds as an attribute or global name (``LayerCode.names``)."""
+    return LayerCode(layer).names()
 
 
 def read_off_classes(layer: torch.nn.Module, read: frozenset[str]) -> dict[type, frozenset[str]]:
@@ -196,11 +216,11 @@ def _data(value) -> bool:
     return hasattr(type(value), "__set__") or hasattr(type(value), "__delete__")
 
 
-def _held_functions(fn: types.FunctionType, attributes: Attributes):
+def _held_functions(fn: types.FunctionType, layer_code: "LayerCode"):
     """The user functions ``fn``'s code reaches other than by a global's name: held by its
     closure, a parameter's default, an attribute of the layer (``self.finish = finish``) or of
     an object a global holds (``helpers.finish``, a static method)."""
-    values = LoadedValues(fn, attributes)
+    values = layer_code.loaded(fn)
     for code, top in codes(fn):
         for kind, name in values.names(code, top):
             for value in (values.of(kind, name) if kind != "global" else ()):
@@ -208,16 +228,18 @@ def _held_functions(fn: types.FunctionType, attributes: Attributes):
                     yield value
 
 
-def names_read(layer: torch.nn.Module, wanted, objects=None) -> dict[str, str]:
+def names_read(layer: torch.nn.Module, wanted, objects=None,
+               layer_code: LayerCode | None = None) -> dict[str, str]:
     """``{name: "file:line (`code`)"}``: which of the names ``wanted`` (functions and
-    attributes, as ``code.co_names`` holds them) ``layer``'s code (``layer_functions``) reads,
-    each at the first line found; and which keys of ``objects`` (``{key: object}``) it loads
-    under whatever name (``LoadedValues``: an alias, a global, a reader the layer holds)."""
+    attributes, as ``code.co_names`` holds them) ``layer``'s code (``LayerCode``, read now
+    unless ``layer_code`` holds it) reads, each at the first line found; and which keys of
+    ``objects`` (``{key: object}``) it loads under whatever name (``LoadedValues``: an alias, a
+    global, a reader the layer holds)."""
     by_id = {id(o): (o, key) for key, o in (objects or {}).items()}
-    attributes = Attributes(list(layer.modules()))
+    read = LayerCode(layer) if layer_code is None else layer_code
     out: dict[str, str] = {}
-    for fn in layer_functions(layer):
-        values = LoadedValues(fn, attributes)
+    for fn in read.functions:
+        values = read.loaded(fn)
         for code, top in codes(fn):
             held = {}                   # (kind, name) -> the keys of the objects it loads
             for kind, name in (values.names(code, top) if by_id else ()):
@@ -258,14 +280,14 @@ class GlobalGuard:
     values: tuple
 
     @classmethod
-    def of(cls, layer: torch.nn.Module, read: frozenset[str] | None = None
+    def of(cls, layer: torch.nn.Module, layer_code: LayerCode | None = None
            ) -> "GlobalGuard | None":
-        """Record them now (``None``: the code reads none); ``read``: ``code_names(layer)``
-        where the caller has it already."""
+        """Record them now (``None``: the code reads none); ``layer_code``: the layer's, where
+        the caller has read it already."""
         found: dict = {}
         seen: set = set()
-        read = code_names(layer) if read is None else read
-        attributes = Attributes(list(layer.modules()))
+        layer_code = LayerCode(layer) if layer_code is None else layer_code
+        read = layer_code.names()
         for klass, most, m in _user_classes(layer):
             own = vars(m)
             for name, value in vars(klass).items():
@@ -277,7 +299,7 @@ class GlobalGuard:
                         lambda k=most, n=name: getattr(k, n, _MISSING),
                         f"{most.__name__}.{name} ({kind})"))
             for fn in _functions(klass):
-                _reads(fn, _DEPTH, seen, found, attributes)
+                _reads(fn, _DEPTH, seen, found, layer_code)
         if not found:
             return None
         entries = tuple(found.values())
@@ -301,4 +323,4 @@ def _equal(a, b) -> bool:
         return False
 
 
-__all__ = ["GlobalGuard", "code_names", "layer_functions", "names_read", "read_off_classes"]
+__all__ = ["GlobalGuard", "LayerCode", "code_names", "layer_functions", "names_read", "read_off_classes"]

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .attribute_guard import Change, Shown
-from .global_guard import names_read
+from .global_guard import LayerCode, names_read
 
 #: the tensor methods that read a layout, and whether each reads the storage offset
 _READS = {"is_contiguous": False, "stride": False, "is_non_overlapping_and_dense": False,
@@ -66,10 +66,12 @@ class LayoutGuard:
     example: list | None        # ``key`` of the example inputs (``None``: not recorded)
 
     @classmethod
-    def of(cls, layer: torch.nn.Module, flat: list | None) -> "LayoutGuard | None":
+    def of(cls, layer: torch.nn.Module, flat: list | None,
+           layer_code: LayerCode | None = None) -> "LayoutGuard | None":
         """``None`` where ``layer``'s code reads no layout; ``flat``: the example inputs
-        flattened as a call's are (``None``: unknown, taken as contiguous at offset 0)."""
-        found = names_read(layer, frozenset(_READS), _METHODS)
+        flattened as a call's are (``None``: unknown, taken as contiguous at offset 0);
+        ``layer_code``: the layer's, where the caller has read it already."""
+        found = names_read(layer, frozenset(_READS), _METHODS, layer_code)
         if not found:
             return None
         name, line = next(iter(found.items()))

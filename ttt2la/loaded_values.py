@@ -64,6 +64,7 @@ class Attributes:
 
     def __init__(self, modules: list):
         self._dicts: dict[int, tuple] = {}
+        self._merged: dict[int, tuple] = {}
         held = [v for m in modules for v in vars(m).values()
                 if not isinstance(v, (torch.nn.Module, torch.Tensor)) and self._own(v) is not None]
         self._layer = list({id(b): b for b in modules + held}.values())
@@ -79,23 +80,35 @@ class Attributes:
             return None
         return own if isinstance(own, dict) or isinstance(base, type) else None
 
-    def _of(self, base) -> list:
+    def _of(self, base) -> tuple[dict, ...]:
+        """Where a name is looked up on ``base``: its own ``__dict__``, then its class's (or, for
+        a class, its own) MRO merged into one dict, a derived class's entry winning."""
         if id(base) not in self._dicts:
             if isinstance(base, type):
-                dicts = [vars(c) for c in base.__mro__ if c is not object]
+                dicts = (self._classes(base),)
             else:
                 own = self._own(base)
-                dicts = ([] if own is None else [own]) + [
-                    vars(c) for c in type(base).__mro__ if c is not object]
+                dicts = (() if own is None else (own,)) + (self._classes(type(base)),)
             self._dicts[id(base)] = (base, dicts)     # the base is kept, so its id stays its
         return self._dicts[id(base)][1]
+
+    def _classes(self, cls: type) -> dict:
+        """The dicts of ``cls``'s MRO (``object``'s left out) as one, as lookup finds names."""
+        if id(cls) not in self._merged:            # by id: a metaclass may define ``==``
+            merged: dict = {}
+            for c in reversed(cls.__mro__):
+                if c is not object:
+                    merged.update(vars(c))
+            self._merged[id(cls)] = (cls, merged)
+        return self._merged[id(cls)][1]
 
     def _lookup(self, bases: list, name: str) -> list:
         out = []
         for base in bases:
             for d in self._of(base):
-                if name in d:
-                    out.append(d[name])
+                value = d.get(name, _MISSING)
+                if value is not _MISSING:
+                    out.append(value)
                     break
         return out
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .attribute_guard import Change
-from .global_guard import names_read
+from .global_guard import LayerCode, names_read
 
 
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -122,9 +122,11 @@ class SettingsGuard:
     names: tuple[str, ...]          # "torch.get_default_dtype() (read at file:line (`code`))"
 
     @classmethod
-    def of(cls, layer: torch.nn.Module) -> "SettingsGuard | None":
-        """Read them now (``None``: the layer's code names none)."""
-        found = names_read(layer, frozenset(_READERS) | _FLAG_NAMES, _OBJECTS)
+    def of(cls, layer: torch.nn.Module, layer_code: LayerCode | None = None
+           ) -> "SettingsGuard | None":
+        """Read them now (``None``: the layer's code names none); ``layer_code``: the layer's,
+        where the caller has read it already."""
+        found = names_read(layer, frozenset(_READERS) | _FLAG_NAMES, _OBJECTS, layer_code)
         entries: dict[str, tuple[str, Callable[[], object]]] = {}
         for name, where in found.items():
             if name in _READERS:

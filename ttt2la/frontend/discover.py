@@ -338,7 +338,7 @@ class _LoopSink:
         file, name, lo, hi = site
         start = None
         for i, (f, line, fn) in enumerate(frames):
-            if os.path.abspath(f) == file and fn == name and lo <= line <= hi:
+            if fn == name and lo <= line <= hi and os.path.abspath(f) == file:
                 start = i
         if start is None:
             return None

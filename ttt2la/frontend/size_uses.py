@@ -685,15 +685,22 @@ def _varies(values) -> bool:
         return True
 
 
+def _exact(v) -> int | Fraction:
+    """``v`` as an exact number (a float's own binary value): sizes are mostly ints, whose
+    arithmetic is exact and fast as it is."""
+    return v if type(v) is int else Fraction(v)
+
+
 def _not_affine(points) -> bool:
-    """Are the ``(x, value)`` points (an iterator that may raise) on no line ``a + c·x``?"""
+    """Are the ``(x, value)`` points (an iterator that may raise) on no line ``a + c·x``?
+    (Compared cross-multiplied, ``(v − v0)·Δx = Δv·(x − x0)``, so ints stay ints.)"""
     try:
-        (x0, v0), (x1, v1), *rest = ((x, Fraction(v)) for x, v in points)
+        (x0, v0), (x1, v1), *rest = ((x, _exact(v)) for x, v in points)
     except Exception:
         return True
-    c = (v1 - v0) / (x1 - x0)
+    dv, dx = v1 - v0, x1 - x0
     try:
-        return any(v0 + c * (x - x0) != Fraction(v) for x, v in rest)
+        return any((_exact(v) - v0) * dx != dv * (x - x0) for x, v in rest)
     except Exception:
         return True
 
@@ -714,9 +721,11 @@ def _changes(at, judged: bool, chunk: int, lengths: list[int], batches: list[int
     return [of for of, yes in (("the length", length), ("the batch size", batch)) if yes]
 
 
+@functools.lru_cache(maxsize=4096)
 def _guard(file: str, line: int) -> bool:
     """Is the statement at ``file:line`` a guard that only raises (an ``assert``, an ``if``
-    whose body raises, ``torch._assert``)? It changes no structure."""
+    whose body raises, ``torch._assert``)? It changes no structure. (Read once per line, as
+    ``parsed`` reads a file once.)"""
     tree = parsed(file)
     if tree is None:
         return False
