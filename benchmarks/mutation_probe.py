@@ -63,7 +63,7 @@ MUTATIONS = [
         (("ttt2la/runtime/newton_schulz.py", "schedule = ns_schedule(steps, coefficients)",
           "schedule = tuple((a, b, c + 0.01) for a, b, c in ns_schedule(steps, coefficients))"),),
         ("tests/test_convert.py", "tests/test_runtime_block.py"),
-        "folded-H1-D4-C8-with_momentum-with_muon-float64 or newton_schulz_matches"),
+        "folded-H1-D4-C8-with_momentum-muon5-float64 or newton_schulz_matches"),
     Mutation(
         "ns_coefficient_constant", "Muon's default triple 2.0315 -> 2.0415 in naive.py (shared)",
         (("ttt2la/runtime/naive.py", "(3.4445, -4.7750, 2.0315)", "(3.4445, -4.7750, 2.0415)"),),
@@ -2426,6 +2426,11 @@ MUTATIONS = [
           "        change = autograd.changed(self, flat)\n",
           "        change = None\n"),),
         ("tests/test_autograd_guard.py",), ""),
+    Mutation(
+        "criterion_judged_once", "the precision criterion judges its first five inputs only, so a few unlucky inputs fail a conversion whose error is the original's",
+        (("ttt2la/testing.py", "    for n in (CRITERION_SAMPLES, CRITERION_CONFIRM_SAMPLES):\n",
+          "    for n in (CRITERION_SAMPLES,):\n"),),
+        ("tests/test_precision_criterion.py",), ""),
 ]
 
 

@@ -41,14 +41,15 @@ _converted: dict = {}
 
 
 def _layers(style, H, D, C, momentum, muon, level, dtype):
-    """(variant-`level` layer with the full layer's weights, converted full layer)."""
+    """(variant-`level` layer with the full layer's weights, converted full layer); ``muon``:
+    the number of Newton–Schulz steps (0: no Muon)."""
     key = (style, H, D, C, momentum, muon, level, dtype)
     if key not in _converted:
         torch.manual_seed(sum(map(ord, str(key))))
         cls = STYLES[style]
-        full = cls(H * D, H, C, momentum=momentum, muon=muon, base_lr=0.3).to(dtype)
-        variant = cls(H * D, H, C, momentum=momentum, muon=muon, base_lr=0.3,
-                      **VARIANT[level]).to(dtype)
+        switches = dict(momentum=momentum, muon=bool(muon), muon_steps=muon or 5, base_lr=0.3)
+        full = cls(H * D, H, C, **switches).to(dtype)
+        variant = cls(H * D, H, C, **switches, **VARIANT[level]).to(dtype)
         variant.load_state_dict(full.state_dict())
         x = torch.randn(2, 3 * C + 5, H * D, dtype=dtype)
         conv = ttt2la.convert(full, level=level, example_inputs=(x,))
@@ -75,16 +76,17 @@ def _check(variant, conv, x, muon):
 
 
 # (style, H, D, C, momentum, muon, dtype): style x momentum x Muon in fp32, and float64 for Muon
-# with momentum; head count, head width and chunk size vary among them. Conversions are slow
-# (tracing), so the list is what matters, not the full product.
+# with momentum; head count, head width, chunk size and the number of Newton–Schulz steps
+# (``muon``, 0: none; LaCT's five, and fewer) vary among them. Conversions are slow (tracing, in
+# proportion to the steps), so the list is what matters, not the full product.
 F32, F64 = torch.float32, torch.float64
-LEVEL2 = [("folded", 2, 4, 3, True, False, F32), ("heads", 1, 6, 3, True, False, F32),
-          ("heads", 2, 4, 8, False, False, F32),
-          ("folded", 2, 4, 8, True, True, F32), ("heads", 1, 6, 8, True, True, F32),
-          ("folded", 1, 6, 8, False, True, F32),
-          ("folded", 1, 4, 8, True, True, F64), ("heads", 2, 6, 8, True, True, F64)]
-LEVEL1 = [("folded", 2, 4, 5, True, True, F32), ("heads", 2, 4, 5, True, False, F32),
-          ("heads", 1, 6, 8, True, True, F64)]
+LEVEL2 = [("folded", 2, 4, 3, True, 0, F32), ("heads", 1, 6, 3, True, 0, F32),
+          ("heads", 2, 4, 8, False, 0, F32),
+          ("folded", 2, 4, 8, True, 5, F32), ("heads", 1, 6, 8, True, 2, F32),
+          ("folded", 1, 6, 8, False, 3, F32),
+          ("folded", 1, 4, 8, True, 5, F64), ("heads", 2, 6, 8, True, 2, F64)]
+LEVEL1 = [("folded", 2, 4, 5, True, 5, F32), ("heads", 2, 4, 5, True, 0, F32),
+          ("heads", 1, 6, 8, True, 2, F64)]
 
 # Shortfalls of the current lowering and runtime, each a strict xfail: the test fails as soon as
 # the shortfall is fixed, so the mark cannot outlive it.
@@ -95,7 +97,7 @@ OVER_PRECISION_CRITERION: dict[str, str] = {}
 def _id(cfg):
     style, H, D, C, momentum, muon, dtype = cfg
     return (f"{style}-H{H}-D{D}-C{C}-{'with' if momentum else 'no'}_momentum-"
-            f"{'with' if muon else 'no'}_muon-{str(dtype).split('.')[-1]}")
+            f"{f'muon{muon}' if muon else 'no_muon'}-{str(dtype).split('.')[-1]}")
 
 
 def _params(configs, shortfalls):
@@ -151,9 +153,10 @@ def test_level1_runs_semi_parallel_and_equals_variant1(cfg, B, chunks):
 
 @pytest.mark.parametrize("style", ["folded", "heads"])
 def test_level0_refuses_the_full_layer_and_names_the_theta_update(style):
-    # the layer and example of the non-strict test below (float64): traced once for both
+    # the layer and example of the non-strict test below (float64): traced once for both; two
+    # Newton–Schulz steps, as the number is not what either asks about
     torch.manual_seed(0)
-    layer = STYLES[style](16, 2, 4).double()
+    layer = STYLES[style](16, 2, 4, muon_steps=2).double()
     x = torch.randn(2, 19, 16).double()
     with pytest.raises(ttt2la.NonReducibleError) as info:
         ttt2la.convert(layer, level=0, example_inputs=(x,))
@@ -168,7 +171,7 @@ def test_level0_refuses_the_full_layer_and_names_the_theta_update(style):
 def test_level0_non_strict_keeps_the_recurrent_executor_exactly(style):
     # the published layer has Muon on: compared in float64 (see the module docstring)
     torch.manual_seed(0)
-    layer = STYLES[style](16, 2, 4).double()
+    layer = STYLES[style](16, 2, 4, muon_steps=2).double()
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 19, 16).double(),),
                           strict=False)
     report = conv.ttt2la_report.layers[0]
@@ -181,7 +184,7 @@ def test_level0_non_strict_keeps_the_recurrent_executor_exactly(style):
 @pytest.mark.parametrize("style", ["folded", "heads"])
 def test_variant2_layer_converts_exactly_with_both_passes_already_satisfied(style):
     torch.manual_seed(0)
-    layer = STYLES[style](16, 2, 8, **VARIANT[2])
+    layer = STYLES[style](16, 2, 8, muon_steps=2, **VARIANT[2])
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 29, 16),))
     report = conv.ttt2la_report
     assert report.exact
@@ -208,9 +211,9 @@ def test_per_token_layer_is_parallel_and_exact_at_level0(L, lr, read):
 
 def test_convert_leaves_the_input_model_untouched_and_the_result_trains():
     torch.manual_seed(0)
-    layer = LaCTFoldedLayer(16, 2, 4)
+    layer = LaCTFoldedLayer(16, 2, 4, muon_steps=2)     # inspect's below: traced once for both
     before = copy.deepcopy(layer.state_dict())
-    x = torch.randn(2, 19, 16)      # the shape inspect is given below: the layer is traced once for both
+    x = torch.randn(2, 19, 16)      # the shape inspect is given below
     out_before = layer(x).detach()
     conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
     assert type(layer) is LaCTFoldedLayer
@@ -374,7 +377,7 @@ def test_errors_say_what_to_do():
 
 def test_inspect_reports_what_each_level_gives():
     torch.manual_seed(0)
-    layer = LaCTFoldedLayer(16, 2, 4)
+    layer = LaCTFoldedLayer(16, 2, 4, muon_steps=2)
     report = ttt2la.inspect(layer, example_inputs=(torch.randn(2, 19, 16),))
     (found,) = report.layers
     assert found.loop_src.startswith("zoo/lact_folded.py:")

@@ -101,7 +101,8 @@ def _layer(name: str):
         else:
             style, muon = name.split("-")
             cls = LaCTFoldedLayer if style == "folded" else LaCTHeadsLayer
-            layer, d = cls(D_MODEL, HEADS, CHUNK, muon=muon == "muon"), D_MODEL
+            # two Newton–Schulz steps: their ops are as many per chunk as five's
+            layer, d = cls(D_MODEL, HEADS, CHUNK, muon=muon == "muon", muon_steps=2), D_MODEL
         example = torch.randn(2, 8 * CHUNK, d)
         _LAYERS[name] = (layer, ttt2la.convert(layer, level=2, example_inputs=(example,)), d)
     return _LAYERS[name]

@@ -140,7 +140,8 @@ def test_a_compiler_traces_the_block_ops_plain_batched_products(monkeypatch):
             lambda apply, name, *args: ran.append(name) or apply(*args),
             function.apply, function.__name__))
     torch.manual_seed(0)
-    layer = LaCTFoldedLayer(16, 2, 4, muon=True, update_theta=False, weight_norm=False)
+    layer = LaCTFoldedLayer(16, 2, 4, muon=True, muon_steps=2, update_theta=False,
+                            weight_norm=False)
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, 16),))
     x = torch.randn(2, 12, 16, requires_grad=True)
     ran.clear()

@@ -33,10 +33,11 @@ _lact: dict = {}
 
 
 def _lact_level2(style):
-    """A LaCT layer with momentum and Muon, fp32, and its level-2 conversion (traced at B = 2)."""
+    """A LaCT layer with momentum and Muon (two Newton–Schulz steps), fp32, and its level-2
+    conversion (traced at B = 2)."""
     if style not in _lact:
         torch.manual_seed(0)
-        layer = STYLES[style](8, 2, C, momentum=True, muon=True, base_lr=0.3)
+        layer = STYLES[style](8, 2, C, momentum=True, muon=True, muon_steps=2, base_lr=0.3)
         x = torch.randn(2, 3 * C + 1, 8)
         _lact[style] = layer, ttt2la.convert(layer, level=2, example_inputs=(x,))
     return _lact[style]
@@ -186,7 +187,7 @@ def test_convert_catches_a_wrong_lowering_at_a_lossy_level(monkeypatch):
 
 def test_a_non_reducible_loop_kept_without_strict_runs_the_users_code():
     torch.manual_seed(0)
-    layer = LaCTFoldedLayer(8, 2, C, momentum=True, muon=True)
+    layer = LaCTFoldedLayer(8, 2, C, momentum=True, muon=True, muon_steps=2)
     x = torch.randn(2, 3 * C + 1, 8)
     conv = ttt2la.convert(layer, level=0, example_inputs=(x,), strict=False)
     report = conv.ttt2la_report.layers[0]

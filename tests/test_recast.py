@@ -31,7 +31,7 @@ LAYERS = {
     # the two below as written are what level 2 makes of them: their conversions are exact
     "vittt (vmap plan)": lambda: ViTTTBlock(8, 2, 4, 4, update_gate=False, grad_norm=False),
     "lact heads (block op)": lambda: LaCTHeadsLayer(8, 2, 4, update_theta=False,
-                                                    weight_norm=False),
+                                                    weight_norm=False, muon_steps=2),
 }
 SHAPE = (2, 16, 8)
 
