@@ -195,7 +195,7 @@ import warnings, torch, ttt2la
 from ttt2la.testing import rel_rms_error
 from ttt2la.zoo import GatedChunkMemory, lact_layer
 warnings.simplefilter("ignore")
-lact = lambda: lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4)
+lact = lambda: lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4, muon_steps=2)
 for make, d, level, grad in [(lambda: GatedChunkMemory(8, 2, 4), 8, 0, False),
                              (lact, 16, 0, False), (lact, 16, 2, False), (lact, 16, 2, True)]:
     torch.manual_seed(0)

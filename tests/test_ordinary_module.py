@@ -363,7 +363,7 @@ def test_a_cast_layer_compiles_at_its_first_call_at_the_new_dtype():
     from ttt2la.zoo import lact_layer
 
     torch.manual_seed(0)
-    layer = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4)
+    layer = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4, muon_steps=2)
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, 16),))
     cast = copy.deepcopy(conv).double()
     x = torch.randn(2, 12, 16, dtype=torch.float64)

@@ -15,6 +15,7 @@ so are tests of the first iteration (against 0, 1 or the loop's start or step) a
 from __future__ import annotations
 
 import ast
+import functools
 import linecache
 
 from ..errors import UnsupportedTTTError
@@ -87,13 +88,22 @@ def index_step(loop: LoopSite, ran: frozenset[int] | None = None) -> Finding | N
     or a tensor, in source order; ``None`` when there is none or the source cannot be read.
     ``ran``: the lines of the loop body the traces ran ops at (a branch of the configuration
     the traces never took is not read)."""
+    read = _index_reading(loop)
+    if read is None:
+        return None
+    src, roots, grown = read
+    return IndexFlow(src, {name: Index(name) for name in roots}, ran, grown).run()
+
+
+@functools.lru_cache(maxsize=256)
+def _index_reading(loop: LoopSite) -> tuple[LoopSource, set[str], frozenset[str]] | None:
+    """``loop``'s source, its index names and the lists it grows (``None``: nothing to follow):
+    read once per loop, as ``parsed`` reads a file once, not at each of a conversion's traces."""
     src = loop_source(loop)
     if src is None or _fixed_count(src.stmt):
         return None
     roots, grown = index_names(src), frozenset(appended_names(src.stmt))
-    if not roots and not grown:
-        return None
-    return IndexFlow(src, {name: Index(name) for name in roots}, ran, grown).run()
+    return (src, roots, grown) if roots or grown else None
 
 
 def _fixed_count(stmt: ast.AST) -> bool:
