@@ -31,8 +31,10 @@ LENGTHS = (1, 3, 4, 5, 7, 8, 9, 12, 16)   # one chunk, two (one partial), three,
 
 
 def _converted(style: str, level: int, chunk: int = 4, seed: int = 0):
+    # two Newton–Schulz steps: which parameters get a gradient does not depend on how many
     torch.manual_seed(seed)
-    layer = lact_layer(style, variant=2, d_model=D, num_heads=H, chunk_size=chunk).double()
+    layer = lact_layer(style, variant=2, d_model=D, num_heads=H, chunk_size=chunk,
+                       muon_steps=2).double()
     return layer, ttt2la.convert(layer, level=level,
                                  example_inputs=(torch.randn(2, 4 * chunk, D, dtype=F64),))
 
