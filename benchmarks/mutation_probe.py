@@ -2296,8 +2296,8 @@ MUTATIONS = [
     Mutation(
         "caches_guarded", "the caches a layer's forward fills are guarded like its settings: once "
         "a call of its code as written fills one, it runs as written from then on",
-        (("ttt2la/converted.py", "read_off_classes(module, code.names()),\n                                         state.caches)",
-          "read_off_classes(module, code.names()))"),),
+        (("ttt2la/converted.py", "read_off_classes(module, code.names),\n                                         state.caches)",
+          "read_off_classes(module, code.names))"),),
         ("tests/test_filled_caches.py",), "fixed_number"),
     Mutation(
         "half_gemms_unforced", "the switch that forces half GEMMs native or formed in fp32 is "

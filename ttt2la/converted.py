@@ -1220,7 +1220,7 @@ def install(module: torch.nn.Module, state: ConvertedState) -> None:
     module.__class__ = converted_class(type(module))
     module._ttt2la = state
     code = LayerCode(module)            # read once for every guard below
-    state.attributes = AttributeGuard.of(module, read_off_classes(module, code.names()),
+    state.attributes = AttributeGuard.of(module, read_off_classes(module, code.names),
                                          state.caches)
     state.outside = GlobalGuard.of(module, code)
     state.settings = SettingsGuard.of(module, code)

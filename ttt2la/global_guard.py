@@ -18,6 +18,7 @@ Classes and modules are left out (rebinding one is not watched).
 from __future__ import annotations
 
 import dis
+import functools
 import linecache
 import os
 import sys
@@ -173,9 +174,11 @@ class LayerCode:
             self._loaded[fn] = LoadedValues(fn, self.attributes)
         return self._loaded[fn]
 
+    @functools.cached_property
     def names(self) -> frozenset[str]:
         """Every name the code holds as an attribute or global name (``co_names``), and
-        ``forward``, which torch calls: what it may look up on its modules."""
+        ``forward``, which torch calls: what it may look up on its modules (read once, for the
+        attribute guard and ``GlobalGuard`` alike)."""
         names = {"forward"}
         for fn in self.functions:
             for code, _ in codes(fn):
@@ -276,7 +279,7 @@ class GlobalGuard:
         found: dict = {}
         seen: set = set()
         layer_code = LayerCode(layer) if layer_code is None else layer_code
-        read = layer_code.names()
+        read = layer_code.names
         for klass, most, m in _user_classes(layer):
             own = vars(m)
             for name, value in vars(klass).items():
