@@ -5,7 +5,12 @@ Triton decides between compiling and interpreting a kernel when it is decorated,
 so the first test module to import any kernel module (``_common`` included, which ``tile_tuning`` imports)
 decides for the whole process: every such module calls ``import_kernels`` before importing from
 ``ttt2la.runtime.triton``. The variable is restored afterwards so nothing else in the process is affected.
+
+The interpreter also checks every 32-bit integer add, subtract and multiply for overflow, a check a GPU
+compile makes only in debug mode. At these tests' shapes no index comes within orders of magnitude of
+2**31, and the check took 30 % of the kernel tests' time, so it is switched off here.
 """
+import dataclasses
 import importlib
 import os
 
@@ -18,6 +23,7 @@ def import_kernels() -> None:
     previous = os.environ.get("TRITON_INTERPRET")
     if not ON_GPU:
         os.environ["TRITON_INTERPRET"] = "1"
+        _without_overflow_checks()
     try:
         for name in ("chunk", "channel_decay", "block", "swiglu", "tile_tuning"):
             importlib.import_module(f"ttt2la.runtime.triton.{name}")
@@ -26,3 +32,13 @@ def import_kernels() -> None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def _without_overflow_checks() -> None:
+    """Switch off the interpreter's integer overflow checks (see the module's docstring)."""
+    try:
+        from triton.runtime import interpreter
+        builder = interpreter.interpreter_builder
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):
+        pass    # a Triton without this option: its interpreter keeps its checks, only slower
