@@ -83,12 +83,12 @@ def test_a_cast_converted_layer_computes_the_cast_original(name, was, now):
 
 def _traces_while(monkeypatch, call) -> int:
     """How many times the recognizer traces a layer while ``call()`` runs."""
-    from ttt2la.frontend import recognize
+    from ttt2la.frontend import trace_cache
 
-    traced, real = [], recognize.trace
-    monkeypatch.setattr(recognize, "trace", lambda *a, **k: traced.append(1) or real(*a, **k))
+    traced, real = [], trace_cache.trace
+    monkeypatch.setattr(trace_cache, "trace", lambda *a, **k: traced.append(1) or real(*a, **k))
     call()
-    monkeypatch.setattr(recognize, "trace", real)
+    monkeypatch.setattr(trace_cache, "trace", real)
     return len(traced)
 
 
@@ -97,9 +97,10 @@ def test_copies_of_a_converted_layer_cast_together_are_traced_again_once(monkeyp
     from one block's traces, as it was converted: what ttt2la keeps on a converted layer (its
     report, its state) steers none of the layer's code, so it is no part of what the traces
     are cached by. Each block then computes what the cast original does."""
-    from ttt2la.frontend import recognize
+    from ttt2la.frontend import recognize, trace_cache
 
     monkeypatch.setattr(recognize, "_CACHE", type(recognize._CACHE)())   # none cached before
+    monkeypatch.setattr(trace_cache, "_TRACES", type(trace_cache._TRACES)())
     original = _layer("titans (affine scan, fills in its graphs)", torch.float32)
     converted = ttt2la.convert(original, level=2, example_inputs=(_x(torch.float32, 0),))
     blocks = [copy.deepcopy(converted).double() for _ in range(2)]

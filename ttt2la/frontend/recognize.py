@@ -35,7 +35,7 @@ from ..filled_caches import settle_start
 from ..side_effects import assignment_site, refusal as side_effect_refusal
 from ..submodule_hooks import hooks_described, refusal as hooks_refusal
 from .call_signature import CallSignature
-from .capture import _no_compile, trace, user_frame
+from .capture import _no_compile, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
 from .prechunked import unchunk_streams
@@ -47,6 +47,7 @@ from .shape_constants import BatchConstant, refuse_shape_constants
 from .chunk_counts import ChunkCountCheck
 from .length_values import describe, length_values
 from .shapes import GraphTemplate, fit_template
+from .trace_cache import LayerTraces
 from .sliced_length import sliced_length
 
 B0, B1 = 2, 3
@@ -246,11 +247,11 @@ def layer_function(module: torch.nn.Module, in_spec,
     return f
 
 
-def _roll_at(cand: LoopCandidate, fn, flat: list, layout, B, L) -> RolledLoop:
+def _roll_at(cand: LoopCandidate, fn: LayerTraces, flat: list, layout, B, L) -> RolledLoop:
     inputs = _inputs_at(flat, layout, B, L)
     pb = traced_weights(cand.module)
     try:
-        gm = trace(fn, pb, *inputs)
+        gm = fn.trace(pb, *inputs)
     except ConversionError:
         raise
     except Exception as e:
@@ -348,16 +349,16 @@ def _config_value(v):
     raise _Uncacheable(type(v).__name__)          # a tensor (its value is baked in), an object
 
 
-def _signature(cand: LoopCandidate, flat: list, in_spec, seq_len) -> tuple | None:
-    """What determines the traces of a layer: its code, configuration, tensor shapes and the
-    call's arguments by name (``in_spec``: one value passed as another keyword is another
-    call).
+def _layer_key(cand: LoopCandidate, in_spec) -> tuple | None:
+    """What determines a layer's traces besides the shapes it is given: its code,
+    configuration and weights' shapes, and the call's arguments by name (``in_spec``: one value
+    passed as another keyword is another call).
 
     Parameters and buffers are graph inputs, so their values do not matter; plain Python
     attributes (chunk size, switches, containers of them) steer the code and are part of the
     key; what ttt2la itself keeps on a converted layer (its report, its state) steers nothing the
     layer's code does. A layer holding any other value — a tensor that is neither a parameter nor a buffer
-    (its value is baked in), an object the key cannot describe — is not cached.
+    (its value is baked in), an object the key cannot describe — has no key: it is not cached.
     """
     attrs = []
     try:
@@ -370,9 +371,22 @@ def _signature(cand: LoopCandidate, flat: list, in_spec, seq_len) -> tuple | Non
         return None
     tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device))
                     for n, t in params_and_buffers(cand.module).items())
+    key = (type(cand.module), tuple(attrs), tensors, in_spec)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _signature(layer_key: tuple | None, flat: list, seq_len, loop) -> tuple | None:
+    """What determines a layer's recognition: its ``_layer_key``, the example's shapes and
+    length, and the loop recognized."""
+    if layer_key is None:
+        return None
     inputs = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor)
                    else ("value", repr(x)) for x in flat)
-    key = (type(cand.module), tuple(attrs), tensors, in_spec, inputs, seq_len, cand.loop)
+    key = (layer_key, inputs, seq_len, loop)
     try:
         hash(key)
     except TypeError:
@@ -397,7 +411,8 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
                               where=assignment_site(cand.module, written[0]) or None)
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     with traced_as_found(cand.module):      # the attributes its traces start from
-        key = _signature(cand, flat, in_spec, seq_len)
+        layer_key = _layer_key(cand, in_spec)
+    key = _signature(layer_key, flat, seq_len, cand.loop)
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -409,7 +424,7 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
         seq_len = sliced_length(cand, flat, in_spec, seq_len)   # heads first: not axis 1
         refuse_second_loop(cand, seq_len)      # no single step either: refused as it is
         try:
-            result = _recognize_layer(cand, seq_len)
+            result = _recognize_layer(cand, seq_len, layer_key)
         except UnsupportedTTTError as refusal:      # no loop over the sequence: one step, maybe
             result = recognize_single_step(cand, seq_len, refusal)
     result = dataclasses.replace(result, caches=caches)
@@ -571,7 +586,8 @@ def _longer_call(cand: LoopCandidate, seq_len: int | None) -> tuple[tuple, dict]
     return tuple(args), kwargs
 
 
-def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:
+def _recognize_layer(cand: LoopCandidate, seq_len: int | None,
+                     layer_key: tuple | None) -> RecognizedLayer:
     carry_dataclasses((tuple(cand.args), dict(cand.kwargs)))    # ``Batch(x, mask)``: its fields
     flat, in_spec = pytree.tree_flatten((tuple(cand.args), dict(cand.kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0]
@@ -585,16 +601,16 @@ def _recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLaye
     sizes = {c for c in _chunk_sizes(cand, flat, layout, in_spec, batch, seq_len) if c > 0}
     C = max(sizes) if sizes else 1
     try:
-        return _recognize_at_probes(cand, flat, layout, in_spec, batch, C, seq_len)
+        return _recognize_at_probes(cand, flat, layout, in_spec, batch, C, seq_len, layer_key)
     except UnsupportedTTTError as e:
         if cand.slice_starts:
             raise
         raise UnsupportedTTTError(_takes_no_chunks(cand)) from e
 
 
-def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_len):
+def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_len, layer_key):
     """The layer recognized at the first probe plan whose shapes its code takes."""
-    fn = layer_function(cand.module, in_spec)
+    fn = LayerTraces(layer_function(cand.module, in_spec), layer_key)
     failures: list[tuple[ProbePlan, Exception]] = []
     for plan in probe_plans(batch, seq_len):
         if not plan.fixed and any(isinstance(e, BatchConstant) for _, e in failures):

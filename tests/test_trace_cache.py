@@ -1,0 +1,102 @@
+"""A layer's traces kept like compiles (``ttt2la/frontend/trace_cache.py``): the same layer
+recognized from another example copies its traces and converts to the same function; every
+recognition gets a graph of its own; what a trace depends on is part of its key."""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import ttt2la
+from equivalence import assert_same_function
+from ttt2la.frontend import recognize, trace_cache
+from ttt2la.frontend.trace_cache import LayerTraces
+from ttt2la.zoo import ScanLinearTTTLayer
+
+
+@pytest.fixture
+def traces(monkeypatch) -> list:
+    """Nothing cached before the test; the list gets an entry for every trace actually taken."""
+    monkeypatch.setattr(trace_cache, "_TRACES", OrderedDict())
+    monkeypatch.setattr(recognize, "_CACHE", OrderedDict())
+    taken, real = [], trace_cache.trace
+    monkeypatch.setattr(trace_cache, "trace", lambda *a, **k: taken.append(1) or real(*a, **k))
+    return taken
+
+
+def test_another_example_copies_the_traces_and_converts_the_same(traces):
+    """The scan-style layer (its roll-up rewrites the traced graph in place) converted from a
+    batch of 2 and then from a batch of 3 one chunk longer: the second conversion traces
+    nothing, and both compute the layer's function."""
+    torch.manual_seed(0)
+    layer = ScanLinearTTTLayer(8, 2, 3)
+    first = ttt2la.convert(copy.deepcopy(layer), level=2, example_inputs=(torch.randn(2, 10, 8),))
+    taken = len(traces)
+    assert taken >= 4
+    second = ttt2la.convert(copy.deepcopy(layer), level=2,
+                            example_inputs=(torch.randn(3, 13, 8),))
+    assert len(traces) == taken
+    xs = [torch.randn(b, n, 8, generator=torch.Generator().manual_seed(n)) for b, n in
+          ((1, 1), (2, 7), (3, 14))]
+    for converted in (first, second):
+        assert_same_function(converted, layer, xs)
+
+
+def _function(weights, x):
+    return (x @ weights["w"]).relu().sum(-1)
+
+
+def test_each_call_gets_a_graph_of_its_own(traces):
+    fn = LayerTraces(_function, ("a layer",))
+    w, x = {"w": torch.randn(4, 4)}, torch.randn(2, 4)
+    mine = fn.trace(w, x)
+    count = len(mine.graph.nodes)
+    relu = next(n for n in mine.graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.replace_all_uses_with(relu.args[0])
+    mine.graph.erase_node(relu)
+    again = fn.trace(w, x)
+    assert len(traces) == 1 and again is not mine
+    assert len(again.graph.nodes) == count
+    assert torch.equal(again(w, x), _function(w, x))
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "stride", "requires grad", "layer",
+                                    "grad mode", "default dtype"])
+def test_what_a_trace_depends_on_keys_it(traces, change):
+    """Each of these traces again; the same call does not."""
+    w, x = {"w": torch.randn(4, 4)}, torch.randn(2, 4)
+    fn = LayerTraces(_function, ("a layer",))
+    fn.trace(w, x)
+    fn.trace(w, x)
+    assert len(traces) == 1
+    previous = torch.get_default_dtype()
+    try:
+        if change == "shape":
+            fn.trace(w, torch.randn(3, 4))
+        elif change == "dtype":
+            fn.trace({"w": w["w"].double()}, x.double())
+        elif change == "stride":
+            fn.trace(w, torch.randn(4, 2).t())
+        elif change == "requires grad":
+            fn.trace({"w": w["w"].clone().requires_grad_()}, x)
+        elif change == "layer":
+            LayerTraces(_function, ("another layer",)).trace(w, x)
+        elif change == "grad mode":
+            with torch.no_grad():
+                fn.trace(w, x)
+        else:
+            torch.set_default_dtype(torch.float64)
+            fn.trace(w, x)
+    finally:
+        torch.set_default_dtype(previous)
+    assert len(traces) == 2
+
+
+def test_a_layer_without_a_key_is_traced_every_time(traces):
+    fn = LayerTraces(_function, None)
+    w, x = {"w": torch.randn(4, 4)}, torch.randn(2, 4)
+    fn.trace(w, x)
+    fn.trace(w, x)
+    assert len(traces) == 2 and not trace_cache._TRACES
