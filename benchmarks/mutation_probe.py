@@ -1359,7 +1359,7 @@ MUTATIONS = [
         ("tests/test_call_errors.py",), "at_its_default or left_out"),
     Mutation(
         "keywords_out_of_the_cache_key", "layers of one class whose calls pass one value as different keywords share one trace",
-        (("ttt2la/frontend/recognize.py", "tensors, in_spec, inputs, seq_len, cand.loop)", "tensors, inputs, seq_len, cand.loop)"),),
+        (("ttt2la/frontend/recognize.py", "tuple(attrs), tensors, in_spec)", "tuple(attrs), tensors)"),),
         ("tests/test_call_errors.py",), "traced_apart"),
     Mutation(
         "dict_keys_by_position", "a dict inside a call's arguments is compared and fed to the graphs by position, not by its keys",
@@ -2428,9 +2428,19 @@ MUTATIONS = [
         ("tests/test_autograd_guard.py",), ""),
     Mutation(
         "criterion_judged_once", "the precision criterion judges its first five inputs only, so a few unlucky inputs fail a conversion whose error is the original's",
-        (("ttt2la/testing.py", "    for n in (CRITERION_SAMPLES, CRITERION_CONFIRM_SAMPLES):\n",
-          "    for n in (CRITERION_SAMPLES,):\n"),),
+        (("ttt2la/testing.py", "    for n in (samples, max(samples, confirm)):\n",
+          "    for n in (samples,):\n"),),
         ("tests/test_precision_criterion.py",), ""),
+    Mutation(
+        "kept_trace_handed_out", "the trace cache hands out the graph it keeps, which the recognition then rewrites in place",
+        (("ttt2la/frontend/trace_cache.py", "        return graph_module(kept, copy_graph(kept.graph))\n",
+          "        return kept\n"),),
+        ("tests/test_trace_cache.py",), ""),
+    Mutation(
+        "trace_key_without_requires_grad", "a trace is kept without whether its arguments require grad, which decides how code that takes gradients is traced",
+        (("ttt2la/frontend/trace_cache.py", "x.dtype, str(x.device), x.requires_grad)",
+          "x.dtype, str(x.device))"),),
+        ("tests/test_trace_cache.py",), ""),
 ]
 
 

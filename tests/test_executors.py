@@ -16,6 +16,7 @@ import dataclasses
 import functools
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import example, given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,7 +25,7 @@ from ttt2la.analysis import analyze
 from ttt2la.errors import NonReducibleError, UnsupportedTTTError
 from ttt2la.frontend.build import program_from_body
 from ttt2la.lowering import chunk_streams, execute, lower, padding_problem
-from ttt2la.testing import TOLERANCE, no_worse_than_original, rel_rms_error
+from ttt2la.testing import TOLERANCE, assert_no_worse_than_original, rel_rms_error
 from references import ref_ns3
 
 TOL = TOLERANCE[torch.float32]
@@ -95,7 +96,7 @@ def make_program(kind: str, B: int, d: int, C: int, inclusive: bool, last_chunk:
     return dataclasses.replace(_traced(kind, B, d, C, inclusive), last_chunk=last_chunk)
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def _traced(kind: str, B: int, d: int, C: int, inclusive: bool):
     last_chunk = "update"
     g = torch.Generator().manual_seed(B * 100 + d * 10 + C)
@@ -250,38 +251,39 @@ def assert_matches_reference(kind, program, L, seed=0, *, C, inclusive, last_chu
     """Both the recurrent and the chosen schedule equal the hand-written float64 loop: within
     1e-5 in fp32, or, with Newton–Schulz, within 2x the fp32 loop's own error plus 1e-6 — as
     medians over ``MUON_SAMPLES`` inputs, since one input's rounding error is a random draw
-    (``no_worse_than_original``). Returns the analysis and the float64 loop's results on the
-    first input."""
+    (``assert_no_worse_than_original``). Returns the analysis and the float64 loop's results on
+    the first input."""
     analysis = analyze(program)
     loop = functools.partial(reference_loop, kind, program, C=C, inclusive=inclusive,
                              last_chunk=last_chunk)
-    muon = kind == "momentum_muon"
-    errors, own, first = {}, {}, None
-    for sample in range(MUON_SAMPLES if muon else 1):
-        states0, invariants = inputs_for(program, L, seed + sample)
+    schedules = tuple(dict.fromkeys(("recurrent", analysis.schedule)))
+
+    def sample(i):
+        """The float64 loop's results on input ``i``; each schedule's error against them, beside
+        the fp32 loop's, per quantity."""
+        states0, invariants = inputs_for(program, L, seed + i)
         ref64 = outputs_finals_grads(loop, _as64(states0), _as64(invariants))
         ref32 = outputs_finals_grads(loop, states0, invariants)
-        if first is None:
-            first = ref64
-        for what, r64_l, r32_l in zip(("outputs", "final states", "gradients"), ref64, ref32):
-            for i, (b, c) in enumerate(zip(r64_l, r32_l)):
-                own.setdefault((what, i), []).append(rel_rms_error(c, b))
-        for schedule in dict.fromkeys(("recurrent", analysis.schedule)):
+        errors = {}
+        for schedule in schedules:
             got = outputs_finals_grads(
                 lambda s, x: execute(program, analysis, s, x, schedule=schedule), states0,
                 invariants)
-            for what, got_l, r64_l in zip(("outputs", "final states", "gradients"), got, ref64):
+            for what, got_l, r64_l, r32_l in zip(("outputs", "final states", "gradients"), got,
+                                                 ref64, ref32):
                 assert len(got_l) == len(r64_l)
-                for i, (a, b) in enumerate(zip(got_l, r64_l)):
+                for j, (a, b, c) in enumerate(zip(got_l, r64_l, r32_l)):
                     assert a.shape == b.shape and a.dtype == torch.float32
-                    errors.setdefault((schedule, what, i), []).append(rel_rms_error(a, b))
-    for (schedule, what, i), errs in errors.items():
-        if muon:
-            ok, err, bound = no_worse_than_original(errs, own[(what, i)])
-        else:
-            err, bound = errs[0], TOL
-            ok = err <= bound
-        assert ok, f"{schedule}: {what}[{i}] rel RMS error {err:.2e} > {bound:.1e}"
+                    errors[f"{schedule}: {what}[{j}]"] = (rel_rms_error(a, b), rel_rms_error(c, b))
+        return ref64, errors
+
+    first, errors = sample(0)
+    if kind == "momentum_muon":
+        assert_no_worse_than_original(lambda i: sample(i)[1] if i else errors,
+                                      samples=MUON_SAMPLES)
+    else:
+        for name, (err, _) in errors.items():
+            assert err <= TOL, f"{name} rel RMS error {err:.2e} > {TOL:.1e}"
     return analysis, first
 
 

@@ -1,11 +1,12 @@
-"""The precision criterion's judgment (``ttt2la.testing.assert_within_precision_criterion``):
-a quantity over the bound on the first inputs is judged again on more of them, so a few unlucky
-inputs do not fail a conversion, while an error on most inputs still does."""
+"""The precision criterion's judgment (``ttt2la.testing.assert_no_worse_than_original``, and
+``assert_within_precision_criterion`` on modules): a quantity over the bound on the first inputs
+is judged again on more of them, so a few unlucky inputs do not fail a conversion, while an error
+on most inputs still does."""
 import pytest
 import torch
 
 from ttt2la.testing import (CRITERION_CONFIRM_SAMPLES, CRITERION_SAMPLES,
-                            assert_within_precision_criterion)
+                            assert_no_worse_than_original, assert_within_precision_criterion)
 
 
 class _OffOnSomeCalls(torch.nn.Module):
@@ -43,3 +44,18 @@ def test_most_inputs_off_fail_on_every_input():
     conv = _OffOnSomeCalls(set(range(CRITERION_CONFIRM_SAMPLES // 2 + 1)))
     with pytest.raises(AssertionError, match=f"over {CRITERION_CONFIRM_SAMPLES} inputs"):
         assert_within_precision_criterion(conv, _OffOnSomeCalls(set()), torch.randn(2, 5, 8))
+
+
+@pytest.mark.parametrize("first, off", [(9, ()), (9, (0, 1, 2, 3, 4)), (5, (0, 1, 2))])
+def test_errors_by_input_are_judged_first_on_the_inputs_asked_for(first, off):
+    """``samples`` inputs first (here one quantity of the first inputs 3x the original's); where
+    over the bound, judged again on ``CRITERION_CONFIRM_SAMPLES``, each input asked for once."""
+    asked = []
+
+    def errors_on(i):
+        asked.append(i)
+        return {"fine": (1e-6, 1e-6), "quantity": (3e-5 if i in off else 1e-5, 1e-5)}
+
+    assert_no_worse_than_original(errors_on, samples=first)
+    confirmed = 2 * len(off) > first
+    assert asked == list(range(CRITERION_CONFIRM_SAMPLES if confirmed else first))

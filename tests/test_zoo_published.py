@@ -6,7 +6,7 @@ own loop. Precision is judged as the project judges it: without Muon in fp32 to 
 float64 (Newton–Schulz switched to float64) to 1e-10; and with the published bf16 Newton–Schulz in
 fp32 against a float64 evaluation of the same function, where the converted layer may err at most
 twice as much as the variant run as written, plus 1e-6 — outputs and every gradient, as medians
-over several inputs (``ttt2la.testing.no_worse_than_original``).
+over several inputs (``ttt2la.testing.assert_no_worse_than_original``).
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import inspect
 import math
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import ttt2la
-from ttt2la.testing import CRITERION_SAMPLES, TOLERANCE, no_worse_than_original, rel_rms_error
+from ttt2la.testing import TOLERANCE, assert_no_worse_than_original, rel_rms_error
 from ttt2la.zoo import LaCTPublishedLayer, lact_layer
 from ttt2la.zoo import lact_published
 
@@ -42,7 +43,7 @@ def _build(mode: str, momentum: bool, seed: int, **variant) -> LaCTPublishedLaye
     return layer.to(torch.float64 if mode == "fp64" else torch.float32)
 
 
-_converted: dict = {}
+_converted = module_scoped.cache()
 
 
 def _layers(mode: str, momentum: bool, level: int):
@@ -115,19 +116,20 @@ def _check_level(level: int, mode: str, momentum: bool, B: int, L: int):
         return
     # rounding in bf16 Newton–Schulz is a random draw per input: judge medians over inputs
     gen = torch.Generator().manual_seed(B * 1000 + L)
-    samples = [x] + [torch.randn(x.shape, generator=gen, dtype=torch.float64)
-                     for _ in range(CRITERION_SAMPLES - 1)]
-    errors = {"converted": {}, "original": {}}
-    for xs in samples:
-        ref = _outputs_and_grads(exact, xs)
+    inputs = [x]
+
+    def errors_on(i):
+        while len(inputs) <= i:
+            inputs.append(torch.randn(x.shape, generator=gen, dtype=torch.float64))
+        ref = _outputs_and_grads(exact, inputs[i])
+        errors = {"converted": {}, "original": {}}
         for side, module in (("converted", conv), ("original", variant)):
-            def record(name, err, side=side):
-                errors[side].setdefault(name, []).append(err)
-            _compare(_outputs_and_grads(module, xs.to(dtype)), ref, record)
-    assert errors["converted"].keys() == errors["original"].keys()
-    for name, original in errors["original"].items():
-        ok, got, bound = no_worse_than_original(errors["converted"][name], original)
-        assert ok, f"{name}: median error {got:.3g} > bound {bound:.3g} (2x the original's + 1e-6)"
+            _compare(_outputs_and_grads(module, inputs[i].to(dtype)), ref,
+                     lambda name, err, side=side: errors[side].__setitem__(name, err))
+        assert errors["converted"].keys() == errors["original"].keys()
+        return {name: (err, errors["original"][name]) for name, err in errors["converted"].items()}
+
+    assert_no_worse_than_original(errors_on)
 
 
 def _length(mode: str, n: int) -> int:
@@ -313,15 +315,17 @@ def test_a_compiled_variant_with_bf16_newton_schulz_converts_exactly():
     exact.load_state_dict(layer.state_dict())
     exact = exact.double().eval()
     gen = torch.Generator().manual_seed(1)
-    errors = {"converted": [], "original": []}
-    with torch.no_grad():
-        for xs in [x.double()] + [torch.randn(1, 32, 16, generator=gen, dtype=torch.float64)
-                                  for _ in range(CRITERION_SAMPLES - 1)]:
-            ref = exact(xs)
-            errors["converted"].append(rel_rms_error(conv(xs.float()), ref))
-            errors["original"].append(rel_rms_error(layer(xs.float()), ref))
-    ok, got, bound = no_worse_than_original(errors["converted"], errors["original"])
-    assert ok, (got, bound)
+    inputs = [x.double()]
+
+    @torch.no_grad()
+    def errors_on(i):
+        while len(inputs) <= i:
+            inputs.append(torch.randn(1, 32, 16, generator=gen, dtype=torch.float64))
+        ref = exact(inputs[i])
+        return {"output": (rel_rms_error(conv(inputs[i].float()), ref),
+                           rel_rms_error(layer(inputs[i].float()), ref))}
+
+    assert_no_worse_than_original(errors_on)
 
 
 def test_conversion_does_not_compile_the_code_as_written(monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,26 +89,26 @@ def module_outputs_and_grads(module: torch.nn.Module, x: torch.Tensor) -> tuple:
                  for n, g, t in zip(names, grads, [x, *params])}
 
 
-def assert_within_precision_criterion(conv: torch.nn.Module, ref32: torch.nn.Module,
-                                      x: torch.Tensor) -> None:
-    """fp32 with Newton–Schulz: ``err(conv, ref64) <= 2 err(ref32, ref64) + 1e-6`` for the
-    output and every gradient, ``ref64`` the float64 copy of ``ref32`` (same weights); errors are
-    medians over ``CRITERION_SAMPLES`` inputs of ``x``'s shape (``no_worse_than_original``).
+def assert_no_worse_than_original(errors_on: Callable[[int], dict], *,
+                                  samples: int = CRITERION_SAMPLES,
+                                  confirm: int = CRITERION_CONFIRM_SAMPLES) -> None:
+    """The precision criterion judged over inputs ``0, 1, ...``: ``errors_on(i)`` gives each
+    quantity's ``(converted error, original error)`` against float64 on input ``i``.
 
-    A quantity over the bound is judged again on ``CRITERION_CONFIRM_SAMPLES`` inputs (the first
-    ones among them), the bound unchanged: the median of five is a loose estimate — a LaCT layer
-    converted at level 1, 1.2x the original's error over sixty inputs, failed one draw of five
-    in fourteen —, while a real fault fails the larger sample as well."""
-    ref64 = copy.deepcopy(ref32).double()
-    gen = torch.Generator().manual_seed(int(x.shape[0] * 1000 + x.shape[1]))
-    errors: dict[str, tuple[list, list]] = {}
-    samples, judged = [x], 0
-    for n in (CRITERION_SAMPLES, CRITERION_CONFIRM_SAMPLES):
-        samples += [torch.randn(x.shape, generator=gen, dtype=x.dtype)
-                    for _ in range(n - len(samples))]
-        for xs in samples[judged:]:
-            _criterion_errors(conv, ref32, ref64, xs, errors)
-        judged = len(samples)
+    Medians over ``samples`` inputs (``no_worse_than_original``); a quantity over the bound is
+    judged again over ``confirm`` inputs, the first ones among them, the bound unchanged: the
+    median of five is a loose estimate — a LaCT layer converted at level 1, 1.2x the original's
+    error over sixty inputs, failed one draw of five in fourteen —, while a real fault fails the
+    larger sample as well."""
+    errors: dict[Any, tuple[list, list]] = {}
+    judged = 0
+    for n in (samples, max(samples, confirm)):
+        for i in range(judged, n):
+            for name, (converted, original) in errors_on(i).items():
+                errors.setdefault(name, ([], []))
+                errors[name][0].append(converted)
+                errors[name][1].append(original)
+        judged = n
         verdicts = {name: no_worse_than_original(c, o) for name, (c, o) in errors.items()}
         failed = [(name, err, bound) for name, (ok, err, bound) in verdicts.items() if not ok]
         if not failed:
@@ -117,18 +118,33 @@ def assert_within_precision_criterion(conv: torch.nn.Module, ref32: torch.nn.Mod
                          f"1e-6, over {judged} inputs)")
 
 
-def _criterion_errors(conv, ref32, ref64, xs: torch.Tensor, errors: dict) -> None:
-    """Append the converted and the original code's errors against ``ref64`` on ``xs``, for the
-    output and every gradient, to ``errors[name]``."""
+def assert_within_precision_criterion(conv: torch.nn.Module, ref32: torch.nn.Module,
+                                      x: torch.Tensor) -> None:
+    """fp32 with Newton–Schulz: ``err(conv, ref64) <= 2 err(ref32, ref64) + 1e-6`` for the
+    output and every gradient, ``ref64`` the float64 copy of ``ref32`` (same weights), judged on
+    ``x`` and inputs of its shape drawn after it (``assert_no_worse_than_original``)."""
+    ref64 = copy.deepcopy(ref32).double()
+    gen = torch.Generator().manual_seed(int(x.shape[0] * 1000 + x.shape[1]))
+    inputs = [x]
+
+    def errors_on(i: int) -> dict:
+        while len(inputs) <= i:
+            inputs.append(torch.randn(x.shape, generator=gen, dtype=x.dtype))
+        return _criterion_errors(conv, ref32, ref64, inputs[i])
+
+    assert_no_worse_than_original(errors_on)
+
+
+def _criterion_errors(conv, ref32, ref64, xs: torch.Tensor) -> dict:
+    """The converted and the original code's errors against ``ref64`` on ``xs``, for the output
+    and every gradient."""
     out_c, g_c = module_outputs_and_grads(conv, xs)
     out_r, g_r = module_outputs_and_grads(ref32, xs)
     out_64, g_64 = module_outputs_and_grads(ref64, xs.double())
     assert g_c.keys() == g_64.keys()
     pairs = [("output", out_c, out_r, out_64)] + [(n, g_c[n], g_r[n], g_64[n]) for n in g_64]
-    for name, got, original, exact in pairs:
-        conv_err, orig_err = errors.setdefault(name, ([], []))
-        conv_err.append(rel_rms_error(got, exact))
-        orig_err.append(rel_rms_error(original, exact))
+    return {name: (rel_rms_error(got, exact), rel_rms_error(original, exact))
+            for name, got, original, exact in pairs}
 
 
 class CountOps(TorchDispatchMode):
