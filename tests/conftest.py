@@ -17,6 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import module_scoped
+import ttt2la
 from ttt2la import race_as_written
 
 # Under pytest-xdist each worker has a core of its own: one intra-op thread each, not oversubscribed.
@@ -86,9 +88,15 @@ def always_scan():
 
 @pytest.fixture(autouse=True, scope="module")
 def settled_heap():
-    """After each test module, what it left alive (its cached conversions, fx graphs of thousands
-    of nodes) is moved out of the garbage collector's sight: a worker runs dozens of modules, and
-    every full collection would scan all they left, making each later conversion slower."""
+    """After each test module, its cached conversions (``module_scoped``) and ttt2la's kept
+    recognitions and traces are let go and collected, and what is left alive is moved out of the
+    garbage collector's sight: a worker runs dozens of modules, and every full collection would
+    scan all they left, making each later conversion slower. Frozen objects are never collected,
+    so what a module leaves must be let go before, or it stays for the whole session: fx gives
+    each graph module a class of its own, and every trace costs time in proportion to the number
+    of ``nn.Module`` subclasses alive (see ``module_scoped``)."""
     yield
+    module_scoped.empty()
+    ttt2la.clear_caches()
     gc.collect()
     gc.freeze()

@@ -1,11 +1,11 @@
 """The dependence lattice, roles, the associativity checker and the rendered update rules."""
 from __future__ import annotations
 
-import functools
 import inspect
 
 import networkx as nx
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 
@@ -55,7 +55,7 @@ def lact_program():
     return _traced_lact().clone()
 
 
-@functools.lru_cache(maxsize=1)
+@module_scoped.cached
 def _traced_lact():
     return program_from_body(
         lact_body, states=dict(w0=torch.randn(B, DH, D), w1=torch.randn(B, D, DH),

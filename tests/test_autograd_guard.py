@@ -5,6 +5,7 @@ converted layer computes the original's branch (an exact conversion runs the cod
 or refuses naming the line (a lossy one); so does a call after a parameter's ``requires_grad``
 changed; a layer that reads none of them keeps no guard."""
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -65,7 +66,7 @@ def _recording(x: torch.Tensor, how: str) -> torch.Tensor:
     return x
 
 
-_CONVERTED: dict = {}
+_CONVERTED = module_scoped.cache()
 
 
 def _converted(kind: str, level: int):

@@ -14,6 +14,7 @@ generic plan, still exact.
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -90,7 +91,7 @@ class ChunkedNormalised(nn.Module):
         return torch.cat(outs, 2).transpose(1, 2).reshape(B, T, D)
 
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(level=2, dtype=torch.float32, **options):

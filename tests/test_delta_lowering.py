@@ -14,10 +14,10 @@ by ``torch.func.grad`` and read before the step — convert onto the op as well.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -47,7 +47,7 @@ LAYERS = [
 HEAD_DIM = 4
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted(which: int):
     decay, read, grad, heads = LAYERS[which]
     torch.manual_seed(which)
@@ -206,7 +206,7 @@ STYLES = {"row-sum": (lambda: RowSumMemory(8, 2), 8), "out-in": (lambda: OutInMe
           "beta-key": (lambda: BetaKeyMemory(8, 2), 8)}
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted_style(name: str):
     torch.manual_seed(7)
     make, d = STYLES[name]

@@ -12,8 +12,8 @@ folded-heads ``bmm`` style lift too, read after the token's steps or before them
 """
 from __future__ import annotations
 
-import functools
 
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -28,7 +28,7 @@ from ttt2la.zoo import DeltaProductLayer
 C = DELTA_CHUNK_SIZE
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted(heads: int, head_dim: int, n: int, gate: bool, level: int, **options):
     """The zoo layer (seeded by its options) and its conversion at ``level``."""
     torch.manual_seed(heads * 100 + head_dim * 10 + n + gate)

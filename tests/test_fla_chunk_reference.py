@@ -12,6 +12,7 @@ right by a whole matrix (``S @ M``) is no decay per column: the generic plan, ex
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +33,7 @@ def _plan(conv, B):
     return state.loop_for(B).plan
 
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(rule, dtype=torch.float32):

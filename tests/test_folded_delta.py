@@ -13,8 +13,8 @@ value computed in the loop by a batched product of the slice itself lifts too.
 """
 from __future__ import annotations
 
-import functools
 
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -29,7 +29,7 @@ from ttt2la.zoo import FoldedDeltaLayer
 C = DELTA_CHUNK_SIZE
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted(heads: int, head_dim: int, decay: bool, read: str, level: int):
     """The zoo layer (seeded by its options) and its conversion at ``level``."""
     torch.manual_seed(heads * 100 + head_dim * 10 + decay)

@@ -12,6 +12,7 @@ import inspect
 import warnings
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -646,7 +647,7 @@ class ProjectsItsToken(nn.Module):
         return torch.stack(ys, 1)
 
 
-_projected: dict = {}
+_projected = module_scoped.cache()
 
 
 def _projects_its_token(split):

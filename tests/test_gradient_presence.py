@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -39,7 +40,7 @@ def _converted(style: str, level: int, chunk: int = 4, seed: int = 0):
                                  example_inputs=(torch.randn(2, 4 * chunk, D, dtype=F64),))
 
 
-_CACHE: dict = {}
+_CACHE = module_scoped.cache()
 
 
 def _cached(style: str, level: int, chunk: int):

@@ -15,6 +15,7 @@ import sys
 import warnings
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ EXACT = {
     "per-token layer, level 0": (lambda: PerTokenInlineTTTLayer(8, 2), 8, 0),
 }
 LENGTH = 16
-_PAIRS: dict[str, tuple] = {}
+_PAIRS = module_scoped.cache()
 
 
 def _pair(name: str):

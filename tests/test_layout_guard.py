@@ -4,6 +4,7 @@ input is laid out otherwise than the example was: the converted layer computes t
 branch (an exact conversion runs the code as written) or refuses naming the line (a lossy
 one); a layer that reads no layout keeps no guard."""
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -72,7 +73,7 @@ def _laid_out(x: torch.Tensor, how: str) -> torch.Tensor:
     return x
 
 
-_CONVERTED: dict = {}
+_CONVERTED = module_scoped.cache()
 
 
 def _converted(kind: str, level: int):

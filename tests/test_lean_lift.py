@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import module_scoped
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ CASES = {
 
 def _length(name, L):
     return L if CASES[name][1] else C * (1 + L // C)
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(name, level=1):

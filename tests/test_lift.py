@@ -12,6 +12,7 @@ way; with the bf16 cast the converted layer is held to the precision criterion i
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
@@ -129,7 +130,7 @@ class MuonLinearTTT(nn.Module):
         return out
 
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(name, ns, dtype=torch.float64, dv=6):

@@ -12,6 +12,7 @@ a constant added to the state — must not be lifted and must still convert exac
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -129,7 +130,7 @@ LIFTED = {  # kind: (momentum α, decay γ, step s after Newton–Schulz) as the
 MUON = ("scaled muon", "muon descent", "muon momentum")
 NOT_LIFTED = ("row step", "state step", "constant added")
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(kind: str, dtype=torch.float64):

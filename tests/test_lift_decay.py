@@ -12,6 +12,7 @@ einsum — must not be lifted as the decayed rule and must still convert exactly
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -67,7 +68,7 @@ def _assert_matches(conv, layer, B, L, d):
     assert_same_function(conv, layer, [x], tol=F64)
 
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(make, key, d, chunk):

@@ -7,9 +7,9 @@ scan's depth."""
 from __future__ import annotations
 
 import copy
-import functools
 import math
 
+import module_scoped
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ class DeltaMemory(nn.Module):
 LAYERS = [(4, None, False), (3, 0.1, True), (1, 0.02, False)]
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted(chunk, decay, transposed):
     torch.manual_seed(chunk)
     layer = DeltaMemory(chunk, decay, transposed)

@@ -13,6 +13,7 @@ its own is that gate's column, and lifts.
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -69,7 +70,7 @@ class MLSTMLookAlike(nn.Module):
         return torch.stack(hs, 1).reshape(B, T, D)
 
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(level, gated=True, gate="update", d=16, heads=2, dtype=torch.float32):

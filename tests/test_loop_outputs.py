@@ -15,9 +15,9 @@ for — one submodule per run — converts.
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
@@ -49,7 +49,7 @@ LAYERS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted(name: str):
     """``(layer as written, converted layer)``, one conversion per layer."""
     make, d, level, _ = LAYERS[name]

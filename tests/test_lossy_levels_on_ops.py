@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -115,7 +116,7 @@ def _with_folded_beta(name, layer, beta):
 
 
 LAYERS = {"zoo": _zoo, "naive": _naive}
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _lossy(name, level):
@@ -208,7 +209,7 @@ class Flat(nn.Module):
         return torch.cat([y.flatten(1), W.flatten(1), b.flatten(1)], 1)
 
 
-_biased: dict = {}
+_biased = module_scoped.cache()
 
 
 def _biased_converted(mode="sum"):

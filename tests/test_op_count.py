@@ -20,6 +20,7 @@ import os
 import sys
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -87,7 +88,7 @@ class InlinePerTokenTTT(torch.nn.Module):
 
 
 D_MODEL, HEADS, CHUNK = 32, 2, 8
-_LAYERS: dict = {}
+_LAYERS = module_scoped.cache()
 
 
 def _layer(name: str):

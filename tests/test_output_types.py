@@ -5,6 +5,7 @@ output holds."""
 import dataclasses
 
 import pytest
+import module_scoped
 import torch
 import torch.utils._pytree as pytree
 from hypothesis import given, settings, strategies as st
@@ -52,7 +53,7 @@ class WithFlag(Memory):
 
 
 LAYERS = {"shape": WithShape, "sizes": WithSizes, "record": WithRecord, "flag": WithFlag}
-_CONVERTED: dict = {}
+_CONVERTED = module_scoped.cache()
 
 
 def _same(got, want) -> bool:

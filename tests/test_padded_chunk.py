@@ -13,6 +13,7 @@ import math
 import pickle
 
 import pytest
+import module_scoped
 import torch
 from torch import nn
 
@@ -65,7 +66,7 @@ class PerTokenConstant(nn.Module):
         return torch.cat([y.flatten(1), W.flatten(1), last.flatten(1)], 1)
 
 
-_cache: dict = {}
+_cache = module_scoped.cache()
 
 
 def _converted(rule: str, norm: bool = False, level: int = 2):

@@ -1,10 +1,10 @@
 """Steps 1 and 2 (freeze_theta, drop_norm), their statuses, and the level driver ``run_level``."""
 from __future__ import annotations
 
-import functools
 import inspect
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 
@@ -159,7 +159,7 @@ def _projected_grads(fn, states0, invariants):
                             for gr, x in zip(grads, states0 + invariants)]
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def _reduced(level, dtype):
     reduced, _ = run_level(lact_program(dtype=dtype), level)
     return reduced, analyze(reduced)

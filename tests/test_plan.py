@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import module_scoped
 import torch
 import torch.nn as nn
 
@@ -29,7 +30,7 @@ C = 4
 LENGTHS = (1, 3, C, 2 * C + 1, 5 * C)
 BLOCK = "block_linear_attention[torch]"
 
-_lact: dict = {}
+_lact = module_scoped.cache()
 
 
 def _lact_level2(style):

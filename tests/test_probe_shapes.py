@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -70,7 +71,7 @@ class LengthPinnedTTT(PerSlotTTT):
         return super().forward(x)
 
 
-_converted: dict = {}
+_converted = module_scoped.cache()
 
 
 def _convert(kind: str):

@@ -12,6 +12,7 @@ import threading
 import warnings
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,7 +35,7 @@ def _layers():
     }
 
 
-_CONVERTED: dict = {}
+_CONVERTED = module_scoped.cache()
 
 
 def _converted(name: str):

@@ -7,6 +7,7 @@ outputs and the gradients of every parameter and input, at several batch sizes a
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -103,7 +104,7 @@ def _examples(kind: str, B: int, L: int) -> tuple:
 
 _LAYERS = {"heads": HeadsFirstTTT, "state": StateFirstTTT, "gate": GateFirstTTT,
            "tokens": TokensFirstTTT}
-_converted: dict = {}
+_converted = module_scoped.cache()
 
 
 def _convert(kind: str):

@@ -11,6 +11,7 @@ the batch size and the split points; every case is converted once per module.
 from __future__ import annotations
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -33,7 +34,7 @@ CASES = {
                                        2, torch.float64, 5),
     "per-token-level0": (lambda: PerTokenTTTLayer(D, 2), 0, torch.float32, 1),
 }
-_built: dict = {}
+_built = module_scoped.cache()
 
 
 def _case(name):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
@@ -127,7 +128,7 @@ CHUNK_CASES = {
     "lact-heads-momentum": (lambda: LaCTHeadsLayer(D, H, 3, base_lr=0.3, muon=False,
                                                    update_theta=False, weight_norm=False), 2, 3),
 }
-_built: dict = {}
+_built = module_scoped.cache()
 
 
 def _converted(name):

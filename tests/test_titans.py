@@ -11,11 +11,11 @@ per-chunk gradients by ``vmap(grad(loss))`` and return a named tuple: all three 
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,7 +37,7 @@ LINEAR = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@module_scoped.cached
 def converted(name: str, level: int):
     dim, chunk, window_chunks, decay, momentum, masked = LINEAR[name]
     torch.manual_seed(dim)

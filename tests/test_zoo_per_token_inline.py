@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import Phase, example, given, settings
@@ -15,7 +16,7 @@ from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import PerTokenInlineTTTLayer
 
 FP32 = TOLERANCE[torch.float32]
-_converted: dict = {}
+_converted = module_scoped.cache()
 
 
 def _layer_and_converted():

@@ -15,6 +15,7 @@ import math
 import os
 
 import pytest
+import module_scoped
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -42,7 +43,7 @@ def _build(style: str, variant: int, *, float64_ns: bool = False) -> nn.Module:
                       base_lr=0.3, muon_steps=1, **kw)
 
 
-_converted: dict = {}
+_converted = module_scoped.cache()
 
 
 def _layers(style: str, variant: int):

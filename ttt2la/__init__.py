@@ -16,6 +16,7 @@ from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)
 from .conversion import convert, inspect
+from .frontend.trace_cache import clear_caches
 from .errors import (AlreadyConvertedError, ChangedAttributeError, CompileError, ConversionError,
                      LaggedStateError, LevelNotImplementedError, NonReducibleError,
                      PartialChunkError,
@@ -28,7 +29,7 @@ from .validation import InvalidInputError
 
 __version__ = "0.1.0"
 
-__all__ = ["convert", "inspect", "save", "load", "ConversionError", "InvalidInputError",
+__all__ = ["convert", "inspect", "clear_caches", "save", "load", "ConversionError", "InvalidInputError",
            "CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",
            "NonReducibleError", "UnsupportedTTTError",
            "UnsupportedShapeError", "LevelNotImplementedError", "PlanFallbackError", "PartialChunkError",
