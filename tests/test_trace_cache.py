@@ -100,3 +100,16 @@ def test_a_layer_without_a_key_is_traced_every_time(traces):
     fn.trace(w, x)
     fn.trace(w, x)
     assert len(traces) == 2 and not trace_cache._TRACES
+
+
+def test_clear_caches_forgets_what_was_traced(traces):
+    """After ``ttt2la.clear_caches()`` the same conversion traces its layer again."""
+    torch.manual_seed(0)
+    layer, x = ScanLinearTTTLayer(8, 2, 3), torch.randn(2, 10, 8)
+    ttt2la.convert(copy.deepcopy(layer), level=2, example_inputs=(x,))
+    taken = len(traces)
+    ttt2la.convert(copy.deepcopy(layer), level=2, example_inputs=(x,))
+    assert len(traces) == taken
+    ttt2la.clear_caches()
+    ttt2la.convert(copy.deepcopy(layer), level=2, example_inputs=(x,))
+    assert len(traces) == 2 * taken
