@@ -56,11 +56,15 @@ def _own_hooks(module):
 
 def test_the_layers_own_hooks_run_once_around_the_converted_forward():
     """Hooks registered on the layer before conversion are not traced into its graphs (they
-    would run twice); a later conversion of a layer without them is not served their trace."""
+    would run twice, and the graphs, disagreeing with the code, would never run: every call
+    would run the code as written); a later conversion of a layer without them is not served
+    their trace."""
     original = _layer()
     _own_hooks(original)
     converted = ttt2la.convert(original, level=2, example_inputs=(_x(),))
     _assert_same(converted, original, _x(2))
+    runs = converted.ttt2la_report.layers[0].runs
+    assert not [k for k, v in runs.items() if v.startswith("as written")], runs   # the plan ran
     plain = _layer()
     _assert_same(ttt2la.convert(plain, level=2, example_inputs=(_x(),)), plain, _x(2))
 
