@@ -63,7 +63,7 @@ def test_each_call_gets_a_graph_of_its_own(traces):
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "stride", "requires grad", "layer",
-                                    "grad mode", "default dtype"])
+                                    "grad mode", "autocast", "default dtype"])
 def test_what_a_trace_depends_on_keys_it(traces, change):
     """Each of these traces again; the same call does not."""
     w, x = {"w": torch.randn(4, 4)}, torch.randn(2, 4)
@@ -85,6 +85,9 @@ def test_what_a_trace_depends_on_keys_it(traces, change):
             LayerTraces(_function, ("another layer",)).trace(w, x)
         elif change == "grad mode":
             with torch.no_grad():
+                fn.trace(w, x)
+        elif change == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
                 fn.trace(w, x)
         else:
             torch.set_default_dtype(torch.float64)

@@ -7,7 +7,7 @@ tensor is refused as data-dependent). Recognition probes a layer at shapes that 
 chunk size, not from the example, so the same layer recognized again from another example traces
 the same shapes: those traces are copied instead of traced again. Traces are keyed by what the
 recognition cache keys a layer by (``recognize._layer_key``), plus the shapes traced, whether each
-weight requires grad, grad mode and the default dtype.
+weight requires grad, grad mode, autocast and the default dtype.
 """
 from __future__ import annotations
 
@@ -59,7 +59,9 @@ class LayerTraces:
         key = (self.layer_key,
                tuple((name, _described(w)) for name, w in weights.items()),
                tuple(_described(x) for x in inputs),
-               torch.is_grad_enabled(), torch.get_default_dtype())
+               torch.is_grad_enabled(), torch.get_default_dtype(),
+               tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                     for d in ("cpu", "cuda")))
         try:
             hash(key)
         except TypeError:
