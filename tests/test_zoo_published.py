@@ -21,7 +21,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import ttt2la
-from ttt2la.testing import TOLERANCE, assert_no_worse_than_original, rel_rms_error
+from ttt2la.testing import TOLERANCE, assert_no_worse_than_original, drawn_after, rel_rms_error
 from ttt2la.zoo import LaCTPublishedLayer, lact_layer
 from ttt2la.zoo import lact_published
 
@@ -115,16 +115,13 @@ def _check_level(level: int, mode: str, momentum: bool, B: int, L: int):
                  within_tolerance)
         return
     # rounding in bf16 Newton–Schulz is a random draw per input: judge medians over inputs
-    gen = torch.Generator().manual_seed(B * 1000 + L)
-    inputs = [x]
+    inputs = drawn_after(x, torch.Generator().manual_seed(B * 1000 + L))
 
     def errors_on(i):
-        while len(inputs) <= i:
-            inputs.append(torch.randn(x.shape, generator=gen, dtype=torch.float64))
-        ref = _outputs_and_grads(exact, inputs[i])
+        ref = _outputs_and_grads(exact, inputs(i))
         errors = {"converted": {}, "original": {}}
         for side, module in (("converted", conv), ("original", variant)):
-            _compare(_outputs_and_grads(module, inputs[i].to(dtype)), ref,
+            _compare(_outputs_and_grads(module, inputs(i).to(dtype)), ref,
                      lambda name, err, side=side: errors[side].__setitem__(name, err))
         assert errors["converted"].keys() == errors["original"].keys()
         return {name: (err, errors["original"][name]) for name, err in errors["converted"].items()}
@@ -314,16 +311,13 @@ def test_a_compiled_variant_with_bf16_newton_schulz_converts_exactly():
                                ns_dtype=torch.float64)
     exact.load_state_dict(layer.state_dict())
     exact = exact.double().eval()
-    gen = torch.Generator().manual_seed(1)
-    inputs = [x.double()]
+    inputs = drawn_after(x.double(), torch.Generator().manual_seed(1))
 
     @torch.no_grad()
     def errors_on(i):
-        while len(inputs) <= i:
-            inputs.append(torch.randn(1, 32, 16, generator=gen, dtype=torch.float64))
-        ref = exact(inputs[i])
-        return {"output": (rel_rms_error(conv(inputs[i].float()), ref),
-                           rel_rms_error(layer(inputs[i].float()), ref))}
+        ref = exact(inputs(i))
+        return {"output": (rel_rms_error(conv(inputs(i).float()), ref),
+                           rel_rms_error(layer(inputs(i).float()), ref))}
 
     assert_no_worse_than_original(errors_on)
 

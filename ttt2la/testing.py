@@ -125,14 +125,20 @@ def assert_within_precision_criterion(conv: torch.nn.Module, ref32: torch.nn.Mod
     ``x`` and inputs of its shape drawn after it (``assert_no_worse_than_original``)."""
     ref64 = copy.deepcopy(ref32).double()
     gen = torch.Generator().manual_seed(int(x.shape[0] * 1000 + x.shape[1]))
-    inputs = [x]
+    inputs = drawn_after(x, gen)
+    assert_no_worse_than_original(lambda i: _criterion_errors(conv, ref32, ref64, inputs(i)))
 
-    def errors_on(i: int) -> dict:
+
+def drawn_after(first: torch.Tensor, gen: torch.Generator) -> Callable[[int], torch.Tensor]:
+    """Input ``i`` of a judgment over inputs: ``first``, then inputs of its shape and dtype
+    drawn from ``gen`` in order, each drawn once however often it is asked for."""
+    inputs = [first]
+
+    def input_at(i: int) -> torch.Tensor:
         while len(inputs) <= i:
-            inputs.append(torch.randn(x.shape, generator=gen, dtype=x.dtype))
-        return _criterion_errors(conv, ref32, ref64, inputs[i])
-
-    assert_no_worse_than_original(errors_on)
+            inputs.append(torch.randn(first.shape, generator=gen, dtype=first.dtype))
+        return inputs[i]
+    return input_at
 
 
 def _criterion_errors(conv, ref32, ref64, xs: torch.Tensor) -> dict:

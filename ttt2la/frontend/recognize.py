@@ -386,12 +386,7 @@ def _signature(layer_key: tuple | None, flat: list, seq_len, loop) -> tuple | No
         return None
     inputs = tuple((tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor)
                    else ("value", repr(x)) for x in flat)
-    key = (layer_key, inputs, seq_len, loop)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return (layer_key, inputs, seq_len, loop)       # hashable, as ``layer_key`` is
 
 
 def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer:

@@ -56,17 +56,12 @@ class LayerTraces:
     def _key(self, weights: dict, inputs: tuple) -> tuple | None:
         if self.layer_key is None:
             return None
-        key = (self.layer_key,
-               tuple((name, _described(w)) for name, w in weights.items()),
-               tuple(_described(x) for x in inputs),
-               torch.is_grad_enabled(), torch.get_default_dtype(),
-               tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                     for d in ("cpu", "cuda")))
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
+        return (self.layer_key,         # hashable, as the descriptions are
+                tuple((name, _described(w)) for name, w in weights.items()),
+                tuple(_described(x) for x in inputs),
+                torch.is_grad_enabled(), torch.get_default_dtype(),
+                tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                      for d in ("cpu", "cuda")))
 
 
 def clear_caches() -> None:
