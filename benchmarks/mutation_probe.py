@@ -2441,6 +2441,14 @@ MUTATIONS = [
         (("ttt2la/frontend/trace_cache.py", "x.dtype, str(x.device), x.requires_grad)",
           "x.dtype, str(x.device))"),),
         ("tests/test_trace_cache.py",), ""),
+    Mutation(
+        "open_chunk_keeps_padding", "a piece padded to whole chunks by the code before the loop keeps the padding in its open chunk, so the next piece's first chunk starts with it",
+        (("ttt2la/stream.py", "narrow(axes[i], real - tail, tail)", "narrow(axes[i], length - tail, tail)"),),
+        ("tests/test_stream.py",), "padding"),
+    Mutation(
+        "padded_state_from_padding", "the state carried after a padded piece is the padded run's, its padding folded in",
+        (("ttt2la/stream.py", "    carried = states0\n    if folded:", "    carried = finals\n    if False:"),),
+        ("tests/test_stream.py",), "padding"),
 ]
 
 

@@ -268,3 +268,63 @@ def test_update_then_apply_chunks_continue_on_chunk_boundaries_only(update_first
         # a piece ending inside a chunk: the chunk's outputs are not final yet
         with pytest.raises(ttt2la.StreamingError, match="chunk boundary"):
             conv(x[:, :tail], ttt_state=state, return_ttt_state=True)
+
+
+class _PaddedToWholeChunks(torch.nn.Module):
+    """A chunked layer that pads its sequence to whole chunks before its loop and views it as
+    chunks (``F.pad``, then ``view``), as many published TTT layers do. ``gated``: a decay
+    gate's logits are padded with zeros too, so the padding halves the memory per padded token
+    (padding that is not inert); else an apply-then-update delta step whose padding is."""
+
+    def __init__(self, d, C, gated):
+        super().__init__()
+        self.C, self.gated = C, gated
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.gate = torch.nn.Linear(d, 1)
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        C, pad = self.C, (-x.shape[1]) % self.C
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+        g = torch.nn.functional.pad(self.gate(x), (0, 0, 0, pad))
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        N = (T + pad) // C
+        q, k, v, g = (t.view(B, N, C, -1) for t in (q, k, v, g))
+        W, outs = self.w0.expand(B, D, D), []
+        for i in range(N):
+            outs.append(q[:, i] @ W)
+            if self.gated:
+                W = torch.sigmoid(g[:, i]).prod(dim=1, keepdim=True) * W \
+                    + k[:, i].transpose(1, 2) @ v[:, i]
+            else:
+                lr = torch.sigmoid(g[:, i])
+                W = W - k[:, i].transpose(1, 2) @ (lr * (k[:, i] @ W - v[:, i]))
+        return torch.cat(outs, dim=1)[:, :T]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["inert-padding", "gate-padded"])
+def padded_to_whole_chunks(request):
+    torch.manual_seed(13)
+    layer = _PaddedToWholeChunks(8, 4, request.param)
+    return layer, ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 14, 8),))
+
+
+@settings(max_examples=10)
+@given(split=splits(23))
+@example(split=(1, 23, [2, 5, 6, 7, 13]))       # pieces ending inside chunks, then token by token
+def test_a_layer_padding_its_sequence_to_whole_chunks_continues_from_its_tokens(
+        padded_to_whole_chunks, split):
+    """The loop reads the padding of every piece that ends inside a chunk; the state carried
+    holds that chunk's tokens without it, so the next piece's tokens complete the chunk as the
+    whole sequence does."""
+    layer, conv = padded_to_whole_chunks
+    B, L, cuts = split
+    x = torch.randn(B, L, 8, generator=torch.Generator().manual_seed(L))
+    with torch.no_grad():
+        got, state = in_pieces(conv, x, cuts)
+        ref = layer(x)
+    assert rel_rms_error(got, ref) <= TOLERANCE[torch.float32], (cuts, rel_rms_error(got, ref))
+    assert state.tokens == L and state.open_tokens == L - 4 * ((L - 1) // 4)
+    assert all(t.shape[1] == state.open_tokens for t in state.open)

@@ -842,7 +842,7 @@ class ConvertedState:
                 "must treat tokens one by one; run whole sequences instead.")
         gm = self.outer_for(B, L)
         loop = self.loop_for(B)
-        call = StreamCall(state)
+        call = StreamCall(state, tokens=L)
         calls = _stream_calls()
         calls[id(loop)] = call
         try:

@@ -13,7 +13,9 @@ source: q, k, v, learning rates, ...). The next piece is appended to those token
 chunk is recomputed from its start, so every chunk the loop sees is the chunk the whole
 sequence would give it. A per-token layer has no open chunk, unless it reads each token
 before writing it and its last token is only read (the delta rule's read-then-write form): its
-last token stays open the same way, one token long.
+last token stays open the same way, one token long. Code that pads each piece to whole chunks
+before the loop has the loop read padding after the piece's tokens: the outputs come from the
+padded run, the state from the tokens alone, which the next piece's tokens then complete.
 
 ``Stream(model)`` carries the state of every converted layer of a whole model from one call
 to the next.
@@ -159,6 +161,7 @@ class StreamCall:
     """One stateful call of a converted layer: the state in, filled with the state out."""
 
     state_in: TTTState | None
+    tokens: int             # the piece's tokens, as the caller passed them
     state_out: TTTState | None = None
 
 
@@ -192,34 +195,61 @@ def advance(plan, program: TTTProgram, states0: list, invariants: list, call: St
             invariants[i] = torch.cat([prefix, invariants[i]], dim=axes[i])
         n_open, seen = state_in.open_tokens, state_in.tokens
     length = stream_length(program, list(invariants))
-    tail = _open_tail(program, length, where)
-    if program.last_chunk == "apply_only" or tail == 0:
+    real = n_open + call.tokens
+    tail = _open_tail(program, real, where)
+    if length != real:
+        outputs, finals, carried = _padded_piece(plan, program, states0, invariants, axes,
+                                                 length, real, tail, where)
+    elif program.last_chunk == "apply_only" or tail == 0:
         outputs, finals = plan(states0, invariants)
         carried = _states_after(finals, states0, program, where)
     else:
-        full = length - tail
-        mid = states0
-        head_outputs = []
-        if full:
-            head_outputs, head_finals = plan(states0, _narrow(invariants, axes, 0, full))
-            mid = _states_after(head_finals, states0, program, where)
-        tail_outputs, finals = plan(mid, _narrow(invariants, axes, full, tail))
-        finals = _states_after(finals, mid, program, where)
-        outputs = tail_outputs if not full else [
-            torch.cat([a, b], dim=spec.axis % a.dim())
-            for a, b, spec in zip(head_outputs, tail_outputs, program.outputs)]
-        carried = mid
+        outputs, finals, carried = _open_chunk_apart(plan, program, states0, invariants, axes,
+                                                     length, tail, where)
     outputs = [o.narrow(spec.axis % o.dim(), n_open, length - n_open)
                for o, spec in zip(outputs, program.outputs)]
-    open_tokens = tail
     call.state_out = TTTState(
         names=tuple(s.name for s in program.states), roles=tuple(s.role for s in program.states),
         values=tuple(carried),
         sources=tuple(program.invariants[i].name for i in sources),
-        open=tuple(invariants[i].narrow(axes[i], length - open_tokens, open_tokens)
-                   for i in sources),
-        open_tokens=open_tokens, tokens=seen + length - n_open)
+        open=tuple(invariants[i].narrow(axes[i], real - tail, tail) for i in sources),
+        open_tokens=tail, tokens=seen + call.tokens)
     return outputs, finals
+
+
+def _open_chunk_apart(plan, program, states0, invariants, axes, length, tail, where):
+    """A piece whose last ``tail`` tokens open a chunk the loop folds in when it is full: the
+    whole chunks run first, the state after them is carried, the open chunk runs from it."""
+    full = length - tail
+    mid = states0
+    head_outputs = []
+    if full:
+        head_outputs, head_finals = plan(states0, _narrow(invariants, axes, 0, full))
+        mid = _states_after(head_finals, states0, program, where)
+    tail_outputs, finals = plan(mid, _narrow(invariants, axes, full, tail))
+    finals = _states_after(finals, mid, program, where)
+    outputs = tail_outputs if not full else [
+        torch.cat([a, b], dim=spec.axis % a.dim())
+        for a, b, spec in zip(head_outputs, tail_outputs, program.outputs)]
+    return outputs, finals, mid
+
+
+def _padded_piece(plan, program, states0, invariants, axes, length, real, tail, where):
+    """A piece the code before the loop pads to whole chunks (``F.pad`` then a view as chunks):
+    the loop reads ``length`` tokens, the first ``real`` of them the sequence's. The outputs
+    come from the padded run, as the code computes them; the carried state from the sequence's
+    tokens alone, since the next piece's tokens, not padding, complete the open chunk."""
+    if length < real:
+        raise StreamingError(
+            f"{where} reads {length} tokens of a piece of {real}: the code before the loop "
+            "drops tokens, so the state after this piece would miss them. Run whole sequences.")
+    outputs, finals = plan(states0, invariants)
+    folded = real if program.last_chunk == "apply_only" else real - tail
+    carried = states0
+    if folded:
+        _, prefix_finals = plan(states0, _narrow(invariants, axes, 0, folded))
+        carried = _states_after(prefix_finals, states0, program, where)
+    return outputs, finals, carried
 
 
 class Stream:
