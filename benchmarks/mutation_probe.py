@@ -1359,7 +1359,7 @@ MUTATIONS = [
         ("tests/test_call_errors.py",), "at_its_default or left_out"),
     Mutation(
         "keywords_out_of_the_cache_key", "layers of one class whose calls pass one value as different keywords share one trace",
-        (("ttt2la/frontend/recognize.py", "tuple(attrs), tensors, in_spec)", "tuple(attrs), tensors)"),),
+        (("ttt2la/frontend/recognize.py", "tuple(attrs), tensors, in_spec, outside)", "tuple(attrs), tensors, outside)"),),
         ("tests/test_call_errors.py",), "traced_apart"),
     Mutation(
         "dict_keys_by_position", "a dict inside a call's arguments is compared and fed to the graphs by position, not by its keys",
@@ -2449,6 +2449,10 @@ MUTATIONS = [
         "padded_state_from_padding", "the state carried after a padded piece is the padded run's, its padding folded in",
         (("ttt2la/stream.py", "    carried = states0\n    if folded:", "    carried = finals\n    if False:"),),
         ("tests/test_stream.py",), "padding"),
+    Mutation(
+        "outside_reads_unkeyed", "a layer's kept traces and recognition are keyed without the globals, class attributes and helpers its code reads, so a conversion after one changed gets the old function",
+        (("ttt2la/frontend/recognize.py", "tensors, in_spec, outside)", "tensors, in_spec)"),),
+        ("tests/test_trace_cache.py",), "outside"),
 ]
 
 

@@ -116,3 +116,51 @@ def test_clear_caches_forgets_what_was_traced(traces):
     ttt2la.clear_caches()
     ttt2la.convert(copy.deepcopy(layer), level=2, example_inputs=(x,))
     assert len(traces) == 2 * taken
+
+
+_GAIN = 1.0
+
+
+def _step_size(x):
+    return 0.1 * x
+
+
+class _ReadsFromOutside(torch.nn.Module):
+    """A chunked layer whose step reads a module global (``_GAIN``), a class attribute
+    (``SCALE``) and a module-level helper (``_step_size``), none of them held by the layer."""
+
+    SCALE = 1.0
+
+    def __init__(self, d=8, C=4):
+        super().__init__()
+        self.C = C
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        W, outs = self.w0.expand(x.shape[0], -1, -1), []
+        for i in range(0, x.shape[1], self.C):
+            outs.append(q[:, i:i + self.C] @ W)
+            step = _step_size(_GAIN * self.SCALE * k[:, i:i + self.C])
+            W = W + step.transpose(1, 2) @ v[:, i:i + self.C]
+        return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("change", ["global", "class attribute", "helper"])
+def test_what_the_code_reads_from_outside_the_layer_keys_its_traces(traces, monkeypatch, change):
+    """Converted again after a global, a class attribute or a helper it calls changed, the
+    layer is traced again and computes the new function (the kept traces held the old one)."""
+    torch.manual_seed(0)
+    layer, x = _ReadsFromOutside(), torch.randn(2, 12, 8)
+    ttt2la.convert(layer, level=0, example_inputs=(x,))
+    taken = len(traces)
+    if change == "global":
+        monkeypatch.setitem(globals(), "_GAIN", 3.0)
+    elif change == "class attribute":
+        monkeypatch.setattr(_ReadsFromOutside, "SCALE", 3.0)
+    else:
+        monkeypatch.setitem(globals(), "_step_size", lambda x: 0.3 * x)
+    again = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    assert len(traces) > taken
+    assert_same_function(again, layer, [x, torch.randn(1, 7, 8)])

@@ -356,9 +356,11 @@ def _layer_key(cand: LoopCandidate, in_spec) -> tuple | None:
 
     Parameters and buffers are graph inputs, so their values do not matter; plain Python
     attributes (chunk size, switches, containers of them) steer the code and are part of the
-    key; what ttt2la itself keeps on a converted layer (its report, its state) steers nothing the
-    layer's code does. A layer holding any other value — a tensor that is neither a parameter nor a buffer
-    (its value is baked in), an object the key cannot describe — has no key: it is not cached.
+    key, as are the class attributes and globals the code reads and the methods it calls; what
+    ttt2la itself keeps on a converted layer (its report, its state) steers nothing the layer's
+    code does. A layer holding any other value — a tensor that is neither a parameter nor a
+    buffer (its value is baked in), an object the key cannot describe — has no key: it is not
+    cached.
     """
     attrs = []
     try:
@@ -367,16 +369,27 @@ def _layer_key(cand: LoopCandidate, in_spec) -> tuple | None:
                 if k not in _MODULE_INTERNALS and not k.startswith(OWN_PREFIXES):
                     attrs.append((name, k, _config_value(v)))
             attrs.append((name, type(m)))
+        outside = _read_from_outside(cand.module)
     except _Uncacheable:
         return None
     tensors = tuple((n, tuple(t.shape), t.dtype, str(t.device))
                     for n, t in params_and_buffers(cand.module).items())
-    key = (type(cand.module), tuple(attrs), tensors, in_spec)
+    key = (type(cand.module), tuple(attrs), tensors, in_spec, outside)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _read_from_outside(module: torch.nn.Module) -> tuple:
+    """The class attributes, globals and methods ``module``'s code reads from outside the layer
+    (``GlobalGuard``), as they are now: they are baked into its traces as its attributes are."""
+    from ..global_guard import GlobalGuard
+    guard = GlobalGuard.of(module)
+    if guard is None:
+        return ()
+    return tuple((what, _config_value(v)) for (_, what), v in zip(guard.entries, guard.values))
 
 
 def _signature(layer_key: tuple | None, flat: list, seq_len, loop) -> tuple | None:

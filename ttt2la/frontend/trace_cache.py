@@ -6,8 +6,9 @@ and the shapes, dtypes and devices of what it is given, never on values (a value
 tensor is refused as data-dependent). Recognition probes a layer at shapes that follow from its
 chunk size, not from the example, so the same layer recognized again from another example traces
 the same shapes: those traces are copied instead of traced again. Traces are keyed by what the
-recognition cache keys a layer by (``recognize._layer_key``), plus the shapes traced, whether each
-weight requires grad, grad mode, autocast and the default dtype.
+recognition cache keys a layer by (``recognize._layer_key``: its code, configuration and the
+values its code reads from outside it), plus the shapes traced, whether each weight requires
+grad, grad mode, autocast and the default dtype.
 """
 from __future__ import annotations
 
