@@ -2453,6 +2453,14 @@ MUTATIONS = [
         "outside_reads_unkeyed", "a layer's kept traces and recognition are keyed without the globals, class attributes and helpers its code reads, so a conversion after one changed gets the old function",
         (("ttt2la/frontend/recognize.py", "tensors, in_spec, outside)", "tensors, in_spec)"),),
         ("tests/test_trace_cache.py",), "outside"),
+    Mutation(
+        "keys_features_from_outside_collapsed", "a kernel computed on the queries only, the keys' features computed before the step, is collapsed on the queries alone",
+        (("ttt2la/passes/collapse_mlp.py", "    _require_key_path(program, cores, sites, theta)\n", ""),),
+        ("tests/test_collapse_mlp.py",), "before_the_step"),
+    Mutation(
+        "body_sizes_read_at_the_trace", "the fold replays the views between φ's product and its value at the traced sizes, not the calibration chunk's",
+        (("ttt2la/passes/collapse_mlp.py", "map_arg(n.args[1:], sizes.__getitem__)", "map_arg(n.args[1:], lambda a: a.meta['val'])"),),
+        ("tests/test_passes.py",), "sized_by_the_body"),
 ]
 
 

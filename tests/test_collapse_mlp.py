@@ -514,3 +514,47 @@ def test_a_delta_rule_with_no_mlp_converts_exactly_at_level3():
     with torch.no_grad():
         y = torch.randn(3, 16, 8)
         assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[torch.float32]
+
+
+class OneStepHeads(nn.Module):
+    """A single test-time step over all tokens, heads kept as an axis and every product an
+    einsum: ``φ(x) = silu(x·w0ᵀ) ⊙ (x·w2ᵀ)`` per head, one dot-product step on ``w1``, read by
+    the queries. Its body is generic in the length (the views take sizes it computes)."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.h, self.d = heads, d // heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w0, self.w1, self.w2 = (nn.Parameter(torch.randn(heads, self.d, self.d) / self.d)
+                                     for _ in range(3))
+
+    def features(self, x):
+        B, L, _ = x.shape
+        return self.qkv(x).view(B, L, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+
+    def forward(self, x):
+        B, L, D = x.shape
+        q, k, v = self.features(x)
+        w0, w1, w2 = (w.expand(B, -1, -1, -1) for w in (self.w0, self.w1, self.w2))
+        hk = F.silu(torch.einsum("bhmd,bhnd->bhnm", w0, k)) * torch.einsum("bhmd,bhnd->bhnm", w2, k)
+        w1 = w1 + 0.05 * torch.einsum("bhnd,bhnm->bhdm", v, hk)
+        hq = F.silu(torch.einsum("bhmd,bhnd->bhnm", w0, q)) * torch.einsum("bhmd,bhnd->bhnm", w2, q)
+        return torch.einsum("bhdm,bhnm->bhnd", w1, hq).transpose(1, 2).reshape(B, L, D)
+
+
+def test_keys_features_computed_before_the_step_are_refused_at_level3():
+    """φ(k) of a single step reads only parameters, so it is computed before the step, outside
+    the program collapse_mlp rewrites: collapsing φ on the queries alone would not be step 3.
+    Level 3 is refused naming the query path's line; level 2 stays exact, and ``inspect`` gives
+    every level a verdict."""
+    torch.manual_seed(4)
+    layer, x = OneStepHeads(), torch.randn(2, 24, 16)
+    with pytest.raises(UnsupportedTTTError, match=r"test_collapse_mlp.py:\d+.*on no key path"):
+        ttt2la.convert(layer, level=3, example_inputs=(x,))
+    conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert conv.ttt2la_report.exact
+    with torch.no_grad():
+        y = torch.randn(3, 31, 16)
+        assert rel_rms_error(conv(y), layer(y)) <= TOLERANCE[torch.float32]
+    levels = ttt2la.inspect(layer, example_inputs=(x,), show=False).layers[0].levels
+    assert "no key path" in levels[3] and levels[2] == "parallel", levels

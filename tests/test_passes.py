@@ -396,6 +396,24 @@ def test_a_view_shaped_by_another_value_is_not_replayed():
     assert not _replayed(node)
 
 
+def test_a_view_sized_by_the_body_is_replayed_at_each_chunk_s_size():
+    """A body generic in the length computes the sizes of its views: collapse_mlp builds the
+    view's metadata at the traced size and replays it on a calibration chunk at that chunk's."""
+    import operator
+    from ttt2la.passes.collapse_mlp import Site, _call, _in_product_layout, _replayed
+    g = torch.fx.Graph()
+    product = g.placeholder("product")
+    product.meta["val"] = torch.empty(4, 6)
+    size = g.call_function(operator.mul, (3, 2))
+    size.meta["val"] = 6                        # the traced length
+    core = _call(g, torch.ops.aten.view.default, [product, [2, 2, size]])
+    assert _replayed(core) and core.meta["val"].shape == (2, 2, 6)
+    value = torch.randn(2, 2, 5)                # a chunk of 5 tokens
+    site = Site(core, product, product, [core, product])
+    laid_out = _in_product_layout(site, value, (4, 5), {size: 5})
+    assert torch.equal(laid_out, value.reshape(4, 5).double())
+
+
 def test_a_pass_that_breaks_its_promise_raises_a_conversion_error(monkeypatch):
     """A postcondition that fails is ttt2la's bug: said as a ``ConversionError`` naming the
     pass and the level to fall back to, never a bare ``AssertionError``."""

@@ -302,6 +302,9 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
         with _as_traced(state, args, kwargs):
             err = rel_rms_error(run_module(converted, args, kwargs), ref)
         result["program_rel_rms_error"] = err
+        result["judged"] = ("program_rel_rms_error (the loop as traced, run in the layer) "
+                            "against the tolerance; the plan against that loop by the "
+                            "precision criterion (lowering)")
     result["tolerance"] = tolerance(ref.dtype)
     result["ok"] = bool(err <= result["tolerance"])
     other = other_outputs_differ(whole, ref_whole, tensors=not needs_float64_reference(

@@ -53,9 +53,15 @@ def stream_length(program: TTTProgram, invariants: list[torch.Tensor]) -> int:
         src = invariants[spec.source]
         lengths[spec.name] = int(src.shape[spec.axis % src.dim()])   # concrete, also in a trace
     if len(set(lengths.values())) != 1:
+        where = f"{program.module_path or 'the model'} ({program.loop_src})" \
+            if program.loop_src else "this loop"
         raise UnsupportedTTTError(
-            f"The chunk streams of this loop have different lengths {lengths}; every stream "
-            f"must be sliced from a sequence of the same length.")
+            f"The sequences the loop of {where} slices its chunks from have different lengths "
+            f"at this input ({', '.join(f'{k}: {v}' for k, v in lengths.items())}, named after "
+            "the loop's values); every stream must be sliced from a sequence of the same length. "
+            "Where the code handles a remainder of the sequence apart from its whole chunks, "
+            f"convert from example inputs whose length is a multiple of the chunk size "
+            f"({program.chunk_size}).")
     length = next(iter(lengths.values()))
     if length < 1:
         raise UnsupportedTTTError("The sequence is empty (length 0); there is nothing to run.")

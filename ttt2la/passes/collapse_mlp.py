@@ -17,6 +17,7 @@ with an MLP computes something else through one linear layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 import torch.fx
@@ -39,9 +40,15 @@ _LINEAR_OPS = VIEW_OPS | SLICES | ADDITIVE | SCALINGS | MATRIX_PRODUCTS \
 
 def _replayed(n: torch.fx.Node) -> bool:
     """A view replayed from the product to the kernel's value: its other arguments are
-    constants (sizes, dims, dtypes), so it applies to any value of the product's shape."""
-    return op_name(n) in VIEW_OPS and not any(
-        isinstance(a, torch.fx.Node) for a in (*n.args[1:], *n.kwargs.values()))
+    constants (sizes, dims, dtypes) or sizes the body computes (a body generic in the length),
+    so it applies to any value of the product's shape."""
+    return op_name(n) in VIEW_OPS and all(
+        isinstance(a.meta.get("val"), (int, torch.SymInt)) for a in _operands(n))
+
+
+def _operands(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes among ``n``'s arguments other than its first, in lists included."""
+    return _flat_nodes((*n.args[1:], *n.kwargs.values()))
 
 
 @dataclass
@@ -206,9 +213,26 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
     sites.sort(key=lambda s: (s.core not in cores, order[s.core]))
     leaves = [_leaves(s.core, params, theta_dep) for s in sites]
     theta = list(dict.fromkeys(n for site_leaves in leaves for n in site_leaves))
+    _require_key_path(program, cores, sites, theta)
     aliases = [(a, b) for site_leaves in leaves[1:] for a, b in zip(leaves[0], site_leaves)
                if a is not b]
     return Kernel(sites, pos, theta, aliases), ""
+
+
+def _require_key_path(program: TTTProgram, cores: list, sites: list[Site], theta: list) -> None:
+    """φ computed on the queries only, with Θ read nowhere else in the body: the increment reads
+    keys' features computed before the loop or step, which the rewrite cannot reach."""
+    read_side = {a for c in cores for a in ancestors(c)} | set(cores)
+    if any(s.core not in cores for s in sites) or any(
+            u.op != "output" and u not in read_side for t in theta for u in t.users):
+        return
+    raise UnsupportedTTTError(
+        f"the kernel φ of {program.module_path or 'the model'} ({program.loop_src}) is "
+        f"computed on the query path ({describe_op(cores[0])}) but on no key path: the "
+        "state's increment reads keys' features computed before the "
+        f"{'step' if program.single_step else 'loop'}, outside the code ttt2la rewrites, so "
+        "collapse_mlp cannot make φ one linear map on both; compute φ(k) where the state is "
+        "updated, or convert at level <= 2.")
 
 
 def kernel_candidates(program: TTTProgram) -> set[torch.fx.Node]:
@@ -265,14 +289,23 @@ def _period(thetas: list[torch.Tensor]) -> int:
     return 1
 
 
-def _in_product_layout(site: Site, core_value: torch.Tensor, product_shape) -> torch.Tensor:
+def _replay_operands(site: Site) -> list[torch.fx.Node]:
+    """The sizes the views between a site's product and its kernel value take from the body."""
+    return [a for n in site.path[:-1] if _replayed(n) for a in _operands(n)]
+
+
+def _in_product_layout(site: Site, core_value: torch.Tensor, product_shape,
+                       sizes: dict) -> torch.Tensor:
     """The kernel's value laid out like the product it is rewritten from (the inverse of the
-    views between them, found by running those views on the product's element indices)."""
+    views between them, found by running those views on the product's element indices);
+    ``sizes``: the values of ``_replay_operands`` at this chunk."""
     index = torch.arange(int(torch.Size(product_shape).numel())).reshape(product_shape)
     for n in reversed(site.path[:-1]):
         if _replayed(n) and op_name(n) not in CASTS:
-            index = n.target(index, *n.args[1:], **{k: v for k, v in n.kwargs.items()
-                                                    if k != "memory_format"})
+            args = torch.fx.node.map_arg(n.args[1:], sizes.__getitem__)
+            kwargs = torch.fx.node.map_arg({k: v for k, v in n.kwargs.items()
+                                            if k != "memory_format"}, sizes.__getitem__)
+            index = n.target(index, *args, **kwargs)
     out = torch.full((index.numel(),), float("nan"), dtype=torch.float64)
     flat = index.reshape(-1)
     out[flat] = core_value.reshape(-1).to(torch.float64)
@@ -287,7 +320,9 @@ def fit_map(program: TTTProgram, kernel: Kernel, calibration) -> tuple[torch.Ten
     queries of every calibration chunk, one per group of rows sharing Θ, and how well it fits."""
     first = kernel.sites[0].product
     theta_node = first.args[kernel.theta_pos]
-    nodes = [theta_node, *(s.stream for s in kernel.sites), *(s.core for s in kernel.sites)]
+    operands = [_replay_operands(s) for s in kernel.sites]
+    nodes = [theta_node, *(s.stream for s in kernel.sites), *(s.core for s in kernel.sites),
+             *(s.product for s in kernel.sites), *(a for ops in operands for a in ops)]
     values = calibration.chunk_values(program, nodes)
     if not values[0]:
         raise ConversionError(
@@ -298,11 +333,15 @@ def fit_map(program: TTTProgram, kernel: Kernel, calibration) -> tuple[torch.Ten
     thetas = [_as_rows(t, 1).double() for t in values[0]]
     groups = _period(thetas)
     xs, ys = [[] for _ in range(groups)], [[] for _ in range(groups)]
+    at = 1 + 3 * n                          # where the sites' replay operands start
     for i, site in enumerate(kernel.sites):
-        shape = node_shape(site.product)
-        for x, y in zip(values[1 + i], values[1 + n + i]):
+        chunks = zip(values[1 + i], values[1 + n + i], values[1 + 2 * n + i],
+                     zip(*values[at:at + len(operands[i])]) if operands[i] else repeat(()))
+        at += len(operands[i])
+        for x, y, product, sizes in chunks:
             x = _as_rows(x.double().cpu(), kernel.theta_pos)
-            y = _as_rows(_in_product_layout(site, y.cpu(), shape), kernel.theta_pos)
+            y = _in_product_layout(site, y.cpu(), product.shape, dict(zip(operands[i], sizes)))
+            y = _as_rows(y, kernel.theta_pos)
             for g in range(groups):
                 xs[g].append(x[g::groups].reshape(-1, x.shape[-1]))
                 ys[g].append(y[g::groups].reshape(-1, y.shape[-1]))
@@ -326,12 +365,13 @@ def _residual(X, Y, M) -> float:
 
 def _meta_val(target, args, kwargs):
     """The output of ``target`` on meta tensors shaped like ``args`` (for node metadata)."""
-    def meta(a):
-        if isinstance(a, torch.fx.Node):
-            v = a.meta["val"]
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-        return a
-    return target(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    def meta(a: torch.fx.Node):
+        v = a.meta["val"]
+        if not isinstance(v, torch.Tensor):
+            return v                            # a size the body computes, at the traced shape
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return target(*torch.fx.node.map_arg(tuple(args), meta),
+                  **torch.fx.node.map_arg(dict(kwargs), meta))
 
 
 def _call(graph: torch.fx.Graph, target, args, kwargs=None, src=None) -> torch.fx.Node:
