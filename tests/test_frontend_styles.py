@@ -496,6 +496,47 @@ def test_a_loop_over_blocks_is_no_ttt_loop_and_is_not_run_at_longer_lengths():
         assert ttt2la.testing.rel_rms_error(converted(x), model(x)) <= 1e-5
 
 
+class _Stacked(nn.Module):
+    """Products with a list of matrices in turn: a loop over weights, not over the sequence."""
+
+    def forward(self, x, weights):
+        for w in weights:
+            x = x @ w
+        return x
+
+
+class _ReadThroughAStack(nn.Module):
+    """A chunked fast weight read through a submodule whose own loop runs over its weights."""
+
+    def __init__(self, d=8, C=4):
+        super().__init__()
+        self.C, self.stack = C, _Stacked()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w0 = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.w1 = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        W, outs = self.w1.expand(x.shape[0], -1, -1), []
+        for i in range(0, x.shape[1], self.C):
+            outs.append(self.stack(q[:, i:i + self.C], [self.w0, W]))
+            W = W + 0.1 * k[:, i:i + self.C].transpose(1, 2) @ v[:, i:i + self.C]
+        return torch.cat(outs, dim=1)
+
+
+def test_a_submodule_of_a_converted_layer_is_no_layer_of_the_report():
+    """The submodule's own loop (over weights) is no TTT loop, but it runs as part of the layer
+    converted around it: the report notes no conversion of it."""
+    torch.manual_seed(0)
+    layer, x = _ReadThroughAStack(), torch.randn(2, 14, 8)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    assert [rl.module_path for rl in converted.ttt2la_report.layers] == [""]
+    assert not [n for n in converted.ttt2la_report.notes if "stack" in n], \
+        converted.ttt2la_report.notes
+    with torch.no_grad():
+        assert ttt2la.testing.rel_rms_error(converted(x), layer(x)) <= 1e-5
+
+
 class InnerLossReturned(nn.Module):
     """A loop that keeps each chunk's inner loss beside its read (``grad_and_value``)."""
 

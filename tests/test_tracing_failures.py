@@ -394,3 +394,10 @@ def test_code_around_the_loop_that_changes_with_the_length_is_named():
         in message, message
     assert f"test_tracing_failures.py:{grows}" in message, message
     assert "%" not in message and "call_function" not in message, message
+
+
+def test_a_failure_quoted_in_a_note_names_its_public_class():
+    """An internal refinement of a refusal is quoted under the public class it escapes as."""
+    from ttt2la.frontend.recognize import _ShapeDependent, _first_line
+    assert _first_line(_ShapeDependent("runs other ops at length 80\nmore")) == \
+        "UnsupportedTTTError: runs other ops at length 80"

@@ -100,10 +100,11 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
             try:
                 layers.append(recognize_layer(cand, _seq_len(inputs)))
             except UnsupportedTTTError as e:
-                failures.append(f"{cand.path or '<model>'}: {e}")
+                failures.append((cand.path, f"{cand.path or '<model>'}: {e}"))
                 refusals.append(e)
         if layers:
-            notes += [f"not converted: {f}" for f in failures]
+            notes += [f"not converted: {f}" for path, f in failures
+                      if not any(_inside(path, layer.path) for layer in layers)]
             if inferred:
                 notes.append(f"example inputs inferred: token ids of shape {tuple(inputs[0].shape)}")
             return layers, inputs, notes
@@ -111,11 +112,17 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
             break
     if candidates:
         raise _refused(f"no test-time-training loop of {type(model).__name__} could be "
-                       f"converted: {'; '.join(failures)}", refusals)
+                       f"converted: {'; '.join(f for _, f in failures)}", refusals)
     raise UnsupportedTTTError(
         f"no test-time-training loop found in {type(model).__name__} (no module runs a Python "
         "loop). ttt2la converts layers whose forward (or a function it calls) loops over chunks "
         "or tokens, carrying fast weights updated from the sequence.")
+
+
+def _inside(path: str, layer: str) -> bool:
+    """Whether the module at ``path`` is part of the layer at ``layer`` (a submodule its
+    conversion runs as part of it: no layer of its own to report)."""
+    return not layer or path.startswith(layer + ".")
 
 
 def _refused(message: str, refusals: list[UnsupportedTTTError]) -> UnsupportedTTTError:

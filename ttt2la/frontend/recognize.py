@@ -191,6 +191,11 @@ def _layout(flat: list, seq_len: int | None, batch: int) -> InputLayout:
                     token_axis[i] = ax
                     break
     refs = [i for i in token_axis if i in batch_axis]
+    if not refs and seq_len is None:
+        raise UnsupportedTTTError(
+            "could not tell which axis of the layer's input is the sequence: no length of the "
+            "sequence is known for it (a module called on chunks, or on its weights, is no TTT "
+            "layer of its own). Pass example inputs with the sequence on their second axis.")
     if not refs:
         raise UnsupportedTTTError(
             "could not tell which axis of the layer's input is the sequence: no input has an "
@@ -806,8 +811,10 @@ def refuse_chunk_from_length(cand: LoopCandidate, rolled: dict[int, RolledLoop])
 
 
 def _first_line(e: Exception) -> str:
-    """The error's class and the first line of its message."""
-    return f"{type(e).__name__}: {first_line(e)}"
+    """The error's class (the public one an internal refinement escapes as) and the first line
+    of its message."""
+    public = next(c for c in type(e).__mro__ if not c.__name__.startswith("_"))
+    return f"{public.__name__}: {first_line(e)}"
 
 
 def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
