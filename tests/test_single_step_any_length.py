@@ -167,3 +167,24 @@ def test_a_step_fixed_to_its_length_names_the_line_that_fixes_it(case, says, op)
     assert f"{op}{__file__}:{line} (`" in text, text
     assert not re.search(r"%\w", text), text         # the code's own `% 2` is no fx name
     assert "call_function" not in text and "num_users" not in text, text
+
+
+class _ReturnsItsFastWeight(torch.nn.Module):
+    """One step over all tokens that returns the stepped fast weight beside the output."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.w0 = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        w = self.w0.expand(x.shape[0], -1, -1) + 0.1 * k.transpose(1, 2) @ v
+        return q @ w, w
+
+
+def test_a_step_returning_its_fast_weight_is_refused_naming_the_update():
+    with pytest.raises(ttt2la.UnsupportedTTTError,
+                       match=r"returns its stepped fast weights \(`torch.add` at .*"
+                             r"test_single_step_any_length.py:\d+"):
+        ttt2la.convert(_ReturnsItsFastWeight(), level=0, example_inputs=(torch.randn(2, 12, 8),))

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..analysis.op_vocabulary import UPDATE_STEPS, calls, op_name
+from ..analysis.op_vocabulary import UPDATE_STEPS, calls, is_view, op_name
 from ..analysis.roles import peel_views
 from ..errors import ConversionError, UnsupportedShapeError, UnsupportedTTTError
 from ..ir import (KIND, LOOP_MODULE, NAME, SRC, describe_op, graph_module, node_src, placeholder,
@@ -236,6 +236,21 @@ def _output_node(nodes: list, states_out: list, order: dict, length: int
     return None
 
 
+def _returned(states_out: list) -> torch.fx.Node | None:
+    """A stepped weight the graph returns as it is, or through views of it."""
+    for s in states_out:
+        stack, seen = [s], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if any(u.op == "output" for u in n.users):
+                return s
+            stack.extend(u for u in n.users if is_view(u) and u.args[0] is n)
+    return None
+
+
 # -- the program ----------------------------------------------------------------------------
 
 def _ancestors_within(roots, allowed: set) -> set:
@@ -349,6 +364,13 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
                             f"({describe_op(stepped)}): a loop over chunks, not a single step")
     out_node = _output_node(nodes, states_out, order, length)
     if out_node is None:
+        returned = _returned(states_out)
+        if returned is not None:
+            raise UnsupportedTTTError(
+                f"{layer} returns its stepped fast weights ({describe_op(returned)}) beside its "
+                "output: a converted single step reads them without forming them, so it cannot "
+                "return them. Return only the output, or convert a module that keeps the fast "
+                "weights inside it.")
         raise UnsupportedTTTError(
             f"{layer}: the reads of the stepped fast weights do not meet in one value before "
             "the layer's output; ttt2la converts a single step whose reads form one output.")
