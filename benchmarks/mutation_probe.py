@@ -2461,6 +2461,10 @@ MUTATIONS = [
         "body_sizes_read_at_the_trace", "the fold replays the views between φ's product and its value at the traced sizes, not the calibration chunk's",
         (("ttt2la/passes/collapse_mlp.py", "map_arg(n.args[1:], sizes.__getitem__)", "map_arg(n.args[1:], lambda a: a.meta['val'])"),),
         ("tests/test_passes.py",), "sized_by_the_body"),
+    Mutation(
+        "detach_read_before_the_passes", "a detach of the state is looked for in the loop as recognized, not as the passes left it, so one only a dropped weight norm read refuses gradients",
+        (("ttt2la/conversion.py", "found = detached_state(layer.state.program)", "found = detached_state(layer.rl.program)"),),
+        ("tests/test_gradient_stops.py",), "passes_leave_dead"),
 ]
 
 

@@ -224,3 +224,37 @@ def test_a_stop_on_a_returned_state_alone_runs_as_written(how, batch, length):
     assert Wc.requires_grad == Wr.requires_grad
     for got, want in zip([yc, Wc, *gc], [yr, Wr, *gr]):
         assert rel_rms_error(got, want) <= TOLERANCE[torch.float32]
+
+
+class NormedToItsStart(nn.Module):
+    """One step over all tokens on a weight-normalised fast weight whose rows are rescaled to the
+    norms they started with, read off a detached copy (as LaCT's novel-view-synthesis code
+    writes it): the detach is of the state the step starts from."""
+
+    def __init__(self, norm: bool = True):
+        super().__init__()
+        self.norm = norm
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.W0 = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = self.W0.expand(x.shape[0], D, D)
+        start = W.detach().norm(dim=1, keepdim=True)
+        W = W + 0.1 * k.mT @ v
+        if self.norm:
+            W = W / (W.norm(dim=1, keepdim=True) + 1e-5) * start
+        return q @ W
+
+
+def test_a_detach_the_passes_leave_dead_stops_nothing():
+    """Level 2 drops the weight norm, and with it the only reader of the detached norms: the
+    converted layer records gradients, those of the layer written without the norm."""
+    torch.manual_seed(0)
+    layer = NormedToItsStart()
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 16, D),))
+    report, = conv.ttt2la_report.layers
+    assert not report.exact and not any(n.startswith("gradients:") for n in report.notes)
+    twin = NormedToItsStart(norm=False)
+    twin.load_state_dict(layer.state_dict())
+    assert_same_function(conv, twin, [torch.randn(2, 16, D), torch.randn(3, 30, D)])

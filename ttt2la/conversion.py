@@ -339,8 +339,10 @@ def _gradient_stop(layer: "_Layer") -> str:
     """Where the layer's loop stops gradients its plan would pass (``gradient_stops``): a
     detach of the fast weights in the trace, or gradients of the loop run as traced that
     differ from the layer's own (``exact_twin``)."""
-    found = detached_state(layer.rl.program)
-    if found or layer.state is None:
+    if layer.state is None:
+        return detached_state(layer.rl.program)
+    found = detached_state(layer.state.program)     # after the passes: a detach they left dead
+    if found:                                       # (a weight norm's target) stops nothing
         return found
     twin = layer.exact_twin
     if twin is None:

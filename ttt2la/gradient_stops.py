@@ -5,7 +5,8 @@ between chunks (truncated backpropagation through the inner loop), an update und
 ``torch.no_grad()``, ``.data``, or ``torch.autograd.grad`` without ``create_graph=True``. The
 runtime ops and the generic scans compose the state chunk after chunk with autograd through every
 step, so their gradients would differ from the layer's while the outputs match. A stop is found
-two ways: a ``detach`` the trace recorded on a value that depends on a state (named by its line),
+two ways: a ``detach`` the trace recorded on a value that depends on a state (named by its line;
+looked for in the loop as the passes left it, so one only a dropped weight norm read stops nothing),
 and, for the stops a trace made without gradients cannot record, the rewritten loop run as
 written differentiated against the layer itself on the example inputs. A converted layer with a
 stop runs the code as written for calls that record gradients when it is exact, and refuses them
