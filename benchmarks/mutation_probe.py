@@ -2465,6 +2465,10 @@ MUTATIONS = [
         "detach_read_before_the_passes", "a detach of the state is looked for in the loop as recognized, not as the passes left it, so one only a dropped weight norm read refuses gradients",
         (("ttt2la/conversion.py", "found = detached_state(layer.state.program)", "found = detached_state(layer.rl.program)"),),
         ("tests/test_gradient_stops.py",), "passes_leave_dead"),
+    Mutation(
+        "rate_per_feature_called_satisfied", "absorb_lr calls a level satisfied where a stream named as a learning rate scales the update per token and feature",
+        (("ttt2la/passes/absorb_lr.py", "            named = rates_by_name(program)\n", "            named = []\n"),),
+        ("tests/test_passes_lossy.py",), "per_token_and_feature"),
 ]
 
 

@@ -204,6 +204,21 @@ def test_absorb_lr_without_a_per_token_learning_rate():
     assert absorb_lr(program).status == "already_satisfied"
 
 
+def test_absorb_lr_keeps_a_rate_per_token_and_feature_and_says_so():
+    """LaCT's operators take a rate per token and feature (``lr: [b, l, d]``): no per-token
+    factor, so it is kept — and the report says so instead of finding no rate."""
+    def per_channel_lr(W, k, v, q, lr1):
+        return (W + k.transpose(-1, -2) @ (lr1 * v),), (q @ W,)
+    program = program_from_body(per_channel_lr, states=dict(W=torch.randn(B, D, D)),
+                                streams=dict(k=torch.randn(B, 8, D), v=torch.randn(B, 8, D),
+                                             q=torch.randn(B, 8, D),
+                                             lr1=torch.rand(B, 8, D)), chunk_size=C)
+    result = absorb_lr(program)
+    assert (result.status, result.exact) == ("not_applicable", True)
+    assert "lr1, named as learning rates" in result.reason and "per token and feature" in \
+        result.reason
+
+
 def per_token_body(W, k, v, q, eta):
     """Per-token TTT, update then read: ``W_t = W_{t-1} + η_t k_tᵀ v_t`` per head."""
     W = W + eta[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))

@@ -18,6 +18,8 @@ trained with per-token rates computes something else with a constant one.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx
 
@@ -211,6 +213,21 @@ def lr_like_streams(program: TTTProgram, found) -> list[int]:
             if spec.role == "lr" and node.users and i not in taken]
 
 
+#: A stream named like a learning rate in the user's code (``lr``, ``lr1``, ``eta``, ``ttt_lr``).
+_RATE_NAME = re.compile(r"(^|_)(lr|lrs|eta|etas|learning_rate|step_size)\d*(_\d+)?$")
+
+
+def rates_by_name(program: TTTProgram) -> list[str]:
+    """Streams the user's code names as learning rates (``lr0``, ``eta``) that the roles do not
+    take for one, read by a state update: a rate per token and feature (LaCT's ``lr: [b, l,
+    d]``) scales the values elementwise, and is no per-token factor."""
+    updated = {o for i, o in zip(program.state_inputs(), program.state_outputs()) if o is not i}
+    feeds = set().union(*(ancestors(o) for o in updated)) if updated else set()
+    return [spec.name for spec, node in zip(program.streams, program.stream_inputs())
+            if spec.role not in _EXCLUDED_ROLES and _RATE_NAME.search(spec.name)
+            and node in feeds]
+
+
 def _token_axis(program: TTTProgram, i: int, value: torch.fx.Node) -> int | None:
     spec = program.streams[i]
     return None if spec.per_token else spec.axis % len(node_shape(value))
@@ -251,6 +268,13 @@ class AbsorbLr(Pass):
                 return self.result("not_applicable",
                                    f"stream(s) {names} look like learning rates but do not "
                                    "scale a state update as a per-token factor; left unchanged")
+            named = rates_by_name(program)
+            if named:
+                return self.result(
+                    "not_applicable",
+                    f"stream(s) {', '.join(named)}, named as learning rates, scale the update "
+                    "with a value per token and feature, not a per-token factor (one per token "
+                    "or head) that absorb_lr folds: left unchanged, so this level keeps them")
             constant = constant_rates(program)
             if constant:
                 return self.result("already_satisfied",
