@@ -2469,6 +2469,14 @@ MUTATIONS = [
         "rate_per_feature_called_satisfied", "absorb_lr calls a level satisfied where a stream named as a learning rate scales the update per token and feature",
         (("ttt2la/passes/absorb_lr.py", "            named = rates_by_name(program)\n", "            named = []\n"),),
         ("tests/test_passes_lossy.py",), "per_token_and_feature"),
+    Mutation(
+        "commuted_apply_refused", "the last chunk's apply after the loop must give a product's operands in the loop's order: `hh.mul_(gate)` in the loop and `gate * hh` after it are refused",
+        (("ttt2la/frontend/rollup.py", "        return ours.target in _COMMUTATIVE and", "        return False and"),),
+        ("tests/test_frontend_styles.py",), "in_place_in_the_loop"),
+    Mutation(
+        "empty_batch_on_the_plan", "an exact conversion runs an empty batch on its plan, which returns where the layer's own code fails",
+        (("ttt2la/converted.py", "        if B == 0 and self.as_written is not None:", "        if False:"),),
+        ("tests/test_call_errors.py",), "empty_batch_runs"),
 ]
 
 

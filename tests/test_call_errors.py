@@ -386,6 +386,20 @@ def test_a_call_the_layers_own_code_rejects_names_its_line(name, x, streaming, c
     assert str(original.value).splitlines()[0] in str(error)
 
 
+def test_an_empty_batch_runs_the_code_as_written():
+    """An empty batch costs nothing as written: an exact conversion runs the layer's own code on
+    it, returning what the layer returns (and failing where it fails, above), and says so."""
+    from ttt2la.zoo import PerTokenTTTLayer
+    torch.manual_seed(0)
+    layer = PerTokenTTTLayer(D, 2)
+    converted = ttt2la.convert(layer, level=0, example_inputs=(_x(B, L, D),))
+    x = _x(0, L, D)
+    with torch.no_grad():
+        y = converted(x)
+        assert torch.equal(y, layer(x))
+    assert converted.ttt2la_report.layers[0].runs["batch 0"].startswith("as written")
+
+
 class MiniBatches(torch.nn.Module):
     """A scan-style layer: the sequence viewed as ``[B, N, K, D]`` mini-batches, which only a
     length that is a multiple of ``K`` allows (the converted loop reads the sequence unchunked,

@@ -712,3 +712,39 @@ def test_a_token_projected_inside_its_loop_converts_onto_the_token_causal_op(spl
     report, = conv.ttt2la_report.layers
     assert report.runtime.startswith("chunk_linear_attention") and report.exact, report.runtime
     assert_same_function(conv, layer, torch.randn(B, L, 16))
+
+
+class _LastChunkAppliedAfter(nn.Module):
+    """LaCT's loop: apply, then update, over all chunks but the last, which is applied after
+    the loop; the loop's apply multiplies in place (``hh.mul_(gate)``), the one after it writes
+    the product the other way round (``gate * hh``)."""
+
+    def __init__(self, d=8, C=4):
+        super().__init__()
+        self.C = C
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w0 = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.w1 = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        W, C, L = self.w1.expand(x.shape[0], -1, -1), self.C, x.shape[1]
+        outs = []
+        for s in range(0, L - C, C):
+            qc, kc, vc = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+            gate = torch.nn.functional.silu(qc @ self.w0, inplace=True)
+            hh = qc @ self.w2
+            hh.mul_(gate)
+            outs.append(hh @ W)
+            W = W + 0.1 * (torch.nn.functional.silu(kc @ self.w0) * (kc @ self.w2)).mT @ vc
+        qc = q[:, L - C:] if L % C == 0 else q[:, L - L % C:]
+        outs.append((torch.nn.functional.silu(qc @ self.w0) * (qc @ self.w2)) @ W)
+        return torch.cat(outs, dim=1)
+
+
+def test_an_apply_written_in_place_in_the_loop_and_out_of_place_after_it_converts():
+    torch.manual_seed(0)
+    layer = _LastChunkAppliedAfter()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    assert_same_function(conv, layer, [torch.randn(2, 16, 8), torch.randn(3, 24, 8)])

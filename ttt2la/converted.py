@@ -341,6 +341,8 @@ class ConvertedState:
             return None, B, L, ("untraced length", untraced)
         if L == 0:
             return None, B, L, ("length zero", "")
+        if B == 0 and self.as_written is not None:
+            return None, B, L, ("batch zero", "")
         return None, B, L, None
 
     def _instead(self, case: tuple, module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -363,6 +365,8 @@ class ConvertedState:
                                                        written, B, L)
         if kind == "length zero":
             return lambda: self._at_length_zero(written, B)
+        if kind == "batch zero":
+            return lambda: self._at_batch_zero(written)
         return lambda: self._under_transform(detail, written, B, L)
 
     def __call__(self, module: torch.nn.Module, weights: dict, args: tuple, kwargs: dict,
@@ -613,6 +617,12 @@ class ConvertedState:
         self.runs[f"batch {B}, length 0"] = "as written: an empty sequence, where the loop " \
                                             "runs no iteration"
         return self._as_written(written, "at length 0 (an empty sequence)")
+
+    def _at_batch_zero(self, written):
+        """A call of an empty batch, which costs nothing as written: an exact conversion returns
+        what the code as written returns, its own error (naming its line) where it fails."""
+        self.runs["batch 0"] = "as written: an empty batch"
+        return self._as_written(written, "at batch size 0 (an empty batch)")
 
     def _refuse_empty_piece(self, module: torch.nn.Module, args: tuple, kwargs: dict):
         """A stateful call with no tokens: the layer's own error where its code fails on an

@@ -925,6 +925,10 @@ def _peeled_apply(u: Unrolled, inputs: Inputs, states: States, updated: set,
     return tail_nodes
 
 
+#: Ops whose two operands may be given in either order.
+_COMMUTATIVE = frozenset({aten.mul.Tensor, aten.add.Tensor})
+
+
 class _SameValues:
     """Whether an op after the loop computes what an op of the loop body does: its arguments
     are the same values — past slicing (the last chunk's tokens, a partial one's shape aside),
@@ -948,8 +952,13 @@ class _SameValues:
     def _args(self, ours: torch.fx.Node, theirs: torch.fx.Node) -> bool:
         a = [*ours.args, *ours.kwargs.values()]
         b = [*theirs.args, *theirs.kwargs.values()]
-        return len(a) == len(b) and list(ours.kwargs) == list(theirs.kwargs) and \
-            all(self._value(x, y) for x, y in zip(a, b))
+        if len(a) != len(b) or list(ours.kwargs) != list(theirs.kwargs):
+            return False
+        if all(self._value(x, y) for x, y in zip(a, b)):
+            return True
+        # ``hh.mul_(gate)`` in the loop, ``gate * hh`` after it: the same product
+        return ours.target in _COMMUTATIVE and len(ours.args) == 2 and not ours.kwargs and \
+            self._value(a[0], b[1]) and self._value(a[1], b[0])
 
     def _value(self, x, y) -> bool:
         if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
