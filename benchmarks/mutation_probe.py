@@ -2477,6 +2477,10 @@ MUTATIONS = [
         "empty_batch_on_the_plan", "an exact conversion runs an empty batch on its plan, which returns where the layer's own code fails",
         (("ttt2la/converted.py", "        if B == 0 and self.as_written is not None:", "        if False:"),),
         ("tests/test_call_errors.py",), "empty_batch_runs"),
+    Mutation(
+        "theta_stepped_inside_frozen", "freeze_theta freezes the Θ a loop carries between iterations and calls Θ frozen where a later chunk of the iteration reads it stepped",
+        (("ttt2la/passes/freeze_theta.py", "        inside = stepped_inside(program, thetas)\n", "        inside = None\n"),),
+        ("tests/test_passes.py",), "stepped_within"),
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt2la.analysis import analyze
-from ttt2la.errors import ConversionError, LevelNotImplementedError
+from ttt2la.errors import ConversionError, LevelNotImplementedError, UnsupportedTTTError
 from ttt2la.frontend.build import program_from_body
 from ttt2la.lowering import execute
 from ttt2la.passes import (DropNorm, Pass, PassResult, PendingPass, drop_norm, freeze_theta,
@@ -430,3 +430,44 @@ def test_a_pass_that_breaks_its_promise_raises_a_conversion_error(monkeypatch):
     with pytest.raises(ConversionError, match="freeze_theta.*a Θ update left behind.*"
                                                      "level <= 0"):
         ttt2la.convert(layer, level=1, example_inputs=(torch.randn(2, 16, 8),))
+
+
+class _TwoChunksPerIteration(torch.nn.Module):
+    """An MLP memory whose loop takes two chunks per iteration, stepping its kernel weights Θ
+    and its final layer after each: the second chunk reads Θ stepped by the first."""
+
+    def __init__(self, d=6, h=10, C=4):
+        super().__init__()
+        self.C = C
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.theta = torch.nn.Parameter(torch.randn(d, h) / d ** 0.5)
+        self.w = torch.nn.Parameter(torch.randn(h, d) / h ** 0.5)
+
+    def _step(self, theta, w, k, v):
+        phi = torch.nn.functional.silu(k @ theta)
+        return theta + 0.05 * k.mT @ phi, w + 0.1 * phi.mT @ v
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        B, C, outs = x.shape[0], self.C, []
+        theta, w = self.theta.expand(B, -1, -1), self.w.expand(B, -1, -1)
+        for s in range(0, x.shape[1], 2 * C):
+            qs, ks, vs = (t[:, s:s + 2 * C].reshape(B, 2, C, -1) for t in (q, k, v))
+            ya = torch.nn.functional.silu(qs[:, 0] @ theta) @ w
+            theta, w = self._step(theta, w, ks[:, 0], vs[:, 0])
+            yb = torch.nn.functional.silu(qs[:, 1] @ theta) @ w
+            theta, w = self._step(theta, w, ks[:, 1], vs[:, 1])
+            outs.append(torch.cat([ya, yb], dim=1))
+        return torch.cat(outs, dim=1)
+
+
+def test_kernel_weights_stepped_within_an_iteration_are_not_called_frozen():
+    """Freezing the Θ the loop carries would leave the Θ stepped by the first chunk read by the
+    second: level 1 refuses, naming where, instead of reporting Θ frozen."""
+    import ttt2la
+    torch.manual_seed(0)
+    layer, x = _TwoChunksPerIteration(), torch.randn(2, 16, 6)
+    with pytest.raises(UnsupportedTTTError, match=r"stepped within an iteration.*test_passes.py"):
+        ttt2la.convert(layer, level=1, example_inputs=(x,))
+    exact = ttt2la.convert(layer, level=0, example_inputs=(x,), strict=False)
+    assert exact.ttt2la_report.exact

@@ -7,8 +7,13 @@ computes something else once Θ is frozen.
 """
 from __future__ import annotations
 
+import torch.fx
+
+from ..analysis.dependence import node_shape, op_name
+from ..analysis.op_vocabulary import ADDITIVE
 from ..analysis.roles import final_products, kernel_parameters
-from ..ir import TTTProgram, node_src
+from ..errors import UnsupportedTTTError
+from ..ir import TTTProgram, ancestors, describe_op, descendants, node_src
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 
 
@@ -16,6 +21,43 @@ def updated_theta(program: TTTProgram) -> list[int]:
     """Indices of ``theta`` states whose state-out is not simply their state-in."""
     ins, outs = program.state_inputs(), program.state_outputs()
     return [i for i in program.states_with_role("theta") if outs[i] is not ins[i]]
+
+
+def stepped_inside(program: TTTProgram, thetas: list[int]) -> torch.fx.Node | None:
+    """A value of Θ stepped within the iteration that the outputs read other than through the
+    carried Θ: a sum on the way from Θ's state-in to its state-out, made from the streams, of
+    Θ's shape (a step of Θ a later chunk of the iteration reads, a scan of Θ's steps over them),
+    read by a chunk output, and no other state's new value. Freezing the carried Θ leaves such
+    a value updated."""
+    graph = program.body.graph
+    ins, outs = program.state_inputs(), program.state_outputs()
+    streamed = descendants(graph, program.stream_inputs())
+    kept = {o for j, o in enumerate(outs) if j not in thetas}     # another state's new value
+    # what the outputs read other than through Θ's new value (which freezing replaces)
+    read = _ancestors_avoiding([o for o in program.chunk_outputs() if isinstance(o, torch.fx.Node)],
+                               {outs[i] for i in thetas})
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    found = []
+    C = 1 if any(s.per_token for s in program.streams) else program.chunk_size
+    for i in thetas:
+        shape = tuple(node_shape(ins[i]) or ())[-2:]
+        if C in shape:          # a chunk's values look like Θ by their shape: no telling
+            continue
+        on_path = ancestors(outs[i]) & descendants(graph, [ins[i]])
+        found += [n for n in on_path - kept if n in streamed and n in read
+                  and op_name(n) in ADDITIVE and tuple(node_shape(n) or ())[-2:] == shape]
+    return max(found, key=order.get, default=None)      # the latest: where it is read
+
+
+def _ancestors_avoiding(roots: list, avoid: set) -> set:
+    """``roots`` and what they are computed from, not walking through the nodes ``avoid``."""
+    seen, stack = set(), [r for r in roots if r not in avoid]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(a for a in n.all_input_nodes if a not in avoid)
+    return seen
 
 
 class FreezeTheta(Pass):
@@ -46,6 +88,14 @@ class FreezeTheta(Pass):
                                    "W is a fast weight)")
             return self.result("not_applicable", "no final layer W was found")
         ins, outs = program.state_inputs(), program.state_outputs()
+        inside = stepped_inside(program, thetas)
+        if inside is not None:
+            raise UnsupportedTTTError(
+                f"{program.module_path or 'the model'} ({program.loop_src}) reads its kernel "
+                f"weights Θ as stepped within an iteration ({describe_op(inside)}): each "
+                "iteration runs several steps, so freezing Θ between iterations would leave it "
+                "updated inside them. Loop over one chunk per iteration to have Θ frozen, or "
+                "convert at level 0.")
         described = []
         for i in thetas:
             src = node_src(outs[i])
