@@ -244,7 +244,8 @@ def test_a_plan_that_drops_an_updated_state_is_refused():
         return outputs, [None] * len(s)
 
     with pytest.raises(ttt2la.StreamingError, match="returns no value for it"):
-        advance(forgetful, loop.program, states0, invariants, StreamCall(None), "this loop")
+        advance(forgetful, loop.program, states0, invariants, StreamCall(None, x.shape[1]),
+                "this loop")
 
 
 def test_an_empty_first_piece_is_refused():
