@@ -34,8 +34,8 @@ def stepped_inside(program: TTTProgram, thetas: list[int]) -> torch.fx.Node | No
     streamed = descendants(graph, program.stream_inputs())
     kept = {o for j, o in enumerate(outs) if j not in thetas}     # another state's new value
     # what the outputs read other than through Θ's new value (which freezing replaces)
-    read = _ancestors_avoiding([o for o in program.chunk_outputs() if isinstance(o, torch.fx.Node)],
-                               {outs[i] for i in thetas})
+    chunk_outputs = [o for o in program.chunk_outputs() if isinstance(o, torch.fx.Node)]
+    read = _ancestors_avoiding(chunk_outputs, {outs[i] for i in thetas})
     order = {n: k for k, n in enumerate(graph.nodes)}
     found = []
     C = 1 if any(s.per_token for s in program.streams) else program.chunk_size
