@@ -17,7 +17,6 @@ with an MLP computes something else through one linear layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
 
 import torch
 import torch.fx
@@ -318,30 +317,27 @@ def _in_product_layout(site: Site, core_value: torch.Tensor, product_shape,
 def fit_map(program: TTTProgram, kernel: Kernel, calibration) -> tuple[torch.Tensor, dict]:
     """The least-squares ``M`` ([groups, d_k, d_h], float64) with ``x·M ≈ φ(x)`` on the keys and
     queries of every calibration chunk, one per group of rows sharing Θ, and how well it fits."""
-    first = kernel.sites[0].product
-    theta_node = first.args[kernel.theta_pos]
-    operands = [_replay_operands(s) for s in kernel.sites]
-    nodes = [theta_node, *(s.stream for s in kernel.sites), *(s.core for s in kernel.sites),
-             *(s.product for s in kernel.sites), *(a for ops in operands for a in ops)]
-    values = calibration.chunk_values(program, nodes)
-    if not values[0]:
+    theta_node = kernel.sites[0].product.args[kernel.theta_pos]
+    # each node once: a size the views of several sites take is recorded once
+    nodes = list(dict.fromkeys([theta_node, *(n for s in kernel.sites for n in
+                                              (s.stream, s.core, s.product, *_replay_operands(s)))]))
+    per_chunk = dict(zip(nodes, calibration.chunk_values(program, nodes)))
+    if not per_chunk[theta_node]:
         raise ConversionError(
             f"the calibration data gives no full chunk of {program.module_path or 'the model'} "
             f"(chunk size {program.chunk_size}) to fit collapse_mlp's map on; pass longer "
             "calibration sequences")
-    n = len(kernel.sites)
-    thetas = [_as_rows(t, 1).double() for t in values[0]]
+    thetas = [_as_rows(t, 1).double() for t in per_chunk[theta_node]]
     groups = _period(thetas)
     xs, ys = [[] for _ in range(groups)], [[] for _ in range(groups)]
-    at = 1 + 3 * n                          # where the sites' replay operands start
-    for i, site in enumerate(kernel.sites):
-        chunks = zip(values[1 + i], values[1 + n + i], values[1 + 2 * n + i],
-                     zip(*values[at:at + len(operands[i])]) if operands[i] else repeat(()))
-        at += len(operands[i])
-        for x, y, product, sizes in chunks:
+    for site in kernel.sites:
+        operands = _replay_operands(site)
+        for j, (x, y, product) in enumerate(zip(per_chunk[site.stream], per_chunk[site.core],
+                                                per_chunk[site.product])):
             x = _as_rows(x.double().cpu(), kernel.theta_pos)
-            y = _in_product_layout(site, y.cpu(), product.shape, dict(zip(operands[i], sizes)))
-            y = _as_rows(y, kernel.theta_pos)
+            sizes = {a: per_chunk[a][j] for a in operands}
+            y = _as_rows(_in_product_layout(site, y.cpu(), product.shape, sizes),
+                         kernel.theta_pos)
             for g in range(groups):
                 xs[g].append(x[g::groups].reshape(-1, x.shape[-1]))
                 ys[g].append(y[g::groups].reshape(-1, y.shape[-1]))
