@@ -2481,6 +2481,10 @@ MUTATIONS = [
         "theta_stepped_inside_frozen", "freeze_theta freezes the Θ a loop carries between iterations and calls Θ frozen where a later chunk of the iteration reads it stepped",
         (("ttt2la/passes/freeze_theta.py", "        inside = stepped_inside(program, thetas)\n", "        inside = None\n"),),
         ("tests/test_passes.py",), "stepped_within"),
+    Mutation(
+        "scan_in_the_step_called_no_momentum", "remove_momentum calls a single step already free of momentum where its update runs along the sequence in order (titans-pytorch's scan over chunks)",
+        (("ttt2la/passes/remove_momentum.py", "            scans = scans_within(program) if program.single_step else []\n", "            scans = []\n"),),
+        ("tests/test_sequence_parallel.py",), "not_called_removed"),
 ]
 
 

@@ -99,6 +99,12 @@ LINEAR_MAPS = frozenset({
     "sum_to_size", "split", "split_with_sizes", "chunk", "unbind", "unsafe_split",
     "tensor_split", "repeat_interleave", "copy", "copy_"})
 
+#: Running ops along an axis: each element reads the ones before it (prefix sums and products,
+#: their log-space and extremum forms, and a roll's shift).
+RUNNING_OPS = frozenset({
+    "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "_cummax_helper", "_cummin_helper",
+    "roll"})
+
 #: Linear joins: several data operands assembled into one value (concatenation, scatters).
 LINEAR_JOINS = frozenset({
     "cat", "stack", "slice_scatter", "select_scatter", "diagonal_scatter",

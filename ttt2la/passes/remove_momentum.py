@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from ..analysis.rules import MomentumMatch, constant_value, match_momentum
+from ..analysis.sequence_scan import scans_within
 from ..ir import TTTProgram, op_at
 from .base import Pass, PassContext, PassResult, register, remove_dead_states
 from .folding import folded_constant, resolve_folds, scaled, update_chunk_values
@@ -91,6 +92,14 @@ class RemoveMomentum(Pass):
                 return self.result("not_applicable",
                                    f"momentum state(s) {names} are not updated as α·M + G "
                                    "feeding another update; left unchanged")
+            scans = scans_within(program) if program.single_step else []
+            if scans:
+                return self.result(
+                    "not_applicable",
+                    f"the step runs along the sequence in order ({_listed(scans)}): "
+                    "sequence-parallel code, whose "
+                    "momentum over chunks, if any, is that scan and not a state ttt2la can "
+                    "remove; left unchanged, so this level keeps it")
             return self.result("already_satisfied", "no momentum feeds a state update")
         zero = [(i, m) for i, m in matches if constant_value(m.coefficient) == 0.0]
         data = [(i, m) for i, m in matches if constant_value(m.coefficient) != 0.0]
@@ -134,6 +143,12 @@ class RemoveMomentum(Pass):
         """No momentum state feeds another state's update any more."""
         if momentum_updates(program):
             raise AssertionError("remove_momentum left a momentum feeding an update")
+
+
+def _listed(nodes: list[torch.fx.Node], most: int = 3) -> str:
+    """The distinct ops ``nodes`` name (``op_at``), the first ``most`` of them."""
+    names = list(dict.fromkeys(map(op_at, nodes)))
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def _how_folded(mode: str) -> str:
