@@ -2485,6 +2485,10 @@ MUTATIONS = [
         "scan_in_the_step_called_no_momentum", "remove_momentum calls a single step already free of momentum where its update runs along the sequence in order (titans-pytorch's scan over chunks)",
         (("ttt2la/passes/remove_momentum.py", "            scans = scans_within(program) if program.single_step else []\n", "            scans = []\n"),),
         ("tests/test_sequence_parallel.py",), "not_called_removed"),
+    Mutation(
+        "bias_taken_for_a_step", "a bias broadcast over the tokens inside a memory's own forward (`x @ W + b`) is taken for a single step's update, so the step reads as stepped twice and is refused",
+        (("ttt2la/frontend/single_step.py", "    return not spread or len(small) - spread[-1] - 1 >= 2\n", "    return True\n"),),
+        ("tests/test_sequence_parallel.py",), "converts_exactly"),
 ]
 
 

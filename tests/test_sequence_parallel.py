@@ -33,12 +33,15 @@ def gated_scan(gates: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class ParallelMemory(torch.nn.Module):
     """A linear memory stepped on every chunk at once: ``scan`` says how the chunks' surprises
     reach the weights each chunk reads — "gated" (momentum, by ``gated_scan``), "prefix" (a
-    running sum, ``cumsum``) or "total" (all of them: one step every token reads alike)."""
+    running sum, ``cumsum``) or "total" (all of them: one step every token reads alike). With
+    ``bias`` the memory is ``x @ W + b``: a bias added over the tokens, which is no step."""
 
-    def __init__(self, dim: int = 8, heads: int = 2, chunk: int = 4, scan: str = "gated"):
+    def __init__(self, dim: int = 8, heads: int = 2, chunk: int = 4, scan: str = "gated",
+                 bias: bool = False):
         super().__init__()
         self.heads, self.chunk, self.scan = heads, chunk, scan
         self.weight = torch.nn.Parameter(torch.randn(heads, dim // heads, dim // heads) * 0.3)
+        self.bias = torch.nn.Parameter(torch.randn(heads, dim // heads)) if bias else None
         self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
         self.to_momentum = torch.nn.Linear(dim, heads)
 
@@ -49,7 +52,8 @@ class ParallelMemory(torch.nn.Module):
         q, k, v = (t.reshape(B, n, C, H, D // H).permute(0, 3, 1, 2, 4)
                    for t in self.qkv(x).chunk(3, dim=-1))            # [B, H, n, C, d]
         w = self.weight[None, :, None]                               # [1, H, 1, d, d]
-        surprise = k.transpose(-1, -2) @ (v - k @ w) / C             # [B, H, n, d, d]
+        b = 0 if self.bias is None else self.bias[None, :, None, None]
+        surprise = k.transpose(-1, -2) @ (v - (k @ w + b)) / C       # [B, H, n, d, d]
         if self.scan == "total":
             reads = w + surprise.sum(dim=2, keepdim=True)
         else:
@@ -60,7 +64,7 @@ class ParallelMemory(torch.nn.Module):
             else:
                 summed = surprise.cumsum(dim=1)
             reads = w + summed.view(B, H, n, *summed.shape[2:])
-        y = q @ reads                                                # [B, H, n, C, d]
+        y = q @ reads + b                                            # [B, H, n, C, d]
         return y.permute(0, 2, 3, 1, 4).reshape(B, L, D)
 
 
@@ -70,9 +74,9 @@ def _line_of(fn, text: str) -> str:
 
 
 @module_scoped.cached
-def converted(scan: str, level: int):
+def converted(scan: str, level: int, bias: bool = False):
     torch.manual_seed(0)
-    layer = ParallelMemory(scan=scan)
+    layer = ParallelMemory(scan=scan, bias=bias)
     return layer, ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 32, 8),))
 
 
@@ -81,9 +85,10 @@ def _status(model, name: str) -> dict:
     return next(p for p in layer["passes"] if p["name"] == name)
 
 
-@pytest.mark.parametrize("scan", ["gated", "prefix", "total"])
-def test_a_sequence_parallel_step_converts_exactly(scan):
-    layer, fast = converted(scan, 0)
+@pytest.mark.parametrize("scan, bias", [("gated", False), ("prefix", False), ("total", False),
+                                        ("gated", True)])
+def test_a_sequence_parallel_step_converts_exactly(scan, bias):
+    layer, fast = converted(scan, 0, bias)
     x = torch.randn(3, 32, 8)
     assert rel_rms_error(fast(x), layer(x)) <= TOL
     grads = [torch.autograd.grad(m(x).square().sum(), list(m.parameters()), allow_unused=True)
