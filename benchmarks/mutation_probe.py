@@ -685,8 +685,8 @@ MUTATIONS = [
         ("tests/test_stream.py",), "run_twice or more_often"),
     Mutation(
         "loop_over_blocks_probed_longer", "a loop that took no slice is run again at doubling lengths",
-        (("ttt2la/frontend/recognize.py", "    if len(cand.slice_starts) >= 2 or seq_len is None or not cand.slice_starts:",
-          "    if len(cand.slice_starts) >= 2 or seq_len is None:"),),
+        (("ttt2la/frontend/recognize.py", "    if _shows_two_chunks(cand) or seq_len is None or not cand.slice_starts:",
+          "    if _shows_two_chunks(cand) or seq_len is None:"),),
         ("tests/test_frontend_styles.py",), "loop_over_blocks"),
     Mutation(
         "as_written_errors_raw", "a call run as written raises the code's raw error",
@@ -2489,6 +2489,14 @@ MUTATIONS = [
         "bias_taken_for_a_step", "a bias broadcast over the tokens inside a memory's own forward (`x @ W + b`) is taken for a single step's update, so the step reads as stepped twice and is refused",
         (("ttt2la/frontend/single_step.py", "    return not spread or len(small) - spread[-1] - 1 >= 2\n", "    return True\n"),),
         ("tests/test_sequence_parallel.py",), "converts_exactly"),
+    Mutation(
+        "end_slice_shows_a_second_chunk", "a slice from the sequence's end (`eta[:, -1]`) counts as a second chunk, so an example of one mini-batch is not run at longer lengths and its chunk size is misread",
+        (("ttt2la/frontend/recognize.py", "    return len({s for s in cand.slice_starts if s >= 0}) >= 2\n", "    return len(cand.slice_starts) >= 2\n"),),
+        ("tests/test_frontend_styles.py",), "slice_from_the_end"),
+    Mutation(
+        "rewritten_stream_select_looked_up", "a select of a pre-chunked stream the rewrite just replaced is looked up among the selects found before it, and the conversion fails on a KeyError at every probe shape",
+        (("ttt2la/frontend/prechunked.py", "        taken = indices.get((src, sel.args[1]))", "        taken = indices[(src, sel.args[1])]"),),
+        ("tests/test_frontend_styles.py",), "slice_from_the_end"),
 ]
 
 

@@ -20,21 +20,47 @@ def outputs_and_grads(module, x, g):
                         for n, p, d in zip(names, params, grads)}
 
 
-def assert_same_function(converted, reference, xs, tol: float = FP32, seed: int = 5):
+def assert_same_function(converted, reference, xs, tol: float = FP32, seed: int = 5,
+                         conditioned: bool = False):
     """Output and every gradient of ``converted`` within ``tol`` of ``reference``'s on each input
-    of ``xs`` (a tensor or a list of them), for a fixed random cotangent."""
+    of ``xs`` (a tensor or a list of them), for a fixed random cotangent.
+
+    ``conditioned``: a quantity beyond ``tol`` passes only where the bound is out of reach of
+    fp32 code, the reference included — its own error against a float64 evaluation exceeds
+    ``tol`` (a scalar gradient that sums terms cancelling each other) — and then the precision
+    criterion judges it: no further from float64 than twice the reference's error, plus 1e-6."""
     for x in [xs] if isinstance(xs, torch.Tensor) else xs:
         with torch.no_grad():
             shape = reference(x).shape
         g = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=x.dtype)
         yc, gc = outputs_and_grads(converted, x, g)
         yr, gr = outputs_and_grads(reference, x, g)
-        err = rel_rms_error(yc, yr)
-        assert err <= tol, f"output at {tuple(x.shape)}: {err:.3g}"
         assert gc.keys() == gr.keys()
-        for name in gr:
-            err = rel_rms_error(gc[name], gr[name])
-            assert err <= tol, f"d/d{name} at {tuple(x.shape)}: {err:.3g}"
+        got, want = {"output": yc, **gc}, {"output": yr, **gr}
+        far = {n: rel_rms_error(got[n], want[n]) for n in want}
+        far = {n: e for n, e in far.items() if e > tol}
+        if far and conditioned:
+            _assert_conditioned(got, want, far, reference, x, g, tol)
+        else:
+            for name, err in far.items():
+                what = name if name == "output" else f"d/d{name}"
+                raise AssertionError(f"{what} at {tuple(x.shape)}: {err:.3g}")
+
+
+def _assert_conditioned(got, want, far, reference, x, g, tol):
+    """Each quantity of ``far`` (beyond ``tol``) judged against a float64 evaluation (see
+    ``assert_same_function``)."""
+    import copy
+
+    from ttt2la.testing import no_worse_than_original
+
+    y64, g64 = outputs_and_grads(copy.deepcopy(reference).double(), x.double(), g.double())
+    exact = {"output": y64, **g64}
+    for name, err in far.items():
+        own = rel_rms_error(want[name], exact[name])
+        assert own > tol, f"{name} at {tuple(x.shape)}: {err:.3g} (the reference's own {own:.3g})"
+        ok, mine, bound = no_worse_than_original([rel_rms_error(got[name], exact[name])], [own])
+        assert ok, f"{name} at {tuple(x.shape)}: {err:.3g}; against float64 {mine:.3g} > {bound:.3g}"
 
 
 def converted_onto(layer, op: str, example=(2, 12, 16), dtype=torch.float32):

@@ -135,6 +135,45 @@ def test_examples_shorter_than_the_loop_convert(order, L):
     assert_same_function(converted, layer, [x, torch.randn(2, 23, 8)])
 
 
+class LastRateScan(nn.Module):
+    """ttt-lm-pytorch's mini-batches: the sequence reshaped to ``[n, B, ..., K, ...]`` before the
+    loop, each update scaled by its mini-batch's last rate, taken from the end
+    (``etas[i][:, -1][:, -1]``); the code takes whole mini-batches only."""
+
+    def __init__(self, d: int = 8, K: int = 4):
+        super().__init__()
+        self.K = K
+        self.W = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.proj = nn.Linear(d, 3 * d, bias=False)
+        self.rate = nn.Linear(d, 1)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        n = L // self.K
+        q, k, v = (t.reshape(B, n, self.K, d).transpose(0, 1) for t in self.proj(x).chunk(3, -1))
+        etas = torch.sigmoid(self.rate(x)).transpose(1, 2).reshape(B, 1, n, self.K)
+        etas = etas.permute(2, 0, 1, 3)                             # [n, B, 1, K]
+        W = self.W.expand(B, d, d)
+        outs = []
+        for i in range(n):
+            last = etas[i][:, -1][:, -1]
+            outs.append(q[i] @ W)
+            W = W + last[:, None, None] * k[i].transpose(1, 2) @ v[i]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("L", [4, 12])
+def test_a_slice_from_the_end_is_no_second_mini_batch(L):
+    """A select from the end shows no second chunk: an example of one mini-batch is read at
+    longer lengths; and the select of the rewritten mini-batch's rate is read as it is."""
+    torch.manual_seed(L)
+    layer = LastRateScan()
+    x = torch.randn(2, L, 8)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert converted.ttt2la_report.layers[0].chunk_size == 4
+    assert_same_function(converted, layer, [x, torch.randn(3, 16, 8)], conditioned=True)
+
+
 def test_non_contiguous_example_inputs_convert():
     torch.manual_seed(0)
     layer = OneLineSliceLayer(8, 2, 4)

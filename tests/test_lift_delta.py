@@ -6,7 +6,6 @@ gradient for every length from 1 to 5·C+7, and its op count grows with the chun
 scan's depth."""
 from __future__ import annotations
 
-import copy
 import math
 
 import module_scoped
@@ -22,7 +21,8 @@ from test_executors import inputs_for, make_program
 from ttt2la.analysis import analyze
 from ttt2la.lowering import lower
 from ttt2la.lowering.lift_delta import DeltaScanPlan, lift_delta, scan_pays, scanning
-from ttt2la.testing import TOLERANCE, no_worse_than_original, rel_rms_error, training_step_ops
+from equivalence import assert_same_function
+from ttt2la.testing import TOLERANCE, rel_rms_error, training_step_ops
 
 D = 6
 
@@ -73,14 +73,6 @@ def converted(chunk, decay, transposed):
     return layer, ttt2la.convert(layer, level=0, example_inputs=(example,))
 
 
-def outputs_and_grads(model, x):
-    model.zero_grad()
-    y = model(x)
-    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
-    (y * weights).sum().backward()
-    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @settings(max_examples=15, deadline=None)
 @given(which=st.integers(0, len(LAYERS) - 1), batch=st.integers(1, 3),
        t_frac=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
@@ -93,29 +85,7 @@ def test_delta_rule_layer_converts_exactly(which, batch, t_frac, seed):
     assert op in runtime, runtime
     T = 1 + round(t_frac * (5 * chunk + 6))  # 1 .. 5·C + 7
     x = torch.randn(batch, T, D, generator=torch.Generator().manual_seed(seed))
-    _assert_exact_or_conditioned(layer, fast, x)
-
-
-def _assert_exact_or_conditioned(layer, fast, x):
-    """Output and every parameter gradient of ``fast`` within the fp32 bound of ``layer``'s. A
-    quantity beyond it passes only where the bound is out of reach of fp32 code, the layer as
-    written included: the layer's own fp32 error against a float64 evaluation exceeds it (one
-    token whose query is nearly orthogonal to its key cancels in the value's gradient); then the
-    precision criterion judges it: no further from float64 than twice the layer's own error,
-    plus 1e-6."""
-    y_ref, g_ref = outputs_and_grads(layer, x)
-    y, g = outputs_and_grads(fast, x)
-    got, want = {"output": y, **g}, {"output": y_ref, **g_ref}
-    far = [n for n in want if rel_rms_error(got[n], want[n]) > TOLERANCE[torch.float32]]
-    if not far:
-        return
-    y64, g64 = outputs_and_grads(copy.deepcopy(layer).double(), x.double())
-    exact = {"output": y64, **g64}
-    for name in far:
-        own = rel_rms_error(want[name], exact[name])
-        assert own > TOLERANCE[torch.float32], (name, rel_rms_error(got[name], want[name]), own)
-        ok, err, bound = no_worse_than_original([rel_rms_error(got[name], exact[name])], [own])
-        assert ok, (name, rel_rms_error(got[name], want[name]), err, bound)
+    assert_same_function(fast, layer, x, conditioned=True)
 
 
 def _count(fast, chunks):

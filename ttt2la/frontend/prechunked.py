@@ -467,7 +467,8 @@ def unchunk_streams(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
         src = sel.args[0]
         if not isinstance(src, torch.fx.Node) or src in in_loop:
             continue
-        if not walks_once(indices[(src, sel.args[1])]):     # q[:, h] of a loop over heads inside
+        taken = indices.get((src, sel.args[1]))     # None: its source is a rewritten stream's
+        if taken is None or not walks_once(taken):   # q[:, h] of a loop over heads inside
             continue
         found = _chunked_source(src, sel.args[1] % len(_shape(src)))
         if found is not None:

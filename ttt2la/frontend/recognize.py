@@ -676,7 +676,7 @@ def _chunk_sizes(cand: LoopCandidate, flat: list, layout: InputLayout, in_spec, 
     that took no slice at all (a model's loop over its blocks, a step repeated on the whole
     sequence) will take none at any length, and is not run again.
     """
-    if len(cand.slice_starts) >= 2 or seq_len is None or not cand.slice_starts:
+    if _shows_two_chunks(cand) or seq_len is None or not cand.slice_starts:
         return cand.chunk_sizes
     length = seq_len
     while length < MAX_PROBE_LENGTH:
@@ -687,9 +687,15 @@ def _chunk_sizes(cand: LoopCandidate, flat: list, layout: InputLayout, in_spec, 
         except Exception:               # the layer does not run at this length
             break
         same = next((c for c in found if c.loop == cand.loop), None)
-        if same is not None and len(same.slice_starts) >= 2:
+        if same is not None and _shows_two_chunks(same):
             return same.chunk_sizes
     return cand.chunk_sizes
+
+
+def _shows_two_chunks(cand: LoopCandidate) -> bool:
+    """Whether the loop sliced two chunks: two offsets from the sequence's start (a slice from
+    its end, ``x[:, -1]``, is no second chunk)."""
+    return len({s for s in cand.slice_starts if s >= 0}) >= 2
 
 
 def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_len,
