@@ -2497,6 +2497,10 @@ MUTATIONS = [
         "rewritten_stream_select_looked_up", "a select of a pre-chunked stream the rewrite just replaced is looked up among the selects found before it, and the conversion fails on a KeyError at every probe shape",
         (("ttt2la/frontend/prechunked.py", "        taken = indices.get((src, sel.args[1]))", "        taken = indices[(src, sel.args[1])]"),),
         ("tests/test_frontend_styles.py",), "slice_from_the_end"),
+    Mutation(
+        "weight_with_fewer_axes_refused", "a single step's weight stored with fewer axes than its increment (`[H, D, D]` plus `[B, H, D, D]`) is not read as a stepped weight, and the layer is refused",
+        (("ttt2la/frontend/single_step.py", "    if small is None or shape is None or len(small) > len(shape):", "    if small is None or shape is None or len(small) != len(shape):"),),
+        ("tests/test_single_step.py",), "broadcast_over_the_batch"),
 ]
 
 

@@ -150,6 +150,37 @@ def test_a_single_step_never_runs_on_an_op_that_reads_tokens_in_order(level):
     assert_same_function(converted, layer, x)
 
 
+class SharedWeightStep(torch.nn.Module):
+    """One closed-form step of per-head fast weights kept as the parameter is stored: the
+    parameter ``[H, d, d]`` (or ``[d, d]`` with one head) plus a ``[B, H, d, d]`` increment,
+    broadcast over the batch by the addition itself."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.H, self.d = heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        shape = (heads, self.d, self.d) if heads > 1 else (self.d, self.d)
+        self.W1 = torch.nn.Parameter(torch.randn(*shape) * self.d ** -0.5)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.H, self.d).permute(2, 0, 3, 1, 4)
+        step = k.transpose(-2, -1) @ v / N
+        W = self.W1 + 0.7 * (step if self.H > 1 else step[:, 0])
+        y = q @ W if self.H > 1 else (q[:, 0] @ W)[:, None]
+        return y.transpose(1, 2).reshape(B, N, C)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_weight_broadcast_over_the_batch_by_the_step_is_the_state(heads):
+    torch.manual_seed(heads)
+    layer = SharedWeightStep(16, heads)
+    x = torch.randn(2, 12, 16)
+    converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    assert converted.ttt2la_report.exact
+    assert_same_function(converted, layer, [x, torch.randn(3, 12, 16)])
+
+
 class ImageStep(torch.nn.Module):
     """A single step over an image given as ``[B, C, H, W]``: 1×1-conv projections, a depthwise
     3×3 conv added to the values, the positions flattened into tokens (``view(B, heads, d, N)``),

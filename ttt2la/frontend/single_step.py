@@ -147,12 +147,14 @@ def _shape(n) -> tuple | None:
 
 
 def _broadcasts(small, shape) -> bool:
-    """Whether a tensor of shape ``small`` broadcasts to ``shape`` without new axes, a matrix
-    or more after its last broadcast axis: a weight shared by the batch (``[1, H, D, D]``) or by
+    """Whether a tensor of shape ``small`` broadcasts to ``shape``, a matrix or more after its
+    last broadcast axis: a weight shared by the batch (``[H, D, D]`` or ``[1, H, D, D]``) or by
     chunks (``[B, 1, D, D]``); a bias broadcast over the tokens inside a memory's own forward
     (``x @ W + b``, ``b`` of ``[B, 1, D]``) is not stepped."""
-    if small is None or shape is None or len(small) != len(shape) \
-            or not all(a in (1, b) for a, b in zip(small, shape)):
+    if small is None or shape is None or len(small) > len(shape):
+        return False
+    small = (1,) * (len(shape) - len(small)) + tuple(small)
+    if not all(a in (1, b) for a, b in zip(small, shape)):
         return False
     spread = [i for i, (a, b) in enumerate(zip(small, shape)) if a != b]
     return not spread or len(small) - spread[-1] - 1 >= 2
