@@ -2501,6 +2501,10 @@ MUTATIONS = [
         "weight_with_fewer_axes_refused", "a single step's weight stored with fewer axes than its increment (`[H, D, D]` plus `[B, H, D, D]`) is not read as a stepped weight, and the layer is refused",
         (("ttt2la/frontend/single_step.py", "    if small is None or shape is None or len(small) > len(shape):", "    if small is None or shape is None or len(small) != len(shape):"),),
         ("tests/test_single_step.py",), "broadcast_over_the_batch"),
+    Mutation(
+        "attribute_names_watched_as_globals", "every name of `co_names` is watched as a global, attribute names included: a script's global named like an attribute the code reads (`shape`) refuses the converted layer's calls once it changes",
+        (("ttt2la/global_guard.py", "        for name in global_names(code):\n            if name not in g:", "        for name in code.co_names:\n            if name not in g:"),),
+        ("tests/test_global_guard.py",), "named_like"),
 ]
 
 

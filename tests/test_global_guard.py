@@ -192,6 +192,29 @@ def test_a_lossy_conversion_refuses_after_the_change(kind):
         conv(x)
 
 
+#: named like the attribute ``Memory.forward`` reads (``x.shape``) and ``close``'s ``o.shape``
+shape = (2, 16, D)
+
+
+class ShapeNamed(Memory):
+    def close(self, o):
+        return o * (o.shape[-1] / D)
+
+
+def test_a_global_named_like_an_attribute_the_code_reads_is_not_watched():
+    """``co_names`` holds attribute names too; only the names the code loads as globals are."""
+    global shape
+    torch.manual_seed(0)
+    conv = ttt2la.convert(ShapeNamed(), level=5, example_inputs=(torch.randn(*shape),))
+    x = torch.randn(2, 20, D)
+    before = conv(x)
+    shape = (4, 4)
+    try:
+        assert torch.equal(conv(x), before)
+    finally:
+        shape = (2, 16, D)
+
+
 class Strict:
     """A global object of the user's without a ``__dict__``, whose ``__getattr__`` raises
     its own error for any name it does not hold."""

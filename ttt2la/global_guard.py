@@ -105,7 +105,7 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
     while codes:
         code = codes.pop()
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        for name in code.co_names:
+        for name in global_names(code):
             if name not in g:
                 continue
             value = g[name]
@@ -127,6 +127,17 @@ def _reads(fn: types.FunctionType, depth: int, seen: set, out: dict,
                                               f"{name} ({kind} of {fn.__qualname__}'s closure)"))
     for held in (_held_functions(fn, layer_code) if depth > 0 else ()):
         _reads(held, depth - 1, seen, out, layer_code)
+
+
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=4096)
+def global_names(code: types.CodeType) -> frozenset[str]:
+    """The names ``code`` loads as globals (``co_names`` holds its attribute names too: a
+    global named like an attribute the code reads, ``shape`` beside ``x.shape``, is none)."""
+    return frozenset(ins.argval for ins in dis.get_instructions(code)
+                     if ins.opname in _GLOBAL_LOADS)
 
 
 def _contents(cell: types.CellType):
