@@ -2505,6 +2505,10 @@ MUTATIONS = [
         "attribute_names_watched_as_globals", "every name of `co_names` is watched as a global, attribute names included: a script's global named like an attribute the code reads (`shape`) refuses the converted layer's calls once it changes",
         (("ttt2la/global_guard.py", "        for name in global_names(code):\n            if name not in g:", "        for name in code.co_names:\n            if name not in g:"),),
         ("tests/test_global_guard.py",), "named_like"),
+    Mutation(
+        "target_installs_read_as_users", "a package installed into a directory on `sys.path` outside site-packages (pip's `--target`) is read as the user's code, so its Python decisions on the shape pin a lossy conversion to the example's shapes",
+        (("ttt2la/frontend/user_code.py", '("site-packages", "dist-packages")) or _holds_distributions(p)}', '("site-packages", "dist-packages"))}'),),
+        ("tests/test_installed_packages.py",), "installed_helper"),
 ]
 
 

@@ -34,8 +34,18 @@ def library_roots() -> tuple[str, ...]:
     roots = {os.path.dirname(os.path.realpath(torch.__file__)),
              os.path.realpath(sysconfig.get_paths()["stdlib"])}
     roots |= {os.path.realpath(p) for p in sys.path if p.rstrip("/").endswith(
-        ("site-packages", "dist-packages"))}
+        ("site-packages", "dist-packages")) or _holds_distributions(p)}
     return tuple(r + os.sep for r in roots)
+
+
+def _holds_distributions(path: str) -> bool:
+    """Whether ``path`` holds installed packages' records (``*.dist-info``): a directory pip
+    installed into with ``--target``, or one put on ``PYTHONPATH`` (a source tree installed in
+    development mode keeps its records elsewhere)."""
+    try:
+        return any(name.endswith(".dist-info") for name in os.listdir(path or "."))
+    except OSError:
+        return False
 
 
 @functools.lru_cache(maxsize=4096)
