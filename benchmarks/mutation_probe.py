@@ -2509,6 +2509,10 @@ MUTATIONS = [
         "target_installs_read_as_users", "a package installed into a directory on `sys.path` outside site-packages (pip's `--target`) is read as the user's code, so its Python decisions on the shape pin a lossy conversion to the example's shapes",
         (("ttt2la/frontend/user_code.py", '("site-packages", "dist-packages")) or _holds_distributions(p)}', '("site-packages", "dist-packages"))}'),),
         ("tests/test_installed_packages.py",), "installed_helper"),
+    Mutation(
+        "transposed_rate_unread", "a per-token rate read transposed with the values (`(vᵀ ⊙ lrᵀ) @ k`, weights laid out `W @ x`) is not taken for a rate: absorb_lr says there is none to fold and the level keeps it",
+        (("ttt2la/passes/absorb_lr.py", "    if mine[-1] != 1 and not (scalar and scalar[-1] == 1 and _numel(scalar) == _numel(mine)):", "    if mine[-1] != 1:"),),
+        ("tests/test_passes_lossy.py",), "tokens_last"),
 ]
 
 

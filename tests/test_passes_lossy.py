@@ -219,6 +219,36 @@ def test_absorb_lr_keeps_a_rate_per_token_and_feature_and_says_so():
         result.reason
 
 
+def test_absorb_lr_folds_a_rate_laid_out_with_the_tokens_last():
+    """Weights laid out ``W @ x`` (the flame variants' layout): the update reads the rate
+    transposed with the values, ``(vᵀ ⊙ lrᵀ) @ k`` with ``lr`` of ``[B, C, 1]`` — a per-token
+    factor still, folded like ``lr ⊙ v``; a rate per token and feature laid out so is not."""
+    def transposed(W, k, v, q, lr):
+        return (W + (v.transpose(-1, -2) * lr.transpose(-1, -2)) @ k,), \
+            ((W @ q.transpose(-1, -2)).transpose(-1, -2),)
+
+    def program(width):
+        return program_from_body(transposed, states=dict(W=torch.randn(B, D, D)),
+                                 streams=dict(k=torch.randn(B, 8, D), v=torch.randn(B, 8, D),
+                                              q=torch.randn(B, 8, D),
+                                              lr=torch.rand(B, 8, width)), chunk_size=C)
+    per_token = program(1)
+    cal, sample = calibration_for(per_token, 12)
+    result = absorb_lr(per_token, PassContext(cal))
+    assert result.status == "applied", result.reason
+    eta = sample["lr_seq"].double().mean().item()    # the three chunks update (the last one too)
+    assert result.folded["lr"] == pytest.approx(eta, rel=1e-12)
+    W, (k, v, q) = sample["W"], (sample[n] for n in ("k_seq", "v_seq", "q_seq"))
+    ys = []
+    for s in range(0, 12, C):
+        ys.append((W @ q[:, s:s + C].transpose(-1, -2)).transpose(-1, -2))
+        W = W + eta * v[:, s:s + C].transpose(-1, -2) @ k[:, s:s + C]
+    outs, finals = run(per_token, sample)
+    assert rel_rms_error(outs[0], torch.cat(ys, 1)) <= FP32
+    assert rel_rms_error(finals[0], W) <= FP32
+    assert absorb_lr(program(D)).status == "not_applicable"
+
+
 def per_token_body(W, k, v, q, eta):
     """Per-token TTT, update then read: ``W_t = W_{t-1} + η_t k_tᵀ v_t`` per head."""
     W = W + eta[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))

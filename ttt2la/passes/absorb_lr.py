@@ -101,16 +101,22 @@ def _unexpanded(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
+def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node,
+                          value: torch.fx.Node | None = None) -> bool:
     """``operand`` is a per-token scalar factor in ``mul``: size 1 on its trailing (feature)
-    axis, broadcast over some axis of the other operand (its features: ``η · v``, or a key's
-    column ``η · kᵀ``), and every axis it has of its own the other operand has too."""
+    axis — or a view of ``value``, whose trailing axis is, laid out otherwise (``ηᵀ · vᵀ`` with
+    ``η`` of ``[B, C, 1]``) —, broadcast over some axis of the other operand (its features:
+    ``η · v``, or a key's column ``η · kᵀ``), and every axis it has of its own the other operand
+    has too."""
     args = [a for a in mul.args[:2]]
     if args.count(operand) != 1:
         return False
     other = args[1] if args[0] is operand else args[0]
     mine, theirs = node_shape(_unexpanded(operand)), node_shape(other)
-    if mine is None or theirs is None or not mine or not theirs or mine[-1] != 1:
+    if mine is None or theirs is None or not mine or not theirs:
+        return False
+    scalar = node_shape(value) if value is not None else None
+    if mine[-1] != 1 and not (scalar and scalar[-1] == 1 and _numel(scalar) == _numel(mine)):
         return False
     pairs = list(zip(reversed(mine), reversed(theirs)))
     if not any(a == 1 and b > 1 for a, b in pairs):
@@ -118,6 +124,13 @@ def _broadcasts_as_factor(operand: torch.fx.Node, mul: torch.fx.Node) -> bool:
     if any(a > 1 and a != b for a, b in pairs):
         return False
     return len(mine) <= len(theirs) or all(s == 1 for s in mine[: len(mine) - len(theirs)])
+
+
+def _numel(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
 
 
 def _update_nodes(program: TTTProgram) -> set[torch.fx.Node]:
@@ -131,7 +144,7 @@ def _scales_updates(value: torch.fx.Node, updates: set[torch.fx.Node], live: set
     readers = _readers(value, live, through_constants=True)
     return bool(readers) and all(
         op.op == "call_function" and op_name(op) == "mul" and op in updates
-        and _broadcasts_as_factor(operand, op) for operand, op in readers)
+        and _broadcasts_as_factor(operand, op, value) for operand, op in readers)
 
 
 def learning_rates(program: TTTProgram) -> list[tuple[int, torch.fx.Node]]:
