@@ -2513,6 +2513,10 @@ MUTATIONS = [
         "transposed_rate_unread", "a per-token rate read transposed with the values (`(vᵀ ⊙ lrᵀ) @ k`, weights laid out `W @ x`) is not taken for a rate: absorb_lr says there is none to fold and the level keeps it",
         (("ttt2la/passes/absorb_lr.py", "    if mine[-1] != 1 and not (scalar and scalar[-1] == 1 and _numel(scalar) == _numel(mine)):", "    if mine[-1] != 1:"),),
         ("tests/test_passes_lossy.py",), "tokens_last"),
+    Mutation(
+        "step_size_folded_with_the_norm", "remove_muon takes a learned step size times a normalised increment (`η · g/(‖g‖+1)`) for the normalisation and folds it into the scale: the step size is a parameter frozen",
+        (("ttt2la/passes/remove_muon.py", "            norm = None if _scales_a_norm(node) else match_norm(node)", "            norm = match_norm(node)"),),
+        ("tests/test_single_step.py",), "learned_step_size"),
 ]
 
 

@@ -114,6 +114,42 @@ def test_remove_muon_takes_the_gradient_normalisation_out_at_level_6():
     assert "taps's increment" in passes["remove_muon"].reason
 
 
+class LearnedStepSize(torch.nn.Module):
+    """One clipped step ``W + η · g/(‖g‖+1)`` with a learned step size per head."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.H, self.d = heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.w1 = torch.nn.Parameter(torch.randn(1, heads, self.d, self.d) * self.d ** -0.5)
+        self.lr = torch.nn.Parameter(torch.zeros(heads))
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.H, self.d).permute(2, 0, 3, 1, 4)
+        g = k.transpose(-2, -1) @ (v / N)
+        g = g / (g.norm(dim=-2, keepdim=True) + 1)
+        W = self.w1 + F.softplus(self.lr)[None, :, None, None] * g
+        return (q @ W).transpose(1, 2).reshape(B, N, C)
+
+
+def test_remove_muon_keeps_a_learned_step_size_outside_the_normalisation():
+    """Level 6 folds the normalisation alone: the step size stays a parameter that trains."""
+    torch.manual_seed(0)
+    layer = LearnedStepSize()
+    x = torch.randn(2, 16, 16)
+    converted = ttt2la.convert(layer, level=6, example_inputs=(x,))
+    passes = {p.name: p for p in converted.ttt2la_report.layers[0].passes}
+    assert passes["remove_muon"].status == "applied"
+    assert "`torch.div`" in passes["remove_muon"].reason
+    grad, = torch.autograd.grad(converted(x).square().sum(), [converted.lr])
+    assert grad.abs().min() > 0
+    with torch.no_grad():
+        before = converted(x)
+        converted.lr.add_(1.0)
+        assert rel_rms_error(converted(x), before) > 0.01
+
+
 class EinsumStep(torch.nn.Module):
     """One gradient step of per-head fast weights over the whole sequence, its products written
     as ``einsum`` over ``[B, N, H, d]`` tokens, then every token reads the stepped weights."""

@@ -150,7 +150,7 @@ def increment_transforms(program: TTTProgram) -> list[IncrementTransform]:
                 found.append(IncrementTransform(i, f"{ns.steps}-step Newton–Schulz iteration",
                                                 out, src, core))
                 continue
-            norm = match_norm(node)
+            norm = None if _scales_a_norm(node) else match_norm(node)
             if norm is not None and node_shape(node) == shape \
                     and ins[i] not in ancestors(norm.input):
                 found.append(IncrementTransform(i, f"{norm.kind} normalisation", norm.output,
@@ -162,6 +162,15 @@ def increment_transforms(program: TTTProgram) -> list[IncrementTransform]:
             elif name in _WALK:
                 stack.extend(node.all_input_nodes)
     return found
+
+
+def _scales_a_norm(node: torch.fx.Node) -> bool:
+    """Whether ``node`` multiplies a normalisation by a factor (``η · g/(‖g‖+1)``, a learned
+    step size): the walk goes on to the normalisation, so that the factor stays — folded into
+    the scale it would be a learned parameter frozen."""
+    return op_name(node) == "mul" and any(
+        isinstance(a, torch.fx.Node) and match_norm(peel_views(a)) is not None
+        for a in node.args[:2])
 
 
 def _projections(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> tuple[float, float]:
