@@ -2517,6 +2517,10 @@ MUTATIONS = [
         "step_size_folded_with_the_norm", "remove_muon takes a learned step size times a normalised increment (`η · g/(‖g‖+1)`) for the normalisation and folds it into the scale: the step size is a parameter frozen",
         (("ttt2la/passes/remove_muon.py", "            norm = None if _scales_a_norm(node) else match_norm(node)", "            norm = match_norm(node)"),),
         ("tests/test_single_step.py",), "learned_step_size"),
+    Mutation(
+        "probe_failures_logged", "a probe trace the layer's code rejects leaves fake tensors' ERROR records, with tracebacks, in the user's log for a conversion that worked",
+        (("ttt2la/frontend/capture.py", "    logger.disabled = True\n", "    logger.disabled = before\n"),),
+        ("tests/test_single_step.py",), "log_nothing"),
 ]
 
 

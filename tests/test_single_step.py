@@ -150,6 +150,48 @@ def test_remove_muon_keeps_a_learned_step_size_outside_the_normalisation():
         assert rel_rms_error(converted(x), before) > 0.01
 
 
+class FoldedImageStep(torch.nn.Module):
+    """A step over an image's positions with the heads folded into the batch, its gradient by
+    ``torch.func.grad`` of ``bmm``s: the probe traces at other lengths fail in fake tensors."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.H, self.d = heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.w = torch.nn.Parameter(torch.randn(heads, self.d, self.d) * 0.3)
+
+    def forward(self, img):
+        B, C, Hi, Wi = img.shape
+        N = Hi * Wi
+        q, k, v = (t.reshape(B, N, self.H, self.d).transpose(1, 2).reshape(B * self.H, N, self.d)
+                   for t in self.qkv(img.flatten(2).transpose(1, 2)).chunk(3, -1))
+        W0 = self.w.repeat(B, 1, 1)
+        g = torch.func.grad(lambda w: -(torch.bmm(k, w) * v).sum() / k.shape[1])(W0)
+        o = torch.bmm(q, W0 - 0.5 * g).reshape(B, self.H, N, self.d).transpose(1, 2)
+        return o.reshape(B, N, C).transpose(1, 2).reshape(B, C, Hi, Wi)
+
+
+def test_probe_traces_that_fail_log_nothing():
+    """A failed probe is expected and reported: fake tensors' ERROR records of it (with their
+    tracebacks) would tell the user that a conversion which worked went wrong."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        layer = FoldedImageStep()
+        x = torch.randn(2, 16, 4, 4)
+        converted = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    finally:
+        logger.removeHandler(handler)
+    assert not records, records[0].getMessage()
+    assert_same_function(converted, layer, x)
+
+
 class EinsumStep(torch.nn.Module):
     """One gradient step of per-head fast weights over the whole sequence, its products written
     as ``einsum`` over ``[B, N, H, d]`` tokens, then every token reads the stepped weights."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import linecache
+import logging
 import os
 import re
 import sys
@@ -143,6 +144,19 @@ def annotate_frames(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+@contextlib.contextmanager
+def quiet_fake_tensors():
+    """Fake tensors log every failed shape check, with its traceback, at ERROR level; a trace
+    at a probe shape the layer's code rejects is expected, and reported by the conversion."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
 def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx.GraphModule:
     """``make_fx(fn)(*args)`` with user frames on every node and compilation disabled.
 
@@ -161,12 +175,13 @@ def trace(fn: Callable[..., Any], *args, tracing_mode: str = "fake") -> torch.fx
     the tuple types ``fn`` returned (a ``torch.Size``: ``output_types``).
     """
     specs: list = []        # what ``fn`` returns, whose tuple types fx's output node drops
-    try:
-        gm = _trace_functional(recording(fn, specs), _detached(args), tracing_mode)
-    except RuntimeError as e:
-        if "requires_grad_" not in str(e) and not needs_grad_mode(e):
-            raise       # neither ``requires_grad_()`` nor ``autograd.grad`` in functionalization
-        gm = _trace_then_functionalize(recording(fn, specs), args, tracing_mode)
+    with quiet_fake_tensors():
+        try:
+            gm = _trace_functional(recording(fn, specs), _detached(args), tracing_mode)
+        except RuntimeError as e:
+            if "requires_grad_" not in str(e) and not needs_grad_mode(e):
+                raise   # neither ``requires_grad_()`` nor ``autograd.grad`` in functionalization
+            gm = _trace_then_functionalize(recording(fn, specs), args, tracing_mode)
     gm = with_output_types(gm, specs)
     from .dot_products import dot_products_as_sums
     from .slice_assignments import slice_assignments_as_values

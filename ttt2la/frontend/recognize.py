@@ -14,9 +14,7 @@ accepts exactly the batch sizes its traces cover, and says so when called at ano
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -499,18 +497,6 @@ def probe_plans(example_batch: int, example_len: int | None) -> list[ProbePlan]:
     return plans
 
 
-@contextlib.contextmanager
-def _quiet_fake_tensors():
-    """Fake tensors log every failed shape check; a failed probe is expected and reported."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    before = logger.disabled
-    logger.disabled = True
-    try:
-        yield
-    finally:
-        logger.disabled = before
-
-
 def _layer_length(cand: LoopCandidate, tensors: list, seq_len: int | None) -> int | None:
     """The length of the layer's own sequence: the model's, when one of the layer's inputs has
     an axis of it, else the longest stretch the loop sliced that an input has."""
@@ -629,8 +615,7 @@ def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_le
         if not plan.fixed and any(isinstance(e, BatchConstant) for _, e in failures):
             continue                      # only the example's batch size holds its number
         try:
-            with _quiet_fake_tensors():
-                return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
+            return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
         except ConversionError as e:
             if not isinstance(e, (_ShapeDependent, LengthDependent, BatchConstant)):
                 raise                     # what the loop does is unsupported at any shape
