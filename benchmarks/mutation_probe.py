@@ -2521,6 +2521,10 @@ MUTATIONS = [
         "probe_failures_logged", "a probe trace the layer's code rejects leaves fake tensors' ERROR records, with tracebacks, in the user's log for a conversion that worked",
         (("ttt2la/frontend/capture.py", "    logger.disabled = True\n", "    logger.disabled = before\n"),),
         ("tests/test_single_step.py",), "log_nothing"),
+    Mutation(
+        "final_state_read_unsaid", "a loop that only accumulates its state, read after it by every token, is refused with \"no iteration output is used after the loop\" and no remedy",
+        (("ttt2la/frontend/rollup.py", "        final = [n for n in u.iters[-1] if any(x not in u.in_loop for x in n.users)]", "        final = []"),),
+        ("tests/test_refusal_messages.py",), "final_state_alone"),
 ]
 
 

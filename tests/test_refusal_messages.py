@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
 from __future__ import annotations
 
 import inspect
@@ -572,3 +572,30 @@ def test_an_op_of_no_line_of_the_layer_is_named_by_its_torch_call():
     assert describe_op(ops[0]) == "`torch.mul` at layer.py:12 (`y = x * 2`)"
     assert op_at(ops[0]) == "`torch.mul` at layer.py:12" and op_at(ops[5]) == "`F.silu`"
     assert describe_op(x) == "the input `x`"
+
+
+class AccumulatedThenRead(nn.Module):
+    """A non-causal step written chunk by chunk: the loop only sums the chunks' updates, and
+    every token reads the final weights after it."""
+
+    def __init__(self, d: int = 8, C: int = 4):
+        super().__init__()
+        self.C = C
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = self.w.expand(B, d, d)
+        for s in range(0, L, self.C):
+            W = W + k[:, s:s + self.C].transpose(1, 2) @ v[:, s:s + self.C] / L  # <- named
+        return q @ W
+
+
+def test_a_loop_whose_final_state_alone_is_read_is_named_a_step_written_in_chunks():
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(AccumulatedThenRead(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(info.value)
+    assert f"{HERE}:{_line_of(AccumulatedThenRead.forward)}" in message
+    assert "reads the final state `W`" in message and "without the loop" in message

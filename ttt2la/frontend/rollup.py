@@ -688,6 +688,14 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
         if nested:
             raise u.fail(f"no iteration output is used after the loop, which "
                          f"{_around(nested[0])}")
+        final = [n for n in u.iters[-1] if any(x not in u.in_loop for x in n.users)]
+        if final:
+            raise u.fail(
+                f"no chunk is read inside the loop: it only accumulates its state, and the code "
+                f"after it reads the final state {_named(final[0])} for every token — one step "
+                "over the whole sequence (non-causal, as ViTTT's), written chunk by chunk. "
+                "ttt2la converts such a step written without the loop (W = W + kᵀ·v over all "
+                "tokens, then q·W), or a loop whose chunks read the state inside it")
         raise u.fail("no iteration output is used after the loop")
     if len(outs) != 1:
         named = "; ".join(_named(n) for n in outs)
