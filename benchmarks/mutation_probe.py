@@ -2525,6 +2525,14 @@ MUTATIONS = [
         "final_state_read_unsaid", "a loop that only accumulates its state, read after it by every token, is refused with \"no iteration output is used after the loop\" and no remedy",
         (("ttt2la/frontend/rollup.py", "        final = [n for n in u.iters[-1] if any(x not in u.in_loop for x in n.users)]", "        final = []"),),
         ("tests/test_refusal_messages.py",), "final_state_alone"),
+    Mutation(
+        "semicolon_statements_one_name", "two statements on one line (`w0 = f(w0); w2 = f(w2)`) give both states the first one's name, and the states are named from frames further out",
+        (("ttt2la/frontend/source_names.py", "    if len(together) > 1:\n", "    if False:\n"),),
+        ("tests/test_state_names.py",), "semicolons"),
+    Mutation(
+        "callers_frames_name_states", "a state no line of the layer names takes its name from the code that called the layer (ttt2la's own `layers, inputs, notes = ...`)",
+        (("ttt2la/frontend/source_names.py", "    if outside:             # the code that called the layer", "    if False:             # the code that called the layer"),),
+        ("tests/test_state_names.py",), "no_name_from_the_code"),
 ]
 
 

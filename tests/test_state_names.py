@@ -3,7 +3,7 @@
 Each loop below carries two fast weights: as separate variables, assigned one by one or by one
 tuple (directly or from a step function), in a dict (updated key by key or rebuilt as a dict
 literal), in one variable holding a tuple, and updated by a helper that names its argument the
-same for both. The rolled-up program (and the report) names each state after its own variable
+same for both, and by one helper on one line of two statements. The rolled-up program (and the report) names each state after its own variable
 or key — never a joined ``wa_wb`` — and numbers them only where the code has one name for both.
 """
 from __future__ import annotations
@@ -128,6 +128,16 @@ def scanned_dict(wa, wb, q, k, v):
     return torch.cat(outs, 1)
 
 
+def semicolons(wa, wb, q, k, v):
+    """Both weights stepped by the same helper on one line, as two statements."""
+    outs = []
+    for s in range(0, q.shape[1], C):
+        qi, ki, vi = q[:, s:s + C], k[:, s:s + C], v[:, s:s + C]
+        outs.append(qi @ wa + qi @ wb)
+        wa = sgd(wa, -ki.mT @ vi); wb = sgd(wb, -0.5 * ki.mT @ vi)  # noqa: E702
+    return torch.cat(outs, 1)
+
+
 def _state_names(fn) -> list[str]:
     g = torch.Generator().manual_seed(0)
     wa, wb = (torch.randn(2, 3, 3, generator=g) for _ in range(2))
@@ -147,6 +157,7 @@ def _state_names(fn) -> list[str]:
     (helper_for_each, ["wa", "wb"]),
     (tuple_in_one_variable, ["w0", "w1"]),
     (scanned_dict, ["fast_a", "fast_b"]),
+    (semicolons, ["wa", "wb"]),
 ])
 def test_each_state_is_named_after_its_own_variable(fn, names):
     assert sorted(_state_names(fn)) == names
@@ -243,3 +254,25 @@ def test_an_invariant_a_helper_computes_is_named_after_what_it_views():
     conv = ttt2la.convert(HelperGatedMemory(), level=2, example_inputs=(torch.randn(2, 12, 8),))
     state, = conv.ttt2la_report.layers[0].states
     assert state.update_rule == "S' = g·S + k⊙v", state.update_rule
+
+
+class InlineStep(nn.Module):
+    """A single step whose stepped weights no statement of the layer assigns."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.H, self.d = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.W1 = nn.Parameter(torch.randn(heads, self.d, self.d) * self.d ** -0.5)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.H, self.d).permute(2, 0, 3, 1, 4)
+        return (q @ (self.W1 + 0.7 * k.mT @ v / N)).transpose(1, 2).reshape(B, N, C)
+
+
+def test_a_state_no_line_of_the_layer_names_takes_no_name_from_the_code_that_called_it():
+    """The frames outside the layer (ttt2la's own, which traced it) name nothing."""
+    torch.manual_seed(0)
+    fast = ttt2la.convert(InlineStep(), level=0, example_inputs=(torch.randn(2, 12, 16),))
+    assert [s.name for s in fast.ttt2la_report.layers[0].states] == ["state0"]

@@ -17,6 +17,7 @@ import torch.fx
 
 from ..ir import SRC, SourceLoc
 from .capture import FRAMES
+from .user_code import is_users
 
 
 def _statement(src: SourceLoc | None) -> ast.stmt | None:
@@ -79,8 +80,20 @@ def _target_name(target: ast.expr) -> str | None:
 
 def _assigned_names(src: SourceLoc | None) -> list[str] | None:
     """The names a line assigns: ``[W]`` for ``W = ...`` (or ``state["W"] = ...``,
-    ``state.W = ...``), ``[W, b]`` for ``W, b = ...``."""
-    stmt = _statement(src)
+    ``state.W = ...``), ``[W, b]`` for ``W, b = ...`` and for ``W = ...; b = ...`` (statements
+    a line holds in turn are told apart by their order only, as a tuple's elements are)."""
+    stmt, start = _statement_at(src)
+    together = [st for st in _simple_statements(src.file) if st.lineno == start] \
+        if stmt is not None else []
+    if len(together) > 1:
+        each = [_names_of(st) for st in together]
+        return [n[0] for n in each] if all(n is not None and len(n) == 1 for n in each) \
+            else None
+    return _names_of(stmt)
+
+
+def _names_of(stmt: ast.stmt | None) -> list[str] | None:
+    """The names one statement assigns (see ``_assigned_names``)."""
     if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
         if isinstance(target, ast.Tuple):
@@ -286,6 +299,9 @@ def _assigning_frames(out: torch.fx.Node, depth: int) -> list[tuple[tuple, tuple
     from ``depth`` in, innermost first (``line``: where the statement starts)."""
     frames = out.meta.get(FRAMES, ())[depth:] or ((out.meta.get(SRC),) if SRC in out.meta
                                                   else ())
+    outside = [i for i, f in enumerate(frames) if f is not None and not is_users(f.file)]
+    if outside:             # the code that called the layer (ttt2la's tracing) names nothing
+        frames = frames[outside[-1] + 1:]
     chain = []
     for frame in reversed(frames):
         got = _held_names(frame)
