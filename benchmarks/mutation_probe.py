@@ -2533,6 +2533,10 @@ MUTATIONS = [
         "callers_frames_name_states", "a state no line of the layer names takes its name from the code that called the layer (ttt2la's own `layers, inputs, notes = ...`)",
         (("ttt2la/frontend/source_names.py", "    if outside:             # the code that called the layer", "    if False:             # the code that called the layer"),),
         ("tests/test_state_names.py",), "no_name_from_the_code"),
+    Mutation(
+        "schedule_counted_as_one_iteration", "a loop of schedule steps that each take the same stretch of the sequence is refused as having \"run 1 iteration(s)\"",
+        (("ttt2la/frontend/rollup.py", "        raise _fail(same_stretch(loop_nodes, loop) or\n", "        raise _fail(None or\n"),),
+        ("tests/test_refusal_messages.py",), "schedule_of_steps"),
 ]
 
 

@@ -1,10 +1,11 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, a schedule of steps that each take the same stretch of the sequence, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -599,3 +600,40 @@ def test_a_loop_whose_final_state_alone_is_read_is_named_a_step_written_in_chunk
     message = str(info.value)
     assert f"{HERE}:{_line_of(AccumulatedThenRead.forward)}" in message
     assert "reads the final state `W`" in message and "without the loop" in message
+
+
+class ScheduledSteps(nn.Module):
+    """LaCT's novel-view schedule: a list of (start, end, update, apply) steps the forward walks,
+    here two updates on all the tokens, then a read of them all."""
+
+    def __init__(self, d: int = 8, half: bool = False):
+        super().__init__()
+        self.half = half
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs, n = self.w.expand(B, d, d), [], L // 2 if self.half else L
+        schedule = [(0, n, True, False), (0, n, True, False), (0, n, False, True)]
+        for start, end, update, apply in schedule:  # <- named
+            if update:
+                ki, vi = k[:, start:end], v[:, start:end]
+                W = W + ki.transpose(1, 2) @ (vi - torch.tanh(ki @ W))
+            if apply:
+                outs.append(q[:, start:end] @ W)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("half, taken", [(False, "each reads the whole sequence"),
+                                         (True, r"each takes the same \d+ tokens of the "
+                                                "sequence from token 0")])
+def test_a_schedule_of_steps_over_the_whole_sequence_is_named_so(half, taken):
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(ScheduledSteps(half=half), level=0,
+                       example_inputs=(torch.randn(2, 16, 8),))
+    message = str(info.value)
+    assert re.search(taken, message) and "a schedule over" in message
+    assert f"{HERE}:{_line_of(ScheduledSteps.forward)}" in message
+    assert "written without the loop" in message

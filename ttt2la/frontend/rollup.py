@@ -47,7 +47,7 @@ from .loops import (LoopSite, count_iterations, iteration_key, loop_depth, loops
 from .slice_assignments import select_writes_as_slice_writes
 from .source_names import (PIECE_NAME, assigned_name, assigned_names, keyed_initial_names,
                            state_names, stream_name, unique)
-from .unlike_iterations import index_branch, strided_reads
+from .unlike_iterations import index_branch, same_stretch, strided_reads
 
 aten = torch.ops.aten
 ZERO = object()   # initial value of a state the first iteration does not read: zeros
@@ -194,7 +194,8 @@ def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
     loop_nodes = [n for n in nodes if n.op == "call_function" and loop_depth(n, loop) is not None]
     iters = split_iterations(loop_nodes, depth, count_iterations(loop_nodes), loop)
     if len(iters) < 3:
-        raise _fail(f"the loop ran {len(iters)} iteration(s) at the traced shape; at least 3 "
+        raise _fail(same_stretch(loop_nodes, loop) or
+                    f"the loop ran {len(iters)} iteration(s) at the traced shape; at least 3 "
                     "are needed to tell carried state from streams", loop)
     I0, I1, I2 = iters[0], iters[1], iters[2]
     keys1 = [iteration_key(n, depth) for n in I1]

@@ -1,7 +1,7 @@
 """Why the iterations of a loop run different ops, where the cause is in the code rather than
 the data: a sequence read at a stride (several tokens of one sequence taken by index in each
-iteration) or a Python ``if`` on the loop's index (an update every C tokens, a reset every R
-chunks). Each names the line and what converts instead; ``None`` where neither explains it.
+iteration), a Python ``if`` on the loop's index (an update every C tokens, a reset every R
+chunks), or iterations that all take the same stretch of it (a schedule of steps). Each names the line and what converts instead; ``None`` where neither explains it.
 """
 from __future__ import annotations
 
@@ -60,6 +60,30 @@ def strided_reads(nodes: list[torch.fx.Node], depth: int, loop: LoopSite) -> str
                 f"each iteration's {m} {what} on an axis of their own before the loop (`k.view(B, T, "
                 f"{m}, ...)` for `k` of [B, T·{m}, ...]) and read `k[:, i, j]`")
     return None
+
+
+def same_stretch(nodes: list[torch.fx.Node], loop: LoopSite) -> str | None:
+    """Two or more iterations that all take one and the same stretch of the sequence (LaCT's
+    novel-view schedules: an update on all tokens, another, then a read of them all): the
+    refusal saying so, or ``None``."""
+    iters = _split_by_statement(nodes, loop, through_blocks=True)
+    if len(iters) < 2:
+        return None
+    inside = set(nodes)
+    reads = [(start, key[2], node) for it in iters for key, pairs in _reads(it, inside).items()
+             for start, node in pairs]
+    if len({(start, width) for start, width, _ in reads}) > 1:
+        return None
+    if reads:
+        start, width, node = reads[0]
+        taken = f"takes the same {width} tokens of the sequence from token {start} " \
+                f"({describe_op(node)})"
+    else:
+        taken = "reads the whole sequence, taking no chunk or token of it"
+    return (f"the loop runs {len(iters)} or more iterations, and each {taken}: the steps of a "
+            "schedule over the whole sequence, not a walk over its chunks. ttt2la converts "
+            "loops whose iterations take successive chunks or tokens, and one update over all "
+            "the tokens followed by reads of them all written without the loop")
 
 
 def _for_statement(loop: LoopSite) -> ast.For | None:
