@@ -601,7 +601,7 @@ MUTATIONS = [
     Mutation(
         "inline_config_read_as_path", "--config's inline JSON object read as a file name",
         (("ttt2la/checkpoint/recipe.py",
-          'return isinstance(text, str) and text.lstrip().startswith("{")',
+          'return isinstance(text, str) and text.lstrip().startswith(("{", "["))',
           "return False"),),
         ("tests/test_cli_inputs.py",), "inline"),
     Mutation(
@@ -2537,6 +2537,30 @@ MUTATIONS = [
         "schedule_counted_as_one_iteration", "a loop of schedule steps that each take the same stretch of the sequence is refused as having \"run 1 iteration(s)\"",
         (("ttt2la/frontend/rollup.py", "        raise _fail(same_stretch(loop_nodes, loop) or\n", "        raise _fail(None or\n"),),
         ("tests/test_refusal_messages.py",), "schedule_of_steps"),
+    Mutation(
+        "seed_unchecked", "a `--seed` torch cannot take escapes as a raw traceback",
+        (("ttt2la/cli.py", '    p.add_argument("--seed", type=_seed, default=0, help="seed of weights and inputs (0)")', '    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")'),),
+        ("tests/test_cli_inputs.py",), "seed_torch"),
+    Mutation(
+        "example_shape_drops_batch", "`--batch` and `--length` beside `--example-shape` are dropped without a word",
+        (("ttt2la/cli.py", "    if given and (args.example_shape or args.example_inputs):", "    if False:"),),
+        ("tests/test_cli_inputs.py",), "example_shape_beside"),
+    Mutation(
+        "inline_array_read_as_path", "`--config '[1, 2]'` is read as a file's path and refused as missing",
+        (("ttt2la/checkpoint/recipe.py", 'text.lstrip().startswith(("{", "["))', 'text.lstrip().startswith("{")'),),
+        ("tests/test_cli_inputs.py",), "inline_config_that_is_json"),
+    Mutation(
+        "level_of_numpy_refused", "a level of another integer type (`numpy.int64`, a one-element integer tensor) is refused",
+        (("ttt2la/validation.py", "        value = level if isinstance(level, bool) else operator.index(level)", "        value = level"),),
+        ("tests/test_cli_inputs.py",), "any_integer_type"),
+    Mutation(
+        "text_prompt_echoed_first", "`generate --prompt` writes the prompt, then refuses a model that is not byte-level",
+        (("ttt2la/cli.py", "    check_byte_model(model)                         # before the prompt is echoed", "    pass"),),
+        ("tests/test_generate.py",), "no_language_model"),
+    Mutation(
+        "layer_checkpoint_sampled", "`generate` on a converted layer's checkpoint feeds it token ids, and the refusal blames the call's shape",
+        (("ttt2la/generate.py", "    if vocab is None:\n        raise InvalidInputError(\n", "    if False:\n        raise InvalidInputError(\n"),),
+        ("tests/test_generate.py",), "no_language_model"),
 ]
 
 

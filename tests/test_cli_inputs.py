@@ -8,6 +8,7 @@ import re
 import os
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.utils.parametrize as parametrize
@@ -180,6 +181,33 @@ def test_an_inline_config_that_is_not_json(files, tmp_path, capsys):
             '{"d_model": 32', "--out", str(tmp_path / "out")]
     refused(argv, capsys, "CheckpointError", "--config", "not a JSON object")
     assert listing(tmp_path) == set()
+
+
+def test_an_inline_config_that_is_json_but_no_object(files, tmp_path, capsys):
+    argv = ["convert", str(files / "good.safetensors"), "--model", FACTORY, "--config",
+            "[1, 2]", "--out", str(tmp_path / "out")]
+    refused(argv, capsys, "CheckpointError", "--config", "expected a JSON object", "list")
+    assert listing(tmp_path) == set()
+
+
+@pytest.mark.parametrize("extra", [["--length", "128"], ["--batch", "3"],
+                                   ["--batch", "3", "--length", "128"]])
+def test_an_example_shape_beside_a_batch_or_length(files, tmp_path, capsys, extra):
+    """``--example-shape`` gives both; the others are refused, not silently dropped."""
+    argv = state_argv(files, files / "good.safetensors", "--example-shape", "1,64", *extra,
+                      out=tmp_path / "out")
+    refused(argv, capsys, "InvalidInputError", *extra[::2], "--example-shape")
+    assert listing(tmp_path) == set()
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1", "x"])
+def test_a_seed_torch_cannot_take(files, tmp_path, capsys, command, seed):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--zoo", "lact-variant2", "--seed", seed])
+    assert exc.value.code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "argument --seed: expected an integer from 0 to 2**64 - 1" in err and seed in err
 
 
 def test_a_state_dict_without_its_factory(files, tmp_path, capsys):
@@ -615,10 +643,20 @@ def test_ids_out_of_vocabulary_through_the_api():
         ttt2la.convert(model, level=1, example_inputs=(torch.full((1, 32), 64),))
 
 
-@pytest.mark.parametrize("level", [7, -1, 1.5, True, "2"])
+@pytest.mark.parametrize("level", [7, -1, 1.5, 2.0, True, "2", torch.tensor(2.0),
+                                   torch.tensor([1, 2])])
 def test_convert_levels_outside_0_to_6(level):
     with pytest.raises(ttt2la.InvalidInputError, match="level must be an integer from 0 to 6"):
         ttt2la.convert(LaCTFoldedLayer(32, 2, 16), level=level)
+
+
+@pytest.mark.parametrize("level", [np.int64(1), torch.tensor(1)])
+def test_convert_takes_a_level_of_any_integer_type(level):
+    """A level read from a config array or a tensor is the integer it holds."""
+    torch.manual_seed(0)
+    fast = ttt2la.convert(LaCTFoldedLayer(32, 2, 16, muon=False), level=level,
+                          example_inputs=(torch.randn(1, 32, 32),))
+    assert fast.ttt2la_report.level == 1 and type(fast.ttt2la_report.level) is int
 
 
 def test_save_needs_a_converted_model_and_a_free_path(converted, tmp_path):

@@ -73,3 +73,20 @@ def test_a_temperature_that_is_not_a_finite_number_at_least_0(tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("ttt2la generate: InvalidInputError: temperature must be a finite "
                           "number >= 0") and len(err.splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def layer_checkpoint(tmp_path_factory):
+    """A converted layer (features in, features out): no language model."""
+    out = tmp_path_factory.mktemp("generate") / "layer"
+    assert main(["convert", "--zoo", "lact-variant2", "--level", "2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("prompt", [["--prompt-ids", "1,2"], ["--prompt", "hello"]])
+def test_a_checkpoint_of_no_language_model_is_bad_input_and_nothing_is_printed(
+        layer_checkpoint, capsys, prompt):
+    assert main(["generate", str(layer_checkpoint), *prompt, "--tokens", "2"]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == ""                       # the text prompt is not echoed first
+    assert "no language model" in captured.err or "byte-level" in captured.err, captured.err

@@ -537,7 +537,7 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Sample from a converted language-model checkpoint, the fast weights carried across
     tokens (``ttt2la.Stream``)."""
     import ttt2la
-    from .generate import check_temperature, generate_text, sample_tokens
+    from .generate import check_byte_model, check_temperature, generate_text, sample_tokens
 
     check_temperature(args.temperature)             # before the checkpoint is loaded
     sampling = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
@@ -550,6 +550,7 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
         ids = [str(t) for t in sample_tokens(model, prompt, args.tokens, **sampling)]
         out.print(" ".join(ids), markup=False, highlight=False)
         return 0
+    check_byte_model(model)                         # before the prompt is echoed
     sys.stdout.write(args.prompt)
     generate_text(model, args.prompt, args.tokens,
                   on_token=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
@@ -617,6 +618,12 @@ def _open_source(args: argparse.Namespace, err: Console):
                                 "pkg.module:factory, which is missing")
     if args.example_shape and args.example_inputs:
         raise InvalidInputError("pass --example-shape or --example-inputs, not both")
+    given = [f"--{n} {v}" for n, v in (("batch", args.batch), ("length", args.length))
+             if v is not None]
+    if given and (args.example_shape or args.example_inputs):
+        which = "--example-shape" if args.example_shape else "--example-inputs"
+        raise InvalidInputError(f"{' and '.join(given)}: {which} gives the example's batch "
+                                f"size and length; pass {which} alone, or --batch and --length")
     inputs_file = read_inputs(Path(args.example_inputs)) if args.example_inputs else None
     with err.status(f"reading {_model_name(args)}"):
         if args.zoo is not None:
@@ -635,7 +642,7 @@ def _open_source(args: argparse.Namespace, err: Console):
     if args.example_shape:
         spec = spec_from_shape(model, args.example_shape, args.seed)
     elif args.zoo is not None:
-        spec = {"kind": "zoo", "name": args.zoo, "batch": args.batch,
+        spec = {"kind": "zoo", "name": args.zoo, "batch": args.batch or 1,
                 "length": args.length or ZOO[args.zoo].length, "seed": args.seed}
     elif (recorded := _recorded_spec(args.checkpoint)) is not None:
         inputs = build_inputs(recorded, Path(args.checkpoint))
@@ -669,7 +676,7 @@ def _default_spec(model: torch.nn.Module, args: argparse.Namespace) -> dict:
         raise InvalidInputError(f"{args.checkpoint}: {type(model).__name__} does not start with "
                                 "an embedding, so its inputs cannot be guessed: pass "
                                 "--example-shape B,L,D or --example-inputs FILE.safetensors")
-    return spec_from_shape(model, (args.batch, args.length or DEFAULT_LENGTH), args.seed)
+    return spec_from_shape(model, (args.batch or 1, args.length or DEFAULT_LENGTH), args.seed)
 
 
 def _open_model(args: argparse.Namespace, err: Console):
@@ -796,7 +803,7 @@ def _add_generate(add) -> None:
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature; 0 is greedy (0.8)")
     p.add_argument("--top-k", type=_positive, default=None, help="sample among the k likeliest")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    p.add_argument("--seed", type=_seed, default=0, help="sampling seed (0)")
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -819,8 +826,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--example-inputs", metavar="FILE",
                    help="example inputs in a .safetensors file: tensors named 0, 1, ... "
                         "are positional, others keyword arguments")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
-    p.add_argument("--batch", type=_positive, default=1, help="example batch size (1)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of weights and inputs (0)")
+    p.add_argument("--batch", type=_positive, default=None, help="example batch size (1)")
     p.add_argument("--length", type=_positive, default=None,
                    help=f"example sequence length (the zoo model's default, "
                         f"{DEFAULT_LENGTH} for a checkpoint)")
@@ -854,6 +861,17 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A seed ``torch.manual_seed`` takes: an integer of 0 to 2**64 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**64 - 1, got {text}")
     return value
 
 

@@ -50,7 +50,7 @@ from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
-from .validation import (InvalidInputError, check_argument_types, check_call, check_flag,
+from .validation import (InvalidInputError, as_level, check_argument_types, check_call, check_flag,
                          check_folds_form, check_runs, copy_of)
 
 _PROBE_LENGTHS = (64, 512, 4096)
@@ -620,6 +620,7 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     needs a C++ compiler.
     """
     require_unconverted(model)
+    level = as_level(level)
     if example_inputs is None and calibration is not None:
         example_inputs = calibration                # model inputs as well: trace on them
     check_call(model, level, example_inputs, example_kwargs, backend, run=False)

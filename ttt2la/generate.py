@@ -41,7 +41,12 @@ def sample_tokens(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int, *
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise InvalidInputError("the prompt must be a non-empty 1-D sequence of token ids")
     vocab = vocabulary_size(model)
-    if vocab is not None and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
+    if vocab is None:
+        raise InvalidInputError(
+            f"{type(model).__name__} has no token embedding, so it is no language model to "
+            "sample from: generate takes a converted checkpoint of a model that maps token ids "
+            "to logits (a converted layer alone takes features)")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
         raise InvalidInputError(f"the prompt holds token ids outside the model's vocabulary "
                                 f"0..{vocab - 1}")
     check_temperature(temperature)
@@ -66,14 +71,19 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
     return int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen))
 
 
+def check_byte_model(model: torch.nn.Module) -> None:
+    """Refuse a text prompt for a model whose tokens are not bytes (a vocabulary of 256)."""
+    if vocabulary_size(model) != BYTE_VOCABULARY:
+        raise InvalidInputError("text prompts need a byte-level model (a vocabulary of 256); "
+                                "pass token ids instead")
+
+
 def generate_text(model: torch.nn.Module, prompt: str, n_tokens: int, *,
                   on_token: Callable[[str], None] | None = None, **sampling) -> str:
     """Continue ``prompt`` with a byte-level model; ``on_token`` sees each new piece of text."""
     from .zoo.trained import decode, encode
 
-    if vocabulary_size(model) != BYTE_VOCABULARY:
-        raise InvalidInputError("text prompts need a byte-level model (a vocabulary of 256); "
-                                "pass token ids instead")
+    check_byte_model(model)
     pending, out = b"", []
     for token in sample_tokens(model, encode(prompt), n_tokens, **sampling):
         pending += bytes([token])
@@ -90,4 +100,5 @@ def generate_text(model: torch.nn.Module, prompt: str, n_tokens: int, *,
     return "".join(out)
 
 
-__all__ = ["check_temperature", "sample_tokens", "generate_text", "vocabulary_size"]
+__all__ = ["check_temperature", "check_byte_model", "sample_tokens", "generate_text",
+           "vocabulary_size"]

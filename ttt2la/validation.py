@@ -4,6 +4,7 @@ trace (or after a long conversion)."""
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import tempfile
 import traceback
@@ -63,6 +64,18 @@ def copy_of(model: torch.nn.Module) -> torch.nn.Module:
             "keep a weight computed by a hook, which cannot be copied: use the "
             "torch.nn.utils.parametrizations forms instead, or remove them before converting "
             "(torch.nn.utils.remove_weight_norm, prune.remove).") from e
+
+
+def as_level(level) -> int:
+    """``level`` as a plain int: an int or any integer a user may hold (``numpy.int64``, a
+    one-element integer tensor), checked to run from 0 to ``MAX_LEVEL``; a bool or a float is
+    refused."""
+    try:
+        value = level if isinstance(level, bool) else operator.index(level)
+    except TypeError:
+        value = level
+    check_level(value)
+    return value
 
 
 def check_level(level) -> None:

@@ -135,8 +135,9 @@ def build_from_factory(spec: str, kwargs: dict, name: str = "--model") -> torch.
 
 
 def inline_config(text) -> bool:
-    """Whether ``--config`` holds the JSON object itself rather than a file's path."""
-    return isinstance(text, str) and text.lstrip().startswith("{")
+    """Whether ``--config`` holds the JSON itself rather than a file's path (an array written
+    inline is JSON too, refused as no object by ``read_config``)."""
+    return isinstance(text, str) and text.lstrip().startswith(("{", "["))
 
 
 def read_config(text: str | Path) -> dict:
