@@ -2561,6 +2561,18 @@ MUTATIONS = [
         "layer_checkpoint_sampled", "`generate` on a converted layer's checkpoint feeds it token ids, and the refusal blames the call's shape",
         (("ttt2la/generate.py", "    if vocab is None:\n        raise InvalidInputError(\n", "    if False:\n        raise InvalidInputError(\n"),),
         ("tests/test_generate.py",), "no_language_model"),
+    Mutation(
+        "other_weights_loaded_silently", "weights loaded into a lossy conversion keep the constants folded from the old ones without a word",
+        (("ttt2la/conversion.py", "            if layer.state.folded_weights is not None:\n                watch(", "            if False:\n                watch("),),
+        ("tests/test_folded_weights.py",), "warns_naming"),
+    Mutation(
+        "measured_folds_taken_for_replayed", "the folds a conversion measured are taken for replayed ones (the context adds them to the replay dict), so loading other weights is never watched",
+        (("ttt2la/conversion.py", "        state.folded_weights = FoldedWeights.of(module, rl.path, prepared.results, given)", "        state.folded_weights = FoldedWeights.of(module, rl.path, prepared.results, replay)"),),
+        ("tests/test_folded_weights.py",), "warns_naming"),
+    Mutation(
+        "replayed_folds_watched", "loading weights into a conversion whose folds were replayed knowingly (`folds=`, a converted checkpoint read back) warns",
+        (("ttt2la/folded_weights.py", "        measured = tuple(r.name for r in results if r.folded and r.name not in replayed)", "        measured = tuple(r.name for r in results if r.folded)"),),
+        ("tests/test_folded_weights.py",), "quiet or nothing_is_lost"),
 ]
 
 

@@ -16,6 +16,7 @@ from .checkpoint import load, save
 from .checkpoint.errors import (CheckpointError, ManifestError, UnsafeCheckpointError,
                                 WeightMismatchError)
 from .conversion import convert, inspect
+from .folded_weights import FoldsFromOtherWeightsWarning
 from .frontend.trace_cache import clear_caches
 from .errors import (AlreadyConvertedError, ChangedAttributeError, CompileError, ConversionError,
                      LaggedStateError, LevelNotImplementedError, NonReducibleError,
@@ -36,4 +37,5 @@ __all__ = ["convert", "inspect", "clear_caches", "save", "load", "ConversionErro
            "ChangedAttributeError", "SideEffectError", "LaggedStateError",
            "ConversionReport",
            "InspectionReport", "SweepReport", "sweep", "Stream", "TTTState", "StreamingError",
-           "AlreadyConvertedError", "CompileError", "RejectedCallError", "UnsupportedExportError", "race_as_written", "__version__"]
+           "AlreadyConvertedError", "CompileError", "RejectedCallError", "UnsupportedExportError",
+           "FoldsFromOtherWeightsWarning", "race_as_written", "__version__"]

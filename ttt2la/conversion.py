@@ -50,6 +50,7 @@ from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
+from .folded_weights import FoldedWeights, watch
 from .validation import (InvalidInputError, as_level, check_argument_types, check_call, check_flag,
                          check_folds_form, check_runs, copy_of)
 
@@ -550,11 +551,13 @@ def _convert_layer(rl, calibration: LoopCalibration, level: int, folds: dict | N
     module = rl.candidate.module
     device = _device(module, rl)
     replay = dict((folds or {}).get(rl.path, {}))
+    given = frozenset(replay)           # the context adds the folds it measures to ``replay``
     context = PassContext(calibration, replay)
     state, prepared, analysis, notes, exact = _build_state(rl, level, context, backend, strict,
                                                            device)
     if state is not None:
         state.recipe = Recipe.of(rl, level, prepared.results, backend, strict)
+        state.folded_weights = FoldedWeights.of(module, rl.path, prepared.results, given)
     return _Layer(rl, copy.deepcopy(module), device, calibration, prepared, state, analysis,
                   notes, exact, backend)
 
@@ -667,6 +670,8 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
         if layer.state is not None:
             layer.state.training_dependence = mode
             install(layer.rl.candidate.module, layer.state)
+            if layer.state.folded_weights is not None:
+                watch(layer.rl.candidate.module)
             autograd[id(layer)], layer.state.autograd = layer.state.autograd, None
     reports, drifts = [], []
     for layer in built:

@@ -60,6 +60,7 @@ from .submodule_hooks import hooked, hooks_described
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
 from .compiled_plan import CompiledPlan, compiler_off, signature as compiled_signature
+from .folded_weights import FoldedWeights
 from .undifferentiable import refusal, refuse_backward
 
 
@@ -190,6 +191,7 @@ class ConvertedState:
     input_types: InputTypes | None = None   # the example inputs' dtypes and devices
     caches: tuple = ()      # attributes the forward fills, unguarded (``filled_caches``)
     compiled: CompiledPlan | None = None    # its plan under torch.compile (``compiled_plan``)
+    folded_weights: FoldedWeights | None = None     # the weights its folds were measured on
 
     def __deepcopy__(self, memo) -> "ConvertedState":
         """A copy for a copied model: the compiled parts (program, templates, plan) hold no

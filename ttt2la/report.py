@@ -217,6 +217,16 @@ class ConversionReport:
         """True when every converted layer computes the same function as the original."""
         return all(layer.exact for layer in self.layers)
 
+    def folds(self) -> dict:
+        """Every constant the lossy passes folded, as ``convert(..., folds=)`` replays them:
+        ``{layer path: {pass name: constants}}`` (layers that folded nothing left out)."""
+        out = {}
+        for layer in self.layers:
+            done = {p.name: p.folded for p in layer.passes if p.folded}
+            if done:
+                out[layer.module_path] = done
+        return out
+
     @property
     def summary(self) -> str:
         """One line in the tone of a dry-run report: how many layers converted exactly, and how."""
