@@ -2573,6 +2573,14 @@ MUTATIONS = [
         "replayed_folds_watched", "loading weights into a conversion whose folds were replayed knowingly (`folds=`, a converted checkpoint read back) warns",
         (("ttt2la/folded_weights.py", "        measured = tuple(r.name for r in results if r.folded and r.name not in replayed)", "        measured = tuple(r.name for r in results if r.folded)"),),
         ("tests/test_folded_weights.py",), "quiet or nothing_is_lost"),
+    Mutation(
+        "stream_deepcopy_raw", "`copy.deepcopy` of a stream whose pieces recorded gradients escapes as torch's raw RuntimeError",
+        (("ttt2la/stream.py", '    def __deepcopy__(self, memo) -> "Stream":', '    def _deepcopy(self, memo) -> "Stream":'),),
+        ("tests/test_stream.py",), "branches"),
+    Mutation(
+        "forks_share_their_states", "a forked stream shares its states' dict with the stream it forked from, so each branch's piece moves the other",
+        (("ttt2la/stream.py", "        other.states, other._runs = dict(self.states), {}", "        other.states, other._runs = self.states, {}"),),
+        ("tests/test_stream.py",), "branches"),
 ]
 
 

@@ -146,6 +146,31 @@ def test_stream_decodes_a_whole_model_piece_by_piece(lm, split):
         assert torch.equal(conv(ids), conv(ids))
 
 
+def test_a_stream_branches_by_fork_and_by_deepcopy(lm):
+    """A beam's branches: ``fork`` continues on the same model, sharing the prefix and its
+    gradient history; ``copy.deepcopy`` copies the model and the state's values. Each branch
+    gives what the whole sequence gives, and the original stream continues unchanged."""
+    import copy
+
+    model, conv = lm
+    ids = torch.randint(0, 40, (2, 17), generator=torch.Generator().manual_seed(5))
+    other = ids.clone()
+    other[:, 9:] = (other[:, 9:] + 1) % 40
+    stream = ttt2la.Stream(conv)
+    stream.stream(ids[:, :9])                           # records gradients: history to keep
+    branches = [stream.fork(), copy.deepcopy(stream)]
+    with torch.no_grad():
+        for branch, seq in zip(branches, (other, other)):
+            assert rel_rms_error(branch.stream(seq[:, 9:]), model(seq)[:, 9:]) <= \
+                TOLERANCE[torch.float32]
+        assert rel_rms_error(stream.stream(ids[:, 9:]), model(ids)[:, 9:]) <= \
+            TOLERANCE[torch.float32]
+    assert branches[1].model is not conv and branches[0].model is conv
+    fork = stream.fork()
+    fork.reset()
+    assert stream.tokens == 17 and fork.tokens == 0
+
+
 def test_a_piece_that_fails_in_a_later_layer_advances_no_layer(lm):
     """The first block has run on the piece when the second fails: the stream keeps every
     layer where the previous piece ended, and the next pieces equal the whole sequence."""

@@ -27,6 +27,8 @@ loop raises ``StreamingError``.
 """
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -252,6 +254,13 @@ def _padded_piece(plan, program, states0, invariants, axes, length, real, tail, 
     return outputs, finals, carried
 
 
+def _copied(state: TTTState) -> TTTState:
+    """``state`` with its tensors copied."""
+    return TTTState(state.names, state.roles, tuple(v.clone() for v in state.values),
+                    state.sources, tuple(t.clone() for t in state.open), state.open_tokens,
+                    state.tokens)
+
+
 class Stream:
     """Decode with a whole model piece by piece: ``stream(x)`` runs ``model`` on the next
     piece, every converted layer continuing from the state the previous call left.
@@ -291,6 +300,28 @@ class Stream:
         self.states: dict[str, TTTState | None] = {p: None for p in self.layers}
         self._runs: dict[str, int] = {}         # each layer's runs in the call under way
         self._last_runs: dict[str, int] | None = None
+
+    def fork(self) -> "Stream":
+        """Another stream on the same model, continuing from where this one is (a beam's
+        branch): the states are shared, as the prefix both continue is, and so is its autograd
+        history; each stream advances on its own."""
+        other = copy.copy(self)
+        other.states, other._runs = dict(self.states), {}
+        other._last_runs = None if self._last_runs is None else dict(self._last_runs)
+        return other
+
+    def __deepcopy__(self, memo) -> "Stream":
+        """A copy of the model and a stream on it where this one is: the states' values are
+        copied, cut from the autograd history of the pieces run so far, which belongs to the
+        original model's parameters (``fork`` keeps it, on the same model)."""
+        other = copy.copy(self)
+        other.model = copy.deepcopy(self.model, memo)
+        other.layers = {path: m for path, m in other.model.named_modules() if path in self.layers}
+        other.states = {k: None if v is None else _copied(v.detach())
+                        for k, v in self.states.items()}
+        other._runs, other._last_runs = {}, None if self._last_runs is None else \
+            dict(self._last_runs)
+        return other
 
     def reset(self) -> None:
         """Forget every layer's state: the next ``stream`` call starts a new sequence."""
