@@ -2581,6 +2581,10 @@ MUTATIONS = [
         "forks_share_their_states", "a forked stream shares its states' dict with the stream it forked from, so each branch's piece moves the other",
         (("ttt2la/stream.py", "        other.states, other._runs = dict(self.states), {}", "        other.states, other._runs = self.states, {}"),),
         ("tests/test_stream.py",), "branches"),
+    Mutation(
+        "stream_hooks_in_the_recast", "a layer cast after conversion is converted again with its call hooks, a stream's among them, which pass `ttt_state` to the code as written",
+        (("ttt2la/recast.py", "            stand_in.__dict__[hooks] = type(module.__dict__[hooks])()", "            pass"),),
+        ("tests/test_recast.py",), "stream_as_the_first"),
 ]
 
 

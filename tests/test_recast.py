@@ -165,6 +165,21 @@ def test_first_call_after_a_cast_inside_activation_checkpointing():
     assert rel_rms_error(x.grad, x0.grad) <= TOLERANCE[torch.float32]
 
 
+def test_a_stream_as_the_first_call_after_a_cast():
+    """The layer converts again for its new dtype without the stream's hooks, which pass the
+    state to the converted layer, not to the code as written that the conversion traces."""
+    torch.manual_seed(0)
+    original = GatedChunkMemory(8, 2, 4)
+    x = torch.randn(2, 16, 8)
+    cast = ttt2la.convert(original, level=0, example_inputs=(x,)).double()
+    stream = ttt2la.Stream(cast)
+    xd = x.double()
+    with torch.no_grad():
+        got = torch.cat([stream.stream(xd[:, :8]), stream.stream(xd[:, 8:])], 1)
+        want = copy.deepcopy(original).double()(xd)
+    assert rel_rms_error(got, want) <= TOLERANCE[torch.float64]
+
+
 # -- torch.func transforms over a converted layer ------------------------------------------------
 
 BLOCK_OP_LAYERS = {

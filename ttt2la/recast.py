@@ -91,6 +91,11 @@ def recast_recipe(recipe, was: Signature, now: Signature):
     return dataclasses.replace(recipe, args=tuple(args), kwargs=kwargs)
 
 
+#: A module's hooks around its calls, by attribute
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
 def recast(module: torch.nn.Module, state, now: Signature):
     """``state`` built again for ``module``'s weights as they are now (signature ``now``) by
     replaying its recipe, as unpickling does, on a stand-in for ``module``: its class as
@@ -108,6 +113,9 @@ def recast(module: torch.nn.Module, state, now: Signature):
     stand_in = cls.__new__(cls)
     stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
                               if k not in ("_ttt2la", "_ttt2la_key")})
+    for hooks in _CALL_HOOKS:       # the hooks around a call of ``module`` (a ``Stream``'s that
+        if hooks in module.__dict__:    # pass ``ttt_state``) keep to it: the replay is its forward
+            stand_in.__dict__[hooks] = type(module.__dict__[hooks])()
     # converted as ``convert`` converts (evaluation mode), out of sight of the call needing it,
     # and outside a compiler's trace of that call (its tracing context would make the
     # conversion's own traces symbolic): torch.compile's first call at a new dtype converts as
