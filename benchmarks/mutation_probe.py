@@ -2585,6 +2585,14 @@ MUTATIONS = [
         "stream_hooks_in_the_recast", "a layer cast after conversion is converted again with its call hooks, a stream's among them, which pass `ttt_state` to the code as written",
         (("ttt2la/recast.py", "            stand_in.__dict__[hooks] = type(module.__dict__[hooks])()", "            pass"),),
         ("tests/test_recast.py",), "stream_as_the_first"),
+    Mutation(
+        "replayed_loop_uncompared", "a converted checkpoint whose recipe was edited to build another loop (another chunk size) loads as the checkpoint",
+        (("ttt2la/checkpoint/manifest.py", '            **{name: layer.get(name) for name in _LOOP_FIELDS},', '            **{},'),),
+        ("tests/test_checkpoint.py",), "builds_another_loop"),
+    Mutation(
+        "manifest_level_unchecked", "a manifest's level outside 0 to 6 is refused by `convert` without naming the manifest",
+        (("ttt2la/checkpoint/manifest.py", "        if not 0 <= self.level <= MAX_LEVEL:", "        if False:"),),
+        ("tests/test_checkpoint.py",), "malformed_manifest"),
 ]
 
 

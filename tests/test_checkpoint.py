@@ -153,6 +153,7 @@ def test_load_refuses_an_unknown_manifest_version(lm_copy):
 @pytest.mark.parametrize("field, value, says", [
     ("files", None, "files is None"), ("report", None, "report is None"),
     ("weights", 5, "weights is 5"), ("level", "2", "level is '2'"),
+    ("level", 9, "level is 9, and levels run from 0 to 6"),
     ("files", ["../model.safetensors"], "not the name of a file"),
     ("recipe", {"kind": "zoo", "name": ["lact-lm"]}, "malformed model recipe"),
     ("example_inputs", {"kind": "normal", "shape": [1, -5, 32], "dtype": "float32", "seed": 0},
@@ -166,6 +167,19 @@ def test_load_refuses_a_malformed_manifest(lm_copy, field, value, says):
     manifest[field] = value
     (lm_copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ttt2la.ManifestError, match=f"{MANIFEST_NAME}: .*{re.escape(says)}"):
+        ttt2la.load(lm_copy)
+
+
+def test_load_refuses_a_recipe_that_builds_another_loop(lm_copy):
+    """The replayed conversion's loop is compared with the recorded one: a recipe edited to
+    another chunk size builds a model that is not the checkpoint's."""
+    manifest = json.loads((lm_copy / MANIFEST_NAME).read_text())
+    chunk = manifest["recipe"]["kwargs"]["chunk_size"]
+    manifest["recipe"]["kwargs"]["chunk_size"] = chunk // 2
+    (lm_copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ttt2la.ManifestError,
+                       match=f"{MANIFEST_NAME}: the replayed conversion differs .*chunk size "
+                             f"{chunk} recorded, {chunk // 2} replayed"):
         ttt2la.load(lm_copy)
 
 

@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..validation import MAX_LEVEL
 from .errors import ManifestError, read_json
 
 MANIFEST_NAME = "ttt2la.json"
@@ -72,6 +73,9 @@ class Manifest:
             if not isinstance(value, wanted) or isinstance(value, bool) and wanted is not bool:
                 raise ManifestError(f"{where}: malformed manifest: {name} is {value!r}, not a "
                                     f"{wanted.__name__}; convert the source checkpoint again")
+        if not 0 <= self.level <= MAX_LEVEL:
+            raise ManifestError(f"{where}: malformed manifest: level is {self.level}, and levels "
+                                f"run from 0 to {MAX_LEVEL}; convert the source checkpoint again")
         self._check_report(where)
         weights = self.weights
         if not (isinstance(weights.get("file"), str) and isinstance(weights.get("sha256"), str)
@@ -117,20 +121,29 @@ class Manifest:
 
 def replay_differences(recorded: dict, replayed: dict) -> list[str]:
     """What differs between the recorded conversion report and the replayed one: the layers,
-    each pass's status, the schedule (the runtime may differ by machine, so it is not compared)."""
+    the loop each holds (its chunk size, order, last chunk and states), each pass's status and
+    the schedule (the runtime may differ by machine, so it is not compared)."""
     def summary(report: dict) -> dict:
-        return {layer.get("module_path"): (
-            [(p.get("step"), p.get("name"), p.get("status")) for p in layer.get("passes", [])],
-            layer.get("schedule")) for layer in report.get("layers", [])}
+        return {layer.get("module_path"): {
+            "passes": [(p.get("step"), p.get("name"), p.get("status"))
+                       for p in layer.get("passes", [])],
+            "schedule": layer.get("schedule"),
+            **{name: layer.get(name) for name in _LOOP_FIELDS},
+            "states": [(s.get("name"), s.get("role")) for s in layer.get("states", [])]}
+            for layer in report.get("layers", [])}
     before, after = summary(recorded), summary(replayed)
     diffs = [f"layer {k!r}: {'only recorded' if k not in after else 'only replayed'}"
              for k in sorted(set(before) ^ set(after), key=str)]
     for k in sorted(set(before) & set(after), key=str):
-        if before[k][0] != after[k][0]:
-            diffs.append(f"layer {k!r}: passes {before[k][0]} recorded, {after[k][0]} replayed")
-        if before[k][1] != after[k][1]:
-            diffs.append(f"layer {k!r}: schedule {before[k][1]} recorded, {after[k][1]} replayed")
+        for name, was in before[k].items():
+            if was != after[k][name]:
+                diffs.append(f"layer {k!r}: {name.replace('_', ' ')} {was} recorded, "
+                             f"{after[k][name]} replayed")
     return diffs
+
+
+#: What a report records of the loop it converted, compared when a checkpoint is read back
+_LOOP_FIELDS = ("chunk_size", "order", "last_chunk")
 
 
 __all__ = ["Manifest", "MANIFEST_NAME", "MANIFEST_VERSION", "replay_differences"]
