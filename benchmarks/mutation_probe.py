@@ -2593,6 +2593,14 @@ MUTATIONS = [
         "manifest_level_unchecked", "a manifest's level outside 0 to 6 is refused by `convert` without naming the manifest",
         (("ttt2la/checkpoint/manifest.py", "        if not 0 <= self.level <= MAX_LEVEL:", "        if False:"),),
         ("tests/test_checkpoint.py",), "malformed_manifest"),
+    Mutation(
+        "caller_schedule_probed_in_the_layer", "a layer its caller hands a schedule of token offsets is converted alone, probed at other lengths with the example's schedule",
+        (("ttt2la/frontend/discover.py", "    return _to_callers(found, hooks.captured, paths, sink.length), hooks.captured", "    return found, hooks.captured"),),
+        ("tests/test_caller_schedules.py",), "every_length"),
+    Mutation(
+        "unconvertible_caller_refused", "where the caller that computes a layer's schedule cannot be converted, the conversion is refused instead of converting the layer it calls",
+        (("ttt2la/conversion.py", "    return recognize_layer(cand.callee, seq_len)", "    raise UnsupportedTTTError(cand.path)"),),
+        ("tests/test_caller_schedules.py",), "cannot_be_converted"),
 ]
 
 

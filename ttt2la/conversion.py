@@ -99,7 +99,7 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
         layers, failures, refusals = [], [], []
         for cand in candidates:
             try:
-                layers.append(recognize_layer(cand, _seq_len(inputs)))
+                layers.append(_recognized(cand, _seq_len(inputs)))
             except UnsupportedTTTError as e:
                 failures.append((cand.path, f"{cand.path or '<model>'}: {e}"))
                 refusals.append(e)
@@ -118,6 +118,17 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
         f"no test-time-training loop found in {type(model).__name__} (no module runs a Python "
         "loop). ttt2la converts layers whose forward (or a function it calls) loops over chunks "
         "or tokens, carrying fast weights updated from the sequence.")
+
+
+def _recognized(cand, seq_len):
+    """``cand`` recognized; where it is the caller of the module its loop runs in (which it
+    hands numbers of the length) and cannot be, that module, as discovered."""
+    try:
+        return recognize_layer(cand, seq_len)
+    except UnsupportedTTTError:
+        if cand.callee is None:
+            raise
+    return recognize_layer(cand.callee, seq_len)
 
 
 def _inside(path: str, layer: str) -> bool:

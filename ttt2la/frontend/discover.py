@@ -9,12 +9,14 @@ layer can then be traced at the smallest shape that shows a few iterations.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from ..ir import SourceLoc
@@ -49,6 +51,9 @@ class LoopCandidate:
     #: every op run inside the loop only cut, laid out or described a tensor (``CUTTING``): it
     #: carries nothing along the sequence, and cuts it into pieces as a comprehension would
     cuts_only: bool = True
+    #: the module the loop runs in, where the candidate is the module calling it with numbers
+    #: of the length (``_to_callers``): what is converted where the caller cannot be
+    callee: "LoopCandidate | None" = None
 
 
 #: Names of the torch functions that only cut, lay out or describe a tensor: a loop that runs
@@ -264,7 +269,49 @@ def _discover_once(model, example_inputs, example_kwargs):
             _Recorder(hooks.stack, sink, sink.chunks, sink.pieces, sink.length):
         model(*example_inputs, **(example_kwargs or {}))
     sink.add_cuts()
-    return _busiest_loops(sink.found, sink.together), hooks.captured
+    found = _busiest_loops(sink.found, sink.together)
+    return _to_callers(found, hooks.captured, paths, sink.length), hooks.captured
+
+
+def _to_callers(found: list[LoopCandidate], captured: dict, paths: dict,
+                length: int | None) -> list[LoopCandidate]:
+    """Each candidate whose call passes numbers of the sequence's length (LaCT's novel-view
+    blocks hand their TTT layer a schedule, ``info["ops"]``, of token offsets computed from
+    the length) taken as the module that called it: probed at other lengths, the layer would
+    run the example's schedule, where the caller computes the schedule of each length. The
+    nearest caller whose own inputs hold no such number and that runs no other loop; the
+    candidate as it is where none does."""
+    if length is None:
+        return found
+    modules = {p: m for m, p in paths.items()}
+    out = []
+    for cand in found:
+        path = cand.path
+        while path and _holds_the_length(captured.get(path), length):
+            parent = path.rpartition(".")[0]
+            if parent not in captured or any(c is not cand and _inside(c.path, parent)
+                                             for c in found):
+                path = cand.path
+                break
+            path = parent
+        if path != cand.path and not _holds_the_length(captured[path], length):
+            args, kwargs = captured[path]
+            cand = dataclasses.replace(cand, path=path, module=modules[path], args=args,
+                                       kwargs=kwargs, callee=cand)
+        out.append(cand)
+    return out
+
+
+def _holds_the_length(call: tuple | None, length: int) -> bool:
+    """Whether a module's captured call ``(args, kwargs)`` holds the number ``length`` among
+    its non-tensor values (a schedule's offsets, a ``seq_len=`` argument)."""
+    if call is None:
+        return False
+    return any(type(v) is int and v == length for v in pytree.tree_leaves(call))
+
+
+def _inside(path: str, parent: str) -> bool:
+    return parent == "" or path == parent or path.startswith(parent + ".")
 
 
 class _CapturedInputs:
