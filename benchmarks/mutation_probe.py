@@ -2595,12 +2595,20 @@ MUTATIONS = [
         ("tests/test_checkpoint.py",), "malformed_manifest"),
     Mutation(
         "caller_schedule_probed_in_the_layer", "a layer its caller hands a schedule of token offsets is converted alone, probed at other lengths with the example's schedule",
-        (("ttt2la/frontend/discover.py", "    return _to_callers(found, hooks.captured, paths, sink.length), hooks.captured", "    return found, hooks.captured"),),
+        (("ttt2la/frontend/discover.py", "    found = _to_callers(_busiest_loops(", "    found = (lambda f, *a: f)(_busiest_loops("),),
         ("tests/test_caller_schedules.py",), "every_length"),
     Mutation(
         "unconvertible_caller_refused", "where the caller that computes a layer's schedule cannot be converted, the conversion is refused instead of converting the layer it calls",
         (("ttt2la/conversion.py", "    return recognize_layer(cand.callee, seq_len)", "    raise UnsupportedTTTError(cand.path)"),),
         ("tests/test_caller_schedules.py",), "cannot_be_converted"),
+    Mutation(
+        "argument_writes_unrefused", "a layer whose forward writes into the objects it is called with (a decoding cache, a list of losses) converts, and the converted layer loses the write",
+        (("ttt2la/frontend/recognize.py", "    if cand.argument_writes:\n", "    if False:\n"),),
+        ("tests/test_side_effects.py",), "arguments"),
+    Mutation(
+        "stream_mixing_unchecked", "a stream over a model that mixes tokens outside its converted layers (attention beside the TTT layer) returns other outputs than the whole sequence without a word",
+        (("ttt2la/stream.py", "        if not err <= max(1e-3, 100 * TOLERANCE.get(want.dtype, 1e-5)):", "        if False:"),),
+        ("tests/test_stream.py",), "mixed_outside"),
 ]
 
 

@@ -102,3 +102,62 @@ def test_converting_and_inspecting_leave_the_buffers_as_they_were():
     with torch.no_grad():
         conv(x)
     assert conv.calls.item() == 4               # the converted forward still counts its calls
+
+
+class CacheParams:
+    """A decoding cache the model owns and hands its layers (ttt-lm-pytorch's ``cache_params``)."""
+
+    def __init__(self):
+        self.params, self.seen = {}, 0
+
+
+class ArgumentMemory(nn.Module):
+    """A fast weight stepped per chunk that stores its final value, or a count, into what it is
+    called with: ``into`` names where."""
+
+    def __init__(self, into: str):
+        super().__init__()
+        self.into = into
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x, cache=None, log=None):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], D, D), []
+        for i in range(0, x.shape[1], C):
+            outs.append(q[:, i:i + C] @ W)
+            W = W + 0.5 * k[:, i:i + C].transpose(1, 2) @ v[:, i:i + C]
+        if self.into == "cache dict":
+            cache.params["W"] = W
+        elif self.into == "cache count":
+            cache.seen += x.shape[1]
+        elif self.into == "list":
+            log.append(W.norm())
+        return torch.cat(outs, 1)
+
+
+class WithCache(nn.Module):
+    def __init__(self, into: str):
+        super().__init__()
+        self.cache, self.layer, self.into = CacheParams(), ArgumentMemory(into), into
+
+    def forward(self, x):
+        return self.layer(x, cache=self.cache, log=[] if self.into == "list" else None)
+
+
+@pytest.mark.parametrize("into, named", [("cache dict", "`cache`.params"),
+                                         ("cache count", "`cache`.seen"), ("list", "`log`")])
+def test_a_forward_that_writes_into_its_arguments_is_refused_naming_them(into, named):
+    """The write would be lost (the cache would stay as it was), and every later run of the
+    conversion would start from what the first wrote: refused, naming what changed."""
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.SideEffectError, match="writes into the arguments") as e:
+        ttt2la.convert(WithCache(into), level=0, example_inputs=(torch.randn(2, 8, D),))
+    assert named in str(e.value) and "Return the value from forward" in str(e.value)
+
+
+def test_arguments_read_and_left_as_they_were_convert():
+    torch.manual_seed(0)
+    model, x = WithCache("nothing"), torch.randn(2, 8, D)
+    conv = ttt2la.convert(model, level=0, example_inputs=(x,))
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), model(x)) <= FP32

@@ -171,6 +171,40 @@ def test_a_stream_branches_by_fork_and_by_deepcopy(lm):
     assert stream.tokens == 17 and fork.tokens == 0
 
 
+class AttentionBeside(torch.nn.Module):
+    """A hybrid block: causal softmax attention in a module of its own, then the TTT layer."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.attn = torch.nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, ids):
+        x = self.lm.embed(ids)
+        L = ids.shape[1]
+        mask = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)
+        x = x + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+        for block in self.lm.blocks:
+            x = block(x)
+        return self.lm.lm_head(self.lm.norm(x))
+
+
+def test_tokens_mixed_outside_the_converted_layers_are_refused_not_streamed(lm):
+    """Attention outside the TTT layers keeps no state a stream carries: the second piece is
+    checked against the whole sequence, and refused."""
+    model, _ = lm
+    torch.manual_seed(0)
+    hybrid = AttentionBeside(model).eval()
+    ids = torch.randint(0, 40, (2, 16))
+    conv = ttt2la.convert(hybrid, level=2, example_inputs=(ids,)).eval()
+    stream = ttt2la.Stream(conv)
+    with torch.no_grad():
+        stream.stream(ids[:, :8])                   # from the start: as the whole piece
+        with pytest.raises(ttt2la.StreamingError, match="mixes tokens"):
+            stream.stream(ids[:, 8:])
+    assert stream.tokens == 0                       # and the stream starts again
+
+
 def test_a_piece_that_fails_in_a_later_layer_advances_no_layer(lm):
     """The first block has run on the piece when the second fails: the stream keeps every
     layer where the previous piece ended, and the next pieces equal the whole sequence."""

@@ -35,11 +35,14 @@ from typing import Sequence
 
 import torch
 
+import torch.utils._pytree as pytree
+
 from .errors import ConversionError, StreamingError
 from .ir import TTTProgram
 from .lowering.chunking import stream_length
 from .lowering.executors import lower
 from .lowering.lift import LiftedPlan
+from .testing import TOLERANCE, rel_rms_error
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,6 +257,83 @@ def _padded_piece(plan, program, states0, invariants, axes, length, real, tail, 
     return outputs, finals, carried
 
 
+class WholeSequenceCheck:
+    """A stream's outputs against the model run on the whole sequence, once per model: the
+    first two pieces of a sequence, streamed, against one call on both. A module outside the
+    converted layers that mixes tokens — softmax attention, a convolution over the sequence —
+    keeps no state a stream carries, so it would see each piece alone, and the outputs would
+    differ from the whole sequence's without a word. Not checked in training mode, where
+    dropout draws other values for each call."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.done = False
+        self.pieces: list[tuple] = []
+
+    def for_model(self, model: torch.nn.Module) -> "WholeSequenceCheck":
+        """The same check, where it stands, for a stream on ``model`` (a fork's, a copy's)."""
+        other = WholeSequenceCheck(model)
+        other.done, other.pieces = self.done, list(self.pieces)
+        return other
+
+    def check(self, args: tuple, kwargs: dict, y, first: bool) -> None:
+        if self.done or self.model.training:
+            return
+        if first:
+            self.pieces = []
+        self.pieces.append((args, kwargs, y))
+        if len(self.pieces) < 2:
+            return
+        pieces, self.pieces, self.done = self.pieces, [], True
+        joined = _joined([(a, k) for a, k, _ in pieces])
+        streamed = _joined([((out,), {}) for _, _, out in pieces])
+        if joined is None or streamed is None:
+            return                          # pieces that are not cut along axis 1
+        with torch.no_grad():
+            whole = self.model(*joined[0], **joined[1])
+        got, want = _first_sequence(streamed[0][0]), _first_sequence(whole)
+        if got is None or want is None or got.shape != want.shape:
+            return
+        err = rel_rms_error(got, want)
+        if not err <= max(1e-3, 100 * TOLERANCE.get(want.dtype, 1e-5)):
+            raise StreamingError(
+                f"{type(self.model).__name__} streamed in pieces gives other outputs than on the "
+                f"whole sequence (relative RMS {err:.3g} over its first two pieces): a module "
+                "outside its converted TTT layers mixes tokens (softmax attention, a convolution "
+                "over the sequence), and a stream carries the TTT layers' state only, so that "
+                "module sees each piece alone. Run the model on whole sequences, or carry that "
+                "module's state (its keys and values, its last inputs) yourself.")
+
+
+def _tokens(args: tuple, kwargs: dict) -> int:
+    """The length of a piece: axis 1 of its first tensor of two or more axes (0: none)."""
+    return next((t.shape[1] for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and t.dim() >= 2), 0)
+
+
+def _joined(calls: list[tuple]):
+    """The pieces' ``(args, kwargs)`` joined along axis 1, tensor by tensor; ``None`` where they
+    do not join so (other structures, other non-tensor values, tensors of fewer axes)."""
+    flat = [pytree.tree_flatten(call) for call in calls]
+    if any(spec != flat[0][1] for _, spec in flat):
+        return None
+    out = []
+    for leaves in zip(*(leaves for leaves, _ in flat)):
+        if all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in leaves):
+            out.append(torch.cat([t.detach() for t in leaves], 1))
+        elif all(not isinstance(t, torch.Tensor) and t == leaves[0] for t in leaves):
+            out.append(leaves[0])
+        else:
+            return None
+    return pytree.tree_unflatten(out, flat[0][1])
+
+
+def _first_sequence(out) -> torch.Tensor | None:
+    """The first floating tensor of two or more axes among a model's outputs."""
+    return next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and t.is_floating_point() and t.dim() >= 2), None)
+
+
 def _copied(state: TTTState) -> TTTState:
     """``state`` with its tensors copied."""
     return TTTState(state.names, state.roles, tuple(v.clone() for v in state.values),
@@ -300,6 +380,7 @@ class Stream:
         self.states: dict[str, TTTState | None] = {p: None for p in self.layers}
         self._runs: dict[str, int] = {}         # each layer's runs in the call under way
         self._last_runs: dict[str, int] | None = None
+        self._whole = WholeSequenceCheck(model)
 
     def fork(self) -> "Stream":
         """Another stream on the same model, continuing from where this one is (a beam's
@@ -308,6 +389,7 @@ class Stream:
         other = copy.copy(self)
         other.states, other._runs = dict(self.states), {}
         other._last_runs = None if self._last_runs is None else dict(self._last_runs)
+        other._whole = self._whole.for_model(self.model)
         return other
 
     def __deepcopy__(self, memo) -> "Stream":
@@ -321,6 +403,7 @@ class Stream:
                         for k, v in self.states.items()}
         other._runs, other._last_runs = {}, None if self._last_runs is None else \
             dict(self._last_runs)
+        other._whole = self._whole.for_model(other.model)
         return other
 
     def reset(self) -> None:
@@ -355,6 +438,11 @@ class Stream:
             for h in handles:
                 h.remove()
         self._check_runs()
+        try:
+            self._whole.check(args, kwargs, y, first=self.tokens == _tokens(args, kwargs))
+        except StreamingError:
+            self.reset()
+            raise
         return y
 
     __call__ = stream

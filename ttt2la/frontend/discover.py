@@ -19,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .argument_writes import Structure
 from ..ir import SourceLoc
 from ..errors import ConversionError, UnsupportedTTTError, first_line
 from .capture import _is_user_file, _no_compile, user_frame
@@ -54,6 +55,8 @@ class LoopCandidate:
     #: the module the loop runs in, where the candidate is the module calling it with numbers
     #: of the length (``_to_callers``): what is converted where the caller cannot be
     callee: "LoopCandidate | None" = None
+    #: what its forward changed among the objects it was called with (``argument_writes``)
+    argument_writes: list[str] = field(default_factory=list)
 
 
 #: Names of the torch functions that only cut, lay out or describe a tensor: a loop that runs
@@ -269,8 +272,13 @@ def _discover_once(model, example_inputs, example_kwargs):
             _Recorder(hooks.stack, sink, sink.chunks, sink.pieces, sink.length):
         model(*example_inputs, **(example_kwargs or {}))
     sink.add_cuts()
-    found = _busiest_loops(sink.found, sink.together)
-    return _to_callers(found, hooks.captured, paths, sink.length), hooks.captured
+    found = _to_callers(_busiest_loops(sink.found, sink.together), hooks.captured, paths,
+                        sink.length)
+    for cand in found:
+        for c in (cand, cand.callee):
+            if c is not None:
+                c.argument_writes = hooks.writes.get(c.path, [])
+    return found, hooks.captured
 
 
 def _to_callers(found: list[LoopCandidate], captured: dict, paths: dict,
@@ -324,14 +332,21 @@ class _CapturedInputs:
         self.captured: dict[str, tuple] = {}
         self.stack: list[str] = []
         self.hooks: list = []
+        self._before: dict[str, Structure] = {}    # each module's arguments at its first call
+        self.writes: dict[str, list[str]] = {}      # what that call changed among them
 
     def _pre(self, mod, args, kwargs):
         path = self.paths[mod]
-        self.captured.setdefault(path, (args, kwargs))
+        if path not in self.captured:
+            self.captured[path] = (args, kwargs)
+            self._before[path] = Structure(args, kwargs)
         self.stack.append(path)
 
     def _post(self, mod, args, kwargs, out):
-        self.stack.pop()
+        path = self.stack.pop()
+        before = self._before.pop(path, None)
+        if before is not None:
+            self.writes[path] = before.changed(Structure(args, kwargs))
 
     def __enter__(self) -> "_CapturedInputs":
         for m in self.paths:

@@ -30,6 +30,7 @@ from ..errors import (ConversionError, SideEffectError, UnsupportedShapeError, U
                       first_line)
 from ..ir import TTTProgram, params_and_buffers
 from ..filled_caches import settle_start
+from .argument_writes import refusal as argument_refusal
 from ..side_effects import assignment_site, refusal as side_effect_refusal
 from ..submodule_hooks import hooks_described, refusal as hooks_refusal
 from .call_signature import CallSignature
@@ -414,6 +415,9 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     hooks = hooks_described(cand.module)
     if hooks:
         raise UnsupportedTTTError(hooks_refusal(_layer_name(cand), hooks))
+    if cand.argument_writes:
+        raise SideEffectError(argument_refusal(_layer_name(cand), cand.argument_writes),
+                              attribute=cand.argument_writes[0])
     written, once, caches = settle_start(cand.module, (tuple(cand.args), dict(cand.kwargs)),
                                          _longer_call(cand, seq_len))
     if written:
