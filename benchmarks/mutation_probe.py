@@ -2609,6 +2609,10 @@ MUTATIONS = [
         "stream_mixing_unchecked", "a stream over a model that mixes tokens outside its converted layers (attention beside the TTT layer) returns other outputs than the whole sequence without a word",
         (("ttt2la/stream.py", "        if not err <= max(1e-3, 100 * TOLERANCE.get(want.dtype, 1e-5)):", "        if False:"),),
         ("tests/test_stream.py",), "mixed_outside"),
+    Mutation(
+        "subtracted_increment_unread", "remove_muon reads only `W + Δ`: Newton–Schulz or a normalisation on an increment subtracted (`W − η·NS(m)`, `w − g/(‖g‖+1)`) stays, and the step is called already satisfied",
+        (("ttt2la/passes/remove_muon.py", '    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) not in ("add", "sub") \\\n', '    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) not in ("add",) \\\n'),),
+        ("tests/test_passes_lossy.py",), "subtracted"),
 ]
 
 

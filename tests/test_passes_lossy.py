@@ -312,6 +312,22 @@ def test_remove_momentum_with_a_constant_coefficient_counts_the_updating_chunks(
     assert list(step.folded.values()) == pytest.approx([sum(factors) / 3], rel=1e-12)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: ttt2la.zoo.MuonStepLayer(8, 2, 4, beta=0.9),
+    lambda: ttt2la.zoo.ViTTTClosedFormBlock(8, 2, update_gate=False)])
+def test_remove_muon_finds_the_transform_of_an_increment_subtracted(make):
+    """``W − η·NS(m)`` (Muon's step) and ``w − g/(‖g‖+1)`` (ViTTT's clipped step): the
+    transform of a subtracted increment is removed like an added one's, never called absent."""
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randn(2, 16 if isinstance(layer, ttt2la.zoo.MuonStepLayer) else 6, 8)
+    conv = ttt2la.convert(layer, level=6, example_inputs=(x,))
+    step, = [p for p in conv.ttt2la_report.layers[0].passes if p.name == "remove_muon"]
+    assert step.status == "applied", step.reason
+    rules = " ".join(s.update_rule for s in conv.ttt2la_report.layers[0].states)
+    assert "NS" not in rules and "Norm" not in rules, rules
+
+
 def momentum_program(alpha_expr):
     def body(W, M, k, v, q, alpha):
         a = alpha_expr(alpha.mean(dim=1, keepdim=True))

@@ -47,13 +47,14 @@ class IncrementTransform:
 
 
 def _increment(program: TTTProgram, i: int):
-    """``Δ`` of ``W' = W + Δ``, or ``None``."""
+    """``Δ`` of ``W' = W + Δ`` or ``W' = W − Δ`` (its sign stays in the update), or ``None``."""
     w_in, w_out = program.state_inputs()[i], program.state_outputs()[i]
-    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) != "add" \
+    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) not in ("add", "sub") \
             or w_out.kwargs.get("alpha", 1) != 1:
         return None
     a, b = w_out.args[0], w_out.args[1]
-    for mine, delta in ((a, b), (b, a)):
+    pairs = ((a, b), (b, a)) if op_name(w_out) == "add" else ((a, b),)
+    for mine, delta in pairs:
         if peel_views(mine) is w_in and isinstance(delta, torch.fx.Node):
             return delta
     return None
