@@ -2613,6 +2613,14 @@ MUTATIONS = [
         "subtracted_increment_unread", "remove_muon reads only `W + Δ`: Newton–Schulz or a normalisation on an increment subtracted (`W − η·NS(m)`, `w − g/(‖g‖+1)`) stays, and the step is called already satisfied",
         (("ttt2la/passes/remove_muon.py", '    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) not in ("add", "sub") \\\n', '    if not isinstance(w_out, torch.fx.Node) or op_name(w_out) not in ("add",) \\\n'),),
         ("tests/test_passes_lossy.py",), "subtracted"),
+    Mutation(
+        "constant_taken_for_a_weight", "a constant added to a value of the inputs (`torch.eye(C) + a`) is taken for a single step's weight, and a chunked layer the loop reader refused converts as one step over the example's tokens",
+        (("ttt2la/frontend/single_step.py", "                    and len(_shape(n) or ()) >= 2 and _reads_weights(w, weights):", "                    and len(_shape(n) or ()) >= 2:"),),
+        ("tests/test_scan_style.py",), "chosen_over_a_longer"),
+    Mutation(
+        "rate_from_tokens_called_satisfied", "absorb_lr calls a rate the loop body computes from the tokens and a parameter named as a rate (TTT-Linear's σ(x·w + b)) already satisfied",
+        (("ttt2la/passes/absorb_lr.py", "            from_tokens = rates_computed_from_tokens(program)\n", "            from_tokens = []\n"),),
+        ("tests/test_scan_eta.py",), "keeps_the_rate"),
 ]
 
 

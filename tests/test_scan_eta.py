@@ -114,3 +114,18 @@ def test_a_computed_tensor_no_identity_covers_is_refused_by_line():
         ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 14, 8),))
     assert "computed after the sequence was cut" in str(refused.value)
     assert "test_scan_eta.py:" in str(refused.value)
+
+
+@pytest.mark.parametrize("eta_from", ["chunks", "mini_batch"])
+def test_level_4_says_it_keeps_the_rate_the_loop_computes_from_the_tokens(eta_from):
+    """TTT-Linear's rate σ(x·w + b) per token, computed in the loop body: absorb_lr does not
+    fold it, and says so — never that the step is already satisfied."""
+    torch.manual_seed(0)
+    layer = ScanEtaTTTLayer(16, 2, 4, eta_from=eta_from)
+    x = torch.randn(2, 16, 16)
+    conv = ttt2la.convert(layer, level=4, example_inputs=(x,))
+    step, = [p for p in conv.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
+    assert (step.status, step.exact) == ("not_applicable", True), step.reason
+    assert "named as learning rates" in step.reason and "keeps the per-token rate" in step.reason
+    with torch.no_grad():
+        assert rel_rms_error(conv(x), layer(x)) <= TOLERANCE[torch.float32]

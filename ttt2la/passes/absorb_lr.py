@@ -241,6 +241,19 @@ def rates_by_name(program: TTTProgram) -> list[str]:
             and node in feeds]
 
 
+def rates_computed_from_tokens(program: TTTProgram) -> list[str]:
+    """Loop invariants the user's code names as learning rates (TTT-Linear's ``lr_weight``,
+    read as ``lr``) that the loop body combines with the tokens on the way to a state update:
+    a rate computed per token in the body (``σ(x·w + b)``), in a form this pass does not fold."""
+    updated = {o for i, o in zip(program.state_inputs(), program.state_outputs()) if o is not i}
+    feeds = set().union(*(ancestors(o) for o in updated)) if updated else set()
+    from_tokens = descendants(program.body.graph, program.stream_inputs())
+    return [spec.name for spec, node in zip(program.invariants, program.invariant_inputs())
+            if _RATE_NAME.search(spec.name) and node in feeds
+            and any(n in from_tokens and n in feeds
+                    for n in descendants(program.body.graph, [node]))]
+
+
 def _token_axis(program: TTTProgram, i: int, value: torch.fx.Node) -> int | None:
     spec = program.streams[i]
     return None if spec.per_token else spec.axis % len(node_shape(value))
@@ -305,6 +318,14 @@ class AbsorbLr(Pass):
                     "are streams (or elementwise maps of them): left unchanged, so this level "
                     "keeps the per-token rate. Compute the rate before the loop on the whole "
                     "sequence and slice it per chunk as the keys are sliced, to have it folded")
+            from_tokens = rates_computed_from_tokens(program)
+            if from_tokens:
+                return self.result(
+                    "not_applicable",
+                    f"the loop body combines {', '.join(from_tokens)} (named as learning "
+                    "rates) with the tokens into a per-token rate (such as σ(x·w + b)), a form "
+                    "absorb_lr does not fold: left unchanged, so this level keeps the per-token "
+                    "rate")
             return self.result("already_satisfied", "no stream or loop invariant scales a state "
                                                     "update as a per-token factor: the rate, if "
                                                     "any, is a constant of the code or no factor "
