@@ -2621,6 +2621,10 @@ MUTATIONS = [
         "rate_from_tokens_called_satisfied", "absorb_lr calls a rate the loop body computes from the tokens and a parameter named as a rate (TTT-Linear's σ(x·w + b)) already satisfied",
         (("ttt2la/passes/absorb_lr.py", "            from_tokens = rates_computed_from_tokens(program)\n", "            from_tokens = []\n"),),
         ("tests/test_scan_eta.py",), "keeps_the_rate"),
+    Mutation(
+        "kept_layer_called_converted", "the summary says a layer kept as written (not reducible at the level, strict=False) was converted exactly",
+        (("ttt2la/report.py", "        if kept == n:\n", "        if False:\n"),),
+        ("tests/test_report.py",), "kept_as_written"),
 ]
 
 

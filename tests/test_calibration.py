@@ -169,3 +169,13 @@ def test_sweep_command_prints_the_table_and_writes_json_and_plot(tmp_path, capsy
     assert "| level 0 | yes |" in out and "| level 2 | yes |" in out
     assert [r["level"] for r in json.loads(path.read_text())["rows"]] == [None, 0, 2]
     assert png.exists()
+
+
+def test_sweep_shows_each_fold_by_what_it_scales():
+    """A fold of one number per stream shows its value; a matrix (collapse_mlp's record) shows
+    the pass alone, not the record's field names."""
+    from ttt2la.sweep import _folded
+
+    assert _folded("absorb_lr", {"lr": 0.853455, "lr_2": 2}) == "absorb_lr: lr=0.8535, lr_2=2"
+    assert _folded("collapse_mlp", {"M": [[1.0, 0.5]], "groups": 1,
+                                    "identity_residual": False}) == "collapse_mlp"

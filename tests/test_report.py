@@ -148,6 +148,23 @@ def test_summary_counts_exact_layers_and_schedules():
     assert "loss +0.04 nats on the calibration inputs" in report.summary
 
 
+def test_summary_says_a_layer_kept_as_written_is_not_converted():
+    """strict=False keeps a layer not reducible at the level as the user wrote it: the
+    summary says so, not that it was converted."""
+    import dataclasses
+
+    from ttt2la.report import KEPT_AS_WRITTEN
+
+    kept = dataclasses.replace(lact_layer_report(), runtime=KEPT_AS_WRITTEN,
+                               schedule="recurrent")
+    alone = ConversionReport(0, [kept], "auto", False)
+    assert alone.summary.startswith("1 TTT layer kept as written at level 0: not reducible "
+                                    "there"), alone.summary
+    beside = ConversionReport(0, [kept, lact_layer_report()], "auto", False)
+    assert "2 TTT layers converted exactly at level 0, 1 of them kept as written" in \
+        beside.summary
+
+
 def test_inspection_summary_names_the_first_parallel_level():
     report = InspectionReport(layers=[lact_layer_report()])
     assert report.summary == "1 TTT layer found; parallel from: level 1 (semi-parallel) \u00d71"

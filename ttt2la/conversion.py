@@ -40,7 +40,8 @@ from .ir import LOOP_MODULE, SKIPPED_FIRST, TTTProgram
 from .lowering import plan_for
 from .lowering.check import check_plan, needs_float64_reference, recurrent_reference
 from .passes import MAX_LEVEL, PassContext, PassResult, check_level, get_pass, run_passes
-from .report import ConversionReport, InspectionReport, LayerReport, PassRecord, StateRecord
+from .report import (KEPT_AS_WRITTEN, ConversionReport, InspectionReport, LayerReport, PassRecord,
+                     StateRecord)
 from .drift import first_output, layer_drift, lm_loss, model_with, other_outputs_differ, run_module
 from .gradient_stops import detached_state, presence_difference, unseen_stop
 from .chunking_decisions import cases_note, vouched_cases, without
@@ -212,7 +213,6 @@ def _layer_report(rl, program, analysis, results, schedule, runtime, exact, note
         notes=notes, levels=levels, check=check)
 
 
-KEPT_AS_WRITTEN = "kept as written (recurrent)"
 
 
 def _build_state(rl: RecognizedLayer, level: int, context: PassContext | None, backend: str,

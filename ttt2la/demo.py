@@ -170,7 +170,7 @@ def level_summary(row: Row, base: Row, timings: dict, calibration_shape: str) ->
 
 def _plan(text: str) -> str:
     """``ran_plans``' words, without repeating that a layer was kept as written."""
-    from .conversion import KEPT_AS_WRITTEN
+    from .report import KEPT_AS_WRITTEN
 
     return text.replace(f"recurrent on {KEPT_AS_WRITTEN}", "as written (recurrent)")
 

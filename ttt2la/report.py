@@ -20,6 +20,10 @@ from rich.text import Text
 
 from .errors import ConversionError
 
+#: The runtime a report names for a layer not reducible at its level and kept as the user wrote
+#: it (``strict=False``): the user's own code runs.
+KEPT_AS_WRITTEN = "kept as written (recurrent)"
+
 #: Version of the dict / JSON schema written by ``to_dict``; bump it when a field changes meaning.
 SCHEMA_VERSION = 1
 
@@ -229,11 +233,18 @@ class ConversionReport:
 
     @property
     def summary(self) -> str:
-        """One line in the tone of a dry-run report: how many layers converted exactly, and how."""
+        """One line in the tone of a dry-run report: how many layers converted exactly, and how
+        (a layer kept as written, not reducible at the level with ``strict=False``, said so)."""
         n, n_exact = len(self.layers), sum(layer.exact for layer in self.layers)
+        kept = sum(layer.runtime == KEPT_AS_WRITTEN for layer in self.layers)
         layers = f"{n} TTT layer{'s' if n != 1 else ''}"
-        if n_exact == n:
+        if kept == n:
+            line = (f"{layers} kept as written at level {self.level}: not reducible there, the "
+                    "user's own code runs")
+        elif n_exact == n:
             line = f"{layers} converted exactly at level {self.level}"
+            if kept:
+                line += f", {kept} of them kept as written (not reducible there)"
         else:
             steps = sorted({p.step for layer in self.layers for p in layer.passes
                             if p.status == "applied" and not p.exact})

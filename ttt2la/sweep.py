@@ -144,15 +144,21 @@ def _row(level: int, converted: torch.nn.Module) -> SweepRow:
             drift = max(drift or 0.0, lossy[-1].drift.get("rel_rms_error", 0.0))
             u = lossy[-1].drift.get("unfolded_rel_rms_error")
             unfolded = None if u is None else max(unfolded or 0.0, u)
-        for p in layer.passes:
-            if p.folded:
-                folded.append(f"{p.name}: {', '.join(sorted(p.folded))}")
+        folded += [_folded(p.name, p.folded) for p in layer.passes if p.folded]
     exact = report.exact
     return SweepRow(level, exact, 0.0 if exact else drift, unfolded,
                     (report.loss or {}).get("change"),
                     ", ".join(sorted({layer.schedule for layer in report.layers})),
                     ", ".join(sorted({layer.runtime for layer in report.layers})),
                     sorted(set(folded)))
+
+
+def _folded(name: str, folded: dict) -> str:
+    """A pass's folds in a cell: each constant by what it scales, where every fold is one number
+    (``absorb_lr: lr=0.853``), else the pass alone (``collapse_mlp`` folds a matrix)."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in folded.values()):
+        return f"{name}: {', '.join(f'{k}={v:.4g}' for k, v in sorted(folded.items()))}"
+    return name
 
 
 def _ttt_layers(model: torch.nn.Module, paths: list[str], inputs: dict) -> Callable:
