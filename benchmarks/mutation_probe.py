@@ -2625,6 +2625,10 @@ MUTATIONS = [
         "kept_layer_called_converted", "the summary says a layer kept as written (not reducible at the level, strict=False) was converted exactly",
         (("ttt2la/report.py", "        if kept == n:\n", "        if False:\n"),),
         ("tests/test_report.py",), "kept_as_written"),
+    Mutation(
+        "different_iterations_unlocated", "iterations that run other ops are refused as data-dependent control flow, naming no op",
+        (("ttt2la/frontend/rollup.py", '        raise _fail(f"iterations 1 and 2 run different ops ({_first_difference(I1, I2, depth)}): "', '        raise _fail(f"iterations 1 and 2 run different ops (somewhere): "'),),
+        ("tests/test_refusal_messages.py",), "first_op_that_differs"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, a schedule of steps that each take the same stretch of the sequence, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, a schedule of steps that each take the same stretch of the sequence, iterations that run other ops, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
 from __future__ import annotations
 
 import inspect
@@ -637,3 +637,31 @@ def test_a_schedule_of_steps_over_the_whole_sequence_is_named_so(half, taken):
     assert re.search(taken, message) and "a schedule over" in message
     assert f"{HERE}:{_line_of(ScheduledSteps.forward)}" in message
     assert "written without the loop" in message
+
+
+class DataBranch(nn.Module):
+    """A chunk loop whose inner loop decays the state once or twice, by turns: iterations run
+    other ops."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(B, d, d), []
+        for s in range(0, L, 4):
+            outs.append(q[:, s:s + 4] @ W)
+            W = W + k[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+            for _ in range(1 + (s // 4) % 2):
+                W = torch.tanh(W)  # <- named
+        return torch.cat(outs, 1)
+
+
+def test_iterations_that_run_other_ops_name_the_first_op_that_differs():
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(DataBranch(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(info.value)
+    assert "iterations 1 and 2 run different ops (iteration" in message, message
+    assert f"{HERE}:{_line_of(DataBranch.forward)}" in message

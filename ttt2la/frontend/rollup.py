@@ -207,8 +207,12 @@ def unroll(gm: torch.fx.GraphModule, loop: LoopSite, depth: int) -> Unrolled:
         if len(iters) == 3:         # iteration 2 is also the last one
             raise _fail("the loop ran 3 iterations at the traced length and the last one runs "
                         "other ops than the one before", loop, TooFewIterations)
-        raise _fail("iterations 1 and 2 run different ops; data-dependent control flow inside "
-                    "the loop is not supported", loop)
+        raise _fail(f"iterations 1 and 2 run different ops ({_first_difference(I1, I2, depth)}): "
+                    "ttt2la reads one body that every iteration runs, and a branch or an inner "
+                    "loop that runs otherwise from one iteration to the next (on the data, or an "
+                    "inner loop over a group of chunks whose last group is shorter) has none. "
+                    "Make every iteration run the same code, or convert from an example whose "
+                    "length gives every iteration the same work", loop)
     _same_ops_between(iters, keys1, depth, loop)
     return Unrolled(gm, loop, depth, order, set(loop_nodes), order[loop_nodes[0]], iters,
                     to2=dict(zip(I1, I2)),
@@ -331,6 +335,18 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
                 "`g[:, e - 1]` — so the loop reads the chunk as a stream")
     return (f"{what} changes between iterations, and is neither the next chunk or token of the "
             "sequence nor a state carried from the last iteration")
+
+
+def _first_difference(first: list, second: list, depth: int) -> str:
+    """Where iteration 2 first runs another op than iteration 1 did, as the ops' lines."""
+    a = [iteration_key(n, depth) for n in first]
+    b = [iteration_key(n, depth) for n in second]
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if i < len(a) and i < len(b):
+        return f"iteration 1 runs {describe_op(first[i])} where iteration 2 runs " \
+               f"{describe_op(second[i])}"
+    longer, which, n = (first, 1, len(b)) if len(a) > len(b) else (second, 2, len(a))
+    return f"iteration {which} runs more ops, from {describe_op(longer[n])} on"
 
 
 def _nested_loops(nodes, loop: LoopSite) -> list:
