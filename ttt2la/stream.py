@@ -28,13 +28,11 @@ loop raises ``StreamingError``.
 from __future__ import annotations
 
 import copy
-
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
 import torch.utils._pytree as pytree
 
 from .errors import ConversionError, StreamingError
@@ -258,7 +256,7 @@ def _padded_piece(plan, program, states0, invariants, axes, length, real, tail, 
 
 
 class WholeSequenceCheck:
-    """A stream's outputs against the model run on the whole sequence, once per model: the
+    """A stream's outputs against the model run on the whole sequence, once per stream: the
     first two pieces of a sequence, streamed, against one call on both. A module outside the
     converted layers that mixes tokens — softmax attention, a convolution over the sequence —
     keeps no state a stream carries, so it would see each piece alone, and the outputs would

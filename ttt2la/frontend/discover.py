@@ -19,9 +19,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from .argument_writes import Structure
 from ..ir import SourceLoc
 from ..errors import ConversionError, UnsupportedTTTError, first_line
+from .argument_writes import Structure
 from .capture import _is_user_file, _no_compile, user_frame
 from .cut_pieces import CutPieces
 from .loops import LoopSite, _loops_in_file
