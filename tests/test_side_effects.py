@@ -111,6 +111,15 @@ class CacheParams:
         self.params, self.seen = {}, 0
 
 
+class SlotsCache:
+    """The same with ``__slots__``, no ``__dict__``."""
+
+    __slots__ = ("params", "seen")
+
+    def __init__(self):
+        self.params, self.seen = {}, 0
+
+
 class ArgumentMemory(nn.Module):
     """A fast weight stepped per chunk that stores its final value, or a count, into what it is
     called with: ``into`` names where."""
@@ -126,7 +135,7 @@ class ArgumentMemory(nn.Module):
         for i in range(0, x.shape[1], C):
             outs.append(q[:, i:i + C] @ W)
             W = W + 0.5 * k[:, i:i + C].transpose(1, 2) @ v[:, i:i + C]
-        if self.into == "cache dict":
+        if self.into in ("cache dict", "slots cache"):
             cache.params["W"] = W
         elif self.into == "cache count":
             cache.seen += x.shape[1]
@@ -138,13 +147,15 @@ class ArgumentMemory(nn.Module):
 class WithCache(nn.Module):
     def __init__(self, into: str):
         super().__init__()
-        self.cache, self.layer, self.into = CacheParams(), ArgumentMemory(into), into
+        self.cache = SlotsCache() if into == "slots cache" else CacheParams()
+        self.layer, self.into = ArgumentMemory(into), into
 
     def forward(self, x):
         return self.layer(x, cache=self.cache, log=[] if self.into == "list" else None)
 
 
 @pytest.mark.parametrize("into, named", [("cache dict", "`cache`.params"),
+                                         ("slots cache", "`cache`.params"),
                                          ("cache count", "`cache`.seen"), ("list", "`log`")])
 def test_a_forward_that_writes_into_its_arguments_is_refused_naming_them(into, named):
     """The write would be lost (the cache would stay as it was), and every later run of the

@@ -205,6 +205,76 @@ def test_tokens_mixed_outside_the_converted_layers_are_refused_not_streamed(lm):
     assert stream.tokens == 0                       # and the stream starts again
 
 
+class LastLogits(AttentionBeside):
+    """The hybrid block returning the last token's logits only."""
+
+    def forward(self, ids):
+        return super().forward(ids)[:, -1]
+
+
+def test_mixing_is_found_where_the_model_returns_the_last_tokens_logits(lm):
+    model, _ = lm
+    torch.manual_seed(0)
+    ids = torch.randint(0, 40, (2, 16))
+    conv = ttt2la.convert(LastLogits(model).eval(), level=2, example_inputs=(ids,)).eval()
+    stream = ttt2la.Stream(conv)
+    with torch.no_grad():
+        stream.stream(ids[:, :8])
+        with pytest.raises(ttt2la.StreamingError, match="mixes tokens"):
+            stream.stream(ids[:, 8:])
+
+
+class Styled(torch.nn.Module):
+    """The language model with a style vector added to every token, passed with each piece;
+    with ``attention``, causal attention beside the TTT layers as well."""
+
+    def __init__(self, lm, attention: bool = False):
+        super().__init__()
+        self.lm = lm
+        self.attn = torch.nn.MultiheadAttention(D, 2, batch_first=True) if attention else None
+
+    def forward(self, ids, style):
+        x = self.lm.embed(ids) + style[:, None]
+        if self.attn is not None:
+            mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)
+            x = x + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+        for block in self.lm.blocks:
+            x = block(x)
+        return self.lm.lm_head(self.lm.norm(x))
+
+
+def test_what_every_piece_passes_alike_and_a_reused_buffer_stream_as_the_whole(lm):
+    """The check passes a tensor every piece hands over as the same object once (a style
+    vector, not joined along the tokens), and keeps copies of the pieces it compares (a caller
+    decoding into one buffer writes over it)."""
+    model, _ = lm
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(2))
+    style = torch.randn(2, D)
+    conv = ttt2la.convert(Styled(model), level=2, example_inputs=(ids, style)).eval()
+    stream = ttt2la.Stream(conv)                # evaluation mode: the check runs
+    with torch.no_grad():
+        got = torch.cat([stream.stream(ids[:, :5], style), stream.stream(ids[:, 5:], style)], 1)
+        assert rel_rms_error(got, Styled(model)(ids, style)) <= TOLERANCE[torch.float32]
+    torch.manual_seed(1)
+    mixing = ttt2la.convert(Styled(model, attention=True), level=2,
+                            example_inputs=(ids, style)).eval()
+    stream = ttt2la.Stream(mixing)                   # checked, its style passed once
+    with torch.no_grad():
+        stream.stream(ids[:, :5], style)
+        with pytest.raises(ttt2la.StreamingError, match="mixes tokens"):
+            stream.stream(ids[:, 5:], style)
+    import copy
+
+    stream = ttt2la.Stream(copy.deepcopy(lm[1]).eval())
+    buffer = torch.zeros(2, 4, dtype=torch.long)     # a chunk a piece, one buffer
+    with torch.no_grad():
+        outs = []
+        for t in range(0, 12, 4):
+            buffer.copy_(ids[:, t:t + 4])
+            outs.append(stream.stream(buffer))
+        assert rel_rms_error(torch.cat(outs, 1), model(ids)) <= TOLERANCE[torch.float32]
+
+
 def test_a_piece_that_fails_in_a_later_layer_advances_no_layer(lm):
     """The first block has run on the piece when the second fails: the stream keeps every
     layer where the previous piece ended, and the next pieces equal the whole sequence."""

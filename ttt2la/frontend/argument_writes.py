@@ -12,10 +12,13 @@ and after; ``changed`` names what the call changed, for ``refusal`` to say.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
-_DEPTH = 6
+_DEPTH = 12
+_CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
 
 
 class Structure:
@@ -48,10 +51,10 @@ class Structure:
             self.seen[path] = (type(value).__name__, len(value))
             for i, v in enumerate(list(value)):
                 self._walk(v, f"{path}[{i}]", depth + 1, visiting)
-        elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
-            fields = vars(value)
+        elif not isinstance(value, _CODE):
+            fields = _fields(value)
             self.seen[path] = ("object", tuple(fields))
-            for k, v in list(fields.items()):
+            for k, v in fields.items():
                 self._walk(v, f"{path}.{k}", depth + 1, visiting)
 
     def changed(self, after: "Structure") -> list[str]:
@@ -63,6 +66,17 @@ class Structure:
                     not any(path.startswith(done) for done in out):
                 out.append(path)
         return out
+
+
+def _fields(value) -> dict:
+    """An object's fields: its ``__dict__`` and the ``__slots__`` of its classes that are set."""
+    fields = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                fields[name] = getattr(value, name)
+    return fields
 
 
 def refusal(layer: str, changed: list[str]) -> str:
