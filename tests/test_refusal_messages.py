@@ -575,15 +575,20 @@ def test_an_op_of_no_line_of_the_layer_is_named_by_its_torch_call():
     assert describe_op(x) == "the input `x`"
 
 
-class AccumulatedThenRead(nn.Module):
+class LinearFastWeight(nn.Module):
+    """Projections and an initial linear fast weight, for the loops below to step."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+
+
+class AccumulatedThenRead(LinearFastWeight):
     """A non-causal step written chunk by chunk: the loop only sums the chunks' updates, and
     every token reads the final weights after it."""
 
-    def __init__(self, d: int = 8, C: int = 4):
-        super().__init__()
-        self.C = C
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+    C = 4
 
     def forward(self, x):
         B, L, d = x.shape
@@ -602,15 +607,13 @@ def test_a_loop_whose_final_state_alone_is_read_is_named_a_step_written_in_chunk
     assert "reads the final state `W`" in message and "without the loop" in message
 
 
-class ScheduledSteps(nn.Module):
+class ScheduledSteps(LinearFastWeight):
     """LaCT's novel-view schedule: a list of (start, end, update, apply) steps the forward walks,
-    here two updates on all the tokens, then a read of them all."""
+    here two updates on all the tokens, then a read of them all (of the first half, ``half``)."""
 
-    def __init__(self, d: int = 8, half: bool = False):
+    def __init__(self, half: bool = False):
         super().__init__()
         self.half = half
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
 
     def forward(self, x):
         B, L, d = x.shape
