@@ -100,3 +100,15 @@ def test_report_folds_replays_the_conversion():
     again = ttt2la.convert(old, level=4, example_inputs=(X[:, :8],), folds=folds)
     with torch.no_grad():
         assert rel_rms_error(again(X), fast(X)) <= 1e-6
+
+
+def test_weights_loaded_on_the_meta_device_or_after_to_empty_are_fingerprinted():
+    """Meta tensors hold no values: their load is compared by name and shape (no error); the
+    weights put back after ``to_empty`` are the conversion's own, and nothing is said."""
+    old, _ = _pair()
+    fast = ttt2la.convert(old, level=4, example_inputs=(X,))
+    weights = {k: v.clone() for k, v in fast.state_dict().items()}
+    fast.to("meta")
+    assert _loading(fast, {k: v.to("meta") for k, v in weights.items()}) == []
+    fast.to_empty(device="cpu")
+    assert _loading(fast, weights) == []

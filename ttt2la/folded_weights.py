@@ -28,8 +28,8 @@ class FoldsFromOtherWeightsWarning(UserWarning):
 
 @dataclass(frozen=True)
 class FoldedWeights:
-    """What a lossy layer folded (``folds``: pass name -> constants) and a fingerprint of the
-    weights it folded them from."""
+    """Which passes of a lossy layer folded constants (``folds``, by name) and a fingerprint of
+    the weights they folded them from."""
 
     layer: str
     folds: tuple[str, ...]
@@ -50,7 +50,7 @@ def fingerprint(module: torch.nn.Module) -> tuple:
     out = []
     for name, t in params_and_buffers(module).items():
         with torch.no_grad():
-            x = t.detach().to(torch.float64) if t.is_floating_point() else t.detach().double()
+            x = t.detach().to(torch.float64)
             out.append((name, tuple(t.shape), float(x.sum()), float(x.square().sum())))
     return tuple(out)
 
@@ -64,7 +64,9 @@ def watch(module: torch.nn.Module) -> None:
 def _loaded(module: torch.nn.Module, incompatible_keys) -> None:
     state = getattr(module, "_ttt2la", None)
     folded = getattr(state, "folded_weights", None)
-    if folded is None or fingerprint(module) == folded.fingerprint:
+    if folded is None or any(t.is_meta for t in params_and_buffers(module).values()):
+        return                          # on the meta device nothing loaded holds values
+    if fingerprint(module) == folded.fingerprint:
         return
     where = folded.layer or "the converted layer"
     warnings.warn(FoldsFromOtherWeightsWarning(
