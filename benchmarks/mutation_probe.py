@@ -2615,7 +2615,7 @@ MUTATIONS = [
         ("tests/test_passes_lossy.py",), "subtracted"),
     Mutation(
         "constant_taken_for_a_weight", "a constant added to a value of the inputs (`torch.eye(C) + a`) is taken for a single step's weight, and a chunked layer the loop reader refused converts as one step over the example's tokens",
-        (("ttt2la/frontend/single_step.py", "                    and len(_shape(n) or ()) >= 2 and _reads_weights(w, weights):", "                    and len(_shape(n) or ()) >= 2:"),),
+        (("ttt2la/frontend/single_step.py", "                    and len(_shape(n) or ()) >= 2 and w in from_weights:", "                    and len(_shape(n) or ()) >= 2:"),),
         ("tests/test_scan_style.py",), "chosen_over_a_longer"),
     Mutation(
         "rate_from_tokens_called_satisfied", "absorb_lr calls a rate the loop body computes from the tokens and a parameter named as a rate (TTT-Linear's σ(x·w + b)) already satisfied",

@@ -33,7 +33,7 @@ from .call_variation import call_variation
 from .compiled_plan import compile_plan, compiler_backend
 from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
 from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
-from .frontend.discover import discover
+from .frontend.discover import discover, within
 from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
 from .ir import LOOP_MODULE, SKIPPED_FIRST, TTTProgram
@@ -106,7 +106,7 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
                 refusals.append(e)
         if layers:
             notes += [f"not converted: {f}" for path, f in failures
-                      if not any(_inside(path, layer.path) for layer in layers)]
+                      if not any(within(path, layer.path) for layer in layers)]
             if inferred:
                 notes.append(f"example inputs inferred: token ids of shape {tuple(inputs[0].shape)}")
             return layers, inputs, notes
@@ -130,12 +130,6 @@ def _recognized(cand, seq_len):
         if cand.callee is None:
             raise
     return recognize_layer(cand.callee, seq_len)
-
-
-def _inside(path: str, layer: str) -> bool:
-    """Whether the module at ``path`` is part of the layer at ``layer`` (a submodule its
-    conversion runs as part of it: no layer of its own to report)."""
-    return not layer or path.startswith(layer + ".")
 
 
 def _refused(message: str, refusals: list[UnsupportedTTTError]) -> UnsupportedTTTError:

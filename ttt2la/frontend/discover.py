@@ -297,7 +297,7 @@ def _to_callers(found: list[LoopCandidate], captured: dict, paths: dict,
         path = cand.path
         while path and _holds_the_length(captured.get(path), length):
             parent = path.rpartition(".")[0]
-            if parent not in captured or any(c is not cand and _inside(c.path, parent)
+            if parent not in captured or any(c is not cand and within(c.path, parent)
                                              for c in found):
                 path = cand.path
                 break
@@ -318,7 +318,8 @@ def _holds_the_length(call: tuple | None, length: int) -> bool:
     return any(type(v) is int and v == length for v in pytree.tree_leaves(call))
 
 
-def _inside(path: str, parent: str) -> bool:
+def within(path: str, parent: str) -> bool:
+    """Whether the module at ``path`` is the one at ``parent`` or inside it."""
     return parent == "" or path == parent or path.startswith(parent + ".")
 
 
@@ -460,4 +461,5 @@ def _busiest_loops(found: dict, together: dict) -> list[LoopCandidate]:
     return out
 
 
-__all__ = ["discover", "LoopCandidate", "MAX_PROBE_LENGTH", "sequence_length", "stretch"]
+__all__ = ["discover", "LoopCandidate", "MAX_PROBE_LENGTH", "sequence_length", "stretch",
+           "within"]

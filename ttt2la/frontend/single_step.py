@@ -161,11 +161,11 @@ def _broadcasts(small, shape) -> bool:
 
 
 def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node],
-             weights: set[torch.fx.Node]) -> list[tuple]:
-    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only (``weights``: their
-    placeholders; a parameter itself when it broadcasts over the batch, ``[1, H, D, D] − [B, H,
-    D, D]``; a constant such as ``torch.eye(C)`` is no weight), ``Δ`` from the inputs and of the
-    result's shape, a matrix or more."""
+             from_weights: set[torch.fx.Node]) -> list[tuple]:
+    """``(W', W, Δ)`` for every ``W ± Δ``: ``W`` from parameters only (``from_weights``: the
+    values computed from them; a parameter itself when it broadcasts over the batch, ``[1, H, D,
+    D] − [B, H, D, D]``; a constant such as ``torch.eye(C)`` is no weight), ``Δ`` from the inputs
+    and of the result's shape, a matrix or more."""
     found = []
     for n in graph.nodes:
         if not calls(n, UPDATE_STEPS) or len(n.args) < 2:
@@ -176,23 +176,10 @@ def _updates(graph: torch.fx.Graph, dep: set[torch.fx.Node],
             if isinstance(w, torch.fx.Node) and isinstance(d, torch.fx.Node) \
                     and w not in dep and d in dep and w.op in ("call_function", "placeholder") \
                     and _shape(d) == _shape(n) and _broadcasts(_shape(w), _shape(n)) \
-                    and len(_shape(n) or ()) >= 2 and _reads_weights(w, weights):
+                    and len(_shape(n) or ()) >= 2 and w in from_weights:
                 found.append((n, w, d))
                 break
     return found
-
-
-def _reads_weights(node: torch.fx.Node, weights: set[torch.fx.Node]) -> bool:
-    """Whether ``node`` is computed from one of ``weights`` (or is one)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in weights:
-            return True
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return False
 
 
 def _full_size(graph: torch.fx.Graph, updates: list[tuple]) -> list[tuple]:
@@ -368,7 +355,7 @@ def single_step(gm: torch.fx.GraphModule, n_params: int, length: int, *, module_
     order = {n: i for i, n in enumerate(nodes)}
     placeholders = [n for n in nodes if n.op == "placeholder"]
     dep = _data_dependent(graph, set(placeholders[n_params:]))
-    updates = _updates(graph, dep, set(placeholders[:n_params]))
+    updates = _updates(graph, dep, _data_dependent(graph, set(placeholders[:n_params])))
     if not updates:
         raise NotSingleStep(f"{layer}: no test-time update (W ± Δ of a weight) found")
     updates = _full_size(graph, updates)

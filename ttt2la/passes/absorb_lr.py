@@ -234,8 +234,7 @@ def rates_by_name(program: TTTProgram) -> list[str]:
     """Streams the user's code names as learning rates (``lr0``, ``eta``) that the roles do not
     take for one, read by a state update: a rate per token and feature (LaCT's ``lr: [b, l,
     d]``) scales the values elementwise, and is no per-token factor."""
-    updated = {o for i, o in zip(program.state_inputs(), program.state_outputs()) if o is not i}
-    feeds = set().union(*(ancestors(o) for o in updated)) if updated else set()
+    feeds = _update_nodes(program)
     return [spec.name for spec, node in zip(program.streams, program.stream_inputs())
             if spec.role not in _EXCLUDED_ROLES and _RATE_NAME.search(spec.name)
             and node in feeds]
@@ -245,8 +244,7 @@ def rates_computed_from_tokens(program: TTTProgram) -> list[str]:
     """Loop invariants the user's code names as learning rates (TTT-Linear's ``lr_weight``,
     read as ``lr``) that the loop body combines with the tokens on the way to a state update:
     a rate computed per token in the body (``σ(x·w + b)``), in a form this pass does not fold."""
-    updated = {o for i, o in zip(program.state_inputs(), program.state_outputs()) if o is not i}
-    feeds = set().union(*(ancestors(o) for o in updated)) if updated else set()
+    feeds = _update_nodes(program)
     from_tokens = descendants(program.body.graph, program.stream_inputs())
     return [spec.name for spec, node in zip(program.invariants, program.invariant_inputs())
             if _RATE_NAME.search(spec.name) and node in feeds
