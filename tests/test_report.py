@@ -269,3 +269,23 @@ def test_a_pass_drift_of_another_type_is_refused_naming_it():
     with pytest.raises(ReportFormatError, match=r"layers\[0\] 'blocks.0.ttt': passes\[0\] .*drift "
                                                 r"is 'lots', not an object or null"):
         load_report(d)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["layers"][0]["passes"][0]["drift"].update(rel_rms_error="x"),
+     r"passes\[0\] is malformed: drift\['rel_rms_error'\] is 'x', not a number"),
+    (lambda d: d["layers"][0]["check"].update(tolerance=[1e-5]),
+     r"check\['tolerance'\] is \[1e-05\], not a number"),
+    (lambda d: d["layers"][0]["passes"][0]["drift"].update(nested={"ok": "yes"}),
+     r"drift\['nested'\]\['ok'\] is 'yes', not true or false"),
+    (lambda d: d.update(level=-1), r"level is -1, not one of 0..6"),
+    (lambda d: d.update(level=10**20), r"not one of 0..6"),
+    (lambda d: d.update(exact="zz"), r"exact is 'zz', not bool"),
+])
+def test_a_measurement_or_level_of_another_type_is_refused(edit, match):
+    """A report's measurements (drift, folds, checks) are checked inside, and its level is one of
+    the levels: a hand-edited number is refused, not rendered as if measured."""
+    d = conversion_report().to_dict()
+    edit(d)
+    with pytest.raises(ReportFormatError, match=match):
+        load_report(json.loads(json.dumps(d)))

@@ -108,6 +108,10 @@ class LayerReport:
                             for i, s in enumerate(fields["states"])]
         fields["passes"] = [PassRecord(**_record(p, _PASS_FIELDS, f"{where}: passes[{i}]"))
                             for i, p in enumerate(fields["passes"])]
+        for i, p in enumerate(fields["passes"]):
+            _measurements(p.drift, f"{where}: passes[{i}]", "drift")
+            _measurements(p.folded, f"{where}: passes[{i}]", "folded")
+        _measurements(fields["check"], where, "check")
         for name in ("streams", "notes"):
             _items(fields, name, str, where)
         for name in ("runs", "fallbacks"):
@@ -271,6 +275,11 @@ class ConversionReport:
     def from_dict(cls, d: dict) -> "ConversionReport":
         """Rebuild a report from ``to_dict``'s output; refuses other schema versions and kinds."""
         _check_header(d, cls.kind)
+        if _typed(d, "level", int, cls.kind, 0) not in LEVELS:
+            raise ReportFormatError(f"the conversion report's level is {d['level']!r}, not one of "
+                                    f"{LEVELS.start}..{LEVELS.stop - 1}; re-create it with this "
+                                    "version of ttt2la")
+        _typed(d, "exact", bool, cls.kind, False)
         try:
             return cls(level=_typed(d, "level", int, cls.kind),
                        backend=_typed(d, "backend", str, cls.kind),
@@ -421,6 +430,41 @@ def _record(d: Any, spec: dict, where: str) -> dict:
             raise _malformed(where, name, value, names)
         fields[name] = value
     return fields
+
+
+#: Keys of a report's measurement mappings (drift, folds, checks) and the type each must hold.
+_MEASURED = {**dict.fromkeys(("rel_rms_error", "unfolded_rel_rms_error", "loss_change",
+                              "error_vs_float64", "reference_error_vs_float64", "bound",
+                              "tolerance", "residual", "identity_residual"), "a number"),
+             **dict.fromkeys(("ok", "exact"), "true or false"),
+             **dict.fromkeys(("inputs", "criterion", "plan"), "text")}
+
+
+def _measurements(value: Any, where: str, name: str, depth: int = 0) -> None:
+    """Refuse a measurement mapping (``drift``, ``folded``, ``check``) holding other than JSON
+    scalars, or a known measurement of another type: a report from a file is never trusted."""
+    if depth > 8:
+        raise _malformed(where, name, value, "a mapping nested at most 8 deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or not _holds(_MEASURED.get(key), item):
+                raise _malformed(where, f"{name}[{key!r}]", item, _MEASURED.get(key, "a value"))
+            _measurements(item, where, f"{name}[{key!r}]", depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _measurements(item, where, f"{name}[{i}]", depth + 1)
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise _malformed(where, name, value, "a number, text, true, false or null")
+
+
+def _holds(wanted: str | None, value: Any) -> bool:
+    """Whether ``value`` is what a measurement key ``wanted`` (``_MEASURED``'s words) holds;
+    null stands for a measurement not taken."""
+    if value is None or wanted is None:
+        return True
+    if wanted == "a number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, bool if wanted == "true or false" else str)
 
 
 def _items(fields: dict, name: str, types, where: str, mapping: bool = False) -> None:
