@@ -53,10 +53,13 @@ def test_every_command_parses():
     ["report"],                                       # no file
 ])
 def test_bad_command_lines_exit_with_status_2(argv, capsys):
+    """A usage error is one line, as every other bad input is, naming the command and its help."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert "usage: ttt2la" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ttt2la") and "error:" in err
+    assert "--help)" in err
 
 
 def test_report_of_a_missing_path_or_a_plain_directory_is_bad_input(tmp_path, capsys):

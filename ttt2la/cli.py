@@ -689,9 +689,16 @@ DEFAULT_LENGTH = 256
 
 
 # -- argument parsing ---------------------------------------------------------------------------
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, as every other bad input's are."""
+
+    def error(self, message: str):
+        self.exit(EXIT_UNSUPPORTED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ttt2la`` command (one sub-parser per command)."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="ttt2la",
         description="Rewrite test-time-training layers as chunk-parallel linear attention.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
