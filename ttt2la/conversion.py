@@ -618,7 +618,8 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     Returns a new module holding its own copy of the parameters under the original names (or
     ``model`` itself with ``inplace=True``); ``result.ttt2la_report`` says what was done.
     ``strict=True`` raises ``NonReducibleError`` when a loop is not reducible at ``level``;
-    ``strict=False`` keeps such loops on the recurrent executor and says so in the report.
+    ``strict=False`` keeps such loops as written (after a lossy pass, the rewritten loop on the
+    recurrent executor) and says so in the report.
     ``calibration`` (model inputs, like ``example_inputs``) is what lossy steps fold from and
     measure their drift on, and the example too when ``example_inputs`` is not given; ``folds``
     (``{layer path: {pass name: constants}}``, as a previous report recorded them) replays
