@@ -10,6 +10,8 @@ the batch size and the split points; every case is converted once per module.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import module_scoped
 import torch
@@ -457,3 +459,21 @@ def test_a_layer_padding_its_sequence_to_whole_chunks_continues_from_its_tokens(
     assert rel_rms_error(got, ref) <= TOLERANCE[torch.float32], (cuts, rel_rms_error(got, ref))
     assert state.tokens == L and state.open_tokens == L - 4 * ((L - 1) // 4)
     assert all(t.shape[1] == state.open_tokens for t in state.open)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["the_model_is_the_layer", "a_submodule"])
+def test_a_layer_kept_as_written_is_named_as_the_reason_not_to_stream(nested):
+    """With ``strict=False`` a layer refused at every level is kept as written, whose loop
+    restarts at every call: a stream over it is refused for that reason, also when the model
+    itself is that layer (its path is empty)."""
+    from ttt2la.zoo.ttt_linear import TTTLinearFuncGradLayer
+
+    torch.manual_seed(0)
+    layer = TTTLinearFuncGradLayer(8, 2, 4)
+    model = torch.nn.Sequential(layer) if nested else layer
+    converted = ttt2la.convert(model, level=2, example_inputs=(torch.randn(2, 12, 8),),
+                               strict=False)
+    named = "0" if nested else "the model (TTTLinearFuncGradLayer) itself"
+    with pytest.raises(ttt2la.StreamingError, match=rf"TTT loop of {re.escape(named)} was kept "
+                                                   "as the user wrote it"):
+        ttt2la.Stream(converted)

@@ -394,19 +394,19 @@ class Stream:
                                   f"{type(model).__name__}")
         self.model = model
         self.layers = {path: m for path, m in model.named_modules() if is_converted(m)}
-        if not self.layers:
-            raise StreamingError(
-                f"{type(model).__name__} has no converted TTT layer, so there is no state to "
-                "carry; convert it first with ttt2la.convert(model, ...)")
-        kept = [layer.module_path for layer in getattr(getattr(model, "ttt2la_report", None),
-                                                       "layers", [])
-                if layer.module_path not in self.layers and layer.module_path != ""]
+        kept = [layer.module_path or f"the model ({type(model).__name__}) itself"
+                for layer in getattr(getattr(model, "ttt2la_report", None), "layers", [])
+                if layer.module_path not in self.layers]
         if kept:
             raise StreamingError(
                 f"the TTT loop of {', '.join(kept)} was kept as the user wrote it (not "
                 "reducible at this level, strict=False), and the user's loop restarts from its "
                 "initial fast weights at every call, so the model cannot decode piece by piece. "
                 "Convert at a level where every layer converts.")
+        if not self.layers:
+            raise StreamingError(
+                f"{type(model).__name__} has no converted TTT layer, so there is no state to "
+                "carry; convert it first with ttt2la.convert(model, ...)")
         self.states: dict[str, TTTState | None] = {p: None for p in self.layers}
         self._runs: dict[str, int] = {}         # each layer's runs in the call under way
         self._last_runs: dict[str, int] | None = None
