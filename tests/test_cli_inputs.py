@@ -18,6 +18,7 @@ import ttt2la
 from ttt2la.checkpoint import writing
 from ttt2la.checkpoint.manifest import Manifest
 from ttt2la.cli import EXIT_BAD_INPUT, main
+from ttt2la.testing import rel_rms_error
 from ttt2la.zoo import LaCTFoldedLayer, TinyLaCTLM
 
 KWARGS = dict(vocab_size=64, d_model=32, n_layers=1, num_heads=2, chunk_size=16, muon=False)
@@ -624,6 +625,29 @@ def test_example_inputs_with_an_empty_axis(shape):
             call()
 
 
+@pytest.mark.parametrize("shape", [(0, 32, 32), (2, 0, 32)])
+def test_calibration_inputs_with_an_empty_axis(shape):
+    """Calibration without a sequence or a token is refused by name, not a ZeroDivisionError
+    from resizing it to the traced batch."""
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=re.escape(f"calibration input #0 has shape {shape}, an empty axis")):
+        ttt2la.convert(layer, level=1, example_inputs=(torch.randn(1, 32, 32),),
+                       calibration=(torch.randn(shape),))
+
+
+@pytest.mark.parametrize("where", ["example", "calibration"])
+def test_sparse_inputs_are_refused_by_name(where):
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    x = torch.randn(1, 32, 32)
+    inputs = {where: (x.to_sparse(),)} if where == "calibration" else \
+        {"example_inputs": (x.to_sparse(),)}
+    inputs = {"example_inputs": (x,), **inputs} if where == "calibration" else inputs
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=f"{where} input #0 is a sparse_coo tensor.*dense"):
+        ttt2la.convert(layer, level=1, **inputs)
+
+
 @pytest.mark.parametrize("make, error", [
     (lambda: torch.randn(1, 32, 16), "RuntimeError"),            # wrong width
     (lambda: torch.randn(1, 32, 32, dtype=torch.float64), "RuntimeError"),   # wrong dtype
@@ -828,3 +852,34 @@ def test_a_layer_that_runs_only_with_gradients_is_told_so_whatever_its_error():
                              r"torch\.no_grad\(\) does") as refused:
         ttt2la.convert(layer, level=0, example_inputs=(x,))
     assert "pass inputs the model accepts" not in str(refused.value)
+
+
+@pytest.mark.parametrize("entry", ["convert", "inspect"])
+def test_a_torchscript_model_is_refused_as_compiled_not_blamed_on_its_inputs(entry):
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(32, 32)))
+    x = torch.randn(2, 16, 32)
+    call = (lambda: ttt2la.convert(scripted, level=0, example_inputs=(x,))) if entry == "convert" \
+        else (lambda: ttt2la.inspect(scripted, example_inputs=(x,), show=False))
+    with pytest.raises(ttt2la.InvalidInputError, match="TorchScript module .*convert the Python"):
+        call()
+
+
+def test_a_forward_taking_keywords_only_converts_from_example_kwargs():
+    """A keyword-only forward given only ``example_kwargs`` is called with those: no positional
+    inputs are made up for it, nor asked for."""
+    from ttt2la.zoo import PerTokenTTTLayer
+
+    class KeywordsOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = PerTokenTTTLayer(32, 2)
+
+        def forward(self, *, x):
+            return self.layer(x)
+
+    torch.manual_seed(0)
+    model, x = KeywordsOnly().eval(), torch.randn(2, 16, 32)
+    converted = ttt2la.convert(model, level=0, example_kwargs={"x": x})
+    assert converted.ttt2la_report.exact
+    y = torch.randn(3, 24, 32)
+    assert rel_rms_error(converted(x=y), model(x=y)) <= 1e-5

@@ -52,8 +52,8 @@ from .testing import rel_rms_error, tolerance
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
 from .folded_weights import FoldedWeights, watch
-from .validation import (InvalidInputError, as_level, check_argument_types, check_call, check_flag,
-                         check_folds_form, check_runs, copy_of)
+from .validation import (InvalidInputError, as_level, check_argument_types, check_call,
+                         check_finite, check_flag, check_folds_form, check_runs, copy_of)
 
 _PROBE_LENGTHS = (64, 512, 4096)
 
@@ -89,6 +89,10 @@ def _seq_len(example_inputs: tuple) -> int | None:
 
 def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=None):
     """Find and recognize every TTT loop of ``model``: ``(layers, example_inputs, notes)``."""
+    from .embedding import first_embedding
+
+    if example_inputs is None and example_kwargs and first_embedding(model) is None:
+        example_inputs = ()                 # a call by keywords only: no ids to make up
     if example_inputs is None:
         lengths, inferred = _PROBE_LENGTHS, True
     else:
@@ -634,6 +638,8 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
         example_inputs = calibration                # model inputs as well: trace on them
     check_call(model, level, example_inputs, example_kwargs, backend, run=False)
     check_argument_types(calibration, None, "calibration")
+    if calibration is not None:
+        check_finite(calibration, None, "calibration")
     check_flag(strict, "strict")
     check_flag(inplace, "inplace")
     check_folds_form(folds)

@@ -46,9 +46,16 @@ def check_call(model, level=None, example_inputs=None, example_kwargs=None, back
 
 
 def check_model(model) -> None:
+    """A ``torch.nn.Module`` written in Python: a TorchScript model (``torch.jit.script`` or
+    ``trace``) is a compiled graph, not the Python code ttt2la traces."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"model must be a torch.nn.Module, got "
                                 f"{'None' if model is None else type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise InvalidInputError(
+            f"the model is a TorchScript module ({type(model).__name__}), a compiled graph "
+            "rather than the Python code ttt2la traces: convert the Python module it was "
+            "scripted or traced from")
 
 
 def copy_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,22 +162,28 @@ def check_materialized(model: torch.nn.Module, example_inputs, example_kwargs=No
             "pass real tensors")
 
 
-def check_finite(example_inputs, example_kwargs=None) -> None:
-    """Refuse example inputs with NaN or inf, or with an empty axis: the conversion traces the
-    model on them and is checked on them."""
+def check_finite(example_inputs, example_kwargs=None, what: str = "example") -> None:
+    """Refuse example (or, ``what``, calibration) inputs that are not dense tensors, hold NaN or
+    inf, or have an empty axis: the conversion traces the model on them and is checked on them."""
     args, kwargs = _arguments(example_inputs, example_kwargs)
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.numel() == 0 and leaf.dim() > 0:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if leaf.layout != torch.strided:
             raise InvalidInputError(
-                f"example input {input_name(path)} has shape {tuple(leaf.shape)}, an empty axis; "
-                "ttt2la traces the model on its example inputs and checks the conversion on "
-                "them, which needs at least one token: pass a sequence of a few chunks")
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
-                not bool(torch.isfinite(leaf).all()):
+                f"{what} input {input_name(path)} is a {str(leaf.layout).replace('torch.', '')} "
+                "tensor; ttt2la traces and checks the model on dense tensors: pass it dense "
+                "(.to_dense())")
+        if leaf.numel() == 0 and leaf.dim() > 0:
+            raise InvalidInputError(
+                f"{what} input {input_name(path)} has shape {tuple(leaf.shape)}, an empty axis; "
+                f"ttt2la runs the model on its {what} inputs, which needs at least one "
+                "sequence of at least one token: pass a sequence of a few chunks")
+        if leaf.is_floating_point() and not bool(torch.isfinite(leaf).all()):
             bad = int((~torch.isfinite(leaf)).sum())
             raise InvalidInputError(
-                f"example input {input_name(path)} holds {bad} NaN or infinite value(s); ttt2la "
-                "compares the converted model with the original on the example inputs, which "
+                f"{what} input {input_name(path)} holds {bad} NaN or infinite value(s); ttt2la "
+                f"compares the converted model with the original on the {what} inputs, which "
                 "needs finite values")
 
 
