@@ -268,7 +268,9 @@ def load(directory, model: torch.nn.Module | None = None, *, factory=None,
     diffs = replay_differences(manifest.report, converted.ttt2la_report.to_dict())
     if diffs:
         raise ManifestError(f"{where}: the replayed conversion differs from the recorded one "
-                            f"({'; '.join(diffs)})")
+                            f"({'; '.join(diffs)}): the model built here computes something "
+                            "else than the one saved; build it with the arguments of the saved "
+                            "model (model=, factory= or the recorded config)")
     return converted
 
 

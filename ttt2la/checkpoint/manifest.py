@@ -120,30 +120,51 @@ class Manifest:
 
 
 def replay_differences(recorded: dict, replayed: dict) -> list[str]:
-    """What differs between the recorded conversion report and the replayed one: the layers,
-    the loop each holds (its chunk size, order, last chunk and states), each pass's status and
-    the schedule (the runtime may differ by machine, so it is not compared)."""
-    def summary(report: dict) -> dict:
-        return {layer.get("module_path"): {
-            "passes": [(p.get("step"), p.get("name"), p.get("status"))
-                       for p in layer.get("passes", [])],
-            "schedule": layer.get("schedule"),
-            **{name: layer.get(name) for name in _LOOP_FIELDS},
-            "states": [(s.get("name"), s.get("role")) for s in layer.get("states", [])]}
-            for layer in report.get("layers", [])}
-    before, after = summary(recorded), summary(replayed)
+    """What differs between the recorded conversion report and the replayed one, layer by
+    layer: what decides the function a layer computes (its loop, states and their update rules,
+    streams, passes and their exactness, the runtime's op). Timings, drift numbers and the
+    runtime's backend may differ by machine, so they are not compared."""
+    before, after = _layer_summaries(recorded), _layer_summaries(replayed)
     diffs = [f"layer {k!r}: {'only recorded' if k not in after else 'only replayed'}"
              for k in sorted(set(before) ^ set(after), key=str)]
     for k in sorted(set(before) & set(after), key=str):
-        for name, was in before[k].items():
-            if was != after[k][name]:
-                diffs.append(f"layer {k!r}: {name.replace('_', ' ')} {was} recorded, "
-                             f"{after[k][name]} replayed")
+        for name in [*before[k], *(n for n in after[k] if n not in before[k])]:
+            was, now = before[k].get(name, _ABSENT), after[k].get(name, _ABSENT)
+            if was is not None and was != now:
+                diffs.append(f"layer {k!r}: {name} {_shown(was)} recorded, {_shown(now)} replayed")
     return diffs
 
 
+def _layer_summaries(report: dict) -> dict:
+    """Per layer path, ``{what: value}`` for each recorded field that decides what the layer
+    computes (a field an older writer did not record is None, and not compared)."""
+    return {layer.get("module_path"): _layer_summary(layer) for layer in report.get("layers", [])}
+
+
+def _layer_summary(layer: dict) -> dict:
+    runtime = layer.get("runtime")
+    out = {name.replace("_", " "): layer.get(name) for name in _LAYER_FIELDS}
+    out["runtime op"] = runtime.split("[")[0].strip() if isinstance(runtime, str) else runtime
+    for s in layer.get("states", []):
+        out.update({f"state {s.get('name')} {f.replace('_', ' ')}": s.get(f) for f in _STATE_FIELDS})
+    for p in layer.get("passes", []):
+        out.update({f"pass {p.get('step')} {f}": p.get(f) for f in _PASS_FIELDS})
+    return out
+
+
+def _shown(value) -> str:
+    return "nothing" if value is _ABSENT else repr(value) if isinstance(value, str) else str(value)
+
+
+_ABSENT = object()
 #: What a report records of the loop it converted, compared when a checkpoint is read back
 _LOOP_FIELDS = ("chunk_size", "order", "last_chunk")
+#: Of each state: its role, recovered update rule and dependences decide the layer's function
+_STATE_FIELDS = ("role", "update_rule", "dependence")
+#: Of each pass: which it is, whether it applied, and whether exactly
+_PASS_FIELDS = ("name", "status", "exact")
+#: Of each layer: the function traced, its loop, streams and schedule, and exactness
+_LAYER_FIELDS = ("function", *_LOOP_FIELDS, "streams", "schedule", "reducible", "exact")
 
 
 __all__ = ["Manifest", "MANIFEST_NAME", "MANIFEST_VERSION", "replay_differences"]
