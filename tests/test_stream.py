@@ -99,6 +99,53 @@ def test_state_that_does_not_fit_is_refused():
             conv(x, ttt_state={"w1": 0}, return_ttt_state=True)
 
 
+def _altered(state, field):
+    """``state`` with one field changed as a caller might by hand."""
+    import dataclasses
+
+    changes = {
+        "values None": dict(values=(None,) * len(state.values)),
+        "values dropped": dict(values=()),
+        "values on meta": dict(values=tuple(v.to("meta") for v in state.values)),
+        "open dropped": dict(open=()),
+        "open of another dtype": dict(open=tuple(t.double() for t in state.open)),
+        "open of another width": dict(open=tuple(t[..., :1] for t in state.open)),
+        "open_tokens negative": dict(open_tokens=-1),
+        "open_tokens beyond a chunk": dict(open_tokens=100),
+        "open_tokens as text": dict(open_tokens="3"),
+        "open_tokens not the open chunk's": dict(open_tokens=0),
+        "tokens negative": dict(tokens=-5),
+        "roles renamed": dict(roles=tuple("x" for _ in state.roles)),
+        "sources renamed": dict(sources=tuple("x" for _ in state.sources)),
+    }
+    return dataclasses.replace(state, **changes[field])
+
+
+@pytest.mark.parametrize("field", [
+    "values None", "values dropped", "values on meta", "open dropped", "open of another dtype",
+    "open of another width", "open_tokens negative", "open_tokens beyond a chunk",
+    "open_tokens as text", "open_tokens not the open chunk's", "tokens negative", "roles renamed",
+    "sources renamed"])
+def test_a_state_altered_by_hand_is_refused_naming_what_differs(field):
+    """A ``TTTState`` is the layer's own: one altered since (a dropped open chunk, a count that
+    no longer matches it, tensors of another kind) is refused before any op runs, never read
+    as another state nor failing deep in the plan."""
+    _layer, conv = _case("folded-level1-weight-norm")
+    x = torch.randn(2, 6, D)
+    with torch.no_grad():
+        _y, state = conv(x[:, :3], return_ttt_state=True)
+        assert state.open_tokens == 3
+        with pytest.raises(ttt2la.StreamingError, match="pass the ttt_state the layer returned, "
+                                                        "unaltered"):
+            conv(x[:, 3:], ttt_state=_altered(state, field))
+
+
+def test_return_ttt_state_is_a_switch():
+    _layer, conv = _case("per-token-level0")
+    with pytest.raises(ttt2la.InvalidInputError, match="return_ttt_state must be True or False"):
+        conv(torch.randn(1, 4, D), return_ttt_state="yes")
+
+
 class _MeanCentred(LaCTFoldedLayer):
     """A layer whose code after the loop subtracts the mean over the sequence."""
 

@@ -62,6 +62,7 @@ from .training_mode import training_dependence
 from .compiled_plan import CompiledPlan, compiler_off, signature as compiled_signature
 from .folded_weights import FoldedWeights
 from .undifferentiable import refusal, refuse_backward
+from .validation import check_flag
 
 
 class LoopModule(torch.nn.Module):
@@ -940,6 +941,8 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
     example call was (``InputLayout.spelled``): its arguments matched to the forward's
     parameters by name, in the order the converted graphs take them. Under ``torch.jit.trace``
     an exact conversion runs the code as written (``torchscript``)."""
+    if type(return_ttt_state) is not bool:
+        check_flag(return_ttt_state, "return_ttt_state")
     state = self._ttt2la
     if not torch.compiler.is_compiling() and state.as_written is not None \
             and state.as_written.given and not kwargs and ttt_state is None \

@@ -98,16 +98,71 @@ def _narrow(invariants, axes: dict[int, int], start: int, length: int) -> list:
             for i, x in enumerate(invariants)]
 
 
-def _check_compatible(state: TTTState, program: TTTProgram, states0, where: str) -> None:
+def _check_compatible(state: TTTState, program: TTTProgram, states0, invariants, axes,
+                      where: str) -> None:
+    """Refuse a ``ttt_state`` this layer did not return at this batch size, or one altered
+    since: its names, values and open chunk must be what the layer's own state holds."""
     names = tuple(s.name for s in program.states)
     if state.names != names:
         raise StreamingError(
             f"the ttt_state passed to {where} belongs to another layer (its states are "
-            f"{', '.join(state.names)}; this layer carries {', '.join(names)}). Pass each "
-            "layer the state it returned, or ttt_state=None to start over.")
+            f"{', '.join(map(str, state.names))}; this layer carries {', '.join(names)}). Pass "
+            "each layer the state it returned, or ttt_state=None to start over.")
+    _check_tensors("values", state.values, states0, where)
     for name, v, s0 in zip(names, state.values, states0):
         if v.shape != s0.shape:
             raise StreamingError(_shape_mismatch(name, tuple(v.shape), tuple(s0.shape), where))
+    _check_open(state, program, invariants, axes, where)
+
+
+def _altered(what: str, where: str) -> StreamingError:
+    return StreamingError(f"the ttt_state passed to {where} {what}, which no state this layer "
+                          "returns holds: pass the ttt_state the layer returned, unaltered, or "
+                          "ttt_state=None to start over.")
+
+
+def _check_tensors(field: str, held, like, where: str) -> None:
+    """``held``: as many real tensors as ``like`` holds, on its device."""
+    if not isinstance(held, (tuple, list)) or len(held) != len(like):
+        raise _altered(f"has {field} {type(held).__name__} of "
+                       f"{len(held) if isinstance(held, (tuple, list)) else '?'} item(s) where "
+                       f"{len(like)} tensor(s) belong", where)
+    for i, (t, ref) in enumerate(zip(held, like)):
+        if not isinstance(t, torch.Tensor) or t.device != ref.device or t.layout != ref.layout:
+            found = type(t).__name__ if not isinstance(t, torch.Tensor) else \
+                f"a tensor on {t.device}"
+            raise _altered(f"has {field}[{i}] {found} where this call's are on {ref.device}",
+                           where)
+
+
+def _check_open(state: TTTState, program: TTTProgram, invariants, axes, where: str) -> None:
+    """The open chunk: one tensor per sliced sequence, ``open_tokens`` long on its token axis
+    (at most a chunk), the rest of its shape and its dtype the sequence's."""
+    sources = sorted(axes)
+    names = tuple(program.invariants[i].name for i in sources)
+    roles = tuple(s.role for s in program.states)
+    if tuple(state.sources) != names or tuple(state.roles) != roles:
+        raise _altered(f"names its sequences {state.sources} and roles {state.roles} (this "
+                       f"layer's are {names} and {roles})", where)
+    n = state.open_tokens
+    bound = 1 if any(s.per_token for s in program.streams) else program.chunk_size
+    if type(n) is not int or not 0 <= n <= bound or type(state.tokens) is not int \
+            or state.tokens < n:
+        raise _altered(f"says {state.open_tokens!r} open token(s) of {state.tokens!r} seen "
+                       f"(at most {bound} open, never more than seen)", where)
+    like = [invariants[i].narrow(axes[i], 0, 0) for i in sources]
+    _check_tensors("open", state.open, like, where)
+    for i, t, ref in zip(sources, state.open, like):
+        want = list(ref.shape)
+        want[axes[i]] = n
+        if list(t.shape) != want or t.dtype != ref.dtype:
+            raise _altered(f"holds an open chunk of {program.invariants[i].name} of "
+                           f"{_described(t.dtype, t.shape)} where {n} token(s) are "
+                           f"{_described(ref.dtype, want)}", where)
+
+
+def _described(dtype: torch.dtype, shape) -> str:
+    return f"{str(dtype).replace('torch.', '')} {tuple(shape)}"
 
 
 def _shape_mismatch(name: str, held: tuple, needed: tuple, where: str) -> str:
@@ -191,7 +246,7 @@ def advance(plan, program: TTTProgram, states0: list, invariants: list, call: St
     sources = sorted(axes)
     state_in, n_open, seen = call.state_in, 0, 0
     if state_in is not None:
-        _check_compatible(state_in, program, states0, where)
+        _check_compatible(state_in, program, states0, invariants, axes, where)
         states0 = [v.to(s.dtype) for v, s in zip(state_in.values, states0)]
         invariants = list(invariants)
         for i, prefix in zip(sources, state_in.open):
