@@ -51,6 +51,8 @@ def test_every_command_parses():
     ["inspect", "--zoo", "no-such-model"],
     ["demo", "--length", "0"],
     ["report"],                                       # no file
+    ["bench", "--zoo", "per-token", "--compile", "nope"],        # no such compiler backend
+    ["bench", "--zoo", "per-token", "--compile-plan", "nope"],
 ])
 def test_bad_command_lines_exit_with_status_2(argv, capsys):
     """A usage error is one line, as every other bad input is, naming the command and its help."""

@@ -776,6 +776,14 @@ def test_folds_naming_no_layer_or_no_pass_are_refused(folds, says):
         ttt2la.convert(model, level=1, example_inputs=(torch.randint(0, 64, (1, 32)),), folds=folds)
 
 
+def test_folds_for_a_model_that_is_its_layer_name_its_empty_path():
+    layer = LaCTFoldedLayer(32, 2, 16, muon=False)
+    with pytest.raises(ttt2la.InvalidInputError,
+                       match=r"the model's TTT layers are '' \(the model itself\)"):
+        ttt2la.convert(layer, level=1, example_inputs=(torch.randn(1, 32, 32),),
+                       folds={"ttt": {}})
+
+
 @pytest.mark.parametrize("arguments, says", [
     (dict(levels=[9]), "levels must be integers from 0 to 6, got 9"),
     (dict(levels="12"), "levels must be a list of integers from 0 to 6, got '12'"),

@@ -767,9 +767,11 @@ def _add_model_commands(add) -> None:
     p.add_argument("--max-seconds", type=_seconds, default=30.0,
                    help="stop timing after this many seconds, once 3 rounds are done (30)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   type=_compile_backend,
                    help="also time the original and each conversion under torch.compile, as rows "
                         "of their own (backend: inductor unless named; the first call compiles)")
     p.add_argument("--compile-plan", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   type=_compile_backend,
                    help="also time each level converted with compile=BACKEND (its plan alone "
                         "under torch.compile; inductor unless named), as rows of their own")
     _conversion_options(p, strict=False)
@@ -880,6 +882,17 @@ def _seed(text: str) -> int:
     if not 0 <= value < 2 ** 64:
         raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**64 - 1, got {text}")
     return value
+
+
+def _compile_backend(text: str) -> str:
+    """A ``torch.compile`` backend name this torch knows, refused before any work otherwise."""
+    from .compiled_plan import compiler_backend
+
+    try:
+        return compiler_backend(text)
+    except InvalidInputError as e:
+        said = first_line(e).split(" (compile=True")[0]
+        raise argparse.ArgumentTypeError(said.replace("compile=", "", 1)) from e
 
 
 def _seconds(text: str) -> float:

@@ -725,8 +725,8 @@ def _check_folds_name(folds: dict | None, layers: list[RecognizedLayer]) -> None
         if path not in paths:
             raise InvalidInputError(
                 f"folds names the layer {path!r}, and the model's TTT layers are "
-                f"{', '.join(map(repr, paths))}: give each layer's module_path from the report "
-                "that recorded the folds.")
+                f"{', '.join(repr(p) if p else repr(p) + ' (the model itself)' for p in paths)}: "
+                "give each layer's module_path from the report that recorded the folds.")
         unknown = [name for name in entry if name not in passes]
         if unknown:
             raise InvalidInputError(
