@@ -34,12 +34,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 def write_checkpoint(converted: torch.nn.Module, out, *, recipe: Recipe, spec: dict,
                      source: dict, inputs: tuple[tuple, dict | None] | None = None,
-                     force: bool = False, hf_dir: Path | None = None) -> Path:
+                     force: bool = False, hf_dir: Path | None = None, verify=None) -> Path:
     """Write ``converted`` to the directory ``out`` atomically (see the module docstring).
 
     ``spec`` is the example-input spec (``inputs`` are stored beside the weights when its kind
     is ``file``), ``source`` where the weights came from, ``hf_dir`` a Hugging Face directory
-    whose configuration and other small files are copied.
+    whose configuration and other small files are copied. ``verify(tmp)`` is called on the
+    complete temporary directory before it is renamed to ``out``, and may refuse it.
     """
     import ttt2la
 
@@ -65,6 +66,8 @@ def write_checkpoint(converted: torch.nn.Module, out, *, recipe: Recipe, spec: d
         (tmp / REPORT_NAME).write_text(_report_markdown(report, manifest))
         manifest.files = sorted(p.name for p in tmp.iterdir()) + [MANIFEST_NAME]
         manifest.write(tmp)
+        if verify is not None:
+            verify(tmp)
     return out
 
 
@@ -120,13 +123,18 @@ def save(converted: torch.nn.Module, directory, *, factory: str | None = None,
     The directory is written atomically and an existing path is replaced only with ``force``.
     """
     from ..report import ConversionReport
-    from ..validation import InvalidInputError, check_model
+    from ..validation import InvalidInputError, check_flag, check_model
+    from .arguments import as_directory, check_config, example_arguments, factory_spec
 
     check_model(converted)
     if not isinstance(getattr(converted, "ttt2la_report", None), ConversionReport):
         raise InvalidInputError(f"{type(converted).__name__} was not returned by ttt2la.convert "
                                 "(it has no ttt2la_report); convert it first")
-    check_output_dir(Path(directory), force=force, name="directory")
+    directory = as_directory(directory)
+    check_flag(force, "force")
+    factory, config = factory_spec(factory), check_config(config)
+    inputs = example_arguments(example_inputs, example_kwargs)
+    check_output_dir(directory, force=force, name="directory")
     recipe = _recipe_for(converted, factory, config)
     if example_inputs is None and not example_kwargs:
         if not any(n.startswith("example inputs inferred") for n in converted.ttt2la_report.notes):
@@ -134,13 +142,13 @@ def save(converted: torch.nn.Module, directory, *, factory: str | None = None,
                                     "so that load can replay the same conversion")
         spec, inputs = {"kind": "inferred"}, None
     else:
-        args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
-            tuple(example_inputs or ())
-        spec, inputs = {"kind": "file"}, (args, example_kwargs)
+        spec = {"kind": "file"}
     _check_rebuilds(converted, recipe, directory)
     source = {"sha256": sha256_state(unique_state(converted)), "held_in_memory": True}
     return write_checkpoint(converted, directory, recipe=recipe, spec=spec, source=source,
-                            inputs=inputs, force=force)
+                            inputs=inputs, force=force,
+                            verify=lambda tmp: _check_reads_back(converted, tmp, directory,
+                                                                 recipe, inputs))
 
 
 def _recipe_for(model: torch.nn.Module, factory: str | None, config: dict | None) -> Recipe:
@@ -223,38 +231,34 @@ def load(directory, model: torch.nn.Module | None = None, *, factory=None,
     differs. ``compile`` is ``convert``'s: a choice for this machine, not recorded.
     """
     from ..compiled_plan import compiler_backend
-    from ..conversion import convert
-    from ..validation import check_model, copy_of
+    from ..validation import check_flag
+    from .arguments import as_directory
 
-    directory = Path(directory)
+    directory = as_directory(directory)
+    check_flag(trust_factory, "trust_factory")
+    check_flag(trust_remote_code, "trust_remote_code")
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: {'not a directory' if directory.exists() else 'no such directory'}")
     compiler_backend(compile)                   # refused before any file is read
+    return _rebuild(directory, model, factory, trust_factory=trust_factory,
+                    trust_remote_code=trust_remote_code, compile=compile)
+
+
+def _rebuild(directory: Path, model, factory, *, trust_factory: bool, trust_remote_code: bool,
+             compile) -> torch.nn.Module:
+    """``load``'s work once its arguments are checked: read and check the files, build the
+    model, fit the weights, replay the conversion and compare it with the recorded one."""
+    from ..conversion import convert
+
     manifest = Manifest.read(directory)
     where = directory / MANIFEST_NAME
-    for name in manifest.files:
-        if not (directory / name).is_file():
-            raise CheckpointError(f"{directory / name}: missing (listed in {where})")
-    weights = directory / manifest.weights["file"]
-    if sha256_file(weights) != manifest.weights["sha256"]:
-        raise WeightMismatchError(f"{weights}: its sha256 does not match {where}; the weights "
-                                  "changed after they were written")
-    tensors = read_weight_file(weights)
-    recorded = {k: [str(v.dtype).split(".")[-1], list(v.shape)] for k, v in tensors.items()}
-    if recorded != manifest.weights["tensors"]:
-        raise ManifestError(f"{weights}: its tensors (names, dtypes, shapes) differ from those "
-                            f"recorded in {where}")
+    tensors, weights = _checked_weights(directory, manifest)
     if model is None:
-        recipe = Recipe.from_dict(manifest.recipe, where)
-        if factory is not None:
-            model = recipe.with_factory(factory).build(directory, trust_factory=True)
-        elif recipe.kind == "module":
-            raise CheckpointError(f"{where}: records no way to build {recipe.model_class}; pass "
-                                  f"model={recipe.model_class.rsplit('.', 1)[-1]}(...) to load")
-        else:
-            model = recipe.build(directory, trust_remote_code=trust_remote_code,
-                                 trust_factory=trust_factory)
+        model = _recorded_model(manifest, directory, factory, trust_factory=trust_factory,
+                                trust_remote_code=trust_remote_code)
     else:
+        from ..validation import check_model, copy_of
+
         check_model(model)
         model = copy_of(model)
     from .weights import fit_weights
@@ -272,6 +276,84 @@ def load(directory, model: torch.nn.Module | None = None, *, factory=None,
                             "else than the one saved; build it with the arguments of the saved "
                             "model (model=, factory= or the recorded config)")
     return converted
+
+
+def _checked_weights(directory: Path, manifest: Manifest) -> tuple[dict, Path]:
+    """The weights the manifest names, read after checking every listed file is there and the
+    weights' hash, names, dtypes and shapes are the recorded ones."""
+    where = directory / MANIFEST_NAME
+    weights = directory / manifest.weights["file"]
+    for name in [*manifest.files, manifest.weights["file"]]:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory / name}: missing (named in {where})")
+    if sha256_file(weights) != manifest.weights["sha256"]:
+        raise WeightMismatchError(f"{weights}: its sha256 does not match {where}; the weights "
+                                  "changed after they were written")
+    tensors = read_weight_file(weights)
+    recorded = {k: [str(v.dtype).split(".")[-1], list(v.shape)] for k, v in tensors.items()}
+    if recorded != manifest.weights["tensors"]:
+        raise ManifestError(f"{weights}: its tensors (names, dtypes, shapes) differ from those "
+                            f"recorded in {where}")
+    return tensors, weights
+
+
+def _recorded_model(manifest: Manifest, directory: Path, factory, *, trust_factory: bool,
+                    trust_remote_code: bool) -> torch.nn.Module:
+    """The model the manifest's recipe builds (by the caller's ``factory`` when given)."""
+    where = directory / MANIFEST_NAME
+    recipe = Recipe.from_dict(manifest.recipe, where)
+    if factory is not None:
+        return recipe.with_factory(factory).build(directory, trust_factory=True)
+    if recipe.kind == "module":
+        raise CheckpointError(f"{where}: records no way to build {recipe.model_class}; pass "
+                              f"model={recipe.model_class.rsplit('.', 1)[-1]}(...) to load")
+    return recipe.build(directory, trust_remote_code=trust_remote_code,
+                        trust_factory=trust_factory)
+
+
+def _check_reads_back(converted: torch.nn.Module, tmp: Path, out: Path, recipe: Recipe,
+                      inputs: tuple[tuple, dict | None] | None) -> None:
+    """Refuse to write a checkpoint ``load`` could not read back, or would read back as another
+    function: the converted model must run on the recorded example inputs, and the checkpoint in
+    ``tmp`` (renamed to ``out`` afterwards) must load and give the same outputs on them."""
+    from ..errors import ConversionError
+    from ..validation import check_runs
+
+    try:
+        if inputs is not None:
+            check_runs(converted, *inputs)
+        if recipe.kind == "module":             # load needs the caller's model= to rebuild it
+            return
+        loaded = _rebuild(tmp, None, None, trust_factory=True,
+                          trust_remote_code=recipe.trust_remote_code, compile=None)
+    except ConversionError as e:
+        raise CheckpointError(f"directory {out}: not written, since load could not read it back: "
+                              + str(e).replace(str(tmp), str(out))) from e
+    if inputs is not None:
+        _check_same_outputs(converted, loaded, inputs, out)
+
+
+def _check_same_outputs(converted, loaded, inputs, out: Path) -> None:
+    """Refuse a checkpoint whose reloaded model's outputs on the example inputs differ from the
+    saved model's beyond the output dtype's tolerance for equal computations."""
+    import torch.utils._pytree as pytree
+
+    from ..testing import TOLERANCE, rel_rms_error
+
+    args, kwargs = inputs
+    with torch.no_grad():
+        leaves = [[t for t in pytree.tree_leaves(m(*args, **(kwargs or {})))
+                   if isinstance(t, torch.Tensor) and t.is_floating_point()]
+                  for m in (converted, loaded)]
+    errors = [rel_rms_error(b, a) if a.shape == b.shape else float("inf")
+              for a, b in zip(*leaves)]
+    bad = [f"output {i}: relative RMS {e:.3g}" for i, (e, a) in enumerate(zip(errors, leaves[0]))
+           if not e <= TOLERANCE.get(a.dtype, 1e-5)]
+    if bad or len(leaves[0]) != len(leaves[1]):
+        raise CheckpointError(
+            f"directory {out}: not written, since the model load would rebuild from it computes "
+            f"something else on the example inputs ({'; '.join(bad) or 'other outputs'}); save "
+            "with the factory and config that build this model")
 
 
 __all__ = ["save", "load", "write_checkpoint", "open_checkpoint", "open_zoo", "Source",
