@@ -440,7 +440,7 @@ def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
         data = json.loads(path.read_text())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
-    except ValueError as e:         # malformed JSON, or bytes that are not text
+    except (ValueError, RecursionError) as e:   # malformed, too deeply nested, not text
         _say(err, f"ttt2la report: {path} is not JSON ({_one_line(e)}), so neither a report "
                   f"written by --json nor a converted checkpoint directory")
         return EXIT_REFUSED

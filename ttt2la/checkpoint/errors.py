@@ -40,6 +40,8 @@ def read_json(path, error: type[CheckpointError] = CheckpointError):
         raise error(f"{path}: cannot read ({e.strerror or e})") from e
     except ValueError as e:
         raise error(f"{path}: not JSON ({e})") from e
+    except RecursionError as e:
+        raise error(f"{path}: not a JSON document ttt2la reads (nested too deeply)") from e
 
 
 __all__ = ["CheckpointError", "UnsafeCheckpointError", "WeightMismatchError", "ManifestError",

@@ -65,7 +65,8 @@ class Manifest:
     def check_fields(self, where: Path) -> None:
         """Refuse fields of the wrong type, and files named outside the directory: a manifest
         from a file is read, never trusted to hold what ``to_dict`` wrote."""
-        types = {"level": int, "backend": str, "strict": bool, "recipe": dict,
+        types = {"ttt2la_version": str, "torch_version": str,
+                 "level": int, "backend": str, "strict": bool, "recipe": dict,
                  "example_inputs": dict, "source": dict, "weights": dict, "report": dict,
                  "files": list}
         for name, wanted in types.items():
@@ -77,12 +78,17 @@ class Manifest:
             raise ManifestError(f"{where}: malformed manifest: level is {self.level}, and levels "
                                 f"run from 0 to {MAX_LEVEL}; convert the source checkpoint again")
         self._check_report(where)
-        weights = self.weights
-        if not (isinstance(weights.get("file"), str) and isinstance(weights.get("sha256"), str)
-                and isinstance(weights.get("tensors"), dict)):
-            raise ManifestError(f"{where}: malformed manifest: weights must record file, sha256 "
-                                f"and tensors, found {sorted(weights)}")
-        for name in [*self.files, weights["file"]]:
+        _check_entries(self.weights, "weights", {"file": str, "sha256": str, "tensors": dict},
+                       where)
+        kind = self.example_inputs.get("kind")
+        if kind not in _INPUT_KINDS:
+            raise ManifestError(f"{where}: malformed manifest: example_inputs.kind is {kind!r:.80}, "
+                                f"not one of {', '.join(_INPUT_KINDS)}; convert the source "
+                                "checkpoint again")
+        if kind == "file":
+            _check_entries(self.example_inputs, "example_inputs", {"file": str, "sha256": str},
+                           where)
+        for name in [*self.files, self.weights["file"]]:
             if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
                 raise ManifestError(f"{where}: malformed manifest: {name!r} is not the name of "
                                     "a file in the checkpoint directory")
@@ -117,6 +123,23 @@ class Manifest:
                 if p.get("folded"):
                     out.setdefault(layer.get("module_path", ""), {})[p["name"]] = p["folded"]
         return out
+
+
+#: The kinds of example-input spec ``build_inputs`` rebuilds
+_INPUT_KINDS = ("token_ids", "normal", "zoo", "file", "inferred")
+
+
+def _check_entries(record: dict, name: str, types: dict, where: Path) -> None:
+    """Refuse a manifest record (``weights``, ``example_inputs``) lacking an entry or holding
+    one of the wrong type, naming it."""
+    for key, wanted in types.items():
+        if key not in record:
+            raise ManifestError(f"{where}: malformed manifest: {name} records no {key}; convert "
+                                "the source checkpoint again")
+        if not isinstance(record[key], wanted):
+            raise ManifestError(f"{where}: malformed manifest: {name}.{key} is "
+                                f"{record[key]!r:.80}, not a {wanted.__name__}; convert the "
+                                "source checkpoint again")
 
 
 def replay_differences(recorded: dict, replayed: dict) -> list[str]:

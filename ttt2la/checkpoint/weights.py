@@ -102,6 +102,10 @@ def _read_pickled(file: Path) -> dict[str, torch.Tensor]:
             warnings.simplefilter("ignore")
             data = torch.load(str(file), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if _not_a_pickle(e):
+            raise CheckpointError(f"{file}: not a torch checkpoint (neither a zip archive nor a "
+                                  "pickle torch.load reads); name a .safetensors, .pt or .bin "
+                                  "file of weights") from e
         raise UnsafeCheckpointError(
             f"{file}: refused, this pickle would run code to load (it names objects other than "
             f"tensors{_unpickler_global(e)}); if you trust it, re-save its tensors with "
@@ -122,6 +126,13 @@ def _read_pickled(file: Path) -> dict[str, torch.Tensor]:
     return data
 
 
+def _not_a_pickle(e: BaseException) -> bool:
+    """Whether torch's safe unpickler refused the bytes themselves (an opcode or length no
+    pickle of tensors holds), not a pickle naming code."""
+    return re.search(r"WeightsUnpickler error:\s*(Unsupported operand|String is too long)",
+                     str(e)) is not None
+
+
 def _unpickler_global(e: BaseException) -> str:
     """``": GLOBAL io.open"``: what the refused pickle names, from torch's unpickler message."""
     found = re.search(r"Unsupported global: (GLOBAL [\w.]+)", str(e))
@@ -136,9 +147,12 @@ def _why(e: BaseException) -> str:
 def sha256_file(file: Path) -> str:
     """The sha256 of a file's bytes, read in blocks."""
     digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    try:
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read ({_why(e)})") from e
     return digest.hexdigest()
 
 
