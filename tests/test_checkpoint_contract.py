@@ -215,3 +215,14 @@ def test_manifest_fields_of_the_wrong_type_are_refused(saved, tmp_path, path, va
     directory = edit_manifest(saved, tmp_path / "ck", set_field(path, value))
     with pytest.raises(ManifestError, match=match):
         ttt2la.load(directory)
+
+
+def test_save_compares_the_reloaded_outputs_with_the_saved_model(converted, tmp_path, monkeypatch):
+    import ttt2la.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "replay_differences", lambda recorded, replayed: [])
+    model, ids = converted
+    with pytest.raises(CheckpointError, match=r"computes something else on the example inputs"):
+        ttt2la.save(model, tmp_path / "ck", factory=FACTORY, config=dict(KW, muon=True),
+                    example_inputs=(ids,))
+    assert_nothing_written(tmp_path / "ck")
