@@ -891,3 +891,16 @@ def test_a_forward_taking_keywords_only_converts_from_example_kwargs():
     assert converted.ttt2la_report.exact
     y = torch.randn(3, 24, 32)
     assert rel_rms_error(converted(x=y), model(x=y)) <= 1e-5
+
+
+def test_example_inputs_whose_products_overflow_are_named_not_called_a_bug():
+    """Features of 1e30 overflow fp32 in any product; the plan sums products in another order
+    than the loop, so its check fails there: the message says the inputs overflow, not that
+    the lowering is at fault."""
+    from ttt2la.zoo import PerTokenTTTLayer
+
+    torch.manual_seed(0)
+    layer = PerTokenTTTLayer(32, 2).eval()
+    with pytest.raises(ttt2la.InvalidInputError, match=r"reach \S+e\+30 in float32, beyond "
+                                                       r"1.84e\+19, so products of them overflow"):
+        ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 32) * 1e30,))

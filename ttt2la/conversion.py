@@ -460,6 +460,14 @@ def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
                 f"it (its plan {loop.plan.implementation} differs by {bad}). Keep the state in "
                 "the precision the loop computes in, or convert with backend='naive' to run the "
                 "loop step by step, exactly.")
+        overflow = _overflowing(invariants)
+        if overflow:
+            raise InvalidInputError(
+                f"the lowered plan {loop.plan.implementation} of {rl.path or 'the model'} "
+                f"({state.program.loop_src}) could not be checked on the example inputs: "
+                f"{overflow}, so products of them overflow and the plan, which sums them in "
+                f"another order than the loop, differs by {bad}. Pass example inputs scaled like "
+                "the model's real inputs.")
         raise ConversionError(
             f"the lowered plan {loop.plan.implementation} of {rl.path or 'the model'} "
             f"({state.program.loop_src}) does not compute what the rewritten loop computes run "
@@ -467,6 +475,19 @@ def _check_plan(rl: RecognizedLayer, state: ConvertedState) -> dict:
             "is a bug in ttt2la's lowering — please report it with the model; meanwhile "
             "convert with backend='naive' (the recurrent reference) or a lower level.")
     return result
+
+
+def _overflowing(tensors) -> str:
+    """What in the loop's inputs is so large that a product of two overflows its dtype (empty
+    when nothing is): a check failing there says nothing of the lowering."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            largest = float(t.detach().abs().max())
+            limit = torch.finfo(t.dtype).max ** 0.5
+            if largest > limit:
+                return (f"the loop's inputs reach {largest:.3g} in {str(t.dtype)[6:]}, beyond "
+                        f"{limit:.3g}")
+    return ""
 
 
 def _narrow_state(program) -> str:
