@@ -2587,7 +2587,7 @@ MUTATIONS = [
         ("tests/test_recast.py",), "stream_as_the_first"),
     Mutation(
         "replayed_loop_uncompared", "a converted checkpoint whose recipe was edited to build another loop (another chunk size) loads as the checkpoint",
-        (("ttt2la/checkpoint/manifest.py", '            **{name: layer.get(name) for name in _LOOP_FIELDS},', '            **{},'),),
+        (("ttt2la/checkpoint/manifest.py", '    out = {name.replace("_", " "): layer.get(name) for name in _LAYER_FIELDS}', '    out = {}'),),
         ("tests/test_checkpoint.py",), "builds_another_loop"),
     Mutation(
         "manifest_level_unchecked", "a manifest's level outside 0 to 6 is refused by `convert` without naming the manifest",
@@ -2649,6 +2649,106 @@ MUTATIONS = [
         "meta_load_fingerprinted", "loading into a lossy conversion on the meta device fingerprints tensors that hold no values, and a raw RuntimeError escapes load_state_dict",
         (("ttt2la/folded_weights.py", "    if folded is None or any(t.is_meta for t in params_and_buffers(module).values()):", "    if folded is None:"),),
         ("tests/test_folded_weights.py",), "meta"),
+    Mutation(
+        'measurement_of_another_type_rendered', "a report's pass drift holding text where a measurement belongs is rendered as measured, not refused",
+        (('ttt2la/report.py', '            _measurements(p.drift, f"{where}: passes[{i}]", "drift")\n', '            pass\n'),),
+        ('tests/test_report.py',), 'measurement_or_level'),
+    Mutation(
+        'report_level_unbounded', 'a report read from a file may say it was converted at level -1 or 10**20',
+        (('ttt2la/report.py', '        if _typed(d, "level", int, cls.kind, 0) not in LEVELS:\n', '        if False:\n'),),
+        ('tests/test_report.py',), 'measurement_or_level'),
+    Mutation(
+        'usage_block_on_bad_command_line', "a command-line usage error prints argparse's usage block before its line",
+        (('ttt2la/cli.py', '    parser = _OneLineParser(\n', '    parser = argparse.ArgumentParser(\n'),),
+        ('tests/test_cli.py',), 'bad_command'),
+    Mutation(
+        'model_kept_as_written_not_named', 'a stream over a model that is itself a layer kept as written asks to convert the converted model',
+        (('ttt2la/stream.py', '                if layer.module_path not in self.layers]\n', '                if layer.module_path not in self.layers and layer.module_path != ""]\n'),),
+        ('tests/test_stream.py',), 'kept_as_written'),
+    Mutation(
+        'altered_open_chunk_read', 'a ttt_state whose open chunk or token counts were altered by hand is run, failing deep in the plan or read as another state',
+        (('ttt2la/stream.py', '    _check_open(state, program, invariants, axes, where)\n', '    pass\n'),),
+        ('tests/test_stream.py',), 'altered'),
+    Mutation(
+        'altered_values_read', 'a ttt_state whose values were replaced (None, dropped, on the meta device) is run, failing deep in the plan',
+        (('ttt2la/stream.py', '    _check_tensors("values", state.values, states0, where)\n', '    pass\n'),),
+        ('tests/test_stream.py',), 'altered'),
+    Mutation(
+        'calibration_unchecked', 'calibration inputs with an empty axis reach the resizing to the traced batch (a ZeroDivisionError)',
+        (('ttt2la/conversion.py', '        check_finite(calibration, None, "calibration")\n', '        pass\n'),),
+        ('tests/test_cli_inputs.py',), 'calibration_inputs_with_an_empty_axis'),
+    Mutation(
+        'sparse_example_read', 'a sparse example tensor reaches the finiteness check, a raw NotImplementedError',
+        (('ttt2la/validation.py', '        if leaf.layout != torch.strided:\n', '        if False:\n'),),
+        ('tests/test_cli_inputs.py',), 'sparse'),
+    Mutation(
+        'torchscript_model_traced', 'a TorchScript model is run as if Python and its failure blamed on the example inputs',
+        (('ttt2la/validation.py', '    if isinstance(model, torch.jit.ScriptModule):\n', '    if False:\n'),),
+        ('tests/test_cli_inputs.py',), 'torchscript'),
+    Mutation(
+        'keywords_only_given_made_up_ids', 'a keyword-only forward given example_kwargs alone is asked for example_inputs it cannot take',
+        (('ttt2la/conversion.py', '    if example_inputs is None and example_kwargs and first_embedding(model) is None:\n', '    if False:\n'),),
+        ('tests/test_cli_inputs.py',), 'keywords_only'),
+    Mutation(
+        'return_state_truthy', "return_ttt_state='yes' is taken as True",
+        (('ttt2la/converted.py', '        check_flag(return_ttt_state, "return_ttt_state")\n', '        pass\n'),),
+        ('tests/test_stream.py',), 'switch'),
+    Mutation(
+        'unknown_compiler_benched', 'bench --compile with a backend torch.compile does not know times every row and exits 0',
+        (('ttt2la/cli.py', '                   type=_compile_backend,\n                   help="also time the original', '                   help="also time the original'),),
+        ('tests/test_cli.py',), 'bad_command'),
+    Mutation(
+        'root_layer_path_quoted_bare', "folds naming no layer of a model that is its own layer list the layers as ''",
+        (('ttt2la/conversion.py', "{', '.join(repr(p) if p else repr(p) + ' (the model itself)' for p in paths)}", "{', '.join(map(repr, paths))}"),),
+        ('tests/test_cli_inputs.py',), 'its_layer_name_its_empty_path'),
+    Mutation(
+        'overflow_called_a_bug', "example inputs whose products overflow fp32 fail the plan's check and are reported as a bug in the lowering",
+        (('ttt2la/conversion.py', '        overflow = _overflowing(invariants)\n', '        overflow = ""\n'),),
+        ('tests/test_cli_inputs.py',), 'overflow'),
+    Mutation(
+        'replay_rules_uncompared', "load compares the replayed conversion's states by role only, so a model built with another update rule (Muon on where it was off) loads silently",
+        (('ttt2la/checkpoint/manifest.py', '_STATE_FIELDS = ("role", "update_rule", "dependence")', '_STATE_FIELDS = ("role",)'),),
+        ('tests/test_checkpoint_contract.py',), 'another_update_rule or recorded_config_building'),
+    Mutation(
+        'save_unverified', 'save writes a checkpoint without reading it back, so one load cannot rebuild (inputs the model fails on, a config of another function) is written',
+        (('ttt2la/checkpoint/__init__.py', '            verify(tmp)', '            pass'),),
+        ('tests/test_checkpoint_contract.py',), 'fails_on or config_building_another or replay_fails'),
+    Mutation(
+        'save_outputs_uncompared', "save's read-back does not compare the reloaded model's outputs with the saved model's",
+        (('ttt2la/checkpoint/__init__.py', '    if bad or len(leaves[0]) != len(leaves[1]):', '    if False:'),),
+        ('tests/test_checkpoint_contract.py',), 'compares_the_reloaded'),
+    Mutation(
+        'checkpoint_path_unchecked', 'save or load given a directory that is no path (None, a number) raises a raw TypeError',
+        (('ttt2la/checkpoint/arguments.py', '    if not isinstance(value, (str, os.PathLike)):', '    if False:'),),
+        ('tests/test_checkpoint_contract.py',), 'dir-None or dir-int or load_refuses_arguments'),
+    Mutation(
+        'factory_uncallable_recorded', 'save records a factory that is neither a name nor a callable, and raises a raw error',
+        (('ttt2la/checkpoint/arguments.py', '    if not callable(factory):', '    if False:'),),
+        ('tests/test_checkpoint_contract.py',), 'factory-int'),
+    Mutation(
+        'deep_manifest_raw', 'a manifest nested too deeply raises a raw RecursionError',
+        (('ttt2la/checkpoint/errors.py', '    except RecursionError as e:', '    except ZeroDivisionError as e:'),),
+        ('tests/test_checkpoint_contract.py',), 'deeply_nested_manifest'),
+    Mutation(
+        'deep_report_traceback', 'ttt2la report on a deeply nested JSON file prints a traceback',
+        (('ttt2la/cli.py', '    except (ValueError, RecursionError) as e:', '    except ValueError as e:'),),
+        ('tests/test_checkpoint_contract.py',), 'cli_report_refuses_a_deeply'),
+    Mutation(
+        'missing_weights_file_raw', 'a manifest naming a weights file that is not there raises a raw FileNotFoundError',
+        (('ttt2la/checkpoint/__init__.py', '    for name in [*manifest.files, manifest.weights["file"]]:', '    for name in manifest.files:'),),
+        ('tests/test_checkpoint_contract.py',), 'missing_weights_file'),
+    Mutation(
+        'other_bytes_called_a_pickle', 'a .pt file that is neither a zip nor a pickle is called a pickle that would run code',
+        (('ttt2la/checkpoint/weights.py', '        if _not_a_pickle(e):', '        if False:'),),
+        ('tests/test_checkpoint_contract.py',), 'pt_file_of_other_bytes'),
+    Mutation(
+        'manifest_versions_untyped', "a manifest's ttt2la_version or torch_version of any type is accepted",
+        (('ttt2la/checkpoint/manifest.py', 'types = {"ttt2la_version": str, "torch_version": str,', 'types = {'),),
+        ('tests/test_checkpoint_contract.py',), 'manifest_fields'),
+    Mutation(
+        'example_file_spec_untyped', "a manifest's example-input file entry without a text file name or hash is accepted",
+        (('ttt2la/checkpoint/manifest.py', '        if kind == "file":', '        if False:'),),
+        ('tests/test_checkpoint_contract.py',), 'manifest_fields'),
 ]
 
 
