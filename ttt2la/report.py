@@ -492,12 +492,11 @@ def _notes(d: dict, kind: str) -> list[str]:
 
 def _loss(d: dict, kind: str) -> dict | None:
     loss = _typed(d, "loss", (dict, type(None)), kind, None)
-    for name, types in (("change", (int, float)), ("inputs", str)):
+    for name, wanted in (("change", "a number"), ("inputs", "text")):
         value = (loss or {}).get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+        if not _holds(wanted, value):
             raise ReportFormatError(f"the {kind} report's loss {name} is {value!r:.60}, not "
-                                    f"{'a number' if name == 'change' else 'text'}; re-create "
-                                    "it with this version of ttt2la")
+                                    f"{wanted}; re-create it with this version of ttt2la")
     return loss
 
 
