@@ -39,6 +39,10 @@ def spec_from_shape(model: torch.nn.Module, shape: tuple[int, ...], seed: int = 
     raise CheckpointError(f"--example-shape {','.join(map(str, shape))}: expected {wanted}")
 
 
+#: The kinds of example-input spec ``build_inputs`` rebuilds.
+INPUT_KINDS = ("token_ids", "normal", "zoo", "file", "inferred")
+
+
 def build_inputs(spec: dict, directory: Path | None = None) -> tuple[tuple | None, dict | None]:
     """``(example_inputs, example_kwargs)`` rebuilt from ``spec`` (``None`` for inferred ones)."""
     kind = spec.get("kind") if isinstance(spec, dict) else None

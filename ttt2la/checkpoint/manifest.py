@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..validation import MAX_LEVEL
 from .errors import ManifestError, read_json
+from .example_inputs import INPUT_KINDS
 
 MANIFEST_NAME = "ttt2la.json"
 #: Version of the manifest format; ``load`` refuses any other.
@@ -81,9 +82,9 @@ class Manifest:
         _check_entries(self.weights, "weights", {"file": str, "sha256": str, "tensors": dict},
                        where)
         kind = self.example_inputs.get("kind")
-        if kind not in _INPUT_KINDS:
+        if kind not in INPUT_KINDS:
             raise ManifestError(f"{where}: malformed manifest: example_inputs.kind is {kind!r:.80}, "
-                                f"not one of {', '.join(_INPUT_KINDS)}; convert the source "
+                                f"not one of {', '.join(INPUT_KINDS)}; convert the source "
                                 "checkpoint again")
         if kind == "file":
             _check_entries(self.example_inputs, "example_inputs", {"file": str, "sha256": str},
@@ -123,10 +124,6 @@ class Manifest:
                 if p.get("folded"):
                     out.setdefault(layer.get("module_path", ""), {})[p["name"]] = p["folded"]
         return out
-
-
-#: The kinds of example-input spec ``build_inputs`` rebuilds
-_INPUT_KINDS = ("token_ids", "normal", "zoo", "file", "inferred")
 
 
 def _check_entries(record: dict, name: str, types: dict, where: Path) -> None:
