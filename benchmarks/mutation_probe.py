@@ -2749,6 +2749,10 @@ MUTATIONS = [
         'example_file_spec_untyped', "a manifest's example-input file entry without a text file name or hash is accepted",
         (('ttt2la/checkpoint/manifest.py', '        if kind == "file":', '        if False:'),),
         ('tests/test_checkpoint_contract.py',), 'manifest_fields'),
+    Mutation(
+        'whole_sequence_divisor_unchecked', "a whole-sequence plan runs a partial last chunk with the divisor the trace read from a whole chunk",
+        (('ttt2la/lowering/lift.py', '        if layout.partial and prog.partial_chunk:', '        if False:'),),
+        ('tests/test_padded_chunk.py',), 'divisor_read_from_the_chunk'),
 ]
 
 

@@ -117,6 +117,49 @@ def test_a_lossy_conversion_refuses_a_partial_chunk_it_would_pad_wrongly():
         conv(torch.randn(2, 10, D))
 
 
+class ChunkMeanIncrement(nn.Module):
+    """Linear attention whose increment is divided by its chunk's own token count, read from
+    the chunk (``k.size(1)`` or ``k.shape[1]``): its features are token-local, so the plan runs
+    them over the whole sequence, where no chunk is padded and the trace's ``1 / C`` would be
+    the op's scale for a partial chunk too."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W = x.new_zeros(x.shape[0], D, D)
+        ys = []
+        for s in range(0, x.shape[1], C):
+            kc, vc = k[:, s:s + C], v[:, s:s + C]
+            if self.spelling == "einsum":
+                W = W + torch.einsum("bck,bcv->bkv", kc, vc) / kc.size(1)
+            else:
+                W = W + kc.transpose(1, 2) @ vc / kc.shape[1]
+            ys.append(q[:, s:s + C] @ W)
+        return torch.cat(ys, 1)
+
+
+@pytest.mark.parametrize("spelling", ["einsum", "matmul"])
+def test_a_divisor_read_from_the_chunk_runs_partial_chunks_as_written(spelling):
+    """The whole-sequence plan on the block op: whole chunks run the op, a partial last chunk
+    (whose divisor the trace never saw) runs as written, outputs and every gradient equal."""
+    torch.manual_seed(0)
+    layer = ChunkMeanIncrement(spelling)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 8 * C, D),))
+    assert conv._ttt2la.plan.lifted.whole_sequence
+    assert_same_function(conv, layer, [torch.randn(2, 3 * C, D), torch.randn(2, 10, D),
+                                       torch.randn(1, C - 1, D)])
+    with torch.no_grad():
+        x = torch.randn(1, 2 * C + 1, D)
+        assert torch.allclose(conv(x), layer(x), rtol=1e-5, atol=1e-6)
+    runs = _partial_runs(conv)
+    assert runs and all(v.startswith("as written") and "div by" in v for v in runs.values()), runs
+    assert conv.ttt2la_report.layers[0].runs["batch 2"] == "block_linear_attention[torch]"
+
+
 def test_the_verdict_survives_pickling():
     layer, conv = _converted("count")
     again = pickle.loads(pickle.dumps(conv))

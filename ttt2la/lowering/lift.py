@@ -1073,6 +1073,10 @@ class LiftedPlan:
         lp = self.lifted
         prog = lp.program
         layout = chunk_layout(prog, list(invariants))
+        if layout.partial and prog.partial_chunk:
+            # nothing is padded here, but a number the trace took from a whole chunk's length
+            # (``/ k.size(1)``) is the scale the op runs with: a partial chunk needs another
+            require_inert_padding(prog, states0, invariants, layout, self._padding_checked)
         values, _ = _bind(self._inputs, dict(zip(self._inputs.streams,
                                                  (invariants[s.source] for s in prog.streams))),
                           invariants, states0)
