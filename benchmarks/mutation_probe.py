@@ -2753,6 +2753,10 @@ MUTATIONS = [
         'whole_sequence_divisor_unchecked', "a whole-sequence plan runs a partial last chunk with the divisor the trace read from a whole chunk",
         (('ttt2la/lowering/lift.py', '        if layout.partial and prog.partial_chunk:', '        if False:'),),
         ('tests/test_padded_chunk.py',), 'divisor_read_from_the_chunk'),
+    Mutation(
+        'output_fed_back_called_stored_states', "a loop carrying its output into the next chunk is told to collect its outputs, which it does",
+        (('ttt2la/frontend/rollup.py', '        if fed_back:', '        if False:'),),
+        ('tests/test_refusal_messages.py',), 'output_fed'),
 ]
 
 

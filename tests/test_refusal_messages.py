@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, a schedule of steps that each take the same stretch of the sequence, iterations that run other ops, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, states stored for the code after the loop, an output fed into the next chunk, a schedule of steps that each take the same stretch of the sequence, iterations that run other ops, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
 from __future__ import annotations
 
 import inspect
@@ -605,6 +605,52 @@ def test_a_loop_whose_final_state_alone_is_read_is_named_a_step_written_in_chunk
     message = str(info.value)
     assert f"{HERE}:{_line_of(AccumulatedThenRead.forward)}" in message
     assert "reads the final state `W`" in message and "without the loop" in message
+
+
+class StoredStates(_ChunkLayer):
+    """Every chunk's fast weight stored and read after the loop, the outputs made there."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, Ws = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for s in range(0, x.shape[1], self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]  # <- named
+            Ws.append(W)
+        return torch.cat([q[:, i * self.C:(i + 1) * self.C] @ w for i, w in enumerate(Ws)], 1)
+
+
+class OutputFedBack(_ChunkLayer):
+    """Each chunk's output collected and also mixed into the next chunk's keys."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs, prev = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), [], x.new_zeros(1)
+        for s in range(0, x.shape[1], self.C):
+            kc = k[:, s:s + self.C] + 0.1 * prev.mean()  # <- read
+            W = W + kc.mT @ v[:, s:s + self.C]
+            y = q[:, s:s + self.C] @ W  # <- named
+            outs.append(y)
+            prev = y
+        return torch.cat(outs, 1)
+
+
+def test_stored_states_are_named_with_the_outputs_to_collect_instead():
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(StoredStates(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(info.value)
+    assert f"{HERE}:{_line_of(StoredStates.forward)}" in message
+    assert "reads the stored states" in message and "collect the outputs" in message
+
+
+def test_an_output_fed_into_the_next_chunk_is_named_with_the_line_reading_it():
+    """Not "collect the outputs instead": the code does; the output is also carried."""
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(OutputFedBack(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+    message = str(info.value)
+    assert f"{HERE}:{_line_of(OutputFedBack.forward)}" in message
+    assert f"{HERE}:{_line_of(OutputFedBack.forward, '# <- read')}" in message
+    assert "output `y`" in message and "carried into the next iteration" in message
+    assert "collect the outputs" not in message
 
 
 class ScheduledSteps(LinearFastWeight):

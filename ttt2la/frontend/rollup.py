@@ -684,6 +684,26 @@ def _written_value(write: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.No
     return written, {write}
 
 
+def _output_fed_back(u: Unrolled, states: States, stored: list) -> str:
+    """Why a loop carrying its own output into the next iteration is refused, or ``""``: a
+    stored value computed from another state's new value (``y = q @ W``, kept as ``prev = y``)
+    is the chunk's output, read again by the next chunk, not a state the loop updates."""
+    outs = set(states.carried.values())
+    body = set(u.iters[1])
+    for y in stored:
+        if not any(_reaches(w, y) for w in outs if w is not y):
+            continue
+        previous = next(p for p, out in states.carried.items() if out is y)
+        reads = [n for n in previous.users if n in body]
+        where = f" at {_where(reads[0])}" if reads else ""
+        return (f"every chunk's output {_named(y)} is both collected after the loop and "
+                f"carried into the next iteration, which reads it{where}: the state's update then "
+                "depends on the outputs before it, which no linear-attention update does. "
+                "ttt2la converts loops whose chunks take their inputs from the sequence; "
+                "compute each chunk's inputs without the previous chunk's output")
+    return ""
+
+
 def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
     """The one value of iteration 1 that code after the loop gathers: what it writes into the
     output buffer, else the body value read outside the loop that is not a state."""
@@ -694,6 +714,9 @@ def chunk_output(u: Unrolled, states: States) -> torch.fx.Node:
             if any(x not in u.in_loop for x in n.users) and n not in state_outs]
     if not outs:
         stored = [n for n in state_outs if any(x not in u.in_loop for x in n.users)]
+        fed_back = _output_fed_back(u, states, stored)
+        if fed_back:
+            raise u.fail(fed_back)
         if stored:
             raise u.fail(
                 f"no iteration output is used after the loop, but every iteration's state "
