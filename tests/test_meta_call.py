@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,8 +17,10 @@ from hypothesis import strategies as st
 import ttt2la
 from ttt2la.zoo import TitansLinearMemory, lact_layer
 
+# LaCT with two Newton–Schulz steps: the meta device, not the iteration, is under test
 LAYERS = {
-    "lact": lambda: lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4),
+    "lact": lambda: lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4,
+                               muon_steps=2),
     "titans": lambda: TitansLinearMemory(16, 4),
 }
 
@@ -26,10 +29,20 @@ def _out(y):
     return y[0] if isinstance(y, tuple) else y
 
 
+_CONVERTED = module_scoped.cache()
+
+
 def _converted(name: str, level: int):
-    torch.manual_seed(0)
-    original = LAYERS[name]()
-    return original, ttt2la.convert(original, level=level, example_inputs=(torch.randn(2, 16, 16),))
+    """The original layer and a copy of its conversion at ``level``, converted once per module:
+    each caller gets a copy that nothing has called yet, its report's runs as conversion left
+    them."""
+    if (name, level) not in _CONVERTED:
+        torch.manual_seed(0)
+        original = LAYERS[name]()
+        _CONVERTED[name, level] = original, ttt2la.convert(
+            original, level=level, example_inputs=(torch.randn(2, 16, 16),))
+    original, converted = _CONVERTED[name, level]
+    return original, copy.deepcopy(converted)
 
 
 @pytest.mark.parametrize("name", LAYERS)
