@@ -2757,6 +2757,10 @@ MUTATIONS = [
         'output_fed_back_called_stored_states', "a loop carrying its output into the next chunk is told to collect its outputs, which it does",
         (('ttt2la/frontend/rollup.py', '        if fed_back:', '        if False:'),),
         ('tests/test_refusal_messages.py',), 'output_fed'),
+    Mutation(
+        'peeled_piece_unplaced', "a last piece joined as the loop's last chunk is refused without its line",
+        (('ttt2la/frontend/rollup.py', 'f"code after the loop computes a last output ({_where(y_tail)}) that is not the "', '"code after the loop computes a last output that is not the "'),),
+        ('tests/test_refusal_messages.py',), 'last_piece'),
 ]
 
 

@@ -1,7 +1,7 @@
 """Refusals that name what was found, the user's line and what converts instead: a loop that
 starts at an offset, a stream read at a stride, an `if` on the loop's index, a state passed
 to another layer, a call at length 0, a state stored narrower than the loop computes, a token
-read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, states stored for the code after the loop, an output fed into the next chunk, a schedule of steps that each take the same stretch of the sequence, iterations that run other ops, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
+read once per chunk straight from the sequence, a table longer than the sequence, a loop that pads its own last chunk, outputs joined after another piece, a loop over heads around the token or chunk loop, a value of the loop read after it, a loop whose final state alone is read after it, states stored for the code after the loop, an output fed into the next chunk, a last piece joined as if it were the loop's last chunk, a schedule of steps that each take the same stretch of the sequence, iterations that run other ops, a size of no form in the length — each op named by the torch call and the line that made it, never by the traced graph's text."""
 from __future__ import annotations
 
 import inspect
@@ -632,6 +632,42 @@ class OutputFedBack(_ChunkLayer):
             outs.append(y)
             prev = y
         return torch.cat(outs, 1)
+
+
+class WholeChunksThenTheRest(_ChunkLayer):
+    """A loop over whole chunks only; the remaining tokens' values passed through after it, as
+    one more piece of the loop's join (``joined``) or after the loop's outputs joined alone."""
+
+    def __init__(self, joined: bool):
+        super().__init__()
+        self.joined = joined
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        W, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        whole = x.shape[1] // self.C * self.C
+        for s in range(0, x.shape[1] - self.C + 1, self.C):
+            W = W + k[:, s:s + self.C].mT @ v[:, s:s + self.C]
+            outs.append(q[:, s:s + self.C] @ W)
+        if self.joined:
+            outs.append(v[:, whole:])  # <- named
+            return torch.cat(outs, 1)
+        return torch.cat([torch.cat(outs, 1), v[:, whole:]], 1)
+
+
+def test_a_last_piece_joined_as_a_chunk_is_named_with_the_spellings_that_convert():
+    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
+        ttt2la.convert(WholeChunksThenTheRest(True), level=0,
+                       example_inputs=(torch.randn(2, 18, 8),))
+    message = str(info.value)
+    assert f"{HERE}:{_line_of(WholeChunksThenTheRest.forward)}" in message
+    assert "range(0, L, C)" in message and "torch.cat([torch.cat(outs, 1), rest], 1)" in message
+    torch.manual_seed(0)
+    layer = WholeChunksThenTheRest(False)       # the second spelling converts, as it says
+    converted = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    x = torch.randn(3, 12, 8)
+    with torch.no_grad():
+        assert torch.allclose(converted(x), layer(x), rtol=1e-5, atol=1e-6)
 
 
 def test_stored_states_are_named_with_the_outputs_to_collect_instead():

@@ -968,8 +968,13 @@ def _peeled_apply(u: Unrolled, inputs: Inputs, states: States, updated: set,
     same = _SameValues(u, inputs.hoisted, sliced)
     if [n.target for n in ours] != [n.target for n in theirs] or \
             not all(same.op(a, b) for a, b in zip(ours, theirs)):
-        raise u.fail("code after the loop computes a last output that is not the loop's own "
-                     "apply step")
+        raise u.fail(
+            f"code after the loop computes a last output ({_where(y_tail)}) that is not the "
+            "loop's own apply step, joined with the loop's outputs as if it were their last "
+            "chunk. Let the loop take the last, partial chunk itself (range(0, L, C)), or join "
+            "the loop's outputs alone and the other piece after them "
+            "(torch.cat([torch.cat(outs, 1), rest], 1)), which converts for lengths that are "
+            "multiples of the chunk")
     return tail_nodes
 
 
