@@ -2761,6 +2761,14 @@ MUTATIONS = [
         'peeled_piece_unplaced', "a last piece joined as the loop's last chunk is refused without its line",
         (('ttt2la/frontend/rollup.py', 'f"code after the loop computes a last output ({_where(y_tail)}) that is not the "', '"code after the loop computes a last output that is not the "'),),
         ('tests/test_refusal_messages.py',), 'last_piece'),
+    Mutation(
+        'unfold_traced_opaque', "windows that do not overlap (unfold(1, C, C)) traced as one op, not as the reshape and move they are",
+        (('ttt2la/frontend/decompositions.py', '    aten.unfold.default: unfold,', ''),),
+        ('tests/test_chunks_made_before_the_loop.py',), 'unfold'),
+    Mutation(
+        'unfold_chunks_undiscovered', "chunks made by unfold(1, C, C) are not known as chunks when the layer first runs",
+        (('ttt2la/frontend/prechunked.py', '        if name == "unfold":', '        if False:'),),
+        ('tests/test_chunks_made_before_the_loop.py',), 'unfold'),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Chunks cut or sliced before the loop, or made by a generator the loop statement iterates.
+"""Chunks cut or sliced before the loop, or made by a generator the loop statement iterates, or windows
+that do not overlap (``t.unfold(1, C, C)``, read by index or unbound).
 
 ``zip(*(t.split(C, 1) for t in (q, k, v)))`` built before the loop, ``qs = q.split(C, 1)`` read
 as ``qs[i]``, a list of ``q[:, i:i+C]`` slices (by a comprehension, or by a loop that only appends
@@ -45,6 +46,8 @@ class ChunksBeforeTheLoop(nn.Module):
             return self._pre_chunked(x, q, k, v, W)
         if self.style == "appended_transposed_keys":
             return self._transposed_keys(x, q, k, v, W)
+        if self.style.startswith("unfold"):
+            return self._unfolded(q, k, v, W)
         if self.style == "zip_of_split_generator":
             chunks = zip(*(t.split(C, 1) for t in (q, k, v)))
         elif self.style == "zip_of_split_list":
@@ -80,6 +83,20 @@ class ChunksBeforeTheLoop(nn.Module):
             W = W + kts[j] @ vs[j]
         return torch.cat(outs, 1)
 
+    def _unfolded(self, q, k, v, W):
+        """Windows that do not overlap, ``t.unfold(1, C, C)``: ``[B, N, D, C]``, tokens last."""
+        qs, ks, vs = (t.unfold(1, C, C) for t in (q, k, v))
+        outs = []
+        if self.style == "unfold_indexed":
+            for i in range(qs.shape[1]):
+                outs.append(qs[:, i].mT @ W)
+                W = W + ks[:, i] @ vs[:, i].mT
+        else:  # "unfold_unbind"
+            for qc, kc, vc in zip(qs.unbind(1), ks.unbind(1), vs.unbind(1)):
+                outs.append(qc.mT @ W)
+                W = W + kc @ vc.mT
+        return torch.cat(outs, 1)
+
     def _pre_chunked(self, x, q, k, v, W):
         B, L, _ = x.shape
         batches = list(zip(*(t.reshape(B, L // C, C, D).unbind(1) for t in (q, k, v))))
@@ -92,7 +109,7 @@ class ChunksBeforeTheLoop(nn.Module):
 
 STYLES = ["zip_of_split_generator", "zip_of_split_list", "list_of_slices", "generator_of_slices",
           "generator_method", "indexed_pieces", "pre_chunked_unbind_list", "appended_slices",
-          "appended_transposed_keys"]
+          "appended_transposed_keys", "unfold_indexed", "unfold_unbind"]
 
 
 @pytest.fixture(scope="module", params=STYLES)

@@ -91,6 +91,18 @@ def _pointwise_add(combine):
 
 
 #: The table ``make_fx`` traces with: each overload to the definition above.
+def unfold(x, dim: int, size: int, step: int):
+    """``x.unfold(dim, K, K)``, windows that do not overlap: the sequence cut into ``N`` chunks
+    of ``K`` (a remainder dropped), the chunk axis at ``dim`` and the tokens last — a reshape
+    and a move, as pre-chunked code writes it (``prechunked``). Overlapping windows stay one op."""
+    if size != step or size < 1:
+        return NotImplemented
+    dim = dim % max(x.dim(), 1)
+    n = x.shape[dim] // size
+    chunks = x.narrow(dim, 0, n * size).unflatten(dim, (n, size))
+    return chunks.movedim(dim + 1, -1)
+
+
 DECOMPOSITIONS = {
     aten.lerp.Scalar: lerp,
     aten.lerp.Tensor: lerp,
@@ -100,6 +112,7 @@ DECOMPOSITIONS = {
     aten.addmm.default: _multiply_add(torch.mm),
     aten.addcmul.default: _pointwise_add(torch.mul),
     aten.addcdiv.default: _pointwise_add(torch.div),
+    aten.unfold.default: unfold,
 }
 
 __all__ = ["DECOMPOSITIONS", "lerp", "mse_loss", "mse_loss_backward"]

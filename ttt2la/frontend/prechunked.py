@@ -99,6 +99,12 @@ class ChunkAxes:
             if found is not None:
                 self._mark(out, found[0], found[1])
             return
+        if name == "unfold":                # windows that do not overlap: chunks, tokens last
+            dim, size, step = (*args[1:4], *(kwargs.get(k) for k in ("dimension", "size",
+                                                                      "step")))[:3]
+            if isinstance(dim, int) and isinstance(size, int) and size == step:
+                self._mark(out, dim % x.dim(), size)
+            return
         known = self.of(x)
         if known is None:
             return
