@@ -124,9 +124,11 @@ def test_a_traced_conversion_at_another_length_computes_what_the_originals_trace
 
 def test_jit_trace_of_a_lossy_conversion_is_refused_by_name():
     """A lossy conversion computes another function than the code as written, which is all
-    the tracer can record: the trace is refused, naming torch.export for the plan."""
+    the tracer can record: the trace is refused, naming torch.export for the plan (two
+    Newton–Schulz steps: the refusal, not the iteration, is under test)."""
     torch.manual_seed(0)
-    original = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4).eval()
+    original = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4,
+                          muon_steps=2).eval()
     x = torch.randn(2, LENGTH, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
