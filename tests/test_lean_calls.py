@@ -153,7 +153,9 @@ def test_the_code_around_a_converted_loop_is_made_lean_once_for_every_length(mon
     from ttt2la.zoo import lact_layer
 
     torch.manual_seed(0)
-    layer = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4).eval()
+    # two Newton–Schulz steps: the rewrite, not the iteration, is under test
+    layer = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4,
+                       muon_steps=2).eval()
     conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(1, 16, 16),))
     calls = []
     monkeypatch.setattr(converted, "lean_calls", lambda gm: calls.append(gm) or lean_calls(gm))
