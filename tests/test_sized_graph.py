@@ -28,9 +28,10 @@ D = 16
 
 def _layers():
     torch.manual_seed(0)
+    # LaCT with two Newton–Schulz steps: the graph's sizes, not the iteration, are under test
     return {
-        "lact": (lact_layer("folded", variant=2, d_model=D, num_heads=2, chunk_size=4).eval(),
-                 2, 1),
+        "lact": (lact_layer("folded", variant=2, d_model=D, num_heads=2, chunk_size=4,
+                            muon_steps=2).eval(), 2, 1),
         "gated": (zoo.GatedChunkMemory(D, 2, 4).eval(), 0, 4),
     }
 
