@@ -56,7 +56,9 @@ def test_flat_vmap_refuses_a_function_returning_no_tensors():
 def _layers():
     torch.manual_seed(0)
     yield "gated", GatedChunkMemory(32, 2, 8), 0
-    yield "lact", lact_layer("folded", variant=2, d_model=32, num_heads=2, chunk_size=8), 2
+    # two Newton–Schulz steps: what a call does in Python, not the iteration, is under test
+    yield "lact", lact_layer("folded", variant=2, d_model=32, num_heads=2, chunk_size=8,
+                             muon_steps=2), 2
 
 
 @pytest.mark.parametrize("name,layer,level", list(_layers()), ids=lambda v: v
