@@ -70,7 +70,7 @@ def _assert_same_gradients(original, converted, x):
 @pytest.mark.parametrize("style", ["folded", "heads"])
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_every_parameter_has_a_gradient_where_the_layer_gives_one(style, level):
-    original, converted = _converted(style, level)
+    original, converted = _cached(style, level, 4)
     for L in LENGTHS:
         _assert_same_gradients(original, converted, torch.randn(2, L, D, dtype=F64))
 
@@ -79,7 +79,7 @@ def test_every_parameter_has_a_gradient_where_the_layer_gives_one(style, level):
 def test_the_plan_runs_calls_that_record_gradients(style):
     """Matching presence is the plan's own doing: conversion finds nothing to send to the code
     as written, and calls recording gradients at one, two and three chunks run the plan."""
-    original, converted = _converted(style, 2)
+    original, converted = _cached(style, 2, 4)
     layer = converted.ttt2la_report.layers[0]
     assert not [n for n in layer.notes if n.startswith("gradients:")], layer.notes
     for L in (3, 5, 8, 12):
@@ -90,16 +90,25 @@ def test_the_plan_runs_calls_that_record_gradients(style):
 def test_a_momentum_on_a_zero_start_gets_zeros_not_none():
     """The folded layer's momentum multiplies a zero state in its one update at two chunks:
     zeros as written, zeros converted."""
-    original, converted = _converted("folded", 2)
+    original, converted = _cached("folded", 2, 4)
     for L in (5, 8):
         got = _gradients(converted, torch.randn(2, L, D, dtype=F64))["momentum_proj.weight"]
         assert got is not None and not got.any()
 
 
+def _language_model():
+    """A two-layer LaCT language model (two Newton–Schulz steps, as for the layers) and its
+    conversion, converted once per module."""
+    if "lm" not in _CACHE:
+        torch.manual_seed(0)
+        model = TinyLaCTLM(40, D, 2, H, 4, variant=2, muon_steps=2).double()
+        _CACHE["lm"] = model, ttt2la.convert(
+            model, level=2, example_inputs=(torch.randint(0, 40, (2, 16)),))
+    return _CACHE["lm"]
+
+
 def test_the_language_model_has_the_same_gradients_at_every_length():
-    torch.manual_seed(0)
-    model = TinyLaCTLM(40, D, 2, H, 4, variant=2).double()
-    converted = ttt2la.convert(model, level=2, example_inputs=(torch.randint(0, 40, (2, 16)),))
+    model, converted = _language_model()
     for L in (3, 5, 8, 12):
         _assert_same_gradients(model, converted, torch.randint(0, 40, (2, L)))
 
@@ -135,14 +144,12 @@ def _assert_trained_alike(original, converted, lengths, tokens=None):
 
 
 def test_adamw_trains_the_converted_layer_like_the_original():
-    original, converted = _converted("folded", 2)
+    original, converted = _cached("folded", 2, 4)
     _assert_trained_alike(original, converted, [16, 8, 5, 8, 3, 12])
 
 
 def test_adamw_trains_the_converted_language_model_like_the_original():
-    torch.manual_seed(0)
-    model = TinyLaCTLM(40, D, 2, H, 4, variant=2).double()
-    converted = ttt2la.convert(model, level=2, example_inputs=(torch.randint(0, 40, (2, 16)),))
+    model, converted = _language_model()
     _assert_trained_alike(model, converted, [16, 8, 5, 8, 12, 7], tokens=40)
 
 
