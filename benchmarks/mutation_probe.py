@@ -2769,6 +2769,14 @@ MUTATIONS = [
         'unfold_chunks_undiscovered', "chunks made by unfold(1, C, C) are not known as chunks when the layer first runs",
         (('ttt2la/frontend/prechunked.py', '        if name == "unfold":', '        if False:'),),
         ('tests/test_chunks_made_before_the_loop.py',), 'unfold'),
+    Mutation(
+        'zero_gate_refused_on_the_delta_rule', "a call whose gate underflows to zero fails on the delta-rule op instead of running the generic plan",
+        (('ttt2la/lowering/lift_delta_rule.py', '        except NonPositiveDecay:    # the generic plan of the same program takes any decay', '        except ZeroDivisionError:'),),
+        ('tests/test_delta_lowering.py',), 'underflows'),
+    Mutation(
+        'zero_gate_fallback_unnamed', "the report names the delta-rule op for a call that ran the generic plan",
+        (('ttt2la/lowering/lift_delta_rule.py', '        if self.decay_fallback:\n', '        if False:\n'),),
+        ('tests/test_delta_lowering.py',), 'underflows'),
 ]
 
 

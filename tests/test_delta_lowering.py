@@ -316,3 +316,39 @@ def test_bf16_inputs_are_no_worse_than_the_token_loop_in_bf16():
     for name, want, theirs, mine in zip(("o", "q", "k", "v", "beta", "decay"), exact, loop, op):
         bound = 2 * rel_rms_error(theirs, want) + 1e-6
         assert rel_rms_error(mine, want) <= bound, (name, rel_rms_error(mine, want), bound)
+
+
+def _zero_gate_case(kind: str):
+    """A converted gated layer and an input one of whose gates underflows to zero (a token a
+    thousand times larger than the others), checked to do so."""
+    if kind == "delta memory":
+        layer, fast = converted(2)
+        gate = lambda x: torch.sigmoid(layer.a_proj(x) + 3.0)  # noqa: E731
+    else:
+        from ttt2la.zoo import DeltaProductLayer
+        torch.manual_seed(0)
+        layer = DeltaProductLayer(8, 2)
+        fast = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+        gate = lambda x: F.logsigmoid(layer.a_proj(x) + 3).exp()  # noqa: E731
+    x = torch.randn(2, 11, layer.a_proj.in_features, generator=torch.Generator().manual_seed(3))
+    x[:, 6] *= 1e3
+    with torch.no_grad():
+        assert bool((gate(x) == 0).any()) and bool((gate(x[:, :6]) > 0).all())
+    return layer, fast, x
+
+
+@pytest.mark.parametrize("kind", ["delta memory", "delta product"])
+def test_a_gate_that_underflows_to_zero_runs_the_generic_plan_exactly(kind):
+    """The op takes the decay's logarithm: a call where a gate is zero runs the generic plan of
+    the same program (outputs and every gradient equal the layer's), named in the report; the
+    next call whose gates are positive is back on the op."""
+    layer, fast, x = _zero_gate_case(kind)
+    y_ref, g_ref = outputs_and_grads(layer, x, 0)
+    y, g = outputs_and_grads(fast, x, 0)
+    assert rel_rms_error(y, y_ref) <= TOL, rel_rms_error(y, y_ref)
+    for name, grad in g_ref.items():
+        assert rel_rms_error(g[name], grad) <= TOL, name
+    ran = fast.ttt2la_report.layers[0].runs["batch 2"]
+    assert "not delta_rule: a decay <= 0" in ran and not ran.startswith("as written"), ran
+    outputs_and_grads(fast, x[:, :6], 0)
+    assert fast.ttt2la_report.layers[0].runs["batch 2"].startswith("delta_rule[torch]")

@@ -22,14 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import is_fake
 
 from ..analysis.associativity import Analysis
-from ..errors import UnsupportedTTTError
 from ..ir import TTTProgram, reshape_views
 from ..runtime.delta_rule import delta_rule
 from .executors import extract, shape_only
 from .lift_delta_rule import (Coefficient, DeltaRulePlan, _boundary, _confirmed, _fit_pieces,
+                              require_positive,
                               _Probe, _reads, frontier_between, one_state_match)
 
 #: At most this many steps per token are read (each cut tried as a step's end costs one fit).
@@ -232,12 +231,7 @@ def expanded_inputs(match: DeltaProductMatch, feats: list[torch.Tensor], L: int,
 def _check_decay(match: DeltaProductMatch, decays: list[torch.Tensor]) -> None:
     """Refuse a zero or negative decay (the chunked form takes its logarithm)."""
     for d in decays:
-        if not is_fake(d) and not bool((d > 0).all()):
-            raise UnsupportedTTTError(
-                f"the loop of {match.program.module_path or 'the model'} "
-                f"({match.program.loop_src}) was lowered onto the delta rule, whose decay "
-                "factor must be positive, but a token's decay is zero or negative here; "
-                "convert with backend='naive' to keep the token loop for such inputs")
+        require_positive(d)
 
 
 class DeltaProductPlan(DeltaRulePlan):
@@ -245,7 +239,7 @@ class DeltaProductPlan(DeltaRulePlan):
     expanded sequence: one call of ``delta_rule``, its reads taken every ``n``-th token."""
 
     @property
-    def implementation(self) -> str:
+    def op_implementation(self) -> str:
         m = self.match
         gated = "gated, " if any(not s.decay.one for s in m.steps) else ""
         name = self.program.states[m.state].name

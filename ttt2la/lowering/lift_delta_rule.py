@@ -43,7 +43,6 @@ from torch.func import vmap
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.associativity import Analysis
-from ..errors import UnsupportedTTTError
 from ..ir import INPUT_FREE, TTTProgram, ancestors, descendants, reshape_views
 from ..runtime.delta_rule import DELTA_CHUNK_SIZE, delta_rule
 from .chunking import assemble_outputs, chunk_layout, chunk_stream
@@ -542,6 +541,17 @@ def _fit_pieces(program, ends, frontier, boundary, state_shape, side, batch, dk,
 # running it
 
 
+class NonPositiveDecay(Exception):
+    """A call whose decay is zero or negative somewhere: the chunked form takes its logarithm,
+    so the plan runs the generic plan of the same program instead."""
+
+
+def require_positive(decay: torch.Tensor) -> None:
+    """Raise ``NonPositiveDecay`` where ``decay`` (a real tensor) is not positive everywhere."""
+    if not is_fake(decay) and not bool((decay > 0).all()):
+        raise NonPositiveDecay
+
+
 def _op_inputs(match: DeltaRuleMatch, feats: list[torch.Tensor], L: int, b: int,
                apply_only: bool, check: bool = True):
     """``(q, k, v, beta, decay)`` for ``delta_rule`` (``[b, L, 1, ·]``, heads folded into the
@@ -554,12 +564,8 @@ def _op_inputs(match: DeltaRuleMatch, feats: list[torch.Tensor], L: int, b: int,
     decay = None if match.decay.one else match.decay(atoms, like)
     beta = match.beta(atoms, like)
     v = value.reshape(L, b, -1) * match.value_scale(atoms, like).unsqueeze(-1)
-    if check and decay is not None and not is_fake(decay) and not bool((decay > 0).all()):
-        raise UnsupportedTTTError(
-            f"the loop of {match.program.module_path or 'the model'} "
-            f"({match.program.loop_src}) was lowered onto the delta rule, whose decay factor "
-            "must be positive, but a token's decay is zero or negative here; convert with "
-            "backend='naive' to keep the token loop for such inputs")
+    if check and decay is not None:
+        require_positive(decay)
     if apply_only:      # the last token is read, never written: an identity step
         keep = torch.ones(L, 1, dtype=beta.dtype, device=beta.device)
         keep[-1] = 0.0
@@ -598,14 +604,35 @@ class DeltaRulePlan(DeltaScanPlan):
     def races_up_to(self) -> int:
         return self.chunk_size
 
+    #: whether the last call ran the generic plan, its decay not positive somewhere
+    decay_fallback = False
+
     @property
     def implementation(self) -> str:
+        if self.decay_fallback:
+            return (f"{super().implementation}, not delta_rule: a decay <= 0 has no log "
+                    "decay")
+        return self.op_implementation
+
+    @property
+    def op_implementation(self) -> str:
+        """The op as the report names it."""
         m = self.match
         gated = "" if m.decay.one else "gated, "
         name = self.program.states[m.state].name
         return f"delta_rule[torch]({gated}{name}, chunk {self.chunk_size})"
 
     def __call__(self, states0, invariants):
+        try:
+            out = self._on_the_op(states0, invariants)
+        except NonPositiveDecay:    # the generic plan of the same program takes any decay
+            self.decay_fallback = True
+            return super().__call__(states0, invariants)
+        self.decay_fallback = False
+        return out
+
+    def _on_the_op(self, states0, invariants):
+        """The call on ``delta_rule``."""
         m, prog = self.match, self.program
         layout = chunk_layout(prog, list(invariants))
         L = layout.n_chunks
@@ -720,5 +747,6 @@ def lift_delta_rule(program: TTTProgram, analysis: Analysis, schedule: str,
     return DeltaRulePlan(match, analysis, schedule)
 
 
-__all__ = ["DeltaRuleMatch", "DeltaRulePlan", "Coefficient", "lift_delta_rule",
+__all__ = ["DeltaRuleMatch", "DeltaRulePlan", "Coefficient", "NonPositiveDecay", "lift_delta_rule",
+           "require_positive",
            "match_delta_rule"]
