@@ -14,6 +14,7 @@ import dataclasses
 import io
 
 import pytest
+import module_scoped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,6 +50,26 @@ def _x(dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(*SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+_CONVERTED = module_scoped.cache()
+
+
+def _copies(key, convert):
+    """Copies of the (original, converted) pair ``convert()`` makes, made once per module under
+    ``key``: each test gets copies that nothing has called yet, the conversion's report and
+    runs as conversion left them."""
+    if key not in _CONVERTED:
+        _CONVERTED[key] = convert()
+    return tuple(copy.deepcopy(module) for module in _CONVERTED[key])
+
+
+def _converted(name: str, dtype: torch.dtype, level: int):
+    """``_layer(name, dtype)`` and its conversion at ``level`` on ``_x(dtype, 0)`` (copies)."""
+    def convert():
+        original = _layer(name, dtype)
+        return original, ttt2la.convert(original, level=level, example_inputs=(_x(dtype, 0),))
+    return _copies((name, dtype, level), convert)
+
+
 def _grads(module, x) -> dict[str, torch.Tensor]:
     module.zero_grad()
     _out(module(x)).pow(2).sum().backward()
@@ -64,11 +85,10 @@ def test_a_cast_converted_layer_computes_the_cast_original(name, was, now):
     """The same outputs as the cast original, and the same outputs and gradients as the cast
     original converted afresh (the gradients of fp32 originals can be less exact than the
     tolerance against themselves; the conversions' own tests judge those)."""
-    original = _layer(name, was)
-    converted = ttt2la.convert(original, level=2, example_inputs=(_x(was, 0),))
+    original, converted = _converted(name, was, 2)
     assert converted.ttt2la_report.exact
     cast, reference = copy.deepcopy(converted).to(now), copy.deepcopy(original).to(now)
-    afresh = ttt2la.convert(reference, level=2, example_inputs=(_x(now, 0),))
+    _, afresh = _converted(name, now, 2)    # the same weights as ``reference``, converted
     x = _x(now)
     y, y0 = _out(cast(x)), _out(reference(x))
     assert y.dtype == y0.dtype == now
@@ -128,8 +148,8 @@ def test_a_lossy_level_cast_replays_its_folds_at_the_new_dtype():
 
 
 def test_functional_call_with_weights_of_another_dtype_and_back():
-    original = _layer("titans (affine scan, fills in its graphs)", torch.float64)
-    converted = ttt2la.convert(original, level=0, example_inputs=(_x(torch.float64, 0),))
+    original, converted = _converted("titans (affine scan, fills in its graphs)",
+                                     torch.float64, 0)
     weights = {n: p.detach().float() * 1.1 for n, p in original.named_parameters()}
     x = _x(torch.float32)
     assert rel_rms_error(_out(functional_call(converted, weights, (x,))),
@@ -143,8 +163,7 @@ def test_functional_call_with_weights_of_another_dtype_and_back():
 
 
 def test_a_cast_layer_without_a_recipe_says_how_to_convert_it():
-    original = _layer("titans (affine scan, fills in its graphs)", torch.float64)
-    converted = ttt2la.convert(original, level=0, example_inputs=(_x(torch.float64, 0),))
+    _, converted = _converted("titans (affine scan, fills in its graphs)", torch.float64, 0)
     converted._ttt2la.recipe = None
     converted.float()
     with pytest.raises(ttt2la.UnsupportedTTTError, match="torch.float64 on cpu.*torch.float32 "
@@ -155,8 +174,8 @@ def test_a_cast_layer_without_a_recipe_says_how_to_convert_it():
 def test_first_call_after_a_cast_inside_activation_checkpointing():
     """The conversion runs out of sight of the call that needs it: the checkpoint's
     recomputation saves as many tensors as its forward did, and the gradients are right."""
-    original = _layer("titans (affine scan, fills in its graphs)", torch.float64)
-    converted = ttt2la.convert(original, level=0, example_inputs=(_x(torch.float64, 0),))
+    original, converted = _converted("titans (affine scan, fills in its graphs)",
+                                     torch.float64, 0)
     cast, reference = copy.deepcopy(converted).float(), copy.deepcopy(original).float()
     x, x0 = _x(torch.float32).requires_grad_(True), _x(torch.float32).requires_grad_(True)
     y = torch.utils.checkpoint.checkpoint(cast, x, use_reentrant=False)
@@ -182,18 +201,24 @@ def test_a_stream_as_the_first_call_after_a_cast():
 
 # -- torch.func transforms over a converted layer ------------------------------------------------
 
+#: LaCT with two Newton–Schulz steps: the transforms, not the iteration, are under test
 BLOCK_OP_LAYERS = {
     "gated memory, level 0": (lambda: GatedChunkMemory(8, 2, 4), 0),
     "lact folded variant 2, level 2": (
-        lambda: lact_layer("folded", variant=2, d_model=8, num_heads=2, chunk_size=4), 2),
+        lambda: lact_layer("folded", variant=2, d_model=8, num_heads=2, chunk_size=4,
+                           muon_steps=2), 2),
 }
 
 
 def _block_op_pair(name: str):
-    make, level = BLOCK_OP_LAYERS[name]
-    torch.manual_seed(0)
-    original = make().double()
-    converted = ttt2la.convert(original, level=level, example_inputs=(_x(torch.float64, 0),))
+    """The original layer and its conversion (copies, converted once per module)."""
+    def convert():
+        make, level = BLOCK_OP_LAYERS[name]
+        torch.manual_seed(0)
+        original = make().double()
+        return original, ttt2la.convert(original, level=level,
+                                        example_inputs=(_x(torch.float64, 0),))
+    original, converted = _copies(name, convert)
     assert converted.ttt2la_report.exact
     assert converted.ttt2la_report.layers[0].runtime.startswith("block_linear_attention")
     return original, converted
@@ -241,7 +266,8 @@ def test_a_lossy_block_op_conversion_under_torch_func_is_refused_by_name():
     """A lossy conversion computes another function than the code as written: under a
     ``torch.func`` transform its block op cannot run, and the call is refused, naming why."""
     torch.manual_seed(0)
-    original = LaCTHeadsLayer(8, 2, 4, update_theta=False, weight_norm=False).double()
+    original = LaCTHeadsLayer(8, 2, 4, update_theta=False, weight_norm=False,
+                              muon_steps=2).double()
     converted = ttt2la.convert(original, level=6, calibration=(_x(torch.float64, 0),))
     assert not converted.ttt2la_report.exact
     with pytest.raises(ttt2la.UnsupportedTTTError,
@@ -263,8 +289,8 @@ def test_a_cast_layer_saved_whole_loads_back_for_its_weights(now, batch, length,
     """``torch.save`` of a converted layer cast after conversion (called at the new dtype or
     not), then ``torch.load``: it loads at the cast dtype, converted again for it, and computes
     what the cast original computes (no Newton–Schulz: the dtype's bound)."""
-    original = _layer("titans (affine scan, fills in its graphs)", torch.float32)
-    converted = ttt2la.convert(original, level=2, example_inputs=(_x(torch.float32, 0),))
+    original, converted = _converted("titans (affine scan, fills in its graphs)",
+                                     torch.float32, 2)
     cast, reference = copy.deepcopy(converted).to(now), copy.deepcopy(original).to(now)
     x = torch.randn(batch, length, SHAPE[2],
                     generator=torch.Generator().manual_seed(length)).to(now)
@@ -288,8 +314,7 @@ def test_a_pickled_layer_that_cannot_be_converted_again_says_what_to_do():
     """A record the layer cannot be converted again from (here, examples of a width its
     projections do not take) fails on load with a ``ConversionError`` naming the class and
     what to save instead, not a request for example inputs the user never passed."""
-    converted = ttt2la.convert(_layer(next(iter(LAYERS)), torch.float32), level=2,
-                               example_inputs=(_x(torch.float32, 0),))
+    _, converted = _converted(next(iter(LAYERS)), torch.float32, 2)
     state = converted._ttt2la
     state.recipe = dataclasses.replace(state.recipe, args=(torch.randn(2, 16, SHAPE[2] + 1),))
     with pytest.raises(ttt2la.ConversionError) as info:
@@ -310,11 +335,15 @@ def test_a_parametrization_on_the_layers_own_weight_converts_it_again(batch, len
     """``register_parametrization`` on the converted layer itself (its class is then a subclass
     of the converted class): converted again with the parametrized weight, the outputs and
     every gradient — the parametrization's original parameter's too — those of the original
-    parametrized the same way (float64: Newton–Schulz's bound)."""
-    torch.manual_seed(0)
-    original = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4).double()
-    converted = ttt2la.convert(original, level=2,
-                               example_inputs=(torch.randn(2, 16, 16, dtype=torch.float64),))
+    parametrized the same way (float64: Newton–Schulz's bound; two steps of it, as the
+    parametrization, not the iteration, is under test)."""
+    def convert():
+        torch.manual_seed(0)
+        original = lact_layer("folded", variant=2, d_model=16, num_heads=2, chunk_size=4,
+                              muon_steps=2).double()
+        return original, ttt2la.convert(
+            original, level=2, example_inputs=(torch.randn(2, 16, 16, dtype=torch.float64),))
+    original, converted = _copies("parametrized", convert)     # each example parametrizes copies
     assert converted.ttt2la_report.exact
     for module in (converted, original):
         parametrize.register_parametrization(module, "w0", _Half())
