@@ -2777,6 +2777,14 @@ MUTATIONS = [
         'zero_gate_fallback_unnamed', "the report names the delta-rule op for a call that ran the generic plan",
         (('ttt2la/lowering/lift_delta_rule.py', '        if self.decay_fallback:\n', '        if False:\n'),),
         ('tests/test_delta_lowering.py',), 'underflows'),
+    Mutation(
+        'bumped_global_called_lossy', "a global counter the forward bumps is refused as a lossy conversion's changed attribute, to be converted again",
+        (('ttt2la/conversion.py', '        except ChangedAttributeError as e:  # only the layer\'s own forward ran meanwhile', '        except ZeroDivisionError as e:'),),
+        ('tests/test_side_effects.py',), 'counter'),
+    Mutation(
+        'bumped_global_unplaced', "the write of a global or class counter is refused without its line",
+        (('ttt2la/side_effects.py', '            if any(_rooted_at(t, parts) for t in targets):', '            if False:'),),
+        ('tests/test_side_effects.py',), 'counter'),
 ]
 
 

@@ -3,7 +3,8 @@
 A layer that stores its final fast weights on ``self`` (a decoding cache it continues from) or
 its inner loss (for logging) would, converted, keep the values from conversion: the continued
 call would compute something else. ``convert`` refuses it with a ``SideEffectError`` naming the
-attribute and the line; in a model whose other layers convert, it runs as written. A buffer
+attribute and the line (a global or class attribute it bumps, a call counter, by its name and
+line); in a model whose other layers convert, it runs as written. A buffer
 updated in place is no such write, nor a plain value written again unchanged.
 """
 from __future__ import annotations
@@ -63,6 +64,41 @@ def test_a_forward_that_stores_its_state_is_refused_naming_the_line():
     assert e.value.where.startswith("test_side_effects.py:") and "self.cache = W.detach()" \
         in e.value.where
     assert "Return the value from forward" in str(e.value)
+
+
+CALLS = [0]
+
+
+class Counted(Memory):
+    """A call counter bumped by the forward: a global list changed in place, or a class
+    attribute."""
+
+    calls_seen = 0
+
+    def __init__(self, counter: str):
+        super().__init__()
+        self.counter = counter
+
+    def forward(self, x):
+        if self.counter == "global":
+            CALLS[0] += 1  # <- global
+        else:
+            Counted.calls_seen += 1  # <- class
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("counter, named", [("global", "CALLS"), ("class", "Counted.calls_seen")])
+def test_a_global_or_class_counter_the_forward_bumps_is_refused_naming_its_line(counter, named):
+    """The write is seen as the value changing while conversion runs the layer: not a "lossy
+    conversion traced with the old value", which converting again could not mend."""
+    import inspect
+    lines, start = inspect.getsourcelines(Counted.forward)
+    line = start + next(i for i, text in enumerate(lines) if text.rstrip().endswith(counter))
+    with pytest.raises(ttt2la.SideEffectError) as e:
+        ttt2la.convert(Counted(counter), level=0, example_inputs=(torch.randn(2, 8, D),))
+    assert e.value.attribute == named and str(e.value).startswith(named)
+    assert e.value.where.startswith(f"test_side_effects.py:{line} ")
+    assert "the forward writes it" in str(e.value) and "lossy" not in str(e.value)
 
 
 def test_in_a_model_the_writing_layer_runs_as_written():

@@ -32,7 +32,8 @@ from .calibration import LoopCalibration, layer_inputs
 from .call_variation import call_variation
 from .compiled_plan import compile_plan, compiler_backend
 from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
-from .errors import ConversionError, LevelNotImplementedError, NonReducibleError, UnsupportedTTTError
+from .errors import (ChangedAttributeError, ConversionError, LevelNotImplementedError,
+                     NonReducibleError, UnsupportedTTTError)
 from .frontend.discover import discover, within
 from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
@@ -51,6 +52,7 @@ from .undifferentiable import OwnBackwardFails
 from .testing import rel_rms_error, tolerance
 from .as_found import as_found, buffers_kept
 from .training_mode import training_dependence
+from .side_effects import written_while_converting
 from .folded_weights import FoldedWeights, watch
 from .validation import (InvalidInputError, as_level, check_argument_types, check_call,
                          check_finite, check_flag, check_folds_form, check_runs, copy_of)
@@ -669,8 +671,11 @@ def convert(model: torch.nn.Module, level: int = 2, example_inputs=None, calibra
     pristine = copy_of(model) if inplace else model
     target = model if inplace else copy_of(model)
     with as_found(target, pristine), _eagerly():    # modes, buffers and generators restored
-        return _convert(pristine, target, level, example_inputs, calibration, backend, strict,
-                        example_kwargs, folds, compiler)
+        try:
+            return _convert(pristine, target, level, example_inputs, calibration, backend,
+                            strict, example_kwargs, folds, compiler)
+        except ChangedAttributeError as e:  # only the layer's own forward ran meanwhile
+            raise written_while_converting(pristine, e) from None
 
 
 def _eagerly():

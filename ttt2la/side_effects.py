@@ -171,4 +171,69 @@ def _names(target: ast.expr, this: str) -> str | None:
     return None
 
 
-__all__ = ["run_written", "assignment_site", "refusal", "self_assignments"]
+#: Methods that change a list, dict or set in place (``CALLS.append(1)``).
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update",
+                       "setdefault", "add", "discard", "__setitem__", "popitem"})
+
+
+def written_while_converting(model: torch.nn.Module, error) -> Exception:
+    """The ``SideEffectError`` for a global or class attribute (``error``, a
+    ``ChangedAttributeError`` raised while ``convert`` ran the layer, when nothing else could
+    change it) that the layer's own forward writes: a call counter, a log."""
+    from .errors import SideEffectError
+
+    what = error.attribute or "a value the layer reads"
+    dotted = what.split(" (", 1)[0]
+    where = _outside_write(model, dotted)
+    return SideEffectError(
+        f"{what} changed from {error.then!r} to {error.now!r} while ttt2la ran the layer's "
+        f"forward during conversion: the forward writes it"
+        + (f" ({where})" if where else "")
+        + ". A converted layer computes its output from its own graphs and would not make that "
+        "write, and reads the value it was converted with. Move the write out of forward (a "
+        "forward hook on the layer still runs on a converted layer), or leave this layer "
+        "unconverted.", attribute=dotted, where=where or None)
+
+
+def _outside_write(model: torch.nn.Module, dotted: str) -> str:
+    """``"file.py:17 (`CALLS[0] += 1`)"``: the first statement of the model's classes that
+    writes ``dotted`` (a global ``CALLS`` or a class attribute ``Layer.calls``) or changes it in
+    place; "" where the source does not show one."""
+    parts = dotted.split(".")
+    for cls in dict.fromkeys(c for m in model.modules() for c in type(m).__mro__):
+        if cls.__module__.startswith(("torch.", "ttt2la.", "builtins")):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(cls)
+            file = inspect.getsourcefile(cls) or "?"
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            targets = _targets(node)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _MUTATORS:
+                targets = [node.func.value]
+            if any(_rooted_at(t, parts) for t in targets):
+                return (f"{file.rsplit('/', 1)[-1]}:{start + node.lineno - 1} "
+                        f"(`{lines[node.lineno - 1].strip()}`)")
+    return ""
+
+
+def _rooted_at(target: ast.expr, parts: list[str]) -> bool:
+    """Whether ``target`` is ``parts`` joined by dots, or an item or attribute of it."""
+    chain = []
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        if isinstance(target, ast.Attribute):
+            chain.append(target.attr)
+        else:
+            chain.clear()               # an item of what comes before
+        target = target.value
+    if not isinstance(target, ast.Name):
+        return False
+    names = [target.id, *reversed(chain)]
+    return names[:len(parts)] == parts
+
+
+__all__ = ["run_written", "assignment_site", "refusal", "self_assignments",
+           "written_while_converting"]
