@@ -241,7 +241,7 @@ def test_convert_leaves_the_input_model_untouched_and_the_result_trains():
 
 def test_inplace_converts_the_given_model():
     torch.manual_seed(0)
-    layer = LaCTFoldedLayer(16, 2, 4, **VARIANT[2])
+    layer = LaCTFoldedLayer(16, 2, 4, muon_steps=2, **VARIANT[2])   # the steps: not asked about
     x = torch.randn(2, 13, 16)
     ref = layer(x).detach()
     conv = ttt2la.convert(layer, level=2, example_inputs=(x,), inplace=True)
@@ -347,7 +347,8 @@ def test_bf16_autocast_with_a_weighted_kernel_runs_the_plan(variant, level):
 
 def test_language_model_with_an_embedding_needs_no_example_inputs():
     torch.manual_seed(0)
-    lm = TinyLaCTLM(50, 16, 2, 2, 8, update_theta=False, weight_norm=False)
+    # two Newton–Schulz steps: the inferred example, not the iteration, is under test
+    lm = TinyLaCTLM(50, 16, 2, 2, 8, update_theta=False, weight_norm=False, muon_steps=2)
     conv = ttt2la.convert(lm, level=2)
     report = conv.ttt2la_report
     assert [layer.module_path for layer in report.layers] == ["blocks.0.ttt", "blocks.1.ttt"]
