@@ -2785,6 +2785,10 @@ MUTATIONS = [
         'bumped_global_unplaced', "the write of a global or class counter is refused without its line",
         (('ttt2la/side_effects.py', '            if any(_rooted_at(t, parts) for t in targets):', '            if False:'),),
         ('tests/test_side_effects.py',), 'counter'),
+    Mutation(
+        'failed_call_recorded_as_run', "a call the code as written fails on too is recorded in the report's runs as run as written",
+        (('ttt2la/converted.py', '        out = self._as_written(written, why)    # a call the code fails on too ran nothing\n        self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {note}"\n', '        self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {note}"\n        out = self._as_written(written, why)\n'),),
+        ('tests/test_input_types.py',), 'cast_as_the_weights'),
 ]
 
 

@@ -97,6 +97,8 @@ def test_inputs_cast_as_the_weights_were_run_the_plan():
                        r"layer was traced with torch\.float64") as e:
         conv(x.float())
     assert "ttt_scan.py:" in e.value.where
+    runs = conv.ttt2la_report.layers[0].runs     # a call that failed as written ran nothing
+    assert not any(k.endswith("input types") for k in runs), runs
 
 
 def test_a_call_carrying_state_refuses_inputs_of_another_dtype():

@@ -757,8 +757,9 @@ class ConvertedState:
         does not compute, raises ``refusal``."""
         if self.as_written is None:
             raise refusal
+        out = self._as_written(written, why)    # a call the code fails on too ran nothing
         self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {note}"
-        return self._as_written(written, why)
+        return out
 
     def _as_written(self, written, why: str):
         """``written()``, the layer's code as written, its errors raised as a
