@@ -2789,6 +2789,10 @@ MUTATIONS = [
         'failed_call_recorded_as_run', "a call the code as written fails on too is recorded in the report's runs as run as written",
         (('ttt2la/converted.py', '        out = self._as_written(written, why)    # a call the code fails on too ran nothing\n        self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {note}"\n', '        self.runs[f"batch {self._batch(B)}, length {L}, {case}"] = f"as written: {note}"\n        out = self._as_written(written, why)\n'),),
         ('tests/test_input_types.py',), 'cast_as_the_weights'),
+    Mutation(
+        'cli_out_unverified', "ttt2la convert --out writes a checkpoint without reading it back as load will",
+        (('ttt2la/cli.py', '                             verify=lambda tmp: check_reads_back(', '                             verify=lambda tmp: None and check_reads_back('),),
+        ('tests/test_cli_inputs.py',), 'out_is_read_back'),
 ]
 
 

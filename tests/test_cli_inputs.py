@@ -243,6 +243,26 @@ def test_a_factory_module_that_fails_on_import(files, tmp_path, capsys, monkeypa
     refused(argv, capsys, "CheckpointError", "failing_factory", says)
 
 
+def test_out_is_read_back_before_it_is_written(files, tmp_path, capsys, monkeypatch):
+    """``--out`` reads the checkpoint back as ``load`` will (as ``ttt2la.save`` does): a factory
+    that builds another function the second time (Newton–Schulz switched on) is refused, and
+    nothing is written."""
+    (tmp_path / "drifting_factory.py").write_text(
+        "import itertools\n"
+        "from ttt2la.zoo import TinyLaCTLM\n"
+        "_builds = itertools.count()\n"
+        "def build(**kwargs):\n"
+        "    return TinyLaCTLM(**{**kwargs, 'muon': next(_builds) > 0, 'muon_steps': 1})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "drifting_factory", raising=False)
+    out = tmp_path / "out"
+    argv = ["convert", str(files / "good.safetensors"), "--model", "drifting_factory:build",
+            "--config", str(files / "kwargs.json"), "--out", str(out)]
+    line = refused(argv, capsys, "CheckpointError", str(out), "not written", "load")
+    assert "tmp" not in line.split(str(out), 1)[1].split()[0], line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("code, says", [(None, "OSError"),
                                         ("raise RuntimeError('broken')\n", "RuntimeError: broken")])
 def test_hf_remote_code_that_is_missing_or_fails(files, tmp_path, capsys, code, says):

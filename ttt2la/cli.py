@@ -397,7 +397,7 @@ def cmd_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Convert a model at a level, print the conversion report and optionally save the converted
     checkpoint (``--out``) and the report as JSON (``--json``)."""
     import ttt2la
-    from .checkpoint import write_checkpoint
+    from .checkpoint import check_reads_back, write_checkpoint
 
     _check_outputs(args)
     source, spec, (inputs, kwargs) = _open_source(args, err)
@@ -409,9 +409,13 @@ def cmd_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
     _print_report(out, report, args.markdown)
     if args.out:
         with err.status(f"writing {args.out}"):
+            given = (inputs, kwargs) if inputs is not None or kwargs else None
+            # read back before it is renamed into place, as ``ttt2la.save`` does
             write_checkpoint(converted, args.out, recipe=source.recipe, spec=spec,
                              source=source.info, inputs=(inputs, kwargs), force=args.force,
-                             hf_dir=source.hf_dir)
+                             hf_dir=source.hf_dir,
+                             verify=lambda tmp: check_reads_back(
+                                 converted, tmp, Path(args.out), source.recipe, given))
         args.written.append(f"--out {args.out}")
         _say(err, f"converted checkpoint written to {args.out} (reload with ttt2la.load)")
     _save_json(report, args.json, err)

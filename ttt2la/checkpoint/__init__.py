@@ -147,7 +147,7 @@ def save(converted: torch.nn.Module, directory, *, factory: str | None = None,
     source = {"sha256": sha256_state(unique_state(converted)), "held_in_memory": True}
     return write_checkpoint(converted, directory, recipe=recipe, spec=spec, source=source,
                             inputs=inputs, force=force,
-                            verify=lambda tmp: _check_reads_back(converted, tmp, directory,
+                            verify=lambda tmp: check_reads_back(converted, tmp, directory,
                                                                  recipe, inputs))
 
 
@@ -311,7 +311,7 @@ def _recorded_model(manifest: Manifest, directory: Path, factory, *, trust_facto
                         trust_factory=trust_factory)
 
 
-def _check_reads_back(converted: torch.nn.Module, tmp: Path, out: Path, recipe: Recipe,
+def check_reads_back(converted: torch.nn.Module, tmp: Path, out: Path, recipe: Recipe,
                       inputs: tuple[tuple, dict | None] | None) -> None:
     """Refuse to write a checkpoint ``load`` could not read back, or would read back as another
     function: the converted model must run on the recorded example inputs, and the checkpoint in
@@ -356,7 +356,8 @@ def _check_same_outputs(converted, loaded, inputs, out: Path) -> None:
             "with the factory and config that build this model")
 
 
-__all__ = ["save", "load", "write_checkpoint", "open_checkpoint", "open_zoo", "Source",
+__all__ = ["save", "load", "write_checkpoint", "check_reads_back", "open_checkpoint", "open_zoo",
+           "Source",
            "Manifest", "Recipe", "CheckpointError", "UnsafeCheckpointError",
            "WeightMismatchError", "ManifestError", "MANIFEST_NAME",
            "MANIFEST_VERSION", "REPORT_NAME"]
