@@ -2793,6 +2793,10 @@ MUTATIONS = [
         'cli_out_unverified', "ttt2la convert --out writes a checkpoint without reading it back as load will",
         (('ttt2la/cli.py', '                             verify=lambda tmp: check_reads_back(', '                             verify=lambda tmp: None and check_reads_back('),),
         ('tests/test_cli_inputs.py',), 'out_is_read_back'),
+    Mutation(
+        'race_runs_unreported', "calls that ran the user's code while the race runs are missing from the report's runs",
+        (('ttt2la/as_written.py', '        elif side == WRITTEN:               # the report says what ran while the race runs', '        elif False:'),),
+        ('tests/test_as_written.py',), 'every_call_is_the_sources'),
 ]
 
 

@@ -140,8 +140,8 @@ class AsWritten:
              plan_may_lose: Callable[[], bool], runs: dict, shape: Callable[[], str]):
         """Run this call on the side the race at ``key`` gives it, timing it while the race
         runs; ``plan_may_lose()`` says, after the plan's first call, whether what it ran can lose
-        to the code as written (else the plan wins at once). A decided race for the code as
-        written is recorded in ``runs`` under ``shape()``."""
+        to the code as written (else the plan wins at once). A race running, or decided for the
+        code as written, is recorded in ``runs`` under ``shape()``."""
         race = self.races.get(key)
         if race is None:
             race = self.races[key] = Race()
@@ -155,6 +155,7 @@ class AsWritten:
             if side == PLAN:
                 raise
             race.winner = PLAN        # the plan ran at this shape: it is the layer's answer
+            runs.pop(shape(), None)
             return plan()
         race.record(side, _clock() - start)
         if race.calls == 1 and not plan_may_lose():
@@ -162,6 +163,11 @@ class AsWritten:
         if race.winner == WRITTEN:
             self.kept.add(key)
             runs[shape()] = f"as written: the user's own loop ran faster ({race.describe()})"
+        elif race.winner == PLAN:
+            runs.pop(shape(), None)
+        elif side == WRITTEN:               # the report says what ran while the race runs
+            runs[shape()] = (f"racing: the plan and the user's own loop take turns, the faster "
+                             f"kept after {CALLS_TO_DECIDE} calls")
         return out
 
     @staticmethod
