@@ -599,11 +599,18 @@ class AccumulatedThenRead(LinearFastWeight):
         return q @ W
 
 
-def test_a_loop_whose_final_state_alone_is_read_is_named_a_step_written_in_chunks():
+def _refused_naming_its_line(layer: nn.Module, length: int = 16) -> str:
+    """The message of ``layer``'s refusal at level 0, checked to name the line its forward
+    marks ``# <- named``."""
     with pytest.raises(ttt2la.UnsupportedTTTError) as info:
-        ttt2la.convert(AccumulatedThenRead(), level=0, example_inputs=(torch.randn(2, 16, 8),))
+        ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, length, 8),))
     message = str(info.value)
-    assert f"{HERE}:{_line_of(AccumulatedThenRead.forward)}" in message
+    assert f"{HERE}:{_line_of(type(layer).forward)}" in message, message
+    return message
+
+
+def test_a_loop_whose_final_state_alone_is_read_is_named_a_step_written_in_chunks():
+    message = _refused_naming_its_line(AccumulatedThenRead())
     assert "reads the final state `W`" in message and "without the loop" in message
 
 
@@ -656,11 +663,7 @@ class WholeChunksThenTheRest(_ChunkLayer):
 
 
 def test_a_last_piece_joined_as_a_chunk_is_named_with_the_spellings_that_convert():
-    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
-        ttt2la.convert(WholeChunksThenTheRest(True), level=0,
-                       example_inputs=(torch.randn(2, 18, 8),))
-    message = str(info.value)
-    assert f"{HERE}:{_line_of(WholeChunksThenTheRest.forward)}" in message
+    message = _refused_naming_its_line(WholeChunksThenTheRest(True), length=18)
     assert "range(0, L, C)" in message and "torch.cat([torch.cat(outs, 1), rest], 1)" in message
     torch.manual_seed(0)
     layer = WholeChunksThenTheRest(False)       # the second spelling converts, as it says
@@ -671,19 +674,13 @@ def test_a_last_piece_joined_as_a_chunk_is_named_with_the_spellings_that_convert
 
 
 def test_stored_states_are_named_with_the_outputs_to_collect_instead():
-    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
-        ttt2la.convert(StoredStates(), level=0, example_inputs=(torch.randn(2, 16, 8),))
-    message = str(info.value)
-    assert f"{HERE}:{_line_of(StoredStates.forward)}" in message
+    message = _refused_naming_its_line(StoredStates())
     assert "reads the stored states" in message and "collect the outputs" in message
 
 
 def test_an_output_fed_into_the_next_chunk_is_named_with_the_line_reading_it():
     """Not "collect the outputs instead": the code does; the output is also carried."""
-    with pytest.raises(ttt2la.UnsupportedTTTError) as info:
-        ttt2la.convert(OutputFedBack(), level=0, example_inputs=(torch.randn(2, 16, 8),))
-    message = str(info.value)
-    assert f"{HERE}:{_line_of(OutputFedBack.forward)}" in message
+    message = _refused_naming_its_line(OutputFedBack())
     assert f"{HERE}:{_line_of(OutputFedBack.forward, '# <- read')}" in message
     assert "output `y`" in message and "carried into the next iteration" in message
     assert "collect the outputs" not in message
