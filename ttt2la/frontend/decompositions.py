@@ -90,7 +90,6 @@ def _pointwise_add(combine):
     return decomposed
 
 
-#: The table ``make_fx`` traces with: each overload to the definition above.
 def unfold(x, dim: int, size: int, step: int):
     """``x.unfold(dim, K, K)``, windows that do not overlap: the sequence cut into ``N`` chunks
     of ``K`` (a remainder dropped), the chunk axis at ``dim`` and the tokens last — a reshape
@@ -103,6 +102,7 @@ def unfold(x, dim: int, size: int, step: int):
     return chunks.movedim(dim + 1, -1)
 
 
+#: The table ``make_fx`` traces with: each overload to the definition above.
 DECOMPOSITIONS = {
     aten.lerp.Scalar: lerp,
     aten.lerp.Tensor: lerp,
@@ -115,4 +115,4 @@ DECOMPOSITIONS = {
     aten.unfold.default: unfold,
 }
 
-__all__ = ["DECOMPOSITIONS", "lerp", "mse_loss", "mse_loss_backward"]
+__all__ = ["DECOMPOSITIONS", "lerp", "mse_loss", "mse_loss_backward", "unfold"]

@@ -28,8 +28,8 @@ from ..ir import TTTProgram, reshape_views
 from ..runtime.delta_rule import delta_rule
 from .executors import extract, shape_only
 from .lift_delta_rule import (Coefficient, DeltaRulePlan, _boundary, _confirmed, _fit_pieces,
-                              require_positive,
-                              _Probe, _reads, frontier_between, one_state_match)
+                              _Probe, _reads, frontier_between, one_state_match,
+                              require_positive)
 
 #: At most this many steps per token are read (each cut tried as a step's end costs one fit).
 MAX_STEPS = 16
@@ -229,7 +229,8 @@ def expanded_inputs(match: DeltaProductMatch, feats: list[torch.Tensor], L: int,
 
 
 def _check_decay(match: DeltaProductMatch, decays: list[torch.Tensor]) -> None:
-    """Refuse a zero or negative decay (the chunked form takes its logarithm)."""
+    """``NonPositiveDecay`` for a zero or negative decay (the chunked form takes its
+    logarithm): the plan then runs the generic plan of the same program."""
     for d in decays:
         require_positive(d)
 
