@@ -783,10 +783,6 @@ MUTATIONS = [
         (("ttt2la/frontend/dot_products.py", "    return (n, k) if rows == 1 and cols == 1", "    return (n, k) if rows == 0 and cols == 1"),),
         ("tests/test_dot_products.py",), ""),
     Mutation(
-        "delta_rule_frontier_scalars_only", "the delta rule's coefficients are fitted to the frontier's own scalars only",
-        (("ttt2la/lowering/lift_delta_rule.py", "    nearby = _made_from(frontier)\n", "    nearby = []\n"),),
-        ("tests/test_delta_lowering.py",), "other_ways and beta-key"),
-    Mutation(
         "rate_divided_after_broadcast", "a rate divided by a constant after its broadcast is not read as a factor",
         (("ttt2la/passes/absorb_lr.py", "    readers = _readers(value, live, through_constants=True)",
           "    readers = _readers(value, live)"),),

@@ -235,6 +235,8 @@ def test_other_ways_of_writing_it_convert_exactly(name, batch, length, seed):
     x = torch.randn(batch, length, d, generator=torch.Generator().manual_seed(seed))
     want, g_want = _flat_outputs_and_grads(layer, x, seed)
     got, g_got = _flat_outputs_and_grads(fast, x, seed)
+    ran = fast.ttt2la_report.layers[0].runs[f"batch {batch}"]
+    assert ran == runtime, ran                  # the call ran on the op, not a fallback
     for a, b in zip(got, want):
         assert rel_rms_error(a, b) <= TOL, rel_rms_error(a, b)
     for n, grad in g_want.items():
