@@ -2793,6 +2793,46 @@ MUTATIONS = [
         'race_runs_unreported', "calls that ran the user's code while the race runs are missing from the report's runs",
         (('ttt2la/as_written.py', '        elif side == WRITTEN:               # the report says what ran while the race runs', '        elif False:'),),
         ('tests/test_as_written.py',), 'every_call_is_the_sources'),
+    Mutation(
+        'later_run_hides_earlier', "a call on another path replaces the report's record of the calls before it at that batch",
+        (('ttt2la/converted.py', '        runs[key] = before + SOME_CALLS + what', '        runs[key] = what'),),
+        ('tests/test_delta_lowering.py',), 'underflows_to_zero'),
+    Mutation(
+        'attention_in_loop_fused', "softmax attention inside a loop body is traced as the fused CPU kernel, which vmap runs chunk by chunk",
+        (('ttt2la/frontend/decompositions.py', '    aten._scaled_dot_product_flash_attention_for_cpu.default: _attention_in_loop_body,', ''),),
+        ('tests/test_frontend_styles.py',), 'softmax_attention_inside'),
+    Mutation(
+        'manifest_source_untyped', "a manifest's record of its source weights is read without checking its entries' types",
+        (('ttt2la/checkpoint/manifest.py', '        _check_entries(self.source, "source", _SOURCE_ENTRIES, where, required=False)', ''),),
+        ('tests/test_checkpoint_contract.py',), 'wrong_type'),
+    Mutation(
+        'integer_weights_loaded', "a checkpoint's integer tensors load into float weights, truncated",
+        (('ttt2la/checkpoint/weights.py', '             for n, t in full.items() if _kind(t.dtype) != _kind(expected[n].dtype)]', '             for n, t in full.items() if False]'),),
+        ('tests/test_cli_inputs.py',), 'kind_of_number'),
+    Mutation(
+        'stepped_caller_kept', "a model looping over its TTT blocks is converted as one step holding them, beside the blocks",
+        (('ttt2la/conversion.py', '        if inner and layer.program.single_step:', '        if False:'),),
+        ('tests/test_single_step.py',), 'looping_over_its_blocks'),
+    Mutation(
+        'later_calls_forgotten', "discovery keeps a layer's first call only, so the model's own later call made otherwise is refused",
+        (('ttt2la/frontend/discover.py', '                c.other_calls = hooks.later.get(c.path, [])', '                c.other_calls = []'),),
+        ('tests/test_call_errors.py',), 'otherwise_again'),
+    Mutation(
+        'lossy_other_calls_installed', "a lossy conversion of a layer the example run calls otherwise again is returned, to fail on its own example",
+        (('ttt2la/conversion.py', '    _refuse_lossy_other_calls(built)\n', ''),),
+        ('tests/test_call_errors.py',), 'otherwise_again'),
+    Mutation(
+        'linear_memory_no_final_layer', "freeze_theta says no final layer was found where the roles find the memory's weights final",
+        (('ttt2la/passes/freeze_theta.py', '            finals = program.states_with_role("final")', '            finals = []'),),
+        ('tests/test_titans.py',), 'lossy_steps_say'),
+    Mutation(
+        'scalar_rate_called_per_feature', "a rate of one value per token is said to hold a value per token and feature",
+        (('ttt2la/passes/absorb_lr.py', '    wide = [n for n in named if _has_features(*shapes[n])]', '    wide = list(named)'),),
+        ('tests/test_titans.py',), 'lossy_steps_say'),
+    Mutation(
+        'scanned_momentum_called_absent', "a momentum carried between updates, not as a*M + G, is reported as no momentum",
+        (('ttt2la/passes/remove_momentum.py', '            if carried:\n                return self.result("not_applicable", _carried_reason(program, carried))\n', ''),),
+        ('tests/test_titans.py',), 'lossy_steps_say'),
 ]
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import ttt2la
+from equivalence import assert_same_function
 from ttt2la.testing import TOLERANCE, rel_rms_error
 from ttt2la.zoo import TitansLinearMemory, ViTTTClosedFormBlock
 
@@ -550,3 +551,62 @@ def test_a_dict_argument_is_read_by_its_keys_in_any_order():
             conv(x, extra, {"shift": 1.0})
         with pytest.raises(ttt2la.UnsupportedShapeError, match=r"#1\['q'\], which the example"):
             conv(x, {**extra, "q": x}, {"shift": 1.0, "out": 2.0})
+
+
+class OffsetMemory(torch.nn.Module):
+    """A chunked linear memory with a keyword that shifts its values and a state it may start
+    from and return: a model streams a sequence through it in two calls made otherwise."""
+
+    C = 4
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.lr = torch.nn.Linear(d, 1)
+
+    def forward(self, x, offset: float = 0.0, state=None, return_state=False):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        lr = torch.sigmoid(self.lr(x))
+        S = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]) if state is None else state
+        outs = []
+        for s in range(0, x.shape[1], self.C):
+            outs.append(q[:, s:s + self.C] @ S)
+            S = S + k[:, s:s + self.C].transpose(1, 2) @ (
+                lr[:, s:s + self.C] * (v[:, s:s + self.C] + offset))
+        y = torch.cat(outs, 1)
+        return (y, S) if return_state else y
+
+
+class TwoCalls(torch.nn.Module):
+    """Calls its memory twice: the first half of the sequence, returning the state; the second
+    half from that state, with another offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.mem = OffsetMemory()
+
+    def forward(self, x):
+        h = x.shape[1] // 2
+        y1, S = self.mem(x[:, :h], return_state=True)
+        return torch.cat([y1, self.mem(x[:, h:], offset=0.5, state=S)], 1)
+
+
+def test_a_layer_the_example_run_calls_otherwise_again_runs_that_call_as_written():
+    """The layer is converted from its first call; the model's second call, made otherwise
+    (a keyword, a state passed), ran into the converted first call's refusal, so the model
+    failed on its own example inputs. At an exact level it runs the code as written, the
+    report's runs saying so; a call unlike both is still refused; a lossy level refuses,
+    saying why and what to do."""
+    torch.manual_seed(0)
+    model = TwoCalls()
+    conv = ttt2la.convert(model, level=0, example_inputs=(torch.randn(2, 20, 8),))
+    assert_same_function(conv, model, torch.randn(3, 22, 8))
+    runs = conv.ttt2la_report.layers[0].runs
+    assert runs["made as call 2 of the example run"].startswith("as written"), runs
+    assert any(not key.startswith("made as") for key in runs), runs   # the first call: the plan
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="'offset' = 2.0"):
+        conv.mem(torch.randn(2, 10, 8), offset=2.0)
+    with pytest.raises(ttt2la.UnsupportedShapeError,
+                       match=r"mem \(the loop at .*\) is called 2 ways in the model's example "
+                             r"run.* a lossy conversion .* Convert at an exact level"):
+        ttt2la.convert(model, level=4, example_inputs=(torch.randn(2, 20, 8),))

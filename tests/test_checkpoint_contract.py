@@ -210,6 +210,8 @@ DELETE = object()
     (("example_inputs", "sha256"), None, "example_inputs.sha256 is None, not a str"),
     (("example_inputs", "sha256"), ["x"], "example_inputs.sha256 is \\['x'\\], not a str"),
     (("example_inputs", "kind"), 5, "example_inputs.kind is 5, not one of"),
+    (("source", "sha256"), ["x"], "source.sha256 is \\['x'\\], not a str"),
+    (("source", "held_in_memory"), "yes", "source.held_in_memory is 'yes', not a bool"),
 ], ids=lambda v: None)
 def test_manifest_fields_of_the_wrong_type_are_refused(saved, tmp_path, path, value, match):
     directory = edit_manifest(saved, tmp_path / "ck", set_field(path, value))

@@ -140,6 +140,20 @@ def test_weights_that_do_not_fit_the_model(files, tmp_path, capsys):
     assert listing(tmp_path) == {"other.safetensors"}
 
 
+def test_weights_of_another_kind_of_number_do_not_fit(files, tmp_path, capsys):
+    """Float weights saved as integers would load truncated (a model of zeros): refused, naming
+    each, while a float file of another precision loads cast, as ``load_state_dict`` does."""
+    state = TinyLaCTLM(**{**KWARGS, "tie_embeddings": False}).state_dict()
+    ints = tmp_path / "ints.safetensors"
+    save_file({k: (v * 100).to(torch.int32) for k, v in state.items()}, str(ints))
+    refused(state_argv(files, ints, out=tmp_path / "out"), capsys, "WeightMismatchError",
+            "ints.safetensors", "another kind of number", "file torch.int32, model torch.float32")
+    assert listing(tmp_path) == {"ints.safetensors"}
+    from ttt2la.checkpoint.weights import weight_problems
+    model = TinyLaCTLM(**{**KWARGS, "tie_embeddings": False})
+    assert weight_problems(model, {k: v.half() for k, v in state.items()}) == []
+
+
 @pytest.mark.parametrize("factory, says", [("no_such_module_for_ttt2la:build", "cannot import"),
                                            ("ttt2la.zoo:NoSuchModel", "has no NoSuchModel"),
                                            ("ttt2la.zoo.TinyLaCTLM", "expected pkg.module")])

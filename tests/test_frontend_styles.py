@@ -787,3 +787,45 @@ def test_an_apply_written_in_place_in_the_loop_and_out_of_place_after_it_convert
     layer = _LastChunkAppliedAfter()
     conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
     assert_same_function(conv, layer, [torch.randn(2, 16, 8), torch.randn(3, 24, 8)])
+
+
+# -- softmax attention inside the chunk loop --------------------------------------------------
+
+class LocalSoftmaxPlusMemory(nn.Module):
+    """Causal softmax attention within each chunk (``F.scaled_dot_product_attention``) plus a
+    linear-attention memory of the chunks before it, heads kept apart: a hybrid in the style of
+    Infini-attention."""
+
+    def __init__(self, d=16, heads=2, chunk=8):
+        super().__init__()
+        self.heads, self.chunk = heads, chunk
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+        memory = x.new_zeros(b, self.heads, d // self.heads, d // self.heads)
+        ys = []
+        for s in range(0, n, self.chunk):
+            sl = slice(s, s + self.chunk)
+            local = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
+            ys.append(local + 0.5 * phi_q[:, :, sl] @ memory)
+            memory = memory + phi_k[:, :, sl].transpose(-1, -2) @ v[:, :, sl]
+        return self.out(torch.cat(ys, 2).transpose(1, 2).reshape(b, n, d))
+
+
+def test_softmax_attention_inside_the_chunk_loop_converts_and_batches(capfd):
+    """The fused CPU attention kernel has no ``vmap`` batching rule: traced as its math inside
+    the loop body, the plan batches it over chunks, silently (torch warns at every call of a
+    kernel it must run chunk by chunk), and computes the layer."""
+    torch.manual_seed(0)
+    layer = LocalSoftmaxPlusMemory()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 24, 16),))
+    capfd.readouterr()
+    for n in (5, 24, 37):
+        assert_same_function(conv, layer, torch.randn(2, n, 16))
+    assert "batching rule" not in capfd.readouterr().err
+    assert "block_linear_attention" in conv.ttt2la_report.layers[0].runtime

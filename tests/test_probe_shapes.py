@@ -165,7 +165,8 @@ def test_a_layer_that_runs_at_any_batch_keeps_the_general_probe():
 def test_a_layer_no_probe_shape_can_trace_is_refused_with_what_was_tried():
     torch.manual_seed(2)
     layer = LengthPinnedTTT(2, 4, 4)
-    with pytest.raises(ttt2la.UnsupportedTTTError, match="could not be traced at any probe shape") \
-            as info:
+    with pytest.raises(ttt2la.UnsupportedTTTError,
+                       match="runs at its example's shape, but its own code fails at every shape "
+                             "ttt2la must trace it at") as info:
         ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 13, 4),))
     assert "ValueError: this layer takes sequences of 13 tokens" in str(info.value)

@@ -320,3 +320,31 @@ def test_a_lossy_image_step_refuses_other_image_sizes_naming_them():
     assert "called with an image of 3 × 5 (axes 2, 3 of #0: 15 tokens)" in msg, msg
     assert "converted for an image of 4 × 4 (axes 2, 3 of #0: 16 tokens) only" in msg, msg
     assert "test_single_step.py" in msg and "[B, L" not in msg, msg
+
+
+class LoopedBlocks(torch.nn.Module):
+    """A ViT-like stack that loops over its TTT blocks (``for block in self.blocks``): a loop
+    over blocks, not over the sequence, whose body runs each block's single step."""
+
+    def __init__(self, depth=2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(ViTTTBlock(8, 2, 2, 3, update_gate=False)
+                                          for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_model_looping_over_its_blocks_converts_each_block():
+    """The model's loop takes no chunk, so its forward is no TTT layer of its own: each block
+    converts on its own, exactly, rather than the model as one step holding both (whose check
+    then saw its blocks change class under it) — and the report says why the model is not."""
+    torch.manual_seed(0)
+    model = LoopedBlocks()
+    conv = ttt2la.convert(model, level=0, example_inputs=(torch.randn(2, 6, 8),))
+    assert [layer.module_path for layer in conv.ttt2la_report.layers] == ["blocks.0", "blocks.1"]
+    assert any("runs the TTT layers blocks.0, blocks.1, converted on their own" in n
+               for n in conv.ttt2la_report.notes), conv.ttt2la_report.notes
+    assert_same_function(conv, model, torch.randn(3, 6, 8))

@@ -194,3 +194,24 @@ def test_a_large_memory_loops_over_chunks_with_every_batched_value_vmapped(momen
     assert "sequential: weights" in ran and "fallback" not in ran, ran
     for a, b in ((got[0], want[0]), (got[1].weights, want[1].weights)):
         assert rel_rms_error(a, b) <= TOL
+
+
+def test_the_lossy_steps_say_what_they_leave_in_a_memory_with_momentum():
+    """At level 6 nothing in the memory has the forms steps 1, 4 and 5 rewrite, and each says
+    what it found: no Θ (the weights are the final layer); a rate of one value per token that
+    reaches the update through the weighted loss; and the surprise, a momentum scanned token by
+    token, named at its line rather than called absent. The layer stays exact."""
+    layer, conv = converted("momentum", 6)
+    report, = conv.ttt2la_report.layers
+    steps = {p.name: p for p in report.passes}
+    assert steps["freeze_theta"].status == "already_satisfied"
+    assert "(weights) are the final layer" in steps["freeze_theta"].reason
+    lr = steps["absorb_lr"]
+    assert lr.status == "not_applicable" and "hold one value per token" in lr.reason, lr.reason
+    assert "per token and feature" not in lr.reason
+    momentum = steps["remove_momentum"]
+    assert momentum.status == "not_applicable", momentum.reason
+    line = _line_of(TitansLinearMemory.__mro__[1], "surprise = {**surprise")
+    assert f"surprise (`torch.select` at zoo/titans.py:{line})" in momentum.reason, momentum.reason
+    assert "enters the update of weights" in momentum.reason, momentum.reason
+    assert report.exact

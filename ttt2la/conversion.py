@@ -33,7 +33,7 @@ from .call_variation import call_variation
 from .compiled_plan import compile_plan, compiler_backend
 from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
 from .errors import (ChangedAttributeError, ConversionError, LevelNotImplementedError,
-                     NonReducibleError, UnsupportedTTTError)
+                     NonReducibleError, UnsupportedShapeError, UnsupportedTTTError)
 from .frontend.discover import discover, within
 from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
@@ -110,6 +110,8 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
             except UnsupportedTTTError as e:
                 failures.append((cand.path, f"{cand.path or '<model>'}: {e}"))
                 refusals.append(e)
+        layers, stepped = _without_stepped_callers(layers)
+        failures += stepped
         if layers:
             notes += [f"not converted: {f}" for path, f in failures
                       if not any(within(path, layer.path) for layer in layers)]
@@ -125,6 +127,22 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
         f"no test-time-training loop found in {type(model).__name__} (no module runs a Python "
         "loop). ttt2la converts layers whose forward (or a function it calls) loops over chunks "
         "or tokens, carrying fast weights updated from the sequence.")
+
+
+def _without_stepped_callers(layers: list) -> tuple[list, list[tuple[str, str]]]:
+    """``layers`` less each one recognized as a single step over its whole forward that holds
+    another recognized layer (a model looping over its TTT blocks, whose loop takes no chunk):
+    its step is theirs, and each block converts on its own. The dropped ones as failures."""
+    kept, dropped = [], []
+    for layer in layers:
+        inner = [o.path for o in layers if o is not layer and o.path != layer.path
+                 and within(o.path, layer.path)]
+        if inner and layer.program.single_step:
+            dropped.append((layer.path, f"{layer.path or '<model>'}: its forward runs the TTT "
+                            f"layers {', '.join(inner)}, converted on their own"))
+        else:
+            kept.append(layer)
+    return kept, dropped
 
 
 def _recognized(cand, seq_len):
@@ -698,6 +716,7 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     calibrations = _calibrations(target, layers, calibration, example_kwargs)
     built = [_convert_layer(rl, cal, level, folds, backend, strict)
              for rl, cal in zip(layers, calibrations)]
+    _refuse_lossy_other_calls(built)
     # the checks below differentiate the plans through inputs that require grad: the guard
     # sending such calls to the code as written (``autograd_guard``) starts after them
     autograd = {}
@@ -740,6 +759,24 @@ def _convert(pristine, target, level, example_inputs, calibration, backend, stri
     target.ttt2la_report = ConversionReport(level=level, layers=layer_reports, backend=backend,
                                             strict=strict, notes=notes, loss=loss)
     return target
+
+
+def _refuse_lossy_other_calls(built: list) -> None:
+    """A lossy layer that the model's example run also calls otherwise than the call it was
+    converted from: the converted model would refuse its own example's later call (an exact
+    layer runs the code as written there), so the conversion refuses, before installing."""
+    for layer in built:
+        others = getattr(layer.rl.layout, "other_calls", ())
+        if layer.state is None or layer.exact or not others:
+            continue
+        rl = layer.rl
+        raise UnsupportedShapeError(
+            f"{rl.path or 'the model'} (the loop at {rl.program.loop_src}) is called "
+            f"{len(others) + 1} ways in the model's example run, the later call(s) made "
+            "otherwise than its first (another keyword, a state passed); a lossy conversion "
+            "converts a layer's first call only, and does not run the code as written for "
+            "others. Convert at an exact level (0–2), where such calls run the code as written, "
+            "or call the layer one way.")
 
 
 def _check_folds_name(folds: dict | None, layers: list[RecognizedLayer]) -> None:

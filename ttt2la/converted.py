@@ -65,6 +65,24 @@ from .undifferentiable import refusal, refuse_backward
 from .validation import check_flag
 
 
+_ORDINAL = {2: "nd", 3: "rd"}
+
+#: how a shape's runs list a second implementation: a plan may hand some calls to another
+#: (a decay <= 0 to the generic plan, a short call to a loop over chunks)
+SOME_CALLS = "; some calls: "
+
+
+def record_run(runs: dict, key: str, what: str) -> None:
+    """Record for the report that ``what`` ran a call at ``key``: each implementation that ran
+    there is named once, the first one first, so a later call on another path does not hide
+    the earlier calls'."""
+    before = runs.get(key)
+    if before is None:
+        runs[key] = what
+    elif what not in before.split(SOME_CALLS):
+        runs[key] = before + SOME_CALLS + what
+
+
 class LoopModule(torch.nn.Module):
     """Runs a lowered plan in the place of the loop: ``(*states0, *invariants) -> (out, *finals)``.
 
@@ -109,7 +127,7 @@ class LoopModule(torch.nn.Module):
             outputs, finals = advance(plan, self.program, states0, invariants,
                                       stream_call, where)
         key = self.shape if plan is self.plan else f"{self.shape}, stateful"
-        self.runs[key] = plan.implementation      # what ran, for the report
+        record_run(self.runs, key, plan.implementation)
         outputs, finals = self._same_gradients_reached(plan, outputs, finals, states0, invariants)
         final_by_name = {s.name: f for s, f in zip(self.program.states, finals)}
         # the code after the loop was traced on the layout the user's code gave the output
@@ -438,7 +456,8 @@ class ConvertedState:
             if compiled.broken:
                 self.fallbacks[loop.shape] = compiled.broken
             else:
-                self.runs[loop.shape] = f"{loop.plan.implementation}, under {compiled.name}"
+                record_run(self.runs, loop.shape,
+                           f"{loop.plan.implementation}, under {compiled.name}")
                 compiled.batches.add(B)
             return out
         return call
@@ -620,6 +639,24 @@ class ConvertedState:
         self.runs[f"batch {B}, length 0"] = "as written: an empty sequence, where the loop " \
                                             "runs no iteration"
         return self._as_written(written, "at length 0 (an empty sequence)")
+
+    def like_another_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, n: int):
+        """A call made as the model's example run made its ``n``-th call of the layer (another
+        keyword, a state passed where the first call left it out), not as the call the layer was
+        converted from: an exact conversion runs the code as written, the report's runs saying
+        so; a lossy one, which converts the first call only, refuses."""
+        if self.as_written is None:
+            raise UnsupportedShapeError(
+                f"{self._where()} was called as the model's example run calls it the {n}"
+                f"{_ORDINAL.get(n, 'th')} time, otherwise than the call it was converted from; "
+                "a lossy conversion converts a layer's first call only, and does not run the "
+                "code as written for others. Convert at an exact level (0–2), where such calls "
+                "run the code as written, or call the layer one way.")
+        self.runs[f"made as call {n} of the example run"] = (
+            "as written: made otherwise than the call the layer was converted from (its first "
+            "in the example run)")
+        return self._as_written(written_call(module, args, kwargs),
+                                f"made as its call {n} in the example run")
 
     def _at_batch_zero(self, written):
         """A call of an empty batch, which costs nothing as written: an exact conversion returns
@@ -951,6 +988,10 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
         out = state.kept_as_given(self, args)
         if out is not NOT_KEPT:
             return out
+    if getattr(state.layout, "other_calls", ()) and ttt_state is None and not return_ttt_state:
+        n = state.layout.other_example_call(args, kwargs)
+        if n:
+            return state.like_another_call(self, args, kwargs, n)
     spelled = getattr(state.layout, "spelled", None)
     if spelled is not None:
         args, kwargs = spelled(args, kwargs)

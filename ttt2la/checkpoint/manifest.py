@@ -81,6 +81,7 @@ class Manifest:
         self._check_report(where)
         _check_entries(self.weights, "weights", {"file": str, "sha256": str, "tensors": dict},
                        where)
+        _check_entries(self.source, "source", _SOURCE_ENTRIES, where, required=False)
         kind = self.example_inputs.get("kind")
         if kind not in INPUT_KINDS:
             raise ManifestError(f"{where}: malformed manifest: example_inputs.kind is {kind!r:.80}, "
@@ -126,14 +127,24 @@ class Manifest:
         return out
 
 
-def _check_entries(record: dict, name: str, types: dict, where: Path) -> None:
+#: What a manifest records of the weights it was converted from (each entry where it applies):
+#: shown by the report written beside it, never read back to rebuild the model.
+_SOURCE_ENTRIES = {"path": str, "sha256": str, "files": dict, "zoo": str, "seed": int,
+                   "held_in_memory": bool}
+
+
+def _check_entries(record: dict, name: str, types: dict, where: Path,
+                   required: bool = True) -> None:
     """Refuse a manifest record (``weights``, ``example_inputs``) lacking an entry or holding
-    one of the wrong type, naming it."""
+    one of the wrong type, naming it (``required=False``: its entries may be absent)."""
     for key, wanted in types.items():
         if key not in record:
+            if not required:
+                continue
             raise ManifestError(f"{where}: malformed manifest: {name} records no {key}; convert "
                                 "the source checkpoint again")
-        if not isinstance(record[key], wanted):
+        if not isinstance(record[key], wanted) or (isinstance(record[key], bool)
+                                                   and wanted is not bool):
             raise ManifestError(f"{where}: malformed manifest: {name}.{key} is "
                                 f"{record[key]!r:.80}, not a {wanted.__name__}; convert the "
                                 "source checkpoint again")

@@ -218,10 +218,25 @@ def _fitted(model: torch.nn.Module, tensors: dict) -> tuple[dict, list[str]]:
     unexpected = sorted(set(tensors) - seen)
     shapes = [f"{n}: file {tuple(t.shape)}, model {tuple(expected[n].shape)}"
               for n, t in full.items() if tuple(t.shape) != tuple(expected[n].shape)]
+    kinds = [f"{n}: file {t.dtype}, model {expected[n].dtype}"
+             for n, t in full.items() if _kind(t.dtype) != _kind(expected[n].dtype)]
     return full, ([f"missing {_few(missing)}"] if missing else []) + \
         ([f"unexpected {_few(unexpected)}"] if unexpected else []) + \
         ([f"mis-shaped {_few(shapes)}"] if shapes else []) + \
+        ([f"of another kind of number, which loading would truncate or reinterpret: "
+          f"{_few(kinds)}"] if kinds else []) + \
         ([f"tied in the model but given different values: {_few(untied)}"] if untied else [])
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """A dtype's kind of number: loading casts within a kind (an fp16 file into fp32 weights,
+    as ``load_state_dict`` does) but not across kinds (integers into floats lose everything
+    after the point)."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "integer"
 
 
 def _few(items: list[str], n: int = 4) -> str:

@@ -5,7 +5,8 @@ is a mean (or sum) of squares, and its backward ``2 (x − y) / N`` times the se
 the delta rule's gradient, affine in ``W``. Inside a loop body, ``torch.baddbmm(W, kᵀ, v,
 alpha=η)`` is ``W + η·kᵀv``, an additive update, ``torch.addcmul(γ·S, k[..., None], v[..., None, :])``
 the same written elementwise, and Muon's ``baddbmm(A, A, A, beta=b, alpha=c)`` a step of
-Newton–Schulz. Traced as single aten ops they are opaque to the dependence analysis and
+Newton–Schulz; and a softmax attention inside a loop body is its math (``vmap`` batches that,
+not the fused CPU kernel). Traced as single aten ops they are opaque to the dependence analysis and
 the matchers, which must then take them for nonlinear and refuse updates that are affine. Each
 definition is the one the op documents, with the gradient autograd gives it; values agree up to
 rounding (the fused kernels round differently). Multiply-adds outside loops (every ``nn.Linear``
@@ -102,6 +103,19 @@ def unfold(x, dim: int, size: int, step: int):
     return chunks.movedim(dim + 1, -1)
 
 
+def _attention_in_loop_body(query, key, value, dropout_p: float = 0.0, is_causal: bool = False,
+                            *, attn_mask=None, scale=None):
+    """``F.scaled_dot_product_attention`` on CPU inside a loop body, as torch's own decomposition
+    spells it (its math: products, mask, softmax). The fused CPU kernel has no ``vmap`` batching
+    rule, so a plan batching the body over chunks would run it chunk by chunk, warning at every
+    call; its math batches. Elsewhere, and with dropout, the fused op stays."""
+    if dropout_p != 0.0 or not _in_loop_body():
+        return NotImplemented
+    from torch._decomp import decomposition_table
+    return decomposition_table[aten._scaled_dot_product_flash_attention_for_cpu.default](
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
 #: The table ``make_fx`` traces with: each overload to the definition above.
 DECOMPOSITIONS = {
     aten.lerp.Scalar: lerp,
@@ -113,6 +127,7 @@ DECOMPOSITIONS = {
     aten.addcmul.default: _pointwise_add(torch.mul),
     aten.addcdiv.default: _pointwise_add(torch.div),
     aten.unfold.default: unfold,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _attention_in_loop_body,
 }
 
 __all__ = ["DECOMPOSITIONS", "lerp", "mse_loss", "mse_loss_backward", "unfold"]

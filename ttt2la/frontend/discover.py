@@ -57,6 +57,9 @@ class LoopCandidate:
     callee: "LoopCandidate | None" = None
     #: what its forward changed among the objects it was called with (``argument_writes``)
     argument_writes: list[str] = field(default_factory=list)
+    #: the ``(args, kwargs)`` of the model's later calls of the module in the example run (a
+    #: block called twice, with another keyword the second time): ``InputLayout.other_calls``
+    other_calls: list[tuple] = field(default_factory=list)
 
 
 #: Names of the torch functions that only cut, lay out or describe a tensor: a loop that runs
@@ -278,6 +281,7 @@ def _discover_once(model, example_inputs, example_kwargs):
         for c in (cand, cand.callee):
             if c is not None:
                 c.argument_writes = hooks.writes.get(c.path, [])
+                c.other_calls = hooks.later.get(c.path, [])
     return found, hooks.captured
 
 
@@ -323,14 +327,19 @@ def within(path: str, parent: str) -> bool:
     return parent == "" or path == parent or path.startswith(parent + ".")
 
 
+#: how many calls of a module after its first one discovery keeps (``LoopCandidate.other_calls``)
+_LATER_CALLS = 8
+
+
 class _CapturedInputs:
     """Forward hooks on every module of ``paths`` while the context lasts: each module's first
-    inputs (``captured``: ``path -> (args, kwargs)``) and the paths of the modules running
-    (``stack``, innermost last)."""
+    inputs (``captured``: ``path -> (args, kwargs)``), those of its later calls (``later``) and
+    the paths of the modules running (``stack``, innermost last)."""
 
     def __init__(self, paths: dict):
         self.paths = paths
         self.captured: dict[str, tuple] = {}
+        self.later: dict[str, list[tuple]] = {}     # each module's other calls, in order
         self.stack: list[str] = []
         self.hooks: list = []
         self._before: dict[str, Structure] = {}    # each module's arguments at its first call
@@ -341,6 +350,8 @@ class _CapturedInputs:
         if path not in self.captured:
             self.captured[path] = (args, kwargs)
             self._before[path] = Structure(args, kwargs)
+        elif len(self.later.setdefault(path, [])) < _LATER_CALLS:
+            self.later[path].append((args, kwargs))
         self.stack.append(path)
 
     def _post(self, mod, args, kwargs, out):

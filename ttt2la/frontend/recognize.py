@@ -76,6 +76,9 @@ class InputLayout:
     rest_why: str = ""                  # the probe failure that restricted the lengths
     rest_own: bool = True               # whether the layer's own code failed there
     batch_constant: str = ""            # a number of the batch size the traced code holds
+    #: the layouts of the example run's later calls of the layer that are made otherwise than
+    #: the call it was converted from (another keyword, a tensor passed where it was left out)
+    other_calls: tuple["InputLayout", ...] = ()
 
     def length_of(self, x: torch.Tensor) -> int:
         """The number of tokens of ``x``, the reference input of a call."""
@@ -114,6 +117,27 @@ class InputLayout:
         if self.signature is None:
             return args, kwargs
         return self.signature.spelled(args, kwargs, self.batch_axis, self.token_axis, self.path)
+
+    def takes(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call ``(args, kwargs)`` is made as the example call was: spelled and
+        built alike, every input of its rank, sizes and values (``CallSignature.check``)."""
+        try:
+            args, kwargs = self.spelled(args, kwargs)
+            if self.signature is not None:
+                self.signature.check(pytree.tree_leaves((tuple(args), dict(kwargs))),
+                                     self.batch_axis, self.token_axis, self.ref, self.path)
+        except UnsupportedShapeError:
+            return False
+        return True
+
+    def other_example_call(self, args: tuple, kwargs: dict) -> int:
+        """Which of the example run's later calls of the layer ``(args, kwargs)`` is made like
+        (2 for the second call), where it is not made like the call the layer was converted
+        from; 0 otherwise. Asked only of a layer the example run called otherwise again."""
+        if not self.other_calls or self.takes(args, kwargs):
+            return 0
+        return next((n for n, other in enumerate(self.other_calls, 2)
+                     if other.takes(args, kwargs)), 0)
 
     def sizes(self, flat_inputs: list) -> tuple[int, int]:
         if self.signature is not None:
@@ -201,6 +225,32 @@ def _layout(flat: list, seq_len: int | None, batch: int) -> InputLayout:
             f"axis of length {seq_len} after a batch axis of size {batch}. Pass example inputs "
             "whose sequence length differs from every feature size.")
     return InputLayout(batch_axis, token_axis, refs[0])
+
+
+def other_calls(cand: LoopCandidate, layout: InputLayout, seq_len: int | None
+                ) -> tuple[InputLayout, ...]:
+    """The layouts of the example run's later calls of ``cand``'s layer that ``layout`` (its
+    first call's) does not take: each with its own signature, sequence and batch axes. A call
+    whose layout cannot be told is left out (it is refused as any unlike call is)."""
+    found = []
+    for args, kwargs in cand.other_calls:
+        if layout.takes(args, kwargs):
+            continue
+        flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 1]
+        if not tensors:
+            continue
+        length = seq_len if seq_len is not None and any(seq_len in x.shape[1:]
+                                                        for x in tensors) \
+            else tensors[0].shape[1]
+        try:
+            other = _layout(flat, length, tensors[0].shape[0])
+        except ConversionError:
+            continue
+        other.signature = CallSignature.of(args, kwargs, cand.module)
+        other.path = layout.path
+        found.append(other)
+    return tuple(found)
 
 
 def _inputs_at(flat: list, layout: InputLayout, B: int, L: int) -> list:
@@ -431,7 +481,8 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
         _CACHE.move_to_end(key)
-        return dataclasses.replace(hit, path=cand.path, candidate=cand, caches=caches)
+        return _with_other_calls(dataclasses.replace(hit, path=cand.path, candidate=cand,
+                                                      caches=caches), cand, seq_len)
     from .single_step import recognize_single_step
     if cand.no_loop:
         result = recognize_single_step(cand, seq_len, _no_loop(cand))
@@ -447,7 +498,19 @@ def recognize_layer(cand: LoopCandidate, seq_len: int | None) -> RecognizedLayer
         _CACHE[key] = result
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
-    return result
+    return _with_other_calls(result, cand, seq_len)
+
+
+def _with_other_calls(result: RecognizedLayer, cand: LoopCandidate,
+                      seq_len: int | None) -> RecognizedLayer:
+    """``result`` whose layout knows the example run's later calls of this very layer made
+    otherwise than its first (kept out of the recognition cache: they are the instance's)."""
+    layout = result.layout
+    if not cand.other_calls or layout.signature is None:
+        return result
+    others = other_calls(cand, layout, seq_len)
+    return dataclasses.replace(result, layout=dataclasses.replace(layout, other_calls=others)) \
+        if others else result
 
 
 def _no_loop(cand: LoopCandidate) -> UnsupportedTTTError:
@@ -827,11 +890,12 @@ def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
     where = user_frame(first)
     at = f" (first at {where})" if where else ""
     err = UnsupportedTTTError(
-        f"{_layer_name(cand)} could not be traced at any probe shape, its example's batch size "
-        f"included{at} ({len(failures)} sets of shapes tried; {tried}). ttt2la must trace a "
-        "layer at two lengths at least (three chunk updates, then one more token or one more "
-        "chunk) to make the converted layer work at any length: let the layer run at lengths "
-        "other than the example's.")
+        f"{_layer_name(cand)} runs at its example's shape, but its own code fails at every "
+        f"shape ttt2la must trace it at{at}, its example's batch size included "
+        f"({len(failures)} sets of shapes tried; {tried}). ttt2la traces a layer at two "
+        "lengths at least (three chunk updates, then one more token or one more chunk) to make "
+        "the converted layer work at any length: let the layer run at lengths other than the "
+        "example's.")
     err.__cause__ = first
     return err
 

@@ -240,6 +240,35 @@ def rates_by_name(program: TTTProgram) -> list[str]:
             and node in feeds]
 
 
+def _unfolded_by_name(program: TTTProgram, named: list[str]) -> str:
+    """Why streams named as learning rates are left per token: a value per token and feature
+    is no per-token factor; one value per token is, but reaches the update otherwise than as a
+    factor of the increment this pass reads."""
+    shapes = {spec.name: (spec, node_shape(node))
+              for spec, node in zip(program.streams, program.stream_inputs())}
+    wide = [n for n in named if _has_features(*shapes[n])]
+    scalar = [n for n in named if n not in wide]
+    why = []
+    if wide:
+        why.append(f"stream(s) {', '.join(wide)}, named as learning rates, scale the update "
+                   "with a value per token and feature, not a per-token factor (one per token "
+                   "or head) that absorb_lr folds")
+    if scalar:
+        why.append(f"stream(s) {', '.join(scalar)}, named as learning rates, hold one value per "
+                   "token but reach the update otherwise than as a factor of each token's "
+                   "increment (through a loss weighted per token and differentiated under a "
+                   "transform, say), which is what absorb_lr reads and folds")
+    return "; ".join(why) + ": left unchanged, so this level keeps them"
+
+
+def _has_features(spec, shape) -> bool:
+    """Whether a stream's chunk holds more than one value per token: an axis after its tokens
+    longer than 1 (a rate per token and feature)."""
+    if shape is None:
+        return True
+    return any(n > 1 for n in shape[spec.axis % len(shape) + 1:])
+
+
 def rates_computed_from_tokens(program: TTTProgram) -> list[str]:
     """Loop invariants the user's code names as learning rates (TTT-Linear's ``lr_weight``,
     read as ``lr``) that the loop body combines with the tokens on the way to a state update:
@@ -294,11 +323,7 @@ class AbsorbLr(Pass):
                                    "scale a state update as a per-token factor; left unchanged")
             named = rates_by_name(program)
             if named:
-                return self.result(
-                    "not_applicable",
-                    f"stream(s) {', '.join(named)}, named as learning rates, scale the update "
-                    "with a value per token and feature, not a per-token factor (one per token "
-                    "or head) that absorb_lr folds: left unchanged, so this level keeps them")
+                return self.result("not_applicable", _unfolded_by_name(program, named))
             constant = constant_rates(program)
             if constant:
                 return self.result("already_satisfied",

@@ -86,6 +86,12 @@ class FreezeTheta(Pass):
                 return self.result("already_satisfied",
                                    "the kernel φ has no weights Θ to freeze (only the final layer "
                                    "W is a fast weight)")
+            finals = program.states_with_role("final")
+            if finals:      # a final layer the roles find by its uses, read otherwise than φ·W
+                names = ", ".join(program.states[i].name for i in finals)
+                return self.result("already_satisfied",
+                                   f"the loop updates no kernel weights Θ: its fast weights "
+                                   f"({names}) are the final layer")
             return self.result("not_applicable", "no final layer W was found")
         ins, outs = program.state_inputs(), program.state_outputs()
         inside = stepped_inside(program, thetas)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..analysis.dependence import Dep, analyze_dependence
 from ..analysis.rules import MomentumMatch, constant_value, match_momentum
 from ..analysis.sequence_scan import scans_within
 from ..ir import TTTProgram, op_at
@@ -41,6 +42,32 @@ def momentum_updates(program: TTTProgram) -> list[tuple[int, MomentumMatch]]:
 def _readers(program: TTTProgram, i: int, m: MomentumMatch) -> list[torch.fx.Node]:
     """Nodes reading ``M'`` other than the body's output (``M``'s own state-out)."""
     return [u for u in m.output.users if u.op != "output"]
+
+
+def _carried_into_updates(program: TTTProgram) -> dict[int, list[int]]:
+    """States the roles call neither fast weights nor momentum whose previous value enters
+    another state's update (Titans' surprise, scanned token by token inside each chunk): a
+    momentum in effect, not in the form ``α·M + G`` this pass removes. ``{state: [states whose
+    update reads it]}``."""
+    dep = analyze_dependence(program)
+    n = len(program.states)
+    found = {}
+    for i in program.states_with_role("other"):
+        readers = [t for t in range(n) if t != i and dep.update(t, i).kind > Dep.INDEPENDENT]
+        if readers:
+            found[i] = readers
+    return found
+
+
+def _carried_reason(program: TTTProgram, carried: dict[int, list[int]]) -> str:
+    outs = program.state_outputs()
+    name = lambda i: program.states[i].name      # noqa: E731
+    each = "; ".join(
+        f"{name(i)} ({op_at(outs[i])}) enters the update of {', '.join(map(name, readers))}"
+        for i, readers in carried.items())
+    return (f"state(s) carried from one update to the next feed another state's update: "
+            f"{each}. A momentum in effect, but not updated as α·M + G, the form this pass "
+            "folds into a factor of the increment: left unchanged, so this level keeps it")
 
 
 def accumulation_factor(alphas: list[torch.Tensor]) -> torch.Tensor:
@@ -92,6 +119,9 @@ class RemoveMomentum(Pass):
                 return self.result("not_applicable",
                                    f"momentum state(s) {names} are not updated as α·M + G "
                                    "feeding another update; left unchanged")
+            carried = _carried_into_updates(program)
+            if carried:
+                return self.result("not_applicable", _carried_reason(program, carried))
             scans = scans_within(program) if program.single_step else []
             if scans:
                 return self.result(
