@@ -2833,6 +2833,14 @@ MUTATIONS = [
         'scanned_momentum_called_absent', "a momentum carried between updates, not as a*M + G, is reported as no momentum",
         (('ttt2la/passes/remove_momentum.py', '            if carried:\n                return self.result("not_applicable", _carried_reason(program, carried))\n', ''),),
         ('tests/test_titans.py',), 'lossy_steps_say'),
+    Mutation(
+        'stream_named_without_line', "a step leaving a stream like a rate names it by the tracer's name alone, with no line",
+        (('ttt2la/passes/absorb_lr.py', '                                   f"stream(s) {_read_at(program, left)} look like learning "', '                                   f"stream(s) {\', \'.join(program.streams[i].name for i in left)} look like learning "'),),
+        ('tests/test_scan_style.py',), 'absorb_lr_leaves'),
+    Mutation(
+        'nested_check_as_repr', "a nested check in the Markdown report prints as a Python dict",
+        (('ttt2la/report.py', '    if isinstance(v, dict):                  # a nested measurement: the lowering\'s judgment\n        return f"({_format_mapping(v)})"\n', ''),),
+        ('tests/test_report.py',), 'nested_check'),
 ]
 
 

@@ -189,6 +189,18 @@ def test_markdown_lists_every_pass_state_and_level():
     assert "Check: rel_rms_error=3.100e-07, tolerance=1.000e-05, dtype=float32" in md
 
 
+def test_a_nested_check_reads_as_fields_not_a_python_dict():
+    """The lowering's judgment by the precision criterion is a mapping inside the check: it
+    renders as its fields, numbers formatted, not as a Python dict's repr."""
+    layer = lact_layer_report()
+    layer.check = {"rel_rms_error": 3.1e-07, "lowering": {
+        "criterion": "2x the loop's own error", "output": {"rel_rms_error": 4.46e-07, "ok": True}}}
+    md = layer.to_markdown()
+    assert ("Check: rel_rms_error=3.100e-07, lowering=(criterion=2x the loop's own error, "
+            "output=(rel_rms_error=4.460e-07, ok=True))") in md, md
+    assert "{" not in md.split("Check:")[1].splitlines()[0]
+
+
 def test_markdown_escapes_table_separators():
     layer = lact_layer_report()
     layer.states[0].update_rule = "W' = W + |k|"

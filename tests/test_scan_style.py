@@ -9,6 +9,7 @@ the layer norm inside the reconstruction loss, are refused at every level naming
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -518,3 +519,17 @@ def test_a_scan_whose_buffer_is_read_back_otherwise_converts_exactly(read, level
     report = converted.ttt2la_report.layers[0]
     assert report.exact and report.chunk_size == 4, report.runtime
     assert_same_function(converted, layer, [x, torch.randn(3, 20, 8), torch.randn(1, 4, 8)])
+
+
+def test_a_stream_like_a_rate_that_absorb_lr_leaves_is_named_with_its_line():
+    """The scan helper's carried values have no name in the user's code, only the tracer's
+    (``carry_y_3``): the step that leaves such a stream names the op that reads it and its
+    line, so the reason points at code the user wrote."""
+    torch.manual_seed(0)
+    layer = ScanLinearTTTLayer(16, 2, 4).eval()
+    conv = ttt2la.convert(layer, level=4, example_inputs=(torch.randn(2, 16, 16),),
+                          strict=False)
+    step, = [p for p in conv.ttt2la_report.layers[0].passes if p.name == "absorb_lr"]
+    assert step.status == "not_applicable"
+    assert re.search(r"\(read by `[^`]+` at zoo/ttt_scan\.py:\d+\) look like learning rates",
+                     step.reason), step.reason

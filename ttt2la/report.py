@@ -550,6 +550,8 @@ def _format_mapping(m: dict | None) -> str:
 
 
 def _format_value(v: Any) -> str:
+    if isinstance(v, dict):                  # a nested measurement: the lowering's judgment
+        return f"({_format_mapping(v)})"
     if isinstance(v, (list, tuple)):
         flat = list(_flatten(v))
         shown = ", ".join(_format_value(x) for x in flat[:4])

@@ -240,6 +240,15 @@ def rates_by_name(program: TTTProgram) -> list[str]:
             and node in feeds]
 
 
+def _read_at(program: TTTProgram, streams: list[int]) -> str:
+    """The streams named as the report names them, each with the first op of the loop body
+    reading it (a scan's carried values have no name in the user's code, only a line)."""
+    inputs = program.stream_inputs()
+    return ", ".join(
+        f"{program.streams[i].name} (read by {op_at(next(iter(inputs[i].users)))})"
+        if inputs[i].users else program.streams[i].name for i in streams)
+
+
 def _unfolded_by_name(program: TTTProgram, named: list[str]) -> str:
     """Why streams named as learning rates are left per token: a value per token and feature
     is no per-token factor; one value per token is, but reaches the update otherwise than as a
@@ -317,10 +326,10 @@ class AbsorbLr(Pass):
         if not lrs:
             left = lr_like_streams(program, lrs)
             if left:
-                names = ", ".join(program.streams[i].name for i in left)
                 return self.result("not_applicable",
-                                   f"stream(s) {names} look like learning rates but do not "
-                                   "scale a state update as a per-token factor; left unchanged")
+                                   f"stream(s) {_read_at(program, left)} look like learning "
+                                   "rates but do not scale a state update as a per-token "
+                                   "factor; left unchanged, so this level keeps them")
             named = rates_by_name(program)
             if named:
                 return self.result("not_applicable", _unfolded_by_name(program, named))
