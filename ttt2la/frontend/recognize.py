@@ -232,10 +232,10 @@ def other_calls(cand: LoopCandidate, layout: InputLayout, seq_len: int | None
     """The layouts of the example run's later calls of ``cand``'s layer that ``layout`` (its
     first call's) does not take: each with its own signature, sequence and batch axes. A call
     whose layout cannot be told is left out (it is refused as any unlike call is)."""
-    found = []
+    found: list[InputLayout] = []
     for args, kwargs in cand.other_calls:
-        if layout.takes(args, kwargs):
-            continue
+        if layout.takes(args, kwargs) or any(o.takes(args, kwargs) for o in found):
+            continue        # made like the first call, or like a later one already kept
         flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
         tensors = [x for x in flat if isinstance(x, torch.Tensor) and x.dim() > 1]
         if not tensors:
