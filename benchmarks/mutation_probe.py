@@ -2841,6 +2841,10 @@ MUTATIONS = [
         'nested_check_as_repr', "a nested check in the Markdown report prints as a Python dict",
         (('ttt2la/report.py', '    if isinstance(v, dict):                  # a nested measurement: the lowering\'s judgment\n        return f"({_format_mapping(v)})"\n', ''),),
         ('tests/test_report.py',), 'nested_check'),
+    Mutation(
+        'unread_op_unnamed', "a tensor computed after the cut is refused without the op where reading its mini-batches stopped",
+        (('ttt2la/frontend/chunked_computations.py', '            sel.meta[UNREAD] = str(e)       # the op the refusal names, where the reading stopped\n', ''),),
+        ('tests/test_scan_style.py',), 'rates_computed_after_chunking'),
 ]
 
 

@@ -295,6 +295,10 @@ def test_rates_computed_after_chunking_are_refused_naming_the_line():
     text = str(info.value)
     assert "RateAfterChunking" in text and f"test_scan_style.py:{line}" in text, text
     assert "computed after the sequence was cut into mini-batches" in text
+    # and the op where reading the mini-batches back stopped: the einsum, at its own line
+    einsum = start + next(i for i, s in enumerate(lines) if 'torch.einsum("bnkd,hd' in s)
+    assert re.search(rf"ttt2la stopped at `[^`]+` at \S*test_scan_style\.py:{einsum} ", text), \
+        text
 
 
 # -- pre-chunked streams taken in the loop statement or on another axis -------------------------

@@ -110,6 +110,8 @@ def mini_batch(graph: torch.fx.Graph, node: torch.fx.Node, d: int | None, i: int
 
 #: marks the selects that take the one slice of a broadcast axis (no mini-batch is read)
 BROADCAST = "ttt2la_broadcast"
+#: on a select no identity rewrites: why, naming the op the mini-batch could not be read through
+UNREAD = "ttt2la_unread"
 
 
 def _broadcast(graph, node, d, meta) -> torch.fx.Node:
@@ -170,10 +172,11 @@ def rewrite_computed(graph: torch.fx.Graph, selects: list[torch.fx.Node]
         try:
             with graph.inserting_before(sel):
                 new = mini_batch(graph, src, d, sel.args[2] % count, sel.meta, count)
-        except NotRewritable:
+        except NotRewritable as e:
             for n in reversed([n for n in graph.nodes if n not in before]):
                 if not n.users:
                     graph.erase_node(n)
+            sel.meta[UNREAD] = str(e)       # the op the refusal names, where the reading stopped
             left.append(sel)
             continue
         sel.replace_all_uses_with(new)
@@ -181,4 +184,5 @@ def rewrite_computed(graph: torch.fx.Graph, selects: list[torch.fx.Node]
     return left
 
 
-__all__ = ["rewrite_computed", "mini_batch", "ELEMENTWISE", "NotRewritable", "BROADCAST"]
+__all__ = ["rewrite_computed", "mini_batch", "ELEMENTWISE", "NotRewritable", "BROADCAST",
+           "UNREAD"]

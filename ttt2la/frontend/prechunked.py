@@ -444,11 +444,13 @@ def _refuse_chunked_computations(graph: torch.fx.Graph, in_loop: set) -> None:
     for sel in _computed_selects(graph, in_loop):
         src = sel.meta.get(SRC)
         where = f" at {src.file}:{src.line}" if src is not None else ""
+        unread = sel.meta.get("ttt2la_unread")
+        stopped = f" (reading it back, ttt2la stopped at {unread})" if unread else ""
         raise UnsupportedTTTError(
             f"the loop takes mini-batch {sel.args[2]} of a tensor{where} that was computed "
-            f"after the sequence was cut into mini-batches, at {_computed_at(sel.args[0])}, "
-            "and ttt2la cannot read its mini-batches there (it reads reshapes of whole "
-            "sequences, and elementwise ops, permutes and row-wise matrix products of them). "
+            f"after the sequence was cut into mini-batches, at {_computed_at(sel.args[0])}"
+            f"{stopped}, and ttt2la cannot read its mini-batches there (it reads reshapes of "
+            "whole sequences, and elementwise ops, permutes and row-wise matrix products of them). "
             "Compute that tensor on the whole sequence ([B, ..., L, ...]) and reshape it into "
             "mini-batches with the others, or, where it mixes the tokens of a mini-batch (a "
             "matrix per mini-batch, such as a UT transform's), compute it inside the loop from "
