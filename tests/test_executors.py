@@ -390,6 +390,49 @@ def test_short_and_ragged_lengths(L):
     assert outputs[0].shape == (2, L, 3)
 
 
+def test_one_chunk_runs_the_body_on_plain_tensors():
+    """A call of one chunk (a single step over the whole sequence) runs the body's graphs on
+    the chunk itself: ``vmap`` over an axis of one would only batch every op (and leave a
+    select per stream in the backward)."""
+    from torch._C._functorch import is_batchedtensor
+    from ttt2la.lowering.executors import _call_batched
+    seen = []
+
+    def body(x, w):
+        seen.append(is_batchedtensor(x))
+        return (x * w, x.sum(-1))
+
+    x, w = torch.randn(1, 3, 4), torch.randn(4)
+    (y, s), fell_back = _call_batched(body, [(x, True), (w, False)], 1)
+    assert seen == [False] and not fell_back
+    assert torch.equal(y, x * w) and torch.equal(s, x.sum(-1))
+    seen.clear()
+    (y, _), _ = _call_batched(body, [(torch.randn(2, 3, 4), True), (w, False)], 2)
+    assert seen == [True] and y.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("L", [4, 12])
+def test_a_call_leaves_no_tensor_in_a_reference_cycle(L):
+    """A plan's call frees its values when it returns: none is left for Python's cycle
+    collector, which would keep each call's chunk-major values alive until it ran, so that
+    every call faulted in fresh memory for its own."""
+    import gc
+    program = make_program("additive_xw", 2, 3, 4, True, "update")
+    states0, invariants = inputs_for(program, L, 0)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        outputs, finals = execute(program, None, states0, invariants)
+        outputs[0].sum().backward()
+        del outputs, finals
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not left, [tuple(t.shape) for t in left]
+
+
 def test_exclusive_apply_only_reads_initial_state_in_first_chunk():
     program = make_program("weight_norm", 1, 2, 2, False, "apply_only")
     states0, invariants = inputs_for(program, 2, 3)

@@ -27,6 +27,18 @@ def loop_reference(a, f, initial, dim):
     return torch.stack(out).movedim(0, dim)
 
 
+class _Ops(TorchDispatchMode):
+    """The aten ops a block dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 40), a_kind=st.sampled_from(["scalar", "elementwise", "lower_rank"]),
        with_initial=st.booleans(), method=st.sampled_from(METHODS),
@@ -99,6 +111,24 @@ def test_prefix_sum(dtype, with_initial):
     assert rel_rms_error(S, expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_initial", [False, True])
+def test_prefix_sum_of_one_term_is_the_sum_itself(dtype, with_initial):
+    """A single step's state after its one chunk: ``initial + f``, one add, no blocked scan's
+    products to compute (a converted single-step layer calls this on every call)."""
+    g = torch.Generator().manual_seed(5)
+    f = torch.randn(3, 1, 4, 5, generator=g, dtype=torch.float64).to(dtype)
+    initial = torch.randn(3, 4, 5, generator=g, dtype=torch.float64).to(dtype) \
+        if with_initial else None
+    with _Ops() as ops:
+        S = prefix_sum(f, dim=1, initial=initial)
+    expected = loop_reference(torch.ones(1, 1, 1, 1, dtype=torch.float64), f, initial, 1)
+    assert S.dtype == dtype and S.shape == f.shape
+    assert rel_rms_error(S, expected) < TOLERANCE[dtype]
+    assert not {"bmm", "mm", "matmul", "cumsum"} & set(ops.names), ops.names
+    assert len([n for n in ops.names if n not in ("unsqueeze", "_to_copy", "view")]) <= 1
+
+
 @settings(max_examples=25, deadline=None)
 @given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 130]), with_initial=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
@@ -125,16 +155,6 @@ def test_summed_scan_is_momentum_then_prefix_sum(n, with_initial, seed):
 
 
 # ----------------------------------------------------------------------------- transfer masks
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
 
 def test_transfer_masks_are_made_once_and_serve_every_mode():
     """The scan's triangular masks depend on the block's side alone: made once, a later call

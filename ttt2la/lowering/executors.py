@@ -123,6 +123,9 @@ def _call_batched(fn, values: list[_Value], n_chunks: int) -> tuple[list[torch.T
     if all(d is None for d in dims):
         out = fn(*args)
         return [o.unsqueeze(0).expand(n_chunks, *o.shape) for o in out], False
+    if n_chunks == 1:       # one chunk (a single step): the body as written, no vmap to batch it
+        out = fn(*[a.squeeze(0) if d == 0 else a for a, d in zip(args, dims)])
+        return [o.unsqueeze(0) for o in out], False
     try:
         return list(vmap(fn, in_dims=dims)(*args)), False
     except (RuntimeError, NotImplementedError, ValueError):
@@ -319,7 +322,9 @@ class _StateStep:
 class _Values(dict):
     """The values a call has computed, by node; the ``deferred`` ones (state-independent values
     that a loop computes itself) are computed, all at once, when something else first reads
-    one."""
+    one (``compute(values)``). It holds no reference to itself: a cycle would keep the call's
+    tensors alive until Python's cycle collector ran, and each call would fault in fresh memory
+    for its own."""
 
     def __init__(self, deferred: list[torch.fx.Node], compute):
         super().__init__()
@@ -329,7 +334,7 @@ class _Values(dict):
         if node not in self._deferred:
             raise KeyError(node)
         self._deferred = set()
-        self.update(self._compute())
+        self.update(self._compute(self))
         return self[node]
 
 
@@ -578,8 +583,8 @@ class Plan:
         n = layout.n_chunks
         n_upd = n if prog.last_chunk == "update" else n - 1
         ins, outs = prog.state_inputs(), prog.state_outputs()
-        env = _Values(self._deferred, lambda: self._batched(
-            self._deferred_graph, self._deferred_inputs, self._deferred, env, n))
+        env = _Values(self._deferred, lambda values: self._batched(
+            self._deferred_graph, self._deferred_inputs, self._deferred, values, n))
         for ph, x in zip(prog.stream_inputs(), streams):
             env[ph] = (x, True)
         for ph, p in zip(prog.invariant_inputs(), invariants):

@@ -164,6 +164,8 @@ def prefix_sum(f: torch.Tensor, *, dim: int = 1,
     """
     dim = dim % f.dim()
     dt = compute_dtype(f.dtype)
+    if f.shape[dim] == 1:       # one term (a single step): the sum itself, no scan to run
+        return f if initial is None else (f.to(dt) + initial.to(dt).unsqueeze(dim)).to(f.dtype)
     rows, shape = _as_rows(f.to(dt), dim, dim)
     init = None if initial is None else initial.to(dt).reshape(rows.shape[0], rows.shape[2])
     return blocked_scan(None, rows, init).reshape(shape).to(f.dtype)
