@@ -143,14 +143,26 @@ class Gained(ViTTTClosedFormBlock):
 
 
 def test_a_built_in_python_value_is_checked_not_silently_reused():
+    """Another value of a plain Python argument, which the graphs hold built in: an exact
+    conversion runs the code as written on it (the report's runs say so, naming it); a lossy
+    one, whose simplified function the code as written does not compute, refuses naming it."""
     torch.manual_seed(0)
     block = Gained(8, 2, update_gate=False)
     x = torch.randn(2, 6, 8)
     converted = ttt2la.convert(block, level=0, example_inputs=(x,),
                                example_kwargs={"gain": 2.0})
     assert _same_outputs(block(x, gain=2.0), converted(x, gain=2.0))
+    assert _same_outputs(block(x, gain=3.0), converted(x, gain=3.0))
+    runs = converted.ttt2la_report.layers[0].runs
+    assert runs["called with 'gain' = 3.0, where it was converted with 2.0"].startswith(
+        "as written"), runs
+    lossy = ttt2la.convert(block, level=6, example_inputs=(x,), example_kwargs={"gain": 2.0})
+    assert not lossy.ttt2la_report.exact
     with pytest.raises(ttt2la.UnsupportedShapeError, match="2.0 it was converted with"):
-        converted(x, gain=3.0)
+        lossy(x, gain=3.0)
+    lossy = ttt2la.convert(block, level=6, example_inputs=(x,))     # gain left at its default
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="'gain' left at its default 1.0"):
+        lossy(x, gain=3.0)
 
 
 class Scaled(torch.nn.Module):
@@ -207,14 +219,19 @@ def test_a_call_means_what_its_forward_binds_it_to(scaled, name, call):
         assert rel_rms_error(converted(*args, **kwargs), want) <= TOLERANCE[torch.float32]
 
 
-# calls another function than the conversion's: (call, the argument the refusal names)
-OTHER_CALLS = [
+# calls another function than the conversion's, their values bound to other parameters: (call,
+# the argument the report's runs name); run as written, never as the conversion's call
+OTHER_VALUES = [
     ("scales swapped by keyword", lambda x: ((x,), {"out_scale": 2.0, "in_scale": 3.0}),
-     "'in_scale' = 3.0, but the value 2.0"),
+     "'in_scale' = 3.0, where it was converted with 2.0"),
     ("scales swapped by position", lambda x: ((x, 3.0, 2.0), {}),
-     "'in_scale' = 3.0, but the value 2.0"),
+     "'in_scale' = 3.0, where it was converted with 2.0"),
     ("out_scale left out", lambda x: ((x,), {"in_scale": 2.0}),
-     "'out_scale' = 1.0, but the value 3.0"),
+     "'out_scale' = 1.0, where it was converted with 3.0"),
+]
+
+# calls the forward does not take: (call, what the refusal names)
+OTHER_CALLS = [
     ("an unknown keyword", lambda x: ((x,), {"in_scale": 2.0, "out_scale": 3.0, "scale": 1.0}),
      "unexpected keyword argument 'scale'"),
     ("a positional argument too many", lambda x: ((x, 2.0, 3.0, 4.0), {}),
@@ -222,10 +239,24 @@ OTHER_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("name,call,named", OTHER_CALLS, ids=[c[0] for c in OTHER_CALLS])
+@pytest.mark.parametrize("name,call,named", OTHER_VALUES, ids=[c[0] for c in OTHER_VALUES])
 def test_a_keyword_is_never_taken_for_another(scaled, name, call, named):
-    """A call whose values bind to other parameters than the conversion's is refused naming
-    the parameter, whatever order or spelling its arguments come in."""
+    """A call whose values bind to other parameters than the conversion's computes what the
+    layer computes for it (the code as written), whatever order or spelling its arguments come
+    in, and the report's runs name the parameter."""
+    layer, converted = scaled[0], scaled[1]
+    args, kwargs = call(torch.randn(B, 12, D))
+    with torch.no_grad():
+        got, want = converted(*args, **kwargs), layer(*args, **kwargs)
+    assert rel_rms_error(got, want) <= TOLERANCE[torch.float32]
+    ran = converted.ttt2la_report.layers[0].runs.get(f"called with {named}", "")
+    assert ran.startswith("as written"), converted.ttt2la_report.layers[0].runs
+
+
+@pytest.mark.parametrize("name,call,named", OTHER_CALLS, ids=[c[0] for c in OTHER_CALLS])
+def test_a_call_the_forward_does_not_take_is_refused(scaled, name, call, named):
+    """A call that does not bind to the forward's parameters is refused naming what it
+    passes, whatever order or spelling its arguments come in."""
     converted = scaled[1]
     args, kwargs = call(torch.randn(B, 12, D))
     with pytest.raises(ttt2la.UnsupportedShapeError) as refused:
@@ -235,15 +266,17 @@ def test_a_keyword_is_never_taken_for_another(scaled, name, call, named):
 
 
 def test_a_parameter_the_example_left_out_is_checked_by_name(scaled):
-    """Converted from ``(x, out_scale=3.0)``: ``in_scale=3.0`` is refused naming ``in_scale``
-    (its default is built in), not run as ``out_scale=3.0``; ``in_scale`` passed at its default,
-    by position or keyword, is the conversion's call."""
+    """Converted from ``(x, out_scale=3.0)``: ``in_scale=3.0`` runs as written, the runs
+    naming ``in_scale`` (its default is built in), not as ``out_scale=3.0``; ``in_scale`` passed
+    at its default, by position or keyword, is the conversion's call."""
     layer, converted = scaled[0], scaled[2]
     x = torch.randn(B, 12, D)
-    with pytest.raises(ttt2la.UnsupportedShapeError,
-                       match="'in_scale' = 3.0, but it was converted with 'in_scale' left at "
-                             "its default 1.0"):
-        converted(x, in_scale=3.0)
+    with torch.no_grad():
+        assert rel_rms_error(converted(x, in_scale=3.0), layer(x, in_scale=3.0)) <= \
+            TOLERANCE[torch.float32]
+    ran = converted.ttt2la_report.layers[0].runs.get(
+        "called with 'in_scale' = 3.0, where it was converted with its default 1.0", "")
+    assert ran.startswith("as written"), converted.ttt2la_report.layers[0].runs
     with torch.no_grad():
         want = layer(x, out_scale=3.0)
         for args, kwargs in [((x, 1.0, 3.0), {}), ((x,), {"in_scale": 1.0, "out_scale": 3.0}),
@@ -545,8 +578,11 @@ def test_a_dict_argument_is_read_by_its_keys_in_any_order():
         want = layer(x, extra, {"shift": 1.0, "out": 2.0})
         got = conv(x, swapped, {"out": 2.0, "shift": 1.0})
         assert rel_rms_error(got, want) <= TOLERANCE[torch.float32]
-        with pytest.raises(ttt2la.UnsupportedShapeError, match=r"#2\['shift'\] = 2.0"):
-            conv(x, extra, {"out": 1.0, "shift": 2.0})
+        other = {"out": 1.0, "shift": 2.0}         # other values: as written
+        assert rel_rms_error(conv(x, extra, other), layer(x, extra, other)) <= \
+            TOLERANCE[torch.float32]
+        assert any(k.startswith("called with #2['shift'] = 2.0")
+                   for k in conv.ttt2la_report.layers[0].runs)
         with pytest.raises(ttt2la.UnsupportedShapeError, match=r"no #2\['out'\]"):
             conv(x, extra, {"shift": 1.0})
         with pytest.raises(ttt2la.UnsupportedShapeError, match=r"#1\['q'\], which the example"):
@@ -595,8 +631,8 @@ def test_a_layer_the_example_run_calls_otherwise_again_runs_that_call_as_written
     """The layer is converted from its first call; the model's second call, made otherwise
     (a keyword, a state passed), ran into the converted first call's refusal, so the model
     failed on its own example inputs. At an exact level it runs the code as written, the
-    report's runs saying so; a call unlike both is still refused; a lossy level refuses,
-    saying why and what to do."""
+    report's runs saying so, as for a call unlike both, with another value of the keyword; a
+    lossy level refuses, saying why and what to do."""
     torch.manual_seed(0)
     model = TwoCalls()
     conv = ttt2la.convert(model, level=0, example_inputs=(torch.randn(2, 20, 8),))
@@ -604,8 +640,12 @@ def test_a_layer_the_example_run_calls_otherwise_again_runs_that_call_as_written
     runs = conv.ttt2la_report.layers[0].runs
     assert runs["made as call 2 of the example run"].startswith("as written"), runs
     assert any(not key.startswith("made as") for key in runs), runs   # the first call: the plan
-    with pytest.raises(ttt2la.UnsupportedShapeError, match="'offset' = 2.0"):
-        conv.mem(torch.randn(2, 10, 8), offset=2.0)
+    x = torch.randn(2, 10, 8)      # made like none of them: another value runs as written
+    with torch.no_grad():
+        assert rel_rms_error(conv.mem(x, offset=2.0), model.mem(x, offset=2.0)) <= \
+            TOLERANCE[torch.float32]
+    runs = conv.ttt2la_report.layers[0].runs
+    assert any(key.startswith("called with 'offset' = 2.0") for key in runs), runs
     with pytest.raises(ttt2la.UnsupportedShapeError,
                        match=r"mem \(the loop at .*\) is called 2 ways in the model's example "
                              r"run.* a lossy conversion .* Convert at an exact level"):

@@ -31,6 +31,7 @@ from torch._guards import detect_fake_mode
 
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
+from .frontend.call_signature import OtherValueError
 from .frontend.output_types import output_spec, typed_output
 from .global_guard import GlobalGuard, LayerCode, read_off_classes
 from .input_types import InputTypes
@@ -351,6 +352,9 @@ class ConvertedState:
             other_image = getattr(layout, "other_image", _NONE_OTHER)(flat)
             if other_image:
                 return ("other image", other_image), 0, 0, None
+            other_values = getattr(layout, "other_values", _NONE_OTHER)(flat)
+            if other_values:
+                return ("other values", other_values), 0, 0, None
         # plain ints: the graphs are built per size (under torch.compile's symbolic sizes too)
         B, L = layout.sizes(flat)
         B, L = int(B), int(L)
@@ -375,6 +379,8 @@ class ConvertedState:
             return lambda: self._at_untraced_batch(detail, written, flat)
         if kind == "other image":
             return lambda: self._at_other_image(detail, written, flat)
+        if kind == "other values":
+            return lambda: self.with_other_values(detail, written)
         if kind == "training":
             return lambda: self._in_training(written, B, L)
         if kind == "gradients":
@@ -626,6 +632,14 @@ class ConvertedState:
         B = x.shape[self.layout.batch_axis[self.layout.ref]]
         self.runs[f"batch {B}, {image}"] = f"as written: {self.layout.image_why}"
         return self._as_written(written, f"at {image}")
+
+    def with_other_values(self, which: str, written):
+        """A call with a plain Python argument (such as ``h, w``) of another value than the
+        example's, which the conversion built into its graphs: an exact conversion runs the code
+        as written (a lossy one is refused by ``sizes``, naming the argument)."""
+        self.runs[f"called with {which}"] = (
+            "as written: the conversion built the value it was converted with into its graphs")
+        return self._as_written(written, f"with {which}")
 
     def _at_length_zero(self, written, B: int):
         """A call of no tokens, where the loop never runs: an exact conversion returns what the
@@ -994,7 +1008,12 @@ def _converted_forward(self, *args, ttt_state=None, return_ttt_state=False, **kw
             return state.like_another_call(self, args, kwargs, n)
     spelled = getattr(state.layout, "spelled", None)
     if spelled is not None:
-        args, kwargs = spelled(args, kwargs)
+        try:
+            args, kwargs = spelled(args, kwargs)
+        except OtherValueError as e:
+            if state.as_written is None or ttt_state is not None or return_ttt_state:
+                raise
+            return state.with_other_values(e.which, written_call(self, args, kwargs))
     if torch.jit.is_tracing():      # before any plan op: the tracer records what runs
         return traced_call(self, args, kwargs, _flat_inputs(args, kwargs),
                            ttt_state is not None or return_ttt_state, export_refusal(state))

@@ -75,6 +75,16 @@ def _built(x) -> str:
     return f"a {type(x).__name__} [" + ", ".join(_built(v) for v in x) + "]"
 
 
+class OtherValueError(UnsupportedShapeError):
+    """A call giving a plain Python argument the example left at its default another value,
+    which the conversion built into its graphs; ``which`` describes it, for an exact
+    conversion's run of the code as written (a lossy one raises it)."""
+
+    def __init__(self, message: str, which: str):
+        super().__init__(message)
+        self.which = which
+
+
 def _same_value(a, b) -> bool:
     if a is b:
         return True
@@ -220,6 +230,7 @@ class CallSignature:
             if len(self._plans) < _PLANS:
                 self._plans[key] = plan
         problem, sources, checks = plan
+        which = ""
         if not problem:
             for source, name, then in checks:   # left out by the example: at its default
                 now = _pick(source, args, kwargs)
@@ -228,12 +239,15 @@ class CallSignature:
                     shown = "a tensor" if isinstance(now, torch.Tensor) else repr(now)
                     problem = (f"{name!r} = {shown}, but it was converted with {name!r} left at "
                                f"its default {then!r}, which is built into the converted graphs")
+                    if not isinstance(now, torch.Tensor):
+                        which = f"{name!r} = {shown}, where it was converted with its " \
+                                f"default {then!r}"
                     break
         if problem:
-            raise UnsupportedShapeError(
-                f"the converted {path or 'layer'} was called with {problem}. It was converted "
-                f"for calls with {self.describe(batch_axis, token_axis)}; call it that way, or "
-                "convert it again with example inputs like this call's.")
+            message = (f"the converted {path or 'layer'} was called with {problem}. It was "
+                       f"converted for calls with {self.describe(batch_axis, token_axis)}; call "
+                       "it that way, or convert it again with example inputs like this call's.")
+            raise OtherValueError(message, which) if which else UnsupportedShapeError(message)
         values = [_pick(source, args, kwargs) for source in sources]
         n = self.positional
         args, kwargs = tuple(values[:n]), dict(zip(self.keywords, values[n:]))
@@ -359,6 +373,18 @@ class CallSignature:
         more = len(self.leaves) - _SHOWN
         return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
+    def other_values(self, flat: list) -> str:
+        """The call's first plain Python argument (such as ``h, w``) whose value is not the
+        example's, which the conversion built into its graphs, described; ``""`` where every
+        one is the example's (or the call has other inputs than the example's)."""
+        if len(flat) != len(self.leaves):
+            return ""
+        for leaf, x in zip(self.leaves, flat):
+            if leaf.rank is None and not isinstance(x, torch.Tensor) \
+                    and not _same_value(x, leaf.value):
+                return f"{leaf.name} = {x!r}, where it was converted with {leaf.value!r}"
+        return ""
+
     def check(self, flat: list, batch_axis: dict, token_axis: dict, ref: int,
               path: str) -> None:
         """Raise ``UnsupportedShapeError`` when ``flat`` (a call's inputs, flattened) is not a
@@ -410,4 +436,4 @@ class CallSignature:
         return ""
 
 
-__all__ = ["CallSignature", "Leaf", "forward_signature"]
+__all__ = ["CallSignature", "Leaf", "OtherValueError", "forward_signature"]

@@ -110,6 +110,11 @@ class InputLayout:
             f"batch size {B}, where the layer was traced at batch size {self.batch_unit} only: " \
             f"{self.batch_constant}"
 
+    def other_values(self, flat_inputs: list) -> str:
+        """The call's plain Python argument whose value is not the example's, described
+        (``CallSignature.other_values``), or ``""``."""
+        return "" if self.signature is None else self.signature.other_values(flat_inputs)
+
     def spelled(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call ``(args, kwargs)`` spelled as the example was, its arguments matched to the
         forward's parameters by name (``CallSignature.spelled``), so that its flattened inputs
