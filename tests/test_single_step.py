@@ -348,3 +348,72 @@ def test_a_model_looping_over_its_blocks_converts_each_block():
     assert any("runs the TTT layers blocks.0, blocks.1, converted on their own" in n
                for n in conv.ttt2la_report.notes), conv.ttt2la_report.notes
     assert_same_function(conv, model, torch.randn(3, 6, 8))
+
+
+class _LoopedMLP(torch.nn.Module):
+    """A memory model whose forward loops over its layers (``for w in self.weights``)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)])
+
+    def forward(self, x):
+        for w in self.weights:
+            x = x @ w
+        return x
+
+
+class VmappedMemory(torch.nn.Module):
+    """Titans-like, as lucidrains writes it: the memory model's gradient on every chunk by
+    ``vmap(grad(…))`` over ``functional_call``, summed over the chunks, no loop over them."""
+
+    C = 4
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.d = d
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.memory = _LoopedMLP(d)
+
+    def forward(self, x):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        params = dict(self.memory.named_parameters())
+
+        def loss(p, kc, vc):
+            return (torch.func.functional_call(self.memory, p, (kc,)) - vc).pow(2).mean()
+
+        kc, vc = k.reshape(-1, self.C, d), v.reshape(-1, self.C, d)
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, kc, vc)
+        W = self.memory.weights[0] - 0.1 * grads["weights.0"].reshape(B, -1, d, d).cumsum(1)
+        return (q.reshape(B, -1, self.C, d) @ W).reshape(B, L, d)
+
+
+def test_a_memory_model_called_under_vmap_is_part_of_its_caller():
+    """The memory model runs inside ``vmap(grad(…))`` only, on the transform's wrapped tensors:
+    its loop over its layers was taken for a TTT layer of its own, whose inputs (dead once the
+    transform returned) failed every trace, and the caller was refused. Its calls are its
+    caller's: the caller converts, as one step, exactly."""
+    torch.manual_seed(0)
+    layer, x = VmappedMemory(), torch.randn(2, 16, 8)
+    report = ttt2la.inspect(layer, example_inputs=(x,), show=False)
+    assert [r.module_path for r in report.layers] == [""], report
+    conv = ttt2la.convert(layer, level=0, example_inputs=(x,))
+    assert conv.ttt2la_report.exact
+    assert_same_function(conv, layer, torch.randn(3, 16, 8))
+
+
+def test_a_failure_of_ttt2la_while_reading_a_layer_is_a_refusal_naming_its_loop(monkeypatch):
+    """Whatever fails inside ttt2la while it reads a candidate loop (here made to) is that
+    layer's refusal, naming its loop and asking for a report, never a raw exception."""
+    import ttt2la.conversion as conversion
+
+    def broken(cand, seq_len):
+        raise RuntimeError("an internal failure")
+
+    monkeypatch.setattr(conversion, "recognize_layer", broken)
+    layer = ViTTTBlock(8, 2, 2, 2, update_gate=False)
+    with pytest.raises(ttt2la.UnsupportedTTTError,
+                       match=r"ttt2la failed while reading the loop at .*vittt.py:\d+.*"
+                             r"RuntimeError: an internal failure.*Please report this layer"):
+        ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 4, 8),))

@@ -110,6 +110,12 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
             except UnsupportedTTTError as e:
                 failures.append((cand.path, f"{cand.path or '<model>'}: {e}"))
                 refusals.append(e)
+            except ConversionError:
+                raise
+            except Exception as e:          # a failure of ttt2la's own, not the layer's
+                refusal = _unread(cand, e)
+                failures.append((cand.path, f"{cand.path or '<model>'}: {refusal}"))
+                refusals.append(refusal)
         layers, stepped = _without_stepped_callers(layers)
         failures += stepped
         if layers:
@@ -154,6 +160,15 @@ def _recognized(cand, seq_len):
         if cand.callee is None:
             raise
     return recognize_layer(cand.callee, seq_len)
+
+
+def _unread(cand, error: Exception) -> UnsupportedTTTError:
+    """The refusal of a candidate whose reading failed inside ttt2la, with an error that is
+    no refusal of its own: the layer is left as it is, the error named for a bug report."""
+    return UnsupportedTTTError(
+        f"ttt2la failed while reading the loop at {cand.loop.src} ({type(error).__name__}: "
+        f"{str(error).splitlines()[0] if str(error) else ''}); the layer is left as written. "
+        "Please report this layer.")
 
 
 def _refused(message: str, refusals: list[UnsupportedTTTError]) -> UnsupportedTTTError:

@@ -334,7 +334,10 @@ _LATER_CALLS = 8
 class _CapturedInputs:
     """Forward hooks on every module of ``paths`` while the context lasts: each module's first
     inputs (``captured``: ``path -> (args, kwargs)``), those of its later calls (``later``) and
-    the paths of the modules running (``stack``, innermost last)."""
+    the paths of the modules running (``stack``, innermost last). A call made inside a
+    ``torch.func`` transform (a memory model run under ``vmap(grad(…))``) is part of its
+    caller's: its inputs are the transform's wrapped tensors, dead once it returns, so it
+    records none, and the ops it runs are its caller's."""
 
     def __init__(self, paths: dict):
         self.paths = paths
@@ -344,19 +347,25 @@ class _CapturedInputs:
         self.hooks: list = []
         self._before: dict[str, Structure] = {}    # each module's arguments at its first call
         self.writes: dict[str, list[str]] = {}      # what that call changed among them
+        self._own: list[bool] = []          # per running call: is it its module's own
 
     def _pre(self, mod, args, kwargs):
         path = self.paths[mod]
+        if self.stack and torch._C._functorch.peek_interpreter_stack() is not None:
+            self.stack.append(self.stack[-1])
+            self._own.append(False)
+            return
         if path not in self.captured:
             self.captured[path] = (args, kwargs)
             self._before[path] = Structure(args, kwargs)
         elif len(self.later.setdefault(path, [])) < _LATER_CALLS:
             self.later[path].append((args, kwargs))
         self.stack.append(path)
+        self._own.append(True)
 
     def _post(self, mod, args, kwargs, out):
         path = self.stack.pop()
-        before = self._before.pop(path, None)
+        before = self._before.pop(path, None) if self._own.pop() else None
         if before is not None:
             self.writes[path] = before.changed(Structure(args, kwargs))
 
