@@ -829,3 +829,37 @@ def test_softmax_attention_inside_the_chunk_loop_converts_and_batches(capfd):
         assert_same_function(conv, layer, torch.randn(2, n, 16))
     assert "batching rule" not in capfd.readouterr().err
     assert "block_linear_attention" in conv.ttt2la_report.layers[0].runtime
+
+
+class TokensReadTwoWays(nn.Module):
+    """A per-token loop reading its gate as one token (``g[:, t]``) and its keys, values and
+    queries as slices of one token (``k[:, t:t + 1]``), as fla's naive Titans reference does."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.d = d
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gate = nn.Linear(d, 1)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        g = torch.sigmoid(self.gate(x)).squeeze(-1)
+        W = x.new_zeros(B, self.d, self.d)
+        outs = []
+        for t in range(L):
+            W = g[:, t][:, None, None] * W + k[:, t:t + 1].mT @ v[:, t:t + 1]
+            outs.append(q[:, t:t + 1] @ W)
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("L", [1, 7, 12])
+def test_tokens_and_slices_of_one_token_in_one_loop_convert(L):
+    """Both read one token per iteration, and were refused as a loop mixing per-token and
+    per-chunk streams (with no line named): they advance alike, so the loop converts, exactly
+    and onto the token-causal op."""
+    torch.manual_seed(0)
+    layer = TokensReadTwoWays()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 12, 8),))
+    assert "chunk_linear_attention" in conv.ttt2la_report.layers[0].runtime
+    assert_same_function(conv, layer, torch.randn(3, L, 8))

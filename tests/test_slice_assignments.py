@@ -150,3 +150,53 @@ def test_delta_rule_chunks_run_generic_with_the_gradients_of_the_original():
     converted = ttt2la.convert(layer, level=2, example_inputs=(x,))
     assert converted.ttt2la_report.layers[0].runtime.startswith("torch.vmap")
     assert_same_function(converted, layer, [x, torch.randn(1, 10, 8)])
+
+
+class WrittenAfterItsViews(torch.nn.Module):
+    """A chunked linear memory reading chunk-first views (``_q[i]`` of
+    ``q.reshape(B, N, C, D).permute(1, 0, 2, 3)``) of tensors written in place before the loop,
+    as flash-linear-attention's naive TTT reference does: ``q *= scale`` after the views are
+    taken, and the rates' last row written by a slice assignment where the sequence is padded."""
+
+    C, D = 4, 8
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.write = write
+        self.qkv = torch.nn.Linear(self.D, 3 * self.D, bias=False)
+        self.rate = torch.nn.Linear(self.D, 1)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        C = self.C
+        q, k, v = self.qkv(x).chunk(3, -1)
+        eta = torch.sigmoid(self.rate(x))
+        padded = -T % C
+        q, k, v, eta = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (q, k, v, eta))
+        if padded and self.write == "padding":
+            eta[:, -1, :] = eta[:, -(padded + 1), :]
+        N = q.shape[1] // C
+        _q, _k, _v, _eta = (t.reshape(B, N, C, -1).permute(1, 0, 2, 3) for t in (q, k, v, eta))
+        if self.write == "scale":
+            q *= D ** -0.5
+        W = x.new_zeros(B, D, D)
+        o = torch.empty_like(_v)
+        for i in range(N):
+            q_i, k_i, v_i, eta_i = [t[i] for t in (_q, _k, _v, _eta)]
+            o[i] = q_i @ W
+            W = W + k_i.transpose(-1, -2) @ (eta_i * v_i)
+        return o.permute(1, 0, 2, 3).reshape(B, N * C, D)[:, :T]
+
+
+@pytest.mark.parametrize("write", ["scale", "padding"])
+def test_views_of_a_tensor_written_in_place_before_the_loop_are_its_chunks(write):
+    """After an in-place write, functionalization makes the tensor's views again wherever they
+    are read, in every iteration: their chunks were refused as no stream, naming an op of the
+    loop's body. The views made again are one value, read before the loop: the layer converts,
+    exactly, at lengths with and without a partial last chunk."""
+    torch.manual_seed(0)
+    layer = WrittenAfterItsViews(write)
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8),))
+    assert conv.ttt2la_report.exact
+    for L in (16, 13, 3):
+        assert_same_function(conv, layer, torch.randn(2, L, 8))

@@ -38,6 +38,7 @@ from .capture import _no_compile, user_frame
 from .discover import MAX_PROBE_LENGTH, LoopCandidate, _discover_once
 from .loops import find_loops
 from .prechunked import unchunk_streams
+from .remade_views import hoist_remade_views
 from .trace_guards import data_dependent_message, data_dependent_node
 from .rollup import (LengthDependent, RolledLoop, TooFewIterations, WholeChunksOnly,
                      refuse_loop_around, roll_up)
@@ -321,6 +322,8 @@ def _roll_at(cand: LoopCandidate, fn: LayerTraces, flat: list, layout, B, L) -> 
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if loops:
         refuse_loop_around(gm, cand.loop, L)
+    if loops:
+        hoist_remade_views(gm, cand.loop)           # views of a tensor written in place
     if loops and unchunk_streams(gm, cand.loop):        # scan style: x[i] of [N, ..., K, ...]
         loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if not loops:

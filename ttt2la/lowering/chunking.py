@@ -72,10 +72,16 @@ def chunk_layout(program: TTTProgram, invariants: list[torch.Tensor]) -> ChunkLa
     """The chunk count and tail for the given invariants (the stream sources among them)."""
     length = stream_length(program, invariants)
     per_token = any(s.per_token for s in program.streams)
-    if per_token and not all(s.per_token for s in program.streams):
-        raise UnsupportedTTTError("This loop mixes per-token and per-chunk streams; ttt2la "
-                                  "expects one kind per loop.")
     c = program.chunk_size
+    if per_token and c != 1 and not all(s.per_token for s in program.streams):
+        # (slices of one token, ``x[t:t+1]``, beside tokens read as ``x[t]`` are one kind)
+        tokens = [s.name for s in program.streams if s.per_token]
+        chunks = [s.name for s in program.streams if not s.per_token]
+        raise UnsupportedTTTError(
+            f"The loop of {program.module_path or 'the model'} ({program.loop_src}) reads "
+            f"some sequences one token at a time ({', '.join(tokens)}) and others in chunks "
+            f"of {c} ({', '.join(chunks)}); every sequence a loop reads must advance alike. "
+            "Read each as the loop's other sequences are read.")
     n = length if per_token else -(-length // c)
     return ChunkLayout(length, c, n, per_token)
 
