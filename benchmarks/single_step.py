@@ -53,12 +53,12 @@ def race(name: str, layer: torch.nn.Module, x: torch.Tensor, rounds: int) -> Non
                   f"| {ratio:.2f}× |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--side", type=int, default=32, help="image side: side² tokens")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x = torch.randn(2, a.side * a.side, a.dim)

@@ -535,6 +535,23 @@ def test_varying_lengths_benchmark_times_both_sides_at_fresh_lengths(capsys):
     assert out.count("4 calls at") == 2 and out.count("first call at a new length") == 2, out
 
 
+def test_single_step_benchmark_times_plan_and_source_for_each_block(capsys):
+    """``single_step.py`` at a tiny image: each block's forward and training step, the plan
+    (race off) beside its source, with the ratio."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import single_step as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--rounds", "2", "--dim", "8", "--side", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ViTTT")]
+    assert len(rows) == 4 and all(row.endswith("× |") for row in rows), rows
+
+
 def test_fp32_accuracy_benchmark_measures_both_sides_against_float64(capsys):
     gen = _benchmark_module("fp32_accuracy")
     fp32_accuracy = next(gen)
