@@ -417,3 +417,61 @@ def test_a_failure_of_ttt2la_while_reading_a_layer_is_a_refusal_naming_its_loop(
                        match=r"ttt2la failed while reading the loop at .*vittt.py:\d+.*"
                              r"RuntimeError: an internal failure.*Please report this layer"):
         ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 4, 8),))
+
+
+class _ImageTokensStep(torch.nn.Module):
+    """One test-time step over the tokens of an ``h × w`` image, passed as plain arguments
+    (``forward(x, h, w)``, as ViT³ blocks take them), then a sum over the image's rows above and
+    below each token, a loop over the three offsets."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(dim, dim) * dim ** -0.5)
+
+    def forward(self, x, h, w):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        y = q @ (self.w + k.transpose(1, 2) @ v / N)
+        image = F.pad(y.transpose(1, 2).reshape(B, C, h, w), (0, 0, 1, 1))
+        rows = torch.zeros_like(image[:, :, :h])
+        for dy in range(3):
+            rows = rows + image[:, :, dy:dy + h]
+        return y + rows.flatten(2).transpose(1, 2)
+
+
+class ImageBackbone(torch.nn.Module):
+    """A hierarchical backbone taking images: a stem makes tokens and ``h, w``, each stage's
+    block is called with them, and a strided convolution halves the image between stages."""
+
+    def __init__(self, dims=(8, 16)):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, dims[0], 4, stride=4)
+        self.stage0, self.stage1 = _ImageTokensStep(dims[0]), _ImageTokensStep(dims[1])
+        self.merge = torch.nn.Conv2d(dims[0], dims[1], 2, stride=2)
+
+    def forward(self, img):
+        x = self.merge(self._stage(self.stage0, self.stem(img)))
+        return self._stage(self.stage1, x).mean((2, 3))
+
+    @staticmethod
+    def _stage(stage, x):
+        B, C, h, w = x.shape
+        return stage(x.flatten(2).transpose(1, 2), h, w).transpose(1, 2).reshape(B, C, h, w)
+
+
+def test_a_backbone_taking_images_converts_each_stage_at_its_own_length():
+    """The model's input is an image, whose axis 1 holds its channels: that was taken for the
+    sequence length of every stage, none of whose inputs has it, and each stage was refused as
+    having no sequence. Each stage's sequence is its own input's axis 1: both convert, exactly,
+    and an image of another size runs each stage as written (another ``h, w``)."""
+    torch.manual_seed(0)
+    model = ImageBackbone()
+    conv = ttt2la.convert(model, level=0, example_inputs=(torch.randn(2, 3, 16, 16),))
+    assert sorted(layer.module_path for layer in conv.ttt2la_report.layers) == \
+        ["stage0", "stage1"]
+    assert conv.ttt2la_report.exact
+    assert_same_function(conv, model, torch.randn(3, 3, 16, 16))
+    assert_same_function(conv, model, torch.randn(2, 3, 24, 16))
+    runs = {layer.module_path: layer.runs for layer in conv.ttt2la_report.layers}
+    assert any(key.startswith("called with #1 = 6") for key in runs["stage0"]), runs

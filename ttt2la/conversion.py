@@ -83,7 +83,19 @@ def _as_tuple(example_inputs) -> tuple:
 
 
 def _seq_len(example_inputs: tuple) -> int | None:
+    """The example's sequence length, its first input's axis 1; ``None`` for an image (four or
+    more axes), whose axis 1 holds its channels."""
     x = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return None if x is None or x.dim() >= 4 else x.shape[1]
+
+
+def _layer_length(cand, seq_len: int | None) -> int | None:
+    """``seq_len``, or where the model's input has no sequence (an image a stem turns into
+    tokens, as vision backbones do), the length of the layer's own input: its axis 1."""
+    if seq_len is not None:
+        return seq_len
+    x = next((t for t in pytree.tree_leaves((tuple(cand.args), dict(cand.kwargs)))
+              if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
     return None if x is None else x.shape[1]
 
 
@@ -106,7 +118,7 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
         layers, failures, refusals = [], [], []
         for cand in candidates:
             try:
-                layers.append(_recognized(cand, _seq_len(inputs)))
+                layers.append(_recognized(cand, _layer_length(cand, _seq_len(inputs))))
             except UnsupportedTTTError as e:
                 failures.append((cand.path, f"{cand.path or '<model>'}: {e}"))
                 refusals.append(e)
