@@ -170,3 +170,35 @@ def test_a_layer_no_probe_shape_can_trace_is_refused_with_what_was_tried():
                              "ttt2la must trace it at") as info:
         ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 13, 4),))
     assert "ValueError: this layer takes sequences of 13 tokens" in str(info.value)
+
+
+class PinnedBatchStep(torch.nn.Module):
+    """One test-time step over all tokens whose code holds its batch size in an attribute, so
+    it runs at that batch size only (at another, its reshape feeds a projection the wrong
+    width)."""
+
+    def __init__(self, d: int = 4, batch: int = 2):
+        super().__init__()
+        self.batch, self.qkv = batch, torch.nn.Linear(d, 3 * d, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(d, d))
+
+    def forward(self, x):
+        rows = x.reshape(self.batch * x.shape[1], -1)
+        q, k, v = self.qkv(rows).reshape(self.batch, x.shape[1], -1).chunk(3, -1)
+        return q @ (self.w + k.transpose(1, 2) @ v)
+
+
+def test_a_single_step_taking_only_its_example_batch_converts_for_that_batch():
+    """The step traced at its example's batch size (2) but not at the probe's other (3): it was
+    refused, naming no line of its code. It converts for that batch size, exactly, and the
+    report says why, naming the line that fails at the other."""
+    torch.manual_seed(0)
+    layer = PinnedBatchStep()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 6, 4),))
+    notes = conv.ttt2la_report.layers[0].notes
+    assert any(n.startswith("converted for batch size 2 only: the layer's own code fails at "
+                            "batch size 3 at ") and "test_probe_shapes.py" in n for n in notes), \
+        notes
+    _assert_same(conv, layer, torch.randn(2, 9, 4))
+    with pytest.raises(ttt2la.UnsupportedShapeError, match="batch size 2 only"):
+        conv(torch.randn(3, 6, 4))

@@ -134,6 +134,41 @@ def test_forward_mode_derivatives_from_several_threads():
     assert not errors, errors[:3]
 
 
+def test_a_plan_taking_forward_mode_derivatives_runs_on_several_threads():
+    """A plan whose momentum runs as a scan takes each chunk's factor by forward-mode
+    differentiation at run time (``executors._affine_terms``): from four threads at once, each
+    call gives what it gives alone."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_executors import inputs_for, make_program
+    from ttt2la.lowering import execute
+
+    program = make_program("momentum_muon", 2, 3, 4, True, "update")
+    inputs = [inputs_for(program, 24, seed) for seed in range(4)]
+    with torch.no_grad():
+        alone = [execute(program, None, *x)[0][0] for x in inputs]
+    got = {}
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(25):
+                try:
+                    y = execute(program, None, *inputs[i])[0][0]
+                    got.setdefault(i, []).append(rel_rms_error(y, alone[i]))
+                except Exception as e:  # collected: the test fails on any
+                    got.setdefault(i, []).append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [r for rs in got.values() for r in rs if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    assert max(r for rs in got.values() for r in rs) <= FP32
+
+
 def test_stateful_calls_taking_forward_mode_derivatives_on_several_threads():
     torch.manual_seed(0)
     layer = LaCTHeadsLayer(D, 2, 4, muon=False, update_theta=False, weight_norm=False)

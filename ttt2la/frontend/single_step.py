@@ -50,6 +50,11 @@ class NotSingleStep(UnsupportedTTTError):
     """The traced layer is not one update followed by reads (the caller's own error stands)."""
 
 
+class OtherBatch(NotSingleStep):
+    """The step traces at the example's batch size but not at another: it is converted for
+    the example's batch size only."""
+
+
 @dataclass
 class SingleStepLayout(InputLayout):
     """An ``InputLayout`` of a single-step layer: its fast weights are stepped once on all the
@@ -582,9 +587,27 @@ def recognize_single_step(cand, seq_len: int | None, refusal: ConversionError):
             step.at(batch, seq_len)
     except NotSingleStep:
         raise refusal from None
+    why = "the layer failed when traced at batch sizes 2 and 3"
     if fixed:
-        layout = dataclasses.replace(layout, batch_unit=unit, fixed_batch=True, path=cand.path,
-                                     why="the layer failed when traced at batch sizes 2 and 3")
+        step.layout = layout = dataclasses.replace(layout, batch_unit=unit, fixed_batch=True,
+                                                   path=cand.path, why=why)
+    try:
+        result = _at_lengths(step, layout, b0, b1, unit, fixed, seq_len, batch)
+    except OtherBatch as e:     # the example's batch runs, another fails: that batch only
+        if fixed:
+            raise refusal from None
+        why, fixed = str(e), True
+        step.layout = layout = dataclasses.replace(layout, batch_unit=batch, fixed_batch=True,
+                                                   path=cand.path, why=why)
+        result = _at_lengths(step, layout, 1, 2, batch, True, seq_len, batch)
+    if fixed:
+        result.notes.append(f"converted for batch size {batch} only: {why}")
+    return result
+
+
+def _at_lengths(step: "_Step", layout, b0, b1, unit, fixed, seq_len: int, batch: int):
+    """The step converted for any length, or else for the example's (an image's size)."""
+    flat = step.flat
     try:
         return _any_length(step, layout, b0, b1, unit, fixed, seq_len)
     except FixedLength as why:
@@ -668,8 +691,12 @@ class _Step:
         try:
             return trace(self.fn, self.pb, *_inputs_at(self.flat, self.layout, B, L))
         except Exception as e:
-            raise NotSingleStep(f"{self.layer}: tracing at batch {B}, length {L} failed: "
-                                f"{_first_line(e)}") from e
+            at = f" at {user_frame(e)}" if user_frame(e) else ""
+            raise NotSingleStep(f"{self.layer}: tracing at batch {B}, length {L} failed{at}: "
+                                f"{_first_line(e).rstrip('.')}. Its code runs at the example's "
+                                "shape only; where it holds the batch size or the length (an "
+                                "attribute, a constant), compute it from the input's shape "
+                                "instead.") from e
 
     def at(self, B: int, L: int, whole: bool = True) -> RolledLoop:
         """The step traced at batch ``B`` (in samples) and length ``L`` (an image layout's
@@ -694,7 +721,7 @@ def _any_length(step: _Step, layout, b0, b1, unit, fixed, L0) -> RecognizedLayer
              if isinstance(t, torch.Tensor) for n in t.shape}
     lengths = probe_lengths(L0, sizes | {unit * b0, unit * b1})
     at_b0 = [_traced_at(step, unit * b0, L) for L in lengths]
-    at_b1 = None if fixed else [_traced_at(step, unit * b1, L) for L in lengths[:2]]
+    at_b1 = None if fixed else [_at_other_batch(step, unit * b1, L) for L in lengths[:2]]
     name = step.cand.path or "the layer"
     bodies = length_slots([r.program.body for r in at_b0],
                           None if fixed else [r.program.body for r in at_b1], lengths,
@@ -740,6 +767,18 @@ def _any_length(step: _Step, layout, b0, b1, unit, fixed, L0) -> RecognizedLayer
                            step.in_spec, outer, lengths[0], lengths[1], b0, b1, notes)
 
 
+def _at_other_batch(step: _Step, B: int, L: int, whole: bool = True) -> RolledLoop:
+    """The step at batch ``B``, a length it was traced at with the example's batch, or
+    ``OtherBatch`` saying why it cannot be traced there (its code holds the batch size)."""
+    try:
+        return step.at(B, L, whole=whole)
+    except NotSingleStep as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        where = user_frame(cause)
+        raise OtherBatch(f"the layer's own code fails at batch size {B}"
+                         f"{f' at {where}' if where else ''}: {_first_line(cause)}") from e
+
+
 def _traced_at(step: _Step, B: int, L: int) -> RolledLoop:
     """The step at another shape, or ``FixedLength`` saying why it cannot be traced there."""
     try:
@@ -775,7 +814,7 @@ def _fixed_length(step: _Step, layout, b0, b1, unit, fixed, L0, why: str,
     """The step converted for the example's length ``L0`` only: one chunk of ``L0`` tokens; for
     the example's ``batch`` only where a number of the step moves with the batch size."""
     rolled = step.at(unit * b0, L0, whole=False)
-    rolled_B = rolled if fixed else step.at(unit * b1, L0, whole=False)
+    rolled_B = rolled if fixed else _at_other_batch(step, unit * b1, L0, whole=False)
     try:
         refuse_shape_constants(rolled, {"batch size": rolled_B},
                                {"ref": f"batch {unit * b0}", "batch size": f"batch {unit * b1}"},
