@@ -249,6 +249,23 @@ def test_ttt_linear_scan_is_kept_as_written_when_not_strict():
     assert all(inspected.layers[0].levels[k].startswith("recurrent:") for k in (0, 1, 2))
 
 
+def test_ttt_mlp_at_level_6_says_what_lower_levels_do():
+    """collapse_mlp cannot rewrite TTT-MLP's φ, and said to convert at level <= 2, where the
+    layer is refused too (a layer norm in its loss): the refusal says that the lower levels keep
+    the MLP, and that a layer not reducible there converts with strict=False, recurrent."""
+    torch.manual_seed(0)
+    layer = ScanTTTMLPLayer(4, 2, 3)
+    x = torch.randn(2, 9, 4)
+    with pytest.raises(ttt2la.UnsupportedTTTError, match="collapse_mlp") as info:
+        ttt2la.convert(layer, level=6, example_inputs=(x,))
+    assert "convert at level 2 or below, which keeps the MLP (a layer that is not reducible " \
+           "there converts with strict=False, on the recurrent schedule)" in str(
+               info.value).replace("Convert at level", "convert at level"), str(info.value)
+    kept = ttt2la.convert(layer, level=0, example_inputs=(x,), strict=False)
+    assert kept.ttt2la_report.layers[0].schedule == "recurrent" and kept.ttt2la_report.exact
+    assert_same_function(kept, layer, x)
+
+
 class RateAfterChunking(ScanLinearTTTLayer):
     """The rates projected from the input *after* it is cut into mini-batches (the published
     ``get_eta``): not a reshape of one sequence, so it is refused by name."""

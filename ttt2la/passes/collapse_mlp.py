@@ -37,6 +37,11 @@ _LINEAR_OPS = VIEW_OPS | SLICES | ADDITIVE | SCALINGS | MATRIX_PRODUCTS \
     | frozenset({"select", "cat", "stack"})
 
 
+
+#: What to do where collapse_mlp cannot rewrite φ: a lower level keeps the MLP.
+_LOWER = ("convert at level 2 or below, which keeps the MLP (a layer that is not reducible "
+          "there converts with strict=False, on the recurrent schedule).")
+
 def _replayed(n: torch.fx.Node) -> bool:
     """A view replayed from the product to the kernel's value: its other arguments are
     constants (sizes, dims, dtypes) or sizes the body computes (a body generic in the length),
@@ -200,7 +205,7 @@ def find_kernel(program: TTTProgram) -> tuple[Kernel | None, str]:
             f"the kernel φ of {program.module_path or 'the model'} ({program.loop_src}) has no "
             f"product of the keys or queries with its parameters Θ that reaches its value "
             f"through elementwise ops ({describe_op(cores[0])}), so collapse_mlp cannot write "
-            "it as one linear layer; convert at level <= 2.")
+            f"it as one linear layer; {_LOWER}")
     product, pos, path = found
     memo: dict = {}
     want = _signature(cores[0], params, theta_dep, memo)
@@ -231,7 +236,7 @@ def _require_key_path(program: TTTProgram, cores: list, sites: list[Site], theta
         "state's increment reads keys' features computed before the "
         f"{'step' if program.single_step else 'loop'}, outside the code ttt2la rewrites, so "
         "collapse_mlp cannot make φ one linear map on both; compute φ(k) where the state is "
-        "updated, or convert at level <= 2.")
+        f"updated, or {_LOWER}")
 
 
 def kernel_candidates(program: TTTProgram) -> set[torch.fx.Node]:
@@ -503,7 +508,7 @@ class CollapseMLP(Pass):
                     f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"
                     f" ({program.loop_src}), but the kernel parameter {name} is still read by "
                     f"{where}: φ is computed there in a form that does not match the query path. "
-                    "Convert at level <= 2.")
+                    f"{_LOWER[0].upper()}{_LOWER[1:]}")
 
     def _require_one_theta(self, program: TTTProgram, kernel: Kernel, context: PassContext) -> None:
         """The key path's Θ, read as other placeholders than the query path's, must hold the same
@@ -521,7 +526,7 @@ class CollapseMLP(Pass):
                         f"({program.loop_src}) reads {a.meta.get(NAME)} on the query path where "
                         f"the key path reads {b.meta.get(NAME)} with other values: the keys and "
                         "queries go through different networks, which is not a TTT kernel "
-                        "collapse_mlp can write as one map; convert at level <= 2.")
+                        f"collapse_mlp can write as one map; {_LOWER}")
 
     def _require_no_mlp_left(self, program: TTTProgram, kernel: Kernel) -> None:
         """No activation of a product of stream data with Θ may remain: that would be a kernel
@@ -535,7 +540,7 @@ class CollapseMLP(Pass):
                     f"collapse_mlp rewrote {_where(kernel)} in {program.module_path or 'the model'}"
                     f" ({program.loop_src}), but {describe_op(n)} still applies an activation "
                     "to the keys or queries times kernel parameters: φ is computed there in a "
-                    "form that does not match the query path. Convert at level <= 2.")
+                    f"form that does not match the query path. {_LOWER[0].upper()}{_LOWER[1:]}")
 
     def ensures(self, program: TTTProgram) -> None:
         """Every kernel φ left that reads kernel parameters Θ is a fixed linear map of the keys
