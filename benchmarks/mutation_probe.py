@@ -225,8 +225,8 @@ MUTATIONS = [
     Mutation(
         "deferred_values_zero", "a scan reads the values a loop would compute itself as zeros",
         (("ttt2la/lowering/executors.py",
-          "        self.update(self._compute())",
-          "        self.update({k: (torch.zeros_like(v), b) for k, (v, b) in self._compute().items()})"),),
+          "        self.update(self._compute(self))",
+          "        self.update({k: (torch.zeros_like(v), b) for k, (v, b) in self._compute(self).items()})"),),
         ("tests/test_loop_expansions.py",), "recurrent_loop"),
     Mutation(
         "output_joined_contiguous", "a loop's chunk outputs are joined contiguous, so the code "
@@ -2845,6 +2845,70 @@ MUTATIONS = [
         'unread_op_unnamed', "a tensor computed after the cut is refused without the op where reading its mini-batches stopped",
         (('ttt2la/frontend/chunked_computations.py', '            sel.meta[UNREAD] = str(e)       # the op the refusal names, where the reading stopped\n', ''),),
         ('tests/test_scan_style.py',), 'rates_computed_after_chunking'),
+    Mutation(
+        'one_term_prefix_scanned', "a prefix sum of one term runs the blocked scan's products",
+        (('ttt2la/runtime/scan.py', '    if f.shape[dim] == 1:       # one term', '    if False:       # one term'),),
+        ('tests/test_runtime_scan.py',), 'one_term'),
+    Mutation(
+        'one_chunk_vmapped', "a call of one chunk batches its body with vmap over an axis of one",
+        (('ttt2la/lowering/executors.py', '    if n_chunks == 1:       # one chunk', '    if False:       # one chunk'),),
+        ('tests/test_executors.py',), 'one_chunk_runs'),
+    Mutation(
+        'values_hold_themselves', "a call's values hold a reference to themselves, freed by the cycle collector only",
+        (('ttt2la/lowering/executors.py', '        self._deferred, self._compute = set(deferred), compute\n', '        self._deferred, self._compute, self._me = set(deferred), compute, self\n'),),
+        ('tests/test_executors.py',), 'reference_cycle'),
+    Mutation(
+        'other_values_refused_at_exact', "an exact conversion refuses a plain argument of another value than the example's",
+        (('ttt2la/converted.py', '            if other_values:\n                return ("other values", other_values), 0, 0, None\n', ''),),
+        ('tests/test_call_errors.py',), 'never_taken_for_another'),
+    Mutation(
+        'default_value_refused_at_exact', "an exact conversion refuses a plain argument the example left at its default, given another value",
+        (('ttt2la/converted.py', '            if state.as_written is None or ttt_state is not None or return_ttt_state:\n', '            if True:\n'),),
+        ('tests/test_call_errors.py',), 'left_out_is_checked_by_name'),
+    Mutation(
+        'lossy_default_value_run_as_written', "a lossy conversion runs the code as written for a plain argument given another value than its default",
+        (('ttt2la/converted.py', '            if state.as_written is None or ttt_state is not None or return_ttt_state:\n', '            if ttt_state is not None or return_ttt_state:\n'),),
+        ('tests/test_call_errors.py',), 'built_in_python_value'),
+    Mutation(
+        'transformed_calls_captured', "a module called inside vmap(grad(...)) records the transform's wrapped inputs as its own",
+        (('ttt2la/frontend/discover.py', '        if self.stack and torch._C._functorch.peek_interpreter_stack() is not None:\n', '        if False:\n'),),
+        ('tests/test_single_step.py',), 'vmap_is_part'),
+    Mutation(
+        'internal_failure_raw', "a failure inside ttt2la while reading a candidate escapes as a raw exception",
+        (('ttt2la/conversion.py', "            except Exception as e:          # a failure of ttt2la's own, not the layer's\n", '            except NotImplementedError as e:\n'),),
+        ('tests/test_single_step.py',), 'failure_of_ttt2la'),
+    Mutation(
+        'mixed_token_reads_refused', "a loop reading tokens as x[t] beside slices of one token x[:, t:t+1] is refused as mixing per-token and per-chunk streams",
+        (('ttt2la/lowering/chunking.py', '    if per_token and c != 1 and not all(', '    if per_token and not all('),),
+        ('tests/test_frontend_styles.py',), 'tokens_and_slices'),
+    Mutation(
+        'remade_views_left', "views made again in every iteration after an in-place write are left in the loop",
+        (('ttt2la/frontend/recognize.py', '        hoist_remade_views(gm, cand.loop)           # views of a tensor written in place\n', '        pass\n'),),
+        ('tests/test_slice_assignments.py',), 'written_in_place'),
+    Mutation(
+        'remade_views_not_merged', "the copies of a view made again in every iteration are not read as one value",
+        (('ttt2la/frontend/remade_views.py', '        if copies[key] < 2:\n', '        if True:\n'),),
+        ('tests/test_slice_assignments.py',), 'written_in_place'),
+    Mutation(
+        'image_channels_as_length', "an image's channels, on its axis 1, are taken for the sequence length of the layers of a model taking images",
+        (('ttt2la/conversion.py', '    return None if x is None or x.dim() >= 4 else x.shape[1]\n', '    return None if x is None else x.shape[1]\n'),),
+        ('tests/test_single_step.py',), 'backbone_taking_images'),
+    Mutation(
+        'layer_length_unread', "a layer of a model whose input has no sequence is left with no length, its own input's axis 1 unread",
+        (('ttt2la/conversion.py', '                layers.append(_recognized(cand, _layer_length(cand, _seq_len(inputs))))\n', '                layers.append(_recognized(cand, _seq_len(inputs)))\n'),),
+        ('tests/test_single_step.py',), 'backbone_taking_images'),
+    Mutation(
+        'single_step_other_batch_refused', "a single step whose code runs at its example's batch size only is refused",
+        (('ttt2la/frontend/single_step.py', '    except OtherBatch as e:     # the example\'s batch runs, another fails: that batch only\n        if fixed:\n', '    except OtherBatch as e:     # the example\'s batch runs, another fails: that batch only\n        if True:\n'),),
+        ('tests/test_probe_shapes.py',), 'single_step_taking'),
+    Mutation(
+        'lower_level_advice_bare', "collapse_mlp's refusal sends the layer to a lower level without saying what a layer not reducible there does",
+        (('ttt2la/passes/collapse_mlp.py', '          "there converts with strict=False, on the recurrent schedule).")\n', '          "there).")\n'),),
+        ('tests/test_scan_style.py',), 'says_what_lower'),
+    Mutation(
+        'past_the_example_never_probed', "a layer whose sizes take another branch below the example's length is never traced past it",
+        (('ttt2la/frontend/recognize.py', '        if plan.above and not _past_the_example_may_fit(plan, failures, C, seq_len):\n', '        if plan.above:\n'),),
+        ('tests/test_probe_shapes.py',), 'past_it'),
 ]
 
 
