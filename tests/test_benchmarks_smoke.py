@@ -93,6 +93,16 @@ def _benchmark_module(name: str):
         sys.path.remove(str(BENCHMARKS))
 
 
+def _run_main(name: str, argv: list[str]) -> None:
+    """``benchmarks/<name>.py``'s ``main(argv)``, the thread count it sets put back after."""
+    threads = torch.get_num_threads()
+    try:
+        for module in _benchmark_module(name):
+            module.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def throughput():
     yield from _benchmark_module("throughput")
@@ -521,16 +531,7 @@ def test_fla_reference_benchmark_prints_every_row_with_its_error(capsys):
 def test_varying_lengths_benchmark_times_both_sides_at_fresh_lengths(capsys):
     """``varying_lengths.py`` with a few calls: every case prints its totals over distinct
     lengths and the cost of a first call at a new length against a later one."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import varying_lengths as bench
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    threads = torch.get_num_threads()
-    try:
-        bench.main(["--calls", "4"])
-    finally:
-        torch.set_num_threads(threads)
+    _run_main("varying_lengths", ["--calls", "4"])
     out = capsys.readouterr().out
     assert out.count("4 calls at") == 2 and out.count("first call at a new length") == 2, out
 
@@ -538,16 +539,7 @@ def test_varying_lengths_benchmark_times_both_sides_at_fresh_lengths(capsys):
 def test_single_step_benchmark_times_plan_and_source_for_each_block(capsys):
     """``single_step.py`` at a tiny image: each block's forward and training step, the plan
     (race off) beside its source, with the ratio."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import single_step as bench
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    threads = torch.get_num_threads()
-    try:
-        bench.main(["--rounds", "2", "--dim", "8", "--side", "4"])
-    finally:
-        torch.set_num_threads(threads)
+    _run_main("single_step", ["--rounds", "2", "--dim", "8", "--side", "4"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ViTTT")]
     assert len(rows) == 4 and all(row.endswith("× |") for row in rows), rows
 
