@@ -101,15 +101,20 @@ class InputLayout:
                 f"layer was traced at lengths leaving {r} only: {whose} ({self.rest_why})")
 
     def untraced_batch(self, flat_inputs: list) -> str:
-        """Why the call's batch size is not the one a number of the traced code was derived
-        from (``shape_constants``), or ``""``."""
-        if not self.batch_constant:
-            return ""
+        """Why the call's batch size is not one the traces cover — not the one a number of the
+        traced code was derived from (``shape_constants``), or not one the probes that traced
+        could take — or ``""``."""
         x = flat_inputs[self.ref]
-        B = x.shape[self.batch_axis[self.ref]]
-        return "" if B == self.batch_unit else \
-            f"batch size {B}, where the layer was traced at batch size {self.batch_unit} only: " \
-            f"{self.batch_constant}"
+        B, unit = x.shape[self.batch_axis[self.ref]], self.batch_unit
+        if self.batch_constant:
+            return "" if B == unit else \
+                f"batch size {B}, where the layer was traced at batch size {unit} only: " \
+                f"{self.batch_constant}"
+        if (self.fixed_batch and B != unit) or B % unit:
+            accepted = f"batch size {unit} only" if self.fixed_batch else \
+                f"batch sizes that are multiples of {unit}"
+            return f"batch size {B}, where the layer was traced at {accepted}: {self.why}"
+        return ""
 
     def other_values(self, flat_inputs: list) -> str:
         """The call's plain Python argument whose value is not the example's, described
@@ -152,7 +157,7 @@ class InputLayout:
         x = flat_inputs[self.ref]
         B, L = x.shape[self.batch_axis[self.ref]], self.length_of(x)
         unit = self.batch_unit
-        if self.untraced_batch(flat_inputs):
+        if self.batch_constant and B != unit:
             raise UnsupportedShapeError(
                 f"the converted {self.path or 'model'} was called at batch size {B}, but it was "
                 f"converted for batch size {unit} only: {self.batch_constant}. Convert it again "

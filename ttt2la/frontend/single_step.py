@@ -775,7 +775,7 @@ def _at_other_batch(step: _Step, B: int, L: int, whole: bool = True) -> RolledLo
     except NotSingleStep as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         where = user_frame(cause)
-        raise OtherBatch(f"the layer's own code fails at batch size {B}"
+        raise OtherBatch(f"the layer's own code fails at batch size {B}, length {L}"
                          f"{f' at {where}' if where else ''}: {_first_line(cause)}") from e
 
 
