@@ -10,6 +10,7 @@ moved to just after the write (outside the loop), and reads it in every iteratio
 """
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 
@@ -38,10 +39,10 @@ def _is_view(node: torch.fx.Node) -> bool:
         and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
 
 
-#: Views that take part of a tensor: an iteration's read of its chunk, never hoisted.
-_PARTS = frozenset({aten.select.int, aten.slice.Tensor, aten.narrow.default, aten.unbind.int,
-                    aten.split.Tensor, aten.split_with_sizes.default, aten.as_strided.default,
-                    aten.diagonal.default, aten.unfold.default})
+#: Views that take one part of a tensor: an iteration's read of its chunk, never hoisted (a
+#: split into every part, ``q, k, v = qkv.chunk(3, -1)``, is the same in every iteration).
+_PARTS = frozenset({aten.select.int, aten.slice.Tensor, aten.narrow.default,
+                    aten.as_strided.default, aten.diagonal.default, aten.unfold.default})
 
 
 def hoist_remade_views(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
@@ -56,7 +57,8 @@ def hoist_remade_views(gm: torch.fx.GraphModule, loop: LoopSite) -> bool:
     keys: dict[torch.fx.Node, tuple] = {}
     copies: Counter = Counter()
     for n in graph.nodes:
-        if n not in inside or not _is_view(n) or n.target in _PARTS:
+        part = n.target is operator.getitem and n.args[0] in keys     # one piece of a split
+        if n not in inside or not (part or _is_view(n) and n.target not in _PARTS):
             continue
         source = first.get(keys.get(n.args[0]))
         if source is None and (n.args[0] in inside or not _written_in_place(n.args[0])):
