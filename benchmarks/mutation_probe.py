@@ -1090,7 +1090,8 @@ MUTATIONS = [
         "batch_constant_runs_the_graphs", "a call at a batch size other than the one a number of the traced code holds runs the graphs",
         (("ttt2la/converted.py", "            if other_batch:\n",
           "            if False:\n"),
-         ("ttt2la/frontend/recognize.py", "if self.untraced_batch(flat_inputs):", "if False:")),
+         ("ttt2la/frontend/recognize.py", "        if self.batch_constant and B != unit:\n",
+          "        if False:\n")),
         ("tests/test_size_constants.py",), "exact_at_every_batch_size or run_as_written"),
     Mutation(
         "chunk_count_untraced", "no trace one chunk longer: a number of the chunk count goes unseen",
@@ -2909,6 +2910,14 @@ MUTATIONS = [
         'past_the_example_never_probed', "a layer whose sizes take another branch below the example's length is never traced past it",
         (('ttt2la/frontend/recognize.py', '        if plan.above and not _past_the_example_may_fit(plan, failures, C, seq_len):\n', '        if plan.above:\n'),),
         ('tests/test_probe_shapes.py',), 'past_it'),
+    Mutation(
+        'untraced_batch_refused_at_exact', "an exact conversion refuses a call at a batch size its probes could not trace, where the code as written runs",
+        (('ttt2la/frontend/recognize.py', '            return f"batch size {B}, where the layer was traced at {accepted}: {self.why}"\n', '            return ""\n'),),
+        ('tests/test_probe_shapes.py',), 'runs_as_written_where'),
+    Mutation(
+        'split_items_left', "the items of a split made again after an in-place write are left in the loop",
+        (('ttt2la/frontend/remade_views.py', '        part = n.target is operator.getitem and n.args[0] in keys     # one piece of a split\n', '        part = False\n'),),
+        ('tests/test_slice_assignments.py',), 'split_written'),
 ]
 
 
