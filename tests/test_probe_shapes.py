@@ -108,8 +108,8 @@ def test_plans_go_from_general_to_the_example_batch_alone():
     # lengths: the usual three updates and one more token, past the example's (another
     # remainder), or the example's chunk remainder kept
     assert ProbePlan().lengths(4, 13) == (14, 15)
-    assert ProbePlan(above=True).lengths(4, 13) == (18, 13)
-    assert ProbePlan(above=True).lengths(4, 16) == (22, 16)
+    assert ProbePlan(above=True).lengths(4, 13) == (18, 19)
+    assert ProbePlan(above=True).lengths(4, 16) == (22, 23)
     assert ProbePlan(structured=True).lengths(4, 13) == (13, 17)
     assert ProbePlan(structured=True).lengths(4, 16) == (16, 20)
     assert ProbePlan(2, True).batches == (1, 2)

@@ -557,9 +557,9 @@ class ProbePlan:
 
     def lengths(self, C: int, example_len: int | None) -> tuple[int, int]:
         extra = C if self.longer else 0
-        if self.above and example_len is not None:   # fitted against the example's own
+        if self.above and example_len is not None:
             L0 = (example_len // C + 1) * C + (C // 2 if C > 1 else 1) + extra
-            return L0, example_len
+            return L0, L0 + 1
         if self.structured and example_len is not None:
             L0 = 3 * C + (example_len % C or C) + extra  # >= three updates, same remainder
             return L0, L0 + C
@@ -832,8 +832,8 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
                                      path=cand.path)
     elif plan.above:
         usual = next((e for p, e in failures if not p.structured and not p.above), None)
-        notes.append(f"traced at length {L0}, past the example's ({seq_len}), and at the "
-                     f"example's: at the usual shorter lengths {_first_line(usual)}")
+        notes.append(f"traced at lengths {L0} and {L1}, past the example's ({seq_len}): at the "
+                     f"usual shorter lengths {_first_line(usual)}")
     elif plan.structured and seq_len is not None:
         usual_plan, usual = next(((p, e) for p, e in failures if not p.structured),
                                  (None, None))
