@@ -102,14 +102,10 @@ def _assert_same(conv, layer, x):
 def test_plans_go_from_general_to_the_example_batch_alone():
     plans = probe_plans(6, 13)
     assert plans[0] == ProbePlan(1, False, False)              # batches 2 and 3, any batch after
-    assert [p.unit for p in plans if not p.fixed] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 6, 6, 6]
-    assert plans[-3:] == [ProbePlan(6, True, False), ProbePlan(6, True, False, above=True),
-                          ProbePlan(6, True, True)]
-    # lengths: the usual three updates and one more token, past the example's (another
-    # remainder), or the example's chunk remainder kept
+    assert [p.unit for p in plans if not p.fixed] == [1, 1, 2, 2, 3, 3, 6, 6]
+    assert plans[-2:] == [ProbePlan(6, True, False), ProbePlan(6, True, True)]
+    # lengths: the usual three updates and one more token, or the example's chunk remainder kept
     assert ProbePlan().lengths(4, 13) == (14, 15)
-    assert ProbePlan(above=True).lengths(4, 13) == (18, 19)
-    assert ProbePlan(above=True).lengths(4, 16) == (22, 23)
     assert ProbePlan(structured=True).lengths(4, 13) == (13, 17)
     assert ProbePlan(structured=True).lengths(4, 16) == (16, 20)
     assert ProbePlan(2, True).batches == (1, 2)
@@ -221,43 +217,3 @@ def test_a_single_step_taking_only_its_example_batch_converts_for_that_batch():
     _assert_same(conv, layer, torch.randn(2, 9, 4))
     with pytest.raises(ttt2la.RejectedCallError, match="batch size 2 only"):
         conv(torch.randn(3, 6, 4))
-
-
-class RotaryTableOfMaxLength(torch.nn.Module):
-    """A chunked linear memory whose keys get positions from a table of
-    ``max(L, max_positions)`` rows, sliced to the sequence (as flame's LaCT layers build their
-    rotary table): below ``max_positions`` the table's size is a constant, above it the length."""
-
-    C, max_positions = 4, 16
-
-    def __init__(self, d: int = 4):
-        super().__init__()
-        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
-        self.freq = torch.nn.Parameter(torch.rand(d))
-
-    def forward(self, x):
-        B, L, d = x.shape
-        q, k, v = self.qkv(x).chunk(3, -1)
-        table = torch.arange(max(L, self.max_positions), dtype=x.dtype)[:, None] * self.freq
-        k = k + torch.sin(table[:L])
-        W, outs = x.new_zeros(B, d, d), []
-        for s in range(0, L, self.C):
-            W = W + k[:, s:s + self.C].transpose(1, 2) @ v[:, s:s + self.C]
-            outs.append(q[:, s:s + self.C] @ W)
-        return torch.cat(outs, 1)
-
-
-def test_sizes_that_take_another_branch_below_the_example_are_fitted_past_it():
-    """Converted from an example of ``max_positions`` tokens, the usual probe lengths (shorter)
-    build a table of constant size, the example's one of its length: no size fitted, and the
-    layer was converted for lengths leaving the example's remainder only. It is traced past the
-    example's length instead, and runs its plan at every length (checked against the code
-    below the example's, where the table takes its other branch)."""
-    torch.manual_seed(0)
-    layer = RotaryTableOfMaxLength()
-    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 4),))
-    report = conv.ttt2la_report.layers[0]
-    assert any("past the example's (16)" in n for n in report.notes), report.notes
-    for L in (16, 22, 13, 5):
-        _assert_same(conv, layer, torch.randn(2, L, 4))
-    assert not any(ran.startswith("as written") for ran in report.runs.values()), report.runs

@@ -545,9 +545,6 @@ class ProbePlan:
     fixed: bool = False
     structured: bool = False
     longer: bool = False             # one chunk more: four full chunks for ``L // C`` loops
-    #: lengths past the example's, for code whose sizes take another branch below it
-    #: (``max(L, max_position_embeddings)``), tried where the usual lengths fitted no size
-    above: bool = False
 
     @property
     def batches(self) -> tuple[int, int]:
@@ -557,9 +554,6 @@ class ProbePlan:
 
     def lengths(self, C: int, example_len: int | None) -> tuple[int, int]:
         extra = C if self.longer else 0
-        if self.above and example_len is not None:
-            L0 = (example_len // C + 1) * C + (C // 2 if C > 1 else 1) + extra
-            return L0, L0 + 1
         if self.structured and example_len is not None:
             L0 = 3 * C + (example_len % C or C) + extra  # >= three updates, same remainder
             return L0, L0 + C
@@ -576,12 +570,11 @@ class ProbePlan:
 def probe_plans(example_batch: int, example_len: int | None) -> list[ProbePlan]:
     """The shapes to try, most general first: batches 2 and 3; then units that divide the
     example's batch (multiples of a head count, of the batch itself); then the example's batch
-    alone — each with the usual lengths, then (where those fitted no size) lengths past the
-    example's, then lengths keeping the example's chunk remainder."""
-    units = [(u, False) for u in [1] + [d for d in range(2, example_batch + 1)
-                                        if example_batch % d == 0]] + [(example_batch, True)]
-    return [ProbePlan(u, fixed, structured, above=above) for u, fixed in units
-            for structured, above in ((False, False), (False, True), (True, False))]
+    alone — each with the usual lengths, then with lengths keeping the example's chunk remainder."""
+    units = [1] + [d for d in range(2, example_batch + 1) if example_batch % d == 0]
+    plans = [ProbePlan(u, False, st) for u in units for st in (False, True)]
+    plans += [ProbePlan(example_batch, True, st) for st in (False, True)]
+    return plans
 
 
 def _layer_length(cand: LoopCandidate, tensors: list, seq_len: int | None) -> int | None:
@@ -701,8 +694,6 @@ def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_le
     for plan in probe_plans(batch, seq_len):
         if not plan.fixed and any(isinstance(e, BatchConstant) for _, e in failures):
             continue                      # only the example's batch size holds its number
-        if plan.above and not _past_the_example_may_fit(plan, failures, C, seq_len):
-            continue
         try:
             return _recognize_at(cand, fn, flat, layout, in_spec, plan, C, seq_len, failures)
         except ConversionError as e:
@@ -712,16 +703,6 @@ def _recognize_at_probes(cand, flat, layout, in_spec, batch: int, C: int, seq_le
         except Exception as e:            # the layer's own code rejected these shapes
             failures.append((plan, e))
     raise _probe_failure(cand, failures, C, seq_len)
-
-
-def _past_the_example_may_fit(plan: ProbePlan, failures: list, C: int, seq_len) -> bool:
-    """Try lengths past the example's only where the usual ones, all shorter than it, traced
-    but fitted no size (a size ``max(L, n)`` takes its other branch below the example)."""
-    usual = next((e for p, e in reversed(failures)
-                  if (p.unit, p.fixed) == (plan.unit, plan.fixed) and not p.structured
-                  and not p.above), None)
-    return seq_len is not None and isinstance(usual, (_ShapeDependent, LengthDependent)) \
-        and seq_len > dataclasses.replace(plan, above=False).lengths(C, seq_len)[1]
 
 
 def _takes_no_chunks(cand: LoopCandidate) -> str:
@@ -830,10 +811,6 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
                      f"lengths that are multiples of {C}")
         layout = dataclasses.replace(layout, length_unit=C, loop_src=cand.loop.src,
                                      path=cand.path)
-    elif plan.above:
-        usual = next((e for p, e in failures if not p.structured and not p.above), None)
-        notes.append(f"traced at lengths {L0} and {L1}, past the example's ({seq_len}): at the "
-                     f"usual shorter lengths {_first_line(usual)}")
     elif plan.structured and seq_len is not None:
         usual_plan, usual = next(((p, e) for p, e in failures if not p.structured),
                                  (None, None))
