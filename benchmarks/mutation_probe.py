@@ -2907,10 +2907,6 @@ MUTATIONS = [
         (('ttt2la/passes/collapse_mlp.py', '          "there converts with strict=False, on the recurrent schedule).")\n', '          "there).")\n'),),
         ('tests/test_scan_style.py',), 'says_what_lower'),
     Mutation(
-        'past_the_example_never_probed', "a layer whose sizes take another branch below the example's length is never traced past it",
-        (('ttt2la/frontend/recognize.py', '        if plan.above and not _past_the_example_may_fit(plan, failures, C, seq_len):\n', '        if plan.above:\n'),),
-        ('tests/test_probe_shapes.py',), 'past_it'),
-    Mutation(
         'untraced_batch_refused_at_exact', "an exact conversion refuses a call at a batch size its probes could not trace, where the code as written runs",
         (('ttt2la/frontend/recognize.py', '            return f"batch size {B}, where the layer was traced at {accepted}: {self.why}"\n', '            return ""\n'),),
         ('tests/test_probe_shapes.py',), 'runs_as_written_where'),
