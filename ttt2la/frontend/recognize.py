@@ -110,11 +110,18 @@ class InputLayout:
             return "" if B == unit else \
                 f"batch size {B}, where the layer was traced at batch size {unit} only: " \
                 f"{self.batch_constant}"
-        if (self.fixed_batch and B != unit) or B % unit:
-            accepted = f"batch size {unit} only" if self.fixed_batch else \
-                f"batch sizes that are multiples of {unit}"
+        accepted = self._accepted(B)
+        if accepted:
             return f"batch size {B}, where the layer was traced at {accepted}: {self.why}"
         return ""
+
+    def _accepted(self, B: int) -> str:
+        """The batch sizes the probes that traced could take, where ``B`` is not one of them
+        (``""`` where it is)."""
+        if self.fixed_batch and B != self.batch_unit:
+            return f"batch size {self.batch_unit} only"
+        return f"batch sizes that are multiples of {self.batch_unit}" if B % self.batch_unit \
+            else ""
 
     def other_values(self, flat_inputs: list) -> str:
         """The call's plain Python argument whose value is not the example's, described
@@ -163,9 +170,8 @@ class InputLayout:
                 f"converted for batch size {unit} only: {self.batch_constant}. Convert it again "
                 "with example inputs of the batch size you call it with, or compute that number "
                 "as a tensor from the input before the loop.")
-        if (self.fixed_batch and B != unit) or B % unit:
-            accepted = f"batch size {unit} only" if self.fixed_batch else \
-                f"batch sizes that are multiples of {unit}"
+        accepted = self._accepted(B)
+        if accepted:
             raise UnsupportedShapeError(
                 f"the converted {self.path or 'model'} was called at batch size {B}, but it was "
                 f"converted for {accepted}: the layer's own code failed when traced at other "
@@ -327,7 +333,6 @@ def _roll_at(cand: LoopCandidate, fn: LayerTraces, flat: list, layout, B, L) -> 
     loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
     if loops:
         refuse_loop_around(gm, cand.loop, L)
-    if loops:
         hoist_remade_views(gm, cand.loop)           # views of a tensor written in place
     if loops and unchunk_streams(gm, cand.loop):        # scan style: x[i] of [N, ..., K, ...]
         loops = [ld for ld in find_loops(gm) if ld[0] == cand.loop]
