@@ -2914,6 +2914,10 @@ MUTATIONS = [
         'split_items_left', "the items of a split made again after an in-place write are left in the loop",
         (('ttt2la/frontend/remade_views.py', '        part = n.target is operator.getitem and n.args[0] in keys     # one piece of a split\n', '        part = False\n'),),
         ('tests/test_slice_assignments.py',), 'split_written'),
+    Mutation(
+        'sized_graph_sizes_lazy', 'the sizes of a graph sized per (batch, length) built from a generator, which TorchDynamo cannot rebuild',
+        (('ttt2la/frontend/sized_graph.py', 'Sizes([e(B, L) for e in self.exprs])', 'Sizes(e(B, L) for e in self.exprs)'),),
+        ('tests/test_ordinary_module.py',), 'plain_float'),
 ]
 
 

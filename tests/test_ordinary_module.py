@@ -324,6 +324,45 @@ def test_compiled_calls_take_the_eager_calls_route(case):
         assert any(run in k for k in runs), runs
 
 
+class _ScaledChunkMemory(torch.nn.Module):
+    """A chunked memory whose forward takes a plain float, as a user's scale or temperature."""
+
+    def __init__(self, d: int = 8, chunk: int = 4):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.chunk = chunk
+
+    def forward(self, x, scale: float = 1.0):
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q = q * scale
+        W, outs = x.new_zeros(B, d, d), []
+        for s in range(0, L, self.chunk):
+            outs.append(q[:, s:s + self.chunk] @ W)
+            W = W + k[:, s:s + self.chunk].transpose(1, 2) @ v[:, s:s + self.chunk]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("scale", [2.0, 3.0])
+def test_a_compiled_call_with_a_plain_float_equals_the_original(scale):
+    """``torch.compile`` of a layer whose forward takes a float, called at another length with
+    the example's value and with another: the compiled call computes what the original does.
+    It raised TorchDynamo's internal error, a tuple subclass built from a generator inside the
+    graphs sized per (batch, length)."""
+    torch.manual_seed(0)
+    layer = _ScaledChunkMemory()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8), 2.0))
+    x = torch.randn(2, 13, 8)
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False), \
+            torch.no_grad():
+        torch._dynamo.reset()
+        try:
+            y = torch.compile(conv, backend="eager")(x, scale)
+        finally:
+            torch._dynamo.reset()
+        assert rel_rms_error(y, layer(x, scale)) <= FP32
+
+
 @pytest.mark.parametrize("case", ["untraced length", "length 0"])
 def test_a_compiled_call_run_as_written_fails_as_the_eager_call(case, monkeypatch):
     """The code as written of a call the plan does not take runs outside TorchDynamo, so its

@@ -59,8 +59,8 @@ class SizedGraph:
     def at(self, B: int, L: int) -> SizedCall:
         """The graph called at ``(B, L)``; immutable, so threads may share it."""
         call = self._calls.get((B, L))
-        if call is None:
-            call = self._calls[(B, L)] = SizedCall(self.gm, Sizes(e(B, L) for e in self.exprs))
+        if call is None:    # sizes from a list: TorchDynamo cannot rebuild a tuple made lazily
+            call = self._calls[(B, L)] = SizedCall(self.gm, Sizes([e(B, L) for e in self.exprs]))
         return call
 
 
