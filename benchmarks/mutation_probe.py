@@ -2896,7 +2896,7 @@ MUTATIONS = [
         ('tests/test_single_step.py',), 'backbone_taking_images'),
     Mutation(
         'layer_length_unread', "a layer of a model whose input has no sequence is left with no length, its own input's axis 1 unread",
-        (('ttt2la/conversion.py', '                layers.append(_recognized(cand, _layer_length(cand, _seq_len(inputs))))\n', '                layers.append(_recognized(cand, _seq_len(inputs)))\n'),),
+        (('ttt2la/conversion.py', '                layers.append(_recognized(cand, _own_input_length(cand, _seq_len(inputs))))\n', '                layers.append(_recognized(cand, _seq_len(inputs)))\n'),),
         ('tests/test_single_step.py',), 'backbone_taking_images'),
     Mutation(
         'single_step_other_batch_refused', "a single step whose code runs at its example's batch size only is refused",

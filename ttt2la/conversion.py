@@ -89,7 +89,7 @@ def _seq_len(example_inputs: tuple) -> int | None:
     return None if x is None or x.dim() >= 4 else x.shape[1]
 
 
-def _layer_length(cand, seq_len: int | None) -> int | None:
+def _own_input_length(cand, seq_len: int | None) -> int | None:
     """``seq_len``, or where the model's input has no sequence (an image a stem turns into
     tokens, as vision backbones do), the length of the layer's own input: its axis 1."""
     if seq_len is not None:
@@ -118,7 +118,7 @@ def recognize(model: torch.nn.Module, example_inputs=None, *, example_kwargs=Non
         layers, failures, refusals = [], [], []
         for cand in candidates:
             try:
-                layers.append(_recognized(cand, _layer_length(cand, _seq_len(inputs))))
+                layers.append(_recognized(cand, _own_input_length(cand, _seq_len(inputs))))
             except UnsupportedTTTError as e:
                 failures.append((cand.path, f"{cand.path or '<model>'}: {e}"))
                 refusals.append(e)
