@@ -2918,6 +2918,14 @@ MUTATIONS = [
         'sized_graph_sizes_lazy', 'the sizes of a graph sized per (batch, length) built from a generator, which TorchDynamo cannot rebuild',
         (('ttt2la/frontend/sized_graph.py', 'Sizes([e(B, L) for e in self.exprs])', 'Sizes(e(B, L) for e in self.exprs)'),),
         ('tests/test_ordinary_module.py',), 'plain_float'),
+    Mutation(
+        'mini_batch_items_cut_to_length', "a loop's outputs of one item per mini-batch are cut to the length in tokens",
+        (('ttt2la/lowering/chunking.py', '    return joined.narrow(axis, 0, layout.length) if extent == layout.chunk_size else joined\n', '    return joined.narrow(axis, 0, layout.length)\n'),),
+        ('tests/test_chunks_made_before_the_loop.py',), 'mini_batch_first'),
+    Mutation(
+        'example_plan_fault_called_lossy', "a plan failing on the example inputs is refused as a lossy conversion's uncovered shape",
+        (('ttt2la/conversion.py', '        if why is None:\n            raise\n        raise ConversionError(', '        if why is None or True:\n            raise\n        raise ConversionError('),),
+        ('tests/test_chunks_made_before_the_loop.py',), 'fault_of'),
 ]
 
 

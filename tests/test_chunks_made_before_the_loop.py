@@ -5,8 +5,10 @@ that do not overlap (``t.unfold(1, C, C)``, read by index or unbound).
 as ``qs[i]``, a list of ``q[:, i:i+C]`` slices (by a comprehension, or by a loop that only appends
 slices, transposed or not), a generator expression or a generator method in
 the loop statement, and a pre-chunked ``[B, N, K, d]`` sequence unbound before the loop or
-stacked back with ``torch.stack``: each converts exactly onto the runtime op, outputs and every
-gradient within the fp32 bound at other batches and lengths. Pieces every iteration reads (heads
+stacked back with ``torch.stack``, and a mini-batch-first sequence whose iterations each give one
+item of a unit axis joined by ``cat`` (a scan over groups of one mini-batch): each converts exactly
+onto the runtime op, outputs and every gradient within the fp32 bound at other batches and lengths.
+A plan that fails on the example itself is called ttt2la's bug, at the loop's line. Pieces every iteration reads (heads
 cut before a loop over chunks) stay loop-invariant, and a plan whose output has another shape
 than the loop's is refused, never returned.
 """
@@ -44,6 +46,8 @@ class ChunksBeforeTheLoop(nn.Module):
         W = self.w0.expand(x.shape[0], -1, -1)
         if self.style == "pre_chunked_unbind_list":
             return self._pre_chunked(x, q, k, v, W)
+        if self.style == "mini_batch_first_items":
+            return self._mini_batch_first(x, q, k, v, W)
         if self.style == "appended_transposed_keys":
             return self._transposed_keys(x, q, k, v, W)
         if self.style.startswith("unfold"):
@@ -106,8 +110,20 @@ class ChunksBeforeTheLoop(nn.Module):
             W = W + kc.transpose(1, 2) @ vc
         return torch.stack(outs, 1).reshape(B, L, D)
 
+    def _mini_batch_first(self, x, q, k, v, W):
+        """Mini-batch-first ``[N, B, C, D]`` read as ``t[i]``, each iteration's output an item of
+        a unit axis (a scan over groups of one mini-batch, each group's outputs stacked), the
+        items joined by ``cat`` into ``[N, B, C, D]``: N items, not N chunks of C tokens."""
+        B, L, _ = x.shape
+        qs, ks, vs = (t.reshape(B, L // C, C, D).transpose(0, 1) for t in (q, k, v))
+        outs = []
+        for i in range(L // C):
+            outs.append(torch.stack([qs[i] @ W]))
+            W = W + ks[i].transpose(1, 2) @ vs[i]
+        return torch.cat(outs, 0).transpose(0, 1).reshape(B, L, D)
 
-STYLES = ["zip_of_split_generator", "zip_of_split_list", "list_of_slices", "generator_of_slices",
+
+STYLES = ["mini_batch_first_items", "zip_of_split_generator", "zip_of_split_list", "list_of_slices", "generator_of_slices",
           "generator_method", "indexed_pieces", "pre_chunked_unbind_list", "appended_slices",
           "appended_transposed_keys", "unfold_indexed", "unfold_unbind"]
 
@@ -188,3 +204,23 @@ def test_a_plan_output_of_another_shape_is_not_ok():
 
     verdict = judge(torch.zeros(2, 8, 4), torch.zeros(2, 2, 4, 4), None)
     assert verdict["ok"] is False and "(2, 8, 4) where the loop gives (2, 2, 4, 4)" in verdict["shape"]
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_a_plan_failing_on_the_example_is_called_a_fault_of_the_lowering(monkeypatch, level):
+    """Where the plan fails on the very example the layer as written ran (here a planted fault
+    in its output assembly), the conversion says it is ttt2la's bug at the loop's line, at an
+    exact level too — not that a lossy conversion does not cover a shape it was converted at."""
+    def broken(*a, **k):
+        raise RuntimeError("start (0) + length (16) exceeds dimension size (4).")
+
+    for module in ("chunking", "executors", "lift"):
+        monkeypatch.setattr(f"ttt2la.lowering.{module}.assemble_outputs", broken)
+    torch.manual_seed(0)
+    with pytest.raises(ttt2la.ConversionError) as e:
+        ttt2la.convert(ChunksBeforeTheLoop("mini_batch_first_items"), level=level,
+                       example_inputs=(torch.randn(2, 4 * C, D),))
+    msg = str(e.value)
+    assert "bug in ttt2la's lowering" in msg and "fails on the example inputs" in msg, msg
+    assert "test_chunks_made_before_the_loop.py:" in msg and "exceeds dimension size" in msg, msg
+    assert "lossy" not in msg, msg

@@ -334,6 +334,22 @@ def _layer_inputs(rl: RecognizedLayer):
     return tuple(rl.candidate.args), dict(rl.candidate.kwargs)
 
 
+def _on_the_example(converted: torch.nn.Module, rl: RecognizedLayer, args, kwargs):
+    """The converted layer called on the example inputs, which the layer as written has just
+    run: a plan that fails there is ttt2la's fault at any level, and said so."""
+    try:
+        return converted(*args, **kwargs)
+    except UnsupportedShapeError as e:
+        why = getattr(e, "plan_fault", None)
+        if why is None:
+            raise
+        raise ConversionError(
+            f"the converted {rl.path or 'model'} ({rl.program.loop_src}) fails on the example "
+            f"inputs, which the layer as written runs: {why}. This is a bug in ttt2la's "
+            "lowering — please report it with the model; the original model is unchanged "
+            "(ttt2la.convert leaves it untouched).") from e
+
+
 def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, exact: bool,
            state) -> dict:
     """Compare the converted layer with the original's output ``ref`` on the example inputs.
@@ -346,7 +362,7 @@ def _check(ref: torch.Tensor, converted: torch.nn.Module, rl: RecognizedLayer, e
     """
     args, kwargs = _layer_inputs(rl)
     with torch.no_grad():
-        whole = converted(*args, **kwargs)
+        whole = _on_the_example(converted, rl, args, kwargs)
     got, ref_whole, ref = first_output(whole), ref, first_output(ref)
     if got.shape != ref.shape:
         raise ConversionError(

@@ -491,11 +491,13 @@ class ConvertedState:
         why = conversion_fault(error, gm, inputs, loop_src=str(self.program.loop_src),
                                implementation=self.implementation)
         if self.as_written is None:
-            raise UnsupportedShapeError(
+            refusal = UnsupportedShapeError(
                 f"{self._where()}: {why}, although the layer as written runs this call: its "
                 "lossy conversion does not cover this call's shape. Convert the layer again "
                 "with example inputs of this shape, or run the original layer for it; please "
-                "report this call with the model.") from error
+                "report this call with the model.")
+            refusal.plan_fault = why        # the conversion's check words it for the example
+            raise refusal from error
         return self._ran_as_written(why, out, B, L, "the converted graphs failed")
 
     def kept_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, flat: list):
