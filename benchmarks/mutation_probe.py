@@ -2926,6 +2926,22 @@ MUTATIONS = [
         'example_plan_fault_called_lossy', "a plan failing on the example inputs is refused as a lossy conversion's uncovered shape",
         (('ttt2la/conversion.py', '        if why is None:\n            raise\n        raise ConversionError(', '        if why is None or True:\n            raise\n        raise ConversionError('),),
         ('tests/test_chunks_made_before_the_loop.py',), 'fault_of'),
+    Mutation(
+        'chunk_count_sizes_unfitted', 'a size that moves by a count of chunks between whole-chunk lengths is not fitted as one',
+        (('ttt2la/frontend/shapes.py', '    if rc and not rb and chunk and (L1 - L0) % chunk == 0:', '    if False and rc and not rb and chunk and (L1 - L0) % chunk == 0:'),),
+        ('tests/test_whole_chunk_counts.py',), 'whole_chunk or same_function'),
+    Mutation(
+        'chunk_counts_unchecked', 'sizes fitted as counts of chunks from two lengths are checked at no other',
+        (('ttt2la/frontend/shapes.py', '    if whole_chunks is not None and any(e.n for e in slots.values()):', '    if False and whole_chunks is not None and any(e.n for e in slots.values()):'),),
+        ('tests/test_whole_chunk_counts.py',), 'moves_with_the_chunks'),
+    Mutation(
+        'chunk_counts_checked_near_only', 'sizes fitted as counts of chunks are checked one chunk further only',
+        (('ttt2la/frontend/shapes.py', '        for L2 in (2 * L1 - L0, L0 + 7 * (L1 - L0)):', '        for L2 in (2 * L1 - L0,):'),),
+        ('tests/test_whole_chunk_counts.py',), 'moves_with_the_chunks'),
+    Mutation(
+        'conversion_failure_called_the_codes', "where the layer's code runs but the conversion fails, the refusal says the code fails at every shape",
+        (('ttt2la/frontend/recognize.py', "    if ours is not None:    # the code runs there: the failure is the conversion's", "    if False:    # the code runs there: the failure is the conversion's"),),
+        ('tests/test_whole_chunk_counts.py',), 'moves_with_the_chunks'),
 ]
 
 

@@ -807,6 +807,9 @@ def _recognize_at(cand, fn, flat, layout, in_spec, plan: ProbePlan, C: int, seq_
         outer = fit_template(rolled.outer, rolled_L.outer, rolled_B.outer, B0=b0, L0=L0, L1=L1,
                              B1=b1, longer=longer, corner=None if plan.fixed else lambda: _roll_at(
                                  cand, fn, flat, layout, plan.unit * b1, L1).outer,
+                             whole_chunks=(C, lambda L: _roll_at(
+                                 cand, fn, flat, layout, plan.unit * b0, L).outer)
+                             if plan.structured else None,
                              what=f"code around the loop at {cand.loop.src} in {_layer_name(cand)}")
     except UnsupportedTTTError as e:
         raise _ShapeDependent(str(e)) from e
@@ -903,10 +906,19 @@ def _probe_failure(cand, failures, C, seq_len) -> ConversionError:
         return err
     if isinstance(first, ConversionError):
         return first
-    shown = failures if len(failures) <= 2 else [failures[0], failures[-1]]
-    tried = "; ".join(f"{p.describe(C, seq_len)}: {_first_line(e)}" for p, e in shown)
     where = user_frame(first)
     at = f" (first at {where})" if where else ""
+    ours = next(((p, e) for p, e in failures if isinstance(e, ConversionError)), None)
+    if ours is not None:    # the code runs there: the failure is the conversion's
+        plan, e = ours
+        err = UnsupportedTTTError(
+            f"{_layer_name(cand)}'s own code fails at the shapes ttt2la traces first{at}: "
+            f"{_first_line(first)}. Where it runs ({plan.describe(C, seq_len)}), ttt2la cannot "
+            f"convert it: {e}")
+        err.__cause__ = e
+        return err
+    shown = failures if len(failures) <= 2 else [failures[0], failures[-1]]
+    tried = "; ".join(f"{p.describe(C, seq_len)}: {_first_line(e)}" for p, e in shown)
     err = UnsupportedTTTError(
         f"{_layer_name(cand)} runs at its example's shape, but its own code fails at every "
         f"shape ttt2la must trace it at{at}, its example's batch size included "

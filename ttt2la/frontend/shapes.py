@@ -85,10 +85,13 @@ def set_slot(node: torch.fx.Node, where: str, path: tuple, value) -> None:
         node.kwargs = _set(node.kwargs, path, value)
 
 
-def _fit(v0, vL, vB, B0, L0, L1, B1, corner=None) -> SizeExpr | None:
+def _fit(v0, vL, vB, B0, L0, L1, B1, corner=None, chunk: int | None = None
+         ) -> SizeExpr | None:
     """The size through ``v0``, ``vL`` and ``vB`` at (B0,L0), (B0,L1) and (B1,L0); where both
     sizes move it and no product ``e·B·L`` does, ``corner()`` (its value at (B1,L1), where the
-    caller can trace there) decides between ``b·B + c·L`` and a product with other terms."""
+    caller can trace there) decides between ``b·B + c·L`` and a product with other terms.
+    ``chunk``: the lengths are whole chunks apart, and a size moving by less than a token per
+    token is a count of chunks (``L // C`` of a layer that takes whole chunks only)."""
     dL, dB = vL - v0, vB - v0
     if dL == 0 and dB == 0:
         return SizeExpr(v0)
@@ -100,6 +103,10 @@ def _fit(v0, vL, vB, B0, L0, L1, B1, corner=None) -> SizeExpr | None:
             return _bilinear(v0, vL, vB, corner(), B0, L0, L1, B1)
     b, rb = divmod(dB, B1 - B0)
     c, rc = divmod(dL, L1 - L0)
+    if rc and not rb and chunk and (L1 - L0) % chunk == 0:
+        n, rn = divmod(dL, (L1 - L0) // chunk)
+        if not rn:
+            return SizeExpr(v0 - b * B0 - n * -(-L0 // chunk), b, n=n, chunk=chunk)
     if rb or rc:
         return None
     return SizeExpr(v0 - b * B0 - c * L0, b, c, 0)
@@ -186,11 +193,15 @@ class _Corner:
 def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.fx.GraphModule,
                  *, B0: int, L0: int, L1: int, B1: int, what: str,
                  longer: ChunkCountCheck | None = None,
-                 corner: Callable[[], torch.fx.GraphModule] | None = None) -> GraphTemplate:
+                 corner: Callable[[], torch.fx.GraphModule] | None = None,
+                 whole_chunks: tuple[int, Callable[[int], torch.fx.GraphModule]] | None = None
+                 ) -> GraphTemplate:
     """Fit a ``GraphTemplate`` from the same graph traced at (B0,L0), (B0,L1) and (B1,L0);
     with ``longer``, check every size at one chunk more and fit the sizes of the chunk count
     (``chunk_counts``); ``corner`` traces it at (B1,L1), only for a size both move that no
-    product of batch and length gives."""
+    product of batch and length gives; ``whole_chunks``: ``(C, trace_at)``, the lengths traced
+    (and the lengths the layer takes) whole chunks of ``C`` apart, whose count a size may be,
+    checked at a third length traced by ``trace_at``."""
     n0, nL, nB = (list(g.graph.nodes) for g in (g0, gL, gB))
     at_corner = _Corner(corner, n0, what)
     if not (len(n0) == len(nL) == len(nB)):
@@ -222,7 +233,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
                 if v0 == vL == vB:
                     continue
                 expr = _fit(v0, vL, vB, B0, L0, L1, B1, corner=None if corner is None else
-                            lambda: at_corner.value(i, where, path))
+                            lambda: at_corner.value(i, where, path),
+                            chunk=whole_chunks and whole_chunks[0])
                 if expr is None:
                     raise UnsupportedTTTError(
                         f"the size argument {path} of {describe_op(a)} in the {what} is not "
@@ -231,7 +243,34 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
                 slots[(i, where, path)] = expr
     if longer is not None:
         slots = longer.refit(n0, nL, nB, slots, B0=B0, L0=L0, L1=L1, B1=B1, what=what)
+    if whole_chunks is not None and any(e.n for e in slots.values()):
+        for L2 in (2 * L1 - L0, L0 + 7 * (L1 - L0)):
+            _check_chunk_counts(n0, slots, whole_chunks, B0, L2, what)
     return GraphTemplate(g0, slots)
+
+
+def _check_chunk_counts(n0: list, slots: dict, whole_chunks: tuple, B0: int, L2: int,
+                        what: str) -> None:
+    """Two lengths fit any size as a count of chunks; others, one and six chunks further, check
+    every size (``L // 3`` moves as a count of chunks of 8 between 33 and 41, not on to 49;
+    as one of chunks of 4 from 12 to 16 and 20, not on to 40)."""
+    nodes = list(whole_chunks[1](L2).graph.nodes)
+    if len(nodes) != len(n0) or any((a.op, a.target) != (b.op, b.target)
+                                    for a, b in zip(n0, nodes)):
+        raise UnsupportedTTTError(f"the {what} runs other ops at length {L2}"
+                                  f"{_first_difference(n0, nodes)}: its code branches on the "
+                                  "length")
+    for i, (a, b) in enumerate(zip(n0, nodes)):
+        for where in ("args", "kwargs"):
+            seen = dict(_int_slots(getattr(b, where)))
+            for path, v0 in _int_slots(getattr(a, where)):
+                expr = slots.get((i, where, path), SizeExpr(v0))
+                if seen.get(path) != expr(B0, L2):
+                    raise UnsupportedTTTError(
+                        f"the size argument {path} of {describe_op(a)} in the {what} is not an "
+                        f"affine function of batch size and length, nor of the number of chunks "
+                        f"({expr} fits the lengths traced before, and gives {expr(B0, L2)} at "
+                        f"length {L2}, where the code gives {seen.get(path)})")
 
 
 __all__ = ["GraphTemplate", "SizeExpr", "fit_template"]
