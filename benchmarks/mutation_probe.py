@@ -2942,6 +2942,11 @@ MUTATIONS = [
         'conversion_failure_called_the_codes', "where the layer's code runs but the conversion fails, the refusal says the code fails at every shape",
         (('ttt2la/frontend/recognize.py', "    if ours is not None:    # the code runs there: the failure is the conversion's", "    if False:    # the code runs there: the failure is the conversion's"),),
         ('tests/test_whole_chunk_counts.py',), 'moves_with_the_chunks'),
+    Mutation(
+        'module_held_twice_set_twice', "a module held twice has its weights set through both names, which torch's restore leaves traced",
+        (('ttt2la/frontend/recognize.py', '            if t is None or (id(m), attr) in seen or id(t) not in canonical:', '            if t is None or id(t) not in canonical:'),),
+        ('tests/test_shared_layers.py',), 'held_twice'),
+
 ]
 
 

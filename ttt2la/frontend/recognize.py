@@ -309,13 +309,30 @@ def layer_function(module: torch.nn.Module, in_spec,
     """``f(params_and_buffers, *flat_inputs)`` calling the module's forward (or ``forward``,
     unbound) functionally."""
     wrapped = _Forward(module, forward)
+    names = _weight_names(module)
 
     def f(pb, *flat):
         args, kwargs = pytree.tree_unflatten(list(flat), in_spec)
         with traced_as_found(module):
-            return functional_call(wrapped, {f"layer.{k}": v for k, v in pb.items()}, args,
-                                   kwargs)
+            return functional_call(wrapped, {f"layer.{n}": pb[k] for n, k in names.items()
+                                             if k in pb}, args, kwargs, tie_weights=False)
     return f
+
+
+def _weight_names(module: torch.nn.Module) -> dict[str, str]:
+    """Every name a weight of ``module`` is set through, once per owning module and attribute,
+    to the name ``params_and_buffers`` gives it: a weight two modules tie is set through both,
+    and a module held twice (``ModuleList([t, t])``) once — torch's own tying names it twice,
+    and its restore then leaves the second name's traced tensor in the module."""
+    canonical = {id(t): n for n, t in params_and_buffers(module).items()}
+    names, seen = {}, set()
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for attr, t in (*m._parameters.items(), *m._buffers.items()):
+            if t is None or (id(m), attr) in seen or id(t) not in canonical:
+                continue
+            seen.add((id(m), attr))
+            names[f"{prefix}.{attr}" if prefix else attr] = canonical[id(t)]
+    return names
 
 
 def _roll_at(cand: LoopCandidate, fn: LayerTraces, flat: list, layout, B, L) -> RolledLoop:
