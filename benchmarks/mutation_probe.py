@@ -2947,6 +2947,10 @@ MUTATIONS = [
         (('ttt2la/frontend/recognize.py', '            if t is None or (id(m), attr) in seen or id(t) not in canonical:', '            if t is None or id(t) not in canonical:'),),
         ('tests/test_shared_layers.py',), 'held_twice'),
 
+    Mutation(
+        'forward_signature_bare', "a converted forward shows its own (*args, **kwargs) signature, not the original's",
+        (('ttt2la/converted.py', '                   {"forward": forward_like(cls, _converted_forward),', '                   {"forward": _converted_forward,'),),
+        ('tests/test_ordinary_module.py',), 'signature or dynamic_length'),
 ]
 
 

@@ -460,8 +460,27 @@ def test_torch_export_with_a_dynamic_length_says_why():
     conv = ttt2la.convert(PerTokenTTTLayer(8, 2), level=2, example_inputs=(x,))
     length = torch.export.Dim("L", min=2, max=64)
     with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
-        with pytest.raises(ttt2la.UnsupportedExportError, match="static shapes"):
-            torch.export.export(conv, (x,), dynamic_shapes=(({1: length},),))
+        for spec in (({1: length},), {"x": {1: length}}):     # as the original's are written
+            with pytest.raises(ttt2la.UnsupportedExportError, match="static shapes"):
+                torch.export.export(conv, (x,), dynamic_shapes=spec)
+
+
+def test_a_converted_forward_takes_the_originals_signature_and_exports_by_its_names():
+    """``inspect.signature`` of a converted forward is the original's with the streaming
+    keywords: a ``dynamic_shapes`` spec written for the original, by position or by argument
+    name, exports the converted layer (the converted forward's ``*args`` refused both)."""
+    import inspect
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 8)
+    layer = PerTokenTTTLayer(8, 2)
+    conv = ttt2la.convert(layer, level=2, example_inputs=(x,))
+    own, got = inspect.signature(layer.forward), inspect.signature(conv.forward)
+    assert list(got.parameters) == [*own.parameters, "ttt_state", "return_ttt_state"], got
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False):
+        for spec in ((None,), {"x": None}):
+            exported = torch.export.export(conv, (x,), dynamic_shapes=spec)
+            with torch.no_grad():
+                assert rel_rms_error(exported.module()(x), layer(x)) <= FP32
 
 
 class _Walked(torch.nn.Module):

@@ -32,6 +32,7 @@ from torch._guards import detect_fake_mode
 from .as_written import AsWritten, may_lose, races
 from .attribute_guard import AttributeGuard, Change
 from .frontend.call_signature import OtherValueError
+from .forward_signature import forward_like
 from .frontend.output_types import output_spec, typed_output
 from .global_guard import GlobalGuard, LayerCode, read_off_classes
 from .input_types import InputTypes
@@ -1267,7 +1268,8 @@ def converted_class(cls: type) -> type:
     new = _CLASSES.get(cls)
     if new is None:
         new = type(f"Converted{cls.__name__}", (cls,),
-                   {"forward": _converted_forward, "__module__": cls.__module__,
+                   {"forward": forward_like(cls, _converted_forward),
+                    "__module__": cls.__module__,
                     "__reduce_ex__": _converted_reduce, "__deepcopy__": _converted_deepcopy,
                     "__copy__": _converted_copy,
                     "__prepare_scriptable__": refuse_scripting,
