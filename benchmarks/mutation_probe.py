@@ -2951,6 +2951,10 @@ MUTATIONS = [
         'forward_signature_bare', "a converted forward shows its own (*args, **kwargs) signature, not the original's",
         (('ttt2la/converted.py', '                   {"forward": forward_like(cls, _converted_forward),', '                   {"forward": _converted_forward,'),),
         ('tests/test_ordinary_module.py',), 'signature or dynamic_length'),
+    Mutation(
+        'traced_float_formatted', "a call's other float is formatted as TorchDynamo traces it",
+        (('ttt2la/frontend/call_signature.py', '                return f"{leaf.name} = {_concrete(x)!r}, where it was converted with " \\', '                return f"{leaf.name} = {x!r}, where it was converted with " \\'),),
+        ('tests/test_ordinary_module.py',), 'fullgraph_with_another'),
 ]
 
 

@@ -363,6 +363,26 @@ def test_a_compiled_call_with_a_plain_float_equals_the_original(scale):
         assert rel_rms_error(y, layer(x, scale)) <= FP32
 
 
+def test_fullgraph_with_another_float_says_to_compile_without_it():
+    """Under ``fullgraph=True`` a call with another float than the example's (run as written,
+    between graphs) is refused saying so: TorchDynamo could not format the traced float into
+    the call's description and said only "BUILD_STRING type error"."""
+    torch.manual_seed(0)
+    layer = _ScaledChunkMemory()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8), 2.0))
+    with torch.compiler.set_stance("default"), torch._dynamo.config.patch(disable=False), \
+            torch.no_grad():
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(conv, backend="eager", fullgraph=True)
+            compiled(torch.randn(2, 16, 8), 2.0)
+            # recompiled for another value, the float is traced as a symbol
+            with pytest.raises(Exception, match="Compile it without fullgraph=True"):
+                compiled(torch.randn(2, 16, 8), 0.5)
+        finally:
+            torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("case", ["untraced length", "length 0"])
 def test_a_compiled_call_run_as_written_fails_as_the_eager_call(case, monkeypatch):
     """The code as written of a call the plan does not take runs outside TorchDynamo, so its

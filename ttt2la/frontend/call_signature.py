@@ -94,6 +94,14 @@ def _same_value(a, b) -> bool:
         return False
 
 
+def _concrete(x):
+    """A plain number as Python's own type: under ``torch.compile`` a float argument is a
+    traced value, which TorchDynamo cannot format into a string."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return x
+    return float(x) if isinstance(x, float) else int(x)
+
+
 class _From:
     """A stand-in bound in a call's place: ``(0, i)``, its ``i``-th positional argument, or
     ``(1, key)``, its keyword argument ``key``."""
@@ -382,7 +390,8 @@ class CallSignature:
         for leaf, x in zip(self.leaves, flat):
             if leaf.rank is None and not isinstance(x, torch.Tensor) \
                     and not _same_value(x, leaf.value):
-                return f"{leaf.name} = {x!r}, where it was converted with {leaf.value!r}"
+                return f"{leaf.name} = {_concrete(x)!r}, where it was converted with " \
+                    f"{leaf.value!r}"
         return ""
 
     def check(self, flat: list, batch_axis: dict, token_axis: dict, ref: int,
