@@ -2845,7 +2845,7 @@ MUTATIONS = [
     Mutation(
         'unread_op_unnamed', "a tensor computed after the cut is refused without the op where reading its mini-batches stopped",
         (('ttt2la/frontend/chunked_computations.py', '            sel.meta[UNREAD] = str(e)       # the op the refusal names, where the reading stopped\n', ''),),
-        ('tests/test_scan_style.py',), 'rates_computed_after_chunking'),
+        ('tests/test_scan_eta.py',), 'no_identity_covers'),
     Mutation(
         'one_term_prefix_scanned', "a prefix sum of one term runs the blocked scan's products",
         (('ttt2la/runtime/scan.py', '    if f.shape[dim] == 1:       # one term', '    if False:       # one term'),),
@@ -2955,6 +2955,18 @@ MUTATIONS = [
         'traced_float_formatted', "a call's other float is formatted as TorchDynamo traces it",
         (('ttt2la/frontend/call_signature.py', '                return f"{leaf.name} = {_concrete(x)!r}, where it was converted with " \\', '                return f"{leaf.name} = {x!r}, where it was converted with " \\'),),
         ('tests/test_ordinary_module.py',), 'fullgraph_with_another'),
+    Mutation(
+        'repeat_unread', 'a repeat of a unit axis after the cut is no op whose mini-batches are read',
+        (('ttt2la/frontend/chunked_computations.py', '    if target is aten.repeat.default:', '    if False:'),),
+        ('tests/test_scan_eta.py',), 'einsum'),
+    Mutation(
+        'einsum_rows_unit_axes_kept', 'rows mapped by one matrix are not read through the unit axes einsum lays around the contracted one',
+        (('ttt2la/frontend/chunked_computations.py', '    rows = _without_trailing_units(_shape(a))     # einsum', '    rows = _shape(a)     # einsum'),),
+        ('tests/test_scan_eta.py',), 'einsum'),
+    Mutation(
+        'reshape_keeping_the_axis_unread', 'a reshape that keeps the mini-batch axis whole is not read through',
+        (('ttt2la/frontend/chunked_computations.py', '    dj = _kept_axis(_shape(source), shape, d) if isinstance(source, torch.fx.Node) else None', '    dj = None'),),
+        ('tests/test_scan_eta.py',), 'einsum'),
 ]
 
 

@@ -5,10 +5,13 @@ The published TTT-Linear code projects its per-token rates from the pre-chunked 
 with the other inputs; it may as well compute them inside the scan step from the mini-batch's
 inputs. Either way the rate depends on the tokens alone, so the scan-style linear layer is
 causal linear attention with per-token rates and converts exactly at levels 0–2 (outputs and
-every parameter gradient), at any length, remainder included. A rate that reads the fast weight
+every parameter gradient), at any length, remainder included — the rates spelt by ``einsum`` and
+``repeat`` of a unit axis as published code spells them too. A rate that reads the fast weight
 is outside the theorem: refused at every level, naming the op and its line.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -88,6 +91,37 @@ def test_rates_from_the_tokens_convert_exactly(B, K, rest, heads, eta_from, leve
     assert_same_function(converted, layer, [x] + [torch.randn(B, n, d) for n in others])
 
 
+class PublishedSpellings(ScanEtaTTTLayer):
+    """``get_eta`` spelt as the published TTT layers spell it: the rates projected by
+    ``einsum("bnkc,hdc->bhnkd", X, w)`` and copied over the positions by ``repeat`` of a unit
+    axis (``eta.repeat(1, 1, 1, K, 1)``) — the same rates as the zoo layer's."""
+
+    def get_eta(self, X, size):
+        w = self.lr_weight.reshape(self.num_heads, 1, -1)
+        lr = torch.einsum("bnkc,hdc->bhnkd", X, w) + self.lr_bias.reshape(1, -1, 1, 1, 1)
+        lr = (self.base_lr / self.head_dim) * torch.sigmoid(lr).permute(0, 1, 2, 4, 3)
+        ramp = torch.clamp_min(self.position_rate[:size] + self.position_offset[:size], 0.0)
+        return ramp.reshape(1, 1, 1, size, 1) * lr.repeat(1, 1, 1, size, 1)
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_rates_spelt_by_einsum_and_repeat_convert_exactly(level):
+    """Both spellings were refused: ``repeat`` was no op whose mini-batches are read, and the
+    einsum's product lays its rows out with unit axes around the contracted one."""
+    torch.manual_seed(0)
+    layer = PublishedSpellings(8, 2, 4)
+    with torch.no_grad():
+        layer.position_offset.normal_(0.0, 0.3)
+    zoo_layer = ScanEtaTTTLayer(8, 2, 4)
+    zoo_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 14, 8)
+    with torch.no_grad():
+        assert rel_rms_error(layer(x), zoo_layer(x)) <= TOLERANCE[torch.float32]
+    converted = ttt2la.convert(layer, level=level, example_inputs=(x,))
+    assert converted.ttt2la_report.exact
+    assert_same_function(converted, layer, [x, torch.randn(1, 7, 8), torch.randn(3, 20, 8)])
+
+
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_a_rate_that_reads_the_fast_weight_is_refused_by_name(level):
     torch.manual_seed(0)
@@ -114,6 +148,9 @@ def test_a_computed_tensor_no_identity_covers_is_refused_by_line():
         ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 14, 8),))
     assert "computed after the sequence was cut" in str(refused.value)
     assert "test_scan_eta.py:" in str(refused.value)
+    # and the op where reading the mini-batches back stopped, at its own line
+    assert re.search(r"ttt2la stopped at `torch\.mean` at \S*test_scan_eta\.py:\d+ ",
+                     str(refused.value)), str(refused.value)
 
 
 @pytest.mark.parametrize("eta_from", ["chunks", "mini_batch"])

@@ -11,14 +11,18 @@ read its mini-batch ``E[i]`` as a chunk slice. It is rewritten here, exactly, by
 * ``E`` is a pre-chunked reshape of a sequence: the chunk slice ``prechunked`` makes;
 * ``E = f(A, B, …)`` for an elementwise or broadcasting ``f`` (``mul``, ``sigmoid``,
   ``unsqueeze``, ``expand``, a permute, …): ``E[i] = f(A[i], B[i], …)``;
-* ``E = A @ W`` (traced as ``view(mm(view(A), W))`` or through ``bmm`` with ``W`` expanded)
-  with ``W`` shared by all mini-batches: ``E[i] = A[i] @ W``.
+* ``E = A @ W`` (traced as ``view(mm(view(A), W))`` or through ``bmm`` with ``W`` expanded,
+  its rows laid out again as ``einsum`` lays them) with ``W`` shared by all mini-batches:
+  ``E[i] = A[i] @ W``;
+* ``E`` a reshape that keeps the mini-batch axis whole, or a ``repeat`` that does not repeat it.
 
 Every op then runs per mini-batch inside the loop on sizes without the mini-batch count, so
 the converted layer runs at any length. What no identity covers is refused by ``prechunked``,
 naming the line that computes it.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx
@@ -75,11 +79,28 @@ def _rows(node: torch.fx.Node):
     while weight.target in (*_VIEWS, aten.expand.default) and \
             _shape(weight.args[0])[-2:] == matrix:       # copies of one matrix, broadcast
         weight = weight.args[0]
+    rows = _without_trailing_units(_shape(a))     # einsum's operands carry unit axes last
     if [n for n in _shape(weight) if n != 1] != [n for n in matrix if n != 1] \
-            or _shape(node)[:-1] != _shape(a)[:-1] or _shape(a)[-1] != matrix[0] \
-            or _shape(node)[-1] != matrix[1]:
+            or not rows or rows[-1] != matrix[0] \
+            or math.prod(rows[:-1]) * matrix[1] != math.prod(_shape(node)):
         return None
     return a, weight
+
+
+def _without_trailing_units(shape: list) -> list:
+    while len(shape) > 1 and shape[-1] == 1:
+        shape = shape[:-1]
+    return shape
+
+
+def _kept_axis(before: list, after: list, d: int) -> int | None:
+    """The axis of a reshape's input that is axis ``d`` of its output: the same size, as many
+    elements before it (``None`` where the reshape merges or splits that axis)."""
+    outer = math.prod(after[:d])
+    for j, n in enumerate(before):
+        if math.prod(before[:j]) == outer and n == after[d]:
+            return j
+    return None
 
 
 def mini_batch(graph: torch.fx.Graph, node: torch.fx.Node, d: int | None, i: int,
@@ -106,6 +127,42 @@ def mini_batch(graph: torch.fx.Graph, node: torch.fx.Node, d: int | None, i: int
         if _shape(node)[d] != 1:
             raise
         return _broadcast(graph, node, d, meta)
+
+
+def _through_view(graph, node, d, i, meta, count) -> torch.fx.Node:
+    """``view(x)[i]``: rows mapped by one matrix ``A @ W`` (as traced, also when the product's
+    rows are laid out again, as ``einsum("bnkc,hdc->bhnkd", X, w)`` traces), the mini-batch
+    axis among the rows' leading axes; or a reshape that keeps that axis whole."""
+    shape, rows = _shape(node), _rows(node)
+    if rows is not None:
+        a, weight = rows
+        leading = _without_trailing_units(_shape(a))[:-1]
+        if d < len(leading) and leading[:d + 1] == shape[:d + 1]:
+            x = mini_batch(graph, a, d, i, meta, count)
+            c, n = _without_trailing_units(_shape(a))[-1], _shape(weight)[-1]
+            flat = _emit(graph, aten.reshape.default, (x, [-1, c]), meta)
+            if _shape(weight) != [c, n]:
+                weight = _emit(graph, aten.reshape.default, (weight, [c, n]), meta)
+            out = _emit(graph, aten.mm.default, (flat, weight), meta)
+            return _emit(graph, aten.reshape.default, (out, shape[:d] + shape[d + 1:]), meta)
+    source = node.args[0]
+    dj = _kept_axis(_shape(source), shape, d) if isinstance(source, torch.fx.Node) else None
+    if dj is None:
+        raise NotRewritable(f"{describe_op(node)} merges or splits the mini-batch axis")
+    x = mini_batch(graph, source, dj, i, meta, count)
+    return _emit(graph, aten.reshape.default, (x, shape[:d] + shape[d + 1:]), meta)
+
+
+def _through_repeat(graph, node, d, i, meta, count) -> torch.fx.Node:
+    """``repeat(x, reps)[i]`` where the mini-batch axis is not repeated: a broadcast spelt as
+    copies (``eta.repeat(1, 1, 1, K, 1)`` of a unit axis)."""
+    reps = list(node.args[1])
+    if reps[d] != 1:
+        raise NotRewritable(f"{describe_op(node)} repeats the mini-batch axis")
+    dj = d - (len(reps) - len(_shape(node.args[0])))
+    x = mini_batch(graph, node.args[0], dj if dj >= 0 else None, i, meta, count)
+    del reps[d]
+    return _emit(graph, aten.repeat.default, (x, reps), meta)
 
 
 #: marks the selects that take the one slice of a broadcast axis (no mini-batch is read)
@@ -136,19 +193,14 @@ def _through_op(graph, node, d, i, meta, count) -> torch.fx.Node:
         x = mini_batch(graph, node.args[0], src, i, meta, count)
         reduced = [p if p < src else p - 1 for p in perm if p != src]
         return _emit(graph, aten.permute.default, (x, reduced), meta)
-    if target in _VIEWS and _rows(node) is not None and d < rank - 1:
-        a, weight = _rows(node)
-        x = mini_batch(graph, a, d, i, meta, count)
-        c, n = _shape(x)[-1], _shape(node)[-1]
-        flat = _emit(graph, aten.reshape.default, (x, [-1, c]), meta)
-        if _shape(weight) != [c, n]:
-            weight = _emit(graph, aten.reshape.default, (weight, [c, n]), meta)
-        out = _emit(graph, aten.mm.default, (flat, weight), meta)
-        return _emit(graph, aten.reshape.default, (out, _shape(x)[:-1] + [n]), meta)
+    if target in _VIEWS:
+        return _through_view(graph, node, d, i, meta, count)
     if target is aten.unsqueeze.default:
         u = node.args[1] % rank
         x = mini_batch(graph, node.args[0], d if d < u else d - 1, i, meta, count)
         return _emit(graph, target, (x, u if u < d else u - 1), meta)
+    if target is aten.repeat.default:
+        return _through_repeat(graph, node, d, i, meta, count)
     if target is aten.expand.default:
         dj = d - (rank - len(_shape(node.args[0])))
         x = mini_batch(graph, node.args[0], dj if dj >= 0 else None, i, meta, count)
