@@ -544,6 +544,17 @@ def test_single_step_benchmark_times_plan_and_source_for_each_block(capsys):
     assert len(rows) == 4 and all(row.endswith("× |") for row in rows), rows
 
 
+def test_few_chunks_benchmark_times_plan_and_source_and_splits_the_forward(capsys):
+    """``few_chunks.py`` at a tiny size: a layer's forward and training step, the plan (race
+    off) beside its source, with the ratio, and the forward split around the runtime op."""
+    _run_main("few_chunks", ["--rounds", "2", "--lengths", "128", "--dim", "16",
+                             "--layers", "SplitZipLayer"])
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| SplitZipLayer")]
+    assert len(rows) == 2 and all("× |" in row for row in rows), rows
+    assert "op " in rows[0] and "call around the plan" in rows[0], rows[0]
+
+
 def test_fp32_accuracy_benchmark_measures_both_sides_against_float64(capsys):
     gen = _benchmark_module("fp32_accuracy")
     fp32_accuracy = next(gen)
