@@ -1484,8 +1484,8 @@ MUTATIONS = [
         ("tests/test_sized_graph.py",), "any_shape"),
     Mutation(
         "sizes_flattened_into_items", "a call's sizes pass as a plain tuple, which re-running the graph to name a failing line flattens",
-        (("ttt2la/frontend/sized_graph.py", "SizedCall(self.gm, Sizes(e(B, L) for e in self.exprs))",
-          "SizedCall(self.gm, tuple(e(B, L) for e in self.exprs))"),),
+        (("ttt2la/frontend/sized_graph.py", "SizedCall(self.gm, Sizes([e(B, L) for e in self.exprs]))",
+          "SizedCall(self.gm, tuple([e(B, L) for e in self.exprs]))"),),
         ("tests/test_sized_graph.py",), "names_the_line"),
     Mutation(
         "recorded_graphs_planned_at_once", "every recorded feature graph is planned at its first call, whatever its size",
