@@ -2920,7 +2920,7 @@ MUTATIONS = [
         ('tests/test_ordinary_module.py',), 'plain_float'),
     Mutation(
         'mini_batch_items_cut_to_length', "a loop's outputs of one item per mini-batch are cut to the length in tokens",
-        (('ttt2la/lowering/chunking.py', '    return joined.narrow(axis, 0, layout.length) if extent == layout.chunk_size else joined\n', '    return joined.narrow(axis, 0, layout.length)\n'),),
+        (('ttt2la/lowering/chunking.py', '    return joined if spec.items else joined.narrow(axis, 0, layout.length)\n', '    return joined.narrow(axis, 0, layout.length)\n'),),
         ('tests/test_chunks_made_before_the_loop.py',), 'mini_batch_first'),
     Mutation(
         'example_plan_fault_called_lossy', "a plan failing on the example inputs is refused as a lossy conversion's uncovered shape",
@@ -2967,6 +2967,26 @@ MUTATIONS = [
         'reshape_keeping_the_axis_unread', 'a reshape that keeps the mini-batch axis whole is not read through',
         (('ttt2la/frontend/chunked_computations.py', '    dj = _kept_axis(_shape(source), shape, d) if isinstance(source, torch.fx.Node) else None', '    dj = None'),),
         ('tests/test_scan_eta.py',), 'einsum'),
+    Mutation(
+        'items_told_by_chunk_extent', "a loop's joined items are taken for tokens, cut back to the length where a chunk's items are as many as its tokens",
+        (('ttt2la/frontend/rollup.py', '    return len(lengths) == 1 and joined not in lengths', '    return False'),),
+        ('tests/test_chunk_items.py',), 'two'),
+    Mutation(
+        'padding_probe_narrows_items', "the padding probe cuts a chunk's items to the partial chunk's tokens",
+        (('ttt2la/lowering/executors.py', '                targets.append((f"the chunk output {spec.name}", y if spec.items', '                targets.append((f"the chunk output {spec.name}", y if False'),),
+        ('tests/test_chunk_items.py',), 'leaves_alone'),
+    Mutation(
+        'partial_example_refused_when_exact', "an exact conversion whose example's partial chunk the plan refuses is refused",
+        (('ttt2la/conversion.py', '        if not layer.exact:\n            raise\n        check = _padded_example(layer, ref, e.what)', '        if True:\n            raise\n        check = _padded_example(layer, ref, e.what)'),),
+        ('tests/test_chunk_items.py',), 'True'),
+    Mutation(
+        'padded_example_unchecked', 'an example whose partial chunk zero padding changes fails the check as a bug',
+        (('ttt2la/conversion.py', '        check = _example_branch(layer, ref) or _padded_example(layer, ref) or check', '        check = _example_branch(layer, ref) or check'),),
+        ('tests/test_chunk_items.py',), 'max'),
+    Mutation(
+        'plan_checked_on_the_partial_example', "the plan is checked on the example's partial chunk, which runs as written",
+        (('ttt2la/conversion.py', '    if state.program.partial_chunk and L % C:   # a partial chunk, which runs as written', '    if False:   # a partial chunk, which runs as written'),),
+        ('tests/test_chunk_items.py',), 'max'),
 ]
 
 

@@ -33,7 +33,8 @@ from .call_variation import call_variation
 from .compiled_plan import compile_plan, compiler_backend
 from .converted import ConvertedState, Recipe, compile_break, install, require_unconverted
 from .errors import (ChangedAttributeError, ConversionError, LevelNotImplementedError,
-                     NonReducibleError, UnsupportedShapeError, UnsupportedTTTError)
+                     NonReducibleError, PartialChunkError, UnsupportedShapeError,
+                     UnsupportedTTTError)
 from .frontend.discover import discover, within
 from .frontend.recognize import RecognizedLayer, _inputs_at, recognize_layer
 from .frontend.shapes import fit_template
@@ -480,17 +481,21 @@ def _padding(layer: "_Layer") -> str:
 def _plan_inputs(rl: RecognizedLayer, state: ConvertedState) -> tuple[tuple, dict]:
     """The example inputs, or where the converted layer runs the code as written at the
     example's length (``_example_branch``), the same inputs at the first probe length, where it
-    runs its plan: the checks of the plan run there."""
+    runs its plan (at the whole chunks below the example's length where the example's partial
+    chunk runs as written, ``_padded_example``): the checks of the plan run there."""
     args, kwargs = _layer_inputs(rl)
     held = state.length_vouching
-    if held is None:
-        return args, kwargs
     flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
     B, L = state.layout.sizes(flat)
-    if held.lengths.get(held.key(B, L)) is not False:
+    C = rl.program.chunk_size
+    if state.program.partial_chunk and L % C:   # a partial chunk, which runs as written
+        at = max(C, L - L % C)
+    elif held is None or held.lengths.get(held.key(B, L)) is not False:
         return args, kwargs
+    else:
+        at = rl.L0
     args, kwargs = pytree.tree_unflatten(
-        _inputs_at(flat, state.layout, state.layout.batch_unit * B, rl.L0), rl.in_spec)
+        _inputs_at(flat, state.layout, state.layout.batch_unit * B, at), rl.in_spec)
     return tuple(args), kwargs
 
 
@@ -592,6 +597,7 @@ class _Layer:
     exact: bool
     backend: str
     _at_step: dict = field(default_factory=dict)
+    padding_recorded: bool = False      # what padding changes, kept already (``_record_padding``)
 
     @cached_property
     def exact_twin(self) -> "tuple[ConvertedState, torch.nn.Module] | None":
@@ -850,9 +856,14 @@ def _checked(layer: _Layer) -> dict:
         ref = layer.original(*args, **kwargs)       # all it returns (``_check``)
     if not layer.exact and state is not None:   # its check measures a drift: it cannot tell
         _refuse_lossy_branch(layer, ref)
-    check = _check(ref, rl.candidate.module, rl, layer.exact, state)
+    try:
+        check = _check(ref, rl.candidate.module, rl, layer.exact, state)
+    except PartialChunkError as e:      # the example's partial chunk, where padding is not inert
+        if not layer.exact:
+            raise
+        check = _padded_example(layer, ref, e.what)
     if layer.exact and state is not None and not check.get("ok", True):
-        check = _example_branch(layer, ref) or check
+        check = _example_branch(layer, ref) or _padded_example(layer, ref) or check
     if state is not None:
         check["lowering"] = _check_plan(rl, state)
     if layer.exact and not check.get("ok", True):
@@ -948,18 +959,42 @@ def _example_branch(layer: _Layer, ref) -> dict | None:
         state.as_written = None
 
 
-def _record_padding(layer: _Layer) -> None:
-    """Keep what zero padding of a partial last chunk changes (``_padding``) on the layer's
-    program, its plans and its recipe, so calls with a partial chunk run as written (exact
-    conversions) or are refused (lossy ones), and say so in the report."""
-    found = _padding(layer)
+def _padded_example(layer: _Layer, ref, found: str = "") -> dict | None:
+    """The check again where the example's last chunk is partial and zero padding changes the
+    layer (``found``, where the plan said so, else ``_record_padding``'s verdict: a maximum over
+    the chunk, which a first-order probe of the padding does not see): calls with a partial
+    chunk, the example's included, run the code as written. ``None`` where padding changes
+    nothing (the check's failure stands)."""
+    rl, state = layer.rl, layer.state
+    args, kwargs = _layer_inputs(rl)
+    flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    if state.layout.sizes(flat)[1] % rl.program.chunk_size == 0 \
+            or not _record_padding(layer, found):
+        return None
+    state.as_written = AsWritten()          # the check runs the code as written there
+    try:
+        return _check(ref, rl.candidate.module, rl, layer.exact, state)
+    finally:
+        state.as_written = None
+
+
+def _record_padding(layer: _Layer, found: str = "") -> bool:
+    """Keep what zero padding of a partial last chunk changes (``found``, else ``_padding``'s
+    verdict) on the layer's program, its plans and its recipe, so calls with a partial chunk run
+    as written (exact conversions) or are refused (lossy ones), and say so in the report;
+    whether it changes anything."""
+    if layer.padding_recorded:
+        return True
+    found = found or _padding(layer)
     if not found:
-        return
+        return False
+    layer.padding_recorded = True
     layer.state.refuse_padding(found)
     if layer.state.recipe is not None:
         layer.state.recipe.partial_chunk = found
     layer.notes.append(f"partial last chunk: zero padding changes {found}; calls with one "
                        + ("run as written" if layer.exact else "are refused"))
+    return True
 
 
 def _record_gradient_stop(layer: _Layer) -> None:

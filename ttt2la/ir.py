@@ -169,6 +169,9 @@ class OutputSpec:
     axis: int
     per_token: bool = False
     memory_order: tuple[int, ...] | None = None
+    #: the iterations' outputs are items of another count than their chunks' tokens (one per
+    #: chunk, a summary beside each chunk's tokens): joined whole, never cut to the length
+    items: bool = False
 
 
 @dataclass

@@ -1107,13 +1107,28 @@ def extract_body(u: Unrolled, inputs: Inputs, states: States, out_node: torch.fx
     body_gm = graph_module(torch.nn.Module(), body)
     out_axis = tail.axis if tail.axis >= 0 else \
         tail.axis + out_node.meta["val"].dim() + int(tail.stacked)
-    return TTTProgram(
+    program = TTTProgram(
         body=body_gm, states=state_specs, streams=stream_specs, invariants=inv_specs,
         outputs=[OutputSpec("o", axis=out_axis, per_token=tail.stacked,
                             memory_order=memory_order(tail.collector.meta["val"]))],
         chunk_size=inputs.first.chunk, order=tail.order, last_chunk=tail.last_chunk,
         module_path=module_path, loop_src=u.loop.src, function=u.loop.function,
     )
+    program.outputs[0].items = _joins_items(program, states, tail)
+    return program
+
+
+def _joins_items(program: TTTProgram, states: States, tail: Tail) -> bool:
+    """Whether the loop's joined outputs are items of another count than the traced tokens
+    (one per chunk, or a chunk's tokens with a summary beside them): told by the traced join's
+    extent, which tokens make the traced length — also where a chunk's items happen to be as
+    many as its tokens, and the partial last chunk's are not."""
+    if tail.stacked:
+        return False
+    joined = tail.collector.meta["val"].shape[tail.axis]
+    lengths = {int(states.invariants[s.source].meta["val"].shape[s.axis])
+               for s in program.streams}
+    return len(lengths) == 1 and joined not in lengths
 
 
 #: Ops whose value depends on their arguments alone, evaluated for ``_input_free_value``.

@@ -132,15 +132,13 @@ def assemble_output(chunks: torch.Tensor | Sequence[torch.Tensor], spec: OutputS
         return torch.stack(list(chunks), dim=spec.axis % (chunks[0].dim() + 1))
     if isinstance(chunks, torch.Tensor):
         axis = spec.axis % (chunks.dim() - 1)
-        extent = chunks.shape[axis + 1]
         joined = chunks.movedim(0, axis).flatten(axis, axis + 1)
     else:
         axis = spec.axis % chunks[0].dim()
-        extent = chunks[0].shape[axis]
         joined = _joined_in_order(list(chunks), axis, spec.memory_order, layout)
-    # a chunk's tokens are cut back to the length; items of another extent (one per chunk, a
-    # mini-batch-first output) are the loop's own count, with no padding to cut
-    return joined.narrow(axis, 0, layout.length) if extent == layout.chunk_size else joined
+    # a chunk's tokens are cut back to the length; items (one per chunk, a mini-batch-first
+    # output) are the loop's own count, with no padding to cut
+    return joined if spec.items else joined.narrow(axis, 0, layout.length)
 
 
 def _joined_in_order(chunks: list[torch.Tensor], axis: int, order, layout: ChunkLayout

@@ -246,9 +246,9 @@ def _probe_padding(program, states0, invariants, layout: ChunkLayout, positive: 
             targets += [(f"the update of state {program.states[i].name}", res[i])
                         for i in range(n_s)]
         for spec, y in zip(program.outputs, res[n_s:]):
-            if isinstance(y, torch.Tensor) and y.dim() > 0:
-                targets.append((f"the chunk output {spec.name}",
-                                y.narrow(spec.axis % y.dim(), 0, tail)))
+            if isinstance(y, torch.Tensor) and y.dim() > 0:     # items: each one a target
+                targets.append((f"the chunk output {spec.name}", y if spec.items
+                                else y.narrow(spec.axis % y.dim(), 0, tail)))
         return [(what, y) for what, y in targets
                 if isinstance(y, torch.Tensor) and y.requires_grad], reals, pads
 
