@@ -2987,6 +2987,10 @@ MUTATIONS = [
         'plan_checked_on_the_partial_example', "the plan is checked on the example's partial chunk, which runs as written",
         (('ttt2la/conversion.py', '    if state.program.partial_chunk and L % C:   # a partial chunk, which runs as written', '    if False:   # a partial chunk, which runs as written'),),
         ('tests/test_chunk_items.py',), 'max'),
+    Mutation(
+        'own_ttt_state_clash_unsaid', "a layer's own ttt_state argument passed by keyword is refused as a wrong streaming state, the clash unsaid",
+        (('ttt2la/converted.py', '            own = "ttt_state" in _parameters(original.forward)', '            own = False'),),
+        ('tests/test_ordinary_module.py',), 'own_ttt_state'),
 ]
 
 

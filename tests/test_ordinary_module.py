@@ -485,6 +485,28 @@ def test_torch_export_with_a_dynamic_length_says_why():
                 torch.export.export(conv, (x,), dynamic_shapes=spec)
 
 
+class _OwnStateArgument(_ScaledChunkMemory):
+    """A layer whose own forward has a parameter named as the converted layer's streaming one."""
+
+    def forward(self, x, ttt_state: float = 1.0):
+        return super().forward(x, ttt_state)
+
+
+def test_a_layers_own_ttt_state_parameter_passed_by_keyword_is_named_in_the_refusal():
+    """The converted forward takes ``ttt_state`` for its streaming state: a layer whose own
+    parameter has that name works with it passed by position, and by keyword is refused saying
+    the names clash (it said only that a float is no ``TTTState``)."""
+    torch.manual_seed(0)
+    layer = _OwnStateArgument()
+    conv = ttt2la.convert(layer, level=0, example_inputs=(torch.randn(2, 16, 8), 2.0))
+    x = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        assert rel_rms_error(conv(x, 2.0), layer(x, 2.0)) <= FP32
+    with pytest.raises(ttt2la.StreamingError, match="_OwnStateArgument.forward has a parameter "
+                                                    "of that name too.*by position"):
+        conv(x, ttt_state=2.0)
+
+
 def test_a_converted_forward_takes_the_originals_signature_and_exports_by_its_names():
     """``inspect.signature`` of a converted forward is the original's with the streaming
     keywords: a ``dynamic_shapes`` spec written for the original, by position or by argument

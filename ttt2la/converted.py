@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import itertools
 import threading
 import warnings
@@ -854,9 +855,14 @@ class ConvertedState:
         """``module(*args, **kwargs)`` continuing from ``state`` (``None``: the layer's initial
         fast weights): the output for these tokens and the state after them."""
         if state is not None and not isinstance(state, TTTState):
+            original = original_class(type(module))
+            own = "ttt_state" in _parameters(original.forward)
+            clash = (f"; {original.__name__}.forward has a parameter of that name too, which "
+                     "a converted layer takes for its streaming state: pass that argument by "
+                     "position, or rename the parameter") if own else ""
             raise StreamingError(
                 f"ttt_state must be a ttt2la.TTTState returned by an earlier call of this "
-                f"layer (or None), got {type(state).__name__}")
+                f"layer (or None), got {type(state).__name__}{clash}")
         flat = _flat_inputs(args, kwargs)
         B, L = self.layout.sizes(flat)
         other = self.other_types(flat)
@@ -1252,6 +1258,14 @@ def _converted_deepcopy(self, memo):
     new.__setstate__(copy.deepcopy(self.__dict__, memo))
     _register(new)
     return new
+
+
+def _parameters(fn) -> tuple[str, ...]:
+    """The names of ``fn``'s parameters (none where it has no signature to read)."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def _converted_copy(self):
