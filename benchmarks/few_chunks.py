@@ -21,6 +21,8 @@ import ttt2la.lowering.lift as lift
 import ttt2la.runtime.dispatch as dispatch
 from ttt2la.zoo import FlaChunkReferenceLayer, GatedChunkMemory, ListedChunksLayer, SplitZipLayer
 
+from single_step import _spread, _time as _ms
+
 LAYERS = {
     "SplitZipLayer": lambda d: SplitZipLayer(d, 64),
     "ListedChunksLayer": lambda d: ListedChunksLayer(d, 64, "list"),
@@ -28,16 +30,6 @@ LAYERS = {
     "FlaChunkReferenceLayer(gla)": lambda d: FlaChunkReferenceLayer(d, 2, rule="gla",
                                                                     chunk_size=64),
 }
-
-
-def _ms(f) -> float:
-    start = time.perf_counter()
-    f()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _spread(v: list[float]) -> str:
-    return f"{statistics.median(v):.2f} ms ({min(v):.2f}–{max(v):.2f})"
 
 
 def _interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
