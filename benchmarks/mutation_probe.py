@@ -2969,7 +2969,7 @@ MUTATIONS = [
         ('tests/test_scan_eta.py',), 'einsum'),
     Mutation(
         'items_told_by_chunk_extent', "a loop's joined items are taken for tokens, cut back to the length where a chunk's items are as many as its tokens",
-        (('ttt2la/frontend/rollup.py', '    return len(lengths) == 1 and joined not in lengths', '    return False'),),
+        (('ttt2la/frontend/rollup.py', '    if len(lengths) != 1 or joined in lengths:\n        return False\n', '    return False\n'),),
         ('tests/test_chunk_items.py',), 'two'),
     Mutation(
         'padding_probe_narrows_items', "the padding probe cuts a chunk's items to the partial chunk's tokens",
@@ -2991,6 +2991,10 @@ MUTATIONS = [
         'own_ttt_state_clash_unsaid', "a layer's own ttt_state argument passed by keyword is refused as a wrong streaming state, the clash unsaid",
         (('ttt2la/converted.py', '            own = "ttt_state" in _parameters(original.forward)', '            own = False'),),
         ('tests/test_ordinary_module.py',), 'own_ttt_state'),
+    Mutation(
+        'code_padded_tokens_taken_for_items', 'tokens of chunks the code pads itself, cut back after the loop, are taken for items and the padding probe judges the padded ones',
+        (('ttt2la/frontend/rollup.py', '    return not _cut_back_to(tail.collector, tail.axis, *lengths)', '    return True'),),
+        ('tests/test_meta_call.py',), 'to_empty_and_the_weights'),
 ]
 
 

@@ -1128,7 +1128,19 @@ def _joins_items(program: TTTProgram, states: States, tail: Tail) -> bool:
     joined = tail.collector.meta["val"].shape[tail.axis]
     lengths = {int(states.invariants[s.source].meta["val"].shape[s.axis])
                for s in program.streams}
-    return len(lengths) == 1 and joined not in lengths
+    if len(lengths) != 1 or joined in lengths:
+        return False
+    return not _cut_back_to(tail.collector, tail.axis, *lengths)
+
+
+def _cut_back_to(joined: torch.fx.Node, axis: int, length: int) -> bool:
+    """Whether the code after the loop cuts the joined outputs back to ``length`` along
+    ``axis``, and reads nothing else of them: tokens of chunks the code padded itself (a last
+    window padded to its full size, as Titans' memory pads it)."""
+    rank = joined.meta["val"].dim()
+    return bool(joined.users) and all(
+        u.target is aten.slice.Tensor and len(u.args) >= 4 and u.args[1] % rank == axis % rank
+        and u.args[2] in (0, None) and u.args[3] == length for u in joined.users)
 
 
 #: Ops whose value depends on their arguments alone, evaluated for ``_input_free_value``.
