@@ -952,11 +952,17 @@ def _example_branch(layer: _Layer, ref) -> dict | None:
     state.compile_break = compile_break(state)
     if state.recipe is not None:
         state.recipe.example_branch = why
-    state.as_written = AsWritten()          # the check runs the code as written there
+    return _checked_as_written(layer, ref)
+
+
+def _checked_as_written(layer: _Layer, ref) -> dict:
+    """``_check`` with the layer running the code as written where its plan does not take the
+    call (``as_written`` is set only once every check is done)."""
+    layer.state.as_written = AsWritten()
     try:
-        return _check(ref, rl.candidate.module, rl, layer.exact, state)
+        return _check(ref, layer.rl.candidate.module, layer.rl, layer.exact, layer.state)
     finally:
-        state.as_written = None
+        layer.state.as_written = None
 
 
 def _padded_example(layer: _Layer, ref, found: str = "") -> dict | None:
@@ -971,11 +977,7 @@ def _padded_example(layer: _Layer, ref, found: str = "") -> dict | None:
     if state.layout.sizes(flat)[1] % rl.program.chunk_size == 0 \
             or not _record_padding(layer, found):
         return None
-    state.as_written = AsWritten()          # the check runs the code as written there
-    try:
-        return _check(ref, rl.candidate.module, rl, layer.exact, state)
-    finally:
-        state.as_written = None
+    return _checked_as_written(layer, ref)
 
 
 def _record_padding(layer: _Layer, found: str = "") -> bool:

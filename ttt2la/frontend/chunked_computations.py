@@ -136,10 +136,10 @@ def _through_view(graph, node, d, i, meta, count) -> torch.fx.Node:
     shape, rows = _shape(node), _rows(node)
     if rows is not None:
         a, weight = rows
-        leading = _without_trailing_units(_shape(a))[:-1]
+        *leading, c = _without_trailing_units(_shape(a))
         if d < len(leading) and leading[:d + 1] == shape[:d + 1]:
             x = mini_batch(graph, a, d, i, meta, count)
-            c, n = _without_trailing_units(_shape(a))[-1], _shape(weight)[-1]
+            n = _shape(weight)[-1]
             flat = _emit(graph, aten.reshape.default, (x, [-1, c]), meta)
             if _shape(weight) != [c, n]:
                 weight = _emit(graph, aten.reshape.default, (weight, [c, n]), meta)
