@@ -18,7 +18,9 @@ probe traces cannot vouch for. Decisions inside the loop itself (unrolled and co
 traces) and guards that only raise are left out, as ``length_values`` leaves them. A decision
 of the length alone whose outcome is one of the chunked plan's own cases (a whole chunk, a
 partial last chunk: ``chunking_cases``) says so (``LengthValue.chunking``), for
-``chunking_decisions`` to check against the code as written and drop. The user's modules (the
+``chunking_decisions`` to check against the code as written and drop. A cut whose constant
+bound takes a whole axis of the sizes at the run's shape (``x[:, :128]``), which a trace records
+as the tensor itself, is a decision too (``whole_axis_cuts``). The user's modules (the
 loop's and every other file of the user's) see ``len``, ``range``, ``math``, ``int``, ``float`` and
 ``operator.index`` during the run as versions that keep the sizes' functions (``_counting``,
 ``size_math``, ``size_conversions``): CPython's own make plain numbers of them. NumPy on a
@@ -49,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from .chunking_cases import chunking_case
 from .length_values import LengthValue, _module_of
+from .whole_axis_cuts import piece_decision, slice_decisions
 from .loop_source import appended_names
 from .user_code import function_at, is_users, parsed, real_path, source_lines
 
@@ -353,6 +356,8 @@ _TENSOR_MAKERS = {torch.tensor, torch.as_tensor, torch.scalar_tensor,
                   torch._C.TensorBase.new_tensor}
 #: what cuts a tensor into pieces, and the names of its arguments after the tensor
 _PIECES = {"split": ("split_size", "dim"), "chunk": ("chunks", "dim"), "unbind": ("dim",)}
+#: what reads or writes a tensor at an index (``whole_axis_cuts``)
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
 
 class _Tracking(TorchFunctionMode):
@@ -387,6 +392,9 @@ class _Tracking(TorchFunctionMode):
             at = self._pieces(func.__name__, args, kwargs)
             if at is not None:
                 self.run.count(out, at, self.run.user_frame())
+                self._whole_cut([piece_decision(args[0], at, self.run.L, self.run.B)])
+        if func in _INDEXING and isinstance(args[0], torch.Tensor) and len(args) > 1:
+            self._whole_cut(slice_decisions(args[0], args[1], self._axis_sizes, _at))
         tracked = [x for x in _leaves((args, kwargs)) if isinstance(x, _TRACKED)]
         if tracked:
             frame = self.run.user_frame()
@@ -399,6 +407,18 @@ class _Tracking(TorchFunctionMode):
                 for x in tracked:
                     self.run.record(frame, what, _Sized(x.at))
         return out
+
+    def _whole_cut(self, decisions: list) -> None:
+        """Record the decisions of cuts that take a whole sized axis (``whole_axis_cuts``)."""
+        decisions = [d for d in decisions if d is not None]
+        frame = self.run.user_frame() if decisions else None
+        for d in decisions if frame is not None else ():
+            self.run.record(frame, "takes a whole axis at some values, not all, of", d)
+
+    def _axis_sizes(self, t: torch.Tensor) -> list:
+        """Each axis's size of ``t`` as a function of the call's sizes (``None``: not one)."""
+        return self._shaped(t) or [n.at if isinstance(n, SizeInt) else None
+                                   for n in self._sizes(t.shape)]
 
     def _pieces(self, name: str, args, kwargs) -> Callable | None:
         """The number of pieces ``split``/``chunk``/``unbind`` cut a tensor into, as a function
@@ -434,8 +454,7 @@ class _Tracking(TorchFunctionMode):
         """Remember the sizes of a reshape's or view's output as functions of the call's."""
         if not isinstance(args[0], torch.Tensor):
             return
-        dims = self._shaped(args[0]) or [
-            n.at if isinstance(n, SizeInt) else None for n in self._sizes(args[0].shape)]
+        dims = self._axis_sizes(args[0])
         got = self.shape_of(args, kwargs, dims)
         if got is not None and len(got) == out.dim():
             self.shaped[id(out)] = (weakref.ref(out), got)
