@@ -2995,6 +2995,22 @@ MUTATIONS = [
         'code_padded_tokens_taken_for_items', 'tokens of chunks the code pads itself, cut back after the loop, are taken for items and the padding probe judges the padded ones',
         (('ttt2la/frontend/rollup.py', '    return not _cut_back_to(tail.collector, tail.axis, *lengths)', '    return True'),),
         ('tests/test_meta_call.py',), 'to_empty_and_the_weights'),
+    Mutation(
+        'whole_cut_unrecorded', 'the run records no cut whose constant bound takes a whole axis of the sizes',
+        (('ttt2la/frontend/size_uses.py', '        if func in _INDEXING and isinstance', '        if False and func in _INDEXING and isinstance'),),
+        ('tests/test_whole_axis_cuts.py',), 'past_the_traced and prefix'),
+    Mutation(
+        'whole_piece_unrecorded', 'one piece of split taking the whole axis is no decision',
+        (('ttt2la/frontend/whole_axis_cuts.py', '        return (lambda L, B: count(L, B) == 1) if count(L, B) == 1 else None', '        return None'),),
+        ('tests/test_whole_axis_cuts.py',), 'past_the_traced and split'),
+    Mutation(
+        'ellipsis_axes_shifted', 'the axes after an Ellipsis counted one short',
+        (('ttt2la/frontend/whole_axis_cuts.py', '            axis += ndim - consumed', '            axis += ndim - consumed - 1'),),
+        ('tests/test_whole_axis_cuts.py',), 'past_the_traced and ellipsis'),
+    Mutation(
+        'whole_cut_inverted', 'cuts that take part of the axis at the run recorded, whole ones not',
+        (('ttt2la/frontend/whole_axis_cuts.py', '        if n is None or cut == slice(None) or not _whole(cut, t.shape[axis]):', '        if n is None or cut == slice(None) or _whole(cut, t.shape[axis]):'),),
+        ('tests/test_whole_axis_cuts.py',), 'within_the_traced or prefix'),
 ]
 
 
