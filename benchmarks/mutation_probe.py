@@ -3011,6 +3011,10 @@ MUTATIONS = [
         'whole_cut_inverted', 'cuts that take part of the axis at the run recorded, whole ones not',
         (('ttt2la/frontend/whole_axis_cuts.py', '        if n is None or cut == slice(None) or not _whole(cut, t.shape[axis]):', '        if n is None or cut == slice(None) or _whole(cut, t.shape[axis]):'),),
         ('tests/test_whole_axis_cuts.py',), 'within_the_traced or prefix'),
+    Mutation(
+        'sliding_window_unnamed', 'a window over the last tokens refused with the generic words',
+        (('ttt2la/frontend/rollup.py', '    return spans if a <= c < b and d > b else None', '    return None'),),
+        ('tests/test_refusal_messages.py',), 'sliding_window'),
 ]
 
 

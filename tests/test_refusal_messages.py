@@ -326,6 +326,45 @@ def test_a_token_read_once_per_chunk_from_the_sequence_is_named_with_the_spellin
     assert "Take the chunk first" in msg and f"{HERE}:{_line_of(ChunkEndGate.forward)}" in msg
 
 
+class WindowMemory(_ChunkLayer):
+    """A memory stepped per token on the squared error over the last ``c`` tokens (the Omega
+    rule), its window sliced from the sequence at each step (``"window"``) or its sums made
+    before the loop and read one token at a time (``"sums"``)."""
+
+    def __init__(self, spelling: str, c: int = 3, d: int = 8):
+        super().__init__(d)
+        self.spelling, self.c = spelling, c
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        k = F.normalize(k, dim=-1)
+        if self.spelling == "sums":
+            kk = (k[..., :, None] * k[..., None, :]).cumsum(1)
+            kv = (k[..., :, None] * v[..., None, :]).cumsum(1)
+            late = lambda z: torch.cat([z.new_zeros(B, self.c, D, D), z], 1)[:, :T]  # noqa: E731
+            G, Bv = kk - late(kk), kv - late(kv)
+        S, ys = x.new_zeros(B, D, D), []
+        for t in range(T):
+            if self.spelling == "sums":
+                Gt, Bt = G[:, t], Bv[:, t]
+            else:
+                s = max(0, t - self.c + 1)
+                kw, vw = k[:, s:t + 1], v[:, s:t + 1]                          # <- named
+                Gt, Bt = kw.mT @ kw, kw.mT @ vw
+            S = S - 0.1 * (Gt @ S - Bt)
+            ys.append(q[:, t:t + 1] @ S)
+        return torch.cat(ys, 1)
+
+
+def test_a_sliding_window_names_the_window_sums_that_convert():
+    torch.manual_seed(0)
+    msg = _refused_where_another_spelling_converts(WindowMemory("window"), WindowMemory("sums"),
+                                                   torch.randn(2, 16, 8))
+    assert "reads overlapping windows of the sequence (tokens 0 to 1, then 0 to 2)" in msg
+    assert "before the loop" in msg and f"{HERE}:{_line_of(WindowMemory.forward)}" in msg
+
+
 class RateTable(_ChunkLayer):
     """A rate per position kept in a buffer sized for the longest sequence, read chunk by
     chunk at the loop's index (``"in_loop"``) or sliced to the sequence before it."""

@@ -325,6 +325,15 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
     offset = _offset_start(n, n2)
     if offset:
         return _starts_at_offset(what, offset, loop)
+    window = _overlapping(n, n2)
+    if window:
+        (a, b), (c, d) = window
+        return (f"{what} reads overlapping windows of the sequence (tokens {a} to {b - 1}, then "
+                f"{c} to {d - 1}): a token read by several iterations is a sliding window, which "
+                "no chunk stream has. Compute what the loop takes from each window before the "
+                "loop — its sums over the last tokens (a Gram matrix Σ γ_i k_iᵀ k_i, a "
+                "Σ γ_i v_i k_i), as a cumulative sum differenced or a convolution along the "
+                "sequence — and read those one token or chunk at a time")
     if n.target in SELECT_TARGETS and n2.args[0] is n.args[0] and len(n.args) > 2 and \
             isinstance(n.args[2], int) and isinstance(n2.args[2], int) and \
             n2.args[2] - n.args[2] > 1:
@@ -375,6 +384,20 @@ def _offset_start(n: torch.fx.Node, n2: torch.fx.Node) -> tuple[int, int] | None
         if c > 0 and n.args[3] - n.args[2] == c == n2.args[3] - n2.args[2] and n.args[2] > c:
             return n.args[2] - c, c
     return None
+
+
+def _overlapping(n: torch.fx.Node, n2: torch.fx.Node) -> tuple | None:
+    """The token spans ``((a, b), (c, d))`` when ``n`` and its next-iteration copy ``n2`` slice
+    one tensor along one axis into spans that overlap, the later one advancing (a window over
+    the last tokens); ``None`` otherwise."""
+    if n.target not in SLICE_TARGETS or n2.args[0] is not n.args[0] or len(n.args) < 4 or \
+            len(n2.args) < 4 or n.args[1] != n2.args[1]:
+        return None
+    spans = (n.args[2], n.args[3]), (n2.args[2], n2.args[3])
+    if not all(isinstance(i, int) and i >= 0 for span in spans for i in span):
+        return None
+    (a, b), (c, d) = spans
+    return spans if a <= c < b and d > b else None
 
 
 def _starts_at_offset(what: str, offset: tuple[int, int], loop: LoopSite) -> str:
