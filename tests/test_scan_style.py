@@ -258,7 +258,7 @@ def test_ttt_mlp_at_level_6_says_what_lower_levels_do():
     x = torch.randn(2, 9, 4)
     with pytest.raises(ttt2la.UnsupportedTTTError, match="collapse_mlp") as info:
         ttt2la.convert(layer, level=6, example_inputs=(x,))
-    assert "convert at level 2 or below, which keeps the MLP (a layer that is not reducible " \
+    assert "convert at level 2 or below, which keeps φ as written (a layer that is not reducible " \
            "there converts with strict=False, on the recurrent schedule)" in str(
                info.value).replace("Convert at level", "convert at level"), str(info.value)
     kept = ttt2la.convert(layer, level=0, example_inputs=(x,), strict=False)

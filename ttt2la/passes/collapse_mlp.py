@@ -38,9 +38,9 @@ _LINEAR_OPS = VIEW_OPS | SLICES | ADDITIVE | SCALINGS | MATRIX_PRODUCTS \
 
 
 
-#: What to do where collapse_mlp cannot rewrite φ: a lower level keeps the MLP.
-_LOWER = ("convert at level 2 or below, which keeps the MLP (a layer that is not reducible "
-          "there converts with strict=False, on the recurrent schedule).")
+#: What to do where collapse_mlp cannot rewrite φ: a lower level keeps φ (an MLP, a normalised projection) as written.
+_LOWER = ("convert at level 2 or below, which keeps φ as written (a layer that is not "
+          "reducible there converts with strict=False, on the recurrent schedule).")
 
 def _replayed(n: torch.fx.Node) -> bool:
     """A view replayed from the product to the kernel's value: its other arguments are
