@@ -1677,8 +1677,8 @@ MUTATIONS = [
         ("tests/test_size_uses.py",), "branches_values or Value"),
     Mutation(
         "length_sizes_untracked", "sizes read off tensors are handed out as plain ints, so nothing computed from them is followed",
-        (("ttt2la/frontend/size_uses.py", "            if n % L == 0:\n",
-          "            if False:\n"),),
+        (("ttt2la/frontend/size_uses.py", "    if n % L == 0:\n",
+          "    if False:\n"),),
         ("tests/test_size_uses.py",), "branches_values or ShapeSlice"),
     Mutation(
         "length_uses_in_the_loop_body", "decisions in the loop's own statement and body, which the traces unroll, are counted as uses of the length",
@@ -2904,7 +2904,7 @@ MUTATIONS = [
         ('tests/test_probe_shapes.py',), 'single_step_taking'),
     Mutation(
         'lower_level_advice_bare', "collapse_mlp's refusal sends the layer to a lower level without saying what a layer not reducible there does",
-        (('ttt2la/passes/collapse_mlp.py', '          "there converts with strict=False, on the recurrent schedule).")\n', '          "there).")\n'),),
+        (('ttt2la/passes/collapse_mlp.py', '          "reducible there converts with strict=False, on the recurrent schedule).")\n', '          "reducible there).")\n'),),
         ('tests/test_scan_style.py',), 'says_what_lower'),
     Mutation(
         'untraced_batch_refused_at_exact', "an exact conversion refuses a call at a batch size its probes could not trace, where the code as written runs",
@@ -3015,6 +3015,18 @@ MUTATIONS = [
         'sliding_window_unnamed', 'a window over the last tokens refused with the generic words',
         (('ttt2la/frontend/rollup.py', '    return spans if a <= c < b and d > b else None', '    return None'),),
         ('tests/test_refusal_messages.py',), 'sliding_window'),
+    Mutation(
+        'witness_ignored', "each run's sizes taken as its divisibility guesses them, the other run unread",
+        (('ttt2la/frontend/size_witness.py', '        at = guess if other is None or key not in other.seen else \\', '        at = guess if True or key not in other.seen else \\'),),
+        ('tests/test_whole_axis_cuts.py',), 'past_the_traced and (memory_tokens or shifted or padded)'),
+    Mutation(
+        'witness_unsettled', "the first run's sizes never checked against the second's",
+        (('ttt2la/frontend/size_witness.py', '            if key in other.seen:\n                self.table[key]', '            if False:\n                self.table[key]'),),
+        ('tests/test_whole_axis_cuts.py',), 'settled or line_through'),
+    Mutation(
+        'witness_line_for_bends', 'a size that bends between the two lengths given the line through them',
+        (('ttt2la/frontend/size_witness.py', '    if slope.denominator != 1:', '    if slope.denominator != 1 and False:'),),
+        ('tests/test_whole_axis_cuts.py',), 'line_through'),
 ]
 
 

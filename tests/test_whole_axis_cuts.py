@@ -1,20 +1,26 @@
-"""Cuts with a constant bound past the traced lengths (``frontend.whole_axis_cuts``).
+"""Cuts with a constant bound past the traced lengths (``frontend.whole_axis_cuts``), of the
+sequence or of an axis a few tokens longer or shorter (``frontend.size_witness``).
 
 ``torch.sigmoid(x[:, :40]).mean(1)`` traced at lengths under 40 takes every token, and a trace
 records the cut as the tensor itself: a converted layer read every token at any length, off by
 0.3-2 % from 41 tokens on with no error, at every level. Such a cut is a decision of the length
 now: an exact conversion checks each other length against the code as written (and runs that
-where they differ); a lossy one refuses the lengths where the cut takes part of the axis.
+where they differ); a lossy one refuses the lengths where the cut takes part of the axis. An axis
+of ``L + 3`` tokens (a causal convolution's padding) was read as no size of the length, or as one
+of the batch where ``L* + 3`` was a multiple of the run's batch size; the code now runs at two
+lengths, and a size that differs between them is the line through the two.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttt2la
+from ttt2la.frontend.size_witness import Witness
 
 from shape_checks import each_call_same_or_refused, same_or_refused
 
@@ -39,6 +45,14 @@ def _written(x, n):
 
 
 CUTS["assigned"] = _written
+#: cuts of an axis of another size than the length (``size_witness``): four memory tokens before
+#: the sequence, the sequence shifted by one, a causal convolution's left padding
+CUTS["memory_tokens"] = lambda x, n: torch.cat([x.new_zeros(x.shape[0], 4, D), x], 1)[:, :n]
+CUTS["shifted"] = lambda x, n: x[:, 1:][:, :n]
+CUTS["padded"] = lambda x, n: F.pad(x, (0, 0, 3, 0))[:, :n]
+#: a branch on such a size (a multiple of the run's batch size, or of nothing, at its length)
+CUTS["padded_branch"] = lambda x, n: x * (0.5 if F.pad(x, (0, 0, 3, 0)).shape[1] > n else 1.0)
+WORDS = {"padded_branch": "compares the length"}
 
 
 class GatedMomentum(nn.Module):
@@ -85,7 +99,8 @@ def test_a_cut_past_the_traced_lengths_is_the_code_function_or_refused(cut):
         layer = GatedMomentum(cut, 40)
         conv = ttt2la.convert(layer, level=level, example_inputs=(torch.randn(2, 16, D),))
         notes = " ".join(conv.ttt2la_report.layers[0].notes)
-        assert "takes a whole axis at some values, not all, of the" in notes, notes
+        assert WORDS.get(cut, "takes a whole axis at some values, not all, of the") in notes, \
+            notes
         shapes = [(2, 16), (9, 16), (7, 20), (2, 20)] if cut == "batch" else \
             [(2, 16), (2, 44), (2, 80), (2, 20)]
         seen = [same_or_refused(layer, conv, T, B) for B, T in shapes]
@@ -113,3 +128,29 @@ def test_every_call_is_the_code_function_or_refused(cut, level, bound, example, 
     """Any bound, example and call lengths: each call gives the code's function or is
     refused."""
     each_call_same_or_refused(lambda: GatedMomentum(cut, bound), level, example, calls)
+
+
+def test_a_size_taken_for_the_batch_by_coincidence_is_settled_by_the_second_run():
+    """At ``L* = 112``, ``B* = 5`` a convolution's ``L* + 3 = 115`` outputs are ``23·B*``: the
+    run at another length reads 131, and the first run's size becomes ``L + 3``, for the
+    decisions it made with it too."""
+    first = Witness(112, 5)
+    at = first.size(("f.py", 7, 0, 2), 115, lambda L, B: 23 * B)
+    second = Witness(128, 5, other=first)
+    again = second.size(("f.py", 7, 0, 2), 131, None)
+    first.settle(second)
+    assert [at(200, 5), again(200, 5), at(112, 3)] == [203, 203, 115]
+
+
+@pytest.mark.parametrize("sizes, guess, want", [
+    ((115, 131), lambda L, B: 23 * B, 203),         # contradicted, whole tokens: the line
+    ((112, 128), lambda L, B: L, 200),              # confirmed: the guess
+    ((96, 96), None, None),                         # one size at both lengths: none of theirs
+    ((120, 128), lambda L, B: 24 * B, 120),         # max(L, 120) bends: no line, the guess
+])
+def test_the_line_through_two_runs(sizes, guess, want):
+    first, second = Witness(112, 5), Witness(128, 5)
+    at = first.size(("f.py", 1, 0, 0), sizes[0], guess)
+    second.size(("f.py", 1, 0, 0), sizes[1], None)
+    first.settle(second)
+    assert (at and at(200, 5)) == want

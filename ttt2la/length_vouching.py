@@ -23,13 +23,14 @@ function the code as written does not compute, is refused there (``refuse_lossy_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
 
 from .errors import UnsupportedShapeError, UnsupportedTTTError
-from .frontend.size_uses import probe_sizes, size_uses
+from .frontend.size_uses import probe_sizes, size_uses_at
 from .frontend.length_values import describe, length_values
 from .ir import SRC, torch_name
 from .original_class import original_class
@@ -192,11 +193,9 @@ def _run_uses(rl) -> list:
     chunk = max(rl.program.chunk_size or 1, 1)
     fixed = flat[layout.ref].shape[layout.batch_axis[layout.ref]] if layout.fixed_batch \
         else None
-    found = []
-    for L, B in _run_sizes(sizes, chunk, layout.batch_unit, fixed):
-        inputs = _inputs_at(flat, layout, B, L)
-        found += size_uses(lambda: fn(pb, *inputs), L, B, chunk, layout.batch_unit,
-                           (cand.loop.file, cand.loop.line))
+    runs = [(functools.partial(fn, pb, *_inputs_at(flat, layout, B, L)), L, B)
+            for L, B in _run_sizes(sizes, chunk, layout.batch_unit, fixed)]
+    found = size_uses_at(runs, chunk, layout.batch_unit, (cand.loop.file, cand.loop.line))
     return [v for v in _merged(found) if v.of == "the length" or not layout.fixed_batch]
 
 

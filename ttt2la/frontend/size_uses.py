@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from .chunking_cases import chunking_case
 from .length_values import LengthValue, _module_of
+from .size_witness import Witness
 from .whole_axis_cuts import piece_decision, slice_decisions
 from .loop_source import appended_names
 from .user_code import function_at, is_users, parsed, real_path, source_lines
@@ -233,8 +234,10 @@ class _Run:
     """The decisions and values one run recorded, by user line."""
 
     def __init__(self, L: int, B: int, loop: tuple[str, int, int] | None,
-                 grown: frozenset[str] = frozenset(), plain: bool = False):
+                 grown: frozenset[str] = frozenset(), plain: bool = False,
+                 other: Witness | None = None):
         self.L, self.B, self.loop, self.grown = L, B, loop, grown
+        self.witness = Witness(L, B, other)     # the sizes read, checked against ``other``
         self.plain = plain      # the code as written: plain NumPy, ``int`` and ``float``
         self.entry = sys._getframe(1)        # ``size_uses``: no frame above it is the layer's
         self.found: dict[tuple[str, int], list] = {}
@@ -328,6 +331,20 @@ class _Run:
                 _library(frame.f_code.co_filename):
             frame = frame.f_back
         return None if frame is self.entry else frame
+
+
+def _multiple(n: int, L: int, B: int) -> Callable | None:
+    """``n`` as a multiple of the run's ``B·L``, ``L`` or ``B`` (``None``: none)."""
+    if n % (L * B) == 0:
+        k = n // (L * B)
+        return lambda L, B: k * L * B
+    if n % L == 0:
+        k = n // L
+        return lambda L, B: k * L
+    if n % B == 0:
+        k = n // B
+        return lambda L, B: k * B
+    return None
 
 
 def _unknown():
@@ -461,27 +478,33 @@ class _Tracking(TorchFunctionMode):
 
     def _sizes(self, out):
         """``out`` (a size, a shape or strides) with each size of the length or the batch
-        a ``SizeInt``: a multiple of ``L*`` or ``B*``."""
+        a ``SizeInt``: a multiple of ``L*`` or ``B*``, as the run at another length confirms
+        (``size_witness``)."""
         L, B = self.run.L, self.run.B
+        read = self._read()
 
-        def one(n):
+        def one(i, n):
             if type(n) is not int or not n:
                 return n
-            if n % (L * B) == 0:
-                k = n // (L * B)
-                return SizeInt(n, lambda L, B: k * L * B)
-            if n % L == 0:
-                k = n // L
-                return SizeInt(n, lambda L, B: k * L)
-            if n % B == 0:
-                k = n // B
-                return SizeInt(n, lambda L, B: k * B)
-            return n
+            at = _multiple(n, L, B)
+            if read is not None:
+                at = self.run.witness.size((*read, i), n, at)
+            return n if at is None else SizeInt(n, at)
         if isinstance(out, torch.Size):
-            return torch.Size([one(n) for n in out])
+            return torch.Size([one(i, n) for i, n in enumerate(out)])
         if isinstance(out, tuple):                  # ``stride()``
-            return tuple(one(n) for n in out)
-        return one(out)
+            return tuple(one(i, n) for i, n in enumerate(out))
+        return one(0, out)
+
+    def _read(self) -> tuple[str, int, int] | None:
+        """This read of sizes as the witness keys it — the user's line and the read's order
+        there — outside the loop and every other loop (whose reads differ in number from one
+        length to another); ``None`` there."""
+        frame = self.run.user_frame()
+        if frame is None or self.run._in_loop(frame) or _iterating(frame):
+            return None
+        file, line = frame.f_code.co_filename, frame.f_lineno
+        return file, line, self.run.witness.read(file, line)
 
     @staticmethod
     def _of_reshape(out, shaped: list, t: torch.Tensor, func, args, kwargs):
@@ -780,19 +803,43 @@ def _loop_span(file: str, line: int) -> tuple[str, int, int] | None:
 
 def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
               loop: tuple[str, int]) -> list[LengthValue]:
+    """The uses of the length and batch size one run of the code finds (``size_uses_at``)."""
+    return size_uses_at([(run, L, B)], chunk, unit, loop)
+
+
+def size_uses_at(runs: list[tuple[Callable[[], object], int, int]], chunk: int, unit: int,
+                 loop: tuple[str, int]) -> list[LengthValue]:
     """The uses of the length and batch size that change the code's function from shape to
-    shape: ``run()`` (the layer's code as written at length ``L`` and batch size ``B``, see
-    ``probe_sizes``; ``unit``: what the batch size is a multiple of) is called once, and every
-    decision it makes with a value of the two, and every number of them it passes to torch, is
+    shape: each ``run()`` (the layer's code as written at length ``L`` and batch size ``B``,
+    see ``probe_sizes``; ``unit``: what the batch size is a multiple of) is called once
+    (``_recorded``), its sizes checked against the other runs' (``size_witness``), and every
+    decision it made with a value of the two, and every number of them it passed to torch, is
     judged at many lengths and batch sizes. ``loop``: the loop's file and line, whose body the
-    traces unroll. Where the code fails with the values tracked through NumPy, ``int`` and
-    ``float`` (``np.sqrt(T).item()``, ``dtype=float``), it runs again with them plain, each
-    plain copy of a size a decision. Returns nothing where the code does not run at that
-    shape."""
+    traces unroll. Returns nothing from a run where the code does not run at its shape."""
+    recorded, before = [], None
+    for run, L, B in runs:
+        rec = _recorded(run, L, B, loop, before)
+        if rec is None:
+            continue
+        if before is not None:
+            before.settle(rec.witness)
+        before = rec.witness
+        recorded.append(rec)
+    return [v for rec in recorded for v in _judged(rec.found, chunk, unit, rec.L, rec.B)]
+
+
+def _recorded(run: Callable[[], object], L: int, B: int, loop: tuple[str, int],
+              other: Witness | None) -> _Run | None:
+    """One run of ``run()`` (the layer's code as written at length ``L`` and batch size
+    ``B``) recording every decision it makes with a value of the two and every number of them
+    it passes to torch, its sizes checked against ``other`` (the run at another length). Where
+    the code fails with the values tracked through NumPy, ``int`` and ``float``
+    (``np.sqrt(T).item()``, ``dtype=float``), it runs again with them plain, each plain copy of
+    a size a decision. ``None`` where the code does not run at that shape."""
     stmt = _loop_statement(*loop)
     for plain in (False, True):
         rec = _Run(L, B, _loop_span(*loop), frozenset(appended_names(stmt) if stmt else ()),
-                   plain)
+                   plain, other)
         _RUN[0] = rec
         try:
             with warnings.catch_warnings(), _counting(loop[0], plain), _Tracking(rec), \
@@ -803,8 +850,8 @@ def size_uses(run: Callable[[], object], L: int, B: int, chunk: int, unit: int,
             continue
         finally:
             _RUN[0] = None
-        return _judged(rec.found, chunk, unit, L, B)
-    return []
+        return rec
+    return None
 
 
 def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthValue]:
@@ -838,4 +885,4 @@ def _judged(found: dict, chunk: int, unit: int, L: int, B: int) -> list[LengthVa
 # NumPy, text and plain numbers of the sizes (each module adds its methods to the two types)
 from . import size_conversions, size_numpy, size_operands, size_text  # noqa: E402,F401
 
-__all__ = ["SizeInt", "SizeFloat", "size_uses", "probe_sizes"]
+__all__ = ["SizeInt", "SizeFloat", "size_uses", "size_uses_at", "probe_sizes"]
