@@ -2924,7 +2924,7 @@ MUTATIONS = [
         ('tests/test_chunks_made_before_the_loop.py',), 'mini_batch_first'),
     Mutation(
         'example_plan_fault_called_lossy', "a plan failing on the example inputs is refused as a lossy conversion's uncovered shape",
-        (('ttt2la/conversion.py', '        if why is None:\n            raise\n        raise ConversionError(', '        if why is None or True:\n            raise\n        raise ConversionError('),),
+        (('ttt2la/conversion.py', '        if why is None:\n            raise\n        raise _ExampleFault(', '        if why is None or True:\n            raise\n        raise _ExampleFault('),),
         ('tests/test_chunks_made_before_the_loop.py',), 'fault_of'),
     Mutation(
         'chunk_count_sizes_unfitted', 'a size that moves by a count of chunks between whole-chunk lengths is not fitted as one',
@@ -3027,6 +3027,18 @@ MUTATIONS = [
         'witness_line_for_bends', 'a size that bends between the two lengths given the line through them',
         (('ttt2la/frontend/size_witness.py', '    if slope.denominator != 1:', '    if slope.denominator != 1 and False:'),),
         ('tests/test_whole_axis_cuts.py',), 'line_through'),
+    Mutation(
+        'calibration_failure_raw', "the outer graph failing at the example's length escapes the calibration",
+        (('ttt2la/calibration.py', '        except _GraphFailed as failed:', '        except _Captured as failed:'),),
+        ('tests/test_length_branches.py',), 'clamped_size'),
+    Mutation(
+        'example_fault_called_a_bug', "a plan failing at the example's length, where the code branches, called a bug",
+        (('ttt2la/conversion.py', '        check = (_example_branch(layer, ref) if layer.exact and state is not None else None)', '        check = None'),),
+        ('tests/test_length_branches.py',), 'clamped_size'),
+    Mutation(
+        'size_argument_by_position', 'a size argument named by its position in the traced call',
+        (('ttt2la/frontend/shapes.py', '        name = f"`{schema.arguments[head].name}`"', '        name = f"#{head}"'),),
+        ('tests/test_length_branches.py',), 'size_argument'),
 ]
 
 

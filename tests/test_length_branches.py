@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import ttt2la
 from ttt2la.errors import ConversionError, UnsupportedTTTError
+from ttt2la.frontend.shapes import size_argument
 from ttt2la.testing import rel_rms_error
 
 from equivalence import assert_same_function
@@ -292,3 +293,46 @@ def test_every_call_is_the_code_function_or_refused(kind, level, example, calls)
         return
     for T in [example, *calls]:
         same_function_or_refused(layer, conv, T)
+
+
+class TopK(nn.Module):
+    """A summary of the ``min(T, 16)`` largest values of each feature before the loop: at the
+    probe lengths, all past 16, the code around the loop takes ``k = 16``, which fails on a
+    shorter example."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):
+        k = min(x.shape[1], 16)
+        x = x + x.topk(k, dim=1).values.mean(1, keepdim=True)
+        q, k_, v = self.proj(x).chunk(3, -1)
+        S, outs = x.new_zeros(x.shape[0], D, D), []
+        for s in range(0, x.shape[1], 4):
+            outs.append(q[:, s:s + 4] @ S)
+            S = S + LR * k_[:, s:s + 4].transpose(1, 2) @ v[:, s:s + 4]
+        return torch.cat(outs, 1)
+
+
+def test_a_clamped_size_the_probes_fit_past_the_example_is_left_to_the_code_there():
+    """Converted from 12 tokens, under the clamp: the graph fitted at the probe lengths fails
+    there (``topk`` of 16), which was a raw ``RuntimeError`` from the calibration, then called a
+    bug in ttt2la. The example's length now runs the code as written, and every other length
+    the code's function."""
+    torch.manual_seed(0)
+    layer = TopK()
+    conv = ttt2la.convert(layer, level=2, example_inputs=(torch.randn(2, 12, D),))
+    for T in (12, 5, 16, 40):
+        assert_same_function(conv, layer, torch.randn(2, T, D))
+
+
+def test_a_size_argument_is_named_by_the_ops_own_name():
+    """A refusal of a size the fit cannot read names the argument (``k`` of ``topk``, an item of
+    ``view``'s ``size``), not its position in the traced call (``(1,)``)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    topk = g.call_function(torch.ops.aten.topk.default, (x, 16, 1))
+    view = g.call_function(torch.ops.aten.view.default, (x, [2, 40, 8]))
+    assert size_argument(topk, (1,)) == "`k`" and size_argument(topk, (2,)) == "`dim`"
+    assert size_argument(view, (1, 1)) == "item 1 of `size`"

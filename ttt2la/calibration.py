@@ -79,39 +79,24 @@ class LoopCalibration:
     def capture(cls, rl, args: tuple, kwargs: dict, source: str = "calibration"
                 ) -> "LoopCalibration":
         """Run the layer's outer graph on ``(args, kwargs)`` in pieces of the traced batch size
-        and record what its loop receives."""
-        from .frontend.recognize import _inputs_at, params_and_buffers
-
+        and record what its loop receives. Where the graph, fitted at the probe lengths, fails
+        at the inputs' own length (a size the code clamps there, ``min(L, 64)``, which the
+        length's checks then leave to the code as written), the inputs are resized to the
+        length it was traced at."""
         layout = rl.layout
-        args, kwargs = layout.spelled(tuple(args), dict(kwargs))    # as the graphs take them
-        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        spelled_args, spelled_kwargs = layout.spelled(tuple(args), dict(kwargs))
+        flat, _ = pytree.tree_flatten((tuple(spelled_args), dict(spelled_kwargs)))
         B, L = layout.sizes(flat)
-        unit = layout.batch_unit
-        rows = rl.B0 * unit
-        names = [s.name for s in rl.program.states] + [i.name for i in rl.program.invariants]
-        gm = rl.outer.instantiate(rl.B0, L)
-        recorder = _Recorder()
-        setattr(gm, LOOP_MODULE, recorder)
-        params = params_and_buffers(rl.candidate.module)
-        samples = []
-        for start in range(0, max(B * unit, 1), rows):
-            piece = [x.narrow(layout.batch_axis[i], start, min(rows, B * unit - start))
-                     if isinstance(x, torch.Tensor) and i in layout.batch_axis else x
-                     for i, x in enumerate(flat)]
-            piece = _inputs_at(piece, layout, rows, L)
-            try:
-                with torch.no_grad():
-                    gm(params, *piece)
-            except _Captured:
-                pass
-            if recorder.args is None:
-                raise ConversionError(f"the loop of {rl.path or 'the model'} did not run on the "
-                                      "calibration inputs")
-            samples.append(dict(zip(names, recorder.args)))
-            recorder.args = None
-            if len(samples) >= MAX_SAMPLES:
-                break
-        return cls(samples, source, tuple(args), dict(kwargs))
+        try:
+            samples = _samples(rl, flat, B, L)
+        except _GraphFailed as failed:
+            if L == rl.L0:
+                raise ConversionError(
+                    f"the code around the loop of {rl.path or 'the model'}, as traced, fails on "
+                    f"the {source} inputs ({failed.error}); this is a bug in ttt2la, please "
+                    "report it with the layer's code") from None
+            samples = _samples(rl, flat, B, rl.L0)
+        return cls(samples, source, tuple(spelled_args), dict(spelled_kwargs))
 
     def program_inputs(self, program: TTTProgram, sample: dict) -> tuple[list, list]:
         """The initial states and invariants of ``program`` (a rewritten one may have fewer)."""
@@ -139,6 +124,48 @@ class LoopCalibration:
                 if j < layout.n_chunks - 1 or program.last_chunk == "update":
                     states = list(res[:n_s])
         return values
+
+
+class _GraphFailed(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = f"{type(error).__name__}: {error}"
+
+
+def _samples(rl, flat: list, B: int, L: int) -> list[dict[str, torch.Tensor]]:
+    """The loop's inputs when the outer graph, instantiated at length ``L``, runs on ``flat``
+    resized to it, one sample per piece of the traced batch size (``_GraphFailed``: the graph
+    fails there)."""
+    from .frontend.recognize import _inputs_at, params_and_buffers
+
+    layout, unit = rl.layout, rl.layout.batch_unit
+    rows = rl.B0 * unit
+    names = [s.name for s in rl.program.states] + [i.name for i in rl.program.invariants]
+    gm = rl.outer.instantiate(rl.B0, L)
+    recorder = _Recorder()
+    setattr(gm, LOOP_MODULE, recorder)
+    params = params_and_buffers(rl.candidate.module)
+    samples = []
+    for start in range(0, max(B * unit, 1), rows):
+        piece = [x.narrow(layout.batch_axis[i], start, min(rows, B * unit - start))
+                 if isinstance(x, torch.Tensor) and i in layout.batch_axis else x
+                 for i, x in enumerate(flat)]
+        piece = _inputs_at(piece, layout, rows, L)
+        try:
+            with torch.no_grad():
+                gm(params, *piece)
+        except _Captured:
+            pass
+        except Exception as error:      # the graph's sizes, fitted elsewhere, fail here
+            raise _GraphFailed(error) from None
+        if recorder.args is None:
+            raise ConversionError(f"the loop of {rl.path or 'the model'} did not run on the "
+                                  "calibration inputs")
+        samples.append(dict(zip(names, recorder.args)))
+        recorder.args = None
+        if len(samples) >= MAX_SAMPLES:
+            break
+    return samples
 
 
 class _Recording(torch.fx.Interpreter):

@@ -335,16 +335,21 @@ def _layer_inputs(rl: RecognizedLayer):
     return tuple(rl.candidate.args), dict(rl.candidate.kwargs)
 
 
+class _ExampleFault(ConversionError):
+    """The plan fails on the example inputs, which the layer as written runs."""
+
+
 def _on_the_example(converted: torch.nn.Module, rl: RecognizedLayer, args, kwargs):
     """The converted layer called on the example inputs, which the layer as written has just
-    run: a plan that fails there is ttt2la's fault at any level, and said so."""
+    run: a plan that fails there is ttt2la's fault at any level, and said so (unless the code
+    takes another branch at the example's length than at the probe lengths: ``_checked``)."""
     try:
         return converted(*args, **kwargs)
     except UnsupportedShapeError as e:
         why = getattr(e, "plan_fault", None)
         if why is None:
             raise
-        raise ConversionError(
+        raise _ExampleFault(
             f"the converted {rl.path or 'model'} ({rl.program.loop_src}) fails on the example "
             f"inputs, which the layer as written runs: {why}. This is a bug in ttt2la's "
             "lowering — please report it with the model; the original model is unchanged "
@@ -862,6 +867,10 @@ def _checked(layer: _Layer) -> dict:
         if not layer.exact:
             raise
         check = _padded_example(layer, ref, e.what)
+    except _ExampleFault:               # a size fitted at the probe lengths fails at this one
+        check = (_example_branch(layer, ref) if layer.exact and state is not None else None)
+        if check is None:
+            raise
     if layer.exact and state is not None and not check.get("ok", True):
         check = _example_branch(layer, ref) or _padded_example(layer, ref) or check
     if state is not None:

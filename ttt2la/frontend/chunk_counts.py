@@ -21,7 +21,7 @@ import torch.fx
 
 from ..errors import UnsupportedTTTError
 from ..ir import describe_op, torch_name
-from .shapes import SizeExpr, _int_slots
+from .shapes import SizeExpr, _int_slots, size_argument
 
 aten = torch.ops.aten
 
@@ -160,7 +160,8 @@ def _not_affine(n0: list, key: tuple, what: str, lengths: tuple, graphs: tuple) 
     """The refusal of a size that is no function ``a + c·L + n·ceil(L/C)`` of the length."""
     node = n0[key[0]]
     seen = ", ".join(f"{_value(g, key)} at length {L}" for L, g in zip(lengths, graphs))
-    return (f"the size argument {key[2]} of {describe_op(node)} in the {what} is "
+    return (f"the size argument {size_argument(node, key[2])} "
+            f"of {describe_op(node)} in the {what} is "
             f"neither an affine function of the length nor one of the number of chunks "
             f"({seen})")
 

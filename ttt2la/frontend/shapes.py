@@ -64,6 +64,20 @@ def _int_slots(args, path=()):
             yield from _int_slots(a, path + (k,))
 
 
+def size_argument(node: torch.fx.Node, path: tuple) -> str:
+    """The size at ``path`` in ``node``'s arguments in words: the argument's name where the op
+    has a schema (``k``, ``dim``), an item of it by position (``item 2 of size``)."""
+    schema = getattr(node.target, "_schema", None)
+    head, rest = (path[0], path[1:]) if path else (None, ())
+    if schema is not None and isinstance(head, int) and head < len(schema.arguments):
+        name = f"`{schema.arguments[head].name}`"
+    elif isinstance(head, str):
+        name = f"`{head}`"
+    else:
+        name = f"#{head}"
+    return " of ".join([*(f"item {i}" for i in reversed(rest)), name])
+
+
 def _set(args, path, value):
     if not path:
         return value
@@ -237,8 +251,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
                             chunk=whole_chunks and whole_chunks[0])
                 if expr is None:
                     raise UnsupportedTTTError(
-                        f"the size argument {path} of {describe_op(a)} in the {what} is not "
-                        f"an affine function of batch size and length ({v0}, {vL}, {vB} at "
+                        f"the size argument {size_argument(a, path)} of {describe_op(a)} in "
+                        f"the {what} is not an affine function of batch size and length ({v0}, {vL}, {vB} at "
                         f"B,L = ({B0},{L0}), ({B0},{L1}), ({B1},{L0}))")
                 slots[(i, where, path)] = expr
     if longer is not None:
@@ -267,8 +281,8 @@ def _check_chunk_counts(n0: list, slots: dict, whole_chunks: tuple, B0: int, L2:
                 expr = slots.get((i, where, path), SizeExpr(v0))
                 if seen.get(path) != expr(B0, L2):
                     raise UnsupportedTTTError(
-                        f"the size argument {path} of {describe_op(a)} in the {what} is not an "
-                        f"affine function of batch size and length, nor of the number of chunks "
+                        f"the size argument {size_argument(a, path)} of {describe_op(a)} in the "
+                        f"{what} is not an affine function of batch size and length, nor of the number of chunks "
                         f"({expr} fits the lengths traced before, and gives {expr(B0, L2)} at "
                         f"length {L2}, where the code gives {seen.get(path)})")
 
