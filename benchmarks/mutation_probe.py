@@ -606,8 +606,8 @@ MUTATIONS = [
         ("tests/test_cli_inputs.py",), "inline"),
     Mutation(
         "runtime_op_under_autocast", "the runtime ops run their matmuls under the caller's autocast",
-        (("ttt2la/runtime/dispatch.py", "with torch.autocast(tensors[0].device.type, enabled=False):",
-          "with torch.autocast(tensors[0].device.type, enabled=torch.is_autocast_enabled(tensors[0].device.type)):"),),
+        (("ttt2la/runtime/dispatch.py", "    with torch.autocast(device, enabled=False):",
+          "    with torch.autocast(device, enabled=torch.is_autocast_enabled(device)):"),),
         ("tests/test_convert.py",), "autocast"),
     Mutation(
         "cast_weights_run_old_graphs", "a layer cast after conversion runs the graphs built for its old weights",
@@ -1391,8 +1391,8 @@ MUTATIONS = [
     Mutation(
         "exported_block_op_writes_out", "torch.export traces the block op's increments with their out= writes, which the exported program cannot run on weights that require grad",
         (("ttt2la/runtime/block.py",
-          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if _traced()",
-          "G = plain_increments(phi_k.to(dt), u, n - shift, C) if False"),),
+          "G = plain_increments(phi_k, u, n - shift, C) if _traced()",
+          "G = plain_increments(phi_k, u, n - shift, C) if False"),),
         ("tests/test_ordinary_module.py",), "torch_export"),
     Mutation(
         "compiled_block_op_writes_out", "torch.compile traces the block op's increments and reads as the per-head out= Functions, which trace into copies, instead of plain batched products it fuses",
@@ -3039,6 +3039,18 @@ MUTATIONS = [
         'size_argument_by_position', 'a size argument named by its position in the traced call',
         (('ttt2la/frontend/shapes.py', '        name = f"`{schema.arguments[head].name}`"', '        name = f"#{head}"'),),
         ('tests/test_length_branches.py',), 'size_argument'),
+    Mutation(
+        'chunk_view_offset_by_token', "each (batch, head)'s chunk view starts a token per chunk in, not a chunk",
+        (('ttt2la/runtime/block.py', 'x.storage_offset() + b * sB + chunk * C * sT + h * sH)', 'x.storage_offset() + b * sB + chunk * sT + h * sH)'),),
+        ('tests/test_runtime_block.py',), 'edge_lengths'),
+    Mutation(
+        'state_view_offset_dropped', "every chunk's state view starts at the first state",
+        (('ttt2la/runtime/block.py', 'S.storage_offset() + b * sB + h * sH + s * sN)', 'S.storage_offset() + b * sB + h * sH)'),),
+        ('tests/test_runtime_block.py',), 'edge_lengths'),
+    Mutation(
+        'first_read_other_head', "chunk 0's read over the batch takes the first head's initial state for every head",
+        (('ttt2la/runtime/block.py', 'torch.bmm(phi_q[:, :head, h], first[:, h], out=o[:, :head, h])', 'torch.bmm(phi_q[:, :head, h], first[:, 0], out=o[:, :head, h])'),),
+        ('tests/test_runtime_block.py',), 'edge_lengths'),
 ]
 
 

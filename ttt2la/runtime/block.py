@@ -55,9 +55,18 @@ def chunk_pieces(T: int, C: int, first: int, stop: int):
 
 
 def _tokens(x: torch.Tensor, b: int, h: int, chunk: int, count: int, length: int, C: int):
-    """Chunks ``chunk .. chunk+count-1`` of ``x[b, :, h]`` as a ``[count, length, D]`` view."""
-    t0 = chunk * C
-    return x[b, t0:t0 + count * length, h].view(count, length, x.shape[-1])
+    """Chunks ``chunk .. chunk+count-1`` of ``x[b, :, h]`` as a ``[count, length, D]`` view
+    (one ``as_strided``: indexing and viewing dispatched four ops per (batch, head))."""
+    sB, sT, sH, sD = x.stride()
+    return x.as_strided((count, length, x.shape[-1]), (length * sT, sT, sD),
+                        x.storage_offset() + b * sB + chunk * C * sT + h * sH)
+
+
+def _states(S: torch.Tensor, b: int, h: int, s: int, count: int):
+    """``S[b, h, s:s+count]`` of ``[B, H, n, R, K]`` states, as one ``as_strided``."""
+    sB, sH, sN, sR, sK = S.stride()
+    return S.as_strided((count, *S.shape[-2:]), (sN, sR, sK),
+                        S.storage_offset() + b * sB + h * sH + s * sN)
 
 
 def _chunked(x: torch.Tensor, n: int, C: int) -> torch.Tensor:
@@ -107,7 +116,7 @@ class ChunkIncrements(torch.autograd.Function):
                 for h in range(H):
                     torch.bmm(_tokens(phi_k, b, h, chunk, count, length, C).mT,
                               _tokens(u, b, h, chunk, count, length, C),
-                              out=G[b, h, chunk:chunk + count])
+                              out=_states(G, b, h, chunk, count))
         ctx.save_for_backward(phi_k, u)
         ctx.n, ctx.C = n, C
         return G
@@ -129,7 +138,7 @@ class ChunkIncrements(torch.autograd.Function):
         for chunk, count, length in chunk_pieces(T, ctx.C, 0, ctx.n):
             for b in range(B):
                 for h in range(H):
-                    g = dG[b, h, chunk:chunk + count]
+                    g = _states(dG, b, h, chunk, count)
                     if dk is not None:
                         torch.bmm(_tokens(u, b, h, chunk, count, length, ctx.C), g.mT,
                                   out=_tokens(dk, b, h, chunk, count, length, ctx.C))
@@ -159,14 +168,13 @@ class ReadStates(torch.autograd.Function):
             if first is None:
                 o[:, :head].zero_()
             else:
-                for b in range(B):
-                    for h in range(H):
-                        torch.mm(phi_q[b, :head, h], first[b, h], out=o[b, :head, h])
+                for h in range(H):          # chunk 0 of every batch entry: one bmm
+                    torch.bmm(phi_q[:, :head, h], first[:, h], out=o[:, :head, h])
         for chunk, count, length, s in _read_sources(T, C, n, shift):
             for b in range(B):
                 for h in range(H):
                     torch.bmm(_tokens(phi_q, b, h, chunk, count, length, C),
-                              states[b, h, s:s + count],
+                              _states(states, b, h, s, count),
                               out=_tokens(o, b, h, chunk, count, length, C))
         ctx.save_for_backward(phi_q, states, first)
         ctx.C, ctx.shift = C, shift
@@ -193,22 +201,21 @@ class ReadStates(torch.autograd.Function):
             else:
                 if ctx.needs_input_grad[2]:
                     dfirst = torch.empty_like(first)
-                for b in range(B):
-                    for h in range(H):
-                        if dq is not None:
-                            torch.mm(do[b, :head, h], first[b, h].mT, out=dq[b, :head, h])
-                        if dfirst is not None:
-                            torch.mm(phi_q[b, :head, h].mT, do[b, :head, h], out=dfirst[b, h])
+                for h in range(H):
+                    if dq is not None:
+                        torch.bmm(do[:, :head, h], first[:, h].mT, out=dq[:, :head, h])
+                    if dfirst is not None:
+                        torch.bmm(phi_q[:, :head, h].mT, do[:, :head, h], out=dfirst[:, h])
         for chunk, count, length, s in _read_sources(T, C, states.shape[2] + shift, shift):
             for b in range(B):
                 for h in range(H):
                     d = _tokens(do, b, h, chunk, count, length, C)
                     if dq is not None:
-                        torch.bmm(d, states[b, h, s:s + count].mT,
+                        torch.bmm(d, _states(states, b, h, s, count).mT,
                                   out=_tokens(dq, b, h, chunk, count, length, C))
                     if dstates is not None:
                         torch.bmm(_tokens(phi_q, b, h, chunk, count, length, C).mT, d,
-                                  out=dstates[b, h, s:s + count])
+                                  out=_states(dstates, b, h, s, count))
         return dq, dstates, dfirst, None, None
 
 
@@ -324,9 +331,10 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     Dv = v.shape[-1]
     C = T if order == "full" else chunk_size
     shift = 1 if order == "exclusive" else 0
-    W0 = None if initial_state is None else initial_state.to(dt)
-    cast = lambda x: None if x is None else x.to(dt)  # noqa: E731
-    u = effective_value(v.to(dt), cast(lr))
+    # a tensor already in ``dt`` is passed as it is: ``.to`` would return it, at a dispatch each
+    cast = lambda x: x if x is None or x.dtype == dt else x.to(dt)  # noqa: E731
+    W0, phi_q, phi_k = cast(initial_state), cast(phi_q), cast(phi_k)
+    u = effective_value(cast(v), cast(lr))
     if step_scale is not None and not schedule and momentum is None:
         # nothing between the increment and the step: s_j φ(K_j)ᵀU_j = φ(K_j)ᵀ(s_j U_j)
         per_token = step_scale.to(dt).repeat_interleave(C, dim=1)[:, :T]
@@ -337,13 +345,13 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
 
     if group > 1:
         o, final = grouped_block_linear_attention(
-            phi_q.to(dt), phi_k.to(dt), u, chunk_size=C, order=order, decay=cast(decay),
+            phi_q, phi_k, u, chunk_size=C, order=order, decay=cast(decay),
             initial_state=W0, group=group)
         final = final.to(final_state_dtype(v, initial_state)) if output_final_state else None
         return o.to(v.dtype), final
     if n - shift > 0:
-        G = plain_increments(phi_k.to(dt), u, n - shift, C) if _traced() \
-            else ChunkIncrements.apply(phi_k.to(dt), u, n - shift, C)
+        G = plain_increments(phi_k, u, n - shift, C) if _traced() \
+            else ChunkIncrements.apply(phi_k, u, n - shift, C)
         states = chunk_states(G, momentum=cast(momentum), schedule=schedule, ns_eps=ns_eps,
                               ns_dtype=ns_dtype, weight_norm=cast(weight_norm), W0=W0,
                               decay=cast(decay), step_scale=cast(step_scale),
@@ -352,8 +360,8 @@ def torch_block_linear_attention(phi_q, phi_k, v, *, chunk_size, order="exclusiv
     else:
         states = phi_k.new_empty(B, H, 0, Dk, Dv, dtype=dt)
         final = W0 if W0 is not None else phi_k.new_zeros(B, H, Dk, Dv, dtype=dt)
-    o = plain_read(phi_q.to(dt), states, W0, C, shift) if _traced() \
-        else ReadStates.apply(phi_q.to(dt), states, W0, C, shift)
+    o = plain_read(phi_q, states, W0, C, shift) if _traced() \
+        else ReadStates.apply(phi_q, states, W0, C, shift)
     if output_final_state:
         final = (final.clone() if final is W0 else final).to(final_state_dtype(v, initial_state))
     else:

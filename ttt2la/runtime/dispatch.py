@@ -86,8 +86,11 @@ def _run(op: str, tensors, options, backend: str):
     else:
         fn = (_TORCH if chosen == "torch" else _NAIVE)[op]
     # an op keeps its own precision (``compute_dtype``): under autocast its matmuls would be
-    # cast one by one and meet the fp32 accumulators they feed
-    with torch.autocast(tensors[0].device.type, enabled=False):
+    # cast one by one and meet the fp32 accumulators they feed (off already: nothing to turn off)
+    device = tensors[0].device.type
+    if torch.amp.is_autocast_available(device) and not torch.is_autocast_enabled(device):
+        return fn(*tensors, **options)
+    with torch.autocast(device, enabled=False):
         return fn(*tensors, **options)
 
 
