@@ -1709,8 +1709,8 @@ MUTATIONS = [
         ("tests/test_size_uses.py",), "batch_spelling"),
     Mutation(
         "iteration_decisions_as_length_uses", "decisions made in a loop's or comprehension's body (the end of the last chunk) are counted as uses of the length",
-        (("ttt2la/frontend/size_uses.py", "        if self._in_loop(frame) or not isinstance(at, _Sized) and _iterating(frame):\n",
-          "        if self._in_loop(frame):\n"),),
+        (("ttt2la/frontend/size_uses.py", "        if self._in_loop(frame) or not (isinstance(at, _Sized) or iterations) and \\\n",
+          "        if self._in_loop(frame) or False and \\\n"),),
         ("tests/test_size_uses.py", "tests/test_zoo_schedule.py"), "sizes_guards or causal_schedule_converts_at_any_length"),
     Mutation(
         "jit_trace_runs_the_plan", "a converted layer under torch.jit.trace runs its plan, whose sizes the tracer makes tensors, instead of its code as written",
@@ -3025,7 +3025,7 @@ MUTATIONS = [
         ('tests/test_whole_axis_cuts.py',), 'settled or line_through'),
     Mutation(
         'witness_line_for_bends', 'a size that bends between the two lengths given the line through them',
-        (('ttt2la/frontend/size_witness.py', '    if slope.denominator != 1:', '    if slope.denominator != 1 and False:'),),
+        (('ttt2la/frontend/size_witness.py', '    if slope.denominator == 1:', '    if True:'),),
         ('tests/test_whole_axis_cuts.py',), 'line_through'),
     Mutation(
         'calibration_failure_raw', "the outer graph failing at the example's length escapes the calibration",
@@ -3051,6 +3051,18 @@ MUTATIONS = [
         'first_read_other_head', "chunk 0's read over the batch takes the first head's initial state for every head",
         (('ttt2la/runtime/block.py', 'torch.bmm(phi_q[:, :head, h], first[:, h], out=o[:, :head, h])', 'torch.bmm(phi_q[:, :head, h], first[:, 0], out=o[:, :head, h])'),),
         ('tests/test_runtime_block.py',), 'edge_lengths'),
+    Mutation(
+        'whole_cut_in_iterations_dropped', "a whole-axis cut in a generator before the loop dropped as an iteration's decision",
+        (('ttt2la/frontend/size_uses.py', '                            iterations=True)', '                            iterations=False)'),),
+        ('tests/test_whole_axis_cuts.py',), 'past_the_traced and generator'),
+    Mutation(
+        'bound_types_unread', 'a NumPy or 0-d tensor bound of a cut read as no number',
+        (('ttt2la/frontend/whole_axis_cuts.py', 'at_of(_number(b)) if b is not None', 'at_of(b) if b is not None'),),
+        ('tests/test_whole_axis_cuts.py',), 'past_the_traced and (numpy_bound or tensor_bound)'),
+    Mutation(
+        'batch_reading_kept', "a size read as the batch's kept where the second run shows it moves with the length",
+        (('ttt2la/frontend/size_witness.py', '    if guess is not None and _same(guess, L1, L2, B):', '    if False:'),),
+        ('tests/test_whole_axis_cuts.py',), 'batch_reading'),
 ]
 
 

@@ -361,7 +361,7 @@ def test_a_sliding_window_names_the_window_sums_that_convert():
     torch.manual_seed(0)
     msg = _refused_where_another_spelling_converts(WindowMemory("window"), WindowMemory("sums"),
                                                    torch.randn(2, 16, 8))
-    assert "reads overlapping windows of the sequence (tokens 0 to 1, then 0 to 2)" in msg
+    assert "reads overlapping spans of the sequence (tokens 0 to 1, then 0 to 2)" in msg
     assert "before the loop" in msg and f"{HERE}:{_line_of(WindowMemory.forward)}" in msg
 
 

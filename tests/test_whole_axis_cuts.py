@@ -12,6 +12,7 @@ lengths, and a size that differs between them is the line through the two.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -50,6 +51,11 @@ CUTS["assigned"] = _written
 CUTS["memory_tokens"] = lambda x, n: torch.cat([x.new_zeros(x.shape[0], 4, D), x], 1)[:, :n]
 CUTS["shifted"] = lambda x, n: x[:, 1:][:, :n]
 CUTS["padded"] = lambda x, n: F.pad(x, (0, 0, 3, 0))[:, :n]
+#: bounds of other types than ``int``, and a cut in a generator before the loop (as LaCT reads
+#: several tensors at once), which a decision there made an iteration's
+CUTS["numpy_bound"] = lambda x, n: x[:, :np.int64(n)]
+CUTS["tensor_bound"] = lambda x, n: x[:, :torch.tensor(n)]
+CUTS["generator"] = lambda x, n: sum(t[:, :n] for t in (x, 2 * x))
 #: a branch on such a size (a multiple of the run's batch size, or of nothing, at its length)
 CUTS["padded_branch"] = lambda x, n: x * (0.5 if F.pad(x, (0, 0, 3, 0)).shape[1] > n else 1.0)
 WORDS = {"padded_branch": "compares the length"}
@@ -142,11 +148,24 @@ def test_a_size_taken_for_the_batch_by_coincidence_is_settled_by_the_second_run(
     assert [at(200, 5), again(200, 5), at(112, 3)] == [203, 203, 115]
 
 
+def test_a_batch_reading_that_moves_with_the_length_is_one_of_the_length_unread():
+    """``F.pad(x, (0, 0, 4, 0))[:, ::2]`` has 10 tokens at 16 (``2·B*`` at ``B* = 5``) and 16 at
+    28: no line of whole tokens, and no size of the batch. Known at the two lengths only, every
+    decision made with it is one of the length."""
+    first, second = Witness(16, 5), Witness(28, 5)
+    at = first.size(("f.py", 1, 0, 1), 10, lambda L, B: 2 * B)
+    second.size(("f.py", 1, 0, 1), 16, None)
+    first.settle(second)
+    assert [at(16, 7), at(28, 2)] == [10, 16]
+    with pytest.raises(ValueError):
+        at(40, 5)
+
+
 @pytest.mark.parametrize("sizes, guess, want", [
     ((115, 131), lambda L, B: 23 * B, 203),         # contradicted, whole tokens: the line
     ((112, 128), lambda L, B: L, 200),              # confirmed: the guess
     ((96, 96), None, None),                         # one size at both lengths: none of theirs
-    ((120, 128), lambda L, B: 24 * B, 120),         # max(L, 120) bends: no line, the guess
+    ((120, 128), lambda L, B: L, 200),              # max(L, 120) bends: no line, the guess
 ])
 def test_the_line_through_two_runs(sizes, guess, want):
     first, second = Witness(112, 5), Witness(128, 5)

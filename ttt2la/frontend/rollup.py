@@ -328,12 +328,14 @@ def _not_a_stream(n: torch.fx.Node, n2: torch.fx.Node, loop: LoopSite) -> str:
     window = _overlapping(n, n2)
     if window:
         (a, b), (c, d) = window
-        return (f"{what} reads overlapping windows of the sequence (tokens {a} to {b - 1}, then "
-                f"{c} to {d - 1}): a token read by several iterations is a sliding window, which "
-                "no chunk stream has. Compute what the loop takes from each window before the "
-                "loop — its sums over the last tokens (a Gram matrix Σ γ_i k_iᵀ k_i, a "
-                "Σ γ_i v_i k_i), as a cumulative sum differenced or a convolution along the "
-                "sequence — and read those one token or chunk at a time")
+        return (f"{what} reads overlapping spans of the sequence (tokens {a} to {b - 1}, then "
+                f"{c} to {d - 1}): tokens read by several iterations — the prefix so far, a "
+                "window over the last tokens or tokens ahead — which no chunk stream has. "
+                "Carry what the loop takes from the tokens so far as a state updated with each "
+                "chunk (`S = S + k_c.mT @ v_c`), or compute each window's sums before the loop "
+                "(a Gram matrix Σ γ_i k_iᵀ k_i over the last tokens, as a cumulative sum "
+                "differenced or a convolution along the sequence) and read those one token or "
+                "chunk at a time")
     if n.target in SELECT_TARGETS and n2.args[0] is n.args[0] and len(n.args) > 2 and \
             isinstance(n.args[2], int) and isinstance(n2.args[2], int) and \
             n2.args[2] - n.args[2] > 1:

@@ -306,8 +306,12 @@ class _Run:
             return None
         return lambda L, B: n0 + it(L, B) * (grew // k)
 
-    def record(self, frame, what: str, at) -> None:
-        if self._in_loop(frame) or not isinstance(at, _Sized) and _iterating(frame):
+    def record(self, frame, what: str, at, iterations: bool = False) -> None:
+        """Record a use at ``frame``'s line; one made in another loop or comprehension than
+        the TTT loop is an iteration's (the traces unroll it) unless it is a number passed to
+        torch or ``iterations`` says it holds for every iteration (a constant bound)."""
+        if self._in_loop(frame) or not (isinstance(at, _Sized) or iterations) and \
+                _iterating(frame):
             return
         seen = self.found.setdefault((frame.f_code.co_filename, frame.f_lineno), [])
         if len(seen) < 8:
@@ -430,7 +434,8 @@ class _Tracking(TorchFunctionMode):
         decisions = [d for d in decisions if d is not None]
         frame = self.run.user_frame() if decisions else None
         for d in decisions if frame is not None else ():
-            self.run.record(frame, "takes a whole axis at some values, not all, of", d)
+            self.run.record(frame, "takes a whole axis at some values, not all, of", d,
+                            iterations=True)
 
     def _axis_sizes(self, t: torch.Tensor) -> list:
         """Each axis's size of ``t`` as a function of the call's sizes (``None``: not one)."""

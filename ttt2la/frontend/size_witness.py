@@ -12,7 +12,9 @@ other run: a guess that does not give the other run's size is replaced by the li
 two where it grows by whole tokens (a size of the length's, ``L + 3``), and a size that differs
 between the runs but was no multiple is given that line too (``L + 4``, ``L − 1``). A count of
 pieces (``L // C``, which the traces fit) and a size that bends between the two lengths
-(``max(L, 96)``) lie on no such line: there the run's own reading stands. A run's decisions read
+(``max(L, 96)``) lie on no such line: there the run's own reading stands, unless it took the
+size for the batch's, which the two runs show it is not (``ceil((L + 4) / 2)``): that size is
+known at the two lengths only, so every decision made with it is one of the length. A run's decisions read
 their sizes through its table, so the first run's are corrected once the second has run.
 """
 from __future__ import annotations
@@ -72,8 +74,24 @@ def _through(guess: Callable | None, first: tuple[int, int], second: tuple[int, 
     if L1 == L2 or n1 == n2 and guess is None:
         return guess
     slope = Fraction(n2 - n1, L2 - L1)
-    if slope.denominator != 1:
-        # a count of pieces (``L // C``) the traces fit, or a size that bends between the two
-        # lengths (``max(L, 96)``), which no line gives: the run's own reading stands
-        return guess
-    return lambda L, B: int(n1 + slope * (L - L1))
+    if slope.denominator == 1:
+        return lambda L, B: int(n1 + slope * (L - L1))
+    if guess is not None and _same(guess, L1, L2, B):
+        # taken for the batch's, yet it moves with the length (``ceil((L + 4) / 2)``): a size
+        # of the length no line gives, known at the two runs' lengths only
+        return lambda L, B: n1 if L == L1 else n2 if L == L2 else _unreadable()
+    # a count of pieces (``L // C``) the traces fit, or a size of the length that bends
+    # between the two (``max(L, 96)``), which no line gives: the run's own reading stands
+    return guess
+
+
+def _same(guess: Callable, L1: int, L2: int, B: int) -> bool:
+    """Does ``guess`` take one value at both lengths (a size of the batch, or a constant)?"""
+    try:
+        return guess(L1, B) == guess(L2, B)
+    except Exception:
+        return False
+
+
+def _unreadable():
+    raise ValueError("a size of the length that no line through the two runs gives")

@@ -14,6 +14,7 @@ part of the axis at the run's shape is traced as a cut, which the graph computes
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -44,6 +45,15 @@ def _whole(cut: slice, n: int) -> bool:
     return cut.indices(n) == (0, n, 1) if n else True
 
 
+def _number(bound):
+    """A bound as Python reads it: a NumPy integer or a 0-d integer tensor as its ``int``."""
+    if isinstance(bound, torch.Tensor):
+        return int(bound) if bound.dim() == 0 and not bound.is_floating_point() else bound
+    if not isinstance(bound, (int, float)) and hasattr(bound, "__index__"):
+        return operator.index(bound)
+    return bound
+
+
 def slice_decisions(t: torch.Tensor, index, size_of: Callable, at_of: Callable) -> list:
     """The decisions (functions of ``(L, B)``) ``t[index]`` makes: one per slice of an axis
     whose size is a value of the sizes (``size_of(t)`` gives each axis's function or ``None``),
@@ -55,7 +65,7 @@ def slice_decisions(t: torch.Tensor, index, size_of: Callable, at_of: Callable) 
         n = sizes[axis] if axis < len(sizes) else None
         if n is None or cut == slice(None) or not _whole(cut, t.shape[axis]):
             continue
-        bounds = [at_of(b) if b is not None else (lambda L, B: None)
+        bounds = [at_of(_number(b)) if b is not None else (lambda L, B: None)
                   for b in (cut.start, cut.stop, cut.step)]
         if any(b is None for b in bounds):
             continue
