@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+
 def _axes(index, ndim: int) -> list[tuple[int, slice]]:
     """The slices of ``index`` (a ``__getitem__`` key) with the axis each cuts; items after an
     index tensor (whose axes are its own) are not followed."""
