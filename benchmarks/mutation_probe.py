@@ -1918,7 +1918,7 @@ MUTATIONS = [
     Mutation(
         "reshape_sizes_unread", "the sizes a reshape or view computes (its `-1`: `x.reshape(B, -1, C, D).shape[1]`, the number of chunks) are read as any other, no value of the length",
         (("ttt2la/frontend/size_uses.py", "            self.shaped[id(out)] = (weakref.ref(out), got)\n", "            pass\n"),),
-        ("tests/test_counts_of_the_length.py",), "ChunksOfAView"),
+        ("tests/test_counts_of_the_length.py",), "ChunksOfAView or vouches_for_the_lengths"),
     Mutation(
         "whole_slice_size_from_input", "the size of a slice that kept its whole axis is read from its input, which a loop's output read by getitem lacks, so a padded sequence converts for its example's remainder only",
         (("ttt2la/frontend/chunk_counts.py", "        x = nodes[i].meta.get(\"val\")\n",

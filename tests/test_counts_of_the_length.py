@@ -334,3 +334,14 @@ def test_a_step_of_the_chunks_appended_so_far_is_refused_naming_the_line():
     assert f"test_counts_of_the_length.py:{line}" in message, message
     assert "the iteration count `len(outs)`" in message, message
 
+
+
+def test_a_count_read_off_a_view_vouches_for_the_lengths_that_decide_alike():
+    """The reshape's ``-1`` is read as the number of chunks (``ceil(L / 4)`` times the batch), a
+    function the lossy conversion evaluates at a new length: 20 tokens decide as the traced
+    ones and run the plan, 24 do not and are refused. Read from two runs alone, it would be no
+    line of whole tokens, and every new length refused."""
+    torch.manual_seed(0)
+    layer = ChunksOfAView()
+    conv = ttt2la.convert(layer, level=5, example_inputs=(torch.randn(2, 18, D),))
+    assert [same_or_refused(layer, conv, T) for T in (20, 24)] == ["simplified", "refused"]
