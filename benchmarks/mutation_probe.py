@@ -3009,7 +3009,7 @@ MUTATIONS = [
         ('tests/test_whole_axis_cuts.py',), 'past_the_traced and ellipsis'),
     Mutation(
         'whole_cut_inverted', 'cuts that take part of the axis at the run recorded, whole ones not',
-        (('ttt2la/frontend/whole_axis_cuts.py', '        if n is None or cut == slice(None) or not _whole(cut, t.shape[axis]):', '        if n is None or cut == slice(None) or _whole(cut, t.shape[axis]):'),),
+        (('ttt2la/frontend/whole_axis_cuts.py', 'if c != slice(None) and _whole(c, t.shape[axis])]', 'if c != slice(None) and not _whole(c, t.shape[axis])]'),),
         ('tests/test_whole_axis_cuts.py',), 'within_the_traced or prefix'),
     Mutation(
         'sliding_window_unnamed', 'a window over the last tokens refused with the generic words',
@@ -3057,7 +3057,7 @@ MUTATIONS = [
         ('tests/test_whole_axis_cuts.py',), 'past_the_traced and generator'),
     Mutation(
         'bound_types_unread', 'a NumPy or 0-d tensor bound of a cut read as no number',
-        (('ttt2la/frontend/whole_axis_cuts.py', 'at_of(_number(b)) if b is not None', 'at_of(b) if b is not None'),),
+        (('ttt2la/frontend/whole_axis_cuts.py', 'slice(*map(_number, (c.start, c.stop, c.step)))', 'slice(c.start, c.stop, c.step)'),),
         ('tests/test_whole_axis_cuts.py',), 'past_the_traced and (numpy_bound or tensor_bound)'),
     Mutation(
         'batch_reading_kept', "a size read as the batch's kept where the second run shows it moves with the length",

@@ -60,15 +60,16 @@ def slice_decisions(t: torch.Tensor, index, size_of: Callable, at_of: Callable) 
     whose size is a value of the sizes (``size_of(t)`` gives each axis's function or ``None``),
     where the slice takes the whole axis at the run's shape. ``at_of`` reads a bound as a
     function of the sizes (a constant for a plain number)."""
-    sizes = size_of(t)
+    cuts = [(axis, slice(*map(_number, (c.start, c.stop, c.step))))
+            for axis, c in _axes(index, t.dim())]
+    cuts = [(axis, c) for axis, c in cuts if c != slice(None) and _whole(c, t.shape[axis])]
+    sizes = size_of(t) if cuts else []
     out = []
-    for axis, cut in _axes(index, t.dim()):
+    for axis, cut in cuts:
         n = sizes[axis] if axis < len(sizes) else None
-        if n is None or cut == slice(None) or not _whole(cut, t.shape[axis]):
-            continue
-        bounds = [at_of(_number(b)) if b is not None else (lambda L, B: None)
+        bounds = [at_of(b) if b is not None else (lambda L, B: None)
                   for b in (cut.start, cut.stop, cut.step)]
-        if any(b is None for b in bounds):
+        if n is None or any(b is None for b in bounds):
             continue
         out.append(lambda L, B, n=n, s=bounds: _whole(
             slice(*(b(L, B) for b in s)), max(n(L, B), 0)))
