@@ -3057,12 +3057,16 @@ MUTATIONS = [
         ('tests/test_whole_axis_cuts.py',), 'past_the_traced and generator'),
     Mutation(
         'bound_types_unread', 'a NumPy or 0-d tensor bound of a cut read as no number',
-        (('ttt2la/frontend/whole_axis_cuts.py', 'slice(*map(_number, (c.start, c.stop, c.step)))', 'slice(c.start, c.stop, c.step)'),),
+        (('ttt2la/frontend/whole_axis_cuts.py', 'slice(*map(as_number, (c.start, c.stop, c.step)))', 'slice(c.start, c.stop, c.step)'),),
         ('tests/test_whole_axis_cuts.py',), 'past_the_traced and (numpy_bound or tensor_bound)'),
     Mutation(
         'batch_reading_kept', "a size read as the batch's kept where the second run shows it moves with the length",
         (('ttt2la/frontend/size_witness.py', '    if guess is not None and _same(guess, L1, L2, B):', '    if False:'),),
         ('tests/test_whole_axis_cuts.py',), 'batch_reading'),
+    Mutation(
+        'made_tensor_bound_untracked', 'a 0-d tensor made of the length read as the number it held at the run',
+        (('ttt2la/frontend/size_uses.py', '        return hit[1] if hit is not None and hit[0]() is bound else number(bound)', '        return number(bound)'),),
+        ('tests/test_whole_axis_cuts.py',), 'tensor_made_of_the_length or tensor_bound'),
 ]
 
 

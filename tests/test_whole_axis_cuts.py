@@ -126,6 +126,17 @@ def test_a_cut_within_the_traced_lengths_is_traced_as_a_cut():
     assert [same_or_refused(layer, conv, T) for T in (3, 16, 44, 80)] == ["simplified"] * 4
 
 
+def test_a_tensor_made_of_the_length_bounds_a_cut_at_every_length():
+    """``x[:, :torch.tensor(T)]`` takes the whole sequence at every length: its bound is the
+    length, not the number it held at the run, so no length is held back, even lossy."""
+    torch.manual_seed(0)
+    layer = GatedMomentum("prefix", 0)
+    layer.cut = lambda x, n: x[:, :torch.tensor(x.shape[1])]
+    conv = ttt2la.convert(layer, level=5, example_inputs=(torch.randn(2, 16, D),))
+    assert not any("whole axis" in n for n in conv.ttt2la_report.layers[0].notes)
+    assert [same_or_refused(layer, conv, T) for T in (3, 16, 44, 80)] == ["simplified"] * 4
+
+
 @settings(max_examples=6, deadline=None)
 @given(cut=st.sampled_from(sorted(CUTS)), level=st.sampled_from([0, 5]),
        bound=st.integers(5, 70), example=st.integers(6, 30),

@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .chunking_cases import chunking_case
 from .length_values import LengthValue, _module_of
 from .size_witness import Witness
-from .whole_axis_cuts import piece_decision, slice_decisions
+from .whole_axis_cuts import number, piece_decision, slice_decisions
 from .loop_source import appended_names
 from .user_code import function_at, is_users, parsed, real_path, source_lines
 
@@ -391,6 +391,7 @@ class _Tracking(TorchFunctionMode):
         super().__init__()
         self.run, self.reshapes, self.shape_of = run, RESHAPES, shaped
         self.shaped: dict[int, tuple] = {}  # id -> (weakref to a reshape's output, its sizes)
+        self.made: dict[int, tuple] = {}    # id -> (weakref to a 0-d tensor, the size it holds)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -415,8 +416,12 @@ class _Tracking(TorchFunctionMode):
                 self.run.count(out, at, self.run.user_frame())
                 self._whole_cut([piece_decision(args[0], at, self.run.L, self.run.B)])
         if func in _INDEXING and isinstance(args[0], torch.Tensor) and len(args) > 1:
-            self._whole_cut(slice_decisions(args[0], args[1], self._axis_sizes, _at))
+            self._whole_cut(slice_decisions(args[0], args[1], self._axis_sizes, _at,
+                                            self._number))
         tracked = [x for x in _leaves((args, kwargs)) if isinstance(x, _TRACKED)]
+        if tracked and func in _TENSOR_MAKERS and isinstance(out, torch.Tensor) and \
+                out.dim() == 0 and len(tracked) == 1:     # ``torch.tensor(T)``: a bound, maybe
+            self.made[id(out)] = (weakref.ref(out), tracked[0])
         if tracked:
             frame = self.run.user_frame()
             if frame is not None and func in _TENSOR_MAKERS and _shaped(args, kwargs):
@@ -436,6 +441,12 @@ class _Tracking(TorchFunctionMode):
         for d in decisions if frame is not None else ():
             self.run.record(frame, "takes a whole axis at some values, not all, of", d,
                             iterations=True)
+
+    def _number(self, bound):
+        """A cut's bound as a number: a 0-d tensor made of a value of the sizes is that value
+        (``torch.tensor(T)``), tracked; any other as ``whole_axis_cuts`` reads it."""
+        hit = self.made.get(id(bound)) if isinstance(bound, torch.Tensor) else None
+        return hit[1] if hit is not None and hit[0]() is bound else number(bound)
 
     def _axis_sizes(self, t: torch.Tensor) -> list:
         """Each axis's size of ``t`` as a function of the call's sizes (``None``: not one)."""

@@ -46,7 +46,7 @@ def _whole(cut: slice, n: int) -> bool:
     return cut.indices(n) == (0, n, 1) if n else True
 
 
-def _number(bound):
+def number(bound):
     """A bound as Python reads it: a NumPy integer or a 0-d integer tensor as its ``int``."""
     if isinstance(bound, torch.Tensor):
         return int(bound) if bound.dim() == 0 and not bound.is_floating_point() else bound
@@ -55,12 +55,13 @@ def _number(bound):
     return bound
 
 
-def slice_decisions(t: torch.Tensor, index, size_of: Callable, at_of: Callable) -> list:
+def slice_decisions(t: torch.Tensor, index, size_of: Callable, at_of: Callable,
+                    as_number: Callable = number) -> list:
     """The decisions (functions of ``(L, B)``) ``t[index]`` makes: one per slice of an axis
     whose size is a value of the sizes (``size_of(t)`` gives each axis's function or ``None``),
-    where the slice takes the whole axis at the run's shape. ``at_of`` reads a bound as a
-    function of the sizes (a constant for a plain number)."""
-    cuts = [(axis, slice(*map(_number, (c.start, c.stop, c.step))))
+    where the slice takes the whole axis at the run's shape. ``as_number`` reads a bound as a
+    number, ``at_of`` that number as a function of the sizes (a constant for a plain one)."""
+    cuts = [(axis, slice(*map(as_number, (c.start, c.stop, c.step))))
             for axis, c in _axes(index, t.dim())]
     cuts = [(axis, c) for axis, c in cuts if c != slice(None) and _whole(c, t.shape[axis])]
     sizes = size_of(t) if cuts else []
