@@ -127,6 +127,8 @@ class LoopCalibration:
 
 
 class _GraphFailed(Exception):
+    """The outer graph, instantiated at a length, fails there; ``error`` says how."""
+
     def __init__(self, error: Exception):
         super().__init__(str(error))
         self.error = f"{type(error).__name__}: {error}"

@@ -252,8 +252,8 @@ def fit_template(g0: torch.fx.GraphModule, gL: torch.fx.GraphModule, gB: torch.f
                 if expr is None:
                     raise UnsupportedTTTError(
                         f"the size argument {size_argument(a, path)} of {describe_op(a)} in "
-                        f"the {what} is not an affine function of batch size and length ({v0}, {vL}, {vB} at "
-                        f"B,L = ({B0},{L0}), ({B0},{L1}), ({B1},{L0}))")
+                        f"the {what} is not an affine function of batch size and length "
+                        f"({v0}, {vL}, {vB} at B,L = ({B0},{L0}), ({B0},{L1}), ({B1},{L0}))")
                 slots[(i, where, path)] = expr
     if longer is not None:
         slots = longer.refit(n0, nL, nB, slots, B0=B0, L0=L0, L1=L1, B1=B1, what=what)
@@ -282,9 +282,9 @@ def _check_chunk_counts(n0: list, slots: dict, whole_chunks: tuple, B0: int, L2:
                 if seen.get(path) != expr(B0, L2):
                     raise UnsupportedTTTError(
                         f"the size argument {size_argument(a, path)} of {describe_op(a)} in the "
-                        f"{what} is not an affine function of batch size and length, nor of the number of chunks "
-                        f"({expr} fits the lengths traced before, and gives {expr(B0, L2)} at "
-                        f"length {L2}, where the code gives {seen.get(path)})")
+                        f"{what} is not an affine function of batch size and length, nor of the "
+                        f"number of chunks ({expr} fits the lengths traced before, and gives "
+                        f"{expr(B0, L2)} at length {L2}, where the code gives {seen.get(path)})")
 
 
 __all__ = ["GraphTemplate", "SizeExpr", "fit_template"]

@@ -14,8 +14,9 @@ between the runs but was no multiple is given that line too (``L + 4``, ``L − 
 pieces (``L // C``, which the traces fit) and a size that bends between the two lengths
 (``max(L, 96)``) lie on no such line: there the run's own reading stands, unless it took the
 size for the batch's, which the two runs show it is not (``ceil((L + 4) / 2)``): that size is
-known at the two lengths only, so every decision made with it is one of the length. A run's decisions read
-their sizes through its table, so the first run's are corrected once the second has run.
+known at the two lengths only, so every decision made with it is one of the length. A run's
+decisions read their sizes through its table, so the first run's are corrected once the second
+has run.
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ _LINEAR_OPS = VIEW_OPS | SLICES | ADDITIVE | SCALINGS | MATRIX_PRODUCTS \
 
 
 
-#: What to do where collapse_mlp cannot rewrite φ: a lower level keeps φ (an MLP, a normalised projection) as written.
+#: What to do where collapse_mlp cannot rewrite φ: a lower level keeps φ as written (an MLP, a
+#: normalised projection).
 _LOWER = ("convert at level 2 or below, which keeps φ as written (a layer that is not "
           "reducible there converts with strict=False, on the recurrent schedule).")
 
